@@ -1,0 +1,124 @@
+"""Training throughput of titan-tpu's eager trainer against a plain Hugging Face transformers loop.
+
+Both train the same architecture (the Llama 3 debug flavor by default) at the same batch, in fp32,
+with AdamW and gradient clipping, on the same random token batches. They are measured in the same
+process and interleaved (round r times k steps of each contender, in alternating order) so that
+machine noise hits both alike; the median over rounds is reported.
+
+    python bench/throughput.py                       # reference case: debug flavor, batch 8 x seq 256
+    python bench/throughput.py --rounds 8 --threads 2 --batch 8 --seq 256
+
+Prints one line per contender (tokens/s, TFLOP/s, MFU against the stated peak) and the ratio
+ours / Hugging Face. MFU uses titan_tpu's flops_per_token (6N + 6*L*H*hd*S) for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from titan_tpu.device import get_backend
+from titan_tpu.models.hf_adapter import hf_config_from_model_args, to_hf_state_dict
+from titan_tpu.models.registry import build_model, flops_per_token, get_model_args
+from titan_tpu.train.optim import AdamW
+from titan_tpu.train.trainer import EagerStep
+
+
+def titan_eager(args, batches, *, lr, max_norm):
+    model = build_model(args, seed=0)
+    optimizer = AdamW(dict(model.named_parameters()), beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    step = EagerStep(model, optimizer, max_norm=max_norm)
+
+    def run(i):
+        return step([batches[i % len(batches)]], lr).loss
+
+    return run, model
+
+
+def hf_loop(args, batches, *, lr, max_norm, init_from):
+    """The loop a transformers user writes: model(...).logits, cross-entropy, backward, clip, AdamW."""
+    import transformers
+
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_config_from_model_args("llama3", args).items()
+                                         if k not in ("architectures", "model_type", "torch_dtype", "dtype")})
+    model = transformers.LlamaForCausalLM(config).float()
+    model.load_state_dict(to_hf_state_dict(init_from.state_dict(), args), strict=False)  # same start
+    model.train()
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+    def run(i):
+        inputs, labels = batches[i % len(batches)]
+        logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama3", choices=["llama3"])
+    parser.add_argument("--flavor", default="debug")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    backend = get_backend("cpu")
+    model_args = get_model_args(args.model, args.flavor)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        tokens = torch.randint(0, model_args.vocab_size, (args.batch, args.seq + 1), generator=g)
+        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+
+    ours, our_model = titan_eager(model_args, batches, lr=3e-4, max_norm=1.0)
+    contenders = {"titan-tpu eager": ours,
+                  "hf transformers": hf_loop(model_args, batches, lr=3e-4, max_norm=1.0, init_from=our_model)}
+    # Same weights and data: the first losses must agree, or the comparison is not like for like.
+    first = {name: run(0) for name, run in contenders.items()}
+    print("first-step loss: " + ", ".join(f"{n} {v:.5f}" for n, v in first.items()))
+    for run in contenders.values():
+        for i in range(1, args.warmup):
+            run(i)
+
+    seconds = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            for i in range(args.steps_per_round):
+                contenders[name](i)
+            seconds[name].append((time.perf_counter() - start) / args.steps_per_round)
+
+    tokens_per_step = args.batch * args.seq
+    fpt = flops_per_token(model_args, args.seq)
+    peak = backend.peak_flops()
+    print(f"{args.model}/{args.flavor}, batch {args.batch} x seq {args.seq}, fp32, {args.threads} threads, "
+          f"{args.rounds} rounds x {args.steps_per_round} steps; MFU peak: {backend.peak_description()}")
+    rates = {}
+    for name in names:
+        step_s = statistics.median(seconds[name])
+        rates[name] = tokens_per_step / step_s
+        print(f"  {name:18s} {rates[name]:10,.0f} tokens/s  {rates[name] * fpt / 1e12:7.4f} TFLOP/s  "
+              f"MFU {100 * rates[name] * fpt / peak:5.1f}%  ({step_s * 1000:.0f} ms/step)")
+    print(f"ratio titan-tpu eager / hf transformers: {rates[names[0]] / rates[names[1]]:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Shared fixtures: a small slice of the embedded corpus, tokenized once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Two threads, as on the CI machine: keeps timings and float reduction order the same everywhere.
+torch.set_num_threads(2)
+
+SMALL_CORPUS_BYTES = 1_500_000
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    """Cache directory shared by every test that trains on the embedded corpus."""
+    return tmp_path_factory.mktemp("titan_tpu_cache")
+
+
+@pytest.fixture
+def train_overrides(tmp_path, data_cache):
+    """Command-line overrides for a fast debug-model run writing into tmp_path/run."""
+
+    def make(**extra) -> list[str]:
+        values = {
+            "output_dir": str(tmp_path / "run"),
+            "data.cache_dir": str(data_cache),
+            "data.max_bytes": SMALL_CORPUS_BYTES,
+            "training.device": "cpu",
+            "training.batch_size": 4,
+            "training.seq_len": 128,
+            "training.steps": 20,
+            "lr_scheduler.warmup_steps": 2,
+            "metrics.log_freq": 1,
+            "metrics.tensorboard": "false",
+            "validation.freq": 10,
+            "validation.steps": 2,
+            "checkpoint.interval": 10,
+        }
+        values.update({k.replace("__", "."): v for k, v in extra.items()})
+        args = []
+        for key, value in values.items():
+            args += [f"--{key}", str(value)]
+        return args
+
+    return make

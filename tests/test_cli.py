@@ -1,0 +1,133 @@
+"""The titan-tpu command line: train, eval, convert, and its one-line errors."""
+
+import json
+
+import pytest
+import torch
+
+from titan_tpu.cli import main
+from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
+from titan_tpu.models.hf_checkpoint import load_model_from_hf, save_hf_checkpoint
+from titan_tpu.models.registry import build_model
+
+TINY = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden_dim=160,
+                       rope_theta=500000.0, rope_scaling=RopeScaling(original_max_position_embeddings=32),
+                       max_seq_len=64)
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def tiny_hf_dir(tmp_path):
+    model = build_model(TINY, seed=0)
+    return save_hf_checkpoint(tmp_path / "hf", name="llama3", args=TINY, state_dict=model.state_dict())
+
+
+def test_eval_matches_transformers(tmp_path, tiny_hf_dir, capsys):
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 17, 40)]
+    token_file = tmp_path / "tokens.json"
+    token_file.write_text(json.dumps(sequences))
+    code, out, err = run_cli(capsys, "eval", "--hf-dir", str(tiny_hf_dir), "--token-file", str(token_file),
+                             "--device", "cpu")
+    assert code == 0, err
+    result = json.loads(out)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_dir, torch_dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    for i, seq in enumerate(sequences):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            ref = hf(ids, labels=ids).loss.item()  # transformers shifts the labels itself
+        assert result["per_sequence_loss"][i] == pytest.approx(ref, rel=1e-5)
+        total, count = total + ref * (len(seq) - 1), count + len(seq) - 1
+    assert result["loss"] == pytest.approx(total / count, rel=1e-5)
+    assert result["num_tokens"] == count
+
+
+@pytest.mark.parametrize("content, message", [
+    ([[1, 2, 128]], "token id 128 outside the vocabulary [0, 128)"),
+    ([[1, -1]], "token id -1 outside"),
+    ([[1]], "needs at least 2"),
+    ({"a": 1}, "must hold a non-empty JSON list of lists"),
+])
+def test_eval_bad_token_file(tmp_path, tiny_hf_dir, capsys, content, message):
+    token_file = tmp_path / "tokens.json"
+    token_file.write_text(json.dumps(content))
+    code, out, err = run_cli(capsys, "eval", "--hf-dir", str(tiny_hf_dir), "--token-file", str(token_file))
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_eval_hf_dir_with_missing_tensor(tmp_path, tiny_hf_dir, capsys):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tiny_hf_dir / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tiny_hf_dir / "model.safetensors", metadata={"format": "pt"})
+    token_file = tmp_path / "tokens.json"
+    token_file.write_text("[[1, 2, 3]]")
+    code, _, err = run_cli(capsys, "eval", "--hf-dir", str(tiny_hf_dir), "--token-file", str(token_file))
+    assert code == 2 and "model.layers.1.mlp.up_proj.weight" in err and err.count("\n") == 1
+
+
+def test_convert_round_trip_and_finetune_start(tmp_path, train_overrides, capsys):
+    code, out, err = run_cli(capsys, "train", "--config", "configs/llama3_debug.toml",
+                             *train_overrides(training__steps=2, validation__enabled="false"))
+    assert code == 0, err
+    assert "checkpoint: " in out and "step-00000002" in out
+    code, _, err = run_cli(capsys, "convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf"))
+    assert code == 0, err
+
+    # The export carries the trained weights: logits equal those of the checkpointed model.
+    state = torch.load(tmp_path / "run/checkpoints/step-00000002/state.pt", weights_only=False)
+    name, args, exported = load_model_from_hf(tmp_path / "hf")
+    trained = build_model(args)
+    trained.load_state_dict(state["model"])
+    tokens = torch.randint(0, args.vocab_size, (1, 32))
+    torch.testing.assert_close(exported(tokens), trained(tokens), rtol=0, atol=0)
+
+    # Converting onto an existing export without --overwrite refuses and leaves it whole.
+    before = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    code, _, err = run_cli(capsys, "convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf"))
+    assert code == 2 and "--overwrite" in err
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == before
+
+    # HF -> checkpoint, then a new run starts from those weights.
+    code, _, err = run_cli(capsys, "convert", "--hf-dir", str(tmp_path / "hf"), "--to-checkpoint",
+                           str(tmp_path / "imported"))
+    assert code == 0, err
+    imported = torch.load(tmp_path / "imported/step-00000000/state.pt", weights_only=False)
+    for key, value in state["model"].items():
+        torch.testing.assert_close(imported["model"][key], value, rtol=0, atol=0)
+    for start in (tmp_path / "imported", tmp_path / "hf"):
+        code, out, err = run_cli(capsys, "train", "--config", "configs/llama3_debug.toml",
+                                 *train_overrides(training__steps=1, validation__enabled="false",
+                                                  output_dir=str(tmp_path / f"ft_{start.name}"),
+                                                  checkpoint__initial_load_path=str(start)))
+        assert code == 0, err
+        assert f"initial weights loaded from {start}" in out
+
+
+def test_train_bad_inputs_are_one_line_errors(tmp_path, train_overrides, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["--data.source", str(tmp_path / "missing")], "does not exist"),
+        (["--data.source", str(empty)], "empty"),
+        (["--training.steps", "abc"], "training.steps = 'abc' has the wrong type"),
+        (["--checkpoint.initial_load_path", str(tmp_path / "nothing")], "no complete checkpoint found"),
+    ]
+    for extra, message in cases:
+        code, _, err = run_cli(capsys, "train", "--config", "configs/llama3_debug.toml", *train_overrides(), *extra)
+        assert code == 2, (extra, err)
+        assert message in err and err.count("\n") == 1, (extra, err)
+
+
+def test_usage(capsys):
+    code, _, err = run_cli(capsys)
+    assert code == 2 and "usage: titan-tpu" in err

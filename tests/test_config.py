@@ -1,0 +1,64 @@
+from pathlib import Path
+
+import pytest
+
+from titan_tpu.config import build_config, parse_overrides
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+def test_defaults_then_toml_then_overrides(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1e-3\n')
+    cfg = build_config(recipe, ["--training.steps", "9", "--optimizer.lr=3e-4", "--output_dir", "x",
+                                "--metrics.tensorboard", "false", "--model.flavor", "debug"])
+    assert cfg.training.steps == 9 and cfg.training.seq_len == 64
+    assert cfg.optimizer.lr == 3e-4 and cfg.metrics.tensorboard is False
+    assert cfg.run_dir == Path("x")
+    assert build_config(None, ["--job.name", "abc"]).run_dir == Path("outputs/abc")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_recipe_validates(path):
+    cfg = build_config(path)
+    assert cfg.job.name == path.stem
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--training.stepz", "3"], "unknown config key 'training.stepz'; valid keys in [training]: steps"),
+    (["--trainin.steps", "3"], "section one of job, model, training"),
+    (["--training.steps", "3.5"], "training.steps = '3.5' has the wrong type; expected int"),
+    (["--metrics.tensorboard", "maybe"], "expected bool"),
+    (["--training.device", "gpu"], "use one of auto, cpu, cuda, tpu"),
+    (["--model.name", "gpt5"], "use one of llama3, qwen3"),
+    (["--model.flavor", "13B"], "13B"),
+    (["--training.steps", "0"], "training.steps = 0 must be >= 1"),
+    (["--training.steps", "5", "--lr_scheduler.warmup_steps", "10"], "lr_scheduler.warmup_steps = 10"),
+    (["--training.steps", "10", "--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_ratio", "0.8"],
+     "shorten the warmup or lower decay_ratio"),
+    (["--training.device", "cpu", "--model.dtype", "bfloat16"], "use model.dtype = float32"),
+    (["--training.steps"], "--training.steps needs a value"),
+    (["steps=3"], "overrides look like --section.key VALUE"),
+])
+def test_bad_config_is_one_clear_error(overrides, message):
+    with pytest.raises(ValueError) as err:
+        build_config(None, overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_toml(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training\nsteps=1")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        build_config(bad)
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('[training]\nsteps = "many"\n')
+    with pytest.raises(ValueError, match="training.steps = 'many' has the wrong type"):
+        build_config(wrong)
+
+
+def test_parse_overrides():
+    assert parse_overrides(["--a.b", "1", "--c.d=x=y"]) == [("a.b", "1"), ("c.d", "x=y")]

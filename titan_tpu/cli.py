@@ -1,0 +1,92 @@
+"""``titan-tpu`` command line: train, eval, convert.
+
+    titan-tpu train --config configs/llama3_debug.toml --training.steps 200 --optimizer.lr 3e-4
+    titan-tpu eval --hf-dir DIR --token-file tokens.json
+    titan-tpu convert --checkpoint outputs/run/checkpoints --to-hf hf_out/
+    titan-tpu convert --hf-dir hf_in/ --to-checkpoint ckpt_out/
+
+User mistakes end the process with one line on stderr and exit status 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def train_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu train",
+        description="Train a model. Any config field can be overridden as --section.key VALUE "
+                    "(e.g. --training.steps 200 --optimizer.lr 3e-4 --output_dir DIR).")
+    parser.add_argument("--config", help="TOML recipe, e.g. configs/llama3_debug.toml")
+    args, overrides = parser.parse_known_args(argv)
+
+    from titan_tpu.config import build_config
+    from titan_tpu.train.trainer import Trainer
+
+    cfg = build_config(args.config, overrides)
+    Trainer(cfg).train()
+    return 0
+
+
+def eval_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu eval",
+        description="Mean next-token cross-entropy of a Hugging Face format model over token sequences.")
+    parser.add_argument("--hf-dir", required=True, help="directory with config.json and *.safetensors")
+    parser.add_argument("--token-file", required=True, help="JSON list of lists of token ids")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "tpu"])
+    args = parser.parse_args(argv)
+
+    from titan_tpu.evaluate import evaluate_hf_dir
+
+    print(json.dumps(evaluate_hf_dir(args.hf_dir, args.token_file, device=args.device)))
+    return 0
+
+
+def convert_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu convert",
+        description="Convert between a training checkpoint and a Hugging Face directory.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a step-XXXXXXXX checkpoint, or a checkpoints/ or run directory "
+                                             "(its newest checkpoint is used)")
+    source.add_argument("--hf-dir", help="Hugging Face model directory to import")
+    parser.add_argument("--to-hf", help="output Hugging Face directory (with --checkpoint)")
+    parser.add_argument("--to-checkpoint", help="output checkpoints directory (with --hf-dir)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    args = parser.parse_args(argv)
+
+    from titan_tpu import convert
+
+    if args.checkpoint:
+        if not args.to_hf:
+            parser.error("--checkpoint needs --to-hf OUT_DIR")
+        out = convert.checkpoint_to_hf(args.checkpoint, args.to_hf, overwrite=args.overwrite)
+    else:
+        if not args.to_checkpoint:
+            parser.error("--hf-dir needs --to-checkpoint OUT_DIR")
+        out = convert.hf_to_checkpoint(args.hf_dir, args.to_checkpoint, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: titan-tpu {{{','.join(COMMANDS)}}} ...  (titan-tpu COMMAND --help for details)", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

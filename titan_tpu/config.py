@@ -1,0 +1,275 @@
+"""The run configuration: a dataclass schema, TOML recipes and command-line overrides.
+
+A recipe is a TOML file whose tables mirror the sections below (``[training]``, ``[optimizer]``,
+...). Any field can be overridden on the command line as ``--section.key value`` (or
+``--section.key=value``); ``--output_dir`` is the one top-level key. Every mistake (an unknown
+section or key, a value of the wrong type, a choice outside the allowed set, an impossible
+combination) is one ``ValueError`` whose message names the key and says what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass
+class JobConfig:
+    name: str = "run"  # run name: the default output directory is outputs/<name>
+    description: str = ""
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["llama3", "qwen3"] = "llama3"
+    flavor: str = "debug"  # a row of the flavor table, e.g. debug, 1B, 8B (see models/registry.py)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # parameter and compute dtype
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100  # optimizer steps
+    batch_size: int = 8  # sequences per micro-batch (per data-parallel rank)
+    seq_len: int = 256
+    grad_accum_steps: int = 1  # micro-batches summed into one optimizer step
+    max_norm: float = 1.0  # global gradient-norm clipping; <= 0 disables clipping
+    seed: int = 0
+    deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise-repeatable runs
+    device: Literal["auto", "cpu", "cuda", "tpu"] = "auto"
+    mode: Literal["eager"] = "eager"  # graph mode arrives with the Graph Trainer
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 8e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 10
+    decay_ratio: float = 0.8  # fraction of training spent decaying (warmup-stable-decay)
+    decay_type: Literal["linear", "cosine", "none"] = "cosine"
+    min_lr_ratio: float = 0.1  # floor, as a fraction of optimizer.lr
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # "stdlib" (embedded default corpus), a directory of .txt/.md/.py, or a .jsonl file
+    text_field: str = "text"  # JSONL field that holds the document
+    max_bytes: int = 0  # stop reading the corpus after this many bytes; 0 = all of it
+    tokenizer_path: str = ""  # a tokenizer.json; empty = train a byte-level BPE of the model's vocab size
+    cache_dir: str = ""  # where tokenizers and token shards are cached; empty = ~/.cache/titan_tpu
+    val_fraction: float = 0.01  # share of the token stream held out for validation
+
+
+@dataclass
+class ValidationConfig:
+    enabled: bool = True
+    freq: int = 50  # validate every freq steps (and after the last step)
+    steps: int = 4  # validation batches per evaluation
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = 10
+    tensorboard: bool = True
+    console: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    interval: int = 100  # save every interval steps (and after the last step)
+    keep_latest_k: int = 2  # 0 keeps every checkpoint
+    resume: bool = True  # continue from the newest checkpoint in output_dir/checkpoints if there is one
+    # Weights to start from when there is nothing to resume: a checkpoint (step, checkpoints/ or run
+    # directory) or a Hugging Face model directory. Only the model weights are taken.
+    initial_load_path: str = ""
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output_dir: str = ""  # empty = outputs/<job.name>
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir or Path("outputs") / self.job.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "output_dir")
+
+
+# ----------------------------------------------------------------------------------------------
+# Typed assignment
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _convert(key: str, value: Any, annotation: Any) -> Any:
+    """Convert a TOML or command-line value to the annotated type, or raise a one-line error."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ValueError(f"{key} = {value!r} is not a valid choice; use one of {', '.join(map(str, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        raise AssertionError(f"unions are not supported in the config schema ({key})")
+    from_cli = isinstance(value, str)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if from_cli and value.lower() in ("false", "0", "no", "off"):
+            return False
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise AssertionError(f"unsupported annotation {annotation} for {key}")
+    raise ValueError(f"{key} = {value!r} has the wrong type; expected {annotation.__name__}")
+
+
+def set_value(cfg: Config, dotted_key: str, value: Any) -> None:
+    """Assign ``section.key`` (or the top-level ``output_dir``) with type checking."""
+    if dotted_key == "output_dir":
+        cfg.output_dir = _convert(dotted_key, value, str)
+        return
+    section, _, key = dotted_key.partition(".")
+    if section not in SECTIONS or not key:
+        raise ValueError(f"unknown config key {dotted_key!r}; keys look like section.key with section one of "
+                         f"{', '.join(SECTIONS)} (or output_dir)")
+    section_obj = getattr(cfg, section)
+    types_by_key = _field_types(type(section_obj))
+    if key not in types_by_key:
+        raise ValueError(f"unknown config key {dotted_key!r}; valid keys in [{section}]: {', '.join(types_by_key)}")
+    setattr(section_obj, key, _convert(dotted_key, value, types_by_key[key]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist; pass --config with a TOML recipe, e.g. configs/llama3_debug.toml")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``["--a.b", "1", "--c.d=2"]`` -> ``[("a.b", "1"), ("c.d", "2")]``."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r}; overrides look like --section.key VALUE")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ValueError(f"--{key} needs a value")
+            value = args[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def build_config(toml_path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML recipe, then command-line overrides; then validation."""
+    cfg = Config()
+    if toml_path is not None:
+        for section, table in load_toml(toml_path).items():
+            if section == "output_dir":
+                set_value(cfg, section, table)
+                continue
+            if not isinstance(table, dict):
+                raise ValueError(f"config key {section!r} in {toml_path} must be a table [{section}]; "
+                                 f"sections: {', '.join(SECTIONS)}")
+            for key, value in table.items():
+                set_value(cfg, f"{section}.{key}", value)
+    for key, value in parse_overrides(overrides or []):
+        set_value(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that span keys or need the flavor table; single-key types are checked on assignment."""
+    from titan_tpu.models.registry import get_model_args
+
+    get_model_args(cfg.model.name, cfg.model.flavor)  # raises with the valid flavors
+    t = cfg.training
+    for key, value in (("training.steps", t.steps), ("training.batch_size", t.batch_size),
+                       ("training.seq_len", t.seq_len), ("training.grad_accum_steps", t.grad_accum_steps),
+                       ("metrics.log_freq", cfg.metrics.log_freq), ("validation.freq", cfg.validation.freq),
+                       ("validation.steps", cfg.validation.steps), ("checkpoint.interval", cfg.checkpoint.interval)):
+        if value < 1:
+            raise ValueError(f"{key} = {value} must be >= 1")
+    if cfg.checkpoint.keep_latest_k < 0:
+        raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
+    if cfg.optimizer.lr <= 0:
+        raise ValueError(f"optimizer.lr = {cfg.optimizer.lr} must be > 0")
+    s = cfg.lr_scheduler
+    if not 0 <= s.warmup_steps <= t.steps:
+        raise ValueError(f"lr_scheduler.warmup_steps = {s.warmup_steps} must be between 0 and training.steps = {t.steps}")
+    if not 0.0 <= s.decay_ratio <= 1.0:
+        raise ValueError(f"lr_scheduler.decay_ratio = {s.decay_ratio} must be between 0 and 1")
+    if s.warmup_steps + round(s.decay_ratio * t.steps) > t.steps:
+        raise ValueError(f"lr_scheduler.warmup_steps + decay_ratio * training.steps exceeds training.steps = {t.steps}; "
+                         "shorten the warmup or lower decay_ratio")
+    if not 0.0 <= s.min_lr_ratio <= 1.0:
+        raise ValueError(f"lr_scheduler.min_lr_ratio = {s.min_lr_ratio} must be between 0 and 1")
+    if not 0.0 < cfg.data.val_fraction < 1.0 and cfg.validation.enabled:
+        raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1) when validation.enabled = true")
+    if cfg.data.max_bytes < 0:
+        raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
+    if cfg.model.dtype == "bfloat16" and t.device == "cpu":
+        raise ValueError("model.dtype = bfloat16 on training.device = cpu is ~100x slower than float32 here; use model.dtype = float32")

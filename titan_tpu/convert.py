@@ -1,0 +1,50 @@
+"""Conversion between training checkpoints and Hugging Face model directories."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
+from titan_tpu.train.checkpoint import STATE_FILE, Checkpointer, load_checkpoint
+
+
+def model_args_from_dict(d: dict) -> TransformerArgs:
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    return TransformerArgs(**d)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step directory as given, or the newest complete one under a checkpoints/ or run directory."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    for candidate in (path, path / "checkpoints"):
+        latest = Checkpointer(candidate).latest()
+        if latest is not None:
+            return latest
+    raise FileNotFoundError(f"no complete checkpoint found at {path}; pass a step-XXXXXXXX directory, a "
+                            "checkpoints/ directory or a run directory")
+
+
+def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: bool = False) -> Path:
+    from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
+
+    state = load_checkpoint(resolve_checkpoint(checkpoint))
+    args = model_args_from_dict(state["model_args"])
+    return save_hf_checkpoint(hf_dir, name=state["model_name"], args=args, state_dict=state["model"],
+                              overwrite=overwrite)
+
+
+def hf_to_checkpoint(hf_dir: str | Path, checkpoint_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """Write a weights-only step-0 checkpoint, usable as --checkpoint.initial_load_path."""
+    from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
+
+    ckpt = Checkpointer(checkpoint_dir)
+    if ckpt.latest() is not None and not overwrite:
+        raise FileExistsError(f"{checkpoint_dir} already holds checkpoints; pass --overwrite or choose another directory")
+    name, args, state_dict = load_hf_checkpoint(hf_dir)
+    return ckpt.save(0, {"step": 0, "model": state_dict, "model_name": name,
+                         "model_args": dataclasses.asdict(args)})
