@@ -9,7 +9,7 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
 def test_defaults_then_toml_then_overrides(tmp_path):
     recipe = tmp_path / "r.toml"
-    recipe.write_text('[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1e-3\n')
+    recipe.write_text('[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1e-3\n[lr_scheduler]\nwarmup_steps = 2\n')
     cfg = build_config(recipe, ["--training.steps", "9", "--optimizer.lr=3e-4", "--output_dir", "x",
                                 "--metrics.tensorboard", "false", "--model.flavor", "debug"])
     assert cfg.training.steps == 9 and cfg.training.seq_len == 64
@@ -33,9 +33,10 @@ def test_every_recipe_validates(path):
     (["--model.name", "gpt5"], "use one of llama3, qwen3"),
     (["--model.flavor", "13B"], "13B"),
     (["--training.steps", "0"], "training.steps = 0 must be >= 1"),
-    (["--training.steps", "5", "--lr_scheduler.warmup_steps", "10"], "lr_scheduler.warmup_steps = 10"),
-    (["--training.steps", "10", "--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_ratio", "0.8"],
-     "shorten the warmup or lower decay_ratio"),
+    (["--training.steps", "5", "--lr_scheduler.warmup_steps", "10"],
+     "lr_scheduler.warmup_steps (10) must be <= training.steps (5)"),
+    (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio must be in [0, 1]"),
+    (["--training.seq_len", "100000"], "exceeds the max_seq_len"),
     (["--training.device", "cpu", "--model.dtype", "bfloat16"], "use model.dtype = float32"),
     (["--training.steps"], "--training.steps needs a value"),
     (["steps=3"], "overrides look like --section.key VALUE"),

@@ -244,8 +244,9 @@ def build_config(toml_path: str | Path | None = None, overrides: list[str] | Non
 def validate(cfg: Config) -> None:
     """Checks that span keys or need the flavor table; single-key types are checked on assignment."""
     from titan_tpu.models.registry import get_model_args
+    from titan_tpu.train.optim import validate_lr_schedule
 
-    get_model_args(cfg.model.name, cfg.model.flavor)  # raises with the valid flavors
+    model_args = get_model_args(cfg.model.name, cfg.model.flavor)  # raises with the valid flavors
     t = cfg.training
     for key, value in (("training.steps", t.steps), ("training.batch_size", t.batch_size),
                        ("training.seq_len", t.seq_len), ("training.grad_accum_steps", t.grad_accum_steps),
@@ -258,15 +259,11 @@ def validate(cfg: Config) -> None:
     if cfg.optimizer.lr <= 0:
         raise ValueError(f"optimizer.lr = {cfg.optimizer.lr} must be > 0")
     s = cfg.lr_scheduler
-    if not 0 <= s.warmup_steps <= t.steps:
-        raise ValueError(f"lr_scheduler.warmup_steps = {s.warmup_steps} must be between 0 and training.steps = {t.steps}")
-    if not 0.0 <= s.decay_ratio <= 1.0:
-        raise ValueError(f"lr_scheduler.decay_ratio = {s.decay_ratio} must be between 0 and 1")
-    if s.warmup_steps + round(s.decay_ratio * t.steps) > t.steps:
-        raise ValueError(f"lr_scheduler.warmup_steps + decay_ratio * training.steps exceeds training.steps = {t.steps}; "
-                         "shorten the warmup or lower decay_ratio")
-    if not 0.0 <= s.min_lr_ratio <= 1.0:
-        raise ValueError(f"lr_scheduler.min_lr_ratio = {s.min_lr_ratio} must be between 0 and 1")
+    validate_lr_schedule(base_lr=cfg.optimizer.lr, warmup_steps=s.warmup_steps, total_steps=t.steps,
+                         decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio)
+    if t.seq_len > model_args.max_seq_len:
+        raise ValueError(f"training.seq_len = {t.seq_len} exceeds the max_seq_len = {model_args.max_seq_len} of "
+                         f"{cfg.model.name}/{cfg.model.flavor}; lower training.seq_len")
     if not 0.0 < cfg.data.val_fraction < 1.0 and cfg.validation.enabled:
         raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1) when validation.enabled = true")
     if cfg.data.max_bytes < 0:

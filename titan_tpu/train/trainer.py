@@ -88,9 +88,6 @@ class Trainer:
         torch.manual_seed(t.seed)
 
         self.model_args = get_model_args(cfg.model.name, cfg.model.flavor)
-        if t.seq_len > self.model_args.max_seq_len:
-            raise ValueError(f"training.seq_len = {t.seq_len} exceeds the model's max_seq_len = "
-                             f"{self.model_args.max_seq_len} for {cfg.model.name}/{cfg.model.flavor}")
         self.tokenizer, shards = prepare_dataset(
             source=None if cfg.data.source == "stdlib" else cfg.data.source,
             text_field=cfg.data.text_field,

@@ -1,0 +1,284 @@
+"""Backend selection, peak FLOP/s tables and the cached CPU measurement."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from titan_tpu import device as dev
+from titan_tpu.device import Backend, cuda_peak_flops, get_backend, tpu_generation, tpu_peak_flops
+
+
+@pytest.fixture
+def fresh_cpu_cache(tmp_path, monkeypatch):
+    """Empty disk cache in tmp_path and an empty in-process memo; counts real measurements."""
+    monkeypatch.setenv("TITAN_TPU_CACHE", str(tmp_path))
+    monkeypatch.delenv("TITAN_TPU_PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(dev, "_cpu_peak_memo", {})
+    calls = []
+
+    def fake_measure():
+        calls.append(1)
+        return 123e9
+
+    monkeypatch.setattr(dev, "measure_cpu_matmul_flops", fake_measure)
+    return tmp_path, calls
+
+
+def test_cpu_backend_fields():
+    b = get_backend("cpu")
+    assert isinstance(b, Backend)
+    fields = (b.name, b.device, b.process_group_backend, b.compile_backend)
+    assert fields == ("cpu", torch.device("cpu"), "gloo", "inductor")
+    b.synchronize()  # no-op, must not fail
+
+
+def test_auto_is_cpu_here():
+    if torch.cuda.is_available() or importlib.util.find_spec("torch_tpu") is not None:
+        pytest.skip("this machine has an accelerator stack")
+    assert get_backend("auto").name == "cpu"
+    assert get_backend().name == "cpu"
+
+
+def test_unknown_backend_lists_choices():
+    with pytest.raises(ValueError, match="cpu, cuda, tpu"):
+        get_backend("gpu")
+
+
+def test_cuda_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="cuda"):
+        get_backend("cuda")
+    assert get_backend("auto").name in ("cpu", "tpu")
+
+
+def test_tpu_without_torch_tpu_is_a_clear_error(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    def find_spec(name, *args):
+        return None if name in ("torch_tpu", "libtpu") else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.delitem(sys.modules, "torch_tpu", raising=False)
+    with pytest.raises(ValueError, match="pip install torch-tpu") as e:
+        get_backend("tpu")
+    assert "TORCH_DEVICE_BACKEND_AUTOLOAD" in str(e.value) and "\n" not in str(e.value)
+    assert get_backend("auto").name != "tpu"  # auto must just skip the TPU
+
+
+def test_tpu_import_failure_becomes_value_error(monkeypatch):
+    # torch_tpu "installed" but broken: the ImportError must surface as a ValueError.
+    monkeypatch.setattr(dev, "_tpu_installed", lambda: True)
+
+    def broken_import(name):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(dev.importlib, "import_module", broken_import)
+    with pytest.raises(ValueError, match="import failed"):
+        get_backend("tpu")
+    if not torch.cuda.is_available():
+        assert get_backend("auto").name == "cpu"
+
+
+def test_importing_device_does_not_import_torch_tpu():
+    if importlib.util.find_spec("torch_tpu") is not None:
+        pytest.skip("torch_tpu is installed here (torch auto-loads it)")
+    # A fresh interpreter, so modules imported by other tests do not count.
+    code = "import sys, titan_tpu.device as d; d.get_backend('cpu'); assert 'torch_tpu' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_cpu_peak_measured_once_and_cached_on_disk(fresh_cpu_cache, monkeypatch):
+    cache_dir, calls = fresh_cpu_cache
+    b = get_backend("cpu")
+    assert b.peak_flops() == 123e9
+    assert b.peak_flops() == 123e9 and get_backend("cpu").peak_flops() == 123e9
+    assert len(calls) == 1  # the in-process memo answers repeated calls
+    table = json.loads((cache_dir / "cpu_peak_flops.json").read_text())
+    assert list(table.values())[0]["flops"] == 123e9
+    assert "threads=" in list(table)[0] and torch.__version__ in list(table)[0]
+
+    # A new process (simulated by clearing the memo) reads the disk cache instead of measuring.
+    monkeypatch.setattr(dev, "_cpu_peak_memo", {})
+    key = list(table)[0]
+    table[key]["flops"] = 77e9
+    (cache_dir / "cpu_peak_flops.json").write_text(json.dumps(table))
+    assert get_backend("cpu").peak_flops() == 77e9
+    assert len(calls) == 1
+    assert "measured 77 GFLOP/s" in get_backend("cpu").peak_description()
+
+
+def test_corrupt_cache_is_remeasured(fresh_cpu_cache):
+    cache_dir, calls = fresh_cpu_cache
+    (cache_dir / "cpu_peak_flops.json").write_text("{not json")
+    assert get_backend("cpu").peak_flops() == 123e9 and len(calls) == 1
+
+
+def test_peak_override_env(monkeypatch):
+    monkeypatch.setenv("TITAN_TPU_PEAK_FLOPS", "5e11")
+    b = get_backend("cpu")
+    assert b.peak_flops() == 5e11 and "TITAN_TPU_PEAK_FLOPS" in b.peak_description()
+    monkeypatch.setenv("TITAN_TPU_PEAK_FLOPS", "fast")
+    with pytest.raises(ValueError, match="TITAN_TPU_PEAK_FLOPS"):
+        get_backend("cpu").peak_flops()
+
+
+def test_real_cpu_matmul_measurement_is_plausible():
+    flops = dev.measure_cpu_matmul_flops(n=512, reps=2)  # small: just check the arithmetic
+    assert 1e9 < flops < 1e14
+
+
+def test_cpu_peak_description_and_real_peak(monkeypatch, tmp_path):
+    monkeypatch.delenv("TITAN_TPU_PEAK_FLOPS", raising=False)
+    monkeypatch.setenv("TITAN_TPU_CACHE", str(tmp_path))  # hermetic: really measure (~1 s)
+    monkeypatch.setattr(dev, "_cpu_peak_memo", {})
+    b = get_backend("cpu")
+    assert b.peak_flops() > 1e9
+    assert b.peak_description().startswith("cpu fp32 matmul, measured")
+    assert f"on {torch.get_num_threads()} threads" in b.peak_description()
+
+
+def test_cpu_memory_stats():
+    b = get_backend("cpu")
+    stats = b.memory_stats()
+    assert set(stats) == {"memory_gb", "max_memory_gb"}
+    assert 0 < stats["memory_gb"] <= stats["max_memory_gb"] + 1e-3
+    b.reset_peak_memory()
+    assert b.memory_stats()["max_memory_gb"] > 0
+
+
+def test_cuda_peak_table():
+    assert cuda_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert cuda_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert cuda_peak_flops("NVIDIA H200") == 989e12
+    assert cuda_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert cuda_peak_flops("NVIDIA B200") == 2250e12
+    assert cuda_peak_flops("Some Future GPU") is None
+
+
+def test_tpu_peak_table():
+    assert tpu_peak_flops("v4") == 275e12
+    assert tpu_peak_flops("v5e") == tpu_peak_flops("TPU v5 lite") == 197e12
+    assert tpu_peak_flops("v5p") == tpu_peak_flops("TPU v5") == 459e12
+    assert tpu_peak_flops("v6e") == tpu_peak_flops("TPU v6 lite") == 918e12
+    assert tpu_peak_flops("v7") == tpu_peak_flops("TPU7x") == 2307e12 / 2  # two devices per chip
+    with pytest.raises(ValueError, match="unknown TPU generation"):
+        tpu_peak_flops("v2")
+
+
+@pytest.mark.parametrize(
+    "name, gen",
+    [
+        ("v4-8", "v4"),
+        ("v5litepod-16", "v5e"),
+        ("v5e-4", "v5e"),
+        ("v5p-128", "v5p"),
+        ("v6e-8", "v6e"),
+        ("Trillium", "v6e"),
+        ("tpu7x-8", "v7"),
+        ("TPU v7", "v7"),
+        ("v3-8", None),
+        ("cpu", None),
+    ],
+)
+def test_tpu_generation_parsing(name, gen):
+    assert tpu_generation(name) == gen
+
+
+def test_cuda_backend_with_faked_cuda(monkeypatch):
+    """The CUDA path without a GPU: device index from LOCAL_RANK, nccl, datasheet peak."""
+    monkeypatch.delenv("TITAN_TPU_PEAK_FLOPS", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    b = get_backend("cuda")
+    assert (b.name, b.device, b.process_group_backend, b.compile_backend) == (
+        "cuda",
+        torch.device("cuda", 3),
+        "nccl",
+        "inductor",
+    )
+    assert chosen == [3]
+    assert b.peak_flops() == 989e12 and "H200" in b.peak_description()
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU")
+    with pytest.warns(UserWarning, match="no peak FLOP/s known"):
+        assert get_backend("cuda").peak_flops() == dev.CUDA_FALLBACK_PEAK
+
+
+class _FakeTorchTpu:
+    """Stands in for the torch.tpu module that torch_tpu installs (API of torch_tpu 0.2.0)."""
+
+    def __init__(self, device_name):
+        self.device_name = device_name
+        self.synced = []
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return 4
+
+    def current_device(self):
+        return 0
+
+    def set_device(self, index):
+        raise AssertionError("only called under torchrun")
+
+    def get_device_name(self, device=None):
+        return self.device_name
+
+    def synchronize(self, device=None):
+        self.synced.append(device)
+
+
+def test_tpu_backend_with_faked_torch_tpu():
+    """Runs the check below in a fresh process: it must rename torch's privateuse1 device type to
+    "tpu" (as torch_tpu does), which cannot be undone and would leak into other tests."""
+    env = {**os.environ, "TITAN_TPU_FAKE_TPU": "1"}
+    test_id = f"{__file__}::test_fake_tpu_backend_inner"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not os.environ.get("TITAN_TPU_FAKE_TPU"), reason="run by test_tpu_backend_with_faked_torch_tpu")
+def test_fake_tpu_backend_inner(monkeypatch):
+    if torch._C._get_privateuse1_backend_name() != "tpu":
+        torch.utils.rename_privateuse1_backend("tpu")
+    monkeypatch.delenv("TITAN_TPU_PEAK_FLOPS", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    fake = _FakeTorchTpu("TPU v6 lite")
+    monkeypatch.setitem(sys.modules, "torch_tpu", object())  # "already imported" (auto-loaded)
+    monkeypatch.setattr(torch, "tpu", fake, raising=False)
+    b = get_backend("auto")
+    assert (b.name, b.device, b.process_group_backend, b.compile_backend) == (
+        "tpu",
+        torch.device("tpu", 0),
+        "tpu_dist",
+        "tpu",
+    )
+    assert b.peak_flops() == 918e12 and "v6e" in b.peak_description()
+    b.synchronize()
+    assert fake.synced == [0]
+
+    # v7: two devices per chip, so each device gets half the chip's peak.
+    monkeypatch.setattr(torch, "tpu", _FakeTorchTpu("TPU7x"), raising=False)
+    b = get_backend("tpu")
+    assert b.peak_flops() == 2307e12 / 2 and "per device" in b.peak_description()
+
+    # Unknown name: fall back to the TPU VM's accelerator type, then to a stated default.
+    monkeypatch.setattr(torch, "tpu", _FakeTorchTpu("TPU"), raising=False)
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+    assert get_backend("tpu").peak_flops() == 197e12
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE")
+    for var in ("ACCELERATOR_TYPE", "TPU_TYPE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.warns(UserWarning, match="could not tell the TPU generation"):
+        assert get_backend("tpu").peak_flops() == tpu_peak_flops(dev.TPU_FALLBACK_GENERATION)

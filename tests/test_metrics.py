@@ -1,0 +1,98 @@
+"""MetricsLogger: JSONL rows, console line, TensorBoard events, non-finite values."""
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from titan_tpu.train import metrics as metrics_mod
+from titan_tpu.train.metrics import MetricsLogger
+
+TRAIN_ROW = {
+    "loss": 6.81234,
+    "lr": 3e-4,
+    "grad_norm": 1.2345,
+    "tokens_per_s": 12345.6,
+    "tflops": 0.0761,
+    "mfu": 6.12,
+    "memory_gb": 1.234,
+    "max_memory_gb": 1.5,
+}
+
+
+def read_rows(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_jsonl_rows_and_append(tmp_path):
+    with MetricsLogger(output_dir=tmp_path, tensorboard=False, console=False) as log:
+        log.log(1, {"loss": 7.0, "lr": 1e-4})
+        log.log(2, {"loss": torch.tensor(6.5), "tokens": 4096})
+        # Flushed per write: readable before close (a killed run keeps its rows).
+        assert len(read_rows(tmp_path)) == 2
+    assert read_rows(tmp_path) == [{"step": 1, "loss": 7.0, "lr": 1e-4}, {"step": 2, "loss": 6.5, "tokens": 4096}]
+    # A resumed run appends to the same file.
+    with MetricsLogger(output_dir=tmp_path, tensorboard=False, console=False) as log:
+        log.log(3, {"val_loss": 5.0})
+    assert [r["step"] for r in read_rows(tmp_path)] == [1, 2, 3]
+
+
+def test_console_line(tmp_path, capsys):
+    with MetricsLogger(output_dir=tmp_path, tensorboard=False, total_steps=200) as log:
+        log.log(10, TRAIN_ROW)
+        log.log(200, {"val_loss": 5.43214})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("step  10/200 [#")
+    expected = ["loss 6.8123", "lr 3.0e-04", "gnorm 1.234", "12,346 tok/s", "0.076 TFLOP/s", "MFU 6.1%"]
+    for text in expected + ["mem 1.23 GB (max 1.50)"]:
+        assert text in lines[0], text
+    assert "max_memory_gb" not in lines[0]
+    assert lines[1] == "step 200/200 [" + "#" * 20 + "] val_loss 5.4321"
+
+
+def test_console_only_present_keys_and_no_total(tmp_path):
+    log = MetricsLogger(output_dir=tmp_path, tensorboard=False, console=False)
+    assert log.format_line(3, {"loss": 2.0, "data_s": 0.5}) == "step 3 loss 2.0000 | data_s 0.5"
+    assert log.format_line(3, {}) == "step 3"
+    log.close()
+    log.close()  # idempotent
+
+
+def test_tensorboard_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    with MetricsLogger(output_dir=tmp_path, console=False) as log:
+        log.log(1, {"loss": 3.0, "lr": 1e-3})
+        log.log(2, {"loss": 2.5, "lr": 1e-3})
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss")] == [3.0, 2.5]
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2]
+
+
+def test_missing_tensorboard_warns_and_continues(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
+    with pytest.warns(UserWarning, match="TensorBoard logging disabled"):
+        log = MetricsLogger(output_dir=tmp_path, console=False)
+    log.log(1, {"loss": 1.0})
+    log.close()
+    assert read_rows(tmp_path) == [{"step": 1, "loss": 1.0}]
+
+
+def test_nan_and_inf_become_null(tmp_path, capsys):
+    with MetricsLogger(output_dir=tmp_path, tensorboard=False, total_steps=10) as log:
+        log.log(1, {"loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    row = json.loads(text)
+    assert row == {"step": 1, "loss": None, "grad_norm": None, "lr": 1e-3}
+    out = capsys.readouterr().out
+    assert "loss nan" in out and "gnorm inf" in out  # the console still shows the divergence
+    assert math.isfinite(row["lr"])
+    assert metrics_mod._json_safe(float("-inf")) is None

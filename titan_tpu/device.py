@@ -1,0 +1,435 @@
+"""Backend selection: which device we train on and the facts the trainer needs about it.
+
+A `Backend` bundles the torch device, the process-group backend, the compile backend, the peak
+FLOP/s used as the MFU denominator, memory statistics and a synchronize hook, so nothing else in
+the framework has to branch on "cpu" / "cuda" / "tpu".
+
+TorchTPU (`torch_tpu`) is never imported at module import time: in an environment that has
+torch_tpu but no libtpu, importing it aborts the whole process, so we only import it when the TPU
+backend is actually chosen (or, for "auto", after checking with `importlib.util.find_spec` that
+both torch_tpu and libtpu are installed).
+
+Peak FLOP/s:
+  * CPU: a measured fp32 matmul rate (there is no meaningful datasheet number for a shared VM),
+    measured once and cached on disk under $TITAN_TPU_CACHE (default ~/.cache/titan_tpu), keyed
+    by CPU model, thread count and torch version.
+  * CUDA: dense bf16 datasheet numbers by device name (`cuda_peak_flops`).
+  * TPU: dense bf16 datasheet numbers by generation, per device (`tpu_peak_flops`); v7 exposes two
+    devices per chip, so each device gets half the chip's number.
+  * $TITAN_TPU_PEAK_FLOPS, if set, overrides all of the above (for hardware not in the tables).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import re
+import resource
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+BACKEND_CHOICES = ("auto", "cpu", "cuda", "tpu")
+
+# Dense bf16 peak FLOP/s per device, matched as substrings of torch.cuda.get_device_name().
+# Order matters: more specific names come first ("H100 PCIe" before "H100").
+_CUDA_PEAK_BF16 = (
+    ("GB200", 2500e12),
+    ("B200", 2250e12),
+    ("B100", 1750e12),
+    ("H200", 989e12),
+    ("H100 PCIE", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+)
+# Used (with a warning) for a GPU not in the table. The H100 number: for most unknown cards it
+# understates MFU rather than overstating it.
+CUDA_FALLBACK_PEAK = 989e12
+
+# Dense bf16 peak FLOP/s per *chip*, and how many torch devices one chip exposes.
+_TPU_PEAK_BF16_PER_CHIP = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12, "v7": 2307e12}
+_TPU_DEVICES_PER_CHIP = {"v7": 2}
+# Used (with a warning) when the TPU generation cannot be detected.
+TPU_FALLBACK_GENERATION = "v6e"
+
+# Matrix size and repetitions for the CPU matmul benchmark: 2048^3 * 2 = 17 GFLOP per matmul,
+# ~0.15 s each at ~120 GFLOP/s, so warmup + 5 timed reps take about a second.
+_CPU_BENCH_N = 2048
+_CPU_BENCH_REPS = 5
+
+
+def cuda_peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s for a CUDA device name, or None if the name is not in the table."""
+    upper = device_name.upper()
+    for key, flops in _CUDA_PEAK_BF16:
+        if key in upper:
+            return flops
+    return None
+
+
+def tpu_generation(name: str) -> str | None:
+    """Normalise a TPU device kind / accelerator type to "v4" | "v5e" | "v5p" | "v6e" | "v7".
+
+    Accepts the spellings seen in the wild: device kinds ("TPU v5 lite", "TPU v6 lite", "TPU7x"),
+    accelerator types ("v5litepod-16", "v6e-8", "v5p-128", "tpu7x-8") and code names
+    ("trillium", "ironwood"). Returns None when nothing matches.
+    """
+    s = name.lower().replace("_", " ").strip()
+    if "ironwood" in s or re.search(r"(tpu\s*|\bv)7", s):
+        return "v7"
+    if "trillium" in s or re.search(r"\bv6\s*(e|lite)", s) or re.search(r"tpu\s*v6\b", s):
+        return "v6e"
+    if re.search(r"\bv5\s*(e|lite)", s):
+        return "v5e"
+    if re.search(r"\bv5\s*p", s) or re.search(r"\bv5\b", s):  # plain "TPU v5" is the v5p kind
+        return "v5p"
+    if re.search(r"\bv4", s):
+        return "v4"
+    return None
+
+
+def tpu_peak_flops(generation: str) -> float:
+    """Dense bf16 peak FLOP/s per torch device for a TPU generation ("v5e", "TPU v6 lite", ...)."""
+    gen = tpu_generation(generation)
+    if gen is None:
+        raise ValueError(
+            f"unknown TPU generation {generation!r}; known: {sorted(_TPU_PEAK_BF16_PER_CHIP)}"
+        )
+    return _TPU_PEAK_BF16_PER_CHIP[gen] / _TPU_DEVICES_PER_CHIP.get(gen, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU peak: measured, cached in-process and on disk
+# ---------------------------------------------------------------------------------------------
+
+_cpu_peak_memo: dict[str, float] = {}  # in-process cache, keyed like the disk cache
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TITAN_TPU_CACHE") or Path.home() / ".cache" / "titan_tpu")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def _cpu_cache_key() -> str:
+    return f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def measure_cpu_matmul_flops(n: int = _CPU_BENCH_N, reps: int = _CPU_BENCH_REPS) -> float:
+    """Best-of-`reps` fp32 n x n matmul rate (FLOP/s) on the current torch thread count."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen)
+    b = torch.randn(n, n, generator=gen)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)  # warm up: thread pool start, page faults on `out`
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def cpu_peak_flops() -> float:
+    """Measured CPU fp32 matmul peak: in-process memo, then the disk cache, then measure."""
+    key = _cpu_cache_key()
+    if key in _cpu_peak_memo:
+        return _cpu_peak_memo[key]
+    path = _cache_dir() / "cpu_peak_flops.json"
+    table: dict = {}
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    entry = table.get(key) if isinstance(table, dict) else None
+    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)):
+        flops = float(entry["flops"])
+    else:
+        flops = measure_cpu_matmul_flops()
+        table = table if isinstance(table, dict) else {}
+        table[key] = {"flops": flops, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        try:  # a read-only home must not stop training; we just re-measure next time
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(table, indent=1))
+            tmp.replace(path)  # atomic, so concurrent ranks never read half a file
+        except OSError:
+            pass
+    _cpu_peak_memo[key] = flops
+    return flops
+
+
+def _env_peak_override() -> float | None:
+    value = os.environ.get("TITAN_TPU_PEAK_FLOPS")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"TITAN_TPU_PEAK_FLOPS must be a number like 989e12, got {value!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU memory from /proc (Linux) with a getrusage fallback
+# ---------------------------------------------------------------------------------------------
+
+
+def _proc_status_kb(field_name: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return float(line.split()[1])  # "VmRSS:   123456 kB"
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_memory_stats() -> dict[str, float]:
+    rss_kb = _proc_status_kb("VmRSS")
+    hwm_kb = _proc_status_kb("VmHWM")
+    if hwm_kb is None:
+        # ru_maxrss is in KiB on Linux and bytes on macOS.
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        hwm_kb = maxrss / 1024 if sys.platform == "darwin" else float(maxrss)
+    if rss_kb is None:
+        rss_kb = hwm_kb
+    return {"memory_gb": rss_kb * 1024 / 1e9, "max_memory_gb": hwm_kb * 1024 / 1e9}
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    """One training device and how to drive it. Build with `get_backend`.
+
+    Memory numbers are in GB of 1e9 bytes: process RSS on CPU, allocated tensor memory on
+    accelerators.
+    """
+
+    name: str  # "cpu" | "cuda" | "tpu"
+    device: torch.device
+    process_group_backend: str  # "gloo" | "nccl" | "tpu_dist"
+    compile_backend: str  # "inductor" (cpu, cuda) | "tpu" (TorchTPU's Dynamo backend)
+    _peak: tuple[float, str] | None = field(default=None, repr=False, compare=False)
+
+    # -- peak FLOP/s ---------------------------------------------------------------------------
+
+    def _peak_and_description(self) -> tuple[float, str]:
+        if self._peak is not None:
+            return self._peak
+        override = _env_peak_override()
+        if override is not None:
+            self._peak = (override, f"{self.name} peak from TITAN_TPU_PEAK_FLOPS: {override / 1e12:.3g} TFLOP/s")
+        elif self.name == "cpu":
+            flops = cpu_peak_flops()
+            self._peak = (
+                flops,
+                f"cpu fp32 matmul, measured {flops / 1e9:.0f} GFLOP/s on {torch.get_num_threads()} threads",
+            )
+        elif self.name == "cuda":
+            dev_name = torch.cuda.get_device_name(self.device)
+            flops = cuda_peak_flops(dev_name)
+            if flops is None:
+                warnings.warn(
+                    f"no peak FLOP/s known for GPU {dev_name!r}; MFU uses {CUDA_FALLBACK_PEAK / 1e12:.0f} "
+                    "TFLOP/s (set TITAN_TPU_PEAK_FLOPS to the card's dense bf16 peak)",
+                    stacklevel=2,
+                )
+                assumed = f"assumed {CUDA_FALLBACK_PEAK / 1e12:.0f} TFLOP/s bf16 dense"
+                self._peak = (CUDA_FALLBACK_PEAK, f"cuda {dev_name}: unknown card, {assumed}")
+            else:
+                self._peak = (flops, f"cuda {dev_name}: bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s")
+        elif self.name == "tpu":
+            kind = _detect_tpu_kind(self.device)
+            gen = tpu_generation(kind) if kind else None
+            if gen is None:
+                gen = TPU_FALLBACK_GENERATION
+                warnings.warn(
+                    f"could not tell the TPU generation from {kind!r}; MFU assumes {gen} "
+                    "(set TITAN_TPU_PEAK_FLOPS to override)",
+                    stacklevel=2,
+                )
+            flops = tpu_peak_flops(gen)
+            per = " per device (2 devices per chip)" if _TPU_DEVICES_PER_CHIP.get(gen, 1) > 1 else ""
+            self._peak = (flops, f"tpu {gen} ({kind}): bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s{per}")
+        else:  # pragma: no cover - get_backend only builds the three names above
+            raise AssertionError(self.name)
+        return self._peak
+
+    def peak_flops(self) -> float:
+        """Per-device dense peak FLOP/s used as the MFU denominator."""
+        return self._peak_and_description()[0]
+
+    def peak_description(self) -> str:
+        """One line saying which peak MFU is measured against (printed at the start of training)."""
+        return self._peak_and_description()[1]
+
+    # -- memory and synchronisation -------------------------------------------------------------
+
+    def memory_stats(self) -> dict[str, float]:
+        """{"memory_gb": now, "max_memory_gb": peak since the last reset}; {} if unavailable."""
+        if self.name == "cpu":
+            return _cpu_memory_stats()
+        if self.name == "cuda":
+            return {
+                "memory_gb": torch.cuda.memory_allocated(self.device) / 1e9,
+                "max_memory_gb": torch.cuda.max_memory_allocated(self.device) / 1e9,
+            }
+        # TPU: torch_tpu 0.2.0 lists no memory API of its own; try torch.accelerator's generic
+        # allocator stats, which work when the backend registers an allocator.
+        try:
+            return {
+                "memory_gb": torch.accelerator.memory_allocated(self.device) / 1e9,
+                "max_memory_gb": torch.accelerator.max_memory_allocated(self.device) / 1e9,
+            }
+        except Exception:  # noqa: BLE001 - any failure just means "no stats"
+            return {}
+
+    def reset_peak_memory(self) -> None:
+        if self.name == "cpu":
+            # Linux resets VmHWM to the current RSS when "5" is written to clear_refs.
+            try:
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                pass
+        elif self.name == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:
+                torch.accelerator.reset_peak_memory_stats(self.device)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so wall-clock timings measure the work itself."""
+        if self.name == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.name == "tpu":
+            torch.tpu.synchronize(self.device.index)
+
+
+def _detect_tpu_kind(device: torch.device) -> str | None:
+    """A string naming the TPU generation: torch_tpu's device name, else the TPU VM's env."""
+    try:
+        name = torch.tpu.get_device_name(device)
+        if name and tpu_generation(name):
+            return name
+    except Exception:  # noqa: BLE001 - fall through to the environment
+        pass
+    for var in ("TPU_ACCELERATOR_TYPE", "ACCELERATOR_TYPE", "TPU_TYPE"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return None
+
+
+def _tpu_installed() -> bool:
+    """True if torch_tpu and libtpu are both findable, without importing either."""
+    if "torch_tpu" in sys.modules:
+        return True
+    if importlib.util.find_spec("torch_tpu") is None:
+        return False
+    return importlib.util.find_spec("libtpu") is not None or bool(os.environ.get("TPU_LIBRARY_PATH"))
+
+
+def _import_torch_tpu() -> None:
+    hint = (
+        "backend 'tpu' needs torch_tpu: pip install torch-tpu and libtpu in a separate environment "
+        "(there, torch without libtpu aborts at import unless TORCH_DEVICE_BACKEND_AUTOLOAD=0), "
+        "or choose backend cpu or cuda"
+    )
+    if not _tpu_installed():
+        raise ValueError(hint)
+    try:
+        importlib.import_module("torch_tpu")
+    except ImportError as e:
+        raise ValueError(f"{hint} (import failed: {e})") from None
+
+
+def _local_index(count: int) -> int:
+    """Device index for this process: LOCAL_RANK under torchrun, else the current device."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    return int(local_rank) % max(count, 1) if local_rank is not None else -1
+
+
+def _cpu_backend() -> Backend:
+    return Backend(name="cpu", device=torch.device("cpu"), process_group_backend="gloo", compile_backend="inductor")
+
+
+def _cuda_backend() -> Backend:
+    if not torch.cuda.is_available():
+        raise ValueError("backend 'cuda' requested but torch.cuda.is_available() is False; use 'cpu' or 'auto'")
+    index = _local_index(torch.cuda.device_count())
+    if index >= 0:
+        torch.cuda.set_device(index)  # NCCL and default-device allocations follow this
+    else:
+        index = torch.cuda.current_device()
+    return Backend(
+        name="cuda", device=torch.device("cuda", index), process_group_backend="nccl", compile_backend="inductor"
+    )
+
+
+def _tpu_backend() -> Backend:
+    _import_torch_tpu()
+    if not (torch.tpu.is_available() and torch.tpu.device_count() > 0):
+        raise ValueError("backend 'tpu' requested but torch_tpu sees no TPU device; use 'cpu' or 'auto'")
+    index = _local_index(torch.tpu.device_count())
+    if index >= 0:
+        torch.tpu.set_device(index)
+    else:
+        index = torch.tpu.current_device()
+    return Backend(
+        name="tpu", device=torch.device("tpu", index), process_group_backend="tpu_dist", compile_backend="tpu"
+    )
+
+
+def _tpu_present() -> bool:
+    """For "auto": is torch_tpu installed and does it see a TPU? Never crashes without it."""
+    if not _tpu_installed():
+        return False
+    try:
+        importlib.import_module("torch_tpu")
+        return bool(torch.tpu.is_available() and torch.tpu.device_count() > 0)
+    except Exception:  # noqa: BLE001 - a broken install means "no TPU" for auto
+        return False
+
+
+def get_backend(name: str = "auto") -> Backend:
+    """Backend for "cpu" | "cuda" | "tpu", or "auto": tpu if present, else cuda if available, else cpu.
+
+    For cuda and tpu under torchrun, the device index is LOCAL_RANK and it is made current.
+    """
+    if name not in BACKEND_CHOICES:
+        raise ValueError(f"unknown device backend {name!r}; choose one of {', '.join(BACKEND_CHOICES)}")
+    if name == "auto":
+        if _tpu_present():
+            return _tpu_backend()
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return _cpu_backend()
+    if name == "cuda":
+        return _cuda_backend()
+    return _tpu_backend()
