@@ -30,7 +30,7 @@ def train_overrides(tmp_path, data_cache):
             "training.batch_size": 4,
             "training.seq_len": 128,
             "training.steps": 20,
-            "lr_scheduler.warmup_steps": 2,
+            "lr_scheduler.warmup_steps": 1,
             "metrics.log_freq": 1,
             "metrics.tensorboard": "false",
             "validation.freq": 10,

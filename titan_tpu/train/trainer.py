@@ -101,8 +101,10 @@ class Trainer:
         self.train_loader = TokenLoader(shards, split="train", **loader_kwargs)
         self.val_loader = TokenLoader(shards, split="val", **loader_kwargs) if cfg.validation.enabled else None
 
-        self.model = build_model(self.model_args, device=self.backend.device, dtype=DTYPES[cfg.model.dtype],
-                                 seed=t.seed)
+        # The RoPE table only needs the training length (a published 128K table is ~134 MB for 8B);
+        # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
+        self.model = build_model(dataclasses.replace(self.model_args, max_seq_len=t.seq_len),
+                                 device=self.backend.device, dtype=DTYPES[cfg.model.dtype], seed=t.seed)
         o = cfg.optimizer
         self.optimizer = AdamW(dict(self.model.named_parameters()), beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                                weight_decay=o.weight_decay)

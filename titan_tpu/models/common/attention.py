@@ -1,0 +1,59 @@
+"""Causal grouped-query self-attention with RoPE and optional per-head q/k RMSNorm (Qwen3)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_tpu.models.common.norms import RMSNorm
+from titan_tpu.models.common.rope import apply_rope
+
+
+class Attention(nn.Module):
+    """Multi-head attention where K kv heads are shared by groups of H/K query heads.
+
+    Parameter names (wq, wk, wv, wo, q_norm, k_norm) follow TorchTitan so checkpoints match.
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+    ):
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        # Qwen3 normalises each head of q and k over head_dim before RoPE.
+        self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+
+    def forward(self, x_BSD: torch.Tensor, rope_S2D: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q_BSHD = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
+        k_BSKD = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        v_BSKD = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q_BSHD = self.q_norm(q_BSHD)
+            k_BSKD = self.k_norm(k_BSKD)
+        q_BSHD = apply_rope(q_BSHD, rope_S2D)
+        k_BSKD = apply_rope(k_BSKD, rope_S2D)
+        # SDPA wants heads before sequence; transposes are views (the kernels take strides),
+        # and enable_gqa lets the kernel share kv heads instead of materialising copies.
+        o_BHSD = F.scaled_dot_product_attention(
+            q_BSHD.transpose(1, 2),
+            k_BSKD.transpose(1, 2),
+            v_BSKD.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )
+        o_BSX = o_BHSD.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)
+        return self.wo(o_BSX)

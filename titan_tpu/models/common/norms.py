@@ -1,0 +1,26 @@
+"""RMSNorm with fp32 statistics."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm over the last dimension, with a learned scale.
+
+    Normalisation runs in fp32 and the result is cast back to the input dtype, so bf16
+    activations keep an accurate mean of squares. Uses torch's fused ``F.rms_norm``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return out.to(x.dtype)

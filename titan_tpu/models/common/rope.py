@@ -1,0 +1,86 @@
+"""Rotary position embeddings (RoPE) in the interleaved-pair convention, with real arithmetic.
+
+Convention: within each head, the pairs (x[2i], x[2i+1]) are rotated by the angle
+``pos * inv_freq[i]``. This is the layout of Meta's original Llama code and of TorchTitan, so
+native checkpoints stay compatible with them. Hugging Face checkpoints use the "rotate half"
+layout instead (pairs (x[i], x[i + hd/2])); `hf_adapter` permutes the wq/wk rows on import and
+export, which makes the two models compute the same function.
+
+No complex dtype is used: complex numbers are poorly supported by XLA/TPU and by some compiler
+passes. The table stores, per position, cos and a signed sin already expanded to the full head
+dim, so applying RoPE is two multiplies, one add and a pair swap.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 style frequency scaling (HF ``rope_type: "llama3"``)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def rope_inv_freq(*, head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies, shape [head_dim // 2], fp32, on the current default device.
+
+    The arithmetic mirrors HF's "default" and "llama3" rope types step by step (same op order,
+    fp32 throughout) so that imported HF models reproduce HF logits to rounding.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: leave high frequencies alone, divide low frequencies by `factor`, and blend
+    # smoothly in between. Wavelengths are measured against the original training context.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cache(
+    *, head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None
+) -> torch.Tensor:
+    """The RoPE table, shape [max_seq_len, 2, head_dim], fp32.
+
+    ``table[s, 0]`` is cos(angle) repeated for both members of each pair;
+    ``table[s, 1]`` is (-sin, +sin) per pair, so that for a pair (a, b):
+    ``(a, b) * cos + (b, a) * signed_sin = (a cos - b sin, b cos + a sin)``.
+    Created on the current default device (meta under ``with torch.device("meta")``).
+    """
+    inv_freq = rope_inv_freq(head_dim=head_dim, theta=theta, scaling=scaling)
+    positions = torch.arange(max_seq_len, dtype=torch.int64).float()
+    angles_SP = torch.outer(positions, inv_freq)  # P = head_dim // 2 pairs
+    cos_SP, sin_SP = angles_SP.cos(), angles_SP.sin()
+    cos_SD = torch.stack([cos_SP, cos_SP], dim=-1).flatten(-2)
+    sin_SD = torch.stack([-sin_SP, sin_SP], dim=-1).flatten(-2)
+    return torch.stack([cos_SD, sin_SD], dim=1)
+
+
+def apply_rope(x_BSHD: torch.Tensor, rope_S2D: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x_BSHD`` by the first S rows of the table.
+
+    Computed in the table's dtype (fp32) and cast back, so bf16 activations do not lose
+    precision in the angles; in fp32 the casts are no-ops.
+    """
+    S = x_BSHD.shape[1]
+    cos_S1D = rope_S2D[:S, 0].unsqueeze(1)
+    sin_S1D = rope_S2D[:S, 1].unsqueeze(1)
+    x = x_BSHD.to(rope_S2D.dtype)
+    # Swap the members of each pair: (a, b) -> (b, a).
+    x_swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x * cos_S1D + x_swapped * sin_S1D).to(x_BSHD.dtype)

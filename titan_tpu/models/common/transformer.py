@@ -1,0 +1,192 @@
+"""Decoder-only transformer shared by Llama 3 and Qwen3 (dense).
+
+Plain single-device PyTorch: no distributed or device logic. The module tree and parameter names
+follow TorchTitan exactly (tok_embeddings, layers.{i}.attention.wq, ..., norm, output) so native
+checkpoints are interchangeable with TorchTitan's.
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_tpu.models.common.attention import Attention
+from titan_tpu.models.common.feed_forward import FeedForward
+from titan_tpu.models.common.norms import RMSNorm
+from titan_tpu.models.common.rope import RopeScaling, rope_cache
+
+__all__ = ["RopeScaling", "TransformerArgs", "TransformerBlock", "Transformer"]
+
+
+@dataclass
+class TransformerArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_hidden_dim: int
+    head_dim: int | None = None  # None -> dim // n_heads (Qwen3 sets it explicitly)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    tie_embeddings: bool = False  # True: no `output` module; logits use tok_embeddings.weight
+    max_seq_len: int = 4096  # length of the RoPE table
+
+    def __post_init__(self):
+        # Accept a plain dict for rope_scaling so TOML/JSON configs can spell it inline.
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim",
+                      "max_seq_len"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model {field} must be a positive integer, got {value!r}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"model n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                f"({self.n_kv_heads}); change one of them"
+            )
+        if self.head_dim is None and self.dim % self.n_heads != 0:
+            raise ValueError(
+                f"model dim ({self.dim}) must be divisible by n_heads ({self.n_heads}), "
+                "or set head_dim explicitly"
+            )
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ValueError(f"model head_dim must be a positive integer, got {self.head_dim!r}")
+        if self.hd % 2 != 0:
+            raise ValueError(f"model head dim ({self.hd}) must be even for RoPE")
+        if self.norm_eps <= 0:
+            raise ValueError(f"model norm_eps must be positive, got {self.norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"model rope_theta must be positive, got {self.rope_theta}")
+        s = self.rope_scaling
+        if s is not None and (s.factor <= 0 or s.high_freq_factor <= s.low_freq_factor):
+            raise ValueError(
+                "model rope_scaling needs factor > 0 and high_freq_factor > low_freq_factor, "
+                f"got {s}"
+            )
+
+    @property
+    def hd(self) -> int:
+        """Effective head dimension."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.attention = Attention(
+            dim=args.dim,
+            n_heads=args.n_heads,
+            n_kv_heads=args.n_kv_heads,
+            head_dim=args.hd,
+            qk_norm=args.qk_norm,
+            norm_eps=args.norm_eps,
+        )
+        self.feed_forward = FeedForward(dim=args.dim, hidden_dim=args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x_BSD: torch.Tensor, rope_S2D: torch.Tensor) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_S2D)
+        return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed "0".."L-1" (as TorchTitan) keeps layer names stable when a
+        # pipeline stage deletes the layers it does not own.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = (
+            None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        )
+        # Non-persistent: derived from args, never saved. Under `torch.device("meta")` this is a
+        # free meta tensor; init_weights()/init_buffers() recompute it after materialisation.
+        self.register_buffer("rope_cache", self._compute_rope_cache(), persistent=False)
+
+    def _compute_rope_cache(self, device: torch.device | None = None) -> torch.Tensor:
+        a = self.args
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            return rope_cache(
+                head_dim=a.hd, max_seq_len=a.max_seq_len, theta=a.rope_theta, scaling=a.rope_scaling
+            )
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute the RoPE table (fp32) on `device` (default: where the embeddings live).
+
+        Needed after `to_empty()` or `load_state_dict(assign=True)` from a meta-built model,
+        because non-persistent buffers are neither initialised nor loaded.
+        """
+        if device is None:
+            device = self.tok_embeddings.weight.device
+        table = self._compute_rope_cache(torch.device(device))
+        old = self.rope_cache
+        same_layout = (old.shape, old.dtype, old.device) == (table.shape, table.dtype, table.device)
+        if not old.is_meta and same_layout:
+            old.copy_(table)  # in place: anything holding the buffer sees the new values
+        else:
+            self.rope_cache = table
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter in place and the RoPE buffer, from torch's global RNG.
+
+        TorchTitan-style: truncated normal (cut at 3 std) with std 0.02 for the input-side
+        projections; wo, w2 and w3 get 0.02 / sqrt(2 * (layer_id + 1)) so deeper residual
+        branches start smaller; the output projection std dim**-0.5 gives O(1) logits; norms 1.
+        Embeddings are N(0, 1) when untied (RMSNorm rescales them anyway); when tied they double
+        as the output projection, so they take the output projection's std instead.
+        """
+        a = self.args
+        out_std = a.dim**-0.5
+        if a.tie_embeddings:
+            _trunc_normal(self.tok_embeddings.weight, out_std)
+        else:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer_id, layer in enumerate(self.layers.values()):
+            depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+            attn, ffn = layer.attention, layer.feed_forward
+            for linear in (attn.wq, attn.wk, attn.wv, ffn.w1):
+                _trunc_normal(linear.weight, 0.02)
+            for linear in (attn.wo, ffn.w2, ffn.w3):
+                _trunc_normal(linear.weight, depth_std)
+            for norm in (layer.attention_norm, layer.ffn_norm, attn.q_norm, attn.k_norm):
+                if norm is not None:
+                    norm.reset_parameters()
+        self.norm.reset_parameters()
+        if self.output is not None:
+            _trunc_normal(self.output.weight, out_std)
+        self.init_buffers()
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, S] -> logits [B, S, V] in the parameters' dtype."""
+        S = tokens_BS.shape[1]
+        if S > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {S} exceeds the model's max_seq_len {self.args.max_seq_len}; "
+                "raise model max_seq_len or shorten the sequences"
+            )
+        h_BSD = self.tok_embeddings(tokens_BS)
+        for layer in self.layers.values():
+            h_BSD = layer(h_BSD, self.rope_cache)
+        h_BSD = self.norm(h_BSD)
+        if self.output is None:
+            return F.linear(h_BSD, self.tok_embeddings.weight)
+        return self.output(h_BSD)
+
+
+def _trunc_normal(weight: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+

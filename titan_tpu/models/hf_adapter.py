@@ -1,0 +1,255 @@
+"""Hugging Face <-> native mapping: config.json fields and state-dict names/layouts.
+
+Pure mapping: no file I/O and no transformers import (see hf_checkpoint.py for safetensors I/O).
+
+Layout difference: HF Llama/Qwen3 apply RoPE in the "rotate half" convention, pairing element i
+of a head with element i + hd/2; the native model pairs (2i, 2i+1). Permuting the rows of each
+head of wq and wk (HF row j -> native row 2j, HF row j + hd/2 -> native row 2j + 1) makes both
+models compute identical attention scores, since q.k is unchanged when q and k are permuted alike.
+Qwen3's q_norm/k_norm weights act per element of head_dim, so they get the same permutation.
+"""
+
+import torch
+from torch import Tensor
+
+from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
+
+_ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3"}
+_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3"}
+
+# Per-layer name pairs (HF suffix, native suffix) under model.layers.{i}. / layers.{i}.
+_LAYER_NAMES = [
+    ("self_attn.q_proj.weight", "attention.wq.weight"),
+    ("self_attn.k_proj.weight", "attention.wk.weight"),
+    ("self_attn.v_proj.weight", "attention.wv.weight"),
+    ("self_attn.o_proj.weight", "attention.wo.weight"),
+    ("self_attn.q_norm.weight", "attention.q_norm.weight"),
+    ("self_attn.k_norm.weight", "attention.k_norm.weight"),
+    ("mlp.gate_proj.weight", "feed_forward.w1.weight"),
+    ("mlp.down_proj.weight", "feed_forward.w2.weight"),
+    ("mlp.up_proj.weight", "feed_forward.w3.weight"),
+    ("input_layernorm.weight", "attention_norm.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+]
+
+
+def model_args_from_hf_config(config: dict) -> tuple[str, TransformerArgs]:
+    """HF config.json dict -> (model name, TransformerArgs). Reads both the transformers 4.x
+    keys (rope_theta, rope_scaling) and the 5.x key (rope_parameters)."""
+    name = _model_name(config)
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                    ("use_sliding_window", False)):
+        if config.get(key, ok) != ok:
+            raise ValueError(f"HF config has {key}={config[key]!r}; only {ok!r} is supported")
+    rope = dict(config.get("rope_scaling") or {})
+    rope.update(config.get("rope_parameters") or {})
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope_type == "default":
+        scaling = None
+    else:
+        raise ValueError(f"HF config has rope type {rope_type!r}; supported: 'default', 'llama3'")
+    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim")
+    # Llama flavors leave head_dim implicit; keep it explicit only where it matters.
+    if name == "llama3" and head_dim == dim // n_heads:
+        head_dim = None
+    args = TransformerArgs(
+        dim=dim,
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        vocab_size=config["vocab_size"],
+        ffn_hidden_dim=config["intermediate_size"],
+        head_dim=head_dim,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        qk_norm=name == "qwen3",
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_seq_len=int(config.get("max_position_embeddings", 4096)),
+    )
+    return name, args
+
+
+def _model_name(config: dict) -> str:
+    for arch in config.get("architectures") or []:
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    if config.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[config["model_type"]]
+    raise ValueError(
+        f"unsupported HF model (architectures={config.get('architectures')}, "
+        f"model_type={config.get('model_type')!r}); supported: {', '.join(_ARCHITECTURES)}"
+    )
+
+
+def hf_config_from_model_args(
+    name: str, args: TransformerArgs, *, torch_dtype: str = "float32"
+) -> dict:
+    """Native args -> HF config.json dict, loadable by transformers 4.x and 5.x (rope written
+    in the 4.x form, which 5.x still reads)."""
+    arch = {v: k for k, v in _ARCHITECTURES.items()}
+    model_type = {v: k for k, v in _MODEL_TYPES.items()}
+    if name not in arch:
+        raise ValueError(f"cannot export model {name!r} to HF; supported: {', '.join(arch)}")
+    if args.qk_norm != (name == "qwen3"):
+        raise ValueError(f"model {name!r} with qk_norm={args.qk_norm} has no HF equivalent")
+    s = args.rope_scaling
+    config = {
+        "architectures": [arch[name]],
+        "model_type": model_type[name],
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.hd,
+        "vocab_size": args.vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None if s is None else {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        },
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "torch_dtype": torch_dtype,  # transformers 4.x key
+        "dtype": torch_dtype,  # transformers >= 4.56 key
+    }
+    if name == "llama3":
+        config["mlp_bias"] = False
+    else:
+        config.update(
+            use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers
+        )
+    return config
+
+
+def hf_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of this model holds, with its shape. For tied models
+    lm_head.weight is listed too, though checkpoints usually omit it."""
+    native = native_param_shapes(args)
+    native[""] = native["tok_embeddings.weight"]  # tied lm_head (see _name_pairs)
+    return {hf_name: native[native_name] for hf_name, native_name in _name_pairs(args)}
+
+
+def native_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
+    """Native state-dict names -> shapes, computed from the args (no model needed)."""
+    d, hd, f = args.dim, args.hd, args.ffn_hidden_dim
+    shapes = {"tok_embeddings.weight": (args.vocab_size, d)}
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        shapes[p + "attention.wq.weight"] = (args.n_heads * hd, d)
+        shapes[p + "attention.wk.weight"] = (args.n_kv_heads * hd, d)
+        shapes[p + "attention.wv.weight"] = (args.n_kv_heads * hd, d)
+        shapes[p + "attention.wo.weight"] = (d, args.n_heads * hd)
+        if args.qk_norm:
+            shapes[p + "attention.q_norm.weight"] = (hd,)
+            shapes[p + "attention.k_norm.weight"] = (hd,)
+        shapes[p + "feed_forward.w1.weight"] = (f, d)
+        shapes[p + "feed_forward.w2.weight"] = (d, f)
+        shapes[p + "feed_forward.w3.weight"] = (f, d)
+        shapes[p + "attention_norm.weight"] = (d,)
+        shapes[p + "ffn_norm.weight"] = (d,)
+    shapes["norm.weight"] = (d,)
+    if not args.tie_embeddings:
+        shapes["output.weight"] = (args.vocab_size, d)
+    return shapes
+
+
+def _name_pairs(args: TransformerArgs) -> list[tuple[str, str]]:
+    """(HF name, native name) for every tensor; for tied models lm_head maps to nothing ("")."""
+    pairs = [("model.embed_tokens.weight", "tok_embeddings.weight")]
+    for i in range(args.n_layers):
+        for hf_suffix, native_suffix in _LAYER_NAMES:
+            if "_norm." in hf_suffix and not args.qk_norm:
+                continue
+            pairs.append((f"model.layers.{i}.{hf_suffix}", f"layers.{i}.{native_suffix}"))
+    pairs.append(("model.norm.weight", "norm.weight"))
+    pairs.append(("lm_head.weight", "" if args.tie_embeddings else "output.weight"))
+    return pairs
+
+
+def _rotate_half_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
+    # Rows of each head are [first halves of pairs | second halves]; interleave them.
+    # Works for 2-D projection weights [n_heads * hd, dim] and 1-D norm weights [hd].
+    return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _interleaved_to_rotate_half(w: Tensor, n_heads: int) -> Tensor:
+    return w.unflatten(0, (n_heads, -1, 2)).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _permute(native_name: str, args: TransformerArgs):
+    """(heads to permute over) for tensors whose rows follow RoPE's layout, else None."""
+    if native_name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if native_name.endswith("attention.wk.weight"):
+        return args.n_kv_heads
+    if native_name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1
+    return None
+
+
+def from_hf_state_dict(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
+    """HF names/layout -> native. Raises ValueError on a missing or unexpected tensor.
+
+    Tied models: lm_head.weight may be present (it is the embedding) and is dropped.
+    Legacy `rotary_emb.inv_freq` buffers found in old checkpoints are ignored.
+    """
+    pairs = _name_pairs(args)
+    known = {hf for hf, _ in pairs}
+    unexpected = [k for k in hf_sd if k not in known and not k.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise ValueError(
+            f"unexpected tensor {unexpected[0]!r} in HF state dict ({len(unexpected)} in all); "
+            "the checkpoint does not match its config.json"
+        )
+    out = {}
+    for hf_name, native_name in pairs:
+        if not native_name:
+            continue  # tied lm_head
+        if hf_name not in hf_sd:
+            raise ValueError(f"tensor {hf_name!r} is missing from the HF state dict")
+        w = hf_sd[hf_name]
+        heads = _permute(native_name, args)
+        out[native_name] = w if heads is None else _rotate_half_to_interleaved(w, heads)
+    return out
+
+
+def to_hf_state_dict(sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
+    """Native names/layout -> HF. Tied models get no lm_head.weight (as HF saves them).
+    Raises ValueError on a missing or unexpected tensor."""
+    pairs = _name_pairs(args)
+    known = {native for _, native in pairs if native}
+    unexpected = [k for k in sd if k not in known]
+    if unexpected:
+        raise ValueError(
+            f"unexpected tensor {unexpected[0]!r} in the native state dict "
+            f"({len(unexpected)} in all); it does not match the model args"
+        )
+    out = {}
+    for hf_name, native_name in pairs:
+        if not native_name:
+            continue
+        if native_name not in sd:
+            raise ValueError(f"tensor {native_name!r} is missing from the native state dict")
+        w = sd[native_name]
+        heads = _permute(native_name, args)
+        out[hf_name] = w if heads is None else _interleaved_to_rotate_half(w, heads)
+    return out

@@ -1,0 +1,90 @@
+"""Model registry: (family name, flavor) -> TransformerArgs; building; parameter and FLOP counts."""
+
+import copy
+
+import torch
+
+from titan_tpu.models.common.transformer import Transformer, TransformerArgs
+from titan_tpu.models.llama3 import LLAMA3_FLAVORS
+from titan_tpu.models.qwen3 import QWEN3_FLAVORS
+
+MODEL_FLAVORS: dict[str, dict[str, TransformerArgs]] = {
+    "llama3": LLAMA3_FLAVORS,
+    "qwen3": QWEN3_FLAVORS,
+}
+
+
+def get_model_args(name: str, flavor: str) -> TransformerArgs:
+    """A copy of the flavor's args (callers may edit it, e.g. max_seq_len, without side effects)."""
+    if name not in MODEL_FLAVORS:
+        raise ValueError(
+            f"unknown model name {name!r}; choose one of {', '.join(sorted(MODEL_FLAVORS))}"
+        )
+    flavors = MODEL_FLAVORS[name]
+    if flavor not in flavors:
+        raise ValueError(
+            f"unknown flavor {flavor!r} for model {name!r}; choose one of {', '.join(flavors)}"
+        )
+    return copy.deepcopy(flavors[flavor])
+
+
+def build_model(
+    args: TransformerArgs,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+) -> Transformer:
+    """Construct on the meta device (no memory, no init cost), materialise on `device` in `dtype`,
+    then initialise. With `seed`, the init is reproducible (torch's global RNG is seeded)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.to(dtype=dtype)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def num_params(args: TransformerArgs, *, exclude_embedding: bool = False) -> int:
+    """Parameter count from the args alone. `exclude_embedding` drops tok_embeddings only
+    (with tied embeddings that matrix is also the output projection, so it disappears too)."""
+    d, hd = args.dim, args.hd
+    attention = d * hd * (2 * args.n_heads + 2 * args.n_kv_heads)  # wq, wo + wk, wv
+    if args.qk_norm:
+        attention += 2 * hd
+    feed_forward = 3 * d * args.ffn_hidden_dim
+    layer = attention + feed_forward + 2 * d  # + attention_norm, ffn_norm
+    total = args.n_layers * layer + d  # + final norm
+    if not args.tie_embeddings:
+        total += d * args.vocab_size  # output
+    if not exclude_embedding:
+        total += d * args.vocab_size  # tok_embeddings
+    return total
+
+
+def flops_per_token(args: TransformerArgs, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward), the MFU numerator.
+
+    ``6 * N + 6 * n_layers * n_heads * head_dim * seq_len``
+
+    * ``6 * N``: every weight matrix costs 2 FLOPs per token per parameter in the forward
+      (a multiply and an add) and 4 in the backward (gradient w.r.t. input and w.r.t. weight).
+      N is the non-embedding parameter count: the embedding lookup is a gather, not a matmul.
+      With tied embeddings the same matrix still serves as the output projection
+      (2 * dim * vocab FLOPs per token forward), so dim * vocab is added back to N. Norm weights
+      are included in N as TorchTitan does; they are ~0.1% of it for real models.
+    * ``6 * L * H * hd * S``: attention scores (Q K^T) and the weighted sum (P V) are each
+      2 * S * hd FLOPs per query per head forward, 4 * L * H * hd * S per token, and backward
+      doubles that, 12 * L * H * hd * S, for full attention. With a causal mask only about half
+      of the score matrix is needed, so it is counted once: 6 * L * H * hd * S, the convention
+      of TorchTitan, MaxText and Megatron today. (torch's FlopCounterMode reports the full,
+      non-causal 12 * L * H * hd * S; see tests/test_flops.py.)
+
+    Norms, RoPE, softmax and other elementwise work are not counted.
+    """
+    n = num_params(args, exclude_embedding=True)
+    if args.tie_embeddings:
+        n += args.dim * args.vocab_size
+    return 6.0 * n + 6.0 * args.n_layers * args.n_heads * args.hd * seq_len
