@@ -12,6 +12,7 @@ from titan_tpu.train.optim import (
     adamw_init,
     adamw_update,
     clip_grad_norm,
+    clip_grad_norm_,
     lr_at,
     weight_decay_mask,
 )
@@ -146,6 +147,23 @@ def test_missing_grad_leaves_param_and_state_alone():
         adamw_update(params, {"x": torch.randn(1)}, state, step=1, lr=1e-2, decay={}, **HP)
 
 
+def test_eager_adamw_matches_torch_adamw_in_place():
+    """The eager holder updates the nn.Parameters themselves, as torch.optim.AdamW does."""
+    ours, ref = small_model(), small_model()
+    opt = AdamW(dict(ours.named_parameters()), **HP)
+    ref_opt = torch_adamw(ref, lr=1e-3, foreach=True)
+    ids_before = [id(p) for p in ours.parameters()]
+    for step in range(1, 21):
+        grads = random_grads(dict(ours.named_parameters()), step)
+        for n, p in ref.named_parameters():
+            p.grad = grads[n].clone()
+        ref_opt.step()
+        opt.step(grads, lr=1e-3)
+        for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
+            assert (p - q).abs().max().item() <= 1e-6, (step, n)
+    assert [id(p) for p in ours.parameters()] == ids_before
+
+
 def test_adamw_wrapper_matches_functional_and_resumes_exactly():
     def run(model, opt, steps):
         for step in steps:
@@ -178,11 +196,17 @@ def test_adamw_wrapper_matches_functional_and_resumes_exactly():
         opt_c.load_state_dict({"step": 1})
 
 
+@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
-def test_clip_grad_norm_matches_torch(max_norm):
+def test_clip_grad_norm_matches_torch(max_norm, inplace):
     torch.manual_seed(0)
     grads = {f"g{i}": torch.randn(7, i + 1) * (i + 1) for i in range(5)}
-    clipped, norm = clip_grad_norm(grads, max_norm)
+    if inplace:
+        original = {n: g.clone() for n, g in grads.items()}
+        norm = clip_grad_norm_(grads, max_norm)
+        clipped, grads = grads, original
+    else:
+        clipped, norm = clip_grad_norm(grads, max_norm)
 
     refs = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
     for p, g in zip(refs, grads.values()):

@@ -23,7 +23,10 @@ __all__ = [
     "AdamW",
     "adamw_init",
     "adamw_update",
+    "adamw_update_",
     "clip_grad_norm",
+    "clip_grad_norm_",
+    "grad_norm",
     "lr_at",
     "validate_lr_schedule",
     "weight_decay_mask",
@@ -63,7 +66,7 @@ def _group_names(names: list[str], params: dict[str, Tensor], extra_key=None) ->
     return list(groups.values())
 
 
-def adamw_update(
+def adamw_update_(
     params: dict[str, Tensor],
     grads: dict[str, Tensor],
     state: dict,
@@ -75,13 +78,13 @@ def adamw_update(
     eps: float = 1e-8,
     weight_decay: float = 0.1,
     decay: dict[str, bool],
-) -> tuple[dict[str, Tensor], dict]:
-    """One AdamW step, out of place: returns (new_params, new_state); inputs are never mutated.
+) -> None:
+    """One AdamW step applied in place to `params` and `state` (the eager path).
 
     `step` is the 1-based number of this update (for bias correction) and `lr` its learning rate;
     either may be a Python number or a 0-dim tensor (for tracing). Weight decay is decoupled,
     p <- p * (1 - lr * weight_decay), and applied only where `decay[name]` is True. The arithmetic
-    follows torch.optim.AdamW step for step. Parameters with no entry in `grads` are returned
+    follows torch.optim.AdamW (foreach) op for op. Parameters with no entry in `grads` are left
     unchanged and keep their state, as torch.optim does for params whose .grad is None.
     """
     extra = set(grads) - set(params)
@@ -97,18 +100,15 @@ def adamw_update(
     step_size = lr / bias_correction1
     decay_factor = 1 - lr * weight_decay
 
-    new_params = dict(params)
-    new_exp_avg = dict(state["exp_avg"])
-    new_exp_avg_sq = dict(state["exp_avg_sq"])
     for group in _group_names(names, params, extra_key=lambda n: apply_decay and decay.get(n, False)):
         p = [params[n] for n in group]
         g = [grads[n] for n in group]
+        m = [state["exp_avg"][n] for n in group]
+        v = [state["exp_avg_sq"][n] for n in group]
 
-        # Every op below either returns new tensors or updates, in place, tensors created here,
-        # so the caller's tensors are never touched; the in-place ops save allocations.
         # m <- beta1 m + (1 - beta1) g ;  v <- beta2 v + (1 - beta2) g^2
-        m = torch._foreach_lerp([state["exp_avg"][n] for n in group], g, 1 - beta1)
-        v = torch._foreach_mul([state["exp_avg_sq"][n] for n in group], beta2)
+        torch._foreach_lerp_(m, g, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, g, g, value=1 - beta2)
 
         # denom = sqrt(v) / sqrt(bias_correction2) + eps
@@ -119,33 +119,38 @@ def adamw_update(
         # Decoupled weight decay on the old parameter value (as torch does), then
         # p <- p - step_size * m / denom.
         if apply_decay and decay.get(group[0], False):
-            p = torch._foreach_mul(p, decay_factor)
+            torch._foreach_mul_(p, decay_factor)
         if isinstance(step_size, Tensor):
             # Traced path: addcdiv only takes a Python scalar as `value`, so scale explicitly
             # (a compiler fuses these into one kernel anyway).
             update = torch._foreach_div(m, denom)
             torch._foreach_mul_(update, step_size)
-            p = torch._foreach_sub(p, update)
+            torch._foreach_sub_(p, update)
         else:
-            p = torch._foreach_addcdiv(p, m, denom, value=-step_size)
-
-        for n, p_i, m_i, v_i in zip(group, p, m, v):
-            new_params[n] = p_i
-            new_exp_avg[n] = m_i
-            new_exp_avg_sq[n] = v_i
-    return new_params, {"exp_avg": new_exp_avg, "exp_avg_sq": new_exp_avg_sq}
+            torch._foreach_addcdiv_(p, m, denom, value=-step_size)
 
 
-def clip_grad_norm(grads: dict[str, Tensor], max_norm: float) -> tuple[dict[str, Tensor], Tensor]:
-    """Global L2 gradient norm and grads scaled by min(1, max_norm / (norm + 1e-6)). Pure.
+def adamw_update(
+    params: dict[str, Tensor], grads: dict[str, Tensor], state: dict, **hparams
+) -> tuple[dict[str, Tensor], dict]:
+    """One AdamW step, out of place: returns (new_params, new_state); inputs are never mutated.
 
-    The norm is accumulated in fp32 whatever the grad dtype. The scale is a tensor clamp, not a
-    Python branch, so this traces into a graph. With max_norm <= 0 the grads come back unchanged
-    (the norm is still returned, for logging). Matches torch.nn.utils.clip_grad_norm_.
+    The same update as `adamw_update_` (keyword arguments as there), applied to fresh copies. This
+    is the form the graph trainer traces: parameters and state are graph inputs, their updated
+    values graph outputs, and the compiler turns copy-then-update into one fused write.
     """
+    new_params = {n: p.clone() if n in grads else p for n, p in params.items()}
+    new_state = {key: {n: t.clone() if n in grads else t for n, t in state[key].items()}
+                 for key in ("exp_avg", "exp_avg_sq")}
+    adamw_update_(new_params, grads, new_state, **hparams)
+    return new_params, new_state
+
+
+def grad_norm(grads: dict[str, Tensor]) -> Tensor:
+    """Global L2 norm of all gradients, accumulated in fp32 whatever the grad dtype."""
     names = list(grads)
     if not names:
-        return {}, torch.zeros(())
+        return torch.zeros(())
     norms = []
     for group in _group_names(names, grads):
         norms.extend(torch._foreach_norm([grads[n] for n in group], 2, dtype=torch.float32))
@@ -153,20 +158,48 @@ def clip_grad_norm(grads: dict[str, Tensor], max_norm: float) -> tuple[dict[str,
     total_norm = torch.linalg.vector_norm(torch.stack([t.to(first_device) for t in norms]), 2)
     if hasattr(total_norm, "full_tensor"):  # DTensor grads: a sharded norm must be reduced
         total_norm = total_norm.full_tensor()
-    if max_norm <= 0:
-        return dict(grads), total_norm
+    return total_norm
 
-    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    clipped = dict(grads)
-    for group in _group_names(names, grads):
-        coef = clip_coef.to(grads[group[0]].device)
-        for n, g in zip(group, torch._foreach_mul([grads[n] for n in group], coef)):
-            clipped[n] = g
-    return clipped, total_norm
+
+def _scale_grads(grads: dict[str, Tensor], coef: Tensor, *, inplace: bool) -> dict[str, Tensor]:
+    scaled = dict(grads)
+    for group in _group_names(list(grads), grads):
+        g = [grads[n] for n in group]
+        c = coef.to(g[0].device)
+        if inplace:
+            torch._foreach_mul_(g, c)
+        else:
+            scaled.update(zip(group, torch._foreach_mul(g, c)))
+    return scaled
+
+
+def _clip_coef(total_norm: Tensor, max_norm: float) -> Tensor:
+    # A tensor clamp, not a Python branch on the norm's value, so this traces into a graph.
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def clip_grad_norm(grads: dict[str, Tensor], max_norm: float) -> tuple[dict[str, Tensor], Tensor]:
+    """Global L2 gradient norm and grads scaled by min(1, max_norm / (norm + 1e-6)). Pure.
+
+    With max_norm <= 0 the grads come back unchanged (the norm is still returned, for logging).
+    Matches torch.nn.utils.clip_grad_norm_.
+    """
+    total_norm = grad_norm(grads)
+    if max_norm <= 0 or not grads:
+        return dict(grads), total_norm
+    return _scale_grads(grads, _clip_coef(total_norm, max_norm), inplace=False), total_norm
+
+
+def clip_grad_norm_(grads: dict[str, Tensor], max_norm: float) -> Tensor:
+    """`clip_grad_norm` scaling the gradient tensors in place (the eager path); returns the norm."""
+    total_norm = grad_norm(grads)
+    if max_norm > 0 and grads:
+        _scale_grads(grads, _clip_coef(total_norm, max_norm), inplace=True)
+    return total_norm
 
 
 class AdamW:
-    """Eager AdamW holding its own state; updates nn.Parameters in place via `adamw_update`."""
+    """Eager AdamW holding its own state; updates nn.Parameters in place via `adamw_update_`."""
 
     def __init__(
         self,
@@ -189,11 +222,7 @@ class AdamW:
         """Apply one update with these grads at this learning rate."""
         self.step_count += 1
         plain = {n: p.detach() for n, p in self.params.items()}
-        new_params, self.state = adamw_update(
-            plain, grads, self.state, step=self.step_count, lr=lr, decay=self.decay, **self.hparams
-        )
-        for name in grads:
-            self.params[name].copy_(new_params[name])
+        adamw_update_(plain, grads, self.state, step=self.step_count, lr=lr, decay=self.decay, **self.hparams)
 
     def state_dict(self) -> dict:
         """{"step": int, "exp_avg": {...}, "exp_avg_sq": {...}} (tensors by reference)."""

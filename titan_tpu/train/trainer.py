@@ -27,7 +27,7 @@ from titan_tpu.device import Backend, get_backend
 from titan_tpu.models.registry import build_model, flops_per_token, get_model_args
 from titan_tpu.train.checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
-from titan_tpu.train.optim import AdamW, clip_grad_norm, lr_at
+from titan_tpu.train.optim import AdamW, clip_grad_norm_, lr_at
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -45,7 +45,11 @@ class StepResult:
 
 
 class EagerStep:
-    """The step contract with plain autograd: accumulate, clip, functional AdamW applied in place."""
+    """The step contract with plain autograd: accumulate, clip, AdamW, all in place.
+
+    The in-place forms of clipping and AdamW run the same arithmetic as the pure functions the
+    graph trainer traces, without allocating a second copy of gradients, weights and moments.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float):
         self.model = model
@@ -63,7 +67,7 @@ class EagerStep:
             loss.backward()
             loss_sum += loss.detach()
         grads = {name: p.grad for name, p in self.params.items()}
-        grads, grad_norm = clip_grad_norm(grads, self.max_norm)
+        grad_norm = clip_grad_norm_(grads, self.max_norm)
         self.optimizer.step(grads, lr=lr)
         for p in self.params.values():
             p.grad = None
