@@ -1,6 +1,7 @@
 """The titan-tpu command line: train, eval, convert, and its one-line errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,9 @@ from titan_tpu.cli import main
 from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
 from titan_tpu.models.hf_checkpoint import load_model_from_hf, save_hf_checkpoint
 from titan_tpu.models.registry import build_model
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+LLAMA_DEBUG = str(CONFIGS / "llama3_debug.toml")
 
 TINY = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden_dim=160,
                        rope_theta=500000.0, rope_scaling=RopeScaling(original_max_position_embeddings=32),
@@ -76,7 +80,7 @@ def test_eval_hf_dir_with_missing_tensor(tmp_path, tiny_hf_dir, capsys):
 
 
 def test_convert_round_trip_and_finetune_start(tmp_path, train_overrides, capsys):
-    code, out, err = run_cli(capsys, "train", "--config", "configs/llama3_debug.toml",
+    code, out, err = run_cli(capsys, "train", "--config", LLAMA_DEBUG,
                              *train_overrides(training__steps=2, validation__enabled="false"))
     assert code == 0, err
     assert "checkpoint: " in out and "step-00000002" in out
@@ -105,7 +109,7 @@ def test_convert_round_trip_and_finetune_start(tmp_path, train_overrides, capsys
     for key, value in state["model"].items():
         torch.testing.assert_close(imported["model"][key], value, rtol=0, atol=0)
     for start in (tmp_path / "imported", tmp_path / "hf"):
-        code, out, err = run_cli(capsys, "train", "--config", "configs/llama3_debug.toml",
+        code, out, err = run_cli(capsys, "train", "--config", LLAMA_DEBUG,
                                  *train_overrides(training__steps=1, validation__enabled="false",
                                                   output_dir=str(tmp_path / f"ft_{start.name}"),
                                                   checkpoint__initial_load_path=str(start)))
@@ -123,7 +127,7 @@ def test_train_bad_inputs_are_one_line_errors(tmp_path, train_overrides, capsys)
         (["--checkpoint.initial_load_path", str(tmp_path / "nothing")], "no complete checkpoint found"),
     ]
     for extra, message in cases:
-        code, _, err = run_cli(capsys, "train", "--config", "configs/llama3_debug.toml", *train_overrides(), *extra)
+        code, _, err = run_cli(capsys, "train", "--config", LLAMA_DEBUG, *train_overrides(), *extra)
         assert code == 2, (extra, err)
         assert message in err and err.count("\n") == 1, (extra, err)
 

@@ -1,12 +1,17 @@
 """End to end: the debug model learns on the embedded corpus and resumes bitwise-exactly."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from titan_tpu.config import build_config
 from titan_tpu.train.trainer import Trainer
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+LLAMA_DEBUG = str(CONFIGS / "llama3_debug.toml")
+QWEN_DEBUG = str(CONFIGS / "qwen3_debug.toml")
 
 
 def read_rows(run_dir):
@@ -18,7 +23,7 @@ def train_losses(run_dir):
 
 
 def test_loss_falls_and_outputs_are_written(tmp_path, train_overrides):
-    cfg = build_config("configs/llama3_debug.toml",
+    cfg = build_config(LLAMA_DEBUG,
                        train_overrides(training__steps=50, metrics__tensorboard="true", checkpoint__interval=25))
     summary = Trainer(cfg).train()
     run = tmp_path / "run"
@@ -38,18 +43,18 @@ def test_loss_falls_and_outputs_are_written(tmp_path, train_overrides):
 
 def test_resume_is_bitwise_identical(tmp_path, train_overrides):
     overrides = train_overrides(training__deterministic="true", validation__enabled="false")
-    Trainer(build_config("configs/llama3_debug.toml", overrides)).train()
+    Trainer(build_config(LLAMA_DEBUG, overrides)).train()
     straight = train_losses(tmp_path / "run")
 
     # The same 20-step run, interrupted after step 10 (its checkpoint is on disk), then restarted.
     interrupted = overrides + ["--output_dir", str(tmp_path / "resumed")]
-    first = Trainer(build_config("configs/llama3_debug.toml", interrupted))
+    first = Trainer(build_config(LLAMA_DEBUG, interrupted))
     for _ in range(10):
         first.train_step()
     first.save_checkpoint()
     del first
     torch.manual_seed(1234)  # a resumed process starts with unrelated global RNG state
-    second = Trainer(build_config("configs/llama3_debug.toml", interrupted))
+    second = Trainer(build_config(LLAMA_DEBUG, interrupted))
     second.train()
     assert second.step == 20
     resumed = train_losses(tmp_path / "resumed")
@@ -61,8 +66,8 @@ def test_resume_is_bitwise_identical(tmp_path, train_overrides):
 def test_gradient_accumulation_matches_larger_batch(tmp_path, train_overrides):
     common = dict(training__steps=3, validation__enabled="false", checkpoint__enabled="false",
                   lr_scheduler__warmup_steps=0, lr_scheduler__decay_ratio=0.0)
-    big = Trainer(build_config("configs/llama3_debug.toml", train_overrides(training__batch_size=4, **common)))
-    small = Trainer(build_config("configs/llama3_debug.toml",
+    big = Trainer(build_config(LLAMA_DEBUG, train_overrides(training__batch_size=4, **common)))
+    small = Trainer(build_config(LLAMA_DEBUG,
                                  train_overrides(training__batch_size=2, training__grad_accum_steps=2, **common)))
     for _ in range(3):
         a, b = big.train_step(), small.train_step()
@@ -74,7 +79,7 @@ def test_gradient_accumulation_matches_larger_batch(tmp_path, train_overrides):
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, train_overrides):
-    Trainer(build_config("configs/llama3_debug.toml", train_overrides(training__steps=1))).train()
-    other = build_config("configs/qwen3_debug.toml", train_overrides(training__steps=2))
+    Trainer(build_config(LLAMA_DEBUG, train_overrides(training__steps=1))).train()
+    other = build_config(QWEN_DEBUG, train_overrides(training__steps=2))
     with pytest.raises(ValueError, match="use another --output_dir or the matching --model.name"):
         Trainer(other).train()
