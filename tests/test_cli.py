@@ -86,6 +86,8 @@ def test_convert_round_trip_and_finetune_start(tmp_path, train_overrides, capsys
     assert "checkpoint: " in out and "step-00000002" in out
     code, _, err = run_cli(capsys, "convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf"))
     assert code == 0, err
+    # The run's tokenizer goes along, so the export is usable on its own.
+    assert (tmp_path / "hf/tokenizer.json").read_bytes() == (tmp_path / "run/tokenizer.json").read_bytes()
 
     # The export carries the trained weights: logits equal those of the checkpointed model.
     state = torch.load(tmp_path / "run/checkpoints/step-00000002/state.pt", weights_only=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
@@ -30,12 +31,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """Export the model weights (and the run's tokenizer.json, when there is one) as an HF directory."""
     from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
 
-    state = load_checkpoint(resolve_checkpoint(checkpoint))
+    step_dir = resolve_checkpoint(checkpoint)
+    state = load_checkpoint(step_dir)
     args = model_args_from_dict(state["model_args"])
-    return save_hf_checkpoint(hf_dir, name=state["model_name"], args=args, state_dict=state["model"],
-                              overwrite=overwrite)
+    out = save_hf_checkpoint(hf_dir, name=state["model_name"], args=args, state_dict=state["model"],
+                             overwrite=overwrite)
+    tokenizer = step_dir.parent.parent / "tokenizer.json"  # <run>/checkpoints/step-N -> <run>
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    return out
 
 
 def hf_to_checkpoint(hf_dir: str | Path, checkpoint_dir: str | Path, *, overwrite: bool = False) -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +216,8 @@ class Trainer:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if self.tokenizer.path is not None:  # travels with the run, e.g. into an HF export
+            shutil.copyfile(self.tokenizer.path, self.run_dir / "tokenizer.json")
         self.maybe_resume()
         peak = self.backend.peak_flops()
         print(f"model {cfg.model.name}/{cfg.model.flavor}: {sum(p.numel() for p in self.model.parameters()):,} "
