@@ -175,3 +175,25 @@ def test_rope_rotates_interleaved_pairs():
     torch.testing.assert_close(out[:, 1], torch.sin(p))
     torch.testing.assert_close(out[:, 2], torch.cos(p / 100.0))
     torch.testing.assert_close(out[:, 3], torch.sin(p / 100.0))
+
+
+def _rope_real_arithmetic(x_BSHD, rope_SP2):
+    """Reference: rotate each pair (a, b) to (a cos - b sin, a sin + b cos) without complex numbers."""
+    cos, sin = rope_SP2[: x_BSHD.shape[1], None, :, 0], rope_SP2[: x_BSHD.shape[1], None, :, 1]
+    a, b = x_BSHD.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+
+
+def test_complex_rope_matches_real_arithmetic_forward_and_backward():
+    table = rope_cache(head_dim=16, max_seq_len=40, theta=500000.0, scaling=RopeScaling())
+    x = torch.randn(2, 33, 3, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, ref = apply_rope(x, table), _rope_real_arithmetic(x_ref, table)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    bf16 = apply_rope(x.detach().bfloat16(), table)  # bf16 in, bf16 out, angles in fp32
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), ref.detach(), rtol=2e-2, atol=2e-2)

@@ -36,7 +36,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
-    def forward(self, x_BSD: torch.Tensor, rope_S2D: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q_BSHD = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k_BSKD = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
@@ -44,8 +44,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q_BSHD = self.q_norm(q_BSHD)
             k_BSKD = self.k_norm(k_BSKD)
-        q_BSHD = apply_rope(q_BSHD, rope_S2D)
-        k_BSKD = apply_rope(k_BSKD, rope_S2D)
+        q_BSHD = apply_rope(q_BSHD, rope_SP2)
+        k_BSKD = apply_rope(k_BSKD, rope_SP2)
         # SDPA wants heads before sequence; transposes are views (the kernels take strides),
         # and enable_gqa lets the kernel share kv heads instead of materialising copies.
         o_BHSD = F.scaled_dot_product_attention(

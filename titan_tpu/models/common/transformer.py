@@ -94,8 +94,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x_BSD: torch.Tensor, rope_S2D: torch.Tensor) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_S2D)
+    def forward(self, x_BSD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_SP2)
         return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
 
 
