@@ -6,7 +6,9 @@ checkpoints are interchangeable with TorchTitan's.
 """
 
 import contextlib
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +132,9 @@ class Transformer(nn.Module):
         because non-persistent buffers are neither initialised nor loaded.
         """
         if device is None:
-            device = self.tok_embeddings.weight.device
+            # Via parameters(), not `.weight`: under data parallelism reading the attribute
+            # would all-gather the embedding just to learn its device.
+            device = next(self.parameters()).device
         table = self._compute_rope_cache(torch.device(device))
         old = self.rope_cache
         same_layout = (old.shape, old.dtype, old.device) == (table.shape, table.dtype, table.device)
@@ -149,26 +153,35 @@ class Transformer(nn.Module):
         Embeddings are N(0, 1) when untied (RMSNorm rescales them anyway); when tied they double
         as the output projection, so they take the output projection's std instead.
         """
-        a = self.args
-        out_std = a.dim**-0.5
-        if a.tie_embeddings:
-            _trunc_normal(self.tok_embeddings.weight, out_std)
+        for _, _, init in self.init_plan():
+            init()
+        self.init_buffers()
+
+    def init_plan(self) -> list[tuple[str, nn.Module, Callable[[], None]]]:
+        """The parameter-owning pieces in init order: (name, module, init function).
+
+        Running the functions in this order is `init_weights` (minus the RoPE buffer). Sharded
+        initialisation walks the same list, materialising and initialising one piece at a time at
+        full size and sharding it before the next, so it consumes the global RNG exactly as one
+        process does and gets bitwise the same weights without ever holding the whole model.
+        """
+        plan = [("tok_embeddings", self.tok_embeddings, self._init_tok_embeddings)]
+        for layer_id, (name, layer) in enumerate(self.layers.items()):
+            init = functools.partial(_init_block, layer, layer_id=layer_id)
+            plan.append((f"layers.{name}", layer, init))
+        plan.append(("norm", self.norm, self.norm.reset_parameters))
+        if self.output is not None:
+            plan.append(("output", self.output, self._init_output))
+        return plan
+
+    def _init_tok_embeddings(self) -> None:
+        if self.args.tie_embeddings:
+            _trunc_normal(self.tok_embeddings.weight, self.args.dim**-0.5)
         else:
             nn.init.normal_(self.tok_embeddings.weight)
-        for layer_id, layer in enumerate(self.layers.values()):
-            depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
-            attn, ffn = layer.attention, layer.feed_forward
-            for linear in (attn.wq, attn.wk, attn.wv, ffn.w1):
-                _trunc_normal(linear.weight, 0.02)
-            for linear in (attn.wo, ffn.w2, ffn.w3):
-                _trunc_normal(linear.weight, depth_std)
-            for norm in (layer.attention_norm, layer.ffn_norm, attn.q_norm, attn.k_norm):
-                if norm is not None:
-                    norm.reset_parameters()
-        self.norm.reset_parameters()
-        if self.output is not None:
-            _trunc_normal(self.output.weight, out_std)
-        self.init_buffers()
+
+    def _init_output(self) -> None:
+        _trunc_normal(self.output.weight, self.args.dim**-0.5)
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> logits [B, S, V] in the parameters' dtype."""
@@ -185,6 +198,20 @@ class Transformer(nn.Module):
         if self.output is None:
             return F.linear(h_BSD, self.tok_embeddings.weight)
         return self.output(h_BSD)
+
+
+@torch.no_grad()
+def _init_block(layer: TransformerBlock, *, layer_id: int) -> None:
+    # layer_id is the position in the stack (layers "0".."L-1" today); deeper blocks start smaller.
+    depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+    attn, ffn = layer.attention, layer.feed_forward
+    for linear in (attn.wq, attn.wk, attn.wv, ffn.w1):
+        _trunc_normal(linear.weight, 0.02)
+    for linear in (attn.wo, ffn.w2, ffn.w3):
+        _trunc_normal(linear.weight, depth_std)
+    for norm in (layer.attention_norm, layer.ffn_norm, attn.q_norm, attn.k_norm):
+        if norm is not None:
+            norm.reset_parameters()
 
 
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:

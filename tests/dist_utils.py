@@ -1,0 +1,67 @@
+"""Run a function on N local gloo ranks (spawned processes) and collect what each returns.
+
+    results = run_distributed(fn, world_size=2, args=(...), kwargs={...})
+
+`fn(*args, **kwargs)` runs on every rank with the default process group already initialised
+(gloo over TCP on 127.0.0.1); `torch.distributed.get_rank()` tells it which rank it is. It must be
+a module-level function (spawned processes import it by name) and return something
+`torch.save`-able; results come back as a list indexed by rank. An exception on any rank is
+re-raised here with that rank's traceback; a hang is killed after `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_distributed"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple, kwargs: dict,
+            num_threads: int) -> None:
+    # Ranks share the machine's cores; one thread each keeps them from oversubscribing it.
+    torch.set_num_threads(num_threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = fn(*args, **kwargs)
+        torch.save(result, Path(result_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), kwargs: dict | None = None,
+                    timeout_s: float = 120.0, num_threads: int = 1) -> list:
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results."""
+    with tempfile.TemporaryDirectory(prefix="titan_tpu_dist_") as result_dir:
+        context = mp.start_processes(
+            _worker,
+            args=(fn, world_size, free_port(), result_dir, args, kwargs or {}, num_threads),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=0.5):  # raises ProcessRaisedException if a rank failed
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                raise TimeoutError(f"distributed run of {fn.__name__} took longer than {timeout_s} s")
+        return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,0 +1,286 @@
+"""Device mesh sizes, SimpleFSDP sharded init, numerics and memory on local gloo ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+
+from titan_tpu.models.common.transformer import Transformer
+from titan_tpu.models.registry import build_model, get_model_args
+from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
+from titan_tpu.parallel.simple_fsdp import (
+    MixedPrecision,
+    data_parallel,
+    default_mixed_precision,
+    materialize_and_init,
+)
+from titan_tpu.train.optim import AdamW, clip_grad_norm_
+from titan_tpu.train.trainer import cross_entropy_sum
+
+SEED = 3
+STEPS = 20
+BATCH_PER_RANK = 2
+SEQ = 32
+LR = 3e-3
+MAX_NORM = 1.0
+
+
+def tiny_args():
+    return dataclasses.replace(get_model_args("llama3", "debug"), dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                               vocab_size=256, ffn_hidden_dim=128, max_seq_len=SEQ)
+
+
+def global_batches(dp_size: int, steps: int) -> torch.Tensor:
+    """[steps, dp_size * BATCH_PER_RANK, SEQ + 1] tokens, the same on every process: each sequence
+    follows x[t+1] = (5 x[t] + 1) mod V from a random start, a rule the model learns in a few steps
+    (so the loss moves and diverging runs would show)."""
+    vocab = tiny_args().vocab_size
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, vocab, (steps, dp_size * BATCH_PER_RANK), generator=g)]
+    for _ in range(SEQ):
+        tokens.append((5 * tokens[-1] + 1) % vocab)
+    return torch.stack(tokens, dim=-1)
+
+
+def train(model, batches: torch.Tensor, *, dp_rank: int = 0, dp_size: int = 1, comm_log: list | None = None):
+    """The eager step on this rank's rows of each global batch; returns (losses, grad_norms).
+
+    The loss is summed over this rank's tokens and divided by the global token count, so the
+    data-parallel gradient reduction (a sum) yields the single-process gradient."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    params = dict(model.named_parameters())
+    opt = AdamW(params)
+    losses, norms = [], []
+    for step, batch in enumerate(batches):
+        per_rank = batch.shape[0] // dp_size
+        rows = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        inputs, labels = rows[:, :-1], rows[:, 1:]
+        record = comm_log is not None and step == 0
+        with CommDebugMode() if record else contextlib.nullcontext() as comm, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # CommDebugMode's module tracker warns about backward hooks
+            loss = cross_entropy_sum(model(inputs), labels) / (labels.numel() * dp_size)
+            loss.backward()
+        if record:
+            comm_log.append({str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()})
+            comm_log.append({n: tuple(p.grad.placements) == tuple(p.placements) for n, p in params.items()})
+        grads = {n: p.grad for n, p in params.items()}
+        norms.append(clip_grad_norm_(grads, MAX_NORM).item())
+        opt.step(grads, lr=LR)
+        for p in params.values():
+            p.grad = None
+        loss = loss.detach()
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+        losses.append(loss.item())
+    return losses, norms, opt
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank stores for these (possibly DTensor) tensors."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank workers (module level so spawned processes can import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def _sharded_run(mode: str, dp_replicate: int, steps: int) -> dict:
+    dims = ParallelDims(dp_replicate=dp_replicate, world_size=dist.get_world_size())
+    assert dims.mode == mode
+    mesh = dims.build_mesh("cpu")
+    dp_rank, dp_size = dp_rank_and_size(mesh)
+    if mode == "replicate":
+        # The other entry point: a model built whole, then made data parallel (rank 0's values).
+        model = data_parallel(build_model(tiny_args(), seed=SEED), mesh, mode=mode, mp=MixedPrecision())
+    else:
+        with torch.device("meta"):
+            model = Transformer(tiny_args())
+        model = materialize_and_init(model, mesh, mode=mode, mp=MixedPrecision(), device=torch.device("cpu"),
+                                     seed=SEED)
+    init = {n: p.full_tensor().clone() for n, p in model.state_dict().items()}  # no alias
+    # A local shard that is a view of a full-size tensor would keep the full tensor alive.
+    storage_is_local = all(p.to_local().untyped_storage().nbytes() == local_bytes([p]) for p in model.parameters())
+    comm_log = []
+    losses, norms, opt = train(model, global_batches(dp_size, steps), dp_rank=dp_rank, dp_size=dp_size,
+                               comm_log=comm_log)
+    # Mixed precision: bf16 compute, gradients reduced and stored in fp32 on the fp32 master weights.
+    data_parallel(model, mesh, mode=mode, mp=MixedPrecision(param_dtype=torch.bfloat16))
+    inputs = global_batches(dp_size, 1)[0, :BATCH_PER_RANK, :-1]
+    bf16_weight_dtype = model.layers["0"].attention.wq.weight.dtype
+    logits = model(inputs)
+    logits.float().sum().backward()
+    p = model.layers["0"].attention.wq._parameters["weight"]
+    wrong_mode = "replicate" if mode != "replicate" else "fully_shard"
+    try:
+        data_parallel(model, mesh, mode=wrong_mode, mp=MixedPrecision())
+        wrong_mode_error = None
+    except ValueError as e:
+        wrong_mode_error = str(e)
+    return {
+        "dp": (dp_rank, dp_size),
+        "mesh_dim_names": mesh.mesh_dim_names,
+        "init": init,
+        "storage_is_local": storage_is_local,
+        "losses": losses,
+        "norms": norms,
+        "comm_counts": comm_log[0],
+        "grad_placements_match": all(comm_log[1].values()),
+        "param_opt_bytes": local_bytes(list(model.parameters()) + list(opt.state["exp_avg"].values())
+                                       + list(opt.state["exp_avg_sq"].values())),
+        "wrong_mode_error": wrong_mode_error,
+        "bf16": (bf16_weight_dtype, logits.dtype, p.dtype, p.grad.dtype, tuple(p.grad.placements)),
+    }
+
+
+@functools.cache
+def sharded_run(mode: str, world_size: int, dp_replicate: int = 1, steps: int = STEPS) -> list[dict]:
+    """One spawn per configuration, shared by the init, numerics and memory tests."""
+    return run_distributed(_sharded_run, world_size=world_size, args=(mode, dp_replicate, steps))
+
+
+@functools.cache
+def reference_run(steps: int, dp_size: int):
+    model = build_model(tiny_args(), seed=SEED)
+    params_bytes = local_bytes(model.parameters())
+    losses, norms, _ = train(model, global_batches(dp_size, steps))
+    return losses, norms, params_bytes
+
+
+CONFIGS = {  # id: (mode, world_size, dp_replicate, steps)
+    "fully_shard-2": ("fully_shard", 2, 1, STEPS),
+    "replicate-2": ("replicate", 2, 2, STEPS),
+    "hybrid_shard-2x2": ("hybrid_shard", 4, 2, 10),  # 4 ranks on 2 cores: fewer steps
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# ParallelDims
+# ---------------------------------------------------------------------------------------------
+
+
+def test_parallel_dims_resolves_dp_shard_and_mode():
+    assert ParallelDims(world_size=1).dp_shard == 1
+    assert ParallelDims(world_size=1).mode == "none"
+    assert ParallelDims(world_size=8).dp_shard == 8
+    assert ParallelDims(world_size=8).mode == "fully_shard"
+    d = ParallelDims(dp_replicate=2, world_size=8)
+    assert (d.dp_shard, d.dp_size, d.mode) == (4, 8, "hybrid_shard")
+    assert ParallelDims(dp_replicate=4, world_size=4).mode == "replicate"
+    assert ParallelDims(dp_replicate=1, dp_shard=2, world_size=2).mode == "fully_shard"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(dp_replicate=0, world_size=2), r"--parallelism.dp_replicate must be >= 1"),
+        (dict(dp_shard=0, world_size=2), r"--parallelism.dp_shard must be >= 1 or -1"),
+        (dict(dp_shard=-2, world_size=2), r"--parallelism.dp_shard must be >= 1 or -1"),
+        (dict(dp_replicate=3, world_size=4), r"dp_replicate \(3\) must divide the world size \(4\)"),
+        (dict(dp_replicate=2, dp_shard=2, world_size=8), r"\(2\) \* --parallelism.dp_shard \(2\) must equal the "
+                                                         r"world size \(8\)"),
+        (dict(world_size=0), r"world size must be >= 1"),
+    ],
+)
+def test_parallel_dims_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        ParallelDims(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_single_process_needs_no_mesh():
+    assert ParallelDims(world_size=1).build_mesh("cpu") is None
+    assert dp_rank_and_size(None) == (0, 1)
+    assert default_mixed_precision("cpu") == MixedPrecision(torch.float32, torch.float32)
+    assert default_mixed_precision("cuda") == MixedPrecision(torch.bfloat16, torch.float32)
+    with torch.device("meta"):
+        model = Transformer(tiny_args())
+    model = materialize_and_init(model, None, mode="none", mp=MixedPrecision(), device=torch.device("cpu"), seed=SEED)
+    expected = build_model(tiny_args(), seed=SEED).state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    torch.testing.assert_close(model.rope_cache, build_model(tiny_args(), seed=SEED).rope_cache, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="data parallel mode must be one of"):
+        materialize_and_init(model, None, mode="zero3", mp=MixedPrecision(), device="cpu", seed=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded runs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["fully_shard-2", "hybrid_shard-2x2", "replicate-2"])
+def test_sharded_init_is_bitwise_single_process(config):
+    mode, world_size, dp_replicate, steps = CONFIGS[config]
+    results = sharded_run(mode, world_size, dp_replicate, steps)
+    expected = build_model(tiny_args(), seed=SEED).state_dict()
+    for rank, result in enumerate(results):
+        assert result["init"].keys() == expected.keys()  # original names, no parametrization keys
+        for name, value in expected.items():
+            assert torch.equal(result["init"][name], value), f"rank {rank}: {name}"
+        assert result["storage_is_local"]
+    assert [r["dp"] for r in results] == [(rank, world_size) for rank in range(world_size)]
+    assert results[0]["mesh_dim_names"] == {"fully_shard": ("dp_shard",), "replicate": ("dp_replicate",),
+                                            "hybrid_shard": ("dp_replicate", "dp_shard")}[mode]
+
+
+@pytest.mark.parametrize("config", ["fully_shard-2", "replicate-2", "hybrid_shard-2x2"])
+def test_sharded_training_matches_single_process(config):
+    mode, world_size, dp_replicate, steps = CONFIGS[config]
+    results = sharded_run(mode, world_size, dp_replicate, steps)
+    ref_losses, ref_norms, _ = reference_run(steps, world_size)
+    assert ref_losses[-1] < ref_losses[0] - 0.3  # it trains, so a mismatch would show
+    for result in results:
+        torch.testing.assert_close(result["losses"], ref_losses, rtol=0, atol=1e-5)
+        torch.testing.assert_close(result["norms"], ref_norms, rtol=1e-5, atol=1e-5)
+        assert result["grad_placements_match"]
+
+    # The collectives really ran: one all-gather per parameter in the forward (21 = 2 blocks * 9
+    # + embedding + norm + output), and the matching gradient reduction in the backward.
+    counts = results[0]["comm_counts"]
+    n_params = 21
+    expected = {
+        "replicate": {"all_reduce": n_params},
+        "fully_shard": {"all_gather_into_tensor": n_params, "reduce_scatter_tensor": n_params},
+        # reduce-scatter within each shard group, then all-reduce across the replicas
+        "hybrid_shard": {"all_gather_into_tensor": n_params, "reduce_scatter_tensor": n_params,
+                         "all_reduce": n_params},
+    }[mode]
+    assert counts == expected
+
+
+@pytest.mark.parametrize("config", ["fully_shard-2", "hybrid_shard-2x2"])
+def test_bf16_compute_keeps_fp32_master_weights_and_grads(config):
+    mode, world_size, dp_replicate, steps = CONFIGS[config]
+    for result in sharded_run(mode, world_size, dp_replicate, steps):
+        weight, logits, master, grad, grad_placements = result["bf16"]
+        assert (weight, logits, master, grad) == (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32)
+        assert grad_placements[-1].is_shard()
+
+
+@pytest.mark.parametrize("config", ["fully_shard-2", "replicate-2"])
+def test_data_parallel_rejects_a_second_layout(config):
+    for result in sharded_run(*CONFIGS[config]):
+        assert "is already distributed as" in result["wrong_mode_error"]
+        assert "\n" not in result["wrong_mode_error"]
+
+
+def test_fully_shard_halves_parameter_and_optimizer_memory():
+    (mode, world_size, dp_replicate, steps) = CONFIGS["fully_shard-2"]
+    results = sharded_run(mode, world_size, dp_replicate, steps)
+    _, _, unsharded_param_bytes = reference_run(steps, world_size)
+    unsharded = 3 * unsharded_param_bytes  # parameters + two AdamW moments of the same size
+    for result in results:
+        assert result["param_opt_bytes"] / unsharded == pytest.approx(0.5, abs=0.01)

@@ -1,0 +1,18 @@
+"""Parallelism: device mesh sizes (mesh.py) and SimpleFSDP data parallelism (simple_fsdp.py)."""
+
+from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
+from titan_tpu.parallel.simple_fsdp import (
+    MixedPrecision,
+    data_parallel,
+    default_mixed_precision,
+    materialize_and_init,
+)
+
+__all__ = [
+    "MixedPrecision",
+    "ParallelDims",
+    "data_parallel",
+    "default_mixed_precision",
+    "dp_rank_and_size",
+    "materialize_and_init",
+]

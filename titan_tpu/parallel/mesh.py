@@ -1,0 +1,81 @@
+"""Parallelism sizes and the device mesh built from them.
+
+Only data parallelism exists today (replicate, fully shard, or both = hybrid shard). The sizes
+are validated here, once, so every later piece can trust them; tensor/context/expert/pipeline
+axes will join `ParallelDims` as further factors of the world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelDims", "dp_rank_and_size", "DP_AXES"]
+
+# Mesh axis names, outermost first. Replicas are the outer axis so that the shard groups (which
+# all-gather every layer) are the inner, usually faster-connected, neighbours.
+DP_AXES = ("dp_replicate", "dp_shard")
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the world size leaves after the other axes (TorchTitan)
+    world_size: int = 1
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {self.world_size}; check how the job was launched")
+        if self.dp_replicate < 1:
+            raise ValueError(f"--parallelism.dp_replicate must be >= 1, got {self.dp_replicate}")
+        if self.dp_shard == -1:
+            if self.world_size % self.dp_replicate != 0:
+                raise ValueError(f"--parallelism.dp_replicate ({self.dp_replicate}) must divide the world size "
+                                 f"({self.world_size}) when --parallelism.dp_shard is -1")
+            self.dp_shard = self.world_size // self.dp_replicate
+        if self.dp_shard < 1:
+            raise ValueError(f"--parallelism.dp_shard must be >= 1 or -1 (use the rest), got {self.dp_shard}")
+        if self.dp_replicate * self.dp_shard != self.world_size:
+            raise ValueError(f"--parallelism.dp_replicate ({self.dp_replicate}) * --parallelism.dp_shard "
+                             f"({self.dp_shard}) must equal the world size ({self.world_size}); change one of them")
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mode(self) -> str:
+        """"none" | "replicate" | "fully_shard" | "hybrid_shard" (the data_parallel mode)."""
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            return "hybrid_shard"
+        if self.dp_shard > 1:
+            return "fully_shard"
+        if self.dp_replicate > 1:
+            return "replicate"
+        return "none"
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The data-parallel mesh over the (already initialised) default process group, or None
+        on a single process, where the model stays plain tensors."""
+        if self.world_size == 1:
+            return None
+        shape_by_axis = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        # Keep only the axes in use: a size-1 axis would only add an empty collective per layer.
+        axes = tuple(a for a in DP_AXES if shape_by_axis[a] > 1)
+        return init_device_mesh(device_type, tuple(shape_by_axis[a] for a in axes), mesh_dim_names=axes)
+
+
+def dp_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """This process's index among all data-parallel ranks, and their number (for the data
+    loader: every dp rank reads different rows; ranks differing only along other axes read the
+    same). Replicate-major, matching the mesh layout."""
+    if mesh is None:
+        return 0, 1
+    rank, size = 0, 1
+    for axis in DP_AXES:
+        if axis in (mesh.mesh_dim_names or ()):
+            axis_size = mesh.size(mesh.mesh_dim_names.index(axis))
+            rank = rank * axis_size + mesh.get_local_rank(axis)
+            size *= axis_size
+    return rank, size

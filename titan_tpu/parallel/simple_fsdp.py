@@ -1,0 +1,183 @@
+"""SimpleFSDP: data parallelism as DTensor parameters plus one parametrization.
+
+Every parameter is stored as a DTensor on the data-parallel mesh: sharded on dim 0 across
+`dp_shard` (fully_shard), whole on every rank (replicate), or both (hybrid_shard). Reading
+`module.weight` returns the parameter redistributed to a full, replicated plain tensor in the
+compute dtype. So the forward holds an all-gather per parameter and, through DTensor's autograd,
+the backward a reduce-scatter (shard axis) and/or an all-reduce (replicate axis) of the gradient.
+The model code does not change, and because the collectives are ordinary ops they appear as
+graph nodes when the step is traced, where a compiler can bucket, overlap or reorder them.
+
+Gradients land on the stored parameters as DTensors with the parameters' placements, so
+clipping and the optimizer run on local shards (optimizer state is sharded like its parameter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+
+__all__ = ["MixedPrecision", "data_parallel", "default_mixed_precision", "materialize_and_init", "MODES"]
+
+MODES = ("replicate", "fully_shard", "hybrid_shard")
+
+
+@dataclass
+class MixedPrecision:
+    """Compute and gradient-reduction dtypes. Stored (master) parameters and the optimizer state
+    keep the dtype the model was built in (fp32)."""
+
+    param_dtype: torch.dtype = torch.float32  # dtype parameters are all-gathered to and computed in
+    reduce_dtype: torch.dtype = torch.float32  # dtype gradients are reduced in
+
+
+def default_mixed_precision(device_type: str) -> MixedPrecision:
+    """fp32 throughout on CPU (bf16 matmuls there are ~100x slower); bf16 compute with fp32
+    gradient reduction on accelerators."""
+    if device_type == "cpu":
+        return MixedPrecision()
+    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _placements(mode: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
+    if mode not in MODES:
+        raise ValueError(f"data parallel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    placements = {
+        "replicate": (Replicate(),),
+        "fully_shard": (Shard(0),),
+        "hybrid_shard": (Replicate(), Shard(0)),
+    }[mode]
+    if mesh.ndim != len(placements):
+        raise ValueError(f"data parallel mode {mode!r} needs a {len(placements)}-D mesh, got {mesh.ndim}-D "
+                         f"{mesh.mesh_dim_names}; build the mesh with ParallelDims")
+    return placements
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding parameters
+# ---------------------------------------------------------------------------------------------
+
+
+def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_data_rank: int | None) -> None:
+    """Replace every plain parameter of `module` (recursively) by an nn.Parameter holding a DTensor.
+
+    src_data_rank=None: every rank already holds the same full values and keeps its own slice
+    without communicating; an int: that rank's values are scattered/broadcast to the others.
+    """
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
+            local = dt.to_local()
+            if local.untyped_storage().data_ptr() == param.untyped_storage().data_ptr() and any(
+                p.is_shard() for p in placements
+            ):
+                # The shard may be a view into the full tensor, which would keep the full tensor
+                # alive; copy it so the full-size storage is freed.
+                local = local.clone()
+                dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=dt.shape, stride=dt.stride())
+            sub._parameters[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parametrization: module.weight -> all-gathered plain tensor
+# ---------------------------------------------------------------------------------------------
+
+
+def _replicate_for_compute(param: DTensor, mp: MixedPrecision) -> torch.Tensor:
+    ndim = param.device_mesh.ndim
+    full = param.redistribute(
+        placements=[Replicate()] * ndim, forward_dtype=mp.param_dtype, backward_dtype=mp.reduce_dtype
+    )
+    # Each rank's gradient w.r.t. the full weight covers only its own micro-batch rows: a partial
+    # sum. Declaring it Partial makes the backward reduce it into the parameter's placements
+    # (reduce-scatter on a Shard axis, all-reduce on a Replicate axis).
+    return full.to_local(grad_placements=[Partial()] * ndim)
+
+
+_PARAMETRIZED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _parametrize_module(module: nn.Module, mp: MixedPrecision) -> None:
+    """Swap `module`'s class for a subclass whose parameter names are properties returning the
+    gathered tensor. The DTensor parameters stay in `module._parameters` under their original
+    names, so named_parameters(), state_dict() and load_state_dict() see them unchanged (unlike
+    torch.nn.utils.parametrize, which renames them to `parametrizations.<name>.original`)."""
+    names = tuple(n for n, p in module._parameters.items() if p is not None)
+    if not names:
+        return
+    module._simple_fsdp_mp = mp  # read by the properties; per instance, so classes can be shared
+    cls = type(module)
+    if getattr(cls, "_simple_fsdp_names", None) == names:
+        return  # already parametrized
+    key = (cls, names)
+    if key not in _PARAMETRIZED_CLASSES:
+        # A data descriptor on the class wins over nn.Module.__getattr__ (which is only consulted
+        # when normal lookup fails). Assigning a Parameter still goes through nn.Module.__setattr__
+        # into _parameters, so load_state_dict(assign=True) and to_empty keep working.
+        props = {
+            n: property(lambda self, n=n: _replicate_for_compute(self._parameters[n], self._simple_fsdp_mp))
+            for n in names
+        }
+        props["_simple_fsdp_names"] = names
+        _PARAMETRIZED_CLASSES[key] = type(f"SimpleFSDP{cls.__name__}", (cls,), props)
+    module.__class__ = _PARAMETRIZED_CLASSES[key]
+
+
+def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPrecision) -> nn.Module:
+    """Make `model` data parallel on `mesh` in place (and return it).
+
+    Parameters that are still plain tensors are distributed from rank 0 (so ranks need not agree
+    beforehand); ones that are already DTensors (see `materialize_and_init`) are kept as they are.
+    """
+    placements = _placements(mode, mesh)
+    _distribute_params(model, mesh, placements, src_data_rank=0)
+    for name, param in model.named_parameters():
+        if param.device_mesh != mesh or tuple(param.placements) != placements:
+            raise ValueError(f"parameter {name} is already distributed as {param.placements}; data_parallel "
+                             f"expects {placements} (mode {mode!r}): build the model again for another layout")
+    for sub in model.modules():
+        _parametrize_module(sub, mp)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Meta model -> initialised, sharded model
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def materialize_and_init(
+    model: nn.Module, mesh: DeviceMesh | None, *, mode: str, mp: MixedPrecision, device: torch.device, seed: int
+) -> nn.Module:
+    """Initialise a meta-device Transformer on `device`, sharded on `mesh` (plain when None).
+
+    Walks `model.init_plan()`: each piece (embedding, one block, final norm, output) is
+    materialised at full size, initialised, and immediately sharded, so a rank never holds more
+    than one piece at full size. Every rank seeds the global RNG identically and draws the full
+    pieces in the single-process order, so the weights are bitwise those of
+    `build_model(args, seed=seed)` whatever the number of ranks, with no communication.
+    """
+    device = torch.device(device)
+    if mesh is None:
+        if mode not in ("none", *MODES):
+            raise ValueError(f"data parallel mode must be one of none, {', '.join(MODES)}, got {mode!r}")
+        model.to_empty(device=device)
+        torch.manual_seed(seed)
+        model.init_weights()
+        return model
+    placements = _placements(mode, mesh)
+    torch.manual_seed(seed)
+    for _, piece, init in model.init_plan():
+        piece.to_empty(device=device)
+        init()
+        _distribute_params(piece, mesh, placements, src_data_rank=None)
+    model.init_buffers(device)  # RoPE table: cheap, recomputed whole on every rank
+    leftover = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert not leftover, f"init_plan missed parameters: {leftover}"
+    return data_parallel(model, mesh, mode=mode, mp=mp)
