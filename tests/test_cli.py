@@ -10,6 +10,7 @@ from titan_tpu.cli import main
 from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
 from titan_tpu.models.hf_checkpoint import load_model_from_hf, save_hf_checkpoint
 from titan_tpu.models.registry import build_model
+from titan_tpu.train.checkpoint import load_checkpoint
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 LLAMA_DEBUG = str(CONFIGS / "llama3_debug.toml")
@@ -90,7 +91,7 @@ def test_convert_round_trip_and_finetune_start(tmp_path, train_overrides, capsys
     assert (tmp_path / "hf/tokenizer.json").read_bytes() == (tmp_path / "run/tokenizer.json").read_bytes()
 
     # The export carries the trained weights: logits equal those of the checkpointed model.
-    state = torch.load(tmp_path / "run/checkpoints/step-00000002/state.pt", weights_only=False)
+    state = load_checkpoint(tmp_path / "run/checkpoints/step-00000002")
     name, args, exported = load_model_from_hf(tmp_path / "hf")
     trained = build_model(args)
     trained.load_state_dict(state["model"])
@@ -107,7 +108,7 @@ def test_convert_round_trip_and_finetune_start(tmp_path, train_overrides, capsys
     code, _, err = run_cli(capsys, "convert", "--hf-dir", str(tmp_path / "hf"), "--to-checkpoint",
                            str(tmp_path / "imported"))
     assert code == 0, err
-    imported = torch.load(tmp_path / "imported/step-00000000/state.pt", weights_only=False)
+    imported = load_checkpoint(tmp_path / "imported/step-00000000")
     for key, value in state["model"].items():
         torch.testing.assert_close(imported["model"][key], value, rtol=0, atol=0)
     for start in (tmp_path / "imported", tmp_path / "hf"):

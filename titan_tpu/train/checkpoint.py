@@ -1,53 +1,72 @@
-"""Single-process training checkpoints that are written atomically and resume exactly.
+"""Sharded training checkpoints (torch.distributed.checkpoint) that are atomic, resume exactly and reshard.
 
 Layout under ``<run>/checkpoints/``::
 
-    step-00000100/state.pt     model, optimizer, data position, RNG, step, model identity
-    step-00000200/state.pt
-    latest                     text file naming the newest *complete* checkpoint ("step-00000200")
+    step-00000100/
+        .metadata             DCP's index of every tensor shard (written by rank 0)
+        __0_0.distcp ...      DCP shard files, one or more per rank ("model" and "optimizer" tensors)
+        rng-rank0.pt ...      each rank's RNG state (per-rank, so it cannot go through DCP, which dedups)
+        checkpoint.json       global non-tensor state (step, data position, model identity), the world
+                              size and the size of every file above; written last: the completion marker
+    latest                    text file naming the newest *complete* checkpoint ("step-00000100")
 
-A checkpoint is first written into a hidden temporary directory, flushed to disk and then renamed
-into place; only after that does ``latest`` move (itself replaced atomically). A process killed at
-any moment therefore leaves either the old or the new checkpoint complete, with ``latest`` on a
-complete one. Sharded (DCP) checkpoints replace this file format in the SimpleFSDP issue; the
-directory protocol stays.
+Every rank writes into the hidden directory ``.step-XXXXXXXX.tmp``. Once all ranks have finished,
+rank 0 writes ``checkpoint.json``, fsyncs, renames the directory to ``step-XXXXXXXX``, moves
+``latest`` (itself replaced atomically) and prunes old checkpoints. A process killed at any moment
+therefore leaves ``latest`` on a complete checkpoint, and no partial directory is ever visible.
+
+Loading goes through DCP into the caller's own tensors: their placements (plain tensors, or DTensors
+on any mesh) define the target sharding, so a checkpoint saved on N ranks loads on M ranks.
+Works with or without an initialized process group.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import random
 import shutil
+import threading
+import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-STATE_FILE = "state.pt"
+# DCP warns on every single-process save/load that it "assumes" a single process; that is our intent.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+STATE_FILE = "checkpoint.json"  # global state + completion marker
+DCP_METADATA = ".metadata"  # DCP's own index file
 LATEST = "latest"
+FORMAT_VERSION = 1
+
+# Keys of the state dict whose tensors go through DCP (sharded, resharded on load). Non-tensor leaves
+# inside them (the optimizer's step count) are stored by DCP as pickled bytes and loaded back in place.
+TENSOR_KEYS = ("model", "optimizer")
+# Per-rank state, saved as one small file per rank.
+RNG_KEY = "rng"
+# Every other key is global (identical on all ranks) and must be JSON-serialisable.
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def rng_file_name(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+# ---------------------------------------------------------------------------------------------
+# RNG
 
 
 def rng_state() -> dict[str, Any]:
@@ -64,36 +83,159 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
+# ---------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    _write_durably(tmp, text.encode())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _json_normalized(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples become lists), so comparisons match saved data."""
+    return json.loads(json.dumps(value))
+
+
+def _cause(e: BaseException) -> str:
+    """One line naming the underlying error (a DCP CheckpointException wraps every rank's failure)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        inner = next(iter(e.failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        e = inner
+    first_line = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {first_line}"
+
+
+def _split_state(state: dict[str, Any]) -> tuple[dict, Any, dict]:
+    """(tensor part for DCP, this rank's RNG state or None, global JSON part)."""
+    tensors = {k: state[k] for k in TENSOR_KEYS if k in state}
+    meta = {k: v for k, v in state.items() if k not in TENSOR_KEYS and k != RNG_KEY}
+    try:
+        json.dumps(meta)
+    except TypeError as e:
+        raise ValueError(f"checkpoint state outside {TENSOR_KEYS} must be JSON-serialisable ({e}); put tensors "
+                         "under 'model' or 'optimizer'") from None
+    return tensors, state.get(RNG_KEY), meta
+
+
+# ---------------------------------------------------------------------------------------------
+# saving
+
+
 class Checkpointer:
-    def __init__(self, checkpoint_dir: str | Path, *, keep_latest_k: int = 0):
+    """Writes step checkpoints under ``checkpoint_dir``; every rank must call ``save``/``wait``/``close``.
+
+    With ``async_save=True`` the tensors are copied to host memory (DCP's staging) and written by a
+    background thread, so training continues; the step directory appears (rename + ``latest``) as
+    soon as the write finishes. Call ``close()`` before the process exits.
+    """
+
+    def __init__(self, checkpoint_dir: str | Path, *, keep_latest_k: int = 0, async_save: bool = False):
         self.dir = Path(checkpoint_dir)
         self.keep_latest_k = keep_latest_k
+        self.async_save = async_save
+        self._pending: _PendingSave | None = None
+        self._async_group = None
+        if async_save and _distributed():
+            # DCP's background thread runs its own collectives (plan exchange, completion). On the
+            # training group they would interleave with the step's collectives in a different order
+            # on each rank; a separate gloo group also works for any device (async save needs CPU).
+            # new_group is collective: every rank constructs its Checkpointer at the same point.
+            self._async_group = dist.new_group(backend="gloo")
+
+    # -- public API --------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write ``state`` as the checkpoint of ``step``; returns its directory."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Write ``state`` as the checkpoint of ``step``; returns its (final) directory.
+
+        Synchronous saves return once the directory is complete and ``latest`` names it; async
+        saves return once the tensors are staged, and the directory appears later (see ``wait``).
+        """
+        self.wait()  # one save in flight at a time; the previous one must be complete first
+        tensors, rng, meta = _split_state(state)
         final = self.dir / step_dir_name(step)
-        tmp = self.dir / f".{final.name}.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        with (tmp / STATE_FILE).open("wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(self.dir)
-        _atomic_write_text(self.dir / LATEST, final.name + "\n")
-        self._prune()
+        tmp = self.dir / f".{final.name}.tmp"
+        rank = _rank()
+        if rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # debris of a save that died
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        _barrier()  # the directory exists before any rank writes into it
+        if rng is not None:
+            _write_durably(tmp / rng_file_name(rank), _torch_bytes(rng))
+        meta = {**meta, "format": FORMAT_VERSION, "world_size": _world_size()}
+        # Without a process group DCP must not attempt collectives (it would infer this too, noisily).
+        no_dist = not _distributed()
+        writer = FileSystemWriter(tmp)  # sync_files=True: every shard is fsynced
+        if not self.async_save:
+            dcp.save(tensors, storage_writer=writer, no_dist=no_dist)
+            _barrier()
+            if rank == 0:
+                self._finalize(tmp, final, meta)
+            _barrier()  # no rank races ahead (e.g. reads ``latest``) before the rename
+            return final
+        future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group, no_dist=no_dist)
+        self._pending = _PendingSave(future, finalize=(lambda: self._finalize(tmp, final, meta)) if rank == 0 else None)
         return final
 
+    def wait(self) -> None:
+        """Block until the async save in flight (if any) is written and renamed into place."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+            _barrier()
+
+    def close(self) -> None:
+        """Finish any async save; call before exit (also safe for synchronous checkpointers)."""
+        self.wait()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def complete_checkpoints(self) -> list[Path]:
-        """Complete checkpoint directories, oldest first (temporary ones are ignored)."""
+        """Complete checkpoint directories, oldest first (hidden temporary ones are ignored)."""
         if not self.dir.is_dir():
             return []
-        found = [p for p in self.dir.glob("step-*") if (p / STATE_FILE).is_file()]
+        found = [p for p in self.dir.glob("step-*") if _is_complete(p)]
         return sorted(found, key=lambda p: p.name)
 
     def latest(self) -> Path | None:
@@ -101,29 +243,223 @@ class Checkpointer:
         pointer = self.dir / LATEST
         if pointer.is_file():
             named = self.dir / pointer.read_text().strip()
-            if (named / STATE_FILE).is_file():
+            if _is_complete(named):
                 return named
         found = self.complete_checkpoints()
         return found[-1] if found else None
 
+    def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+        """Same as the module-level ``load`` (here for symmetry with ``save``)."""
+        return load(path, state)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _finalize(self, tmp: Path, final: Path, meta: dict) -> None:
+        """Rank 0, after every rank's files are written: marker, fsync, rename, pointer, prune."""
+        # Record every file's size, so a truncated or missing shard is caught before DCP reads it.
+        meta = {**meta, "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}}
+        _write_durably(tmp / STATE_FILE, (json.dumps(meta, indent=1) + "\n").encode())
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        _atomic_write_text(self.dir / LATEST, final.name + "\n")
+        self._prune()
+
     def _prune(self) -> None:
+        # Hidden directories of saves that died (only one save is ever in flight, and it just finished).
+        for stale in self.dir.glob(".step-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
         if self.keep_latest_k <= 0:
             return
         for old in self.complete_checkpoints()[: -self.keep_latest_k]:
             shutil.rmtree(old, ignore_errors=True)
-        for stale in self.dir.glob(".step-*.tmp-*"):  # left behind by a process that died mid-save
-            shutil.rmtree(stale, ignore_errors=True)
+
+
+class _PendingSave:
+    """An async DCP save whose directory rank 0 renames into place as soon as the write finishes.
+
+    The rename runs in DCP's completion callback (file operations only, no collectives), so a
+    finished checkpoint becomes visible without waiting for the next ``save``/``close``.
+    """
+
+    def __init__(self, future: Future, *, finalize):
+        self.future = future
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+        def on_done(f: Future) -> None:
+            try:
+                if f.exception() is None and finalize is not None:
+                    finalize()
+            except BaseException as e:  # surfaced by result() in the main thread
+                self.error = e
+            finally:
+                self.done.set()
+
+        future.add_done_callback(on_done)
+
+    def result(self) -> None:
+        self.future.result()  # raises the write's own error, if any
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / STATE_FILE).is_file() and (path / DCP_METADATA).is_file()
+
+
+def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """The global state of a checkpoint (step, data, model identity, world size), after checking
+    that the directory is a complete, untruncated checkpoint. One-line errors otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint at {path}; point at a step-XXXXXXXX directory under "
+                                "<run>/checkpoints")
+    if not _is_complete(path):
+        raise ValueError(f"{path} is not a complete checkpoint (no {STATE_FILE} or {DCP_METADATA}); point at a "
+                         "step-XXXXXXXX directory under <run>/checkpoints")
+    try:
+        meta = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {path} is damaged ({STATE_FILE}: {e}); delete it to fall back to an "
+                         "older checkpoint") from None
+    for name, size in meta.get("files", {}).items():
+        file = path / name
+        actual = file.stat().st_size if file.is_file() else None
+        if actual != size:
+            found = "missing" if actual is None else f"{actual} bytes instead of {size}"
+            raise ValueError(f"checkpoint {path} is damaged ({name} is {found}); delete it to fall back to an "
+                             "older checkpoint")
+    return meta
+
+
+def check_model_identity(path: Path, meta: dict, *, model_name: Any, model_args: Any) -> None:
+    if meta.get("model_name") != model_name or meta.get("model_args") != _json_normalized(model_args):
+        raise ValueError(f"checkpoint {path} holds a {meta.get('model_name')} model with other dimensions than "
+                         f"{model_name}; use another --output_dir or the matching --model.name/--model.flavor")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"a.b.c": leaf}, the names DCP gives the entries it saves."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _check_targets(path: Path, reader: FileSystemReader, targets: dict[str, Any]) -> None:
+    """Shape/presence errors as one clear line, before DCP reports them wrapped per rank."""
+    saved = reader.read_metadata().state_dict_metadata
+    for key, value in _flatten(targets).items():
+        if key not in saved:
+            raise ValueError(f"checkpoint {path} has no {key!r}; it was saved without it (e.g. a weights-only "
+                             "checkpoint): load only the parts it holds")
+        md = saved[key]
+        if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata) and md.size != value.shape:
+            raise ValueError(f"checkpoint {path} holds {key} of shape {tuple(md.size)}, the model expects "
+                             f"{tuple(value.shape)}; use the matching --model.* settings")
+
+
+def load(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+    """Load checkpoint ``path`` IN PLACE into ``state``; every rank must call it. Returns the rest.
+
+    ``state`` has the shape of what was saved, holding the tensors to fill: ``state["model"]`` and
+    ``state["optimizer"]`` (either may be absent; plain tensors or DTensors, whose placements define
+    the target sharding, whatever the sharding at save time). Non-tensor leaves in them (the
+    optimizer's ``step``) are replaced in the dicts. If ``state`` has ``model_name``/``model_args``,
+    they must match the checkpoint's (ValueError otherwise).
+
+    Returns the checkpoint's global state -- ``step``, ``data``, ``model_name``, ``model_args`` and
+    any other global key that was saved -- plus ``world_size`` (of the run that saved it) and ``rng``:
+    this rank's RNG state if the world size is unchanged, else None (per-rank RNG streams have no
+    meaning on another number of ranks; the caller keeps its freshly seeded RNG).
+    """
+    path = Path(path)
+    meta = read_checkpoint_meta(path)
+    if "model_name" in state or "model_args" in state:
+        check_model_identity(path, meta, model_name=state.get("model_name"), model_args=state.get("model_args"))
+    targets = {k: state[k] for k in TENSOR_KEYS if k in state}
+    reader = FileSystemReader(path)
+    try:
+        _check_targets(path, reader, targets)
+        dcp.load(targets, storage_reader=reader, no_dist=not _distributed())
+    except ValueError:
+        raise
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise ValueError(f"checkpoint {path} cannot be read ({_cause(e)}); it is damaged: delete it to fall back to "
+                         "an older checkpoint") from None
+    result = {k: v for k, v in meta.items() if k not in ("format", "files")}
+    result["rng"] = None
+    rng_file = path / rng_file_name(_rank())
+    if meta.get("world_size") == _world_size() and rng_file.is_file():
+        result["rng"] = torch.load(rng_file, map_location="cpu", weights_only=False)
+    return result
+
+
+def load_full_state_dict(path: str | Path, *, key: str = "model") -> dict[str, Any]:
+    """The full (unsharded) plain tensors saved under ``state[key]``, read by this process alone.
+
+    Keys are flat, as saved under ``key`` (for the model: its state-dict names). Non-tensor leaves
+    come back too (for the optimizer: ``"step"``; nested groups as ``"exp_avg.<name>"``). For export
+    and conversion (e.g. to Hugging Face): needs no process group and works for a checkpoint saved on
+    any number of ranks. Holds the whole of ``state[key]`` in host memory.
+    """
+    path = Path(path)
+    read_checkpoint_meta(path)
+    reader = FileSystemReader(path)
+    prefix = key + "."
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+        # DCP flattens nested dicts by joining keys with "."; a flat target with the same joined
+        # names maps onto the same entries. Non-tensor entries get a placeholder that DCP replaces.
+        targets = {
+            fqn[len(prefix):]: torch.empty(md.size, dtype=md.properties.dtype)
+            if isinstance(md, TensorStorageMetadata) else None
+            for fqn, md in saved.items() if fqn.startswith(prefix)
+        }
+        dcp.load({key: targets}, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise ValueError(f"checkpoint {path} cannot be read ({_cause(e)}); it is damaged: delete it to fall back to "
+                         "an older checkpoint") from None
+    return targets
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint directory (or its state.pt); one-line errors for missing or broken files."""
+    """Single-process view of a checkpoint, in the shape it was saved: its global state plus
+    ``model`` (and ``optimizer``, if saved) as full plain tensors, ``world_size`` and ``rng``
+    (the saving process's RNG state if it was a single process, else None)."""
     path = Path(path)
-    file = path / STATE_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}: expected {file}; point at a step-XXXXXXXX directory "
-                                "under <run>/checkpoints")
-    try:
-        return torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as e:  # truncated or corrupted file
-        raise ValueError(f"checkpoint {file} cannot be read ({type(e).__name__}: {e}); "
-                         "it is damaged: delete it to fall back to an older checkpoint") from None
+    meta = read_checkpoint_meta(path)
+    result = {k: v for k, v in meta.items() if k not in ("format", "files")}
+    result["model"] = load_full_state_dict(path)
+    flat_optimizer = load_full_state_dict(path, key="optimizer")
+    if flat_optimizer:
+        # Our optimizer state is one level deep: {"step": int, "exp_avg": {name: tensor}, ...}.
+        optimizer: dict[str, Any] = {}
+        for name, value in flat_optimizer.items():
+            group, _, tensor_name = name.partition(".")
+            if tensor_name:
+                optimizer.setdefault(group, {})[tensor_name] = value
+            else:
+                optimizer[group] = value
+        result["optimizer"] = optimizer
+    rng_file = path / rng_file_name(0)
+    single = meta.get("world_size") == 1 and rng_file.is_file()
+    result["rng"] = torch.load(rng_file, map_location="cpu", weights_only=False) if single else None
+    return result
