@@ -27,7 +27,13 @@ def train_main(argv: list[str]) -> int:
     from titan_tpu.train.trainer import Trainer
 
     cfg = build_config(args.config, overrides)
-    Trainer(cfg).train()
+    try:
+        Trainer(cfg).train()
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -45,6 +45,17 @@ class TrainingConfig:
 
 
 @dataclass
+class ParallelismConfig:
+    # Data parallelism with SimpleFSDP under torchrun: dp_replicate x dp_shard must equal the
+    # number of ranks. dp_shard shards parameters, gradients and optimizer state; dp_replicate
+    # keeps whole copies (both > 1: hybrid sharding). Sharded runs keep fp32 master parameters
+    # and compute in model.dtype.
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: all ranks that dp_replicate leaves
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype gradients are reduced in
+
+
+@dataclass
 class OptimizerConfig:
     name: Literal["adamw"] = "adamw"
     lr: float = 8e-4
@@ -92,6 +103,7 @@ class CheckpointConfig:
     interval: int = 100  # save every interval steps (and after the last step)
     keep_latest_k: int = 2  # 0 keeps every checkpoint
     resume: bool = True  # continue from the newest checkpoint in output_dir/checkpoints if there is one
+    async_save: bool = False  # write checkpoints in the background while training goes on
     # Weights to start from when there is nothing to resume: a checkpoint (step, checkpoints/ or run
     # directory) or a Hugging Face model directory. Only the model weights are taken.
     initial_load_path: str = ""
@@ -102,6 +114,7 @@ class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -254,6 +267,9 @@ def validate(cfg: Config) -> None:
                        ("validation.steps", cfg.validation.steps), ("checkpoint.interval", cfg.checkpoint.interval)):
         if value < 1:
             raise ValueError(f"{key} = {value} must be >= 1")
+    if cfg.parallelism.dp_replicate < 1 or (cfg.parallelism.dp_shard < 1 and cfg.parallelism.dp_shard != -1):
+        raise ValueError(f"parallelism.dp_replicate = {cfg.parallelism.dp_replicate} and parallelism.dp_shard = "
+                         f"{cfg.parallelism.dp_shard} must be >= 1 (dp_shard may be -1: the remaining ranks)")
     if cfg.checkpoint.keep_latest_k < 0:
         raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
     if cfg.optimizer.lr <= 0:

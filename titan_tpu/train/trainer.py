@@ -6,8 +6,12 @@ One optimizer step is described once, by the *step contract*::
 
 It consumes ``training.grad_accum_steps`` micro-batches, and afterwards the model parameters and
 optimizer state hold their updated values. ``EagerStep`` implements it with ordinary autograd;
-the Graph Trainer and the sharded trainer provide other implementations of the same contract, so
-the loop around it (data, schedule, validation, metrics, checkpoints) is shared.
+the Graph Trainer provides another implementation of the same contract, so the loop around it
+(data, schedule, validation, metrics, checkpoints, signals) is shared.
+
+Under ``torchrun`` every rank runs this same loop. Parameters are SimpleFSDP DTensors (see
+``parallel/simple_fsdp.py``), each data-parallel rank reads its own rows of the global batch, and
+loss, token counts and validation are reduced across ranks; only rank 0 logs and prints.
 """
 
 from __future__ import annotations
@@ -21,14 +25,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_tpu.config import Config
 from titan_tpu.device import Backend, get_backend
+from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model, flops_per_token, get_model_args
-from titan_tpu.train.checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
+from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
+from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, clip_grad_norm_, lr_at
+from titan_tpu.train.signals import GracefulShutdown
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -38,11 +47,17 @@ def cross_entropy_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torc
     return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), reduction="sum")
 
 
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
 @dataclass
 class StepResult:
-    loss: float  # mean cross-entropy per token over the step's micro-batches
+    loss: float  # mean cross-entropy per token over the step's micro-batches, on all ranks
     grad_norm: float  # global gradient norm before clipping
-    num_tokens: int
+    num_tokens: int  # tokens of the step, on all ranks
 
 
 class EagerStep:
@@ -50,18 +65,21 @@ class EagerStep:
 
     The in-place forms of clipping and AdamW run the same arithmetic as the pure functions the
     graph trainer traces, without allocating a second copy of gradients, weights and moments.
+    With SimpleFSDP the parameters and gradients are DTensors; the code is the same.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float):
+    def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float, dp_size: int = 1):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = max_norm
+        self.dp_size = dp_size
         self.params = dict(model.named_parameters())
 
     def __call__(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
-        # Normalise by the tokens of the whole step, so k micro-batches of b sequences give the same
-        # gradient as one batch of k*b sequences.
-        num_tokens = sum(labels.numel() for _, labels in micro_batches)
+        # Normalise by the tokens of the whole step on all ranks (every rank has the same batch
+        # shape), so k micro-batches of b sequences on each of n ranks give the same gradient as
+        # one batch of n*k*b sequences: the gradient reduction then only has to sum.
+        num_tokens = sum(labels.numel() for _, labels in micro_batches) * self.dp_size
         loss_sum = torch.zeros((), device=micro_batches[0][0].device)
         for inputs, labels in micro_batches:
             loss = cross_entropy_sum(self.model(inputs), labels) / num_tokens
@@ -72,11 +90,21 @@ class EagerStep:
         self.optimizer.step(grads, lr=lr)
         for p in self.params.values():
             p.grad = None
+        _all_reduce_sum(loss_sum)  # each rank holds its share of the global mean
         return StepResult(loss=loss_sum.item(), grad_norm=grad_norm.item(), num_tokens=num_tokens)
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("TITAN_TPU_CACHE") or Path.home() / ".cache" / "titan_tpu")
+
+
+def init_distributed(backend: Backend) -> tuple[int, int]:
+    """(rank, world size); joins the process group when launched by torchrun with WORLD_SIZE > 1."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend.process_group_backend)
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 class Trainer:
@@ -86,37 +114,65 @@ class Trainer:
 
         self.cfg = cfg
         self.run_dir = cfg.run_dir
-        t = cfg.training
+        t, p = cfg.training, cfg.parallelism
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         self.backend: Backend = get_backend(t.device)
+        self.rank, self.world_size = init_distributed(self.backend)
+        self.is_main = self.rank == 0
+        self.parallel_dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
+                                          world_size=self.world_size)
+        self.mesh = self.parallel_dims.build_mesh(self.backend.device.type)
+        dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
         torch.manual_seed(t.seed)
 
         self.model_args = get_model_args(cfg.model.name, cfg.model.flavor)
-        self.tokenizer, shards = prepare_dataset(
-            source=None if cfg.data.source == "stdlib" else cfg.data.source,
-            text_field=cfg.data.text_field,
-            max_bytes=cfg.data.max_bytes or None,
-            tokenizer_path=cfg.data.tokenizer_path or None,
-            vocab_size=self.model_args.vocab_size,
-            cache_dir=cfg.data.cache_dir or default_cache_dir(),
-        )
+        # Rank 0 tokenizes (or finds the cache) first; the others then only read the cache.
+        for turn in ("main", "others"):
+            if (turn == "main") == self.is_main:
+                self.tokenizer, shards = prepare_dataset(
+                    source=None if cfg.data.source == "stdlib" else cfg.data.source,
+                    text_field=cfg.data.text_field,
+                    max_bytes=cfg.data.max_bytes or None,
+                    tokenizer_path=cfg.data.tokenizer_path or None,
+                    vocab_size=self.model_args.vocab_size,
+                    cache_dir=cfg.data.cache_dir or default_cache_dir(),
+                )
+            if dist.is_initialized():
+                dist.barrier()
         loader_kwargs = dict(seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
-                             val_fraction=cfg.data.val_fraction)
+                             val_fraction=cfg.data.val_fraction, dp_rank=dp_rank, dp_world_size=self.dp_size)
         self.train_loader = TokenLoader(shards, split="train", **loader_kwargs)
         self.val_loader = TokenLoader(shards, split="val", **loader_kwargs) if cfg.validation.enabled else None
 
-        # The RoPE table only needs the training length (a published 128K table is ~134 MB for 8B);
-        # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
-        self.model = build_model(dataclasses.replace(self.model_args, max_seq_len=t.seq_len),
-                                 device=self.backend.device, dtype=DTYPES[cfg.model.dtype], seed=t.seed)
+        self.model = self._build_model()
         o = cfg.optimizer
         self.optimizer = AdamW(dict(self.model.named_parameters()), beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                                weight_decay=o.weight_decay)
-        self.step_fn = EagerStep(self.model, self.optimizer, max_norm=t.max_norm)
+        self.step_fn = EagerStep(self.model, self.optimizer, max_norm=t.max_norm, dp_size=self.dp_size)
         self.step = 0
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_latest_k=cfg.checkpoint.keep_latest_k)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_latest_k=cfg.checkpoint.keep_latest_k,
+                                         async_save=cfg.checkpoint.async_save)
         self.flops_per_token = flops_per_token(self.model_args, t.seq_len)
+
+    def _build_model(self) -> Transformer:
+        # The RoPE table only needs the training length (a published 128K table is ~134 MB for 8B);
+        # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
+        args = dataclasses.replace(self.model_args, max_seq_len=self.cfg.training.seq_len)
+        dtype, seed = DTYPES[self.cfg.model.dtype], self.cfg.training.seed
+        if self.mesh is None:  # one device: parameters are stored in model.dtype
+            return build_model(args, device=self.backend.device, dtype=dtype, seed=seed)
+        # Sharded: fp32 master parameters, computed in model.dtype, gradients reduced in
+        # parallelism.reduce_dtype. Built on meta and initialised piece by piece.
+        with torch.device("meta"):
+            model = Transformer(args)
+        mp = MixedPrecision(param_dtype=dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
+        return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode, mp=mp,
+                                    device=self.backend.device, seed=seed)
+
+    def log(self, message: str) -> None:
+        if self.is_main:
+            print(message, flush=True)
 
     # ------------------------------------------------------------------------------------------
     # state
@@ -132,38 +188,41 @@ class Trainer:
             "model_args": dataclasses.asdict(self.model_args),
         }
 
-    def load_state_dict(self, state: dict, *, source: Path) -> None:
-        expected = dataclasses.asdict(self.model_args)
-        if state.get("model_name") != self.cfg.model.name or state.get("model_args") != expected:
-            raise ValueError(f"checkpoint {source} holds a {state.get('model_name')} model with other dimensions than "
-                             f"{self.cfg.model.name}/{self.cfg.model.flavor}; use another --output_dir or the "
-                             "matching --model.name/--model.flavor")
-        self.model.load_state_dict(state["model"])
+    def load_checkpoint(self, path: Path) -> None:
+        """Resume everything from a checkpoint, resharding it onto this run's ranks if needed."""
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "model_name": self.cfg.model.name, "model_args": dataclasses.asdict(self.model_args)}
+        rest = load(path, state)  # fills the model's and optimizer's tensors in place
         self.optimizer.load_state_dict(state["optimizer"])
-        self.train_loader.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        self.step = state["step"]
+        self.train_loader.load_state_dict(rest["data"])
+        if rest["rng"] is not None:  # None when the checkpoint came from another number of ranks
+            set_rng_state(rest["rng"])
+        self.step = rest["step"]
 
     def maybe_resume(self) -> None:
         if not self.cfg.checkpoint.resume:
             return
         latest = self.checkpointer.latest()
         if latest is not None:
-            self.load_state_dict(load_checkpoint(latest), source=latest)
-            print(f"resumed from {latest} at step {self.step}")
+            self.load_checkpoint(latest)
+            self.log(f"resumed from {latest} at step {self.step}")
         elif self.cfg.checkpoint.initial_load_path:
             self.load_initial_weights(self.cfg.checkpoint.initial_load_path)
 
+    @torch.no_grad()
     def load_initial_weights(self, path: str | Path) -> None:
         """Start from the weights of a checkpoint or a Hugging Face directory (fine-tuning)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         from titan_tpu.convert import resolve_checkpoint
         from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
 
         path = Path(path)
-        if (path / "config.json").is_file():
-            _, _, weights = load_hf_checkpoint(path)
-        else:
-            weights = load_checkpoint(resolve_checkpoint(path))["model"]
+        if not (path / "config.json").is_file():  # a training checkpoint: DCP loads (and shards) it
+            load(resolve_checkpoint(path), {"model": self.model.state_dict()})
+            self.log(f"initial weights loaded from {path}")
+            return
+        _, _, weights = load_hf_checkpoint(path)
         own = self.model.state_dict()
         for key, value in own.items():
             if key not in weights or weights[key].shape != value.shape:
@@ -173,8 +232,13 @@ class Trainer:
         extra = sorted(set(weights) - set(own))
         if extra:
             raise ValueError(f"checkpoint.initial_load_path {path} has tensors the model lacks, e.g. {extra[0]}")
-        self.model.load_state_dict(weights)
-        print(f"initial weights loaded from {path}")
+        for key, value in own.items():
+            full = weights[key].to(device=value.device, dtype=value.dtype)
+            if isinstance(value, DTensor):  # every rank read the file: keep this rank's shard
+                value.to_local().copy_(distribute_tensor(full, value.device_mesh, value.placements).to_local())
+            else:
+                value.copy_(full)
+        self.log(f"initial weights loaded from {path}")
 
     def save_checkpoint(self) -> Path:
         return self.checkpointer.save(self.step, self.state_dict())
@@ -203,30 +267,35 @@ class Trainer:
     def validate(self) -> float:
         assert self.val_loader is not None
         self.model.eval()
-        loss_sum, tokens = 0.0, 0
+        totals = torch.zeros(2, dtype=torch.float64, device=self.backend.device)  # loss sum, tokens
         for inputs, labels in self.val_loader.val_batches(self.cfg.validation.steps):
             logits = self.model(inputs.to(self.backend.device))
-            loss_sum += cross_entropy_sum(logits, labels.to(self.backend.device)).item()
-            tokens += labels.numel()
+            totals[0] += cross_entropy_sum(logits, labels.to(self.backend.device)).double()
+            totals[1] += labels.numel()
         self.model.train()
-        return loss_sum / tokens
+        _all_reduce_sum(totals)
+        return (totals[0] / totals[1]).item()
 
     def train(self) -> dict:
-        """Run to ``training.steps``; returns a summary with the paths of the run's outputs."""
+        """Run to ``training.steps`` (or until SIGTERM/SIGINT); returns a summary with the paths of
+        the run's outputs."""
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        if self.tokenizer.path is not None:  # travels with the run, e.g. into an HF export
-            shutil.copyfile(self.tokenizer.path, self.run_dir / "tokenizer.json")
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            if self.tokenizer.path is not None:  # travels with the run, e.g. into an HF export
+                shutil.copyfile(self.tokenizer.path, self.run_dir / "tokenizer.json")
         self.maybe_resume()
         peak = self.backend.peak_flops()
-        print(f"model {cfg.model.name}/{cfg.model.flavor}: {sum(p.numel() for p in self.model.parameters()):,} "
-              f"params, {self.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {cfg.training.seq_len}; "
-              f"MFU peak: {self.backend.peak_description()}")
+        self.log(f"model {cfg.model.name}/{cfg.model.flavor}: {_num_params(self.model):,} params, "
+                 f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {cfg.training.seq_len}; "
+                 f"{self.world_size} rank(s), data parallel: {self.parallel_dims.mode}; "
+                 f"MFU peak per device: {self.backend.peak_description()}")
 
-        last_val = None
-        with MetricsLogger(output_dir=self.run_dir, tensorboard=cfg.metrics.tensorboard,
-                           console=cfg.metrics.console, total_steps=cfg.training.steps) as logger:
+        last_val, stopped_by = None, None
+        logger = MetricsLogger(output_dir=self.run_dir, tensorboard=cfg.metrics.tensorboard,
+                               console=cfg.metrics.console, total_steps=cfg.training.steps) if self.is_main else None
+        with GracefulShutdown() as shutdown:
             # Throughput counts only time spent in training steps (each ends in a host sync when its
             # loss is read), not validation or checkpointing.
             window_tokens, window_seconds = 0, 0.0
@@ -238,21 +307,38 @@ class Trainer:
                 window_tokens += result.num_tokens
                 done = self.step == cfg.training.steps
                 if self.step % cfg.metrics.log_freq == 0 or done or self.step == 1:
-                    tokens_per_s = window_tokens / window_seconds
-                    flops = tokens_per_s * self.flops_per_token
+                    tokens_per_s = window_tokens / window_seconds  # all ranks together
+                    flops_per_device = tokens_per_s * self.flops_per_token / self.world_size
                     row = {"loss": result.loss, "lr": self.lr(self.step), "grad_norm": result.grad_norm,
-                           "tokens_per_s": tokens_per_s, "tflops": flops / 1e12, "mfu": 100.0 * flops / peak}
+                           "tokens_per_s": tokens_per_s, "tflops": flops_per_device / 1e12,
+                           "mfu": 100.0 * flops_per_device / peak}
                     row.update(self.backend.memory_stats())
-                    logger.log(self.step, row)
+                    if logger is not None:
+                        logger.log(self.step, row)
                     window_tokens, window_seconds = 0, 0.0
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or done):
                     last_val = self.validate()
-                    logger.log(self.step, {"val_loss": last_val})
-                if cfg.checkpoint.enabled and (self.step % cfg.checkpoint.interval == 0 or done):
+                    if logger is not None:
+                        logger.log(self.step, {"val_loss": last_val})
+                stop = shutdown.should_stop()  # agreed by all ranks, so all of them save together
+                if cfg.checkpoint.enabled and (self.step % cfg.checkpoint.interval == 0 or done or stop):
                     self.save_checkpoint()
+                if stop:
+                    stopped_by = shutdown.signal_name or "a signal on another rank"
+                    break
+        self.checkpointer.close()  # an async save must land before the process ends
+        if logger is not None:
+            logger.close()
 
         latest = self.checkpointer.latest() if cfg.checkpoint.enabled else None
         summary = {"step": self.step, "metrics": str(self.run_dir / "metrics.jsonl"),
-                   "checkpoint": str(latest) if latest else None, "val_loss": last_val}
-        print(f"done: step {self.step}; metrics: {summary['metrics']}; checkpoint: {summary['checkpoint']}")
+                   "checkpoint": str(latest) if latest else None, "val_loss": last_val, "stopped_by": stopped_by}
+        if stopped_by:
+            self.log(f"stopped by {stopped_by} after step {self.step}; restart the same command to resume")
+        self.log(f"done: step {self.step}; metrics: {summary['metrics']}; checkpoint: {summary['checkpoint']}")
         return summary
+
+
+def _num_params(model: torch.nn.Module) -> int:
+    """Parameter count of the whole model, also when parameters are sharded DTensors."""
+    return sum(p.numel() for p in model.parameters())
