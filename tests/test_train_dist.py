@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
 
@@ -86,6 +87,18 @@ def test_two_ranks_match_one_process(tmp_path, cache, reference, layout):
     assert sorted(got) == sorted(reference)
     for step, loss in reference.items():
         assert got[step] == pytest.approx(loss, abs=1e-5), step
+
+    # The sharded checkpoint exports to a Hugging Face directory holding the gathered weights.
+    from titan_tpu.cli import main
+    from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
+    from titan_tpu.train.checkpoint import load_full_state_dict
+
+    assert main(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf")]) == 0
+    _, _, exported = load_hf_checkpoint(tmp_path / "hf")
+    saved = load_full_state_dict(tmp_path / "run" / "checkpoints" / "step-00000020")
+    assert sorted(exported) == sorted(saved)
+    for name, value in saved.items():
+        assert torch.equal(exported[name], value), name
 
 
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
