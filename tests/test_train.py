@@ -83,3 +83,13 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, train_overrides):
     other = build_config(QWEN_DEBUG, train_overrides(training__steps=2))
     with pytest.raises(ValueError, match="use another --output_dir or the matching --model.name"):
         Trainer(other).train()
+
+
+def test_auto_dtype_is_float32_on_cpu_and_bf16_on_accelerators(train_overrides):
+    from titan_tpu.parallel.simple_fsdp import default_mixed_precision
+
+    trainer = Trainer(build_config(LLAMA_DEBUG, train_overrides(model__dtype="auto", training__steps=1)))
+    assert trainer.compute_dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert default_mixed_precision("cuda").param_dtype == torch.bfloat16
+    assert default_mixed_precision("tpu").reduce_dtype == torch.float32

@@ -28,7 +28,9 @@ class JobConfig:
 class ModelConfig:
     name: Literal["llama3", "qwen3"] = "llama3"
     flavor: str = "debug"  # a row of the flavor table, e.g. debug, 1B, 8B (see models/registry.py)
-    dtype: Literal["float32", "bfloat16"] = "float32"  # parameter and compute dtype
+    # Compute dtype; also the storage dtype on one device (sharded runs keep fp32 master weights).
+    # auto: float32 on CPU (bf16 matmuls are ~100x slower there), bfloat16 on CUDA and TPU.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 @dataclass

@@ -33,7 +33,7 @@ from titan_tpu.device import Backend, get_backend
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model, flops_per_token, get_model_args
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
-from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision, materialize_and_init
 from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, clip_grad_norm_, lr_at
@@ -159,7 +159,7 @@ class Trainer:
         # The RoPE table only needs the training length (a published 128K table is ~134 MB for 8B);
         # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
         args = dataclasses.replace(self.model_args, max_seq_len=self.cfg.training.seq_len)
-        dtype, seed = DTYPES[self.cfg.model.dtype], self.cfg.training.seed
+        dtype, seed = self.compute_dtype, self.cfg.training.seed
         if self.mesh is None:  # one device: parameters are stored in model.dtype
             return build_model(args, device=self.backend.device, dtype=dtype, seed=seed)
         # Sharded: fp32 master parameters, computed in model.dtype, gradients reduced in
@@ -169,6 +169,12 @@ class Trainer:
         mp = MixedPrecision(param_dtype=dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
         return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode, mp=mp,
                                     device=self.backend.device, seed=seed)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.cfg.model.dtype == "auto":
+            return default_mixed_precision(self.backend.device.type).param_dtype
+        return DTYPES[self.cfg.model.dtype]
 
     def log(self, message: str) -> None:
         if self.is_main:
