@@ -273,10 +273,11 @@ class Trainer:
     def validate(self) -> float:
         assert self.val_loader is not None
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.backend.device)  # loss sum, tokens
+        # fp32, not fp64: TPUs have no fast fp64, and a few batches' sums fit fp32 well enough.
+        totals = torch.zeros(2, device=self.backend.device)  # loss sum, tokens
         for inputs, labels in self.val_loader.val_batches(self.cfg.validation.steps):
             logits = self.model(inputs.to(self.backend.device))
-            totals[0] += cross_entropy_sum(logits, labels.to(self.backend.device)).double()
+            totals[0] += cross_entropy_sum(logits, labels.to(self.backend.device))
             totals[1] += labels.numel()
         self.model.train()
         _all_reduce_sum(totals)

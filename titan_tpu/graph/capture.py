@@ -1,0 +1,234 @@
+"""Capture one whole training step (forward, loss, backward, clipping, AdamW) as one FX graph.
+
+The step is written once as a pure function of plain tensors::
+
+    (params, exp_avg, exp_avg_sq, inputs_BS, labels_BS, step, lr)
+        -> (new_params, new_exp_avg, new_exp_avg_sq, loss, grad_norm)
+
+and traced with ``make_fx(tracing_mode="fake")``, which records the aten ops that autograd, the
+pure optimizer functions and DTensor dispatch run. Nothing is executed for real while tracing.
+
+Why plain local tensors at the boundary: make_fx refuses real DTensors passed in or closed over.
+So the graph takes each parameter's *local shard* and rebuilds the DTensor inside with
+``DTensor.from_local(..., run_check=False)``. Reading a SimpleFSDP parameter then all-gathers it,
+and its backward reduce-scatters the gradient: both become ``_c10d_functional`` nodes of the graph,
+where a compiler can see (and later bucket or reorder) them.
+
+Optimizer state and ``step``/``lr`` are graph inputs too, so one graph serves every step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from titan_tpu.train.optim import adamw_update, clip_grad_norm
+
+__all__ = ["CapturedStep", "DTensorSpec", "capture_train_step"]
+
+
+def _slices(groups: list[tuple[str, int]]) -> dict[str, slice]:
+    out, start = {}, 0
+    for name, count in groups:
+        out[name] = slice(start, start + count)
+        start += count
+    return out
+
+
+@dataclass(frozen=True)
+class DTensorSpec:
+    """What is needed to rebuild a DTensor parameter from its local shard inside the graph."""
+
+    mesh: object  # DeviceMesh
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def wrap(self, local: Tensor) -> DTensor:
+        # run_check=False: no collective to verify metadata (we know it is right; it came from
+        # the live parameter), and shape/stride given so uneven shards need no communication.
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=self.shape, stride=self.stride)
+
+
+@dataclass
+class CapturedStep:
+    """The traced step and how to feed it.
+
+    Flat inputs: params (param_names order), exp_avg (same order), exp_avg_sq, inputs_BS,
+    labels_BS, step (0-dim float64), lr (0-dim float64), buffers (buffer_names order; make_fx
+    refuses real tensors closed over, so the RoPE table is an input too, never modified).
+    Flat outputs: new params, new exp_avg, new exp_avg_sq (each in param_names order), loss (0-dim, mean per token over all ranks),
+    grad_norm (0-dim, global, before clipping). All are plain (local) tensors.
+    """
+
+    graph_module: torch.fx.GraphModule
+    param_names: list[str]
+    buffer_names: list[str]  # model buffers (e.g. the RoPE table), passed as the last inputs
+    dtensor_specs: dict[str, DTensorSpec]  # empty for a single-process (plain tensor) model
+    example_inputs: list[Tensor]  # fake tensors with the shapes the graph was traced for
+    num_tokens: int  # tokens of one step on all ranks (the loss denominator)
+    capture_seconds: float
+    num_params: int  # global parameter count (full, unsharded sizes)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_inputs(self) -> int:
+        return 3 * len(self.param_names) + 4 + len(self.buffer_names)
+
+    def input_slices(self) -> dict[str, slice]:
+        """Where each group of the flat inputs lies."""
+        n, b = len(self.param_names), len(self.buffer_names)
+        return _slices([("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("inputs_BS", 1), ("labels_BS", 1),
+                        ("step", 1), ("lr", 1), ("buffers", b)])
+
+    def output_slices(self) -> dict[str, slice]:
+        """Where each group of the flat outputs lies."""
+        n = len(self.param_names)
+        return _slices([("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("loss", 1), ("grad_norm", 1)])
+
+    def op_counts(self) -> Counter:
+        """Number of call_function nodes per op (OpOverload name, e.g. 'aten.mm.default')."""
+        return Counter(str(node.target) for node in self.graph_module.graph.nodes if node.op == "call_function")
+
+    def collective_counts(self) -> Counter:
+        return Counter({op: n for op, n in self.op_counts().items() if "_c10d_functional" in op})
+
+    def summary(self) -> str:
+        nodes = list(self.graph_module.graph.nodes)
+        kinds = Counter(node.op for node in nodes)
+        ops = self.op_counts()
+        top = ", ".join(f"{op.removeprefix('aten.')} {n}" for op, n in ops.most_common(8))
+        collectives = self.collective_counts()
+        lines = [
+            f"captured train step: {len(nodes)} nodes ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})",
+            f"  parameters: {len(self.param_names)} tensors, {self.num_params:,} values"
+            + (f", sharded as DTensors on mesh {next(iter(self.dtensor_specs.values())).mesh}"
+               if self.dtensor_specs else ", plain tensors"),
+            f"  inputs: {self.num_inputs} (params, exp_avg, exp_avg_sq, inputs_BS, labels_BS, step, lr, buffers); "
+            f"outputs: {3 * len(self.param_names) + 2}",
+            f"  distinct ops: {len(ops)}; most frequent: {top}",
+            "  collectives: " + (", ".join(f"{op.removeprefix('_c10d_functional.')} {n}"
+                                           for op, n in sorted(collectives.items())) or "none"),
+            f"  capture: {self.capture_seconds:.2f} s",
+        ]
+        return "\n".join(lines)
+
+
+def _world_group_all_reduce_sum(t: Tensor) -> Tensor:
+    """Sum over all ranks as a traceable functional collective (a graph node, not a side effect)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(t, "sum", dist.group.WORLD)
+
+
+def capture_train_step(
+    model: torch.nn.Module,
+    *,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    max_norm: float,
+    adamw_hparams: dict,
+    decay: dict[str, bool],
+    example_batch: tuple[Tensor, Tensor],
+    dp_size: int | None = None,
+) -> CapturedStep:
+    """Trace one training step of `model` into a CapturedStep (see the module docstring).
+
+    loss_fn(logits_BSV, labels_BS) must return the *summed* loss over tokens (e.g. trainer's
+    cross_entropy_sum); the step divides it by the token count of the whole step on all ranks,
+    as EagerStep does. adamw_hparams: beta1, beta2, eps, weight_decay (AdamW.hparams). decay: which
+    parameters get weight decay (AdamW.decay). example_batch: (inputs_BS, labels_BS) of the shape
+    every step will use (the graph is static-shaped). dp_size: number of data-parallel ranks;
+    default the size of the parameters' mesh (1 for plain parameters).
+    """
+    named = dict(model.named_parameters())
+    if not named:
+        raise ValueError("capture_train_step: the model has no parameters")
+    param_names = list(named)
+    buffers = dict(model.named_buffers())
+    buffer_names = list(buffers)
+    specs = {n: DTensorSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
+             for n, p in named.items() if isinstance(p, DTensor)}
+    if specs and len(specs) != len(named):
+        plain = sorted(set(named) - set(specs))[:3]
+        raise ValueError(f"capture_train_step: mixed plain and DTensor parameters (plain: {plain}); "
+                         "make the whole model data parallel or none of it")
+    if dp_size is None:
+        dp_size = next(iter(specs.values())).mesh.size() if specs else 1
+    distributed = dp_size > 1
+    inputs_BS, labels_BS = example_batch
+    num_tokens = labels_BS.numel() * dp_size  # static: shapes are fixed for the graph
+    n = len(param_names)
+    hparams = dict(adamw_hparams)
+
+    def train_step(*flat: Tensor) -> list[Tensor]:
+        local_params = list(flat[0:n])
+        exp_avg, exp_avg_sq = list(flat[n:2 * n]), list(flat[2 * n:3 * n])
+        inputs, labels, step, lr = flat[3 * n:3 * n + 4]
+        buffer_values = dict(zip(buffer_names, flat[3 * n + 4:]))
+
+        # Differentiate with respect to fresh leaves, not the inputs themselves, so the optimizer
+        # below reads the parameter inputs unchanged and untracked.
+        leaves = [t.detach().requires_grad_(True) for t in local_params]
+
+        def as_model_tensor(name: str, t: Tensor) -> Tensor:
+            return specs[name].wrap(t) if name in specs else t
+
+        with torch.enable_grad():
+            params = {name: as_model_tensor(name, t) for name, t in zip(param_names, leaves)}
+            logits = torch.func.functional_call(model, {**params, **buffer_values}, (inputs,))
+            loss = loss_fn(logits, labels) / num_tokens
+            # Gradients of the local leaves are the local shards of the (reduce-scattered)
+            # parameter gradients: DTensor.from_local's backward hands back the local part.
+            local_grads = torch.autograd.grad(loss, leaves)
+
+        with torch.no_grad():
+            # Norm and clipping on DTensors: the norm of sharded grads needs a cross-rank sum,
+            # which grad_norm adds (full_tensor) exactly as in the eager path.
+            grads = {name: as_model_tensor(name, g) for name, g in zip(param_names, local_grads)}
+            clipped, total_norm = clip_grad_norm(grads, max_norm)
+            # The optimizer update is elementwise per shard, so it runs on plain local tensors:
+            # the same arithmetic as the DTensor eager path, without DTensor dispatch.
+            local = {name: g.to_local() if isinstance(g, DTensor) else g for name, g in clipped.items()}
+            state = {"exp_avg": dict(zip(param_names, exp_avg)), "exp_avg_sq": dict(zip(param_names, exp_avg_sq))}
+            new_params, new_state = adamw_update(dict(zip(param_names, local_params)), local, state,
+                                                 step=step, lr=lr, decay=decay, **hparams)
+            loss = loss.detach()
+            if distributed:  # each rank holds its share of the global mean
+                loss = _world_group_all_reduce_sum(loss)
+            if isinstance(total_norm, DTensor):
+                total_norm = total_norm.to_local()
+        return ([new_params[k] for k in param_names] + [new_state["exp_avg"][k] for k in param_names]
+                + [new_state["exp_avg_sq"][k] for k in param_names] + [loss, total_norm])
+
+    # Example inputs: the live local tensors (make_fx turns them into fake tensors; nothing is
+    # computed on them). step/lr are float64 like the Python numbers the eager path uses.
+    def local(p: Tensor) -> Tensor:
+        return (p.to_local() if isinstance(p, DTensor) else p).detach()
+
+    example = [local(p) for p in named.values()]
+    # Distinct tensors for every input: make_fx maps one tensor object to one placeholder, so
+    # reusing an example tensor for two inputs would silently wire both reads to the same input.
+    example += [torch.zeros_like(t) for t in example] + [torch.zeros_like(t) for t in example]
+    example += [inputs_BS, labels_BS, torch.ones((), dtype=torch.float64), torch.ones((), dtype=torch.float64)]
+    example += [b.detach() for b in buffers.values()]
+
+    start = time.perf_counter()
+    gm = make_fx(train_step, tracing_mode="fake")(*example)
+    capture_seconds = time.perf_counter() - start
+
+    fake_inputs = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
+    return CapturedStep(graph_module=gm, param_names=param_names, buffer_names=buffer_names,
+                        dtensor_specs=specs, example_inputs=fake_inputs,
+                        num_tokens=num_tokens, capture_seconds=capture_seconds,
+                        num_params=sum(p.numel() for p in named.values()))
+
