@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -67,8 +67,9 @@ class CapturedStep:
     Flat inputs: params (param_names order), exp_avg (same order), exp_avg_sq, inputs_BS,
     labels_BS, step (0-dim float64), lr (0-dim float64), buffers (buffer_names order; make_fx
     refuses real tensors closed over, so the RoPE table is an input too, never modified).
-    Flat outputs: new params, new exp_avg, new exp_avg_sq (each in param_names order), loss (0-dim, mean per token over all ranks),
-    grad_norm (0-dim, global, before clipping). All are plain (local) tensors.
+    Flat outputs: new params, new exp_avg, new exp_avg_sq (each in param_names order), loss
+    (0-dim, mean per token over all ranks), grad_norm (0-dim, global, before clipping).
+    All are plain (local) tensors.
     """
 
     graph_module: torch.fx.GraphModule
@@ -79,7 +80,6 @@ class CapturedStep:
     num_tokens: int  # tokens of one step on all ranks (the loss denominator)
     capture_seconds: float
     num_params: int  # global parameter count (full, unsharded sizes)
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_inputs(self) -> int:
