@@ -155,3 +155,13 @@ def test_fully_shard_two_ranks_aot_eager(eager_reference):
     single_diff = max(abs(a.loss - b) for a, b in zip(reference, graph[0]["losses"]))
     print(f"2-rank graph vs 1-process eager: max loss diff {single_diff:.2e}")
     assert single_diff < 1e-5
+
+
+def test_capture_does_not_alias_an_example_batch_given_twice(eager_reference):
+    """Passing one tensor as both inputs and labels must not tie them together in the graph
+    (make_fx maps one tensor object to one graph input)."""
+    batches, results, _ = eager_reference
+    model, opt = fresh()
+    same = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    step = GraphStep(model, opt, max_norm=MAX_NORM, example_batch=(same, same), backend="eager")
+    assert step([batches[0]], lr(1)).loss == pytest.approx(results[0].loss, abs=TOL)

@@ -43,7 +43,9 @@ class TrainingConfig:
     seed: int = 0
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise-repeatable runs
     device: Literal["auto", "cpu", "cuda", "tpu"] = "auto"
-    mode: Literal["eager"] = "eager"  # graph mode arrives with the Graph Trainer
+    # eager: plain autograd. graph: forward, backward, clipping and AdamW captured as one program
+    # with make_fx and compiled by compile.backend (one micro-batch per step for now).
+    mode: Literal["eager", "graph"] = "eager"
 
 
 @dataclass
@@ -55,6 +57,13 @@ class ParallelismConfig:
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: all ranks that dp_replicate leaves
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype gradients are reduced in
+
+
+@dataclass
+class CompileConfig:
+    # Backend for --training.mode graph: eager runs the captured FX graph as is (debugging),
+    # aot_eager adds AOTAutograd without code generation, inductor generates C++/Triton code.
+    backend: Literal["eager", "aot_eager", "inductor"] = "inductor"
 
 
 @dataclass
@@ -117,6 +126,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -272,6 +282,9 @@ def validate(cfg: Config) -> None:
     if cfg.parallelism.dp_replicate < 1 or (cfg.parallelism.dp_shard < 1 and cfg.parallelism.dp_shard != -1):
         raise ValueError(f"parallelism.dp_replicate = {cfg.parallelism.dp_replicate} and parallelism.dp_shard = "
                          f"{cfg.parallelism.dp_shard} must be >= 1 (dp_shard may be -1: the remaining ranks)")
+    if t.mode == "graph" and t.grad_accum_steps != 1:
+        raise ValueError(f"training.mode = graph runs one micro-batch per step for now; set training.grad_accum_steps "
+                         f"= 1 (got {t.grad_accum_steps}) or use training.mode = eager")
     if cfg.checkpoint.keep_latest_k < 0:
         raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
     if cfg.optimizer.lr <= 0:

@@ -165,7 +165,9 @@ def capture_train_step(
     if dp_size is None:
         dp_size = next(iter(specs.values())).mesh.size() if specs else 1
     distributed = dp_size > 1
-    inputs_BS, labels_BS = example_batch
+    # Clones: make_fx maps one tensor object to one graph input, so a caller passing the same
+    # tensor as inputs and labels would otherwise get a graph where labels alias the inputs.
+    inputs_BS, labels_BS = (t.clone() for t in example_batch)
     num_tokens = labels_BS.numel() * dp_size  # static: shapes are fixed for the graph
     n = len(param_names)
     hparams = dict(adamw_hparams)

@@ -116,6 +116,8 @@ class GraphStep:
         if tuple(labels.shape) != self._batch_shape or tuple(inputs.shape) != self._batch_shape:
             raise ValueError(f"the captured step was traced for batches of shape {self._batch_shape}, "
                              f"got {tuple(inputs.shape)}")
+        # The graph was traced for contiguous batches; a strided view (e.g. tokens[:, :-1]) is not.
+        inputs, labels = inputs.contiguous(), labels.contiguous()
         exp_avg, exp_avg_sq = self._state_tensors()
         step_number = self.optimizer.step_count + 1
         # float64 0-dim tensors: the eager path computes bias corrections and lr in Python floats.

@@ -149,7 +149,21 @@ class Trainer:
         o = cfg.optimizer
         self.optimizer = AdamW(dict(self.model.named_parameters()), beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                                weight_decay=o.weight_decay)
-        self.step_fn = EagerStep(self.model, self.optimizer, max_norm=t.max_norm, dp_size=self.dp_size)
+        self.compile_stats: dict[str, float] = {}  # capture/compile seconds, logged with the first row
+        if t.mode == "graph":
+            from titan_tpu.graph.compile import GraphStep  # graph/ imports this module: import late
+
+            # Two distinct tensors: make_fx maps one tensor object to one graph input, so passing the
+            # same zeros twice would make labels an alias of inputs in the captured graph.
+            inputs, labels = (torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=self.backend.device)
+                              for _ in range(2))
+            self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=(inputs, labels),
+                                     backend=cfg.compile.backend, dp_size=self.dp_size)
+            self.compile_stats = {"capture_s": self.step_fn.capture_seconds, "compile_s": self.step_fn.compile_seconds}
+            self.log(f"graph mode: step captured in {self.step_fn.capture_seconds:.1f} s, compiled with "
+                     f"{cfg.compile.backend} in {self.step_fn.compile_seconds:.1f} s")
+        else:
+            self.step_fn = EagerStep(self.model, self.optimizer, max_norm=t.max_norm, dp_size=self.dp_size)
         self.step = 0
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_latest_k=cfg.checkpoint.keep_latest_k,
                                          async_save=cfg.checkpoint.async_save)
@@ -320,6 +334,8 @@ class Trainer:
                            "tokens_per_s": tokens_per_s, "tflops": flops_per_device / 1e12,
                            "mfu": 100.0 * flops_per_device / peak}
                     row.update(self.backend.memory_stats())
+                    row.update(self.compile_stats)
+                    self.compile_stats = {}  # once per process
                     if logger is not None:
                         logger.log(self.step, row)
                     window_tokens, window_seconds = 0, 0.0
