@@ -45,6 +45,20 @@ def titan_eager(args, batches, *, lr, max_norm):
     return run, model
 
 
+def titan_graph(args, batches, *, lr, max_norm):
+    """Our step captured whole (forward, backward, clipping, AdamW) and compiled by Inductor."""
+    from titan_tpu.graph.compile import GraphStep
+
+    model = build_model(args, seed=0)
+    optimizer = AdamW(dict(model.named_parameters()), beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    step = GraphStep(model, optimizer, max_norm=max_norm, example_batch=batches[0], backend="inductor")
+
+    def run(i):
+        return step([batches[i % len(batches)]], lr).loss
+
+    return run, step.capture_seconds + step.compile_seconds
+
+
 def hf_loop(args, batches, *, lr, max_norm, init_from):
     """The loop a transformers user writes: model(...).logits, cross-entropy, backward, clip, AdamW."""
     import transformers
@@ -86,6 +100,10 @@ def measure(args, *, hf_first: bool) -> dict:
     hf = hf_loop(model_args, batches, lr=3e-4, max_norm=1.0, init_from=our_model)
     contenders = {OURS: ours, HF: hf}
     names = [HF, OURS] if hf_first else [OURS, HF]
+    compile_s = None
+    if args.graph:
+        contenders[GRAPH], compile_s = titan_graph(model_args, batches, lr=3e-4, max_norm=1.0)
+        names.append(GRAPH)
     # Same weights and data: the first losses must agree, or the comparison is not like for like.
     first = {name: contenders[name](0) for name in names}
     if abs(first[OURS] - first[HF]) > 1e-4 * abs(first[HF]):
@@ -102,10 +120,10 @@ def measure(args, *, hf_first: bool) -> dict:
                 contenders[name](i)
             seconds[name].append((time.perf_counter() - start) / args.steps_per_round)
     return {"seconds": seconds, "first_loss": first[OURS], "peak": get_backend("cpu").peak_flops(),
-            "peak_description": get_backend("cpu").peak_description()}
+            "peak_description": get_backend("cpu").peak_description(), "capture_compile_s": compile_s}
 
 
-OURS, HF = "titan-tpu eager", "hf transformers"
+OURS, HF, GRAPH = "titan-tpu eager", "hf transformers", "titan-tpu graph"
 
 
 def main() -> None:
@@ -118,6 +136,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--steps-per-round", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--graph", action="store_true",
+                        help="also measure graph mode (whole step captured, compiled with Inductor)")
     parser.add_argument("--pass-order", choices=["ours-first", "hf-first"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -144,8 +164,10 @@ def main() -> None:
     for order, result in passes.items():
         peak = result["peak"]
         print(f"pass {order} (first-step loss {result['first_loss']:.5f}; MFU peak: {result['peak_description']})")
+        if result["capture_compile_s"] is not None:
+            print(f"  graph mode: capture + compile {result['capture_compile_s']:.1f} s (not in the rates below)")
         rates = {}
-        for name in (OURS, HF):
+        for name in result["seconds"]:
             step_s = statistics.median(result["seconds"][name])
             rates[name] = tokens_per_step / step_s
             print(f"  {name:18s} {rates[name]:10,.0f} tokens/s  {rates[name] * fpt / 1e12:7.4f} TFLOP/s  "
@@ -156,6 +178,11 @@ def main() -> None:
         paired = sorted(h / o for o, h in zip(result["seconds"][OURS], result["seconds"][HF]))
         ratios.append(statistics.median(paired))
         print(f"  ratio {ratios[-1]:.3f}x (median of per-round ratios; they range {paired[0]:.3f}..{paired[-1]:.3f})")
+        if GRAPH in result["seconds"]:
+            graph_s = result["seconds"][GRAPH]
+            for peer in (OURS, HF):
+                r = statistics.median(p / g for p, g in zip(result["seconds"][peer], graph_s))
+                print(f"  graph / {peer}: {r:.3f}x (median of per-round ratios)")
     print(f"ratio titan-tpu eager / hf transformers: {math.sqrt(ratios[0] * ratios[1]):.3f}x "
           "(geometric mean of the two orders)")
 
