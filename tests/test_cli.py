@@ -138,3 +138,14 @@ def test_train_bad_inputs_are_one_line_errors(tmp_path, train_overrides, capsys)
 def test_usage(capsys):
     code, _, err = run_cli(capsys)
     assert code == 2 and "usage: titan-tpu" in err
+
+
+def test_graph_dump(tmp_path, train_overrides, capsys):
+    out = tmp_path / "step.txt"
+    code, stdout, err = run_cli(capsys, "graph", "--config", LLAMA_DEBUG, "--out", str(out), *train_overrides())
+    assert code == 0, err
+    assert "captured train step:" in stdout and "collectives: all_reduce" not in stdout  # one process
+    assert "estimated model FLOPs per step:" in stdout and f"graph written to {out}" in stdout
+    text = out.read_text()
+    assert "torch.ops.aten.mm" in text and "torch.ops.aten._foreach_sqrt" in text  # fwd/bwd and AdamW
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained

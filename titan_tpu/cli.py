@@ -1,9 +1,10 @@
-"""``titan-tpu`` command line: train, eval, convert.
+"""``titan-tpu`` command line: train, eval, convert, graph.
 
     titan-tpu train --config configs/llama3_debug.toml --training.steps 200 --optimizer.lr 3e-4
     titan-tpu eval --hf-dir DIR --token-file tokens.json
     titan-tpu convert --checkpoint outputs/run/checkpoints --to-hf hf_out/
     titan-tpu convert --hf-dir hf_in/ --to-checkpoint ckpt_out/
+    titan-tpu graph --config configs/llama3_debug.toml      # dump the captured step graph
 
 User mistakes end the process with one line on stderr and exit status 2, not a traceback.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def train_main(argv: list[str]) -> int:
@@ -79,7 +81,52 @@ def convert_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main}
+def graph_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu graph",
+        description="Capture the training step as one graph (as --training.mode graph does) and dump it "
+                    "without training: a summary on stdout and the readable graph in a text file. "
+                    "Config overrides as for train.")
+    parser.add_argument("--config", help="TOML recipe, e.g. configs/llama3_debug.toml")
+    parser.add_argument("--out", help="where to write the graph (default: <output_dir>/graph/train_step.txt)")
+    args, overrides = parser.parse_known_args(argv)
+
+    from titan_tpu.config import build_config
+    from titan_tpu.graph.capture import capture_train_step
+    from titan_tpu.train.trainer import Trainer, cross_entropy_sum
+
+    cfg = build_config(args.config, overrides + ["--training.mode", "eager"])  # capture here, compile nothing
+    try:
+        trainer = Trainer(cfg)
+        t = cfg.training
+        inputs, labels = (torch_zeros_batch(t.batch_size, t.seq_len, trainer.backend.device) for _ in range(2))
+        captured = capture_train_step(trainer.model, loss_fn=cross_entropy_sum, max_norm=t.max_norm,
+                                      adamw_hparams=trainer.optimizer.hparams, decay=trainer.optimizer.decay,
+                                      example_batch=(inputs, labels), dp_size=trainer.dp_size)
+        if trainer.is_main:
+            out = Path(args.out) if args.out else trainer.run_dir / "graph" / "train_step.txt"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(captured.graph_module.print_readable(print_output=False))
+            tokens = t.batch_size * t.seq_len * trainer.dp_size
+            print(captured.summary())
+            print(f"  estimated model FLOPs per step: {trainer.flops_per_token * tokens / 1e9:.1f} GFLOP "
+                  f"({tokens:,} tokens x {trainer.flops_per_token / 1e6:.1f} MFLOP/token)")
+            print(f"graph written to {out}")
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def torch_zeros_batch(batch_size: int, seq_len: int, device):
+    import torch
+
+    return torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+
+
+COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main}
 
 
 def main(argv: list[str] | None = None) -> int:
