@@ -91,6 +91,8 @@ def graph_main(argv: list[str]) -> int:
     parser.add_argument("--out", help="where to write the graph (default: <output_dir>/graph/train_step.txt)")
     args, overrides = parser.parse_known_args(argv)
 
+    import torch
+
     from titan_tpu.config import build_config
     from titan_tpu.graph.capture import capture_train_step
     from titan_tpu.train.trainer import Trainer, cross_entropy_sum
@@ -99,7 +101,9 @@ def graph_main(argv: list[str]) -> int:
     try:
         trainer = Trainer(cfg)
         t = cfg.training
-        inputs, labels = (torch_zeros_batch(t.batch_size, t.seq_len, trainer.backend.device) for _ in range(2))
+        # Two distinct example tensors (make_fx maps one tensor object to one graph input).
+        inputs, labels = (torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=trainer.backend.device)
+                          for _ in range(2))
         captured = capture_train_step(trainer.model, loss_fn=cross_entropy_sum, max_norm=t.max_norm,
                                       adamw_hparams=trainer.optimizer.hparams, decay=trainer.optimizer.decay,
                                       example_batch=(inputs, labels), dp_size=trainer.dp_size)
@@ -118,12 +122,6 @@ def graph_main(argv: list[str]) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-def torch_zeros_batch(batch_size: int, seq_len: int, device):
-    import torch
-
-    return torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
 
 
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main}

@@ -6,15 +6,8 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
+from titan_tpu.models.common.transformer import TransformerArgs
 from titan_tpu.train.checkpoint import STATE_FILE, Checkpointer, load_checkpoint
-
-
-def model_args_from_dict(d: dict) -> TransformerArgs:
-    d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    return TransformerArgs(**d)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -36,7 +29,7 @@ def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: b
 
     step_dir = resolve_checkpoint(checkpoint)
     state = load_checkpoint(step_dir)
-    args = model_args_from_dict(state["model_args"])
+    args = TransformerArgs(**state["model_args"])  # rope_scaling may stay a dict: __post_init__ converts it
     out = save_hf_checkpoint(hf_dir, name=state["model_name"], args=args, state_dict=state["model"],
                              overwrite=overwrite)
     tokenizer = step_dir.parent.parent / "tokenizer.json"  # <run>/checkpoints/step-N -> <run>
