@@ -64,6 +64,9 @@ class CompileConfig:
     # Backend for --training.mode graph: eager runs the captured FX graph as is (debugging),
     # aot_eager adds AOTAutograd without code generation, inductor generates C++/Triton code.
     backend: Literal["eager", "aot_eager", "inductor"] = "inductor"
+    # Compile the step as several programs: fwd_bwd (forward + loss, then backward + update) or
+    # collectives (a cut after every collective), for backends slow to compile one large program.
+    split: Literal["none", "fwd_bwd", "collectives"] = "none"
 
 
 @dataclass

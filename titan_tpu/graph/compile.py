@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from titan_tpu.graph.capture import CapturedStep, capture_train_step
+from titan_tpu.graph.passes import compile_submodules, split_graph
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.trainer import StepResult, cross_entropy_sum
 
@@ -32,13 +33,15 @@ __all__ = ["BACKENDS", "GraphStep", "compile_step"]
 BACKENDS = ("eager", "aot_eager", "inductor")
 
 
-def compile_step(captured: CapturedStep, backend: str) -> Callable[..., list[Tensor]]:
+def compile_step(captured: CapturedStep, backend: str, *, split: str = "none") -> Callable[..., list[Tensor]]:
     """A callable taking the flat inputs of `captured` (as plain tensors) and returning its flat
-    outputs. Compilation happens here, not at the first call; its time is in `.compile_seconds`."""
+    outputs. Compilation happens here, not at the first call; its time is in `.compile_seconds`.
+    split: "none" | "fwd_bwd" | "collectives" (see graph/passes.py): compile several smaller
+    programs instead of one."""
     if backend not in BACKENDS:
         raise ValueError(f"graph compile backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    gm = captured.graph_module
     start = time.perf_counter()
+    gm = split_graph(captured.graph_module, split, loss_output_index=captured.output_slices()["loss"].start)
     if backend == "eager":
         compiled = gm
     else:
@@ -47,7 +50,10 @@ def compile_step(captured: CapturedStep, backend: str) -> Callable[..., list[Ten
         # The fake example inputs made while tracing carry the shapes, dtypes and strides the
         # compiler specialises on (the graph is static-shaped).
         with torch.no_grad():
-            compiled = lookup_backend(backend)(gm, list(captured.example_inputs))
+            if split == "none":
+                compiled = lookup_backend(backend)(gm, list(captured.example_inputs))
+            else:
+                compiled = compile_submodules(gm, list(captured.example_inputs), lookup_backend(backend))
     seconds = time.perf_counter() - start
 
     def run(*flat: Tensor) -> list[Tensor]:
@@ -57,6 +63,7 @@ def compile_step(captured: CapturedStep, backend: str) -> Callable[..., list[Ten
 
     run.compile_seconds = seconds
     run.backend = backend
+    run.module = gm  # the (possibly split) graph that was compiled
     return run
 
 
@@ -79,13 +86,13 @@ class GraphStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float,
                  example_batch: tuple[Tensor, Tensor], backend: str = "inductor", dp_size: int | None = None,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy_sum):
+                 loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy_sum, split: str = "none"):
         self.model = model
         self.optimizer = optimizer
         self.captured = capture_train_step(model, loss_fn=loss_fn, max_norm=max_norm,
                                            adamw_hparams=optimizer.hparams, decay=optimizer.decay,
                                            example_batch=example_batch, dp_size=dp_size)
-        self.compiled = compile_step(self.captured, backend)
+        self.compiled = compile_step(self.captured, backend, split=split)
         names = self.captured.param_names
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())

@@ -158,7 +158,7 @@ class Trainer:
             inputs, labels = (torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=self.backend.device)
                               for _ in range(2))
             self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=(inputs, labels),
-                                     backend=cfg.compile.backend, dp_size=self.dp_size)
+                                     backend=cfg.compile.backend, dp_size=self.dp_size, split=cfg.compile.split)
             self.compile_stats = {"capture_s": self.step_fn.capture_seconds, "compile_s": self.step_fn.compile_seconds}
             self.log(f"graph mode: step captured in {self.step_fn.capture_seconds:.1f} s, compiled with "
                      f"{cfg.compile.backend} in {self.step_fn.compile_seconds:.1f} s")

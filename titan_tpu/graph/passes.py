@@ -1,0 +1,119 @@
+"""Graph passes on the captured training step: small functions from GraphModule to GraphModule.
+
+* ``eliminate_dead_code``: drop nodes whose results nobody uses (side-effecting ops stay).
+* ``split_graph(gm, mode)``: cut one program into several, for backends where one program is too
+  large to compile quickly (XLA on TPU especially). ``fwd_bwd``: forward + loss, then backward +
+  update. ``collectives``: a new program after every collective's wait, so each program holds at
+  most one round of communication. The result is a GraphModule whose submodules ``submod_0``,
+  ``submod_1``, ... run in order; ``compile_submodules`` hands each to a backend on its own.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+from torch.fx.passes.split_module import split_module
+
+SPLIT_MODES = ("none", "fwd_bwd", "collectives")
+
+
+def eliminate_dead_code(gm: fx.GraphModule) -> fx.GraphModule:
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and "wait_tensor" in str(node.target)
+
+
+def _forward_nodes(gm: fx.GraphModule, loss_output_index: int) -> set[fx.Node]:
+    """Every node the loss value depends on: the forward pass and the loss itself."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = output.args[0][loss_output_index]
+    seen, todo = set(), [loss]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(node.all_input_nodes)
+    return seen
+
+
+def split_graph(gm: fx.GraphModule, mode: str, *, loss_output_index: int) -> fx.GraphModule:
+    """Partition `gm` into sequential programs (see the module docstring); "none" returns `gm`.
+
+    Partitions are assigned in graph (topological) order and never depend on a later one, so
+    split_module can wire values from one program to the next.
+    """
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"compile.split = {mode!r}; use one of {', '.join(SPLIT_MODES)}")
+    if mode == "none":
+        return gm
+    partition: dict[fx.Node, int] = {}
+    if mode == "fwd_bwd":
+        forward = _forward_nodes(gm, loss_output_index)
+        for node in gm.graph.nodes:
+            partition[node] = 0 if node in forward else 1
+    else:
+        current = 0
+        for node in gm.graph.nodes:
+            partition[node] = current
+            if _is_wait(node):
+                current += 1
+    # A multi-output op (the foreach optimizer ops) must sit with its getitems: otherwise a whole
+    # list crosses from one program to the next, and compilers want flat tensor outputs. Moving a
+    # getitem back to its source's program keeps the order monotonic.
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            partition[node] = partition[node.args[0]]
+    split = split_module(gm, None, lambda node: partition[node], keep_original_order=True)
+    split.graph.eliminate_dead_code()
+    split.recompile()
+    return split
+
+
+class _Compiled(torch.nn.Module):
+    """Holds a compiled callable where split_module expects a submodule."""
+
+    def __init__(self, fn, *, single_output: bool):
+        super().__init__()
+        self.fn = fn
+        self.single_output = single_output
+
+    def forward(self, *args):
+        out = self.fn(*args)
+        return out[0] if self.single_output else out
+
+
+def _tuple_output(gm: fx.GraphModule) -> bool:
+    """Make `gm` return a tuple (what compilers require); True if it returned one bare value."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    if isinstance(output.args[0], (tuple, list)):
+        return False
+    output.args = ((output.args[0],),)
+    gm.recompile()
+    return True
+
+
+def compile_submodules(split: fx.GraphModule, example_inputs: list, backend) -> fx.GraphModule:
+    """Compile each ``submod_i`` of a split graph on its own with `backend(gm, example_inputs)`.
+
+    The example inputs of each program come from propagating the fake example inputs of the
+    whole step through the split graph.
+    """
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    fake_mode = detect_fake_mode(example_inputs)
+    FakeTensorProp(split, fake_mode).propagate_dont_convert_inputs(*example_inputs)
+    for node in split.graph.nodes:
+        if node.op == "call_module" and node.target.startswith("submod_"):
+            sub = getattr(split, node.target)
+            sub_inputs = [arg.meta["val"] for arg in node.args]
+            single = _tuple_output(sub)
+            setattr(split, node.target, _Compiled(backend(sub, sub_inputs), single_output=single))
+    return split
