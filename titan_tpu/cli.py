@@ -12,9 +12,22 @@ User mistakes end the process with one line on stderr and exit status 2, not a t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def _process_group_cleanup():
+    """Leave torch.distributed as a torchrun-launched command found it, also after an error."""
+    try:
+        yield
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def train_main(argv: list[str]) -> int:
@@ -29,13 +42,8 @@ def train_main(argv: list[str]) -> int:
     from titan_tpu.train.trainer import Trainer
 
     cfg = build_config(args.config, overrides)
-    try:
+    with _process_group_cleanup():
         Trainer(cfg).train()
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 
@@ -91,22 +99,15 @@ def graph_main(argv: list[str]) -> int:
     parser.add_argument("--out", help="where to write the graph (default: <output_dir>/graph/train_step.txt)")
     args, overrides = parser.parse_known_args(argv)
 
-    import torch
-
     from titan_tpu.config import build_config
-    from titan_tpu.graph.capture import capture_train_step
-    from titan_tpu.train.trainer import Trainer, cross_entropy_sum
+    from titan_tpu.train.trainer import Trainer
 
-    cfg = build_config(args.config, overrides + ["--training.mode", "eager"])  # capture here, compile nothing
-    try:
+    # The trainer captures the step exactly as graph mode does; the "eager" backend compiles nothing.
+    cfg = build_config(args.config, overrides + ["--training.mode", "graph", "--compile.backend", "eager"])
+    with _process_group_cleanup():
         trainer = Trainer(cfg)
+        captured = trainer.step_fn.captured
         t = cfg.training
-        # Two distinct example tensors (make_fx maps one tensor object to one graph input).
-        inputs, labels = (torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=trainer.backend.device)
-                          for _ in range(2))
-        captured = capture_train_step(trainer.model, loss_fn=cross_entropy_sum, max_norm=t.max_norm,
-                                      adamw_hparams=trainer.optimizer.hparams, decay=trainer.optimizer.decay,
-                                      example_batch=(inputs, labels), dp_size=trainer.dp_size)
         if trainer.is_main:
             out = Path(args.out) if args.out else trainer.run_dir / "graph" / "train_step.txt"
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -116,11 +117,6 @@ def graph_main(argv: list[str]) -> int:
             print(f"  estimated model FLOPs per step: {trainer.flops_per_token * tokens / 1e9:.1f} GFLOP "
                   f"({tokens:,} tokens x {trainer.flops_per_token / 1e6:.1f} MFLOP/token)")
             print(f"graph written to {out}")
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from titan_tpu.models.common.transformer import TransformerArgs
-from titan_tpu.train.checkpoint import STATE_FILE, Checkpointer, load_checkpoint
+from titan_tpu.train.checkpoint import STATE_FILE, Checkpointer, load_full_state_dict, read_checkpoint_meta
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -28,9 +28,10 @@ def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: b
     from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
 
     step_dir = resolve_checkpoint(checkpoint)
-    state = load_checkpoint(step_dir)
-    args = TransformerArgs(**state["model_args"])  # rope_scaling may stay a dict: __post_init__ converts it
-    out = save_hf_checkpoint(hf_dir, name=state["model_name"], args=args, state_dict=state["model"],
+    meta = read_checkpoint_meta(step_dir)
+    args = TransformerArgs(**meta["model_args"])  # rope_scaling may stay a dict: __post_init__ converts it
+    # Only the model's tensors: the optimizer moments (twice the model's size) are not needed here.
+    out = save_hf_checkpoint(hf_dir, name=meta["model_name"], args=args, state_dict=load_full_state_dict(step_dir),
                              overwrite=overwrite)
     tokenizer = step_dir.parent.parent / "tokenizer.json"  # <run>/checkpoints/step-N -> <run>
     if tokenizer.is_file():

@@ -153,11 +153,8 @@ class Trainer:
         if t.mode == "graph":
             from titan_tpu.graph.compile import GraphStep  # graph/ imports this module: import late
 
-            # Two distinct tensors: make_fx maps one tensor object to one graph input, so passing the
-            # same zeros twice would make labels an alias of inputs in the captured graph.
-            inputs, labels = (torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=self.backend.device)
-                              for _ in range(2))
-            self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=(inputs, labels),
+            example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=self.backend.device)
+            self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=(example, example),
                                      backend=cfg.compile.backend, dp_size=self.dp_size, split=cfg.compile.split)
             self.compile_stats = {"capture_s": self.step_fn.capture_seconds, "compile_s": self.step_fn.compile_seconds}
             self.log(f"graph mode: step captured in {self.step_fn.capture_seconds:.1f} s, compiled with "
