@@ -7,14 +7,23 @@ loss of ~6): the graph runs the same arithmetic as the eager step, only partly r
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from titan_tpu.graph import GraphStep, capture_train_step, compile_step
+from titan_tpu.graph.capture import CaptureError
 from titan_tpu.graph.passes import eliminate_dead_code, split_graph
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
 from titan_tpu.models.registry import build_model
@@ -210,3 +219,173 @@ def test_collectives_split_on_two_ranks():
     assert graph[0]["programs"] > 40  # a cut after each of the ~44 collective waits
     for rank in range(2):
         assert max(abs(a - b) for a, b in zip(eager[rank]["losses"], graph[rank]["losses"])) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# The tpu backend, guarded (no TPU here: only its error paths and its float32 scalars run)
+# ---------------------------------------------------------------------------------------------
+
+
+def _assert_tpu_error(message: str) -> None:
+    assert "needs TorchTPU on a TPU VM" in message and "pip install torch-tpu" in message, message
+    assert "--compile.backend inductor or aot_eager" in message and "\n" not in message, message
+
+
+def test_tpu_backend_without_torch_tpu_is_one_clear_error(monkeypatch, capsys):
+    from titan_tpu import device
+    from titan_tpu.cli import main
+    from titan_tpu.config import build_config
+
+    # torch_tpu missing, whatever this machine has: find_spec says no, and an import would fail.
+    monkeypatch.setattr(device, "_tpu_installed", lambda: False)
+    monkeypatch.setitem(sys.modules, "torch_tpu", None)
+    model, opt = fresh()
+    batch = global_batches(BATCH)[0]
+    with pytest.raises(ValueError) as err:  # fails before the (possibly minutes long) capture
+        GraphStep(model, opt, max_norm=MAX_NORM, example_batch=batch, backend="tpu")
+    _assert_tpu_error(str(err.value))
+    captured = capture_train_step(model, loss_fn=cross_entropy_sum, max_norm=MAX_NORM, adamw_hparams=opt.hparams,
+                                  decay=opt.decay, example_batch=batch)
+    with pytest.raises(ValueError) as err:
+        compile_step(captured, "tpu")
+    _assert_tpu_error(str(err.value))
+    assert "not installed" in str(err.value)
+    # Installed but unimportable (e.g. libtpu broken): the import failure, still one line.
+    monkeypatch.setattr(device, "_tpu_installed", lambda: True)
+    with pytest.raises(ValueError) as err:
+        compile_step(captured, "tpu")
+    _assert_tpu_error(str(err.value))
+    assert "importing torch_tpu failed" in str(err.value)
+
+    # The config refuses it up front: on a non-TPU device always, on auto/tpu without torch_tpu.
+    with pytest.raises(ValueError) as err:
+        build_config(None, ["--compile.backend", "tpu", "--training.device", "cpu"])
+    _assert_tpu_error(str(err.value))
+    assert "training.device is cpu" in str(err.value)
+    monkeypatch.setattr(device, "_tpu_installed", lambda: False)
+    for device_name in ("auto", "tpu"):
+        with pytest.raises(ValueError) as err:
+            build_config(None, ["--compile.backend", "tpu", "--training.device", device_name])
+        _assert_tpu_error(str(err.value))
+    code = main(["train", "--training.mode", "graph", "--compile.backend", "tpu"])
+    err_text = capsys.readouterr().err
+    assert code == 2 and err_text.count("\n") == 1
+    _assert_tpu_error(err_text.rstrip("\n"))
+
+
+def test_float32_step_and_lr_scalars_train_like_eager(eager_reference):
+    """The TPU choice of scalar dtype, exercised on CPU with aot_eager: float32 step/lr change the
+    bias corrections in the last bits only."""
+    batches, reference, _ = eager_reference
+    model, opt = fresh()
+    step = GraphStep(model, opt, max_norm=MAX_NORM, example_batch=batches[0], backend="aot_eager",
+                     scalar_dtype=torch.float32)
+    s = step.captured.input_slices()
+    inputs = step.captured.example_inputs
+    assert step.captured.scalar_dtype == torch.float32
+    assert inputs[s["step"]][0].dtype == inputs[s["lr"]][0].dtype == torch.float32
+    results = run_steps(step, batches)
+    loss_diff = max(abs(a.loss - b.loss) for a, b in zip(reference, results))
+    print(f"float32 scalars: max |loss - eager| over {STEPS} steps {loss_diff:.2e}")
+    assert loss_diff <= 1e-5
+    # Everywhere but on TPU the default stays float64 (bitwise parity with the eager step).
+    assert GraphStep(*fresh(), max_norm=MAX_NORM, example_batch=batches[0],
+                     backend="eager").captured.scalar_dtype == torch.float64
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture errors: one line naming the op and the module, chained to the tracing exception
+# ---------------------------------------------------------------------------------------------
+
+_test_lib = torch.library.Library("titan_tpu_test", "FRAGMENT")  # an op with a CPU kernel only
+_test_lib.define("opaque(Tensor x) -> Tensor")
+_test_lib.impl("opaque", lambda x: x.clone(), "CPU")
+
+
+def _branch_on_data(forward):
+    return lambda x: forward(x) if x.sum() > 0 else -forward(x)
+
+
+def _nonzero(forward):
+    def patched(x):
+        out = forward(x)
+        return out[torch.nonzero(out[..., 0] > 0, as_tuple=True)].sum() + out  # data-dependent shape
+    return patched
+
+
+def _item(forward):
+    return lambda x: forward(x) * x.mean().item()
+
+
+def _opaque_op(forward):
+    return lambda x: torch.ops.titan_tpu_test.opaque(forward(x))
+
+
+def _hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("patch, op, cause", [
+    (_branch_on_data, "aten._local_scalar_dense", DataDependentOutputException),
+    (_item, "aten._local_scalar_dense", DataDependentOutputException),
+    (_nonzero, "aten.nonzero", DynamicOutputShapeException),
+    (_opaque_op, "titan_tpu_test.opaque", UnsupportedOperatorException),
+], ids=["if_on_tensor", "item", "nonzero", "unsupported_op"])
+def test_capture_error_names_op_and_module(patch, op, cause):
+    model, opt = fresh()
+    hooks_before = _hook_count(model)
+    ffn = model.get_submodule("layers.1.feed_forward")
+    ffn.forward = patch(ffn.forward)  # an instance attribute: only this block misbehaves
+    with pytest.raises(CaptureError) as err:
+        capture_train_step(model, loss_fn=cross_entropy_sum, max_norm=MAX_NORM, adamw_hparams=opt.hparams,
+                           decay=opt.decay, example_batch=global_batches(BATCH)[0])
+    message = str(err.value)
+    assert op in message and "layers.1.feed_forward (FeedForward)" in message, message
+    assert "--training.mode eager" in message and "\n" not in message, message
+    assert isinstance(err.value, ValueError) and isinstance(err.value.__cause__, cause)
+    assert _hook_count(model) == hooks_before  # the tracking hooks are gone after a failure
+
+
+def test_capture_removes_its_hooks_and_leaves_other_errors_alone():
+    model, opt = fresh()
+    hooks_before = _hook_count(model)
+    kwargs = dict(loss_fn=cross_entropy_sum, max_norm=MAX_NORM, adamw_hparams=opt.hparams, decay=opt.decay)
+    capture_train_step(model, example_batch=global_batches(BATCH)[0], **kwargs)
+    assert _hook_count(model) == hooks_before
+    # A plain bug (here a batch longer than the model's RoPE table) keeps its own exception type.
+    too_long = torch.zeros(BATCH, 2 * SEQ, dtype=torch.long)
+    with pytest.raises(Exception) as err:
+        capture_train_step(model, example_batch=(too_long, too_long), **kwargs)
+    assert not isinstance(err.value, CaptureError)
+    assert _hook_count(model) == hooks_before
+
+
+def test_capture_error_for_a_guard_on_unbacked_symbol():
+    """With a ShapeEnv (make_fx's own fake mode, not how capture traces) a Python branch on data
+    is a GuardOnDataDependentSymNode; the op that produced the value comes from the partial graph."""
+    from titan_tpu.graph.capture import _capture_error
+
+    def f(x):
+        return x * 2 if torch.nonzero(x).shape[0] > 2 else x
+
+    with pytest.raises(GuardOnDataDependentSymNode) as err:
+        make_fx(f, tracing_mode="fake")(torch.ones(4))
+    error = _capture_error(err.value, [("", "Toy")])
+    message = str(error)
+    assert isinstance(error, CaptureError) and "\n" not in message
+    assert "aten.nonzero.default" in message and "model's own forward (Toy)" in message, message
+
+
+def test_cli_shows_capture_error_as_one_line(monkeypatch, train_overrides, capsys):
+    """`titan-tpu graph` and `titan-tpu train --training.mode graph`: exit 2, one line on stderr."""
+    from titan_tpu.cli import main
+    from titan_tpu.models.common.feed_forward import FeedForward
+
+    original = FeedForward.forward
+    monkeypatch.setattr(FeedForward, "forward", lambda self, x: _branch_on_data(lambda y: original(self, y))(x))
+    for argv in (["graph"], ["train", "--training.mode", "graph"]):
+        code = main([*argv, "--config", "configs/llama3_debug.toml", *train_overrides(training__steps=1)])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith("error: graph capture failed in module layers.0.feed_forward (FeedForward)"), err
+        assert "aten._local_scalar_dense" in err and "--training.mode eager" in err

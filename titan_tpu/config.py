@@ -31,6 +31,9 @@ class ModelConfig:
     # Compute dtype; also the storage dtype on one device (sharded runs keep fp32 master weights).
     # auto: float32 on CPU (bf16 matmuls are ~100x slower there), bfloat16 on CUDA and TPU.
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Store the repeated blocks stacked ([layers, ...]) and run them with torch's scan op: the
+    # compiler sees one block whatever the depth. Checkpoints keep the per-layer layout.
+    scan_layers: bool = False
 
 
 @dataclass
@@ -62,11 +65,19 @@ class ParallelismConfig:
 @dataclass
 class CompileConfig:
     # Backend for --training.mode graph: eager runs the captured FX graph as is (debugging),
-    # aot_eager adds AOTAutograd without code generation, inductor generates C++/Triton code.
-    backend: Literal["eager", "aot_eager", "inductor"] = "inductor"
+    # aot_eager adds AOTAutograd without code generation, inductor generates C++/Triton code,
+    # tpu hands the graph to TorchTPU (XLA; needs torch_tpu and training.device tpu or auto).
+    backend: Literal["eager", "aot_eager", "inductor", "tpu"] = "inductor"
     # Compile the step as several programs: fwd_bwd (forward + loss, then backward + update) or
     # collectives (a cut after every collective), for backends slow to compile one large program.
     split: Literal["none", "fwd_bwd", "collectives"] = "none"
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    # Recompute activations in the backward instead of keeping them: none; full (keep only each
+    # block's input); selective (keep matmul and attention outputs, recompute the rest).
+    mode: Literal["none", "full", "selective"] = "none"
 
 
 @dataclass
@@ -130,6 +141,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -288,6 +300,10 @@ def validate(cfg: Config) -> None:
     if t.mode == "graph" and t.grad_accum_steps != 1:
         raise ValueError(f"training.mode = graph runs one micro-batch per step for now; set training.grad_accum_steps "
                          f"= 1 (got {t.grad_accum_steps}) or use training.mode = eager")
+    if cfg.compile.backend == "tpu":
+        from titan_tpu.graph.compile import check_tpu_backend_config  # only then: it imports the trainer
+
+        check_tpu_backend_config(t.device)
     if cfg.checkpoint.keep_latest_k < 0:
         raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
     if cfg.optimizer.lr <= 0:

@@ -15,25 +15,41 @@ and its backward reduce-scatters the gradient: both become ``_c10d_functional`` 
 where a compiler can see (and later bucket or reorder) them.
 
 Optimizer state and ``step``/``lr`` are graph inputs too, so one graph serves every step.
+
+The graph is static: tracing runs in a fake-tensor mode *without* a ShapeEnv, so reading a tensor's
+value in Python (``.item()``, ``if x.sum() > 0``) or an op whose output shape depends on the data
+(``torch.nonzero``) fails at the op that does it, instead of becoming an unbacked symbol that
+breaks far away or a graph with dynamic shapes that XLA cannot compile. Such failures (and ops
+with no fake-tensor kernel) are raised as a one-line `CaptureError` naming the op and the module
+whose forward was running, tracked with forward hooks that exist only while tracing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.fx
 from torch import Tensor
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
 
-__all__ = ["CapturedStep", "DTensorSpec", "capture_train_step"]
+__all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "capture_train_step"]
 
 
 def _slices(groups: list[tuple[str, int]]) -> dict[str, slice]:
@@ -42,6 +58,92 @@ def _slices(groups: list[tuple[str, int]]) -> dict[str, slice]:
         out[name] = slice(start, start + count)
         start += count
     return out
+
+
+class CaptureError(ValueError):
+    """The step cannot be captured as one static graph; the message (one line) names the op, the
+    module whose forward ran it and what to do. A ValueError, so the CLI prints it as a user error;
+    the tracing exception is chained as __cause__ for the full story."""
+
+
+@contextlib.contextmanager
+def _module_stack(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
+    """Track which modules' forwards are running while tracing: yields a list of
+    (qualified name, class name), innermost last. The hooks exist only inside the block.
+
+    A forward that raises never reaches its post-hook, so after a tracing failure the list still
+    holds the chain of modules that were running when the failing op was called.
+    """
+    stack: list[tuple[str, str]] = []
+    handles = []
+    try:
+        for name, module in model.named_modules():
+            def push(mod, args, name=name):
+                stack.append((name, type(mod).__name__))
+
+            def pop(mod, args, output):
+                stack.pop()
+
+            handles.append(module.register_forward_pre_hook(push))
+            handles.append(module.register_forward_hook(pop))
+        yield stack
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _defining_op(partial_graph: object, symbols: set) -> str | None:
+    """The first op of a partial trace whose output holds one of the unbacked `symbols`.
+
+    torch 2.13 keeps the partial graph as printed code (lines like
+    ``nonzero: "i64[u0, 1]" = torch.ops.aten.nonzero.default(x)``); a Graph is read directly.
+    """
+    if isinstance(partial_graph, torch.fx.GraphModule):
+        partial_graph = partial_graph.graph
+    if isinstance(partial_graph, torch.fx.Graph):
+        for node in partial_graph.nodes:
+            if node.op == "call_function" and set(free_unbacked_symbols(node.meta.get("val"))) & symbols:
+                return str(node.target)
+    elif isinstance(partial_graph, str):
+        names = {str(s) for s in symbols}
+        for line in partial_graph.splitlines():
+            match = re.search(r':\s*"([^"]*)"\s*=\s*torch\.ops\.([\w.]+)\(', line)
+            if match and names & set(re.findall(r"\w+", match.group(1))):
+                return match.group(2)
+    return None
+
+
+def _capture_error(error: BaseException, stack: list[tuple[str, str]]) -> CaptureError | None:
+    """A CaptureError explaining `error` (or an exception it was raised from), or None when the
+    error is not one of the known "this cannot be a static graph" kinds (a bug in model code, say,
+    which should keep its own traceback)."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, (DataDependentOutputException, DynamicOutputShapeException,
+                                                       UnsupportedOperatorException,
+                                                       GuardOnDataDependentSymNode)):
+        cause = cause.__cause__
+    if cause is None:
+        return None
+    if isinstance(cause, GuardOnDataDependentSymNode):
+        # Only with a ShapeEnv (not how we trace, kept for safety): find the op that produced the
+        # symbol being branched on from the partial graph the exception carries.
+        op = _defining_op(getattr(cause, "partial_fx_graph", None), set(cause.cond.free_symbols)) or "an op"
+        what = f"Python code branches on a value computed from tensor data by {op} ({cause.cond})"
+    elif isinstance(cause, DataDependentOutputException):
+        # aten._local_scalar_dense: what .item(), bool(t), float(t) and `if t:` call.
+        what = f"{cause.func} reads a tensor's value into Python (.item(), bool(), or if/while on a tensor)"
+    elif isinstance(cause, DynamicOutputShapeException):
+        what = f"{cause.func} returns a tensor whose shape depends on the data (the graph is static-shaped)"
+    else:
+        what = (f"{cause.func} has no fake-tensor (meta) kernel, so it cannot be traced "
+                "(a custom op needs torch.library.register_fake)")
+    if stack:
+        name, cls = stack[-1]
+        where = f"module {name} ({cls})" if name else f"the model's own forward ({cls})"
+    else:
+        where = "no module's forward (the loss, backward or optimizer update)"
+    return CaptureError(f"graph capture failed in {where}: {what}; rewrite it with tensor ops of static shape "
+                        "(e.g. torch.where instead of if) or run with --training.mode eager")
 
 
 @dataclass(frozen=True)
@@ -65,7 +167,7 @@ class CapturedStep:
     """The traced step and how to feed it.
 
     Flat inputs: params (param_names order), exp_avg (same order), exp_avg_sq, inputs_BS,
-    labels_BS, step (0-dim float64), lr (0-dim float64), buffers (buffer_names order; make_fx
+    labels_BS, step (0-dim scalar_dtype), lr (0-dim scalar_dtype), buffers (buffer_names order; make_fx
     refuses real tensors closed over, so the RoPE table is an input too, never modified).
     Flat outputs: new params, new exp_avg, new exp_avg_sq (each in param_names order), loss
     (0-dim, mean per token over all ranks), grad_norm (0-dim, global, before clipping).
@@ -80,6 +182,7 @@ class CapturedStep:
     num_tokens: int  # tokens of one step on all ranks (the loss denominator)
     capture_seconds: float
     num_params: int  # global parameter count (full, unsharded sizes)
+    scalar_dtype: torch.dtype = torch.float64  # dtype of the step and lr inputs
 
     @property
     def num_inputs(self) -> int:
@@ -140,6 +243,7 @@ def capture_train_step(
     decay: dict[str, bool],
     example_batch: tuple[Tensor, Tensor],
     dp_size: int | None = None,
+    scalar_dtype: torch.dtype = torch.float64,
 ) -> CapturedStep:
     """Trace one training step of `model` into a CapturedStep (see the module docstring).
 
@@ -148,7 +252,11 @@ def capture_train_step(
     as EagerStep does. adamw_hparams: beta1, beta2, eps, weight_decay (AdamW.hparams). decay: which
     parameters get weight decay (AdamW.decay). example_batch: (inputs_BS, labels_BS) of the shape
     every step will use (the graph is static-shaped). dp_size: number of data-parallel ranks;
-    default the size of the parameters' mesh (1 for plain parameters).
+    default the size of the parameters' mesh (1 for plain parameters). scalar_dtype: dtype of the
+    step and lr inputs; float64 matches the eager path's Python-float arithmetic bit for bit,
+    float32 is for TPUs (no fast float64, and XLA may reject it).
+
+    Raises CaptureError when the step cannot be one static graph (see the module docstring).
     """
     named = dict(model.named_parameters())
     if not named:
@@ -212,8 +320,8 @@ def capture_train_step(
         return ([new_params[k] for k in param_names] + [new_state["exp_avg"][k] for k in param_names]
                 + [new_state["exp_avg_sq"][k] for k in param_names] + [loss, total_norm])
 
-    # Example inputs: the live local tensors (make_fx turns them into fake tensors; nothing is
-    # computed on them). step/lr are float64 like the Python numbers the eager path uses.
+    # Example inputs: the live local tensors (turned into fake tensors below; nothing is computed
+    # on them). step/lr default to float64 like the Python numbers the eager path uses.
     def local(p: Tensor) -> Tensor:
         return (p.to_local() if isinstance(p, DTensor) else p).detach()
 
@@ -221,16 +329,28 @@ def capture_train_step(
     # Distinct tensors for every input: make_fx maps one tensor object to one placeholder, so
     # reusing an example tensor for two inputs would silently wire both reads to the same input.
     example += [torch.zeros_like(t) for t in example] + [torch.zeros_like(t) for t in example]
-    example += [inputs_BS, labels_BS, torch.ones((), dtype=torch.float64), torch.ones((), dtype=torch.float64)]
+    example += [inputs_BS, labels_BS, torch.ones((), dtype=scalar_dtype), torch.ones((), dtype=scalar_dtype)]
     example += [b.detach() for b in buffers.values()]
 
     start = time.perf_counter()
-    gm = make_fx(train_step, tracing_mode="fake")(*example)
+    # Our own fake mode, without a ShapeEnv (make_fx picks up the mode of fake inputs): left to
+    # itself, make_fx("fake") adds one, and data-dependent values and shapes then become unbacked
+    # symbols instead of failing at the op that makes them (see the module docstring).
+    fake_mode = FakeTensorMode(allow_fallback_kernels=True)
+    fake_example = [fake_mode.from_tensor(t) for t in example]
+    with _module_stack(model) as stack:
+        try:
+            gm = make_fx(train_step, tracing_mode="fake")(*fake_example)
+        except Exception as e:
+            error = _capture_error(e, stack)
+            if error is None:
+                raise
+            raise error from e
     capture_seconds = time.perf_counter() - start
 
     fake_inputs = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
     return CapturedStep(graph_module=gm, param_names=param_names, buffer_names=buffer_names,
                         dtensor_specs=specs, example_inputs=fake_inputs,
                         num_tokens=num_tokens, capture_seconds=capture_seconds,
-                        num_params=sum(p.numel() for p in named.values()))
+                        num_params=sum(p.numel() for p in named.values()), scalar_dtype=scalar_dtype)
 

@@ -4,7 +4,11 @@
 
 * "eager": run the FX graph as it is (no compiler; for debugging);
 * "aot_eager": AOTAutograd (functionalisation, decompositions) without code generation;
-* "inductor": AOTAutograd + Inductor code generation (C++/OpenMP on CPU, Triton on CUDA).
+* "inductor": AOTAutograd + Inductor code generation (C++/OpenMP on CPU, Triton on CUDA);
+* "tpu": TorchTPU's Dynamo backend (XLA), registered under that name when torch_tpu is imported.
+  Written against the torch_tpu 0.2.0 API and never run here (no TPU): it is guarded so that
+  anywhere else it fails at once with a one-line error, and the step/lr scalars of a step
+  captured for it are float32 (TPUs have no fast float64).
 
 The backend is called directly on the GraphModule (as Dynamo would after tracing), not through
 `torch.compile`: the graph is already a flat aten graph, so Dynamo has nothing left to find.
@@ -28,32 +32,93 @@ from titan_tpu.graph.passes import compile_submodules, split_graph
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.trainer import StepResult, cross_entropy_sum
 
-__all__ = ["BACKENDS", "GraphStep", "compile_step"]
+__all__ = ["BACKENDS", "GraphStep", "check_tpu_backend_config", "compile_step"]
 
-BACKENDS = ("eager", "aot_eager", "inductor")
+BACKENDS = ("eager", "aot_eager", "inductor", "tpu")
+
+_TPU_NEEDS = "compile.backend tpu needs TorchTPU on a TPU VM (pip install torch-tpu, with libtpu)"
+_TPU_ELSEWHERE = "use --compile.backend inductor or aot_eager elsewhere"
+
+
+def _tpu_error(reason: str) -> ValueError:
+    """The one-line error for every way the tpu backend can be unavailable."""
+    return ValueError(f"{_TPU_NEEDS}: {reason}; {_TPU_ELSEWHERE}")
+
+
+def check_tpu_backend_config(training_device: str) -> None:
+    """Config-time check for compile.backend = tpu, without importing torch_tpu (its import can
+    abort the process where libtpu is missing): the device must be tpu, or auto with TorchTPU
+    installed. Whether a TPU is really there is checked when the step is compiled."""
+    from titan_tpu import device
+
+    if training_device not in ("tpu", "auto"):
+        raise _tpu_error(f"training.device is {training_device} (use tpu or auto)")
+    if not device._tpu_installed():
+        raise _tpu_error("torch_tpu is not installed here")
+
+
+def _tpu_dynamo_backend(captured: CapturedStep | None) -> Callable:
+    """TorchTPU's Dynamo backend, after checking that it can run: torch_tpu imports, sees a TPU,
+    and the captured step's tensors live on it. Raises the one-line ValueError otherwise."""
+    import importlib
+
+    from torch._dynamo import lookup_backend
+
+    from titan_tpu import device
+
+    if not device._tpu_installed():
+        raise _tpu_error("torch_tpu is not installed here")
+    try:
+        importlib.import_module("torch_tpu")  # registers torch.tpu and the Dynamo backend "tpu"
+    except Exception as e:  # noqa: BLE001 - any failure to load means "not usable here"
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__  # keep the error one line
+        raise _tpu_error(f"importing torch_tpu failed ({first_line})") from e
+    if not (torch.tpu.is_available() and torch.tpu.device_count() > 0):
+        raise _tpu_error("torch_tpu sees no TPU device")
+    if captured is not None:
+        devices = {t.device.type for t in captured.example_inputs if t.dim() > 0}  # 0-dim scalars may stay on CPU
+        if devices != {"tpu"}:
+            raise _tpu_error(f"the captured step's tensors are on {', '.join(sorted(devices))}, not tpu "
+                             "(set training.device = tpu)")
+    try:
+        return lookup_backend("tpu")
+    except Exception as e:  # noqa: BLE001 - torch raises its own InvalidBackend type
+        raise _tpu_error(f"torch_tpu did not register the Dynamo backend 'tpu' ({type(e).__name__})") from e
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"graph compile backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
 def compile_step(captured: CapturedStep, backend: str, *, split: str = "none") -> Callable[..., list[Tensor]]:
     """A callable taking the flat inputs of `captured` (as plain tensors) and returning its flat
     outputs. Compilation happens here, not at the first call; its time is in `.compile_seconds`.
     split: "none" | "fwd_bwd" | "collectives" (see graph/passes.py): compile several smaller
-    programs instead of one."""
-    if backend not in BACKENDS:
-        raise ValueError(f"graph compile backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    programs instead of one. Raises a one-line ValueError for "tpu" where TorchTPU or a TPU is
+    missing."""
+    _check_backend(backend)
+    if backend == "tpu":
+        compiler = _tpu_dynamo_backend(captured)  # before splitting: fail fast, with the clear error
+    elif backend != "eager":
+        from torch._dynamo import lookup_backend
+
+        compiler = lookup_backend(backend)
     start = time.perf_counter()
     gm = split_graph(captured.graph_module, split, loss_output_index=captured.output_slices()["loss"].start)
     if backend == "eager":
         compiled = gm
     else:
-        from torch._dynamo import lookup_backend
-
         # The fake example inputs made while tracing carry the shapes, dtypes and strides the
-        # compiler specialises on (the graph is static-shaped).
+        # compiler specialises on (the graph is static-shaped). For "tpu" this is the call Dynamo
+        # itself would make, backend(graph_module, example_inputs); no compiler options are
+        # passed (torch.tpu.compiler.custom_compiler_options exists but its keys are undocumented).
+        example_inputs = _fake_inputs_with_shape_env(captured.example_inputs)
         with torch.no_grad():
             if split == "none":
-                compiled = lookup_backend(backend)(gm, list(captured.example_inputs))
+                compiled = compiler(gm, example_inputs)
             else:
-                compiled = compile_submodules(gm, list(captured.example_inputs), lookup_backend(backend))
+                compiled = compile_submodules(gm, example_inputs, compiler)
     seconds = time.perf_counter() - start
 
     def run(*flat: Tensor) -> list[Tensor]:
@@ -65,6 +130,20 @@ def compile_step(captured: CapturedStep, backend: str, *, split: str = "none") -
     run.backend = backend
     run.module = gm  # the (possibly split) graph that was compiled
     return run
+
+
+def _fake_inputs_with_shape_env(inputs: list[Tensor]) -> list[Tensor]:
+    """The example inputs again, as fake tensors of a mode that has a ShapeEnv (static shapes).
+
+    make_fx's fake mode has none, but Inductor's lowering of scan (to a while loop indexed by a
+    loop counter read with .item()) needs one to represent that unbacked integer.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    with mode:
+        return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in inputs]
 
 
 def _local(t: Tensor) -> Tensor:
@@ -82,16 +161,27 @@ class GraphStep:
     optimizer state between steps) and `optimizer.step_count` advanced by one.
 
     Only grad_accum_steps == 1 for now: one micro-batch per step, of the shape of `example_batch`.
+
+    scalar_dtype: dtype of the step and lr graph inputs; None picks float32 for the tpu backend
+    (TPUs have no fast float64 and XLA may reject it) and float64 otherwise, which keeps the graph
+    bitwise equal to the eager path's Python-float bias corrections.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float,
                  example_batch: tuple[Tensor, Tensor], backend: str = "inductor", dp_size: int | None = None,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy_sum, split: str = "none"):
+                 loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy_sum, split: str = "none",
+                 scalar_dtype: torch.dtype | None = None):
+        _check_backend(backend)
+        if backend == "tpu":
+            _tpu_dynamo_backend(None)  # fail before a capture that can take minutes on a large model
+        if scalar_dtype is None:
+            scalar_dtype = torch.float32 if backend == "tpu" else torch.float64
         self.model = model
         self.optimizer = optimizer
         self.captured = capture_train_step(model, loss_fn=loss_fn, max_norm=max_norm,
                                            adamw_hparams=optimizer.hparams, decay=optimizer.decay,
-                                           example_batch=example_batch, dp_size=dp_size)
+                                           example_batch=example_batch, dp_size=dp_size,
+                                           scalar_dtype=scalar_dtype)
         self.compiled = compile_step(self.captured, backend, split=split)
         names = self.captured.param_names
         params = dict(model.named_parameters())
@@ -127,10 +217,11 @@ class GraphStep:
         inputs, labels = inputs.contiguous(), labels.contiguous()
         exp_avg, exp_avg_sq = self._state_tensors()
         step_number = self.optimizer.step_count + 1
-        # float64 0-dim tensors: the eager path computes bias corrections and lr in Python floats.
+        # 0-dim tensors of the captured scalar dtype: float64 by default, as the eager path computes
+        # bias corrections and lr in Python floats; float32 on TPU.
+        scalar = self.captured.scalar_dtype
         flat = [*self._params, *exp_avg, *exp_avg_sq, inputs, labels,
-                torch.tensor(step_number, dtype=torch.float64), torch.tensor(lr, dtype=torch.float64),
-                *self._buffers]
+                torch.tensor(step_number, dtype=scalar), torch.tensor(lr, dtype=scalar), *self._buffers]
         out = self.compiled(*flat)
         s = self.captured.output_slices()
         with torch.no_grad():
