@@ -9,6 +9,7 @@ the geometric mean of the two.
 
     python bench/throughput.py                       # reference case: debug flavor, batch 8 x seq 256
     python bench/throughput.py --rounds 24 --threads 2 --batch 8 --seq 256
+    python bench/throughput.py --graph --dim 512 --layers 8 --seq 512 --batch 4   # larger CPU model
 
 Prints one line per contender (tokens/s, TFLOP/s, MFU against the stated peak) and the ratio
 ours / Hugging Face. MFU uses titan_tpu's flops_per_token (6N + 6*L*H*hd*S) for both.
@@ -17,6 +18,7 @@ ours / Hugging Face. MFU uses titan_tpu's flops_per_token (6N + 6*L*H*hd*S) for 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -89,7 +91,7 @@ def hf_loop(args, batches, *, lr, max_norm, init_from):
 def measure(args, *, hf_first: bool) -> dict:
     """One interleaved measurement in this process: per-round seconds per step of each contender."""
     torch.set_num_threads(args.threads)
-    model_args = get_model_args(args.model, args.flavor)
+    model_args = bench_model_args(args)
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(4):
@@ -126,10 +128,28 @@ def measure(args, *, hf_first: bool) -> dict:
 OURS, HF, GRAPH = "titan-tpu eager", "hf transformers", "titan-tpu graph"
 
 
+def bench_model_args(args):
+    """The flavor's args, with --dim / --layers / --ffn-dim overriding its size (e.g. the larger
+    CPU model of the graph-mode target: --dim 512 --layers 8 --seq 512)."""
+    model_args = get_model_args(args.model, args.flavor)
+    changes = {"max_seq_len": max(model_args.max_seq_len, args.seq)}
+    if args.dim:
+        changes["dim"] = args.dim
+        changes["ffn_hidden_dim"] = args.ffn_dim or 3 * args.dim
+    elif args.ffn_dim:
+        changes["ffn_hidden_dim"] = args.ffn_dim
+    if args.layers:
+        changes["n_layers"] = args.layers
+    return dataclasses.replace(model_args, **changes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3", choices=["llama3"])
     parser.add_argument("--flavor", default="debug")
+    parser.add_argument("--dim", type=int, help="model width instead of the flavor's (heads kept)")
+    parser.add_argument("--layers", type=int, help="number of layers instead of the flavor's")
+    parser.add_argument("--ffn-dim", type=int, help="feed-forward width (default 3 x dim with --dim)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
@@ -154,10 +174,11 @@ def main() -> None:
                                capture_output=True, text=True, check=True)
         passes[order] = json.loads(child.stdout.strip().splitlines()[-1])
 
-    model_args = get_model_args(args.model, args.flavor)
+    model_args = bench_model_args(args)
     tokens_per_step = args.batch * args.seq
     fpt = flops_per_token(model_args, args.seq)
-    print(f"{args.model}/{args.flavor}, batch {args.batch} x seq {args.seq}, fp32, {args.threads} threads, "
+    size = f" (dim {model_args.dim}, {model_args.n_layers} layers, ffn {model_args.ffn_hidden_dim})"
+    print(f"{args.model}/{args.flavor}{size}, batch {args.batch} x seq {args.seq}, fp32, {args.threads} threads, "
           f"AdamW + clipping; 2 processes (one per contender order) x {args.rounds} interleaved rounds x "
           f"{args.steps_per_round} steps")
     ratios = []

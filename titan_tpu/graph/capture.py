@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.fx
+import torch.fx.traceback as fx_traceback
 from torch import Tensor
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -47,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
+from titan_tpu.graph.passes import recomputed_nodes, rematerialize
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
 
 __all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "capture_train_step"]
@@ -203,6 +205,10 @@ class CapturedStep:
         """Number of call_function nodes per op (OpOverload name, e.g. 'aten.mm.default')."""
         return Counter(str(node.target) for node in self.graph_module.graph.nodes if node.op == "call_function")
 
+    def recomputed_node_count(self) -> int:
+        """Nodes traced while activation checkpointing recomputed a block in the backward."""
+        return len(recomputed_nodes(self.graph_module))
+
     def collective_counts(self) -> Counter:
         return Counter({op: n for op, n in self.op_counts().items() if "_c10d_functional" in op})
 
@@ -222,6 +228,7 @@ class CapturedStep:
             f"  distinct ops: {len(ops)}; most frequent: {top}",
             "  collectives: " + (", ".join(f"{op.removeprefix('_c10d_functional.')} {n}"
                                            for op, n in sorted(collectives.items())) or "none"),
+            f"  recomputed in the backward (activation checkpointing): {self.recomputed_node_count()} nodes",
             f"  capture: {self.capture_seconds:.2f} s",
         ]
         return "\n".join(lines)
@@ -299,7 +306,9 @@ def capture_train_step(
             loss = loss_fn(logits, labels) / num_tokens
             # Gradients of the local leaves are the local shards of the (reduce-scattered)
             # parameter gradients: DTensor.from_local's backward hands back the local part.
-            local_grads = torch.autograd.grad(loss, leaves)
+            # The backward region, for the rematerialize pass (activation checkpointing).
+            with fx_traceback.annotate({"phase": "backward"}):
+                local_grads = torch.autograd.grad(loss, leaves)
 
         with torch.no_grad():
             # Norm and clipping on DTensors: the norm of sharded grads needs a cross-rank sum,
@@ -340,12 +349,17 @@ def capture_train_step(
     fake_example = [fake_mode.from_tensor(t) for t in example]
     with _module_stack(model) as stack:
         try:
-            gm = make_fx(train_step, tracing_mode="fake")(*fake_example)
+            # preserve_node_meta: annotations made while tracing (the backward phase) land in
+            # node.meta["custom"].
+            with fx_traceback.preserve_node_meta():
+                gm = make_fx(train_step, tracing_mode="fake")(*fake_example)
         except Exception as e:
             error = _capture_error(e, stack)
             if error is None:
                 raise
             raise error from e
+    # Activation checkpointing: recompute tagged forward ops in the backward (no-op untagged).
+    gm = rematerialize(gm)
     capture_seconds = time.perf_counter() - start
 
     fake_inputs = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]

@@ -6,6 +6,8 @@
   update. ``collectives``: a new program after every collective's wait, so each program holds at
   most one round of communication. The result is a GraphModule whose submodules ``submod_0``,
   ``submod_1``, ... run in order; ``compile_submodules`` hands each to a backend on its own.
+* ``rematerialize``: activation checkpointing in the captured graph: forward ops tagged for
+  recomputation while tracing are copied into the backward where they are needed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,34 @@ def eliminate_dead_code(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def rematerialize(gm: fx.GraphModule) -> fx.GraphModule:
+    """Activation recomputation in a traced forward-loss-backward graph.
+
+    Forward ops of checkpointed blocks carry recompute tags (node.meta["recompute"] and
+    ["ac_graph_id"], set while tracing by models/common/activation_checkpoint.py); the backward
+    region is the nodes annotated custom["phase"] = "backward" (capture.py annotates
+    autograd.grad). Each tagged op that the backward needs is copied to just before its first
+    backward use, so the forward copy's output dies early; a block's output that the next block
+    reads stays saved. The copying is torch's own pass for such graphs (the one torch.compile
+    runs); this function marks nothing new, applies it, and drops the tags afterwards so that no
+    later compiler stage (AOTAutograd runs the same pass) recomputes twice.
+    """
+    from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass import (
+        remat_using_tags_for_fwd_loss_bwd_graph,
+    )
+
+    gm = remat_using_tags_for_fwd_loss_bwd_graph(gm)
+    for node in gm.graph.nodes:
+        node.meta.pop("recompute", None)
+        node.meta.pop("ac_graph_id", None)
+    return gm
+
+
+def recomputed_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes `rematerialize` added (torch's pass names each copy <original>_recomputed)."""
+    return [n for n in gm.graph.nodes if n.name.endswith("_recomputed")]
 
 
 def _is_wait(node: fx.Node) -> bool:

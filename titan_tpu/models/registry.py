@@ -34,11 +34,14 @@ def build_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int | None = None,
+    scan_layers: bool = False,
+    ac_mode: str = "none",
 ) -> Transformer:
     """Construct on the meta device (no memory, no init cost), materialise on `device` in `dtype`,
-    then initialise. With `seed`, the init is reproducible (torch's global RNG is seeded)."""
+    then initialise. With `seed`, the init is reproducible (torch's global RNG is seeded).
+    scan_layers / ac_mode: execution options of `Transformer` (same weights for the same seed)."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args, scan_layers=scan_layers, ac_mode=ac_mode)
     model.to_empty(device=device)
     model.to(dtype=dtype)
     if seed is not None:

@@ -62,13 +62,28 @@ def _placements(mode: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
+# Set on modules whose parameters are stacked layers ([L, ...], models/common/scan.py).
+_STACKED_MARKER = "_layer_stacked"
+
+
+def _module_placements(module: nn.Module, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Stacked-layer weights are sharded on their per-layer dim 0, i.e. dim 1 of the stack: a
+    rank's shard is then the stack of the shards it would hold of each layer unrolled, which keeps
+    checkpoints interchangeable and never splits the layer axis the scan loops over."""
+    if not getattr(module, _STACKED_MARKER, False):
+        return placements
+    return tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements)
+
+
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_data_rank: int | None) -> None:
     """Replace every plain parameter of `module` (recursively) by an nn.Parameter holding a DTensor.
 
     src_data_rank=None: every rank already holds the same full values and keeps its own slice
     without communicating; an int: that rank's values are scattered/broadcast to the others.
     """
+    module_placements = placements
     for sub in module.modules():
+        placements = _module_placements(sub, module_placements)
         for name, param in list(sub._parameters.items()):
             if param is None or isinstance(param, DTensor):
                 continue
@@ -137,10 +152,12 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPre
     """
     placements = _placements(mode, mesh)
     _distribute_params(model, mesh, placements, src_data_rank=0)
-    for name, param in model.named_parameters():
-        if param.device_mesh != mesh or tuple(param.placements) != placements:
-            raise ValueError(f"parameter {name} is already distributed as {param.placements}; data_parallel "
-                             f"expects {placements} (mode {mode!r}): build the model again for another layout")
+    for sub_name, sub in model.named_modules():
+        for pname, param in sub.named_parameters(recurse=False):
+            name = f"{sub_name}.{pname}" if sub_name else pname
+            if param.device_mesh != mesh or tuple(param.placements) != _module_placements(sub, placements):
+                raise ValueError(f"parameter {name} is already distributed as {param.placements}; data_parallel "
+                                 f"expects {placements} (mode {mode!r}): build the model again for another layout")
     for sub in model.modules():
         _parametrize_module(sub, mp)
     return model

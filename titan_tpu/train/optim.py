@@ -14,7 +14,7 @@ fp32 master parameters, as on CPU by default).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import Tensor
@@ -40,11 +40,13 @@ DECAY_TYPES = ("linear", "cosine", "none")
 # ---------------------------------------------------------------------------------------------
 
 
-def weight_decay_mask(named_params: Iterable[tuple[str, Tensor]]) -> dict[str, bool]:
+def weight_decay_mask(named_params: Iterable[tuple[str, Tensor]], *,
+                      layer_stacked: Collection[str] = ()) -> dict[str, bool]:
     """Which parameters get weight decay: every tensor with 2 or more dims (linear weights and
     embeddings, as TorchTitan does), none of the 1-D ones (norm weights, biases), whose decay
-    would only pull their scale toward zero."""
-    return {name: p.dim() >= 2 for name, p in named_params}
+    would only pull their scale toward zero. Names in `layer_stacked` carry an extra leading
+    layer axis (scan-over-layers), which does not count."""
+    return {name: p.dim() - (name in layer_stacked) >= 2 for name, p in named_params}
 
 
 def adamw_init(params: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
@@ -209,10 +211,11 @@ class AdamW:
         beta2: float = 0.95,
         eps: float = 1e-8,
         weight_decay: float = 0.1,
+        layer_stacked: Collection[str] = (),
     ):
         self.params = dict(named_params)
         self.hparams = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-        self.decay = weight_decay_mask(self.params.items())
+        self.decay = weight_decay_mask(self.params.items(), layer_stacked=layer_stacked)
         with torch.no_grad():
             self.state = adamw_init({n: p.detach() for n, p in self.params.items()})
         self.step_count = 0

@@ -148,7 +148,7 @@ class Trainer:
         self.model = self._build_model()
         o = cfg.optimizer
         self.optimizer = AdamW(dict(self.model.named_parameters()), beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                               weight_decay=o.weight_decay)
+                               weight_decay=o.weight_decay, layer_stacked=self.model.stacked_parameter_names())
         self.compile_stats: dict[str, float] = {}  # capture/compile seconds, logged with the first row
         if t.mode == "graph":
             from titan_tpu.graph.compile import GraphStep  # graph/ imports this module: import late
@@ -171,12 +171,13 @@ class Trainer:
         # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
         args = dataclasses.replace(self.model_args, max_seq_len=self.cfg.training.seq_len)
         dtype, seed = self.compute_dtype, self.cfg.training.seed
+        options = dict(scan_layers=self.cfg.model.scan_layers, ac_mode=self.cfg.activation_checkpoint.mode)
         if self.mesh is None:  # one device: parameters are stored in model.dtype
-            return build_model(args, device=self.backend.device, dtype=dtype, seed=seed)
+            return build_model(args, device=self.backend.device, dtype=dtype, seed=seed, **options)
         # Sharded: fp32 master parameters, computed in model.dtype, gradients reduced in
         # parallelism.reduce_dtype. Built on meta and initialised piece by piece.
         with torch.device("meta"):
-            model = Transformer(args)
+            model = Transformer(args, **options)
         mp = MixedPrecision(param_dtype=dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
         return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode, mp=mp,
                                     device=self.backend.device, seed=seed)
@@ -194,11 +195,19 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # state
 
+    def _optimizer_state_per_layer(self) -> dict:
+        # Moments by parameter name in the checkpoint's per-layer layout (views into the stacked
+        # moments under scan_layers), like model.state_dict(): scanned and unrolled runs resume
+        # from each other's checkpoints.
+        sd = self.optimizer.state_dict()
+        return {**sd, "exp_avg": self.model.to_per_layer(sd["exp_avg"]),
+                "exp_avg_sq": self.model.to_per_layer(sd["exp_avg_sq"])}
+
     def state_dict(self) -> dict:
         return {
             "step": self.step,
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._optimizer_state_per_layer(),
             "data": self.train_loader.state_dict(),
             "rng": rng_state(),
             "model_name": self.cfg.model.name,
@@ -207,10 +216,12 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         """Resume everything from a checkpoint, resharding it onto this run's ranks if needed."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        state = {"model": self.model.state_dict(), "optimizer": self._optimizer_state_per_layer(),
                  "model_name": self.cfg.model.name, "model_args": dataclasses.asdict(self.model_args)}
         rest = load(path, state)  # fills the model's and optimizer's tensors in place
-        self.optimizer.load_state_dict(state["optimizer"])
+        loaded = state["optimizer"]
+        self.optimizer.load_state_dict({**loaded, "exp_avg": self.model.from_per_layer(loaded["exp_avg"]),
+                                        "exp_avg_sq": self.model.from_per_layer(loaded["exp_avg_sq"])})
         self.train_loader.load_state_dict(rest["data"])
         if rest["rng"] is not None:  # None when the checkpoint came from another number of ranks
             set_rng_state(rest["rng"])

@@ -1,5 +1,7 @@
 """Causal grouped-query self-attention with RoPE and optional per-head q/k RMSNorm (Qwen3)."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,8 +25,10 @@ class Attention(nn.Module):
         head_dim: int,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
+        rope_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = apply_rope,
     ):
         super().__init__()
+        self.rope_fn = rope_fn  # apply_rope, or apply_rope_real where complex views are not allowed
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
@@ -44,8 +48,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q_BSHD = self.q_norm(q_BSHD)
             k_BSKD = self.k_norm(k_BSKD)
-        q_BSHD = apply_rope(q_BSHD, rope_SP2)
-        k_BSKD = apply_rope(k_BSKD, rope_SP2)
+        q_BSHD = self.rope_fn(q_BSHD, rope_SP2)
+        k_BSKD = self.rope_fn(k_BSKD, rope_SP2)
         # SDPA wants heads before sequence; transposes are views (the kernels take strides),
         # and enable_gqa lets the kernel share kv heads instead of materialising copies.
         o_BHSD = F.scaled_dot_product_attention(

@@ -78,3 +78,17 @@ def apply_rope(x_BSHD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
     rotation_S1P = torch.view_as_complex(rope_SP2[:S].float()).unsqueeze(1)
     x_BSHP = torch.view_as_complex(x_BSHD.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(x_BSHP * rotation_S1P).flatten(-2).to(x_BSHD.dtype)
+
+
+def apply_rope_real(x_BSHD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in real arithmetic: each pair (a, b) becomes (a cos - b sin, a sin + b cos).
+
+    Same values as the complex form (bitwise on CPU in our tests), used where complex views are
+    not allowed: inside a scanned layer body, whose functionalised trace has no autograd formula
+    for `view_as_complex_copy`. Slower in eager on CPU (see `apply_rope`).
+    """
+    S = x_BSHD.shape[1]
+    cos_S1P, sin_S1P = rope_SP2[:S, None, :, 0].float(), rope_SP2[:S, None, :, 1].float()
+    a_BSHP, b_BSHP = x_BSHD.float().unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack([a_BSHP * cos_S1P - b_BSHP * sin_S1P, a_BSHP * sin_S1P + b_BSHP * cos_S1P], dim=-1)
+    return rotated.flatten(-2).to(x_BSHD.dtype)

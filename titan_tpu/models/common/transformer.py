@@ -17,8 +17,11 @@ from torch import nn
 
 from titan_tpu.models.common.attention import Attention
 from titan_tpu.models.common.feed_forward import FeedForward
+from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
 from titan_tpu.models.common.norms import RMSNorm
-from titan_tpu.models.common.rope import RopeScaling, rope_cache
+from titan_tpu.models.common.activation_checkpoint import checkpointed
+from titan_tpu.models.common.rope import RopeScaling, apply_rope, apply_rope_real, rope_cache
+from titan_tpu.models.common.scan import StackedBlocks
 
 __all__ = ["RopeScaling", "TransformerArgs", "TransformerBlock", "Transformer"]
 
@@ -82,7 +85,7 @@ class TransformerArgs:
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
 
-    def __init__(self, args: TransformerArgs):
+    def __init__(self, args: TransformerArgs, *, rope_fn=apply_rope):
         super().__init__()
         self.attention = Attention(
             dim=args.dim,
@@ -91,6 +94,7 @@ class TransformerBlock(nn.Module):
             head_dim=args.hd,
             qk_norm=args.qk_norm,
             norm_eps=args.norm_eps,
+            rope_fn=rope_fn,
         )
         self.feed_forward = FeedForward(dim=args.dim, hidden_dim=args.ffn_hidden_dim)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
@@ -102,13 +106,31 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: TransformerArgs):
+    """The model. Two execution options leave the architecture (and checkpoints) unchanged:
+
+    scan_layers: store the blocks stacked and run them with torch's scan op (models/common/scan.py)
+    instead of a Python loop, so a compiler sees one block whatever the depth.
+    ac_mode: activation checkpointing per block, "none" | "full" | "selective"
+    (models/common/activation_checkpoint.py).
+    """
+
+    def __init__(self, args: TransformerArgs, *, scan_layers: bool = False, ac_mode: str = "none"):
         super().__init__()
         self.args = args
+        self.scan_layers = scan_layers
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        # A ModuleDict keyed "0".."L-1" (as TorchTitan) keeps layer names stable when a
-        # pipeline stage deletes the layers it does not own.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        if scan_layers:
+            self.layers = StackedBlocks(functools.partial(TransformerBlock, args, rope_fn=apply_rope_real),
+                                        args.n_layers, init_layer=_init_block_at, ac_mode=ac_mode)
+        else:
+            # A ModuleDict keyed "0".."L-1" (as TorchTitan) keeps layer names stable when a
+            # pipeline stage deletes the layers it does not own.
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+            # Checkpointed blocks run as functions of their weights, so that the recomputation in
+            # the backward uses the same weights (see functional_block.py).
+            block_fn = FunctionalBlock(functools.partial(TransformerBlock, args))
+            self._block_param_names = block_fn.param_names
+            self._checkpointed_block = checkpointed(block_fn, ac_mode) if ac_mode != "none" else None
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = (
             None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -143,6 +165,19 @@ class Transformer(nn.Module):
         else:
             self.rope_cache = table
 
+    # Per-parameter dicts (optimizer moments) in the checkpoint layout. Identity when unrolled.
+
+    def stacked_parameter_names(self) -> set[str]:
+        """Names of the parameters that carry a leading layer axis (empty unless scan_layers)."""
+        return {f"layers.{n}" for n in self.layers.param_names} if self.scan_layers else set()
+
+    def to_per_layer(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stacked entries -> per-layer views (`layers.{i}.<name>`), as the state dict shows them."""
+        return self.layers.to_per_layer(named, "layers.") if self.scan_layers else dict(named)
+
+    def from_per_layer(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.layers.from_per_layer(named, "layers.") if self.scan_layers else dict(named)
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialise every parameter in place and the RoPE buffer, from torch's global RNG.
@@ -166,9 +201,12 @@ class Transformer(nn.Module):
         process does and gets bitwise the same weights without ever holding the whole model.
         """
         plan = [("tok_embeddings", self.tok_embeddings, self._init_tok_embeddings)]
-        for layer_id, (name, layer) in enumerate(self.layers.items()):
-            init = functools.partial(_init_block, layer, layer_id=layer_id)
-            plan.append((f"layers.{name}", layer, init))
+        if self.scan_layers:  # all layers in one piece, initialised layer by layer in order
+            plan.append(("layers", self.layers, self.layers.init_weights))
+        else:
+            for layer_id, (name, layer) in enumerate(self.layers.items()):
+                init = functools.partial(_init_block, layer, layer_id=layer_id)
+                plan.append((f"layers.{name}", layer, init))
         plan.append(("norm", self.norm, self.norm.reset_parameters))
         if self.output is not None:
             plan.append(("output", self.output, self._init_output))
@@ -192,12 +230,23 @@ class Transformer(nn.Module):
                 "raise model max_seq_len or shorten the sequences"
             )
         h_BSD = self.tok_embeddings(tokens_BS)
-        for layer in self.layers.values():
-            h_BSD = layer(h_BSD, self.rope_cache)
+        if self.scan_layers:
+            h_BSD = self.layers(h_BSD, self.rope_cache)
+        else:
+            for layer in self.layers.values():
+                if self._checkpointed_block is None:
+                    h_BSD = layer(h_BSD, self.rope_cache)
+                else:
+                    weights = read_weights(layer, self._block_param_names)
+                    h_BSD = self._checkpointed_block(h_BSD, self.rope_cache, *weights)
         h_BSD = self.norm(h_BSD)
         if self.output is None:
             return F.linear(h_BSD, self.tok_embeddings.weight)
         return self.output(h_BSD)
+
+
+def _init_block_at(layer: TransformerBlock, layer_id: int) -> None:
+    _init_block(layer, layer_id=layer_id)
 
 
 @torch.no_grad()

@@ -1,0 +1,223 @@
+"""Scan-over-layers: L identical blocks stored as one stacked set of weights and run by a loop op.
+
+A model that repeats one block L times normally shows the compiler L copies of the block, so
+compile time grows with depth (XLA on TPU especially). `StackedBlocks` stores each block
+parameter once, with a leading layer axis ([L, ...]), and runs the blocks with torch's scan
+higher-order op: the body (one block) is traced and compiled once, and the backends lower the op
+to a loop (Inductor on CPU/CUDA; TorchTPU to an XLA while loop).
+
+Layout: the stacked module mirrors the block's module tree, so its parameters are named like the
+block's (``layers.attention.wq.weight``, shape [L, out, in]). Saving and loading keep the
+per-layer layout of the unrolled model (``layers.{i}.attention.wq.weight``): `state_dict()`
+returns per-layer *views* into the stacked tensors (so loading into them in place, as DCP does,
+fills the stack) and `load_state_dict()` stacks per-layer entries. Checkpoints and Hugging Face
+exports are therefore the same for scanned and unrolled runs. `to_per_layer` / `from_per_layer`
+do the same renaming for other per-parameter dicts (the optimizer's moments).
+
+The body calls the block as a function of one layer's slice of the weights (a meta-device
+template run by `torch.func.functional_call`, see functional_block.py). It uses the
+real-arithmetic RoPE: scan functionalises its body, and complex views have no autograd formula
+there. Data parallelism shards the stacked weights on their per-layer dim 0 (dim 1 of the stack,
+see parallel/simple_fsdp.py), so a stacked weight's shard on a rank is exactly the stack of the
+per-layer shards an unrolled run holds; the forward all-gathers each stacked weight once.
+
+When the op is used: only while tracing (the graph trainer's capture). Eagerly, the same block
+function runs over the same stacked weights in a Python loop, because torch's scan op retraces
+its body on every eager call (about a second per step here). Activation checkpointing inside the
+scan: ``full`` runs `_ScanRecomputingLayers` (the forward scan keeps only each layer's input; the
+backward is a reverse scan that recomputes each layer and takes its vector-Jacobian product);
+``none`` and ``selective`` use scan's own autograd, whose partitioner decides what the body
+saves; selective's tags do not reach it (see docs/architecture.md), so inside a scanned body in
+graph mode selective currently saves what none saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch._higher_order_ops.scan import scan_op
+
+from titan_tpu.models.common.activation_checkpoint import checkpointed, is_tracing
+from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
+
+__all__ = ["StackedBlocks", "STACKED_MARKER"]
+
+# Attribute set to True on every module holding stacked weights: parallel/simple_fsdp.py reads it
+# to shard those weights on dim 1 (models never import parallel/).
+STACKED_MARKER = "_layer_stacked"
+
+
+class StackedBlocks(nn.Module):
+    """`n_layers` copies of the block made by `make_block()`, as stacked weights run by scan.
+
+    make_block: builds one block (called twice: under the current default device for the
+    parameters' structure, and on meta for the template). init_layer(block, layer_id): initialises
+    one full-size block in place, as the unrolled model does for layer `layer_id`.
+    ac_mode: activation checkpointing inside the body ("none" | "full" | "selective").
+    """
+
+    def __init__(self, make_block: Callable[[], nn.Module], n_layers: int, *,
+                 init_layer: Callable[[nn.Module, int], None], ac_mode: str = "none"):
+        super().__init__()
+        self.n_layers = n_layers
+        self._init_layer = init_layer
+        block = make_block()
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        if block._parameters:
+            raise ValueError("StackedBlocks: the block must keep its parameters in submodules")
+        for module in self.modules():
+            setattr(module, STACKED_MARKER, True)
+            for pname, p in list(module._parameters.items()):
+                if p is not None:
+                    stacked = torch.empty((n_layers, *p.shape), dtype=p.dtype, device=p.device)
+                    module._parameters[pname] = nn.Parameter(stacked, requires_grad=p.requires_grad)
+        self.param_names = [n for n, _ in self.named_parameters()]
+        block_fn = FunctionalBlock(make_block)
+        assert block_fn.param_names == self.param_names
+        object.__setattr__(self, "_make_block", make_block)  # a plain attribute, not a submodule
+        self._block_fn = block_fn
+        self.ac_mode = ac_mode
+        self._body = checkpointed(block_fn, ac_mode)
+        self._register_state_dict_hook(_split_layers_hook)
+        self._register_load_state_dict_pre_hook(_stack_layers_hook, with_module=True)
+
+    # ------------------------------------------------------------------------------------------
+    # forward
+
+    def forward(self, h: Tensor, rope: Tensor) -> Tensor:
+        # Under data parallelism: one all-gather per stacked weight, before the loop.
+        stacked = read_weights(self, self.param_names)
+        if not is_tracing():
+            # Eager: the same block function over the same stacked weights, in a Python loop.
+            # torch's scan op would retrace its body (make_fx and a partitioner) on every eager
+            # call, about a second per step even for a tiny model; the op pays off once traced.
+            for i in range(self.n_layers):
+                h = self._body(h, rope, *(w[i] for w in stacked))
+            return h
+        rope = rope[: h.shape[1]]
+        if self.ac_mode == "full":
+            return _ScanRecomputingLayers.apply(self._block_fn, h, rope, *stacked)
+        return _scan_layers(self._body, h, rope, stacked)[0]
+
+    # ------------------------------------------------------------------------------------------
+    # initialisation
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise layer by layer exactly as the unrolled model initialises layers 0..L-1
+        (same RNG draws in the same order), through one full-size scratch block. Runs on the
+        plain (not yet sharded) stack, as build_model and materialize_and_init call it."""
+        some = next(iter(self.parameters()))
+        with torch.device("meta"):
+            scratch = self._make_block()
+        scratch.to_empty(device=some.device)
+        scratch.to(dtype=some.dtype)
+        scratch_params = dict(scratch.named_parameters())
+        for layer_id in range(self.n_layers):
+            self._init_layer(scratch, layer_id)
+            for name, p in self.named_parameters():
+                p[layer_id].copy_(scratch_params[name])
+
+    # ------------------------------------------------------------------------------------------
+    # per-layer <-> stacked names
+
+    def to_per_layer(self, named: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+        """{prefix + stacked name: [L, ...]} -> {prefix + "i." + name: view of layer i}, layer by
+        layer as the unrolled model orders them, where the first stacked entry was; other entries
+        pass through in order."""
+        stacked = {k[len(prefix):]: v for k, v in named.items()
+                   if k.startswith(prefix) and k[len(prefix):] in self.param_names}
+        out = {}
+        for key, value in named.items():
+            if key[len(prefix):] not in stacked or not key.startswith(prefix):
+                out[key] = value
+            elif not any(k.startswith(f"{prefix}0.") for k in out):  # first stacked entry
+                for i in range(self.n_layers):
+                    for name in self.param_names:
+                        if name in stacked:
+                            out[f"{prefix}{i}.{name}"] = stacked[name][i]
+        return out
+
+    def from_per_layer(self, named: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+        """The inverse of `to_per_layer` (stacks copies); per-layer groups that are incomplete
+        are left as they are, so a strict load reports what is missing."""
+        out = dict(named)
+        for name in self.param_names:
+            keys = [f"{prefix}{i}.{name}" for i in range(self.n_layers)]
+            if all(k in out for k in keys):
+                out[prefix + name] = torch.stack([out.pop(k) for k in keys])
+        return out
+
+
+def _scan_layers(block_fn: Callable, h: Tensor, rope: Tensor, stacked: list[Tensor], *,
+                 keep_inputs: bool = False) -> tuple[Tensor, Tensor | None]:
+    """h -> block_fn(h, rope, *layer i's weights) for i = 0..L-1 with torch's scan op.
+
+    Returns the final h and, with keep_inputs, every layer's input stacked ([L, *h.shape]).
+    scan_op, not the public torch scan(): that one routes eager calls through Dynamo, which
+    cannot run inside our make_fx capture. The body's arguments are flat tensors: the carry, one
+    layer's slice of each stacked weight, then the RoPE table (an "additional input", passed
+    whole to every iteration: the body may not close over tensors).
+    """
+
+    def body(carry: Tensor, *layer_weights_and_rope: Tensor) -> list[Tensor]:
+        *layer_weights, rope_SP2 = layer_weights_and_rope
+        out = block_fn(carry, rope_SP2, *layer_weights)
+        # scan wants a per-iteration output; an empty one costs nothing. The body may not return
+        # an alias of its input, hence the clone of the layer input.
+        return [out, carry.clone() if keep_inputs else out.new_empty(0)]
+
+    final, per_layer = scan_op(body, [h], stacked, additional_inputs=(rope,))
+    return final, per_layer if keep_inputs else None
+
+
+class _ScanRecomputingLayers(torch.autograd.Function):
+    """Scanned layers with full activation checkpointing.
+
+    Left to itself, scan's autograd partitions the body into a forward that saves what the
+    backward needs (every layer's intermediates, stacked) and a backward. Here the forward scan
+    keeps only each layer's input, and the backward is a reverse scan whose body recomputes the
+    layer and takes its vector-Jacobian product (torch.func.vjp): (grad of the layer output,
+    layer input, weights) -> (grad of the layer input, grads of the weights). Both scans are
+    traced into the captured graph like any other op.
+    """
+
+    @staticmethod
+    def forward(ctx, block_fn, h, rope, *stacked):
+        final, inputs = _scan_layers(block_fn, h, rope, list(stacked), keep_inputs=True)
+        ctx.block_fn = block_fn
+        ctx.save_for_backward(inputs, rope, *stacked)
+        return final
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        inputs, rope, *stacked = ctx.saved_tensors
+        block_fn = ctx.block_fn
+
+        def body(grad_carry: Tensor, layer_input: Tensor, *weights_and_rope: Tensor) -> list[Tensor]:
+            *weights, rope_SP2 = weights_and_rope
+            _, vjp = torch.func.vjp(lambda x, *w: block_fn(x, rope_SP2, *w), layer_input, *weights)
+            return list(vjp(grad_carry))  # [grad of the layer input, grads of its weights]
+
+        # Last layer first: flip the layer axis in, and the weight gradients back.
+        flipped = [t.flip(0) for t in (inputs, *stacked)]
+        grad_h, *grad_weights = scan_op(body, [grad_out], flipped, additional_inputs=(rope,))
+        return (None, grad_h, None, *(g.flip(0) for g in grad_weights))
+
+
+def _split_layers_hook(module: StackedBlocks, state_dict: dict, prefix: str, local_metadata) -> None:
+    # Rebuild in place (the parent ignores a returned dict): stacked entries become per-layer
+    # views, at the same position in the order.
+    items = list(state_dict.items())
+    state_dict.clear()
+    state_dict.update(module.to_per_layer(dict(items), prefix))
+
+
+def _stack_layers_hook(module: StackedBlocks, state_dict: dict, prefix: str, *args) -> None:
+    stacked = module.from_per_layer({k: v for k, v in state_dict.items() if k.startswith(prefix)}, prefix)
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        del state_dict[key]
+    state_dict.update(stacked)
