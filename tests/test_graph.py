@@ -149,10 +149,11 @@ def _sharded_worker(mode: str, split: str = "none") -> dict:
     return out
 
 
-def test_fully_shard_two_ranks_aot_eager(eager_reference):
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fully_shard_two_ranks(eager_reference, backend):
     _, reference, reference_params = eager_reference
     eager = run_distributed(_sharded_worker, world_size=2, args=("eager",))
-    graph = run_distributed(_sharded_worker, world_size=2, args=("aot_eager",), timeout_s=180)
+    graph = run_distributed(_sharded_worker, world_size=2, args=(backend,), timeout_s=300)
     print(graph[0]["summary"])
     print(f"capture {graph[0]['capture_seconds']:.2f} s, compile {graph[0]['compile_seconds']:.2f} s")
     collectives = graph[0]["collectives"]
