@@ -218,6 +218,7 @@ class CapturedStep:
         ops = self.op_counts()
         top = ", ".join(f"{op.removeprefix('aten.')} {n}" for op, n in ops.most_common(8))
         collectives = self.collective_counts()
+        scans = sum(n for op, n in ops.items() if op.endswith("scan"))
         lines = [
             f"captured train step: {len(nodes)} nodes ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})",
             f"  parameters: {len(self.param_names)} tensors, {self.num_params:,} values"
@@ -228,7 +229,9 @@ class CapturedStep:
             f"  distinct ops: {len(ops)}; most frequent: {top}",
             "  collectives: " + (", ".join(f"{op.removeprefix('_c10d_functional.')} {n}"
                                            for op, n in sorted(collectives.items())) or "none"),
-            f"  recomputed in the backward (activation checkpointing): {self.recomputed_node_count()} nodes",
+            f"  recomputed in the backward (activation checkpointing): {self.recomputed_node_count()} nodes"
+            + (f"; {scans} scan loops over stacked layers (recomputation inside their bodies is not counted)"
+               if scans else ""),
             f"  capture: {self.capture_seconds:.2f} s",
         ]
         return "\n".join(lines)
