@@ -149,7 +149,9 @@ def _sharded_worker(mode: str, split: str = "none") -> dict:
     return out
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+# Not Inductor: on 2 gloo ranks its compiled step corrupted the heap in about one run in four
+# (docs/architecture.md, "Known problem"); the trainer refuses that combination.
+@pytest.mark.parametrize("backend", ["aot_eager"])
 def test_fully_shard_two_ranks(eager_reference, backend):
     _, reference, reference_params = eager_reference
     eager = run_distributed(_sharded_worker, world_size=2, args=("eager",))

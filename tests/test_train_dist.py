@@ -152,3 +152,12 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, cache):
     assert "stopped by SIGTERM" in out
     stopped_at = max(losses(run))
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{stopped_at:08d}"
+
+
+def test_inductor_graph_mode_on_several_cpu_processes_is_refused(tmp_path, cache):
+    # Known problem (docs/architecture.md): heap corruption seen in testing; refused, one line.
+    args = overrides(tmp_path / "run", cache, training__mode="graph", compile__backend="inductor")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command(2, args), capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode != 0
+    assert "use --compile.backend aot_eager" in done.stdout + done.stderr

@@ -153,6 +153,13 @@ class Trainer:
         if t.mode == "graph":
             from titan_tpu.graph.compile import GraphStep  # graph/ imports this module: import late
 
+            if cfg.compile.backend == "inductor" and self.backend.name == "cpu" and self.world_size > 1:
+                # Seen in testing: such runs corrupted the process heap in about one run in four
+                # (docs/architecture.md, "Known problem"); a corrupted run could train on garbage.
+                raise ValueError("graph mode with compile.backend inductor on several CPU processes is not "
+                                 "safe yet (heap corruption seen in testing); use --compile.backend aot_eager "
+                                 "or a single process")
+
             example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=self.backend.device)
             self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=(example, example),
                                      backend=cfg.compile.backend, dp_size=self.dp_size, split=cfg.compile.split)

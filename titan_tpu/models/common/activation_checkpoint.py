@@ -35,7 +35,9 @@ import torch.fx.traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["AC_MODES", "SAVED_OPS", "checkpointed", "is_tracing"]
+from titan_tpu.models.common.tracing import is_tracing
+
+__all__ = ["AC_MODES", "SAVED_OPS", "checkpointed"]
 
 AC_MODES = ("none", "full", "selective")
 
@@ -55,11 +57,6 @@ SAVED_OPS = frozenset({
 # One region id per checkpointed block call: the partitioners keep a value that one region
 # produces and a later region consumes (the block boundary) rather than recomputing across it.
 _region_ids = itertools.count()
-
-
-def is_tracing() -> bool:
-    """True while a make_fx-style tracer records ops (a proxy dispatch mode is active)."""
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
 
 
 def _policy(mode: str, func) -> CheckpointPolicy:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titan_tpu.models.common.tracing import is_tracing
+
 
 @dataclass
 class RopeScaling:
@@ -73,7 +75,14 @@ def apply_rope(x_BSHD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
     fused elementwise kernel forward and one backward, where the same rotation in real
     arithmetic (swap the pair, two multiplies, an add) costs about five times as much on CPU.
     Computed in fp32 and cast back, so bf16 activations do not lose precision in the angles.
+
+    That is the eager choice. While traced for a compiler, the real-arithmetic form is recorded
+    instead (`apply_rope_real`, the same values): compilers fuse it into neighbouring kernels,
+    Inductor generates no code for complex ops (it falls back to eager kernels on strided
+    complex views), and complex support in TorchTPU's lowering is unverified.
     """
+    if is_tracing():
+        return apply_rope_real(x_BSHD, rope_SP2)
     S = x_BSHD.shape[1]
     rotation_S1P = torch.view_as_complex(rope_SP2[:S].float()).unsqueeze(1)
     x_BSHP = torch.view_as_complex(x_BSHD.float().unflatten(-1, (-1, 2)))
@@ -83,9 +92,9 @@ def apply_rope(x_BSHD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
 def apply_rope_real(x_BSHD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
     """`apply_rope` in real arithmetic: each pair (a, b) becomes (a cos - b sin, a sin + b cos).
 
-    Same values as the complex form (bitwise on CPU in our tests), used where complex views are
-    not allowed: inside a scanned layer body, whose functionalised trace has no autograd formula
-    for `view_as_complex_copy`. Slower in eager on CPU (see `apply_rope`).
+    Same values as the complex form (bitwise on CPU in our tests). `apply_rope` records it when
+    traced; the scanned layer body uses it directly (its functionalised trace has no autograd
+    formula for `view_as_complex_copy`). Slower in eager on CPU (see `apply_rope`).
     """
     S = x_BSHD.shape[1]
     cos_S1P, sin_S1P = rope_SP2[:S, None, :, 0].float(), rope_SP2[:S, None, :, 1].float()

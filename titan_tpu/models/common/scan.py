@@ -39,8 +39,9 @@ import torch
 from torch import Tensor, nn
 from torch._higher_order_ops.scan import scan_op
 
-from titan_tpu.models.common.activation_checkpoint import checkpointed, is_tracing
+from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
+from titan_tpu.models.common.tracing import is_tracing
 
 __all__ = ["StackedBlocks", "STACKED_MARKER"]
 

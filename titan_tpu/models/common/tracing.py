@@ -1,0 +1,11 @@
+"""Is a tracer recording ops right now? Model code asks to pick graph-friendly formulations."""
+
+import torch
+
+__all__ = ["is_tracing"]
+
+
+def is_tracing() -> bool:
+    """True while a make_fx-style tracer records ops (a proxy dispatch mode is active): the graph
+    trainer's capture, or torch's scan op tracing its body."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
