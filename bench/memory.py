@@ -23,16 +23,8 @@ from dist_utils import run_distributed  # noqa: E402  (shared with the multi-pro
 from titan_tpu.models.common.transformer import Transformer  # noqa: E402
 from titan_tpu.models.registry import get_model_args  # noqa: E402
 from titan_tpu.parallel.mesh import ParallelDims  # noqa: E402
-from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init  # noqa: E402
+from titan_tpu.parallel.simple_fsdp import MixedPrecision, local_bytes, materialize_and_init  # noqa: E402
 from titan_tpu.train.optim import AdamW  # noqa: E402
-
-
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
 
 
 def measure(name: str, flavor: str) -> dict:
@@ -46,7 +38,7 @@ def measure(name: str, flavor: str) -> dict:
                                  seed=0)
     optimizer = AdamW(dict(model.named_parameters()))
     moments = [t for key in ("exp_avg", "exp_avg_sq") for t in optimizer.state[key].values()]
-    return {"params": _local_bytes(model.parameters()), "optimizer": _local_bytes(moments)}
+    return {"params": local_bytes(model.parameters()), "optimizer": local_bytes(moments)}
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ from titan_tpu.parallel.simple_fsdp import (
     MixedPrecision,
     data_parallel,
     default_mixed_precision,
+    local_bytes,
     materialize_and_init,
 )
 from titan_tpu.train.optim import AdamW, clip_grad_norm_
@@ -81,15 +82,6 @@ def train(model, batches: torch.Tensor, *, dp_rank: int = 0, dp_size: int = 1, c
             dist.all_reduce(loss)
         losses.append(loss.item())
     return losses, norms, opt
-
-
-def local_bytes(tensors) -> int:
-    """Bytes this rank stores for these (possibly DTensor) tensors."""
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
 
 
 # ---------------------------------------------------------------------------------------------

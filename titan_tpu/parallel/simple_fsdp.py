@@ -21,7 +21,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-__all__ = ["MixedPrecision", "data_parallel", "default_mixed_precision", "materialize_and_init", "MODES"]
+from titan_tpu.models.common.scan import STACKED_MARKER  # set on modules holding stacked layers
+
+__all__ = ["MixedPrecision", "data_parallel", "default_mixed_precision", "local_bytes", "materialize_and_init", "MODES"]
 
 MODES = ("replicate", "fully_shard", "hybrid_shard")
 
@@ -62,15 +64,13 @@ def _placements(mode: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
-# Set on modules whose parameters are stacked layers ([L, ...], models/common/scan.py).
-_STACKED_MARKER = "_layer_stacked"
 
 
 def _module_placements(module: nn.Module, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
     """Stacked-layer weights are sharded on their per-layer dim 0, i.e. dim 1 of the stack: a
     rank's shard is then the stack of the shards it would hold of each layer unrolled, which keeps
     checkpoints interchangeable and never splits the layer axis the scan loops over."""
-    if not getattr(module, _STACKED_MARKER, False):
+    if not getattr(module, STACKED_MARKER, False):
         return placements
     return tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements)
 
@@ -198,3 +198,12 @@ def materialize_and_init(
     leftover = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     assert not leftover, f"init_plan missed parameters: {leftover}"
     return data_parallel(model, mesh, mode=mode, mp=mp)
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank stores for these (possibly DTensor) tensors: their local shards."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total

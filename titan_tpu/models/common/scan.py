@@ -45,8 +45,8 @@ from titan_tpu.models.common.tracing import is_tracing
 
 __all__ = ["StackedBlocks", "STACKED_MARKER"]
 
-# Attribute set to True on every module holding stacked weights: parallel/simple_fsdp.py reads it
-# to shard those weights on dim 1 (models never import parallel/).
+# Attribute set to True on every module holding stacked weights: parallel/simple_fsdp.py imports
+# and reads it to shard those weights on dim 1 (models never import parallel/).
 STACKED_MARKER = "_layer_stacked"
 
 
@@ -135,11 +135,9 @@ class StackedBlocks(nn.Module):
         for key, value in named.items():
             if key[len(prefix):] not in stacked or not key.startswith(prefix):
                 out[key] = value
-            elif not any(k.startswith(f"{prefix}0.") for k in out):  # first stacked entry
+            elif key[len(prefix):] == next(iter(stacked)):  # at the first stacked entry: all of them
                 for i in range(self.n_layers):
-                    for name in self.param_names:
-                        if name in stacked:
-                            out[f"{prefix}{i}.{name}"] = stacked[name][i]
+                    out.update((f"{prefix}{i}.{name}", t[i]) for name, t in stacked.items())
         return out
 
     def from_per_layer(self, named: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
