@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install train test bench clean
+.PHONY: install train test stress bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# Every multi-process test (marked `multiprocess`) N times in a row, pass/fail per test: ARGS="-n 5 -k scan".
+stress: $(STAMP)
+	$(PY) tests/stress.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py $(ARGS)

@@ -1,7 +1,9 @@
-"""Shared fixtures: a small slice of the embedded corpus, tokenized once per test session."""
+"""Shared fixtures: a small slice of the embedded corpus, tokenized once per test session; and the
+`multiprocess` marker, which tests/stress.py uses to find the tests it must run many times."""
 
 from __future__ import annotations
 
+import dist_utils
 import pytest
 import torch
 
@@ -9,6 +11,20 @@ import torch
 torch.set_num_threads(2)
 
 SMALL_CORPUS_BYTES = 1_500_000
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "multiprocess: spawns ranks or training processes; "
+                                       "tests/stress.py runs these many times in a row")
+
+
+@pytest.fixture(autouse=True)
+def _note_multiprocess_marker(request):
+    """Tell dist_utils whether the running test is marked, so that spawning ranks from an unmarked
+    test fails with a message instead of escaping the stress command."""
+    dist_utils.current_test_is_marked = request.node.get_closest_marker("multiprocess") is not None
+    yield
+    dist_utils.current_test_is_marked = None
 
 
 @pytest.fixture(scope="session")

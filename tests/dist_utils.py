@@ -22,7 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["free_port", "require_multiprocess_marker", "run_distributed"]
+
+# Set by conftest.py for the running test: True when it is marked `multiprocess`, None outside tests.
+current_test_is_marked: bool | None = None
+
+
+def require_multiprocess_marker() -> None:
+    """Fail a test that starts ranks or training processes without `@pytest.mark.multiprocess`:
+    such a test must be run by tests/stress.py before it is trusted."""
+    if current_test_is_marked is False:
+        raise AssertionError("this test starts several processes: mark it @pytest.mark.multiprocess so that "
+                             "tests/stress.py runs it many times in a row")
 
 
 def free_port() -> int:
@@ -49,6 +60,7 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str
 def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), kwargs: dict | None = None,
                     timeout_s: float = 120.0, num_threads: int = 1) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results."""
+    require_multiprocess_marker()
     with tempfile.TemporaryDirectory(prefix="titan_tpu_dist_") as result_dir:
         context = mp.start_processes(
             _worker,

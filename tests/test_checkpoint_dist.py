@@ -6,17 +6,16 @@ the single-process halves run in the pytest process itself.
 
 import os
 import signal
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_utils import run_distributed
 
 from titan_tpu.train.checkpoint import Checkpointer, load, load_full_state_dict, rng_state
 from titan_tpu.train.signals import GracefulShutdown
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.multiprocess]
 
 WORLD = 2
 
@@ -67,77 +66,67 @@ def assert_state_equal(actual: dict, expected: dict) -> None:
             assert got[key] == value, key
 
 
-def _worker(rank: int, port: int, root: str) -> None:
+def _worker(root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (WORLD,))
 
-        def sharded(state: dict) -> dict:
-            return map_tensors(state, lambda t: distribute_tensor(t, mesh, [Shard(0)]))
+    def sharded(state: dict) -> dict:
+        return map_tensors(state, lambda t: distribute_tensor(t, mesh, [Shard(0)]))
 
-        def zeros_target(step: int) -> dict:
-            target = sharded(map_tensors(full_state(step), torch.zeros_like))
-            target["optimizer"]["step"] = -1
-            return target
+    def zeros_target(step: int) -> dict:
+        target = sharded(map_tensors(full_state(step), torch.zeros_like))
+        target["optimizer"]["step"] = -1
+        return target
 
-        # 1 -> 2: a checkpoint saved by one process loads into Shard(0) DTensors.
-        target = zeros_target(1)
-        rest = load(os.path.join(root, "one", "step-00000001"), target)
-        assert_state_equal(target, full_state(1))
-        assert rest["step"] == 1 and rest["world_size"] == 1 and rest["rng"] is None  # other world size
+    # 1 -> 2: a checkpoint saved by one process loads into Shard(0) DTensors.
+    target = zeros_target(1)
+    rest = load(os.path.join(root, "one", "step-00000001"), target)
+    assert_state_equal(target, full_state(1))
+    assert rest["step"] == 1 and rest["world_size"] == 1 and rest["rng"] is None  # other world size
 
-        # 2 -> 2: each rank writes its own shard and its own RNG state.
-        torch.manual_seed(100 + rank)
-        state = {**sharded(full_state(2)), "rng": rng_state()}
-        path = Checkpointer(os.path.join(root, "two")).save(2, state)
-        assert sorted(p for p in os.listdir(path) if p.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-        assert sorted(p for p in os.listdir(path) if p.startswith("rng-")) == ["rng-rank0.pt", "rng-rank1.pt"]
-        target = zeros_target(2)
-        weight = target["model"]["tok_embeddings.weight"]
-        storage = weight.to_local().data_ptr()
-        rest = load(path, target)
-        assert target["model"]["tok_embeddings.weight"] is weight and weight.to_local().data_ptr() == storage
-        assert_state_equal(target, full_state(2))
-        assert torch.equal(rest["rng"]["torch"], state["rng"]["torch"])
-        assert rest["data"] == {"samples_consumed": 8}
+    # 2 -> 2: each rank writes its own shard and its own RNG state.
+    torch.manual_seed(100 + rank)
+    state = {**sharded(full_state(2)), "rng": rng_state()}
+    path = Checkpointer(os.path.join(root, "two")).save(2, state)
+    assert sorted(p for p in os.listdir(path) if p.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p for p in os.listdir(path) if p.startswith("rng-")) == ["rng-rank0.pt", "rng-rank1.pt"]
+    target = zeros_target(2)
+    weight = target["model"]["tok_embeddings.weight"]
+    storage = weight.to_local().data_ptr()
+    rest = load(path, target)
+    assert target["model"]["tok_embeddings.weight"] is weight and weight.to_local().data_ptr() == storage
+    assert_state_equal(target, full_state(2))
+    assert torch.equal(rest["rng"]["torch"], state["rng"]["torch"])
+    assert rest["data"] == {"samples_consumed": 8}
 
-        # Async: training mutates the tensors right after save(); the checkpoint holds the values at save().
-        with Checkpointer(os.path.join(root, "async"), keep_latest_k=1, async_save=True) as ckpt:
-            for step in (3, 4):
-                state = sharded(full_state(step))
-                ckpt.save(step, state)
-                for t in state["model"].values():
-                    t.to_local().fill_(-1.0)
-        assert ckpt.latest().name == "step-00000004"
-        assert [p.name for p in ckpt.complete_checkpoints()] == ["step-00000004"]
-        target = zeros_target(4)
-        load(ckpt.latest(), target)
-        assert_state_equal(target, full_state(4))
+    # Async: training mutates the tensors right after save(); the checkpoint holds the values at save().
+    with Checkpointer(os.path.join(root, "async"), keep_latest_k=1, async_save=True) as ckpt:
+        for step in (3, 4):
+            state = sharded(full_state(step))
+            ckpt.save(step, state)
+            for t in state["model"].values():
+                t.to_local().fill_(-1.0)
+    assert ckpt.latest().name == "step-00000004"
+    assert [p.name for p in ckpt.complete_checkpoints()] == ["step-00000004"]
+    target = zeros_target(4)
+    load(ckpt.latest(), target)
+    assert_state_equal(target, full_state(4))
 
-        # A signal on one rank stops every rank at the same step.
-        with GracefulShutdown() as shutdown:
-            assert not shutdown.should_stop()
-            if rank == 1:
-                os.kill(os.getpid(), signal.SIGTERM)
-            assert shutdown.should_stop()
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # A signal on one rank stops every rank at the same step.
+    with GracefulShutdown() as shutdown:
+        assert not shutdown.should_stop()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert shutdown.should_stop()
 
 
 def test_sharded_save_load_reshard_and_async(tmp_path):
     # 1 process saves plain tensors; the 2 ranks load them sharded (1 -> 2) and save their own.
     Checkpointer(tmp_path / "one").save(1, full_state(1))
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    run_distributed(_worker, world_size=WORLD, args=(str(tmp_path),))
 
     # 2 -> 1: the 2-rank checkpoints load into plain tensors here, without a process group.
     target = map_tensors(full_state(2), torch.zeros_like)

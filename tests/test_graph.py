@@ -151,6 +151,7 @@ def _sharded_worker(mode: str, split: str = "none") -> dict:
 
 # Inductor on 2 gloo ranks only with a cut after every collective: as one program it corrupted
 # the heap in about one run in four (docs/architecture.md, "Known problem"; the trainer refuses it).
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("backend, split", [("aot_eager", "none"), ("inductor", "collectives")])
 def test_fully_shard_two_ranks(eager_reference, backend, split):
     _, reference, reference_params = eager_reference
@@ -216,6 +217,7 @@ def test_split_graph_gives_the_unsplit_losses(eager_reference, split):
         split_graph(step.captured.graph_module, "layers", loss_output_index=0)
 
 
+@pytest.mark.multiprocess
 def test_collectives_split_on_two_ranks():
     eager = run_distributed(_sharded_worker, world_size=2, args=("eager",))
     graph = run_distributed(_sharded_worker, world_size=2, args=("aot_eager", "collectives"), timeout_s=240)

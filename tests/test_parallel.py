@@ -213,6 +213,7 @@ def test_single_process_needs_no_mesh():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("config", ["fully_shard-2", "hybrid_shard-2x2", "replicate-2"])
 def test_sharded_init_is_bitwise_single_process(config):
     mode, world_size, dp_replicate, steps = CONFIGS[config]
@@ -228,6 +229,7 @@ def test_sharded_init_is_bitwise_single_process(config):
                                             "hybrid_shard": ("dp_replicate", "dp_shard")}[mode]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("config", ["fully_shard-2", "replicate-2", "hybrid_shard-2x2"])
 def test_sharded_training_matches_single_process(config):
     mode, world_size, dp_replicate, steps = CONFIGS[config]
@@ -253,6 +255,7 @@ def test_sharded_training_matches_single_process(config):
     assert counts == expected
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("config", ["fully_shard-2", "hybrid_shard-2x2"])
 def test_bf16_compute_keeps_fp32_master_weights_and_grads(config):
     mode, world_size, dp_replicate, steps = CONFIGS[config]
@@ -262,6 +265,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_grads(config):
         assert grad_placements[-1].is_shard()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("config", ["fully_shard-2", "replicate-2"])
 def test_data_parallel_rejects_a_second_layout(config):
     for result in sharded_run(*CONFIGS[config]):
@@ -269,6 +273,7 @@ def test_data_parallel_rejects_a_second_layout(config):
         assert "\n" not in result["wrong_mode_error"]
 
 
+@pytest.mark.multiprocess
 def test_fully_shard_halves_parameter_and_optimizer_memory():
     (mode, world_size, dp_replicate, steps) = CONFIGS["fully_shard-2"]
     results = sharded_run(mode, world_size, dp_replicate, steps)

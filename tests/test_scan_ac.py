@@ -199,6 +199,7 @@ def _sharded_worker(scan: bool, ac: str, mode: str) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["eager", "aot_eager"])
 def test_two_rank_fully_shard_scan_and_checkpointing_match_unrolled(mode):
     reference = run_distributed(_sharded_worker, world_size=2, args=(False, "none", "eager"), timeout_s=180)

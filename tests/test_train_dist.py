@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import require_multiprocess_marker
+
+# Every test here starts training processes (torchrun ranks, kill -9, SIGTERM): tests/stress.py runs them.
+pytestmark = pytest.mark.multiprocess
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
 
@@ -41,15 +45,22 @@ def overrides(run_dir: Path, cache: Path, **extra) -> list[str]:
 
 
 def command(nproc: int, args: list[str]) -> list[str]:
+    require_multiprocess_marker()
     if nproc == 1:
         return [sys.executable, "-m", "titan_tpu.train", "--config", CONFIG, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             "-m", "titan_tpu.train", "--config", CONFIG, *args]
 
 
+def thread_env() -> dict[str, str]:
+    """The environment of every training subprocess: one intra-op thread per process. Runs whose
+    losses are compared bitwise must also use the same number of threads, because a matmul's
+    reduction order (and so its last bits) depends on how many threads split it."""
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
 def train(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(command(nproc, args), capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(command(nproc, args), capture_output=True, text=True, timeout=300, env=thread_env())
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
 
@@ -128,7 +139,7 @@ def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache):
 
     run = tmp_path / "killed"
     proc = subprocess.Popen(command(1, overrides(run, cache, **args)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=thread_env())
     # Kill at an arbitrary moment after the first checkpoint: mid-step or mid-save alike.
     _wait_for(lambda: (run / "checkpoints" / "latest").exists(), 120, proc)
     time.sleep(random.uniform(0.0, 1.5))
@@ -144,7 +155,7 @@ def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache):
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, cache):
     run = tmp_path / "run"
     proc = subprocess.Popen(command(1, overrides(run, cache, training__steps=200, checkpoint__interval=1000)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=thread_env())
     _wait_for(lambda: (run / "metrics.jsonl").exists() and len(losses(run)) >= 3, 120, proc)
     proc.send_signal(signal.SIGTERM)  # what a preempted TPU VM receives
     out, err = proc.communicate(timeout=120)
@@ -157,7 +168,6 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, cache):
 def test_inductor_graph_mode_on_several_cpu_processes_is_refused(tmp_path, cache):
     # Known problem (docs/architecture.md): heap corruption seen in testing; refused, one line.
     args = overrides(tmp_path / "run", cache, training__mode="graph", compile__backend="inductor")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(command(2, args), capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(command(2, args), capture_output=True, text=True, timeout=300, env=thread_env())
     assert done.returncode != 0
     assert "needs --compile.split collectives" in done.stdout + done.stderr
