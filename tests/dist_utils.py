@@ -7,12 +7,19 @@
 a module-level function (spawned processes import it by name) and return something
 `torch.save`-able; results come back as a list indexed by rank. An exception on any rank is
 re-raised here with that rank's traceback; a hang is killed after `timeout_s`.
+
+The rendezvous store (a TCPStore server) lives in this, the parent, process and the ranks are its
+clients, as under torchrun, whose agent hosts the store. Two reasons. A rank that hosts the store
+server keeps its thread ("pt_tcpstore_uv") alive until the process exits whenever a DeviceMesh
+exists (docs/known-issues.md: with a DeviceMesh, destroy_process_group() leaves the gloo group and
+the store alive, so they are torn down in interpreter shutdown), and the store server was the one
+difference between these tests and the torchrun runs that never aborted. And the OS picks the
+port when the server binds it, so no other process can take it in between.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "require_multiprocess_marker", "run_distributed"]
+__all__ = ["require_multiprocess_marker", "run_distributed"]
 
 # Set by conftest.py for the running test: True when it is marked `multiprocess`, None outside tests.
 current_test_is_marked: bool | None = None
@@ -36,20 +43,14 @@ def require_multiprocess_marker() -> None:
                              "tests/stress.py runs it many times in a row")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple, kwargs: dict,
             num_threads: int) -> None:
     # Ranks share the machine's cores; one thread each keeps them from oversubscribing it.
     torch.set_num_threads(num_threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)  # a client of the parent's server
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         result = fn(*args, **kwargs)
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
@@ -61,10 +62,12 @@ def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), kwargs: 
                     timeout_s: float = 120.0, num_threads: int = 1) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results."""
     require_multiprocess_marker()
+    # The store server: port 0 lets the OS pick a free port as it binds; ranks connect as clients.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="titan_tpu_dist_") as result_dir:
         context = mp.start_processes(
             _worker,
-            args=(fn, world_size, free_port(), result_dir, args, kwargs or {}, num_threads),
+            args=(fn, world_size, store.port, result_dir, args, kwargs or {}, num_threads),
             nprocs=world_size,
             join=False,
             start_method="spawn",
