@@ -29,7 +29,7 @@ import torch
 from titan_tpu.device import get_backend
 from titan_tpu.models.registry import build_model, get_model_args
 from titan_tpu.train.optim import AdamW
-from titan_tpu.train.trainer import EagerStep
+from titan_tpu.train.step import EagerStep
 
 
 def run_one(contender: str, args) -> dict:

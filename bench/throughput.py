@@ -33,7 +33,7 @@ from titan_tpu.device import get_backend
 from titan_tpu.models.hf_adapter import hf_config_from_model_args, to_hf_state_dict
 from titan_tpu.models.registry import build_model, flops_per_token, get_model_args
 from titan_tpu.train.optim import AdamW
-from titan_tpu.train.trainer import EagerStep
+from titan_tpu.train.step import EagerStep
 
 
 def titan_eager(args, batches, *, lr, max_norm):

@@ -128,11 +128,25 @@ def test_train_bad_inputs_are_one_line_errors(tmp_path, train_overrides, capsys)
         (["--data.source", str(empty)], "empty"),
         (["--training.steps", "abc"], "training.steps = 'abc' has the wrong type"),
         (["--checkpoint.initial_load_path", str(tmp_path / "nothing")], "no complete checkpoint found"),
+        (["--kernels.attention", "splash"], "kernels.attention = splash cannot run here (runs on tpu, not cpu); "
+                                            "available on cpu: reference, sdpa"),
+        (["--kernels.loss", "tokamax"], "kernels.loss = tokamax cannot run here"),
     ]
     for extra, message in cases:
         code, _, err = run_cli(capsys, "train", "--config", LLAMA_DEBUG, *train_overrides(), *extra)
         assert code == 2, (extra, err)
         assert message in err and err.count("\n") == 1, (extra, err)
+
+
+def test_kernels_lists_implementations_and_the_auto_choice(capsys):
+    code, out, err = run_cli(capsys, "kernels")
+    assert code == 0, err
+    assert out.startswith("kernels for device cpu:")
+    assert "kernels.attention:" in out and "kernels.loss:" in out
+    assert "auto               -> sdpa" in out and "auto               -> chunked" in out
+    assert "splash             not here:" in out
+    code, out, _ = run_cli(capsys, "kernels", "--device", "tpu")
+    assert code == 0 and "auto (documents)   -> reference" in out  # splash takes no segment ids
 
 
 def test_usage(capsys):

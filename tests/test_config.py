@@ -40,6 +40,9 @@ def test_every_recipe_validates(path):
     (["--training.device", "cpu", "--model.dtype", "bfloat16"], "use model.dtype = float32"),
     (["--training.steps"], "--training.steps needs a value"),
     (["steps=3"], "overrides look like --section.key VALUE"),
+    (["--kernels.attention", "fast"], "kernels.attention = 'fast' is not a known implementation; use auto or one of"),
+    (["--kernels.loss", "fused"], "kernels.loss = 'fused' is not a known implementation"),
+    (["--kernels.loss_chunk_tokens", "-5"], "kernels.loss_chunk_tokens = -5 must be >= 0"),
 ])
 def test_bad_config_is_one_clear_error(overrides, message):
     with pytest.raises(ValueError) as err:

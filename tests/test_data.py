@@ -22,6 +22,7 @@ from titan_tpu.data import (
     train_bpe_tokenizer,
 )
 from titan_tpu.data import corpus as corpus_mod
+from titan_tpu.data.loader import document_positions
 from titan_tpu.data import shards as shards_mod
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu def class return import".split()
@@ -288,6 +289,26 @@ def test_batches_shapes_and_labels(pos_shards):
     assert x.shape == y.shape == (4, SEQ) and x.dtype == y.dtype == torch.int64
     assert torch.equal(y, x + 1)  # positional stream: the label of each token is the next position
     assert (x[:, 0] % SEQ == 0).all()
+
+
+def test_document_positions_restart_after_each_eos():
+    tokens = np.array([[5, 6, 0, 7, 8, 9, 0, 0, 4], [0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    assert document_positions(tokens, eos_id=0).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0],
+                                                            [0, 0, 1, 2, 3, 4, 5, 6, 7]]
+
+
+def test_document_mask_batches_carry_positions(pos_shards):
+    plain = loader(pos_shards).next_batch()
+    x, y, positions = loader(pos_shards, document_mask=True).next_batch()
+    assert torch.equal(x, plain[0]) and torch.equal(y, plain[1])  # same windows, same order
+    eos = pos_shards.eos_id
+    want = torch.from_numpy(document_positions(x.numpy(), eos))
+    assert positions.dtype == torch.int64 and torch.equal(positions, want)
+    assert (positions[:, 0] == 0).all()
+    # The positional stream has one eos, at its end: a window that holds it restarts after it.
+    val = TokenLoader(pos_shards, seq_len=SEQ, batch_size=1, seed=0, split="val", document_mask=True)
+    for batch in val.val_batches():
+        assert len(batch) == 3
 
 
 def test_same_seed_same_batches_other_seed_differs(pos_shards):

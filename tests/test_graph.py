@@ -30,7 +30,7 @@ from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.train.optim import AdamW
-from titan_tpu.train.trainer import EagerStep, cross_entropy_sum
+from titan_tpu.train.step import EagerStep
 
 SEED = 0
 BATCH, SEQ = 4, 32
@@ -74,7 +74,7 @@ def eager_reference():
 def test_capture_single_process():
     model, opt = fresh()
     batch = global_batches(BATCH)[0]
-    captured = capture_train_step(model, loss_fn=cross_entropy_sum, max_norm=MAX_NORM, adamw_hparams=opt.hparams,
+    captured = capture_train_step(model, max_norm=MAX_NORM, adamw_hparams=opt.hparams,
                                   decay=opt.decay, example_batch=batch)
     n = len(captured.param_names)
     assert captured.num_inputs == 3 * n + 4 + len(captured.buffer_names)
@@ -249,7 +249,7 @@ def test_tpu_backend_without_torch_tpu_is_one_clear_error(monkeypatch, capsys):
     with pytest.raises(ValueError) as err:  # fails before the (possibly minutes long) capture
         GraphStep(model, opt, max_norm=MAX_NORM, example_batch=batch, backend="tpu")
     _assert_tpu_error(str(err.value))
-    captured = capture_train_step(model, loss_fn=cross_entropy_sum, max_norm=MAX_NORM, adamw_hparams=opt.hparams,
+    captured = capture_train_step(model, max_norm=MAX_NORM, adamw_hparams=opt.hparams,
                                   decay=opt.decay, example_batch=batch)
     with pytest.raises(ValueError) as err:
         compile_step(captured, "tpu")
@@ -342,7 +342,7 @@ def test_capture_error_names_op_and_module(patch, op, cause):
     ffn = model.get_submodule("layers.1.feed_forward")
     ffn.forward = patch(ffn.forward)  # an instance attribute: only this block misbehaves
     with pytest.raises(CaptureError) as err:
-        capture_train_step(model, loss_fn=cross_entropy_sum, max_norm=MAX_NORM, adamw_hparams=opt.hparams,
+        capture_train_step(model, max_norm=MAX_NORM, adamw_hparams=opt.hparams,
                            decay=opt.decay, example_batch=global_batches(BATCH)[0])
     message = str(err.value)
     assert op in message and "layers.1.feed_forward (FeedForward)" in message, message
@@ -354,7 +354,7 @@ def test_capture_error_names_op_and_module(patch, op, cause):
 def test_capture_removes_its_hooks_and_leaves_other_errors_alone():
     model, opt = fresh()
     hooks_before = _hook_count(model)
-    kwargs = dict(loss_fn=cross_entropy_sum, max_norm=MAX_NORM, adamw_hparams=opt.hparams, decay=opt.decay)
+    kwargs = dict(max_norm=MAX_NORM, adamw_hparams=opt.hparams, decay=opt.decay)
     capture_train_step(model, example_batch=global_batches(BATCH)[0], **kwargs)
     assert _hook_count(model) == hooks_before
     # A plain bug (here a batch longer than the model's RoPE table) keeps its own exception type.

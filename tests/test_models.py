@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titan_tpu.models.common import RopeScaling, Transformer, TransformerArgs
-from titan_tpu.models.common.rope import apply_rope, rope_cache
+from titan_tpu.models.common.rope import apply_rope, rope_cache, rope_rows
 from titan_tpu.models.registry import MODEL_FLAVORS, build_model, get_model_args, num_params
 
 
@@ -188,12 +188,24 @@ def test_complex_rope_matches_real_arithmetic_forward_and_backward():
     table = rope_cache(head_dim=16, max_seq_len=40, theta=500000.0, scaling=RopeScaling())
     x = torch.randn(2, 33, 3, 16, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
-    out, ref = apply_rope(x, table), _rope_real_arithmetic(x_ref, table)
+    out, ref = apply_rope(x, rope_rows(table, 33)), _rope_real_arithmetic(x_ref, table)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     grad = torch.randn_like(out)
     out.backward(grad)
     ref.backward(grad)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
-    bf16 = apply_rope(x.detach().bfloat16(), table)  # bf16 in, bf16 out, angles in fp32
+    bf16 = apply_rope(x.detach().bfloat16(), rope_rows(table, 33))  # bf16 in, bf16 out, angles in fp32
     assert bf16.dtype == torch.bfloat16
     torch.testing.assert_close(bf16.float(), ref.detach(), rtol=2e-2, atol=2e-2)
+
+
+def test_rope_with_per_token_positions_restarts_each_document():
+    table = rope_cache(head_dim=16, max_seq_len=40, theta=10000.0, scaling=None)
+    x = torch.randn(2, 12, 3, 16)
+    positions = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])
+    rows = rope_rows(table, 12, positions)
+    assert rows.shape == (2, 12, 8, 2)
+    out = apply_rope(x, rows)
+    # The second document of row 0 is rotated as if it started the window.
+    torch.testing.assert_close(out[0, 5:], apply_rope(x[0:1, 5:], rope_rows(table, 7))[0], rtol=0, atol=0)
+    torch.testing.assert_close(out[1], apply_rope(x[1:2], rope_rows(table, 12))[0], rtol=0, atol=0)

@@ -22,7 +22,8 @@ from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.train.optim import AdamW
-from titan_tpu.train.trainer import EagerStep, Trainer, cross_entropy_sum
+from titan_tpu.train.step import EagerStep
+from titan_tpu.train.trainer import Trainer
 
 SEED = 0
 STEPS = 20
@@ -162,7 +163,7 @@ def test_graph_checkpointing_recomputes_in_the_backward():
     for ac in ("none", "selective", "full"):
         model = build_model(tiny_args(), seed=SEED, ac_mode=ac)
         opt = AdamW(dict(model.named_parameters()))
-        captured = capture_train_step(model, loss_fn=cross_entropy_sum, max_norm=1.0, adamw_hparams=opt.hparams,
+        captured = capture_train_step(model, max_norm=1.0, adamw_hparams=opt.hparams,
                                       decay=opt.decay, example_batch=batches()[0])
         counts[ac] = (captured.recomputed_node_count(), captured.op_counts()["aten.mm.default"])
         assert "recomputed in the backward" in captured.summary()

@@ -5,6 +5,7 @@
     titan-tpu convert --checkpoint outputs/run/checkpoints --to-hf hf_out/
     titan-tpu convert --hf-dir hf_in/ --to-checkpoint ckpt_out/
     titan-tpu graph --config configs/llama3_debug.toml      # dump the captured step graph
+    titan-tpu kernels [--device cpu|cuda|tpu]               # kernel implementations and auto's pick
 
 User mistakes end the process with one line on stderr and exit status 2, not a traceback.
 """
@@ -120,7 +121,26 @@ def graph_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main}
+def kernels_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu kernels",
+        description="List, per op, the kernel implementations, whether each runs on this machine, and "
+                    "which one --kernels.<op> auto picks (set one with e.g. --kernels.attention sdpa).")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "tpu"],
+                        help="device type to describe (auto: the one training would use here)")
+    args = parser.parse_args(argv)
+
+    from titan_tpu.device import get_backend
+    from titan_tpu.kernels import describe
+
+    device_type = get_backend(args.device).device.type if args.device == "auto" else args.device
+    print(f"kernels for device {device_type}:")
+    print(describe(device_type))
+    return 0
+
+
+COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
+            "kernels": kernels_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from titan_tpu.kernels import KernelConfig
+
 
 @dataclass
 class JobConfig:
@@ -106,6 +108,9 @@ class DataConfig:
     tokenizer_path: str = ""  # a tokenizer.json; empty = train a byte-level BPE of the model's vocab size
     cache_dir: str = ""  # where tokenizers and token shards are cached; empty = ~/.cache/titan_tpu
     val_fraction: float = 0.01  # share of the token stream held out for validation
+    # Packed windows hold several documents: true keeps attention within each document and restarts
+    # RoPE positions at each one (the loader emits per-token positions); false attends across them.
+    document_mask: bool = False
 
 
 @dataclass
@@ -142,6 +147,7 @@ class Config:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # attention and loss implementations
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -301,9 +307,10 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"training.mode = graph runs one micro-batch per step for now; set training.grad_accum_steps "
                          f"= 1 (got {t.grad_accum_steps}) or use training.mode = eager")
     if cfg.compile.backend == "tpu":
-        from titan_tpu.graph.compile import check_tpu_backend_config  # only then: it imports the trainer
+        from titan_tpu.device import check_tpu_compile_backend
 
-        check_tpu_backend_config(t.device)
+        check_tpu_compile_backend(t.device)
+    cfg.kernels.validate()
     if cfg.checkpoint.keep_latest_k < 0:
         raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
     if cfg.optimizer.lr <= 0:

@@ -332,6 +332,22 @@ def _tpu_installed() -> bool:
     return importlib.util.find_spec("libtpu") is not None or bool(os.environ.get("TPU_LIBRARY_PATH"))
 
 
+def tpu_compile_error(reason: str) -> ValueError:
+    """The one-line error for every way the graph trainer's tpu compile backend is unavailable."""
+    return ValueError(f"compile.backend tpu needs TorchTPU on a TPU VM (pip install torch-tpu, with libtpu): "
+                      f"{reason}; use --compile.backend inductor or aot_eager elsewhere")
+
+
+def check_tpu_compile_backend(training_device: str) -> None:
+    """Config-time check for compile.backend = tpu, without importing torch_tpu (its import can
+    abort the process where libtpu is missing): the device must be tpu, or auto with TorchTPU
+    installed. Whether a TPU is really there is checked when the step is compiled."""
+    if training_device not in ("tpu", "auto"):
+        raise tpu_compile_error(f"training.device is {training_device} (use tpu or auto)")
+    if not _tpu_installed():
+        raise tpu_compile_error("torch_tpu is not installed here")
+
+
 def _import_torch_tpu() -> None:
     hint = (
         "backend 'tpu' needs torch_tpu: pip install torch-tpu and libtpu in a separate environment "

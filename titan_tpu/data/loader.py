@@ -14,6 +14,12 @@ is exactly the global batch.
 
 The position is stored as (epoch, global windows consumed in this epoch), independent of W, so a
 run can resume with another number of ranks and continue at the same place in the data.
+
+Document boundaries: with ``document_mask=True`` every batch also carries ``positions_BS``, each
+token's position within its document, restarting at 0 on the token after an eos (and at the
+window start). The model derives document ids from them (a new document wherever the position is
+0), restarts RoPE there and keeps attention within each document, so a packed document is
+computed as if it were alone. The eos token itself belongs to the document it ends.
 """
 
 from __future__ import annotations
@@ -26,6 +32,18 @@ import torch
 from titan_tpu.data.shards import TokenShards
 
 _STATE_VERSION = 1
+
+
+def document_positions(tokens_BS: np.ndarray, eos_id: int) -> np.ndarray:
+    """Each token's position within its document: 0 at the window start and right after every
+    eos, counting up in between (int64, the shape of `tokens_BS`)."""
+    B, S = tokens_BS.shape
+    starts_BS = np.zeros((B, S), dtype=bool)
+    starts_BS[:, 0] = True
+    starts_BS[:, 1:] = tokens_BS[:, :-1] == eos_id
+    index_S = np.arange(S)
+    last_start_BS = np.maximum.accumulate(np.where(starts_BS, index_S, 0), axis=1)
+    return (index_S - last_start_BS).astype(np.int64)
 
 
 def _num_val_windows(num_windows: int, val_fraction: float) -> int:
@@ -46,6 +64,7 @@ class TokenLoader:
         dp_world_size: int = 1,
         split: str = "train",
         val_fraction: float = 0.01,
+        document_mask: bool = False,
     ):
         if seq_len <= 0 or batch_size <= 0:
             raise ValueError(
@@ -64,6 +83,7 @@ class TokenLoader:
         self.dp_world_size = dp_world_size
         self.split = split
         self.global_batch = batch_size * dp_world_size
+        self.document_mask = document_mask
 
         # Windows that fit entirely in the stream (the +1 is the last window's final label).
         self.num_windows = (shards.num_tokens - 1) // seq_len
@@ -106,19 +126,23 @@ class TokenLoader:
         assert self._perm is not None
         return self._perm
 
-    def _windows_to_batch(self, window_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows_to_batch(self, window_ids: np.ndarray) -> tuple[torch.Tensor, ...]:
         span = self.seq_len + 1
-        rows = [self.shards.read(int(w) * self.seq_len, span) for w in window_ids]
-        tokens_BS1 = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return tokens_BS1[:, :-1].contiguous(), tokens_BS1[:, 1:].contiguous()
+        rows_BS1 = np.stack([self.shards.read(int(w) * self.seq_len, span) for w in window_ids]).astype(np.int64)
+        tokens_BS1 = torch.from_numpy(rows_BS1)
+        batch = (tokens_BS1[:, :-1].contiguous(), tokens_BS1[:, 1:].contiguous())
+        if self.document_mask:
+            batch += (torch.from_numpy(document_positions(rows_BS1[:, :-1], self.shards.eos_id)),)
+        return batch
 
     def _rank_slice(self, global_offset: int) -> np.ndarray:
         """Positions (within an ordering) of this rank's B windows of the global batch at offset."""
         start = global_offset + self.dp_rank * self.batch_size
         return np.arange(start, start + self.batch_size)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next (inputs_BS, labels_BS), int64; labels are inputs shifted by one."""
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        """This rank's next (inputs_BS, labels_BS), int64, labels the inputs shifted by one; with
+        document_mask also positions_BS (int64)."""
         if self.split == "train":
             if self.epoch_offset + self.global_batch > self.num_train_windows:
                 # Not enough windows left for a full global batch: drop them, start the next epoch.
@@ -136,7 +160,7 @@ class TokenLoader:
         self.samples_consumed += self.global_batch
         return self._windows_to_batch(window_ids)
 
-    def val_batches(self, max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def val_batches(self, max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
         """This rank's share of the validation windows, in fixed order, ``batch_size`` at a time.
 
         Every rank yields the same number of full batches (needed when the eval loss is

@@ -2,7 +2,7 @@
 
 The step is written once as a pure function of plain tensors::
 
-    (params, exp_avg, exp_avg_sq, inputs_BS, labels_BS, step, lr)
+    (params, exp_avg, exp_avg_sq, inputs_BS, labels_BS[, positions_BS], step, lr)
         -> (new_params, new_exp_avg, new_exp_avg_sq, loss, grad_norm)
 
 and traced with ``make_fx(tracing_mode="fake")``, which records the aten ops that autograd, the
@@ -50,6 +50,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, f
 
 from titan_tpu.graph.passes import recomputed_nodes, rematerialize
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
+from titan_tpu.train.step import split_batch
 
 __all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "capture_train_step"]
 
@@ -168,9 +169,10 @@ class DTensorSpec:
 class CapturedStep:
     """The traced step and how to feed it.
 
-    Flat inputs: params (param_names order), exp_avg (same order), exp_avg_sq, inputs_BS,
-    labels_BS, step (0-dim scalar_dtype), lr (0-dim scalar_dtype), buffers (buffer_names order; make_fx
-    refuses real tensors closed over, so the RoPE table is an input too, never modified).
+    Flat inputs: params (param_names order), exp_avg (same order), exp_avg_sq, the batch (inputs_BS,
+    labels_BS and, with document masking, positions_BS), step (0-dim scalar_dtype), lr (0-dim
+    scalar_dtype), buffers (buffer_names order; make_fx refuses real tensors closed over, so the
+    RoPE table is an input too, never modified).
     Flat outputs: new params, new exp_avg, new exp_avg_sq (each in param_names order), loss
     (0-dim, mean per token over all ranks), grad_norm (0-dim, global, before clipping).
     All are plain (local) tensors.
@@ -185,15 +187,16 @@ class CapturedStep:
     capture_seconds: float
     num_params: int  # global parameter count (full, unsharded sizes)
     scalar_dtype: torch.dtype = torch.float64  # dtype of the step and lr inputs
+    batch_tensors: int = 2  # inputs and labels, plus positions with document masking
 
     @property
     def num_inputs(self) -> int:
-        return 3 * len(self.param_names) + 4 + len(self.buffer_names)
+        return 3 * len(self.param_names) + self.batch_tensors + 2 + len(self.buffer_names)
 
     def input_slices(self) -> dict[str, slice]:
         """Where each group of the flat inputs lies."""
         n, b = len(self.param_names), len(self.buffer_names)
-        return _slices([("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("inputs_BS", 1), ("labels_BS", 1),
+        return _slices([("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("batch", self.batch_tensors),
                         ("step", 1), ("lr", 1), ("buffers", b)])
 
     def output_slices(self) -> dict[str, slice]:
@@ -224,7 +227,7 @@ class CapturedStep:
             f"  parameters: {len(self.param_names)} tensors, {self.num_params:,} values"
             + (f", sharded as DTensors on mesh {next(iter(self.dtensor_specs.values())).mesh}"
                if self.dtensor_specs else ", plain tensors"),
-            f"  inputs: {self.num_inputs} (params, exp_avg, exp_avg_sq, inputs_BS, labels_BS, step, lr, buffers); "
+            f"  inputs: {self.num_inputs} (params, exp_avg, exp_avg_sq, batch, step, lr, buffers); "
             f"outputs: {3 * len(self.param_names) + 2}",
             f"  distinct ops: {len(ops)}; most frequent: {top}",
             "  collectives: " + (", ".join(f"{op.removeprefix('_c10d_functional.')} {n}"
@@ -247,7 +250,6 @@ def _world_group_all_reduce_sum(t: Tensor) -> Tensor:
 def capture_train_step(
     model: torch.nn.Module,
     *,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
     max_norm: float,
     adamw_hparams: dict,
     decay: dict[str, bool],
@@ -257,11 +259,12 @@ def capture_train_step(
 ) -> CapturedStep:
     """Trace one training step of `model` into a CapturedStep (see the module docstring).
 
-    loss_fn(logits_BSV, labels_BS) must return the *summed* loss over tokens (e.g. trainer's
-    cross_entropy_sum); the step divides it by the token count of the whole step on all ranks,
-    as EagerStep does. adamw_hparams: beta1, beta2, eps, weight_decay (AdamW.hparams). decay: which
-    parameters get weight decay (AdamW.decay). example_batch: (inputs_BS, labels_BS) of the shape
-    every step will use (the graph is static-shaped). dp_size: number of data-parallel ranks;
+    The loss is the model's own ``model(inputs, labels, positions_BS=...)`` (the summed
+    cross-entropy through the loss kernel; train/step.py), divided by the token count of the whole
+    step on all ranks, as EagerStep does. adamw_hparams: beta1, beta2, eps, weight_decay
+    (AdamW.hparams). decay: which parameters get weight decay (AdamW.decay). example_batch:
+    (inputs_BS, labels_BS[, positions_BS]) of the shape every step will use (the graph is
+    static-shaped). dp_size: number of data-parallel ranks;
     default the size of the parameters' mesh (1 for plain parameters). scalar_dtype: dtype of the
     step and lr inputs; float64 matches the eager path's Python-float arithmetic bit for bit,
     float32 is for TPUs (no fast float64, and XLA may reject it).
@@ -285,16 +288,18 @@ def capture_train_step(
     distributed = dp_size > 1
     # Clones: make_fx maps one tensor object to one graph input, so a caller passing the same
     # tensor as inputs and labels would otherwise get a graph where labels alias the inputs.
-    inputs_BS, labels_BS = (t.clone() for t in example_batch)
-    num_tokens = labels_BS.numel() * dp_size  # static: shapes are fixed for the graph
-    n = len(param_names)
+    split_batch(example_batch)  # a 2- or 3-tuple, or a clear error
+    example_batch = [t.clone() for t in example_batch]
+    num_tokens = example_batch[1].numel() * dp_size  # static: shapes are fixed for the graph
+    n, nb = len(param_names), len(example_batch)
     hparams = dict(adamw_hparams)
 
     def train_step(*flat: Tensor) -> list[Tensor]:
         local_params = list(flat[0:n])
         exp_avg, exp_avg_sq = list(flat[n:2 * n]), list(flat[2 * n:3 * n])
-        inputs, labels, step, lr = flat[3 * n:3 * n + 4]
-        buffer_values = dict(zip(buffer_names, flat[3 * n + 4:]))
+        inputs, labels, positions = split_batch(flat[3 * n:3 * n + nb])
+        step, lr = flat[3 * n + nb:3 * n + nb + 2]
+        buffer_values = dict(zip(buffer_names, flat[3 * n + nb + 2:]))
 
         # Differentiate with respect to fresh leaves, not the inputs themselves, so the optimizer
         # below reads the parameter inputs unchanged and untracked.
@@ -305,8 +310,9 @@ def capture_train_step(
 
         with torch.enable_grad():
             params = {name: as_model_tensor(name, t) for name, t in zip(param_names, leaves)}
-            logits = torch.func.functional_call(model, {**params, **buffer_values}, (inputs,))
-            loss = loss_fn(logits, labels) / num_tokens
+            loss_sum = torch.func.functional_call(model, {**params, **buffer_values}, (inputs, labels),
+                                                  {"positions_BS": positions})
+            loss = loss_sum / num_tokens
             # Gradients of the local leaves are the local shards of the (reduce-scattered)
             # parameter gradients: DTensor.from_local's backward hands back the local part.
             # The backward region, for the rematerialize pass (activation checkpointing).
@@ -341,7 +347,7 @@ def capture_train_step(
     # Distinct tensors for every input: make_fx maps one tensor object to one placeholder, so
     # reusing an example tensor for two inputs would silently wire both reads to the same input.
     example += [torch.zeros_like(t) for t in example] + [torch.zeros_like(t) for t in example]
-    example += [inputs_BS, labels_BS, torch.ones((), dtype=scalar_dtype), torch.ones((), dtype=scalar_dtype)]
+    example += [*example_batch, torch.ones((), dtype=scalar_dtype), torch.ones((), dtype=scalar_dtype)]
     example += [b.detach() for b in buffers.values()]
 
     start = time.perf_counter()
@@ -369,5 +375,6 @@ def capture_train_step(
     return CapturedStep(graph_module=gm, param_names=param_names, buffer_names=buffer_names,
                         dtensor_specs=specs, example_inputs=fake_inputs,
                         num_tokens=num_tokens, capture_seconds=capture_seconds,
-                        num_params=sum(p.numel() for p in named.values()), scalar_dtype=scalar_dtype)
+                        num_params=sum(p.numel() for p in named.values()), scalar_dtype=scalar_dtype,
+                        batch_tensors=nb)
 

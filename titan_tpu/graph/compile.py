@@ -27,34 +27,16 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from titan_tpu.device import tpu_compile_error as _tpu_error
 from titan_tpu.graph.capture import CapturedStep, capture_train_step
 from titan_tpu.graph.passes import compile_submodules, split_graph
 from titan_tpu.train.optim import AdamW
-from titan_tpu.train.trainer import StepResult, cross_entropy_sum
+from titan_tpu.train.step import StepResult, split_batch
 
-__all__ = ["BACKENDS", "GraphStep", "check_tpu_backend_config", "compile_step"]
+__all__ = ["BACKENDS", "GraphStep", "compile_step"]
 
 BACKENDS = ("eager", "aot_eager", "inductor", "tpu")
 
-_TPU_NEEDS = "compile.backend tpu needs TorchTPU on a TPU VM (pip install torch-tpu, with libtpu)"
-_TPU_ELSEWHERE = "use --compile.backend inductor or aot_eager elsewhere"
-
-
-def _tpu_error(reason: str) -> ValueError:
-    """The one-line error for every way the tpu backend can be unavailable."""
-    return ValueError(f"{_TPU_NEEDS}: {reason}; {_TPU_ELSEWHERE}")
-
-
-def check_tpu_backend_config(training_device: str) -> None:
-    """Config-time check for compile.backend = tpu, without importing torch_tpu (its import can
-    abort the process where libtpu is missing): the device must be tpu, or auto with TorchTPU
-    installed. Whether a TPU is really there is checked when the step is compiled."""
-    from titan_tpu import device
-
-    if training_device not in ("tpu", "auto"):
-        raise _tpu_error(f"training.device is {training_device} (use tpu or auto)")
-    if not device._tpu_installed():
-        raise _tpu_error("torch_tpu is not installed here")
 
 
 def _tpu_dynamo_backend(captured: CapturedStep | None) -> Callable:
@@ -160,7 +142,8 @@ class GraphStep:
     hold the new values (written with copy_, so nothing keeps a second copy of the model or the
     optimizer state between steps) and `optimizer.step_count` advanced by one.
 
-    Only grad_accum_steps == 1 for now: one micro-batch per step, of the shape of `example_batch`.
+    Only grad_accum_steps == 1 for now: one micro-batch per step, of the shape of `example_batch`
+    ((inputs, labels) or, with document masking, (inputs, labels, positions)).
 
     scalar_dtype: dtype of the step and lr graph inputs; None picks float32 for the tpu backend
     (TPUs have no fast float64 and XLA may reject it) and float64 otherwise, which keeps the graph
@@ -168,9 +151,8 @@ class GraphStep:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float,
-                 example_batch: tuple[Tensor, Tensor], backend: str = "inductor", dp_size: int | None = None,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy_sum, split: str = "none",
-                 scalar_dtype: torch.dtype | None = None):
+                 example_batch: tuple[Tensor, ...], backend: str = "inductor", dp_size: int | None = None,
+                 split: str = "none", scalar_dtype: torch.dtype | None = None):
         _check_backend(backend)
         if backend == "tpu":
             _tpu_dynamo_backend(None)  # fail before a capture that can take minutes on a large model
@@ -178,7 +160,7 @@ class GraphStep:
             scalar_dtype = torch.float32 if backend == "tpu" else torch.float64
         self.model = model
         self.optimizer = optimizer
-        self.captured = capture_train_step(model, loss_fn=loss_fn, max_norm=max_norm,
+        self.captured = capture_train_step(model, max_norm=max_norm,
                                            adamw_hparams=optimizer.hparams, decay=optimizer.decay,
                                            example_batch=example_batch, dp_size=dp_size,
                                            scalar_dtype=scalar_dtype)
@@ -191,6 +173,7 @@ class GraphStep:
         self._params = [_local(params[n]) for n in names]
         self._buffers = [_local(buffers[n]) for n in self.captured.buffer_names]
         self._batch_shape = tuple(example_batch[1].shape)
+        self._batch_tensors = len(example_batch)
 
     @property
     def capture_seconds(self) -> float:
@@ -205,22 +188,26 @@ class GraphStep:
         names, state = self.captured.param_names, self.optimizer.state
         return [_local(state["exp_avg"][n]) for n in names], [_local(state["exp_avg_sq"][n]) for n in names]
 
-    def __call__(self, micro_batches: list[tuple[Tensor, Tensor]], lr: float) -> StepResult:
+    def __call__(self, micro_batches: list[tuple[Tensor, ...]], lr: float) -> StepResult:
         if len(micro_batches) != 1:
             raise ValueError(f"the graph trainer runs one micro-batch per step for now, got {len(micro_batches)}; "
                              "set training.grad_accum_steps = 1")
-        inputs, labels = micro_batches[0]
-        if tuple(labels.shape) != self._batch_shape or tuple(inputs.shape) != self._batch_shape:
+        batch = micro_batches[0]
+        split_batch(batch)
+        if len(batch) != self._batch_tensors:
+            raise ValueError(f"the captured step was traced for batches of {self._batch_tensors} tensors "
+                             f"(positions {'with' if self._batch_tensors == 3 else 'without'}), got {len(batch)}")
+        if any(tuple(t.shape) != self._batch_shape for t in batch):
             raise ValueError(f"the captured step was traced for batches of shape {self._batch_shape}, "
-                             f"got {tuple(inputs.shape)}")
+                             f"got {tuple(batch[0].shape)}")
         # The graph was traced for contiguous batches; a strided view (e.g. tokens[:, :-1]) is not.
-        inputs, labels = inputs.contiguous(), labels.contiguous()
+        batch = [t.contiguous() for t in batch]
         exp_avg, exp_avg_sq = self._state_tensors()
         step_number = self.optimizer.step_count + 1
         # 0-dim tensors of the captured scalar dtype: float64 by default, as the eager path computes
         # bias corrections and lr in Python floats; float32 on TPU.
         scalar = self.captured.scalar_dtype
-        flat = [*self._params, *exp_avg, *exp_avg_sq, inputs, labels,
+        flat = [*self._params, *exp_avg, *exp_avg_sq, *batch,
                 torch.tensor(step_number, dtype=scalar), torch.tensor(lr, dtype=scalar), *self._buffers]
         out = self.compiled(*flat)
         s = self.captured.output_slices()

@@ -4,6 +4,7 @@ import copy
 
 import torch
 
+from titan_tpu.kernels import KernelConfig
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
 from titan_tpu.models.llama3 import LLAMA3_FLAVORS
 from titan_tpu.models.qwen3 import QWEN3_FLAVORS
@@ -36,12 +37,13 @@ def build_model(
     seed: int | None = None,
     scan_layers: bool = False,
     ac_mode: str = "none",
+    kernels: KernelConfig | None = None,
 ) -> Transformer:
     """Construct on the meta device (no memory, no init cost), materialise on `device` in `dtype`,
     then initialise. With `seed`, the init is reproducible (torch's global RNG is seeded).
-    scan_layers / ac_mode: execution options of `Transformer` (same weights for the same seed)."""
+    scan_layers / ac_mode / kernels: execution options of `Transformer` (same weights for the same seed)."""
     with torch.device("meta"):
-        model = Transformer(args, scan_layers=scan_layers, ac_mode=ac_mode)
+        model = Transformer(args, scan_layers=scan_layers, ac_mode=ac_mode, kernels=kernels)
     model.to_empty(device=device)
     model.to(dtype=dtype)
     if seed is not None:

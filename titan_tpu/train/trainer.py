@@ -1,12 +1,11 @@
 """The training loop.
 
-One optimizer step is described once, by the *step contract*::
+One optimizer step is described once, by the step contract (train/step.py)::
 
     step_fn(micro_batches, lr) -> StepResult(loss, grad_norm, num_tokens)
 
-It consumes ``training.grad_accum_steps`` micro-batches, and afterwards the model parameters and
-optimizer state hold their updated values. ``EagerStep`` implements it with ordinary autograd;
-the Graph Trainer provides another implementation of the same contract, so the loop around it
+``EagerStep`` implements it with ordinary autograd; the Graph Trainer (graph/compile.py
+``GraphStep``) provides another implementation of the same contract, so the loop around it
 (data, schedule, validation, metrics, checkpoints, signals) is shared.
 
 Under ``torchrun`` every rank runs this same loop. Parameters are SimpleFSDP DTensors (see
@@ -21,12 +20,10 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from titan_tpu.config import Config
 from titan_tpu.device import Backend, get_backend
@@ -36,62 +33,11 @@ from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision, materialize_and_init
 from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
-from titan_tpu.train.optim import AdamW, clip_grad_norm_, lr_at
+from titan_tpu.train.optim import AdamW, lr_at
 from titan_tpu.train.signals import GracefulShutdown
+from titan_tpu.train.step import EagerStep, StepResult, all_reduce_sum, batch_loss_sum
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def cross_entropy_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy in fp32; callers divide by the token count they choose."""
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), reduction="sum")
-
-
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
-
-
-@dataclass
-class StepResult:
-    loss: float  # mean cross-entropy per token over the step's micro-batches, on all ranks
-    grad_norm: float  # global gradient norm before clipping
-    num_tokens: int  # tokens of the step, on all ranks
-
-
-class EagerStep:
-    """The step contract with plain autograd: accumulate, clip, AdamW, all in place.
-
-    The in-place forms of clipping and AdamW run the same arithmetic as the pure functions the
-    graph trainer traces, without allocating a second copy of gradients, weights and moments.
-    With SimpleFSDP the parameters and gradients are DTensors; the code is the same.
-    """
-
-    def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float, dp_size: int = 1):
-        self.model = model
-        self.optimizer = optimizer
-        self.max_norm = max_norm
-        self.dp_size = dp_size
-        self.params = dict(model.named_parameters())
-
-    def __call__(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
-        # Normalise by the tokens of the whole step on all ranks (every rank has the same batch
-        # shape), so k micro-batches of b sequences on each of n ranks give the same gradient as
-        # one batch of n*k*b sequences: the gradient reduction then only has to sum.
-        num_tokens = sum(labels.numel() for _, labels in micro_batches) * self.dp_size
-        loss_sum = torch.zeros((), device=micro_batches[0][0].device)
-        for inputs, labels in micro_batches:
-            loss = cross_entropy_sum(self.model(inputs), labels) / num_tokens
-            loss.backward()
-            loss_sum += loss.detach()
-        grads = {name: p.grad for name, p in self.params.items()}
-        grad_norm = clip_grad_norm_(grads, self.max_norm)
-        self.optimizer.step(grads, lr=lr)
-        for p in self.params.values():
-            p.grad = None
-        _all_reduce_sum(loss_sum)  # each rank holds its share of the global mean
-        return StepResult(loss=loss_sum.item(), grad_norm=grad_norm.item(), num_tokens=num_tokens)
 
 
 def default_cache_dir() -> Path:
@@ -125,6 +71,8 @@ class Trainer:
         self.mesh = self.parallel_dims.build_mesh(self.backend.device.type)
         dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
         torch.manual_seed(t.seed)
+        # A kernel that cannot run on this device is a one-line error now, not at the first step.
+        cfg.kernels.check_device(self.backend.device.type, documents=cfg.data.document_mask)
 
         self.model_args = get_model_args(cfg.model.name, cfg.model.flavor)
         # Rank 0 tokenizes (or finds the cache) first; the others then only read the cache.
@@ -141,7 +89,8 @@ class Trainer:
             if dist.is_initialized():
                 dist.barrier()
         loader_kwargs = dict(seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
-                             val_fraction=cfg.data.val_fraction, dp_rank=dp_rank, dp_world_size=self.dp_size)
+                             val_fraction=cfg.data.val_fraction, dp_rank=dp_rank, dp_world_size=self.dp_size,
+                             document_mask=cfg.data.document_mask)
         self.train_loader = TokenLoader(shards, split="train", **loader_kwargs)
         self.val_loader = TokenLoader(shards, split="val", **loader_kwargs) if cfg.validation.enabled else None
 
@@ -163,7 +112,8 @@ class Trainer:
                                  "or use --compile.backend aot_eager")
 
             example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=self.backend.device)
-            self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=(example, example),
+            example_batch = (example, example) + ((example,) if cfg.data.document_mask else ())
+            self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=example_batch,
                                      backend=cfg.compile.backend, dp_size=self.dp_size, split=cfg.compile.split)
             self.compile_stats = {"capture_s": self.step_fn.capture_seconds, "compile_s": self.step_fn.compile_seconds}
             self.log(f"graph mode: step captured in {self.step_fn.capture_seconds:.1f} s, compiled with "
@@ -180,7 +130,8 @@ class Trainer:
         # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
         args = dataclasses.replace(self.model_args, max_seq_len=self.cfg.training.seq_len)
         dtype, seed = self.compute_dtype, self.cfg.training.seed
-        options = dict(scan_layers=self.cfg.model.scan_layers, ac_mode=self.cfg.activation_checkpoint.mode)
+        options = dict(scan_layers=self.cfg.model.scan_layers, ac_mode=self.cfg.activation_checkpoint.mode,
+                       kernels=self.cfg.kernels)
         if self.mesh is None:  # one device: parameters are stored in model.dtype
             return build_model(args, device=self.backend.device, dtype=dtype, seed=seed, **options)
         # Sharded: fp32 master parameters, computed in model.dtype, gradients reduced in
@@ -288,13 +239,10 @@ class Trainer:
         return lr_at(step, base_lr=self.cfg.optimizer.lr, warmup_steps=s.warmup_steps, total_steps=t.steps,
                      decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio)
 
-    def _micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _micro_batches(self) -> list[tuple[torch.Tensor, ...]]:
         device = self.backend.device
-        batches = []
-        for _ in range(self.cfg.training.grad_accum_steps):
-            inputs, labels = self.train_loader.next_batch()
-            batches.append((inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)))
-        return batches
+        return [tuple(t.to(device, non_blocking=True) for t in self.train_loader.next_batch())
+                for _ in range(self.cfg.training.grad_accum_steps)]
 
     def train_step(self) -> StepResult:
         self.step += 1
@@ -306,12 +254,12 @@ class Trainer:
         self.model.eval()
         # fp32, not fp64: TPUs have no fast fp64, and a few batches' sums fit fp32 well enough.
         totals = torch.zeros(2, device=self.backend.device)  # loss sum, tokens
-        for inputs, labels in self.val_loader.val_batches(self.cfg.validation.steps):
-            logits = self.model(inputs.to(self.backend.device))
-            totals[0] += cross_entropy_sum(logits, labels.to(self.backend.device))
-            totals[1] += labels.numel()
+        for batch in self.val_loader.val_batches(self.cfg.validation.steps):
+            batch = tuple(t.to(self.backend.device) for t in batch)
+            totals[0] += batch_loss_sum(self.model, batch)
+            totals[1] += batch[1].numel()
         self.model.train()
-        _all_reduce_sum(totals)
+        all_reduce_sum(totals)
         return (totals[0] / totals[1]).item()
 
     def train(self) -> dict:

@@ -1,11 +1,15 @@
-"""Causal grouped-query self-attention with RoPE and optional per-head q/k RMSNorm (Qwen3)."""
+"""Causal grouped-query self-attention with RoPE and optional per-head q/k RMSNorm (Qwen3).
+
+The attention itself is the kernel layer's op (titan_tpu/kernels/attention.py): the module asks
+its `KernelConfig` for the implementation that runs on the device of its inputs.
+"""
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from titan_tpu.kernels import KernelConfig
 from titan_tpu.models.common.norms import RMSNorm
 from titan_tpu.models.common.rope import apply_rope
 
@@ -26,9 +30,11 @@ class Attention(nn.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
         rope_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = apply_rope,
+        kernels: KernelConfig | None = None,
     ):
         super().__init__()
         self.rope_fn = rope_fn  # apply_rope, or apply_rope_real where complex views are not allowed
+        self.kernels = kernels or KernelConfig()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
@@ -40,7 +46,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
-    def forward(self, x_BSD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, rope_xSP2: torch.Tensor,
+                document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """rope_xSP2: this batch's RoPE rows (rope.rope_rows); document_ids_BS: None for plain
+        causal windows, else one id per token and attention stays within each document."""
         B, S, _ = x_BSD.shape
         q_BSHD = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k_BSKD = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
@@ -48,16 +57,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q_BSHD = self.q_norm(q_BSHD)
             k_BSKD = self.k_norm(k_BSKD)
-        q_BSHD = self.rope_fn(q_BSHD, rope_SP2)
-        k_BSKD = self.rope_fn(k_BSKD, rope_SP2)
-        # SDPA wants heads before sequence; transposes are views (the kernels take strides),
-        # and enable_gqa lets the kernel share kv heads instead of materialising copies.
-        o_BHSD = F.scaled_dot_product_attention(
-            q_BSHD.transpose(1, 2),
-            k_BSKD.transpose(1, 2),
-            v_BSKD.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )
-        o_BSX = o_BHSD.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)
-        return self.wo(o_BSX)
+        q_BSHD = self.rope_fn(q_BSHD, rope_xSP2)
+        k_BSKD = self.rope_fn(k_BSKD, rope_xSP2)
+        attention = self.kernels.attention_impl(x_BSD.device.type, documents=document_ids_BS is not None).fn
+        o_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, document_ids_BS)
+        return self.wo(o_BSHD.reshape(B, S, self.n_heads * self.head_dim))

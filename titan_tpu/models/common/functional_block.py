@@ -24,9 +24,10 @@ class FunctionalBlock:
             self.template = make_block()
         self.param_names = [n for n, _ in self.template.named_parameters()]
 
-    def __call__(self, h: Tensor, rope: Tensor, *weights: Tensor) -> Tensor:
-        """Run the block on (h, rope) with `weights` in `param_names` order."""
-        return torch.func.functional_call(self.template, dict(zip(self.param_names, weights)), (h, rope))
+    def __call__(self, h: Tensor, rope: Tensor, document_ids: Tensor | None, *weights: Tensor) -> Tensor:
+        """Run the block on (h, rope, document_ids) with `weights` in `param_names` order."""
+        return torch.func.functional_call(self.template, dict(zip(self.param_names, weights)),
+                                          (h, rope, document_ids))
 
 
 def read_weights(module: nn.Module, names: list[str]) -> list[Tensor]:

@@ -68,8 +68,17 @@ def rope_cache(
     return torch.stack([angles_SP.cos(), angles_SP.sin()], dim=-1)
 
 
-def apply_rope(x_BSHD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x_BSHD`` by the first S rows of the table.
+def rope_rows(table_SP2: torch.Tensor, seq_len: int, positions_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """The table rows a batch needs: the first `seq_len` rows ([S, P, 2]), or, with per-token
+    positions (restarting at each packed document), one row per token ([B, S, P, 2])."""
+    if positions_BS is None:
+        return table_SP2[:seq_len]
+    return table_SP2[positions_BS]
+
+
+def apply_rope(x_BSHD: torch.Tensor, rope_xSP2: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x_BSHD`` by the angles of its rows of the table
+    (`rope_rows`: [S, P, 2] shared by the batch, or [B, S, P, 2] per token).
 
     Each pair (a, b) is read as the complex number a + ib and multiplied by e^(i angle): one
     fused elementwise kernel forward and one backward, where the same rotation in real
@@ -82,22 +91,21 @@ def apply_rope(x_BSHD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
     complex views), and complex support in TorchTPU's lowering is unverified.
     """
     if is_tracing():
-        return apply_rope_real(x_BSHD, rope_SP2)
-    S = x_BSHD.shape[1]
-    rotation_S1P = torch.view_as_complex(rope_SP2[:S].float()).unsqueeze(1)
+        return apply_rope_real(x_BSHD, rope_xSP2)
+    rotation_xS1P = torch.view_as_complex(rope_xSP2.float()).unsqueeze(-2)  # broadcast over heads
     x_BSHP = torch.view_as_complex(x_BSHD.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(x_BSHP * rotation_S1P).flatten(-2).to(x_BSHD.dtype)
+    return torch.view_as_real(x_BSHP * rotation_xS1P).flatten(-2).to(x_BSHD.dtype)
 
 
-def apply_rope_real(x_BSHD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
+def apply_rope_real(x_BSHD: torch.Tensor, rope_xSP2: torch.Tensor) -> torch.Tensor:
     """`apply_rope` in real arithmetic: each pair (a, b) becomes (a cos - b sin, a sin + b cos).
 
     Same values as the complex form (bitwise on CPU in our tests). `apply_rope` records it when
     traced; the scanned layer body uses it directly (its functionalised trace has no autograd
     formula for `view_as_complex_copy`). Slower in eager on CPU (see `apply_rope`).
     """
-    S = x_BSHD.shape[1]
-    cos_S1P, sin_S1P = rope_SP2[:S, None, :, 0].float(), rope_SP2[:S, None, :, 1].float()
+    cos_xS1P = rope_xSP2[..., 0].float().unsqueeze(-2)
+    sin_xS1P = rope_xSP2[..., 1].float().unsqueeze(-2)
     a_BSHP, b_BSHP = x_BSHD.float().unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = torch.stack([a_BSHP * cos_S1P - b_BSHP * sin_S1P, a_BSHP * sin_S1P + b_BSHP * cos_S1P], dim=-1)
+    rotated = torch.stack([a_BSHP * cos_xS1P - b_BSHP * sin_xS1P, a_BSHP * sin_xS1P + b_BSHP * cos_xS1P], dim=-1)
     return rotated.flatten(-2).to(x_BSHD.dtype)

@@ -88,7 +88,9 @@ class StackedBlocks(nn.Module):
     # ------------------------------------------------------------------------------------------
     # forward
 
-    def forward(self, h: Tensor, rope: Tensor) -> Tensor:
+    def forward(self, h: Tensor, rope: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        """h [B, S, D] through every layer; rope: the batch's RoPE rows; document_ids: None or
+        one id per token (attention within documents)."""
         # Under data parallelism: one all-gather per stacked weight, before the loop.
         stacked = read_weights(self, self.param_names)
         if not is_tracing():
@@ -96,12 +98,11 @@ class StackedBlocks(nn.Module):
             # torch's scan op would retrace its body (make_fx and a partitioner) on every eager
             # call, about a second per step even for a tiny model; the op pays off once traced.
             for i in range(self.n_layers):
-                h = self._body(h, rope, *(w[i] for w in stacked))
+                h = self._body(h, rope, document_ids, *(w[i] for w in stacked))
             return h
-        rope = rope[: h.shape[1]]
         if self.ac_mode == "full":
-            return _ScanRecomputingLayers.apply(self._block_fn, h, rope, *stacked)
-        return _scan_layers(self._body, h, rope, stacked)[0]
+            return _ScanRecomputingLayers.apply(self._block_fn, h, rope, document_ids, *stacked)
+        return _scan_layers(self._body, h, rope, document_ids, stacked)[0]
 
     # ------------------------------------------------------------------------------------------
     # initialisation
@@ -151,25 +152,37 @@ class StackedBlocks(nn.Module):
         return out
 
 
-def _scan_layers(block_fn: Callable, h: Tensor, rope: Tensor, stacked: list[Tensor], *,
+def _shared_inputs(rope: Tensor, document_ids: Tensor | None) -> tuple[Tensor, ...]:
+    """What every layer reads besides its weights, as scan's "additional inputs" (passed whole to
+    each iteration: the body may not close over tensors)."""
+    return (rope,) if document_ids is None else (rope, document_ids)
+
+
+def _split_shared(shared: tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:
+    return shared[0], (shared[1] if len(shared) > 1 else None)
+
+
+def _scan_layers(block_fn: Callable, h: Tensor, rope: Tensor, document_ids: Tensor | None, stacked: list[Tensor], *,
                  keep_inputs: bool = False) -> tuple[Tensor, Tensor | None]:
-    """h -> block_fn(h, rope, *layer i's weights) for i = 0..L-1 with torch's scan op.
+    """h -> block_fn(h, rope, document_ids, *layer i's weights) for i = 0..L-1 with torch's scan op.
 
     Returns the final h and, with keep_inputs, every layer's input stacked ([L, *h.shape]).
     scan_op, not the public torch scan(): that one routes eager calls through Dynamo, which
     cannot run inside our make_fx capture. The body's arguments are flat tensors: the carry, one
-    layer's slice of each stacked weight, then the RoPE table (an "additional input", passed
-    whole to every iteration: the body may not close over tensors).
+    layer's slice of each stacked weight, then the shared inputs (RoPE rows, document ids).
     """
+    shared = _shared_inputs(rope, document_ids)
+    n_weights = len(stacked)
 
-    def body(carry: Tensor, *layer_weights_and_rope: Tensor) -> list[Tensor]:
-        *layer_weights, rope_SP2 = layer_weights_and_rope
-        out = block_fn(carry, rope_SP2, *layer_weights)
+    def body(carry: Tensor, *layer_weights_and_shared: Tensor) -> list[Tensor]:
+        layer_weights = layer_weights_and_shared[:n_weights]
+        rope_rows, document_ids = _split_shared(layer_weights_and_shared[n_weights:])
+        out = block_fn(carry, rope_rows, document_ids, *layer_weights)
         # scan wants a per-iteration output; an empty one costs nothing. The body may not return
         # an alias of its input, hence the clone of the layer input.
         return [out, carry.clone() if keep_inputs else out.new_empty(0)]
 
-    final, per_layer = scan_op(body, [h], stacked, additional_inputs=(rope,))
+    final, per_layer = scan_op(body, [h], stacked, additional_inputs=shared)
     return final, per_layer if keep_inputs else None
 
 
@@ -185,26 +198,29 @@ class _ScanRecomputingLayers(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, block_fn, h, rope, *stacked):
-        final, inputs = _scan_layers(block_fn, h, rope, list(stacked), keep_inputs=True)
+    def forward(ctx, block_fn, h, rope, document_ids, *stacked):
+        final, inputs = _scan_layers(block_fn, h, rope, document_ids, list(stacked), keep_inputs=True)
         ctx.block_fn = block_fn
-        ctx.save_for_backward(inputs, rope, *stacked)
+        ctx.n_shared = len(_shared_inputs(rope, document_ids))
+        ctx.save_for_backward(inputs, *_shared_inputs(rope, document_ids), *stacked)
         return final
 
     @staticmethod
     def backward(ctx, grad_out):
-        inputs, rope, *stacked = ctx.saved_tensors
-        block_fn = ctx.block_fn
+        inputs, *rest = ctx.saved_tensors
+        shared, stacked = tuple(rest[:ctx.n_shared]), rest[ctx.n_shared:]
+        block_fn, n_weights = ctx.block_fn, len(stacked)
 
-        def body(grad_carry: Tensor, layer_input: Tensor, *weights_and_rope: Tensor) -> list[Tensor]:
-            *weights, rope_SP2 = weights_and_rope
-            _, vjp = torch.func.vjp(lambda x, *w: block_fn(x, rope_SP2, *w), layer_input, *weights)
+        def body(grad_carry: Tensor, layer_input: Tensor, *weights_and_shared: Tensor) -> list[Tensor]:
+            weights = weights_and_shared[:n_weights]
+            rope_rows, document_ids = _split_shared(weights_and_shared[n_weights:])
+            _, vjp = torch.func.vjp(lambda x, *w: block_fn(x, rope_rows, document_ids, *w), layer_input, *weights)
             return list(vjp(grad_carry))  # [grad of the layer input, grads of its weights]
 
         # Last layer first: flip the layer axis in, and the weight gradients back.
         flipped = [t.flip(0) for t in (inputs, *stacked)]
-        grad_h, *grad_weights = scan_op(body, [grad_out], flipped, additional_inputs=(rope,))
-        return (None, grad_h, None, *(g.flip(0) for g in grad_weights))
+        grad_h, *grad_weights = scan_op(body, [grad_out], flipped, additional_inputs=shared)
+        return (None, grad_h, None, None, *(g.flip(0) for g in grad_weights))
 
 
 def _split_layers_hook(module: StackedBlocks, state_dict: dict, prefix: str, local_metadata) -> None:

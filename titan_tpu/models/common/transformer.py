@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_tpu.kernels import KernelConfig, document_ids_from_positions
 from titan_tpu.models.common.attention import Attention
 from titan_tpu.models.common.feed_forward import FeedForward
 from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
 from titan_tpu.models.common.norms import RMSNorm
 from titan_tpu.models.common.activation_checkpoint import checkpointed
-from titan_tpu.models.common.rope import RopeScaling, apply_rope, apply_rope_real, rope_cache
+from titan_tpu.models.common.rope import RopeScaling, apply_rope, apply_rope_real, rope_cache, rope_rows
 from titan_tpu.models.common.scan import StackedBlocks
 
 __all__ = ["RopeScaling", "TransformerArgs", "TransformerBlock", "Transformer"]
@@ -85,7 +86,7 @@ class TransformerArgs:
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
 
-    def __init__(self, args: TransformerArgs, *, rope_fn=apply_rope):
+    def __init__(self, args: TransformerArgs, *, rope_fn=apply_rope, kernels: KernelConfig | None = None):
         super().__init__()
         self.attention = Attention(
             dim=args.dim,
@@ -95,13 +96,15 @@ class TransformerBlock(nn.Module):
             qk_norm=args.qk_norm,
             norm_eps=args.norm_eps,
             rope_fn=rope_fn,
+            kernels=kernels,
         )
         self.feed_forward = FeedForward(dim=args.dim, hidden_dim=args.ffn_hidden_dim)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x_BSD: torch.Tensor, rope_SP2: torch.Tensor) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_SP2)
+    def forward(self, x_BSD: torch.Tensor, rope_xSP2: torch.Tensor,
+                document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_xSP2, document_ids_BS)
         return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
 
 
@@ -112,23 +115,34 @@ class Transformer(nn.Module):
     instead of a Python loop, so a compiler sees one block whatever the depth.
     ac_mode: activation checkpointing per block, "none" | "full" | "selective"
     (models/common/activation_checkpoint.py).
+    kernels: the implementation of attention and of the output projection + loss (titan_tpu/kernels).
+
+    Called as ``model(tokens_BS)`` it returns logits; as ``model(tokens_BS, labels_BS)`` the summed
+    cross-entropy, computed by the loss kernel from the final hidden states and the output weight
+    (`hidden_states`, `output_weight`) without necessarily materialising the logits. With
+    ``positions_BS`` (per-token positions restarting at 0 where a packed document starts) RoPE
+    follows them and attention stays within each document.
     """
 
-    def __init__(self, args: TransformerArgs, *, scan_layers: bool = False, ac_mode: str = "none"):
+    def __init__(self, args: TransformerArgs, *, scan_layers: bool = False, ac_mode: str = "none",
+                 kernels: KernelConfig | None = None):
         super().__init__()
         self.args = args
         self.scan_layers = scan_layers
+        self.kernels = kernels = kernels or KernelConfig()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         if scan_layers:
-            self.layers = StackedBlocks(functools.partial(TransformerBlock, args, rope_fn=apply_rope_real),
+            self.layers = StackedBlocks(functools.partial(TransformerBlock, args, rope_fn=apply_rope_real,
+                                                          kernels=kernels),
                                         args.n_layers, init_layer=_init_block_at, ac_mode=ac_mode)
         else:
             # A ModuleDict keyed "0".."L-1" (as TorchTitan) keeps layer names stable when a
             # pipeline stage deletes the layers it does not own.
-            self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels=kernels)
+                                         for i in range(args.n_layers)})
             # Checkpointed blocks run as functions of their weights, so that the recomputation in
             # the backward uses the same weights (see functional_block.py).
-            block_fn = FunctionalBlock(functools.partial(TransformerBlock, args))
+            block_fn = FunctionalBlock(functools.partial(TransformerBlock, args, kernels=kernels))
             self._block_param_names = block_fn.param_names
             self._checkpointed_block = checkpointed(block_fn, ac_mode) if ac_mode != "none" else None
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
@@ -221,28 +235,43 @@ class Transformer(nn.Module):
     def _init_output(self) -> None:
         _trunc_normal(self.output.weight, self.args.dim**-0.5)
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, S] -> logits [B, S, V] in the parameters' dtype."""
+    def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
+                positions_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V] in the parameters' dtype; with labels, the summed next-token
+        cross-entropy (0-dim fp32) from the loss kernel."""
+        h_BSD = self.hidden_states(tokens_BS, positions_BS=positions_BS)
+        w_VD = self.output_weight()
+        if labels_BS is None:
+            return F.linear(h_BSD, w_VD)
+        loss_fn = self.kernels.loss_fn(h_BSD.device.type)
+        return loss_fn(h_BSD.flatten(0, 1), w_VD, labels_BS.flatten())
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight [V, D] (the embedding when tied), as computed with:
+        under data parallelism, the all-gathered tensor."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def hidden_states(self, tokens_BS: torch.Tensor, *, positions_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [B, S] -> final hidden states [B, S, D] (after the last norm)."""
         S = tokens_BS.shape[1]
         if S > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {S} exceeds the model's max_seq_len {self.args.max_seq_len}; "
                 "raise model max_seq_len or shorten the sequences"
             )
+        rope = rope_rows(self.rope_cache, S, positions_BS)
+        document_ids_BS = None if positions_BS is None else document_ids_from_positions(positions_BS)
         h_BSD = self.tok_embeddings(tokens_BS)
         if self.scan_layers:
-            h_BSD = self.layers(h_BSD, self.rope_cache)
+            h_BSD = self.layers(h_BSD, rope, document_ids_BS)
         else:
             for layer in self.layers.values():
                 if self._checkpointed_block is None:
-                    h_BSD = layer(h_BSD, self.rope_cache)
+                    h_BSD = layer(h_BSD, rope, document_ids_BS)
                 else:
                     weights = read_weights(layer, self._block_param_names)
-                    h_BSD = self._checkpointed_block(h_BSD, self.rope_cache, *weights)
-        h_BSD = self.norm(h_BSD)
-        if self.output is None:
-            return F.linear(h_BSD, self.tok_embeddings.weight)
-        return self.output(h_BSD)
+                    h_BSD = self._checkpointed_block(h_BSD, rope, document_ids_BS, *weights)
+        return self.norm(h_BSD)
 
 
 def _init_block_at(layer: TransformerBlock, layer_id: int) -> None:

@@ -1,0 +1,102 @@
+"""Hot ops with per-backend implementations behind one registry (see registry.py).
+
+Ops: ``attention`` (causal, optionally document-masked; attention.py) and ``loss`` (output
+projection + cross-entropy, chunked so the logits are never whole; loss.py). TPU variants live in
+tpu.py, the only kernel module that calls torch_tpu.
+
+`KernelConfig` is the ``[kernels]`` config section and what a model is built with: the choice
+per op ("auto" or an implementation name). Model code asks it for the implementation to run on
+the device its tensors are on; `describe()` is what ``titan-tpu kernels`` prints.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from titan_tpu.kernels import tpu as _tpu  # noqa: F401 - registers the TPU variants
+from titan_tpu.kernels.attention import ATTENTION, document_ids_from_positions
+from titan_tpu.kernels.loss import LOSS
+from titan_tpu.kernels.registry import Impl, Op
+
+__all__ = ["ATTENTION", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe", "document_ids_from_positions"]
+
+OPS: dict[str, Op] = {"attention": ATTENTION, "loss": LOSS}
+
+DOCUMENTS = frozenset({"documents"})
+
+# What `auto` tries, in order, per device type ("<device>+documents" when the call has document
+# masks). Measured choices are explained in docs/kernels.md.
+ATTENTION.preference = {
+    "cpu": ["sdpa", "reference"],
+    "cuda": ["sdpa", "reference"],
+    "cuda+documents": ["flex", "sdpa", "reference"],
+    "tpu": ["splash", "reference"],
+    "tpu+documents": ["reference"],
+}
+LOSS.preference = {
+    "cpu": ["chunked", "reference"],
+    "cuda": ["chunked", "reference"],
+    "tpu": ["tokamax", "chunked", "reference"],
+}
+
+
+@dataclass
+class KernelConfig:
+    # Implementation per op: auto picks the best one that runs on the device (titan-tpu kernels
+    # lists them); a name forces one (an error if it cannot run here).
+    attention: str = "auto"  # auto, reference, sdpa, flex, splash
+    loss: str = "auto"  # auto, reference, chunked, tokamax
+    # Tokens per chunk of the chunked loss; 0 = about 64M logits per chunk (one chunk for small vocabularies).
+    loss_chunk_tokens: int = 0
+
+    def validate(self) -> None:
+        """Config-time checks that need no device: known names, sane sizes."""
+        ATTENTION.check_name(self.attention)
+        LOSS.check_name(self.loss)
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"kernels.loss_chunk_tokens = {self.loss_chunk_tokens} must be >= 0 (0 = auto)")
+
+    def check_device(self, device_type: str, *, documents: bool) -> None:
+        """Fail early (one line) when a chosen implementation cannot run on `device_type`."""
+        _resolve(ATTENTION, self.attention, device_type, DOCUMENTS if documents else frozenset())
+        _resolve(LOSS, self.loss, device_type, frozenset())
+
+    def attention_impl(self, device_type: str, *, documents: bool) -> Impl:
+        return _resolve(ATTENTION, self.attention, device_type, DOCUMENTS if documents else frozenset())
+
+    def loss_fn(self, device_type: str) -> Callable:
+        """(h_ND, w_VD, labels_N) -> summed cross-entropy, with this config's chunk size."""
+        impl = _resolve(LOSS, self.loss, device_type, frozenset())
+        return functools.partial(impl.fn, chunk_tokens=self.loss_chunk_tokens)
+
+
+@functools.cache
+def _resolve(op: Op, choice: str, device_type: str, needs: frozenset[str]) -> Impl:
+    # Keyed lookups with the documents-specific preference first; cached: this runs per call.
+    preference = op.preference
+    key = f"{device_type}+{'+'.join(sorted(needs))}" if needs else device_type
+    if key in preference and key != device_type:
+        op = Op(op.name, op.config_key, op.impls, {device_type: preference[key]})
+    return op.resolve(choice, device_type, needs)
+
+
+def describe(device_type: str) -> str:
+    """Per op: every implementation, whether it runs here (and why not), and what auto picks."""
+    lines = []
+    for name, op in OPS.items():
+        lines.append(f"{op.config_key}:")
+        needs_variants = [frozenset(), DOCUMENTS] if name == "attention" else [frozenset()]
+        for needs in needs_variants:
+            try:
+                picked = _resolve(op, "auto", device_type, needs).name
+            except ValueError:
+                picked = "none"
+            label = "auto" + (" (documents)" if needs else "")
+            lines.append(f"  {label:<18} -> {picked}")
+        for impl in op.impls.values():
+            reason = impl.why_not(device_type)
+            status = "available" if reason is None else f"not here: {reason}"
+            lines.append(f"  {impl.name:<18} {status}; {impl.description}")
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""The kernel registry: each hot op has a plain-PyTorch reference and per-backend variants.
+
+An `Op` (attention, the output-projection + cross-entropy loss, ...) holds named `Impl`s. Model
+and step code call the op through the implementation chosen for the run (`Op.resolve`), never a
+backend's kernel directly, so one model runs on CPU, CUDA and TPU and a new kernel is one more
+registration. Each op's reference is the definition: every other implementation is tested
+against it, forward and gradients (tests/test_kernels.py).
+
+Choosing: `"auto"` takes the first implementation in the op's preference list for the device
+type that can run here and supports what the call needs (e.g. document masks); a name picks that
+implementation, and one that cannot run here is a one-line error naming those that can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["Impl", "Op"]
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of an op.
+
+    devices: device types it runs on ("cpu", "cuda", "tpu").
+    unavailable: () -> None when it can run in this process, else the reason (e.g. a package is
+    missing); checked lazily, so registering never imports a backend.
+    features: what it supports beyond the op's basic form (e.g. {"documents"}).
+    """
+
+    name: str
+    fn: Callable
+    devices: tuple[str, ...]
+    description: str
+    features: frozenset[str] = frozenset()
+    unavailable: Callable[[], str | None] = lambda: None
+
+    def why_not(self, device_type: str, needs: frozenset[str] = frozenset()) -> str | None:
+        """None when it runs on `device_type` with `needs`; else a short reason."""
+        if device_type not in self.devices:
+            return f"runs on {'/'.join(self.devices)}, not {device_type}"
+        missing = needs - self.features
+        if missing:
+            return f"does not support {', '.join(sorted(missing))}"
+        return self.unavailable()
+
+
+@dataclass(eq=False)  # compared and hashed by identity: one object per op
+class Op:
+    """An op with its implementations and, per device type, the order `auto` tries them in."""
+
+    name: str
+    config_key: str  # the config field that selects it, e.g. "kernels.attention"
+    impls: dict[str, Impl] = field(default_factory=dict)
+    preference: dict[str, list[str]] = field(default_factory=dict)
+
+    def register(self, impl: Impl) -> Impl:
+        assert impl.name not in self.impls and impl.name != "auto", impl.name
+        self.impls[impl.name] = impl
+        return impl
+
+    def check_name(self, choice: str) -> None:
+        """Config-time check: the name exists (whether it runs here is checked by `resolve`)."""
+        if choice != "auto" and choice not in self.impls:
+            raise ValueError(f"{self.config_key} = {choice!r} is not a known implementation; "
+                             f"use auto or one of {', '.join(self.impls)}")
+
+    def resolve(self, choice: str, device_type: str, needs: frozenset[str] = frozenset()) -> Impl:
+        """The implementation to run for `choice` ("auto" or a name) on `device_type`."""
+        self.check_name(choice)
+        if choice != "auto":
+            impl = self.impls[choice]
+            reason = impl.why_not(device_type, needs)
+            if reason is not None:
+                raise ValueError(f"{self.config_key} = {choice} cannot run here ({reason}); "
+                                 f"available on {device_type}: {', '.join(self.available(device_type, needs))}")
+            return impl
+        for name in self.preference.get(device_type, []):
+            if self.impls[name].why_not(device_type, needs) is None:
+                return self.impls[name]
+        raise ValueError(f"{self.config_key}: no implementation runs on {device_type}"
+                         + (f" with {', '.join(sorted(needs))}" if needs else ""))
+
+    def available(self, device_type: str, needs: frozenset[str] = frozenset()) -> list[str]:
+        return [name for name, impl in self.impls.items() if impl.why_not(device_type, needs) is None]
