@@ -12,6 +12,7 @@ median of per-round ratios, so machine noise hits both alike).
 
     python bench/compile_time.py                      # 2,4,8,16 layers, inductor
     python bench/compile_time.py --depths 2,8 --backend aot_eager --throughput
+    python bench/compile_time.py --model qwen3_moe --depths 2,16   # the MoE debug block
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from titan_tpu.train.optim import AdamW
 def build_step(depth: int, scan: bool, args):
     from titan_tpu.graph.compile import GraphStep
 
-    model_args = dataclasses.replace(get_model_args("llama3", "debug"), n_layers=depth, max_seq_len=args.seq)
+    model_args = dataclasses.replace(get_model_args(args.model, "debug"), n_layers=depth, max_seq_len=args.seq)
     model = build_model(model_args, seed=0, scan_layers=scan)
     optimizer = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
     g = torch.Generator().manual_seed(0)
@@ -71,6 +72,8 @@ def throughput(depth: int, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3", choices=["llama3", "qwen3", "qwen3_moe"],
+                        help="whose debug block to stack")
     parser.add_argument("--depths", default="2,4,8,16")
     parser.add_argument("--backend", default="inductor", choices=["aot_eager", "inductor"])
     parser.add_argument("--batch", type=int, default=2)
@@ -98,7 +101,7 @@ def main() -> None:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     depths = [int(d) for d in args.depths.split(",")]
-    print(f"llama3 debug block (dim 256), batch {args.batch} x seq {args.seq}, fp32, backend {args.backend}, "
+    print(f"{args.model} debug block, batch {args.batch} x seq {args.seq}, fp32, backend {args.backend}, "
           f"{args.threads} threads, cold compiles")
     print(f"{'layers':>6} {'layout':>9} {'nodes':>6} {'capture s':>10} {'compile s':>10} {'total s':>8} {'vs 2-layer':>10}")
     base = {}

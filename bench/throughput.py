@@ -1,7 +1,8 @@
 """Training throughput of titan-tpu's eager trainer against a plain Hugging Face transformers loop.
 
-Both train the same architecture (the Llama 3 debug flavor by default) at the same batch, in fp32,
-with AdamW and gradient clipping, on the same random token batches. They are measured interleaved
+Both train the same architecture (the Llama 3 debug flavor by default; `--model qwen3_moe` for the
+mixture of experts against transformers' Qwen3MoeForCausalLM, both adding the balancing loss) at
+the same batch, in fp32, with AdamW and gradient clipping, on the same random token batches. They are measured interleaved
 (each round one step of each contender, back to back, in alternating order) so that machine noise
 hits both alike; the ratio of a pass is the median of the per-round ratios. The ratio also moved by a few percent from one
 process to the next, so two processes run, one per contender order, and the headline ratio is
@@ -10,6 +11,7 @@ the geometric mean of the two.
     python bench/throughput.py                       # reference case: debug flavor, batch 8 x seq 256
     python bench/throughput.py --rounds 24 --threads 2 --batch 8 --seq 256
     python bench/throughput.py --graph --dim 512 --layers 8 --seq 512 --batch 4   # larger CPU model
+    python bench/throughput.py --model qwen3_moe --graph --memory   # MoE debug model, and peak memory
 
 Prints one line per contender (tokens/s, TFLOP/s, MFU against the stated peak) and the ratio
 ours / Hugging Face. MFU uses titan_tpu's flops_per_token (6N + 6*L*H*hd*S) for both.
@@ -61,14 +63,24 @@ def titan_graph(args, batches, *, lr, max_norm):
     return run, step.capture_seconds + step.compile_seconds
 
 
-def hf_loop(args, batches, *, lr, max_norm, init_from):
-    """The loop a transformers user writes: model(...).logits, cross-entropy, backward, clip, AdamW."""
+HF_CLASSES = {"llama3": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+
+
+def hf_loop(args, batches, *, lr, max_norm, init_from, name="llama3"):
+    """The loop a transformers user writes: model(...).logits, cross-entropy (+ the router's
+    balancing loss for MoE), backward, clip, AdamW."""
     import transformers
 
-    config = transformers.LlamaConfig(**{k: v for k, v in hf_config_from_model_args("llama3", args).items()
-                                         if k not in ("architectures", "model_type", "torch_dtype", "dtype")})
-    model = transformers.LlamaForCausalLM(config).float()
-    model.load_state_dict(to_hf_state_dict(init_from.state_dict(), args), strict=False)  # same start
+    config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[name])
+    config = config_cls(**{k: v for k, v in hf_config_from_model_args(name, args).items()
+                           if k not in ("architectures", "model_type", "torch_dtype", "dtype")})
+    model = model_cls(config).float()
+    # Same start: our weights in HF's layout (transformers' own loader fuses MoE experts on load).
+    hf_sd = to_hf_state_dict(init_from.state_dict(), args)
+    if args.moe is not None:
+        hf_sd = _fuse_experts(hf_sd, args)
+    model.load_state_dict(hf_sd, strict=False)
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -77,9 +89,10 @@ def hf_loop(args, batches, *, lr, max_norm, init_from):
 
     def run(i):
         inputs, labels = batches[i % len(batches)]
-        logits = model(input_ids=inputs).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        loss.backward()
+        out = model(input_ids=inputs, output_router_logits=args.moe is not None)
+        loss = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+        total = loss if args.moe is None else loss + args.moe.aux_loss_coef * out.aux_loss
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -88,18 +101,37 @@ def hf_loop(args, batches, *, lr, max_norm, init_from):
     return run
 
 
-def measure(args, *, hf_first: bool) -> dict:
-    """One interleaved measurement in this process: per-round seconds per step of each contender."""
-    torch.set_num_threads(args.threads)
-    model_args = bench_model_args(args)
+def _fuse_experts(hf_sd: dict, args) -> dict:
+    """Hub layout (one tensor per expert) -> transformers 5.x's in-memory fused experts."""
+    out = {k: v for k, v in hf_sd.items() if ".mlp.experts." not in k}
+    for i in range(args.n_layers):
+        if not args.is_moe_layer(i):
+            continue
+        p = f"model.layers.{i}.mlp.experts."
+        experts = range(args.moe.num_experts)
+        out[p + "gate_up_proj"] = torch.stack([torch.cat([hf_sd[f"{p}{j}.gate_proj.weight"],
+                                                          hf_sd[f"{p}{j}.up_proj.weight"]]) for j in experts])
+        out[p + "down_proj"] = torch.stack([hf_sd[f"{p}{j}.down_proj.weight"] for j in experts])
+    return out
+
+
+def bench_batches(args, model_args) -> list:
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(4):
         tokens = torch.randint(0, model_args.vocab_size, (args.batch, args.seq + 1), generator=g)
         batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return batches
+
+
+def measure(args, *, hf_first: bool) -> dict:
+    """One interleaved measurement in this process: per-round seconds per step of each contender."""
+    torch.set_num_threads(args.threads)
+    model_args = bench_model_args(args)
+    batches = bench_batches(args, model_args)
 
     ours, our_model = titan_eager(model_args, batches, lr=3e-4, max_norm=1.0)
-    hf = hf_loop(model_args, batches, lr=3e-4, max_norm=1.0, init_from=our_model)
+    hf = hf_loop(model_args, batches, lr=3e-4, max_norm=1.0, init_from=our_model, name=args.model)
     contenders = {OURS: ours, HF: hf}
     names = [HF, OURS] if hf_first else [OURS, HF]
     compile_s = None
@@ -125,6 +157,30 @@ def measure(args, *, hf_first: bool) -> dict:
             "peak_description": get_backend("cpu").peak_description(), "capture_compile_s": compile_s}
 
 
+def peak_memory(args, contender: str) -> dict:
+    """One contender alone in this (fresh) process: the peak RSS of its training steps over the
+    memory resident before them (activations, gradients, temporaries), after 2 warm-up steps."""
+    torch.set_num_threads(args.threads)
+    model_args = bench_model_args(args)
+    batches = bench_batches(args, model_args)
+    if contender == GRAPH:
+        run, _ = titan_graph(model_args, batches, lr=3e-4, max_norm=1.0)
+    else:
+        run, model = titan_eager(model_args, batches, lr=3e-4, max_norm=1.0)
+        if contender == HF:
+            run = hf_loop(model_args, batches, lr=3e-4, max_norm=1.0, init_from=model, name=args.model)
+            del model
+    backend = get_backend("cpu")
+    for i in range(2):
+        run(i)
+    before = backend.memory_stats()["memory_gb"]
+    backend.reset_peak_memory()
+    for i in range(3):
+        run(i)
+    peak = backend.memory_stats()["max_memory_gb"]
+    return {"resident_gb": before, "peak_gb": peak, "step_gb": peak - before}
+
+
 OURS, HF, GRAPH = "titan-tpu eager", "hf transformers", "titan-tpu graph"
 
 
@@ -145,7 +201,7 @@ def bench_model_args(args):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama3", choices=["llama3"])
+    parser.add_argument("--model", default="llama3", choices=["llama3", "qwen3", "qwen3_moe"])
     parser.add_argument("--flavor", default="debug")
     parser.add_argument("--dim", type=int, help="model width instead of the flavor's (heads kept)")
     parser.add_argument("--layers", type=int, help="number of layers instead of the flavor's")
@@ -158,11 +214,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--graph", action="store_true",
                         help="also measure graph mode (whole step captured, compiled with Inductor)")
+    parser.add_argument("--memory", action="store_true",
+                        help="also the peak memory of each contender's steps, each in a fresh process")
     parser.add_argument("--pass-order", choices=["ours-first", "hf-first"], help=argparse.SUPPRESS)
+    parser.add_argument("--memory-of", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.pass_order:  # a child process: measure and hand the numbers back as one JSON line
         print(json.dumps(measure(args, hf_first=args.pass_order == "hf-first")))
+        return
+    if args.memory_of:
+        print(json.dumps(peak_memory(args, args.memory_of)))
         return
 
     # The ratio moved by up to +-5% from one process to the next here (memory placement, which
@@ -206,6 +268,17 @@ def main() -> None:
                 print(f"  graph / {peer}: {r:.3f}x (median of per-round ratios)")
     print(f"ratio titan-tpu eager / hf transformers: {math.sqrt(ratios[0] * ratios[1]):.3f}x "
           "(geometric mean of the two orders)")
+    if args.memory:
+        names = [OURS, HF] + ([GRAPH] if args.graph else [])
+        memory = {}
+        for name in names:
+            child = subprocess.run([sys.executable, __file__, *[a for a in sys.argv[1:] if a != "--memory"],
+                                    "--memory-of", name], capture_output=True, text=True, check=True)
+            memory[name] = json.loads(child.stdout.strip().splitlines()[-1])
+        print("peak memory of the training steps (each contender alone in a fresh process):")
+        for name, m in memory.items():
+            print(f"  {name:18s} resident {m['resident_gb']:.3f} GB, peak {m['peak_gb']:.3f} GB, "
+                  f"steps need {m['step_gb']:.3f} GB ({m['step_gb'] / memory[HF]['step_gb']:.2f}x transformers)")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def train(model, batches: torch.Tensor, *, dp_rank: int = 0, dp_size: int = 1, c
         record = comm_log is not None and step == 0
         with CommDebugMode() if record else contextlib.nullcontext() as comm, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # CommDebugMode's module tracker warns about backward hooks
-            loss = model(inputs, labels) / (labels.numel() * dp_size)
+            loss = model(inputs, labels).ce_sum / (labels.numel() * dp_size)
             loss.backward()
         if record:
             comm_log.append({str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()})

@@ -28,7 +28,7 @@ class JobConfig:
 
 @dataclass
 class ModelConfig:
-    name: Literal["llama3", "qwen3"] = "llama3"
+    name: Literal["llama3", "qwen3", "qwen3_moe"] = "llama3"
     flavor: str = "debug"  # a row of the flavor table, e.g. debug, 1B, 8B (see models/registry.py)
     # Compute dtype; also the storage dtype on one device (sharded runs keep fp32 master weights).
     # auto: float32 on CPU (bf16 matmuls are ~100x slower there), bfloat16 on CUDA and TPU.
@@ -36,6 +36,15 @@ class ModelConfig:
     # Store the repeated blocks stacked ([layers, ...]) and run them with torch's scan op: the
     # compiler sees one block whatever the depth. Checkpoints keep the per-layer layout.
     scan_layers: bool = False
+    # Mixture-of-experts balancing (qwen3_moe only): aux_loss adds transformers' load-balancing
+    # loss times moe_aux_loss_coef; expert_bias is DeepSeek-V3's auxiliary-loss-free bias, moved
+    # by moe_bias_update_rate each step; none does neither.
+    moe_load_balance: Literal["aux_loss", "expert_bias", "none"] = "aux_loss"
+    moe_aux_loss_coef: float = 0.001
+    moe_bias_update_rate: float = 0.001
+
+
+MOE_OPTIONS = ("moe_load_balance", "moe_aux_loss_coef", "moe_bias_update_rate")
 
 
 @dataclass
@@ -287,12 +296,29 @@ def build_config(toml_path: str | Path | None = None, overrides: list[str] | Non
     return cfg
 
 
+def model_args_from_config(cfg: Config):
+    """The flavor's TransformerArgs with the config's model options applied (MoE balancing)."""
+    from titan_tpu.models.registry import get_model_args
+
+    args = get_model_args(cfg.model.name, cfg.model.flavor)
+    defaults = ModelConfig()
+    if args.moe is None:
+        changed = [k for k in MOE_OPTIONS if getattr(cfg.model, k) != getattr(defaults, k)]
+        if changed:
+            raise ValueError(f"model.{changed[0]} applies to mixture-of-experts models (qwen3_moe); "
+                             f"{cfg.model.name}/{cfg.model.flavor} is dense: remove it")
+        return args
+    args.moe = dataclasses.replace(args.moe, load_balance=cfg.model.moe_load_balance,
+                                   aux_loss_coef=cfg.model.moe_aux_loss_coef,
+                                   bias_update_rate=cfg.model.moe_bias_update_rate)
+    return args
+
+
 def validate(cfg: Config) -> None:
     """Checks that span keys or need the flavor table; single-key types are checked on assignment."""
-    from titan_tpu.models.registry import get_model_args
     from titan_tpu.train.optim import validate_lr_schedule
 
-    model_args = get_model_args(cfg.model.name, cfg.model.flavor)  # raises with the valid flavors
+    model_args = model_args_from_config(cfg)  # raises with the valid flavors and on MoE options of dense models
     t = cfg.training
     for key, value in (("training.steps", t.steps), ("training.batch_size", t.batch_size),
                        ("training.seq_len", t.seq_len), ("training.grad_accum_steps", t.grad_accum_steps),

@@ -2,8 +2,9 @@
 
 The step is written once as a pure function of plain tensors::
 
-    (params, exp_avg, exp_avg_sq, inputs_BS, labels_BS[, positions_BS], step, lr)
-        -> (new_params, new_exp_avg, new_exp_avg_sq, loss, grad_norm)
+    (params, exp_avg, exp_avg_sq, inputs_BS, labels_BS[, positions_BS], step, lr, buffers)
+        -> (new_params, new_exp_avg, new_exp_avg_sq, loss, grad_norm, aux_loss, expert_load,
+            new expert biases)
 
 and traced with ``make_fx(tracing_mode="fake")``, which records the aten ops that autograd, the
 pure optimizer functions and DTensor dispatch run. Nothing is executed for real while tracing.
@@ -27,6 +28,7 @@ whose forward was running, tracked with forward hooks that exist only while trac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
 from collections import Counter
@@ -174,7 +176,10 @@ class CapturedStep:
     scalar_dtype), buffers (buffer_names order; make_fx refuses real tensors closed over, so the
     RoPE table is an input too, never modified).
     Flat outputs: new params, new exp_avg, new exp_avg_sq (each in param_names order), loss
-    (0-dim, mean per token over all ranks), grad_norm (0-dim, global, before clipping).
+    (0-dim, mean per token over all ranks), grad_norm (0-dim, global, before clipping), aux_loss
+    (0-dim, MoE balancing loss, mean over ranks; 0 for dense models), expert_load ([L_moe, E]
+    tokens per expert, all ranks; [0, 0] for dense), then the new values of the buffers in
+    `updated_buffer_names` (MoE expert biases under auxiliary-loss-free balancing).
     All are plain (local) tensors.
     """
 
@@ -188,6 +193,7 @@ class CapturedStep:
     num_params: int  # global parameter count (full, unsharded sizes)
     scalar_dtype: torch.dtype = torch.float64  # dtype of the step and lr inputs
     batch_tensors: int = 2  # inputs and labels, plus positions with document masking
+    updated_buffer_names: list[str] = dataclasses.field(default_factory=list)  # buffers the step moves
 
     @property
     def num_inputs(self) -> int:
@@ -202,7 +208,8 @@ class CapturedStep:
     def output_slices(self) -> dict[str, slice]:
         """Where each group of the flat outputs lies."""
         n = len(self.param_names)
-        return _slices([("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("loss", 1), ("grad_norm", 1)])
+        return _slices([("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("loss", 1), ("grad_norm", 1),
+                        ("aux_loss", 1), ("expert_load", 1), ("buffers", len(self.updated_buffer_names))])
 
     def op_counts(self) -> Counter:
         """Number of call_function nodes per op (OpOverload name, e.g. 'aten.mm.default')."""
@@ -293,6 +300,7 @@ def capture_train_step(
     num_tokens = example_batch[1].numel() * dp_size  # static: shapes are fixed for the graph
     n, nb = len(param_names), len(example_batch)
     hparams = dict(adamw_hparams)
+    updated_buffers = model.expert_bias_names() if hasattr(model, "expert_bias_names") else []
 
     def train_step(*flat: Tensor) -> list[Tensor]:
         local_params = list(flat[0:n])
@@ -310,9 +318,11 @@ def capture_train_step(
 
         with torch.enable_grad():
             params = {name: as_model_tensor(name, t) for name, t in zip(param_names, leaves)}
-            loss_sum = torch.func.functional_call(model, {**params, **buffer_values}, (inputs, labels),
-                                                  {"positions_BS": positions})
-            loss = loss_sum / num_tokens
+            out = torch.func.functional_call(model, {**params, **buffer_values}, (inputs, labels),
+                                             {"positions_BS": positions})
+            # The balancing loss is averaged over ranks (the gradient reduction sums them).
+            aux = out.aux_loss / dp_size
+            loss = out.ce_sum / num_tokens + aux
             # Gradients of the local leaves are the local shards of the (reduce-scattered)
             # parameter gradients: DTensor.from_local's backward hands back the local part.
             # The backward region, for the rematerialize pass (activation checkpointing).
@@ -330,13 +340,20 @@ def capture_train_step(
             state = {"exp_avg": dict(zip(param_names, exp_avg)), "exp_avg_sq": dict(zip(param_names, exp_avg_sq))}
             new_params, new_state = adamw_update(dict(zip(param_names, local_params)), local, state,
                                                  step=step, lr=lr, decay=decay, **hparams)
-            loss = loss.detach()
-            if distributed:  # each rank holds its share of the global mean
-                loss = _world_group_all_reduce_sum(loss)
+            # Cross-entropy mean, balancing loss and expert loads: each rank holds its share, one
+            # sum over ranks gives the global values.
+            load = out.expert_load
+            totals = torch.cat([(out.ce_sum / num_tokens).detach().view(1), aux.detach().view(1), load.flatten()])
+            if distributed:
+                totals = _world_group_all_reduce_sum(totals)
+            global_load = totals[2:].view(load.shape)
+            new_buffers = (model.updated_expert_biases({n: buffer_values[n] for n in updated_buffers}, global_load)
+                           if updated_buffers else {})
             if isinstance(total_norm, DTensor):
                 total_norm = total_norm.to_local()
         return ([new_params[k] for k in param_names] + [new_state["exp_avg"][k] for k in param_names]
-                + [new_state["exp_avg_sq"][k] for k in param_names] + [loss, total_norm])
+                + [new_state["exp_avg_sq"][k] for k in param_names] + [totals[0], total_norm, totals[1], global_load]
+                + [new_buffers[n] for n in updated_buffers])
 
     # Example inputs: the live local tensors (turned into fake tensors below; nothing is computed
     # on them). step/lr default to float64 like the Python numbers the eager path uses.
@@ -376,5 +393,5 @@ def capture_train_step(
                         dtensor_specs=specs, example_inputs=fake_inputs,
                         num_tokens=num_tokens, capture_seconds=capture_seconds,
                         num_params=sum(p.numel() for p in named.values()), scalar_dtype=scalar_dtype,
-                        batch_tensors=nb)
+                        batch_tensors=nb, updated_buffer_names=updated_buffers)
 

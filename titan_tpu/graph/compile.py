@@ -172,6 +172,7 @@ class GraphStep:
             raise ValueError("GraphStep: the optimizer does not hold exactly the model's parameters")
         self._params = [_local(params[n]) for n in names]
         self._buffers = [_local(buffers[n]) for n in self.captured.buffer_names]
+        self._updated_buffers = [_local(buffers[n]) for n in self.captured.updated_buffer_names]
         self._batch_shape = tuple(example_batch[1].shape)
         self._batch_tensors = len(example_batch)
 
@@ -213,8 +214,11 @@ class GraphStep:
         s = self.captured.output_slices()
         with torch.no_grad():
             for dst_group, src in ((self._params, s["params"]), (exp_avg, s["exp_avg"]),
-                                   (exp_avg_sq, s["exp_avg_sq"])):
-                torch._foreach_copy_(dst_group, out[src])
+                                   (exp_avg_sq, s["exp_avg_sq"]), (self._updated_buffers, s["buffers"])):
+                if dst_group:
+                    torch._foreach_copy_(dst_group, out[src])
         self.optimizer.step_count = step_number
         loss, norm = out[s["loss"]][0], out[s["grad_norm"]][0]
-        return StepResult(loss=loss.item(), grad_norm=norm.item(), num_tokens=self.captured.num_tokens)
+        load = out[s["expert_load"]][0]
+        return StepResult(loss=loss.item(), grad_norm=norm.item(), num_tokens=self.captured.num_tokens,
+                          aux_loss=out[s["aux_loss"]][0].item(), expert_load=load if load.numel() else None)

@@ -1,8 +1,9 @@
 """Hot ops with per-backend implementations behind one registry (see registry.py).
 
-Ops: ``attention`` (causal, optionally document-masked; attention.py) and ``loss`` (output
-projection + cross-entropy, chunked so the logits are never whole; loss.py). TPU variants live in
-tpu.py, the only kernel module that calls torch_tpu.
+Ops: ``attention`` (causal, optionally document-masked; attention.py), ``loss`` (output
+projection + cross-entropy, chunked so the logits are never whole; loss.py) and ``grouped_mm``
+(mixture-of-experts expert matmuls; grouped_mm.py). TPU variants live in tpu.py, the only kernel
+module that calls torch_tpu.
 
 `KernelConfig` is the ``[kernels]`` config section and what a model is built with: the choice
 per op ("auto" or an implementation name). Model code asks it for the implementation to run on
@@ -17,12 +18,13 @@ from dataclasses import dataclass
 
 from titan_tpu.kernels import tpu as _tpu  # noqa: F401 - registers the TPU variants
 from titan_tpu.kernels.attention import ATTENTION, document_ids_from_positions
+from titan_tpu.kernels.grouped_mm import GROUPED_MM
 from titan_tpu.kernels.loss import LOSS
 from titan_tpu.kernels.registry import Impl, Op
 
-__all__ = ["ATTENTION", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe", "document_ids_from_positions"]
+__all__ = ["ATTENTION", "GROUPED_MM", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe", "document_ids_from_positions"]
 
-OPS: dict[str, Op] = {"attention": ATTENTION, "loss": LOSS}
+OPS: dict[str, Op] = {"attention": ATTENTION, "loss": LOSS, "grouped_mm": GROUPED_MM}
 
 DOCUMENTS = frozenset({"documents"})
 
@@ -34,6 +36,11 @@ ATTENTION.preference = {
     "cuda+documents": ["flex", "sdpa", "reference"],
     "tpu": ["splash", "reference"],
     "tpu+documents": ["reference"],
+}
+GROUPED_MM.preference = {
+    "cpu": ["torch", "reference"],
+    "cuda": ["torch", "reference"],
+    "tpu": ["ragged_dot", "reference"],
 }
 LOSS.preference = {
     "cpu": ["chunked", "reference"],
@@ -50,11 +57,13 @@ class KernelConfig:
     loss: str = "auto"  # auto, reference, chunked, tokamax
     # Tokens per chunk of the chunked loss; 0 = about 64M logits per chunk (one chunk for small vocabularies).
     loss_chunk_tokens: int = 0
+    grouped_mm: str = "auto"  # mixture-of-experts expert matmuls: auto, reference, torch, ragged_dot
 
     def validate(self) -> None:
         """Config-time checks that need no device: known names, sane sizes."""
         ATTENTION.check_name(self.attention)
         LOSS.check_name(self.loss)
+        GROUPED_MM.check_name(self.grouped_mm)
         if self.loss_chunk_tokens < 0:
             raise ValueError(f"kernels.loss_chunk_tokens = {self.loss_chunk_tokens} must be >= 0 (0 = auto)")
 
@@ -62,6 +71,11 @@ class KernelConfig:
         """Fail early (one line) when a chosen implementation cannot run on `device_type`."""
         _resolve(ATTENTION, self.attention, device_type, DOCUMENTS if documents else frozenset())
         _resolve(LOSS, self.loss, device_type, frozenset())
+        _resolve(GROUPED_MM, self.grouped_mm, device_type, frozenset())
+
+    def grouped_mm_fn(self, device_type: str) -> Callable:
+        """(x_TD, w_EDF, group_sizes_E) -> y_TF, rows sorted by group (kernels/grouped_mm.py)."""
+        return _resolve(GROUPED_MM, self.grouped_mm, device_type, frozenset()).fn
 
     def attention_impl(self, device_type: str, *, documents: bool) -> Impl:
         return _resolve(ATTENTION, self.attention, device_type, DOCUMENTS if documents else frozenset())

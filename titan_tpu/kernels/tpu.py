@@ -11,6 +11,10 @@ missing), and each implementation reports itself unavailable unless torch_tpu is
   signature has no segment ids, so document-masked attention on TPU takes the reference (XLA
   fuses the masked softmax, at S^2 memory per head) until a segment-id kernel (JAX's splash
   attention with SegmentIds through `torch.tpu.pallas.jax_op`) is added.
+* grouped_mm "ragged_dot": `torch.tpu.ops.ragged_dot(lhs [T, D], rhs [E, D, F], group_sizes)`
+  for the forward and the input gradient (against the transposed weights), and
+  `torch.tpu.ops.ragged_dot_weight_grad(lhs, grad_output, group_sizes)` for the weight gradient,
+  bound by an autograd.Function.
 * loss "tokamax": tokamax's `linear_softmax_cross_entropy_loss` (a Pallas kernel that never
   materialises the logits) registered as torch ops with `torch.tpu.pallas.jax_op`: one op for the
   forward, one for its vector-Jacobian product (jax.vjp), bound together by an autograd.Function.
@@ -27,10 +31,11 @@ import torch
 from torch import Tensor
 
 from titan_tpu.kernels.attention import ATTENTION
+from titan_tpu.kernels.grouped_mm import GROUPED_MM, differentiable_grouped_mm
 from titan_tpu.kernels.loss import LOSS
 from titan_tpu.kernels.registry import Impl
 
-__all__ = ["splash_attention", "tokamax_linear_cross_entropy"]
+__all__ = ["ragged_dot_grouped_mm", "splash_attention", "tokamax_linear_cross_entropy"]
 
 
 def _missing(*modules: str) -> str | None:
@@ -49,6 +54,21 @@ def splash_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, document_id
     o_BHSD = torch.tpu.ops.splash_sdpa(q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
                                        is_causal=True, enable_gqa=q_BSHD.shape[2] != k_BSKD.shape[2])
     return o_BHSD.transpose(1, 2)
+
+
+def _ragged_dot(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
+    return torch.tpu.ops.ragged_dot(x_TD, w_EDF, group_sizes_E)
+
+
+def _ragged_dot_weight_grad(x_TD: Tensor, grad_TF: Tensor, group_sizes_E: Tensor) -> Tensor:
+    return torch.tpu.ops.ragged_dot_weight_grad(x_TD, grad_TF, group_sizes_E)
+
+
+_ragged_dot_with_grad = differentiable_grouped_mm(_ragged_dot, _ragged_dot_weight_grad)
+
+
+def ragged_dot_grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
+    return _ragged_dot_with_grad(x_TD, w_EDF, group_sizes_E.to(torch.int32))
 
 
 @functools.cache
@@ -102,6 +122,9 @@ def tokamax_linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, *
 
 ATTENTION.register(Impl("splash", splash_attention, ("tpu",), "TorchTPU splash attention (Pallas), causal only",
                         unavailable=_missing))
+GROUPED_MM.register(Impl("ragged_dot", ragged_dot_grouped_mm, ("tpu",),
+                         "TorchTPU ragged_dot (Pallas grouped matmul) with ragged_dot_weight_grad",
+                         unavailable=_missing))
 LOSS.register(Impl("tokamax", tokamax_linear_cross_entropy, ("tpu",),
                    "tokamax linear-softmax-cross-entropy (Pallas) through torch.tpu.pallas.jax_op",
                    unavailable=lambda: _missing("jax", "tokamax")))

@@ -7,6 +7,12 @@ of a head with element i + hd/2; the native model pairs (2i, 2i+1). Permuting th
 head of wq and wk (HF row j -> native row 2j, HF row j + hd/2 -> native row 2j + 1) makes both
 models compute identical attention scores, since q.k is unchanged when q and k are permuted alike.
 Qwen3's q_norm/k_norm weights act per element of head_dim, so they get the same permutation.
+
+Qwen3-MoE experts: hub checkpoints store one tensor per expert
+(`mlp.experts.{j}.gate_proj/up_proj/down_proj.weight`); transformers 5.x keeps them fused in memory
+(`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]).
+Both import; the native model stacks them per expert (`moe.experts.w1/w3` [E, I, H], `w2` [E, H, I])
+and export writes the hub layout. The router is `mlp.gate.weight` <-> `moe.router.gate.weight`.
 """
 
 import torch
@@ -14,8 +20,14 @@ from torch import Tensor
 
 from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
 
-_ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3"}
-_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3"}
+from titan_tpu.models.common.moe import MoEArgs
+
+_ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+_QK_NORM = ("qwen3", "qwen3_moe")
+
+# (hub name under mlp.experts.{j}., native stacked name under moe.experts.)
+_EXPERT_NAMES = [("gate_proj.weight", "w1"), ("up_proj.weight", "w3"), ("down_proj.weight", "w2")]
 
 # Per-layer name pairs (HF suffix, native suffix) under model.layers.{i}. / layers.{i}.
 _LAYER_NAMES = [
@@ -72,11 +84,25 @@ def model_args_from_hf_config(config: dict) -> tuple[str, TransformerArgs]:
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
         rope_scaling=scaling,
-        qk_norm=name == "qwen3",
+        qk_norm=name in _QK_NORM,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_seq_len=int(config.get("max_position_embeddings", 4096)),
+        moe=_moe_args_from_hf_config(config) if name == "qwen3_moe" else None,
     )
     return name, args
+
+
+def _moe_args_from_hf_config(config: dict) -> MoEArgs:
+    if config.get("shared_expert_intermediate_size"):
+        raise ValueError("HF config has a shared expert (Qwen2-MoE style); only Qwen3-MoE is supported")
+    # Published config.json files say num_experts; transformers 5.x writes num_local_experts.
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    return MoEArgs(num_experts=int(num_experts), top_k=int(config["num_experts_per_tok"]),
+                   hidden_dim=int(config["moe_intermediate_size"]),
+                   norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                   decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
+                   mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
+                   aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))
 
 
 def _model_name(config: dict) -> str:
@@ -100,8 +126,13 @@ def hf_config_from_model_args(
     model_type = {v: k for k, v in _MODEL_TYPES.items()}
     if name not in arch:
         raise ValueError(f"cannot export model {name!r} to HF; supported: {', '.join(arch)}")
-    if args.qk_norm != (name == "qwen3"):
+    if args.qk_norm != (name in _QK_NORM):
         raise ValueError(f"model {name!r} with qk_norm={args.qk_norm} has no HF equivalent")
+    if (args.moe is not None) != (name == "qwen3_moe"):
+        raise ValueError(f"model {name!r} with moe={args.moe} has no HF equivalent")
+    if args.moe is not None and args.moe.load_balance == "expert_bias":
+        raise ValueError("a model trained with moe.load_balance expert_bias routes with a per-expert bias that "
+                         "Hugging Face's Qwen3-MoE does not have; export models trained with aux_loss or none")
     s = args.rope_scaling
     config = {
         "architectures": [arch[name]],
@@ -137,6 +168,12 @@ def hf_config_from_model_args(
         config.update(
             use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers
         )
+    if args.moe is not None:
+        m = args.moe
+        config.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.hidden_dim,
+                      norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.decoder_sparse_step,
+                      mlp_only_layers=list(m.mlp_only_layers), router_aux_loss_coef=m.aux_loss_coef,
+                      output_router_logits=False)
     return config
 
 
@@ -145,7 +182,10 @@ def hf_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
     lm_head.weight is listed too, though checkpoints usually omit it."""
     native = native_param_shapes(args)
     native[""] = native["tok_embeddings.weight"]  # tied lm_head (see _name_pairs)
-    return {hf_name: native[native_name] for hf_name, native_name in _name_pairs(args)}
+    shapes = {hf_name: native[native_name] for hf_name, native_name in _name_pairs(args)}
+    for hf_name, native_name, expert in _expert_names(args):
+        shapes[hf_name] = native[native_name][1:]
+    return shapes
 
 
 def native_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
@@ -161,9 +201,16 @@ def native_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
         if args.qk_norm:
             shapes[p + "attention.q_norm.weight"] = (hd,)
             shapes[p + "attention.k_norm.weight"] = (hd,)
-        shapes[p + "feed_forward.w1.weight"] = (f, d)
-        shapes[p + "feed_forward.w2.weight"] = (d, f)
-        shapes[p + "feed_forward.w3.weight"] = (f, d)
+        if args.is_moe_layer(i):
+            m = args.moe
+            shapes[p + "moe.router.gate.weight"] = (m.num_experts, d)
+            shapes[p + "moe.experts.w1"] = (m.num_experts, m.hidden_dim, d)
+            shapes[p + "moe.experts.w2"] = (m.num_experts, d, m.hidden_dim)
+            shapes[p + "moe.experts.w3"] = (m.num_experts, m.hidden_dim, d)
+        else:
+            shapes[p + "feed_forward.w1.weight"] = (f, d)
+            shapes[p + "feed_forward.w2.weight"] = (d, f)
+            shapes[p + "feed_forward.w3.weight"] = (f, d)
         shapes[p + "attention_norm.weight"] = (d,)
         shapes[p + "ffn_norm.weight"] = (d,)
     shapes["norm.weight"] = (d,)
@@ -173,16 +220,48 @@ def native_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
 
 
 def _name_pairs(args: TransformerArgs) -> list[tuple[str, str]]:
-    """(HF name, native name) for every tensor; for tied models lm_head maps to nothing ("")."""
+    """(HF name, native name) for every tensor mapped one to one (experts: `_expert_names`); for
+    tied models lm_head maps to nothing ("")."""
     pairs = [("model.embed_tokens.weight", "tok_embeddings.weight")]
     for i in range(args.n_layers):
         for hf_suffix, native_suffix in _LAYER_NAMES:
             if "_norm." in hf_suffix and not args.qk_norm:
                 continue
+            if hf_suffix.startswith("mlp.") and args.is_moe_layer(i):
+                continue
             pairs.append((f"model.layers.{i}.{hf_suffix}", f"layers.{i}.{native_suffix}"))
+        if args.is_moe_layer(i):
+            pairs.append((f"model.layers.{i}.mlp.gate.weight", f"layers.{i}.moe.router.gate.weight"))
     pairs.append(("model.norm.weight", "norm.weight"))
     pairs.append(("lm_head.weight", "" if args.tie_embeddings else "output.weight"))
     return pairs
+
+
+def _expert_names(args: TransformerArgs) -> list[tuple[str, str, int]]:
+    """(HF hub name, native stacked name, expert index) for every expert weight of an MoE model."""
+    out = []
+    for i in range(args.n_layers):
+        if args.is_moe_layer(i):
+            for j in range(args.moe.num_experts):
+                for hub, native in _EXPERT_NAMES:
+                    out.append((f"model.layers.{i}.mlp.experts.{j}.{hub}", f"layers.{i}.moe.experts.{native}", j))
+    return out
+
+
+def _unfuse_experts(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
+    """transformers 5.x fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) -> hub layout."""
+    out = dict(hf_sd)
+    for i in range(args.n_layers):
+        prefix = f"model.layers.{i}.mlp.experts."
+        if prefix + "gate_up_proj" not in out:
+            continue
+        gate_EIH, up_EIH = out.pop(prefix + "gate_up_proj").chunk(2, dim=1)
+        down_EHI = out.pop(prefix + "down_proj")
+        for j in range(gate_EIH.shape[0]):
+            out[f"{prefix}{j}.gate_proj.weight"] = gate_EIH[j]
+            out[f"{prefix}{j}.up_proj.weight"] = up_EIH[j]
+            out[f"{prefix}{j}.down_proj.weight"] = down_EHI[j]
+    return out
 
 
 def _rotate_half_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
@@ -210,10 +289,13 @@ def from_hf_state_dict(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[
     """HF names/layout -> native. Raises ValueError on a missing or unexpected tensor.
 
     Tied models: lm_head.weight may be present (it is the embedding) and is dropped.
-    Legacy `rotary_emb.inv_freq` buffers found in old checkpoints are ignored.
+    Legacy `rotary_emb.inv_freq` buffers found in old checkpoints are ignored. MoE experts are
+    read in the hub layout (one tensor per expert) or transformers 5.x's fused one.
     """
     pairs = _name_pairs(args)
-    known = {hf for hf, _ in pairs}
+    experts = _expert_names(args)
+    hf_sd = _unfuse_experts(hf_sd, args) if experts else hf_sd
+    known = {hf for hf, _ in pairs} | {hf for hf, _, _ in experts}
     unexpected = [k for k in hf_sd if k not in known and not k.endswith("rotary_emb.inv_freq")]
     if unexpected:
         raise ValueError(
@@ -229,6 +311,12 @@ def from_hf_state_dict(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[
         w = hf_sd[hf_name]
         heads = _permute(native_name, args)
         out[native_name] = w if heads is None else _rotate_half_to_interleaved(w, heads)
+    per_expert: dict[str, list[Tensor]] = {}
+    for hf_name, native_name, _ in experts:  # in expert order
+        if hf_name not in hf_sd:
+            raise ValueError(f"tensor {hf_name!r} is missing from the HF state dict")
+        per_expert.setdefault(native_name, []).append(hf_sd[hf_name])
+    out.update((name, torch.stack(tensors)) for name, tensors in per_expert.items())
     return out
 
 
@@ -236,7 +324,8 @@ def to_hf_state_dict(sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, 
     """Native names/layout -> HF. Tied models get no lm_head.weight (as HF saves them).
     Raises ValueError on a missing or unexpected tensor."""
     pairs = _name_pairs(args)
-    known = {native for _, native in pairs if native}
+    experts = _expert_names(args)
+    known = {native for _, native in pairs if native} | {native for _, native, _ in experts}
     unexpected = [k for k in sd if k not in known]
     if unexpected:
         raise ValueError(
@@ -252,4 +341,8 @@ def to_hf_state_dict(sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, 
         w = sd[native_name]
         heads = _permute(native_name, args)
         out[hf_name] = w if heads is None else _interleaved_to_rotate_half(w, heads)
+    for hf_name, native_name, expert in experts:
+        if native_name not in sd:
+            raise ValueError(f"tensor {native_name!r} is missing from the native state dict")
+        out[hf_name] = sd[native_name][expert].contiguous()
     return out

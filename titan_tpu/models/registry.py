@@ -8,10 +8,12 @@ from titan_tpu.kernels import KernelConfig
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
 from titan_tpu.models.llama3 import LLAMA3_FLAVORS
 from titan_tpu.models.qwen3 import QWEN3_FLAVORS
+from titan_tpu.models.qwen3_moe import QWEN3_MOE_FLAVORS
 
 MODEL_FLAVORS: dict[str, dict[str, TransformerArgs]] = {
     "llama3": LLAMA3_FLAVORS,
     "qwen3": QWEN3_FLAVORS,
+    "qwen3_moe": QWEN3_MOE_FLAVORS,
 }
 
 
@@ -52,20 +54,39 @@ def build_model(
     return model
 
 
+def _attention_params(args: TransformerArgs) -> int:
+    attention = args.dim * args.hd * (2 * args.n_heads + 2 * args.n_kv_heads)  # wq, wo + wk, wv
+    return attention + (2 * args.hd if args.qk_norm else 0)
+
+
 def num_params(args: TransformerArgs, *, exclude_embedding: bool = False) -> int:
-    """Parameter count from the args alone. `exclude_embedding` drops tok_embeddings only
-    (with tied embeddings that matrix is also the output projection, so it disappears too)."""
-    d, hd = args.dim, args.hd
-    attention = d * hd * (2 * args.n_heads + 2 * args.n_kv_heads)  # wq, wo + wk, wv
-    if args.qk_norm:
-        attention += 2 * hd
-    feed_forward = 3 * d * args.ffn_hidden_dim
-    layer = attention + feed_forward + 2 * d  # + attention_norm, ffn_norm
-    total = args.n_layers * layer + d  # + final norm
+    """Parameter count from the args alone (all experts counted). `exclude_embedding` drops
+    tok_embeddings only (with tied embeddings that matrix is also the output projection, so it
+    disappears too)."""
+    d = args.dim
+    total = d  # final norm
+    for layer_id in range(args.n_layers):
+        if args.is_moe_layer(layer_id):
+            moe = args.moe
+            feed_forward = d * moe.num_experts + moe.num_experts * 3 * d * moe.hidden_dim  # router + experts
+        else:
+            feed_forward = 3 * d * args.ffn_hidden_dim
+        total += _attention_params(args) + feed_forward + 2 * d  # + attention_norm, ffn_norm
     if not args.tie_embeddings:
         total += d * args.vocab_size  # output
     if not exclude_embedding:
         total += d * args.vocab_size  # tok_embeddings
+    return total
+
+
+def num_active_params(args: TransformerArgs, *, exclude_embedding: bool = False) -> int:
+    """Parameters one token's forward uses: for MoE layers the router and its top-k experts
+    (equal to num_params for a dense model)."""
+    total = num_params(args, exclude_embedding=exclude_embedding)
+    moe = args.moe
+    if moe is not None:
+        unused = (moe.num_experts - moe.top_k) * 3 * args.dim * moe.hidden_dim
+        total -= args.num_moe_layers * unused
     return total
 
 
@@ -79,7 +100,9 @@ def flops_per_token(args: TransformerArgs, seq_len: int) -> float:
       N is the non-embedding parameter count: the embedding lookup is a gather, not a matmul.
       With tied embeddings the same matrix still serves as the output projection
       (2 * dim * vocab FLOPs per token forward), so dim * vocab is added back to N. Norm weights
-      are included in N as TorchTitan does; they are ~0.1% of it for real models.
+      are included in N as TorchTitan does; they are ~0.1% of it for real models. For a
+      mixture of experts N counts the *active* parameters: attention, norms, the router (all E
+      logits are computed) and the top-k experts a token is routed to, not all E.
     * ``6 * L * H * hd * S``: attention scores (Q K^T) and the weighted sum (P V) are each
       2 * S * hd FLOPs per query per head forward, 4 * L * H * hd * S per token, and backward
       doubles that, 12 * L * H * hd * S, for full attention. With a causal mask only about half
@@ -87,9 +110,9 @@ def flops_per_token(args: TransformerArgs, seq_len: int) -> float:
       of TorchTitan, MaxText and Megatron today. (torch's FlopCounterMode reports the full,
       non-causal 12 * L * H * hd * S; see tests/test_flops.py.)
 
-    Norms, RoPE, softmax and other elementwise work are not counted.
+    Norms, RoPE, softmax, routing bookkeeping and other elementwise work are not counted.
     """
-    n = num_params(args, exclude_embedding=True)
+    n = num_active_params(args, exclude_embedding=True)
     if args.tie_embeddings:
         n += args.dim * args.vocab_size
     return 6.0 * n + 6.0 * args.n_layers * args.n_heads * args.hd * seq_len

@@ -35,6 +35,9 @@ _CONSOLE_FORMATS = {
     "tflops": lambda v: f"{v:.3f} TFLOP/s",
     "mfu": lambda v: f"MFU {v:.1f}%",
     "memory_gb": lambda v: f"mem {v:.2f} GB",
+    "aux_loss": lambda v: f"aux {v:.4f}",
+    "expert_load_max": lambda v: f"expert load max/mean {v:.2f}",
+    "expert_load_min": lambda v: f"min/mean {v:.2f}",
 }
 _BAR_WIDTH = 20
 

@@ -10,8 +10,11 @@ document starts; see data/loader.py).
 The loss of a step is the sum of token cross-entropies over all its micro-batches and ranks,
 divided by the step's token count on all ranks, so k micro-batches of b sequences on each of n
 ranks give the same gradient as one batch of n*k*b sequences, and the gradient reduction only
-has to sum. The model computes the summed cross-entropy itself (``model(inputs, labels)``),
-through the loss kernel, so the logits need never be whole.
+has to sum. The model computes the summed cross-entropy itself (``model(inputs, labels)`` returns
+a `LossOutput`), through the loss kernel, so the logits need never be whole. A mixture-of-experts
+model adds its balancing loss (coefficient applied), averaged over the micro-batches and ranks,
+and reports its expert loads, which are summed over them; with auxiliary-loss-free balancing the
+expert biases move after the optimizer update, from the global loads.
 
 This module sits below both train/trainer.py and graph/: neither imports the other for it.
 """
@@ -26,7 +29,7 @@ from torch import Tensor
 
 from titan_tpu.train.optim import AdamW, clip_grad_norm_
 
-__all__ = ["EagerStep", "StepResult", "all_reduce_sum", "batch_loss_sum", "split_batch"]
+__all__ = ["EagerStep", "StepResult", "all_reduce_sum", "batch_loss", "split_batch"]
 
 
 @dataclass
@@ -34,6 +37,8 @@ class StepResult:
     loss: float  # mean cross-entropy per token over the step's micro-batches, on all ranks
     grad_norm: float  # global gradient norm before clipping
     num_tokens: int  # tokens of the step, on all ranks
+    aux_loss: float = 0.0  # MoE balancing loss (coefficient applied), mean over micro-batches and ranks
+    expert_load: torch.Tensor | None = None  # MoE: tokens per expert per layer [L, E], all ranks; else None
 
 
 def split_batch(batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -44,10 +49,22 @@ def split_batch(batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor | Non
     return inputs, labels, (rest[0] if rest else None)
 
 
-def batch_loss_sum(model: torch.nn.Module, batch: tuple[Tensor, ...]) -> Tensor:
-    """Summed next-token cross-entropy of one micro-batch (0-dim fp32)."""
+def batch_loss(model: torch.nn.Module, batch: tuple[Tensor, ...]):
+    """The model's `LossOutput` for one micro-batch (summed cross-entropy, balancing loss, loads)."""
     inputs, labels, positions = split_batch(batch)
     return model(inputs, labels, positions_BS=positions)
+
+
+def update_expert_biases_(model: torch.nn.Module, expert_load: Tensor) -> None:
+    """Auxiliary-loss-free balancing, in place: move the model's expert biases by the step's global
+    expert loads (a no-op for models without them)."""
+    names = model.expert_bias_names() if hasattr(model, "expert_bias_names") else []
+    if not names:
+        return
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in model.updated_expert_biases({n: buffers[n] for n in names}, expert_load).items():
+            buffers[name].copy_(value)
 
 
 def all_reduce_sum(t: Tensor) -> Tensor:
@@ -75,15 +92,25 @@ class EagerStep:
     def __call__(self, micro_batches: list[tuple[Tensor, ...]], lr: float) -> StepResult:
         # Every rank has the same batch shape, so the step's token count is known up front.
         num_tokens = sum(split_batch(b)[1].numel() for b in micro_batches) * self.dp_size
-        loss_sum = torch.zeros((), device=micro_batches[0][0].device)
+        aux_share = 1.0 / (len(micro_batches) * self.dp_size)  # the balancing loss is averaged
+        loss_sum = aux_sum = load = None
         for batch in micro_batches:
-            loss = batch_loss_sum(self.model, batch) / num_tokens
-            loss.backward()
-            loss_sum += loss.detach()
+            out = batch_loss(self.model, batch)
+            ce = out.ce_sum / num_tokens
+            aux = out.aux_loss * aux_share
+            (ce + aux).backward()
+            loss_sum = ce.detach() if loss_sum is None else loss_sum + ce.detach()
+            aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+            load = out.expert_load if load is None else load + out.expert_load
         grads = {name: p.grad for name, p in self.params.items()}
         grad_norm = clip_grad_norm_(grads, self.max_norm)
         self.optimizer.step(grads, lr=lr)
         for p in self.params.values():
             p.grad = None
-        all_reduce_sum(loss_sum)  # each rank holds its share of the global mean
-        return StepResult(loss=loss_sum.item(), grad_norm=grad_norm.item(), num_tokens=num_tokens)
+        # Each rank holds its share of the global means and its own loads: one sum over ranks.
+        totals = all_reduce_sum(torch.cat([loss_sum.view(1), aux_sum.view(1), load.flatten()]))
+        expert_load = totals[2:].view(load.shape) if load.numel() else None
+        if expert_load is not None:
+            update_expert_biases_(self.model, expert_load)
+        return StepResult(loss=totals[0].item(), grad_norm=grad_norm.item(), num_tokens=num_tokens,
+                          aux_loss=totals[1].item(), expert_load=expert_load)

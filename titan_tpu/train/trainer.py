@@ -25,17 +25,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_tpu.config import Config
+from titan_tpu.config import Config, model_args_from_config
 from titan_tpu.device import Backend, get_backend
 from titan_tpu.models.common.transformer import Transformer
-from titan_tpu.models.registry import build_model, flops_per_token, get_model_args
+from titan_tpu.models.registry import build_model, flops_per_token
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision, materialize_and_init
 from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, lr_at
 from titan_tpu.train.signals import GracefulShutdown
-from titan_tpu.train.step import EagerStep, StepResult, all_reduce_sum, batch_loss_sum
+from titan_tpu.train.step import EagerStep, StepResult, all_reduce_sum, batch_loss
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -74,7 +74,7 @@ class Trainer:
         # A kernel that cannot run on this device is a one-line error now, not at the first step.
         cfg.kernels.check_device(self.backend.device.type, documents=cfg.data.document_mask)
 
-        self.model_args = get_model_args(cfg.model.name, cfg.model.flavor)
+        self.model_args = model_args_from_config(cfg)
         # Rank 0 tokenizes (or finds the cache) first; the others then only read the cache.
         for turn in ("main", "others"):
             if (turn == "main") == self.is_main:
@@ -256,7 +256,7 @@ class Trainer:
         totals = torch.zeros(2, device=self.backend.device)  # loss sum, tokens
         for batch in self.val_loader.val_batches(self.cfg.validation.steps):
             batch = tuple(t.to(self.backend.device) for t in batch)
-            totals[0] += batch_loss_sum(self.model, batch)
+            totals[0] += batch_loss(self.model, batch).ce_sum
             totals[1] += batch[1].numel()
         self.model.train()
         all_reduce_sum(totals)
@@ -298,6 +298,7 @@ class Trainer:
                     row = {"loss": result.loss, "lr": self.lr(self.step), "grad_norm": result.grad_norm,
                            "tokens_per_s": tokens_per_s, "tflops": flops_per_device / 1e12,
                            "mfu": 100.0 * flops_per_device / peak}
+                    row.update(_moe_metrics(result))
                     row.update(self.backend.memory_stats())
                     row.update(self.compile_stats)
                     self.compile_stats = {}  # once per process
@@ -325,6 +326,17 @@ class Trainer:
             self.log(f"stopped by {stopped_by} after step {self.step}; restart the same command to resume")
         self.log(f"done: step {self.step}; metrics: {summary['metrics']}; checkpoint: {summary['checkpoint']}")
         return summary
+
+
+def _moe_metrics(result: StepResult) -> dict[str, float]:
+    """Balancing loss and how evenly the experts were loaded in the step: max and min over layers
+    and experts of tokens per expert / the mean (1.0 is perfectly even); {} for dense models."""
+    if result.expert_load is None:
+        return {}
+    load_LE = result.expert_load.float()
+    relative_LE = load_LE / load_LE.mean(dim=1, keepdim=True).clamp(min=1e-9)
+    return {"aux_loss": result.aux_loss, "expert_load_max": relative_LE.max().item(),
+            "expert_load_min": relative_LE.min().item()}
 
 
 def _num_params(model: torch.nn.Module) -> int:

@@ -22,10 +22,14 @@ class FunctionalBlock:
     def __init__(self, make_block: Callable[[], nn.Module]):
         with torch.device("meta"):
             self.template = make_block()
+        # The parameters, then the persistent buffers (per-layer state such as an MoE expert bias).
+        persistent = self.template.state_dict(keep_vars=True).keys()
         self.param_names = [n for n, _ in self.template.named_parameters()]
+        self.param_names += [n for n, _ in self.template.named_buffers() if n in persistent]
 
-    def __call__(self, h: Tensor, rope: Tensor, document_ids: Tensor | None, *weights: Tensor) -> Tensor:
-        """Run the block on (h, rope, document_ids) with `weights` in `param_names` order."""
+    def __call__(self, h: Tensor, rope: Tensor, document_ids: Tensor | None, *weights: Tensor):
+        """Run the block on (h, rope, document_ids) with `weights` (and persistent buffers) in
+        `param_names` order; returns what the block returns."""
         return torch.func.functional_call(self.template, dict(zip(self.param_names, weights)),
                                           (h, rope, document_ids))
 

@@ -75,9 +75,14 @@ class StackedBlocks(nn.Module):
                 if p is not None:
                     stacked = torch.empty((n_layers, *p.shape), dtype=p.dtype, device=p.device)
                     module._parameters[pname] = nn.Parameter(stacked, requires_grad=p.requires_grad)
+            for bname, b in list(module._buffers.items()):  # persistent per-layer state (MoE expert_bias)
+                if b is not None and bname not in module._non_persistent_buffers_set:
+                    module._buffers[bname] = torch.empty((n_layers, *b.shape), dtype=b.dtype, device=b.device)
         self.param_names = [n for n, _ in self.named_parameters()]
+        # What the body reads per layer: the parameters, then the persistent buffers.
+        self.state_names = self.param_names + [n for n, _ in _persistent_buffers(self)]
         block_fn = FunctionalBlock(make_block)
-        assert block_fn.param_names == self.param_names
+        assert block_fn.param_names == self.state_names
         object.__setattr__(self, "_make_block", make_block)  # a plain attribute, not a submodule
         self._block_fn = block_fn
         self.ac_mode = ac_mode
@@ -88,21 +93,24 @@ class StackedBlocks(nn.Module):
     # ------------------------------------------------------------------------------------------
     # forward
 
-    def forward(self, h: Tensor, rope: Tensor, document_ids: Tensor | None = None) -> Tensor:
-        """h [B, S, D] through every layer; rope: the batch's RoPE rows; document_ids: None or
-        one id per token (attention within documents)."""
+    def forward(self, h: Tensor, rope: Tensor, document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """h [B, S, D] through every layer -> (h, the blocks' statistics stacked [L, ...]); rope:
+        the batch's RoPE rows; document_ids: None or one id per token."""
         # Under data parallelism: one all-gather per stacked weight, before the loop.
-        stacked = read_weights(self, self.param_names)
+        stacked = read_weights(self, self.state_names)
         if not is_tracing():
             # Eager: the same block function over the same stacked weights, in a Python loop.
             # torch's scan op would retrace its body (make_fx and a partitioner) on every eager
             # call, about a second per step even for a tiny model; the op pays off once traced.
+            stats = []
             for i in range(self.n_layers):
-                h = self._body(h, rope, document_ids, *(w[i] for w in stacked))
-            return h
+                h, layer_stats = self._body(h, rope, document_ids, *(w[i] for w in stacked))
+                stats.append(layer_stats)
+            return h, torch.stack(stats)
         if self.ac_mode == "full":
             return _ScanRecomputingLayers.apply(self._block_fn, h, rope, document_ids, *stacked)
-        return _scan_layers(self._body, h, rope, document_ids, stacked)[0]
+        final, stats, _ = _scan_layers(self._body, h, rope, document_ids, stacked)
+        return final, stats
 
     # ------------------------------------------------------------------------------------------
     # initialisation
@@ -117,11 +125,12 @@ class StackedBlocks(nn.Module):
             scratch = self._make_block()
         scratch.to_empty(device=some.device)
         scratch.to(dtype=some.dtype)
-        scratch_params = dict(scratch.named_parameters())
+        scratch_state = {**dict(scratch.named_parameters()), **dict(_persistent_buffers(scratch))}
+        own_state = {**dict(self.named_parameters()), **dict(_persistent_buffers(self))}
         for layer_id in range(self.n_layers):
             self._init_layer(scratch, layer_id)
-            for name, p in self.named_parameters():
-                p[layer_id].copy_(scratch_params[name])
+            for name, t in own_state.items():
+                t[layer_id].copy_(scratch_state[name])
 
     # ------------------------------------------------------------------------------------------
     # per-layer <-> stacked names
@@ -131,7 +140,7 @@ class StackedBlocks(nn.Module):
         layer as the unrolled model orders them, where the first stacked entry was; other entries
         pass through in order."""
         stacked = {k[len(prefix):]: v for k, v in named.items()
-                   if k.startswith(prefix) and k[len(prefix):] in self.param_names}
+                   if k.startswith(prefix) and k[len(prefix):] in self.state_names}
         out = {}
         for key, value in named.items():
             if key[len(prefix):] not in stacked or not key.startswith(prefix):
@@ -145,11 +154,21 @@ class StackedBlocks(nn.Module):
         """The inverse of `to_per_layer` (stacks copies); per-layer groups that are incomplete
         are left as they are, so a strict load reports what is missing."""
         out = dict(named)
-        for name in self.param_names:
+        for name in self.state_names:
             keys = [f"{prefix}{i}.{name}" for i in range(self.n_layers)]
             if all(k in out for k in keys):
                 out[prefix + name] = torch.stack([out.pop(k) for k in keys])
         return out
+
+
+def _persistent_buffers(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """(name, buffer) of `module`'s persistent buffers, recursively (what its state_dict saves)."""
+    out = []
+    for mod_name, mod in module.named_modules():
+        for bname, b in mod._buffers.items():
+            if b is not None and bname not in mod._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{bname}" if mod_name else bname, b))
+    return out
 
 
 def _shared_inputs(rope: Tensor, document_ids: Tensor | None) -> tuple[Tensor, ...]:
@@ -163,10 +182,11 @@ def _split_shared(shared: tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:
 
 
 def _scan_layers(block_fn: Callable, h: Tensor, rope: Tensor, document_ids: Tensor | None, stacked: list[Tensor], *,
-                 keep_inputs: bool = False) -> tuple[Tensor, Tensor | None]:
+                 keep_inputs: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """h -> block_fn(h, rope, document_ids, *layer i's weights) for i = 0..L-1 with torch's scan op.
 
-    Returns the final h and, with keep_inputs, every layer's input stacked ([L, *h.shape]).
+    Returns the final h, the blocks' statistics stacked ([L, ...]) and, with keep_inputs, every
+    layer's input stacked ([L, *h.shape]).
     scan_op, not the public torch scan(): that one routes eager calls through Dynamo, which
     cannot run inside our make_fx capture. The body's arguments are flat tensors: the carry, one
     layer's slice of each stacked weight, then the shared inputs (RoPE rows, document ids).
@@ -177,13 +197,13 @@ def _scan_layers(block_fn: Callable, h: Tensor, rope: Tensor, document_ids: Tens
     def body(carry: Tensor, *layer_weights_and_shared: Tensor) -> list[Tensor]:
         layer_weights = layer_weights_and_shared[:n_weights]
         rope_rows, document_ids = _split_shared(layer_weights_and_shared[n_weights:])
-        out = block_fn(carry, rope_rows, document_ids, *layer_weights)
-        # scan wants a per-iteration output; an empty one costs nothing. The body may not return
-        # an alias of its input, hence the clone of the layer input.
-        return [out, carry.clone() if keep_inputs else out.new_empty(0)]
+        out, stats = block_fn(carry, rope_rows, document_ids, *layer_weights)
+        # The body may not return an alias of its input, hence the clone of the layer input (an
+        # empty tensor when the inputs are not kept: scan wants a fixed set of outputs).
+        return [out, stats, carry.clone() if keep_inputs else out.new_empty(0)]
 
-    final, per_layer = scan_op(body, [h], stacked, additional_inputs=shared)
-    return final, per_layer if keep_inputs else None
+    final, stats, per_layer = scan_op(body, [h], stacked, additional_inputs=shared)
+    return final, stats, per_layer if keep_inputs else None
 
 
 class _ScanRecomputingLayers(torch.autograd.Function):
@@ -199,26 +219,28 @@ class _ScanRecomputingLayers(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, block_fn, h, rope, document_ids, *stacked):
-        final, inputs = _scan_layers(block_fn, h, rope, document_ids, list(stacked), keep_inputs=True)
+        final, stats, inputs = _scan_layers(block_fn, h, rope, document_ids, list(stacked), keep_inputs=True)
         ctx.block_fn = block_fn
         ctx.n_shared = len(_shared_inputs(rope, document_ids))
         ctx.save_for_backward(inputs, *_shared_inputs(rope, document_ids), *stacked)
-        return final
+        return final, stats
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_stats):
         inputs, *rest = ctx.saved_tensors
         shared, stacked = tuple(rest[:ctx.n_shared]), rest[ctx.n_shared:]
         block_fn, n_weights = ctx.block_fn, len(stacked)
 
-        def body(grad_carry: Tensor, layer_input: Tensor, *weights_and_shared: Tensor) -> list[Tensor]:
+        def body(grad_carry: Tensor, layer_input: Tensor, grad_layer_stats: Tensor,
+                 *weights_and_shared: Tensor) -> list[Tensor]:
             weights = weights_and_shared[:n_weights]
             rope_rows, document_ids = _split_shared(weights_and_shared[n_weights:])
             _, vjp = torch.func.vjp(lambda x, *w: block_fn(x, rope_rows, document_ids, *w), layer_input, *weights)
-            return list(vjp(grad_carry))  # [grad of the layer input, grads of its weights]
+            # [grad of the layer input, grads of its weights (zeros for buffers)]
+            return list(vjp((grad_carry, grad_layer_stats)))
 
         # Last layer first: flip the layer axis in, and the weight gradients back.
-        flipped = [t.flip(0) for t in (inputs, *stacked)]
+        flipped = [t.flip(0) for t in (inputs, grad_stats, *stacked)]
         grad_h, *grad_weights = scan_op(body, [grad_out], flipped, additional_inputs=shared)
         return (None, grad_h, None, None, *(g.flip(0) for g in grad_weights))
 

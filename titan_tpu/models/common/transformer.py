@@ -10,6 +10,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +20,21 @@ from titan_tpu.kernels import KernelConfig, document_ids_from_positions
 from titan_tpu.models.common.attention import Attention
 from titan_tpu.models.common.feed_forward import FeedForward
 from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
+from titan_tpu.models.common.moe import MoE, MoEArgs, aux_loss_from_stats, updated_expert_bias
 from titan_tpu.models.common.norms import RMSNorm
 from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.rope import RopeScaling, apply_rope, apply_rope_real, rope_cache, rope_rows
 from titan_tpu.models.common.scan import StackedBlocks
 
-__all__ = ["RopeScaling", "TransformerArgs", "TransformerBlock", "Transformer"]
+__all__ = ["LossOutput", "MoEArgs", "RopeScaling", "TransformerArgs", "TransformerBlock", "Transformer"]
+
+
+class LossOutput(NamedTuple):
+    """What `model(tokens, labels)` returns: the step's loss pieces, computed beside each other."""
+
+    ce_sum: torch.Tensor  # summed next-token cross-entropy (0-dim fp32); the step divides it
+    aux_loss: torch.Tensor  # MoE balancing loss, coefficient applied (0-dim fp32; 0 for dense)
+    expert_load: torch.Tensor  # tokens routed to each expert per MoE layer [L_moe, E] ([0, 0] for dense)
 
 
 @dataclass
@@ -42,11 +52,14 @@ class TransformerArgs:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     tie_embeddings: bool = False  # True: no `output` module; logits use tok_embeddings.weight
     max_seq_len: int = 4096  # length of the RoPE table
+    moe: MoEArgs | None = None  # mixture-of-experts feed-forward (Qwen3-MoE); ffn_hidden_dim serves dense layers
 
     def __post_init__(self):
-        # Accept a plain dict for rope_scaling so TOML/JSON configs can spell it inline.
+        # Accept plain dicts for the nested args so TOML/JSON configs and checkpoints can spell them.
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if isinstance(self.moe, dict):
+            self.moe = MoEArgs(**self.moe)
         for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim",
                       "max_seq_len"):
             value = getattr(self, field)
@@ -82,11 +95,23 @@ class TransformerArgs:
         """Effective head dimension."""
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer_id)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h)), the feed-forward
+    being a mixture of experts (`moe`) in MoE layers.
 
-    def __init__(self, args: TransformerArgs, *, rope_fn=apply_rope, kernels: KernelConfig | None = None):
+    Returns (h, statistics): the MoE layer's [2, E] statistics (moe.py), an empty tensor for a
+    dense block, so every block has one signature (loops, checkpointing and scan stay uniform)."""
+
+    def __init__(self, args: TransformerArgs, *, rope_fn=apply_rope, kernels: KernelConfig | None = None,
+                 moe_layer: bool = False):
         super().__init__()
         self.attention = Attention(
             dim=args.dim,
@@ -98,14 +123,22 @@ class TransformerBlock(nn.Module):
             rope_fn=rope_fn,
             kernels=kernels,
         )
-        self.feed_forward = FeedForward(dim=args.dim, hidden_dim=args.ffn_hidden_dim)
+        if moe_layer:
+            self.moe = MoE(dim=args.dim, args=args.moe, kernels=kernels)
+            self.feed_forward = None
+        else:
+            self.feed_forward = FeedForward(dim=args.dim, hidden_dim=args.ffn_hidden_dim)
+            self.moe = None
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(self, x_BSD: torch.Tensor, rope_xSP2: torch.Tensor,
-                document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_xSP2, document_ids_BS)
-        return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
+        if self.moe is None:
+            return h_BSD + self.feed_forward(self.ffn_norm(h_BSD)), h_BSD.new_zeros(0)
+        out_BSD, stats_2E = self.moe(self.ffn_norm(h_BSD))
+        return h_BSD + out_BSD, stats_2E
 
 
 class Transformer(nn.Module):
@@ -131,20 +164,27 @@ class Transformer(nn.Module):
         self.scan_layers = scan_layers
         self.kernels = kernels = kernels or KernelConfig()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        moe_layers = [args.is_moe_layer(i) for i in range(args.n_layers)]
         if scan_layers:
+            if len(set(moe_layers)) > 1:
+                raise ValueError("model.scan_layers needs identical blocks, but this model mixes dense and MoE "
+                                 "layers (moe.decoder_sparse_step / moe.mlp_only_layers); set scan_layers false")
             self.layers = StackedBlocks(functools.partial(TransformerBlock, args, rope_fn=apply_rope_real,
-                                                          kernels=kernels),
+                                                          kernels=kernels, moe_layer=moe_layers[0]),
                                         args.n_layers, init_layer=_init_block_at, ac_mode=ac_mode)
         else:
             # A ModuleDict keyed "0".."L-1" (as TorchTitan) keeps layer names stable when a
             # pipeline stage deletes the layers it does not own.
-            self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels=kernels)
-                                         for i in range(args.n_layers)})
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels=kernels, moe_layer=moe)
+                                         for i, moe in enumerate(moe_layers)})
             # Checkpointed blocks run as functions of their weights, so that the recomputation in
-            # the backward uses the same weights (see functional_block.py).
-            block_fn = FunctionalBlock(functools.partial(TransformerBlock, args, kernels=kernels))
-            self._block_param_names = block_fn.param_names
-            self._checkpointed_block = checkpointed(block_fn, ac_mode) if ac_mode != "none" else None
+            # the backward uses the same weights (see functional_block.py); one template per kind.
+            self._checkpointed_blocks = {}
+            if ac_mode != "none":
+                for moe in set(moe_layers):
+                    block_fn = FunctionalBlock(functools.partial(TransformerBlock, args, kernels=kernels,
+                                                                 moe_layer=moe))
+                    self._checkpointed_blocks[moe] = (block_fn.param_names, checkpointed(block_fn, ac_mode))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = (
             None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -236,23 +276,50 @@ class Transformer(nn.Module):
         _trunc_normal(self.output.weight, self.args.dim**-0.5)
 
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
-                positions_BS: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, S, V] in the parameters' dtype; with labels, the summed next-token
-        cross-entropy (0-dim fp32) from the loss kernel."""
-        h_BSD = self.hidden_states(tokens_BS, positions_BS=positions_BS)
+                positions_BS: torch.Tensor | None = None) -> torch.Tensor | LossOutput:
+        """Logits [B, S, V] in the parameters' dtype; with labels, a `LossOutput`: the summed
+        next-token cross-entropy from the loss kernel, the MoE balancing loss and expert loads."""
+        h_BSD, stats_L2E = self.hidden_states(tokens_BS, positions_BS=positions_BS)
         w_VD = self.output_weight()
         if labels_BS is None:
             return F.linear(h_BSD, w_VD)
         loss_fn = self.kernels.loss_fn(h_BSD.device.type)
-        return loss_fn(h_BSD.flatten(0, 1), w_VD, labels_BS.flatten())
+        ce_sum = loss_fn(h_BSD.flatten(0, 1), w_VD, labels_BS.flatten())
+        moe = self.args.moe
+        if moe is None:
+            return LossOutput(ce_sum, torch.zeros_like(ce_sum), ce_sum.new_zeros(0, 0))
+        aux = ce_sum.new_zeros(())
+        if moe.load_balance == "aux_loss":
+            aux = moe.aux_loss_coef * aux_loss_from_stats(stats_L2E, top_k=moe.top_k)
+        return LossOutput(ce_sum, aux, stats_L2E[:, 0].detach())
+
+    def expert_bias_names(self) -> list[str]:
+        """Buffers moved by auxiliary-loss-free balancing, in expert_load's layer order."""
+        if self.args.moe is None or self.args.moe.load_balance != "expert_bias":
+            return []
+        if self.scan_layers:
+            return ["layers.moe.expert_bias"]  # stacked [L, E]
+        return [f"layers.{i}.moe.expert_bias" for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
+
+    def updated_expert_biases(self, biases: dict[str, torch.Tensor],
+                              expert_load_LE: torch.Tensor) -> dict[str, torch.Tensor]:
+        """New values of `expert_bias_names()` after a step whose (global) expert loads were
+        `expert_load_LE`; pure, so the graph trainer traces it like the optimizer update."""
+        rate = self.args.moe.bias_update_rate
+        names = self.expert_bias_names()
+        if self.scan_layers:
+            return {names[0]: updated_expert_bias(biases[names[0]], expert_load_LE, rate)}
+        return {name: updated_expert_bias(biases[name], expert_load_LE[i], rate) for i, name in enumerate(names)}
 
     def output_weight(self) -> torch.Tensor:
         """The output projection's weight [V, D] (the embedding when tied), as computed with:
         under data parallelism, the all-gathered tensor."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def hidden_states(self, tokens_BS: torch.Tensor, *, positions_BS: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids [B, S] -> final hidden states [B, S, D] (after the last norm)."""
+    def hidden_states(self, tokens_BS: torch.Tensor, *,
+                      positions_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [B, S] -> (final hidden states [B, S, D] after the last norm, the MoE layers'
+        statistics [L_moe, 2, E]; [0, 0] for a dense model)."""
         S = tokens_BS.shape[1]
         if S > self.args.max_seq_len:
             raise ValueError(
@@ -263,15 +330,21 @@ class Transformer(nn.Module):
         document_ids_BS = None if positions_BS is None else document_ids_from_positions(positions_BS)
         h_BSD = self.tok_embeddings(tokens_BS)
         if self.scan_layers:
-            h_BSD = self.layers(h_BSD, rope, document_ids_BS)
+            h_BSD, stats_L2E = self.layers(h_BSD, rope, document_ids_BS)
+            if self.args.moe is None:
+                stats_L2E = stats_L2E.new_zeros(0, 0)
         else:
+            stats = []
             for layer in self.layers.values():
-                if self._checkpointed_block is None:
-                    h_BSD = layer(h_BSD, rope, document_ids_BS)
+                if not self._checkpointed_blocks:
+                    h_BSD, layer_stats = layer(h_BSD, rope, document_ids_BS)
                 else:
-                    weights = read_weights(layer, self._block_param_names)
-                    h_BSD = self._checkpointed_block(h_BSD, rope, document_ids_BS, *weights)
-        return self.norm(h_BSD)
+                    names, block = self._checkpointed_blocks[layer.moe is not None]
+                    h_BSD, layer_stats = block(h_BSD, rope, document_ids_BS, *read_weights(layer, names))
+                if layer.moe is not None:
+                    stats.append(layer_stats)
+            stats_L2E = torch.stack(stats) if stats else h_BSD.new_zeros(0, 0)
+        return self.norm(h_BSD), stats_L2E
 
 
 def _init_block_at(layer: TransformerBlock, layer_id: int) -> None:
@@ -283,10 +356,12 @@ def _init_block(layer: TransformerBlock, *, layer_id: int) -> None:
     # layer_id is the position in the stack (layers "0".."L-1" today); deeper blocks start smaller.
     depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
     attn, ffn = layer.attention, layer.feed_forward
-    for linear in (attn.wq, attn.wk, attn.wv, ffn.w1):
+    for linear in (attn.wq, attn.wk, attn.wv) + ((ffn.w1,) if ffn is not None else ()):
         _trunc_normal(linear.weight, 0.02)
-    for linear in (attn.wo, ffn.w2, ffn.w3):
+    for linear in (attn.wo,) + ((ffn.w2, ffn.w3) if ffn is not None else ()):
         _trunc_normal(linear.weight, depth_std)
+    if layer.moe is not None:
+        layer.moe.init_weights(std=0.02, depth_std=depth_std)
     for norm in (layer.attention_norm, layer.ffn_norm, attn.q_norm, attn.k_norm):
         if norm is not None:
             norm.reset_parameters()

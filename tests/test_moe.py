@@ -1,0 +1,371 @@
+"""Qwen3-MoE: parity with transformers, the grouped-matmul op, static-shaped training in eager and
+graph mode (scanned and unrolled, with activation checkpointing), balancing, FLOPs, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titan_tpu.kernels import GROUPED_MM, KernelConfig
+from titan_tpu.models.common.moe import MoEArgs, aux_loss_from_stats
+from titan_tpu.models.common.transformer import TransformerArgs
+from titan_tpu.models.registry import build_model, flops_per_token, get_model_args, num_active_params, num_params
+from titan_tpu.train.optim import AdamW
+from titan_tpu.train.step import EagerStep
+
+transformers = pytest.importorskip("transformers")
+
+from titan_tpu.models.hf_adapter import from_hf_state_dict, hf_config_from_model_args  # noqa: E402
+from titan_tpu.models.hf_checkpoint import load_model_from_hf, save_hf_checkpoint  # noqa: E402
+
+
+def tiny_args(**moe) -> TransformerArgs:
+    return TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=128,
+                           ffn_hidden_dim=96, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, max_seq_len=64,
+                           moe=MoEArgs(**{"num_experts": 4, "top_k": 2, "hidden_dim": 32, **moe}))
+
+
+def random_hf_model(args: TransformerArgs):
+    config = transformers.Qwen3MoeConfig(**hf_config_from_model_args("qwen3_moe", args))
+    config._attn_implementation = "sdpa"
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # strong random weights: a swapped gate/up or a wrong expert cannot hide
+        for _, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return model
+
+
+def tokens_for(args: TransformerArgs, batch: int = 2, seq: int = 40) -> torch.Tensor:
+    return torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def assert_close(actual, expected, tol=1e-5):
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * max(1.0, expected.abs().max().item()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face parity
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("mlp_only_layers", [(), (1,)])
+def test_logits_and_loss_with_aux_match_transformers(norm_topk_prob, mlp_only_layers, tmp_path):
+    args = tiny_args(norm_topk_prob=norm_topk_prob, mlp_only_layers=mlp_only_layers, aux_loss_coef=0.01)
+    hf = random_hf_model(args)
+    tokens = tokens_for(args)
+    with torch.no_grad():
+        want = hf(input_ids=tokens, labels=tokens, output_router_logits=True)
+
+    # Import from transformers' in-memory (fused) experts.
+    model = build_model(args)
+    model.load_state_dict(from_hf_state_dict(hf.state_dict(), args), strict=True)
+    labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], dim=1)  # HF shifts internally
+    with torch.no_grad():
+        assert_close(model(tokens), want.logits)
+        out = model(tokens, labels)
+    mean_ce = out.ce_sum / (labels != -100).sum()
+    assert_close(out.aux_loss, args.moe.aux_loss_coef * want.aux_loss)
+    assert_close(mean_ce + out.aux_loss, want.loss)  # transformers' loss includes coef * aux
+    assert out.expert_load.shape == (args.num_moe_layers, 4)
+    assert out.expert_load.sum().item() == args.num_moe_layers * tokens.numel() * args.moe.top_k
+
+    # Import from a directory save_pretrained wrote (the hub layout: one tensor per expert).
+    hf.save_pretrained(tmp_path / "saved")
+    name, args2, model2 = load_model_from_hf(tmp_path / "saved")
+    assert name == "qwen3_moe" and args2.moe.norm_topk_prob == norm_topk_prob
+    with torch.no_grad():
+        assert_close(model2(tokens), want.logits)
+
+    # Export writes the hub layout, and transformers loads it.
+    out_dir = save_hf_checkpoint(tmp_path / "exported", name="qwen3_moe", args=args, state_dict=model.state_dict())
+    index_or_file = sorted(p.name for p in out_dir.iterdir())
+    weights = json.loads((out_dir / "model.safetensors.index.json").read_text())["weight_map"] \
+        if "model.safetensors.index.json" in index_or_file else None
+    if weights is not None:
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in weights
+    reloaded = transformers.Qwen3MoeForCausalLM.from_pretrained(out_dir, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        assert_close(reloaded(input_ids=tokens).logits, want.logits)
+
+
+def test_expert_bias_models_are_not_exported_to_transformers():
+    with pytest.raises(ValueError, match="expert_bias"):
+        hf_config_from_model_args("qwen3_moe", tiny_args(load_balance="expert_bias"))
+
+
+def test_published_flavors_round_trip_through_the_hf_config():
+    from titan_tpu.models.hf_adapter import model_args_from_hf_config
+
+    for flavor in ("30b_a3b", "235b_a22b"):
+        args = get_model_args("qwen3_moe", flavor)
+        assert model_args_from_hf_config(hf_config_from_model_args("qwen3_moe", args)) == ("qwen3_moe", args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped matmul and routing
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", GROUPED_MM.available("cpu"))
+def test_grouped_mm_matches_a_loop_over_experts(impl):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 16, generator=g, requires_grad=True)
+    w = torch.randn(4, 8, 16, generator=g, requires_grad=True)  # stored [E, F, D]
+    sizes = torch.tensor([7, 0, 15, 8])
+    y = GROUPED_MM.impls[impl].fn(x, w.transpose(1, 2), sizes)
+    bounds = [0, 7, 7, 22, 30]
+    want = torch.cat([x[bounds[e]:bounds[e + 1]] @ w[e].t() for e in range(4)])
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-5)
+    grad = torch.randn(y.shape, generator=g)
+    got = torch.autograd.grad(y, (x, w), grad)
+    ref = torch.autograd.grad(want, (x, w), grad)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_routing_is_static_shaped_whatever_the_tokens():
+    """Two batches routed very differently give graphs of the same shapes: capture once, run both."""
+    from titan_tpu.graph import GraphStep
+
+    args = tiny_args()
+    model = build_model(args, seed=0)
+    opt = AdamW(dict(model.named_parameters()))
+    same = torch.zeros(2, 16, dtype=torch.long)
+    step = GraphStep(model, opt, max_norm=1.0, example_batch=(same, same), backend="aot_eager")
+    varied = tokens_for(args, seq=17)
+    for batch in ((same, same), (varied[:, :-1].contiguous(), varied[:, 1:].contiguous())):
+        result = step([batch], 1e-3)
+        assert result.expert_load.sum().item() == 2 * 16 * args.moe.top_k * args.num_moe_layers
+
+
+def test_aux_loss_is_transformers_formula():
+    stats = torch.tensor([[[3.0, 1.0], [0.7, 0.3]], [[2.0, 2.0], [0.4, 0.6]]])  # 2 layers, T = 4, k = 1
+    f = torch.tensor([5.0, 3.0]) / 8
+    p = torch.tensor([1.1, 0.9]) / 8
+    torch.testing.assert_close(aux_loss_from_stats(stats, top_k=1), 2 * (f * p).sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: eager vs graph, scanned vs unrolled, checkpointing, balancing
+# ---------------------------------------------------------------------------------------------
+
+
+def train(args, *, mode="eager", scan=False, ac="none", steps=6, kernels=None, micro_batches=1):
+    model = build_model(args, seed=0, scan_layers=scan, ac_mode=ac, kernels=kernels)
+    opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randint(0, args.vocab_size, (4, 33), generator=g) for _ in range(steps)]
+    rows = 4 // micro_batches
+    batches = [[(t[i:i + rows, :-1].contiguous(), t[i:i + rows, 1:].contiguous()) for i in range(0, 4, rows)]
+               for t in data]
+    if mode == "eager":
+        step = EagerStep(model, opt, max_norm=1.0)
+    else:
+        from titan_tpu.graph import GraphStep
+
+        step = GraphStep(model, opt, max_norm=1.0, example_batch=batches[0][0], backend=mode)
+    results = [step(b, 2e-3) for b in batches]
+    biases = {n: b.clone() for n, b in model.named_buffers() if "expert_bias" in n}
+    return results, biases
+
+
+def losses(results):
+    return [(r.loss, r.aux_loss) for r in results]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {lb: train(tiny_args(load_balance=lb)) for lb in ("aux_loss", "expert_bias")}
+
+
+@pytest.mark.parametrize("load_balance", ["aux_loss", "expert_bias"])
+@pytest.mark.parametrize("mode, scan, ac", [("eager", True, "none"), ("eager", False, "full"),
+                                            ("eager", True, "selective"), ("aot_eager", False, "none"),
+                                            ("aot_eager", True, "none"), ("aot_eager", True, "full"),
+                                            ("aot_eager", False, "selective")])
+def test_moe_variants_train_like_the_unrolled_eager_model(reference, load_balance, mode, scan, ac):
+    want, want_biases = reference[load_balance]
+    got, got_biases = train(tiny_args(load_balance=load_balance), mode=mode, scan=scan, ac=ac)
+    for (loss, aux), (w_loss, w_aux) in zip(losses(got), losses(want)):
+        assert abs(loss - w_loss) <= 1e-5 and abs(aux - w_aux) <= 1e-6
+    for a, b in zip(got, want):
+        assert torch.equal(a.expert_load, b.expert_load)  # the same routing, step by step
+    stacked = torch.cat([b.reshape(-1) for b in got_biases.values()]) if got_biases else torch.zeros(0)
+    unrolled = torch.cat([b.reshape(-1) for b in want_biases.values()]) if want_biases else torch.zeros(0)
+    torch.testing.assert_close(stacked, unrolled, rtol=0, atol=1e-6)
+
+
+def test_balancing_does_its_job():
+    aux_results, _ = train(tiny_args(load_balance="aux_loss", aux_loss_coef=0.0))
+    assert all(r.aux_loss == 0.0 for r in aux_results)  # coefficient 0: the loss term is gone
+    # Auxiliary-loss-free: after one step each layer's bias is rate * sign(mean load - load).
+    results, biases = train(tiny_args(load_balance="expert_bias", bias_update_rate=0.01), steps=1)
+    assert results[0].aux_loss == 0.0
+    load_LE = results[0].expert_load
+    want = 0.01 * torch.sign(load_LE.mean(dim=1, keepdim=True) - load_LE)
+    assert want.abs().sum() > 0  # the random model does route unevenly
+    torch.testing.assert_close(torch.stack(list(biases.values())), want, rtol=0, atol=0)
+
+
+def test_kernel_choice_gives_the_same_training():
+    want, _ = train(tiny_args(), kernels=KernelConfig(grouped_mm="reference"))
+    got, _ = train(tiny_args(), kernels=KernelConfig(grouped_mm="torch"))
+    assert max(abs(a.loss - b.loss) for a, b in zip(got, want)) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs, flavors, bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def test_flavors_have_the_published_sizes_and_active_flops():
+    a3b = get_model_args("qwen3_moe", "30b_a3b")
+    assert round(num_params(a3b) / 1e9, 1) == 30.5 and round(num_active_params(a3b) / 1e9, 1) == 3.4
+    a22b = get_model_args("qwen3_moe", "235b_a22b")
+    assert round(num_params(a22b) / 1e9) == 235 and round(num_active_params(a22b) / 1e9) == 22
+    # Active FLOPs: 6 x (active non-embedding parameters) + attention.
+    n_active = num_active_params(a3b, exclude_embedding=True)
+    assert flops_per_token(a3b, 4096) == 6 * n_active + 6 * 48 * 32 * 128 * 4096
+
+
+def test_debug_flavor_trains_its_loss_down():
+    args = dataclasses.replace(get_model_args("qwen3_moe", "debug"), max_seq_len=64)
+    model = build_model(args, seed=0)
+    step = EagerStep(model, AdamW(dict(model.named_parameters())), max_norm=1.0)
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, 2048, (20, 8, 1), generator=g)
+    seqs = (starts + 3 * torch.arange(33)) % 2048  # a learnable rule
+    results = [step([(s[:, :-1], s[:, 1:])], 3e-3) for s in seqs]
+    assert results[-1].loss < results[0].loss - 1.0
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(top_k=5), r"moe.top_k \(5\) must be <= moe.num_experts \(4\)"),
+    (dict(load_balance="switch"), "moe.load_balance must be one of aux_loss, expert_bias, none"),
+    (dict(num_experts=0), "moe.num_experts must be a positive integer"),
+])
+def test_bad_moe_args_are_one_line_errors(change, match):
+    with pytest.raises(ValueError, match=match) as err:
+        tiny_args(**change)
+    assert "\n" not in str(err.value)
+
+
+def test_scan_needs_identical_blocks():
+    with pytest.raises(ValueError, match="scan_layers needs identical blocks"):
+        build_model(tiny_args(mlp_only_layers=(0,)), scan_layers=True)
+
+
+def test_grouped_mm_unavailable_here_is_one_line():
+    with pytest.raises(ValueError, match="kernels.grouped_mm = ragged_dot cannot run here"):
+        KernelConfig(grouped_mm="ragged_dot").check_device("cpu", documents=False)
+
+
+def test_mean_cross_entropy_from_model_matches_logits():
+    args = tiny_args()
+    model = build_model(args, seed=0)
+    tokens = tokens_for(args)
+    with torch.no_grad():
+        out = model(tokens[:, :-1], tokens[:, 1:])
+        logits = model(tokens[:, :-1])
+    want = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+    torch.testing.assert_close(out.ce_sum, want, rtol=1e-6, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the trainer: metrics, checkpoints with the expert bias, bitwise resume
+# ---------------------------------------------------------------------------------------------
+
+
+def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_path, train_overrides):
+    from pathlib import Path
+
+    from titan_tpu.config import build_config
+    from titan_tpu.train.checkpoint import load_full_state_dict
+    from titan_tpu.train.trainer import Trainer
+
+    recipe = Path(__file__).resolve().parent.parent / "configs" / "qwen3_moe_debug.toml"
+    common = dict(training__deterministic="true", validation__enabled="false", training__steps=12,
+                  checkpoint__interval=6, model__moe_load_balance="expert_bias",
+                  lr_scheduler__decay_ratio=0.0)  # a constant rate: 6 + 6 steps take the steps of 12
+    straight = train_overrides(output_dir=str(tmp_path / "straight"), **common)
+    Trainer(build_config(recipe, straight)).train()
+    rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["expert_load_max"] >= 1.0 >= r["expert_load_min"] >= 0.0 for r in rows)
+    saved = load_full_state_dict(tmp_path / "straight" / "checkpoints" / "step-00000012")
+    bias = saved["layers.0.moe.expert_bias"]
+    assert bias.shape == (8,) and bias.abs().sum() > 0  # moved, and kept in the checkpoint
+
+    # The same run in two halves: stop at 6, resume to 12; every loss bitwise equal.
+    halves = train_overrides(output_dir=str(tmp_path / "halves"), **common)
+    Trainer(build_config(recipe, halves + ["--training.steps", "6"])).train()
+    Trainer(build_config(recipe, halves)).train()
+    got = {json.loads(line)["step"]: json.loads(line)["loss"]
+           for line in (tmp_path / "halves" / "metrics.jsonl").read_text().splitlines()}
+    assert got == {r["step"]: r["loss"] for r in rows}
+    resumed = load_full_state_dict(tmp_path / "halves" / "checkpoints" / "step-00000012")
+    assert torch.equal(resumed["layers.0.moe.expert_bias"], bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two fully_shard ranks (SimpleFSDP shards the experts like any weight, on the expert dim)
+# ---------------------------------------------------------------------------------------------
+
+
+def _sharded_moe_worker(mode: str, scan: bool, load_balance: str) -> dict:
+    import torch.distributed as dist
+
+    from titan_tpu.models.common.transformer import Transformer
+    from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
+    from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+
+    args = tiny_args(load_balance=load_balance)
+    mesh = ParallelDims(dp_shard=2, world_size=dist.get_world_size()).build_mesh("cpu")
+    rank, size = dp_rank_and_size(mesh)
+    with torch.device("meta"):
+        model = Transformer(args, scan_layers=scan)
+    model = materialize_and_init(model, mesh, mode="fully_shard", mp=MixedPrecision(), device=torch.device("cpu"),
+                                 seed=0)
+    opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randint(0, args.vocab_size, (4, 33), generator=g) for _ in range(6)]
+    rows = [(t[2 * rank:2 * rank + 2, :-1].contiguous(), t[2 * rank:2 * rank + 2, 1:].contiguous()) for t in data]
+    if mode == "eager":
+        step = EagerStep(model, opt, max_norm=1.0, dp_size=size)
+    else:
+        from titan_tpu.graph import GraphStep
+
+        step = GraphStep(model, opt, max_norm=1.0, example_batch=rows[0], backend=mode, dp_size=size)
+    results = [step([b], 2e-3) for b in rows]
+    biases = {n: b.clone() for n, b in model.named_buffers() if "expert_bias" in n}
+    return {"losses": losses(results), "loads": [r.expert_load for r in results], "biases": biases,
+            "collectives": dict(step.captured.collective_counts()) if mode != "eager" else {}}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode, scan, load_balance", [("eager", False, "aux_loss"), ("aot_eager", True, "expert_bias")])
+def test_two_fully_shard_ranks_train_like_one_process(mode, scan, load_balance):
+    """Each rank computes the balancing loss on its own rows and the ranks average it (as
+    TorchTitan does), so 2 ranks of 2 rows match one process running 2 micro-batches of 2 rows."""
+    from dist_utils import run_distributed
+
+    want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=2)
+    results = run_distributed(_sharded_moe_worker, world_size=2, args=(mode, scan, load_balance), timeout_s=240)
+    for result in results:
+        for (loss, aux), (w_loss, w_aux) in zip(result["losses"], losses(want)):
+            assert abs(loss - w_loss) <= 1e-5 and abs(aux - w_aux) <= 1e-5
+        for load, w in zip(result["loads"], want):
+            assert torch.equal(load, w.expert_load)  # loads summed over the ranks
+        got = torch.cat([b.reshape(-1) for b in result["biases"].values()]) if result["biases"] else torch.zeros(0)
+        ref = torch.cat([b.reshape(-1) for b in want_biases.values()]) if want_biases else torch.zeros(0)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    if mode != "eager":
+        assert results[0]["collectives"].get("_c10d_functional.all_gather_into_tensor.default", 0) > 0

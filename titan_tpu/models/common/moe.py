@@ -1,0 +1,166 @@
+"""Mixture-of-experts feed-forward: a top-k router over SwiGLU experts, dropless and static-shaped.
+
+Routing (Qwen3-MoE, as transformers computes it): router logits = x @ gate^T (no bias), softmax
+over all experts in fp32, the top-k experts by probability (by probability + `expert_bias` when
+the auxiliary-loss-free balancing is on; the bias only chooses, it never weights), their
+probabilities renormalised to sum to one when `norm_topk_prob`.
+
+Dispatch without data-dependent shapes, so a traced step is one static graph (graph mode, XLA):
+every token's k assignments are sorted by expert (a stable argsort), the token rows are gathered
+in that order (T * k rows, whatever the routing), the per-expert row counts are a tensor (a scatter-add,
+never read into Python), the experts run as grouped matmuls over the sorted rows
+(kernels/grouped_mm.py), and the weighted outputs are added back to their tokens with index_add.
+Nothing is dropped: there is no capacity.
+
+Balancing (MoEArgs.load_balance):
+* "aux_loss": transformers' load_balancing_loss_func, E * sum_e f_e * P_e, with f_e the share of
+  assignments to expert e and P_e its mean router probability, both over every MoE layer and
+  token of the batch; added to the loss times `aux_loss_coef`.
+* "expert_bias": DeepSeek-V3's auxiliary-loss-free balancing (TorchTitan's default): a per-layer
+  bias added to the probabilities for choosing the top-k only, moved after every optimizer step by
+  `bias_update_rate * sign(mean load - load)` (`updated_expert_bias`); a buffer, so checkpoints
+  keep it.
+* "none".
+
+Each MoE layer returns, beside its output, its statistics [2, E]: tokens routed to each expert
+(no gradient) and the sum of each expert's router probability over the tokens (with gradient, for
+the auxiliary loss). The model turns them into the auxiliary loss and the expert-load metrics;
+nothing is kept in module state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from titan_tpu.kernels import KernelConfig
+
+__all__ = ["LOAD_BALANCE", "MoE", "MoEArgs", "aux_loss_from_stats", "updated_expert_bias"]
+
+LOAD_BALANCE = ("aux_loss", "expert_bias", "none")
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int
+    top_k: int
+    hidden_dim: int  # each expert's SwiGLU width (HF moe_intermediate_size)
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % decoder_sparse_step == 0 ...
+    mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)  # ... and i is not listed here
+    load_balance: str = "aux_loss"  # aux_loss | expert_bias | none
+    aux_loss_coef: float = 0.001  # HF router_aux_loss_coef
+    bias_update_rate: float = 0.001  # expert_bias step size
+
+    def __post_init__(self):
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        for name in ("num_experts", "top_k", "hidden_dim", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model moe.{name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model moe.top_k ({self.top_k}) must be <= moe.num_experts ({self.num_experts})")
+        if self.load_balance not in LOAD_BALANCE:
+            raise ValueError(f"model moe.load_balance must be one of {', '.join(LOAD_BALANCE)}, "
+                             f"got {self.load_balance!r}")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
+
+
+class Router(nn.Module):
+    """The gate: a linear map to one logit per expert (TorchTitan's name, moe.router.gate)."""
+
+    def __init__(self, dim: int, num_experts: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts, weights stacked per expert in nn.Linear's [out, in] layout:
+    w1 (gate) [E, F, D], w2 (down) [E, D, F], w3 (up) [E, F, D]."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+
+class MoE(nn.Module):
+    def __init__(self, *, dim: int, args: MoEArgs, kernels: KernelConfig | None = None):
+        super().__init__()
+        self.args = args
+        self.kernels = kernels or KernelConfig()
+        self.router = Router(dim, args.num_experts)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        if args.load_balance == "expert_bias":
+            self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x_BSD: Tensor) -> tuple[Tensor, Tensor]:
+        """(output [B, S, D], statistics [2, E]: tokens per expert, router probability sums)."""
+        E, k = self.args.num_experts, self.args.top_k
+        x_TD = x_BSD.flatten(0, 1)
+        T = x_TD.shape[0]
+        probs_TE = self.router.gate(x_TD).float().softmax(dim=-1)
+        scores_TE = probs_TE if self.expert_bias is None else probs_TE + self.expert_bias
+        chosen_TK = scores_TE.topk(k, dim=-1).indices
+        weights_TK = probs_TE.gather(1, chosen_TK)
+        if self.args.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        weights_TK = weights_TK.to(x_BSD.dtype)
+
+        # Sort the T * k assignments by expert; static shapes only.
+        expert_N = chosen_TK.flatten()  # N = T * k
+        order_N = torch.argsort(expert_N, stable=True)
+        token_N = order_N // k
+        # Counts by scatter-add (F.one_hot validates its input with a .item(), which a trace refuses).
+        group_sizes_E = torch.zeros(E, dtype=torch.int64, device=x_BSD.device).scatter_add(
+            0, expert_N, torch.ones_like(expert_N))
+        x_ND = x_TD[token_N]
+        grouped_mm = self.kernels.grouped_mm_fn(x_BSD.device.type)
+        w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3
+        h_NF = F.silu(grouped_mm(x_ND, w1.transpose(1, 2), group_sizes_E)) * grouped_mm(
+            x_ND, w3.transpose(1, 2), group_sizes_E)
+        y_ND = grouped_mm(h_NF, w2.transpose(1, 2), group_sizes_E) * weights_TK.flatten()[order_N].unsqueeze(1)
+        out_TD = torch.zeros_like(x_TD).index_add(0, token_N, y_ND)
+
+        stats_2E = torch.stack([group_sizes_E.to(torch.float32), probs_TE.sum(dim=0)])
+        return out_TD.view_as(x_BSD), stats_2E
+
+    @torch.no_grad()
+    def init_weights(self, *, std: float, depth_std: float) -> None:
+        """TorchTitan-style: router and gate/up weights N(0, std), down projection depth-scaled."""
+        for w, s in ((self.router.gate.weight, std), (self.experts.w1, std), (self.experts.w3, depth_std),
+                     (self.experts.w2, depth_std)):
+            nn.init.trunc_normal_(w, mean=0.0, std=s, a=-3 * s, b=3 * s)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+
+def aux_loss_from_stats(stats_L2E: Tensor, *, top_k: int) -> Tensor:
+    """transformers' load-balancing loss from the MoE layers' statistics [L, 2, E]:
+    E * sum_e f_e * P_e, f_e = assignments to e / (L * T), P_e = probability sum of e / (L * T),
+    with T tokens per layer (the assignments of a layer sum to T * k)."""
+    num_experts = stats_L2E.shape[-1]
+    rows = stats_L2E[:, 0].sum() / top_k  # L * T
+    tokens_per_expert_E = stats_L2E[:, 0].sum(dim=0) / rows
+    prob_per_expert_E = stats_L2E[:, 1].sum(dim=0) / rows
+    return num_experts * (tokens_per_expert_E.detach() * prob_per_expert_E).sum()
+
+
+def updated_expert_bias(bias_E: Tensor, load_E: Tensor, rate: float) -> Tensor:
+    """One step of auxiliary-loss-free balancing: raise the bias of underloaded experts, lower
+    that of overloaded ones, by `rate` (sign of the difference to the mean load)."""
+    return bias_E + rate * torch.sign(load_E.mean() - load_E)
+
+
+def active_params_per_token(*, dim: int, args: MoEArgs) -> int:
+    """Weights a token's forward touches in one MoE layer: the router and its top-k experts."""
+    return dim * args.num_experts + args.top_k * 3 * dim * args.hidden_dim
+
