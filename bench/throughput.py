@@ -275,10 +275,10 @@ def main() -> None:
             child = subprocess.run([sys.executable, __file__, *[a for a in sys.argv[1:] if a != "--memory"],
                                     "--memory-of", name], capture_output=True, text=True, check=True)
             memory[name] = json.loads(child.stdout.strip().splitlines()[-1])
-        print("peak memory of the training steps (each contender alone in a fresh process):")
+        print("peak memory (RSS) of the process during training steps, each contender alone in a fresh process:")
         for name, m in memory.items():
-            print(f"  {name:18s} resident {m['resident_gb']:.3f} GB, peak {m['peak_gb']:.3f} GB, "
-                  f"steps need {m['step_gb']:.3f} GB ({m['step_gb'] / memory[HF]['step_gb']:.2f}x transformers)")
+            print(f"  {name:18s} peak {m['peak_gb']:.3f} GB ({m['peak_gb'] / memory[HF]['peak_gb']:.2f}x transformers); "
+                  f"resident before the steps {m['resident_gb']:.3f} GB")
 
 
 if __name__ == "__main__":
