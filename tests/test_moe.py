@@ -316,11 +316,11 @@ def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_p
 
 
 # ---------------------------------------------------------------------------------------------
-# Two fully_shard ranks (SimpleFSDP shards the experts like any weight, on the expert dim)
+# Several ranks: fully_shard (SimpleFSDP shards the experts like any weight) and expert parallelism
 # ---------------------------------------------------------------------------------------------
 
 
-def _sharded_moe_worker(mode: str, scan: bool, load_balance: str) -> dict:
+def _expert_parallel_worker(mode: str, scan: bool, ep: int, load_balance: str) -> dict:
     import torch.distributed as dist
 
     from titan_tpu.models.common.transformer import Transformer
@@ -328,44 +328,99 @@ def _sharded_moe_worker(mode: str, scan: bool, load_balance: str) -> dict:
     from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 
     args = tiny_args(load_balance=load_balance)
-    mesh = ParallelDims(dp_shard=2, world_size=dist.get_world_size()).build_mesh("cpu")
+    world = dist.get_world_size()
+    dims = ParallelDims(dp_shard=world, world_size=world, ep=ep)
+    mesh, expert_mesh = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
     rank, size = dp_rank_and_size(mesh)
     with torch.device("meta"):
         model = Transformer(args, scan_layers=scan)
     model = materialize_and_init(model, mesh, mode="fully_shard", mp=MixedPrecision(), device=torch.device("cpu"),
-                                 seed=0)
+                                 seed=0, expert_mesh=expert_mesh)
+    local_experts = model.layers["0"].moe.experts.w1.shape[0] if not scan else model.layers.moe.experts.w1.shape[1]
     opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
     g = torch.Generator().manual_seed(2)
     data = [torch.randint(0, args.vocab_size, (4, 33), generator=g) for _ in range(6)]
-    rows = [(t[2 * rank:2 * rank + 2, :-1].contiguous(), t[2 * rank:2 * rank + 2, 1:].contiguous()) for t in data]
+    rows = 4 // size
+    batches = [(t[rank * rows:(rank + 1) * rows, :-1].contiguous(), t[rank * rows:(rank + 1) * rows, 1:].contiguous())
+               for t in data]
     if mode == "eager":
         step = EagerStep(model, opt, max_norm=1.0, dp_size=size)
     else:
         from titan_tpu.graph import GraphStep
 
-        step = GraphStep(model, opt, max_norm=1.0, example_batch=rows[0], backend=mode, dp_size=size)
-    results = [step([b], 2e-3) for b in rows]
+        step = GraphStep(model, opt, max_norm=1.0, example_batch=batches[0], backend=mode, dp_size=size)
+    results = [step([b], 2e-3) for b in batches]
     biases = {n: b.clone() for n, b in model.named_buffers() if "expert_bias" in n}
+    full = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in model.state_dict().items()}
+    ep_collectives = {}
+    if mode != "eager" and expert_mesh is not None:
+        ep_group = expert_mesh.get_group("ep").group_name
+        for module in step.captured.graph_module.modules():  # scan bodies are submodules
+            for node in module.graph.nodes:
+                target = str(node.target)
+                if target.startswith("_c10d_functional.") and ep_group in [str(a) for a in node.args]:
+                    op = target.split(".")[1]
+                    ep_collectives[op] = ep_collectives.get(op, 0) + 1
     return {"losses": losses(results), "loads": [r.expert_load for r in results], "biases": biases,
-            "collectives": dict(step.captured.collective_counts()) if mode != "eager" else {}}
+            "state": full, "local_experts": local_experts, "ep_collectives": ep_collectives}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode, scan, load_balance", [("eager", False, "aux_loss"), ("aot_eager", True, "expert_bias")])
-def test_two_fully_shard_ranks_train_like_one_process(mode, scan, load_balance):
-    """Each rank computes the balancing loss on its own rows and the ranks average it (as
-    TorchTitan does), so 2 ranks of 2 rows match one process running 2 micro-batches of 2 rows."""
+@pytest.mark.parametrize("world, ep, mode, scan, load_balance", [
+    (2, 1, "eager", False, "aux_loss"),
+    (2, 1, "aot_eager", True, "expert_bias"),
+    (2, 2, "eager", False, "aux_loss"),
+    (2, 2, "aot_eager", True, "expert_bias"),
+    (4, 2, "eager", True, "aux_loss"),
+    (4, 2, "aot_eager", False, "aux_loss"),
+])
+def test_several_ranks_train_like_one_process(world, ep, mode, scan, load_balance):
+    """With ep > 1 each rank holds E / ep experts and tokens travel by all-gather and
+    reduce-scatter. Each rank computes the balancing loss on its own rows and the ranks average it
+    (as TorchTitan does), so the run equals one process taking the world's rows as `world`
+    micro-batches."""
     from dist_utils import run_distributed
 
-    want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=2)
-    results = run_distributed(_sharded_moe_worker, world_size=2, args=(mode, scan, load_balance), timeout_s=240)
+    want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=world)
+    reference_model = build_model(tiny_args(load_balance=load_balance), seed=0)
+    results = run_distributed(_expert_parallel_worker, world_size=world, args=(mode, scan, ep, load_balance),
+                              timeout_s=400)
     for result in results:
+        assert result["local_experts"] == 4 // ep
         for (loss, aux), (w_loss, w_aux) in zip(result["losses"], losses(want)):
             assert abs(loss - w_loss) <= 1e-5 and abs(aux - w_aux) <= 1e-5
         for load, w in zip(result["loads"], want):
-            assert torch.equal(load, w.expert_load)  # loads summed over the ranks
+            assert torch.equal(load, w.expert_load)
         got = torch.cat([b.reshape(-1) for b in result["biases"].values()]) if result["biases"] else torch.zeros(0)
         ref = torch.cat([b.reshape(-1) for b in want_biases.values()]) if want_biases else torch.zeros(0)
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
-    if mode != "eager":
-        assert results[0]["collectives"].get("_c10d_functional.all_gather_into_tensor.default", 0) > 0
+    assert set(results[0]["state"]) == set(reference_model.state_dict())  # per-layer names, full experts
+    if mode != "eager" and 1 < ep < world:  # (with ep == world the ep group is SimpleFSDP's group too)
+        # On the ep group, per MoE layer (once per scan body when scanned): the forward all-gathers
+        # tokens, choices and weights and reduce-scatters outputs; the backward mirrors the two
+        # differentiable ones (reduce-scatter x 2) and the combine (all-gather). Plus one all-reduce:
+        # the experts' share of the gradient norm, summed over the ep axis.
+        layers = 1 if scan else tiny_args().num_moe_layers
+        assert results[0]["ep_collectives"] == {"all_gather_into_tensor": 4 * layers, "reduce_scatter_tensor": 3 * layers,
+                                                "all_reduce": 1}, results[0]["ep_collectives"]
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_checkpoint_resumes_on_one_process(tmp_path, data_cache):
+    """torchrun, 2 ranks with --parallelism.ep 2: each rank saves its own experts; one process
+    resumes from that checkpoint (resharded to whole experts) and goes on."""
+    from test_train_dist import losses as run_losses
+    from test_train_dist import overrides, train as run_train
+
+    from titan_tpu.train.checkpoint import load_full_state_dict
+
+    run = tmp_path / "run"
+    args = dict(model__name="qwen3_moe", checkpoint__interval=3)  # the debug flavor of qwen3_moe
+    first = run_train(2, overrides(run, data_cache, training__steps=6, training__batch_size=2,
+                                   parallelism__ep=2, **args))
+    assert "expert parallel: 2" in first.stdout
+    saved = load_full_state_dict(run / "checkpoints" / "step-00000006")
+    assert saved["layers.0.moe.experts.w1"].shape == (8, 128, 256)  # whole, gathered from both ranks
+    done = run_train(1, overrides(run, data_cache, training__batch_size=4, **args))
+    assert "resumed from" in done.stdout and "step-00000006" in done.stdout
+    assert sorted(run_losses(run)) == list(range(1, 21))

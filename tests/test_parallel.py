@@ -183,6 +183,9 @@ def test_parallel_dims_resolves_dp_shard_and_mode():
         (dict(dp_replicate=2, dp_shard=2, world_size=8), r"\(2\) \* --parallelism.dp_shard \(2\) must equal the "
                                                          r"world size \(8\)"),
         (dict(world_size=0), r"world size must be >= 1"),
+        (dict(world_size=4, ep=3), r"--parallelism.ep \(3\) must divide --parallelism.dp_shard \(4\)"),
+        (dict(world_size=4, dp_replicate=2, ep=2), r"--parallelism.ep > 1 with --parallelism.dp_replicate > 1"),
+        (dict(world_size=2, ep=0), r"--parallelism.ep must be >= 1"),
     ],
 )
 def test_parallel_dims_errors(kwargs, match):

@@ -71,6 +71,9 @@ class ParallelismConfig:
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: all ranks that dp_replicate leaves
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype gradients are reduced in
+    # Expert parallelism (MoE models): experts spread over groups of ep ranks; ep divides dp_shard
+    # and the number of experts. Tokens reach their experts by all-gather + reduce-scatter.
+    ep: int = 1
 
 
 @dataclass
@@ -329,6 +332,15 @@ def validate(cfg: Config) -> None:
     if cfg.parallelism.dp_replicate < 1 or (cfg.parallelism.dp_shard < 1 and cfg.parallelism.dp_shard != -1):
         raise ValueError(f"parallelism.dp_replicate = {cfg.parallelism.dp_replicate} and parallelism.dp_shard = "
                          f"{cfg.parallelism.dp_shard} must be >= 1 (dp_shard may be -1: the remaining ranks)")
+    ep = cfg.parallelism.ep
+    if ep < 1:
+        raise ValueError(f"parallelism.ep = {ep} must be >= 1")
+    if ep > 1 and model_args.moe is None:
+        raise ValueError(f"parallelism.ep = {ep} spreads MoE experts; {cfg.model.name}/{cfg.model.flavor} has none: "
+                         "remove it or use a qwen3_moe model")
+    if ep > 1 and model_args.moe.num_experts % ep != 0:
+        raise ValueError(f"parallelism.ep = {ep} must divide the {model_args.moe.num_experts} experts of "
+                         f"{cfg.model.name}/{cfg.model.flavor}")
     if t.mode == "graph" and t.grad_accum_steps != 1:
         raise ValueError(f"training.mode = graph runs one micro-batch per step for now; set training.grad_accum_steps "
                          f"= 1 (got {t.grad_accum_steps}) or use training.mode = eager")

@@ -5,8 +5,10 @@ Contract of every implementation::
     grouped_mm(x_TD, w_EDF, group_sizes_E) -> y_TF
 
 The rows of `x_TD` are sorted by group: the first group_sizes[0] rows go through w[0], the next
-group_sizes[1] through w[1], and so on (sum(group_sizes) == T, static shapes throughout: the sizes
-are a tensor, never read into Python). `w_EDF` may be a transposed view of weights stored
+group_sizes[1] through w[1], and so on; rows past sum(group_sizes) give zeros (as JAX's and
+TorchTPU's ragged_dot do), so a caller can run only some experts over a fixed-size buffer, as
+expert parallelism does. Static shapes throughout: the sizes are a tensor, never read into Python
+by a traced graph. `w_EDF` may be a transposed view of weights stored
 [E, F, D] (nn.Linear's layout).
 
 * reference: every row through every expert (one matmul against all experts side by side), then
@@ -45,8 +47,9 @@ def group_ids(group_sizes_E: Tensor, num_rows: int) -> Tensor:
 def reference_grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
     E, D, Fd = w_EDF.shape
     all_TEF = (x_TD @ w_EDF.permute(1, 0, 2).reshape(D, E * Fd)).view(-1, E, Fd)
-    rows_T = group_ids(group_sizes_E, x_TD.shape[0]).clamp(max=E - 1)
-    return all_TEF.gather(1, rows_T.view(-1, 1, 1).expand(-1, 1, Fd)).squeeze(1)
+    group_T = group_ids(group_sizes_E, x_TD.shape[0])
+    mine_TF = all_TEF.gather(1, group_T.clamp(max=E - 1).view(-1, 1, 1).expand(-1, 1, Fd)).squeeze(1)
+    return mine_TF * (group_T < E).unsqueeze(1)  # rows past the last group: zeros
 
 
 # -- torch's grouped GEMM as a custom op with a fake kernel ------------------------------------
@@ -58,7 +61,12 @@ def _offsets(group_sizes_E: Tensor) -> Tensor:
 
 @torch.library.custom_op("titan_tpu::grouped_mm", mutates_args=())
 def _torch_grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
-    return F.grouped_mm(x_TD, w_EDF, offs=_offsets(group_sizes_E))
+    offsets = _offsets(group_sizes_E)
+    y_TF = F.grouped_mm(x_TD, w_EDF, offs=offsets)
+    # The kernel leaves rows past the last group unwritten: zero them (an opaque op may read the
+    # total; a traced graph only sees the op).
+    y_TF[int(offsets[-1]):] = 0
+    return y_TF
 
 
 @_torch_grouped_mm.register_fake

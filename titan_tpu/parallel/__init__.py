@@ -1,4 +1,5 @@
-"""Parallelism: device mesh sizes (mesh.py) and SimpleFSDP data parallelism (simple_fsdp.py)."""
+"""Parallelism: device mesh sizes (mesh.py), SimpleFSDP data parallelism (simple_fsdp.py) and MoE
+expert parallelism (expert_parallel.py)."""
 
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import (

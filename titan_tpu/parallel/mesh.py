@@ -1,7 +1,8 @@
 """Parallelism sizes and the device mesh built from them.
 
-Only data parallelism exists today (replicate, fully shard, or both = hybrid shard). The sizes
-are validated here, once, so every later piece can trust them; tensor/context/expert/pipeline
+Data parallelism (replicate, fully shard, or both = hybrid shard) and expert parallelism, which
+is carved out of the fully sharded axis (ep divides dp_shard; parallel/expert_parallel.py). The
+sizes are validated here, once, so every later piece can trust them; tensor/context/pipeline
 axes will join `ParallelDims` as further factors of the world size.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titan_tpu.parallel.expert_parallel import build_expert_mesh
 
 __all__ = ["ParallelDims", "dp_rank_and_size", "DP_AXES"]
 
@@ -23,6 +26,7 @@ class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever the world size leaves after the other axes (TorchTitan)
     world_size: int = 1
+    ep: int = 1  # expert parallelism: MoE experts spread over groups of ep of the dp_shard ranks
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -39,6 +43,14 @@ class ParallelDims:
         if self.dp_replicate * self.dp_shard != self.world_size:
             raise ValueError(f"--parallelism.dp_replicate ({self.dp_replicate}) * --parallelism.dp_shard "
                              f"({self.dp_shard}) must equal the world size ({self.world_size}); change one of them")
+        if self.ep < 1:
+            raise ValueError(f"--parallelism.ep must be >= 1, got {self.ep}")
+        if self.ep > 1 and self.dp_shard % self.ep != 0:
+            raise ValueError(f"--parallelism.ep ({self.ep}) must divide --parallelism.dp_shard ({self.dp_shard}): "
+                             "expert parallelism is carved out of the fully sharded ranks")
+        if self.ep > 1 and self.dp_replicate > 1:
+            raise ValueError("--parallelism.ep > 1 with --parallelism.dp_replicate > 1 is not supported yet; "
+                             "use dp_replicate 1")
 
     @property
     def dp_size(self) -> int:
@@ -64,6 +76,13 @@ class ParallelDims:
         # Keep only the axes in use: a size-1 axis would only add an empty collective per layer.
         axes = tuple(a for a in DP_AXES if shape_by_axis[a] > 1)
         return init_device_mesh(device_type, tuple(shape_by_axis[a] for a in axes), mesh_dim_names=axes)
+
+
+    def build_expert_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The (dp_shard / ep, ep) mesh the MoE experts live on, or None without expert parallelism."""
+        if self.ep == 1:
+            return None
+        return build_expert_mesh(device_type, dp_shard=self.dp_shard, ep=self.ep)
 
 
 def dp_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:

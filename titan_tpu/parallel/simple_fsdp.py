@@ -10,6 +10,10 @@ graph nodes when the step is traced, where a compiler can bucket, overlap or reo
 
 Gradients land on the stored parameters as DTensors with the parameters' placements, so
 clipping and the optimizer run on local shards (optimizer state is sharded like its parameter).
+
+With expert parallelism (an `expert_mesh`, parallel/expert_parallel.py) the MoE expert weights
+live on that mesh instead, sharded over `ep` by expert, and reading one gathers only the other
+axis: a rank computes with its own experts, whole.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
+from titan_tpu.models.common.moe import EXPERT_MARKER  # set on modules holding MoE expert weights
 from titan_tpu.models.common.scan import STACKED_MARKER  # set on modules holding stacked layers
+from titan_tpu.parallel.expert_parallel import ExpertParallelDispatch, expert_placements
 
 __all__ = ["MixedPrecision", "data_parallel", "default_mixed_precision", "local_bytes", "materialize_and_init", "MODES"]
 
@@ -75,15 +81,25 @@ def _module_placements(module: nn.Module, placements: tuple[Placement, ...]) -> 
     return tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements)
 
 
-def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_data_rank: int | None) -> None:
+def _module_layout(module: nn.Module, mesh: DeviceMesh, placements: tuple[Placement, ...],
+                   expert_mesh: DeviceMesh | None) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """Where `module`'s own parameters live: expert weights on the expert mesh under expert
+    parallelism, everything else on the data-parallel mesh."""
+    if expert_mesh is not None and getattr(module, EXPERT_MARKER, False):
+        return expert_mesh, expert_placements(stacked=getattr(module, STACKED_MARKER, False))
+    return mesh, _module_placements(module, placements)
+
+
+def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_data_rank: int | None,
+                       expert_mesh: DeviceMesh | None = None) -> None:
     """Replace every plain parameter of `module` (recursively) by an nn.Parameter holding a DTensor.
 
     src_data_rank=None: every rank already holds the same full values and keeps its own slice
     without communicating; an int: that rank's values are scattered/broadcast to the others.
     """
-    module_placements = placements
+    module_placements, dp_mesh = placements, mesh
     for sub in module.modules():
-        placements = _module_placements(sub, module_placements)
+        mesh, placements = _module_layout(sub, dp_mesh, module_placements, expert_mesh)
         for name, param in list(sub._parameters.items()):
             if param is None or isinstance(param, DTensor):
                 continue
@@ -105,14 +121,19 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_d
 
 
 def _replicate_for_compute(param: DTensor, mp: MixedPrecision) -> torch.Tensor:
-    ndim = param.device_mesh.ndim
+    # Expert weights keep their expert-parallel shard (this rank's experts); every other axis is
+    # gathered whole.
+    axes = param.device_mesh.mesh_dim_names or ()
+    keep = [name == "ep" for name in axes] if "ep" in axes else [False] * param.device_mesh.ndim
     full = param.redistribute(
-        placements=[Replicate()] * ndim, forward_dtype=mp.param_dtype, backward_dtype=mp.reduce_dtype
+        placements=[p if k else Replicate() for p, k in zip(param.placements, keep)],
+        forward_dtype=mp.param_dtype, backward_dtype=mp.reduce_dtype,
     )
     # Each rank's gradient w.r.t. the full weight covers only its own micro-batch rows: a partial
     # sum. Declaring it Partial makes the backward reduce it into the parameter's placements
-    # (reduce-scatter on a Shard axis, all-reduce on a Replicate axis).
-    return full.to_local(grad_placements=[Partial()] * ndim)
+    # (reduce-scatter on a Shard axis, all-reduce on a Replicate axis). On the ep axis each rank's
+    # gradient is already its experts' own: it stays sharded.
+    return full.to_local(grad_placements=[p if k else Partial() for p, k in zip(param.placements, keep)])
 
 
 _PARAMETRIZED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -144,22 +165,30 @@ def _parametrize_module(module: nn.Module, mp: MixedPrecision) -> None:
     module.__class__ = _PARAMETRIZED_CLASSES[key]
 
 
-def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPrecision) -> nn.Module:
-    """Make `model` data parallel on `mesh` in place (and return it).
+def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPrecision,
+                  expert_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Make `model` data parallel on `mesh` in place (and return it); with `expert_mesh`, its MoE
+    experts expert-parallel on that mesh (parallel/expert_parallel.py).
 
     Parameters that are still plain tensors are distributed from rank 0 (so ranks need not agree
     beforehand); ones that are already DTensors (see `materialize_and_init`) are kept as they are.
     """
     placements = _placements(mode, mesh)
-    _distribute_params(model, mesh, placements, src_data_rank=0)
+    if expert_mesh is not None and mode != "fully_shard":
+        raise ValueError("expert parallelism (--parallelism.ep > 1) needs fully sharded data parallelism: "
+                         "set --parallelism.dp_replicate 1")
+    _distribute_params(model, mesh, placements, src_data_rank=0, expert_mesh=expert_mesh)
     for sub_name, sub in model.named_modules():
+        want_mesh, want = _module_layout(sub, mesh, placements, expert_mesh)
         for pname, param in sub.named_parameters(recurse=False):
             name = f"{sub_name}.{pname}" if sub_name else pname
-            if param.device_mesh != mesh or tuple(param.placements) != _module_placements(sub, placements):
+            if param.device_mesh != want_mesh or tuple(param.placements) != want:
                 raise ValueError(f"parameter {name} is already distributed as {param.placements}; data_parallel "
-                                 f"expects {placements} (mode {mode!r}): build the model again for another layout")
+                                 f"expects {want} (mode {mode!r}): build the model again for another layout")
     for sub in model.modules():
         _parametrize_module(sub, mp)
+    if expert_mesh is not None:
+        model.expert_dispatch.dispatch = ExpertParallelDispatch(expert_mesh)
     return model
 
 
@@ -170,7 +199,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPre
 
 @torch.no_grad()
 def materialize_and_init(
-    model: nn.Module, mesh: DeviceMesh | None, *, mode: str, mp: MixedPrecision, device: torch.device, seed: int
+    model: nn.Module, mesh: DeviceMesh | None, *, mode: str, mp: MixedPrecision, device: torch.device, seed: int,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Initialise a meta-device Transformer on `device`, sharded on `mesh` (plain when None).
 
@@ -193,11 +223,11 @@ def materialize_and_init(
     for _, piece, init in model.init_plan():
         piece.to_empty(device=device)
         init()
-        _distribute_params(piece, mesh, placements, src_data_rank=None)
+        _distribute_params(piece, mesh, placements, src_data_rank=None, expert_mesh=expert_mesh)
     model.init_buffers(device)  # RoPE table: cheap, recomputed whole on every rank
     leftover = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     assert not leftover, f"init_plan missed parameters: {leftover}"
-    return data_parallel(model, mesh, mode=mode, mp=mp)
+    return data_parallel(model, mesh, mode=mode, mp=mp, expert_mesh=expert_mesh)
 
 
 def local_bytes(tensors) -> int:

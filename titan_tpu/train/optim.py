@@ -58,12 +58,13 @@ def adamw_init(params: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
 
 
 def _group_names(names: list[str], params: dict[str, Tensor], extra_key=None) -> list[list[str]]:
-    """Split names into groups sharing device and dtype (one foreach call needs both equal),
-    and optionally `extra_key(name)` too."""
+    """Split names into groups sharing device, dtype and, for DTensors, mesh (one foreach call
+    needs them equal; expert parallelism puts the experts on a mesh of their own), and optionally
+    `extra_key(name)` too."""
     groups: dict[tuple, list[str]] = {}
     for name in names:
         p = params[name]
-        key = (p.device, p.dtype, extra_key(name) if extra_key else None)
+        key = (p.device, p.dtype, getattr(p, "device_mesh", None), extra_key(name) if extra_key else None)
         groups.setdefault(key, []).append(name)
     return list(groups.values())
 
@@ -153,14 +154,19 @@ def grad_norm(grads: dict[str, Tensor]) -> Tensor:
     names = list(grads)
     if not names:
         return torch.zeros(())
-    norms = []
+    norms_by_mesh: dict[object, list[Tensor]] = {}
     for group in _group_names(names, grads):
-        norms.extend(torch._foreach_norm([grads[n] for n in group], 2, dtype=torch.float32))
+        mesh = getattr(grads[group[0]], "device_mesh", None)
+        norms_by_mesh.setdefault(mesh, []).extend(
+            torch._foreach_norm([grads[n] for n in group], 2, dtype=torch.float32))
     first_device = grads[names[0]].device
-    total_norm = torch.linalg.vector_norm(torch.stack([t.to(first_device) for t in norms]), 2)
-    if hasattr(total_norm, "full_tensor"):  # DTensor grads: a sharded norm must be reduced
-        total_norm = total_norm.full_tensor()
-    return total_norm
+    totals = []
+    for norms in norms_by_mesh.values():  # one mesh unless expert parallelism adds the experts' own
+        total_norm = torch.linalg.vector_norm(torch.stack([t.to(first_device) for t in norms]), 2)
+        if hasattr(total_norm, "full_tensor"):  # DTensor grads: a sharded norm must be reduced
+            total_norm = total_norm.full_tensor()
+        totals.append(total_norm)
+    return totals[0] if len(totals) == 1 else torch.linalg.vector_norm(torch.stack(totals), 2)
 
 
 def _scale_grads(grads: dict[str, Tensor], coef: Tensor, *, inplace: bool) -> dict[str, Tensor]:

@@ -67,8 +67,9 @@ class Trainer:
         self.rank, self.world_size = init_distributed(self.backend)
         self.is_main = self.rank == 0
         self.parallel_dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
-                                          world_size=self.world_size)
+                                          world_size=self.world_size, ep=p.ep)
         self.mesh = self.parallel_dims.build_mesh(self.backend.device.type)
+        self.expert_mesh = self.parallel_dims.build_expert_mesh(self.backend.device.type)
         dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
         torch.manual_seed(t.seed)
         # A kernel that cannot run on this device is a one-line error now, not at the first step.
@@ -140,7 +141,7 @@ class Trainer:
             model = Transformer(args, **options)
         mp = MixedPrecision(param_dtype=dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
         return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode, mp=mp,
-                                    device=self.backend.device, seed=seed)
+                                    device=self.backend.device, seed=seed, expert_mesh=self.expert_mesh)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -275,7 +276,8 @@ class Trainer:
         peak = self.backend.peak_flops()
         self.log(f"model {cfg.model.name}/{cfg.model.flavor}: {_num_params(self.model):,} params, "
                  f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {cfg.training.seq_len}; "
-                 f"{self.world_size} rank(s), data parallel: {self.parallel_dims.mode}; "
+                 f"{self.world_size} rank(s), data parallel: {self.parallel_dims.mode}"
+                 f"{f', expert parallel: {self.parallel_dims.ep}' if self.parallel_dims.ep > 1 else ''}; "
                  f"MFU peak per device: {self.backend.peak_description()}")
 
         last_val, stopped_by = None, None

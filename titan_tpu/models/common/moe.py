@@ -7,10 +7,12 @@ probabilities renormalised to sum to one when `norm_topk_prob`.
 
 Dispatch without data-dependent shapes, so a traced step is one static graph (graph mode, XLA):
 every token's k assignments are sorted by expert (a stable argsort), the token rows are gathered
-in that order (T * k rows, whatever the routing), the per-expert row counts are a tensor (a scatter-add,
-never read into Python), the experts run as grouped matmuls over the sorted rows
+in that order (T * k rows, whatever the routing), the per-expert row counts are a tensor (a
+scatter-add, never read into Python), the experts run as grouped matmuls over the sorted rows
 (kernels/grouped_mm.py), and the weighted outputs are added back to their tokens with index_add.
-Nothing is dropped: there is no capacity.
+Nothing is dropped: there is no capacity. Under expert parallelism an `ExpertDispatch` brings the
+ep group's tokens to this rank's experts and sums the partial outputs back
+(parallel/expert_parallel.py); the layer itself only sorts its own experts' rows first.
 
 Balancing (MoEArgs.load_balance):
 * "aux_loss": transformers' load_balancing_loss_func, E * sum_e f_e * P_e, with f_e the share of
@@ -38,7 +40,12 @@ from torch import Tensor, nn
 
 from titan_tpu.kernels import KernelConfig
 
-__all__ = ["LOAD_BALANCE", "MoE", "MoEArgs", "aux_loss_from_stats", "updated_expert_bias"]
+__all__ = ["EXPERT_MARKER", "LOAD_BALANCE", "ExpertDispatch", "ExpertDispatchSlot", "MoE", "MoEArgs",
+           "aux_loss_from_stats", "updated_expert_bias"]
+
+# Attribute set to True on modules holding expert weights: parallel/simple_fsdp.py reads it to lay
+# them out for expert parallelism (models never import parallel/).
+EXPERT_MARKER = "_expert_weights"
 
 LOAD_BALANCE = ("aux_loss", "expert_bias", "none")
 
@@ -71,6 +78,29 @@ class MoEArgs:
         return layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
 
 
+class ExpertDispatch:
+    """How an MoE layer's tokens reach its experts. This default: every expert is on this rank, so
+    nothing moves. Expert parallelism installs one with the same methods that gathers the ep
+    group's tokens and sums partial outputs back (parallel/expert_parallel.py)."""
+
+    def first_local_expert(self, num_experts: int) -> int:
+        return 0
+
+    def gather(self, x_TD: Tensor, chosen_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return x_TD, chosen_TK, weights_TK
+
+    def combine(self, out_ND: Tensor) -> Tensor:
+        return out_ND
+
+
+class ExpertDispatchSlot:
+    """One holder shared by every MoE layer of a model (and by the block templates that scan and
+    checkpointing run), so that parallelising the model swaps the dispatch in one place."""
+
+    def __init__(self):
+        self.dispatch: ExpertDispatch = ExpertDispatch()
+
+
 class Router(nn.Module):
     """The gate: a linear map to one logit per expert (TorchTitan's name, moe.router.gate)."""
 
@@ -85,16 +115,19 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
+        setattr(self, EXPERT_MARKER, True)
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
 
 class MoE(nn.Module):
-    def __init__(self, *, dim: int, args: MoEArgs, kernels: KernelConfig | None = None):
+    def __init__(self, *, dim: int, args: MoEArgs, kernels: KernelConfig | None = None,
+                 dispatch_slot: ExpertDispatchSlot | None = None):
         super().__init__()
         self.args = args
         self.kernels = kernels or KernelConfig()
+        self.dispatch_slot = dispatch_slot or ExpertDispatchSlot()
         self.router = Router(dim, args.num_experts)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
         if args.load_balance == "expert_bias":
@@ -114,24 +147,31 @@ class MoE(nn.Module):
         if self.args.norm_topk_prob:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         weights_TK = weights_TK.to(x_BSD.dtype)
+        # Statistics of this rank's own routing (before any dispatch).
+        tokens_per_expert_E = _counts(chosen_TK.flatten(), E)
+        stats_2E = torch.stack([tokens_per_expert_E.to(torch.float32), probs_TE.sum(dim=0)])
 
-        # Sort the T * k assignments by expert; static shapes only.
-        expert_N = chosen_TK.flatten()  # N = T * k
-        order_N = torch.argsort(expert_N, stable=True)
+        # To the experts: under expert parallelism the ep group's tokens, else this rank's.
+        dispatch = self.dispatch_slot.dispatch
+        x_MD, chosen_MK, weights_MK = dispatch.gather(x_TD, chosen_TK, weights_TK)
+        w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3  # this rank's experts
+        num_local = w1.shape[0]
+        first = dispatch.first_local_expert(E)
+
+        # Sort the M * k assignments by expert, this rank's experts first (numbered from `first`,
+        # modulo E), so they are a prefix whose groups the grouped matmul runs; rows of other
+        # ranks' experts fall past the last group and give zeros. Static shapes only.
+        key_N = (chosen_MK.flatten() - first) % E  # N = M * k
+        order_N = torch.argsort(key_N, stable=True)
         token_N = order_N // k
-        # Counts by scatter-add (F.one_hot validates its input with a .item(), which a trace refuses).
-        group_sizes_E = torch.zeros(E, dtype=torch.int64, device=x_BSD.device).scatter_add(
-            0, expert_N, torch.ones_like(expert_N))
-        x_ND = x_TD[token_N]
+        group_sizes_L = _counts(key_N, E)[:num_local]
+        x_ND = x_MD[token_N]
         grouped_mm = self.kernels.grouped_mm_fn(x_BSD.device.type)
-        w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3
-        h_NF = F.silu(grouped_mm(x_ND, w1.transpose(1, 2), group_sizes_E)) * grouped_mm(
-            x_ND, w3.transpose(1, 2), group_sizes_E)
-        y_ND = grouped_mm(h_NF, w2.transpose(1, 2), group_sizes_E) * weights_TK.flatten()[order_N].unsqueeze(1)
-        out_TD = torch.zeros_like(x_TD).index_add(0, token_N, y_ND)
-
-        stats_2E = torch.stack([group_sizes_E.to(torch.float32), probs_TE.sum(dim=0)])
-        return out_TD.view_as(x_BSD), stats_2E
+        h_NF = F.silu(grouped_mm(x_ND, w1.transpose(1, 2), group_sizes_L)) * grouped_mm(
+            x_ND, w3.transpose(1, 2), group_sizes_L)
+        y_ND = grouped_mm(h_NF, w2.transpose(1, 2), group_sizes_L) * weights_MK.flatten()[order_N].unsqueeze(1)
+        out_MD = torch.zeros_like(x_MD).index_add(0, token_N, y_ND)
+        return dispatch.combine(out_MD).view_as(x_BSD), stats_2E
 
     @torch.no_grad()
     def init_weights(self, *, std: float, depth_std: float) -> None:
@@ -141,6 +181,12 @@ class MoE(nn.Module):
             nn.init.trunc_normal_(w, mean=0.0, std=s, a=-3 * s, b=3 * s)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
+
+
+def _counts(ids_N: Tensor, n: int) -> Tensor:
+    """How many of `ids_N` equal each of 0..n-1 ([n] int64), static-shaped: a scatter-add, not
+    bincount (whose length depends on the data) nor F.one_hot (which validates with an .item())."""
+    return torch.zeros(n, dtype=torch.int64, device=ids_N.device).scatter_add(0, ids_N, torch.ones_like(ids_N))
 
 
 def aux_loss_from_stats(stats_L2E: Tensor, *, top_k: int) -> Tensor:

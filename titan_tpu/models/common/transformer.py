@@ -20,7 +20,7 @@ from titan_tpu.kernels import KernelConfig, document_ids_from_positions
 from titan_tpu.models.common.attention import Attention
 from titan_tpu.models.common.feed_forward import FeedForward
 from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
-from titan_tpu.models.common.moe import MoE, MoEArgs, aux_loss_from_stats, updated_expert_bias
+from titan_tpu.models.common.moe import ExpertDispatchSlot, MoE, MoEArgs, aux_loss_from_stats, updated_expert_bias
 from titan_tpu.models.common.norms import RMSNorm
 from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.rope import RopeScaling, apply_rope, apply_rope_real, rope_cache, rope_rows
@@ -111,7 +111,7 @@ class TransformerBlock(nn.Module):
     dense block, so every block has one signature (loops, checkpointing and scan stay uniform)."""
 
     def __init__(self, args: TransformerArgs, *, rope_fn=apply_rope, kernels: KernelConfig | None = None,
-                 moe_layer: bool = False):
+                 moe_layer: bool = False, dispatch_slot: ExpertDispatchSlot | None = None):
         super().__init__()
         self.attention = Attention(
             dim=args.dim,
@@ -124,7 +124,7 @@ class TransformerBlock(nn.Module):
             kernels=kernels,
         )
         if moe_layer:
-            self.moe = MoE(dim=args.dim, args=args.moe, kernels=kernels)
+            self.moe = MoE(dim=args.dim, args=args.moe, kernels=kernels, dispatch_slot=dispatch_slot)
             self.feed_forward = None
         else:
             self.feed_forward = FeedForward(dim=args.dim, hidden_dim=args.ffn_hidden_dim)
@@ -163,6 +163,8 @@ class Transformer(nn.Module):
         self.args = args
         self.scan_layers = scan_layers
         self.kernels = kernels = kernels or KernelConfig()
+        # One dispatch holder for every MoE layer and block template (expert parallelism swaps it).
+        self.expert_dispatch = slot = ExpertDispatchSlot()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         moe_layers = [args.is_moe_layer(i) for i in range(args.n_layers)]
         if scan_layers:
@@ -170,12 +172,14 @@ class Transformer(nn.Module):
                 raise ValueError("model.scan_layers needs identical blocks, but this model mixes dense and MoE "
                                  "layers (moe.decoder_sparse_step / moe.mlp_only_layers); set scan_layers false")
             self.layers = StackedBlocks(functools.partial(TransformerBlock, args, rope_fn=apply_rope_real,
-                                                          kernels=kernels, moe_layer=moe_layers[0]),
+                                                          kernels=kernels, moe_layer=moe_layers[0],
+                                                          dispatch_slot=slot),
                                         args.n_layers, init_layer=_init_block_at, ac_mode=ac_mode)
         else:
             # A ModuleDict keyed "0".."L-1" (as TorchTitan) keeps layer names stable when a
             # pipeline stage deletes the layers it does not own.
-            self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels=kernels, moe_layer=moe)
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels=kernels, moe_layer=moe,
+                                                                  dispatch_slot=slot)
                                          for i, moe in enumerate(moe_layers)})
             # Checkpointed blocks run as functions of their weights, so that the recomputation in
             # the backward uses the same weights (see functional_block.py); one template per kind.
@@ -183,7 +187,7 @@ class Transformer(nn.Module):
             if ac_mode != "none":
                 for moe in set(moe_layers):
                     block_fn = FunctionalBlock(functools.partial(TransformerBlock, args, kernels=kernels,
-                                                                 moe_layer=moe))
+                                                                 moe_layer=moe, dispatch_slot=slot))
                     self._checkpointed_blocks[moe] = (block_fn.param_names, checkpointed(block_fn, ac_mode))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = (
