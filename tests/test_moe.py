@@ -320,6 +320,9 @@ def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_p
 # ---------------------------------------------------------------------------------------------
 
 
+PARALLEL_STEPS = 20
+
+
 def _expert_parallel_worker(mode: str, scan: bool, ep: int, load_balance: str) -> dict:
     import torch.distributed as dist
 
@@ -339,7 +342,7 @@ def _expert_parallel_worker(mode: str, scan: bool, ep: int, load_balance: str) -
     local_experts = model.layers["0"].moe.experts.w1.shape[0] if not scan else model.layers.moe.experts.w1.shape[1]
     opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
     g = torch.Generator().manual_seed(2)
-    data = [torch.randint(0, args.vocab_size, (4, 33), generator=g) for _ in range(6)]
+    data = [torch.randint(0, args.vocab_size, (4, 33), generator=g) for _ in range(PARALLEL_STEPS)]
     rows = 4 // size
     batches = [(t[rank * rows:(rank + 1) * rows, :-1].contiguous(), t[rank * rows:(rank + 1) * rows, 1:].contiguous())
                for t in data]
@@ -381,7 +384,7 @@ def test_several_ranks_train_like_one_process(world, ep, mode, scan, load_balanc
     micro-batches."""
     from dist_utils import run_distributed
 
-    want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=world)
+    want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=world, steps=PARALLEL_STEPS)
     reference_model = build_model(tiny_args(load_balance=load_balance), seed=0)
     results = run_distributed(_expert_parallel_worker, world_size=world, args=(mode, scan, ep, load_balance),
                               timeout_s=400)

@@ -132,8 +132,13 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache):
-    args = dict(training__deterministic="true", checkpoint__interval=5)
+@pytest.mark.parametrize("model", [
+    {},
+    # A mixture of experts with auxiliary-loss-free balancing: the expert biases are state too.
+    {"model__name": "qwen3_moe", "model__moe_load_balance": "expert_bias"},
+], ids=["llama3", "qwen3_moe"])
+def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache, model):
+    args = dict(training__deterministic="true", checkpoint__interval=5, **model)
     straight = tmp_path / "straight"
     train(1, overrides(straight, cache, **args))
 
