@@ -88,12 +88,7 @@ class KernelConfig:
 
 @functools.cache
 def _resolve(op: Op, choice: str, device_type: str, needs: frozenset[str]) -> Impl:
-    # Keyed lookups with the documents-specific preference first; cached: this runs per call.
-    preference = op.preference
-    key = f"{device_type}+{'+'.join(sorted(needs))}" if needs else device_type
-    if key in preference and key != device_type:
-        op = Op(op.name, op.config_key, op.impls, {device_type: preference[key]})
-    return op.resolve(choice, device_type, needs)
+    return op.resolve(choice, device_type, needs)  # cached: model code resolves on every call
 
 
 def describe(device_type: str) -> str:

@@ -67,7 +67,9 @@ class Op:
                              f"use auto or one of {', '.join(self.impls)}")
 
     def resolve(self, choice: str, device_type: str, needs: frozenset[str] = frozenset()) -> Impl:
-        """The implementation to run for `choice` ("auto" or a name) on `device_type`."""
+        """The implementation to run for `choice` ("auto" or a name) on `device_type`. For auto
+        the preference list is the one for "<device>+<needs>" when there is one (e.g.
+        "cuda+documents"), else the device's."""
         self.check_name(choice)
         if choice != "auto":
             impl = self.impls[choice]
@@ -76,7 +78,8 @@ class Op:
                 raise ValueError(f"{self.config_key} = {choice} cannot run here ({reason}); "
                                  f"available on {device_type}: {', '.join(self.available(device_type, needs))}")
             return impl
-        for name in self.preference.get(device_type, []):
+        specific = f"{device_type}+{'+'.join(sorted(needs))}"
+        for name in self.preference.get(specific, self.preference.get(device_type, [])):
             if self.impls[name].why_not(device_type, needs) is None:
                 return self.impls[name]
         raise ValueError(f"{self.config_key}: no implementation runs on {device_type}"
