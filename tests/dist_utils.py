@@ -9,17 +9,16 @@ a module-level function (spawned processes import it by name) and return somethi
 re-raised here with that rank's traceback; a hang is killed after `timeout_s`.
 
 The rendezvous store (a TCPStore server) lives in this, the parent, process and the ranks are its
-clients, as under torchrun, whose agent hosts the store. Two reasons. A rank that hosts the store
-server keeps its thread ("pt_tcpstore_uv") alive until the process exits whenever a DeviceMesh
-exists (docs/known-issues.md: with a DeviceMesh, destroy_process_group() leaves the gloo group and
-the store alive, so they are torn down in interpreter shutdown), and the store server was the one
-difference between these tests and the torchrun runs that never aborted. And the OS picks the
-port when the server binds it, so no other process can take it in between.
+clients, as under torchrun, whose agent hosts the store: the OS picks the port as the server binds
+it, so no other process can take it in between, and no rank runs a store server thread. A rank
+that finished leaves with os._exit, skipping interpreter finalization, which a gloo worker thread
+can abort (docs/known-issues.md, 1b).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -56,6 +55,13 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    # Leave without interpreter finalization (the result is on disk): a gloo worker thread still
+    # releasing a finished collective while Python finalizes is killed inside a noexcept
+    # destructor, and the process aborts (docs/known-issues.md, 1b). A failure above skips this and
+    # reaches torch.multiprocessing's error reporting as usual.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), kwargs: dict | None = None,

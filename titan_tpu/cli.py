@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -155,5 +156,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def exit_process(code: int) -> None:
+    """End a command-line process with `code`. A rank of a distributed run (WORLD_SIZE > 1) leaves
+    with os._exit, skipping interpreter finalization: after the process group is destroyed its
+    gloo worker threads can still be releasing a finished collective, and CPython kills a thread
+    that needs the GIL during finalization inside a noexcept destructor, which aborts the process
+    ("terminate called without an active exception"; docs/known-issues.md, 1b). Everything the
+    run writes (checkpoints, metrics, TensorBoard) is closed before this point."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os._exit(code)
+    sys.exit(code)
+
+
+def run() -> None:
+    """The `titan-tpu` console script."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -2,7 +2,7 @@
 
 import sys
 
-from titan_tpu.cli import main
+from titan_tpu.cli import exit_process, main
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    exit_process(main(["train", *sys.argv[1:]]))
