@@ -140,8 +140,14 @@ def kernels_main(argv: list[str]) -> int:
     return 0
 
 
+def hf_sweep_main(argv: list[str]) -> int:
+    from titan_tpu.models.hf_sweep import main as sweep
+
+    return sweep(argv)
+
+
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
-            "kernels": kernels_main}
+            "kernels": kernels_main, "hf-sweep": hf_sweep_main}
 
 
 def main(argv: list[str] | None = None) -> int:

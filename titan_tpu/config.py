@@ -28,8 +28,14 @@ class JobConfig:
 
 @dataclass
 class ModelConfig:
-    name: Literal["llama3", "qwen3", "qwen3_moe"] = "llama3"
+    name: Literal["llama3", "qwen3", "qwen3_moe", "hf"] = "llama3"
     flavor: str = "debug"  # a row of the flavor table, e.g. debug, 1B, 8B (see models/registry.py)
+    # name = hf (the Transformers backend, models/hf_backend.py): a Hugging Face model directory
+    # (config.json; its safetensors weights and tokenizer.json are used when present) or a causal-LM
+    # model_type of transformers (e.g. llama, qwen3, gemma3_text) for a fresh model; hf_overrides
+    # changes config values: '{"hidden_size": 64}' or hidden_size=64,num_hidden_layers=2.
+    hf_config: str = ""
+    hf_overrides: str = ""
     # Compute dtype; also the storage dtype on one device (sharded runs keep fp32 master weights).
     # auto: float32 on CPU (bf16 matmuls are ~100x slower there), bfloat16 on CUDA and TPU.
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -299,17 +305,33 @@ def build_config(toml_path: str | Path | None = None, overrides: list[str] | Non
     return cfg
 
 
+def model_label(cfg: Config) -> str:
+    """How messages name the model: name/flavor, or hf:<hf_config> for the Transformers backend."""
+    return f"hf:{cfg.model.hf_config}" if cfg.model.name == "hf" else f"{cfg.model.name}/{cfg.model.flavor}"
+
+
 def model_args_from_config(cfg: Config):
     """The flavor's TransformerArgs with the config's model options applied (MoE balancing)."""
     from titan_tpu.models.registry import get_model_args
 
-    args = get_model_args(cfg.model.name, cfg.model.flavor)
     defaults = ModelConfig()
+    if cfg.model.name == "hf":
+        from titan_tpu.models.hf_backend import hf_args_from_spec
+
+        changed = [k for k in MOE_OPTIONS if getattr(cfg.model, k) != getattr(defaults, k)]
+        if changed:
+            raise ValueError(f"model.{changed[0]} applies to qwen3_moe; an hf model balances its experts as its "
+                             "config says (router_aux_loss_coef): remove it")
+        return hf_args_from_spec(cfg.model.hf_config, cfg.model.hf_overrides)
+    if cfg.model.hf_config or cfg.model.hf_overrides:
+        raise ValueError(f"model.hf_config / model.hf_overrides apply to model.name = hf, not {cfg.model.name}: "
+                         "remove them or set --model.name hf")
+    args = get_model_args(cfg.model.name, cfg.model.flavor)
     if args.moe is None:
         changed = [k for k in MOE_OPTIONS if getattr(cfg.model, k) != getattr(defaults, k)]
         if changed:
             raise ValueError(f"model.{changed[0]} applies to mixture-of-experts models (qwen3_moe); "
-                             f"{cfg.model.name}/{cfg.model.flavor} is dense: remove it")
+                             f"{model_label(cfg)} is dense: remove it")
         return args
     args.moe = dataclasses.replace(args.moe, load_balance=cfg.model.moe_load_balance,
                                    aux_loss_coef=cfg.model.moe_aux_loss_coef,
@@ -336,11 +358,14 @@ def validate(cfg: Config) -> None:
     if ep < 1:
         raise ValueError(f"parallelism.ep = {ep} must be >= 1")
     if ep > 1 and model_args.moe is None:
-        raise ValueError(f"parallelism.ep = {ep} spreads MoE experts; {cfg.model.name}/{cfg.model.flavor} has none: "
+        raise ValueError(f"parallelism.ep = {ep} spreads MoE experts; {model_label(cfg)} has none: "
                          "remove it or use a qwen3_moe model")
     if ep > 1 and model_args.moe.num_experts % ep != 0:
         raise ValueError(f"parallelism.ep = {ep} must divide the {model_args.moe.num_experts} experts of "
-                         f"{cfg.model.name}/{cfg.model.flavor}")
+                         f"{model_label(cfg)}")
+    if cfg.model.name == "hf" and cfg.model.scan_layers:
+        raise ValueError("model.scan_layers needs a native model (llama3, qwen3, qwen3_moe); an hf model runs its "
+                         "own layer loop: set model.scan_layers false")
     if t.mode == "graph" and t.grad_accum_steps != 1:
         raise ValueError(f"training.mode = graph runs one micro-batch per step for now; set training.grad_accum_steps "
                          f"= 1 (got {t.grad_accum_steps}) or use training.mode = eager")
@@ -358,7 +383,7 @@ def validate(cfg: Config) -> None:
                          decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio)
     if t.seq_len > model_args.max_seq_len:
         raise ValueError(f"training.seq_len = {t.seq_len} exceeds the max_seq_len = {model_args.max_seq_len} of "
-                         f"{cfg.model.name}/{cfg.model.flavor}; lower training.seq_len")
+                         f"{model_label(cfg)}; lower training.seq_len")
     if not 0.0 < cfg.data.val_fraction < 1.0 and cfg.validation.enabled:
         raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1) when validation.enabled = true")
     if cfg.data.max_bytes < 0:

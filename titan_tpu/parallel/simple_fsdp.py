@@ -98,10 +98,16 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_d
     without communicating; an int: that rank's values are scattered/broadcast to the others.
     """
     module_placements, dp_mesh = placements, mesh
+    # A parameter shared by several modules (tied embeddings) becomes one DTensor parameter, so it
+    # stays shared: one shard, one gradient summed from both uses, one optimizer entry.
+    distributed: dict[int, nn.Parameter] = {}
     for sub in module.modules():
         mesh, placements = _module_layout(sub, dp_mesh, module_placements, expert_mesh)
         for name, param in list(sub._parameters.items()):
             if param is None or isinstance(param, DTensor):
+                continue
+            if id(param) in distributed:
+                sub._parameters[name] = distributed[id(param)]
                 continue
             dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
             local = dt.to_local()
@@ -112,7 +118,7 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_d
                 # alive; copy it so the full-size storage is freed.
                 local = local.clone()
                 dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=dt.shape, stride=dt.stride())
-            sub._parameters[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
+            sub._parameters[name] = distributed[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_tpu.config import Config, model_args_from_config
+from titan_tpu.config import Config, model_args_from_config, model_label
 from titan_tpu.device import Backend, get_backend
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model, flops_per_token
@@ -83,7 +83,7 @@ class Trainer:
                     source=None if cfg.data.source == "stdlib" else cfg.data.source,
                     text_field=cfg.data.text_field,
                     max_bytes=cfg.data.max_bytes or None,
-                    tokenizer_path=cfg.data.tokenizer_path or None,
+                    tokenizer_path=cfg.data.tokenizer_path or self._hf_tokenizer() or None,
                     vocab_size=self.model_args.vocab_size,
                     cache_dir=cfg.data.cache_dir or default_cache_dir(),
                 )
@@ -124,9 +124,40 @@ class Trainer:
         self.step = 0
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_latest_k=cfg.checkpoint.keep_latest_k,
                                          async_save=cfg.checkpoint.async_save)
-        self.flops_per_token = flops_per_token(self.model_args, t.seq_len)
+        if cfg.model.name == "hf":
+            from titan_tpu.models.hf_backend import hf_flops_per_token
+
+            self.flops_per_token, self.flops_note = hf_flops_per_token(self.model, t.seq_len)
+        else:
+            self.flops_per_token, self.flops_note = flops_per_token(self.model_args, t.seq_len), ""
+
+    def _hf_tokenizer(self) -> str:
+        """An hf model directory's tokenizer.json, used when no data.tokenizer_path is given."""
+        if self.cfg.model.name != "hf":
+            return ""
+        candidate = Path(self.cfg.model.hf_config).expanduser() / "tokenizer.json"
+        return str(candidate) if candidate.is_file() else ""
+
+    def _build_hf_model(self):
+        """The Transformers backend (models/hf_backend.py): built on meta, initialised with the
+        model's own init (sharded when there is a mesh), weights from its directory if it has them."""
+        from titan_tpu.models.hf_backend import build_hf_model, has_weights, load_pretrained_weights
+
+        sharded = self.mesh is not None
+        model = build_hf_model(self.model_args, kernels=self.cfg.kernels, ac_mode=self.cfg.activation_checkpoint.mode,
+                               dtype=torch.float32 if sharded else self.compute_dtype)
+        mp = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
+        model = materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if sharded else "none", mp=mp,
+                                     device=self.backend.device, seed=self.cfg.training.seed)
+        if has_weights(self.cfg.model.hf_config):
+            load_pretrained_weights(model, self.cfg.model.hf_config)
+            self.log(f"weights loaded from {self.cfg.model.hf_config}")
+        model.check_chunked_loss(self.model_args.vocab_size)
+        return model
 
     def _build_model(self) -> Transformer:
+        if self.cfg.model.name == "hf":
+            return self._build_hf_model()
         # The RoPE table only needs the training length (a published 128K table is ~134 MB for 8B);
         # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
         args = dataclasses.replace(self.model_args, max_seq_len=self.cfg.training.seq_len)
@@ -207,6 +238,12 @@ class Trainer:
         from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
 
         path = Path(path)
+        if self.cfg.model.name == "hf" and (path / "config.json").is_file():
+            from titan_tpu.models.hf_backend import load_pretrained_weights
+
+            load_pretrained_weights(self.model, path)
+            self.log(f"initial weights loaded from {path}")
+            return
         if not (path / "config.json").is_file():  # a training checkpoint: DCP loads (and shards) it
             load(resolve_checkpoint(path), {"model": self.model.state_dict()})
             self.log(f"initial weights loaded from {path}")
@@ -274,8 +311,9 @@ class Trainer:
                 shutil.copyfile(self.tokenizer.path, self.run_dir / "tokenizer.json")
         self.maybe_resume()
         peak = self.backend.peak_flops()
-        self.log(f"model {cfg.model.name}/{cfg.model.flavor}: {_num_params(self.model):,} params, "
-                 f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {cfg.training.seq_len}; "
+        self.log(f"model {model_label(cfg)}: {_num_params(self.model):,} params, "
+                 f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {cfg.training.seq_len}"
+                 f"{f' ({self.flops_note})' if self.flops_note else ''}; "
                  f"{self.world_size} rank(s), data parallel: {self.parallel_dims.mode}"
                  f"{f', expert parallel: {self.parallel_dims.ep}' if self.parallel_dims.ep > 1 else ''}; "
                  f"MFU peak per device: {self.backend.peak_description()}")

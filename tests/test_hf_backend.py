@@ -1,0 +1,176 @@
+"""The Transformers backend (models/hf_backend.py): any HF causal LM under our trainer.
+
+The fixed subset of `titan-tpu hf-sweep` runs here (the whole sweep does not: docs/hf_models.md):
+our loss and gradients against transformers' own forward and backward, the captured graph step
+against the eager step, and 2 fully_shard ranks against one process. Then what a user does with
+an HF directory: train from it, resume, export it back and load the export with from_pretrained.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from titan_tpu.cli import main  # noqa: E402
+from titan_tpu.models import hf_sweep  # noqa: E402
+from titan_tpu.models.hf_backend import (  # noqa: E402
+    build_hf_model,
+    hf_args_from_config,
+    hf_args_from_spec,
+    load_hf_config,
+    load_pretrained_weights,
+)
+from titan_tpu.parallel.simple_fsdp import materialize_and_init  # noqa: E402
+from titan_tpu.train.checkpoint import load_full_state_dict  # noqa: E402
+
+SUBSET = ["llama", "qwen3", "gemma3_text", "mistral", "phi3", "gpt2", "olmo2", "qwen3_moe", "mixtral", "mamba"]
+TINY_LLAMA = ("hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
+              "num_key_value_heads=2,vocab_size=512")
+
+
+@pytest.mark.parametrize("model_type", SUBSET)
+def test_loss_and_gradients_match_transformers(model_type):
+    note = hf_sweep.check_eager(hf_sweep.tiny_config(model_type))
+    if model_type in ("llama", "qwen3", "qwen3_moe", "mistral"):
+        assert note == "chunked loss"  # their logits are lm_head(hidden): our loss kernel runs
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gpt2", "qwen3_moe", "mamba"])
+def test_captured_step_matches_eager_step(model_type):
+    hf_sweep.check_graph(hf_sweep.tiny_config(model_type))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_two_fully_shard_ranks_match_one_process(model_type):
+    from dist_utils import require_multiprocess_marker
+
+    require_multiprocess_marker()
+    hf_sweep.check_fsdp2(hf_sweep.tiny_config(model_type))
+
+
+def _tied_rank(args):
+    from titan_tpu.parallel.mesh import ParallelDims
+    from titan_tpu.parallel.simple_fsdp import MixedPrecision
+
+    mesh = ParallelDims(dp_shard=2, world_size=2).build_mesh("cpu")
+    model = materialize_and_init(build_hf_model(args), mesh, mode="fully_shard", mp=MixedPrecision(),
+                                 device="cpu", seed=0)
+    hf = model.hf_model
+    return {"tied": hf.lm_head._parameters["weight"] is hf.model.embed_tokens._parameters["weight"],
+            "names": [n for n, _ in model.named_parameters()],
+            "state_keys": list(model.state_dict())}
+
+
+@pytest.mark.multiprocess
+def test_tied_embeddings_stay_one_parameter_when_sharded():
+    from dist_utils import run_distributed
+
+    config = hf_sweep.tiny_config("qwen3")
+    config.tie_word_embeddings = True
+    results = run_distributed(_tied_rank, world_size=2, args=(hf_args_from_config(config),))
+    for r in results:
+        assert r["tied"]
+        assert "hf_model.lm_head.weight" not in r["names"]  # one parameter, one optimizer entry
+        assert "hf_model.model.embed_tokens.weight" in r["names"]
+
+
+def _save_tiny_llama(path: Path, **config_changes) -> None:
+    from transformers import AutoModelForCausalLM
+
+    config = load_hf_config("llama", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+                                      "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                                       "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 64},
+                                      **config_changes})
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+
+
+def test_loaded_model_logits_equal_transformers_from_pretrained(tmp_path):
+    """The meta-build trap: RoPE inv_freq (here with Llama 3.1 scaling) must be right after loading."""
+    from transformers import AutoModelForCausalLM
+
+    _save_tiny_llama(tmp_path / "hf")
+    args = hf_args_from_spec(str(tmp_path / "hf"))
+    ours = materialize_and_init(build_hf_model(args), None, mode="none", mp=None, device="cpu", seed=0)
+    load_pretrained_weights(ours, tmp_path / "hf")
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    tokens = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ours(tokens), ref(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def _train(run_dir: Path, cache: Path, hf_config: str, *extra: str) -> list[dict]:
+    args = ["train", "--model.name", "hf", "--model.hf_config", hf_config, "--output_dir", str(run_dir),
+            "--data.cache_dir", str(cache), "--data.max_bytes", "400000", "--training.batch_size", "2",
+            "--training.seq_len", "32", "--training.steps", "20", "--lr_scheduler.warmup_steps", "0",
+            "--lr_scheduler.decay_ratio", "0", "--metrics.log_freq", "1", "--metrics.tensorboard", "false",
+            "--validation.enabled", "false", "--checkpoint.interval", "10", "--training.device", "cpu", *extra]
+    assert main(args) == 0
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_directory_round_trip_train_resume_export(tmp_path):
+    """save_pretrained -> train 20 steps from it (resuming at 10 gives the same losses) -> export ->
+    from_pretrained of the export holds exactly the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, cache = tmp_path / "hf", tmp_path / "cache"
+    _save_tiny_llama(hf_dir)
+    straight = _train(tmp_path / "run", cache, str(hf_dir))
+    assert straight[0]["loss"] < 6.4  # the saved weights were loaded: log(512) = 6.24 for a fresh init
+    # Resume from the step-10 checkpoint: steps 11..20 again, bitwise.
+    import shutil
+
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step-00000010", tmp_path / "resumed" / "checkpoints" /
+                    "step-00000010")
+    resumed = _train(tmp_path / "resumed", cache, str(hf_dir))
+    assert [r["loss"] for r in resumed if "loss" in r] == [r["loss"] for r in straight if "loss" in r][10:]
+
+    assert main(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "export")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
+    trained = load_full_state_dict(tmp_path / "run" / "checkpoints" / "step-00000020")
+    for name, value in exported.state_dict().items():
+        if f"hf_model.{name}" in trained:
+            assert torch.equal(value, trained[f"hf_model.{name}"]), name
+    assert "hf_model.model.layers.0.self_attn.q_proj.weight" in trained
+
+
+def test_graph_mode_and_checkpointing_train_from_a_type(tmp_path):
+    """--model.hf_config TYPE with overrides, graph mode, activation checkpointing: it trains."""
+    rows = _train(tmp_path / "run", tmp_path / "cache", "qwen3", "--model.hf_overrides", TINY_LLAMA,
+                  "--training.mode", "graph", "--compile.backend", "aot_eager",
+                  "--activation_checkpoint.mode", "full", "--training.steps", "10")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 10 and losses[-1] < losses[0]
+
+
+def test_bad_input_is_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        hf_args_from_spec(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="close names: llama"):
+        hf_args_from_spec("lama")
+    (tmp_path / "vit").mkdir()
+    (tmp_path / "vit" / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    with pytest.raises(ValueError, match="not a causal LM"):
+        hf_args_from_spec(str(tmp_path / "vit"))
+    _save_tiny_llama(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["intermediate_size"] = 96  # the saved MLP weights are 128 wide
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    model = materialize_and_init(build_hf_model(hf_args_from_spec(str(tmp_path / "hf"))), None, mode="none",
+                                 mp=None, device="cpu", seed=0)
+    with pytest.raises(ValueError, match="do not fit its config.json"):
+        load_pretrained_weights(model, tmp_path / "hf")
+    with pytest.raises(ValueError, match="model.hf_config / model.hf_overrides apply to model.name = hf"):
+        from titan_tpu.config import build_config
+
+        build_config(None, ["--model.hf_config", "llama"])
+    with pytest.raises(ValueError, match="scan_layers needs a native model"):
+        build_config(None, ["--model.name", "hf", "--model.hf_config", "llama", "--model.hf_overrides", TINY_LLAMA,
+                            "--model.scan_layers", "true"])

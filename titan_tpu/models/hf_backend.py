@@ -1,0 +1,596 @@
+"""The Transformers backend: train any Hugging Face causal LM through the project's model contract.
+
+``--model.name hf --model.hf_config DIR_OR_TYPE`` builds the model that transformers' own modeling
+code defines (`AutoModelForCausalLM.from_config`, so composite configs reduce to their text model as
+transformers does) and wraps it in `HFCausalLM`, which speaks the contract the trainer, SimpleFSDP,
+the graph trainer and checkpoints use for native models::
+
+    model(tokens_BS)                          -> logits [B, S, V]
+    model(tokens_BS, labels_BS, positions_BS) -> LossOutput(ce_sum, aux_loss, expert_load)
+    init_plan() / init_weights() / init_buffers(device)     (meta build, sharded init)
+
+What the wrapper adds to the HF model:
+
+* Attention through our kernel registry: an attention function registered with transformers'
+  `AttentionInterface` under the name "titan_tpu" (and sdpa's mask function under the same name in
+  `AttentionMaskInterface`). It runs our `attention` kernel for causal (and document-masked)
+  attention and hands everything it does not cover (sliding windows, soft-capping, attention sinks,
+  dropout, non-causal modules, other masks) to transformers' own sdpa function. Models that do not
+  route attention through the interface keep their own.
+* Loss through our chunked loss kernel when the model's logits are exactly its output embedding
+  applied to its base model's last hidden state (checked numerically once, after initialisation:
+  models that scale, soft-cap or bias their logits fail the check and use their own logits).
+* Document masks: with packed documents the per-token positions go to the model as `position_ids`
+  (RoPE restarts per document) and the document ids to our attention kernel.
+* Activation checkpointing per decoder layer (the classes in `_no_split_modules`).
+* Meta-device build: parameters are created on the meta device while buffers are computed for real
+  (non-persistent buffers such as RoPE `inv_freq` are neither initialised nor loaded after
+  `to_empty`, a known trap); their values are kept and restored by `init_buffers`.
+
+Parameter names are the HF model's own, under the prefix ``hf_model.``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import difflib
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_tpu.kernels import KernelConfig, document_ids_from_positions
+from titan_tpu.models.common.activation_checkpoint import checkpointed
+from titan_tpu.models.common.transformer import LossOutput
+
+__all__ = ["ATTENTION_NAME", "HFArgs", "HFCausalLM", "build_hf_model", "export_hf", "hf_args_from_config",
+           "hf_args_from_spec", "hf_flops_per_token", "load_hf_config", "load_pretrained_weights"]
+
+ATTENTION_NAME = "titan_tpu"
+PREFIX = "hf_model."
+
+# Set by HFCausalLM.forward for the attention function below: the kernels to use and the
+# document ids of the batch (None for plain causal windows).
+_CALL_CONTEXT: contextvars.ContextVar[tuple[KernelConfig, torch.Tensor | None] | None] = contextvars.ContextVar(
+    "titan_tpu_hf_call", default=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs: a directory or a model type, with overrides
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_lm_types() -> list[str]:
+    """The `model_type`s of transformers' causal-LM auto mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def parse_overrides(text: str) -> dict[str, Any]:
+    """``'{"hidden_size": 64}'`` or ``hidden_size=64,num_hidden_layers=2`` -> a dict (values as JSON
+    where they parse, else strings)."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model.hf_overrides is not valid JSON ({e}); write e.g. "
+                             "'{\"hidden_size\": 64}' or hidden_size=64,num_hidden_layers=2") from None
+        if not isinstance(value, dict):
+            raise ValueError("model.hf_overrides must be a JSON object, e.g. '{\"hidden_size\": 64}'")
+        return value
+    out = {}
+    for item in text.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"model.hf_overrides item {item!r} is not key=value; write e.g. "
+                             "hidden_size=64,num_hidden_layers=2")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
+    """A transformers config from a model directory (its config.json) or a causal-LM model type,
+    with `overrides` applied (to the text config of composite models). One-line errors for a
+    directory without config.json, an unknown type (with close names) and a config that is not a
+    causal LM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not spec:
+        raise ValueError("model.name = hf needs --model.hf_config: a Hugging Face model directory or a model type "
+                         "such as llama, qwen3, gemma3_text")
+    path = Path(spec).expanduser()
+    overrides, text_keys = dict(overrides or {}), {}
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.hf_config {path} has no config.json; point at a Hugging Face model "
+                                    "directory (config.json, *.safetensors)")
+        make = functools.partial(AutoConfig.from_pretrained, str(path))
+    elif "/" in spec or spec.startswith("."):
+        raise FileNotFoundError(f"model.hf_config {spec} is not a directory; give a Hugging Face model directory or a "
+                                "model type such as llama")
+    else:
+        types = causal_lm_types()
+        if spec not in types:
+            close = difflib.get_close_matches(spec, types, n=5, cutoff=0.5)
+            hint = f"close names: {', '.join(close)}" if close else "titan-tpu hf-sweep --list shows them all"
+            raise ValueError(f"model.hf_config {spec!r} is not a causal-LM model type of transformers; {hint}")
+        make = functools.partial(AutoConfig.for_model, spec)
+    try:
+        config = make()
+        # Overrides go through the constructor, so values derived from them (per-layer lists such
+        # as layer_types) follow; keys of a composite model's text config go there.
+        text_keys = {} if config.get_text_config() is config else {
+            k: overrides.pop(k) for k in list(overrides) if not hasattr(config, k) and hasattr(config.get_text_config(), k)}
+        if layers := overrides.get("num_hidden_layers"):
+            for key, value in config.to_dict().items():  # a directory's per-layer lists: cut or repeat
+                if isinstance(value, list) and len(value) == getattr(config, "num_hidden_layers", -1):
+                    overrides.setdefault(key, (value * layers)[:layers])
+        config = make(**overrides) if overrides else config
+        if text_keys:
+            text = config.get_text_config()
+            config_dict = text.to_dict()
+            config_dict.update(text_keys)
+            for key, value in config_dict.items():
+                if isinstance(value, list) and "num_hidden_layers" in text_keys and len(value) == text.num_hidden_layers:
+                    config_dict[key] = (value * text_keys["num_hidden_layers"])[:text_keys["num_hidden_layers"]]
+            sub = type(text)(**config_dict)
+            for name in ("text_config", "decoder"):
+                if getattr(config, name, None) is text:
+                    setattr(config, name, sub)
+    except (ValueError, TypeError, KeyError) as e:
+        first = str(e).strip().splitlines()
+        raise ValueError(f"model.hf_config {spec} with model.hf_overrides {overrides or text_keys} is not a valid "
+                         f"config: {first[-1] if first else type(e).__name__}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"model.hf_config {spec}: model_type {config.model_type!r} is not a causal LM in transformers "
+                         "(AutoModelForCausalLM cannot build it); train a decoder-only language model")
+    return config
+
+
+@dataclasses.dataclass
+class HFArgs:
+    """What identifies an HF-backend model in the trainer and its checkpoints (the dense/MoE
+    `TransformerArgs` role): the spec given, and the resolved config as a dict."""
+
+    hf_config: str
+    config: dict
+    vocab_size: int
+    max_seq_len: int
+    moe: None = None  # our MoE machinery (expert parallelism, expert bias) does not apply
+
+    def transformers_config(self):
+        from transformers import AutoConfig
+
+        config = dict(self.config)
+        return AutoConfig.for_model(config.pop("model_type"), **config)
+
+
+def hf_args_from_spec(spec: str, overrides_text: str = "") -> HFArgs:
+    return hf_args_from_config(load_hf_config(spec, parse_overrides(overrides_text)), spec)
+
+
+def hf_args_from_config(config, spec: str = "") -> HFArgs:
+    text = config.get_text_config()
+    max_len = getattr(text, "max_position_embeddings", None) or 1 << 20
+    return HFArgs(hf_config=spec or config.model_type, config=json.loads(config.to_json_string(use_diff=False)),
+                  vocab_size=int(text.vocab_size), max_seq_len=int(max_len))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention through the kernel registry
+# ---------------------------------------------------------------------------------------------
+
+
+def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query [B, H, S, D], key/value [B, K, S, D] ->
+    ([B, S, H, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    context = _CALL_CONTEXT.get()
+    document_ids = context[1] if context is not None else None
+    plain_causal = (
+        context is not None and not dropout and getattr(module, "is_causal", True)
+        and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None and kwargs.get("sinks") is None and kwargs.get("position_bias") is None
+        and query.shape[2] == key.shape[2] and query.shape[1] % key.shape[1] == 0
+        # A mask without documents is something other than causal (e.g. chunked attention).
+        and (attention_mask is None or document_ids is not None)
+    )
+    if not plain_causal:
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+            # Features sdpa lacks: the model's own eager attention (its modeling module defines one).
+            eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            if eager is not None:
+                return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    kernels = context[0]
+    head_dim = query.shape[-1]
+    if scaling is not None and scaling != head_dim**-0.5:
+        query = query * (scaling * head_dim**0.5)  # our kernels scale by 1/sqrt(D)
+    impl = kernels.attention_impl(query.device.type, documents=document_ids is not None)
+    out_BSHD = impl.fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), document_ids)
+    return out_BSHD, None
+
+
+def _titan_experts(module: nn.Module, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor,
+                   top_k_weights_TK: torch.Tensor) -> torch.Tensor:
+    """transformers' experts contract (stacked expert weights, one routing per token) through our
+    `grouped_mm` kernel: the token-expert pairs sorted by expert (stable argsort), two grouped
+    matmuls, weighted, back in token order and summed over k as transformers does. Static-shaped
+    (group sizes by scatter_add), so graph mode captures it in fp32, which transformers' own
+    grouped_mm path cannot (its fake kernel demands bf16). Variants it does not cover (expert
+    parallel sentinels, biases) use transformers' batched_mm form."""
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    if getattr(module, "_is_expert_parallel", False) or getattr(module, "has_bias", False):
+        return batched_mm_experts_forward(module, hidden_TD, top_k_index_TK, top_k_weights_TK)
+    context = _CALL_CONTEXT.get()
+    kernels = context[0] if context is not None else KernelConfig()
+    grouped_mm = kernels.grouped_mm_fn(hidden_TD.device.type)
+    T, K = top_k_index_TK.shape
+    E = module.num_experts
+    expert_N = top_k_index_TK.reshape(-1)
+    order_N = torch.argsort(expert_N, stable=True)
+    group_sizes_E = torch.zeros(E, dtype=torch.int64, device=expert_N.device).scatter_add(
+        0, expert_N, torch.ones_like(expert_N))
+    x_ND = hidden_TD[order_N // K]
+
+    def as_EDF(weight: torch.Tensor) -> torch.Tensor:  # HF stores [E, out, in] unless transposed
+        return weight if module.is_transposed else weight.transpose(1, 2)
+
+    if module.has_gate:
+        h_NF = module._apply_gate(grouped_mm(x_ND, as_EDF(module.gate_up_proj), group_sizes_E))
+    else:
+        h_NF = module.act_fn(grouped_mm(x_ND, as_EDF(module.up_proj), group_sizes_E))
+    y_ND = grouped_mm(h_NF, as_EDF(module.down_proj), group_sizes_E)
+    if getattr(module, "has_post_expert_norm", False):
+        y_ND = module.post_expert_norm(y_ND)
+    y_ND = y_ND * top_k_weights_TK.reshape(-1)[order_N].unsqueeze(-1)
+    inverse_N = torch.argsort(order_N)
+    return y_ND[inverse_N].view(T, K, -1).sum(dim=1).to(hidden_TD.dtype)
+
+
+@functools.cache
+def register_attention() -> None:
+    """Make "titan_tpu" a transformers attention and experts implementation (once per process)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, _titan_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    ExpertsInterface.register(ATTENTION_NAME, _titan_experts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Inside: every registered parameter moves to the meta device; buffers stay real. Constructing
+    a model then costs no parameter memory (one parameter at a time, transiently), and buffers
+    computed in `__init__` (RoPE tables) keep their values."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM under the project's model contract (see the module docstring)."""
+
+    def __init__(self, hf_model: nn.Module, *, ac_mode: str = "none", kernels: KernelConfig | None = None):
+        super().__init__()
+        self.hf_model = hf_model
+        self.kernels = kernels or KernelConfig()
+        self.scan_layers = False
+        # Buffer values as computed at construction, restored after to_empty (init_buffers).
+        self._buffer_values = {name: b.detach().clone() for name, b in hf_model.named_buffers()}
+        self.use_chunked_loss = False  # decided by check_chunked_loss() once the weights are real
+        self.decoder_layers = _decoder_layers(hf_model)
+        if ac_mode != "none":
+            for layer in self.decoder_layers:
+                _checkpoint_forward(layer, ac_mode)
+        text = hf_model.config.get_text_config()
+        self._router = _router_settings(text)
+
+    # --- the init contract (parallel/simple_fsdp.materialize_and_init) -----------------------
+
+    def init_plan(self) -> list[tuple[str, nn.Module, Callable[[], None]]]:
+        # One piece: transformers' init walks the whole model (composite models dispatch per
+        # sub-model), so a rank materialises the model at full size once while initialising.
+        return [("hf_model", self.hf_model, self._init_hf_weights)]
+
+    @torch.no_grad()
+    def _init_hf_weights(self) -> None:
+        model = self.hf_model
+        for module in model.modules():  # init runs only on modules not yet marked initialised
+            module.__dict__.pop("_is_hf_initialized", None)
+        self.init_buffers()  # rotary inits read them; restore first
+        model.initialize_weights()
+        model.tie_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self._init_hf_weights()
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        if device is None:
+            device = next(self.parameters()).device
+        for name, value in self._buffer_values.items():
+            owner, _, leaf = name.rpartition(".")
+            module = self.hf_model.get_submodule(owner) if owner else self.hf_model
+            module._buffers[leaf] = value.to(device)
+
+    # --- checkpoint layout hooks (identity: no stacked layers) ----------------------------------
+
+    def stacked_parameter_names(self) -> set[str]:
+        return set()
+
+    def to_per_layer(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(named)
+
+    def from_per_layer(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(named)
+
+    def expert_bias_names(self) -> list[str]:
+        return []
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def _model_kwargs(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor | None) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"input_ids": tokens_BS, "use_cache": False}
+        if positions_BS is not None:
+            kwargs["position_ids"] = positions_BS
+        if self._router is not None:
+            kwargs["output_router_logits"] = True
+        return kwargs
+
+    def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
+                positions_BS: torch.Tensor | None = None) -> torch.Tensor | LossOutput:
+        document_ids = None if positions_BS is None else document_ids_from_positions(positions_BS)
+        token = _CALL_CONTEXT.set((self.kernels, document_ids))
+        try:
+            kwargs = self._model_kwargs(tokens_BS, positions_BS)
+            if labels_BS is None:
+                return self.hf_model(**kwargs).logits
+            if self.use_chunked_loss:
+                out = self.hf_model.base_model(**kwargs)
+                h_BSD = out[0]
+                loss_fn = self.kernels.loss_fn(h_BSD.device.type)
+                w_VD = self.hf_model.get_output_embeddings().weight
+                ce_sum = loss_fn(h_BSD.flatten(0, 1), w_VD, labels_BS.flatten())
+            else:
+                out = self.hf_model(**kwargs)
+                ce_sum = F.cross_entropy(out.logits.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100,
+                                         reduction="sum")
+            aux = self._aux_loss(out, ce_sum)
+            return LossOutput(ce_sum, aux, ce_sum.new_zeros(0, 0))
+        finally:
+            _CALL_CONTEXT.reset(token)
+
+    def _aux_loss(self, out, ce_sum: torch.Tensor) -> torch.Tensor:
+        """The MoE load-balancing loss, coefficient applied, as transformers computes it."""
+        router_logits = getattr(out, "router_logits", None)
+        if self._router is None or router_logits is None:
+            return ce_sum.new_zeros(())
+        balancing_loss, num_experts, top_k, coef = self._router
+        aux = balancing_loss(router_logits, num_experts, top_k, None)
+        return coef * aux.to(ce_sum.dtype)
+
+    @torch.no_grad()
+    def check_chunked_loss(self, vocab_size: int) -> bool:
+        """Use the loss kernel when logits == output_embeddings(base_model(x)[0]) for this model;
+        decided on a small real batch (all ranks run it together under data parallelism)."""
+        output = self.hf_model.get_output_embeddings()
+        base = getattr(self.hf_model, "base_model", None)
+        self.use_chunked_loss = False
+        if not isinstance(output, nn.Linear) or output.bias is not None or base is None or base is self.hf_model:
+            return False
+        device = next(self.parameters()).device
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab_size, (1, 8), generator=generator).to(device)
+        token = _CALL_CONTEXT.set((self.kernels, None))
+        try:
+            kwargs = self._model_kwargs(tokens, None)
+            logits = self.hf_model(**kwargs).logits.float()
+            hidden = base(**kwargs)[0]
+            if not isinstance(hidden, torch.Tensor) or hidden.shape[:2] != tokens.shape:
+                return False
+            ours = F.linear(hidden, output.weight).float()
+        except Exception:  # a model whose base model cannot be called alone keeps its own logits
+            return False
+        finally:
+            _CALL_CONTEXT.reset(token)
+        self.use_chunked_loss = bool(torch.allclose(ours, logits, rtol=1e-4, atol=1e-4))
+        return self.use_chunked_loss
+
+
+def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
+    """The decoder layers: instances of the classes the model names in `_no_split_modules`."""
+    names = set(getattr(hf_model, "_no_split_modules", None) or [])
+    return [m for m in hf_model.modules() if type(m).__name__ in names]
+
+
+def _checkpoint_forward(layer: nn.Module, mode: str) -> None:
+    """Activation checkpointing of one decoder layer, whatever its forward's signature: the
+    keyword arguments ride along in a closure (non-reentrant checkpointing and the traced tagger
+    both handle tensors reached that way)."""
+    forward = layer.forward
+
+    def checkpointed_forward(*args, **kwargs):
+        return checkpointed(functools.partial(forward, **kwargs), mode)(*args)
+
+    layer.forward = checkpointed_forward
+
+
+def _router_settings(text_config) -> tuple[Callable, int, int, float] | None:
+    """(load_balancing_loss_func, experts, top_k, coefficient) for MoE models whose modeling module
+    defines transformers' balancing loss; None for dense models."""
+    import importlib
+
+    num_experts = (getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None)
+                   or getattr(text_config, "n_routed_experts", None))
+    top_k = getattr(text_config, "num_experts_per_tok", None)
+    coef = getattr(text_config, "router_aux_loss_coef", None)
+    if not (num_experts and top_k and coef) or not hasattr(text_config, "output_router_logits"):
+        return None
+    try:
+        module = importlib.import_module(f"transformers.models.{text_config.model_type}.modeling_{text_config.model_type}")
+    except ImportError:
+        return None
+    balancing_loss = getattr(module, "load_balancing_loss_func", None)
+    if balancing_loss is None:
+        return None
+    return balancing_loss, int(num_experts), int(top_k), float(coef)
+
+
+def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode: str = "none",
+                   dtype: torch.dtype = torch.float32) -> HFCausalLM:
+    """The wrapped model with parameters on the meta device (buffers real): materialise and
+    initialise it with `parallel.simple_fsdp.materialize_and_init` (one device or sharded)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    register_attention()
+    config = args.transformers_config()
+    # transformers' own switches; sub-configs (the text model of a composite) follow.
+    for target in {id(c): c for c in (config, config.get_text_config())}.values():
+        target._attn_implementation = ATTENTION_NAME
+        target._experts_implementation = ATTENTION_NAME
+    with no_init_weights(), _parameters_on_meta():
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    hf_model.train()
+    return HFCausalLM(hf_model, ac_mode=ac_mode, kernels=kernels)
+
+
+def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:
+    """(FLOPs per trained token, how they were counted): 6 x the non-embedding parameters a token
+    uses (the output projection counted; MoE experts scaled by top_k / experts, an estimate) plus
+    6 x layers x heads x head_dim x seq_len for causal attention, from the config when it names
+    them."""
+    text = model.hf_model.config.get_text_config()
+    embeddings = model.hf_model.get_input_embeddings()
+    output = model.hf_model.get_output_embeddings()
+    skip = {id(embeddings.weight)} if embeddings is not None else set()
+    tied = output is not None and embeddings is not None and output.weight is embeddings.weight
+    router = _router_settings(text)
+    n = 0.0
+    for name, p in model.named_parameters():
+        if id(p) in skip:
+            continue
+        share = router[2] / router[1] if router is not None and ".experts." in f".{name}." else 1.0
+        n += p.numel() * share
+    if tied:
+        n += embeddings.weight.numel()
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads and hasattr(text, "hidden_size") else None)
+    how = "6N + 6 L H hd S from the config"
+    attention = 0.0
+    if layers and heads and head_dim:
+        attention = 6.0 * layers * heads * head_dim * seq_len
+    else:
+        how = "6N only (the config names no attention shape)"
+    if router is not None:
+        how += "; MoE experts counted at top_k / experts (an estimate)"
+    return 6.0 * n + attention, how
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights in and out of Hugging Face directories
+# ---------------------------------------------------------------------------------------------
+
+
+def has_weights(hf_dir: str | Path) -> bool:
+    path = Path(hf_dir)
+    return path.is_dir() and any(path.glob("*.safetensors"))
+
+
+@torch.no_grad()
+def load_pretrained_weights(model: HFCausalLM, hf_dir: str | Path) -> None:
+    """Copy the weights of an HF directory into `model` (plain or sharded parameters).
+
+    transformers' own from_pretrained reads the directory, so its checkpoint conversions (renamed
+    or fused tensors of newer modeling code) apply; every rank reads it and keeps its shard. A
+    directory whose weights do not fit the config (a missing tensor, another shape) is a one-line
+    error."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = Path(hf_dir)
+    try:
+        loaded, info = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, output_loading_info=True,
+                                                            attn_implementation="sdpa")
+    except (RuntimeError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"the weights in {hf_dir} do not fit its config.json ({first[:300]})") from None
+    problems = [f"missing {k}" for k in info.get("missing_keys", [])]
+    problems += [f"{k}: {tuple(a)} in the files, the config wants {tuple(b)}" for k, a, b in info.get("mismatched_keys", [])]
+    if problems:
+        raise ValueError(f"the weights in {hf_dir} do not fit its config.json: {problems[0]}"
+                         f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}")
+    source = loaded.state_dict()
+    for name, target in model.state_dict().items():
+        key = name[len(PREFIX):]
+        if key not in source:
+            continue  # a buffer transformers does not save
+        full = source[key].to(device=target.device, dtype=target.dtype)
+        if isinstance(target, DTensor):
+            target.to_local().copy_(distribute_tensor(full, target.device_mesh, target.placements).to_local())
+        else:
+            target.copy_(full)
+    del loaded, source
+
+
+def export_hf(args: HFArgs, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
+    """Write `state_dict` (our names, full tensors) as an HF directory with save_pretrained, which
+    from_pretrained loads (transformers applies its own checkpoint layout on the way out)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    config = args.transformers_config()
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    own = {k[len(PREFIX):]: v for k, v in state_dict.items() if k.startswith(PREFIX)}
+    missing, unexpected = model.load_state_dict(own, strict=False)
+    buffers = {n for n, _ in model.named_buffers()}
+    missing = [k for k in missing if k not in buffers]
+    if missing or unexpected:
+        raise ValueError(f"the checkpoint does not fit {config.model_type}: "
+                         f"{('missing ' + missing[0]) if missing else ('unexpected ' + unexpected[0])}")
+    model.tie_weights()
+    out_dir = Path(out_dir)
+    model.save_pretrained(str(out_dir))
+    return out_dir

@@ -1,0 +1,384 @@
+"""`titan-tpu hf-sweep`: every causal-LM type of the installed transformers through the Transformers backend.
+
+For each `model_type` of transformers' causal-LM auto mapping: a tiny config (2 layers, hidden 64,
+vocab 512, dropout 0; MoE and MLA sizes shrunk too), then four checks on one fixed batch, fp32 CPU:
+
+* plain: transformers' own model (its default attention) runs a forward and backward. The baseline:
+  a type that fails here is not ours to fix.
+* eager: our backend (`HFCausalLM`, kernel attention and loss) on the same weights gives the same
+  loss as transformers' own forward and the same gradients (1e-5).
+* graph: one training step captured with make_fx and run (backend "eager": the captured graph
+  itself) equals the eager training step: loss and updated weights (1e-5).
+* fsdp2: loss and gradients on 2 fully_shard ranks (SimpleFSDP, gloo), half the batch each, equal
+  one process on the whole batch (1e-5).
+
+Every type runs in its own process with a timeout, so a crash or a hang costs one row; `--workers`
+processes run at once. The table (one row per type, the first line of any failure) is written as
+Markdown with the date and versions: docs/hf_models.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CHECKS = ("plain", "eager", "graph", "fsdp2")
+BATCH, SEQ, VOCAB, LAYERS = 4, 32, 512, 2
+TOLERANCE = 1e-5
+
+# Sizes set wherever a config has the key (top level and text config). MoE: 4 experts, top-2.
+# MLA (DeepSeek-style): small ranks. Token ids are moved into the tiny vocab separately.
+TINY_SIZES = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB, "max_position_embeddings": 512,
+    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 16, "attention_chunk_size": 16,
+}
+
+
+def tiny_overrides(model_type: str) -> dict:
+    """The config values that make `model_type` tiny: TINY_SIZES where its config (or text config)
+    has the key, dropouts 0, token ids inside the tiny vocab."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    out = {}
+    for target in {id(c): c for c in (config, config.get_text_config())}.values():
+        for key, value in TINY_SIZES.items():
+            if hasattr(target, key) and getattr(target, key) is not None:
+                out[key] = value
+        for key, value in target.to_dict().items():
+            if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
+                out[key] = 0.0
+            elif key.endswith("token_id") and isinstance(value, int) and value >= VOCAB:
+                out[key] = 1
+            elif key.endswith("token_id") and isinstance(value, list):
+                out[key] = [v if v < VOCAB else 1 for v in value]
+    return out
+
+
+def tiny_config(model_type: str):
+    """A small config of `model_type` for the sweep and the tests, built as --model.hf_config TYPE
+    --model.hf_overrides would build it."""
+    from titan_tpu.models.hf_backend import load_hf_config
+
+    return load_hf_config(model_type, tiny_overrides(model_type))
+
+
+def sweep_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the reference's scale (at least 1)."""
+    a, b = a.detach().float(), b.detach().float()
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1.0)).item() if b.numel() else 0.0
+
+
+def _our_model(args, *, seed: int = 0):
+    from titan_tpu.models.hf_backend import build_hf_model
+    from titan_tpu.parallel.simple_fsdp import materialize_and_init
+
+    model = build_hf_model(args)
+    model = materialize_and_init(model, None, mode="none", mp=None, device="cpu", seed=seed)
+    model.check_chunked_loss(args.vocab_size)
+    return model
+
+
+def _reference_model(config, state_dict):
+    """transformers' own model (its default attention) with our weights."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_tpu.models.hf_backend import PREFIX
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict({k[len(PREFIX):]: v for k, v in state_dict.items()}, strict=False)
+    model.train()
+    return model
+
+
+def check_plain(config) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    inputs, labels = sweep_batch()
+    logits = model(input_ids=inputs, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
+
+
+def check_eager(config) -> str:
+    """Loss and gradients of our backend vs transformers' own forward and backward; returns a note."""
+    from titan_tpu.models.hf_backend import PREFIX, hf_args_from_config
+
+    ours = _our_model(hf_args_from_config(config))
+    ref = _reference_model(config, ours.state_dict())
+    inputs, labels = sweep_batch()
+    our_loss = ours(inputs, labels).ce_sum / labels.numel()
+    logits = ref(input_ids=inputs, use_cache=False).logits
+    ref_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    our_loss.backward()
+    ref_loss.backward()
+    worst = _close(our_loss, ref_loss)
+    if worst > TOLERANCE:
+        raise AssertionError(f"loss {our_loss.item():.6f} vs transformers {ref_loss.item():.6f}")
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        ref_p = ref_params.get(name[len(PREFIX):])
+        if ref_p is None or ref_p.grad is None or p.grad is None:
+            continue
+        diff = _close(p.grad, ref_p.grad)
+        if diff > TOLERANCE:
+            raise AssertionError(f"gradient of {name[len(PREFIX):]} differs by {diff:.1e}")
+    return "chunked loss" if ours.use_chunked_loss else "model's logits"
+
+
+def _train_step(model, batch, *, graph: bool, dp_size: int = 1):
+    from titan_tpu.graph.compile import GraphStep
+    from titan_tpu.train.optim import AdamW
+    from titan_tpu.train.step import EagerStep
+
+    optimizer = AdamW(dict(model.named_parameters()))
+    if graph:
+        step = GraphStep(model, optimizer, max_norm=1.0, example_batch=batch, backend="eager", dp_size=dp_size)
+    else:
+        step = EagerStep(model, optimizer, max_norm=1.0, dp_size=dp_size)
+    return step([batch], 1e-3)
+
+
+def _full_params(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def check_graph(config) -> None:
+    from titan_tpu.models.hf_backend import hf_args_from_config
+
+    args = hf_args_from_config(config)
+    batch = sweep_batch()
+    eager_model, graph_model = _our_model(args), _our_model(args)
+    eager = _train_step(eager_model, batch, graph=False)
+    graph = _train_step(graph_model, batch, graph=True)
+    if abs(eager.loss - graph.loss) > TOLERANCE * max(1.0, abs(eager.loss)):
+        raise AssertionError(f"graph loss {graph.loss:.6f} vs eager {eager.loss:.6f}")
+    expected = _full_params(eager_model)
+    for name, value in _full_params(graph_model).items():
+        diff = _close(value, expected[name])
+        if diff > TOLERANCE:
+            raise AssertionError(f"after one graph step {name} differs from eager by {diff:.1e}")
+
+
+def _loss_and_grads(model, inputs, labels, *, num_tokens: int, dp_size: int) -> tuple[torch.Tensor, dict]:
+    """The step's loss (as train/step.py forms it) and the full gradients after its backward."""
+    from torch.distributed.tensor import DTensor
+
+    out = model(inputs, labels)
+    loss = out.ce_sum / num_tokens + out.aux_loss / dp_size
+    loss.backward()
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+             for n, p in model.named_parameters() if p.grad is not None}  # accumulated over calls
+    return loss.detach(), grads
+
+
+def _fsdp_rank(args) -> dict:
+    """One rank of the fsdp2 check: its half of the batch; the summed loss and full gradients."""
+    import torch.distributed as dist
+
+    from titan_tpu.models.hf_backend import build_hf_model
+    from titan_tpu.parallel.mesh import ParallelDims
+    from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, world_size=2)
+    mesh = dims.build_mesh("cpu")
+    model = materialize_and_init(build_hf_model(args), mesh, mode="fully_shard", mp=MixedPrecision(), device="cpu",
+                                 seed=0)
+    model.check_chunked_loss(args.vocab_size)
+    rank = dist.get_rank()
+    rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+    inputs, labels = sweep_batch()
+    loss, grads = _loss_and_grads(model, inputs[rows].contiguous(), labels[rows].contiguous(),
+                                  num_tokens=labels.numel(), dp_size=2)
+    dist.all_reduce(loss)
+    return {"loss": loss.item(), "grads": grads if rank == 0 else None}
+
+
+def check_fsdp2(config) -> None:
+    """Loss and gradients of 2 fully_shard ranks (half the batch each) vs one process."""
+    from titan_tpu.models.hf_backend import hf_args_from_config
+    from titan_tpu.parallel.spawn import run_ranks
+
+    args = hf_args_from_config(config)
+    inputs, labels = sweep_batch()
+    # The reference runs the ranks' halves as two micro-batches (gradients accumulate), as the
+    # trainer defines data parallelism: the same as the whole batch, except for a balancing loss,
+    # which each rank (micro-batch) computes over its own rows.
+    model, half = _our_model(args), BATCH // 2
+    loss = sum(_loss_and_grads(model, inputs[rows], labels[rows], num_tokens=labels.numel(), dp_size=2)[0]
+               for rows in (slice(0, half), slice(half, BATCH)))
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    ranks = run_ranks(_fsdp_rank, world_size=2, args=(args,), timeout_s=240)
+    if abs(ranks[0]["loss"] - loss.item()) > TOLERANCE * max(1.0, abs(loss.item())):
+        raise AssertionError(f"2-rank loss {ranks[0]['loss']:.6f} vs one process {loss.item():.6f}")
+    for name, grad in ranks[0]["grads"].items():
+        diff = _close(grad, expected[name])
+        if diff > TOLERANCE:
+            raise AssertionError(f"2-rank gradient of {name} differs from one process by {diff:.1e}")
+
+
+def sweep_one(model_type: str, checks: tuple[str, ...] = CHECKS) -> dict:
+    """The row of one type: {"type", <check>: "pass" | "fail" | "skip", "reason", "note", "seconds"}."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    row: dict = {"type": model_type, "reason": "", "note": ""}
+    try:
+        config = tiny_config(model_type)
+    except Exception as e:  # noqa: BLE001 - every failure becomes the row's reason
+        row.update({c: "fail" for c in checks}, reason=f"tiny config: {_first_line(e)}")
+        return row
+    failed = False
+    for check in checks:
+        if failed:
+            row[check] = "skip"
+            continue
+        try:
+            note = {"plain": check_plain, "eager": check_eager, "graph": check_graph, "fsdp2": check_fsdp2}[check](config)
+            row[check] = "pass"
+            if note:
+                row["note"] = note
+        except Exception as e:  # noqa: BLE001
+            row[check] = "fail"
+            row["reason"] = row["reason"] or f"{check}: {_first_line(e)}"  # the first failure
+            failed = check in ("plain", "eager")  # later checks build on these
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def _run_isolated(model_type: str, checks: tuple[str, ...], timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        cmd = [sys.executable, "-m", "titan_tpu.models.hf_sweep", "--one", model_type, "--checks", ",".join(checks),
+               "--json", str(out)]
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"type": model_type, **{c: "fail" for c in checks}, "reason": f"timeout after {timeout_s:.0f} s",
+                    "note": ""}
+        if out.is_file():
+            return json.loads(out.read_text())
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+        return {"type": model_type, **{c: "fail" for c in checks},
+                "reason": f"crashed (exit {done.returncode}): {tail[0][:160]}", "note": ""}
+
+
+def write_table(rows: list[dict], checks: tuple[str, ...], path: Path, seconds: float) -> None:
+    import transformers
+
+    totals = {c: sum(r.get(c) == "pass" for r in rows) for c in checks}
+    plain_ok = [r for r in rows if r.get("plain") == "pass"]
+    lines = [
+        "# Hugging Face causal-LM types through the Transformers backend",
+        "",
+        f"Generated by `titan-tpu hf-sweep` on {datetime.date.today().isoformat()}: transformers "
+        f"{transformers.__version__}, torch {torch.__version__}, Python {platform.python_version()}, CPU fp32, "
+        f"{len(rows)} types in {seconds / 60:.0f} min. Each type is built tiny ({LAYERS} layers, hidden 64, vocab "
+        f"{VOCAB}, dropout 0; titan_tpu/models/hf_sweep.py) and checked on one batch of {BATCH} x {SEQ} tokens:",
+        "",
+        "- **plain**: transformers' own model trains (forward + backward) with that config: the baseline;",
+        f"- **eager**: our backend's loss and gradients equal transformers' own ({TOLERANCE:g});",
+        f"- **graph**: one training step captured as one graph equals the eager step ({TOLERANCE:g});",
+        f"- **fsdp2**: loss and gradients on 2 fully_shard ranks equal one process ({TOLERANCE:g}).",
+        "",
+        "A check after a failed plain or eager check is skipped. The loss column says whether our chunked "
+        "loss kernel ran (the model's logits are its output embedding of the last hidden state) or the "
+        "model's own logits did.",
+        "",
+        "| | " + " | ".join(checks) + " |",
+        "| --- | " + " | ".join("---" for _ in checks) + " |",
+        f"| passed, of {len(rows)} types | " + " | ".join(str(totals[c]) for c in checks) + " |",
+        f"| passed, of the {len(plain_ok)} that train plain | "
+        + " | ".join(str(sum(r.get(c) == "pass" for r in plain_ok)) for c in checks) + " |",
+        "",
+        "| type | " + " | ".join(checks) + " | loss | s | first failure |",
+        "| --- | " + " | ".join("---" for _ in checks) + " | --- | --- | --- |",
+    ]
+    mark = {"pass": "yes", "fail": "**no**", "skip": "-"}
+    for r in sorted(rows, key=lambda r: r["type"]):
+        reason = r.get("reason", "").replace("|", "\\|").replace("\n", " ")
+        cells = " | ".join(mark.get(r.get(c, "skip"), "-") for c in checks)
+        lines.append(f"| {r['type']} | {cells} | {r.get('note', '')} | {r.get('seconds', '')} | {reason} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="titan-tpu hf-sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default="", help="comma-separated model types (default: every causal-LM type)")
+    parser.add_argument("--checks", default=",".join(CHECKS), help=f"which checks, of {','.join(CHECKS)}")
+    parser.add_argument("--workers", type=int, default=2, help="types checked at once, one process each (2)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per type before it is a failure (600)")
+    parser.add_argument("--out", default="docs/hf_models.md", help="the Markdown table (docs/hf_models.md)")
+    parser.add_argument("--list", action="store_true", help="print the causal-LM types and exit")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: check one type in this process
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    from titan_tpu.models.hf_backend import causal_lm_types
+
+    checks = tuple(c for c in args.checks.split(",") if c)
+    unknown = [c for c in checks if c not in CHECKS]
+    if unknown:
+        raise ValueError(f"unknown check {unknown[0]!r}; choose from {', '.join(CHECKS)}")
+    if args.one:
+        row = sweep_one(args.one, checks)
+        Path(args.json).write_text(json.dumps(row))
+        return 0
+    all_types = causal_lm_types()
+    if args.list:
+        print("\n".join(all_types))
+        return 0
+    types = [t for t in args.types.split(",") if t] or all_types
+    missing = [t for t in types if t not in all_types]
+    if missing:
+        raise ValueError(f"{missing[0]!r} is not a causal-LM type of this transformers; see titan-tpu hf-sweep --list")
+    start = time.perf_counter()
+    rows = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.workers)) as pool:
+        futures = {pool.submit(_run_isolated, t, checks, args.timeout): t for t in types}
+        for future in concurrent.futures.as_completed(futures):
+            row = future.result()
+            rows.append(row)
+            status = " ".join(f"{c}={row.get(c, '-')}" for c in checks)
+            print(f"[{len(rows)}/{len(types)}] {row['type']}: {status} {row.get('reason', '')}", flush=True)
+    write_table(rows, checks, Path(args.out), time.perf_counter() - start)
+    print(f"table written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
