@@ -327,7 +327,8 @@ def capture_train_step(
             # parameter gradients: DTensor.from_local's backward hands back the local part.
             # The backward region, for the rematerialize pass (activation checkpointing).
             with fx_traceback.annotate({"phase": "backward"}):
-                local_grads = torch.autograd.grad(loss, leaves)
+                # Zeros for parameters the loss does not reach, as the eager step does.
+                local_grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
 
         with torch.no_grad():
             # Norm and clipping on DTensors: the norm of sharded grads needs a cross-rank sum,

@@ -25,7 +25,9 @@ What the wrapper adds to the HF model:
 * Activation checkpointing per decoder layer (the classes in `_no_split_modules`).
 * Meta-device build: parameters are created on the meta device while buffers are computed for real
   (non-persistent buffers such as RoPE `inv_freq` are neither initialised nor loaded after
-  `to_empty`, a known trap); their values are kept and restored by `init_buffers`.
+  `to_empty`, a known trap); their values are kept and restored by `init_buffers`. Small
+  parameters keep their construction values too (a learned activation's scalars set in
+  `__init__` that the model's `_init_weights` does not touch); the model's own init runs after.
 
 Parameter names are the HF model's own, under the prefix ``hf_model.``.
 """
@@ -188,7 +190,8 @@ def hf_args_from_spec(spec: str, overrides_text: str = "") -> HFArgs:
 def hf_args_from_config(config, spec: str = "") -> HFArgs:
     text = config.get_text_config()
     max_len = getattr(text, "max_position_embeddings", None) or 1 << 20
-    return HFArgs(hf_config=spec or config.model_type, config=json.loads(config.to_json_string(use_diff=False)),
+    # to_dict, not to_json_string: the latter spells infinities as {"__float__": "Infinity"}.
+    return HFArgs(hf_config=spec or config.model_type, config=json.loads(json.dumps(config.to_dict(), default=str)),
                   vocab_size=int(text.vocab_size), max_seq_len=int(max_len))
 
 
@@ -219,7 +222,8 @@ def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             # Features sdpa lacks: the model's own eager attention (its modeling module defines one).
             eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
             if eager is not None:
-                return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+                mask = _additive_mask(attention_mask, query, document_ids, getattr(module, "is_causal", True))
+                return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     kernels = context[0]
@@ -269,6 +273,22 @@ def _titan_experts(module: nn.Module, hidden_TD: torch.Tensor, top_k_index_TK: t
     return y_ND[inverse_N].view(T, K, -1).sum(dim=1).to(hidden_TD.dtype)
 
 
+def _additive_mask(attention_mask: torch.Tensor | None, query: torch.Tensor, document_ids: torch.Tensor | None,
+                   causal: bool) -> torch.Tensor | None:
+    """The masks of our attention name are sdpa's (boolean, or None where is_causal will do); an
+    eager attention function adds a float mask and applies no causality of its own."""
+    if attention_mask is None:
+        if not causal:
+            return None
+        from titan_tpu.kernels.attention import allowed_BSS
+
+        attention_mask = allowed_BSS(query.shape[2], document_ids, query.device).unsqueeze(1)
+    if attention_mask.dtype != torch.bool:
+        return attention_mask
+    zero = torch.zeros((), dtype=query.dtype, device=query.device)
+    return torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
+
+
 @functools.cache
 def register_attention() -> None:
     """Make "titan_tpu" a transformers attention and experts implementation (once per process)."""
@@ -286,17 +306,26 @@ def register_attention() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+# Parameters up to this size keep the value their module's __init__ gave them (see below).
+_KEEP_INIT_VALUE_NUMEL = 1 << 16
+
+
 @contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
+def _parameters_on_meta(kept: dict[int, torch.Tensor]) -> Iterator[None]:
     """Inside: every registered parameter moves to the meta device; buffers stay real. Constructing
     a model then costs no parameter memory (one parameter at a time, transiently), and buffers
-    computed in `__init__` (RoPE tables) keep their values."""
+    computed in `__init__` (RoPE tables) keep their values. Small parameters' construction values
+    go into `kept` (by id of the meta parameter): some modules set a parameter in `__init__` (a
+    learned activation's scalars, a norm's offset) that the model's `_init_weights` never touches."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            if param.numel() <= _KEEP_INIT_VALUE_NUMEL:
+                kept[id(meta)] = param.detach().clone()
+            module._parameters[name] = meta
 
     nn.Module.register_parameter = register_on_meta
     try:
@@ -308,13 +337,30 @@ def _parameters_on_meta() -> Iterator[None]:
 class HFCausalLM(nn.Module):
     """A transformers causal LM under the project's model contract (see the module docstring)."""
 
-    def __init__(self, hf_model: nn.Module, *, ac_mode: str = "none", kernels: KernelConfig | None = None):
+    def __init__(self, hf_model: nn.Module, *, ac_mode: str = "none", kernels: KernelConfig | None = None,
+                 init_values: dict[int, torch.Tensor] | None = None):
         super().__init__()
         self.hf_model = hf_model
+        # Construction values of small parameters by name, restored before the model's own init.
+        by_id = init_values or {}
+        # Frozen parameters (requires_grad=False, e.g. a router's expert bias that the model moves
+        # outside the gradient) become persistent buffers under the same names: the optimizer and
+        # the captured step train parameters only, and state dicts keep their names.
+        frozen = {}
+        for module_name, module in hf_model.named_modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and not param.requires_grad:
+                    full_name = f"{module_name}.{name}" if module_name else name
+                    value = by_id.get(id(param))
+                    frozen[full_name] = value if value is not None else torch.zeros(param.shape, dtype=param.dtype)
+                    del module._parameters[name]
+                    module.register_buffer(name, param.detach())
+        self._param_init_values = {name: by_id[id(p)] for name, p in hf_model.named_parameters() if id(p) in by_id}
         self.kernels = kernels or KernelConfig()
         self.scan_layers = False
         # Buffer values as computed at construction, restored after to_empty (init_buffers).
         self._buffer_values = {name: b.detach().clone() for name, b in hf_model.named_buffers()}
+        self._buffer_values.update(frozen)
         self.use_chunked_loss = False  # decided by check_chunked_loss() once the weights are real
         self.decoder_layers = _decoder_layers(hf_model)
         if ac_mode != "none":
@@ -336,6 +382,8 @@ class HFCausalLM(nn.Module):
         for module in model.modules():  # init runs only on modules not yet marked initialised
             module.__dict__.pop("_is_hf_initialized", None)
         self.init_buffers()  # rotary inits read them; restore first
+        for name, value in self._param_init_values.items():
+            model.get_parameter(name).copy_(value)
         model.initialize_weights()
         model.tie_weights()
 
@@ -418,6 +466,8 @@ class HFCausalLM(nn.Module):
         self.use_chunked_loss = False
         if not isinstance(output, nn.Linear) or output.bias is not None or base is None or base is self.hf_model:
             return False
+        if _logit_transform(self.hf_model.config.get_text_config()):
+            return False  # e.g. soft-capping: too close to identity at init for the check below to see
         device = next(self.parameters()).device
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab_size, (1, 8), generator=generator).to(device)
@@ -435,6 +485,18 @@ class HFCausalLM(nn.Module):
             _CALL_CONTEXT.reset(token)
         self.use_chunked_loss = bool(torch.allclose(ours, logits, rtol=1e-4, atol=1e-4))
         return self.use_chunked_loss
+
+
+def _logit_transform(text_config) -> str | None:
+    """The config key of a transformation the model applies to its logits (soft-capping, a scale,
+    a multiplier), if any."""
+    for key, value in text_config.to_dict().items():
+        names_logits = "logit" in key and not key.startswith(("attn", "attention", "router"))
+        names_head = "multiplier" in key and ("lm_head" in key or "output" in key or "logit" in key)
+        if (names_logits or names_head) and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and value not in (0, 1):
+            return key
+    return None
 
 
 def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
@@ -481,7 +543,6 @@ def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode
     """The wrapped model with parameters on the meta device (buffers real): materialise and
     initialise it with `parallel.simple_fsdp.materialize_and_init` (one device or sharded)."""
     from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
 
     register_attention()
     config = args.transformers_config()
@@ -489,10 +550,11 @@ def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode
     for target in {id(c): c for c in (config, config.get_text_config())}.values():
         target._attn_implementation = ATTENTION_NAME
         target._experts_implementation = ATTENTION_NAME
-    with no_init_weights(), _parameters_on_meta():
+    kept: dict[int, torch.Tensor] = {}
+    with _parameters_on_meta(kept):
         hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     hf_model.train()
-    return HFCausalLM(hf_model, ac_mode=ac_mode, kernels=kernels)
+    return HFCausalLM(hf_model, ac_mode=ac_mode, kernels=kernels, init_values=kept)
 
 
 def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:

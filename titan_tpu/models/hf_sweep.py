@@ -67,6 +67,8 @@ def tiny_overrides(model_type: str) -> dict:
                 out[key] = 1
             elif key.endswith("token_id") and isinstance(value, list):
                 out[key] = [v if v < VOCAB else 1 for v in value]
+    if "qk_rope_head_dim" in out and "head_dim" in out:
+        out["head_dim"] = out["qk_rope_head_dim"]  # multi-head latent attention: RoPE runs on these dims
     return out
 
 

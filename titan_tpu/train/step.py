@@ -102,7 +102,9 @@ class EagerStep:
             loss_sum = ce.detach() if loss_sum is None else loss_sum + ce.detach()
             aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
             load = out.expert_load if load is None else load + out.expert_load
-        grads = {name: p.grad for name, p in self.params.items()}
+        # A parameter the loss does not reach (a module of the model unused by this forward) gets a
+        # zero gradient, as in the captured step, rather than no entry.
+        grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.params.items()}
         grad_norm = clip_grad_norm_(grads, self.max_norm)
         self.optimizer.step(grads, lr=lr)
         for p in self.params.values():
