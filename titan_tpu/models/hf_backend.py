@@ -538,6 +538,13 @@ def _router_settings(text_config) -> tuple[Callable, int, int, float] | None:
     return balancing_loss, int(num_experts), int(top_k), float(coef)
 
 
+def _model_class(config) -> type:
+    """The class AutoModelForCausalLM builds for `config`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
 def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode: str = "none",
                    dtype: torch.dtype = torch.float32) -> HFCausalLM:
     """The wrapped model with parameters on the meta device (buffers real): materialise and
@@ -546,9 +553,12 @@ def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode
 
     register_attention()
     config = args.transformers_config()
-    # transformers' own switches; sub-configs (the text model of a composite) follow.
+    # transformers' own switches; sub-configs (the text model of a composite) follow. Our attention
+    # speaks sdpa's mask convention (None may mean "causal"), so a model that does not support sdpa
+    # keeps its own (eager) attention.
+    attention = ATTENTION_NAME if getattr(_model_class(config), "_supports_sdpa", False) else "eager"
     for target in {id(c): c for c in (config, config.get_text_config())}.values():
-        target._attn_implementation = ATTENTION_NAME
+        target._attn_implementation = attention
         target._experts_implementation = ATTENTION_NAME
     kept: dict[int, torch.Tensor] = {}
     with _parameters_on_meta(kept):
