@@ -43,13 +43,32 @@ def test_captured_step_matches_eager_step(model_type):
     hf_sweep.check_graph(hf_sweep.tiny_config(model_type))
 
 
+def test_moe_balancing_loss_is_transformers_own_when_the_config_asks():
+    config = hf_sweep.tiny_config("qwen3_moe")
+    config.output_router_logits = True  # transformers adds the balancing loss only then
+    ours = hf_sweep._our_model(hf_args_from_config(config))
+    ref = hf_sweep._reference_model(config, ours.state_dict())
+    inputs, labels = hf_sweep.sweep_batch()
+    expected = config.router_aux_loss_coef * ref(input_ids=inputs, use_cache=False).aux_loss
+    torch.testing.assert_close(ours(inputs, labels).aux_loss, expected, rtol=1e-5, atol=1e-7)
+    config.output_router_logits = False
+    assert hf_sweep._our_model(hf_args_from_config(config))(inputs, labels).aux_loss.item() == 0.0
+
+
+def _moe_with_balancing():
+    config = hf_sweep.tiny_config("qwen3_moe")
+    config.output_router_logits = True
+    return config
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
 def test_two_fully_shard_ranks_match_one_process(model_type):
     from dist_utils import require_multiprocess_marker
 
     require_multiprocess_marker()
-    hf_sweep.check_fsdp2(hf_sweep.tiny_config(model_type))
+    # MoE with its balancing loss: each rank's loss over its own rows, as micro-batches of one process.
+    hf_sweep.check_fsdp2(_moe_with_balancing() if model_type == "qwen3_moe" else hf_sweep.tiny_config(model_type))
 
 
 def _tied_rank(args):

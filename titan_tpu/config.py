@@ -321,7 +321,8 @@ def model_args_from_config(cfg: Config):
         changed = [k for k in MOE_OPTIONS if getattr(cfg.model, k) != getattr(defaults, k)]
         if changed:
             raise ValueError(f"model.{changed[0]} applies to qwen3_moe; an hf model balances its experts as its "
-                             "config says (router_aux_loss_coef): remove it")
+                             "config says (output_router_logits, router_aux_loss_coef; set them with "
+                             "--model.hf_overrides): remove it")
         return hf_args_from_spec(cfg.model.hf_config, cfg.model.hf_overrides)
     if cfg.model.hf_config or cfg.model.hf_overrides:
         raise ValueError(f"model.hf_config / model.hf_overrides apply to model.name = hf, not {cfg.model.name}: "

@@ -451,10 +451,10 @@ class HFCausalLM(nn.Module):
     def _aux_loss(self, out, ce_sum: torch.Tensor) -> torch.Tensor:
         """The MoE load-balancing loss, coefficient applied, as transformers computes it."""
         router_logits = getattr(out, "router_logits", None)
-        if self._router is None or router_logits is None:
+        if self._router is None or router_logits is None or len(router_logits) == 0:
             return ce_sum.new_zeros(())
         balancing_loss, num_experts, top_k, coef = self._router
-        aux = balancing_loss(router_logits, num_experts, top_k, None)
+        aux = balancing_loss(router_logits, num_experts=num_experts, top_k=top_k, attention_mask=None)
         return coef * aux.to(ce_sum.dtype)
 
     @torch.no_grad()
@@ -517,16 +517,24 @@ def _checkpoint_forward(layer: nn.Module, mode: str) -> None:
     layer.forward = checkpointed_forward
 
 
-def _router_settings(text_config) -> tuple[Callable, int, int, float] | None:
-    """(load_balancing_loss_func, experts, top_k, coefficient) for MoE models whose modeling module
-    defines transformers' balancing loss; None for dense models."""
-    import importlib
-
+def _moe_shape(text_config) -> tuple[int, int] | None:
+    """(experts, experts per token) of an MoE config; None for a dense one."""
     num_experts = (getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None)
                    or getattr(text_config, "n_routed_experts", None))
     top_k = getattr(text_config, "num_experts_per_tok", None)
+    return (int(num_experts), int(top_k)) if num_experts and top_k else None
+
+
+def _router_settings(text_config) -> tuple[Callable, int, int, float] | None:
+    """(load_balancing_loss_func, experts, top_k, coefficient) for MoE models whose config asks for
+    the balancing loss and whose modeling module defines it in the common form; None otherwise."""
+    import importlib
+
+    num_experts, top_k = _moe_shape(text_config) or (None, None)
     coef = getattr(text_config, "router_aux_loss_coef", None)
-    if not (num_experts and top_k and coef) or not hasattr(text_config, "output_router_logits"):
+    # As transformers trains: the balancing loss only when the config asks for router logits
+    # (output_router_logits, false in most published configs; --model.hf_overrides turns it on).
+    if not (num_experts and top_k and coef) or not getattr(text_config, "output_router_logits", False):
         return None
     try:
         module = importlib.import_module(f"transformers.models.{text_config.model_type}.modeling_{text_config.model_type}")
@@ -534,6 +542,12 @@ def _router_settings(text_config) -> tuple[Callable, int, int, float] | None:
         return None
     balancing_loss = getattr(module, "load_balancing_loss_func", None)
     if balancing_loss is None:
+        return None
+    import inspect
+
+    try:  # the common form (Mixtral, Qwen-MoE, ...); other forms are not called
+        inspect.signature(balancing_loss).bind((), num_experts=1, top_k=1, attention_mask=None)
+    except TypeError:
         return None
     return balancing_loss, int(num_experts), int(top_k), float(coef)
 
@@ -577,12 +591,12 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:
     output = model.hf_model.get_output_embeddings()
     skip = {id(embeddings.weight)} if embeddings is not None else set()
     tied = output is not None and embeddings is not None and output.weight is embeddings.weight
-    router = _router_settings(text)
+    moe = _moe_shape(text)
     n = 0.0
     for name, p in model.named_parameters():
         if id(p) in skip:
             continue
-        share = router[2] / router[1] if router is not None and ".experts." in f".{name}." else 1.0
+        share = moe[1] / moe[0] if moe is not None and ".experts." in f".{name}." else 1.0
         n += p.numel() * share
     if tied:
         n += embeddings.weight.numel()
@@ -595,7 +609,7 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:
         attention = 6.0 * layers * heads * head_dim * seq_len
     else:
         how = "6N only (the config names no attention shape)"
-    if router is not None:
+    if moe is not None:
         how += "; MoE experts counted at top_k / experts (an estimate)"
     return 6.0 * n + attention, how
 
