@@ -12,8 +12,9 @@ the graph trainer and checkpoints use for native models::
 What the wrapper adds to the HF model:
 
 * Attention through our kernel registry: an attention function registered with transformers'
-  `AttentionInterface` under the name "titan_tpu" (and sdpa's mask function under the same name in
-  `AttentionMaskInterface`). It runs our `attention` kernel for causal (and document-masked)
+  `AttentionInterface` under the name "titan_tpu" (with a mask function in `AttentionMaskInterface`
+  that leaves causal and document masks to us, sdpa's masks otherwise). It runs our `attention`
+  kernel for causal (and document-masked)
   attention and hands everything it does not cover (sliding windows, soft-capping, attention sinks,
   dropout, non-causal modules, other masks) to transformers' own sdpa function. Models that do not
   route attention through the interface keep their own.
@@ -218,6 +219,8 @@ def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         and (attention_mask is None or document_ids is not None)
     )
     if not plain_causal:
+        if attention_mask is None and document_ids is not None:
+            attention_mask = _document_mask(query, document_ids)  # our mask function left it to us
         if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
             # Features sdpa lacks: the model's own eager attention (its modeling module defines one).
             eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
@@ -273,6 +276,25 @@ def _titan_experts(module: nn.Module, hidden_TD: torch.Tensor, top_k_index_TK: t
     return y_ND[inverse_N].view(T, K, -1).sum(dim=1).to(hidden_TD.dtype)
 
 
+def _document_mask(query: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    from titan_tpu.kernels.attention import allowed_BSS
+
+    return allowed_BSS(query.shape[2], document_ids, query.device).unsqueeze(1)
+
+
+def _titan_mask(*args, attention_mask: torch.Tensor | None = None, local_size: int | None = None, **kwargs):
+    """The mask function of our attention name: None (causal, and the documents of the batch,
+    which our attention reads from the call context) when there is no padding mask and no local
+    window; sdpa's boolean mask otherwise. sdpa's own function never skips while tracing (it
+    cannot tell packed position ids from plain ones then), which would leave graph mode without
+    our kernels."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and local_size is None and _CALL_CONTEXT.get() is not None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, local_size=local_size, **kwargs)
+
+
 def _additive_mask(attention_mask: torch.Tensor | None, query: torch.Tensor, document_ids: torch.Tensor | None,
                    causal: bool) -> torch.Tensor | None:
     """The masks of our attention name are sdpa's (boolean, or None where is_causal will do); an
@@ -280,9 +302,8 @@ def _additive_mask(attention_mask: torch.Tensor | None, query: torch.Tensor, doc
     if attention_mask is None:
         if not causal:
             return None
-        from titan_tpu.kernels.attention import allowed_BSS
-
-        attention_mask = allowed_BSS(query.shape[2], document_ids, query.device).unsqueeze(1)
+        attention_mask = _document_mask(query, document_ids) if document_ids is not None else \
+            _document_mask(query, torch.zeros(1, query.shape[2], dtype=torch.int32, device=query.device))
     if attention_mask.dtype != torch.bool:
         return attention_mask
     zero = torch.zeros((), dtype=query.dtype, device=query.device)
@@ -294,10 +315,10 @@ def register_attention() -> None:
     """Make "titan_tpu" a transformers attention and experts implementation (once per process)."""
     from transformers import AttentionInterface
     from transformers.integrations.moe import ExpertsInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, _titan_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, _titan_mask)
     ExpertsInterface.register(ATTENTION_NAME, _titan_experts)
 
 
