@@ -58,7 +58,13 @@ def tiny_overrides(model_type: str) -> dict:
     out = {}
     for target in {id(c): c for c in (config, config.get_text_config())}.values():
         for key, value in TINY_SIZES.items():
-            if hasattr(target, key) and getattr(target, key) is not None:
+            if isinstance(getattr(type(target), key, None), property):
+                continue  # derived from other keys (Falcon's head_dim)
+            try:
+                present = getattr(target, key) is not None
+            except Exception:  # noqa: BLE001 - e.g. per-layer attributes that refuse a global read (Gemma 4)
+                present = False
+            if present:
                 out[key] = value
         for key, value in target.to_dict().items():
             if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
