@@ -276,7 +276,8 @@ def _titan_experts(module: nn.Module, hidden_TD: torch.Tensor, top_k_index_TK: t
     return y_ND[inverse_N].view(T, K, -1).sum(dim=1).to(hidden_TD.dtype)
 
 
-def _document_mask(query: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+def _document_mask(query: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+    """Boolean [B or 1, 1, S, S]: causal, and within each document when there are documents."""
     from titan_tpu.kernels.attention import allowed_BSS
 
     return allowed_BSS(query.shape[2], document_ids, query.device).unsqueeze(1)
@@ -302,8 +303,7 @@ def _additive_mask(attention_mask: torch.Tensor | None, query: torch.Tensor, doc
     if attention_mask is None:
         if not causal:
             return None
-        attention_mask = _document_mask(query, document_ids) if document_ids is not None else \
-            _document_mask(query, torch.zeros(1, query.shape[2], dtype=torch.int32, device=query.device))
+        attention_mask = _document_mask(query, document_ids)
     if attention_mask.dtype != torch.bool:
         return attention_mask
     zero = torch.zeros((), dtype=query.dtype, device=query.device)
@@ -653,8 +653,9 @@ def load_pretrained_weights(model: HFCausalLM, hf_dir: str | Path) -> None:
     or fused tensors of newer modeling code) apply; every rank reads it and keeps its shard. A
     directory whose weights do not fit the config (a missing tensor, another shape) is a one-line
     error."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
     from transformers import AutoModelForCausalLM
+
+    from titan_tpu.parallel.simple_fsdp import copy_full_
 
     hf_dir = Path(hf_dir)
     try:
@@ -673,11 +674,7 @@ def load_pretrained_weights(model: HFCausalLM, hf_dir: str | Path) -> None:
         key = name[len(PREFIX):]
         if key not in source:
             continue  # a buffer transformers does not save
-        full = source[key].to(device=target.device, dtype=target.dtype)
-        if isinstance(target, DTensor):
-            target.to_local().copy_(distribute_tensor(full, target.device_mesh, target.placements).to_local())
-        else:
-            target.copy_(full)
+        copy_full_(target, source[key])
     del loaded, source
 
 

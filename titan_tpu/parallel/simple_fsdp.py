@@ -29,7 +29,7 @@ from titan_tpu.models.common.moe import EXPERT_MARKER  # set on modules holding 
 from titan_tpu.models.common.scan import STACKED_MARKER  # set on modules holding stacked layers
 from titan_tpu.parallel.expert_parallel import ExpertParallelDispatch, expert_placements
 
-__all__ = ["MixedPrecision", "data_parallel", "default_mixed_precision", "local_bytes", "materialize_and_init", "MODES"]
+__all__ = ["MixedPrecision", "copy_full_", "data_parallel", "default_mixed_precision", "local_bytes", "materialize_and_init", "MODES"]
 
 MODES = ("replicate", "fully_shard", "hybrid_shard")
 
@@ -234,6 +234,17 @@ def materialize_and_init(
     leftover = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     assert not leftover, f"init_plan missed parameters: {leftover}"
     return data_parallel(model, mesh, mode=mode, mp=mp, expert_mesh=expert_mesh)
+
+
+@torch.no_grad()
+def copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a whole tensor into `target`, a plain tensor or a DTensor (then only this rank's shard
+    of `full` is written); `full` is cast to the target's device and dtype."""
+    full = full.to(device=target.device, dtype=target.dtype)
+    if isinstance(target, DTensor):
+        target.to_local().copy_(distribute_tensor(full, target.device_mesh, target.placements).to_local())
+    else:
+        target.copy_(full)
 
 
 def local_bytes(tensors) -> int:

@@ -30,7 +30,7 @@ from titan_tpu.device import Backend, get_backend
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model, flops_per_token
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
-from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision, materialize_and_init
+from titan_tpu.parallel.simple_fsdp import MixedPrecision, copy_full_, default_mixed_precision, materialize_and_init
 from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, lr_at
@@ -232,8 +232,6 @@ class Trainer:
     @torch.no_grad()
     def load_initial_weights(self, path: str | Path) -> None:
         """Start from the weights of a checkpoint or a Hugging Face directory (fine-tuning)."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
         from titan_tpu.convert import resolve_checkpoint
         from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
 
@@ -259,11 +257,7 @@ class Trainer:
         if extra:
             raise ValueError(f"checkpoint.initial_load_path {path} has tensors the model lacks, e.g. {extra[0]}")
         for key, value in own.items():
-            full = weights[key].to(device=value.device, dtype=value.dtype)
-            if isinstance(value, DTensor):  # every rank read the file: keep this rank's shard
-                value.to_local().copy_(distribute_tensor(full, value.device_mesh, value.placements).to_local())
-            else:
-                value.copy_(full)
+            copy_full_(value, weights[key])  # every rank read the file: each keeps its shard
         self.log(f"initial weights loaded from {path}")
 
     def save_checkpoint(self) -> Path:
