@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch import Tensor
+from torch._decomp import get_decompositions
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -55,6 +56,13 @@ from titan_tpu.train.optim import adamw_update, clip_grad_norm
 from titan_tpu.train.step import split_batch
 
 __all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "capture_train_step"]
+
+# Ops traced as their decompositions because their fake (meta) kernel gives an output a layout that
+# the real kernel does not, and a view the graph then records on that output fails when the graph
+# runs. softplus_backward: the CPU kernel follows the layout of `grad`, the meta kernel that of
+# `self`; with a transposed grad (Qwen3-Next's gated delta rule) the recorded view fails. Its
+# decomposition is elementwise arithmetic, whose layout fake and real tensors agree on.
+TRACE_DECOMPOSITIONS = get_decompositions([torch.ops.aten.softplus_backward])
 
 
 def _slices(groups: list[tuple[str, int]]) -> dict[str, slice]:
@@ -379,7 +387,8 @@ def capture_train_step(
             # preserve_node_meta: annotations made while tracing (the backward phase) land in
             # node.meta["custom"].
             with fx_traceback.preserve_node_meta():
-                gm = make_fx(train_step, tracing_mode="fake")(*fake_example)
+                gm = make_fx(train_step, tracing_mode="fake",
+                             decomposition_table=TRACE_DECOMPOSITIONS)(*fake_example)
         except Exception as e:
             error = _capture_error(e, stack)
             if error is None:
