@@ -106,6 +106,24 @@ def parse_overrides(text: str) -> dict[str, Any]:
     return out
 
 
+def text_config(config):
+    """The config of the language model inside a composite config (itself for a plain one): what
+    AutoModelForCausalLM builds. MusicGen has two text configs; its decoder is the language model."""
+    try:
+        return config.get_text_config()
+    except ValueError:  # several text configs (MusicGen: text_encoder and decoder)
+        return config.get_text_config(decoder=True)
+
+
+def _has(config, key: str) -> bool:
+    """Whether `config` has `key`; per-layer attributes of heterogeneous configs (Gemma 4) refuse a
+    global read but are keys all the same."""
+    try:
+        return hasattr(config, key)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError
+        return key in config.to_dict()
+
+
 def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
     """A transformers config from a model directory (its config.json) or a causal-LM model type,
     with `overrides` applied (to the text config of composite models). One-line errors for a
@@ -117,8 +135,10 @@ def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
     if not spec:
         raise ValueError("model.name = hf needs --model.hf_config: a Hugging Face model directory or a model type "
                          "such as llama, qwen3, gemma3_text")
+    from huggingface_hub.errors import StrictDataclassError
+
     path = Path(spec).expanduser()
-    overrides, text_keys = dict(overrides or {}), {}
+    given, overrides = dict(overrides or {}), dict(overrides or {})
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.hf_config {path} has no config.json; point at a Hugging Face model "
@@ -137,29 +157,32 @@ def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
     try:
         config = make()
         # Overrides go through the constructor, so values derived from them (per-layer lists such
-        # as layer_types) follow; keys of a composite model's text config go there.
-        text_keys = {} if config.get_text_config() is config else {
-            k: overrides.pop(k) for k in list(overrides) if not hasattr(config, k) and hasattr(config.get_text_config(), k)}
+        # as layer_types) follow, and so do the model's own checks; keys of a composite model's
+        # text config go to that config, which goes to the constructor as a dict.
+        text = text_config(config)
+        text_keys = {} if text is config else {
+            k: overrides.pop(k) for k in list(overrides) if not _has(config, k) and _has(text, k)}
         if layers := overrides.get("num_hidden_layers"):
             for key, value in config.to_dict().items():  # a directory's per-layer lists: cut or repeat
                 if isinstance(value, list) and len(value) == getattr(config, "num_hidden_layers", -1):
                     overrides.setdefault(key, (value * layers)[:layers])
-        config = make(**overrides) if overrides else config
         if text_keys:
-            text = config.get_text_config()
-            config_dict = text.to_dict()
-            config_dict.update(text_keys)
-            for key, value in config_dict.items():
-                if isinstance(value, list) and "num_hidden_layers" in text_keys and len(value) == text.num_hidden_layers:
-                    config_dict[key] = (value * text_keys["num_hidden_layers"])[:text_keys["num_hidden_layers"]]
-            sub = type(text)(**config_dict)
-            for name in ("text_config", "decoder"):
-                if getattr(config, name, None) is text:
-                    setattr(config, name, sub)
-    except (ValueError, TypeError, KeyError) as e:
-        first = str(e).strip().splitlines()
-        raise ValueError(f"model.hf_config {spec} with model.hf_overrides {overrides or text_keys} is not a valid "
-                         f"config: {first[-1] if first else type(e).__name__}") from None
+            text_dict = text.to_dict()
+            text_dict.update(text_keys)
+            if layers := text_keys.get("num_hidden_layers"):  # per-layer lists and {layer: ...} tables
+                for key, value in text_dict.items():
+                    if isinstance(value, list) and len(value) == text.num_hidden_layers:
+                        text_dict[key] = (value * layers)[:layers]
+                    elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+                        text_dict[key] = {k: v for k, v in value.items() if int(k) < layers}
+            name = next(k for k, v in vars(config).items() if v is text)  # text_config, decoder, ...
+            overrides[name] = text_dict
+        config = make(**overrides) if overrides else config
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        # StrictDataclassError: a config's own validate_architecture (its cause is the last line)
+        last = str(e).strip().splitlines()
+        raise ValueError(f"model.hf_config {spec} with model.hf_overrides {given} is not a valid config: "
+                         f"{last[-1].strip() if last else type(e).__name__}") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"model.hf_config {spec}: model_type {config.model_type!r} is not a causal LM in transformers "
                          "(AutoModelForCausalLM cannot build it); train a decoder-only language model")
@@ -189,7 +212,7 @@ def hf_args_from_spec(spec: str, overrides_text: str = "") -> HFArgs:
 
 
 def hf_args_from_config(config, spec: str = "") -> HFArgs:
-    text = config.get_text_config()
+    text = text_config(config)
     max_len = getattr(text, "max_position_embeddings", None) or 1 << 20
     # to_dict, not to_json_string: the latter spells infinities as {"__float__": "Infinity"}.
     return HFArgs(hf_config=spec or config.model_type, config=json.loads(json.dumps(config.to_dict(), default=str)),
@@ -208,6 +231,9 @@ def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     ([B, S, H, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if kwargs.get("sparse_indices") is not None:
+        raise NotImplementedError(f"{type(module).__name__} passes sparse_indices (a sparse-attention indexer); the "
+                                  "titan_tpu attention does not apply them; build such a model with sdpa attention")
     context = _CALL_CONTEXT.get()
     document_ids = context[1] if context is not None else None
     plain_causal = (
@@ -387,7 +413,7 @@ class HFCausalLM(nn.Module):
         if ac_mode != "none":
             for layer in self.decoder_layers:
                 _checkpoint_forward(layer, ac_mode)
-        text = hf_model.config.get_text_config()
+        text = text_config(hf_model.config)
         self._router = _router_settings(text)
 
     # --- the init contract (parallel/simple_fsdp.materialize_and_init) -----------------------
@@ -487,7 +513,7 @@ class HFCausalLM(nn.Module):
         self.use_chunked_loss = False
         if not isinstance(output, nn.Linear) or output.bias is not None or base is None or base is self.hf_model:
             return False
-        if _logit_transform(self.hf_model.config.get_text_config()):
+        if _logit_transform(text_config(self.hf_model.config)):
             return False  # e.g. soft-capping: too close to identity at init for the check below to see
         device = next(self.parameters()).device
         generator = torch.Generator().manual_seed(0)
@@ -580,6 +606,25 @@ def _model_class(config) -> type:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
+# Models that build their attention mask from the mask function's output, so they need the
+# materialised causal mask our mask function leaves out (None: "causal, use the kernel").
+_KEEP_SDPA = {
+    "doge": "adds its learned dynamic mask (dt_states) to the causal mask it is given",
+}
+
+
+def _attention_implementation(model_class: type) -> str:
+    """Our attention where the model looks attention functions up by name (AttentionInterface);
+    sdpa where it picks an attention class from a fixed table of its own (Falcon's
+    FALCON_ATTENTION_CLASSES), which has no entry for ours; its own eager attention where it does not
+    support sdpa (our attention speaks sdpa's mask convention, where None may mean causal)."""
+    if not getattr(model_class, "_supports_sdpa", False):
+        return "eager"
+    module = sys.modules[model_class.__module__]
+    tables = [v for k, v in vars(module).items() if k.endswith("ATTENTION_CLASSES") and isinstance(v, dict)]
+    return "sdpa" if any(ATTENTION_NAME not in table for table in tables) else ATTENTION_NAME
+
+
 def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode: str = "none",
                    dtype: torch.dtype = torch.float32) -> HFCausalLM:
     """The wrapped model with parameters on the meta device (buffers real): materialise and
@@ -588,11 +633,16 @@ def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode
 
     register_attention()
     config = args.transformers_config()
-    # transformers' own switches; sub-configs (the text model of a composite) follow. Our attention
-    # speaks sdpa's mask convention (None may mean "causal"), so a model that does not support sdpa
-    # keeps its own (eager) attention.
-    attention = ATTENTION_NAME if getattr(_model_class(config), "_supports_sdpa", False) else "eager"
-    for target in {id(c): c for c in (config, config.get_text_config())}.values():
+    # transformers' own switches; sub-configs (the text model of a composite) follow.
+    attention = _attention_implementation(_model_class(config))
+    if config.model_type in _KEEP_SDPA:
+        attention = "sdpa"
+    if getattr(text_config(config), "index_topk", None):
+        # A sparse-attention indexer (DeepSeek V3.2, GLM-MoE-DSA) folds its top-k selection into
+        # the mask for eager and sdpa only; any other implementation gets `sparse_indices` to apply
+        # itself, which our kernels do not: such models keep sdpa.
+        attention = "sdpa"
+    for target in {id(c): c for c in (config, text_config(config))}.values():
         target._attn_implementation = attention
         target._experts_implementation = ATTENTION_NAME
     kept: dict[int, torch.Tensor] = {}
@@ -607,7 +657,7 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:
     uses (the output projection counted; MoE experts scaled by top_k / experts, an estimate) plus
     6 x layers x heads x head_dim x seq_len for causal attention, from the config when it names
     them."""
-    text = model.hf_model.config.get_text_config()
+    text = text_config(model.hf_model.config)
     embeddings = model.hf_model.get_input_embeddings()
     output = model.hf_model.get_output_embeddings()
     skip = {id(embeddings.weight)} if embeddings is not None else set()

@@ -1,7 +1,9 @@
 """`titan-tpu hf-sweep`: every causal-LM type of the installed transformers through the Transformers backend.
 
-For each `model_type` of transformers' causal-LM auto mapping: a tiny config (2 layers, hidden 64,
-vocab 512, dropout 0; MoE and MLA sizes shrunk too), then four checks on one fixed batch, fp32 CPU:
+For each `model_type` of transformers' causal-LM auto mapping: a tiny config (2 layers, or one of
+each kind a model's layer_types name, hidden 64, vocab 512, dropout 0; MoE and MLA sizes shrunk
+too; TYPE_OVERRIDES where a default config does not build), then four checks on one fixed batch,
+fp32 CPU:
 
 * plain: transformers' own model (its default attention) runs a forward and backward. The baseline:
   a type that fails here is not ours to fix.
@@ -46,35 +48,109 @@ TINY_SIZES = {
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
     "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 16, "attention_chunk_size": 16,
+    # partial rotary (GPT-J, CodeGen), XLNet's head size, the sparse-attention indexer (DeepSeek V3.2),
+    # encoder-decoder style decoders (PLBart, Whisper), Gemma 3n's per-layer inputs
+    "rotary_dim": 8, "d_head": 16, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 16,
+    "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_layers": LAYERS, "decoder_layers": LAYERS,
+    "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 0,
 }
+
+# Keys whose default None means "derived from the others" (not "feature off"): set them anyway.
+SET_WHEN_NONE = ("head_dim", "num_key_value_heads")
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+# What the generic rules above cannot know: a default config that does not build as it is, or a
+# constraint between keys of one model. Each entry says why.
+TYPE_OVERRIDES = {
+    # the default attn_config lacks the rope_theta that DbrxAttention reads, and its clip_qkv None
+    # reaches clamp(None, None); MoE sizes live in ffn_config
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+             "d_model": 64},  # the experts' width follows d_model, not its alias hidden_size
+    # the default has no experts at all (None) but builds MoE layers
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    # validate_architecture: sliding-window layers' head_dim == qk_nope_head_dim + qk_rope_head_dim
+    # and the vision and audio adapters are as wide as the text model
+    "dots3_note": {"head_dim": 16, "vision_config": {"adapter_out_dim": 64}, "audio_config": {"adapter_out_dim": 64}},
+    "dots3_note_text": {"head_dim": 16},
+    # the default rope_parameters is empty; the model reads them per layer type
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # validate_architecture: hidden_size * expand == num_heads * head_dim
+    "mamba2": {"num_heads": 8, "n_groups": 1},
+    # validate_architecture: one expert per token only
+    "zaya": {"num_experts_per_tok": 1},
+    # the LM head refuses a model that is not a decoder; axial position embeddings: dims sum to hidden_size, shape multiplies to the training sequence;
+    # chunks divide the sequence; a fixed hash seed makes LSH attention deterministic
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 8],
+                 "attn_layers": ["local", "lsh"], "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8,
+                 "hash_seed": 0},
+    # the model refuses to run before a language is chosen
+    "xmod": {"default_language": "en_XX"},
+    # byte-level: four sub-models of their own sizes (the default needs 23 GB) and a hash vocabulary
+    "blt": {"encoder_hash_byte_group_vocab": 1024, "local_attention_window_len": 16,
+            **{name: {"hidden_size": 64, "hidden_size_global": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                      "num_key_value_heads": 4, "head_dim": 16, "intermediate_size": 128, "sliding_window": 16,
+                      "max_position_embeddings": 512, "vocab_size": VOCAB}
+               for name in ("patcher_config", "encoder_config", "decoder_config", "global_config")}},
+    # layer_types defaults to None, which the model indexes; a conv layer and an attention layer
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+}
+
+
+def _every_layer_kind(values: list, layers: int) -> list:
+    """A per-layer list (layer_types, mlp_layer_types) cut to `layers` entries that keeps one layer of
+    every kind the full model has, so two layers still test sliding and full attention, linear and
+    full attention, dense and MoE blocks: the kinds in order of first appearance, then the pattern."""
+    kinds = list(dict.fromkeys(values))
+    return (kinds + values)[:max(layers, len(kinds))]
 
 
 def tiny_overrides(model_type: str) -> dict:
     """The config values that make `model_type` tiny: TINY_SIZES where its config (or text config)
-    has the key, dropouts 0, token ids inside the tiny vocab."""
+    has the key, one layer of each kind, dropouts 0, token ids inside the tiny vocab, then
+    TYPE_OVERRIDES."""
     from transformers import AutoConfig
+
+    from titan_tpu.models.hf_backend import text_config
 
     config = AutoConfig.for_model(model_type)
     out = {}
-    for target in {id(c): c for c in (config, config.get_text_config())}.values():
+    for target in {id(c): c for c in (config, text_config(config))}.values():
+        values = target.to_dict()
         for key, value in TINY_SIZES.items():
             if isinstance(getattr(type(target), key, None), property):
                 continue  # derived from other keys (Falcon's head_dim)
             try:
-                present = getattr(target, key) is not None
-            except Exception:  # noqa: BLE001 - e.g. per-layer attributes that refuse a global read (Gemma 4)
-                present = False
+                current = getattr(target, key)
+            except Exception:  # noqa: BLE001 - per-layer attributes refuse a global read (Gemma 4, Dots 3)
+                current = values.get(key)  # the global value, which layers without their own follow
+            # 0 or None turns a feature off (no shared experts, no per-layer inputs): keep it off
+            present = (current is not None and current != 0) or (key in values and key in SET_WHEN_NONE)
             if present:
                 out[key] = value
-        for key, value in target.to_dict().items():
+        if values.get("num_experts_per_tok", 0) is None and any(values.get(k) for k in EXPERT_COUNTS):
+            out["num_experts_per_tok"] = TINY_SIZES["num_experts_per_tok"]
+        layers = values.get("num_hidden_layers")
+        for key, value in values.items():
             if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
                 out[key] = 0.0
             elif key.endswith("token_id") and isinstance(value, int) and value >= VOCAB:
                 out[key] = 1
             elif key.endswith("token_id") and isinstance(value, list):
                 out[key] = [v if v < VOCAB else 1 for v in value]
+            elif (key.endswith("layer_types") and isinstance(value, list) and layers and len(value) == layers
+                  and all(isinstance(v, str) for v in value)):
+                out[key] = _every_layer_kind(value, LAYERS)
+        kinds = [len(v) for k, v in out.items() if k.endswith("layer_types") and isinstance(v, list)]
+        if kinds and "num_hidden_layers" in out:
+            out["num_hidden_layers"] = max(kinds)
+            for key in [k for k in out if k.endswith("layer_types")]:
+                out[key] = (out[key] * max(kinds))[:max(kinds)]
     if "qk_rope_head_dim" in out and "head_dim" in out:
         out["head_dim"] = out["qk_rope_head_dim"]  # multi-head latent attention: RoPE runs on these dims
+    if "qk_rope_head_dim" in out and "num_key_value_heads" in out:
+        out["num_key_value_heads"] = out["num_attention_heads"]  # MLA: one key and value per head
+    out.update(TYPE_OVERRIDES.get(model_type, {}))
     return out
 
 
@@ -143,7 +219,10 @@ def check_eager(config) -> str:
     ours = _our_model(hf_args_from_config(config))
     ref = _reference_model(config, ours.state_dict())
     inputs, labels = sweep_batch()
+    # The same random numbers for both forwards (PhiMoE's router samples its experts in training).
+    torch.manual_seed(1)
     our_loss = ours(inputs, labels).ce_sum / labels.numel()
+    torch.manual_seed(1)
     logits = ref(input_ids=inputs, use_cache=False).logits
     ref_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
     our_loss.backward()
@@ -317,8 +396,10 @@ def write_table(rows: list[dict], checks: tuple[str, ...], path: Path, seconds: 
         f"Generated by `titan-tpu hf-sweep` on {datetime.date.today().isoformat()}: transformers "
         f"{transformers.__version__}, torch {torch.__version__}, Python {platform.python_version()}, titan-tpu {commit}, "
         "CPU fp32, "
-        f"{len(rows)} types in {seconds / 60:.0f} min. Each type is built tiny ({LAYERS} layers, hidden 64, vocab "
-        f"{VOCAB}, dropout 0; titan_tpu/models/hf_sweep.py) and checked on one batch of {BATCH} x {SEQ} tokens:",
+        f"{len(rows)} types in {seconds / 60:.0f} min. Each type is built tiny ({LAYERS} layers, or one of each "
+        f"layer kind where a model has more kinds, hidden 64, vocab {VOCAB}, dropout 0; per-type fixes where a "
+        "default config does not build; titan_tpu/models/hf_sweep.py) and checked on one batch of "
+        f"{BATCH} x {SEQ} tokens:",
         "",
         "- **plain**: transformers' own model trains (forward + backward) with that config: the baseline;",
         f"- **eager**: our backend's loss and gradients equal transformers' own ({TOLERANCE:g});",
