@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import os
+
 import dist_utils
 import pytest
 import torch
+
+# tests/tpu/ needs torch-tpu and jax (their own environment, `make tpu-check`): never collected here.
+collect_ignore = [] if os.environ.get("TITAN_TPU_CHECK") == "1" else ["tpu"]
 
 # Two threads, as on the CI machine: keeps timings and float reduction order the same everywhere.
 torch.set_num_threads(2)

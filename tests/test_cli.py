@@ -146,7 +146,7 @@ def test_kernels_lists_implementations_and_the_auto_choice(capsys):
     assert "auto               -> sdpa" in out and "auto               -> chunked" in out
     assert "splash             not here:" in out
     code, out, _ = run_cli(capsys, "kernels", "--device", "tpu")
-    assert code == 0 and "auto (documents)   -> reference" in out  # splash takes no segment ids
+    assert code == 0 and "auto (documents)   -> reference" in out  # splash needs TorchTPU and jax, absent here
 
 
 def test_usage(capsys):

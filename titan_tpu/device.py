@@ -4,7 +4,8 @@ A `Backend` bundles the torch device, the process-group backend, the compile bac
 FLOP/s used as the MFU denominator, memory statistics and a synchronize hook, so nothing else in
 the framework has to branch on "cpu" / "cuda" / "tpu".
 
-TorchTPU (`torch_tpu`) is never imported at module import time: in an environment that has
+Every TorchTPU call of the framework outside the kernels is in this module (the kernels' are in
+kernels/tpu.py; tests/test_tpu_sites.py keeps it so). TorchTPU (`torch_tpu`) is never imported at module import time: in an environment that has
 torch_tpu but no libtpu, importing it aborts the whole process, so we only import it when the TPU
 backend is actually chosen (or, for "auto", after checking with `importlib.util.find_spec` that
 both torch_tpu and libtpu are installed).
@@ -346,6 +347,20 @@ def check_tpu_compile_backend(training_device: str) -> None:
         raise tpu_compile_error(f"training.device is {training_device} (use tpu or auto)")
     if not _tpu_installed():
         raise tpu_compile_error("torch_tpu is not installed here")
+
+
+def import_torch_tpu_with_a_device() -> None:
+    """For compile.backend tpu: import torch_tpu (it registers torch.tpu and the Dynamo backend
+    "tpu") and check that it sees a TPU; the one-line `tpu_compile_error` otherwise."""
+    if not _tpu_installed():
+        raise tpu_compile_error("torch_tpu is not installed here")
+    try:
+        importlib.import_module("torch_tpu")
+    except Exception as e:  # noqa: BLE001 - any failure to load means "not usable here"
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__  # keep the error one line
+        raise tpu_compile_error(f"importing torch_tpu failed ({first_line})") from e
+    if not (torch.tpu.is_available() and torch.tpu.device_count() > 0):
+        raise tpu_compile_error("torch_tpu sees no TPU device")
 
 
 def _import_torch_tpu() -> None:

@@ -42,21 +42,11 @@ BACKENDS = ("eager", "aot_eager", "inductor", "tpu")
 def _tpu_dynamo_backend(captured: CapturedStep | None) -> Callable:
     """TorchTPU's Dynamo backend, after checking that it can run: torch_tpu imports, sees a TPU,
     and the captured step's tensors live on it. Raises the one-line ValueError otherwise."""
-    import importlib
-
     from torch._dynamo import lookup_backend
 
     from titan_tpu import device
 
-    if not device._tpu_installed():
-        raise _tpu_error("torch_tpu is not installed here")
-    try:
-        importlib.import_module("torch_tpu")  # registers torch.tpu and the Dynamo backend "tpu"
-    except Exception as e:  # noqa: BLE001 - any failure to load means "not usable here"
-        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__  # keep the error one line
-        raise _tpu_error(f"importing torch_tpu failed ({first_line})") from e
-    if not (torch.tpu.is_available() and torch.tpu.device_count() > 0):
-        raise _tpu_error("torch_tpu sees no TPU device")
+    device.import_torch_tpu_with_a_device()  # the one-line error where TorchTPU or a TPU is missing
     if captured is not None:
         devices = {t.device.type for t in captured.example_inputs if t.dim() > 0}  # 0-dim scalars may stay on CPU
         if devices != {"tpu"}:

@@ -3,7 +3,7 @@
 Ops: ``attention`` (causal, optionally document-masked; attention.py), ``loss`` (output
 projection + cross-entropy, chunked so the logits are never whole; loss.py) and ``grouped_mm``
 (mixture-of-experts expert matmuls; grouped_mm.py). TPU variants live in tpu.py, the only kernel
-module that calls torch_tpu.
+module that calls torch_tpu; the JAX functions it hands to TorchTPU's jax_op are in tpu_jax.py.
 
 `KernelConfig` is the ``[kernels]`` config section and what a model is built with: the choice
 per op ("auto" or an implementation name). Model code asks it for the implementation to run on
@@ -29,18 +29,21 @@ OPS: dict[str, Op] = {"attention": ATTENTION, "loss": LOSS, "grouped_mm": GROUPE
 DOCUMENTS = frozenset({"documents"})
 
 # What `auto` tries, in order, per device type ("<device>+documents" when the call has document
-# masks). Measured choices are explained in docs/kernels.md.
+# masks). Measured choices are explained in docs/kernels.md. On TPU, auto prefers the jax_op
+# variants (splash, gmm), whose JAX kernels are checked numerically in TPU interpret mode
+# (make tpu-check), over TorchTPU's native ops, whose signatures only are checked; neither has
+# been timed on a TPU (docs/tpu.md).
 ATTENTION.preference = {
     "cpu": ["sdpa", "reference"],
     "cuda": ["sdpa", "reference"],
     "cuda+documents": ["flex", "sdpa", "reference"],
-    "tpu": ["splash", "reference"],
-    "tpu+documents": ["reference"],
+    "tpu": ["splash", "splash_sdpa", "reference"],
+    "tpu+documents": ["splash", "reference"],
 }
 GROUPED_MM.preference = {
     "cpu": ["torch", "reference"],
     "cuda": ["torch", "reference"],
-    "tpu": ["ragged_dot", "reference"],
+    "tpu": ["gmm", "ragged_dot", "reference"],
 }
 LOSS.preference = {
     "cpu": ["chunked", "reference"],
@@ -53,11 +56,11 @@ LOSS.preference = {
 class KernelConfig:
     # Implementation per op: auto picks the best one that runs on the device (titan-tpu kernels
     # lists them); a name forces one (an error if it cannot run here).
-    attention: str = "auto"  # auto, reference, sdpa, flex, splash
+    attention: str = "auto"  # auto, reference, sdpa, flex, splash, splash_sdpa
     loss: str = "auto"  # auto, reference, chunked, tokamax
     # Tokens per chunk of the chunked loss; 0 = about 64M logits per chunk (one chunk for small vocabularies).
     loss_chunk_tokens: int = 0
-    grouped_mm: str = "auto"  # mixture-of-experts expert matmuls: auto, reference, torch, ragged_dot
+    grouped_mm: str = "auto"  # mixture-of-experts expert matmuls: auto, reference, torch, gmm, ragged_dot
 
     def validate(self) -> None:
         """Config-time checks that need no device: known names, sane sizes."""

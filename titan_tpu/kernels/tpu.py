@@ -1,31 +1,41 @@
 """TPU kernel variants, through TorchTPU (torch_tpu). Every kernel-layer use of `torch.tpu` is here.
 
-Written against the torch_tpu 0.2.0 public API (../shared/reference/torch_tpu_0.2.0_api.txt in the
-team's design notes) and not run on a TPU by this project yet; the TPU-check issue verifies these
-calls against the real package and runs the JAX kernels on CPU in TPU interpret mode. Imports are
-lazy: importing this module never imports torch_tpu (which aborts the process where libtpu is
-missing), and each implementation reports itself unavailable unless torch_tpu is installed.
+Written against the torch_tpu 0.2.0 API and not run on a TPU by this project. What is checked
+instead (`make tpu-check`, tests/tpu/): every `torch.tpu` name and call below against the real
+package (the names exist, the arguments bind to the signatures, jax_op accepts our JAX functions),
+and the JAX functions handed to jax_op (kernels/tpu_jax.py) run on CPU, the Pallas kernels in TPU
+interpret mode, through a stand-in for jax_op, against the PyTorch reference kernels, forward and
+backward. Imports are lazy: importing this module never imports torch_tpu (which aborts the
+process where libtpu is missing) or jax, and each variant reports itself unavailable unless
+torch_tpu (and jax, tokamax where needed) are installed.
 
-* attention "splash": `torch.tpu.ops.splash_sdpa`, TorchTPU's splash-attention Pallas kernel.
-  Layout [B, H, S, D] (HEAD_DIM_MINOR), GQA through `enable_gqa`. Causal windows only: the 0.2.0
-  signature has no segment ids, so document-masked attention on TPU takes the reference (XLA
-  fuses the masked softmax, at S^2 memory per head) until a segment-id kernel (JAX's splash
-  attention with SegmentIds through `torch.tpu.pallas.jax_op`) is added.
-* grouped_mm "ragged_dot": `torch.tpu.ops.ragged_dot(lhs [T, D], rhs [E, D, F], group_sizes)`
-  for the forward and the input gradient (against the transposed weights), and
-  `torch.tpu.ops.ragged_dot_weight_grad(lhs, grad_output, group_sizes)` for the weight gradient,
-  bound by an autograd.Function.
+Through `torch.tpu.pallas.jax_op` (one torch op for the forward, one for its VJP, bound by an
+autograd.Function; checked numerically in interpret mode):
+* attention "splash": JAX's splash attention (Pallas), causal, GQA, and packed documents through
+  its segment ids. Layout [B, H, S, D]; the sequence must be a multiple of 128.
+* grouped_mm "gmm": megablox's grouped matmul (Pallas), with its own VJP (gmm against the
+  transposed weights for the input gradient, tgmm for the weight gradient).
 * loss "tokamax": tokamax's `linear_softmax_cross_entropy_loss` (a Pallas kernel that never
-  materialises the logits) registered as torch ops with `torch.tpu.pallas.jax_op`: one op for the
-  forward, one for its vector-Jacobian product (jax.vjp), bound together by an autograd.Function.
-  tokamax takes weights [H, V] and has no ignore index, so the weight is passed transposed and
-  ignored labels are refused.
+  materialises the logits; implementation "mosaic_tpu"). tokamax takes weights [D, V] and has no
+  ignore index, so the weight is passed transposed and ignored labels are refused. Its Mosaic
+  kernel refuses to run off a TPU even in interpret mode, so the check runs tokamax's "xla"
+  implementation of the same call: it verifies our wiring, not tokamax's kernel.
+
+TorchTPU's native ops (signatures checked against the real package; cannot run without a TPU):
+* attention "splash_sdpa": `torch.tpu.ops.splash_sdpa`, causal windows only (no segment ids in
+  0.2.0), GQA through `enable_gqa`.
+* grouped_mm "ragged_dot": `torch.tpu.ops.ragged_dot(lhs [T, D], rhs [E, D, F], group_sizes)` for
+  the forward and the input gradient (against the transposed weights), and
+  `torch.tpu.ops.ragged_dot_weight_grad(lhs, grad_output, group_sizes)` for the weight gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -35,7 +45,11 @@ from titan_tpu.kernels.grouped_mm import GROUPED_MM, differentiable_grouped_mm
 from titan_tpu.kernels.loss import LOSS
 from titan_tpu.kernels.registry import Impl
 
-__all__ = ["ragged_dot_grouped_mm", "splash_attention", "tokamax_linear_cross_entropy"]
+__all__ = ["gmm_grouped_mm", "jax_op_replaced", "ragged_dot_grouped_mm", "splash_attention",
+           "splash_sdpa_attention", "tokamax_linear_cross_entropy"]
+
+# tokamax's Pallas kernel. tests/tpu/ sets "xla" (tokamax's Mosaic kernel refuses CPU).
+TOKAMAX_IMPLEMENTATION = "mosaic_tpu"
 
 
 def _missing(*modules: str) -> str | None:
@@ -47,10 +61,156 @@ def _missing(*modules: str) -> str | None:
     return f"needs {', '.join(absent)} (TorchTPU on a TPU VM)" if absent else None
 
 
+# -- JAX functions as torch ops ------------------------------------------------------------------
+
+_jax_op_stand_in: Callable | None = None
+
+
+def _jax_op() -> Callable:
+    if _jax_op_stand_in is not None:
+        return _jax_op_stand_in
+    from torch.tpu.pallas import jax_op
+
+    return jax_op
+
+
+@contextlib.contextmanager
+def jax_op_replaced(stand_in: Callable) -> Iterator[None]:
+    """Run the jax_op variants through `stand_in` (same call as jax_op: (name, fn) -> op) instead of
+    TorchTPU's jax_op. For tests/tpu/, which runs the JAX functions on CPU."""
+    global _jax_op_stand_in
+    previous, _jax_op_stand_in = _jax_op_stand_in, stand_in
+    try:
+        yield
+    finally:
+        _jax_op_stand_in = previous
+
+
+@functools.cache
+def _ops(jax_op: Callable) -> SimpleNamespace:
+    """The torch ops made from kernels/tpu_jax.py by `jax_op`; once per process (and stand-in)."""
+    from titan_tpu.kernels import tpu_jax
+
+    return SimpleNamespace(
+        splash=jax_op("titan_tpu::splash_attention", tpu_jax.splash_attention),
+        splash_vjp=jax_op("titan_tpu::splash_attention_vjp", tpu_jax.splash_attention_vjp),
+        gmm=jax_op("titan_tpu::megablox_gmm", tpu_jax.grouped_mm),
+        gmm_vjp=jax_op("titan_tpu::megablox_gmm_vjp", tpu_jax.grouped_mm_vjp),
+        lce=jax_op("titan_tpu::tokamax_lce", tpu_jax.linear_cross_entropy),
+        lce_vjp=jax_op("titan_tpu::tokamax_lce_vjp", tpu_jax.linear_cross_entropy_vjp),
+    )
+
+
+def _jax_ops() -> SimpleNamespace:
+    return _ops(_jax_op())
+
+
+# -- attention "splash" (jax_op) ------------------------------------------------------------------
+
+
+def splash_block(seq_len: int) -> int:
+    """Splash's query/key block: the largest of 512, 256, 128 that divides the sequence."""
+    for block in (512, 256, 128):
+        if seq_len % block == 0:
+            return block
+    raise ValueError(f"kernels.attention = splash needs training.seq_len divisible by 128, got {seq_len}; "
+                     "change seq_len or use --kernels.attention reference")
+
+
+class _SplashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, ids_BS: Tensor, block: int) -> Tensor:
+        return _jax_ops().splash(q_BHSD, k_BKSD, v_BKSD, ids_BS, block)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:4])
+        ctx.block = inputs[4]
+
+    @staticmethod
+    def backward(ctx, grad_BHSD):
+        q_BHSD, k_BKSD, v_BKSD, ids_BS = ctx.saved_tensors
+        dq, dk, dv = _jax_ops().splash_vjp(q_BHSD, k_BKSD, v_BKSD, ids_BS, grad_BHSD.contiguous(), ctx.block)
+        return dq, dk, dv, None, None
+
+
 def splash_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, document_ids_BS: Tensor | None = None) -> Tensor:
+    B, S, _, _ = q_BSHD.shape
+    if document_ids_BS is None:  # one segment: plain causal attention
+        ids_BS = torch.zeros(B, S, dtype=torch.int32, device=q_BSHD.device)
+    else:
+        ids_BS = document_ids_BS.to(torch.int32)
+    # Contiguous [B, heads, S, D]: what the JAX function's arrays are.
+    q_BHSD, k_BKSD, v_BKSD = (t.transpose(1, 2).contiguous() for t in (q_BSHD, k_BSKD, v_BSKD))
+    o_BHSD = _SplashAttention.apply(q_BHSD, k_BKSD, v_BKSD, ids_BS, splash_block(S))
+    return o_BHSD.transpose(1, 2)
+
+
+# -- grouped_mm "gmm" (jax_op) --------------------------------------------------------------------
+
+
+class _MegabloxGMM(torch.autograd.Function):
+    @staticmethod
+    def forward(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
+        return _jax_ops().gmm(x_TD, w_EDF, group_sizes_E)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_TF):
+        x_TD, w_EDF, group_sizes_E = ctx.saved_tensors
+        grad_x, grad_w = _jax_ops().gmm_vjp(x_TD, w_EDF, group_sizes_E, grad_TF.contiguous())
+        return grad_x, grad_w, None
+
+
+def gmm_grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
+    # w may be a transposed view of [E, F, D] weights (grouped_mm.py): the JAX side wants real strides.
+    return _MegabloxGMM.apply(x_TD.contiguous(), w_EDF.contiguous(), group_sizes_E.to(torch.int32))
+
+
+# -- loss "tokamax" (jax_op) -----------------------------------------------------------------------
+
+
+class _TokamaxLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(h_ND: Tensor, w_DV: Tensor, labels_N: Tensor) -> Tensor:
+        return _jax_ops().lce(h_ND, labels_N, w_DV, TOKAMAX_IMPLEMENTATION)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        h_ND, w_DV, labels_N = ctx.saved_tensors
+        grad_h_ND, grad_w_DV = _jax_ops().lce_vjp(h_ND, labels_N, w_DV, grad_total, TOKAMAX_IMPLEMENTATION)
+        return grad_h_ND, grad_w_DV, None
+
+
+def tokamax_linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, *, ignore_index: int = -100,
+                                 chunk_tokens: int = 0) -> Tensor:
+    # No ignore index in tokamax: refusing is cheaper to get right than a silent wrong loss. The
+    # check reads a value, so it runs eagerly only (a traced step cannot branch on data).
+    from titan_tpu.models.common.tracing import is_tracing
+
+    if not is_tracing() and bool((labels_N == ignore_index).any()):
+        raise ValueError("kernels.loss = tokamax has no ignore index; use --kernels.loss chunked for "
+                         "labels with ignored tokens")
+    # tokamax wants weights [D, V]: the gradient of the transposed copy comes back [D, V] and
+    # autograd transposes it back through .t().
+    return _TokamaxLinearCrossEntropy.apply(h_ND, w_VD.t().contiguous(), labels_N.to(torch.int32))
+
+
+# -- TorchTPU's native ops ---------------------------------------------------------------------------
+
+
+def splash_sdpa_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
+                          document_ids_BS: Tensor | None = None) -> Tensor:
     if document_ids_BS is not None:
-        raise ValueError("kernels.attention = splash supports causal windows only (torch_tpu 0.2.0 has no segment "
-                         "ids); use --kernels.attention reference or --data.document_mask false")
+        raise ValueError("kernels.attention = splash_sdpa supports causal windows only (torch_tpu 0.2.0's "
+                         "splash_sdpa has no segment ids); use --kernels.attention splash for documents")
     o_BHSD = torch.tpu.ops.splash_sdpa(q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
                                        is_causal=True, enable_gqa=q_BSHD.shape[2] != k_BSKD.shape[2])
     return o_BHSD.transpose(1, 2)
@@ -71,60 +231,16 @@ def ragged_dot_grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) ->
     return _ragged_dot_with_grad(x_TD, w_EDF, group_sizes_E.to(torch.int32))
 
 
-@functools.cache
-def _tokamax_ops():
-    """(forward op, backward op) registered with torch.tpu.pallas.jax_op; built once per process."""
-    import jax
-    import tokamax
-    from torch.tpu.pallas import jax_op
-
-    def loss_sum(x_NH, labels_N, w_HV):
-        return tokamax.linear_softmax_cross_entropy_loss(x_NH, labels_N, w_HV, reduction="sum",
-                                                         implementation="mosaic_tpu")
-
-    def loss_vjp(x_NH, labels_N, w_HV, grad):
-        _, vjp = jax.vjp(lambda x, w: loss_sum(x, labels_N, w), x_NH, w_HV)
-        return vjp(grad)
-
-    return jax_op("titan_tpu::tokamax_lce_fwd", loss_sum), jax_op("titan_tpu::tokamax_lce_bwd", loss_vjp)
-
-
-class _TokamaxLinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(h_ND: Tensor, w_HV: Tensor, labels_N: Tensor) -> Tensor:
-        forward_op, _ = _tokamax_ops()
-        return forward_op(h_ND, labels_N, w_HV)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        h_ND, w_HV, labels_N = ctx.saved_tensors
-        _, backward_op = _tokamax_ops()
-        grad_h_ND, grad_w_HV = backward_op(h_ND, labels_N, w_HV, grad_total)
-        return grad_h_ND, grad_w_HV, None
-
-
-def tokamax_linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, *, ignore_index: int = -100,
-                                 chunk_tokens: int = 0) -> Tensor:
-    # No ignore index in tokamax: refusing is cheaper to get right than a silent wrong loss. The
-    # check reads a value, so it runs eagerly only (a traced step cannot branch on data).
-    from titan_tpu.models.common.tracing import is_tracing
-
-    if not is_tracing() and bool((labels_N == ignore_index).any()):
-        raise ValueError("kernels.loss = tokamax has no ignore index; use --kernels.loss chunked for "
-                         "labels with ignored tokens")
-    # tokamax wants weights [H, V]: the transposed view's gradient comes back transposed too.
-    return _TokamaxLinearCrossEntropy.apply(h_ND, w_VD.t(), labels_N)
-
-
-ATTENTION.register(Impl("splash", splash_attention, ("tpu",), "TorchTPU splash attention (Pallas), causal only",
-                        unavailable=_missing))
+ATTENTION.register(Impl("splash", splash_attention, ("tpu",),
+                        "JAX splash attention (Pallas) through torch.tpu.pallas.jax_op; documents as segment ids",
+                        frozenset({"documents"}), unavailable=lambda: _missing("jax")))
+ATTENTION.register(Impl("splash_sdpa", splash_sdpa_attention, ("tpu",),
+                        "TorchTPU's own splash_sdpa op, causal only", unavailable=_missing))
+GROUPED_MM.register(Impl("gmm", gmm_grouped_mm, ("tpu",),
+                         "megablox grouped matmul (Pallas) through torch.tpu.pallas.jax_op",
+                         unavailable=lambda: _missing("jax")))
 GROUPED_MM.register(Impl("ragged_dot", ragged_dot_grouped_mm, ("tpu",),
-                         "TorchTPU ragged_dot (Pallas grouped matmul) with ragged_dot_weight_grad",
-                         unavailable=_missing))
+                         "TorchTPU ragged_dot with ragged_dot_weight_grad", unavailable=_missing))
 LOSS.register(Impl("tokamax", tokamax_linear_cross_entropy, ("tpu",),
                    "tokamax linear-softmax-cross-entropy (Pallas) through torch.tpu.pallas.jax_op",
                    unavailable=lambda: _missing("jax", "tokamax")))

@@ -1,0 +1,128 @@
+"""The JAX functions that the TPU kernel variants hand to `torch.tpu.pallas.jax_op`.
+
+Pure JAX: no torch, no torch_tpu. kernels/tpu.py turns each into a torch op with jax_op (one op for
+the forward, one for its vector-Jacobian product) and binds the pair with an autograd.Function.
+tests/tpu/ runs these same functions on a CPU, the Pallas kernels in TPU interpret mode, through a
+stand-in for jax_op, and compares them with the PyTorch reference kernels.
+
+jax_op derives the torch schema from the annotations (torch_tpu 0.2.0, pallas.py): every
+parameter must be annotated, `jax.Array` parameters become tensors, everything else (int, str)
+becomes a static argument baked into the compiled kernel, and the return annotation must be
+`jax.Array` or a tuple of them. Hence the explicit annotations below.
+
+Layouts are the torch side's: attention takes [B, heads, S, D]; grouped matmul [T, D] x [E, D, F];
+the loss [N, D] hidden states and [D, V] weights (tokamax's layout).
+
+Imported only by the kernels that run (and by tests/tpu/): importing it imports jax.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+# -- attention: JAX's splash attention, causal, with segment ids for packed documents -----------
+
+
+@functools.cache
+def _splash_kernel(heads: int, seq_len: int, block: int):
+    """A causal splash kernel over `heads` query heads (the key/value heads may be fewer: splash's
+    multi-head form takes grouped-query attention as it is). Cached per shape: building the mask's
+    block tables is host work done once."""
+    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((seq_len, seq_len)) for _ in range(heads)])
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    # Built as concrete arrays even when first called inside a trace: the cached kernel outlives it.
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mha(mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1)
+
+
+def splash_attention(q_BHSD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array, segment_ids_BS: jax.Array,
+                     block: int) -> jax.Array:
+    """Causal attention, scale 1/sqrt(D), a token attending only to tokens of its own segment
+    (document); grouped-query: query head h reads kv head h // (H / K). Returns [B, H, S, D]."""
+    B, H, S, D = q_BHSD.shape
+    kernel = _splash_kernel(H, S, block)
+    q_BHSD = (q_BHSD * D**-0.5).astype(q_BHSD.dtype)  # splash takes no softmax scale
+
+    def one_sequence(args):
+        q_HSD, k_KSD, v_KSD, ids_S = args
+        return kernel(q_HSD, k_KSD, v_KSD, segment_ids=splash.SegmentIds(q=ids_S, kv=ids_S))
+
+    # A loop over the batch (lax.map), not vmap: Pallas's TPU interpret mode rejects a vmapped
+    # kernel (jax 0.10.2: the added grid axis has no dimension semantics), and the loop is what
+    # can be checked here. Each iteration is a whole kernel over all heads; per-device batches on
+    # TPU are small.
+    return jax.lax.map(one_sequence, (q_BHSD, k_BKSD, v_BKSD, segment_ids_BS))
+
+
+def splash_attention_vjp(q_BHSD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array, segment_ids_BS: jax.Array,
+                         grad_BHSD: jax.Array, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of `splash_attention` for q, k, v (splash's own backward kernels)."""
+    _, vjp = jax.vjp(lambda q, k, v: splash_attention(q, k, v, segment_ids_BS, block), q_BHSD, k_BKSD, v_BKSD)
+    return vjp(grad_BHSD)
+
+
+# -- grouped matmul: megablox gmm (forward and input gradient) and tgmm (weight gradient) -------
+
+
+def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """Tile sizes for megablox. Mosaic needs the last block dimension a multiple of 128 (or the
+    whole dimension), and the backward swaps k and n, so both must be multiples of 128 (found by
+    lowering for TPU in tests/tpu/); the rows must split into whole tiles of 8 or more."""
+    if k % 128 or n % 128:
+        raise ValueError(f"kernels.grouped_mm = gmm needs the model dim and the expert ffn dim to be multiples of "
+                         f"128, got {k} and {n}; use --kernels.grouped_mm ragged_dot or reference")
+    tm = next((t for t in (128, 64, 32, 16, 8) if m % t == 0), None)
+    if tm is None:
+        raise ValueError(f"kernels.grouped_mm = gmm needs a row count divisible by 8, got {m}; "
+                         "change the batch or sequence length, or use --kernels.grouped_mm ragged_dot")
+    return tm, 128, 128
+
+
+def _rows_in_groups(num_rows: int, group_sizes_E: jax.Array) -> jax.Array:
+    """[T, 1] bool: row t belongs to some group (t < sum(group_sizes))."""
+    return (jnp.arange(num_rows) < jnp.sum(group_sizes_E))[:, None]
+
+
+def grouped_mm(x_TD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+    """Rows of x sorted by group, group e through w[e]; rows past sum(group_sizes) give zeros."""
+    sizes_E = group_sizes_E.astype(jnp.int32)
+    tiling = gmm_tiling(x_TD.shape[0], x_TD.shape[1], w_EDF.shape[2])
+    y_TF = megablox_gmm(x_TD, w_EDF, sizes_E, x_TD.dtype, tiling)
+    # megablox leaves rows past the last group unwritten (it zeroes them only when some groups
+    # live on another device): found by the interpret-mode check, where they held garbage.
+    return jnp.where(_rows_in_groups(x_TD.shape[0], sizes_E), y_TF, 0)
+
+
+def grouped_mm_vjp(x_TD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array,
+                   grad_TF: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Gradients of `grouped_mm` for x and w (megablox's custom VJP: gmm against w^T, and tgmm)."""
+    _, vjp = jax.vjp(lambda x, w: grouped_mm(x, w, group_sizes_E), x_TD, w_EDF)
+    grad_x_TD, grad_w_EDF = vjp(grad_TF)
+    # The input gradient is a gmm too: the same unwritten rows, which get no gradient.
+    return jnp.where(_rows_in_groups(x_TD.shape[0], group_sizes_E), grad_x_TD, 0), grad_w_EDF
+
+
+# -- loss: tokamax's linear softmax cross-entropy ------------------------------------------------
+
+
+def linear_cross_entropy(x_ND: jax.Array, labels_N: jax.Array, w_DV: jax.Array, implementation: str) -> jax.Array:
+    """Summed cross-entropy of the logits x @ w against the labels, without materialising them
+    (tokamax; implementation "mosaic_tpu" is its Pallas kernel, "xla" its plain-XLA form)."""
+    import tokamax  # here, not at the top: only the loss needs it
+
+    return tokamax.linear_softmax_cross_entropy_loss(x_ND, labels_N.astype(jnp.int32), w_DV, reduction="sum",
+                                                     implementation=implementation)
+
+
+def linear_cross_entropy_vjp(x_ND: jax.Array, labels_N: jax.Array, w_DV: jax.Array, grad: jax.Array,
+                             implementation: str) -> tuple[jax.Array, jax.Array]:
+    """Gradients of `linear_cross_entropy` for x and w (tokamax's own backward)."""
+    _, vjp = jax.vjp(lambda x, w: linear_cross_entropy(x, labels_N, w, implementation), x_ND, w_DV)
+    return vjp(grad)
