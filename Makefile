@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install train test stress bench clean
+.PHONY: install train test stress bench tpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,5 +29,22 @@ stress: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/throughput.py $(ARGS)
 
+# The TPU path checked against the real torch-tpu package on this CPU (tests/tpu/, docs/tpu.md):
+# API conformance of every torch_tpu call, the jax_op kernels' numerics in Pallas TPU interpret
+# mode, the tpu compile backend as far as a machine without a TPU goes. Its own environment:
+# torch-tpu aborts `import torch` where libtpu is missing, so it never enters .venv.
+TPU_VENV := .venv-tpu
+TPU_STAMP := $(TPU_VENV)/.installed-stamp
+
+$(TPU_STAMP): pyproject.toml requirements-tpu.txt constraints-tpu.txt
+	$(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TPU_VENV)/bin/python -m pip install -q -c constraints-tpu.txt -r requirements-tpu.txt -e .
+	touch $(TPU_STAMP)
+
+tpu-check: $(TPU_STAMP)
+	TITAN_TPU_CHECK=1 PYTHONWARNINGS="ignore:<TorchTpu/Performance/TcMalloc/" \
+		$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/tpu $(ARGS)
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(TPU_VENV) outputs .pytest_cache

@@ -1,0 +1,31 @@
+"""tests/tpu/: checks against the real torch-tpu package and JAX, run by `make tpu-check` in
+.venv-tpu (never collected by the main suite: tests/conftest.py ignores this directory unless
+TITAN_TPU_CHECK=1). Counts for the run's summary are printed at the end."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tpu_call_sites
+
+if importlib.util.find_spec("torch_tpu") is None or importlib.util.find_spec("jax") is None:
+    pytest.exit("tests/tpu/ needs torch-tpu, libtpu and jax: run `make tpu-check` (it builds .venv-tpu)", returncode=4)
+
+# tokamax reads absl flags from sys.argv when first used, and pytest's own options (-q) are not
+# its flags: mark them parsed with the program name alone.
+from absl import flags  # noqa: E402 - after the check that the environment has jax
+
+flags.FLAGS(sys.argv[:1], known_only=True)
+
+SUMMARY: list[str] = []  # lines for the terminal summary, added by the tests
+
+
+def pytest_terminal_summary(terminalreporter):
+    if SUMMARY:
+        terminalreporter.section("tpu-check")
+        for line in SUMMARY:
+            terminalreporter.write_line(line)
