@@ -128,8 +128,8 @@ def test_gmm_lowers_for_tpu(real_ops):
 
     with FakeTensorMode():
         x, w, sizes = _fake(1024, 256), _fake(8, 256, 384), _fake(8, dtype=torch.int32)
-        y = real_ops.gmm(x, w, sizes)
-        gx, gw = real_ops.gmm_vjp(x, w, sizes, y)
+        y = real_ops.gmm(x, w, sizes, 128)
+        gx, gw = real_ops.gmm_vjp(x, w, sizes, y, 128)
     assert y.shape == (1024, 384) and gx.shape == x.shape and gw.shape == w.shape
 
 

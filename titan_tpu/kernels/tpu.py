@@ -45,7 +45,7 @@ from titan_tpu.kernels.grouped_mm import GROUPED_MM, differentiable_grouped_mm
 from titan_tpu.kernels.loss import LOSS
 from titan_tpu.kernels.registry import Impl
 
-__all__ = ["gmm_grouped_mm", "jax_op_replaced", "ragged_dot_grouped_mm", "splash_attention",
+__all__ = ["gmm_grouped_mm", "gmm_row_tile", "jax_op_replaced", "ragged_dot_grouped_mm", "splash_attention", "splash_block",
            "splash_sdpa_attention", "tokamax_linear_cross_entropy"]
 
 # tokamax's Pallas kernel. tests/tpu/ sets "xla" (tokamax's Mosaic kernel refuses CPU).
@@ -149,25 +149,42 @@ def splash_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, document_id
 # -- grouped_mm "gmm" (jax_op) --------------------------------------------------------------------
 
 
+def gmm_row_tile(rows: int, dim: int, ffn_dim: int) -> int:
+    """megablox's row tile for [rows, dim] x [E, dim, ffn_dim]; the other tiles are 128 x 128.
+    Mosaic wants the last block dimension a multiple of 128 (or the whole dimension) and the
+    backward swaps dim and ffn_dim, so both must be multiples of 128 (found by lowering for TPU
+    in tests/tpu/); the rows must split into whole tiles of 8 or more."""
+    if dim % 128 or ffn_dim % 128:
+        raise ValueError(f"kernels.grouped_mm = gmm needs the model dim and the expert ffn dim to be multiples of "
+                         f"128, got {dim} and {ffn_dim}; use --kernels.grouped_mm ragged_dot or reference")
+    for tile in (128, 64, 32, 16, 8):
+        if rows % tile == 0:
+            return tile
+    raise ValueError(f"kernels.grouped_mm = gmm needs the routed token count (tokens x top-k) divisible by 8, "
+                     f"got {rows}; change the batch or sequence length, or use --kernels.grouped_mm ragged_dot")
+
+
 class _MegabloxGMM(torch.autograd.Function):
     @staticmethod
-    def forward(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
-        return _jax_ops().gmm(x_TD, w_EDF, group_sizes_E)
+    def forward(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor, row_tile: int) -> Tensor:
+        return _jax_ops().gmm(x_TD, w_EDF, group_sizes_E, row_tile)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*inputs[:3])
+        ctx.row_tile = inputs[3]
 
     @staticmethod
     def backward(ctx, grad_TF):
         x_TD, w_EDF, group_sizes_E = ctx.saved_tensors
-        grad_x, grad_w = _jax_ops().gmm_vjp(x_TD, w_EDF, group_sizes_E, grad_TF.contiguous())
-        return grad_x, grad_w, None
+        grad_x, grad_w = _jax_ops().gmm_vjp(x_TD, w_EDF, group_sizes_E, grad_TF.contiguous(), ctx.row_tile)
+        return grad_x, grad_w, None, None
 
 
 def gmm_grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
+    row_tile = gmm_row_tile(x_TD.shape[0], x_TD.shape[1], w_EDF.shape[2])
     # w may be a transposed view of [E, F, D] weights (grouped_mm.py): the JAX side wants real strides.
-    return _MegabloxGMM.apply(x_TD.contiguous(), w_EDF.contiguous(), group_sizes_E.to(torch.int32))
+    return _MegabloxGMM.apply(x_TD.contiguous(), w_EDF.contiguous(), group_sizes_E.to(torch.int32), row_tile)
 
 
 # -- loss "tokamax" (jax_op) -----------------------------------------------------------------------

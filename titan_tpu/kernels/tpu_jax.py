@@ -71,39 +71,25 @@ def splash_attention_vjp(q_BHSD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array
 # -- grouped matmul: megablox gmm (forward and input gradient) and tgmm (weight gradient) -------
 
 
-def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-    """Tile sizes for megablox. Mosaic needs the last block dimension a multiple of 128 (or the
-    whole dimension), and the backward swaps k and n, so both must be multiples of 128 (found by
-    lowering for TPU in tests/tpu/); the rows must split into whole tiles of 8 or more."""
-    if k % 128 or n % 128:
-        raise ValueError(f"kernels.grouped_mm = gmm needs the model dim and the expert ffn dim to be multiples of "
-                         f"128, got {k} and {n}; use --kernels.grouped_mm ragged_dot or reference")
-    tm = next((t for t in (128, 64, 32, 16, 8) if m % t == 0), None)
-    if tm is None:
-        raise ValueError(f"kernels.grouped_mm = gmm needs a row count divisible by 8, got {m}; "
-                         "change the batch or sequence length, or use --kernels.grouped_mm ragged_dot")
-    return tm, 128, 128
-
-
 def _rows_in_groups(num_rows: int, group_sizes_E: jax.Array) -> jax.Array:
     """[T, 1] bool: row t belongs to some group (t < sum(group_sizes))."""
     return (jnp.arange(num_rows) < jnp.sum(group_sizes_E))[:, None]
 
 
-def grouped_mm(x_TD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
-    """Rows of x sorted by group, group e through w[e]; rows past sum(group_sizes) give zeros."""
+def grouped_mm(x_TD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, row_tile: int) -> jax.Array:
+    """Rows of x sorted by group, group e through w[e]; rows past sum(group_sizes) give zeros.
+    Tiles: `row_tile` rows by 128 x 128 (kernels/tpu.py's gmm_row_tile checks the shapes)."""
     sizes_E = group_sizes_E.astype(jnp.int32)
-    tiling = gmm_tiling(x_TD.shape[0], x_TD.shape[1], w_EDF.shape[2])
-    y_TF = megablox_gmm(x_TD, w_EDF, sizes_E, x_TD.dtype, tiling)
+    y_TF = megablox_gmm(x_TD, w_EDF, sizes_E, x_TD.dtype, (row_tile, 128, 128))
     # megablox leaves rows past the last group unwritten (it zeroes them only when some groups
     # live on another device): found by the interpret-mode check, where they held garbage.
     return jnp.where(_rows_in_groups(x_TD.shape[0], sizes_E), y_TF, 0)
 
 
-def grouped_mm_vjp(x_TD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array,
-                   grad_TF: jax.Array) -> tuple[jax.Array, jax.Array]:
+def grouped_mm_vjp(x_TD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, grad_TF: jax.Array,
+                   row_tile: int) -> tuple[jax.Array, jax.Array]:
     """Gradients of `grouped_mm` for x and w (megablox's custom VJP: gmm against w^T, and tgmm)."""
-    _, vjp = jax.vjp(lambda x, w: grouped_mm(x, w, group_sizes_E), x_TD, w_EDF)
+    _, vjp = jax.vjp(lambda x, w: grouped_mm(x, w, group_sizes_E, row_tile), x_TD, w_EDF)
     grad_x_TD, grad_w_EDF = vjp(grad_TF)
     # The input gradient is a gmm too: the same unwritten rows, which get no gradient.
     return jnp.where(_rows_in_groups(x_TD.shape[0], group_sizes_E), grad_x_TD, 0), grad_w_EDF

@@ -1,0 +1,84 @@
+"""The headline TPU recipes (configs/*.toml): each loads, its mesh matches the chips it names, its
+shapes suit the kernels it picks, and its per-chip training state fits the chip. Runs without
+torch-tpu: the kernels' shape rules are plain Python (kernels/tpu.py), and the config is loaded
+as a TPU VM with TorchTPU installed would load it. What this cannot tell: speed, activation
+memory beyond the stated estimate, whether XLA compiles the step (docs/tpu.md)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from titan_tpu import device
+from titan_tpu.config import build_config
+from titan_tpu.kernels import OPS
+from titan_tpu.kernels import tpu as tpu_kernels
+from titan_tpu.models.registry import get_model_args, num_params
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+RECIPES = {
+    "qwen3_8b_graph_tpu": dict(scan=True, split="none", ep=1),
+    "llama3_405b_tpu": dict(scan=True, split="none", ep=1),
+    "qwen3_235b_a22b_tpu": dict(scan=True, split="collectives", ep=8),
+}
+# HBM per chip in GB (datasheets); v7 counts per chip, which exposes two devices.
+HBM_GB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "v7": 192}
+# Parameters, gradients and the two AdamW moments in fp32: 16 bytes per parameter, sharded.
+STATE_BYTES_PER_PARAM = 16
+
+
+def _chips(description: str) -> int:
+    match = re.search(r"([\d,]+) chips", description)
+    assert match, f"job.description must say how many chips, e.g. '1,024 chips': {description!r}"
+    return int(match.group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_tpu_recipe(name, monkeypatch):
+    monkeypatch.setattr(device, "_tpu_installed", lambda: True)  # as on a TPU VM with torch-tpu
+    cfg = build_config(CONFIGS / f"{name}.toml")
+    want = RECIPES[name]
+    t, p, k = cfg.training, cfg.parallelism, cfg.kernels
+
+    # The Graph Trainer on TorchTPU, as the recipe says.
+    assert (t.device, t.mode, cfg.compile.backend, cfg.optimizer.name) == ("tpu", "graph", "tpu", "adamw")
+    assert cfg.model.scan_layers == want["scan"] and cfg.compile.split == want["split"] and p.ep == want["ep"]
+    assert cfg.activation_checkpoint.mode != "none" and cfg.model.dtype == "bfloat16"
+
+    # The mesh is the chips named in the description.
+    generation = device.tpu_generation(cfg.job.description)
+    assert generation is not None, cfg.job.description
+    devices = _chips(cfg.job.description) * device._TPU_DEVICES_PER_CHIP.get(generation, 1)
+    assert p.dp_replicate > 0 and p.dp_shard > 0, "a recipe spells out its mesh (no -1)"
+    assert p.dp_replicate * p.dp_shard == devices
+
+    # Shapes divide the mesh and suit the kernels it names (each a TPU implementation).
+    args = get_model_args(cfg.model.name, cfg.model.flavor)
+    assert args.n_heads % args.n_kv_heads == 0
+    needs = frozenset({"documents"}) if cfg.data.document_mask else frozenset()
+    assert k.attention == "splash" and k.loss == "tokamax"
+    for op_name, choice, op_needs in (("attention", k.attention, needs), ("loss", k.loss, frozenset())):
+        impl = OPS[op_name].impls[choice]
+        assert "tpu" in impl.devices and op_needs <= impl.features, (op_name, choice)
+    assert tpu_kernels.splash_block(t.seq_len) >= 128
+    if args.moe is not None:
+        assert k.grouped_mm == "gmm" and "tpu" in OPS["grouped_mm"].impls["gmm"].devices
+        assert args.moe.num_experts % p.ep == 0 and p.dp_shard % p.ep == 0
+        routed_rows = t.batch_size * t.seq_len * args.moe.top_k
+        tpu_kernels.gmm_row_tile(routed_rows, args.dim, args.moe.hidden_dim)  # raises if megablox cannot tile it
+
+    # Training state per chip: parameters, gradients and moments, sharded over dp_shard, in half of
+    # the chip's HBM (the rest: activations, gathered layers, XLA's buffers; an estimate, not measured).
+    state_gb = num_params(args) * STATE_BYTES_PER_PARAM / p.dp_shard / 1e9
+    assert state_gb < 0.5 * HBM_GB[generation], f"{state_gb:.1f} GB of state per chip"
+
+
+def test_the_checks_can_fail(monkeypatch):
+    monkeypatch.setattr(device, "_tpu_installed", lambda: True)
+    with pytest.raises(ValueError, match="seq_len divisible by 128"):
+        tpu_kernels.splash_block(4000)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        tpu_kernels.gmm_row_tile(4096, 4096, 1000)
+    assert _chips("TPU v5p-2048: 1,024 chips") == 1024
