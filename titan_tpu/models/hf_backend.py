@@ -637,10 +637,11 @@ def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode
     attention = _attention_implementation(_model_class(config))
     if config.model_type in _KEEP_SDPA:
         attention = "sdpa"
-    if getattr(text_config(config), "index_topk", None):
+    if getattr(text_config(config), "index_topk", None) and attention == ATTENTION_NAME:
         # A sparse-attention indexer (DeepSeek V3.2, GLM-MoE-DSA) folds its top-k selection into
         # the mask for eager and sdpa only; any other implementation gets `sparse_indices` to apply
-        # itself, which our kernels do not: such models keep sdpa.
+        # itself, which our kernels do not: such models keep sdpa (or eager, where sdpa is not
+        # supported: DeepSeek V4).
         attention = "sdpa"
     for target in {id(c): c for c in (config, text_config(config))}.values():
         target._attn_implementation = attention

@@ -86,6 +86,8 @@ TYPE_OVERRIDES = {
                  "hash_seed": 0},
     # the model refuses to run before a language is chosen
     "xmod": {"default_language": "en_XX"},
+    # its config.json spells each layer as (attention, "mlp"): the layer kinds are the attention kinds
+    "dory": {"layer_types": ["sliding_attention", "mlp", "full_attention", "mlp"], "num_hidden_layers": 4},
     # byte-level: four sub-models of their own sizes (the default needs 23 GB) and a hash vocabulary
     "blt": {"encoder_hash_byte_group_vocab": 1024, "local_attention_window_len": 16,
             **{name: {"hidden_size": 64, "hidden_size_global": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
