@@ -88,6 +88,9 @@ TYPE_OVERRIDES = {
     "xmod": {"default_language": "en_XX"},
     # its config.json spells each layer as (attention, "mlp"): the layer kinds are the attention kinds
     "dory": {"layer_types": ["sliding_attention", "mlp", "full_attention", "mlp"], "num_hidden_layers": 4},
+    # the default config has indexed-attention layers but no indexer sizes (None)
+    **{name: {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 16,
+              "indexer_compress_ratio": 4} for name in ("qwen4_exp", "qwen4_exp_text")},
     # byte-level: four sub-models of their own sizes (the default needs 23 GB) and a hash vocabulary
     "blt": {"encoder_hash_byte_group_vocab": 1024, "local_attention_window_len": 16,
             **{name: {"hidden_size": 64, "hidden_size_global": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
