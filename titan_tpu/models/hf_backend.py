@@ -613,6 +613,14 @@ _KEEP_SDPA = {
 }
 
 
+def _has_sparse_indexer(text) -> bool:
+    """Whether some layer selects its keys with an indexer that reads the attention mask (DeepSeek
+    V3.2's index_topk, Qwen4-Exp's indexer_budget, layers named "indexed_attention")."""
+    layer_types = getattr(text, "layer_types", None) or []
+    return bool(getattr(text, "index_topk", None) or getattr(text, "indexer_budget", None)
+                or "indexed_attention" in layer_types)
+
+
 def _attention_implementation(model_class: type) -> str:
     """Our attention where the model looks attention functions up by name (AttentionInterface);
     sdpa where it picks an attention class from a fixed table of its own (Falcon's
@@ -637,7 +645,7 @@ def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode
     attention = _attention_implementation(_model_class(config))
     if config.model_type in _KEEP_SDPA:
         attention = "sdpa"
-    if getattr(text_config(config), "index_topk", None) and attention == ATTENTION_NAME:
+    if _has_sparse_indexer(text_config(config)) and attention == ATTENTION_NAME:
         # A sparse-attention indexer (DeepSeek V3.2, GLM-MoE-DSA) folds its top-k selection into
         # the mask for eager and sdpa only; any other implementation gets `sparse_indices` to apply
         # itself, which our kernels do not: such models keep sdpa (or eager, where sdpa is not
