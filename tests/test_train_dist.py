@@ -124,6 +124,28 @@ def test_resume_on_another_number_of_ranks(tmp_path, cache, reference, before, a
         assert got[step] == pytest.approx(reference[step], abs=1e-5), step
 
 
+# The Transformers backend: a tiny qwen3 built from its model type (models/hf_backend.py).
+HF_MODEL = {"model__name": "hf", "model__hf_config": "qwen3",
+            "model__hf_overrides": "hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
+                                   "num_key_value_heads=2,head_dim=16,vocab_size=512"}
+
+
+def test_hf_backend_resumes_on_fewer_ranks(tmp_path, cache):
+    """An HF-backend checkpoint written by 2 fully_shard ranks resumes on 1 process (DCP reshards),
+    and the losses are those of one process all along."""
+    pytest.importorskip("transformers")
+    one = tmp_path / "one"
+    train(1, overrides(one, cache, **HF_MODEL))
+    reference = losses(one)
+    run = tmp_path / "run"
+    train(2, overrides(run, cache, training__steps=10, training__batch_size=2, parallelism__dp_shard=2, **HF_MODEL))
+    done = train(1, overrides(run, cache, **HF_MODEL))
+    assert "resumed from" in done.stdout and "step-00000010" in done.stdout
+    got = losses(run)
+    for step in range(1, 21):
+        assert got[step] == pytest.approx(reference[step], abs=1e-5), step
+
+
 def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
     deadline = time.time() + timeout
     while not predicate():
