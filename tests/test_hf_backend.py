@@ -72,6 +72,22 @@ def test_composite_overrides_reach_the_text_config_through_the_constructor():
         load_hf_config("dots3_note", {"hidden_size": 64, "num_hidden_layers": 2})
 
 
+def test_a_directory_config_gets_its_per_layer_entries_cut_to_the_new_depth(tmp_path):
+    # A saved 4-layer config trained at 2 layers: its per-layer list and {layer: ...} table follow
+    # the new depth; id2label (keyed by label, not layer) is left alone.
+    config = hf_sweep.tiny_config("qwen3")
+    config.num_hidden_layers = 4
+    config.layer_types = ["sliding_attention", "full_attention"] * 2
+    config.use_sliding_window, config.sliding_window = True, 8
+    config.moe_layer_table = {str(i): i % 2 == 0 for i in range(4)}  # an extra key, as some models keep
+    config.id2label = {0: "a", 1: "b", 2: "c"}
+    config.save_pretrained(tmp_path)
+    loaded = load_hf_config(str(tmp_path), {"num_hidden_layers": 2})
+    assert loaded.layer_types == ["sliding_attention", "full_attention"]
+    assert loaded.moe_layer_table == {"0": True, "1": False}
+    assert len(loaded.id2label) == 3
+
+
 def test_moe_balancing_loss_is_transformers_own_when_the_config_asks():
     config = hf_sweep.tiny_config("qwen3_moe")
     config.output_router_logits = True  # transformers adds the balancing loss only then

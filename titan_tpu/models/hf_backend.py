@@ -124,6 +124,20 @@ def _has(config, key: str) -> bool:
         return key in config.to_dict()
 
 
+def _cut_per_layer(values: dict, old_layers: int, new_layers: int) -> dict:
+    """The entries of a config dict that describe each of its `old_layers` layers, for
+    `new_layers` layers: per-layer lists cut (or repeated) and {layer index: ...} tables cut.
+    `id2label` is keyed by label index, not layer, and is left alone."""
+    cut = {}
+    for key, value in values.items():
+        if isinstance(value, list) and len(value) == old_layers:
+            cut[key] = (value * new_layers)[:new_layers]
+        elif (isinstance(value, dict) and value and key != "id2label"
+              and all(str(k).isdigit() for k in value)):
+            cut[key] = {k: v for k, v in value.items() if int(k) < new_layers}
+    return cut
+
+
 def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
     """A transformers config from a model directory (its config.json) or a causal-LM model type,
     with `overrides` applied (to the text config of composite models). One-line errors for a
@@ -163,18 +177,13 @@ def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
         text_keys = {} if text is config else {
             k: overrides.pop(k) for k in list(overrides) if not _has(config, k) and _has(text, k)}
         if layers := overrides.get("num_hidden_layers"):
-            for key, value in config.to_dict().items():  # a directory's per-layer lists: cut or repeat
-                if isinstance(value, list) and len(value) == getattr(config, "num_hidden_layers", -1):
-                    overrides.setdefault(key, (value * layers)[:layers])
+            for key, value in _cut_per_layer(config.to_dict(), getattr(config, "num_hidden_layers", -1), layers).items():
+                overrides.setdefault(key, value)
         if text_keys:
             text_dict = text.to_dict()
             text_dict.update(text_keys)
-            if layers := text_keys.get("num_hidden_layers"):  # per-layer lists and {layer: ...} tables
-                for key, value in text_dict.items():
-                    if isinstance(value, list) and len(value) == text.num_hidden_layers:
-                        text_dict[key] = (value * layers)[:layers]
-                    elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
-                        text_dict[key] = {k: v for k, v in value.items() if int(k) < layers}
+            if layers := text_keys.get("num_hidden_layers"):
+                text_dict.update(_cut_per_layer(text_dict, text.num_hidden_layers, layers))
             name = next(k for k, v in vars(config).items() if v is text)  # text_config, decoder, ...
             overrides[name] = text_dict
         config = make(**overrides) if overrides else config
