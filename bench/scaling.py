@@ -62,7 +62,7 @@ def _job(*, mode: str, backend: str, split: str, batch: int, seq: int, steps: in
         from titan_tpu.graph.compile import GraphStep
 
         step = GraphStep(model, optimizer, max_norm=1.0, example_batch=data, backend=backend, dp_size=dp_size,
-                         split=split, **({"prefetch": prefetch} if prefetch else {}))
+                         split=split, prefetch=None if prefetch < 0 else prefetch)
         out["collectives"] = {k.removeprefix("_c10d_functional.").removesuffix(".default"): v
                               for k, v in step.captured.collective_counts().items()}
     times = []
@@ -101,7 +101,8 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--split", default="collectives", help="--compile.split for graph mode (see docs)")
     parser.add_argument("--bucket-mb", nargs="+", type=float, default=[0.0, 25.0])
-    parser.add_argument("--prefetch", nargs="+", type=int, default=[0])
+    parser.add_argument("--prefetch", nargs="+", type=int, default=[-1],
+                        help="graph mode: all-gather prefetch depths to compare; -1 keeps the trace order")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=256)
@@ -116,7 +117,7 @@ def main() -> None:
     tokens = a.batch * a.seq
     rows = []
     for mode in a.modes:
-        variants = [(b, p) for b, p in itertools.product(a.bucket_mb, a.prefetch if mode == "graph" else [0])]
+        variants = [(b, p) for b, p in itertools.product(a.bucket_mb, a.prefetch if mode == "graph" else [-1])]
         base = dict(mode=mode, backend=a.backend, split=a.split, batch=a.batch, seq=a.seq, steps=a.steps,
                     warmup=a.warmup, layers=a.layers, scan=a.scan)
         single, multi = [], {v: [] for v in variants}

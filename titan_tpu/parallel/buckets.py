@@ -102,18 +102,53 @@ def gather_flat(params: list[DTensor], mp) -> list[Tensor]:
                                  backward_dtype=mp.reduce_dtype)
     # Every rank's gradient of a gathered weight covers its own micro-batch: a partial sum.
     gathered = gathered.to_local(grad_placements=[Partial()] * mesh.ndim)
-    by_rank = gathered.view(world, flat_local.numel())
-    out, offset = [], 0
-    for local_shape, dim, full_shape in layout:
-        numel = math.prod(local_shape)
-        block = by_rank[:, offset:offset + numel].reshape(world, *local_shape)
-        offset += numel
-        if dim is None:
-            out.append(block[0])
-            continue
-        merged = block.movedim(0, dim).reshape(*local_shape[:dim], world * local_shape[dim], *local_shape[dim + 1:])
-        out.append(merged.narrow(dim, 0, full_shape[dim]) if merged.shape[dim] != full_shape[dim] else merged)
-    return out
+    return list(_CopyOut.apply(gathered.view(world, flat_local.numel()), layout))
+
+
+class _CopyOut(torch.autograd.Function):
+    """[world, flat] gathered buffer -> each parameter's full tensor (a copy: the buffer is
+    rank-major, a parameter is not), and in the backward the mirror: every gradient copied into
+    one [world, flat] buffer. Written out because autograd's own backward of the slices would
+    build one zero-filled buffer-sized tensor per parameter and add them all up."""
+
+    @staticmethod
+    def forward(ctx, by_rank: Tensor, layout: list) -> tuple[Tensor, ...]:
+        ctx.layout, ctx.shape = layout, by_rank.shape
+        out, offset = [], 0
+        for local_shape, dim, full_shape in layout:
+            numel = math.prod(local_shape)
+            block = by_rank[:, offset:offset + numel].view(by_rank.shape[0], *local_shape)
+            offset += numel
+            if dim is None:
+                out.append(block[0].clone())
+                continue
+            merged_shape = (*local_shape[:dim], by_rank.shape[0] * local_shape[dim], *local_shape[dim + 1:])
+            merged = block.movedim(0, dim).reshape(merged_shape)  # the copy
+            out.append(merged.narrow(dim, 0, full_shape[dim]).contiguous())
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        world = ctx.shape[0]
+        padded = any(dim is not None and world * local[dim] != full[dim] for local, dim, full in ctx.layout)
+        some = next(g for g in grads if g is not None)
+        buffer = (some.new_zeros if padded or any(g is None for g in grads) else some.new_empty)(ctx.shape)
+        offset = 0
+        for g, (local_shape, dim, full_shape) in zip(grads, ctx.layout):
+            numel = math.prod(local_shape)
+            target = buffer[:, offset:offset + numel].view(world, *local_shape)
+            offset += numel
+            if g is None:
+                continue
+            if dim is None:
+                target[0].copy_(g)
+                continue
+            rows = local_shape[dim]
+            if world * rows != full_shape[dim]:
+                # Uneven shards: the gradient covers full_shape[dim] of the world * rows slots.
+                g = F.pad(g, [0, 0] * (g.dim() - 1 - dim) + [0, world * rows - full_shape[dim]])
+            target.copy_(g.unflatten(dim, (world, rows)).movedim(dim, 0))
+        return buffer, None
 
 
 def bucket_owners(model: nn.Module) -> list[nn.Module]:

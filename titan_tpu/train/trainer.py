@@ -148,7 +148,8 @@ class Trainer:
                                dtype=torch.float32 if sharded else self.compute_dtype)
         mp = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
         model = materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if sharded else "none", mp=mp,
-                                     device=self.backend.device, seed=self.cfg.training.seed)
+                                     device=self.backend.device, seed=self.cfg.training.seed,
+                                     bucket_mb=self.cfg.parallelism.bucket_mb)
         if has_weights(self.cfg.model.hf_config):
             load_pretrained_weights(model, self.cfg.model.hf_config)
             self.log(f"weights loaded from {self.cfg.model.hf_config}")
@@ -172,7 +173,8 @@ class Trainer:
             model = Transformer(args, **options)
         mp = MixedPrecision(param_dtype=dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
         return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode, mp=mp,
-                                    device=self.backend.device, seed=seed, expert_mesh=self.expert_mesh)
+                                    device=self.backend.device, seed=seed, expert_mesh=self.expert_mesh,
+                                    bucket_mb=self.cfg.parallelism.bucket_mb)
 
     @property
     def compute_dtype(self) -> torch.dtype:
