@@ -96,6 +96,11 @@ class CompileConfig:
     # Compile the step as several programs: fwd_bwd (forward + loss, then backward + update) or
     # collectives (a cut after every collective), for backends slow to compile one large program.
     split: Literal["none", "fwd_bwd", "collectives"] = "none"
+    # Collective schedule of the captured step (graph/passes.py, schedule_collectives): each
+    # all-gather is issued `prefetch` buckets ahead of its use (the next block's weights travel
+    # while the current block computes) and gradient reduce-scatters are waited for only where
+    # clipping reads them. 0: reduce-scatters moved, all-gathers not; -1: trace order.
+    prefetch: int = 1
 
 
 @dataclass
@@ -360,6 +365,8 @@ def validate(cfg: Config) -> None:
     if cfg.parallelism.dp_replicate < 1 or (cfg.parallelism.dp_shard < 1 and cfg.parallelism.dp_shard != -1):
         raise ValueError(f"parallelism.dp_replicate = {cfg.parallelism.dp_replicate} and parallelism.dp_shard = "
                          f"{cfg.parallelism.dp_shard} must be >= 1 (dp_shard may be -1: the remaining ranks)")
+    if cfg.compile.prefetch < -1:
+        raise ValueError(f"compile.prefetch = {cfg.compile.prefetch} must be >= -1 (-1: keep the trace order)")
     if cfg.parallelism.bucket_mb < 0:
         raise ValueError(f"parallelism.bucket_mb = {cfg.parallelism.bucket_mb} must be >= 0 (0: one collective per "
                          "parameter)")

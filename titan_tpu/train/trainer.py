@@ -115,7 +115,8 @@ class Trainer:
             example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=self.backend.device)
             example_batch = (example, example) + ((example,) if cfg.data.document_mask else ())
             self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=example_batch,
-                                     backend=cfg.compile.backend, dp_size=self.dp_size, split=cfg.compile.split)
+                                     backend=cfg.compile.backend, dp_size=self.dp_size, split=cfg.compile.split,
+                                     prefetch=None if cfg.compile.prefetch < 0 else cfg.compile.prefetch)
             self.compile_stats = {"capture_s": self.step_fn.capture_seconds, "compile_s": self.step_fn.compile_seconds}
             self.log(f"graph mode: step captured in {self.step_fn.capture_seconds:.1f} s, compiled with "
                      f"{cfg.compile.backend} in {self.step_fn.compile_seconds:.1f} s")
