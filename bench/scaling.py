@@ -68,9 +68,10 @@ def _job(*, mode: str, backend: str, split: str, batch: int, seq: int, steps: in
     times = []
     for i in range(warmup + steps):
         start = time.perf_counter()
-        step([data], 1e-4)
+        loss = step([data], 1e-4).loss
         times.append(time.perf_counter() - start)
     out["step_s"] = statistics.median(times[warmup:])
+    out["loss"] = loss  # the same in every variant of a world size: bucketing and order change no value
     if mode == "eager" and dp_size > 1:
         with CommDebugMode() as comm:
             step([data], 1e-4)
@@ -92,7 +93,8 @@ def run_job(world_size: int, options: dict) -> dict:
 
     results = run_ranks(_job, world_size=world_size, kwargs=options, timeout_s=900)
     return {"step_s": max(r["step_s"] for r in results),  # the step ends when the slowest rank ends
-            "collectives": results[0].get("collectives", {}), "profile": results[0].get("profile")}
+            "collectives": results[0].get("collectives", {}), "profile": results[0].get("profile"),
+            "loss": results[0]["loss"]}
 
 
 def main() -> None:
@@ -121,7 +123,7 @@ def main() -> None:
         base = dict(mode=mode, backend=a.backend, split=a.split, batch=a.batch, seq=a.seq, steps=a.steps,
                     warmup=a.warmup, layers=a.layers, scan=a.scan)
         single, multi = [], {v: [] for v in variants}
-        counts, profiles = {}, {}
+        counts, profiles, losses = {}, {}, {}
         for r in range(a.rounds):
             order = [("1", None)] + [("2", v) for v in variants]
             if r % 2:
@@ -135,6 +137,7 @@ def main() -> None:
                 else:
                     multi[v].append(res["step_s"])
                     counts[v] = res["collectives"]
+                    losses[v] = res["loss"]
                     if res["profile"]:
                         profiles[v] = res["profile"]
         for v in variants:
@@ -142,12 +145,13 @@ def main() -> None:
             row = dict(mode=mode, bucket_mb=v[0], prefetch=v[1], scan=a.scan,
                        tokens_s_1=tokens / statistics.median(single), tokens_s_2=tokens / statistics.median(multi[v]),
                        retention_rounds=[round(x, 3) for x in retention], retention=statistics.median(retention),
-                       collectives=counts[v])
+                       collectives=counts[v], final_loss=losses[v])
             rows.append(row)
             extra = f", prefetch {v[1]}" if mode == "graph" else ""
             print(f"{mode:5s} bucket_mb {v[0]:g}{extra}{' scan' if a.scan else ''}: 1 rank {row['tokens_s_1']:,.0f} "
                   f"tok/s, 2 ranks {row['tokens_s_2']:,.0f} tok/s per rank; retention {row['retention']:.3f} "
-                  f"(rounds {row['retention_rounds']}); collectives/step {counts[v]}", flush=True)
+                  f"(rounds {row['retention_rounds']}); collectives/step {counts[v]}; final loss {losses[v]:.6f}",
+                  flush=True)
             if v in profiles:
                 print(profiles[v])
     if a.json:
