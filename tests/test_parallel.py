@@ -243,16 +243,17 @@ def test_sharded_training_matches_single_process(config):
         torch.testing.assert_close(result["norms"], ref_norms, rtol=1e-5, atol=1e-5)
         assert result["grad_placements_match"]
 
-    # The collectives really ran: one all-gather per parameter in the forward (21 = 2 blocks * 9
-    # + embedding + norm + output), and the matching gradient reduction in the backward.
+    # The collectives really ran: one all-gather per bucket in the forward (5 buckets, the default
+    # bucket_mb: embedding, 2 blocks, norm, output; parallel/buckets.py), and the matching
+    # gradient reduction in the backward.
     counts = results[0]["comm_counts"]
-    n_params = 21
+    n_buckets = 5
     expected = {
-        "replicate": {"all_reduce": n_params},
-        "fully_shard": {"all_gather_into_tensor": n_params, "reduce_scatter_tensor": n_params},
+        "replicate": {"all_reduce": n_buckets},
+        "fully_shard": {"all_gather_into_tensor": n_buckets, "reduce_scatter_tensor": n_buckets},
         # reduce-scatter within each shard group, then all-reduce across the replicas
-        "hybrid_shard": {"all_gather_into_tensor": n_params, "reduce_scatter_tensor": n_params,
-                         "all_reduce": n_params},
+        "hybrid_shard": {"all_gather_into_tensor": n_buckets, "reduce_scatter_tensor": n_buckets,
+                         "all_reduce": n_buckets},
     }[mode]
     assert counts == expected
 

@@ -77,6 +77,11 @@ class ParallelismConfig:
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: all ranks that dp_replicate leaves
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype gradients are reduced in
+    # Bucketed collectives: each model piece (embedding, block, norm, output) is all-gathered, and
+    # its gradients reduce-scattered, as one flat buffer of at most bucket_mb MB (compute dtype)
+    # instead of one collective per parameter. 0: one collective per parameter. The default keeps
+    # a whole block in one bucket up to 8B-class blocks while bounding the flat buffer.
+    bucket_mb: float = 256.0
     # Expert parallelism (MoE models): experts spread over groups of ep ranks; ep divides dp_shard
     # and the number of experts. Tokens reach their experts by all-gather + reduce-scatter.
     ep: int = 1
@@ -91,6 +96,11 @@ class CompileConfig:
     # Compile the step as several programs: fwd_bwd (forward + loss, then backward + update) or
     # collectives (a cut after every collective), for backends slow to compile one large program.
     split: Literal["none", "fwd_bwd", "collectives"] = "none"
+    # Collective schedule of the captured step (graph/passes.py, schedule_collectives): each
+    # all-gather is issued `prefetch` buckets ahead of its use (the next block's weights travel
+    # while the current block computes) and gradient reduce-scatters are waited for only where
+    # clipping reads them. 0: reduce-scatters moved, all-gathers not; -1: trace order.
+    prefetch: int = 1
 
 
 @dataclass
@@ -355,6 +365,11 @@ def validate(cfg: Config) -> None:
     if cfg.parallelism.dp_replicate < 1 or (cfg.parallelism.dp_shard < 1 and cfg.parallelism.dp_shard != -1):
         raise ValueError(f"parallelism.dp_replicate = {cfg.parallelism.dp_replicate} and parallelism.dp_shard = "
                          f"{cfg.parallelism.dp_shard} must be >= 1 (dp_shard may be -1: the remaining ranks)")
+    if cfg.compile.prefetch < -1:
+        raise ValueError(f"compile.prefetch = {cfg.compile.prefetch} must be >= -1 (-1: keep the trace order)")
+    if cfg.parallelism.bucket_mb < 0:
+        raise ValueError(f"parallelism.bucket_mb = {cfg.parallelism.bucket_mb} must be >= 0 (0: one collective per "
+                         "parameter)")
     ep = cfg.parallelism.ep
     if ep < 1:
         raise ValueError(f"parallelism.ep = {ep} must be >= 1")

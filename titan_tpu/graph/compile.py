@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_tpu.device import tpu_compile_error as _tpu_error
 from titan_tpu.graph.capture import CapturedStep, capture_train_step
-from titan_tpu.graph.passes import compile_submodules, split_graph
+from titan_tpu.graph.passes import compile_submodules, schedule_collectives, split_graph
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import StepResult, split_batch
 
@@ -63,12 +63,15 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"graph compile backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
-def compile_step(captured: CapturedStep, backend: str, *, split: str = "none") -> Callable[..., list[Tensor]]:
+def compile_step(captured: CapturedStep, backend: str, *, split: str = "none",
+                 prefetch: int | None = None) -> Callable[..., list[Tensor]]:
     """A callable taking the flat inputs of `captured` (as plain tensors) and returning its flat
     outputs. Compilation happens here, not at the first call; its time is in `.compile_seconds`.
     split: "none" | "fwd_bwd" | "collectives" (see graph/passes.py): compile several smaller
-    programs instead of one. Raises a one-line ValueError for "tpu" where TorchTPU or a TPU is
-    missing."""
+    programs instead of one. prefetch: None leaves the collectives in trace order; an int k
+    reorders them (graph/passes.py, schedule_collectives): all-gathers k buckets ahead, gradient
+    reduce-scatters waited for only where their values are read. Raises a one-line ValueError for
+    "tpu" where TorchTPU or a TPU is missing."""
     _check_backend(backend)
     if backend == "tpu":
         compiler = _tpu_dynamo_backend(captured)  # before splitting: fail fast, with the clear error
@@ -77,7 +80,10 @@ def compile_step(captured: CapturedStep, backend: str, *, split: str = "none") -
 
         compiler = lookup_backend(backend)
     start = time.perf_counter()
-    gm = split_graph(captured.graph_module, split, loss_output_index=captured.output_slices()["loss"].start)
+    gm = captured.graph_module
+    if prefetch is not None:
+        gm = schedule_collectives(gm, prefetch=prefetch)
+    gm = split_graph(gm, split, loss_output_index=captured.output_slices()["loss"].start)
     if backend == "eager":
         compiled = gm
     else:
@@ -142,7 +148,7 @@ class GraphStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float,
                  example_batch: tuple[Tensor, ...], backend: str = "inductor", dp_size: int | None = None,
-                 split: str = "none", scalar_dtype: torch.dtype | None = None):
+                 split: str = "none", scalar_dtype: torch.dtype | None = None, prefetch: int | None = None):
         _check_backend(backend)
         if backend == "tpu":
             _tpu_dynamo_backend(None)  # fail before a capture that can take minutes on a large model
@@ -154,7 +160,7 @@ class GraphStep:
                                            adamw_hparams=optimizer.hparams, decay=optimizer.decay,
                                            example_batch=example_batch, dp_size=dp_size,
                                            scalar_dtype=scalar_dtype)
-        self.compiled = compile_step(self.captured, backend, split=split)
+        self.compiled = compile_step(self.captured, backend, split=split, prefetch=prefetch)
         names = self.captured.param_names
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())

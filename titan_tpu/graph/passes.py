@@ -8,6 +8,11 @@
   ``submod_1``, ... run in order; ``compile_submodules`` hands each to a backend on its own.
 * ``rematerialize``: activation checkpointing in the captured graph: forward ops tagged for
   recomputation while tracing are copied into the backward where they are needed.
+* ``schedule_collectives(gm, prefetch=k)``: overlap communication with compute by node order: each
+  forward all-gather is issued right after the wait of the all-gather k buckets before it (so the
+  next blocks' weights travel while the current block computes), and each gradient
+  reduce-scatter's wait moves down to the first op that reads the gradient's values (clipping,
+  after the whole backward), so the reduce-scatters run behind the remaining backward.
 """
 
 from __future__ import annotations
@@ -53,6 +58,79 @@ def rematerialize(gm: fx.GraphModule) -> fx.GraphModule:
 def recomputed_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The nodes `rematerialize` added (torch's pass names each copy <original>_recomputed)."""
     return [n for n in gm.graph.nodes if n.name.endswith("_recomputed")]
+
+
+def _is_collective(node: fx.Node, name: str) -> bool:
+    return node.op == "call_function" and str(node.target) == f"_c10d_functional.{name}.default"
+
+
+# Ops that only re-index their single tensor input: a wait may move below them with its value.
+_VIEW_OPS = {"aten.slice.Tensor", "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+             "aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.alias.default",
+             "aten.select.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.expand.default",
+             "aten.narrow.default", "aten.as_strided.default"}
+
+
+def _wait_of(node: fx.Node) -> fx.Node | None:
+    return next((u for u in node.users if _is_wait(u)), None)
+
+
+def _ancestors_after(node: fx.Node, anchor_index: int, index: dict[fx.Node, int]) -> list[fx.Node] | None:
+    """The nodes `node` depends on that sit after position `anchor_index` (node included), in
+    graph order; None if one of them is a collective or a placeholder (not movable)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or index[n] <= anchor_index:
+            continue
+        if n.op != "call_function" or (n is not node and "_c10d_functional" in str(n.target)):
+            return None
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return sorted(seen, key=index.__getitem__)
+
+
+def schedule_collectives(gm: fx.GraphModule, *, prefetch: int) -> fx.GraphModule:
+    """Reorder the collectives of a captured step (see the module docstring); prefetch = 0 leaves
+    the all-gathers where they are. The graph's values are unchanged: only node order moves."""
+    if prefetch < 0:
+        raise ValueError(f"prefetch = {prefetch} must be >= 0 (0: no all-gather prefetch)")
+    graph = gm.graph
+    if prefetch:
+        gathers = [n for n in graph.nodes if _is_collective(n, "all_gather_into_tensor")]
+        waits = [_wait_of(g) for g in gathers]
+        for i in range(prefetch, len(gathers)):
+            anchor = waits[i - prefetch]
+            if anchor is None:
+                continue
+            index = {n: k for k, n in enumerate(graph.nodes)}
+            if index[gathers[i]] <= index[anchor]:
+                continue
+            chain = _ancestors_after(gathers[i], index[anchor], index)
+            if chain is None:
+                continue
+            for node in reversed(chain):
+                anchor.append(node)  # appending in reverse keeps the chain's order right after anchor
+    for rs in [n for n in graph.nodes if _is_collective(n, "reduce_scatter_tensor")]:
+        wait = _wait_of(rs)
+        if wait is None:
+            continue
+        # The wait and the view ops re-indexing its result move down to the first real use.
+        moving, todo = [], [wait]
+        while todo:
+            n = todo.pop()
+            moving.append(n)
+            todo.extend(u for u in n.users if str(u.target) in _VIEW_OPS and len(u.all_input_nodes) == 1)
+        users = [u for n in moving for u in n.users if u not in moving]
+        if not users:
+            continue
+        index = {n: k for k, n in enumerate(graph.nodes)}
+        first_use = min(users, key=index.__getitem__)
+        for node in sorted(moving, key=index.__getitem__):
+            first_use.prepend(node)
+    graph.lint()
+    gm.recompile()
+    return gm
 
 
 def _is_wait(node: fx.Node) -> bool:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from titan_tpu.models.common.moe import EXPERT_MARKER  # set on modules holding MoE expert weights
 from titan_tpu.models.common.scan import STACKED_MARKER  # set on modules holding stacked layers
+from titan_tpu.parallel.buckets import DEFAULT_BUCKET_MB, build_buckets
 from titan_tpu.parallel.expert_parallel import ExpertParallelDispatch, expert_placements
 
 __all__ = ["MixedPrecision", "copy_full_", "data_parallel", "default_mixed_precision", "local_bytes", "materialize_and_init", "MODES"]
@@ -142,6 +143,15 @@ def _replicate_for_compute(param: DTensor, mp: MixedPrecision) -> torch.Tensor:
     return full.to_local(grad_placements=[p if k else Partial() for p, k in zip(param.placements, keep)])
 
 
+def _compute_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """What reading `module.<name>` returns: the gathered tensor, from its bucket while the root
+    module's forward runs (buckets.py), else gathered on its own."""
+    bucket = module.__dict__.get("_simple_fsdp_buckets", {}).get(name)
+    if bucket is not None and bucket.open:
+        return bucket.get(module, name)
+    return _replicate_for_compute(module._parameters[name], module._simple_fsdp_mp)
+
+
 _PARAMETRIZED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
@@ -163,7 +173,7 @@ def _parametrize_module(module: nn.Module, mp: MixedPrecision) -> None:
         # when normal lookup fails). Assigning a Parameter still goes through nn.Module.__setattr__
         # into _parameters, so load_state_dict(assign=True) and to_empty keep working.
         props = {
-            n: property(lambda self, n=n: _replicate_for_compute(self._parameters[n], self._simple_fsdp_mp))
+            n: property(lambda self, n=n: _compute_tensor(self, n))
             for n in names
         }
         props["_simple_fsdp_names"] = names
@@ -172,9 +182,12 @@ def _parametrize_module(module: nn.Module, mp: MixedPrecision) -> None:
 
 
 def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPrecision,
-                  expert_mesh: DeviceMesh | None = None) -> nn.Module:
+                  expert_mesh: DeviceMesh | None = None, bucket_mb: float = DEFAULT_BUCKET_MB) -> nn.Module:
     """Make `model` data parallel on `mesh` in place (and return it); with `expert_mesh`, its MoE
     experts expert-parallel on that mesh (parallel/expert_parallel.py).
+
+    bucket_mb > 0: the parameters of each model piece (block) are gathered in buckets of at most
+    that many MB, one collective per bucket each way (parallel/buckets.py); 0: one per parameter.
 
     Parameters that are still plain tensors are distributed from rank 0 (so ranks need not agree
     beforehand); ones that are already DTensors (see `materialize_and_init`) are kept as they are.
@@ -193,9 +206,36 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPre
                                  f"expects {want} (mode {mode!r}): build the model again for another layout")
     for sub in model.modules():
         _parametrize_module(sub, mp)
+    _install_buckets(model, mp, bucket_mb)
     if expert_mesh is not None:
         model.expert_dispatch.dispatch = ExpertParallelDispatch(expert_mesh)
     return model
+
+
+def _install_buckets(model: nn.Module, mp: MixedPrecision, bucket_mb: float) -> None:
+    if bucket_mb < 0:
+        raise ValueError(f"parallelism.bucket_mb = {bucket_mb} must be >= 0 (0 turns bucketing off)")
+    for handle in getattr(model, "_simple_fsdp_bucket_hooks", ()):
+        handle.remove()
+    for sub in model.modules():
+        sub.__dict__.pop("_simple_fsdp_buckets", None)
+    buckets = build_buckets(model, mp=mp, bucket_mb=bucket_mb) if bucket_mb > 0 else []
+    for bucket in buckets:
+        for module, name in bucket.members:
+            module.__dict__.setdefault("_simple_fsdp_buckets", {})[name] = bucket
+    model._simple_fsdp_bucket_list = buckets
+
+    # The gathering window: the root's forward. Opening and closing both drop what was gathered,
+    # so nothing outlives one forward (autograd holds what the backward needs).
+    def window(value: bool):
+        def hook(*_):
+            for bucket in buckets:
+                bucket.set_open(value)
+        return hook
+
+    model._simple_fsdp_bucket_hooks = ((model.register_forward_pre_hook(window(True)),
+                                        model.register_forward_hook(window(False), always_call=True))
+                                       if buckets else ())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +246,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPre
 @torch.no_grad()
 def materialize_and_init(
     model: nn.Module, mesh: DeviceMesh | None, *, mode: str, mp: MixedPrecision, device: torch.device, seed: int,
-    expert_mesh: DeviceMesh | None = None,
+    expert_mesh: DeviceMesh | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> nn.Module:
     """Initialise a meta-device Transformer on `device`, sharded on `mesh` (plain when None).
 
@@ -233,7 +273,7 @@ def materialize_and_init(
     model.init_buffers(device)  # RoPE table: cheap, recomputed whole on every rank
     leftover = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     assert not leftover, f"init_plan missed parameters: {leftover}"
-    return data_parallel(model, mesh, mode=mode, mp=mp, expert_mesh=expert_mesh)
+    return data_parallel(model, mesh, mode=mode, mp=mp, expert_mesh=expert_mesh, bucket_mb=bucket_mb)
 
 
 @torch.no_grad()

@@ -115,7 +115,8 @@ class Trainer:
             example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=self.backend.device)
             example_batch = (example, example) + ((example,) if cfg.data.document_mask else ())
             self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=example_batch,
-                                     backend=cfg.compile.backend, dp_size=self.dp_size, split=cfg.compile.split)
+                                     backend=cfg.compile.backend, dp_size=self.dp_size, split=cfg.compile.split,
+                                     prefetch=None if cfg.compile.prefetch < 0 else cfg.compile.prefetch)
             self.compile_stats = {"capture_s": self.step_fn.capture_seconds, "compile_s": self.step_fn.compile_seconds}
             self.log(f"graph mode: step captured in {self.step_fn.capture_seconds:.1f} s, compiled with "
                      f"{cfg.compile.backend} in {self.step_fn.compile_seconds:.1f} s")
@@ -148,7 +149,8 @@ class Trainer:
                                dtype=torch.float32 if sharded else self.compute_dtype)
         mp = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
         model = materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if sharded else "none", mp=mp,
-                                     device=self.backend.device, seed=self.cfg.training.seed)
+                                     device=self.backend.device, seed=self.cfg.training.seed,
+                                     bucket_mb=self.cfg.parallelism.bucket_mb)
         if has_weights(self.cfg.model.hf_config):
             load_pretrained_weights(model, self.cfg.model.hf_config)
             self.log(f"weights loaded from {self.cfg.model.hf_config}")
@@ -172,7 +174,8 @@ class Trainer:
             model = Transformer(args, **options)
         mp = MixedPrecision(param_dtype=dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
         return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode, mp=mp,
-                                    device=self.backend.device, seed=seed, expert_mesh=self.expert_mesh)
+                                    device=self.backend.device, seed=seed, expert_mesh=self.expert_mesh,
+                                    bucket_mb=self.cfg.parallelism.bucket_mb)
 
     @property
     def compute_dtype(self) -> torch.dtype:

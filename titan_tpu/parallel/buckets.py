@@ -1,0 +1,194 @@
+"""Bucketed SimpleFSDP collectives: one all-gather and one gradient reduction per bucket.
+
+Plain SimpleFSDP (simple_fsdp.py) gathers every parameter on its own when the module reads it:
+one collective per parameter in the forward and one per gradient in the backward, each a round
+trip through DTensor's Python dispatch. A bucket is the parameters of one piece of the model (an
+embedding, one block, the final norm and output projection; the model's `init_plan` pieces) cut
+into runs of at most `bucket_mb`. The first read of any of its parameters in a forward gathers
+the whole bucket:
+
+    local shards --pad to equal size, flatten, concatenate--> one flat local buffer
+    flat buffer as a DTensor sharded on dim 0 --redistribute to Replicate--> [world * flat] (1 all-gather)
+    slice each parameter's [world, padded shard] columns, merge the rank axis into its shard dim
+
+and hands out the full tensors. All of it is ordinary differentiable ops, so autograd's backward
+is the mirror image with one reduce-scatter (and/or all-reduce on a replicate axis) of one flat
+gradient buffer per bucket, and a traced step (graph/capture.py) holds exactly one collective per
+bucket in each direction. The arithmetic is unchanged: each gradient element is still the sum of
+the same per-rank values, so losses equal the per-parameter path's bitwise.
+
+Gathered tensors live from the first read until the forward of the root module ends (a forward
+pre-hook and hook on the root start and end each "gathering window"). In eager mode that costs no
+memory: autograd keeps each gathered weight for the backward anyway. Outside a root forward (a
+submodule called directly) parameters are gathered one by one as before.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+__all__ = ["Bucket", "build_buckets", "bucket_owners", "DEFAULT_BUCKET_MB"]
+
+# Default cap on one bucket's gathered bytes (in the compute dtype). Large enough that a block of
+# any model up to the 8B class is one or a few buckets (one collective per block, FSDP2's unit),
+# small enough that one bucket's flat gather buffer stays a small slice of device memory.
+DEFAULT_BUCKET_MB = 256.0
+
+
+class Bucket:
+    """Parameters gathered together. members: (module, parameter name) pairs in read order; the
+    same Parameter registered on two modules (tied weights) occupies one slot."""
+
+    def __init__(self, members: list[tuple[nn.Module, str]], mp) -> None:
+        self.members = members
+        self.mp = mp
+        self._gathered: dict[tuple[int, str], Tensor] | None = None
+        self.open = False  # inside a root forward (the gathering window)
+
+    def set_open(self, value: bool) -> None:
+        self.open = value
+        self._gathered = None
+
+    def get(self, module: nn.Module, name: str) -> Tensor:
+        if self._gathered is None:
+            self._gathered = self._gather()
+        return self._gathered[(id(module), name)]
+
+    def _gather(self) -> dict[tuple[int, str], Tensor]:
+        params, slot_of = [], {}
+        for module, name in self.members:
+            p = module._parameters[name]  # the live DTensor (functional_call swaps these)
+            if id(p) not in slot_of:
+                slot_of[id(p)] = len(params)
+                params.append(p)
+        full = gather_flat(params, self.mp)
+        return {(id(m), n): full[slot_of[id(m._parameters[n])]] for m, n in self.members}
+
+
+def _shard_axis(param: DTensor) -> tuple[int | None, int | None]:
+    """(mesh dim, tensor dim) of the parameter's one Shard placement, or (None, None)."""
+    shards = [(i, p.dim) for i, p in enumerate(param.placements) if isinstance(p, Shard)]
+    return shards[0] if shards else (None, None)
+
+
+def gather_flat(params: list[DTensor], mp) -> list[Tensor]:
+    """The full tensors of `params` (same mesh and placements) through one collective per mesh
+    axis; their gradients reduce through one collective per mesh axis too."""
+    first = params[0]
+    mesh, placements = first.device_mesh, tuple(first.placements)
+    mesh_dim, _ = _shard_axis(first)
+    world = mesh.size(mesh_dim) if mesh_dim is not None else 1
+    pieces, layout = [], []
+    for p in params:
+        local = p.to_local()  # differentiable: its gradient becomes the parameter's sharded gradient
+        _, dim = _shard_axis(p)
+        if dim is not None:
+            rows = math.ceil(p.shape[dim] / world)  # torch.chunk's split: rank r holds [r*rows, (r+1)*rows)
+            missing = rows - local.shape[dim]
+            if missing:
+                pad = [0, 0] * (local.dim() - 1 - dim) + [0, missing]
+                local = F.pad(local, pad)
+        layout.append((local.shape, dim, p.shape))
+        pieces.append(local.reshape(-1))
+    flat_local = torch.cat(pieces)
+    flat_placements = [Shard(0) if isinstance(pl, Shard) else pl for pl in placements]
+    flat = DTensor.from_local(flat_local, mesh, flat_placements, run_check=False)
+    gathered = flat.redistribute(placements=[Replicate()] * mesh.ndim, forward_dtype=mp.param_dtype,
+                                 backward_dtype=mp.reduce_dtype)
+    # Every rank's gradient of a gathered weight covers its own micro-batch: a partial sum.
+    gathered = gathered.to_local(grad_placements=[Partial()] * mesh.ndim)
+    return list(_CopyOut.apply(gathered.view(world, flat_local.numel()), layout))
+
+
+class _CopyOut(torch.autograd.Function):
+    """[world, flat] gathered buffer -> each parameter's full tensor (a copy: the buffer is
+    rank-major, a parameter is not), and in the backward the mirror: every gradient copied into
+    one [world, flat] buffer. Written out because autograd's own backward of the slices would
+    build one zero-filled buffer-sized tensor per parameter and add them all up."""
+
+    @staticmethod
+    def forward(ctx, by_rank: Tensor, layout: list) -> tuple[Tensor, ...]:
+        ctx.layout, ctx.shape = layout, by_rank.shape
+        out, offset = [], 0
+        for local_shape, dim, full_shape in layout:
+            numel = math.prod(local_shape)
+            block = by_rank[:, offset:offset + numel].view(by_rank.shape[0], *local_shape)
+            offset += numel
+            if dim is None:
+                out.append(block[0].clone())
+                continue
+            merged_shape = (*local_shape[:dim], by_rank.shape[0] * local_shape[dim], *local_shape[dim + 1:])
+            merged = block.movedim(0, dim).reshape(merged_shape)  # the copy
+            out.append(merged.narrow(dim, 0, full_shape[dim]).contiguous())
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        world = ctx.shape[0]
+        padded = any(dim is not None and world * local[dim] != full[dim] for local, dim, full in ctx.layout)
+        some = next(g for g in grads if g is not None)
+        buffer = (some.new_zeros if padded or any(g is None for g in grads) else some.new_empty)(ctx.shape)
+        offset = 0
+        for g, (local_shape, dim, full_shape) in zip(grads, ctx.layout):
+            numel = math.prod(local_shape)
+            target = buffer[:, offset:offset + numel].view(world, *local_shape)
+            offset += numel
+            if g is None:
+                continue
+            if dim is None:
+                target[0].copy_(g)
+                continue
+            rows = local_shape[dim]
+            if world * rows != full_shape[dim]:
+                # Uneven shards: the gradient covers full_shape[dim] of the world * rows slots.
+                g = F.pad(g, [0, 0] * (g.dim() - 1 - dim) + [0, world * rows - full_shape[dim]])
+            target.copy_(g.unflatten(dim, (world, rows)).movedim(dim, 0))
+        return buffer, None
+
+
+def bucket_owners(model: nn.Module) -> list[nn.Module]:
+    """The pieces whose parameters are bucketed together: the model's init_plan pieces (embedding,
+    each block or the whole stack of scanned blocks, final norm, output), else its children."""
+    if hasattr(model, "init_plan"):
+        return [piece for _, piece, _ in model.init_plan()]
+    return list(model.children())
+
+
+def _bucketable(p) -> bool:
+    # Expert weights keep their expert-parallel shard when read (simple_fsdp._replicate_for_compute):
+    # not a full gather, so they stay on the per-parameter path.
+    return isinstance(p, DTensor) and "ep" not in (p.device_mesh.mesh_dim_names or ())
+
+
+def _layout_key(p: DTensor) -> tuple:
+    return (id(p.device_mesh), tuple(p.placements), p.dtype)
+
+
+def build_buckets(model: nn.Module, *, mp, bucket_mb: float) -> list[Bucket]:
+    """Buckets of `model`'s DTensor parameters (see the module docstring); bucket_mb caps one
+    bucket's gathered size in MB of the compute dtype. Parameters of a piece that live on another
+    mesh or with other placements (expert weights under expert parallelism) get their own buckets."""
+    cap = bucket_mb * 2**20
+    buckets, seen = [], set()
+    for owner in bucket_owners(model):
+        groups: dict[tuple, list[list[tuple[nn.Module, str]]]] = {}
+        sizes: dict[tuple, float] = {}
+        for module in owner.modules():
+            for name, p in module._parameters.items():
+                if not _bucketable(p) or (id(module), name) in seen:
+                    continue
+                seen.add((id(module), name))
+                key = _layout_key(p)
+                nbytes = p.numel() * mp.param_dtype.itemsize
+                if key not in groups or (sizes[key] + nbytes > cap and groups[key][-1]):
+                    groups.setdefault(key, []).append([])
+                    sizes[key] = 0.0
+                groups[key][-1].append((module, name))
+                sizes[key] += nbytes
+        buckets.extend(Bucket(members, mp) for runs in groups.values() for members in runs if members)
+    return buckets
