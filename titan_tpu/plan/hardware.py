@@ -81,8 +81,8 @@ HARDWARE: dict[str, Hardware] = {
 # (median over the calibration runs). CPU_RUNTIME_BYTES: the resident memory of a trainer process
 # before it builds a model (Python, torch, the tokenizer and data loader), measured the same way
 # the trainer measures memory (process RSS).
-CPU_EFFICIENCY = 0.5
-CPU_RUNTIME_BYTES = 0.40e9
+CPU_EFFICIENCY = 0.365  # median implied by the debug runs of the 2026-11-30 20:21 calibration
+CPU_RUNTIME_BYTES = 0.349e9  # measured by the same calibration
 
 
 def measure_cpu_memory_bandwidth(nbytes: int = 1 << 27, reps: int = 5) -> float:
