@@ -37,7 +37,7 @@ class Hardware:
     memory_bandwidth: float  # bytes/s per device
     interconnect_bandwidth: float  # bytes/s a device sends into a ring collective
     devices_per_chip: int = 1
-    efficiency: float = 0.7  # fraction of peak reached by matmul-dominated work (see module docstring)
+    efficiency: float = 0.7  # ACCELERATOR_EFFICIENCY: fraction of peak matmul-dominated work reaches (docstring)
     runtime_bytes: float = 0.0  # memory the planner's terms do not model (CPU: the process itself)
     source: str = ""
 
@@ -150,6 +150,4 @@ def resolve_hardware(spec: str, *, measure: bool = True) -> tuple[Hardware, int 
             if chips % 2:
                 raise ValueError(f"{spec}: {name} slices count TensorCores, two per chip; use an even number")
             chips //= 2
-    if hw.efficiency == 0.7 and name != "cpu":
-        hw = Hardware(**{**hw.as_dict(), "efficiency": ACCELERATOR_EFFICIENCY})
     return hw, chips

@@ -136,8 +136,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
     cb = _DTYPE_BYTES[dtype]
     layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=cfg.parallelism.ep, compute_bytes=cb,
-                    reduce_bytes=4 if not layout_is_sharded(dp_replicate, dp_shard) else
-                    _DTYPE_BYTES[cfg.parallelism.reduce_dtype], gather=gather)
+                    reduce_bytes=_DTYPE_BYTES[cfg.parallelism.reduce_dtype], gather=gather)
     ac, scanned = cfg.activation_checkpoint.mode, cfg.model.scan_layers
     # Traced checkpointed blocks keep the attention output too (activation_checkpoint.py); the scanned
     # full mode is its own autograd function that keeps only the layer inputs.
@@ -175,14 +174,12 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         worst = max(worst, below + above + grad)
         below -= saved
         above += grad
-    head_grads = grads_b - sum(layer_grad)  # embedding, output, final norm (the loss kernel made its own)
     backward = static + gathered + acts.head + loss_kept + worst + acts.recompute + full_grad + \
         max(accumulating - above, 0.0)
     optimizer = static + grads_b + stored * mb  # AdamW's sqrt(v) temporary
     phases = {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
     peak_phase = max(phases, key=phases.get)
     peak = phases[peak_phase]
-    del head_grads
 
     memory = {
         "parameters": params_b, "gradients": grads_b, "optimizer_state": moments_b,
@@ -192,9 +189,10 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         "runtime": hardware.runtime_bytes, "phases": phases,
     }
     if args.moe is not None:
-        dense_acts = activation_bytes(args, tokens=tokens, ac_mode=ac, dtype_bytes=cb, ep=1, traced=traced)
-        memory["moe_dispatch"] = acts.saved - dense_acts.saved + (acts.recompute - dense_acts.recompute) \
-            if cfg.parallelism.ep > 1 else 0.0
+        # Part of the activations: what expert parallelism adds (each rank's experts see the ep
+        # group's tokens: ep times the dispatched rows).
+        one_rank = activation_bytes(args, tokens=tokens, ac_mode=ac, dtype_bytes=cb, ep=1, traced=traced)
+        memory["moe_dispatch"] = acts.saved - one_rank.saved + acts.recompute - one_rank.recompute
     capacity = hardware.memory_bytes
     fits = peak <= capacity
 
@@ -246,10 +244,6 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         tokens_per_s=tokens_per_s, mfu=mfu)
     plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak) / peak if peak else 0.0)
     return plan
-
-
-def layout_is_sharded(dp_replicate: int, dp_shard: int) -> bool:
-    return dp_replicate * dp_shard > 1
 
 
 def _mode(layout: Layout) -> str:
@@ -327,7 +321,8 @@ def format_plan(plan: Plan) -> str:
                 "gathered_weights", "full_size_gradient", "loss_kept", "loss_peak", "optimizer_temporary",
                 "moe_dispatch", "runtime"):
         if key in m and m[key]:
-            lines.append(f"  {key:22s}{_gb(m[key])}")
+            note = "  (ep dispatch buffers, within activations)" if key == "moe_dispatch" else ""
+            lines.append(f"  {key:22s}{_gb(m[key])}{note}")
     phases = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in m["phases"].items())
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines.append(f"  peak {_gb(plan.peak_bytes)} at {plan.peak_phase} (GB by moment: {phases}); "
