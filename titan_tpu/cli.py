@@ -6,6 +6,8 @@
     titan-tpu convert --hf-dir hf_in/ --to-checkpoint ckpt_out/
     titan-tpu graph --config configs/llama3_debug.toml      # dump the captured step graph
     titan-tpu kernels [--device cpu|cuda|tpu]               # kernel implementations and auto's pick
+    titan-tpu plan --config configs/qwen3_235b_a22b_tpu.toml [--hardware v5p-1024] [--json]
+    titan-tpu plan --calibrate                              # predicted vs measured on real CPU runs
 
 User mistakes end the process with one line on stderr and exit status 2, not a traceback.
 """
@@ -140,6 +142,43 @@ def kernels_main(argv: list[str]) -> int:
     return 0
 
 
+def plan_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu plan",
+        description="Predict per-device memory, FLOPs, communication, step time, tokens/s and MFU of a run "
+                    "from its config, before touching the hardware (docs/planner.md). Config overrides as "
+                    "for train.")
+    parser.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_235b_a22b_tpu.toml")
+    parser.add_argument("--hardware", help="v4, v5e, v5p, v6e, v7, h100, h200, b200 or cpu, with a size as "
+                                           "Google names slices (v5p-1024: 512 chips) or a device count (h100-8); "
+                                           "default: what the config names")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--gather", default="model", choices=["model", "layer"],
+                        help="model: gathered weights live as SimpleFSDP keeps them today (all blocks, forward to "
+                             "backward); layer: what-if they were re-gathered per layer (re-shard after forward)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="run real CPU configurations and print predicted vs measured (minutes; run alone)")
+    parser.add_argument("--replay", action="store_true", help="with --calibrate: recompute from the saved results")
+    parser.add_argument("--only", help="with --calibrate: only the configurations whose name contains this")
+    parser.add_argument("--out", default="outputs/plan_calibration", help="with --calibrate: where runs and "
+                                                                             "results go")
+    args, overrides = parser.parse_known_args(argv)
+    if args.calibrate:
+        from titan_tpu.plan.calibrate import calibrate_main
+
+        return calibrate_main(out_dir=args.out, replay=args.replay, only=args.only)
+    if not args.config:
+        raise ValueError("titan-tpu plan needs --config (a TOML recipe), or --calibrate")
+    from titan_tpu.plan import format_plan, plan_config, resolve_hardware
+    from titan_tpu.plan.planner import for_planning
+
+    cfg = for_planning(args.config, overrides)
+    hardware, chips = resolve_hardware(args.hardware) if args.hardware else (None, None)
+    plan = plan_config(cfg, hardware, chips=chips, gather=args.gather)
+    print(plan.to_json() if args.json else format_plan(plan))
+    return 0
+
+
 def hf_sweep_main(argv: list[str]) -> int:
     from titan_tpu.models.hf_sweep import main as sweep
 
@@ -147,7 +186,7 @@ def hf_sweep_main(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
-            "kernels": kernels_main, "hf-sweep": hf_sweep_main}
+            "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,3 +123,24 @@ LOSS.register(Impl("reference", reference_linear_cross_entropy, ("cpu", "cuda", 
                    "materialised logits + F.cross_entropy (the definition)"))
 LOSS.register(Impl("chunked", chunked_linear_cross_entropy, ("cpu", "cuda", "tpu"),
                    "token chunks, gradients computed per chunk; never holds the whole logits"))
+
+
+def loss_memory_bytes(impl: str, *, tokens: int, vocab_size: int, dim: int, dtype_bytes: int,
+                      chunk_tokens: int = 0) -> tuple[int, int]:
+    """(bytes kept from the forward to the backward, extra bytes live at the kernel's peak) of
+    the output projection + loss over `tokens` tokens, for the planner (titan_tpu/plan).
+
+    reference: the fp32 log-softmax [N, V] is kept; at its peak the logits and their gradient
+    are live beside it. chunked: the gradients it computes in the forward are kept (h's [N, D]
+    in the compute dtype, w's [V, D] accumulated in fp32); at its peak one chunk's fp32 logits
+    [C, V] (and their compute-dtype copy when that is not fp32) and the per-chunk pieces of h's
+    gradient beside their concatenation. tokamax (TPU): a fused kernel that keeps no logits;
+    counted as chunked with the automatic chunk (its own blocks are smaller)."""
+    n, v, d = tokens, vocab_size, dim
+    if impl == "reference":
+        return n * v * 4, 2 * n * v * 4
+    chunk = chunk_tokens if chunk_tokens > 0 else auto_chunk_tokens(n, v)
+    chunk = min(chunk, n)
+    kept = n * d * dtype_bytes + v * d * 4
+    peak = chunk * v * 4 + (chunk * v * dtype_bytes if dtype_bytes != 4 else 0) + n * d * dtype_bytes
+    return kept, peak

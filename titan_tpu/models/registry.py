@@ -116,3 +116,19 @@ def flops_per_token(args: TransformerArgs, seq_len: int) -> float:
     if args.tie_embeddings:
         n += args.dim * args.vocab_size
     return 6.0 * n + 6.0 * args.n_layers * args.n_heads * args.hd * seq_len
+
+
+def num_expert_params(args: TransformerArgs) -> int:
+    """Parameters of the MoE experts (all of them): what expert parallelism spreads over ep ranks."""
+    if args.moe is None:
+        return 0
+    return args.num_moe_layers * args.moe.num_experts * 3 * args.dim * args.moe.hidden_dim
+
+
+def largest_param(args: TransformerArgs) -> int:
+    """Elements of the largest single parameter of the unrolled model (the embedding or output
+    projection for every model here; an MoE layer's stacked experts can be larger)."""
+    sizes = [args.vocab_size * args.dim, args.dim * args.ffn_hidden_dim]
+    if args.moe is not None:
+        sizes.append(args.moe.num_experts * args.dim * args.moe.hidden_dim)
+    return max(sizes)

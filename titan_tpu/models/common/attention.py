@@ -62,3 +62,33 @@ class Attention(nn.Module):
         attention = self.kernels.attention_impl(x_BSD.device.type, documents=document_ids_BS is not None).fn
         o_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, document_ids_BS)
         return self.wo(o_BSHD.reshape(B, S, self.n_heads * self.head_dim))
+
+
+def attention_saved_per_token(*, n_heads: int, n_kv_heads: int, head_dim: int,
+                              qk_norm: bool) -> tuple[int, int]:
+    """What `Attention.forward` keeps for its backward per token, without activation
+    checkpointing, as (elements of the compute dtype, fp32 elements); its input (the normalised
+    hidden state) is counted by the block.
+
+    The attention kernel keeps q and k after RoPE, v, and its output (which is also wo's input:
+    SDPA writes it in [B, S, H, D] memory order, so the reshape is a view) plus one log-sum-exp per
+    head. RoPE keeps nothing of its own (the rotation does not need the gradient of its angles).
+    With qk_norm each per-head RMSNorm keeps its input and input * rstd, and one rstd per head."""
+    q, kv = n_heads * head_dim, n_kv_heads * head_dim
+    elements, fp32 = 2 * q + 2 * kv, n_heads
+    if qk_norm:
+        from titan_tpu.models.common.norms import rms_norm_saved_per_row
+
+        for rows in (n_heads, n_kv_heads):
+            per_row, per_row_fp32 = rms_norm_saved_per_row(head_dim)
+            elements += rows * per_row
+            fp32 += rows * per_row_fp32
+    return elements, fp32
+
+
+def attention_matmul_outputs_per_token(*, dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """Outputs of the matmuls and of the attention kernel per token, (compute-dtype, fp32)
+    elements: what selective activation checkpointing keeps of an attention layer (q, k, v, the
+    attention output and its log-sum-exp, wo's output)."""
+    q, kv = n_heads * head_dim, n_kv_heads * head_dim
+    return 2 * q + 2 * kv + dim, n_heads

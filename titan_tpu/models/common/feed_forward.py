@@ -17,3 +17,15 @@ class FeedForward(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
+
+
+def feed_forward_saved_per_token(hidden_dim: int) -> int:
+    """Compute-dtype elements `FeedForward.forward` keeps per token without activation
+    checkpointing (its input is counted by the block): w1's and w3's outputs, silu's output and
+    the product w2 reads."""
+    return 4 * hidden_dim
+
+
+def feed_forward_matmul_outputs_per_token(*, dim: int, hidden_dim: int) -> int:
+    """Outputs of w1, w3 and w2 per token: what selective checkpointing keeps of the layer."""
+    return 2 * hidden_dim + dim

@@ -210,3 +210,22 @@ def active_params_per_token(*, dim: int, args: MoEArgs) -> int:
     """Weights a token's forward touches in one MoE layer: the router and its top-k experts."""
     return dim * args.num_experts + args.top_k * 3 * dim * args.hidden_dim
 
+
+
+def moe_saved_per_token(*, dim: int, args: MoEArgs, ep: int = 1) -> tuple[int, int]:
+    """What `MoE.forward` keeps for its backward per token of this rank, without activation
+    checkpointing, as (compute-dtype elements, 4-byte elements); the layer input is counted by
+    the block. Router: the fp32 probabilities [E], the chosen experts and their weights. Dispatch
+    (k rows per token; under expert parallelism the ep group's tokens, so ep * k rows): the
+    gathered rows [D], the two grouped-matmul outputs, silu's output and their product [F each],
+    the down projection's output and its weighted copy [D each], and the sort order (int64)."""
+    k, rows = args.top_k, args.top_k * ep
+    elements = rows * (3 * dim + 4 * args.hidden_dim)
+    four_byte = args.num_experts + 1 + 2 * k + k + 4 * rows + rows  # probs, sum, chosen (int64), weights, order
+    return elements, four_byte
+
+
+def moe_matmul_outputs_per_token(*, dim: int, args: MoEArgs) -> tuple[int, int]:
+    """What selective checkpointing keeps of an MoE layer per token: the router's logits (fp32
+    count) — the grouped matmuls are not in its list of saved ops, so the experts are recomputed."""
+    return 0, args.num_experts

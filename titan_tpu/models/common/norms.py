@@ -24,3 +24,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         return out.to(x.dtype)
+
+
+def rms_norm_saved_per_row(dim: int) -> tuple[int, int]:
+    """What an `RMSNorm` forward keeps for its backward, per normalised row, as (elements of the
+    input dtype, fp32 elements): its input and input * rstd (F.rms_norm decomposes into ops that
+    save both), and the one rstd value. Its output is kept by whoever consumes it."""
+    return 2 * dim, 1

@@ -374,3 +374,82 @@ def _init_block(layer: TransformerBlock, *, layer_id: int) -> None:
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory terms for the planner (titan_tpu/plan): what a forward keeps for its backward.
+# Counted from the code above (each piece's own function), checked against autograd's saved
+# tensors in tests/test_planner.py.
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Activation memory of one micro-batch on one rank, in bytes."""
+
+    saved_per_layer: tuple[int, ...]  # kept from the forward until the layer's backward
+    recompute: int  # checkpointed modes: the largest layer's intermediates, live while it is recomputed
+    head: int  # the final norm and the token ids (the loss kernel's memory is counted by the kernel)
+
+    @property
+    def saved(self) -> int:
+        return sum(self.saved_per_layer)
+
+
+def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: str, ep: int = 1,
+                          traced: bool = False) -> tuple[int, int]:
+    """(compute-dtype elements, 4-byte elements) one block keeps per token of this rank.
+
+    none: everything its ops save (each RMSNorm: input, input * rstd, output; attention; the
+    feed-forward or MoE layer). full: only the block input (traced by the graph trainer, the
+    attention kernel's output and log-sum-exp are kept too: random-number ops are not replayed).
+    selective: the block input plus the outputs of matmuls and of the attention kernel
+    (activation_checkpoint.SAVED_OPS)."""
+    from titan_tpu.models.common.attention import attention_matmul_outputs_per_token, attention_saved_per_token
+    from titan_tpu.models.common.feed_forward import (feed_forward_matmul_outputs_per_token,
+                                                      feed_forward_saved_per_token)
+    from titan_tpu.models.common.moe import moe_matmul_outputs_per_token, moe_saved_per_token
+    from titan_tpu.models.common.norms import rms_norm_saved_per_row
+
+    d = args.dim
+    if ac_mode == "full":
+        if traced:
+            return d + args.n_heads * args.hd, args.n_heads
+        return d, 0
+    if ac_mode == "selective":
+        elements, fp32 = attention_matmul_outputs_per_token(dim=d, n_heads=args.n_heads,
+                                                            n_kv_heads=args.n_kv_heads, head_dim=args.hd)
+        if moe_layer:
+            e, f = moe_matmul_outputs_per_token(dim=d, args=args.moe)
+        else:
+            e, f = feed_forward_matmul_outputs_per_token(dim=d, hidden_dim=args.ffn_hidden_dim), 0
+        return d + elements + e, fp32 + f
+    norm, norm_fp32 = rms_norm_saved_per_row(d)
+    elements, fp32 = attention_saved_per_token(n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                                               head_dim=args.hd, qk_norm=args.qk_norm)
+    elements += 2 * (norm + d)  # two norms: their saved tensors and their outputs
+    fp32 += 2 * norm_fp32
+    if moe_layer:
+        e, f = moe_saved_per_token(dim=d, args=args.moe, ep=ep)
+    else:
+        e, f = feed_forward_saved_per_token(args.ffn_hidden_dim), 0
+    return elements + e, fp32 + f
+
+
+def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_bytes: int, ep: int = 1,
+                     traced: bool = False) -> ActivationBytes:
+    """Activation memory of a micro-batch of `tokens` tokens (batch x sequence) on one rank."""
+    from titan_tpu.models.common.norms import rms_norm_saved_per_row
+
+    def nbytes(counts: tuple[int, int]) -> int:
+        return tokens * (counts[0] * dtype_bytes + counts[1] * 4)
+
+    saved, recompute = [], 0
+    for layer_id in range(args.n_layers):
+        moe = args.is_moe_layer(layer_id)
+        saved.append(nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode=ac_mode, ep=ep, traced=traced)))
+        if ac_mode != "none":
+            whole = nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode="none", ep=ep))
+            recompute = max(recompute, whole)
+    norm, norm_fp32 = rms_norm_saved_per_row(args.dim)
+    head = tokens * ((norm + args.dim) * dtype_bytes + norm_fp32 * 4 + 8)  # final norm; the token ids
+    return ActivationBytes(saved_per_layer=tuple(saved), recompute=recompute, head=head)

@@ -1,0 +1,139 @@
+"""What a parallel layout costs per rank, for the planner (titan_tpu/plan): the share of each
+parameter a rank stores, the gathered copies it holds while computing, and the bytes each
+collective moves per step. Beside the layouts it describes (simple_fsdp.py, expert_parallel.py),
+so that a new layout brings its own numbers.
+
+Facts of the current code these terms encode (read from it, checked by tests/test_planner.py and
+the calibration in docs/planner.md):
+
+* SimpleFSDP stores every parameter sharded over dp_shard (expert weights over dp_shard too: ep
+  by expert, the rest by row), whole over dp_replicate.
+* Reading a weight all-gathers it in the compute dtype, and autograd keeps the gathered tensor for
+  the backward (the matmul needs it). With activation checkpointing the gathered weights are the
+  checkpointed block's inputs, so they are kept too; with scanned layers the whole stack is
+  gathered once before the loop. So from the forward to the end of the backward a rank holds
+  every block weight gathered (its own experts only under expert parallelism): no re-sharding
+  after the forward.
+* The gradient of a gathered weight is full size (reduce dtype) until it is reduce-scattered
+  into the shard: one parameter at a time when unrolled, the whole stack when scanned.
+* Collectives (ring algorithms; bytes sent per rank): forward all-gather of every weight and
+  backward reduce-scatter of every gradient, (n - 1) / n of the full size each, per micro-batch;
+  an all-reduce over dp_replicate of the sharded gradients, 2 (r - 1) / r; expert parallelism
+  all-gathers each MoE layer's tokens and routing over ep and reduce-scatters the outputs in the
+  forward (the reverse in the backward, and again when a checkpointed block is recomputed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Layout", "Collective"]
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all_gather | reduce_scatter | all_reduce
+    axis: str  # dp_shard | dp_replicate | ep
+    group_size: int
+    bytes_per_step: float  # bytes each rank sends per optimizer step
+    purpose: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the mesh (parallel/mesh.py ParallelDims) and the dtypes SimpleFSDP uses."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    compute_bytes: int = 4  # model.dtype
+    reduce_bytes: int = 4  # parallelism.reduce_dtype
+    # How long gathered weights live. "model": as the code does today (module docstring): every
+    # block weight from its forward gather to the end of the backward. "layer": what re-sharding
+    # after the forward would give (TorchTitan's FSDP2 default): a layer's weights gathered again
+    # for its backward, two layers' worth live at a time (one prefetched); a what-if for plans.
+    gather: str = "model"
+
+    def __post_init__(self):
+        for name in ("dp_replicate", "dp_shard", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallelism.{name} = {getattr(self, name)} must be >= 1")
+        if self.gather not in ("model", "layer"):
+            raise ValueError(f"gather = {self.gather!r}: use model (the code today) or layer (re-shard after forward)")
+        if self.ep > 1 and self.dp_shard % self.ep != 0:
+            raise ValueError(f"parallelism.ep ({self.ep}) must divide parallelism.dp_shard ({self.dp_shard})")
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters are DTensors (any mesh): fp32 master weights and gathered compute copies."""
+        return self.world > 1
+
+    def master_bytes(self) -> int:
+        """Bytes per stored parameter element: fp32 master weights when sharded, else the model
+        is stored in its compute dtype (trainer._build_model)."""
+        return 4 if self.sharded else self.compute_bytes
+
+    def stored_elements(self, total_params: int) -> float:
+        """Elements of parameters (and of each AdamW moment, and of the sharded gradient) a rank
+        stores: 1 / dp_shard of every parameter, experts included."""
+        return total_params / self.dp_shard
+
+    def local_block_elements(self, *, block_params: int, expert_params: int) -> float:
+        """Elements of the block weights a rank computes with: all of them, but only its own
+        experts under expert parallelism."""
+        return block_params - expert_params + expert_params / self.ep
+
+    def gathered_bytes(self, *, block_params: int, expert_params: int, n_layers: int) -> float:
+        """Gathered compute copies of block weights a rank holds through the forward and backward
+        (see the module docstring and `gather`); 0 on one process, where weights are used in place."""
+        if not self.sharded:
+            return 0.0
+        local = self.local_block_elements(block_params=block_params, expert_params=expert_params)
+        if self.gather == "layer":
+            local = min(local, 2 * local / n_layers)
+        return local * self.compute_bytes
+
+    def full_gradient_bytes(self, *, largest_param: int, block_params: int, expert_params: int, n_layers: int,
+                            scanned: bool) -> float:
+        """The largest full-size gradient alive before its reduce-scatter (reduce dtype): the whole
+        layer stack when scanned (the stack's gradient comes out of the loop whole), one parameter
+        when unrolled, one layer with `gather` = layer; 0 on one process."""
+        if not self.sharded:
+            return 0.0
+        local = self.local_block_elements(block_params=block_params, expert_params=expert_params)
+        if self.gather == "layer":
+            return max(local / n_layers, largest_param) * self.reduce_bytes
+        return (local if scanned else largest_param) * self.reduce_bytes
+
+    def step_collectives(self, *, total_params: int, expert_params: int, micro_batches: int,
+                         moe_layers: int, tokens_per_micro_batch: int, dim: int, top_k: int,
+                         recompute_blocks: bool) -> list[Collective]:
+        """Every collective of one optimizer step with the bytes each rank sends."""
+        out = []
+        n, r, ep = self.dp_shard, self.dp_replicate, self.ep
+        if n > 1:
+            shard_axis_experts = expert_params / ep  # experts gather over dp_shard / ep ranks only
+            dense = total_params - expert_params
+            m = n // ep
+            ag = micro_batches * (dense * (n - 1) / n + shard_axis_experts * (m - 1) / m) * self.compute_bytes
+            rs = micro_batches * (dense * (n - 1) / n + shard_axis_experts * (m - 1) / m) * self.reduce_bytes
+            out.append(Collective("all_gather", "dp_shard", n, ag, "weights, forward"))
+            out.append(Collective("reduce_scatter", "dp_shard", n, rs, "gradients, backward"))
+        if r > 1:
+            shard = total_params / n
+            out.append(Collective("all_reduce", "dp_replicate", r, 2 * (r - 1) / r * shard * self.reduce_bytes,
+                                  "gradients over replicas, once per step"))
+        if ep > 1 and moe_layers:
+            t = tokens_per_micro_batch
+            # forward: gather x [T, D] (+ routing [T, k] int64 and weights), reduce-scatter y [ep T, D];
+            # backward: the reverse of both. Recomputed blocks run the forward pair again.
+            passes = 2 + (1 if recompute_blocks else 0)
+            per_layer = (t * dim * self.compute_bytes + t * top_k * (8 + self.compute_bytes)) * (ep - 1) \
+                + ep * t * dim * self.compute_bytes * (ep - 1) / ep
+            out.append(Collective("all_gather+reduce_scatter", "ep", ep,
+                                  micro_batches * moe_layers * passes * per_layer, "MoE token dispatch"))
+        return out

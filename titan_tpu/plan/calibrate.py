@@ -1,0 +1,250 @@
+"""`titan-tpu plan --calibrate`: run real CPU configurations and print the planner's prediction
+beside what the trainer measured, for peak memory and tokens/s.
+
+Each configuration trains six steps (three for the 0.6B model) in a fresh process (`python -m
+titan_tpu.train`, torchrun for two ranks) with validation and checkpoints off, logging every step;
+the measurements are the trainer's own metrics rows: `max_memory_gb` of the last row, the
+process's peak resident memory (VmHWM) since the training loop began, rank 0's, and the best
+`tokens_per_s` of the steps after the first. For one-process runs the peak of live tensors in a
+step is also measured with torch's profiler (`measure_live_peak`). The planner
+predicts that same quantity: model terms plus the runtime's resident memory, a constant measured
+here too: the measured peak of a trainer run with a tiny model and 16 tokens a step minus the
+planner's terms for it (`measure_runtime_bytes`).
+
+Run it alone on the machine (`flock /work/cpu.lock` where it is shared): the speeds are
+comparisons of this process's measured CPU peak with the runs'. Results go to
+<out>/calibration.json; `--replay` recomputes the predictions from that file without training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["CASES", "Case", "calibrate_main"]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    config: str
+    overrides: tuple[str, ...] = ()
+    ranks: int = 1
+    debug: bool = True  # the tokens/s target (within 25%) applies to the debug models
+    extra: tuple[str, ...] = field(default=())
+
+
+_FEW_STEPS = ("--training.steps", "6", "--metrics.log_freq", "1", "--validation.enabled", "false",
+              "--checkpoint.enabled", "false", "--metrics.tensorboard", "false", "--training.device", "cpu",
+              "--checkpoint.resume", "false", "--lr_scheduler.warmup_steps", "1")
+
+CASES = [
+    Case("llama3 debug, AC none, unrolled, chunked loss", "configs/llama3_debug.toml"),
+    Case("llama3 debug, AC full, unrolled", "configs/llama3_debug.toml", ("--activation_checkpoint.mode", "full")),
+    Case("llama3 debug, AC selective, materialised loss", "configs/llama3_debug.toml",
+         ("--activation_checkpoint.mode", "selective", "--kernels.loss", "reference")),
+    Case("qwen3 debug, AC none, scanned", "configs/qwen3_debug.toml", ("--model.scan_layers", "true")),
+    Case("qwen3 debug, AC full, scanned, seq 1024", "configs/qwen3_debug.toml",
+         ("--model.scan_layers", "true", "--activation_checkpoint.mode", "full", "--training.seq_len", "1024")),
+    Case("qwen3 debug, AC none, seq 1024, materialised loss", "configs/qwen3_debug.toml",
+         ("--training.seq_len", "1024", "--kernels.loss", "reference")),
+    Case("qwen3_moe debug, AC none", "configs/qwen3_moe_debug.toml"),
+    Case("llama3 debug, 2 ranks fully_shard", "configs/llama3_debug.toml", ranks=2),
+    Case("qwen3 debug, 2 ranks fully_shard, scanned, AC selective", "configs/qwen3_debug.toml",
+         ("--model.scan_layers", "true", "--activation_checkpoint.mode", "selective"), ranks=2),
+    Case("qwen3_moe debug, 2 ranks, ep 2", "configs/qwen3_moe_debug.toml", ("--parallelism.ep", "2"), ranks=2),
+    Case("qwen3 0.6B, batch 1 x seq 256, AC full", "configs/qwen3_0.6b_cpu.toml",
+         ("--training.seq_len", "256", "--activation_checkpoint.mode", "full", "--training.steps", "3"),
+         debug=False),
+]
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def _debug_tokenizer(cache_dir: Path) -> str:
+    """A byte-level BPE of the debug vocab on the embedded corpus (cached): the 0.6B run reads
+    its ids (all below 2,048) instead of training a 151,936-token vocabulary."""
+    from titan_tpu.data.shards import prepare_dataset
+
+    tokenizer, _ = prepare_dataset(source=None, max_bytes=None, tokenizer_path=None, vocab_size=2048,
+                                   cache_dir=cache_dir)
+    return str(tokenizer.path)
+
+
+RUNTIME_CASE = Case("runtime: llama3 debug, batch 1 x seq 16", "configs/llama3_debug.toml",
+                    ("--training.batch_size", "1", "--training.seq_len", "16"))
+
+
+def measure_runtime_bytes(out_dir: Path, tokenizer: str, python: str) -> float:
+    """Resident memory of the trainer process that the planner's terms do not model (Python,
+    torch, the tokenizer, the data loader, allocator slack): the measured peak of a run whose
+    model terms are tiny (llama3 debug, 16 tokens a step: 0.12 GB of parameters, gradients and
+    moments, nothing else to speak of) minus the planner's own terms for that run."""
+    result = _run_case(RUNTIME_CASE, out_dir, tokenizer, python)
+    plan = predict(result, {"peak_flops": 1e11, "memory_bandwidth": 1e10, "runtime_bytes": 0.0})
+    return result["measured_peak_gb"] * 1e9 - plan.peak_bytes
+
+
+_LIVE_PROBE = r"""
+import dataclasses, json, sys, torch
+from torch.profiler import ProfilerActivity, profile
+from titan_tpu.config import build_config, model_args_from_config
+from titan_tpu.models.registry import build_model
+from titan_tpu.train.optim import AdamW
+from titan_tpu.train.step import EagerStep
+cfg = build_config(sys.argv[1], sys.argv[2:])
+t = cfg.training
+args = dataclasses.replace(model_args_from_config(cfg), max_seq_len=t.seq_len)  # as the trainer builds it
+model = build_model(args, seed=0, scan_layers=cfg.model.scan_layers, ac_mode=cfg.activation_checkpoint.mode,
+                    kernels=cfg.kernels)
+opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+step = EagerStep(model, opt, max_norm=t.max_norm)
+tokens = torch.randint(0, args.vocab_size, (t.batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(0))
+batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+step([batch], 1e-4)
+# Live at the start of a step: parameters, buffers and the two moments (gradients are dropped after each step).
+static = sum(x.numel() * x.element_size() for x in [*model.parameters(), *model.buffers()])
+static += sum(x.numel() * x.element_size() for d in (opt.state["exp_avg"], opt.state["exp_avg_sq"]) for x in d.values())
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    step([batch], 1e-4)
+changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+now = peak = 0
+for _, delta in changes:
+    now += delta
+    peak = max(peak, now)
+print(json.dumps({"live_peak_gb": (static + peak) / 1e9}))
+"""
+
+
+def measure_live_peak(case: Case, python: str, tokenizer: str) -> float | None:
+    """Peak bytes of live tensors during one training step (torch's profiler: every allocation
+    and free of the step, plus the parameters and moments alive before it), one process only:
+    what an accelerator's allocator would report, without the CPU allocator's retained memory."""
+    if case.ranks > 1:
+        return None
+    args = [str(_repo_root() / case.config), *_FEW_STEPS, *case.overrides]
+    if "0.6b" in case.config:
+        args += ["--data.source", "stdlib", "--data.tokenizer_path", tokenizer]
+    out = subprocess.run([python, "-c", _LIVE_PROBE, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{case.name}: live-memory probe failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["live_peak_gb"]
+
+
+def _run_case(case: Case, out_dir: Path, tokenizer: str, python: str) -> dict:
+    run_dir = out_dir / case.name.replace(" ", "_").replace(",", "")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = ["--config", str(_repo_root() / case.config), *_FEW_STEPS, *case.overrides, "--output_dir", str(run_dir)]
+    if "0.6b" in case.config:
+        args += ["--data.source", "stdlib", "--data.tokenizer_path", tokenizer]
+    if case.ranks == 1:
+        cmd = [python, "-m", "titan_tpu.train", *args]
+    else:
+        torchrun = str(Path(python).with_name("torchrun"))
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={case.ranks}", "-m", "titan_tpu.train", *args]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{case.name} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "tokens_per_s" in r]
+    # Speed: the best step after the first (the first builds lazily created state); best, not mean,
+    # as the CPU peak is a best-of-10: a neighbour stealing the cores slows steps, never speeds them.
+    best = max(steps[1:], key=lambda r: r["tokens_per_s"])
+    return {"name": case.name, "argv": args, "ranks": case.ranks, "debug": case.debug,
+            "measured_peak_gb": steps[-1]["max_memory_gb"], "measured_tokens_per_s": best["tokens_per_s"],
+            "measured_mfu": best["mfu"], "step_tokens_per_s": [r["tokens_per_s"] for r in steps],
+            "wall_s": time.perf_counter() - start}
+
+
+def predict(result: dict, hw_numbers: dict) -> dict:
+    """The planner's numbers for a calibration run, on the hardware numbers measured with it."""
+    from titan_tpu.config import build_config
+    from titan_tpu.plan import hardware as hw_mod
+    from titan_tpu.plan.planner import plan_config
+
+    argv = list(result["argv"])
+    config = argv[argv.index("--config") + 1]
+    rest = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
+    overrides = rest + (["--parallelism.dp_shard", str(result["ranks"])] if result["ranks"] > 1 else [])
+    cfg = build_config(config, overrides)
+    cpu = hw_mod.cpu_hardware(measure=False)
+    cpu = hw_mod.Hardware(**{**cpu.as_dict(), "peak_flops": hw_numbers["peak_flops"],
+                             "memory_bandwidth": hw_numbers["memory_bandwidth"],
+                             "interconnect_bandwidth": hw_numbers["memory_bandwidth"] / 4,
+                             "runtime_bytes": hw_numbers["runtime_bytes"]})
+    return plan_config(cfg, cpu)
+
+
+def _table(results: list[dict], hw_numbers: dict) -> tuple[str, list[float]]:
+    lines = ["| configuration | predicted peak | measured peak RSS | error | predicted tensors | live tensors "
+             "(profiler) | error | tok/s predicted | tok/s measured | error |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    implied = []
+    for r in results:
+        plan = predict(r, hw_numbers)
+        mem_err = (plan.peak_bytes / 1e9 - r["measured_peak_gb"]) / r["measured_peak_gb"]
+        tps_err = (plan.tokens_per_s - r["measured_tokens_per_s"]) / r["measured_tokens_per_s"]
+        if r["debug"]:
+            # The efficiency at which this run's predicted compute time would match its measured time.
+            t = plan.time
+            measured_step = plan.batch["tokens_per_step"] / r["measured_tokens_per_s"]
+            compute_measured = measured_step - t["elementwise_s"] - t["collectives_s"]
+            if compute_measured > 0:
+                implied.append(plan.hardware["efficiency"] * t["compute_s"] / compute_measured)
+        tensors = (plan.peak_bytes - plan.memory["runtime"]) / 1e9
+        live = r.get("live_peak_gb")
+        live_cols = f"{live:.3f} GB | {tensors / live - 1:+.1%}" if live else "(2 ranks) | "
+        lines.append(f"| {r['name']} | {plan.peak_bytes / 1e9:.3f} GB | {r['measured_peak_gb']:.3f} GB | "
+                     f"{mem_err:+.1%} | {tensors:.3f} GB | {live_cols} | {plan.tokens_per_s:,.0f} | "
+                     f"{r['measured_tokens_per_s']:,.0f} | {tps_err:+.1%} |")
+    return "\n".join(lines), implied
+
+
+def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "calibration.json"
+    if replay:
+        data = json.loads(path.read_text())
+    else:
+        from titan_tpu.device import cpu_peak_flops
+        from titan_tpu.plan.hardware import measure_cpu_memory_bandwidth
+        from titan_tpu.train.trainer import default_cache_dir
+
+        python = sys.executable
+        cases = [c for c in CASES if only is None or only in c.name]
+        tokenizer = _debug_tokenizer(default_cache_dir())
+        hw_numbers = {"peak_flops": cpu_peak_flops(), "memory_bandwidth": measure_cpu_memory_bandwidth(),
+                      "runtime_bytes": measure_runtime_bytes(out, tokenizer, python), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      "threads": os.cpu_count()}
+        print(f"CPU: peak {hw_numbers['peak_flops'] / 1e9:.0f} GFLOP/s, copy bandwidth "
+              f"{hw_numbers['memory_bandwidth'] / 1e9:.1f} GB/s, runtime resident memory "
+              f"{hw_numbers['runtime_bytes'] / 1e9:.3f} GB", flush=True)
+        results = []
+        for case in cases:
+            print(f"running: {case.name}", flush=True)
+            result = _run_case(case, out, tokenizer, python)
+            result["live_peak_gb"] = measure_live_peak(case, python, tokenizer)
+            results.append(result)
+        data = {"hardware": hw_numbers, "results": results}
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    table, implied = _table(data["results"], data["hardware"])
+    print(f"calibration of {data['hardware']['date']}: CPU peak {data['hardware']['peak_flops'] / 1e9:.0f} GFLOP/s, "
+          f"copy {data['hardware']['memory_bandwidth'] / 1e9:.1f} GB/s, runtime {data['hardware']['runtime_bytes'] / 1e9:.3f} GB")
+    print(table)
+    if implied:
+        print(f"efficiency implied by the debug runs: median {statistics.median(implied):.3f} "
+              f"(range {min(implied):.3f}-{max(implied):.3f}); hardware.CPU_EFFICIENCY is "
+              f"{__import__('titan_tpu.plan.hardware', fromlist=['x']).CPU_EFFICIENCY}")
+    print(f"results: {path}")
+    return 0

@@ -1,0 +1,153 @@
+"""The hardware table of the planner: peak FLOP/s, memory, memory and interconnect bandwidth per
+device, each number with its source.
+
+Peak FLOP/s are dense bf16 per device, the same numbers titan_tpu/device.py uses as the MFU
+denominator (so a plan's MFU and a run's MFU share their denominator); this CPU's peak is its
+measured fp32 matmul rate (device.cpu_peak_flops). `efficiency` is the fraction of peak the
+planner assumes matmul-dominated work reaches; it is an assumption for accelerators (stated in
+docs/planner.md) and a calibrated number for this CPU (`titan-tpu plan --calibrate`).
+
+Interconnect: bytes per second one device can send into a ring collective (one direction). For
+TPUs the vendor pages give the bidirectional ICI bandwidth per chip; a ring on one axis of the
+torus uses one link pair, but SimpleFSDP's dp_shard ring spans the whole slice, so the planner
+takes half the bidirectional per-chip number (the send direction) as the ring bandwidth, an
+optimistic bound that ignores topology. GPUs: NVLink per GPU, half of the bidirectional figure.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from titan_tpu import device
+
+__all__ = ["Hardware", "HARDWARE", "resolve_hardware", "cpu_hardware", "measure_cpu_memory_bandwidth"]
+
+_GOOGLE = "https://cloud.google.com/tpu/docs/"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # per device
+    memory_bytes: float  # per device (HBM, or this machine's RAM)
+    memory_bandwidth: float  # bytes/s per device
+    interconnect_bandwidth: float  # bytes/s a device sends into a ring collective
+    devices_per_chip: int = 1
+    efficiency: float = 0.7  # ACCELERATOR_EFFICIENCY: fraction of peak matmul-dominated work reaches (docstring)
+    runtime_bytes: float = 0.0  # memory the planner's terms do not model (CPU: the process itself)
+    source: str = ""
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+GiB = 1024**3
+
+# Accelerator efficiency: an assumption, not a measurement (docs/planner.md discusses it).
+ACCELERATOR_EFFICIENCY = 0.7
+
+HARDWARE: dict[str, Hardware] = {
+    "v4": Hardware("v4", 275e12, 32 * GiB, 1200e9, 2400e9 / 8 / 2,
+                   source=f"{_GOOGLE}v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s, ICI 2,400 Gbps per chip"),
+    "v5e": Hardware("v5e", 197e12, 16 * GiB, 819e9, 1600e9 / 8 / 2,
+                    source=f"{_GOOGLE}v5e: 197 TFLOP/s bf16, 16 GiB HBM2 at 819 GB/s, ICI 1,600 Gbps per chip"),
+    "v5p": Hardware("v5p", 459e12, 95 * GiB, 2765e9, 1200e9 / 2,
+                    source=f"{_GOOGLE}v5p-training: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s, "
+                           "bidirectional ICI 1,200 GB/s per chip"),
+    "v6e": Hardware("v6e", 918e12, 32 * GiB, 1640e9, 3584e9 / 8 / 2,
+                    source=f"{_GOOGLE}v6e and {_GOOGLE}tpu7x (comparison table): 918 TFLOP/s bf16, 32 GiB HBM "
+                           "at 1,640 GB/s, ICI 3,584 Gbps per chip"),
+    # v7 (Ironwood, TPU7x): two devices per chip; per-device numbers are half the chip's.
+    "v7": Hardware("v7", 2307e12 / 2, 192 * GiB / 2, 7380e9 / 2, 1200e9 / 2 / 2, devices_per_chip=2,
+                   source=f"{_GOOGLE}tpu7x: 2,307 TFLOP/s bf16, 192 GiB HBM3e at 7.37 TB/s, bidirectional ICI "
+                          "1.2 TB/s per chip; two devices per chip (halved here)"),
+    "h100": Hardware("h100", 989e12, 80e9, 3.35e12, 900e9 / 2,
+                     source="https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s bf16 dense, "
+                            "80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s"),
+    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 900e9 / 2,
+                     source="https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s bf16 dense, "
+                            "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s"),
+    "b200": Hardware("b200", 2250e12, 180e9, 8e12, 1800e9 / 2,
+                     source="https://www.nvidia.com/en-us/data-center/dgx-b200/ (DGX B200, per GPU): 2.25 PFLOP/s "
+                            "bf16 dense, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s"),
+}
+
+# This CPU: constants measured by `titan-tpu plan --calibrate` (docs/planner.md has the runs).
+# CPU_EFFICIENCY: the fraction of the measured matmul peak the debug models' steps reach
+# (median over the calibration runs). CPU_RUNTIME_BYTES: the resident memory of a trainer process
+# before it builds a model (Python, torch, the tokenizer and data loader), measured the same way
+# the trainer measures memory (process RSS).
+CPU_EFFICIENCY = 0.365  # median implied by the debug runs of the 2026-11-30 20:21 calibration
+CPU_RUNTIME_BYTES = 0.349e9  # measured by the same calibration
+
+
+def measure_cpu_memory_bandwidth(nbytes: int = 1 << 27, reps: int = 5) -> float:
+    """Best-of-`reps` copy rate of a `nbytes` fp32 tensor, counting read + write (bytes/s)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def _total_ram() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16e9
+
+
+def cpu_hardware(*, measure: bool = True) -> Hardware:
+    """This machine: measured fp32 matmul peak and copy bandwidth (about 2 s), or, with
+    measure=False, nominal numbers (for tests and for plans that only need memory)."""
+    peak = device.cpu_peak_flops() if measure else 100e9
+    bandwidth = measure_cpu_memory_bandwidth() if measure else 10e9
+    return Hardware("cpu", peak, _total_ram(), bandwidth, bandwidth / 4, efficiency=CPU_EFFICIENCY,
+                    runtime_bytes=CPU_RUNTIME_BYTES,
+                    source=f"this machine: fp32 matmul peak {peak / 1e9:.0f} GFLOP/s and copy bandwidth "
+                           f"{bandwidth / 1e9:.1f} GB/s {'measured now' if measure else '(nominal, not measured)'}; "
+                           "RAM from /proc/meminfo; ranks of one run share it; gloo moves tensors through "
+                           "memory (a quarter of the copy bandwidth assumed)")
+
+
+def known_names() -> list[str]:
+    return [*HARDWARE, "cpu"]
+
+
+def resolve_hardware(spec: str, *, measure: bool = True) -> tuple[Hardware, int | None]:
+    """("v5p-1024" | "v5p" | "h100" | "cpu" ...) -> (hardware, chips or None). TPU slice names count
+    TensorCores for v4 and v5p (2 per chip: v5p-1024 is 512 chips) and chips for v5e, v6e and v7,
+    as Google names them; GPU and cpu names may carry a device count (h100-8)."""
+    text = spec.strip().lower()
+    match = re.fullmatch(r"([a-z0-9]+?)(?:-(\d+))?", text)
+    if match is None:
+        raise ValueError(f"unknown hardware {spec!r}; known: {', '.join(known_names())} (a TPU slice as e.g. v5p-1024)")
+    name, count = match.group(1), match.group(2)
+    generation = device.tpu_generation(name) if name not in HARDWARE and name != "cpu" else None
+    name = generation or name
+    if name == "cpu":
+        hw = cpu_hardware(measure=measure)
+    elif name in HARDWARE:
+        hw = HARDWARE[name]
+    else:
+        raise ValueError(f"unknown hardware {spec!r}; known: {', '.join(known_names())} (a TPU slice as e.g. v5p-1024)")
+    chips = None
+    if count is not None:
+        chips = int(count)
+        if name in ("v4", "v5p"):
+            if chips % 2:
+                raise ValueError(f"{spec}: {name} slices count TensorCores, two per chip; use an even number")
+            chips //= 2
+    return hw, chips

@@ -1,0 +1,349 @@
+"""The planner: a config (and hardware) -> per-device memory, FLOPs, communication, step time,
+tokens/s and MFU. It adds up terms that live beside the code they describe:
+
+* the model: parameter counts and FLOPs per token (models/registry.py, the same `flops_per_token`
+  the trainer logs MFU with), activations per layer per activation-checkpointing mode
+  (models/common/transformer.py `activation_bytes` and the per-module functions it calls);
+* the loss kernel: what it keeps and its peak (kernels/loss.py `loss_memory_bytes`);
+* the parallel layout: stored shards, gathered weights, full-size gradients and collective bytes
+  (parallel/plan_terms.py);
+* AdamW: two moments like each parameter, and one temporary like the parameters during its update
+  (train/optim.py: the foreach sqrt of the second moment).
+
+Memory is the largest of three moments of a step (rank 0's view; every rank is alike):
+forward end (all activations kept, the loss kernel at its peak), backward (activations of the
+layers below and gradients of the layers above, plus one recomputed layer and the largest
+full-size gradient) and the optimizer update (gradients and the AdamW temporary).
+
+Time: compute = executed FLOPs (the model's, plus the recomputed forward under full activation
+checkpointing) / (peak x efficiency); elementwise work = memory traffic of the activations and of
+the optimizer / memory bandwidth; collectives = bytes / interconnect bandwidth. Step time without
+overlap sums them; with overlap, collectives hide behind compute and only the excess shows.
+Eager runs (no scheduler to overlap) use the first, graph mode the second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+
+from titan_tpu.config import Config, model_args_from_config, model_label
+from titan_tpu.kernels.loss import loss_memory_bytes
+from titan_tpu.models.common.transformer import activation_bytes
+from titan_tpu.models.registry import (flops_per_token, largest_param, num_active_params, num_expert_params,
+                                       num_params)
+from titan_tpu.parallel.plan_terms import Layout
+from titan_tpu.plan.hardware import Hardware, resolve_hardware
+
+__all__ = ["Plan", "plan_config", "format_plan", "default_hardware", "for_planning"]
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass
+class Plan:
+    model: str
+    hardware: dict
+    devices: int
+    mesh: dict
+    batch: dict
+    params: dict
+    memory: dict  # bytes per device, by term
+    peak_bytes: float
+    peak_phase: str
+    capacity_bytes: float
+    fits: bool
+    flops: dict
+    communication: list
+    time: dict
+    tokens_per_s: float
+    mfu: float  # percent, model FLOPs over peak, as the trainer logs it
+    advice: list = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def for_planning(toml_path, overrides: list[str] | None = None) -> Config:
+    """The config as the machine it is written for would load it. Planning runs nothing, so the
+    one check that needs that machine's software (compile.backend tpu wants TorchTPU installed)
+    is answered yes; every other check runs as usual."""
+    from titan_tpu import device
+    from titan_tpu.config import build_config
+
+    saved = device._tpu_installed
+    device._tpu_installed = lambda: True
+    try:
+        return build_config(toml_path, overrides)
+    finally:
+        device._tpu_installed = saved
+
+
+def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, int | None]:
+    """The hardware a config names: training.device cpu (or auto here) is this machine; a TPU
+    recipe names its slice in job.description ("TPU v5p-2048: 1,024 chips")."""
+    t = cfg.training.device
+    if t in ("cpu", "auto"):
+        return resolve_hardware("cpu", measure=measure)
+    if t == "tpu":
+        from titan_tpu.device import tpu_generation
+
+        gen = tpu_generation(cfg.job.description)
+        chips = re.search(r"([\d,]+) chips", cfg.job.description)
+        if gen is None or chips is None:
+            raise ValueError("training.device = tpu: name the hardware with --hardware (e.g. v5p-1024) or write "
+                             "'TPU v5p-1024: 512 chips' into job.description")
+        hw, _ = resolve_hardware(gen, measure=measure)
+        return hw, int(chips.group(1).replace(",", ""))
+    raise ValueError(f"training.device = {t}: name the GPU with --hardware (one of h100, h200, b200)")
+
+
+def _mesh(cfg: Config, devices: int | None) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, devices) with dp_shard = -1 resolved, or a one-line error."""
+    p = cfg.parallelism
+    if devices is None:  # a CPU run: the mesh says how many ranks
+        devices = p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else 1)
+    if p.dp_shard == -1:
+        if devices % p.dp_replicate:
+            raise ValueError(f"parallelism.dp_replicate = {p.dp_replicate} does not divide the {devices} devices; "
+                             "choose a divisor")
+        return p.dp_replicate, devices // p.dp_replicate, devices
+    if p.dp_replicate * p.dp_shard != devices:
+        raise ValueError(f"the mesh dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} = "
+                         f"{p.dp_replicate * p.dp_shard} devices does not match the {devices} devices of the "
+                         "hardware; change the mesh (or dp_shard = -1) or the slice")
+    return p.dp_replicate, p.dp_shard, devices
+
+
+def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
+                measure: bool = True, gather: str = "model") -> Plan:
+    """The plan of `cfg` on `hardware` (default: what the config names, see `default_hardware`)
+    with `chips` chips (default: the config's mesh, or the chip count the recipe names).
+    gather: "model" (what SimpleFSDP does today) or "layer" (a what-if: re-sharding after the
+    forward; parallel/plan_terms.py Layout.gather)."""
+    if cfg.model.name == "hf":
+        raise ValueError("titan-tpu plan covers the native models (llama3, qwen3, qwen3_moe); an hf model's "
+                         "layers are transformers' own code, which the planner has no terms for")
+    if hardware is None:
+        hardware, named_chips = default_hardware(cfg, measure=measure)
+        chips = chips if chips is not None else named_chips
+    devices = chips * hardware.devices_per_chip if chips is not None else None
+    dp_replicate, dp_shard, devices = _mesh(cfg, devices)
+    args = model_args_from_config(cfg)
+    t, k = cfg.training, cfg.kernels
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
+    cb = _DTYPE_BYTES[dtype]
+    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=cfg.parallelism.ep, compute_bytes=cb,
+                    reduce_bytes=_DTYPE_BYTES[cfg.parallelism.reduce_dtype], gather=gather)
+    ac, scanned = cfg.activation_checkpoint.mode, cfg.model.scan_layers
+    # Traced checkpointed blocks keep the attention output too (activation_checkpoint.py); the scanned
+    # full mode is its own autograd function that keeps only the layer inputs.
+    traced = t.mode == "graph" and not (scanned and ac == "full")
+    overlapped = t.mode == "graph"
+
+    # Parameters.
+    total = num_params(args)
+    experts = num_expert_params(args)
+    outside_blocks = args.dim + args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
+    block_params = total - outside_blocks
+    mb = layout.master_bytes()
+    stored = layout.stored_elements(total)
+    params_b = stored * mb
+    moments_b = 2 * stored * mb
+    grads_b = stored * mb
+
+    # Activations of one micro-batch on one rank.
+    tokens = t.batch_size * t.seq_len
+    acts = activation_bytes(args, tokens=tokens, ac_mode=ac, dtype_bytes=cb, ep=cfg.parallelism.ep, traced=traced)
+    loss_impl = _loss_impl(k.loss, hardware.name)
+    loss_kept, loss_peak = loss_memory_bytes(loss_impl, tokens=tokens, vocab_size=args.vocab_size, dim=args.dim,
+                                             dtype_bytes=cb, chunk_tokens=k.loss_chunk_tokens)
+    gathered = layout.gathered_bytes(block_params=block_params, expert_params=experts, n_layers=args.n_layers)
+    full_grad = layout.full_gradient_bytes(largest_param=largest_param(args), block_params=block_params,
+                                           expert_params=experts, n_layers=args.n_layers, scanned=scanned)
+    accumulating = grads_b if t.grad_accum_steps > 1 else 0.0  # earlier micro-batches' gradients
+
+    static = params_b + moments_b + hardware.runtime_bytes
+    forward_end = static + gathered + acts.saved + acts.head + loss_kept + loss_peak + accumulating
+    # Backward, top layer first: layers below keep their activations, layers above have gradients.
+    layer_grad = [g * mb / dp_shard for g in _layer_params(args)]
+    below, above, worst = acts.saved, 0.0, 0.0
+    for saved, grad in zip(reversed(acts.saved_per_layer), reversed(layer_grad)):
+        worst = max(worst, below + above + grad)
+        below -= saved
+        above += grad
+    backward = static + gathered + acts.head + loss_kept + worst + acts.recompute + full_grad + \
+        max(accumulating - above, 0.0)
+    optimizer = static + grads_b + stored * mb  # AdamW's sqrt(v) temporary
+    phases = {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
+    peak_phase = max(phases, key=phases.get)
+    peak = phases[peak_phase]
+
+    memory = {
+        "parameters": params_b, "gradients": grads_b, "optimizer_state": moments_b,
+        "activations": acts.saved + acts.head, "activation_recompute": acts.recompute,
+        "gathered_weights": gathered, "full_size_gradient": full_grad,
+        "loss_kept": loss_kept, "loss_peak": loss_peak, "optimizer_temporary": stored * mb,
+        "runtime": hardware.runtime_bytes, "phases": phases,
+    }
+    if args.moe is not None:
+        # Part of the activations: what expert parallelism adds (each rank's experts see the ep
+        # group's tokens: ep times the dispatched rows).
+        one_rank = activation_bytes(args, tokens=tokens, ac_mode=ac, dtype_bytes=cb, ep=1, traced=traced)
+        memory["moe_dispatch"] = acts.saved - one_rank.saved + acts.recompute - one_rank.recompute
+    capacity = hardware.memory_bytes
+    fits = peak <= capacity
+
+    # FLOPs: the trainer's count, and what runs (recomputed forwards under full checkpointing).
+    fpt = flops_per_token(args, t.seq_len)
+    tokens_step_rank = tokens * t.grad_accum_steps
+    model_flops_rank = fpt * tokens_step_rank
+    forward_share = 1 / 3 if ac == "full" else 0.0
+    executed_rank = model_flops_rank * (1 + forward_share)
+
+    collectives = layout.step_collectives(total_params=total, expert_params=experts,
+                                          micro_batches=t.grad_accum_steps, moe_layers=args.num_moe_layers,
+                                          tokens_per_micro_batch=tokens, dim=args.dim,
+                                          top_k=args.moe.top_k if args.moe else 0, recompute_blocks=ac == "full")
+
+    # Time. On this CPU the ranks share the cores: each gets 1 / devices of the peak.
+    share = devices if hardware.name == "cpu" else 1
+    peak_flops = hardware.peak_flops / share
+    compute_s = executed_rank / (peak_flops * hardware.efficiency)
+    none_acts = activation_bytes(args, tokens=tokens, ac_mode="none", dtype_bytes=cb, ep=cfg.parallelism.ep)
+    # Every intermediate is written in the forward and read and written in the backward (again when
+    # recomputed); AdamW and clipping stream parameters, gradients and moments about twelve times.
+    elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if ac != "none" else 0)) * t.grad_accum_steps \
+        + 12 * stored * mb
+    elementwise_s = elementwise_bytes / (hardware.memory_bandwidth / share)
+    comm_s = sum(c.bytes_per_step for c in collectives) / hardware.interconnect_bandwidth
+    no_overlap = compute_s + elementwise_s + comm_s
+    overlap = compute_s + elementwise_s + max(0.0, comm_s - compute_s)
+    step_s = overlap if overlapped else no_overlap
+    tokens_per_s = tokens_step_rank * devices / step_s
+    mfu = 100.0 * model_flops_rank / step_s / (hardware.peak_flops / share)
+
+    plan = Plan(
+        model=model_label(cfg), hardware=hardware.as_dict(), devices=devices,
+        mesh={"dp_replicate": dp_replicate, "dp_shard": dp_shard, "ep": cfg.parallelism.ep, "mode": _mode(layout),
+              "gather": gather},
+        batch={"batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum_steps": t.grad_accum_steps,
+               "tokens_per_step": tokens_step_rank * devices, "dtype": dtype, "activation_checkpoint": ac,
+               "scan_layers": scanned, "loss": loss_impl, "mode": t.mode},
+        params={"total": total, "active": num_active_params(args), "experts": experts,
+                "stored_per_device": stored},
+        memory=memory, peak_bytes=peak, peak_phase=peak_phase, capacity_bytes=capacity, fits=fits,
+        flops={"per_token": fpt, "model_per_step_per_device": model_flops_rank,
+               "executed_per_step_per_device": executed_rank},
+        communication=[dataclasses.asdict(c) for c in collectives],
+        time={"compute_s": compute_s, "elementwise_s": elementwise_s, "collectives_s": comm_s,
+              "step_s_no_overlap": no_overlap, "step_s_overlap": overlap, "step_s": step_s,
+              "overlap_assumed": overlapped},
+        tokens_per_s=tokens_per_s, mfu=mfu)
+    plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak) / peak if peak else 0.0)
+    return plan
+
+
+def _mode(layout: Layout) -> str:
+    if layout.dp_replicate > 1 and layout.dp_shard > 1:
+        return "hybrid_shard"
+    if layout.dp_shard > 1:
+        return "fully_shard"
+    return "replicate" if layout.dp_replicate > 1 else "none"
+
+
+def _loss_impl(choice: str, hardware_name: str) -> str:
+    """The loss kernel `auto` picks (kernels/__init__.py preference order), by device kind."""
+    if choice != "auto":
+        return choice
+    return "tokamax" if hardware_name in ("v4", "v5e", "v5p", "v6e", "v7") else "chunked"
+
+
+def _layer_params(args) -> list[int]:
+    from titan_tpu.models.registry import _attention_params
+
+    out = []
+    for layer_id in range(args.n_layers):
+        if args.is_moe_layer(layer_id):
+            ffn = args.dim * args.moe.num_experts + args.moe.num_experts * 3 * args.dim * args.moe.hidden_dim
+        else:
+            ffn = 3 * args.dim * args.ffn_hidden_dim
+        out.append(_attention_params(args) + ffn + 2 * args.dim)
+    return out
+
+
+def _advice(plan: Plan, cfg: Config, *, acts_share: float) -> list[str]:
+    """What to change when it does not fit, biggest lever first."""
+    if plan.fits:
+        return []
+    m, out = plan.memory, []
+    if m["gathered_weights"] + m["full_size_gradient"] > 0.25 * plan.peak_bytes and plan.mesh["gather"] == "model":
+        out.append(f"the gathered block weights ({m['gathered_weights'] / 1e9:.1f} GB) are kept from the forward to "
+                   f"the end of the backward and their full-size gradient reaches {m['full_size_gradient'] / 1e9:.1f} "
+                   "GB (SimpleFSDP does not re-shard after the forward): more dp_shard does not shrink them; "
+                   "re-gathering per layer would (see --gather layer for that plan)")
+    if cfg.activation_checkpoint.mode != "full" and acts_share > 0.2:
+        out.append("--activation_checkpoint.mode full (keeps one [batch, seq, dim] tensor per layer)")
+    if acts_share > 0.2 and cfg.training.batch_size > 1:
+        out.append(f"a smaller --training.batch_size (now {cfg.training.batch_size}) with "
+                   "--training.grad_accum_steps to keep the tokens per step")
+    state = m["parameters"] + m["gradients"] + m["optimizer_state"]
+    if state > 0.3 * plan.peak_bytes:
+        out.append(f"more --parallelism.dp_shard (parameters, gradients and moments are {state / 1e9:.1f} GB per "
+                   "device, divided by dp_shard)")
+    if cfg.kernels.loss == "reference":
+        out.append("--kernels.loss chunked (never holds the whole logits)")
+    return out or ["a device with more memory"]
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:8.3f} GB"
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable report `titan-tpu plan` prints."""
+    hw, m, b = plan.hardware, plan.memory, plan.batch
+    lines = [
+        f"plan for {plan.model} on {plan.devices} x {hw['name']} "
+        f"(mesh dp_replicate {plan.mesh['dp_replicate']} x dp_shard {plan.mesh['dp_shard']}"
+        f"{', ep ' + str(plan.mesh['ep']) if plan.mesh['ep'] > 1 else ''}; {plan.mesh['mode']}"
+        f"{'; what-if: weights re-gathered per layer' if plan.mesh['gather'] == 'layer' else ''})",
+        f"  batch {b['batch_size']} x seq {b['seq_len']} x accum {b['grad_accum_steps']} per device, "
+        f"{b['tokens_per_step']:,} tokens/step; {b['dtype']}; AC {b['activation_checkpoint']}; "
+        f"{'scanned' if b['scan_layers'] else 'unrolled'}; loss {b['loss']}; {b['mode']} mode",
+        f"  parameters {plan.params['total'] / 1e9:.3f} B ({plan.params['active'] / 1e9:.3f} B active), "
+        f"{plan.params['stored_per_device'] / 1e9:.3f} B stored per device",
+        "memory per device:",
+    ]
+    for key in ("parameters", "gradients", "optimizer_state", "activations", "activation_recompute",
+                "gathered_weights", "full_size_gradient", "loss_kept", "loss_peak", "optimizer_temporary",
+                "moe_dispatch", "runtime"):
+        if key in m and m[key]:
+            note = "  (ep dispatch buffers, within activations)" if key == "moe_dispatch" else ""
+            lines.append(f"  {key:22s}{_gb(m[key])}{note}")
+    phases = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in m["phases"].items())
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"  peak {_gb(plan.peak_bytes)} at {plan.peak_phase} (GB by moment: {phases}); "
+                 f"device has {plan.capacity_bytes / 1e9:.1f} GB: {verdict}")
+    f = plan.flops
+    lines.append(f"FLOPs: {f['per_token'] / 1e6:,.1f} MFLOP/token (the trainer's count); per device per step "
+                 f"{f['model_per_step_per_device'] / 1e12:,.3f} TFLOP model, "
+                 f"{f['executed_per_step_per_device'] / 1e12:,.3f} TFLOP executed")
+    if plan.communication:
+        lines.append("communication per device per step:")
+        for c in plan.communication:
+            lines.append(f"  {c['kind']:26s} over {c['axis']:12s} ({c['group_size']:>4}): "
+                         f"{c['bytes_per_step'] / 1e9:9.3f} GB  {c['purpose']}")
+    t = plan.time
+    lines.append(f"time per step: compute {t['compute_s']:.4g} s (at {hw['efficiency']:.0%} of "
+                 f"{hw['peak_flops'] / 1e12:.4g} TFLOP/s), elementwise {t['elementwise_s']:.4g} s, collectives "
+                 f"{t['collectives_s']:.4g} s; {t['step_s_no_overlap']:.4g} s without overlap, "
+                 f"{t['step_s_overlap']:.4g} s with")
+    lines.append(f"predicted: {t['step_s']:.4g} s/step ({'overlapped' if t['overlap_assumed'] else 'no overlap'}), "
+                 f"{plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1f}%")
+    for a in plan.advice:
+        lines.append(f"to fit: {a}")
+    lines.append(f"hardware source: {hw['source']}")
+    return "\n".join(lines)
