@@ -50,30 +50,37 @@ GiB = 1024**3
 # Accelerator efficiency: an assumption, not a measurement (docs/planner.md discusses it).
 ACCELERATOR_EFFICIENCY = 0.7
 
+# Checked against the vendor pages on 2026-11-30 (Google's TPU pages: the per-generation pages and
+# the comparison table of the tpu7x page). Google states ICI as bidirectional GB/s per chip; for v4,
+# whose page gives no per-chip figure, the send bandwidth is the page's "all-reduce bandwidth per
+# Pod" (1.1 PB/s) over its 4,096 chips, which for v5e and v6e gives exactly half their stated
+# bidirectional figure, the same rule as the others.
 HARDWARE: dict[str, Hardware] = {
-    "v4": Hardware("v4", 275e12, 32 * GiB, 1200e9, 2400e9 / 8 / 2,
-                   source=f"{_GOOGLE}v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s, ICI 2,400 Gbps per chip"),
-    "v5e": Hardware("v5e", 197e12, 16 * GiB, 819e9, 1600e9 / 8 / 2,
-                    source=f"{_GOOGLE}v5e: 197 TFLOP/s bf16, 16 GiB HBM2 at 819 GB/s, ICI 1,600 Gbps per chip"),
+    "v4": Hardware("v4", 275e12, 32 * GiB, 1200e9, 1.1e15 / 4096,
+                   source=f"{_GOOGLE}v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s; all-reduce bandwidth "
+                          "1.1 PB/s per 4,096-chip pod (no per-chip ICI figure on the page)"),
+    "v5e": Hardware("v5e", 197e12, 16e9, 819e9, 400e9 / 2,
+                    source=f"{_GOOGLE}v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, bidirectional ICI "
+                           "400 GB/s per chip"),
     "v5p": Hardware("v5p", 459e12, 95 * GiB, 2765e9, 1200e9 / 2,
                     source=f"{_GOOGLE}v5p-training: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s, "
                            "bidirectional ICI 1,200 GB/s per chip"),
-    "v6e": Hardware("v6e", 918e12, 32 * GiB, 1640e9, 3584e9 / 8 / 2,
+    "v6e": Hardware("v6e", 918e12, 32 * GiB, 1638e9, 800e9 / 2,
                     source=f"{_GOOGLE}v6e and {_GOOGLE}tpu7x (comparison table): 918 TFLOP/s bf16, 32 GiB HBM "
-                           "at 1,640 GB/s, ICI 3,584 Gbps per chip"),
+                           "at 1,638 GB/s, bidirectional ICI 800 GB/s per chip"),
     # v7 (Ironwood, TPU7x): two devices per chip; per-device numbers are half the chip's.
     "v7": Hardware("v7", 2307e12 / 2, 192 * GiB / 2, 7380e9 / 2, 1200e9 / 2 / 2, devices_per_chip=2,
-                   source=f"{_GOOGLE}tpu7x: 2,307 TFLOP/s bf16, 192 GiB HBM3e at 7.37 TB/s, bidirectional ICI "
-                          "1.2 TB/s per chip; two devices per chip (halved here)"),
+                   source=f"{_GOOGLE}tpu7x: 2,307 TFLOP/s bf16, 192 GiB HBM at 7,380 GB/s, bidirectional ICI "
+                          "1,200 GB/s per chip; two devices per chip (halved here)"),
     "h100": Hardware("h100", 989e12, 80e9, 3.35e12, 900e9 / 2,
-                     source="https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s bf16 dense, "
-                            "80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s"),
+                     source="https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s bf16 dense "
+                            "(1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional"),
     "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 900e9 / 2,
-                     source="https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s bf16 dense, "
-                            "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s"),
+                     source="https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s bf16 dense "
+                            "(1,979 with sparsity), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional"),
     "b200": Hardware("b200", 2250e12, 180e9, 8e12, 1800e9 / 2,
-                     source="https://www.nvidia.com/en-us/data-center/dgx-b200/ (DGX B200, per GPU): 2.25 PFLOP/s "
-                            "bf16 dense, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s"),
+                     source="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU): 2.25 PFLOP/s "
+                            "bf16 dense (4.5 with sparsity), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional"),
 }
 
 # This CPU: constants measured by `titan-tpu plan --calibrate` (docs/planner.md has the runs).
