@@ -38,7 +38,9 @@ class Hardware:
     interconnect_bandwidth: float  # bytes/s a device sends into a ring collective
     devices_per_chip: int = 1
     efficiency: float = 0.7  # ACCELERATOR_EFFICIENCY: fraction of peak matmul-dominated work reaches (docstring)
+    graph_efficiency: float | None = None  # the same for graph mode (captured, compiled); None: `efficiency`
     runtime_bytes: float = 0.0  # memory the planner's terms do not model (CPU: the process itself)
+    graph_runtime_bytes: float | None = None  # the same in graph mode (CPU: plus the compiled step); None: as eager
     source: str = ""
 
     def as_dict(self) -> dict:
@@ -83,6 +85,13 @@ HARDWARE: dict[str, Hardware] = {
 # the trainer measures memory (process RSS).
 CPU_EFFICIENCY = 0.365  # median implied by the debug runs of the 2026-11-30 20:21 calibration
 CPU_RUNTIME_BYTES = 0.349e9  # measured by the same calibration
+# The same fraction for graph mode (the step captured and compiled): fitted on the graph-mode
+# calibration runs (median), as CPU_EFFICIENCY is on the eager ones.
+CPU_GRAPH_EFFICIENCY = 0.365
+# CPU_GRAPH_RUNTIME_BYTES: the resident memory of a graph-mode trainer (Inductor) beside its tensors:
+# the runtime above plus the captured and compiled step (graph, generated code, compiler state),
+# measured like CPU_RUNTIME_BYTES with the tiny run in graph mode.
+CPU_GRAPH_RUNTIME_BYTES = 0.349e9
 
 
 def measure_cpu_memory_bandwidth(nbytes: int = 1 << 27, reps: int = 5) -> float:
@@ -115,6 +124,7 @@ def cpu_hardware(*, measure: bool = True) -> Hardware:
     peak = device.cpu_peak_flops() if measure else 100e9
     bandwidth = measure_cpu_memory_bandwidth() if measure else 10e9
     return Hardware("cpu", peak, _total_ram(), bandwidth, bandwidth / 4, efficiency=CPU_EFFICIENCY,
+                    graph_efficiency=CPU_GRAPH_EFFICIENCY, graph_runtime_bytes=CPU_GRAPH_RUNTIME_BYTES,
                     runtime_bytes=CPU_RUNTIME_BYTES,
                     source=f"this machine: fp32 matmul peak {peak / 1e9:.0f} GFLOP/s and copy bandwidth "
                            f"{bandwidth / 1e9:.1f} GB/s {'measured now' if measure else '(nominal, not measured)'}; "
