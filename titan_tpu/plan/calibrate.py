@@ -6,10 +6,12 @@ titan_tpu.train`, torchrun for two ranks) with validation and checkpoints off, l
 the measurements are the trainer's own metrics rows: `max_memory_gb` of the last row, the
 process's peak resident memory (VmHWM) since the training loop began, rank 0's, and the best
 `tokens_per_s` of the steps after the first. For one-process runs the peak of live tensors in a
-step is also measured with torch's profiler (`measure_live_peak`). The planner
+step is also measured, with torch's profiler, or glibc's bytes in use for Inductor's compiled
+steps, whose buffers the profiler does not see (`measure_live_peak`). The planner
 predicts that same quantity: model terms plus the runtime's resident memory, a constant measured
 here too: the measured peak of a trainer run with a tiny model and 16 tokens a step minus the
-planner's terms for it (`measure_runtime_bytes`).
+planner's terms for it (`measure_runtime_bytes`), and for graph-mode configurations the same
+tiny run in graph mode.
 
 Run it alone on the machine (`flock /work/cpu.lock` where it is shared): the speeds are
 comparisons of this process's measured CPU peak with the runs'. Results go to
@@ -250,7 +252,7 @@ def _table(results: list[dict], hw_numbers: dict) -> tuple[str, dict[str, list[f
     lines = ["| configuration | predicted peak | measured peak RSS | error | predicted tensors | live tensors "
              "(profiler) | error | tok/s predicted | tok/s measured | error |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    implied = {"eager": [], "graph": []}
+    implied = {"eager": [], "graph": []}  # eager: (compute at peak, elementwise at the copy rate, measured) s
     for r in results:
         # Each run is predicted on the CPU numbers measured in its own invocation (--only runs merge).
         plan = predict(r, r.get("hardware", hw_numbers))
@@ -262,7 +264,12 @@ def _table(results: list[dict], hw_numbers: dict) -> tuple[str, dict[str, list[f
             measured_step = plan.batch["tokens_per_step"] / r["measured_tokens_per_s"]
             compute_measured = measured_step - t["elementwise_s"] - t["collectives_s"]
             if compute_measured > 0 and not r.get("env"):
-                implied[plan.batch["mode"]].append(t["efficiency"] * t["compute_s"] / compute_measured)
+                if plan.batch["mode"] == "graph":
+                    implied["graph"].append(t["efficiency"] * t["compute_s"] / compute_measured)
+                else:
+                    implied["eager"].append((t["efficiency"] * t["compute_s"],
+                                             t["elementwise_efficiency"] * t["elementwise_s"],
+                                             measured_step - t["collectives_s"]))
         tensors = (plan.peak_bytes - plan.memory["runtime"]) / 1e9
         live = r.get("live_peak_gb")
         live_cols = (f"{live:.3f} GB | {tensors / live - 1:+.1%}" if live else
@@ -271,6 +278,16 @@ def _table(results: list[dict], hw_numbers: dict) -> tuple[str, dict[str, list[f
                      f"{mem_err:+.1%} | {tensors:.3f} GB | {live_cols} | {plan.tokens_per_s:,.0f} | "
                      f"{r['measured_tokens_per_s']:,.0f} | {tps_err:+.1%} |")
     return "\n".join(lines), implied
+
+
+def fit_eager_time(runs: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(matmul efficiency, elementwise efficiency) for which compute_at_peak / e + elementwise_at_copy_rate / w
+    best matches each run's measured step time (least squares on the relative error)."""
+    import torch
+
+    a = torch.tensor([[c / m, e / m] for c, e, m in runs], dtype=torch.float64)
+    coef = torch.linalg.lstsq(a, torch.ones(len(runs), 1, dtype=torch.float64)).solution.flatten()
+    return 1 / coef[0].item(), 1 / coef[1].item()
 
 
 def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
@@ -316,10 +333,13 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
     print(table)
     from titan_tpu.plan import hardware as hw_mod
 
-    for mode, values in implied.items():
-        if values:
-            constant = hw_mod.CPU_EFFICIENCY if mode == "eager" else hw_mod.CPU_GRAPH_EFFICIENCY
-            print(f"efficiency implied by the {mode}-mode debug runs: median {statistics.median(values):.3f} "
-                  f"(range {min(values):.3f}-{max(values):.3f}); the planner uses {constant}")
+    if len(implied["eager"]) >= 2:
+        efficiency, elementwise = fit_eager_time(implied["eager"])
+        print(f"eager-mode debug runs, fitted together: matmul efficiency {efficiency:.3f}, elementwise efficiency "
+              f"{elementwise:.3f}; the planner uses {hw_mod.CPU_EFFICIENCY} and {hw_mod.CPU_ELEMENTWISE_EFFICIENCY}")
+    if implied["graph"]:
+        values = implied["graph"]
+        print(f"efficiency implied by the graph-mode debug runs: median {statistics.median(values):.3f} "
+              f"(range {min(values):.3f}-{max(values):.3f}); the planner uses {hw_mod.CPU_GRAPH_EFFICIENCY}")
     print(f"results: {path}")
     return 0
