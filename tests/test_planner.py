@@ -152,6 +152,16 @@ def test_update_buffers_are_what_adamw_allocates():
     assert fresh_sets + update_buffers(out_of_place=False) == update_buffers(out_of_place=True)
 
 
+def test_eager_time_fit_recovers_the_constants_it_was_made_with():
+    """calibrate.fit_eager_time: step times built from known efficiencies (matmul 0.7, elementwise
+    0.25) over runs with different shares of elementwise work give those efficiencies back."""
+    from titan_tpu.plan.calibrate import fit_eager_time
+
+    runs = [(c, e, c / 0.7 + e / 0.25) for c, e in ((0.2, 0.02), (0.3, 0.05), (0.07, 0.03), (1.5, 0.1))]
+    efficiency, elementwise = fit_eager_time(runs)
+    assert efficiency == pytest.approx(0.7) and elementwise == pytest.approx(0.25)
+
+
 def test_plan_grows_the_right_terms():
     base = plan_config(build_config(CONFIGS / "llama3_debug.toml"), CPU, measure=False)
     full = plan_config(build_config(CONFIGS / "llama3_debug.toml", ["--activation_checkpoint.mode", "full"]), CPU,

@@ -82,13 +82,12 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 # This CPU: constants measured by `titan-tpu plan --calibrate` (docs/planner.md has the runs).
-# CPU_EFFICIENCY: the fraction of the measured matmul peak the debug models' steps reach
-# (median over the calibration runs). CPU_RUNTIME_BYTES: the resident memory of a trainer process
-# before it builds a model (Python, torch, the tokenizer and data loader), measured the same way
-# the trainer measures memory (process RSS).
-# Eager steps: matmul time at CPU_EFFICIENCY of the peak plus elementwise time at
-# CPU_ELEMENTWISE_EFFICIENCY of the copy bandwidth, both fitted together (least squares on the
-# relative error) to the eager debug runs of the 2026-11-30 23:39 calibration (Intel Xeon, 2 threads).
+# CPU_RUNTIME_BYTES: the resident memory of a trainer process before it builds a model (Python,
+# torch, the tokenizer and data loader), measured the same way the trainer measures memory (RSS).
+# Eager steps: matmul time at CPU_EFFICIENCY of the measured peak plus elementwise time at
+# CPU_ELEMENTWISE_EFFICIENCY of the measured copy bandwidth, both fitted together (least squares
+# on the relative error) to the eager debug runs of the 2026-11-30 23:31-23:51 calibration (Intel
+# Xeon, 2 threads).
 CPU_EFFICIENCY = 0.70
 CPU_ELEMENTWISE_EFFICIENCY = 0.28
 CPU_RUNTIME_BYTES = 0.348e9  # measured by the same calibration

@@ -17,8 +17,8 @@ full-size gradient) and the optimizer update (gradients and the AdamW temporary)
 
 Time: compute = executed FLOPs (the model's, plus the recomputed forward under full activation
 checkpointing) / (peak x efficiency); elementwise work = memory traffic of the activations and of
-the optimizer / (memory bandwidth x elementwise efficiency, fitted on the CPU's eager runs); collectives = bytes / interconnect bandwidth. Step time without
-overlap sums them; with overlap, collectives hide behind compute and only the excess shows.
+the optimizer / (memory bandwidth x elementwise efficiency, fitted on the CPU's eager runs);
+collectives = bytes / interconnect bandwidth. Step time without overlap sums them; with overlap, collectives hide behind compute and only the excess shows.
 Eager runs (no scheduler to overlap) use the first, graph mode the second.
 """
 
@@ -224,8 +224,8 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     # recomputed); AdamW and clipping stream parameters, gradients and moments about twelve times.
     elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if ac != "none" else 0)) * t.grad_accum_steps \
         + 12 * stored * mb
-    elementwise_rate = hardware.memory_bandwidth / share * (1.0 if overlapped else hardware.elementwise_efficiency)
-    elementwise_s = elementwise_bytes / elementwise_rate
+    elementwise_efficiency = 1.0 if overlapped else hardware.elementwise_efficiency  # a compiler fuses it
+    elementwise_s = elementwise_bytes / (hardware.memory_bandwidth / share * elementwise_efficiency)
     comm_s = sum(c.bytes_per_step for c in collectives) / hardware.interconnect_bandwidth
     no_overlap = compute_s + elementwise_s + comm_s
     overlap = compute_s + elementwise_s + max(0.0, comm_s - compute_s)
@@ -249,8 +249,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         time={"compute_s": compute_s, "elementwise_s": elementwise_s, "collectives_s": comm_s,
               "step_s_no_overlap": no_overlap, "step_s_overlap": overlap, "step_s": step_s,
               "overlap_assumed": overlapped, "efficiency": efficiency,
-              "elementwise_efficiency": hardware.memory_bandwidth / share / elementwise_rate and
-              elementwise_rate / (hardware.memory_bandwidth / share)},
+              "elementwise_efficiency": elementwise_efficiency},
         tokens_per_s=tokens_per_s, mfu=mfu)
     plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak) / peak if peak else 0.0)
     return plan
