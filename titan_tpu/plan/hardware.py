@@ -38,7 +38,12 @@ class Hardware:
     interconnect_bandwidth: float  # bytes/s a device sends into a ring collective
     devices_per_chip: int = 1
     efficiency: float = 0.7  # ACCELERATOR_EFFICIENCY: fraction of peak matmul-dominated work reaches (docstring)
+    graph_efficiency: float | None = None  # the same for graph mode (captured, compiled); None: `efficiency`
+    # Fraction of memory_bandwidth the eager step's elementwise work reaches (1.0: the copy rate;
+    # graph mode, whose compiler fuses that work, always uses 1.0).
+    elementwise_efficiency: float = 1.0
     runtime_bytes: float = 0.0  # memory the planner's terms do not model (CPU: the process itself)
+    graph_runtime_bytes: float | None = None  # the same in graph mode (CPU: plus the compiled step); None: as eager
     source: str = ""
 
     def as_dict(self) -> dict:
@@ -84,12 +89,23 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 # This CPU: constants measured by `titan-tpu plan --calibrate` (docs/planner.md has the runs).
-# CPU_EFFICIENCY: the fraction of the measured matmul peak the debug models' steps reach
-# (median over the calibration runs). CPU_RUNTIME_BYTES: the resident memory of a trainer process
-# before it builds a model (Python, torch, the tokenizer and data loader), measured the same way
-# the trainer measures memory (process RSS).
-CPU_EFFICIENCY = 0.365  # median implied by the debug runs of the 2026-11-30 20:21 calibration
-CPU_RUNTIME_BYTES = 0.349e9  # measured by the same calibration
+# CPU_RUNTIME_BYTES: the resident memory of a trainer process before it builds a model (Python,
+# torch, the tokenizer and data loader), measured the same way the trainer measures memory (RSS).
+# Eager steps: matmul time at CPU_EFFICIENCY of the measured peak plus elementwise time at
+# CPU_ELEMENTWISE_EFFICIENCY of the measured copy bandwidth, both fitted together (least squares
+# on the relative error) to the eager debug runs of the 2026-11-30 23:31-23:51 calibration (Intel
+# Xeon, 2 threads).
+CPU_EFFICIENCY = 0.70
+CPU_ELEMENTWISE_EFFICIENCY = 0.28
+CPU_RUNTIME_BYTES = 0.348e9  # measured by the same calibration
+# Graph mode (the step captured and compiled): one efficiency, the median the graph-mode runs of the
+# same calibration imply (elementwise at the copy rate: Inductor fuses it; the runs cannot tell a
+# second constant apart).
+CPU_GRAPH_EFFICIENCY = 0.50
+# CPU_GRAPH_RUNTIME_BYTES: the resident memory of a graph-mode trainer beside its tensors: the
+# runtime above plus the captured and compiled step (graph, generated code, compiler state),
+# measured like CPU_RUNTIME_BYTES with the tiny run in graph mode (Inductor).
+CPU_GRAPH_RUNTIME_BYTES = 0.484e9
 
 
 def measure_cpu_memory_bandwidth(nbytes: int = 1 << 27, reps: int = 5) -> float:
@@ -122,6 +138,8 @@ def cpu_hardware(*, measure: bool = True) -> Hardware:
     peak = device.cpu_peak_flops() if measure else 100e9
     bandwidth = measure_cpu_memory_bandwidth() if measure else 10e9
     return Hardware("cpu", peak, _total_ram(), bandwidth, bandwidth / 4, efficiency=CPU_EFFICIENCY,
+                    graph_efficiency=CPU_GRAPH_EFFICIENCY, graph_runtime_bytes=CPU_GRAPH_RUNTIME_BYTES,
+                    elementwise_efficiency=CPU_ELEMENTWISE_EFFICIENCY,
                     runtime_bytes=CPU_RUNTIME_BYTES,
                     source=f"this machine: fp32 matmul peak {peak / 1e9:.0f} GFLOP/s and copy bandwidth "
                            f"{bandwidth / 1e9:.1f} GB/s {'measured now' if measure else '(nominal, not measured)'}; "
