@@ -19,7 +19,6 @@ with glibc 2.33 or newer (mallinfo2).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import sys
@@ -27,14 +26,9 @@ import tempfile
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+from titan_tpu.plan.malloc_stats import malloc_state
 
 
-_libc = ctypes.CDLL("libc.so.6")
-_libc.mallinfo2.restype = _MallInfo2
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _statm = open("/proc/self/statm", "rb", buffering=0)  # noqa: SIM115 - read after every op, kept open
 
@@ -42,13 +36,6 @@ _statm = open("/proc/self/statm", "rb", buffering=0)  # noqa: SIM115 - read afte
 def resident_bytes() -> int:
     _statm.seek(0)
     return int(_statm.read().split()[1]) * _PAGE
-
-
-def malloc_state() -> dict[str, int]:
-    """glibc's view, summed over its arenas: heap size, bytes in use (heap + mmapped blocks), bytes
-    free inside the heap, bytes in mmapped blocks."""
-    m = _libc.mallinfo2()
-    return {"heap": m.arena, "in_use": m.uordblks + m.hblkhd, "free_in_heap": m.fordblks, "mmapped": m.hblkhd}
 
 
 class _PeakSampler(TorchDispatchMode):

@@ -157,15 +157,7 @@ if t.mode == "graph" and cfg.compile.backend == "inductor":
     # The profiler does not see the buffers Inductor's compiled code allocates, so: glibc's bytes
     # in use (mallinfo2), read at every call the compiled step makes from Python (kernels,
     # buffer allocations), minus those at the start of the step: the step's own allocations.
-    import ctypes
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
-    def in_use():
-        m = libc.mallinfo2()
-        return m.uordblks + m.hblkhd
+    from titan_tpu.plan.malloc_stats import malloc_in_use as in_use
     start = in_use()
     most = [start]
     def sample(frame, event, arg):
