@@ -46,6 +46,14 @@ class Hardware:
     graph_runtime_bytes: float | None = None  # the same in graph mode (CPU: plus the compiled step); None: as eager
     source: str = ""
 
+    def mode_constants(self, *, graph: bool) -> tuple[float, float, float]:
+        """(matmul efficiency, elementwise efficiency, runtime bytes) of an eager or a graph-mode
+        step. Graph fields left unset fall back to the eager ones; graph mode's elementwise work
+        runs at the copy rate (its compiler fuses it)."""
+        if not graph:
+            return self.efficiency, self.elementwise_efficiency, self.runtime_bytes
+        return self.graph_efficiency or self.efficiency, 1.0, self.graph_runtime_bytes or self.runtime_bytes
+
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 

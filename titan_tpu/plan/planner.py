@@ -166,8 +166,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
                                            expert_params=experts, n_layers=args.n_layers, scanned=scanned)
     accumulating = grads_b if t.grad_accum_steps > 1 else 0.0  # earlier micro-batches' gradients
 
-    runtime = hardware.graph_runtime_bytes if t.mode == "graph" and hardware.graph_runtime_bytes else \
-        hardware.runtime_bytes
+    efficiency, elementwise_efficiency, runtime = hardware.mode_constants(graph=t.mode == "graph")
     static = params_b + moments_b + runtime
     forward_end = static + gathered + acts.saved + acts.head + loss_kept + loss_peak + accumulating
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
@@ -217,14 +216,12 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     # Time. On this CPU the ranks share the cores: each gets 1 / devices of the peak.
     share = devices if hardware.name == "cpu" else 1
     peak_flops = hardware.peak_flops / share
-    efficiency = hardware.graph_efficiency if overlapped and hardware.graph_efficiency else hardware.efficiency
     compute_s = executed_rank / (peak_flops * efficiency)
     none_acts = activation_bytes(args, tokens=tokens, ac_mode="none", dtype_bytes=cb, ep=cfg.parallelism.ep)
     # Every intermediate is written in the forward and read and written in the backward (again when
     # recomputed); AdamW and clipping stream parameters, gradients and moments about twelve times.
     elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if ac != "none" else 0)) * t.grad_accum_steps \
         + 12 * stored * mb
-    elementwise_efficiency = 1.0 if overlapped else hardware.elementwise_efficiency  # a compiler fuses it
     elementwise_s = elementwise_bytes / (hardware.memory_bandwidth / share * elementwise_efficiency)
     comm_s = sum(c.bytes_per_step for c in collectives) / hardware.interconnect_bandwidth
     no_overlap = compute_s + elementwise_s + comm_s
