@@ -284,3 +284,48 @@ def test_fully_shard_halves_parameter_and_optimizer_memory():
     unsharded = 3 * unsharded_param_bytes  # parameters + two AdamW moments of the same size
     for result in results:
         assert result["param_opt_bytes"] / unsharded == pytest.approx(0.5, abs=0.01)
+
+
+def _gloo_worker_threads() -> dict:
+    """The rank harness made every gloo group single-threaded; count the workers of two groups."""
+    import os
+
+    world_subgroup = dist.new_group([0, 1])  # a second group, made the way DeviceMesh makes its subgroups
+    total = torch.ones(3)
+    dist.all_reduce(total, group=world_subgroup)
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return {"runloops": names.count("pt_gloo_runloop"), "total": total}
+
+
+@pytest.mark.multiprocess
+def test_gloo_groups_run_one_worker_thread_each():
+    """Two collectives of one gloo group running at once on its two default worker threads can
+    corrupt the heap inside gloo's TCP transport (docs/known-issues.md, 1d); every group we create
+    gets one worker. A torch upgrade that stops honouring titan_tpu.parallel.gloo fails here."""
+    for result in run_distributed(_gloo_worker_threads, world_size=2):
+        assert result["runloops"] == 2  # the default group and the subgroup, one worker each (4 by default)
+        assert torch.equal(result["total"], torch.full((3,), 2.0))
+
+
+def test_trainer_makes_gloo_groups_single_threaded_before_joining(monkeypatch):
+    """Under torchrun the trainer joins the default group itself: the single-thread gloo class must
+    be in place by then (the multi-process test above checks the class's effect)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from titan_tpu.device import get_backend
+    from titan_tpu.train.trainer import init_distributed
+
+    monkeypatch.setattr(c10d, "ProcessGroupGloo", c10d.ProcessGroupGloo)  # restored after the test
+    joined = {}
+
+    def fake_init_process_group(backend):
+        joined["backend"] = backend
+        joined["single_thread"] = getattr(c10d.ProcessGroupGloo, "_titan_single_thread", False)
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "init_process_group", fake_init_process_group)
+    monkeypatch.setattr(dist, "is_initialized", lambda: "backend" in joined)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert init_distributed(get_backend("cpu")) == (1, 2)
+    assert joined == {"backend": "gloo", "single_thread": True}

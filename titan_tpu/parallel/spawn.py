@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from titan_tpu.parallel.gloo import use_single_thread_gloo
+
 __all__ = ["run_ranks"]
 
 
@@ -35,6 +37,7 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)  # a client of the parent's server
+    use_single_thread_gloo()  # gloo's transport is not safe with two collectives of a group at once
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         result = fn(*args, **kwargs)

@@ -29,6 +29,7 @@ from titan_tpu.config import Config, model_args_from_config, model_label
 from titan_tpu.device import Backend, get_backend
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model, flops_per_token
+from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, copy_full_, default_mixed_precision, materialize_and_init
 from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_state
@@ -47,6 +48,7 @@ def default_cache_dir() -> Path:
 def init_distributed(backend: Backend) -> tuple[int, int]:
     """(rank, world size); joins the process group when launched by torchrun with WORLD_SIZE > 1."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        use_single_thread_gloo()  # every gloo group, this one or later ones (docs/known-issues.md, 1d)
         dist.init_process_group(backend=backend.process_group_backend)
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
