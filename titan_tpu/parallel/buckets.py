@@ -111,14 +111,18 @@ def gather_flat(params: list[DTensor], mp) -> list[Tensor]:
     return list(_CopyOut.apply(gathered.view(world, flat_local.numel()), layout))
 
 
-def gather_flat_local(locals_: list[Tensor], *, full_shapes: list, shard_dims: list, mesh, placements, mp) -> list[Tensor]:
+def gather_flat_local(locals_: list[Tensor], *, full_shapes: list, shard_dims: list, mesh, placements, mp,
+                      keep: tuple[bool, ...] | None = None) -> list[Tensor]:
     """`gather_flat` for plain local shards (no DTensor): the same buffer, collectives and
     arithmetic, through an autograd Function that torch.func transforms accept (DTensor.from_local
-    is not one), for a scanned layer's weights gathered inside the loop body (parallel/reshard.py)."""
-    mesh_dim = next((i for i, p in enumerate(placements) if isinstance(p, Shard)), None)
+    is not one), for a scanned layer's weights gathered inside the loop body (parallel/reshard.py).
+    keep: per mesh axis, True where the shard stays (expert parallelism's ep axis); full_shapes
+    are then the shapes computed with (this rank's experts, whole)."""
+    keep = keep or (False,) * len(placements)
+    mesh_dim = next((i for i, p in enumerate(placements) if isinstance(p, Shard) and not keep[i]), None)
     world = mesh.size(mesh_dim) if mesh_dim is not None else 1
-    flat_local, layout = _flatten_shards(locals_, full_shapes, shard_dims, world)
-    gathered = _FlatAllGather.apply(flat_local, mesh, tuple(placements), mp)
+    flat_local, layout = _flatten_shards(locals_, full_shapes, shard_dims, world, cat=_CatOwnGradients.apply)
+    gathered = _FlatAllGather.apply(flat_local, mesh, tuple(placements), tuple(keep), mp)
     return list(_CopyOut.apply(gathered.view(world, flat_local.numel()), layout))
 
 
@@ -129,15 +133,15 @@ class _FlatAllGather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        flat_local, mesh, placements, mp = inputs
-        ctx.mesh, ctx.placements, ctx.mp, ctx.dtype = mesh, placements, mp, flat_local.dtype
+        flat_local, mesh, placements, keep, mp = inputs
+        ctx.mesh, ctx.placements, ctx.keep, ctx.mp, ctx.dtype = mesh, placements, keep, mp, flat_local.dtype
 
     @staticmethod
-    def forward(flat_local: Tensor, mesh, placements, mp) -> Tensor:
+    def forward(flat_local: Tensor, mesh, placements, keep, mp) -> Tensor:
         c10d = torch.ops._c10d_functional
         x = flat_local.to(mp.param_dtype)
         for axis, p in enumerate(placements):
-            if isinstance(p, Shard):
+            if isinstance(p, Shard) and not keep[axis]:
                 group = mesh.get_group(axis)
                 x = c10d.wait_tensor(c10d.all_gather_into_tensor(x, group.size(), group.group_name))
         return x
@@ -147,15 +151,35 @@ class _FlatAllGather(torch.autograd.Function):
         c10d = torch.ops._c10d_functional
         g = grad.to(ctx.mp.reduce_dtype)
         for axis in reversed(range(len(ctx.placements))):
+            if ctx.keep[axis]:
+                continue  # the ep shard: each rank's gradient is its own experts' already
             group = ctx.mesh.get_group(axis)
             if isinstance(ctx.placements[axis], Shard):
                 g = c10d.wait_tensor(c10d.reduce_scatter_tensor(g.contiguous(), "sum", group.size(), group.group_name))
             else:
                 g = c10d.wait_tensor(c10d.all_reduce(g, "sum", group.group_name))
-        return g.to(ctx.dtype), None, None, None
+        return g.to(ctx.dtype), None, None, None, None
 
 
-def _flatten_shards(locals_: list[Tensor], full_shapes: list, shard_dims: list, world: int) -> tuple[Tensor, list]:
+class _CatOwnGradients(torch.autograd.Function):
+    """torch.cat whose backward hands each input a gradient of its own (a copy), not a view of one
+    buffer: gradients leaving a scan body must not alias each other (Inductor's scan refuses it)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.sizes = [t.numel() for t in inputs]
+
+    @staticmethod
+    def forward(*pieces: Tensor) -> Tensor:
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return tuple(g.clone() for g in grad.split(ctx.sizes))
+
+
+def _flatten_shards(locals_: list[Tensor], full_shapes: list, shard_dims: list, world: int, *,
+                    cat=lambda *pieces: torch.cat(pieces)) -> tuple[Tensor, list]:
     """Local shards padded to equal size along their shard dim, flattened and concatenated; with
     the layout _CopyOut needs to cut the gathered buffer back into full tensors."""
     pieces, layout = [], []
@@ -168,7 +192,7 @@ def _flatten_shards(locals_: list[Tensor], full_shapes: list, shard_dims: list, 
                 local = F.pad(local, pad)
         layout.append((local.shape, dim, full_shape))
         pieces.append(local.reshape(-1))
-    return torch.cat(pieces), layout
+    return cat(*pieces), layout
 
 
 class _CopyOut(torch.autograd.Function):

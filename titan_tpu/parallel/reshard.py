@@ -27,6 +27,7 @@ reduce-scatter), so neither the gathered stack nor its full-size gradient ever e
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -118,31 +119,47 @@ class LayerGather:
     def __init__(self, stored: list, *, mp, hooks: ReshardHooks | None) -> None:
         self.mp = mp
         self.hooks = hooks
-        # Per stored entry: one layer's (full shape, shard dim) or None (a buffer: passed through).
-        self.specs = []
+        # Per stored entry: its group's key, or None (a buffer: passed through). A group is the
+        # layer's tensors with one mesh and placements (the dense weights; expert weights under
+        # expert parallelism, whose ep shard is kept: a rank computes with its own experts): one
+        # all-gather each per layer.
+        self.keys: list = []
+        self.groups: dict = {}  # key -> (mesh, per-layer placements, keep per mesh axis, [(compute shape, shard dim)])
         for t in stored:
             if not isinstance(t, DTensor):
-                self.specs.append(None)
+                self.keys.append(None)
                 continue
-            dims = [p.dim - 1 for p in t.placements if isinstance(p, Shard)]
-            self.specs.append((t.shape[1:], dims[0] if dims else None))
-            self.mesh = t.device_mesh
-            self.placements = tuple(Shard(p.dim - 1) if isinstance(p, Shard) else p for p in t.placements)
+            mesh = t.device_mesh
+            placements = tuple(Shard(p.dim - 1) if isinstance(p, Shard) else p for p in t.placements)
+            keep = tuple(name == "ep" for name in (mesh.mesh_dim_names or ())) or (False,) * mesh.ndim
+            shape = list(t.shape[1:])
+            for axis, p in enumerate(placements):
+                if keep[axis] and isinstance(p, Shard):
+                    shape[p.dim] //= mesh.size(axis)  # this rank's experts, whole
+            dims = [p.dim for axis, p in enumerate(placements) if isinstance(p, Shard) and not keep[axis]]
+            key = (mesh, placements)
+            self.groups.setdefault(key, (mesh, placements, keep, []))[3].append((tuple(shape), dims[0] if dims else None))
+            self.keys.append(key)
 
     def local(self, stored: list[Tensor]) -> list[Tensor]:
         return [t.to_local() if isinstance(t, DTensor) else t for t in stored]
 
-    def _full(self, sources: list[Tensor]) -> list[Tensor]:
+    def _full(self, key, sources: list[Tensor]) -> list[Tensor]:
         from titan_tpu.parallel.buckets import gather_flat_local
 
-        specs = [s for s in self.specs if s is not None]
+        mesh, placements, keep, specs = self.groups[key]
         return gather_flat_local(sources, full_shapes=[s[0] for s in specs], shard_dims=[s[1] for s in specs],
-                                 mesh=self.mesh, placements=self.placements, mp=self.mp)
+                                 mesh=mesh, placements=placements, keep=keep, mp=self.mp)
 
     def gather(self, layer_tensors: list[Tensor]) -> list[Tensor]:
-        sources = [x for x, spec in zip(layer_tensors, self.specs) if spec is not None]
-        full = self._full(sources)
-        if self.hooks is not None:
-            self.hooks.register(full, GatherRecord(sources, self._full))
-        it = iter(full)
-        return [next(it) if spec is not None else x for x, spec in zip(layer_tensors, self.specs)]
+        out = list(layer_tensors)
+        for key in self.groups:
+            where = [i for i, k in enumerate(self.keys) if k == key]
+            sources = [layer_tensors[i] for i in where]
+            regather = functools.partial(self._full, key)
+            full = regather(sources)
+            if self.hooks is not None:
+                self.hooks.register(full, GatherRecord(sources, regather))
+            for i, t in zip(where, full):
+                out[i] = t
+        return out

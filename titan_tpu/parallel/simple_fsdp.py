@@ -287,10 +287,7 @@ def _reshard_pieces(model: nn.Module) -> list[nn.Module]:
     named = [(name, piece) for name, piece, _ in model.init_plan()]
     stacked = [piece for name, piece in named if name == "layers" and getattr(piece, STACKED_MARKER, False)]
     if stacked:
-        # Layer-by-layer gathering needs every stacked weight on the data-parallel mesh (not ep).
-        ok = all(not isinstance(p, DTensor) or "ep" not in (p.device_mesh.mesh_dim_names or ())
-                 for p in stacked[0].parameters())
-        return stacked if ok else []
+        return stacked
     return [piece for name, piece in named if name.startswith("layers.")][:-1]
 
 
