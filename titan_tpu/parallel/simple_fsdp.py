@@ -284,6 +284,9 @@ def _reshard_pieces(model: nn.Module) -> list[nn.Module]:
     Models without such pieces (the Hugging Face backend's one piece) keep every gather."""
     if not hasattr(model, "init_plan"):
         return []
+    if not any(isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+               for p in model.parameters()):
+        return []  # replicate: nothing is gathered, nothing to re-shard
     named = [(name, piece) for name, piece, _ in model.init_plan()]
     stacked = [piece for name, piece in named if name == "layers" and getattr(piece, STACKED_MARKER, False)]
     if stacked:
