@@ -18,9 +18,10 @@ bucket in each direction. The arithmetic is unchanged: each gradient element is 
 the same per-rank values, so losses equal the per-parameter path's bitwise.
 
 Gathered tensors live from the first read until the forward of the root module ends (a forward
-pre-hook and hook on the root start and end each "gathering window"). In eager mode that costs no
-memory: autograd keeps each gathered weight for the backward anyway. Outside a root forward (a
-submodule called directly) parameters are gathered one by one as before.
+pre-hook and hook on the root start and end each "gathering window"), or, for a block re-sharded
+after the forward (parallel/reshard.py), until the block's own forward ends; autograd then keeps
+tokens that gather the bucket again in the backward. Outside a root forward (a submodule called
+directly) parameters are gathered one by one as before.
 """
 
 from __future__ import annotations

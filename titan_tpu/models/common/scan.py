@@ -19,7 +19,10 @@ template run by `torch.func.functional_call`, see functional_block.py). It uses 
 real-arithmetic RoPE: scan functionalises its body, and complex views have no autograd formula
 there. Data parallelism shards the stacked weights on their per-layer dim 0 (dim 1 of the stack,
 see parallel/simple_fsdp.py), so a stacked weight's shard on a rank is exactly the stack of the
-per-layer shards an unrolled run holds; the forward all-gathers each stacked weight once.
+per-layer shards an unrolled run holds. With re-sharding after the forward (the default) the
+wrapper sets `PER_LAYER_GATHER` on this module: the loop then runs over the local shards and each
+iteration gathers its own layer (parallel/reshard.py); otherwise the forward all-gathers the
+stack once before the loop.
 
 When the op is used: only while tracing (the graph trainer's capture). Eagerly, the same block
 function runs over the same stacked weights in a Python loop, because torch's scan op retraces
