@@ -228,6 +228,8 @@ def _install_buckets(model: nn.Module, mp: MixedPrecision, bucket_mb: float, *, 
         sub.__dict__.pop("per_layer_gather", None)
     hooks = ReshardHooks() if reshard_after_forward and bucket_mb > 0 else None
     reshard_pieces = _reshard_pieces(model) if hooks is not None else []
+    if not reshard_pieces:
+        hooks = None  # nothing to re-shard (replicate, the HF backend's one piece): no saved-tensor hooks
     # A scanned stack under re-sharding is gathered layer by layer inside the loop (LayerGather),
     # never whole, so its parameters are not bucketed.
     per_layer = {}
