@@ -114,6 +114,54 @@ def test_chunked_loss_keeps_its_gradients():
     assert sum(seen.values()) == kept
 
 
+def _alloc_peak(fn) -> int:
+    """Peak bytes allocated by fn() above what was live before it (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    now = peak = 0
+    for _, delta in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                           if e.self_cpu_memory_usage):
+        now += delta
+        peak = max(peak, now)
+    return peak
+
+
+def test_update_buffers_are_what_adamw_allocates():
+    """The optimizer moment's extra buffers (train/optim.py update_buffers), in parameter sizes:
+    the in-place update's temporaries peak at one parameter set; the out-of-place form (traced by
+    the graph trainer) returns fresh parameters and moments, three sets that share no storage with
+    its inputs, beside the same temporary."""
+    from titan_tpu.train.optim import adamw_init, adamw_update, adamw_update_, update_buffers
+
+    gen = torch.Generator().manual_seed(0)
+    params = {f"w{i}": torch.randn(256, 64 * (i + 1), generator=gen) for i in range(3)}
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
+    state = adamw_init(params)
+    hparams = dict(step=3, lr=1e-3, decay={n: True for n in params})
+    one_set = sum(p.numel() * p.element_size() for p in params.values())
+    inplace = _alloc_peak(lambda: adamw_update_(params, grads, state, **hparams))
+    assert inplace == pytest.approx(update_buffers(out_of_place=False) * one_set, rel=0.01)
+
+    new_params, new_state = adamw_update(params, grads, state, **hparams)
+    inputs = {t.untyped_storage().data_ptr() for d in (params, grads, *state.values()) for t in d.values()}
+    fresh = [t for d in (new_params, *new_state.values()) for t in d.values()
+             if t.untyped_storage().data_ptr() not in inputs]
+    fresh_sets = sum(t.numel() * t.element_size() for t in fresh) / one_set
+    assert fresh_sets + update_buffers(out_of_place=False) == update_buffers(out_of_place=True)
+
+
+def test_eager_time_fit_recovers_the_constants_it_was_made_with():
+    """calibrate.fit_eager_time: step times built from known efficiencies (matmul 0.7, elementwise
+    0.25) over runs with different shares of elementwise work give those efficiencies back."""
+    from titan_tpu.plan.calibrate import fit_eager_time
+
+    runs = [(c, e, c / 0.7 + e / 0.25) for c, e in ((0.2, 0.02), (0.3, 0.05), (0.07, 0.03), (1.5, 0.1))]
+    efficiency, elementwise = fit_eager_time(runs)
+    assert efficiency == pytest.approx(0.7) and elementwise == pytest.approx(0.25)
+
+
 def test_plan_grows_the_right_terms():
     base = plan_config(build_config(CONFIGS / "llama3_debug.toml"), CPU, measure=False)
     full = plan_config(build_config(CONFIGS / "llama3_debug.toml", ["--activation_checkpoint.mode", "full"]), CPU,

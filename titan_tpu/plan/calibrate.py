@@ -6,10 +6,12 @@ titan_tpu.train`, torchrun for two ranks) with validation and checkpoints off, l
 the measurements are the trainer's own metrics rows: `max_memory_gb` of the last row, the
 process's peak resident memory (VmHWM) since the training loop began, rank 0's, and the best
 `tokens_per_s` of the steps after the first. For one-process runs the peak of live tensors in a
-step is also measured with torch's profiler (`measure_live_peak`). The planner
+step is also measured, with torch's profiler, or glibc's bytes in use for Inductor's compiled
+steps, whose buffers the profiler does not see (`measure_live_peak`). The planner
 predicts that same quantity: model terms plus the runtime's resident memory, a constant measured
 here too: the measured peak of a trainer run with a tiny model and 16 tokens a step minus the
-planner's terms for it (`measure_runtime_bytes`).
+planner's terms for it (`measure_runtime_bytes`), and for graph-mode configurations the same
+tiny run in graph mode.
 
 Run it alone on the machine (`flock /work/cpu.lock` where it is shared): the speeds are
 comparisons of this process's measured CPU peak with the runs'. Results go to
@@ -18,6 +20,7 @@ comparisons of this process's measured CPU peak with the runs'. Results go to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -39,6 +42,7 @@ class Case:
     ranks: int = 1
     debug: bool = True  # the tokens/s target (within 25%) applies to the debug models
     extra: tuple[str, ...] = field(default=())
+    env: tuple[tuple[str, str], ...] = ()  # environment of the training process (the allocator checks)
 
 
 _FEW_STEPS = ("--training.steps", "6", "--metrics.log_freq", "1", "--validation.enabled", "false",
@@ -60,6 +64,29 @@ CASES = [
     Case("qwen3 debug, 2 ranks fully_shard, scanned, AC selective", "configs/qwen3_debug.toml",
          ("--model.scan_layers", "true", "--activation_checkpoint.mode", "selective"), ranks=2),
     Case("qwen3_moe debug, 2 ranks, ep 2", "configs/qwen3_moe_debug.toml", ("--parallelism.ep", "2"), ranks=2),
+    # Graph mode (--training.mode graph): the whole step captured and compiled, one process.
+    Case("llama3 debug, graph aot_eager, unrolled", "configs/llama3_debug.toml",
+         ("--training.mode", "graph", "--compile.backend", "aot_eager")),
+    Case("llama3 debug, graph inductor, unrolled", "configs/llama3_debug.toml",
+         ("--training.mode", "graph", "--compile.backend", "inductor")),
+    Case("llama3 debug, graph inductor, unrolled, AC full", "configs/llama3_debug.toml",
+         ("--training.mode", "graph", "--compile.backend", "inductor", "--activation_checkpoint.mode", "full")),
+    Case("qwen3 debug, graph inductor, scanned", "configs/qwen3_debug.toml",
+         ("--training.mode", "graph", "--compile.backend", "inductor", "--model.scan_layers", "true")),
+    Case("qwen3 debug, graph aot_eager, scanned, AC full", "configs/qwen3_debug.toml",
+         ("--training.mode", "graph", "--compile.backend", "aot_eager", "--model.scan_layers", "true",
+          "--activation_checkpoint.mode", "full")),
+    # The same runs as three above with glibc's mmap threshold fixed at 4 MiB: freed large blocks
+    # go back to the system instead of staying in the heap, so resident memory follows the live
+    # tensors (docs/planner.md, "Where resident memory goes").
+    Case("llama3 debug, AC full, unrolled, fixed mmap threshold", "configs/llama3_debug.toml",
+         ("--activation_checkpoint.mode", "full"), env=(("MALLOC_MMAP_THRESHOLD_", "4194304"),)),
+    Case("qwen3 debug, AC full, scanned, seq 1024, fixed mmap threshold", "configs/qwen3_debug.toml",
+         ("--model.scan_layers", "true", "--activation_checkpoint.mode", "full", "--training.seq_len", "1024"),
+         env=(("MALLOC_MMAP_THRESHOLD_", "4194304"),)),
+    Case("qwen3 debug, 2 ranks fully_shard, scanned, AC selective, fixed mmap threshold", "configs/qwen3_debug.toml",
+         ("--model.scan_layers", "true", "--activation_checkpoint.mode", "selective"), ranks=2,
+         env=(("MALLOC_MMAP_THRESHOLD_", "4194304"),)),
     Case("qwen3 0.6B, batch 1 x seq 256, AC full", "configs/qwen3_0.6b_cpu.toml",
          ("--training.seq_len", "256", "--activation_checkpoint.mode", "full", "--training.steps", "3"),
          debug=False),
@@ -84,13 +111,19 @@ RUNTIME_CASE = Case("runtime: llama3 debug, batch 1 x seq 16", "configs/llama3_d
                     ("--training.batch_size", "1", "--training.seq_len", "16"))
 
 
-def measure_runtime_bytes(out_dir: Path, tokenizer: str, python: str) -> float:
+def measure_runtime_bytes(out_dir: Path, tokenizer: str, python: str, *, graph: bool = False) -> float:
     """Resident memory of the trainer process that the planner's terms do not model (Python,
     torch, the tokenizer, the data loader, allocator slack): the measured peak of a run whose
     model terms are tiny (llama3 debug, 16 tokens a step: 0.12 GB of parameters, gradients and
     moments, nothing else to speak of) minus the planner's own terms for that run."""
-    result = _run_case(RUNTIME_CASE, out_dir, tokenizer, python)
-    plan = predict(result, {"peak_flops": 1e11, "memory_bandwidth": 1e10, "runtime_bytes": 0.0})
+    case = RUNTIME_CASE
+    if graph:  # the same tiny run, its step captured and compiled by Inductor (CPU_GRAPH_RUNTIME_BYTES)
+        case = dataclasses.replace(case, name=case.name + ", graph inductor",
+                                   overrides=case.overrides + ("--training.mode", "graph", "--compile.backend",
+                                                               "inductor"))
+    result = _run_case(case, out_dir, tokenizer, python)
+    plan = predict(result, {"peak_flops": 1e11, "memory_bandwidth": 1e10, "runtime_bytes": 0.0,
+                            "graph_runtime_bytes": 0.0})
     return result["measured_peak_gb"] * 1e9 - plan.peak_bytes
 
 
@@ -107,20 +140,41 @@ args = dataclasses.replace(model_args_from_config(cfg), max_seq_len=t.seq_len)  
 model = build_model(args, seed=0, scan_layers=cfg.model.scan_layers, ac_mode=cfg.activation_checkpoint.mode,
                     kernels=cfg.kernels)
 opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
-step = EagerStep(model, opt, max_norm=t.max_norm)
+if t.mode == "graph":  # the trainer's graph step: captured and compiled once, before the measured steps
+    from titan_tpu.graph.compile import GraphStep
+    example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long)
+    step = GraphStep(model, opt, max_norm=t.max_norm, example_batch=(example, example), backend=cfg.compile.backend,
+                     split=cfg.compile.split, prefetch=None if cfg.compile.prefetch < 0 else cfg.compile.prefetch)
+else:
+    step = EagerStep(model, opt, max_norm=t.max_norm)
 tokens = torch.randint(0, args.vocab_size, (t.batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(0))
 batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 step([batch], 1e-4)
 # Live at the start of a step: parameters, buffers and the two moments (gradients are dropped after each step).
 static = sum(x.numel() * x.element_size() for x in [*model.parameters(), *model.buffers()])
 static += sum(x.numel() * x.element_size() for d in (opt.state["exp_avg"], opt.state["exp_avg_sq"]) for x in d.values())
-with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+if t.mode == "graph" and cfg.compile.backend == "inductor":
+    # The profiler does not see the buffers Inductor's compiled code allocates, so: glibc's bytes
+    # in use (mallinfo2), read at every call the compiled step makes from Python (kernels,
+    # buffer allocations), minus those at the start of the step: the step's own allocations.
+    from titan_tpu.plan.malloc_stats import malloc_in_use as in_use
+    start = in_use()
+    most = [start]
+    def sample(frame, event, arg):
+        if event in ("c_call", "c_return", "call", "return"):
+            most[0] = max(most[0], in_use())
+    sys.setprofile(sample)
     step([batch], 1e-4)
-changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
-now = peak = 0
-for _, delta in changes:
-    now += delta
-    peak = max(peak, now)
+    sys.setprofile(None)
+    peak = most[0] - start
+else:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step([batch], 1e-4)
+    changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+    now = peak = 0
+    for _, delta in changes:
+        now += delta
+        peak = max(peak, now)
 print(json.dumps({"live_peak_gb": (static + peak) / 1e9}))
 """
 
@@ -152,7 +206,7 @@ def _run_case(case: Case, out_dir: Path, tokenizer: str, python: str) -> dict:
         torchrun = str(Path(python).with_name("torchrun"))
         cmd = [torchrun, "--standalone", f"--nproc_per_node={case.ranks}", "-m", "titan_tpu.train", *args]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **dict(case.env)})
     if proc.returncode != 0:
         raise RuntimeError(f"{case.name} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -181,17 +235,19 @@ def predict(result: dict, hw_numbers: dict) -> dict:
     cpu = hw_mod.Hardware(**{**cpu.as_dict(), "peak_flops": hw_numbers["peak_flops"],
                              "memory_bandwidth": hw_numbers["memory_bandwidth"],
                              "interconnect_bandwidth": hw_numbers["memory_bandwidth"] / 4,
-                             "runtime_bytes": hw_numbers["runtime_bytes"]})
+                             "runtime_bytes": hw_numbers["runtime_bytes"],
+                             "graph_runtime_bytes": hw_numbers.get("graph_runtime_bytes", hw_numbers["runtime_bytes"])})
     return plan_config(cfg, cpu)
 
 
-def _table(results: list[dict], hw_numbers: dict) -> tuple[str, list[float]]:
+def _table(results: list[dict], hw_numbers: dict) -> tuple[str, dict[str, list[float]]]:
     lines = ["| configuration | predicted peak | measured peak RSS | error | predicted tensors | live tensors "
              "(profiler) | error | tok/s predicted | tok/s measured | error |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    implied = []
+    implied = {"eager": [], "graph": []}  # eager: (compute at peak, elementwise at the copy rate, measured) s
     for r in results:
-        plan = predict(r, hw_numbers)
+        # Each run is predicted on the CPU numbers measured in its own invocation (--only runs merge).
+        plan = predict(r, r.get("hardware", hw_numbers))
         mem_err = (plan.peak_bytes / 1e9 - r["measured_peak_gb"]) / r["measured_peak_gb"]
         tps_err = (plan.tokens_per_s - r["measured_tokens_per_s"]) / r["measured_tokens_per_s"]
         if r["debug"]:
@@ -199,15 +255,31 @@ def _table(results: list[dict], hw_numbers: dict) -> tuple[str, list[float]]:
             t = plan.time
             measured_step = plan.batch["tokens_per_step"] / r["measured_tokens_per_s"]
             compute_measured = measured_step - t["elementwise_s"] - t["collectives_s"]
-            if compute_measured > 0:
-                implied.append(plan.hardware["efficiency"] * t["compute_s"] / compute_measured)
+            if compute_measured > 0 and not r.get("env"):
+                if plan.batch["mode"] == "graph":
+                    implied["graph"].append(t["efficiency"] * t["compute_s"] / compute_measured)
+                else:
+                    implied["eager"].append((t["efficiency"] * t["compute_s"],
+                                             t["elementwise_efficiency"] * t["elementwise_s"],
+                                             measured_step - t["collectives_s"]))
         tensors = (plan.peak_bytes - plan.memory["runtime"]) / 1e9
         live = r.get("live_peak_gb")
-        live_cols = f"{live:.3f} GB | {tensors / live - 1:+.1%}" if live else "(2 ranks) | "
+        live_cols = (f"{live:.3f} GB | {tensors / live - 1:+.1%}" if live else
+                     "(as without) | " if r.get("env") else "(2 ranks) | ")
         lines.append(f"| {r['name']} | {plan.peak_bytes / 1e9:.3f} GB | {r['measured_peak_gb']:.3f} GB | "
                      f"{mem_err:+.1%} | {tensors:.3f} GB | {live_cols} | {plan.tokens_per_s:,.0f} | "
                      f"{r['measured_tokens_per_s']:,.0f} | {tps_err:+.1%} |")
     return "\n".join(lines), implied
+
+
+def fit_eager_time(runs: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(matmul efficiency, elementwise efficiency) for which compute_at_peak / e + elementwise_at_copy_rate / w
+    best matches each run's measured step time (least squares on the relative error)."""
+    import torch
+
+    a = torch.tensor([[c / m, e / m] for c, e, m in runs], dtype=torch.float64)
+    coef = torch.linalg.lstsq(a, torch.ones(len(runs), 1, dtype=torch.float64)).solution.flatten()
+    return 1 / coef[0].item(), 1 / coef[1].item()
 
 
 def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
@@ -227,24 +299,39 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
         hw_numbers = {"peak_flops": cpu_peak_flops(), "memory_bandwidth": measure_cpu_memory_bandwidth(),
                       "runtime_bytes": measure_runtime_bytes(out, tokenizer, python), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "threads": os.cpu_count()}
+        if any("graph" in " ".join(c.overrides) for c in cases):
+            hw_numbers["graph_runtime_bytes"] = measure_runtime_bytes(out, tokenizer, python, graph=True)
+            print(f"graph-mode runtime resident memory {hw_numbers['graph_runtime_bytes'] / 1e9:.3f} GB", flush=True)
         print(f"CPU: peak {hw_numbers['peak_flops'] / 1e9:.0f} GFLOP/s, copy bandwidth "
               f"{hw_numbers['memory_bandwidth'] / 1e9:.1f} GB/s, runtime resident memory "
               f"{hw_numbers['runtime_bytes'] / 1e9:.3f} GB", flush=True)
-        results = []
+        # A partial run (--only) replaces its configurations in an existing file, so the set can be
+        # measured in several sittings (each result keeps the CPU numbers measured with it).
+        old = json.loads(path.read_text())["results"] if only is not None and path.exists() else []
+        results = {r["name"]: r for r in old}
         for case in cases:
             print(f"running: {case.name}", flush=True)
             result = _run_case(case, out, tokenizer, python)
-            result["live_peak_gb"] = measure_live_peak(case, python, tokenizer)
-            results.append(result)
-        data = {"hardware": hw_numbers, "results": results}
+            result["live_peak_gb"] = None if case.env else measure_live_peak(case, python, tokenizer)
+            result["hardware"], result["env"] = hw_numbers, dict(case.env)
+            results[case.name] = result
+        order = [c.name for c in CASES]
+        ordered = sorted(results.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+        data = {"hardware": hw_numbers, "results": ordered}
         path.write_text(json.dumps(data, indent=2) + "\n")
     table, implied = _table(data["results"], data["hardware"])
     print(f"calibration of {data['hardware']['date']}: CPU peak {data['hardware']['peak_flops'] / 1e9:.0f} GFLOP/s, "
           f"copy {data['hardware']['memory_bandwidth'] / 1e9:.1f} GB/s, runtime {data['hardware']['runtime_bytes'] / 1e9:.3f} GB")
     print(table)
-    if implied:
-        print(f"efficiency implied by the debug runs: median {statistics.median(implied):.3f} "
-              f"(range {min(implied):.3f}-{max(implied):.3f}); hardware.CPU_EFFICIENCY is "
-              f"{__import__('titan_tpu.plan.hardware', fromlist=['x']).CPU_EFFICIENCY}")
+    from titan_tpu.plan import hardware as hw_mod
+
+    if len(implied["eager"]) >= 2:
+        efficiency, elementwise = fit_eager_time(implied["eager"])
+        print(f"eager-mode debug runs, fitted together: matmul efficiency {efficiency:.3f}, elementwise efficiency "
+              f"{elementwise:.3f}; the planner uses {hw_mod.CPU_EFFICIENCY} and {hw_mod.CPU_ELEMENTWISE_EFFICIENCY}")
+    if implied["graph"]:
+        values = implied["graph"]
+        print(f"efficiency implied by the graph-mode debug runs: median {statistics.median(values):.3f} "
+              f"(range {min(values):.3f}-{max(values):.3f}); the planner uses {hw_mod.CPU_GRAPH_EFFICIENCY}")
     print(f"results: {path}")
     return 0

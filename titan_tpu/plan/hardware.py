@@ -38,8 +38,21 @@ class Hardware:
     interconnect_bandwidth: float  # bytes/s a device sends into a ring collective
     devices_per_chip: int = 1
     efficiency: float = 0.7  # ACCELERATOR_EFFICIENCY: fraction of peak matmul-dominated work reaches (docstring)
+    graph_efficiency: float | None = None  # the same for graph mode (captured, compiled); None: `efficiency`
+    # Fraction of memory_bandwidth the eager step's elementwise work reaches (1.0: the copy rate;
+    # graph mode, whose compiler fuses that work, always uses 1.0).
+    elementwise_efficiency: float = 1.0
     runtime_bytes: float = 0.0  # memory the planner's terms do not model (CPU: the process itself)
+    graph_runtime_bytes: float | None = None  # the same in graph mode (CPU: plus the compiled step); None: as eager
     source: str = ""
+
+    def mode_constants(self, *, graph: bool) -> tuple[float, float, float]:
+        """(matmul efficiency, elementwise efficiency, runtime bytes) of an eager or a graph-mode
+        step. Graph fields left unset fall back to the eager ones; graph mode's elementwise work
+        runs at the copy rate (its compiler fuses it)."""
+        if not graph:
+            return self.efficiency, self.elementwise_efficiency, self.runtime_bytes
+        return self.graph_efficiency or self.efficiency, 1.0, self.graph_runtime_bytes or self.runtime_bytes
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -50,39 +63,57 @@ GiB = 1024**3
 # Accelerator efficiency: an assumption, not a measurement (docs/planner.md discusses it).
 ACCELERATOR_EFFICIENCY = 0.7
 
+# Checked against the vendor pages on 2026-11-30 (Google's TPU pages: the per-generation pages and
+# the comparison table of the tpu7x page). Google states ICI as bidirectional GB/s per chip; for v4,
+# whose page gives no per-chip figure, the send bandwidth is the page's "all-reduce bandwidth per
+# Pod" (1.1 PB/s) over its 4,096 chips, which for v5e and v6e gives exactly half their stated
+# bidirectional figure, the same rule as the others.
 HARDWARE: dict[str, Hardware] = {
-    "v4": Hardware("v4", 275e12, 32 * GiB, 1200e9, 2400e9 / 8 / 2,
-                   source=f"{_GOOGLE}v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s, ICI 2,400 Gbps per chip"),
-    "v5e": Hardware("v5e", 197e12, 16 * GiB, 819e9, 1600e9 / 8 / 2,
-                    source=f"{_GOOGLE}v5e: 197 TFLOP/s bf16, 16 GiB HBM2 at 819 GB/s, ICI 1,600 Gbps per chip"),
+    "v4": Hardware("v4", 275e12, 32 * GiB, 1200e9, 1.1e15 / 4096,
+                   source=f"{_GOOGLE}v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s; all-reduce bandwidth "
+                          "1.1 PB/s per 4,096-chip pod (no per-chip ICI figure on the page)"),
+    "v5e": Hardware("v5e", 197e12, 16e9, 819e9, 400e9 / 2,
+                    source=f"{_GOOGLE}v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, bidirectional ICI "
+                           "400 GB/s per chip"),
     "v5p": Hardware("v5p", 459e12, 95 * GiB, 2765e9, 1200e9 / 2,
                     source=f"{_GOOGLE}v5p-training: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s, "
                            "bidirectional ICI 1,200 GB/s per chip"),
-    "v6e": Hardware("v6e", 918e12, 32 * GiB, 1640e9, 3584e9 / 8 / 2,
+    "v6e": Hardware("v6e", 918e12, 32 * GiB, 1638e9, 800e9 / 2,
                     source=f"{_GOOGLE}v6e and {_GOOGLE}tpu7x (comparison table): 918 TFLOP/s bf16, 32 GiB HBM "
-                           "at 1,640 GB/s, ICI 3,584 Gbps per chip"),
+                           "at 1,638 GB/s, bidirectional ICI 800 GB/s per chip"),
     # v7 (Ironwood, TPU7x): two devices per chip; per-device numbers are half the chip's.
     "v7": Hardware("v7", 2307e12 / 2, 192 * GiB / 2, 7380e9 / 2, 1200e9 / 2 / 2, devices_per_chip=2,
-                   source=f"{_GOOGLE}tpu7x: 2,307 TFLOP/s bf16, 192 GiB HBM3e at 7.37 TB/s, bidirectional ICI "
-                          "1.2 TB/s per chip; two devices per chip (halved here)"),
+                   source=f"{_GOOGLE}tpu7x: 2,307 TFLOP/s bf16, 192 GiB HBM at 7,380 GB/s, bidirectional ICI "
+                          "1,200 GB/s per chip; two devices per chip (halved here)"),
     "h100": Hardware("h100", 989e12, 80e9, 3.35e12, 900e9 / 2,
-                     source="https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s bf16 dense, "
-                            "80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s"),
+                     source="https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s bf16 dense "
+                            "(1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional"),
     "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 900e9 / 2,
-                     source="https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s bf16 dense, "
-                            "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s"),
+                     source="https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s bf16 dense "
+                            "(1,979 with sparsity), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional"),
     "b200": Hardware("b200", 2250e12, 180e9, 8e12, 1800e9 / 2,
-                     source="https://www.nvidia.com/en-us/data-center/dgx-b200/ (DGX B200, per GPU): 2.25 PFLOP/s "
-                            "bf16 dense, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s"),
+                     source="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU): 2.25 PFLOP/s "
+                            "bf16 dense (4.5 with sparsity), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional"),
 }
 
 # This CPU: constants measured by `titan-tpu plan --calibrate` (docs/planner.md has the runs).
-# CPU_EFFICIENCY: the fraction of the measured matmul peak the debug models' steps reach
-# (median over the calibration runs). CPU_RUNTIME_BYTES: the resident memory of a trainer process
-# before it builds a model (Python, torch, the tokenizer and data loader), measured the same way
-# the trainer measures memory (process RSS).
-CPU_EFFICIENCY = 0.365  # median implied by the debug runs of the 2026-11-30 20:21 calibration
-CPU_RUNTIME_BYTES = 0.349e9  # measured by the same calibration
+# CPU_RUNTIME_BYTES: the resident memory of a trainer process before it builds a model (Python,
+# torch, the tokenizer and data loader), measured the same way the trainer measures memory (RSS).
+# Eager steps: matmul time at CPU_EFFICIENCY of the measured peak plus elementwise time at
+# CPU_ELEMENTWISE_EFFICIENCY of the measured copy bandwidth, both fitted together (least squares
+# on the relative error) to the eager debug runs of the 2026-11-30 23:31-23:51 calibration (Intel
+# Xeon, 2 threads).
+CPU_EFFICIENCY = 0.70
+CPU_ELEMENTWISE_EFFICIENCY = 0.28
+CPU_RUNTIME_BYTES = 0.348e9  # measured by the same calibration
+# Graph mode (the step captured and compiled): one efficiency, the median the graph-mode runs of the
+# same calibration imply (elementwise at the copy rate: Inductor fuses it; the runs cannot tell a
+# second constant apart).
+CPU_GRAPH_EFFICIENCY = 0.50
+# CPU_GRAPH_RUNTIME_BYTES: the resident memory of a graph-mode trainer beside its tensors: the
+# runtime above plus the captured and compiled step (graph, generated code, compiler state),
+# measured like CPU_RUNTIME_BYTES with the tiny run in graph mode (Inductor).
+CPU_GRAPH_RUNTIME_BYTES = 0.484e9
 
 
 def measure_cpu_memory_bandwidth(nbytes: int = 1 << 27, reps: int = 5) -> float:
@@ -115,6 +146,8 @@ def cpu_hardware(*, measure: bool = True) -> Hardware:
     peak = device.cpu_peak_flops() if measure else 100e9
     bandwidth = measure_cpu_memory_bandwidth() if measure else 10e9
     return Hardware("cpu", peak, _total_ram(), bandwidth, bandwidth / 4, efficiency=CPU_EFFICIENCY,
+                    graph_efficiency=CPU_GRAPH_EFFICIENCY, graph_runtime_bytes=CPU_GRAPH_RUNTIME_BYTES,
+                    elementwise_efficiency=CPU_ELEMENTWISE_EFFICIENCY,
                     runtime_bytes=CPU_RUNTIME_BYTES,
                     source=f"this machine: fp32 matmul peak {peak / 1e9:.0f} GFLOP/s and copy bandwidth "
                            f"{bandwidth / 1e9:.1f} GB/s {'measured now' if measure else '(nominal, not measured)'}; "

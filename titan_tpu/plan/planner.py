@@ -17,8 +17,8 @@ full-size gradient) and the optimizer update (gradients and the AdamW temporary)
 
 Time: compute = executed FLOPs (the model's, plus the recomputed forward under full activation
 checkpointing) / (peak x efficiency); elementwise work = memory traffic of the activations and of
-the optimizer / memory bandwidth; collectives = bytes / interconnect bandwidth. Step time without
-overlap sums them; with overlap, collectives hide behind compute and only the excess shows.
+the optimizer / (memory bandwidth x elementwise efficiency, fitted on the CPU's eager runs);
+collectives = bytes / interconnect bandwidth. Step time without overlap sums them; with overlap, collectives hide behind compute and only the excess shows.
 Eager runs (no scheduler to overlap) use the first, graph mode the second.
 """
 
@@ -36,6 +36,7 @@ from titan_tpu.models.registry import (flops_per_token, largest_param, num_activ
                                        num_params)
 from titan_tpu.parallel.plan_terms import Layout
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
+from titan_tpu.train.optim import update_buffers
 
 __all__ = ["Plan", "plan_config", "format_plan", "default_hardware", "for_planning"]
 
@@ -185,7 +186,8 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
                                            scanned=scanned and not per_layer_stack)
     accumulating = grads_b if t.grad_accum_steps > 1 else 0.0  # earlier micro-batches' gradients
 
-    static = params_b + moments_b + hardware.runtime_bytes
+    efficiency, elementwise_efficiency, runtime = hardware.mode_constants(graph=t.mode == "graph")
+    static = params_b + moments_b + runtime
     forward_end = static + gathered + acts.saved + acts.head + loss_kept + loss_peak + accumulating
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
     layer_grad = [g * mb / dp_shard for g in _layer_params(args)]
@@ -196,7 +198,10 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         above += grad
     backward = static + gathered + acts.head + loss_kept + worst + acts.recompute + full_grad + \
         max(accumulating - above, 0.0)
-    optimizer = static + grads_b + stored * mb  # AdamW's sqrt(v) temporary
+    # AdamW's sqrt(v) temporary; the traced step's out-of-place update also writes fresh parameters
+    # and moments (train/optim.py update_buffers).
+    update_b = update_buffers(out_of_place=t.mode == "graph") * stored * mb
+    optimizer = static + grads_b + update_b
     phases = {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
     peak_phase = max(phases, key=phases.get)
     peak = phases[peak_phase]
@@ -205,8 +210,8 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         "parameters": params_b, "gradients": grads_b, "optimizer_state": moments_b,
         "activations": acts.saved + acts.head, "activation_recompute": acts.recompute,
         "gathered_weights": gathered, "full_size_gradient": full_grad,
-        "loss_kept": loss_kept, "loss_peak": loss_peak, "optimizer_temporary": stored * mb,
-        "runtime": hardware.runtime_bytes, "phases": phases,
+        "loss_kept": loss_kept, "loss_peak": loss_peak, "optimizer_temporary": update_b,
+        "runtime": runtime, "phases": phases,
     }
     if args.moe is not None:
         # Part of the activations: what expert parallelism adds (each rank's experts see the ep
@@ -232,13 +237,13 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     # Time. On this CPU the ranks share the cores: each gets 1 / devices of the peak.
     share = devices if hardware.name == "cpu" else 1
     peak_flops = hardware.peak_flops / share
-    compute_s = executed_rank / (peak_flops * hardware.efficiency)
+    compute_s = executed_rank / (peak_flops * efficiency)
     none_acts = activation_bytes(args, tokens=tokens, ac_mode="none", dtype_bytes=cb, ep=cfg.parallelism.ep)
     # Every intermediate is written in the forward and read and written in the backward (again when
     # recomputed); AdamW and clipping stream parameters, gradients and moments about twelve times.
     elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if ac != "none" else 0)) * t.grad_accum_steps \
         + 12 * stored * mb
-    elementwise_s = elementwise_bytes / (hardware.memory_bandwidth / share)
+    elementwise_s = elementwise_bytes / (hardware.memory_bandwidth / share * elementwise_efficiency)
     comm_s = sum(c.bytes_per_step for c in collectives) / hardware.interconnect_bandwidth
     no_overlap = compute_s + elementwise_s + comm_s
     overlap = compute_s + elementwise_s + max(0.0, comm_s - compute_s)
@@ -261,7 +266,8 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         communication=[dataclasses.asdict(c) for c in collectives],
         time={"compute_s": compute_s, "elementwise_s": elementwise_s, "collectives_s": comm_s,
               "step_s_no_overlap": no_overlap, "step_s_overlap": overlap, "step_s": step_s,
-              "overlap_assumed": overlapped},
+              "overlap_assumed": overlapped, "efficiency": efficiency,
+              "elementwise_efficiency": elementwise_efficiency},
         tokens_per_s=tokens_per_s, mfu=mfu)
     plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak) / peak if peak else 0.0)
     return plan
@@ -360,7 +366,7 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"  {c['kind']:26s} over {c['axis']:12s} ({c['group_size']:>4}): "
                          f"{c['bytes_per_step'] / 1e9:9.3f} GB  {c['purpose']}")
     t = plan.time
-    lines.append(f"time per step: compute {t['compute_s']:.4g} s (at {hw['efficiency']:.0%} of "
+    lines.append(f"time per step: compute {t['compute_s']:.4g} s (at {t['efficiency']:.0%} of "
                  f"{hw['peak_flops'] / 1e12:.4g} TFLOP/s), elementwise {t['elementwise_s']:.4g} s, collectives "
                  f"{t['collectives_s']:.4g} s; {t['step_s_no_overlap']:.4g} s without overlap, "
                  f"{t['step_s_overlap']:.4g} s with")

@@ -28,6 +28,7 @@ __all__ = [
     "clip_grad_norm_",
     "grad_norm",
     "lr_at",
+    "update_buffers",
     "validate_lr_schedule",
     "weight_decay_mask",
 ]
@@ -147,6 +148,15 @@ def adamw_update(
                  for key in ("exp_avg", "exp_avg_sq")}
     adamw_update_(new_params, grads, new_state, **hparams)
     return new_params, new_state
+
+
+def update_buffers(*, out_of_place: bool) -> int:
+    """Parameter-sized buffers a step's update holds beside the parameters, the gradients and the
+    moments at its peak (the planner's optimizer moment): one, `adamw_update_`'s sqrt(v)
+    temporary (`denom`), in place (the eager path); out of place (`adamw_update`, the form the
+    graph trainer traces) also the fresh parameters and both fresh moments it returns, which the
+    compiled step writes before `GraphStep` copies them back."""
+    return 1 + (3 if out_of_place else 0)
 
 
 def grad_norm(grads: dict[str, Tensor]) -> Tensor:
