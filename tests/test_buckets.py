@@ -328,3 +328,25 @@ def test_backward_re_gathers_are_prefetched_within_the_backward(runs):
     # ... and the second (block 0) is issued right after the first's wait, so it travels while
     # block 1's backward computes.
     assert backward[1] == waits[6] + 1 and backward[1] < waits[7]
+
+
+@pytest.mark.parametrize("world, layout", [
+    (1, [((2, 3), 1, (2, 3)), ((4,), 0, (4,))]),  # one rank: every reshape is a view
+    (2, [((2, 3), 0, (4, 3))]),  # the buffer's only tensor, split on dim 0: rank-major is the layout
+])
+def test_gathered_tensors_never_alias_the_gathered_buffer(world, layout):
+    """_CopyOut's outputs are fresh tensors where a reshape would have returned a view: a view of
+    the buffer broke the scanned MoE step with ep = world = 2 in graph mode (scan's
+    functionalisation rebuilt the saved weight as an out-of-bounds strided view)."""
+    from titan_tpu.parallel.buckets import _CopyOut
+
+    numel = sum(torch.Size(local).numel() for local, _, _ in layout)
+    by_rank = torch.arange(world * numel, dtype=torch.float32).view(world, numel).requires_grad_()
+    outs = _CopyOut.apply(by_rank, layout)
+    offset = 0
+    for out, (local, dim, full) in zip(outs, layout):
+        n = torch.Size(local).numel()
+        expected = torch.cat(list(by_rank.detach()[:, offset:offset + n].view(world, *local)), dim=dim)
+        offset += n
+        assert torch.equal(out, expected)
+        assert not out._is_view() and out.untyped_storage().data_ptr() != by_rank.untyped_storage().data_ptr()

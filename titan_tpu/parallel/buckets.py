@@ -220,8 +220,13 @@ class _CopyOut(torch.autograd.Function):
                 out.append(block[0].clone())
                 continue
             merged_shape = (*local_shape[:dim], by_rank.shape[0] * local_shape[dim], *local_shape[dim + 1:])
-            merged = block.movedim(0, dim).reshape(merged_shape)  # the copy
-            out.append(merged.narrow(dim, 0, full_shape[dim]).contiguous())
+            merged = block.movedim(0, dim).reshape(merged_shape)  # the copy, usually
+            full = merged.narrow(dim, 0, full_shape[dim]).contiguous()
+            # reshape is a view where the layout allows (one rank; the buffer's only tensor, split
+            # on dim 0): copy then too. An output aliasing the buffer breaks scan's
+            # functionalisation (the body's saved weight is rebuilt as a strided view of a
+            # different buffer) and would let one parameter's gradient view another's.
+            out.append(full.clone() if full._is_view() else full)
         return tuple(out)
 
     @staticmethod
