@@ -115,9 +115,14 @@ class StackedBlocks(nn.Module):
             # Eager: the same block function over the same stacked weights, in a Python loop.
             # torch's scan op would retrace its body (make_fx and a partitioner) on every eager
             # call, about a second per step even for a tiny model; the op pays off once traced.
+            # The stack is unbound once, not indexed per layer: each `w[i]` would have its own
+            # backward building a zero-filled [L, ...] gradient for its one layer (L full-size
+            # tensors summed per weight and step); unbind's one backward stacks the L layer
+            # gradients.
+            per_layer = zip(*(w.unbind(0) for w in stacked))
             stats = []
-            for i in range(self.n_layers):
-                h, layer_stats = body(h, rope, document_ids, *(w[i] for w in stacked))
+            for layer_weights in per_layer:
+                h, layer_stats = body(h, rope, document_ids, *layer_weights)
                 stats.append(layer_stats)
             return h, torch.stack(stats)
         if self.ac_mode == "full":
