@@ -12,6 +12,7 @@ captured graph's nodes (graph mode).
     python bench/scaling.py --modes eager --bucket-mb 0 25 --rounds 3
     python bench/scaling.py --modes graph --prefetch 0 1 --profile /tmp/prof   # + torch.profiler trace of rank 0
     python bench/scaling.py --scan                           # scanned layers
+    python bench/scaling.py --bucket-mb 256 --prefetch 1 --reshard true false   # re-sharding on vs off
 
 Prints one line per (mode, options) with 1-rank and 2-rank tokens/s per rank, per-round
 retentions and their median, and the collectives per step.
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 
 def _job(*, mode: str, backend: str, split: str, batch: int, seq: int, steps: int, warmup: int, layers: int,
-         scan: bool, bucket_mb: float, prefetch: int, profile: str) -> dict:
+         scan: bool, bucket_mb: float, prefetch: int, profile: str, reshard: bool = True) -> dict:
     """One rank's run (called on every rank by run_ranks); returns its step times and counts."""
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -50,7 +51,7 @@ def _job(*, mode: str, backend: str, split: str, batch: int, seq: int, steps: in
     with torch.device("meta"):
         model = Transformer(args, scan_layers=scan)
     model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
-                                 seed=0, bucket_mb=bucket_mb)
+                                 seed=0, bucket_mb=bucket_mb, reshard_after_forward=reshard)
     optimizer = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
     g = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=g)
@@ -105,6 +106,8 @@ def main() -> None:
     parser.add_argument("--bucket-mb", nargs="+", type=float, default=[0.0, 25.0])
     parser.add_argument("--prefetch", nargs="+", type=int, default=[-1],
                         help="graph mode: all-gather prefetch depths to compare; -1 keeps the trace order")
+    parser.add_argument("--reshard", nargs="+", default=["true"], choices=["true", "false"],
+                        help="--parallelism.reshard_after_forward settings to compare (both: true false)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=256)
@@ -119,7 +122,8 @@ def main() -> None:
     tokens = a.batch * a.seq
     rows = []
     for mode in a.modes:
-        variants = [(b, p) for b, p in itertools.product(a.bucket_mb, a.prefetch if mode == "graph" else [-1])]
+        variants = [(b, p, r == "true") for b, p, r in
+                    itertools.product(a.bucket_mb, a.prefetch if mode == "graph" else [-1], a.reshard)]
         base = dict(mode=mode, backend=a.backend, split=a.split, batch=a.batch, seq=a.seq, steps=a.steps,
                     warmup=a.warmup, layers=a.layers, scan=a.scan)
         single, multi = [], {v: [] for v in variants}
@@ -129,7 +133,7 @@ def main() -> None:
             if r % 2:
                 order.reverse()
             for world, v in order:
-                opts = dict(base, bucket_mb=v[0] if v else 0.0, prefetch=v[1] if v else 0,
+                opts = dict(base, bucket_mb=v[0] if v else 0.0, prefetch=v[1] if v else 0, reshard=v[2] if v else True,
                             profile=a.profile and r == 0 and world == "2")
                 res = run_job(int(world), opts)
                 if world == "1":
@@ -142,12 +146,12 @@ def main() -> None:
                         profiles[v] = res["profile"]
         for v in variants:
             retention = [s / m for s, m in zip(single, multi[v])]  # same tokens per rank: time ratio
-            row = dict(mode=mode, bucket_mb=v[0], prefetch=v[1], scan=a.scan,
+            row = dict(mode=mode, bucket_mb=v[0], prefetch=v[1], reshard_after_forward=v[2], scan=a.scan,
                        tokens_s_1=tokens / statistics.median(single), tokens_s_2=tokens / statistics.median(multi[v]),
                        retention_rounds=[round(x, 3) for x in retention], retention=statistics.median(retention),
                        collectives=counts[v], final_loss=losses[v])
             rows.append(row)
-            extra = f", prefetch {v[1]}" if mode == "graph" else ""
+            extra = (f", prefetch {v[1]}" if mode == "graph" else "") + f", reshard {str(v[2]).lower()}"
             print(f"{mode:5s} bucket_mb {v[0]:g}{extra}{' scan' if a.scan else ''}: 1 rank {row['tokens_s_1']:,.0f} "
                   f"tok/s, 2 ranks {row['tokens_s_2']:,.0f} tok/s per rank; retention {row['retention']:.3f} "
                   f"(rounds {row['retention_rounds']}); collectives/step {counts[v]}; final loss {losses[v]:.6f}",

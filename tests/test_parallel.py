@@ -244,15 +244,16 @@ def test_sharded_training_matches_single_process(config):
         assert result["grad_placements_match"]
 
     # The collectives really ran: one all-gather per bucket in the forward (5 buckets, the default
-    # bucket_mb: embedding, 2 blocks, norm, output; parallel/buckets.py), and the matching
-    # gradient reduction in the backward.
+    # bucket_mb: embedding, 2 blocks, norm, output; parallel/buckets.py), the matching gradient
+    # reduction in the backward, and, re-sharded after the forward (the default), block 0 gathered
+    # again in the backward (the last block stays gathered: its backward comes first).
     counts = results[0]["comm_counts"]
-    n_buckets = 5
+    n_buckets, regathered = 5, 1
     expected = {
         "replicate": {"all_reduce": n_buckets},
-        "fully_shard": {"all_gather_into_tensor": n_buckets, "reduce_scatter_tensor": n_buckets},
+        "fully_shard": {"all_gather_into_tensor": n_buckets + regathered, "reduce_scatter_tensor": n_buckets},
         # reduce-scatter within each shard group, then all-reduce across the replicas
-        "hybrid_shard": {"all_gather_into_tensor": n_buckets, "reduce_scatter_tensor": n_buckets,
+        "hybrid_shard": {"all_gather_into_tensor": n_buckets + regathered, "reduce_scatter_tensor": n_buckets,
                          "all_reduce": n_buckets},
     }[mode]
     assert counts == expected

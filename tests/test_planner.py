@@ -199,7 +199,8 @@ def test_json_output(capsys):
     assert main(["plan", "--config", str(CONFIGS / "qwen3_235b_a22b_tpu.toml"), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["devices"] == 512 and plan["mesh"] == {"dp_replicate": 1, "dp_shard": 512, "ep": 8,
-                                                       "mode": "fully_shard", "gather": "model"}
+                                                       "mode": "fully_shard", "gather": "layer",
+                                                       "code_gather": "layer"}
     assert plan["hardware"]["name"] == "v5p" and plan["hardware"]["source"].startswith("https://")
     for key in ("parameters", "gradients", "optimizer_state", "activations", "gathered_weights", "moe_dispatch"):
         assert plan["memory"][key] >= 0
@@ -210,18 +211,26 @@ def test_json_output(capsys):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_fit_once_weights_are_regathered_per_layer(recipe):
-    """Today SimpleFSDP keeps every gathered block weight from the forward to the backward, and a
-    scanned stack's gradient comes out whole: the planner says the recipes do not fit (the gathered
-    weights are the whole model in bf16). Re-gathering per layer, they fit."""
+    """SimpleFSDP re-shards after the forward by default (parallel/reshard.py: block weights
+    gathered again in the backward, a scanned stack gathered and reduce-scattered per layer): the
+    recipes fit with the code as it is. Keeping every gathered block weight from the forward to the
+    backward (--parallelism.reshard_after_forward false, or the what-if --gather model), the
+    gathered weights are the whole model in bf16 and they do not."""
     cfg = for_planning(CONFIGS / f"{recipe}.toml")
     today = plan_config(cfg)
+    assert today.mesh["gather"] == today.mesh["code_gather"] == "layer"
+    assert today.fits, today.peak_bytes / 1e9
     args = model_args_from_config(cfg)
     with torch.device("meta"):
         layers = Transformer(args).layers
     experts = sum(p.numel() for n, p in layers.named_parameters() if ".experts." in n)
     block = sum(p.numel() for p in layers.parameters()) - experts + experts / cfg.parallelism.ep
-    assert today.memory["gathered_weights"] == block * 2  # bf16
-    assert not today.fits
-    per_layer = plan_config(cfg, gather="layer")
-    assert per_layer.fits, per_layer.peak_bytes / 1e9
-    assert per_layer.flops == today.flops
+    kept = plan_config(cfg, gather="model")
+    assert kept.memory["gathered_weights"] == block * 2  # bf16
+    assert not kept.fits
+    off = plan_config(for_planning(CONFIGS / f"{recipe}.toml", ["--parallelism.reshard_after_forward", "false"]))
+    assert off.mesh["code_gather"] == "model" and not off.fits
+    assert kept.flops == today.flops
+    # The backward's re-gathers are on the bill: one more all-gather of the block weights.
+    gathers = [c for c in today.communication if c["kind"] == "all_gather"]
+    assert len(gathers) == 2 and gathers[1]["purpose"].startswith("block weights again")

@@ -8,9 +8,12 @@ match the unrolled eager run to 1e-6 in loss.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 from dist_utils import run_distributed
 
 from test_train import LLAMA_DEBUG, train_losses
@@ -158,6 +161,39 @@ def test_eager_checkpointing_keeps_fewer_activations():
     assert saved["full"] < saved["none"] and saved["selective"] < saved["none"], saved
 
 
+class _CreatedShapes(TorchDispatchMode):
+    """The shape of every tensor an op returns in new memory (not in one of its inputs' storages:
+    views, detach and in-place results are not counted) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.shapes[tuple(t.shape)] += 1
+        return out
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_eager_scan_backward_builds_one_full_size_gradient_per_stacked_weight(ac):
+    """The eager loop unbinds the stack once per forward: the backward stacks the L layer
+    gradients of each stacked weight once. Indexing w[i] per layer built a zero-filled [L, ...]
+    tensor per layer and weight (select_backward) and summed them: 5 full-size tensors per weight
+    at 3 layers instead of 1 (3 select_backward zeros, 2 sums)."""
+    model = build_model(tiny_args(), seed=SEED, scan_layers=True, ac_mode=ac)
+    stacked = Counter(tuple(p.shape) for n, p in model.named_parameters() if n in model.stacked_parameter_names())
+    inputs, _ = batches()[0]
+    loss = model(inputs).sum()
+    with _CreatedShapes() as created:
+        loss.backward()
+    assert {shape: created.shapes[shape] for shape in stacked} == dict(stacked)
+
+
 def test_graph_checkpointing_recomputes_in_the_backward():
     counts = {}
     for ac in ("none", "selective", "full"):
@@ -214,10 +250,14 @@ def test_two_rank_fully_shard_scan_and_checkpointing_match_unrolled(mode):
         if mode != "eager":
             collectives = results[0]["collectives"]
             n_gathers = collectives["_c10d_functional.all_gather_into_tensor.default"]
-            # One gather per bucket (parallel/buckets.py, the default bucket_mb): scanned, the stack
-            # + embeddings, norm, output; unrolled, 3 blocks + those 3.
-            assert n_gathers == (4 if scan else 6), collectives
-            assert collectives["_c10d_functional.reduce_scatter_tensor.default"] == n_gathers
+            n_scatters = collectives["_c10d_functional.reduce_scatter_tensor.default"]
+            # One gather per bucket (parallel/buckets.py, the default bucket_mb) in the captured
+            # graph's own nodes, re-sharded after the forward (the default, parallel/reshard.py):
+            # scanned, the embeddings, norm and output (each layer is gathered and its gradient
+            # reduce-scattered inside the scan bodies, which these counts do not include);
+            # unrolled, 3 blocks + those 3, and blocks 0 and 1 gathered again in the backward
+            # (selective checkpointing recomputes their gathers; the last block stays gathered).
+            assert (n_gathers, n_scatters) == ((3, 3) if scan else (6 + 2, 6)), collectives
 
 
 # ---------------------------------------------------------------------------------------------

@@ -153,9 +153,10 @@ def plan_main(argv: list[str]) -> int:
                                            "Google names slices (v5p-1024: 512 chips) or a device count (h100-8); "
                                            "default: what the config names")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("--gather", default="model", choices=["model", "layer"],
-                        help="model: gathered weights live as SimpleFSDP keeps them today (all blocks, forward to "
-                             "backward); layer: what-if they were re-gathered per layer (re-shard after forward)")
+    parser.add_argument("--gather", default=None, choices=["model", "layer"],
+                        help="what-if for gathered block weights: layer (re-sharded after the forward, gathered "
+                             "again per layer) or model (kept from forward to backward); default: what the code "
+                             "does with the config (parallelism.reshard_after_forward)")
     parser.add_argument("--calibrate", action="store_true",
                         help="run real CPU configurations and print predicted vs measured (minutes; run alone)")
     parser.add_argument("--replay", action="store_true", help="with --calibrate: recompute from the saved results")

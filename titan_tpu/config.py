@@ -82,6 +82,13 @@ class ParallelismConfig:
     # instead of one collective per parameter. 0: one collective per parameter. The default keeps
     # a whole block in one bucket up to 8B-class blocks while bounding the flat buffer.
     bucket_mb: float = 256.0
+    # Re-shard after the forward (FSDP2's name): a block's gathered weights are freed after its
+    # forward and all-gathered again in the backward (one more all-gather per block bucket), and a
+    # scanned stack is gathered one layer at a time inside the loop, so about one layer's gathered
+    # weights are alive at a time instead of the whole model. false: keep them from the forward to
+    # the backward (one gather fewer per block; for small models where memory is not the limit).
+    # Acts on bucketed collectives (bucket_mb > 0).
+    reshard_after_forward: bool = True
     # Expert parallelism (MoE models): experts spread over groups of ep ranks; ep divides dp_shard
     # and the number of experts. Tokens reach their experts by all-gather + reduce-scatter.
     ep: int = 1

@@ -97,20 +97,12 @@ def schedule_collectives(gm: fx.GraphModule, *, prefetch: int) -> fx.GraphModule
         raise ValueError(f"prefetch = {prefetch} must be >= 0 (0: no all-gather prefetch)")
     graph = gm.graph
     if prefetch:
+        # Forward gathers and the backward's re-gathers (re-sharding after the forward,
+        # parallel/reshard.py) are prefetched each within their own phase: moving the first
+        # re-gather above the backward would keep its weights alive from the forward again.
         gathers = [n for n in graph.nodes if _is_collective(n, "all_gather_into_tensor")]
-        waits = [_wait_of(g) for g in gathers]
-        for i in range(prefetch, len(gathers)):
-            anchor = waits[i - prefetch]
-            if anchor is None:
-                continue
-            index = {n: k for k, n in enumerate(graph.nodes)}
-            if index[gathers[i]] <= index[anchor]:
-                continue
-            chain = _ancestors_after(gathers[i], index[anchor], index)
-            if chain is None:
-                continue
-            for node in reversed(chain):
-                anchor.append(node)  # appending in reverse keeps the chain's order right after anchor
+        for backward in (False, True):
+            _prefetch(graph, [g for g in gathers if _in_backward(g) == backward], prefetch)
     for rs in [n for n in graph.nodes if _is_collective(n, "reduce_scatter_tensor")]:
         wait = _wait_of(rs)
         if wait is None:
@@ -131,6 +123,30 @@ def schedule_collectives(gm: fx.GraphModule, *, prefetch: int) -> fx.GraphModule
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _in_backward(node: fx.Node) -> bool:
+    # Traced in autograd.grad (capture.py annotates it), or a forward op the rematerialize pass
+    # copied into the backward (activation checkpointing recomputes a block's gathers too).
+    return node.meta.get("custom", {}).get("phase") == "backward" or node.meta.get("autograd_backward", False)
+
+
+def _prefetch(graph: fx.Graph, gathers: list[fx.Node], prefetch: int) -> None:
+    """Move each all-gather (with the chain building its buffer) to just after the wait of the
+    all-gather `prefetch` places before it in `gathers`."""
+    waits = [_wait_of(g) for g in gathers]
+    for i in range(prefetch, len(gathers)):
+        anchor = waits[i - prefetch]
+        if anchor is None:
+            continue
+        index = {n: k for k, n in enumerate(graph.nodes)}
+        if index[gathers[i]] <= index[anchor]:
+            continue
+        chain = _ancestors_after(gathers[i], index[anchor], index)
+        if chain is None:
+            continue
+        for node in reversed(chain):
+            anchor.append(node)  # appending in reverse keeps the chain's order right after anchor
 
 
 def _is_wait(node: fx.Node) -> bool:

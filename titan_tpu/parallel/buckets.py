@@ -18,9 +18,10 @@ bucket in each direction. The arithmetic is unchanged: each gradient element is 
 the same per-rank values, so losses equal the per-parameter path's bitwise.
 
 Gathered tensors live from the first read until the forward of the root module ends (a forward
-pre-hook and hook on the root start and end each "gathering window"). In eager mode that costs no
-memory: autograd keeps each gathered weight for the backward anyway. Outside a root forward (a
-submodule called directly) parameters are gathered one by one as before.
+pre-hook and hook on the root start and end each "gathering window"), or, for a block re-sharded
+after the forward (parallel/reshard.py), until the block's own forward ends; autograd then keeps
+tokens that gather the bucket again in the backward. Outside a root forward (a submodule called
+directly) parameters are gathered one by one as before.
 """
 
 from __future__ import annotations
@@ -44,14 +45,22 @@ class Bucket:
     """Parameters gathered together. members: (module, parameter name) pairs in read order; the
     same Parameter registered on two modules (tied weights) occupies one slot."""
 
-    def __init__(self, members: list[tuple[nn.Module, str]], mp) -> None:
+    def __init__(self, members: list[tuple[nn.Module, str]], mp, *, owner: nn.Module | None = None) -> None:
         self.members = members
         self.mp = mp
+        self.owner = owner  # the model piece whose parameters these are
         self._gathered: dict[tuple[int, str], Tensor] | None = None
         self.open = False  # inside a root forward (the gathering window)
+        # Set by simple_fsdp when the bucket re-shards after the forward (parallel/reshard.py): its
+        # gathers are registered there, so autograd saves tokens instead of the gathered tensors.
+        self.reshard_hooks = None
 
     def set_open(self, value: bool) -> None:
         self.open = value
+        self._gathered = None
+
+    def release(self) -> None:
+        """Drop the gathered tensors (the owner's forward is done; a later read gathers again)."""
         self._gathered = None
 
     def get(self, module: nn.Module, name: str) -> Tensor:
@@ -67,7 +76,15 @@ class Bucket:
                 slot_of[id(p)] = len(params)
                 params.append(p)
         full = gather_flat(params, self.mp)
+        if self.reshard_hooks is not None:
+            from titan_tpu.parallel.reshard import GatherRecord
+
+            self.reshard_hooks.register(full, GatherRecord(params, self._regather))
         return {(id(m), n): full[slot_of[id(m._parameters[n])]] for m, n in self.members}
+
+
+    def _regather(self, params: list[DTensor]) -> list[Tensor]:
+        return gather_flat(params, self.mp)
 
 
 def _shard_axis(param: DTensor) -> tuple[int | None, int | None]:
@@ -83,19 +100,9 @@ def gather_flat(params: list[DTensor], mp) -> list[Tensor]:
     mesh, placements = first.device_mesh, tuple(first.placements)
     mesh_dim, _ = _shard_axis(first)
     world = mesh.size(mesh_dim) if mesh_dim is not None else 1
-    pieces, layout = [], []
-    for p in params:
-        local = p.to_local()  # differentiable: its gradient becomes the parameter's sharded gradient
-        _, dim = _shard_axis(p)
-        if dim is not None:
-            rows = math.ceil(p.shape[dim] / world)  # torch.chunk's split: rank r holds [r*rows, (r+1)*rows)
-            missing = rows - local.shape[dim]
-            if missing:
-                pad = [0, 0] * (local.dim() - 1 - dim) + [0, missing]
-                local = F.pad(local, pad)
-        layout.append((local.shape, dim, p.shape))
-        pieces.append(local.reshape(-1))
-    flat_local = torch.cat(pieces)
+    # to_local is differentiable: its gradient becomes the parameter's sharded gradient.
+    flat_local, layout = _flatten_shards([p.to_local() for p in params], [p.shape for p in params],
+                                         [_shard_axis(p)[1] for p in params], world)
     flat_placements = [Shard(0) if isinstance(pl, Shard) else pl for pl in placements]
     flat = DTensor.from_local(flat_local, mesh, flat_placements, run_check=False)
     gathered = flat.redistribute(placements=[Replicate()] * mesh.ndim, forward_dtype=mp.param_dtype,
@@ -105,15 +112,105 @@ def gather_flat(params: list[DTensor], mp) -> list[Tensor]:
     return list(_CopyOut.apply(gathered.view(world, flat_local.numel()), layout))
 
 
+def gather_flat_local(locals_: list[Tensor], *, full_shapes: list, shard_dims: list, mesh, placements, mp,
+                      keep: tuple[bool, ...] | None = None) -> list[Tensor]:
+    """`gather_flat` for plain local shards (no DTensor): the same buffer, collectives and
+    arithmetic, through an autograd Function that torch.func transforms accept (DTensor.from_local
+    is not one), for a scanned layer's weights gathered inside the loop body (parallel/reshard.py).
+    keep: per mesh axis, True where the shard stays (expert parallelism's ep axis); full_shapes
+    are then the shapes computed with (this rank's experts, whole)."""
+    keep = keep or (False,) * len(placements)
+    mesh_dim = next((i for i, p in enumerate(placements) if isinstance(p, Shard) and not keep[i]), None)
+    world = mesh.size(mesh_dim) if mesh_dim is not None else 1
+    flat_local, layout = _flatten_shards(locals_, full_shapes, shard_dims, world, cat=_CatOwnGradients.apply)
+    gathered = _FlatAllGather.apply(flat_local, mesh, tuple(placements), tuple(keep), mp)
+    return list(_CopyOut.apply(gathered.view(world, flat_local.numel()), layout))
+
+
+class _FlatAllGather(torch.autograd.Function):
+    """flat local shard -> [world * flat] in the compute dtype (all-gather over the Shard mesh
+    axis); backward: the gradient in the reduce dtype, reduce-scattered over the Shard axis and
+    all-reduced over Replicate axes (sums), as DTensor's Partial -> placements reduction does."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        flat_local, mesh, placements, keep, mp = inputs
+        ctx.mesh, ctx.placements, ctx.keep, ctx.mp, ctx.dtype = mesh, placements, keep, mp, flat_local.dtype
+
+    @staticmethod
+    def forward(flat_local: Tensor, mesh, placements, keep, mp) -> Tensor:
+        c10d = torch.ops._c10d_functional
+        x = flat_local.to(mp.param_dtype)
+        for axis, p in enumerate(placements):
+            if isinstance(p, Shard) and not keep[axis]:
+                group = mesh.get_group(axis)
+                x = c10d.wait_tensor(c10d.all_gather_into_tensor(x, group.size(), group.group_name))
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        c10d = torch.ops._c10d_functional
+        g = grad.to(ctx.mp.reduce_dtype)
+        for axis in reversed(range(len(ctx.placements))):
+            if ctx.keep[axis]:
+                continue  # the ep shard: each rank's gradient is its own experts' already
+            group = ctx.mesh.get_group(axis)
+            if isinstance(ctx.placements[axis], Shard):
+                g = c10d.wait_tensor(c10d.reduce_scatter_tensor(g.contiguous(), "sum", group.size(), group.group_name))
+            else:
+                g = c10d.wait_tensor(c10d.all_reduce(g, "sum", group.group_name))
+        return g.to(ctx.dtype), None, None, None, None
+
+
+class _CatOwnGradients(torch.autograd.Function):
+    """torch.cat whose backward hands each input a gradient of its own (a copy), not a view of one
+    buffer: gradients leaving a scan body must not alias each other (Inductor's scan refuses it)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.sizes = [t.numel() for t in inputs]
+
+    @staticmethod
+    def forward(*pieces: Tensor) -> Tensor:
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return tuple(g.clone() for g in grad.split(ctx.sizes))
+
+
+def _flatten_shards(locals_: list[Tensor], full_shapes: list, shard_dims: list, world: int, *,
+                    cat=lambda *pieces: torch.cat(pieces)) -> tuple[Tensor, list]:
+    """Local shards padded to equal size along their shard dim, flattened and concatenated; with
+    the layout _CopyOut needs to cut the gathered buffer back into full tensors."""
+    pieces, layout = [], []
+    for local, full_shape, dim in zip(locals_, full_shapes, shard_dims):
+        if dim is not None:
+            rows = math.ceil(full_shape[dim] / world)  # torch.chunk's split: rank r holds [r*rows, (r+1)*rows)
+            missing = rows - local.shape[dim]
+            if missing:
+                pad = [0, 0] * (local.dim() - 1 - dim) + [0, missing]
+                local = F.pad(local, pad)
+        layout.append((local.shape, dim, full_shape))
+        pieces.append(local.reshape(-1))
+    return cat(*pieces), layout
+
+
 class _CopyOut(torch.autograd.Function):
     """[world, flat] gathered buffer -> each parameter's full tensor (a copy: the buffer is
     rank-major, a parameter is not), and in the backward the mirror: every gradient copied into
     one [world, flat] buffer. Written out because autograd's own backward of the slices would
     build one zero-filled buffer-sized tensor per parameter and add them all up."""
 
+    # forward without ctx plus setup_context: the form torch.func transforms accept (a scanned
+    # layer's backward takes the vjp of a body that gathers, models/common/scan.py).
     @staticmethod
-    def forward(ctx, by_rank: Tensor, layout: list) -> tuple[Tensor, ...]:
+    def setup_context(ctx, inputs, output) -> None:
+        by_rank, layout = inputs
         ctx.layout, ctx.shape = layout, by_rank.shape
+
+    @staticmethod
+    def forward(by_rank: Tensor, layout: list) -> tuple[Tensor, ...]:
         out, offset = [], 0
         for local_shape, dim, full_shape in layout:
             numel = math.prod(local_shape)
@@ -123,8 +220,13 @@ class _CopyOut(torch.autograd.Function):
                 out.append(block[0].clone())
                 continue
             merged_shape = (*local_shape[:dim], by_rank.shape[0] * local_shape[dim], *local_shape[dim + 1:])
-            merged = block.movedim(0, dim).reshape(merged_shape)  # the copy
-            out.append(merged.narrow(dim, 0, full_shape[dim]).contiguous())
+            merged = block.movedim(0, dim).reshape(merged_shape)  # the copy, usually
+            full = merged.narrow(dim, 0, full_shape[dim]).contiguous()
+            # reshape is a view where the layout allows (one rank; the buffer's only tensor, split
+            # on dim 0): copy then too. An output aliasing the buffer breaks scan's
+            # functionalisation (the body's saved weight is rebuilt as a strided view of a
+            # different buffer) and would let one parameter's gradient view another's.
+            out.append(full.clone() if full._is_view() else full)
         return tuple(out)
 
     @staticmethod
@@ -166,13 +268,17 @@ def _bucketable(p) -> bool:
 
 
 def _layout_key(p: DTensor) -> tuple:
-    return (id(p.device_mesh), tuple(p.placements), p.dtype)
+    # The mesh by equality, not identity: parameters of one piece can hold equal but distinct
+    # DeviceMesh objects (seen after another model was built in the same process), and splitting
+    # a block's bucket on that would add a collective.
+    return (p.device_mesh, tuple(p.placements), p.dtype)
 
 
-def build_buckets(model: nn.Module, *, mp, bucket_mb: float) -> list[Bucket]:
+def build_buckets(model: nn.Module, *, mp, bucket_mb: float, skip: set[int] = frozenset()) -> list[Bucket]:
     """Buckets of `model`'s DTensor parameters (see the module docstring); bucket_mb caps one
     bucket's gathered size in MB of the compute dtype. Parameters of a piece that live on another
-    mesh or with other placements (expert weights under expert parallelism) get their own buckets."""
+    mesh or with other placements (expert weights under expert parallelism) get their own buckets.
+    skip: ids of parameters gathered another way (a scanned stack gathered per layer)."""
     cap = bucket_mb * 2**20
     buckets, seen = [], set()
     for owner in bucket_owners(model):
@@ -180,7 +286,7 @@ def build_buckets(model: nn.Module, *, mp, bucket_mb: float) -> list[Bucket]:
         sizes: dict[tuple, float] = {}
         for module in owner.modules():
             for name, p in module._parameters.items():
-                if not _bucketable(p) or (id(module), name) in seen:
+                if not _bucketable(p) or (id(module), name) in seen or id(p) in skip:
                     continue
                 seen.add((id(module), name))
                 key = _layout_key(p)
@@ -190,5 +296,5 @@ def build_buckets(model: nn.Module, *, mp, bucket_mb: float) -> list[Bucket]:
                     sizes[key] = 0.0
                 groups[key][-1].append((module, name))
                 sizes[key] += nbytes
-        buckets.extend(Bucket(members, mp) for runs in groups.values() for members in runs if members)
+        buckets.extend(Bucket(members, mp, owner=owner) for runs in groups.values() for members in runs if members)
     return buckets

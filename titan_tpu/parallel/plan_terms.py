@@ -8,14 +8,18 @@ the calibration in docs/planner.md):
 
 * SimpleFSDP stores every parameter sharded over dp_shard (expert weights over dp_shard too: ep
   by expert, the rest by row), whole over dp_replicate.
-* Reading a weight all-gathers it in the compute dtype, and autograd keeps the gathered tensor for
-  the backward (the matmul needs it). With activation checkpointing the gathered weights are the
-  checkpointed block's inputs, so they are kept too; with scanned layers the whole stack is
-  gathered once before the loop. So from the forward to the end of the backward a rank holds
-  every block weight gathered (its own experts only under expert parallelism): no re-sharding
-  after the forward.
+* Reading a weight all-gathers it in the compute dtype, and autograd keeps what a matmul needs
+  for its backward. With re-sharding after the forward (`parallelism.reshard_after_forward`, the
+  default; parallel/reshard.py) autograd keeps a token instead of a gathered block weight and the
+  backward gathers the block again, so about two layers' gathered weights are alive at a time
+  (`gather` = "layer"); a scanned stack is gathered one layer at a time inside the loop. Without
+  it (or with per-parameter collectives, bucket_mb 0) every block weight stays gathered from the
+  forward to the end of the backward (`gather` = "model"); so does a scanned stack in graph mode
+  without full activation checkpointing, where scan's own partitioner saves each layer's gathered
+  weights stacked (it never recomputes a collective).
 * The gradient of a gathered weight is full size (reduce dtype) until it is reduce-scattered
-  into the shard: one parameter at a time when unrolled, the whole stack when scanned.
+  into the shard: one parameter at a time when unrolled; a scanned stack's gradient whole when it
+  was gathered whole, one layer's when gathered per layer (re-sharding).
 * Collectives (ring algorithms; bytes sent per rank): forward all-gather of every weight and
   backward reduce-scatter of every gradient, (n - 1) / n of the full size each, per micro-batch;
   an all-reduce over dp_replicate of the sharded gradients, 2 (r - 1) / r; expert parallelism
@@ -48,18 +52,17 @@ class Layout:
     ep: int = 1
     compute_bytes: int = 4  # model.dtype
     reduce_bytes: int = 4  # parallelism.reduce_dtype
-    # How long gathered weights live. "model": as the code does today (module docstring): every
-    # block weight from its forward gather to the end of the backward. "layer": what re-sharding
-    # after the forward would give (TorchTitan's FSDP2 default): a layer's weights gathered again
-    # for its backward, two layers' worth live at a time (one prefetched); a what-if for plans.
-    gather: str = "model"
+    # How long gathered weights live (module docstring). "layer": re-sharded after the forward, a
+    # layer's weights gathered again for its backward, two layers' worth live at a time (one
+    # prefetched). "model": every block weight from its forward gather to the end of the backward.
+    gather: str = "layer"
 
     def __post_init__(self):
         for name in ("dp_replicate", "dp_shard", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallelism.{name} = {getattr(self, name)} must be >= 1")
         if self.gather not in ("model", "layer"):
-            raise ValueError(f"gather = {self.gather!r}: use model (the code today) or layer (re-shard after forward)")
+            raise ValueError(f"gather = {self.gather!r}: use layer (re-shard after forward) or model (keep gathered)")
         if self.ep > 1 and self.dp_shard % self.ep != 0:
             raise ValueError(f"parallelism.ep ({self.ep}) must divide parallelism.dp_shard ({self.dp_shard})")
 
@@ -100,8 +103,9 @@ class Layout:
     def full_gradient_bytes(self, *, largest_param: int, block_params: int, expert_params: int, n_layers: int,
                             scanned: bool) -> float:
         """The largest full-size gradient alive before its reduce-scatter (reduce dtype): the whole
-        layer stack when scanned (the stack's gradient comes out of the loop whole), one parameter
-        when unrolled, one layer with `gather` = layer; 0 on one process."""
+        layer stack when scanned and gathered whole (the stack's gradient comes out of the loop
+        whole; pass scanned=False when the stack is gathered per layer), one parameter when
+        unrolled, one layer with `gather` = layer; 0 on one process."""
         if not self.sharded:
             return 0.0
         local = self.local_block_elements(block_params=block_params, expert_params=expert_params)
@@ -111,8 +115,9 @@ class Layout:
 
     def step_collectives(self, *, total_params: int, expert_params: int, micro_batches: int,
                          moe_layers: int, tokens_per_micro_batch: int, dim: int, top_k: int,
-                         recompute_blocks: bool) -> list[Collective]:
-        """Every collective of one optimizer step with the bytes each rank sends."""
+                         recompute_blocks: bool, regathered_params: int = 0) -> list[Collective]:
+        """Every collective of one optimizer step with the bytes each rank sends. regathered_params:
+        block parameters gathered a second time in the backward (re-sharding after the forward)."""
         out = []
         n, r, ep = self.dp_shard, self.dp_replicate, self.ep
         if n > 1:
@@ -122,6 +127,10 @@ class Layout:
             ag = micro_batches * (dense * (n - 1) / n + shard_axis_experts * (m - 1) / m) * self.compute_bytes
             rs = micro_batches * (dense * (n - 1) / n + shard_axis_experts * (m - 1) / m) * self.reduce_bytes
             out.append(Collective("all_gather", "dp_shard", n, ag, "weights, forward"))
+            if regathered_params:
+                share = regathered_params / max(total_params, 1)
+                out.append(Collective("all_gather", "dp_shard", n, ag * share,
+                                      "block weights again, backward (re-shard after forward)"))
             out.append(Collective("reduce_scatter", "dp_shard", n, rs, "gradients, backward"))
         if r > 1:
             shard = total_params / n

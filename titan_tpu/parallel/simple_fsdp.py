@@ -27,7 +27,9 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from titan_tpu.models.common.moe import EXPERT_MARKER  # set on modules holding MoE expert weights
 from titan_tpu.models.common.scan import STACKED_MARKER  # set on modules holding stacked layers
-from titan_tpu.parallel.buckets import DEFAULT_BUCKET_MB, build_buckets
+from titan_tpu.models.common.functional_block import stored_weights
+from titan_tpu.parallel.buckets import DEFAULT_BUCKET_MB, build_buckets, gather_flat
+from titan_tpu.parallel.reshard import LayerGather, ReshardHooks
 from titan_tpu.parallel.expert_parallel import ExpertParallelDispatch, expert_placements
 
 __all__ = ["MixedPrecision", "copy_full_", "data_parallel", "default_mixed_precision", "local_bytes", "materialize_and_init", "MODES"]
@@ -182,12 +184,16 @@ def _parametrize_module(module: nn.Module, mp: MixedPrecision) -> None:
 
 
 def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPrecision,
-                  expert_mesh: DeviceMesh | None = None, bucket_mb: float = DEFAULT_BUCKET_MB) -> nn.Module:
+                  expert_mesh: DeviceMesh | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
+                  reshard_after_forward: bool = True) -> nn.Module:
     """Make `model` data parallel on `mesh` in place (and return it); with `expert_mesh`, its MoE
     experts expert-parallel on that mesh (parallel/expert_parallel.py).
 
     bucket_mb > 0: the parameters of each model piece (block) are gathered in buckets of at most
     that many MB, one collective per bucket each way (parallel/buckets.py); 0: one per parameter.
+    reshard_after_forward (with bucket_mb > 0): block weights are not kept gathered from the
+    forward to the backward but gathered again there (parallel/reshard.py), and a scanned stack
+    is gathered one layer at a time inside the loop.
 
     Parameters that are still plain tensors are distributed from rank 0 (so ranks need not agree
     beforehand); ones that are already DTensors (see `materialize_and_init`) are kept as they are.
@@ -206,36 +212,126 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPre
                                  f"expects {want} (mode {mode!r}): build the model again for another layout")
     for sub in model.modules():
         _parametrize_module(sub, mp)
-    _install_buckets(model, mp, bucket_mb)
+    _install_buckets(model, mp, bucket_mb, reshard_after_forward=reshard_after_forward)
     if expert_mesh is not None:
         model.expert_dispatch.dispatch = ExpertParallelDispatch(expert_mesh)
     return model
 
 
-def _install_buckets(model: nn.Module, mp: MixedPrecision, bucket_mb: float) -> None:
+def _install_buckets(model: nn.Module, mp: MixedPrecision, bucket_mb: float, *, reshard_after_forward: bool) -> None:
     if bucket_mb < 0:
         raise ValueError(f"parallelism.bucket_mb = {bucket_mb} must be >= 0 (0 turns bucketing off)")
     for handle in getattr(model, "_simple_fsdp_bucket_hooks", ()):
         handle.remove()
     for sub in model.modules():
         sub.__dict__.pop("_simple_fsdp_buckets", None)
-    buckets = build_buckets(model, mp=mp, bucket_mb=bucket_mb) if bucket_mb > 0 else []
+        sub.__dict__.pop("per_layer_gather", None)
+    hooks = ReshardHooks() if reshard_after_forward and bucket_mb > 0 else None
+    reshard_pieces = _reshard_pieces(model) if hooks is not None else []
+    if not reshard_pieces:
+        hooks = None  # nothing to re-shard (replicate, the HF backend's one piece): no saved-tensor hooks
+    # A scanned stack under re-sharding is gathered layer by layer inside the loop (LayerGather),
+    # never whole, so its parameters are not bucketed.
+    per_layer = {}
+    for piece in reshard_pieces:
+        if getattr(piece, STACKED_MARKER, False):
+            stored = stored_weights(piece, piece.state_names)
+            piece.__dict__["per_layer_gather"] = LayerGather(stored, mp=mp, hooks=hooks)
+            per_layer.update((id(t), t) for t in stored)
+    buckets = build_buckets(model, mp=mp, bucket_mb=bucket_mb, skip=set(per_layer)) if bucket_mb > 0 else []
     for bucket in buckets:
         for module, name in bucket.members:
             module.__dict__.setdefault("_simple_fsdp_buckets", {})[name] = bucket
     model._simple_fsdp_bucket_list = buckets
+    handles = []
+    for piece in reshard_pieces:
+        if getattr(piece, STACKED_MARKER, False):
+            continue
+        own = [b for b in buckets if b.owner is piece]
+        for bucket in own:
+            bucket.reshard_hooks = hooks
+        # A checkpointed block is run as a function of its stored weights and gathers them inside
+        # the checkpointed region, so the recomputation in the backward gathers them again.
+        piece.__dict__["per_layer_gather"] = BlockGather(mp=mp, bucket_mb=bucket_mb)
+
+        def release(*_, own=own):
+            for bucket in own:
+                bucket.release()
+
+        handles.append(piece.register_forward_hook(release, always_call=True))
 
     # The gathering window: the root's forward. Opening and closing both drop what was gathered,
-    # so nothing outlives one forward (autograd holds what the backward needs).
+    # so nothing outlives one forward (autograd holds what the backward needs, or, re-sharded,
+    # tokens to gather it again).
     def window(value: bool):
         def hook(*_):
             for bucket in buckets:
                 bucket.set_open(value)
+            if hooks is not None:
+                hooks.enter() if value else hooks.exit()
         return hook
 
-    model._simple_fsdp_bucket_hooks = ((model.register_forward_pre_hook(window(True)),
-                                        model.register_forward_hook(window(False), always_call=True))
-                                       if buckets else ())
+    if buckets or hooks is not None:
+        handles += [model.register_forward_pre_hook(window(True)),
+                    model.register_forward_hook(window(False), always_call=True)]
+    model._simple_fsdp_bucket_hooks = tuple(handles)
+    model._simple_fsdp_reshard = hooks is not None
+
+
+def _reshard_pieces(model: nn.Module) -> list[nn.Module]:
+    """The pieces whose gathered weights are dropped after the forward: the transformer blocks
+    (init_plan pieces named layers.*) but the last one, whose backward comes first (FSDP2 and
+    TorchTitan keep it too), or the scanned stack (gathered per layer). The embedding, final
+    norm and output projection stay gathered: their backward follows the forward at once.
+    Models without such pieces (the Hugging Face backend's one piece) keep every gather."""
+    if not hasattr(model, "init_plan"):
+        return []
+    if not any(isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+               for p in model.parameters()):
+        return []  # replicate: nothing is gathered, nothing to re-shard
+    named = [(name, piece) for name, piece, _ in model.init_plan()]
+    stacked = [piece for name, piece in named if name == "layers" and getattr(piece, STACKED_MARKER, False)]
+    if stacked:
+        return stacked
+    return [piece for name, piece in named if name.startswith("layers.")][:-1]
+
+
+class BlockGather:
+    """The compute tensors of one block's stored weights, gathered in the block's buckets (one
+    all-gather per bucket, the same grouping as build_buckets: by mesh and placements, at most
+    bucket_mb MB each); expert weights under expert parallelism and plain tensors as they are
+    read elsewhere. Used inside activation-checkpointed blocks (models/common/transformer.py)."""
+
+    def __init__(self, *, mp: MixedPrecision, bucket_mb: float):
+        self.mp = mp
+        self.cap = bucket_mb * 2**20
+
+    def local(self, stored: list) -> list:
+        return list(stored)
+
+    def gather(self, stored: list) -> list[torch.Tensor]:
+        from titan_tpu.parallel.buckets import _bucketable, _layout_key
+
+        out: list = list(stored)
+        groups: dict[tuple, list[list[int]]] = {}
+        sizes: dict[tuple, float] = {}
+        for i, t in enumerate(stored):
+            if not isinstance(t, DTensor):
+                continue
+            if not _bucketable(t):
+                out[i] = _replicate_for_compute(t, self.mp)
+                continue
+            key, nbytes = _layout_key(t), t.numel() * self.mp.param_dtype.itemsize
+            if key not in groups or (sizes[key] + nbytes > self.cap and groups[key][-1]):
+                groups.setdefault(key, []).append([])
+                sizes[key] = 0.0
+            groups[key][-1].append(i)
+            sizes[key] += nbytes
+        for runs in groups.values():
+            for run in runs:
+                for i, full in zip(run, gather_flat([stored[i] for i in run], self.mp)):
+                    out[i] = full
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,7 +342,7 @@ def _install_buckets(model: nn.Module, mp: MixedPrecision, bucket_mb: float) -> 
 @torch.no_grad()
 def materialize_and_init(
     model: nn.Module, mesh: DeviceMesh | None, *, mode: str, mp: MixedPrecision, device: torch.device, seed: int,
-    expert_mesh: DeviceMesh | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
+    expert_mesh: DeviceMesh | None = None, bucket_mb: float = DEFAULT_BUCKET_MB, reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Initialise a meta-device Transformer on `device`, sharded on `mesh` (plain when None).
 
@@ -273,7 +369,8 @@ def materialize_and_init(
     model.init_buffers(device)  # RoPE table: cheap, recomputed whole on every rank
     leftover = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     assert not leftover, f"init_plan missed parameters: {leftover}"
-    return data_parallel(model, mesh, mode=mode, mp=mp, expert_mesh=expert_mesh, bucket_mb=bucket_mb)
+    return data_parallel(model, mesh, mode=mode, mp=mp, expert_mesh=expert_mesh, bucket_mb=bucket_mb,
+                         reshard_after_forward=reshard_after_forward)
 
 
 @torch.no_grad()

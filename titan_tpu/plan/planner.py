@@ -118,12 +118,27 @@ def _mesh(cfg: Config, devices: int | None) -> tuple[int, int, int]:
     return p.dp_replicate, p.dp_shard, devices
 
 
+def code_gather(cfg: Config) -> str:
+    """How long the code keeps gathered block weights with this config (parallel/plan_terms.py,
+    Layout.gather): "layer" when re-sharded after the forward, "model" when kept: re-sharding off,
+    per-parameter collectives (bucket_mb 0), or scanned layers in graph mode without full
+    checkpointing (scan's partitioner saves each layer's gathered weights)."""
+    p = cfg.parallelism
+    if not p.reshard_after_forward or p.bucket_mb <= 0:
+        return "model"
+    if cfg.model.scan_layers and cfg.training.mode == "graph" and cfg.activation_checkpoint.mode != "full":
+        return "model"
+    return "layer"
+
+
 def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
-                measure: bool = True, gather: str = "model") -> Plan:
+                measure: bool = True, gather: str | None = None) -> Plan:
     """The plan of `cfg` on `hardware` (default: what the config names, see `default_hardware`)
     with `chips` chips (default: the config's mesh, or the chip count the recipe names).
-    gather: "model" (what SimpleFSDP does today) or "layer" (a what-if: re-sharding after the
-    forward; parallel/plan_terms.py Layout.gather)."""
+    gather: None for what the code does with this config (`code_gather`), or "model" / "layer"
+    as a what-if (parallel/plan_terms.py Layout.gather)."""
+    code = code_gather(cfg)
+    gather = gather or code
     if cfg.model.name == "hf":
         raise ValueError("titan-tpu plan covers the native models (llama3, qwen3, qwen3_moe); an hf model's "
                          "layers are transformers' own code, which the planner has no terms for")
@@ -162,8 +177,13 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     loss_kept, loss_peak = loss_memory_bytes(loss_impl, tokens=tokens, vocab_size=args.vocab_size, dim=args.dim,
                                              dtype_bytes=cb, chunk_tokens=k.loss_chunk_tokens)
     gathered = layout.gathered_bytes(block_params=block_params, expert_params=experts, n_layers=args.n_layers)
+    # A scanned stack gathered per layer (re-sharding on, bucketed) reduce-scatters per layer too;
+    # a what-if other than the code's stands for re-sharding on (layer) or off (model).
+    per_layer_stack = (cfg.parallelism.reshard_after_forward and cfg.parallelism.bucket_mb > 0
+                       if gather == code else gather == "layer")
     full_grad = layout.full_gradient_bytes(largest_param=largest_param(args), block_params=block_params,
-                                           expert_params=experts, n_layers=args.n_layers, scanned=scanned)
+                                           expert_params=experts, n_layers=args.n_layers,
+                                           scanned=scanned and not per_layer_stack)
     accumulating = grads_b if t.grad_accum_steps > 1 else 0.0  # earlier micro-batches' gradients
 
     efficiency, elementwise_efficiency, runtime = hardware.mode_constants(graph=t.mode == "graph")
@@ -211,7 +231,8 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     collectives = layout.step_collectives(total_params=total, expert_params=experts,
                                           micro_batches=t.grad_accum_steps, moe_layers=args.num_moe_layers,
                                           tokens_per_micro_batch=tokens, dim=args.dim,
-                                          top_k=args.moe.top_k if args.moe else 0, recompute_blocks=ac == "full")
+                                          top_k=args.moe.top_k if args.moe else 0, recompute_blocks=ac == "full",
+                                          regathered_params=block_params if gather == "layer" else 0)
 
     # Time. On this CPU the ranks share the cores: each gets 1 / devices of the peak.
     share = devices if hardware.name == "cpu" else 1
@@ -233,7 +254,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     plan = Plan(
         model=model_label(cfg), hardware=hardware.as_dict(), devices=devices,
         mesh={"dp_replicate": dp_replicate, "dp_shard": dp_shard, "ep": cfg.parallelism.ep, "mode": _mode(layout),
-              "gather": gather},
+              "gather": gather, "code_gather": code},
         batch={"batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum_steps": t.grad_accum_steps,
                "tokens_per_step": tokens_step_rank * devices, "dtype": dtype, "activation_checkpoint": ac,
                "scan_layers": scanned, "loss": loss_impl, "mode": t.mode},
@@ -288,8 +309,9 @@ def _advice(plan: Plan, cfg: Config, *, acts_share: float) -> list[str]:
     if m["gathered_weights"] + m["full_size_gradient"] > 0.25 * plan.peak_bytes and plan.mesh["gather"] == "model":
         out.append(f"the gathered block weights ({m['gathered_weights'] / 1e9:.1f} GB) are kept from the forward to "
                    f"the end of the backward and their full-size gradient reaches {m['full_size_gradient'] / 1e9:.1f} "
-                   "GB (SimpleFSDP does not re-shard after the forward): more dp_shard does not shrink them; "
-                   "re-gathering per layer would (see --gather layer for that plan)")
+                   "GB: more dp_shard does not shrink them; re-sharding after the forward does "
+                   "(--parallelism.reshard_after_forward true with bucket_mb > 0; scanned layers in graph mode "
+                   "also need --activation_checkpoint.mode full)")
     if cfg.activation_checkpoint.mode != "full" and acts_share > 0.2:
         out.append("--activation_checkpoint.mode full (keeps one [batch, seq, dim] tensor per layer)")
     if acts_share > 0.2 and cfg.training.batch_size > 1:
@@ -315,7 +337,8 @@ def format_plan(plan: Plan) -> str:
         f"plan for {plan.model} on {plan.devices} x {hw['name']} "
         f"(mesh dp_replicate {plan.mesh['dp_replicate']} x dp_shard {plan.mesh['dp_shard']}"
         f"{', ep ' + str(plan.mesh['ep']) if plan.mesh['ep'] > 1 else ''}; {plan.mesh['mode']}"
-        f"{'; what-if: weights re-gathered per layer' if plan.mesh['gather'] == 'layer' else ''})",
+        f"; gathered weights: {'re-gathered per layer' if plan.mesh['gather'] == 'layer' else 'kept forward to backward'}"
+        f"{' (what-if; the code ' + ('re-gathers' if plan.mesh['code_gather'] == 'layer' else 'keeps them') + ')' if plan.mesh['gather'] != plan.mesh['code_gather'] else ''})",
         f"  batch {b['batch_size']} x seq {b['seq_len']} x accum {b['grad_accum_steps']} per device, "
         f"{b['tokens_per_step']:,} tokens/step; {b['dtype']}; AC {b['activation_checkpoint']}; "
         f"{'scanned' if b['scan_layers'] else 'unrolled'}; loss {b['loss']}; {b['mode']} mode",

@@ -152,7 +152,8 @@ class Trainer:
         mp = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
         model = materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if sharded else "none", mp=mp,
                                      device=self.backend.device, seed=self.cfg.training.seed,
-                                     bucket_mb=self.cfg.parallelism.bucket_mb)
+                                     bucket_mb=self.cfg.parallelism.bucket_mb,
+                                     reshard_after_forward=self.cfg.parallelism.reshard_after_forward)
         if has_weights(self.cfg.model.hf_config):
             load_pretrained_weights(model, self.cfg.model.hf_config)
             self.log(f"weights loaded from {self.cfg.model.hf_config}")
@@ -177,7 +178,8 @@ class Trainer:
         mp = MixedPrecision(param_dtype=dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
         return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode, mp=mp,
                                     device=self.backend.device, seed=seed, expert_mesh=self.expert_mesh,
-                                    bucket_mb=self.cfg.parallelism.bucket_mb)
+                                    bucket_mb=self.cfg.parallelism.bucket_mb,
+                                    reshard_after_forward=self.cfg.parallelism.reshard_after_forward)
 
     @property
     def compute_dtype(self) -> torch.dtype:

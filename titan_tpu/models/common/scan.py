@@ -19,7 +19,10 @@ template run by `torch.func.functional_call`, see functional_block.py). It uses 
 real-arithmetic RoPE: scan functionalises its body, and complex views have no autograd formula
 there. Data parallelism shards the stacked weights on their per-layer dim 0 (dim 1 of the stack,
 see parallel/simple_fsdp.py), so a stacked weight's shard on a rank is exactly the stack of the
-per-layer shards an unrolled run holds; the forward all-gathers each stacked weight once.
+per-layer shards an unrolled run holds. With re-sharding after the forward (the default) the
+wrapper sets `PER_LAYER_GATHER` on this module: the loop then runs over the local shards and each
+iteration gathers its own layer (parallel/reshard.py); otherwise the forward all-gathers the
+stack once before the loop.
 
 When the op is used: only while tracing (the graph trainer's capture). Eagerly, the same block
 function runs over the same stacked weights in a Python loop, because torch's scan op retraces
@@ -33,6 +36,7 @@ graph mode selective currently saves what none saves.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -40,7 +44,7 @@ from torch import Tensor, nn
 from torch._higher_order_ops.scan import scan_op
 
 from titan_tpu.models.common.activation_checkpoint import checkpointed
-from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
+from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
 from titan_tpu.models.common.tracing import is_tracing
 
 __all__ = ["StackedBlocks", "STACKED_MARKER"]
@@ -96,20 +100,34 @@ class StackedBlocks(nn.Module):
     def forward(self, h: Tensor, rope: Tensor, document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """h [B, S, D] through every layer -> (h, the blocks' statistics stacked [L, ...]); rope:
         the batch's RoPE rows; document_ids: None or one id per token."""
-        # Under data parallelism: one all-gather per stacked weight, before the loop.
-        stacked = read_weights(self, self.state_names)
+        gather = getattr(self, PER_LAYER_GATHER, None)
+        if gather is None:
+            # Under data parallelism (without re-sharding): one all-gather per stacked weight (or
+            # per bucket), before the loop.
+            stacked, block_fn, body = read_weights(self, self.state_names), self._block_fn, self._body
+        else:
+            # Re-sharding (parallel/reshard.py): the loop runs over the local shards and each
+            # iteration gathers its own layer (and reduce-scatters its gradient in the backward).
+            stacked = gather.local(stored_weights(self, self.state_names))
+            block_fn = functools.partial(_gather_then_run, self._block_fn, gather)
+            body = checkpointed(block_fn, self.ac_mode)
         if not is_tracing():
             # Eager: the same block function over the same stacked weights, in a Python loop.
             # torch's scan op would retrace its body (make_fx and a partitioner) on every eager
             # call, about a second per step even for a tiny model; the op pays off once traced.
+            # The stack is unbound once, not indexed per layer: each `w[i]` would have its own
+            # backward building a zero-filled [L, ...] gradient for its one layer (L full-size
+            # tensors summed per weight and step); unbind's one backward stacks the L layer
+            # gradients.
+            per_layer = zip(*(w.unbind(0) for w in stacked))
             stats = []
-            for i in range(self.n_layers):
-                h, layer_stats = self._body(h, rope, document_ids, *(w[i] for w in stacked))
+            for layer_weights in per_layer:
+                h, layer_stats = body(h, rope, document_ids, *layer_weights)
                 stats.append(layer_stats)
             return h, torch.stack(stats)
         if self.ac_mode == "full":
-            return _ScanRecomputingLayers.apply(self._block_fn, h, rope, document_ids, *stacked)
-        final, stats, _ = _scan_layers(self._body, h, rope, document_ids, stacked)
+            return _ScanRecomputingLayers.apply(block_fn, h, rope, document_ids, *stacked)
+        final, stats, _ = _scan_layers(body, h, rope, document_ids, stacked)
         return final, stats
 
     # ------------------------------------------------------------------------------------------
@@ -159,6 +177,12 @@ class StackedBlocks(nn.Module):
             if all(k in out for k in keys):
                 out[prefix + name] = torch.stack([out.pop(k) for k in keys])
         return out
+
+
+def _gather_then_run(block_fn: Callable, gather, h: Tensor, rope: Tensor, document_ids: Tensor | None,
+                     *layer_tensors: Tensor):
+    """One layer from its local shard slices: gather them (PER_LAYER_GATHER), run the block."""
+    return block_fn(h, rope, document_ids, *gather.gather(list(layer_tensors)))
 
 
 def _persistent_buffers(module: nn.Module) -> list[tuple[str, Tensor]]:

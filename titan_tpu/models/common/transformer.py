@@ -19,7 +19,7 @@ from torch import nn
 from titan_tpu.kernels import KernelConfig, document_ids_from_positions
 from titan_tpu.models.common.attention import Attention
 from titan_tpu.models.common.feed_forward import FeedForward
-from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
+from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
 from titan_tpu.models.common.moe import ExpertDispatchSlot, MoE, MoEArgs, aux_loss_from_stats, updated_expert_bias
 from titan_tpu.models.common.norms import RMSNorm
 from titan_tpu.models.common.activation_checkpoint import checkpointed
@@ -188,7 +188,9 @@ class Transformer(nn.Module):
                 for moe in set(moe_layers):
                     block_fn = FunctionalBlock(functools.partial(TransformerBlock, args, kernels=kernels,
                                                                  moe_layer=moe, dispatch_slot=slot))
-                    self._checkpointed_blocks[moe] = (block_fn.param_names, checkpointed(block_fn, ac_mode))
+                    self._checkpointed_blocks[moe] = (block_fn.param_names, checkpointed(block_fn, ac_mode),
+                                                      checkpointed(functools.partial(_gather_then_run, block_fn),
+                                                                   ac_mode))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = (
             None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -343,12 +345,23 @@ class Transformer(nn.Module):
                 if not self._checkpointed_blocks:
                     h_BSD, layer_stats = layer(h_BSD, rope, document_ids_BS)
                 else:
-                    names, block = self._checkpointed_blocks[layer.moe is not None]
-                    h_BSD, layer_stats = block(h_BSD, rope, document_ids_BS, *read_weights(layer, names))
+                    names, block, gathering_block = self._checkpointed_blocks[layer.moe is not None]
+                    gather = getattr(layer, PER_LAYER_GATHER, None)
+                    if gather is None:
+                        h_BSD, layer_stats = block(h_BSD, rope, document_ids_BS, *read_weights(layer, names))
+                    else:
+                        # Gathered inside the checkpointed region: the recomputation gathers again,
+                        # so the gathered weights are not kept from the forward to the backward.
+                        h_BSD, layer_stats = gathering_block(h_BSD, rope, document_ids_BS, gather,
+                                                             *stored_weights(layer, names))
                 if layer.moe is not None:
                     stats.append(layer_stats)
             stats_L2E = torch.stack(stats) if stats else h_BSD.new_zeros(0, 0)
         return self.norm(h_BSD), stats_L2E
+
+
+def _gather_then_run(block_fn: FunctionalBlock, h_BSD, rope, document_ids_BS, gather, *stored):
+    return block_fn(h_BSD, rope, document_ids_BS, *gather.gather(list(stored)))
 
 
 def _init_block_at(layer: TransformerBlock, layer_id: int) -> None:
