@@ -95,6 +95,43 @@ def test_activation_terms_match_autograd(name, ac_mode):
     assert 0 <= (sizes[1] - per_layer) - (predicted.head + kept) <= 128  # MoE: the aux loss's statistics
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("ac_mode", ["none", "selective"])
+def test_scan_autograd_terms_match_the_captured_graph(name, ac_mode):
+    """Scanned layers in graph mode without full checkpointing: scan's own autograd. The forward
+    scan returns what its backward needs, stacked per layer (activations by the modules'
+    partitioned counts, the layers' transposed weights, RoPE's values), the backward scan reads
+    flipped copies of those and of the norm scales, and writes the stacked weight gradients: each
+    equal, byte for byte, to the planner's terms (models/common/scan.py scan_autograd_memory)."""
+    from titan_tpu.graph.capture import capture_train_step
+    from titan_tpu.parallel.plan_terms import Layout
+    from titan_tpu.plan.planner import scanned_autograd_memory
+    from titan_tpu.train.optim import AdamW
+
+    B, S = 2, 64
+    args = dataclasses.replace(get_model_args(name, "debug"), n_layers=2, max_seq_len=S)
+    model = build_model(args, seed=0, scan_layers=True, ac_mode=ac_mode)
+    opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+    example = torch.zeros(B, S, dtype=torch.long)
+    captured = capture_train_step(model, max_norm=1.0, adamw_hparams=opt.hparams, decay=opt.decay,
+                                  example_batch=(example, example))
+    forward, backward = [n for n in captured.graph_module.graph.nodes
+                         if n.op == "call_function" and n.target is torch.ops.higher_order.scan]
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    outputs = forward.meta["val"]
+    saved = nbytes(outputs[3:])  # after the final h, the blocks' statistics and scan.py's kept inputs
+    flipped = nbytes(x.meta["val"] for x in backward.args[2])  # the backward's xs
+    gradients = nbytes(backward.meta["val"][2:])  # after the gradients of h and of the RoPE rows
+    assert all(x.target is torch.ops.aten.flip.default for x in backward.args[2])
+
+    acts = activation_bytes(args, tokens=B * S, ac_mode=ac_mode, dtype_bytes=4, partitioned=True)
+    want = scanned_autograd_memory(args, layout=Layout(), acts=acts, seq_len=S, gradient_stack=True)
+    assert (saved, flipped, gradients) == (want.saved, want.flipped, want.gradients)
+    # Not the eager count: the partitioner keeps other values than autograd does layer by layer.
+    eager = activation_bytes(args, tokens=B * S, ac_mode="none", dtype_bytes=4)
+    assert want.activations != eager.saved
+
+
 def test_chunked_loss_keeps_its_gradients():
     torch.manual_seed(0)
     n, v, d = 300, 512, 32
