@@ -199,6 +199,46 @@ def test_eager_time_fit_recovers_the_constants_it_was_made_with():
     assert efficiency == pytest.approx(0.7) and elementwise == pytest.approx(0.25)
 
 
+def _collective_rate_worker() -> dict:
+    from titan_tpu.plan.collective_rate import measure_collective_rate
+
+    return measure_collective_rate(reps=3)
+
+
+@pytest.mark.multiprocess
+def test_collective_rate_is_gloos_not_the_copy_rate():
+    """The CPU's interconnect (plan/collective_rate.py): the bytes a rank sends over the median
+    times of gloo's collectives (as recorded beside it, by kind and size), and far below this
+    machine's copy rate (the planner assumed a quarter of it before; measured: a 25th to a 50th)."""
+    from dist_utils import run_distributed
+    from titan_tpu.plan.hardware import measure_cpu_memory_bandwidth
+
+    result = run_distributed(_collective_rate_worker, world_size=2)[0]
+    sizes = result["by_size"]
+    assert [(r["kind"], r["mb_per_rank"]) for r in sizes] == [
+        ("all_gather", 1.048576), ("reduce_scatter", 1.048576), ("all_gather", 4.194304), ("reduce_scatter", 4.194304)]
+    sent = sum(r["mb_per_rank"] * 1e6 for r in sizes)  # two ranks: each sends its whole shard
+    assert result["bytes_per_s"] == pytest.approx(sent / sum(r["median_ms"] / 1e3 for r in sizes))
+    assert result["bytes_per_s"] < measure_cpu_memory_bandwidth() / 4
+
+
+def test_cpu_collectives_take_gloos_rate():
+    """The planner's collective time is each collective's bytes at the hardware's interconnect rate,
+    which for the CPU is gloo's measured rate: expert parallelism's token dispatch on two ranks
+    then takes the time its bytes take through gloo."""
+    from titan_tpu.plan.hardware import CPU_COLLECTIVE_BANDWIDTH
+
+    cfg = build_config(CONFIGS / "qwen3_moe_debug.toml", ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"])
+    plan = plan_config(cfg, CPU, measure=False)
+    assert CPU.interconnect_bandwidth == CPU_COLLECTIVE_BANDWIDTH
+    dispatch = [c for c in plan.communication if c["axis"] == "ep"]
+    assert len(dispatch) == 1 and dispatch[0]["bytes_per_step"] > 0
+    total = sum(c["bytes_per_step"] for c in plan.communication)
+    assert plan.time["collectives_s"] == pytest.approx(total / CPU_COLLECTIVE_BANDWIDTH)
+    assert plan.time["step_s"] == pytest.approx(plan.time["compute_s"] + plan.time["elementwise_s"]
+                                                + plan.time["collectives_s"])  # eager: no overlap
+
+
 def test_plan_grows_the_right_terms():
     base = plan_config(build_config(CONFIGS / "llama3_debug.toml"), CPU, measure=False)
     full = plan_config(build_config(CONFIGS / "llama3_debug.toml", ["--activation_checkpoint.mode", "full"]), CPU,

@@ -73,6 +73,10 @@ CASES = [
          ("--training.mode", "graph", "--compile.backend", "inductor", "--activation_checkpoint.mode", "full")),
     Case("qwen3 debug, graph inductor, scanned", "configs/qwen3_debug.toml",
          ("--training.mode", "graph", "--compile.backend", "inductor", "--model.scan_layers", "true")),
+    # Scanned in graph mode on two ranks: scan's autograd keeps each layer's gathered weights
+    # (planner: gather "model", no re-gather, gradients reduce-scattered per layer).
+    Case("qwen3 debug, 2 ranks fully_shard, graph inductor, scanned", "configs/qwen3_debug.toml",
+         ("--training.mode", "graph", "--compile.backend", "inductor", "--model.scan_layers", "true"), ranks=2),
     Case("qwen3 debug, graph aot_eager, scanned, AC full", "configs/qwen3_debug.toml",
          ("--training.mode", "graph", "--compile.backend", "aot_eager", "--model.scan_layers", "true",
           "--activation_checkpoint.mode", "full")),
@@ -125,6 +129,16 @@ def measure_runtime_bytes(out_dir: Path, tokenizer: str, python: str, *, graph: 
     plan = predict(result, {"peak_flops": 1e11, "memory_bandwidth": 1e10, "runtime_bytes": 0.0,
                             "graph_runtime_bytes": 0.0})
     return result["measured_peak_gb"] * 1e9 - plan.peak_bytes
+
+
+def measure_collective_rate(python: str) -> float:
+    """Bytes/s a rank sends into gloo's collectives between two processes (plan/collective_rate.py)."""
+    torchrun = str(Path(python).with_name("torchrun"))
+    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "-m", "titan_tpu.plan.collective_rate"],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"collective rate measurement failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["bytes_per_s"]
 
 
 _LIVE_PROBE = r"""
@@ -234,7 +248,8 @@ def predict(result: dict, hw_numbers: dict) -> dict:
     cpu = hw_mod.cpu_hardware(measure=False)
     cpu = hw_mod.Hardware(**{**cpu.as_dict(), "peak_flops": hw_numbers["peak_flops"],
                              "memory_bandwidth": hw_numbers["memory_bandwidth"],
-                             "interconnect_bandwidth": hw_numbers["memory_bandwidth"] / 4,
+                             "interconnect_bandwidth": hw_numbers.get("interconnect_bandwidth",
+                                                                      hw_mod.CPU_COLLECTIVE_BANDWIDTH),
                              "runtime_bytes": hw_numbers["runtime_bytes"],
                              "graph_runtime_bytes": hw_numbers.get("graph_runtime_bytes", hw_numbers["runtime_bytes"])})
     return plan_config(cfg, cpu)
@@ -299,6 +314,9 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
         hw_numbers = {"peak_flops": cpu_peak_flops(), "memory_bandwidth": measure_cpu_memory_bandwidth(),
                       "runtime_bytes": measure_runtime_bytes(out, tokenizer, python), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "threads": os.cpu_count()}
+        if any(c.ranks > 1 for c in cases):
+            hw_numbers["interconnect_bandwidth"] = measure_collective_rate(python)
+            print(f"gloo collective rate {hw_numbers['interconnect_bandwidth'] / 1e9:.2f} GB/s per rank", flush=True)
         if any("graph" in " ".join(c.overrides) for c in cases):
             hw_numbers["graph_runtime_bytes"] = measure_runtime_bytes(out, tokenizer, python, graph=True)
             print(f"graph-mode runtime resident memory {hw_numbers['graph_runtime_bytes'] / 1e9:.3f} GB", flush=True)
