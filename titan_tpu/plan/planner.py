@@ -291,7 +291,10 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
               "overlap_assumed": overlapped, "efficiency": efficiency,
               "elementwise_efficiency": elementwise_efficiency},
         tokens_per_s=tokens_per_s, mfu=mfu)
-    plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak) / peak if peak else 0.0)
+    # Scan's autograd holds its saved stacks twice and the gradient stack: activation memory too,
+    # which full checkpointing removes (the scanned full mode keeps only the layer inputs).
+    scan_held = scan.at_backward_start - scan.activations if scan else 0.0
+    plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak + scan_held) / peak if peak else 0.0)
     return plan
 
 
