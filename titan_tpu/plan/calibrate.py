@@ -76,7 +76,8 @@ CASES = [
     # Scanned in graph mode on two ranks: scan's autograd keeps each layer's gathered weights
     # (planner: gather "model", no re-gather, gradients reduce-scattered per layer).
     Case("qwen3 debug, 2 ranks fully_shard, graph inductor, scanned", "configs/qwen3_debug.toml",
-         ("--training.mode", "graph", "--compile.backend", "inductor", "--model.scan_layers", "true"), ranks=2),
+         ("--training.mode", "graph", "--compile.backend", "inductor", "--model.scan_layers", "true",
+          "--compile.split", "collectives"), ranks=2),
     Case("qwen3 debug, graph aot_eager, scanned, AC full", "configs/qwen3_debug.toml",
          ("--training.mode", "graph", "--compile.backend", "aot_eager", "--model.scan_layers", "true",
           "--activation_checkpoint.mode", "full")),
@@ -310,6 +311,8 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
 
         python = sys.executable
         cases = [c for c in CASES if only is None or only in c.name]
+        if not cases:
+            raise ValueError(f"--only {only!r} matches no calibration configuration")
         tokenizer = _debug_tokenizer(default_cache_dir())
         hw_numbers = {"peak_flops": cpu_peak_flops(), "memory_bandwidth": measure_cpu_memory_bandwidth(),
                       "runtime_bytes": measure_runtime_bytes(out, tokenizer, python), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -327,16 +330,18 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
         # measured in several sittings (each result keeps the CPU numbers measured with it).
         old = json.loads(path.read_text())["results"] if only is not None and path.exists() else []
         results = {r["name"]: r for r in old}
+        order = [c.name for c in CASES]
         for case in cases:
             print(f"running: {case.name}", flush=True)
             result = _run_case(case, out, tokenizer, python)
             result["live_peak_gb"] = None if case.env else measure_live_peak(case, python, tokenizer)
             result["hardware"], result["env"] = hw_numbers, dict(case.env)
             results[case.name] = result
-        order = [c.name for c in CASES]
-        ordered = sorted(results.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
-        data = {"hardware": hw_numbers, "results": ordered}
-        path.write_text(json.dumps(data, indent=2) + "\n")
+            # Written after every case, so a failure later in a sitting keeps what was measured.
+            ordered = sorted(results.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+            data = {"hardware": hw_numbers, "results": ordered}
+            path.write_text(json.dumps(data, indent=2) + "\n")
+
     table, implied = _table(data["results"], data["hardware"])
     print(f"calibration of {data['hardware']['date']}: CPU peak {data['hardware']['peak_flops'] / 1e9:.0f} GFLOP/s, "
           f"copy {data['hardware']['memory_bandwidth'] / 1e9:.1f} GB/s, runtime {data['hardware']['runtime_bytes'] / 1e9:.3f} GB")
