@@ -73,7 +73,8 @@ def test_tpu_recipe(name, monkeypatch):
     # on the hardware and chip count the description names.
     plan = plan_config(for_planning(CONFIGS / f"{name}.toml"))
     assert (plan.hardware["name"], plan.devices) == (generation, devices)
-    assert plan.fits, f"{plan.peak_bytes / 1e9:.1f} GB per device at {plan.peak_phase}, {plan.capacity_bytes / 1e9:.1f} GB"
+    assert plan.fits, (f"{plan.peak_bytes / 1e9:.1f} GB per device at {plan.peak_phase}, "
+                       f"{plan.capacity_bytes / 1e9:.1f} GB")
 
 
 def test_the_checks_can_fail(monkeypatch):

@@ -310,7 +310,7 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
         from titan_tpu.train.trainer import default_cache_dir
 
         python = sys.executable
-        cases = [c for c in CASES if only is None or only in c.name]
+        cases = [c for c in CASES if only is None or any(part in c.name for part in only.split("|"))]
         if not cases:
             raise ValueError(f"--only {only!r} matches no calibration configuration")
         tokenizer = _debug_tokenizer(default_cache_dir())
@@ -338,7 +338,8 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
             result["hardware"], result["env"] = hw_numbers, dict(case.env)
             results[case.name] = result
             # Written after every case, so a failure later in a sitting keeps what was measured.
-            ordered = sorted(results.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+            ordered = sorted(results.values(),
+                             key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
             data = {"hardware": hw_numbers, "results": ordered}
             path.write_text(json.dumps(data, indent=2) + "\n")
 
