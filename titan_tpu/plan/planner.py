@@ -4,6 +4,8 @@ tokens/s and MFU. It adds up terms that live beside the code they describe:
 * the model: parameter counts and FLOPs per token (models/registry.py, the same `flops_per_token`
   the trainer logs MFU with), activations per layer per activation-checkpointing mode
   (models/common/transformer.py `activation_bytes` and the per-module functions it calls);
+* scanned layers in graph mode without full checkpointing: what scan's own autograd holds (the
+  modules' partitioned counts, models/common/scan.py `scan_autograd_memory`);
 * the loss kernel: what it keeps and its peak (kernels/loss.py `loss_memory_bytes`);
 * the parallel layout: stored shards, gathered weights, full-size gradients and collective bytes
   (parallel/plan_terms.py);
