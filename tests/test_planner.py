@@ -95,6 +95,43 @@ def test_activation_terms_match_autograd(name, ac_mode):
     assert 0 <= (sizes[1] - per_layer) - (predicted.head + kept) <= 128  # MoE: the aux loss's statistics
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("ac_mode", ["none", "selective"])
+def test_scan_autograd_terms_match_the_captured_graph(name, ac_mode):
+    """Scanned layers in graph mode without full checkpointing: scan's own autograd. The forward
+    scan returns what its backward needs, stacked per layer (activations by the modules'
+    partitioned counts, the layers' transposed weights, RoPE's values), the backward scan reads
+    flipped copies of those and of the norm scales, and writes the stacked weight gradients: each
+    equal, byte for byte, to the planner's terms (models/common/scan.py scan_autograd_memory)."""
+    from titan_tpu.graph.capture import capture_train_step
+    from titan_tpu.parallel.plan_terms import Layout
+    from titan_tpu.plan.planner import scanned_autograd_memory
+    from titan_tpu.train.optim import AdamW
+
+    B, S = 2, 64
+    args = dataclasses.replace(get_model_args(name, "debug"), n_layers=2, max_seq_len=S)
+    model = build_model(args, seed=0, scan_layers=True, ac_mode=ac_mode)
+    opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+    example = torch.zeros(B, S, dtype=torch.long)
+    captured = capture_train_step(model, max_norm=1.0, adamw_hparams=opt.hparams, decay=opt.decay,
+                                  example_batch=(example, example))
+    forward, backward = [n for n in captured.graph_module.graph.nodes
+                         if n.op == "call_function" and n.target is torch.ops.higher_order.scan]
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    outputs = forward.meta["val"]
+    saved = nbytes(outputs[3:])  # after the final h, the blocks' statistics and scan.py's kept inputs
+    flipped = nbytes(x.meta["val"] for x in backward.args[2])  # the backward's xs
+    gradients = nbytes(backward.meta["val"][2:])  # after the gradients of h and of the RoPE rows
+    assert all(x.target is torch.ops.aten.flip.default for x in backward.args[2])
+
+    acts = activation_bytes(args, tokens=B * S, ac_mode=ac_mode, dtype_bytes=4, partitioned=True)
+    want = scanned_autograd_memory(args, layout=Layout(), acts=acts, seq_len=S, gradient_stack=True)
+    assert (saved, flipped, gradients) == (want.saved, want.flipped, want.gradients)
+    # Not the eager count: the partitioner keeps other values than autograd does layer by layer.
+    eager = activation_bytes(args, tokens=B * S, ac_mode="none", dtype_bytes=4)
+    assert want.activations != eager.saved
+
+
 def test_chunked_loss_keeps_its_gradients():
     torch.manual_seed(0)
     n, v, d = 300, 512, 32
@@ -160,6 +197,46 @@ def test_eager_time_fit_recovers_the_constants_it_was_made_with():
     runs = [(c, e, c / 0.7 + e / 0.25) for c, e in ((0.2, 0.02), (0.3, 0.05), (0.07, 0.03), (1.5, 0.1))]
     efficiency, elementwise = fit_eager_time(runs)
     assert efficiency == pytest.approx(0.7) and elementwise == pytest.approx(0.25)
+
+
+def _collective_rate_worker() -> dict:
+    from titan_tpu.plan.collective_rate import measure_collective_rate
+
+    return measure_collective_rate(reps=3)
+
+
+@pytest.mark.multiprocess
+def test_collective_rate_is_gloos_not_the_copy_rate():
+    """The CPU's interconnect (plan/collective_rate.py): the bytes a rank sends over the median
+    times of gloo's collectives (as recorded beside it, by kind and size), and far below this
+    machine's copy rate (the planner assumed a quarter of it before; measured: a 25th to a 50th)."""
+    from dist_utils import run_distributed
+    from titan_tpu.plan.hardware import measure_cpu_memory_bandwidth
+
+    result = run_distributed(_collective_rate_worker, world_size=2)[0]
+    sizes = result["by_size"]
+    assert [(r["kind"], r["mb_per_rank"]) for r in sizes] == [
+        ("all_gather", 1.048576), ("reduce_scatter", 1.048576), ("all_gather", 4.194304), ("reduce_scatter", 4.194304)]
+    sent = sum(r["mb_per_rank"] * 1e6 for r in sizes)  # two ranks: each sends its whole shard
+    assert result["bytes_per_s"] == pytest.approx(sent / sum(r["median_ms"] / 1e3 for r in sizes))
+    assert result["bytes_per_s"] < measure_cpu_memory_bandwidth() / 4
+
+
+def test_cpu_collectives_take_gloos_rate():
+    """The planner's collective time is each collective's bytes at the hardware's interconnect rate,
+    which for the CPU is gloo's measured rate: expert parallelism's token dispatch on two ranks
+    then takes the time its bytes take through gloo."""
+    from titan_tpu.plan.hardware import CPU_COLLECTIVE_BANDWIDTH
+
+    cfg = build_config(CONFIGS / "qwen3_moe_debug.toml", ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"])
+    plan = plan_config(cfg, CPU, measure=False)
+    assert CPU.interconnect_bandwidth == CPU_COLLECTIVE_BANDWIDTH
+    dispatch = [c for c in plan.communication if c["axis"] == "ep"]
+    assert len(dispatch) == 1 and dispatch[0]["bytes_per_step"] > 0
+    total = sum(c["bytes_per_step"] for c in plan.communication)
+    assert plan.time["collectives_s"] == pytest.approx(total / CPU_COLLECTIVE_BANDWIDTH)
+    assert plan.time["step_s"] == pytest.approx(plan.time["compute_s"] + plan.time["elementwise_s"]
+                                                + plan.time["collectives_s"])  # eager: no overlap
 
 
 def test_plan_grows_the_right_terms():

@@ -2,7 +2,8 @@
 shapes suit the kernels it picks, and its per-chip training state fits the chip. Runs without
 torch-tpu: the kernels' shape rules are plain Python (kernels/tpu.py), and the config is loaded
 as a TPU VM with TorchTPU installed would load it. What this cannot tell: speed, activation
-memory beyond the stated estimate, whether XLA compiles the step (docs/tpu.md)."""
+memory beyond the planner's (titan_tpu/plan, calibrated on CPU runs: docs/planner.md), whether
+XLA compiles the step (docs/tpu.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from titan_tpu import device
 from titan_tpu.config import build_config
 from titan_tpu.kernels import OPS
 from titan_tpu.kernels import tpu as tpu_kernels
-from titan_tpu.models.registry import get_model_args, num_params
+from titan_tpu.models.registry import get_model_args
+from titan_tpu.plan import plan_config
+from titan_tpu.plan.planner import for_planning
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = {
@@ -23,10 +26,6 @@ RECIPES = {
     "llama3_405b_tpu": dict(scan=True, split="none", ep=1),
     "qwen3_235b_a22b_tpu": dict(scan=True, split="collectives", ep=8),
 }
-# HBM per chip in GB (datasheets); v7 counts per chip, which exposes two devices.
-HBM_GB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "v7": 192}
-# Parameters, gradients and the two AdamW moments in fp32: 16 bytes per parameter, sharded.
-STATE_BYTES_PER_PARAM = 16
 
 
 def _chips(description: str) -> int:
@@ -69,10 +68,13 @@ def test_tpu_recipe(name, monkeypatch):
         routed_rows = t.batch_size * t.seq_len * args.moe.top_k
         tpu_kernels.gmm_row_tile(routed_rows, args.dim, args.moe.hidden_dim)  # raises if megablox cannot tile it
 
-    # Training state per chip: parameters, gradients and moments, sharded over dp_shard, in half of
-    # the chip's HBM (the rest: activations, gathered layers, XLA's buffers; an estimate, not measured).
-    state_gb = num_params(args) * STATE_BYTES_PER_PARAM / p.dp_shard / 1e9
-    assert state_gb < 0.5 * HBM_GB[generation], f"{state_gb:.1f} GB of state per chip"
+    # Memory per device: the planner's peak (parameters, gradients, moments, activations, gathered
+    # weights, the loss kernel, ...; the one estimate the CLI prints) within the device's memory,
+    # on the hardware and chip count the description names.
+    plan = plan_config(for_planning(CONFIGS / f"{name}.toml"))
+    assert (plan.hardware["name"], plan.devices) == (generation, devices)
+    assert plan.fits, (f"{plan.peak_bytes / 1e9:.1f} GB per device at {plan.peak_phase}, "
+                       f"{plan.capacity_bytes / 1e9:.1f} GB")
 
 
 def test_the_checks_can_fail(monkeypatch):
@@ -82,3 +84,7 @@ def test_the_checks_can_fail(monkeypatch):
     with pytest.raises(ValueError, match="multiples of 128"):
         tpu_kernels.gmm_row_tile(4096, 4096, 1000)
     assert _chips("TPU v5p-2048: 1,024 chips") == 1024
+    # The memory check fails where the recipe could not run: Llama 3 405B sharded over 16 chips.
+    cfg = for_planning(CONFIGS / "llama3_405b_tpu.toml", ["--parallelism.dp_shard", "-1"])
+    small = plan_config(cfg, chips=16)
+    assert small.devices == 16 and not small.fits

@@ -160,7 +160,8 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--calibrate", action="store_true",
                         help="run real CPU configurations and print predicted vs measured (minutes; run alone)")
     parser.add_argument("--replay", action="store_true", help="with --calibrate: recompute from the saved results")
-    parser.add_argument("--only", help="with --calibrate: only the configurations whose name contains this")
+    parser.add_argument("--only", help="with --calibrate: only the configurations whose name contains this "
+                                       "(several: a|b)")
     parser.add_argument("--out", default="outputs/plan_calibration", help="with --calibrate: where runs and "
                                                                              "results go")
     args, overrides = parser.parse_known_args(argv)

@@ -73,6 +73,11 @@ CASES = [
          ("--training.mode", "graph", "--compile.backend", "inductor", "--activation_checkpoint.mode", "full")),
     Case("qwen3 debug, graph inductor, scanned", "configs/qwen3_debug.toml",
          ("--training.mode", "graph", "--compile.backend", "inductor", "--model.scan_layers", "true")),
+    # Scanned in graph mode on two ranks: scan's autograd keeps each layer's gathered weights
+    # (planner: gather "model", no re-gather, gradients reduce-scattered per layer).
+    Case("qwen3 debug, 2 ranks fully_shard, graph inductor, scanned", "configs/qwen3_debug.toml",
+         ("--training.mode", "graph", "--compile.backend", "inductor", "--model.scan_layers", "true",
+          "--compile.split", "collectives"), ranks=2),
     Case("qwen3 debug, graph aot_eager, scanned, AC full", "configs/qwen3_debug.toml",
          ("--training.mode", "graph", "--compile.backend", "aot_eager", "--model.scan_layers", "true",
           "--activation_checkpoint.mode", "full")),
@@ -125,6 +130,16 @@ def measure_runtime_bytes(out_dir: Path, tokenizer: str, python: str, *, graph: 
     plan = predict(result, {"peak_flops": 1e11, "memory_bandwidth": 1e10, "runtime_bytes": 0.0,
                             "graph_runtime_bytes": 0.0})
     return result["measured_peak_gb"] * 1e9 - plan.peak_bytes
+
+
+def measure_collective_rate(python: str) -> float:
+    """Bytes/s a rank sends into gloo's collectives between two processes (plan/collective_rate.py)."""
+    torchrun = str(Path(python).with_name("torchrun"))
+    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "-m", "titan_tpu.plan.collective_rate"],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"collective rate measurement failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["bytes_per_s"]
 
 
 _LIVE_PROBE = r"""
@@ -234,7 +249,8 @@ def predict(result: dict, hw_numbers: dict) -> dict:
     cpu = hw_mod.cpu_hardware(measure=False)
     cpu = hw_mod.Hardware(**{**cpu.as_dict(), "peak_flops": hw_numbers["peak_flops"],
                              "memory_bandwidth": hw_numbers["memory_bandwidth"],
-                             "interconnect_bandwidth": hw_numbers["memory_bandwidth"] / 4,
+                             "interconnect_bandwidth": hw_numbers.get("interconnect_bandwidth",
+                                                                      hw_mod.CPU_COLLECTIVE_BANDWIDTH),
                              "runtime_bytes": hw_numbers["runtime_bytes"],
                              "graph_runtime_bytes": hw_numbers.get("graph_runtime_bytes", hw_numbers["runtime_bytes"])})
     return plan_config(cfg, cpu)
@@ -294,11 +310,16 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
         from titan_tpu.train.trainer import default_cache_dir
 
         python = sys.executable
-        cases = [c for c in CASES if only is None or only in c.name]
+        cases = [c for c in CASES if only is None or any(part in c.name for part in only.split("|"))]
+        if not cases:
+            raise ValueError(f"--only {only!r} matches no calibration configuration")
         tokenizer = _debug_tokenizer(default_cache_dir())
         hw_numbers = {"peak_flops": cpu_peak_flops(), "memory_bandwidth": measure_cpu_memory_bandwidth(),
                       "runtime_bytes": measure_runtime_bytes(out, tokenizer, python), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "threads": os.cpu_count()}
+        if any(c.ranks > 1 for c in cases):
+            hw_numbers["interconnect_bandwidth"] = measure_collective_rate(python)
+            print(f"gloo collective rate {hw_numbers['interconnect_bandwidth'] / 1e9:.2f} GB/s per rank", flush=True)
         if any("graph" in " ".join(c.overrides) for c in cases):
             hw_numbers["graph_runtime_bytes"] = measure_runtime_bytes(out, tokenizer, python, graph=True)
             print(f"graph-mode runtime resident memory {hw_numbers['graph_runtime_bytes'] / 1e9:.3f} GB", flush=True)
@@ -309,16 +330,19 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
         # measured in several sittings (each result keeps the CPU numbers measured with it).
         old = json.loads(path.read_text())["results"] if only is not None and path.exists() else []
         results = {r["name"]: r for r in old}
+        order = [c.name for c in CASES]
         for case in cases:
             print(f"running: {case.name}", flush=True)
             result = _run_case(case, out, tokenizer, python)
             result["live_peak_gb"] = None if case.env else measure_live_peak(case, python, tokenizer)
             result["hardware"], result["env"] = hw_numbers, dict(case.env)
             results[case.name] = result
-        order = [c.name for c in CASES]
-        ordered = sorted(results.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
-        data = {"hardware": hw_numbers, "results": ordered}
-        path.write_text(json.dumps(data, indent=2) + "\n")
+            # Written after every case, so a failure later in a sitting keeps what was measured.
+            ordered = sorted(results.values(),
+                             key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+            data = {"hardware": hw_numbers, "results": ordered}
+            path.write_text(json.dumps(data, indent=2) + "\n")
+
     table, implied = _table(data["results"], data["hardware"])
     print(f"calibration of {data['hardware']['date']}: CPU peak {data['hardware']['peak_flops'] / 1e9:.0f} GFLOP/s, "
           f"copy {data['hardware']['memory_bandwidth'] / 1e9:.1f} GB/s, runtime {data['hardware']['runtime_bytes'] / 1e9:.3f} GB")

@@ -114,6 +114,11 @@ CPU_GRAPH_EFFICIENCY = 0.50
 # runtime above plus the captured and compiled step (graph, generated code, compiler state),
 # measured like CPU_RUNTIME_BYTES with the tiny run in graph mode (Inductor).
 CPU_GRAPH_RUNTIME_BYTES = 0.484e9
+# CPU_COLLECTIVE_BANDWIDTH: bytes/s a rank sends into a gloo all-gather or reduce-scatter between two
+# processes of this machine (loopback TCP), medians at 1 and 4 MB a rank (plan/collective_rate.py,
+# 2026-12-01: 0.36-0.71 GB/s by kind and size). It was taken as a quarter of the copy rate (6.5
+# GB/s) before; the calibration measures it in each sitting.
+CPU_COLLECTIVE_BANDWIDTH = 0.53e9
 
 
 def measure_cpu_memory_bandwidth(nbytes: int = 1 << 27, reps: int = 5) -> float:
@@ -145,14 +150,14 @@ def cpu_hardware(*, measure: bool = True) -> Hardware:
     measure=False, nominal numbers (for tests and for plans that only need memory)."""
     peak = device.cpu_peak_flops() if measure else 100e9
     bandwidth = measure_cpu_memory_bandwidth() if measure else 10e9
-    return Hardware("cpu", peak, _total_ram(), bandwidth, bandwidth / 4, efficiency=CPU_EFFICIENCY,
+    return Hardware("cpu", peak, _total_ram(), bandwidth, CPU_COLLECTIVE_BANDWIDTH, efficiency=CPU_EFFICIENCY,
                     graph_efficiency=CPU_GRAPH_EFFICIENCY, graph_runtime_bytes=CPU_GRAPH_RUNTIME_BYTES,
                     elementwise_efficiency=CPU_ELEMENTWISE_EFFICIENCY,
                     runtime_bytes=CPU_RUNTIME_BYTES,
                     source=f"this machine: fp32 matmul peak {peak / 1e9:.0f} GFLOP/s and copy bandwidth "
                            f"{bandwidth / 1e9:.1f} GB/s {'measured now' if measure else '(nominal, not measured)'}; "
-                           "RAM from /proc/meminfo; ranks of one run share it; gloo moves tensors through "
-                           "memory (a quarter of the copy bandwidth assumed)")
+                           "RAM from /proc/meminfo; ranks of one run share it; collectives at gloo's measured "
+                           f"{CPU_COLLECTIVE_BANDWIDTH / 1e9:.2f} GB/s per rank (plan/collective_rate.py)")
 
 
 def known_names() -> list[str]:

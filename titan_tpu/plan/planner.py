@@ -4,6 +4,8 @@ tokens/s and MFU. It adds up terms that live beside the code they describe:
 * the model: parameter counts and FLOPs per token (models/registry.py, the same `flops_per_token`
   the trainer logs MFU with), activations per layer per activation-checkpointing mode
   (models/common/transformer.py `activation_bytes` and the per-module functions it calls);
+* scanned layers in graph mode without full checkpointing: what scan's own autograd holds (the
+  modules' partitioned counts, models/common/scan.py `scan_autograd_memory`);
 * the loss kernel: what it keeps and its peak (kernels/loss.py `loss_memory_bytes`);
 * the parallel layout: stored shards, gathered weights, full-size gradients and collective bytes
   (parallel/plan_terms.py);
@@ -31,7 +33,9 @@ from dataclasses import dataclass, field
 
 from titan_tpu.config import Config, model_args_from_config, model_label
 from titan_tpu.kernels.loss import loss_memory_bytes
-from titan_tpu.models.common.transformer import activation_bytes
+from titan_tpu.models.common.rope import rope_real_saved_per_position
+from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memory
+from titan_tpu.models.common.transformer import ActivationBytes, activation_bytes
 from titan_tpu.models.registry import (flops_per_token, largest_param, num_active_params, num_expert_params,
                                        num_params)
 from titan_tpu.parallel.plan_terms import Layout
@@ -157,6 +161,8 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     # Traced checkpointed blocks keep the attention output too (activation_checkpoint.py); the scanned
     # full mode is its own autograd function that keeps only the layer inputs.
     traced = t.mode == "graph" and not (scanned and ac == "full")
+    # Scanned layers in graph mode without full checkpointing: scan's own autograd (scan.py).
+    partitioned = scanned and t.mode == "graph" and ac != "full"
     overlapped = t.mode == "graph"
 
     # Parameters.
@@ -172,7 +178,8 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
 
     # Activations of one micro-batch on one rank.
     tokens = t.batch_size * t.seq_len
-    acts = activation_bytes(args, tokens=tokens, ac_mode=ac, dtype_bytes=cb, ep=cfg.parallelism.ep, traced=traced)
+    acts = activation_bytes(args, tokens=tokens, ac_mode=ac, dtype_bytes=cb, ep=cfg.parallelism.ep, traced=traced,
+                            partitioned=partitioned)
     loss_impl = _loss_impl(k.loss, hardware.name)
     loss_kept, loss_peak = loss_memory_bytes(loss_impl, tokens=tokens, vocab_size=args.vocab_size, dim=args.dim,
                                              dtype_bytes=cb, chunk_tokens=k.loss_chunk_tokens)
@@ -181,14 +188,23 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     # a what-if other than the code's stands for re-sharding on (layer) or off (model).
     per_layer_stack = (cfg.parallelism.reshard_after_forward and cfg.parallelism.bucket_mb > 0
                        if gather == code else gather == "layer")
-    full_grad = layout.full_gradient_bytes(largest_param=largest_param(args), block_params=block_params,
-                                           expert_params=experts, n_layers=args.n_layers,
-                                           scanned=scanned and not per_layer_stack)
+    # Its full-size gradient is one layer's then, also where the gathered weights are kept (scan's
+    # autograd without full checkpointing: gather "model", the gradients still per layer).
+    grad_layout = dataclasses.replace(layout, gather="layer") if scanned and per_layer_stack else layout
+    full_grad = grad_layout.full_gradient_bytes(largest_param=largest_param(args), block_params=block_params,
+                                                expert_params=experts, n_layers=args.n_layers,
+                                                scanned=scanned and not per_layer_stack)
     accumulating = grads_b if t.grad_accum_steps > 1 else 0.0  # earlier micro-batches' gradients
 
     efficiency, elementwise_efficiency, runtime = hardware.mode_constants(graph=t.mode == "graph")
     static = params_b + moments_b + runtime
     forward_end = static + gathered + acts.saved + acts.head + loss_kept + loss_peak + accumulating
+    scan = None
+    if partitioned:
+        scan = scanned_autograd_memory(args, layout=layout, acts=acts, seq_len=t.seq_len,
+                                       gradient_stack=not full_grad or per_layer_stack)
+        # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
+        forward_end += scan.at_backward_start - scan.activations - min(gathered, scan.weight_copies)
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
     layer_grad = [g * mb / dp_shard for g in _layer_params(args)]
     below, above, worst = acts.saved, 0.0, 0.0
@@ -198,6 +214,11 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         above += grad
     backward = static + gathered + acts.head + loss_kept + worst + acts.recompute + full_grad + \
         max(accumulating - above, 0.0)
+    if scan is not None:
+        # The backward loop reads every flipped stack until it ends and writes the gradient stack;
+        # one layer's intermediates are alive at a time.
+        backward = static + acts.head + loss_kept + scan.flipped + scan.gradients + max(acts.saved_per_layer) + \
+            full_grad + accumulating
     # AdamW's sqrt(v) temporary; the traced step's out-of-place update also writes fresh parameters
     # and moments (train/optim.py update_buffers).
     update_b = update_buffers(out_of_place=t.mode == "graph") * stored * mb
@@ -210,6 +231,9 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         "parameters": params_b, "gradients": grads_b, "optimizer_state": moments_b,
         "activations": acts.saved + acts.head, "activation_recompute": acts.recompute,
         "gathered_weights": gathered, "full_size_gradient": full_grad,
+        # scan's weight copies beyond the gathered weights they are when sharded, and the RoPE copies
+        "scan_saved_copies": (scan.weight_copies - min(gathered, scan.weight_copies) + scan.shared if scan else 0.0),
+        "scan_flipped": (scan.flipped if scan else 0.0), "scan_gradient_stack": (scan.gradients if scan else 0.0),
         "loss_kept": loss_kept, "loss_peak": loss_peak, "optimizer_temporary": update_b,
         "runtime": runtime, "phases": phases,
     }
@@ -269,8 +293,32 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
               "overlap_assumed": overlapped, "efficiency": efficiency,
               "elementwise_efficiency": elementwise_efficiency},
         tokens_per_s=tokens_per_s, mfu=mfu)
-    plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak) / peak if peak else 0.0)
+    # Scan's autograd holds its saved stacks twice and the gradient stack: activation memory too,
+    # which full checkpointing removes (the scanned full mode keeps only the layer inputs).
+    scan_held = scan.at_backward_start - scan.activations if scan else 0.0
+    plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak + scan_held) / peak if peak else 0.0)
     return plan
+
+
+def scanned_autograd_memory(args, *, layout: Layout, acts: ActivationBytes, seq_len: int,
+                            gradient_stack: bool) -> ScanAutogradMemory:
+    """scan.py `scan_autograd_memory` for this model and layout: the weights the scanned body
+    multiplies by (all block weights but the norm scales; local experts only under ep; gathered,
+    in the compute dtype), the RoPE values it keeps per layer, the norm scales the backward reads
+    from the stack, and the stacked weight gradients the backward loop writes (a rank's shards when
+    each layer reduce-scatters its own; gradient_stack False when the layout counts the stack's
+    gradient as its full-size gradient)."""
+    norm_params = args.n_layers * (2 * args.dim + (2 * args.hd if args.qk_norm else 0))
+    block_params = num_params(args) - args.dim - args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
+    experts = num_expert_params(args)
+    matmul = layout.local_block_elements(block_params=block_params - norm_params, expert_params=experts)
+    stored = layout.master_bytes() / layout.dp_shard  # bytes per block element a rank stores
+    return scan_autograd_memory(
+        activations_per_layer=acts.saved_per_layer,
+        layer_weight_bytes=matmul * layout.compute_bytes / args.n_layers,
+        shared_per_layer=seq_len * rope_real_saved_per_position(args.hd) * 4,
+        read_weight_bytes=norm_params * stored,
+        gradient_bytes=block_params * stored if gradient_stack else 0.0)
 
 
 def _mode(layout: Layout) -> str:
@@ -347,7 +395,8 @@ def format_plan(plan: Plan) -> str:
         "memory per device:",
     ]
     for key in ("parameters", "gradients", "optimizer_state", "activations", "activation_recompute",
-                "gathered_weights", "full_size_gradient", "loss_kept", "loss_peak", "optimizer_temporary",
+                "gathered_weights", "full_size_gradient", "scan_saved_copies", "scan_flipped", "scan_gradient_stack",
+                "loss_kept", "loss_peak", "optimizer_temporary",
                 "moe_dispatch", "runtime"):
         if key in m and m[key]:
             note = "  (ep dispatch buffers, within activations)" if key == "moe_dispatch" else ""

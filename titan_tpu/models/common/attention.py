@@ -65,7 +65,7 @@ class Attention(nn.Module):
 
 
 def attention_saved_per_token(*, n_heads: int, n_kv_heads: int, head_dim: int,
-                              qk_norm: bool) -> tuple[int, int]:
+                              qk_norm: bool, partitioned: bool = False) -> tuple[int, int]:
     """What `Attention.forward` keeps for its backward per token, without activation
     checkpointing, as (elements of the compute dtype, fp32 elements); its input (the normalised
     hidden state) is counted by the block.
@@ -73,14 +73,19 @@ def attention_saved_per_token(*, n_heads: int, n_kv_heads: int, head_dim: int,
     The attention kernel keeps q and k after RoPE, v, and its output (which is also wo's input:
     SDPA writes it in [B, S, H, D] memory order, so the reshape is a view) plus one log-sum-exp per
     head. RoPE keeps nothing of its own (the rotation does not need the gradient of its angles).
-    With qk_norm each per-head RMSNorm keeps its input and input * rstd, and one rstd per head."""
+    With qk_norm each per-head RMSNorm keeps its input and input * rstd, and one rstd per head.
+
+    partitioned: what a min-cut partitioner keeps (scan's own autograd in graph mode,
+    models/common/scan.py), whose traced body is functionalised: the reshape of the kernel's output
+    into wo's input is a copy there, so the output is kept twice (the kernel's layout and wo's);
+    the per-head RMSNorms keep their input and rstd (`rms_norm_saved_per_row`)."""
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
-    elements, fp32 = 2 * q + 2 * kv, n_heads
+    elements, fp32 = 2 * q + 2 * kv + (q if partitioned else 0), n_heads
     if qk_norm:
         from titan_tpu.models.common.norms import rms_norm_saved_per_row
 
         for rows in (n_heads, n_kv_heads):
-            per_row, per_row_fp32 = rms_norm_saved_per_row(head_dim)
+            per_row, per_row_fp32 = rms_norm_saved_per_row(head_dim, partitioned=partitioned)
             elements += rows * per_row
             fp32 += rows * per_row_fp32
     return elements, fp32

@@ -19,11 +19,12 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
 
 
-def feed_forward_saved_per_token(hidden_dim: int) -> int:
+def feed_forward_saved_per_token(hidden_dim: int, *, partitioned: bool = False) -> int:
     """Compute-dtype elements `FeedForward.forward` keeps per token without activation
     checkpointing (its input is counted by the block): w1's and w3's outputs, silu's output and
-    the product w2 reads."""
-    return 4 * hidden_dim
+    the product w2 reads. partitioned: a min-cut partitioner (scan's own autograd in graph mode)
+    keeps three of the four and recomputes the fourth with one pointwise op."""
+    return (3 if partitioned else 4) * hidden_dim
 
 
 def feed_forward_matmul_outputs_per_token(*, dim: int, hidden_dim: int) -> int:

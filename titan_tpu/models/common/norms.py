@@ -26,8 +26,10 @@ class RMSNorm(nn.Module):
         return out.to(x.dtype)
 
 
-def rms_norm_saved_per_row(dim: int) -> tuple[int, int]:
+def rms_norm_saved_per_row(dim: int, *, partitioned: bool = False) -> tuple[int, int]:
     """What an `RMSNorm` forward keeps for its backward, per normalised row, as (elements of the
     input dtype, fp32 elements): its input and input * rstd (F.rms_norm decomposes into ops that
-    save both), and the one rstd value. Its output is kept by whoever consumes it."""
-    return 2 * dim, 1
+    save both), and the one rstd value. Its output is kept by whoever consumes it.
+    partitioned: what a min-cut partitioner keeps instead (scan's own autograd in graph mode,
+    models/common/scan.py): the input and rstd; input * rstd is recomputed in the backward."""
+    return (dim if partitioned else 2 * dim), 1

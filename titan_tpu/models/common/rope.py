@@ -109,3 +109,11 @@ def apply_rope_real(x_BSHD: torch.Tensor, rope_xSP2: torch.Tensor) -> torch.Tens
     a_BSHP, b_BSHP = x_BSHD.float().unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([a_BSHP * cos_xS1P - b_BSHP * sin_xS1P, a_BSHP * sin_xS1P + b_BSHP * cos_xS1P], dim=-1)
     return rotated.flatten(-2).to(x_BSHD.dtype)
+
+
+def rope_real_saved_per_position(head_dim: int) -> int:
+    """fp32 elements per sequence position that `apply_rope_real` keeps for its backward in a
+    scanned body under scan's own autograd (graph mode, models/common/scan.py): cos and sin
+    (head_dim / 2 each), and a copy of the RoPE rows it reads (head_dim), which the partitioner
+    stacks per layer like any other saved value. The planner counts it once per layer."""
+    return 2 * head_dim

@@ -37,7 +37,8 @@ graph mode selective currently saves what none saves.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +48,7 @@ from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
 from titan_tpu.models.common.tracing import is_tracing
 
-__all__ = ["StackedBlocks", "STACKED_MARKER"]
+__all__ = ["StackedBlocks", "STACKED_MARKER", "ScanAutogradMemory", "scan_autograd_memory"]
 
 # Attribute set to True on every module holding stacked weights: parallel/simple_fsdp.py imports
 # and reads it to shard those weights on dim 1 (models never import parallel/).
@@ -282,3 +283,62 @@ def _stack_layers_hook(module: StackedBlocks, state_dict: dict, prefix: str, *ar
     for key in [k for k in state_dict if k.startswith(prefix)]:
         del state_dict[key]
     state_dict.update(stacked)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory of scan's own autograd, for the planner (titan_tpu/plan). Graph mode, scanned layers,
+# activation checkpointing none or selective: the traced step differentiates scan_op with torch's
+# scan autograd, whose min-cut partitioner splits the body into a forward that also returns every
+# value its backward needs and a backward body. Read from the captured graph (tests/test_planner.py
+# counts the forward scan's extra outputs and the backward scan's flipped inputs against this).
+
+
+@dataclass(frozen=True)
+class ScanAutogradMemory:
+    """Bytes scan's own autograd holds for the backward of L scanned layers."""
+
+    activations: int  # each layer's saved activations, stacked [L, ...] by the forward scan
+    weight_copies: float  # each layer's weights as its matmuls read them (transposed), stacked: a copy
+    shared: int  # per-layer copies of values every layer reads (the RoPE rows and what RoPE derives)
+    flipped: float  # the backward scan's inputs: flipped copies of the saved stacks and of the weights it reads
+    gradients: float  # the backward scan's output stack of every layer's weight gradients
+
+    @property
+    def saved(self) -> float:
+        """Kept from the forward scan to the backward scan."""
+        return self.activations + self.weight_copies + self.shared
+
+    @property
+    def at_backward_start(self) -> float:
+        """Held when the backward loop starts, beyond the model's parameters and optimizer state:
+        the saved stacks, their flipped copies (see `scan_autograd_memory`) and the gradient stack."""
+        return self.saved + self.flipped + self.gradients
+
+
+def scan_autograd_memory(*, activations_per_layer: Sequence[int], layer_weight_bytes: float,
+                         shared_per_layer: int, read_weight_bytes: float,
+                         gradient_bytes: float) -> ScanAutogradMemory:
+    """What `StackedBlocks` in graph mode without full checkpointing keeps through scan's autograd.
+
+    activations_per_layer: the bytes each layer's saved activations take (the block's own count
+    with partitioned=True, transformer.py `block_saved_per_token`). layer_weight_bytes: one layer's
+    matmul weights as the body multiplies by them (gathered when sharded, in the compute dtype): the
+    partitioner saves each layer's transposed weights (an output of the body, so a copy, not a
+    view) and never recomputes the all-gather that produced them. shared_per_layer: bytes per layer
+    of the saved copies of values every layer reads (RoPE, rope.py `rope_real_saved_per_position`).
+    read_weight_bytes: the stacked weights the backward body reads as they are (the norm scales;
+    the matmul weights it reads through their saved copies). gradient_bytes: the stacked weight
+    gradients the backward loop writes (local shards when each layer reduce-scatters its own).
+
+    The backward scan runs the layers in reverse over flipped (copied) stacks of everything saved
+    and of the weights it reads (torch's scan autograd: `torch.flip` of each). Inductor writes the
+    flips in a few fused kernels and frees each original after its kernel (qwen3 debug: 70% of the
+    activation stacks were copied while their originals were alive), and allocates the gradient
+    stack before the forward loop; `at_backward_start` counts every original beside its copy, an
+    upper bound (a memory-aware scheduler holds one stack twice at a time)."""
+    activations = sum(activations_per_layer)
+    n_layers = len(activations_per_layer)
+    weights = layer_weight_bytes * n_layers
+    shared = shared_per_layer * n_layers
+    return ScanAutogradMemory(activations=activations, weight_copies=weights, shared=shared,
+                              flipped=activations + weights + shared + read_weight_bytes, gradients=gradient_bytes)

@@ -409,14 +409,17 @@ class ActivationBytes:
 
 
 def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: str, ep: int = 1,
-                          traced: bool = False) -> tuple[int, int]:
+                          traced: bool = False, partitioned: bool = False) -> tuple[int, int]:
     """(compute-dtype elements, 4-byte elements) one block keeps per token of this rank.
 
     none: everything its ops save (each RMSNorm: input, input * rstd, output; attention; the
     feed-forward or MoE layer). full: only the block input (traced by the graph trainer, the
     attention kernel's output and log-sum-exp are kept too: random-number ops are not replayed).
     selective: the block input plus the outputs of matmuls and of the attention kernel
-    (activation_checkpoint.SAVED_OPS)."""
+    (activation_checkpoint.SAVED_OPS). partitioned: what scan's own autograd keeps per layer
+    (scanned layers in graph mode without full checkpointing, models/common/scan.py): its min-cut
+    partitioner picks the values (each module's `partitioned` count; selective's tags do not reach
+    it, so selective keeps what none keeps). MoE layers are counted as eagerly (not measured)."""
     from titan_tpu.models.common.attention import attention_matmul_outputs_per_token, attention_saved_per_token
     from titan_tpu.models.common.feed_forward import (feed_forward_matmul_outputs_per_token,
                                                       feed_forward_saved_per_token)
@@ -424,6 +427,8 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
     from titan_tpu.models.common.norms import rms_norm_saved_per_row
 
     d = args.dim
+    if partitioned and ac_mode != "full":
+        ac_mode = "none"
     if ac_mode == "full":
         if traced:
             return d + args.n_heads * args.hd, args.n_heads
@@ -436,22 +441,27 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
         else:
             e, f = feed_forward_matmul_outputs_per_token(dim=d, hidden_dim=args.ffn_hidden_dim), 0
         return d + elements + e, fp32 + f
-    norm, norm_fp32 = rms_norm_saved_per_row(d)
+    norm, norm_fp32 = rms_norm_saved_per_row(d, partitioned=partitioned)
     elements, fp32 = attention_saved_per_token(n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                                               head_dim=args.hd, qk_norm=args.qk_norm)
+                                               head_dim=args.hd, qk_norm=args.qk_norm, partitioned=partitioned)
     elements += 2 * (norm + d)  # two norms: their saved tensors and their outputs
     fp32 += 2 * norm_fp32
     if moe_layer:
         e, f = moe_saved_per_token(dim=d, args=args.moe, ep=ep)
     else:
-        e, f = feed_forward_saved_per_token(args.ffn_hidden_dim), 0
+        e, f = feed_forward_saved_per_token(args.ffn_hidden_dim, partitioned=partitioned), 0
     return elements + e, fp32 + f
 
 
 def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_bytes: int, ep: int = 1,
-                     traced: bool = False) -> ActivationBytes:
-    """Activation memory of a micro-batch of `tokens` tokens (batch x sequence) on one rank."""
+                     traced: bool = False, partitioned: bool = False) -> ActivationBytes:
+    """Activation memory of a micro-batch of `tokens` tokens (batch x sequence) on one rank.
+    partitioned: the layers are scanned in graph mode under scan's own autograd
+    (`block_saved_per_token`); what scan adds around them is `scan.scan_autograd_memory`."""
     from titan_tpu.models.common.norms import rms_norm_saved_per_row
+
+    if partitioned and ac_mode != "full":
+        ac_mode = "none"  # selective's tags do not reach scan's partitioner: nothing is recomputed
 
     def nbytes(counts: tuple[int, int]) -> int:
         return tokens * (counts[0] * dtype_bytes + counts[1] * 4)
@@ -459,7 +469,8 @@ def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_
     saved, recompute = [], 0
     for layer_id in range(args.n_layers):
         moe = args.is_moe_layer(layer_id)
-        saved.append(nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode=ac_mode, ep=ep, traced=traced)))
+        saved.append(nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode=ac_mode, ep=ep, traced=traced,
+                                                  partitioned=partitioned)))
         if ac_mode != "none":
             whole = nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode="none", ep=ep))
             recompute = max(recompute, whole)

@@ -1,0 +1,61 @@
+"""Where the time of a multi-rank eager training step goes, on rank 0: the trainer's own step
+(titan_tpu.train.trainer.Trainer, so SimpleFSDP, expert parallelism and their collectives are as
+in a real run) under torch's profiler for three steps after two warm-up steps, self CPU time per
+op grouped like bench/step_profile.py, with the collectives (their waits included) as a group of
+their own. How the planner's collective rate was found wanting for the two-rank expert-parallel
+run (docs/planner.md, "Speed").
+
+    torchrun --standalone --nproc_per_node 2 bench/step_profile_ranks.py configs/qwen3_moe_debug.toml \\
+        --parallelism.dp_shard 2 --parallelism.ep 2 --training.device cpu --validation.enabled false \\
+        --checkpoint.enabled false --output_dir /tmp/profile_run
+
+Arguments after the config are the trainer's overrides. Run it alone on the machine (a timing).
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from pathlib import Path
+
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile import category  # noqa: E402
+
+from titan_tpu.config import build_config  # noqa: E402
+from titan_tpu.train.trainer import Trainer  # noqa: E402
+
+_COLLECTIVE = ("all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce", "wait_tensor", "c10d",
+               "gloo")
+
+
+def main(argv: list[str]) -> int:
+    trainer = Trainer(build_config(argv[0], argv[1:]))
+    for _ in range(2):
+        trainer.train_step()
+    steps = 3
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step()
+        wall_ms = (time.perf_counter() - start) / steps * 1e3
+    if trainer.rank != 0:
+        return 0
+    rows = [(e.key, e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()]
+    total = sum(ms for _, ms, _ in rows)
+    by_category = collections.Counter()
+    for op, ms, _ in rows:
+        by_category["collectives (waits included)" if any(w in op for w in _COLLECTIVE) else category(op)] += ms
+    print(f"rank 0: {wall_ms:.1f} ms a step (profiled), {total:.1f} ms of self CPU time")
+    for name, ms in by_category.most_common():
+        print(f"  {name:52s} {ms:8.1f} ms {ms / total:6.1%}")
+    print("largest ops:")
+    for op, ms, count in sorted(rows, key=lambda r: -r[1])[:15]:
+        print(f"  {op:60s} {ms:8.2f} ms  x{count}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
