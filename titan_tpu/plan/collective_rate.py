@@ -20,6 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from titan_tpu.parallel.gloo import use_single_thread_gloo
+
 __all__ = ["measure_collective_rate"]
 
 SHARD_ELEMENTS = (1 << 18, 1 << 20)  # fp32 elements a rank contributes: 1 MB and 4 MB
@@ -53,6 +55,7 @@ def measure_collective_rate(*, reps: int = 12) -> dict:
 
 
 def main() -> int:
+    use_single_thread_gloo()  # the groups training runs on (parallel/gloo.py)
     dist.init_process_group("gloo")
     try:
         result = measure_collective_rate()
