@@ -160,8 +160,15 @@ def _run_variant(*, mode: str, scan: bool, bucket_mb: float, prefetch: int | Non
     if mode == "eager":
         # What a forward leaves alive for the backward (activations and, unless re-sharded, the
         # gathered block weights); then the backward, which must still work from the tokens.
-        # Reachable storages only: garbage held by reference cycles is freed whenever the cyclic
-        # collector happens to run (seen: 3 runs in 10 kept an extra 19.6 KB), so collect first.
+        # Only what the forward itself keeps alive counts, so two other holders are ruled out:
+        # - garbage held by reference cycles, freed whenever the cyclic collector happens to run:
+        #   collect first, and not during the forward;
+        # - the gloo worker thread: a finished collective's work object keeps its input and output
+        #   alive until that thread gets the CPU back and drops it. Under load that came after the
+        #   count once in 900 stress runs: 19,584 bytes extra, exactly the output bucket's shard
+        #   (6,528) and gathered buffer (13,056), the forward's last all-gather. The group's one
+        #   worker thread (parallel/gloo.py) drops each work before it runs the next, so a
+        #   barrier on the group returns only after the forward's works are released.
         gc.collect()
         gc.disable()
         try:
@@ -170,6 +177,7 @@ def _run_variant(*, mode: str, scan: bool, bucket_mb: float, prefetch: int | Non
         finally:
             gc.enable()
         gc.collect()
+        dist.barrier(group=mesh.get_group())
         out["alive_after_forward"] = live.alive_bytes()
         loss.backward()
         model.zero_grad(set_to_none=True)
