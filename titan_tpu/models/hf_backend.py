@@ -721,17 +721,10 @@ def load_pretrained_weights(model: HFCausalLM, hf_dir: str | Path) -> None:
     or fused tensors of newer modeling code) apply; every rank reads it and keeps its shard. A
     directory whose weights do not fit the config (a missing tensor, another shape) is a one-line
     error."""
-    from transformers import AutoModelForCausalLM
-
     from titan_tpu.parallel.simple_fsdp import copy_full_
 
     hf_dir = Path(hf_dir)
-    try:
-        loaded, info = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, output_loading_info=True,
-                                                            attn_implementation="sdpa")
-    except (RuntimeError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"the weights in {hf_dir} do not fit its config.json ({first[:300]})") from None
+    loaded, info = read_pretrained(hf_dir)
     problems = [f"missing {k}" for k in info.get("missing_keys", [])]
     problems += [f"{k}: {tuple(a)} in the files, the config wants {tuple(b)}" for k, a, b in info.get("mismatched_keys", [])]
     if problems:
@@ -744,6 +737,30 @@ def load_pretrained_weights(model: HFCausalLM, hf_dir: str | Path) -> None:
             continue  # a buffer transformers does not save
         copy_full_(target, source[key])
     del loaded, source
+
+
+def reference_attention(config) -> str:
+    """The attention transformers' own model of `config` runs with when we only read its weights or
+    compare against it: sdpa where the model class supports it, its eager attention otherwise
+    (Gemma 2, BLOOM: asking those for sdpa is an error, not a fallback)."""
+    return "sdpa" if getattr(_model_class(config), "_supports_sdpa", False) else "eager"
+
+
+def read_pretrained(hf_dir: Path):
+    """transformers' own from_pretrained of `hf_dir` in fp32 -> (model, loading info). A file that does
+    not fit the config (another shape, an unreadable tensor) is a one-line error blaming the weights;
+    anything else transformers refuses is reported as transformers' own message."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, output_loading_info=True,
+                                                    attn_implementation=reference_attention(config))
+    except (RuntimeError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        weights = isinstance(e, RuntimeError) or any(w in first for w in ("size mismatch", "shape", "safetensors"))
+        what = "the weights in {} do not fit its config.json" if weights else "transformers cannot load {}"
+        raise ValueError(f"{what.format(hf_dir)} ({first[:300]})") from None
 
 
 def export_hf(args: HFArgs, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:

@@ -19,6 +19,7 @@ from titan_tpu.models.common.transformer import Transformer, TransformerArgs
 from titan_tpu.models.hf_adapter import (
     from_hf_state_dict,
     hf_config_from_model_args,
+    hf_fused_expert_shapes,
     hf_param_shapes,
     model_args_from_hf_config,
     native_param_shapes,
@@ -48,29 +49,36 @@ def load_hf_checkpoint(hf_dir: str | Path) -> tuple[str, TransformerArgs, dict[s
 
     shard_files = _shard_files(hf_dir)
     expected = hf_param_shapes(args)
+    # Experts may be stored one tensor each (the hub layout) or fused (transformers 5.x's layout):
+    # both are known names here; from_hf_state_dict unfuses, then checks that every expert is there.
+    fused = hf_fused_expert_shapes(args)
+    known = {**expected, **fused}
     hf_sd: dict[str, Tensor] = {}
     for shard in shard_files:
         with safe_open(str(shard), framework="pt") as f:
             for key in f.keys():
                 if key.endswith("rotary_emb.inv_freq"):
                     continue  # derived buffer saved by old transformers versions
-                if key not in expected:
+                if key not in known:
                     raise ValueError(
                         f"unexpected tensor {key!r} in {shard.name}; it does not belong to the "
                         f"{name} model described by config.json"
                     )
                 got = tuple(f.get_slice(key).get_shape())
-                if got != expected[key]:
+                if got != known[key]:
                     raise ValueError(
                         f"tensor {key!r} in {shard.name} has shape {list(got)}, expected "
-                        f"{list(expected[key])} from config.json"
+                        f"{list(known[key])} from config.json"
                     )
         # Shapes are fine: now read this shard's tensors.
         with safe_open(str(shard), framework="pt") as f:
             for key in f.keys():
-                if key in expected:
+                if key in known:
                     hf_sd[key] = f.get_tensor(key)
-    for key in expected:
+    fused_layers = {k.rpartition(".mlp.")[0] for k in hf_sd if k in fused}
+    needed = [k for k in expected if not (".mlp.experts." in k and k.rpartition(".mlp.")[0] in fused_layers)]
+    needed += [k for k in fused if k.rpartition(".mlp.")[0] in fused_layers]  # both fused tensors of a layer
+    for key in needed:
         # HF drops lm_head.weight from tied checkpoints; untied ones must have it.
         if key not in hf_sd and not (key == "lm_head.weight" and args.tie_embeddings):
             raise ValueError(f"tensor {key!r} is missing from the checkpoint in {hf_dir}")
