@@ -1,7 +1,7 @@
 """``titan-tpu`` command line: train, eval, convert, graph.
 
     titan-tpu train --config configs/llama3_debug.toml --training.steps 200 --optimizer.lr 3e-4
-    titan-tpu eval --hf-dir DIR --token-file tokens.json
+    titan-tpu eval --hf-dir DIR --token-file tokens.json     # or --text corpus/, or the model as for train
     titan-tpu convert --checkpoint outputs/run/checkpoints --to-hf hf_out/
     titan-tpu convert --hf-dir hf_in/ --to-checkpoint ckpt_out/
     titan-tpu graph --config configs/llama3_debug.toml      # dump the captured step graph
@@ -54,15 +54,39 @@ def train_main(argv: list[str]) -> int:
 def eval_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="titan-tpu eval",
-        description="Mean next-token cross-entropy of a Hugging Face format model over token sequences.")
-    parser.add_argument("--hf-dir", required=True, help="directory with config.json and *.safetensors")
-    parser.add_argument("--token-file", required=True, help="JSON list of lists of token ids")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "tpu"])
-    args = parser.parse_args(argv)
+        description="Mean next-token cross-entropy and perplexity (JSON) of any model train takes, over a token "
+                    "file or a text corpus. The model as for train (--config, --model.name, --model.flavor, "
+                    "--model.hf_config DIR_OR_TYPE, --model.hf_overrides); --hf-dir DIR is short for an HF "
+                    "directory of any causal-LM type.")
+    parser.add_argument("--config", help="TOML recipe whose model section names the model")
+    parser.add_argument("--hf-dir", help="Hugging Face model directory (config.json, *.safetensors)")
+    parser.add_argument("--checkpoint", help="weights: a training checkpoint (step, checkpoints/ or run directory) or "
+                                             "an HF directory; default: the model directory's own, else a seeded init")
+    parser.add_argument("--token-file", help="JSON list of lists of token ids")
+    parser.add_argument("--text", help="text to evaluate on: a file, a directory of .txt/.md/.py or a .jsonl "
+                                       "(tokenized with --data.tokenizer_path or the model's tokenizer.json)")
+    parser.add_argument("--seq-len", type=int, default=512, help="with --text: tokens per window (512)")
+    parser.add_argument("--max-tokens", type=int, default=65536, help="with --text: tokens evaluated at most (65536)")
+    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "tpu"])
+    args, overrides = parser.parse_known_args(argv)
 
-    from titan_tpu.evaluate import evaluate_hf_dir
+    from titan_tpu.config import build_config
+    from titan_tpu.evaluate import run_eval
 
-    print(json.dumps(evaluate_hf_dir(args.hf_dir, args.token_file, device=args.device)))
+    if args.hf_dir:
+        if not Path(args.hf_dir).is_dir():
+            raise FileNotFoundError(f"--hf-dir {args.hf_dir} is not a directory; give a Hugging Face model directory")
+        if args.checkpoint:
+            raise ValueError("--hf-dir already names the weights; drop --checkpoint (or give the directory as it)")
+        overrides = ["--model.name", "hf", "--model.hf_config", args.hf_dir] + overrides
+        args.checkpoint = args.hf_dir  # its own weights; a config the native adapter reads runs natively
+    if args.device:
+        overrides += ["--training.device", args.device]
+    # training.seq_len does not apply (sequences are as given, windows are --seq-len): keep validation quiet.
+    cfg = build_config(args.config, ["--training.seq_len", "2"] + overrides)
+    result = run_eval(cfg, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
+                      seq_len=args.seq_len, max_tokens=args.max_tokens)
+    print(json.dumps(result))
     return 0
 
 
