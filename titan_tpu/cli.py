@@ -8,6 +8,7 @@
     titan-tpu kernels [--device cpu|cuda|tpu]               # kernel implementations and auto's pick
     titan-tpu plan --config configs/qwen3_235b_a22b_tpu.toml [--hardware v5p-1024] [--json]
     titan-tpu plan --calibrate                              # predicted vs measured on real CPU runs
+    titan-tpu prepare-data --config configs/llama3_debug.toml --workers 2   # tokenize the sources once
 
 User mistakes end the process with one line on stderr and exit status 2, not a traceback.
 """
@@ -205,6 +206,31 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
+def prepare_data_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu prepare-data",
+        description="Tokenize a config's data sources (and data.val_source) into the token shards training reads, "
+                    "in parallel processes, resumable after an interruption (docs/data.md). Config overrides as "
+                    "for train.")
+    parser.add_argument("--config", help="TOML recipe, e.g. configs/llama3_debug.toml")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="tokenizer processes (default: one per CPU); 1 tokenizes in this process")
+    args, overrides = parser.parse_known_args(argv)
+    if args.workers < 1:
+        raise ValueError(f"--workers {args.workers} must be >= 1")
+
+    from titan_tpu.config import build_config, data_sources, model_args_from_config, tokenizer_path
+    from titan_tpu.data.build import prepare_data
+    from titan_tpu.train.trainer import default_cache_dir
+
+    cfg = build_config(args.config, overrides)
+    prepared = prepare_data(cfg.data, data_sources(cfg), vocab_size=model_args_from_config(cfg).vocab_size,
+                            tokenizer_path=tokenizer_path(cfg), cache_dir=cfg.data.cache_dir or default_cache_dir(),
+                            workers=args.workers)
+    print(f"prepared {len(prepared.train) + len(prepared.val)} source(s) with {prepared.tokenizer}")
+    return 0
+
+
 def hf_sweep_main(argv: list[str]) -> int:
     from titan_tpu.models.hf_sweep import main as sweep
 
@@ -212,7 +238,8 @@ def hf_sweep_main(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
-            "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main}
+            "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
+            "prepare-data": prepare_data_main}
 
 
 def main(argv: list[str] | None = None) -> int:

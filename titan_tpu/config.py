@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from titan_tpu.data.sources import SourceConfig, normalized_weights, source_from_table
 from titan_tpu.kernels import KernelConfig
 
 
@@ -137,8 +138,15 @@ class LRSchedulerConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # "stdlib" (embedded default corpus), a directory of .txt/.md/.py, or a .jsonl file
-    text_field: str = "text"  # JSONL field that holds the document
+    # "stdlib" (embedded default corpus), a directory of .txt/.md/.py, or parquet / jsonl(.gz/.zst) / arrow
+    # files, a glob of them, a datasets.save_to_disk directory or a local HF dataset directory (docs/data.md)
+    source: str = "stdlib"
+    text_field: str = "text"  # field/column that holds the document (format chat: the messages; "" = "messages")
+    format: Literal["text", "chat"] = "text"  # chat: {role, content} lists, loss on assistant tokens only
+    # Several sources mixed by weight, in TOML only: [[data.sources]] path, weight, text_field, format, repeat, name.
+    sources: list[SourceConfig] = field(default_factory=list)
+    val_source: str = ""  # validate on this source (same format) instead of the held-out fraction
+    overlong: Literal["drop", "truncate"] = "drop"  # chat conversations longer than seq_len: drop (counted) or cut
     max_bytes: int = 0  # stop reading the corpus after this many bytes; 0 = all of it
     tokenizer_path: str = ""  # a tokenizer.json; empty = train a byte-level BPE of the model's vocab size
     cache_dir: str = ""  # where tokenizers and token shards are cached; empty = ~/.cache/titan_tpu
@@ -265,6 +273,12 @@ def set_value(cfg: Config, dotted_key: str, value: Any) -> None:
     types_by_key = _field_types(type(section_obj))
     if key not in types_by_key:
         raise ValueError(f"unknown config key {dotted_key!r}; valid keys in [{section}]: {', '.join(types_by_key)}")
+    if dotted_key == "data.sources":
+        if not isinstance(value, list):
+            raise ValueError("data.sources is a list of [[data.sources]] tables in the TOML recipe; on the command "
+                             "line use --data.source PATH")
+        cfg.data.sources = [source_from_table(t, key=f"data.sources[{i}]") for i, t in enumerate(value)]
+        return
     setattr(section_obj, key, _convert(dotted_key, value, types_by_key[key]))
 
 
@@ -320,6 +334,25 @@ def build_config(toml_path: str | Path | None = None, overrides: list[str] | Non
         set_value(cfg, key, value)
     validate(cfg)
     return cfg
+
+
+def data_sources(cfg: Config) -> list[SourceConfig]:
+    """The run's sources: [[data.sources]], or the one data.source with its text_field and format."""
+    if cfg.data.sources:
+        return cfg.data.sources
+    d = cfg.data
+    field = "" if d.format == "chat" and d.text_field == "text" else d.text_field
+    return [SourceConfig(path=d.source, text_field=field, format=d.format)]
+
+
+def tokenizer_path(cfg: Config) -> str | None:
+    """data.tokenizer_path, else an hf model directory's tokenizer.json, else None (train a BPE)."""
+    if cfg.data.tokenizer_path:
+        return cfg.data.tokenizer_path
+    if cfg.model.name == "hf":
+        candidate = Path(cfg.model.hf_config).expanduser() / "tokenizer.json"
+        return str(candidate) if candidate.is_file() else None
+    return None
 
 
 def model_label(cfg: Config) -> str:
@@ -409,6 +442,13 @@ def validate(cfg: Config) -> None:
                          f"{model_label(cfg)}; lower training.seq_len")
     if not 0.0 < cfg.data.val_fraction < 1.0 and cfg.validation.enabled:
         raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1) when validation.enabled = true")
+    if cfg.data.sources:
+        if cfg.data.source != "stdlib":
+            raise ValueError("data.source and [[data.sources]] are both set; keep one (a single source can be either)")
+        normalized_weights(cfg.data.sources)
+    if t.mode == "graph" and any(s.format == "chat" for s in data_sources(cfg)):
+        raise ValueError("format = chat needs training.mode = eager for now (the captured step divides the loss by a "
+                         "fixed token count, chat trains a varying number): set training.mode eager")
     if cfg.data.max_bytes < 0:
         raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
     if cfg.model.dtype == "bfloat16" and t.device == "cpu":

@@ -29,7 +29,9 @@ from torch import Tensor
 
 from titan_tpu.train.optim import AdamW, clip_grad_norm_
 
-__all__ = ["EagerStep", "StepResult", "all_reduce_sum", "batch_loss", "split_batch"]
+__all__ = ["IGNORE_INDEX", "EagerStep", "StepResult", "all_reduce_sum", "batch_loss", "split_batch"]
+
+IGNORE_INDEX = -100  # a label the loss skips (chat data: every token that is not the assistant's)
 
 
 @dataclass
@@ -74,6 +76,14 @@ def all_reduce_sum(t: Tensor) -> Tensor:
     return t
 
 
+def trained_tokens(micro_batches: list[tuple[Tensor, ...]], dp_size: int) -> int:
+    """Labels the loss trains on (not IGNORE_INDEX) in the step's micro-batches on all ranks: the
+    loss denominator, so the mean is over trained tokens whatever their share per micro-batch or
+    rank. One scalar all-reduce over the ranks (the count differs between them)."""
+    counts = torch.stack([(split_batch(b)[1] != IGNORE_INDEX).sum() for b in micro_batches]).sum()
+    return int((all_reduce_sum(counts) if dp_size > 1 else counts).item())
+
+
 class EagerStep:
     """The step contract with plain autograd: accumulate, clip, AdamW, all in place.
 
@@ -90,8 +100,7 @@ class EagerStep:
         self.params = dict(model.named_parameters())
 
     def __call__(self, micro_batches: list[tuple[Tensor, ...]], lr: float) -> StepResult:
-        # Every rank has the same batch shape, so the step's token count is known up front.
-        num_tokens = sum(split_batch(b)[1].numel() for b in micro_batches) * self.dp_size
+        num_tokens = trained_tokens(micro_batches, self.dp_size)
         aux_share = 1.0 / (len(micro_batches) * self.dp_size)  # the balancing loss is averaged
         loss_sum = aux_sum = load = None
         for batch in micro_batches:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_tpu.config import Config, model_args_from_config, model_label
+from titan_tpu.config import Config, data_sources, model_args_from_config, model_label, tokenizer_path
 from titan_tpu.device import Backend, get_backend
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model, flops_per_token
@@ -36,7 +36,7 @@ from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_st
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, lr_at
 from titan_tpu.train.signals import GracefulShutdown
-from titan_tpu.train.step import EagerStep, StepResult, all_reduce_sum, batch_loss
+from titan_tpu.train.step import IGNORE_INDEX, EagerStep, StepResult, all_reduce_sum, batch_loss
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -57,8 +57,7 @@ def init_distributed(backend: Backend) -> tuple[int, int]:
 
 class Trainer:
     def __init__(self, cfg: Config):
-        from titan_tpu.data.loader import TokenLoader
-        from titan_tpu.data.shards import prepare_dataset
+        from titan_tpu.data.build import build_loaders, prepare_data, uses_document_mask
 
         self.cfg = cfg
         self.run_dir = cfg.run_dir
@@ -75,27 +74,23 @@ class Trainer:
         dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
         torch.manual_seed(t.seed)
         # A kernel that cannot run on this device is a one-line error now, not at the first step.
-        cfg.kernels.check_device(self.backend.device.type, documents=cfg.data.document_mask)
+        sources = data_sources(cfg)
+        self.document_mask = uses_document_mask(cfg.data, sources)
+        cfg.kernels.check_device(self.backend.device.type, documents=self.document_mask)
 
         self.model_args = model_args_from_config(cfg)
         # Rank 0 tokenizes (or finds the cache) first; the others then only read the cache.
         for turn in ("main", "others"):
             if (turn == "main") == self.is_main:
-                self.tokenizer, shards = prepare_dataset(
-                    source=None if cfg.data.source == "stdlib" else cfg.data.source,
-                    text_field=cfg.data.text_field,
-                    max_bytes=cfg.data.max_bytes or None,
-                    tokenizer_path=cfg.data.tokenizer_path or self._hf_tokenizer() or None,
-                    vocab_size=self.model_args.vocab_size,
-                    cache_dir=cfg.data.cache_dir or default_cache_dir(),
-                )
+                prepared = prepare_data(cfg.data, sources, vocab_size=self.model_args.vocab_size,
+                                        tokenizer_path=tokenizer_path(cfg),
+                                        cache_dir=cfg.data.cache_dir or default_cache_dir(), log=self.log)
             if dist.is_initialized():
                 dist.barrier()
-        loader_kwargs = dict(seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
-                             val_fraction=cfg.data.val_fraction, dp_rank=dp_rank, dp_world_size=self.dp_size,
-                             document_mask=cfg.data.document_mask)
-        self.train_loader = TokenLoader(shards, split="train", **loader_kwargs)
-        self.val_loader = TokenLoader(shards, split="val", **loader_kwargs) if cfg.validation.enabled else None
+        self.tokenizer = prepared.tokenizer
+        self.train_loader, self.val_loader = build_loaders(
+            cfg.data, prepared, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, dp_rank=dp_rank,
+            dp_size=self.dp_size, validation=cfg.validation.enabled, log=self.log)
 
         self.model = self._build_model()
         o = cfg.optimizer
@@ -115,7 +110,7 @@ class Trainer:
                                  "or use --compile.backend aot_eager")
 
             example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=self.backend.device)
-            example_batch = (example, example) + ((example,) if cfg.data.document_mask else ())
+            example_batch = (example, example) + ((example,) if self.document_mask else ())
             self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=example_batch,
                                      backend=cfg.compile.backend, dp_size=self.dp_size, split=cfg.compile.split,
                                      prefetch=None if cfg.compile.prefetch < 0 else cfg.compile.prefetch)
@@ -133,13 +128,6 @@ class Trainer:
             self.flops_per_token, self.flops_note = hf_flops_per_token(self.model, t.seq_len)
         else:
             self.flops_per_token, self.flops_note = flops_per_token(self.model_args, t.seq_len), ""
-
-    def _hf_tokenizer(self) -> str:
-        """An hf model directory's tokenizer.json, used when no data.tokenizer_path is given."""
-        if self.cfg.model.name != "hf":
-            return ""
-        candidate = Path(self.cfg.model.hf_config).expanduser() / "tokenizer.json"
-        return str(candidate) if candidate.is_file() else ""
 
     def _build_hf_model(self):
         """The Transformers backend (models/hf_backend.py): built on meta, initialised with the
@@ -296,7 +284,7 @@ class Trainer:
         for batch in self.val_loader.val_batches(self.cfg.validation.steps):
             batch = tuple(t.to(self.backend.device) for t in batch)
             totals[0] += batch_loss(self.model, batch).ce_sum
-            totals[1] += batch[1].numel()
+            totals[1] += (batch[1] != IGNORE_INDEX).sum()
         self.model.train()
         all_reduce_sum(totals)
         return (totals[0] / totals[1]).item()
@@ -340,6 +328,8 @@ class Trainer:
                            "tokens_per_s": tokens_per_s, "tflops": flops_per_device / 1e12,
                            "mfu": 100.0 * flops_per_device / peak}
                     row.update(_moe_metrics(result))
+                    if hasattr(self.train_loader, "metrics"):  # mixtures: token share and epochs per source
+                        row.update(self.train_loader.metrics())
                     row.update(self.backend.memory_stats())
                     row.update(self.compile_stats)
                     self.compile_stats = {}  # once per process
