@@ -8,6 +8,7 @@
     titan-tpu kernels [--device cpu|cuda|tpu]               # kernel implementations and auto's pick
     titan-tpu plan --config configs/qwen3_235b_a22b_tpu.toml [--hardware v5p-1024] [--json]
     titan-tpu plan --calibrate                              # predicted vs measured on real CPU runs
+    titan-tpu report outputs/run_a outputs/run_b [--out report.html] [--png DIR]   # plots in one HTML file
 
 User mistakes end the process with one line on stderr and exit status 2, not a traceback.
 """
@@ -181,6 +182,12 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
+def report_main(argv: list[str]) -> int:
+    from titan_tpu.tools.report import main as report
+
+    return report(argv)
+
+
 def hf_sweep_main(argv: list[str]) -> int:
     from titan_tpu.models.hf_sweep import main as sweep
 
@@ -188,7 +195,8 @@ def hf_sweep_main(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
-            "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main}
+            "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
+            "report": report_main}
 
 
 def main(argv: list[str] | None = None) -> int:
