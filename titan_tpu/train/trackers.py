@@ -9,7 +9,8 @@ wandb        Weights & Biases: the optional extra ``pip install 'titan-tpu[wandb
              when listed. Online when WANDB_API_KEY is set (or WANDB_MODE=online), offline
              otherwise: the run is written under <run>/wandb/ and can be uploaded later with
              ``wandb sync``. The run id goes into the checkpoint (``state_dict``), so a resumed run
-             continues the same W&B run instead of starting a new one.
+             continues the same W&B run instead of starting a new one. The offline file is flushed
+             every 2 s, so a killed run loses at most that much W&B history (metrics.jsonl has it).
 
 A tracker receives only numbers, each step once and in increasing order (MetricsLogger drops the
 rows a resumed run replays).
@@ -69,7 +70,12 @@ class WandbTracker:
         except ImportError:
             raise ValueError("metrics.trackers lists wandb, which is not installed: pip install 'titan-tpu[wandb]' "
                              "or remove wandb from metrics.trackers") from None
-        settings = wandb.Settings(x_disable_stats=True, console="off", silent=True)
+        options = dict(x_disable_stats=True, console="off", silent=True)
+        if "x_transaction_log_flush_interval" in wandb.Settings.model_fields:
+            # The offline .wandb file is written every 15 s by default: a killed run would lose that
+            # much history. Flushing every 2 s costs a small write.
+            options["x_transaction_log_flush_interval"] = 2.0
+        settings = wandb.Settings(**options)
         self.run = wandb.init(project=project, name=name, id=run_id or None, resume="allow", dir=str(run_dir),
                               mode=wandb_mode(), config=config, settings=settings)
 
