@@ -9,6 +9,7 @@
     titan-tpu plan --config configs/qwen3_235b_a22b_tpu.toml [--hardware v5p-1024] [--json]
     titan-tpu plan --calibrate                              # predicted vs measured on real CPU runs
     titan-tpu prepare-data --config configs/llama3_debug.toml --workers 2   # tokenize the sources once
+    titan-tpu report outputs/run_a outputs/run_b [--out report.html] [--png DIR]   # plots in one HTML file
 
 User mistakes end the process with one line on stderr and exit status 2, not a traceback; faults of
 the run's environment (a checkpoint that could not be written, an output_dir another run holds:
@@ -233,6 +234,12 @@ def prepare_data_main(argv: list[str]) -> int:
     return 0
 
 
+def report_main(argv: list[str]) -> int:
+    from titan_tpu.tools.report import main as report
+
+    return report(argv)
+
+
 def hf_sweep_main(argv: list[str]) -> int:
     from titan_tpu.models.hf_sweep import main as sweep
 
@@ -241,7 +248,7 @@ def hf_sweep_main(argv: list[str]) -> int:
 
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
             "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
-            "prepare-data": prepare_data_main}
+            "prepare-data": prepare_data_main, "report": report_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -166,8 +166,25 @@ class ValidationConfig:
 @dataclass
 class MetricsConfig:
     log_freq: int = 10
-    tensorboard: bool = True
+    # Where each row goes besides metrics.jsonl and the console: tensorboard, wandb (an optional
+    # extra; offline without WANDB_API_KEY). train/trackers.py; on the command line "tensorboard,wandb".
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    tensorboard: bool = True  # false leaves tensorboard out even when trackers lists it (the older switch)
+    wandb_project: str = "titan-tpu"
     console: bool = True
+
+
+@dataclass
+class ProfilingConfig:
+    # torch.profiler over active_steps steps from start_step: one Chrome trace per rank
+    # (trace_dir/rank<r>.json.gz, opens in Perfetto) and a table of where the step went by category
+    # on rank 0's console (train/profiling.py). memory_snapshot (CUDA): the allocator's history as
+    # trace_dir/memory_rank<r>.pickle (drag into pytorch.org/memory_viz).
+    enabled: bool = False
+    start_step: int = 3  # the first profiled step (after warm-up and compilation)
+    active_steps: int = 2
+    trace_dir: str = ""  # empty = <output_dir>/profile
+    memory_snapshot: bool = False
 
 
 @dataclass
@@ -199,6 +216,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output_dir: str = ""  # empty = outputs/<job.name>
 
@@ -232,6 +250,12 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         raise AssertionError(f"unions are not supported in the config schema ({key})")
     from_cli = isinstance(value, str)
+    if origin is list:  # list[str]: a TOML array, or "a,b" on the command line
+        items = [v.strip() for v in value.split(",") if v.strip()] if from_cli else value
+        if isinstance(items, list) and all(isinstance(v, str) for v in items):
+            return items
+        raise ValueError(f"{key} = {value!r} has the wrong type; expected a list of strings, e.g. [\"a\", \"b\"] "
+                         "(a,b on the command line)")
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -438,6 +462,7 @@ def validate(cfg: Config) -> None:
 
         check_tpu_compile_backend(t.device)
     cfg.kernels.validate()
+    _validate_observability(cfg)
     if cfg.checkpoint.keep_latest_k < 0:
         raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
     if cfg.optimizer.lr <= 0:
@@ -463,3 +488,15 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
     if cfg.model.dtype == "bfloat16" and t.device == "cpu":
         raise ValueError("model.dtype = bfloat16 on training.device = cpu is ~100x slower than float32 here; use model.dtype = float32")
+
+
+def _validate_observability(cfg: Config) -> None:
+    from titan_tpu.train.trackers import TRACKERS
+
+    for name in cfg.metrics.trackers:
+        if name not in TRACKERS:
+            raise ValueError(f"metrics.trackers: unknown tracker {name!r}; use some of {', '.join(TRACKERS)}")
+    prof = cfg.profiling
+    if prof.start_step < 1 or prof.active_steps < 1:
+        raise ValueError(f"profiling.start_step = {prof.start_step} and profiling.active_steps = {prof.active_steps} "
+                         "must be >= 1")

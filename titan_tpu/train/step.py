@@ -26,8 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.profiler import record_function
 
 from titan_tpu.train.optim import AdamW, clip_grad_norm_
+from titan_tpu.train.profiling import OPTIMIZER_REGION
 
 __all__ = ["IGNORE_INDEX", "EagerStep", "StepResult", "all_reduce_sum", "batch_loss", "split_batch"]
 
@@ -114,8 +116,9 @@ class EagerStep:
         # A parameter the loss does not reach (a module of the model unused by this forward) gets a
         # zero gradient, as in the captured step, rather than no entry.
         grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.params.items()}
-        grad_norm = clip_grad_norm_(grads, self.max_norm)
-        self.optimizer.step(grads, lr=lr)
+        with record_function(OPTIMIZER_REGION):  # a region of its own in profiles (train/profiling.py)
+            grad_norm = clip_grad_norm_(grads, self.max_norm)
+            self.optimizer.step(grads, lr=lr)
         for p in self.params.values():
             p.grad = None
         # Each rank holds its share of the global means and its own loads: one sum over ranks.

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from titan_tpu.config import (Config, data_sources, effective_warmup_steps, model_args_from_config, model_label,
                               tokenizer_path)
@@ -37,9 +38,11 @@ from titan_tpu.parallel.simple_fsdp import MixedPrecision, copy_full_, default_m
 from titan_tpu.train.checkpoint import CheckpointSaveError, Checkpointer, load, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, lr_at
+from titan_tpu.train.profiling import DATA_REGION, StepProfiler
 from titan_tpu.train.run_lock import RunLock
 from titan_tpu.train.signals import GracefulShutdown
 from titan_tpu.train.step import IGNORE_INDEX, EagerStep, StepResult, all_reduce_sum, batch_loss
+from titan_tpu.train.trackers import build_trackers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -124,6 +127,9 @@ class Trainer:
         else:
             self.step_fn = EagerStep(self.model, self.optimizer, max_norm=t.max_norm, dp_size=self.dp_size)
         self.step = 0
+        self.data_seconds = 0.0  # time spent waiting for batches, all steps of this process
+        self.logger: MetricsLogger | None = None  # rank 0's, while train() runs
+        self.tracker_state: dict[str, str] = {}  # from the checkpoint: the trackers' run ids
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_latest_k=cfg.checkpoint.keep_latest_k,
                                          async_save=cfg.checkpoint.async_save, log=self.log)
         self.warmup_steps = effective_warmup_steps(cfg)
@@ -221,6 +227,7 @@ class Trainer:
             "rng": rng_state(),
             "model_name": self.cfg.model.name,
             "model_args": dataclasses.asdict(self.model_args),
+            "trackers": self.logger.state_dict() if self.logger is not None else self.tracker_state,
         }
 
     def load_checkpoint(self, path: Path) -> None:
@@ -235,6 +242,7 @@ class Trainer:
         if rest["rng"] is not None:  # None when the checkpoint came from another number of ranks
             set_rng_state(rest["rng"])
         self.step = rest["step"]
+        self.tracker_state = rest.get("trackers") or {}
 
     def maybe_resume(self) -> None:
         if not self.cfg.checkpoint.resume:
@@ -308,8 +316,12 @@ class Trainer:
 
     def _micro_batches(self) -> list[tuple[torch.Tensor, ...]]:
         device = self.backend.device
-        return [tuple(t.to(device, non_blocking=True) for t in self.train_loader.next_batch())
-                for _ in range(self.cfg.training.grad_accum_steps)]
+        start = time.perf_counter()
+        with record_function(DATA_REGION):
+            batches = [tuple(t.to(device, non_blocking=True) for t in self.train_loader.next_batch())
+                       for _ in range(self.cfg.training.grad_accum_steps)]
+        self.data_seconds += time.perf_counter() - start
+        return batches
 
     def train_step(self) -> StepResult:
         self.step += 1
@@ -328,6 +340,24 @@ class Trainer:
         self.model.train()
         all_reduce_sum(totals)
         return (totals[0] / totals[1]).item()
+
+    def _open_logger(self) -> MetricsLogger:
+        """Rank 0's metrics: metrics.jsonl, the console and the trackers, continuing the trackers'
+        runs of the checkpoint this run resumed from (the W&B run id)."""
+        m = self.cfg.metrics
+        names = [name for name in m.trackers if m.tensorboard or name != "tensorboard"]
+        trackers = build_trackers(names, run_dir=self.run_dir, state=self.tracker_state, project=m.wandb_project,
+                                  name=self.cfg.job.name, config=self.cfg.to_dict())
+        return MetricsLogger(output_dir=self.run_dir, tensorboard=False, console=m.console,
+                             total_steps=self.cfg.training.steps, trackers=trackers, resumed_step=self.step)
+
+    def _profiler(self) -> StepProfiler | None:
+        p = self.cfg.profiling
+        if not p.enabled:
+            return None
+        return StepProfiler(start_step=p.start_step, active_steps=p.active_steps,
+                            trace_dir=Path(p.trace_dir) if p.trace_dir else self.run_dir / "profile", rank=self.rank,
+                            device_type=self.backend.device.type, memory_snapshot=p.memory_snapshot, log=self.log)
 
     def train(self) -> dict:
         """Run to ``training.steps`` (or until SIGTERM/SIGINT); returns a summary with the paths of
@@ -351,25 +381,32 @@ class Trainer:
                  f"MFU peak per device: {self.backend.peak_description()}")
 
         last_val, stopped_by = None, None
-        logger = MetricsLogger(output_dir=self.run_dir, tensorboard=cfg.metrics.tensorboard,
-                               console=cfg.metrics.console, total_steps=cfg.training.steps) if self.is_main else None
+        logger = self.logger = self._open_logger() if self.is_main else None
+        profiler = self._profiler()
         with GracefulShutdown() as shutdown:
             # Throughput counts only time spent in training steps (each ends in a host sync when its
             # loss is read), not validation or checkpointing.
-            window_tokens, window_seconds = 0, 0.0
+            window_tokens, window_seconds, window_steps, window_start_data = 0, 0.0, 0, self.data_seconds
             self.backend.reset_peak_memory()
             while self.step < cfg.training.steps:
+                if profiler is not None:
+                    profiler.before_step(self.step + 1)
                 start = time.perf_counter()
                 result = self.train_step()
                 window_seconds += time.perf_counter() - start
                 window_tokens += result.num_tokens
+                window_steps += 1
+                if profiler is not None:
+                    profiler.after_step(self.step)
                 done = self.step == cfg.training.steps
                 if self.step % cfg.metrics.log_freq == 0 or done or self.step == 1:
                     tokens_per_s = window_tokens / window_seconds  # all ranks together
                     flops_per_device = tokens_per_s * self.flops_per_token / self.world_size
                     row = {"loss": result.loss, "lr": self.lr(self.step), "grad_norm": result.grad_norm,
                            "tokens_per_s": tokens_per_s, "tflops": flops_per_device / 1e12,
-                           "mfu": 100.0 * flops_per_device / peak}
+                           "mfu": 100.0 * flops_per_device / peak,
+                           "data_s": (self.data_seconds - window_start_data) / window_steps,
+                           "step_s": window_seconds / window_steps, "time": time.time()}
                     row.update(_moe_metrics(result))
                     if hasattr(self.train_loader, "metrics"):  # mixtures: token share and epochs per source
                         row.update(self.train_loader.metrics())
@@ -378,7 +415,7 @@ class Trainer:
                     self.compile_stats = {}  # once per process
                     if logger is not None:
                         logger.log(self.step, row)
-                    window_tokens, window_seconds = 0, 0.0
+                    window_tokens, window_seconds, window_steps, window_start_data = 0, 0.0, 0, self.data_seconds
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or done):
                     last_val = self.validate()
                     if logger is not None:
@@ -392,8 +429,11 @@ class Trainer:
                     stopped_by = shutdown.signal_name or "a signal on another rank"
                     break
         self._checkpoint_io(self.checkpointer.close)  # an async save must land before the process ends
+        if profiler is not None:
+            profiler.close()
         if logger is not None:
             logger.close()
+            self.logger = None
         if self.run_lock is not None:
             self.run_lock.release()
 
