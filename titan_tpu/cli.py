@@ -8,6 +8,7 @@
     titan-tpu kernels [--device cpu|cuda|tpu]               # kernel implementations and auto's pick
     titan-tpu plan --config configs/qwen3_235b_a22b_tpu.toml [--hardware v5p-1024] [--json]
     titan-tpu plan --calibrate                              # predicted vs measured on real CPU runs
+    titan-tpu verify MODEL [--tiny] [--hardware v5p-256] [--checks a,b] [--report DIR]   # docs/verify.md
 
 User mistakes end the process with one line on stderr and exit status 2, not a traceback.
 """
@@ -211,8 +212,15 @@ def hf_sweep_main(argv: list[str]) -> int:
     return sweep(argv)
 
 
+def verify_main(argv: list[str]) -> int:
+    from titan_tpu.tools.verify import main as verify
+
+    return verify(argv)
+
+
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
-            "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main}
+            "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
+            "verify": verify_main}
 
 
 def main(argv: list[str] | None = None) -> int:
