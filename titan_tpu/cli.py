@@ -10,6 +10,7 @@
     titan-tpu plan --calibrate                              # predicted vs measured on real CPU runs
     titan-tpu prepare-data --config configs/llama3_debug.toml --workers 2   # tokenize the sources once
     titan-tpu report outputs/run_a outputs/run_b [--out report.html] [--png DIR]   # plots in one HTML file
+    titan-tpu verify MODEL [--tiny] [--hardware v5p-256] [--checks a,b] [--report DIR]   # docs/verify.md
 
 User mistakes end the process with one line on stderr and exit status 2, not a traceback; faults of
 the run's environment (a checkpoint that could not be written, an output_dir another run holds:
@@ -246,9 +247,15 @@ def hf_sweep_main(argv: list[str]) -> int:
     return sweep(argv)
 
 
+def verify_main(argv: list[str]) -> int:
+    from titan_tpu.tools.verify import main as verify
+
+    return verify(argv)
+
+
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
             "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
-            "prepare-data": prepare_data_main, "report": report_main}
+            "prepare-data": prepare_data_main, "report": report_main, "verify": verify_main}
 
 
 def main(argv: list[str] | None = None) -> int:

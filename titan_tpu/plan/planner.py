@@ -136,11 +136,12 @@ def code_gather(cfg: Config) -> str:
 
 
 def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
-                measure: bool = True, gather: str | None = None) -> Plan:
+                measure: bool = True, gather: str | None = None, model_args=None) -> Plan:
     """The plan of `cfg` on `hardware` (default: what the config names, see `default_hardware`)
     with `chips` chips (default: the config's mesh, or the chip count the recipe names).
     gather: None for what the code does with this config (`code_gather`), or "model" / "layer"
-    as a what-if (parallel/plan_terms.py Layout.gather)."""
+    as a what-if (parallel/plan_terms.py Layout.gather). model_args: the model's TransformerArgs when
+    they are not a flavor of the table (titan-tpu verify of an HF directory); default: the config's."""
     code = code_gather(cfg)
     gather = gather or code
     if cfg.model.name == "hf":
@@ -151,7 +152,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         chips = chips if chips is not None else named_chips
     devices = chips * hardware.devices_per_chip if chips is not None else None
     dp_replicate, dp_shard, devices = _mesh(cfg, devices)
-    args = model_args_from_config(cfg)
+    args = model_args if model_args is not None else model_args_from_config(cfg)
     t, k = cfg.training, cfg.kernels
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
     cb = _DTYPE_BYTES[dtype]
