@@ -148,8 +148,8 @@ def test_graph_inductor_bf16_equals_eager_bf16(case):
     options = GRAPH_CASES[case]
     data = batches(4)
     eager = eager_losses(tiny_model(**options), data)
-    if options:  # scan and checkpointing change no value eagerly: bitwise the unrolled run
-        assert eager == eager_losses(tiny_model(), data)
+    if options:  # scan (real-arithmetic RoPE) and checkpointing: the unrolled eager run to bf16's rounding
+        torch.testing.assert_close(eager, eager_losses(tiny_model(), data), rtol=1e-2, atol=0)
     model = tiny_model(**options)
     step = GraphStep(model, AdamW(dict(model.named_parameters())), max_norm=1.0, example_batch=data[0],
                      backend="inductor")
@@ -335,3 +335,31 @@ def test_accelerator_peak_is_the_bf16_table_and_says_so_for_fp32(monkeypatch):
     assert "computes in fp32" not in backend.peak_description(torch.bfloat16)
     assert backend.peak_flops(torch.float32) == 918e12
     assert "computes in fp32: MFU against the bf16 peak" in backend.peak_description(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner follows the same rule
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plan_counts_fp32_masters_and_bf16_copies_on_one_device(bf16_cpu, monkeypatch):
+    from titan_tpu.plan import hardware, plan_config
+    from titan_tpu.plan.planner import for_planning
+
+    def plan(dtype: str):
+        return plan_config(for_planning(LLAMA_DEBUG, ["--training.device", "cpu", "--model.dtype", dtype]),
+                           hardware.cpu_hardware(measure=False, dtype=dtype))
+
+    fp32, bf16 = plan("float32"), plan("bfloat16")
+    total = bf16.params["total"]
+    for p in (fp32, bf16):  # fp32 masters, gradients and both moments, whatever the compute dtype
+        assert p.memory["parameters"] == p.memory["gradients"] == p.memory["optimizer_state"] / 2 == total * 4
+    with torch.device("meta"):
+        block_params = sum(p.numel() for p in Transformer(get_model_args("llama3", "debug")).layers.parameters())
+    assert fp32.memory["gathered_weights"] == 0  # fp32 weights are used in place
+    assert bf16.memory["gathered_weights"] == block_params * 2  # the bf16 copies, forward to backward
+    # The CPU's peak is measured in the compute dtype.
+    monkeypatch.setattr(dev, "cpu_peak_flops", lambda dtype=torch.float32: {torch.bfloat16: 8e11}.get(dtype, 2e11))
+    monkeypatch.setattr(hardware, "measure_cpu_memory_bandwidth", lambda: 1e10)
+    measured = hardware.cpu_hardware(dtype="bfloat16")
+    assert measured.peak_flops == 8e11 and "bf16 matmul peak 800 GFLOP/s" in measured.source
