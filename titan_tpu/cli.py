@@ -204,7 +204,7 @@ def plan_main(argv: list[str]) -> int:
     from titan_tpu.plan.planner import for_planning
 
     cfg = for_planning(args.config, overrides)
-    hardware, chips = resolve_hardware(args.hardware) if args.hardware else (None, None)
+    hardware, chips = resolve_hardware(args.hardware, dtype=cfg.model.dtype) if args.hardware else (None, None)
     plan = plan_config(cfg, hardware, chips=chips, gather=args.gather)
     print(plan.to_json() if args.json else format_plan(plan))
     return 0

@@ -37,8 +37,9 @@ class ModelConfig:
     # changes config values: '{"hidden_size": 64}' or hidden_size=64,num_hidden_layers=2.
     hf_config: str = ""
     hf_overrides: str = ""
-    # Compute dtype; also the storage dtype on one device (sharded runs keep fp32 master weights).
-    # auto: float32 on CPU (bf16 matmuls are ~100x slower there), bfloat16 on CUDA and TPU.
+    # Compute dtype. Parameters and AdamW's moments stay fp32 (master weights) and are cast for
+    # compute, on one device as on many, eager and graph (docs/mixed_precision.md). auto: float32 on
+    # CPU, bfloat16 on CUDA and TPU; bfloat16 on a CPU needs its bf16 instructions (avx512_bf16/amx_bf16).
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Store the repeated blocks stacked ([layers, ...]) and run them with torch's scan op: the
     # compiler sees one block whatever the depth. Checkpoints keep the per-layer layout.
@@ -73,8 +74,8 @@ class TrainingConfig:
 class ParallelismConfig:
     # Data parallelism with SimpleFSDP under torchrun: dp_replicate x dp_shard must equal the
     # number of ranks. dp_shard shards parameters, gradients and optimizer state; dp_replicate
-    # keeps whole copies (both > 1: hybrid sharding). Sharded runs keep fp32 master parameters
-    # and compute in model.dtype.
+    # keeps whole copies (both > 1: hybrid sharding). fp32 master parameters, computed in
+    # model.dtype, as on one device.
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: all ranks that dp_replicate leaves
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype gradients are reduced in
@@ -486,8 +487,10 @@ def validate(cfg: Config) -> None:
                          "fixed token count, chat trains a varying number): set training.mode eager")
     if cfg.data.max_bytes < 0:
         raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
-    if cfg.model.dtype == "bfloat16" and t.device == "cpu":
-        raise ValueError("model.dtype = bfloat16 on training.device = cpu is ~100x slower than float32 here; use model.dtype = float32")
+    if t.device == "cpu":  # with auto, the trainer checks once it knows the device
+        from titan_tpu.device import check_cpu_compute_dtype
+
+        check_cpu_compute_dtype(cfg.model.dtype)
 
 
 def _validate_observability(cfg: Config) -> None:

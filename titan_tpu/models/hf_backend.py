@@ -514,6 +514,9 @@ class HFCausalLM(nn.Module):
         if self._router is None or router_logits is None or len(router_logits) == 0:
             return ce_sum.new_zeros(())
         balancing_loss, num_experts, top_k, coef = self._router
+        # In fp32 whatever the compute dtype, as transformers' routers take their softmax in fp32.
+        router_logits = (router_logits.float() if isinstance(router_logits, torch.Tensor)
+                         else tuple(t.float() for t in router_logits))
         aux = balancing_loss(router_logits, num_experts=num_experts, top_k=top_k, attention_mask=None)
         return coef * aux.to(ce_sum.dtype)
 
@@ -682,8 +685,11 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:
     text = text_config(model.hf_model.config)
     embeddings = model.hf_model.get_input_embeddings()
     output = model.hf_model.get_output_embeddings()
-    skip = {id(embeddings.weight)} if embeddings is not None else set()
-    tied = output is not None and embeddings is not None and output.weight is embeddings.weight
+    # The stored weights: reading `.weight` under data parallelism or a compute cast returns a new
+    # (gathered, cast) tensor each time.
+    stored_embeddings = embeddings._parameters.get("weight") if embeddings is not None else None
+    skip = {id(stored_embeddings)} if stored_embeddings is not None else set()
+    tied = output is not None and stored_embeddings is not None and output._parameters.get("weight") is stored_embeddings
     moe = _moe_shape(text)
     n = 0.0
     for name, p in model.named_parameters():

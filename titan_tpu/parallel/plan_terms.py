@@ -17,6 +17,9 @@ the calibration in docs/planner.md):
   forward to the end of the backward (`gather` = "model"); so does a scanned stack in graph mode
   without full activation checkpointing, where scan's own partitioner saves each layer's gathered
   weights stacked (it never recomputes a collective).
+* Parameters, gradients and AdamW moments are fp32 (master weights) on one process too; there a
+  compute dtype below fp32 casts each weight when read (simple_fsdp.cast_for_compute), and the
+  cast copies stay alive from the forward to the backward like gathered weights kept whole.
 * The gradient of a gathered weight is full size (reduce dtype) until it is reduce-scattered
   into the shard: one parameter at a time when unrolled; a scanned stack's gradient whole when it
   was gathered whole, one layer's when gathered per layer (re-sharding).
@@ -76,9 +79,9 @@ class Layout:
         return self.world > 1
 
     def master_bytes(self) -> int:
-        """Bytes per stored parameter element: fp32 master weights when sharded, else the model
-        is stored in its compute dtype (trainer._build_model)."""
-        return 4 if self.sharded else self.compute_bytes
+        """Bytes per stored parameter element: fp32 master weights, on one device as on many
+        (docs/mixed_precision.md)."""
+        return 4
 
     def stored_elements(self, total_params: int) -> float:
         """Elements of parameters (and of each AdamW moment, and of the sharded gradient) a rank
@@ -92,10 +95,12 @@ class Layout:
 
     def gathered_bytes(self, *, block_params: int, expert_params: int, n_layers: int) -> float:
         """Gathered compute copies of block weights a rank holds through the forward and backward
-        (see the module docstring and `gather`); 0 on one process, where weights are used in place."""
-        if not self.sharded:
-            return 0.0
+        (see the module docstring and `gather`). On one process: fp32 weights are used in place
+        (0); a lower compute dtype's cast copies are kept from the forward to the backward, all
+        of them (nothing re-casts per layer there)."""
         local = self.local_block_elements(block_params=block_params, expert_params=expert_params)
+        if not self.sharded:
+            return 0.0 if self.compute_bytes == 4 else local * self.compute_bytes
         if self.gather == "layer":
             local = min(local, 2 * local / n_layers)
         return local * self.compute_bytes

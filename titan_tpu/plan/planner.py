@@ -91,7 +91,7 @@ def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, in
     recipe names its slice in job.description ("TPU v5p-2048: 1,024 chips")."""
     t = cfg.training.device
     if t in ("cpu", "auto"):
-        return resolve_hardware("cpu", measure=measure)
+        return resolve_hardware("cpu", measure=measure, dtype=cfg.model.dtype)
     if t == "tpu":
         from titan_tpu.device import tpu_generation
 

@@ -28,10 +28,10 @@ from torch.profiler import record_function
 
 from titan_tpu.config import (Config, data_sources, effective_warmup_steps, model_args_from_config, model_label,
                               tokenizer_path)
-from titan_tpu.device import Backend, get_backend
+from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
 from titan_tpu.errors import RunError
 from titan_tpu.models.common.transformer import Transformer
-from titan_tpu.models.registry import build_model, flops_per_token
+from titan_tpu.models.registry import flops_per_token
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, copy_full_, default_mixed_precision, materialize_and_init
@@ -71,6 +71,8 @@ class Trainer:
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         self.backend: Backend = get_backend(t.device)
+        if self.backend.name == "cpu":  # training.device auto that became the CPU (config checks cpu)
+            check_cpu_compute_dtype(cfg.model.dtype)
         self.rank, self.world_size = init_distributed(self.backend)
         self.is_main = self.rank == 0
         self.parallel_dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
@@ -164,10 +166,9 @@ class Trainer:
 
         sharded = self.mesh is not None
         model = build_hf_model(self.model_args, kernels=self.cfg.kernels, ac_mode=self.cfg.activation_checkpoint.mode,
-                               dtype=torch.float32 if sharded else self.compute_dtype)
-        mp = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
-        model = materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if sharded else "none", mp=mp,
-                                     device=self.backend.device, seed=self.cfg.training.seed,
+                               dtype=torch.float32)
+        model = materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if sharded else "none",
+                                     mp=self.mixed_precision, device=self.backend.device, seed=self.cfg.training.seed,
                                      bucket_mb=self.cfg.parallelism.bucket_mb,
                                      reshard_after_forward=self.cfg.parallelism.reshard_after_forward)
         if has_weights(self.cfg.model.hf_config):
@@ -182,19 +183,15 @@ class Trainer:
         # The RoPE table only needs the training length (a published 128K table is ~134 MB for 8B);
         # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
         args = dataclasses.replace(self.model_args, max_seq_len=self.cfg.training.seq_len)
-        dtype, seed = self.compute_dtype, self.cfg.training.seed
-        options = dict(scan_layers=self.cfg.model.scan_layers, ac_mode=self.cfg.activation_checkpoint.mode,
-                       kernels=self.cfg.kernels)
-        if self.mesh is None:  # one device: parameters are stored in model.dtype
-            return build_model(args, device=self.backend.device, dtype=dtype, seed=seed, **options)
-        # Sharded: fp32 master parameters, computed in model.dtype, gradients reduced in
-        # parallelism.reduce_dtype. Built on meta and initialised piece by piece.
+        # fp32 master parameters on one device as on many, computed in model.dtype (gradients
+        # reduced in parallelism.reduce_dtype when sharded): docs/mixed_precision.md. Built on
+        # meta and initialised piece by piece.
         with torch.device("meta"):
-            model = Transformer(args, **options)
-        mp = MixedPrecision(param_dtype=dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
-        return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode, mp=mp,
-                                    device=self.backend.device, seed=seed, expert_mesh=self.expert_mesh,
-                                    bucket_mb=self.cfg.parallelism.bucket_mb,
+            model = Transformer(args, scan_layers=self.cfg.model.scan_layers,
+                                ac_mode=self.cfg.activation_checkpoint.mode, kernels=self.cfg.kernels)
+        return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if self.mesh is not None else "none",
+                                    mp=self.mixed_precision, device=self.backend.device, seed=self.cfg.training.seed,
+                                    expert_mesh=self.expert_mesh, bucket_mb=self.cfg.parallelism.bucket_mb,
                                     reshard_after_forward=self.cfg.parallelism.reshard_after_forward)
 
     @property
@@ -202,6 +199,10 @@ class Trainer:
         if self.cfg.model.dtype == "auto":
             return default_mixed_precision(self.backend.device.type).param_dtype
         return DTYPES[self.cfg.model.dtype]
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
 
     def log(self, message: str) -> None:
         if self.is_main:
@@ -369,7 +370,7 @@ class Trainer:
             if self.tokenizer.path is not None:  # travels with the run, e.g. into an HF export
                 shutil.copyfile(self.tokenizer.path, self.run_dir / "tokenizer.json")
         self.maybe_resume()
-        peak = self.backend.peak_flops()
+        peak = self.backend.peak_flops(self.compute_dtype)
         if self.warmup_steps < cfg.lr_scheduler.warmup_steps:
             self.log(f"note: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than training.steps "
                      f"= {cfg.training.steps}; warming up over {self.warmup_steps} steps instead")
@@ -378,7 +379,7 @@ class Trainer:
                  f"{f' ({self.flops_note})' if self.flops_note else ''}; "
                  f"{self.world_size} rank(s), data parallel: {self.parallel_dims.mode}"
                  f"{f', expert parallel: {self.parallel_dims.ep}' if self.parallel_dims.ep > 1 else ''}; "
-                 f"MFU peak per device: {self.backend.peak_description()}")
+                 f"MFU peak per device: {self.backend.peak_description(self.compute_dtype)}")
 
         last_val, stopped_by = None, None
         logger = self.logger = self._open_logger() if self.is_main else None
