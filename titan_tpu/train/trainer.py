@@ -328,8 +328,7 @@ class Trainer:
                            "tokens_per_s": tokens_per_s, "tflops": flops_per_device / 1e12,
                            "mfu": 100.0 * flops_per_device / peak}
                     row.update(_moe_metrics(result))
-                    if hasattr(self.train_loader, "metrics"):  # mixtures: token share and epochs per source
-                        row.update(self.train_loader.metrics())
+                    row.update(self.train_loader.metrics())  # mixtures: token share and epochs per source
                     row.update(self.backend.memory_stats())
                     row.update(self.compile_stats)
                     self.compile_stats = {}  # once per process
