@@ -19,13 +19,21 @@ def test_defaults_then_toml_then_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_every_recipe_validates(path, monkeypatch):
+def test_every_recipe_validates(path, monkeypatch, tmp_path):
     if 'backend = "tpu"' in path.read_text():
         # A graph-mode TPU recipe validates where TorchTPU is installed (a TPU VM); say it is.
         from titan_tpu import device
 
         monkeypatch.setattr(device, "_tpu_installed", lambda: True)
-    cfg = build_config(path)
+    overrides = []
+    if 'hf_config = "path/to/' in path.read_text():
+        # A recipe for the user's own HF model directory (chat_sft_hf): validate it with a small one.
+        from transformers import LlamaConfig
+
+        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=4096).save_pretrained(tmp_path)
+        overrides = ["--model.hf_config", str(tmp_path)]
+    cfg = build_config(path, overrides)
     assert cfg.job.name == path.stem
 
 

@@ -20,7 +20,7 @@ from data_fixtures import (
 from titan_tpu.data import iter_documents, train_bpe_tokenizer
 from titan_tpu.data.build import PreparedData, build_loaders
 from titan_tpu.data.mixture import ChatRows, MixtureLoader, TextRows
-from titan_tpu.data.prepare import ChatShards, build_shards, prepare_sources
+from titan_tpu.data.prepare import build_shards, prepare_sources
 from titan_tpu.data.shards import TokenShards
 from titan_tpu.data.sources import SourceConfig, source_from_table
 from titan_tpu.data.tokenizer import load_tokenizer
@@ -55,8 +55,9 @@ def prepare(specs, tokenizer, cache, **kw):
 
 
 def cache_entries(cache: Path) -> list[str]:
-    """Everything in the cache except the tokenizer: the token and chat shard directories, hidden or not."""
-    return sorted(p.name for sub in ("tokens", "chat") if (cache / sub).is_dir() for p in (cache / sub).iterdir())
+    """The token and chat shard entries of the cache, hidden or not (empty build-lock files aside)."""
+    return sorted(p.name for sub in ("tokens", "chat") if (cache / sub).is_dir() for p in (cache / sub).iterdir()
+                  if not p.name.endswith(".lock"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,3 +424,28 @@ def test_build_loaders_mixes_chat_and_text_with_validation(tmp_path, chat_dir, d
     val_batches = list(val.val_batches(3))
     assert val_batches and all(b[0].shape == (4, 64) for b in val_batches)
     assert set(train.metrics()) == {"data/chat/share", "data/chat/epochs", "data/web/share", "data/web/epochs"}
+
+
+def test_prepare_data_command_fills_the_cache_training_reads(tmp_path, docs, capsys):
+    from titan_tpu.cli import main
+
+    write_parquet(tmp_path / "web" / "a.parquet", docs)
+    write_jsonl(tmp_path / "val.jsonl.gz", [{"text": d} for d in make_docs(30, seed=9, tag="val")])
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f"""
+[model]
+name = "llama3"
+flavor = "debug"
+[data]
+cache_dir = "{tmp_path / 'cache'}"
+val_source = "{tmp_path / 'val.jsonl.gz'}"
+[[data.sources]]
+path = "{tmp_path / 'web'}"
+""")
+    assert main(["prepare-data", "--config", str(recipe), "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("data: tokenized") == 2 and "prepare: web:" in out and "MB/s" in out
+    assert main(["prepare-data", "--config", str(recipe), "--workers", "2"]) == 0  # all cached now
+    assert "tokenized" not in capsys.readouterr().out
+    assert main(["prepare-data", "--config", str(recipe), "--workers", "0"]) == 2
+    assert "--workers 0 must be >= 1" in capsys.readouterr().err

@@ -123,8 +123,13 @@ class ChatRenderer:
 
     def encode(self, messages: Any, *, where: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids, trained flags as uint8) of one conversation; ``where`` names it in errors."""
+        from jinja2.exceptions import TemplateError
+
         check_messages(messages, where=where)
-        text, spans = self.render(messages)
+        try:
+            text, spans = self.render(messages)
+        except TemplateError as e:
+            raise ValueError(f"chat {where}: the chat template failed ({e}); check the row or the template") from None
         ids, offsets = self.tokenizer.encode_with_offsets(text)
         trained = np.zeros(len(ids), dtype=np.uint8)
         if ids:

@@ -16,6 +16,7 @@ the loss trains) and each conversation's length (``.len``), read by ``ChatShards
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -23,6 +24,7 @@ import os
 import shutil
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,8 +34,8 @@ import numpy as np
 from titan_tpu.data.shards import INDEX_FILE, TokenShards, _token_dtype
 from titan_tpu.data.tokenizer import Tokenizer, load_tokenizer
 
-_CHUNK_DOCS = 4096
-_CHUNK_BYTES = 16 << 20
+_CHUNK_DOCS = 2048
+_CHUNK_BYTES = 4 << 20
 _CHAT_FORMAT = "titan_tpu.chat_shards"
 
 
@@ -98,8 +100,10 @@ def _encode_chunk(task: tuple[int, list[Any], str, int]) -> dict:
         _write_atomic(out / f"{name}.len", lengths.tofile)
         record.update(mask=f"{name}.mask", lengths=f"{name}.len", num_trained=int(sum(m.sum() for _, m in encoded)))
         record["bytes"] = sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8")) for m in docs)
-    _write_atomic(out / record["file"], tokens.tofile)
+    data = tokens.tobytes()
+    _write_atomic(out / record["file"], lambda p: p.write_bytes(data))
     record["num_tokens"] = int(len(tokens))
+    record["crc32"] = zlib.crc32(data)  # checked by TokenShards.open where it knows the field
     _write_atomic(out / f"{name}.json", lambda p: p.write_text(json.dumps(record)))  # last: the chunk is done
     return record
 
@@ -196,7 +200,7 @@ def _run_pool(tasks: Iterator[tuple], workers: int, tokenizer: Tokenizer, chat, 
 
 def _finish(partial: Path, out_dir: Path, chunks: list[dict], tokenizer: Tokenizer, *, chat: bool) -> None:
     dtype = _token_dtype(tokenizer.vocab_size)
-    shards = [{"file": c["file"], "num_tokens": c["num_tokens"]} for c in chunks]
+    shards = [{"file": c["file"], "num_tokens": c["num_tokens"], "crc32": c["crc32"]} for c in chunks]
     index: dict[str, Any] = {"format": "titan_tpu.token_shards", "version": 1, "dtype": dtype.str,
                              "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
                              "num_tokens": sum(c["num_tokens"] for c in chunks),
@@ -326,22 +330,50 @@ def prepare_sources(specs: list[Any], *, max_bytes: int | None, tokenizer_path: 
                        f"{json.dumps(chat_template)}")[:16]
             directory = cache_dir / "chat" / key
             values = lambda files=files, spec=spec: _limit_rows(iter_records(files, field=spec.field), max_bytes)
-        if not (directory / INDEX_FILE).is_file():
-            t0 = time.perf_counter()
-            build_shards(values(), tokenizer, directory, workers=workers,
-                         chat=chat_template if spec.format == "chat" else None, label=spec.label,
-                         total_bytes=max_bytes or _source_bytes(spec.path), log=log)
-            log(f"data: tokenized {spec.label} in {time.perf_counter() - t0:.1f}s -> {directory}")
+        with _build_lock(directory):  # one build per cache entry at a time; the others then open it
+            opened = _open(spec, directory, log)
+            if opened is None:
+                t0 = time.perf_counter()
+                build_shards(values(), tokenizer, directory, workers=workers,
+                             chat=chat_template if spec.format == "chat" else None, label=spec.label,
+                             total_bytes=max_bytes or _source_bytes(spec.path), log=log)
+                log(f"data: tokenized {spec.label} in {time.perf_counter() - t0:.1f}s -> {directory}")
+                opened = _open(spec, directory, log)
+                assert opened is not None
+        prepared.append(opened)
+    return tokenizer, prepared
+
+
+def _open(spec: Any, directory: Path, log: Callable[[str], None]) -> PreparedSource | None:
+    """The built source at ``directory``; None when there is none or it is broken (then removed)."""
+    if not (directory / INDEX_FILE).is_file():
+        return None
+    try:
         if spec.format == "text":
             shards = TokenShards.open(directory)
             log(f"data: {spec.label}: {shards.num_tokens:,} tokens in {shards.num_documents:,} documents")
-            prepared.append(PreparedSource(spec, shards=shards))
-        else:
-            chat = ChatShards(directory)
-            log(f"data: {spec.label}: {chat.num_conversations:,} conversations, {chat.tokens.num_tokens:,} tokens, "
-                f"{chat.num_trained:,} trained")
-            prepared.append(PreparedSource(spec, chat=chat))
-    return tokenizer, prepared
+            return PreparedSource(spec, shards=shards)
+        chat = ChatShards(directory)
+    except ValueError as e:
+        log(f"data: rebuilding a broken token cache ({e})")
+        shutil.rmtree(directory, ignore_errors=True)
+        return None
+    log(f"data: {spec.label}: {chat.num_conversations:,} conversations, {chat.tokens.num_tokens:,} tokens, "
+        f"{chat.num_trained:,} trained")
+    return PreparedSource(spec, chat=chat)
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    import fcntl
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(f".{directory.name}.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _limit_rows(values: Iterator[Any], max_bytes: int | None) -> Iterator[Any]:
@@ -356,11 +388,9 @@ def _limit_rows(values: Iterator[Any], max_bytes: int | None) -> Iterator[Any]:
 
 def _source_bytes(path: str) -> int | None:
     """On-disk size of a file-based source (an ETA estimate; compressed files read as more text)."""
-    from titan_tpu.data.sources import DATA_SUFFIXES, resolve_files
+    from titan_tpu.data.sources import resolve_files
 
     try:
-        if path == "stdlib" or (Path(path).is_dir() and not any(Path(path).rglob(f"*{DATA_SUFFIXES[0]}"))):
-            return None
         return sum(p.stat().st_size for p in resolve_files(path))
     except (ValueError, OSError):
         return None

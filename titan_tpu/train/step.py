@@ -83,7 +83,8 @@ def trained_tokens(micro_batches: list[tuple[Tensor, ...]], dp_size: int) -> int
     loss denominator, so the mean is over trained tokens whatever their share per micro-batch or
     rank. One scalar all-reduce over the ranks (the count differs between them)."""
     counts = torch.stack([(split_batch(b)[1] != IGNORE_INDEX).sum() for b in micro_batches]).sum()
-    return int((all_reduce_sum(counts) if dp_size > 1 else counts).item())
+    # At least 1: a step whose rows train nothing (possible with chat rows) gives loss 0, not NaN.
+    return max(int((all_reduce_sum(counts) if dp_size > 1 else counts).item()), 1)
 
 
 class EagerStep:

@@ -409,8 +409,7 @@ class Trainer:
                            "data_s": (self.data_seconds - window_start_data) / window_steps,
                            "step_s": window_seconds / window_steps, "time": time.time()}
                     row.update(_moe_metrics(result))
-                    if hasattr(self.train_loader, "metrics"):  # mixtures: token share and epochs per source
-                        row.update(self.train_loader.metrics())
+                    row.update(self.train_loader.metrics())  # mixtures: token share and epochs per source
                     row.update(self.backend.memory_stats())
                     row.update(self.compile_stats)
                     self.compile_stats = {}  # once per process
