@@ -148,3 +148,12 @@ def visit(path: str, *, timeout: float = 60) -> PageVisit:
 
     return PageVisit(requests=requests, images=probe["images"], resources=probe["resources"],
                      scripts=probe["scripts"], screenshot_png=base64.b64decode(shot), isolated=isolated)
+
+
+if __name__ == "__main__":  # python tests/browser.py PAGE.html SHOT.png: a screenshot, as the test takes it
+    import sys
+
+    visit_result = visit(sys.argv[1])
+    with open(sys.argv[2], "wb") as f:
+        f.write(visit_result.screenshot_png)
+    print(f"{len(visit_result.images)} images, requests: {len(visit_result.requests)}; wrote {sys.argv[2]}")

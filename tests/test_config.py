@@ -83,3 +83,19 @@ def test_bad_toml(tmp_path):
 
 def test_parse_overrides():
     assert parse_overrides(["--a.b", "1", "--c.d=x=y"]) == [("a.b", "1"), ("c.d", "x=y")]
+
+
+def test_trackers_list_from_command_line_and_toml(tmp_path):
+    cfg = build_config(None, ["--metrics.trackers", "tensorboard, wandb", "--profiling.enabled", "true"])
+    assert cfg.metrics.trackers == ["tensorboard", "wandb"] and cfg.profiling.enabled
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[metrics]\ntrackers = ["wandb"]\n')
+    assert build_config(recipe).metrics.trackers == ["wandb"]
+    assert build_config(None).metrics.trackers == ["tensorboard"]
+    with pytest.raises(ValueError, match="metrics.trackers: unknown tracker 'mlflow'; use some of tensorboard, wandb"):
+        build_config(None, ["--metrics.trackers", "mlflow"])
+    recipe.write_text("[metrics]\ntrackers = 3\n")
+    with pytest.raises(ValueError, match="expected a list of strings"):
+        build_config(recipe)
+    with pytest.raises(ValueError, match="profiling.start_step = 0"):
+        build_config(None, ["--profiling.start_step", "0"])

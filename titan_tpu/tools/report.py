@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from titan_tpu.train.checkpoint import _flatten as flatten  # "section.key" names
+from titan_tpu.train.metrics import format_duration
+
 SMOOTHING = 0.9  # weight of the exponential moving average of the smoothed loss (TensorBoard's slider)
 WARMUP_FRACTION = 0.1
 
@@ -53,16 +56,6 @@ class Run:
         return any(isinstance(r.get(key), (int, float)) for r in self.rows)
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
     if path.is_file():
@@ -79,7 +72,7 @@ def load_run(path: str | Path) -> Run:
     if not (path / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{path} has no metrics.jsonl; pass a run directory (the output_dir of a training run)")
     config_file = path / "config.json"
-    config = _flatten(json.loads(config_file.read_text())) if config_file.is_file() else {}
+    config = flatten(json.loads(config_file.read_text())) if config_file.is_file() else {}
     starts = [e for e in _read_jsonl(path / "events.jsonl") if e.get("event") == "start"]
     return Run(path=path, label=path.name, rows=_read_jsonl(path / "metrics.jsonl"), config=config, starts=starts)
 
@@ -150,7 +143,7 @@ def summary(run: Run) -> dict[str, str]:
         "median tokens/s": _fmt(median("tokens_per_s"), "{:,.0f}"),
         "median MFU": _fmt(median("mfu"), "{:.2f} %"),
         "peak memory": _fmt(max(peak) if peak else None, "{:.2f} GB"),
-        "wall time": _fmt(wall, "{}", transform=_duration),
+        "wall time": _fmt(wall, "{}", transform=format_duration),
         "restarts": str(max(len(run.starts) - 1, 0)) if run.starts else "n/a",
     }
 
@@ -159,15 +152,6 @@ def _fmt(value, pattern: str, transform=None) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "n/a"
     return pattern.format(transform(value) if transform else value)
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60:02d} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 def config_differences(runs: list[Run]) -> list[tuple[str, list[str]]]:

@@ -85,7 +85,7 @@ def _last_step(path: Path) -> int:
     return last
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     """12s, 3m05s, 2h07m."""
     seconds = int(round(seconds))
     if seconds < 60:
@@ -168,7 +168,7 @@ class MetricsLogger:
         if not self.total_steps or step <= first_step or step >= self.total_steps:
             return ""
         seconds = (self.total_steps - step) * (now - first_time) / (step - first_step)
-        return f"ETA {_duration(seconds)}"
+        return f"ETA {format_duration(seconds)}"
 
     def format_line(self, step: int, metrics: dict) -> str:
         """The console progress line, e.g. "step   10/200 [##....] loss 6.8123 | lr 3.0e-04"."""

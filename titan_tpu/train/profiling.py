@@ -33,7 +33,7 @@ DATA_REGION = "titan/data"
 OPTIMIZER_REGION = "titan/optimizer"
 
 _COLLECTIVE = ("all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce", "all_to_all", "broadcast",
-               "c10d", "gloo", "nccl")
+               "c10d", "gloo", "nccl", "record_param_comms")
 _MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_addmm_activation", "grouped_mm", "gemm")
 _ATTENTION = ("scaled_dot_product", "flash", "attention", "sdpa", "fmha")
 _ROUTING = ("sort", "topk", "index", "gather", "scatter", "cumsum")
