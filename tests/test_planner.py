@@ -224,9 +224,9 @@ def test_collective_rate_is_gloos_not_the_copy_rate():
 
 def test_cpu_collectives_take_gloos_rate():
     """The planner's collective time is each collective's bytes at the hardware's interconnect rate,
-    which for the CPU is gloo's measured rate: expert parallelism's token dispatch on two ranks
-    then takes the time its bytes take through gloo."""
-    from titan_tpu.plan.hardware import CPU_COLLECTIVE_BANDWIDTH
+    which for the CPU is gloo's measured rate, plus each call's latency: expert parallelism's token
+    dispatch on two ranks then takes the time its bytes and calls take through gloo."""
+    from titan_tpu.plan.hardware import CPU_COLLECTIVE_BANDWIDTH, CPU_COLLECTIVE_LATENCY
 
     cfg = build_config(CONFIGS / "qwen3_moe_debug.toml", ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"])
     plan = plan_config(cfg, CPU, measure=False)
@@ -234,7 +234,9 @@ def test_cpu_collectives_take_gloos_rate():
     dispatch = [c for c in plan.communication if c["axis"] == "ep"]
     assert len(dispatch) == 1 and dispatch[0]["bytes_per_step"] > 0
     total = sum(c["bytes_per_step"] for c in plan.communication)
-    assert plan.time["collectives_s"] == pytest.approx(total / CPU_COLLECTIVE_BANDWIDTH)
+    calls = sum(c["calls"] for c in plan.communication)
+    assert dispatch[0]["calls"] > 0 and CPU.collective_latency == CPU_COLLECTIVE_LATENCY > 0
+    assert plan.time["collectives_s"] == pytest.approx(total / CPU_COLLECTIVE_BANDWIDTH + calls * CPU_COLLECTIVE_LATENCY)
     assert plan.time["step_s"] == pytest.approx(plan.time["compute_s"] + plan.time["elementwise_s"]
                                                 + plan.time["collectives_s"])  # eager: no overlap
 

@@ -232,6 +232,7 @@ def _run_case(case: Case, out_dir: Path, tokenizer: str, python: str) -> dict:
     return {"name": case.name, "argv": args, "ranks": case.ranks, "debug": case.debug,
             "measured_peak_gb": steps[-1]["max_memory_gb"], "measured_tokens_per_s": best["tokens_per_s"],
             "measured_mfu": best["mfu"], "step_tokens_per_s": [r["tokens_per_s"] for r in steps],
+            "compile_s": steps[0].get("capture_s", 0.0) + steps[0].get("compile_s", 0.0),  # graph mode
             "wall_s": time.perf_counter() - start}
 
 
