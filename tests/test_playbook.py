@@ -43,11 +43,6 @@ def test_every_flag_exists_with_the_values_shown():
                     set_value(cfg, key, value)
 
 
-def test_a_wrong_flag_would_be_caught():
-    with pytest.raises(ValueError, match="unknown config key"):
-        set_value(Config(), "parallelism.bucket_size", "25")
-
-
 def _bench_parser(script: str):
     spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
     module = importlib.util.module_from_spec(spec)

@@ -119,11 +119,15 @@ def _space(cfg: Config, devices: int, keep: set[str]) -> list[dict]:
     scans = [cfg.model.scan_layers] if "model.scan_layers" in keep else [False, True]
     out = []
     for (r, s), ep, ac, scan, b in itertools.product(layouts, eps, acs, scans, micro):
-        # Knobs that act only on some layouts are held at the config's value elsewhere.
-        reshards = [True, False] if s > 1 and "parallelism.reshard_after_forward" not in keep else [p.reshard_after_forward]
+        # Knobs that act only on some layouts are held at the config's value elsewhere: buckets on
+        # several devices, re-sharding on a sharded axis with buckets.
         buckets = sorted(set(BUCKETS_MB) | {p.bucket_mb}) if r * s > 1 and "parallelism.bucket_mb" not in keep \
             else [p.bucket_mb]
-        for reshard, bucket in itertools.product(reshards, buckets):
+        reshards = [True, False] if s > 1 and "parallelism.reshard_after_forward" not in keep else \
+            [p.reshard_after_forward]
+        for bucket, reshard in itertools.product(buckets, reshards):
+            if bucket <= 0 and reshard != p.reshard_after_forward and len(reshards) > 1:
+                continue
             out.append({"activation_checkpoint.mode": ac, "model.scan_layers": scan,
                         "parallelism.reshard_after_forward": reshard, "parallelism.bucket_mb": bucket,
                         "training.batch_size": b, "training.grad_accum_steps": max(per_device // b, 1),
