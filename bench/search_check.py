@@ -32,9 +32,9 @@ def picks(fitting: list, top: int = 3, others: int = 3) -> list[tuple[str, objec
     """The first `top` candidates and `others` spread over the rest (by rank)."""
     chosen = [(f"#{i + 1}", c) for i, c in enumerate(fitting[:top])]
     rest = fitting[top:]
-    if rest:
-        idx = sorted({min(len(rest) - 1, round(len(rest) * k / others)) for k in range(1, others + 1)})
-        chosen += [(f"#{top + i + 1}", rest[i]) for i in idx]
+    idx = range(len(rest)) if len(rest) <= others else \
+        sorted({min(len(rest) - 1, round(len(rest) * k / others)) for k in range(1, others + 1)})
+    chosen += [(f"#{top + i + 1}", rest[i]) for i in idx]
     return chosen
 
 
