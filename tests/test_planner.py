@@ -220,6 +220,9 @@ def test_collective_rate_is_gloos_not_the_copy_rate():
     sent = sum(r["mb_per_rank"] * 1e6 for r in sizes)  # two ranks: each sends its whole shard
     assert result["bytes_per_s"] == pytest.approx(sent / sum(r["median_ms"] / 1e3 for r in sizes))
     assert result["bytes_per_s"] < measure_cpu_memory_bandwidth() / 4
+    # A 4 KB call's median time: the per-call cost beside the bytes, below a 4 MB call's (a 1 MB
+    # call can take as long: at these sizes gloo's time is mostly the synchronisation).
+    assert 0 < result["latency_s"] < max(r["median_ms"] for r in sizes) / 1e3
 
 
 def test_cpu_collectives_take_gloos_rate():
