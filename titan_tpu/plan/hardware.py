@@ -122,12 +122,13 @@ CPU_GRAPH_RUNTIME_BYTES = 0.484e9
 # 2026-12-01: 0.36-0.71 GB/s by kind and size). It was taken as a quarter of the copy rate (6.5
 # GB/s) before; the calibration measures it in each sitting.
 CPU_COLLECTIVE_BANDWIDTH = 0.53e9
-# CPU_COLLECTIVE_LATENCY: seconds a SimpleFSDP collective call costs beside its bytes on this CPU:
-# the profile of one eager 2-rank llama3 debug step with per-parameter collectives (README,
-# "Scaling", 2026-11-30: each a synchronous gloo round trip of ~2.6 ms through DTensor's dispatch).
-# It is what makes per-parameter collectives (bucket_mb 0: 57 calls each way) slower than buckets
-# (9) in the planner, as measured (retention 0.48 vs 0.68).
-CPU_COLLECTIVE_LATENCY = 2.6e-3
+# CPU_COLLECTIVE_LATENCY: seconds a collective call costs beside its bytes on this CPU: the median
+# time of a 4 KB gloo all-gather and reduce-scatter between two processes (plan/collective_rate.py,
+# 2026-12-01 16:11 UTC, AMD EPYC: 2.0 ms; the README's profile of a 2-rank eager step with
+# per-parameter collectives, 2026-11-30, saw ~2.6 ms per call with DTensor's dispatch). It is what
+# makes per-parameter collectives (bucket_mb 0: 57 calls each way for llama3 debug) slower than
+# buckets (9) in the planner, as measured (retention 0.48 vs 0.68 on 2026-11-30).
+CPU_COLLECTIVE_LATENCY = 2.0e-3
 
 
 def measure_cpu_memory_bandwidth(nbytes: int = 1 << 27, reps: int = 5) -> float:
