@@ -124,11 +124,12 @@ CPU_GRAPH_RUNTIME_BYTES = 0.484e9
 CPU_COLLECTIVE_BANDWIDTH = 0.53e9
 # CPU_COLLECTIVE_LATENCY: seconds a collective call costs beside its bytes on this CPU: the median
 # time of a 4 KB gloo all-gather and reduce-scatter between two processes (plan/collective_rate.py,
-# 2026-12-01 16:11 UTC, AMD EPYC: 2.0 ms; the README's profile of a 2-rank eager step with
-# per-parameter collectives, 2026-11-30, saw ~2.6 ms per call with DTensor's dispatch). It is what
+# 2026-12-01, AMD EPYC: 2.0 and 0.5 ms in two sittings minutes apart; their mean. The README's
+# profile of a 2-rank eager step with per-parameter collectives, 2026-11-30, saw ~2.6 ms per call
+# with DTensor's dispatch). It is what
 # makes per-parameter collectives (bucket_mb 0: 57 calls each way for llama3 debug) slower than
 # buckets (9) in the planner, as measured (retention 0.48 vs 0.68 on 2026-11-30).
-CPU_COLLECTIVE_LATENCY = 2.0e-3
+CPU_COLLECTIVE_LATENCY = 1.25e-3
 
 
 def measure_cpu_memory_bandwidth(nbytes: int = 1 << 27, reps: int = 5) -> float:
