@@ -7,6 +7,7 @@
     titan-tpu graph --config configs/llama3_debug.toml      # dump the captured step graph
     titan-tpu kernels [--device cpu|cuda|tpu]               # kernel implementations and auto's pick
     titan-tpu plan --config configs/qwen3_235b_a22b_tpu.toml [--hardware v5p-1024] [--json]
+    titan-tpu plan --search --config configs/llama3_8b_tpu.toml [--hardware v5p-256] [--json]   # best knobs
     titan-tpu plan --calibrate                              # predicted vs measured on real CPU runs
     titan-tpu prepare-data --config configs/llama3_debug.toml --workers 2   # tokenize the sources once
     titan-tpu report outputs/run_a outputs/run_b [--out report.html] [--png DIR]   # plots in one HTML file
@@ -186,6 +187,13 @@ def plan_main(argv: list[str]) -> int:
                         help="what-if for gathered block weights: layer (re-sharded after the forward, gathered "
                              "again per layer) or model (kept from forward to backward); default: what the code "
                              "does with the config (parallelism.reshard_after_forward)")
+    parser.add_argument("--search", action="store_true",
+                        help="plan activation checkpointing, scan, re-sharding, bucket size, micro-batch x "
+                             "accumulation (same global batch), dp_replicate x dp_shard and ep, and rank what fits "
+                             "by predicted tokens/s (docs/playbook.md)")
+    parser.add_argument("--keep", default="", help="with --search: config keys to hold at the config's value, "
+                                                   "comma-separated (e.g. activation_checkpoint.mode,model.scan_layers)")
+    parser.add_argument("--top", type=int, default=5, help="with --search: how many ranked configurations to print")
     parser.add_argument("--calibrate", action="store_true",
                         help="run real CPU configurations and print predicted vs measured (minutes; run alone)")
     parser.add_argument("--replay", action="store_true", help="with --calibrate: recompute from the saved results")
@@ -205,6 +213,13 @@ def plan_main(argv: list[str]) -> int:
 
     cfg = for_planning(args.config, overrides)
     hardware, chips = resolve_hardware(args.hardware, dtype=cfg.model.dtype) if args.hardware else (None, None)
+    if args.search:
+        from titan_tpu.plan.search import format_search, search, search_json
+
+        keep = [k.strip() for k in args.keep.split(",") if k.strip()]
+        result = search(cfg, hardware, chips=chips, keep=keep)
+        print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
+        return 0
     plan = plan_config(cfg, hardware, chips=chips, gather=args.gather)
     print(plan.to_json() if args.json else format_plan(plan))
     return 0

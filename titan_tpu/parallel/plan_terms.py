@@ -44,6 +44,7 @@ class Collective:
     group_size: int
     bytes_per_step: float  # bytes each rank sends per optimizer step
     purpose: str
+    calls: int = 0  # collective calls per optimizer step (each pays the hardware's per-call latency)
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,12 @@ class Layout:
 
     def step_collectives(self, *, total_params: int, expert_params: int, micro_batches: int,
                          moe_layers: int, tokens_per_micro_batch: int, dim: int, top_k: int,
-                         recompute_blocks: bool, regathered_params: int = 0) -> list[Collective]:
-        """Every collective of one optimizer step with the bytes each rank sends. regathered_params:
-        block parameters gathered a second time in the backward (re-sharding after the forward)."""
+                         recompute_blocks: bool, regathered_params: int = 0, gathers: int = 0,
+                         regathers: int = 0) -> list[Collective]:
+        """Every collective of one optimizer step with the bytes each rank sends and its calls.
+        regathered_params: block parameters gathered a second time in the backward (re-sharding
+        after the forward); gathers / regathers: collective calls of SimpleFSDP per micro-batch
+        in the forward / again in the backward (`collective_calls`)."""
         out = []
         n, r, ep = self.dp_shard, self.dp_replicate, self.ep
         if n > 1:
@@ -131,16 +135,17 @@ class Layout:
             m = n // ep
             ag = micro_batches * (dense * (n - 1) / n + shard_axis_experts * (m - 1) / m) * self.compute_bytes
             rs = micro_batches * (dense * (n - 1) / n + shard_axis_experts * (m - 1) / m) * self.reduce_bytes
-            out.append(Collective("all_gather", "dp_shard", n, ag, "weights, forward"))
+            out.append(Collective("all_gather", "dp_shard", n, ag, "weights, forward", micro_batches * gathers))
             if regathered_params:
                 share = regathered_params / max(total_params, 1)
                 out.append(Collective("all_gather", "dp_shard", n, ag * share,
-                                      "block weights again, backward (re-shard after forward)"))
-            out.append(Collective("reduce_scatter", "dp_shard", n, rs, "gradients, backward"))
+                                      "block weights again, backward (re-shard after forward)",
+                                      micro_batches * regathers))
+            out.append(Collective("reduce_scatter", "dp_shard", n, rs, "gradients, backward", micro_batches * gathers))
         if r > 1:
             shard = total_params / n
             out.append(Collective("all_reduce", "dp_replicate", r, 2 * (r - 1) / r * shard * self.reduce_bytes,
-                                  "gradients over replicas, once per step"))
+                                  "gradients over replicas, once per step", gathers))
         if ep > 1 and moe_layers:
             t = tokens_per_micro_batch
             # forward: gather x [T, D] (+ routing [T, k] int64 and weights), reduce-scatter y [ep T, D];
@@ -148,6 +153,30 @@ class Layout:
             passes = 2 + (1 if recompute_blocks else 0)
             per_layer = (t * dim * self.compute_bytes + t * top_k * (8 + self.compute_bytes)) * (ep - 1) \
                 + ep * t * dim * self.compute_bytes * (ep - 1) / ep
+            # Calls: tokens, choices and weights gathered and the outputs reduce-scattered, per pass.
             out.append(Collective("all_gather+reduce_scatter", "ep", ep,
-                                  micro_batches * moe_layers * passes * per_layer, "MoE token dispatch"))
+                                  micro_batches * moe_layers * passes * per_layer, "MoE token dispatch",
+                                  micro_batches * moe_layers * passes * 4))
         return out
+
+
+def collective_calls(*, tensors_per_layer: list[int], bytes_per_layer: list[float], outside_tensors: int,
+                     bucket_bytes: float, scanned_whole: bool, regather: bool) -> tuple[int, int]:
+    """(calls per forward, calls again in the backward) of SimpleFSDP's gathers (each has its
+    gradient reduction) on a sharded mesh (parallel/buckets.py, simple_fsdp.py). Per parameter
+    (bucket_bytes 0): one per parameter tensor. Bucketed: one per piece outside the blocks
+    (embedding, final norm, output) and, per block, its tensors cut into runs of at most
+    bucket_bytes (taken as ceil(block bytes / bucket_bytes), at most one per tensor); a scanned
+    stack gathered whole (scanned_whole: not re-sharded) is one piece of stacked tensors.
+    regather: block buckets gathered again in the backward (re-sharding after the forward), all
+    but the last block's, which stays gathered from its forward into its backward."""
+    if bucket_bytes <= 0:
+        return sum(tensors_per_layer) + outside_tensors, 0
+
+    def runs(tensors: int, nbytes: float) -> int:
+        return min(tensors, max(1, -(-int(nbytes) // int(bucket_bytes))))
+
+    if scanned_whole:
+        return runs(max(tensors_per_layer), sum(bytes_per_layer)) + outside_tensors, 0
+    per_block = [runs(t, b) for t, b in zip(tensors_per_layer, bytes_per_layer)]
+    return sum(per_block) + outside_tensors, sum(per_block[:-1]) if regather else 0

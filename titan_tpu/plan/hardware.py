@@ -46,6 +46,9 @@ class Hardware:
     runtime_bytes: float = 0.0  # memory the planner's terms do not model (CPU: the process itself)
     graph_runtime_bytes: float | None = None  # the same in graph mode (CPU: plus the compiled step); None: as eager
     source: str = ""
+    # Seconds each collective call costs beside its bytes (launch, synchronisation). Accelerators: 0,
+    # not modelled (no measurement here); the CPU: CPU_COLLECTIVE_LATENCY.
+    collective_latency: float = 0.0
 
     def mode_constants(self, *, graph: bool) -> tuple[float, float, float]:
         """(matmul efficiency, elementwise efficiency, runtime bytes) of an eager or a graph-mode
@@ -120,6 +123,14 @@ CPU_GRAPH_RUNTIME_BYTES = 0.484e9
 # 2026-12-01: 0.36-0.71 GB/s by kind and size). It was taken as a quarter of the copy rate (6.5
 # GB/s) before; the calibration measures it in each sitting.
 CPU_COLLECTIVE_BANDWIDTH = 0.53e9
+# CPU_COLLECTIVE_LATENCY: seconds a collective call costs beside its bytes on this CPU: the median
+# time of a 4 KB gloo all-gather and reduce-scatter between two processes (plan/collective_rate.py,
+# 2026-12-01, AMD EPYC: 2.0 and 0.5 ms in two sittings minutes apart; their mean. The README's
+# profile of a 2-rank eager step with per-parameter collectives, 2026-11-30, saw ~2.6 ms per call
+# with DTensor's dispatch). It is what
+# makes per-parameter collectives (bucket_mb 0: 57 calls each way for llama3 debug) slower than
+# buckets (9) in the planner, as measured (retention 0.48 vs 0.68 on 2026-11-30).
+CPU_COLLECTIVE_LATENCY = 1.25e-3
 
 
 def measure_cpu_memory_bandwidth(nbytes: int = 1 << 27, reps: int = 5) -> float:
@@ -157,11 +168,12 @@ def cpu_hardware(*, measure: bool = True, dtype: str = "float32") -> Hardware:
     return Hardware("cpu", peak, _total_ram(), bandwidth, CPU_COLLECTIVE_BANDWIDTH, efficiency=CPU_EFFICIENCY,
                     graph_efficiency=CPU_GRAPH_EFFICIENCY, graph_runtime_bytes=CPU_GRAPH_RUNTIME_BYTES,
                     elementwise_efficiency=CPU_ELEMENTWISE_EFFICIENCY,
-                    runtime_bytes=CPU_RUNTIME_BYTES,
+                    runtime_bytes=CPU_RUNTIME_BYTES, collective_latency=CPU_COLLECTIVE_LATENCY,
                     source=f"this machine: {short} matmul peak {peak / 1e9:.0f} GFLOP/s and copy bandwidth "
                            f"{bandwidth / 1e9:.1f} GB/s {'measured now' if measure else '(nominal, not measured)'}; "
                            "RAM from /proc/meminfo; ranks of one run share it; collectives at gloo's measured "
-                           f"{CPU_COLLECTIVE_BANDWIDTH / 1e9:.2f} GB/s per rank (plan/collective_rate.py)")
+                           f"{CPU_COLLECTIVE_BANDWIDTH / 1e9:.2f} GB/s per rank (plan/collective_rate.py) and "
+                           f"{CPU_COLLECTIVE_LATENCY * 1e3:.1f} ms per call")
 
 
 def known_names() -> list[str]:
