@@ -230,7 +230,7 @@ def _save_fused_qwen3_moe(path):
     config = transformers.Qwen3MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          head_dim=8, vocab_size=64, num_experts=4, num_experts_per_tok=2,
-                                         max_position_embeddings=64, tie_word_embeddings=False)
+                                         max_position_embeddings=1024, tie_word_embeddings=False)
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(config).eval()
     hf_sd = {k: v.contiguous() for k, v in ref.state_dict().items()}

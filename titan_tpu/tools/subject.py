@@ -66,11 +66,29 @@ def tiny_native_args(args: TransformerArgs) -> TransformerArgs:
     return tiny
 
 
+# A seeded init (std ~0.02) gives a tiny model near-uniform attention, under which a conversion bug
+# such as one permuted key projection moves the logits by ~1e-3 (KL ~4e-8: under the PASS band).
+# Seeded weights are scaled by this factor so attention and logits are as peaked as a trained
+# model's; both sides of every comparison read the same scaled weights.
+SHARPEN = 4.0
+
+
 def _seeded_hf_dir(config, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(out))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.mul_(SHARPEN)
+    model.save_pretrained(str(out))
+
+
+def _seeded_native(args: TransformerArgs) -> dict[str, torch.Tensor]:
+    from titan_tpu.models.registry import build_model
+
+    return {k: v * SHARPEN if v.ndim >= 2 else v for k, v in build_model(args, seed=0).state_dict().items()}
 
 
 def _tiny_hf_config(spec: str, overrides: dict, base_config=None):
@@ -88,7 +106,7 @@ def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = N
     from titan_tpu.models.hf_adapter import model_args_from_hf_config
     from titan_tpu.models.hf_backend import causal_lm_types, has_weights, load_hf_config
     from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
-    from titan_tpu.models.registry import MODEL_FLAVORS, build_model, get_model_args
+    from titan_tpu.models.registry import MODEL_FLAVORS, get_model_args
 
     overrides = dict(overrides or {})
     path = Path(spec).expanduser()
@@ -98,9 +116,8 @@ def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = N
         real = get_model_args(name, flavor)
         args = tiny_native_args(real) if tiny else real
         out = work_dir / "model"
-        save_hf_checkpoint(out, name=name, args=args, state_dict=build_model(args, seed=0).state_dict(),
-                           overwrite=True)
-        return Subject(spec, "native", out, "seeded init (seed 0)", name, real)
+        save_hf_checkpoint(out, name=name, args=args, state_dict=_seeded_native(args), overwrite=True)
+        return Subject(spec, "native", out, f"seeded init (seed 0) x {SHARPEN:g}", name, real)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json; verify takes a Hugging Face model directory, a native "
@@ -113,12 +130,12 @@ def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = N
             return Subject(spec, "native" if native else "hf", path, f"the directory's own ({path})",
                            model_args_from_hf_config(real_config)[0] if native else None, real, real_config)
         config = _tiny_hf_config(str(path), overrides) if tiny else load_hf_config(str(path), overrides)
-        weights = "seeded init (seed 0): " + ("the directory has no weights" if not has_weights(path)
+        weights = f"seeded init (seed 0) x {SHARPEN:g}: " + ("the directory has no weights" if not has_weights(path)
                                               else "its weights do not fit the shrunk config")
     elif spec in causal_lm_types() or spec.startswith("hf:"):
         spec_type = spec.removeprefix("hf:")
         config = _tiny_hf_config(spec_type, overrides) if tiny else load_hf_config(spec_type, overrides)
-        real_config, real, weights = None, None, "seeded init (seed 0)"
+        real_config, real, weights = None, None, f"seeded init (seed 0) x {SHARPEN:g}"
     else:
         load_hf_config(spec)  # raises with close names
         raise AssertionError("unreachable")

@@ -558,8 +558,9 @@ def check_plan(subject: Subject, hardware: str) -> Result:
     args = subject.real_args or subject.native_args()
     hw, chips = resolve_hardware(hardware)
     cfg = for_planning(None, ["--model.name", subject.native_name, "--training.device", "cpu",
-                              "--training.seq_len", str(min(4096, args.max_seq_len)), "--training.batch_size", "1",
+                              "--training.seq_len", "8", "--training.batch_size", "1",
                               "--parallelism.dp_shard", "-1", "--activation_checkpoint.mode", "full"])
+    cfg.training.seq_len = min(4096, args.max_seq_len)  # validated against these args, not the debug flavor's
     plan = plan_config(cfg, hw, chips=chips, model_args=args)
     measured = (f"{hardware}: peak {plan.peak_bytes / 1e9:.1f} GB of {plan.capacity_bytes / 1e9:.1f} GB per device, "
                 f"{'fits' if plan.fits else 'does not fit'}; predicted MFU {plan.mfu:.1f}% "
