@@ -9,7 +9,9 @@
     titan-tpu plan --config configs/qwen3_235b_a22b_tpu.toml [--hardware v5p-1024] [--json]
     titan-tpu plan --calibrate                              # predicted vs measured on real CPU runs
 
-User mistakes end the process with one line on stderr and exit status 2, not a traceback.
+User mistakes end the process with one line on stderr and exit status 2, not a traceback; faults of
+the run's environment (a checkpoint that could not be written, an output_dir another run holds:
+titan_tpu/errors.py ``RunError``) with one line and exit status 1.
 """
 
 from __future__ import annotations
@@ -196,11 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: titan-tpu {{{','.join(COMMANDS)}}} ...  (titan-tpu COMMAND --help for details)", file=sys.stderr)
         return 2
+    from titan_tpu.errors import RunError
+
     try:
         return COMMANDS[argv[0]](argv[1:])
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def exit_process(code: int) -> None:

@@ -169,6 +169,9 @@ class CheckpointConfig:
     keep_latest_k: int = 2  # 0 keeps every checkpoint
     resume: bool = True  # continue from the newest checkpoint in output_dir/checkpoints if there is one
     async_save: bool = False  # write checkpoints in the background while training goes on
+    # A save that fails (no space, no permission, an I/O error): stop ends the run with one line and
+    # a non-zero exit; warn logs the line, trains on and tries again at the next interval.
+    on_save_error: Literal["stop", "warn"] = "stop"
     # Weights to start from when there is nothing to resume: a checkpoint (step, checkpoints/ or run
     # directory) or a Hugging Face model directory. Only the model weights are taken.
     initial_load_path: str = ""
@@ -322,6 +325,11 @@ def build_config(toml_path: str | Path | None = None, overrides: list[str] | Non
     return cfg
 
 
+def effective_warmup_steps(cfg: Config) -> int:
+    """lr_scheduler.warmup_steps, clamped to training.steps (a warmup never outlasts the run)."""
+    return min(cfg.lr_scheduler.warmup_steps, cfg.training.steps)
+
+
 def model_label(cfg: Config) -> str:
     """How messages name the model: name/flavor, or hf:<hf_config> for the Transformers backend."""
     return f"hf:{cfg.model.hf_config}" if cfg.model.name == "hf" else f"{cfg.model.name}/{cfg.model.flavor}"
@@ -402,7 +410,9 @@ def validate(cfg: Config) -> None:
     if cfg.optimizer.lr <= 0:
         raise ValueError(f"optimizer.lr = {cfg.optimizer.lr} must be > 0")
     s = cfg.lr_scheduler
-    validate_lr_schedule(base_lr=cfg.optimizer.lr, warmup_steps=s.warmup_steps, total_steps=t.steps,
+    # A warmup longer than the run (a quick --training.steps 2 with a recipe's warmup of 10) is clamped
+    # by the trainer, with a note in its log (effective_warmup_steps).
+    validate_lr_schedule(base_lr=cfg.optimizer.lr, warmup_steps=effective_warmup_steps(cfg), total_steps=t.steps,
                          decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio)
     if t.seq_len > model_args.max_seq_len:
         raise ValueError(f"training.seq_len = {t.seq_len} exceeds the max_seq_len = {model_args.max_seq_len} of "

@@ -122,7 +122,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises a bare Exception on malformed files
         raise ValueError(
-            f"tokenizer file {str(path)!r} is not a valid tokenizer.json ({e}); point "
-            f"--data.tokenizer_path at a Hugging Face fast-tokenizer file"
+            f"tokenizer file {str(path)!r} is not a valid tokenizer.json ({e}); it is damaged (re-download "
+            f"it) or of another format: point --data.tokenizer_path at a Hugging Face fast-tokenizer file"
         ) from None
     return Tokenizer(tok, path=path)

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_tpu.files import usual_permissions
 from titan_tpu.kernels import KernelConfig, document_ids_from_positions
 from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.transformer import LossOutput
@@ -157,6 +158,9 @@ def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.hf_config {path} has no config.json; point at a Hugging Face model "
                                     "directory (config.json, *.safetensors)")
+        from titan_tpu.models.hf_checkpoint import read_hf_config_json
+
+        read_hf_config_json(path / "config.json")  # a damaged file: one line, not transformers' traceback
         make = functools.partial(AutoConfig.from_pretrained, str(path))
     elif "/" in spec or spec.startswith("."):
         raise FileNotFoundError(f"model.hf_config {spec} is not a directory; give a Hugging Face model directory or a "
@@ -725,7 +729,11 @@ def load_pretrained_weights(model: HFCausalLM, hf_dir: str | Path) -> None:
 
     from titan_tpu.parallel.simple_fsdp import copy_full_
 
+    from titan_tpu.models.hf_checkpoint import check_safetensors_file
+
     hf_dir = Path(hf_dir)
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        check_safetensors_file(file)  # truncated or damaged: one line naming the file
     try:
         loaded, info = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, output_loading_info=True,
                                                             attn_implementation="sdpa")
@@ -765,4 +773,5 @@ def export_hf(args: HFArgs, state_dict: dict[str, torch.Tensor], out_dir: str | 
     model.tie_weights()
     out_dir = Path(out_dir)
     model.save_pretrained(str(out_dir))
+    usual_permissions(out_dir)  # safetensors writes 0600 files; an export is for others to read too
     return out_dir

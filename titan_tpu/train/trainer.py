@@ -25,16 +25,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_tpu.config import Config, model_args_from_config, model_label
+from titan_tpu.config import Config, effective_warmup_steps, model_args_from_config, model_label
 from titan_tpu.device import Backend, get_backend
+from titan_tpu.errors import RunError
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model, flops_per_token
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, copy_full_, default_mixed_precision, materialize_and_init
-from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_state
+from titan_tpu.train.checkpoint import CheckpointSaveError, Checkpointer, load, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, lr_at
+from titan_tpu.train.run_lock import RunLock
 from titan_tpu.train.signals import GracefulShutdown
 from titan_tpu.train.step import EagerStep, StepResult, all_reduce_sum, batch_loss
 
@@ -73,6 +75,7 @@ class Trainer:
         self.mesh = self.parallel_dims.build_mesh(self.backend.device.type)
         self.expert_mesh = self.parallel_dims.build_expert_mesh(self.backend.device.type)
         dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
+        self.run_lock = self._lock_output_dir()
         torch.manual_seed(t.seed)
         # A kernel that cannot run on this device is a one-line error now, not at the first step.
         cfg.kernels.check_device(self.backend.device.type, documents=cfg.data.document_mask)
@@ -126,13 +129,31 @@ class Trainer:
             self.step_fn = EagerStep(self.model, self.optimizer, max_norm=t.max_norm, dp_size=self.dp_size)
         self.step = 0
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_latest_k=cfg.checkpoint.keep_latest_k,
-                                         async_save=cfg.checkpoint.async_save)
+                                         async_save=cfg.checkpoint.async_save, log=self.log)
+        self.warmup_steps = effective_warmup_steps(cfg)
+        self.save_failures = 0  # checkpoint saves that failed under checkpoint.on_save_error = warn
         if cfg.model.name == "hf":
             from titan_tpu.models.hf_backend import hf_flops_per_token
 
             self.flops_per_token, self.flops_note = hf_flops_per_token(self.model, t.seq_len)
         else:
             self.flops_per_token, self.flops_note = flops_per_token(self.model_args, t.seq_len), ""
+
+    def _lock_output_dir(self) -> RunLock | None:
+        """Rank 0 locks output_dir for the run's life (train/run_lock.py); every rank stops if it is taken."""
+        lock, error = None, None
+        if self.is_main:
+            try:
+                lock = RunLock(self.run_dir, log=self.log).acquire()
+            except RunError as e:
+                error = e
+        if dist.is_initialized():
+            shared = [error]
+            dist.broadcast_object_list(shared, src=0)
+            error = shared[0]
+        if error is not None:
+            raise error
+        return lock
 
     def _hf_tokenizer(self) -> str:
         """An hf model directory's tokenizer.json, used when no data.tokenizer_path is given."""
@@ -267,15 +288,33 @@ class Trainer:
             copy_full_(value, weights[key])  # every rank read the file: each keeps its shard
         self.log(f"initial weights loaded from {path}")
 
-    def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.step, self.state_dict())
+    def save_checkpoint(self) -> Path | None:
+        """Save this step's checkpoint; None if it failed under checkpoint.on_save_error = warn."""
+        return self._checkpoint_io(lambda: self.checkpointer.save(self.step, self.state_dict()))
+
+    def _checkpoint_io(self, fn):
+        """Run a checkpointer call; a failed save stops the run (raises) or, under on_save_error =
+        warn, is logged and training goes on (the next interval tries again)."""
+        try:
+            return fn()
+        except CheckpointSaveError as e:
+            if self.cfg.checkpoint.on_save_error == "stop":
+                raise
+            self.save_failures += 1
+            self.log(f"warning: {e}; training goes on (checkpoint.on_save_error = warn) and the next save is "
+                     f"tried at step {self._next_save_step()}")
+            return None
+
+    def _next_save_step(self) -> int:
+        interval, steps = self.cfg.checkpoint.interval, self.cfg.training.steps
+        return min((self.step // interval + 1) * interval, steps) if self.step < steps else steps
 
     # ------------------------------------------------------------------------------------------
     # loop
 
     def lr(self, step: int) -> float:
         s, t = self.cfg.lr_scheduler, self.cfg.training
-        return lr_at(step, base_lr=self.cfg.optimizer.lr, warmup_steps=s.warmup_steps, total_steps=t.steps,
+        return lr_at(step, base_lr=self.cfg.optimizer.lr, warmup_steps=self.warmup_steps, total_steps=t.steps,
                      decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio)
 
     def _micro_batches(self) -> list[tuple[torch.Tensor, ...]]:
@@ -312,6 +351,9 @@ class Trainer:
                 shutil.copyfile(self.tokenizer.path, self.run_dir / "tokenizer.json")
         self.maybe_resume()
         peak = self.backend.peak_flops()
+        if self.warmup_steps < cfg.lr_scheduler.warmup_steps:
+            self.log(f"note: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than training.steps "
+                     f"= {cfg.training.steps}; warming up over {self.warmup_steps} steps instead")
         self.log(f"model {model_label(cfg)}: {_num_params(self.model):,} params, "
                  f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {cfg.training.seq_len}"
                  f"{f' ({self.flops_note})' if self.flops_note else ''}; "
@@ -352,17 +394,22 @@ class Trainer:
                         logger.log(self.step, {"val_loss": last_val})
                 stop = shutdown.should_stop()  # agreed by all ranks, so all of them save together
                 if cfg.checkpoint.enabled and (self.step % cfg.checkpoint.interval == 0 or done or stop):
+                    if self.cfg.checkpoint.async_save:  # the previous async save's failure, if any, first
+                        self._checkpoint_io(self.checkpointer.wait)
                     self.save_checkpoint()
                 if stop:
                     stopped_by = shutdown.signal_name or "a signal on another rank"
                     break
-        self.checkpointer.close()  # an async save must land before the process ends
+        self._checkpoint_io(self.checkpointer.close)  # an async save must land before the process ends
         if logger is not None:
             logger.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
         latest = self.checkpointer.latest() if cfg.checkpoint.enabled else None
         summary = {"step": self.step, "metrics": str(self.run_dir / "metrics.jsonl"),
-                   "checkpoint": str(latest) if latest else None, "val_loss": last_val, "stopped_by": stopped_by}
+                   "checkpoint": str(latest) if latest else None, "val_loss": last_val, "stopped_by": stopped_by,
+                   "save_failures": self.save_failures}
         if stopped_by:
             self.log(f"stopped by {stopped_by} after step {self.step}; restart the same command to resume")
         self.log(f"done: step {self.step}; metrics: {summary['metrics']}; checkpoint: {summary['checkpoint']}")
