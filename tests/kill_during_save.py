@@ -12,8 +12,7 @@ and that ``latest`` leads to it, then starts the same command again, which resum
 with a run to the last step. Every loss any attempt logged, replayed steps included, must equal the
 reference bitwise. Prints one summary line and exits non-zero on any difference.
 
-It starts ~kills + 3 processes of a few seconds each (about 2-4 minutes on a 2-core machine); run it
-under /work/notes/cpu run. Not collected by pytest (no test_ prefix): it is a stress script, run
+It starts kills + 3 training processes of a few seconds each; run it under /work/notes/cpu run. Not collected by pytest (no test_ prefix): it is a stress script, run
 many times in a row before a change to the checkpoint code is committed.
 """
 
