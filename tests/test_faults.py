@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -252,3 +253,221 @@ def test_locks_of_one_process_share_and_another_holder_is_refused(tmp_path):
             RunLock(tmp_path).acquire()
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. damaged inputs: one line each, naming the file and what to do
+
+
+def _save_tiny_hf(path: Path) -> Path:
+    from titan_tpu.models.common.transformer import TransformerArgs
+    from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
+    from titan_tpu.models.registry import build_model
+
+    args = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden_dim=128,
+                           max_seq_len=64)
+    return save_hf_checkpoint(path, name="llama3", args=args, state_dict=build_model(args, seed=0).state_dict())
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])
+
+
+def _flip_bit(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _hf_train_args(tmp_path, hf_dir, train_overrides) -> list[str]:
+    return ["train", "--model.name", "hf", "--model.hf_config", str(hf_dir), *train_overrides(training__steps=1),
+            "--training.seq_len", "32"]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_truncate, r"model.safetensors is damaged \(.* bytes where its header describes .*: truncated\); re-download"),
+    (lambda p: _flip_bit(p, 8), r"model.safetensors is damaged \(the header is not valid JSON"),
+    (lambda p: _flip_bit(p, 5), r"model.safetensors is damaged \(its header claims .* truncated\)"),
+])
+def test_damaged_safetensors_is_one_line_in_eval_and_train(tmp_path, train_overrides, capsys, damage, message):
+    hf_dir = _save_tiny_hf(tmp_path / "hf")
+    (tmp_path / "tokens.json").write_text("[[1, 2, 3]]")
+    damage(hf_dir / "model.safetensors")
+    code = main(["eval", "--hf-dir", str(hf_dir), "--token-file", str(tmp_path / "tokens.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {hf_dir / 'model.safetensors'}"), err
+    assert re.search(message, err[0]), err[0]
+    # The Transformers backend reading the same directory says the same.
+    code = main(_hf_train_args(tmp_path, hf_dir, train_overrides))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_damaged_config_json_and_tokenizer_json_are_one_line(tmp_path, train_overrides, capsys):
+    hf_dir = _save_tiny_hf(tmp_path / "hf")
+    (tmp_path / "tokens.json").write_text("[[1, 2, 3]]")
+    good_config = (hf_dir / "config.json").read_bytes()
+    _truncate(hf_dir / "config.json")
+    for argv in (["eval", "--hf-dir", str(hf_dir), "--token-file", str(tmp_path / "tokens.json")],
+                 _hf_train_args(tmp_path, hf_dir, train_overrides)):
+        code = main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"error: config {hf_dir / 'config.json'} is damaged (not valid JSON"), err[0]
+        assert err[0].endswith("re-download or re-export the model directory"), err[0]
+    (hf_dir / "config.json").write_bytes(good_config)
+
+    # The directory's tokenizer.json, cut short, is named with what to do.
+    from titan_tpu.data.tokenizer import train_bpe_tokenizer
+
+    train_bpe_tokenizer(["some text for a tokenizer"] * 20, vocab_size=512, save_path=hf_dir / "tokenizer.json")
+    _truncate(hf_dir / "tokenizer.json")
+    code = main(_hf_train_args(tmp_path, hf_dir, train_overrides))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"tokenizer file '{hf_dir / 'tokenizer.json'}' is not a valid tokenizer.json" in err[0]
+    assert "it is damaged (re-download it)" in err[0]
+
+
+def test_damaged_token_shard_and_cached_tokenizer_are_rebuilt_with_a_note(tmp_path, capsys):
+    import numpy as np
+
+    from titan_tpu.data.shards import prepare_dataset
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"{i}.txt").write_text(" ".join(f"word{(i * 7 + j) % 97}" for j in range(300)))
+    kwargs = dict(source=str(corpus), max_bytes=None, tokenizer_path=None, vocab_size=300, cache_dir=tmp_path / "c")
+    tokenizer, shards = prepare_dataset(**kwargs)
+    stream, directory = shards.read(0, shards.num_tokens), shards.directory
+    index = json.loads((directory / "index.json").read_text())
+    assert all(isinstance(s["crc32"], int) for s in index["shards"])  # written with the shards
+    del shards
+    capsys.readouterr()
+    # One flipped bit: the size is right, only the checksum can tell.
+    _flip_bit(directory / "shard_00000.bin", 101)
+    _, rebuilt = prepare_dataset(**kwargs)
+    out = capsys.readouterr().out
+    assert "data: rebuilding broken token cache (token shards in" in out
+    assert "shard_00000.bin does not match the checksum written with it" in out, out
+    np.testing.assert_array_equal(rebuilt.read(0, rebuilt.num_tokens), stream)
+    del rebuilt
+    # The cache's own trained tokenizer, cut short, is trained again.
+    _truncate(tokenizer.path)
+    tokenizer2, _ = prepare_dataset(**kwargs)
+    out = capsys.readouterr().out
+    assert "data: retraining the damaged cached tokenizer (tokenizer file" in out, out
+    assert tokenizer2.encode("word1 word2") == tokenizer.encode("word1 word2")
+
+
+def test_a_checkpoint_that_fails_to_load_names_the_next_older_one(tmp_path, train_overrides, capsys):
+    overrides = train_overrides(training__steps=4, checkpoint__interval=1, checkpoint__keep_latest_k=3,
+                                validation__enabled="false")
+    assert main(["train", "--config", LLAMA_DEBUG, *overrides]) == 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in Checkpointer(checkpoints).complete_checkpoints()] == [
+        "step-00000002", "step-00000003", "step-00000004"]
+    shard = next((checkpoints / "step-00000004").glob("*.distcp"))
+    _flip_bit(shard, shard.stat().st_size // 2)  # same size, damaged inside
+    _truncate(checkpoints / "step-00000004" / ".metadata")
+    capsys.readouterr()
+    code = main(["train", "--config", LLAMA_DEBUG, *overrides, "--training.steps", "6"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: checkpoint {checkpoints / 'step-00000004'} is damaged (.metadata is"), err[0]
+    assert ("the next older complete checkpoint is step-00000003: move step-00000004 out of "
+            f"{checkpoints} (or delete it) and a restart resumes from step-00000003") in err[0], err[0]
+    # Doing what it says works, with a warning for the pointer that now names nothing.
+    shutil.move(checkpoints / "step-00000004", tmp_path / "damaged")
+    assert main(["train", "--config", LLAMA_DEBUG, *overrides, "--training.steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "step-00000003 at step 3" in out, out
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. `latest` naming an incomplete checkpoint
+
+
+def test_latest_naming_an_incomplete_checkpoint_uses_the_newest_complete_one_with_a_warning(tmp_path):
+    logged = []
+    ckpt = Checkpointer(tmp_path, log=logged.append)
+    for step in (1, 2):
+        ckpt.save(step, small_state(step))
+    (tmp_path / "step-00000002" / "checkpoint.json").unlink()  # e.g. a copy that stopped halfway
+    assert ckpt.latest().name == "step-00000001"
+    assert logged == [f"warning: {tmp_path / 'latest'} names step-00000002, which is not a complete checkpoint "
+                      "(no checkpoint.json or .metadata); using the newest complete one, step-00000001"]
+    shutil.rmtree(tmp_path / "step-00000001")
+    assert ckpt.latest() is None
+    assert logged[-1].endswith("there is no complete checkpoint, so the run starts from step 0")
+
+
+def test_a_resumed_run_warns_and_resumes_from_the_newest_complete(tmp_path, train_overrides, capsys):
+    overrides = train_overrides(training__steps=3, checkpoint__interval=1, checkpoint__keep_latest_k=0,
+                                validation__enabled="false")
+    assert main(["train", "--config", LLAMA_DEBUG, *overrides]) == 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step-00000003" / "checkpoint.json").unlink()
+    capsys.readouterr()
+    assert main(["train", "--config", LLAMA_DEBUG, *overrides, "--training.steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert (f"warning: {checkpoints / 'latest'} names step-00000003, which is not a complete checkpoint (no "
+            "checkpoint.json or .metadata); using the newest complete one, step-00000002") in out, out
+    assert f"resumed from {checkpoints / 'step-00000002'} at step 2" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. files meant for others get the usual permissions
+
+
+def _modes(directory: Path) -> set[int]:
+    return {stat.S_IMODE(p.stat().st_mode) for p in directory.rglob("*") if p.is_file()}
+
+
+def test_exports_are_readable_by_others(tmp_path):
+    old = os.umask(0o022)
+    try:
+        hf_dir = _save_tiny_hf(tmp_path / "hf")
+        assert _modes(hf_dir) == {0o644} and stat.S_IMODE(hf_dir.stat().st_mode) == 0o755
+        ckpt_dir = tmp_path / "ckpt"
+        from titan_tpu.convert import checkpoint_to_hf, hf_to_checkpoint
+
+        hf_to_checkpoint(hf_dir, ckpt_dir)
+        out = checkpoint_to_hf(ckpt_dir, tmp_path / "export")
+        assert _modes(out) == {0o644}
+    finally:
+        os.umask(old)
+
+
+def test_hf_backend_export_is_readable_by_others(tmp_path):
+    pytest.importorskip("transformers")
+    from titan_tpu.models.hf_backend import export_hf, hf_args_from_spec
+
+    args = hf_args_from_spec("llama", "hidden_size=32,intermediate_size=64,num_hidden_layers=1,"
+                                      "num_attention_heads=2,num_key_value_heads=1,vocab_size=64")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(args.transformers_config())
+    old = os.umask(0o022)
+    try:
+        out = export_hf(args, {f"hf_model.{k}": v for k, v in model.state_dict().items()}, tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert (out / "model.safetensors").is_file() and _modes(out) == {0o644}
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. a warmup longer than a quick run
+
+
+def test_warmup_longer_than_the_run_is_clamped_with_a_note(tmp_path, train_overrides, capsys):
+    overrides = train_overrides(training__steps=2, validation__enabled="false", checkpoint__enabled="false")
+    cfg = build_config(LLAMA_DEBUG, overrides + ["--lr_scheduler.warmup_steps", "10"])
+    assert cfg.lr_scheduler.warmup_steps == 10  # the config keeps what was asked
+    trainer = Trainer(cfg)
+    assert trainer.lr(1) == pytest.approx(cfg.optimizer.lr / 2)  # warmup over the 2 steps there are
+    trainer.train()
+    assert ("note: lr_scheduler.warmup_steps = 10 is longer than training.steps = 2; warming up over 2 steps "
+            "instead") in capsys.readouterr().out

@@ -380,8 +380,12 @@ class Checkpointer:
         meta = {**meta, "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}}
         _write_durably(tmp / STATE_FILE, (json.dumps(meta, indent=1) + "\n").encode())
         _fsync_dir(tmp)
+        old = final.with_name(f".{final.name}.old")
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
+            # Moved aside in one rename, not deleted in place: a kill halfway through deleting it
+            # could leave a step directory that still looks complete but has lost shards.
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(self.dir)
         _atomic_write_text(self.dir / LATEST, final.name + "\n")
@@ -389,7 +393,7 @@ class Checkpointer:
 
     def _prune(self) -> None:
         # Hidden directories of saves that died (only one save is ever in flight, and it just finished).
-        for stale in self.dir.glob(".step-*.tmp"):
+        for stale in [*self.dir.glob(".step-*.tmp"), *self.dir.glob(".step-*.old")]:
             shutil.rmtree(stale, ignore_errors=True)
         if self.keep_latest_k <= 0:
             return
