@@ -22,6 +22,8 @@ _BLOCK = 32 * 1024
 
 def records(path: Path) -> list[bytes]:
     data = Path(path).read_bytes()
+    if len(data) < _HEADER.size:  # created, header not written yet
+        return []
     ident, magic, version = _HEADER.unpack_from(data, 0)
     assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), (ident, magic, version)
     out, pending, pos = [], b"", _HEADER.size
