@@ -36,16 +36,7 @@ def measure_collective_rate(*, reps: int = 12) -> dict:
         shard, whole = torch.randn(numel), torch.randn(world * numel)
         gathered, reduced = torch.empty(world * numel), torch.empty(numel)
         for kind in ("all_gather", "reduce_scatter"):
-            times = []
-            for _ in range(reps + 2):
-                dist.barrier()
-                start = time.perf_counter()
-                if kind == "all_gather":
-                    dist.all_gather_into_tensor(gathered, shard)
-                else:
-                    dist.reduce_scatter_tensor(reduced, whole)
-                times.append(time.perf_counter() - start)
-            median = statistics.median(times[2:])  # the first two warm the connections up
+            median = _median_seconds(kind, reps=reps, shard=shard, whole=whole, gathered=gathered, reduced=reduced)
             sent = numel * 4 * (world - 1)
             sent_total += sent
             time_total += median
@@ -60,19 +51,25 @@ def measure_latency(*, reps: int = 12, numel: int = 1024) -> float:
     world = dist.get_world_size()
     shard, whole = torch.randn(numel), torch.randn(world * numel)
     gathered, reduced = torch.empty(world * numel), torch.empty(numel)
-    medians = []
-    for kind in ("all_gather", "reduce_scatter"):
-        times = []
-        for _ in range(reps + 2):
-            dist.barrier()
-            start = time.perf_counter()
-            if kind == "all_gather":
-                dist.all_gather_into_tensor(gathered, shard)
-            else:
-                dist.reduce_scatter_tensor(reduced, whole)
-            times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times[2:]))
+    medians = [_median_seconds(kind, reps=reps, shard=shard, whole=whole, gathered=gathered, reduced=reduced)
+               for kind in ("all_gather", "reduce_scatter")]
     return sum(medians) / len(medians)
+
+
+def _median_seconds(kind: str, *, reps: int, shard, whole, gathered, reduced) -> float:
+    """Median seconds of `reps` calls of one collective ("all_gather" of shard into gathered, or
+    "reduce_scatter" of whole into reduced), each started together after a barrier; two more
+    calls first warm the connections up."""
+    times = []
+    for _ in range(reps + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        if kind == "all_gather":
+            dist.all_gather_into_tensor(gathered, shard)
+        else:
+            dist.reduce_scatter_tensor(reduced, whole)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
 
 
 def main() -> int:
