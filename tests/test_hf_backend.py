@@ -53,6 +53,35 @@ def test_captured_step_matches_eager_step(model_type):
     hf_sweep.check_graph(hf_sweep.tiny_config(model_type))
 
 
+def test_graph_safe_dbrx_experts_equal_its_own_loop():
+    """GRAPH_SAFE_FORWARDS["DbrxExperts"] against the unmodified class's forward (a loop over
+    nonzero()'s experts): output and gradients, with top 2 of 4 experts and one expert unused."""
+    from transformers.models.dbrx.modeling_dbrx import DbrxExperts
+
+    from titan_tpu.models.hf_backend import GRAPH_SAFE_FORWARDS
+
+    ffn = hf_sweep.tiny_config("dbrx").ffn_config
+    torch.manual_seed(0)
+    experts = DbrxExperts(ffn)
+    for w in (experts.mlp.w1, experts.mlp.v1, experts.mlp.w2):
+        torch.nn.init.normal_(w, std=0.1)
+    hidden_BSD = torch.randn(2, 5, ffn.hidden_size)
+    index_TK = torch.randint(0, 3, (10, 2))  # expert 3 gets no token
+    index_TK[:, 1] = (index_TK[:, 0] + 1) % 3
+    weights_TK = torch.rand(10, 2)
+    outputs, grads = [], []
+    for forward in (DbrxExperts.forward, GRAPH_SAFE_FORWARDS["DbrxExperts"]):
+        experts.zero_grad()
+        out = forward(experts, hidden_BSD, index_TK, weights_TK)
+        out.square().sum().backward()
+        outputs.append(out)
+        grads.append([p.grad.clone() for p in experts.parameters()])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
+    for ours, theirs in zip(grads[1], grads[0]):  # summed in another order: relative to the largest
+        assert (ours - theirs).abs().max() < 1e-5 * theirs.abs().max()
+    assert grads[0][0].view(4, -1, ffn.hidden_size)[3].abs().max() == 0  # the unused expert
+
+
 def test_tiny_configs_keep_one_layer_of_every_kind():
     assert hf_sweep.tiny_config("gemma3_text").layer_types == ["sliding_attention", "full_attention"]
     assert hf_sweep.tiny_config("qwen3_next").layer_types == ["linear_attention", "full_attention"]

@@ -277,42 +277,98 @@ def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out_BSHD, None
 
 
+def _grouped_experts(hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, *,
+                     num_experts: int, expert_ffn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Mixture of experts with static shapes: the token-expert pairs sorted by expert (stable
+    argsort), `expert_ffn(x_ND, group_sizes_E)` on the sorted rows (grouped matmuls), weighted, back
+    in token order and summed over k as transformers does. Group sizes come from scatter_add, never
+    from `nonzero`, so graph mode captures it."""
+    T, K = top_k_index_TK.shape
+    expert_N = top_k_index_TK.reshape(-1)
+    order_N = torch.argsort(expert_N, stable=True)
+    group_sizes_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_N.device).scatter_add(
+        0, expert_N, torch.ones_like(expert_N))
+    y_ND = expert_ffn(hidden_TD[order_N // K], group_sizes_E)
+    y_ND = y_ND * top_k_weights_TK.reshape(-1)[order_N].unsqueeze(-1)
+    inverse_N = torch.argsort(order_N)
+    return y_ND[inverse_N].view(T, K, -1).sum(dim=1).to(hidden_TD.dtype)
+
+
+def _grouped_mm() -> Callable:
+    context = _CALL_CONTEXT.get()
+    kernels = context[0] if context is not None else KernelConfig()
+    return kernels.grouped_mm_fn
+
+
 def _titan_experts(module: nn.Module, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor,
                    top_k_weights_TK: torch.Tensor) -> torch.Tensor:
     """transformers' experts contract (stacked expert weights, one routing per token) through our
-    `grouped_mm` kernel: the token-expert pairs sorted by expert (stable argsort), two grouped
-    matmuls, weighted, back in token order and summed over k as transformers does. Static-shaped
-    (group sizes by scatter_add), so graph mode captures it in fp32, which transformers' own
+    `grouped_mm` kernel (`_grouped_experts`), which graph mode captures in fp32; transformers' own
     grouped_mm path cannot (its fake kernel demands bf16). Variants it does not cover (expert
     parallel sentinels, biases) use transformers' batched_mm form."""
     from transformers.integrations.moe import batched_mm_experts_forward
 
     if getattr(module, "_is_expert_parallel", False) or getattr(module, "has_bias", False):
         return batched_mm_experts_forward(module, hidden_TD, top_k_index_TK, top_k_weights_TK)
-    context = _CALL_CONTEXT.get()
-    kernels = context[0] if context is not None else KernelConfig()
-    grouped_mm = kernels.grouped_mm_fn(hidden_TD.device.type)
-    T, K = top_k_index_TK.shape
-    E = module.num_experts
-    expert_N = top_k_index_TK.reshape(-1)
-    order_N = torch.argsort(expert_N, stable=True)
-    group_sizes_E = torch.zeros(E, dtype=torch.int64, device=expert_N.device).scatter_add(
-        0, expert_N, torch.ones_like(expert_N))
-    x_ND = hidden_TD[order_N // K]
+    grouped_mm = _grouped_mm()(hidden_TD.device.type)
 
     def as_EDF(weight: torch.Tensor) -> torch.Tensor:  # HF stores [E, out, in] unless transposed
         return weight if module.is_transposed else weight.transpose(1, 2)
 
-    if module.has_gate:
-        h_NF = module._apply_gate(grouped_mm(x_ND, as_EDF(module.gate_up_proj), group_sizes_E))
-    else:
-        h_NF = module.act_fn(grouped_mm(x_ND, as_EDF(module.up_proj), group_sizes_E))
-    y_ND = grouped_mm(h_NF, as_EDF(module.down_proj), group_sizes_E)
-    if getattr(module, "has_post_expert_norm", False):
-        y_ND = module.post_expert_norm(y_ND)
-    y_ND = y_ND * top_k_weights_TK.reshape(-1)[order_N].unsqueeze(-1)
-    inverse_N = torch.argsort(order_N)
-    return y_ND[inverse_N].view(T, K, -1).sum(dim=1).to(hidden_TD.dtype)
+    def expert_ffn(x_ND: torch.Tensor, group_sizes_E: torch.Tensor) -> torch.Tensor:
+        if module.has_gate:
+            h_NF = module._apply_gate(grouped_mm(x_ND, as_EDF(module.gate_up_proj), group_sizes_E))
+        else:
+            h_NF = module.act_fn(grouped_mm(x_ND, as_EDF(module.up_proj), group_sizes_E))
+        y_ND = grouped_mm(h_NF, as_EDF(module.down_proj), group_sizes_E)
+        if getattr(module, "has_post_expert_norm", False):
+            y_ND = module.post_expert_norm(y_ND)
+        return y_ND
+
+    return _grouped_experts(hidden_TD, top_k_index_TK, top_k_weights_TK, num_experts=module.num_experts,
+                            expert_ffn=expert_ffn)
+
+
+def _dbrx_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index_TK: torch.Tensor,
+                  top_k_weights_TK: torch.Tensor) -> torch.Tensor:
+    """`DbrxExperts.forward` (a loop over `nonzero()`'s experts) with static shapes: its weights
+    `mlp.w1`, `mlp.v1`, `mlp.w2` [E * F, D] viewed per expert, the same gated MLP
+    (act(x w1^T) * (x v1^T)) w2, through `_grouped_experts`."""
+    mlp, E, F_, D = module.mlp, module.num_experts, module.ffn_hidden_size, module.hidden_size
+    grouped_mm = _grouped_mm()(hidden_states.device.type)
+    w1_EDF = mlp.w1.view(E, F_, D).transpose(1, 2)
+    v1_EDF = mlp.v1.view(E, F_, D).transpose(1, 2)
+    w2_EFD = mlp.w2.view(E, F_, D)
+
+    def expert_ffn(x_ND: torch.Tensor, group_sizes_E: torch.Tensor) -> torch.Tensor:
+        h_NF = mlp.activation_fn(grouped_mm(x_ND, w1_EDF, group_sizes_E)) * grouped_mm(x_ND, v1_EDF, group_sizes_E)
+        return grouped_mm(h_NF, w2_EFD, group_sizes_E)
+
+    out_TD = _grouped_experts(hidden_states.reshape(-1, D), top_k_index_TK, top_k_weights_TK, num_experts=E,
+                              expert_ffn=expert_ffn)
+    return out_TD.view(hidden_states.shape[0], -1, D)
+
+
+# Graph-safe forwards for modules of models that do not reach their experts through transformers'
+# ExpertsInterface, keyed by class name: the same parameters (names and layouts unchanged) and the
+# same math with static shapes. They replace the forward of our wrapped instances only (as
+# activation checkpointing does); transformers' classes stay untouched, so verify's numerics check
+# compares each form against the unmodified model. A new entry needs a verify test (graph and
+# numerics) in tests/test_verify.py.
+GRAPH_SAFE_FORWARDS: dict[str, Callable[..., torch.Tensor]] = {
+    "DbrxExperts": _dbrx_experts,
+}
+
+
+def _use_graph_safe_forwards(hf_model: nn.Module) -> list[str]:
+    """Bind GRAPH_SAFE_FORWARDS to the model's modules of those classes; the class names used."""
+    used = set()
+    for module in hf_model.modules():
+        form = GRAPH_SAFE_FORWARDS.get(type(module).__name__)
+        if form is not None:
+            module.forward = functools.partial(form, module)
+            used.add(type(module).__name__)
+    return sorted(used)
 
 
 def _document_mask(query: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
@@ -422,6 +478,7 @@ class HFCausalLM(nn.Module):
         self._buffer_values = {name: b.detach().clone() for name, b in hf_model.named_buffers()}
         self._buffer_values.update(frozen)
         self.use_chunked_loss = False  # decided by check_chunked_loss() once the weights are real
+        self.graph_safe_forwards = _use_graph_safe_forwards(hf_model)
         self.decoder_layers = _decoder_layers(hf_model)
         if ac_mode != "none":
             for layer in self.decoder_layers:
@@ -585,6 +642,9 @@ def _moe_shape(text_config) -> tuple[int, int] | None:
     num_experts = (getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None)
                    or getattr(text_config, "n_routed_experts", None))
     top_k = getattr(text_config, "num_experts_per_tok", None)
+    ffn = getattr(text_config, "ffn_config", None)  # DBRX keeps them in a sub-config
+    if ffn is not None and not (num_experts and top_k):
+        num_experts, top_k = getattr(ffn, "moe_num_experts", None), getattr(ffn, "moe_top_k", None)
     return (int(num_experts), int(top_k)) if num_experts and top_k else None
 
 

@@ -135,8 +135,20 @@ def our_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def _features(subject: Subject) -> list[tuple[str, str, str]]:
-    """(feature, value, supported | falls back (to what) | blocker) from the working config."""
+def _experts_path(model) -> str:
+    """Which code runs an HF-backend model's experts: our grouped_mm (through transformers'
+    experts interface or one of our graph-safe forms) or the model's own."""
+    classes = sorted({type(m).__name__ for m in model.hf_model.modules() if type(m).__name__.endswith("Experts")})
+    if model.graph_safe_forwards:
+        return f"our grouped_mm through a graph-safe form of {', '.join(model.graph_safe_forwards)}"
+    if any("has_gate" in vars(m) for m in model.hf_model.modules()):  # set by use_experts_implementation
+        return "our grouped_mm (experts interface)"
+    return f"falls back to the model's own {', '.join(classes) or 'expert code'}"
+
+
+def _features(subject: Subject, experts: str | None = None) -> list[tuple[str, str, str]]:
+    """(feature, value, supported | falls back (to what) | blocker) from the working config;
+    `experts` says which code runs an HF-backend model's experts."""
     from transformers import AutoConfig
 
     from titan_tpu.models.hf_backend import (ATTENTION_NAME, _attention_implementation, _has_sparse_indexer,
@@ -170,7 +182,7 @@ def _features(subject: Subject) -> list[tuple[str, str, str]]:
     moe = _moe_shape(config)
     if moe:
         rows.append(("MoE router", f"{moe[0]} experts, top {moe[1]}", ours or "the model's own router"))
-        rows.append(("MoE experts", "stacked", ours or "our grouped_mm (experts interface) where the model uses it"))
+        rows.append(("MoE experts", "stacked", ours or experts or "the model's own code"))
         shared = d.get("n_shared_experts") or d.get("shared_expert_intermediate_size")
         if shared:
             rows.append(("MoE shared experts", str(shared), "the model's own code"))
@@ -192,6 +204,7 @@ def check_preflight(subject: Subject) -> Result:
         args = subject.real_args or subject.native_args()
         total, active = num_params(args), num_active_params(args)
         flops, how = flops_per_token(args, seq), "6N + 6 L H hd S"
+        experts = None
     else:
         from transformers import AutoConfig
 
@@ -204,9 +217,10 @@ def check_preflight(subject: Subject) -> Result:
         total = sum(p.numel() for p in model.parameters())
         flops, how = hf_flops_per_token(model, seq)
         moe = _moe_shape(text_of(model.hf_model.config))
+        experts = _experts_path(model)
         active = total if moe is None else int(sum(
             p.numel() * (moe[1] / moe[0] if ".experts." in n else 1) for n, p in model.named_parameters()))
-    rows = _features(subject)
+    rows = _features(subject, experts)
     blockers = [r for r in rows if r[2].startswith("blocker")]
     measured = (f"backend {subject.backend}{f' ({subject.native_name})' if subject.native_name else ''}; "
                 f"{total / 1e9:.3g}B parameters, {active / 1e9:.3g}B active; {flops / 1e9:.3g} GFLOP/token "
