@@ -244,14 +244,17 @@ def _file_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _compare_sets(before: dict, after: dict) -> tuple[float, list[str], list[str]]:
+def _compare_sets(before: dict, after: dict) -> tuple[float, str, list[str], list[str]]:
+    """(max |difference|, the tensor where it is, missing names, extra names)."""
     missing = sorted(set(before) - set(after))
     extra = sorted(set(after) - set(before))
-    diff = 0.0
-    for k in set(before) & set(after):
+    diff, worst = 0.0, ""
+    for k in sorted(set(before) & set(after)):
         a, b = before[k].float(), after[k].float()
-        diff = max(diff, float("inf") if a.shape != b.shape else (a - b).abs().max().item() if a.numel() else 0.0)
-    return diff, missing, extra
+        d = float("inf") if a.shape != b.shape else (a - b).abs().max().item() if a.numel() else 0.0
+        if d > diff:
+            diff, worst = d, k
+    return diff, worst, missing, extra
 
 
 def check_weights(subject: Subject) -> Result:
@@ -281,10 +284,11 @@ def check_weights(subject: Subject) -> Result:
             exported = _file_tensors(Path(tmp) / "export")
         layouts = {"file": (_file_tensors(subject.hf_dir), exported)}
     diffs = {name: _compare_sets(*pair) for name, pair in layouts.items()}
-    worst_diff = max(d for d, _, _ in diffs.values())
-    problems = [f"{name}: missing {m[0]}" for name, (_, m, _) in diffs.items() if m]
-    problems += [f"{name}: extra {e[0]}" for name, (_, _, e) in diffs.items() if e]
-    measured = f"max |difference| {worst_diff:g} over {', '.join(diffs)} layout(s)"
+    worst_diff, worst_name = max((d, w) for d, w, _, _ in diffs.values())
+    problems = [f"{name}: missing {m[0]}" for name, (_, _, m, _) in diffs.items() if m]
+    problems += [f"{name}: extra {e[0]}" for name, (_, _, _, e) in diffs.items() if e]
+    measured = (f"max |difference| {worst_diff:g}{f' ({worst_name})' if worst_diff else ''} "
+                f"over {', '.join(diffs)} layout(s)")
     if problems:
         measured += "; " + "; ".join(problems[:3])
     return Result("weights", "PASS" if worst_diff == 0 and not problems else "FAIL", measured,
