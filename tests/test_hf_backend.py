@@ -68,18 +68,46 @@ def test_graph_safe_dbrx_experts_equal_its_own_loop():
     hidden_BSD = torch.randn(2, 5, ffn.hidden_size)
     index_TK = torch.randint(0, 3, (10, 2))  # expert 3 gets no token
     index_TK[:, 1] = (index_TK[:, 0] + 1) % 3
-    weights_TK = torch.rand(10, 2)
+    grads = _assert_same_output_and_grads(DbrxExperts.forward, GRAPH_SAFE_FORWARDS["DbrxExperts"], experts,
+                                          hidden_BSD, index_TK, torch.rand(10, 2))
+    assert grads[0].view(4, -1, ffn.hidden_size)[3].abs().max() == 0  # the unused expert
+
+
+def _assert_same_output_and_grads(theirs_fn, ours_fn, module, hidden, index_TK, weights_TK) -> list[torch.Tensor]:
+    """The outputs and parameter gradients of two forwards agree (gradients relative to the largest:
+    they sum over tokens in another order); our gradients."""
     outputs, grads = [], []
-    for forward in (DbrxExperts.forward, GRAPH_SAFE_FORWARDS["DbrxExperts"]):
-        experts.zero_grad()
-        out = forward(experts, hidden_BSD, index_TK, weights_TK)
+    for forward in (theirs_fn, ours_fn):
+        module.zero_grad()
+        out = forward(module, hidden, index_TK, weights_TK)
         out.square().sum().backward()
         outputs.append(out)
-        grads.append([p.grad.clone() for p in experts.parameters()])
+        grads.append([p.grad.clone() for p in module.parameters()])
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
-    for ours, theirs in zip(grads[1], grads[0]):  # summed in another order: relative to the largest
-        assert (ours - theirs).abs().max() < 1e-5 * theirs.abs().max()
-    assert grads[0][0].view(4, -1, ffn.hidden_size)[3].abs().max() == 0  # the unused expert
+    for ours, theirs in zip(grads[1], grads[0]):
+        assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+    return grads[1]
+
+
+def test_graph_safe_longcat_flash_experts_equal_its_own_loop():
+    """GRAPH_SAFE_FORWARDS["LongcatFlashExperts"] against the class's own forward: routed experts
+    and identity ("zero-computation") experts mixed in one token's top-k."""
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    from titan_tpu.models.hf_backend import GRAPH_SAFE_FORWARDS
+
+    config = hf_sweep.tiny_config("longcat_flash")
+    torch.manual_seed(0)
+    experts = LongcatFlashExperts(config)
+    for w in (experts.gate_up_proj, experts.down_proj):
+        torch.nn.init.normal_(w, std=0.1)
+    hidden_TD = torch.randn(12, config.hidden_size)
+    routed, total = experts.num_routed_experts, experts.total_experts
+    index_TK = torch.stack([torch.randint(0, routed, (12,)), torch.randint(routed, total, (12,))], dim=1)
+    index_TK[::3] = index_TK[::3].flip(1)  # zero experts first in some tokens' top-k
+    index_TK[1, 1] = (index_TK[1, 0] + 1) % routed  # two routed experts for one token
+    _assert_same_output_and_grads(LongcatFlashExperts.forward, GRAPH_SAFE_FORWARDS["LongcatFlashExperts"],
+                                  experts, hidden_TD, index_TK, torch.rand(12, 2))
 
 
 def test_tiny_configs_keep_one_layer_of_every_kind():

@@ -349,6 +349,30 @@ def _dbrx_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index_TK
     return out_TD.view(hidden_states.shape[0], -1, D)
 
 
+def _longcat_flash_experts(module: nn.Module, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor,
+                           top_k_weights_TK: torch.Tensor) -> torch.Tensor:
+    """`LongcatFlashExperts.forward` (a loop over `nonzero()`'s experts) with static shapes: routed
+    experts 0..R-1 through grouped_mm (`gate_up_proj` [R + Z, 2I, D], whose zero-expert rows are
+    unused, and `down_proj` [R, D, I]); the Z zero-computation experts after them are the identity.
+    Sorted by expert, the zero experts' rows come last, past the routed groups, where grouped_mm
+    gives zeros; the identity is added there."""
+    R = module.num_routed_experts
+    if R == 0 or module.gate_up_proj is None:
+        return (hidden_TD.unsqueeze(1) * top_k_weights_TK.unsqueeze(-1)).sum(dim=1).to(hidden_TD.dtype)
+    grouped_mm = _grouped_mm()(hidden_TD.device.type)
+    gate_up_EDF = module.gate_up_proj[:R].transpose(1, 2)
+    down_EFD = module.down_proj.transpose(1, 2)
+
+    def expert_ffn(x_ND: torch.Tensor, group_sizes_E: torch.Tensor) -> torch.Tensor:
+        gate_NF, up_NF = grouped_mm(x_ND, gate_up_EDF, group_sizes_E[:R]).chunk(2, dim=-1)
+        y_ND = grouped_mm(module.act_fn(gate_NF) * up_NF, down_EFD, group_sizes_E[:R])
+        routed_N = torch.arange(x_ND.shape[0], device=x_ND.device) < group_sizes_E[:R].sum()
+        return torch.where(routed_N.unsqueeze(-1), y_ND, x_ND)
+
+    return _grouped_experts(hidden_TD, top_k_index_TK, top_k_weights_TK, num_experts=module.total_experts,
+                            expert_ffn=expert_ffn)
+
+
 # Graph-safe forwards for modules of models that do not reach their experts through transformers'
 # ExpertsInterface, keyed by class name: the same parameters (names and layouts unchanged) and the
 # same math with static shapes. They replace the forward of our wrapped instances only (as
@@ -357,6 +381,7 @@ def _dbrx_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index_TK
 # numerics) in tests/test_verify.py.
 GRAPH_SAFE_FORWARDS: dict[str, Callable[..., torch.Tensor]] = {
     "DbrxExperts": _dbrx_experts,
+    "LongcatFlashExperts": _longcat_flash_experts,
 }
 
 
