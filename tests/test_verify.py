@@ -68,22 +68,24 @@ def test_fused_layout_moe_file_passes(tmp_path):
     assert "file, per-expert layout(s)" in weights["measured"]  # the fused file and the hub layout
 
 
-def test_a_data_dependent_expert_loop_is_captured_through_its_graph_safe_form(tmp_path, monkeypatch):
-    """DBRX's experts loop over `nonzero()`: graph capture FAILs naming the op and module until our
-    graph-safe form runs them (hf_backend.GRAPH_SAFE_FORWARDS); then graph and numerics PASS (the
-    worked example of skills/onboard-model)."""
+@pytest.mark.parametrize("model_type, experts", [("dbrx", "DbrxExperts"), ("longcat_flash", "LongcatFlashExperts")])
+def test_a_data_dependent_expert_loop_is_captured_through_its_graph_safe_form(tmp_path, monkeypatch, model_type,
+                                                                               experts):
+    """These experts loop over `nonzero()`: graph capture FAILs naming the op and module until our
+    graph-safe form runs them (hf_backend.GRAPH_SAFE_FORWARDS); then graph and numerics PASS (DBRX
+    is the worked example of skills/onboard-model in docs/verify.md)."""
     from titan_tpu.models import hf_backend
 
-    _save(tmp_path / "hf", "dbrx")
+    _save(tmp_path / "hf", model_type)
     with monkeypatch.context() as m:
         m.setattr(hf_backend, "GRAPH_SAFE_FORWARDS", {})
         report, lines = _verify(str(tmp_path / "hf"), ("graph",))
     assert report["failed"] == ["graph"], lines
-    assert "aten.nonzero" in lines[-2] and "(DbrxExperts)" in lines[-2], lines
+    assert "aten.nonzero" in lines[-2] and f"({experts})" in lines[-2], lines
     report, lines = _verify(str(tmp_path / "hf"), NUMERICS + ("graph",))
     assert set(_statuses(report).values()) == {"PASS"}, lines
     features = {f["feature"]: f["support"] for f in report["checks"][0]["details"]["features"]}
-    assert features["MoE experts"] == "our grouped_mm through a graph-safe form of DbrxExperts"
+    assert features["MoE experts"] == f"our grouped_mm through a graph-safe form of {experts}"
 
 
 @pytest.mark.multiprocess

@@ -67,6 +67,9 @@ TYPE_OVERRIDES = {
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
              "d_model": 64},  # the experts' width follows d_model, not its alias hidden_size
+    # its depth is num_layers (each holds two attention + MLP sublayers; num_hidden_layers is derived),
+    # which the shrinking above does not know; 2 identity experts beside 4 routed ones (default 256)
+    "longcat_flash": {"num_layers": 1, "zero_expert_num": 2},
     # the default has no experts at all (None) but builds MoE layers
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     # validate_architecture: sliding-window layers' head_dim == qk_nope_head_dim + qk_rope_head_dim
