@@ -24,6 +24,9 @@ What the wrapper adds to the HF model:
 * Document masks: with packed documents the per-token positions go to the model as `position_ids`
   (RoPE restarts per document) and the document ids to our attention kernel.
 * Activation checkpointing per decoder layer (the classes in `_no_split_modules`).
+* Experts through our `grouped_mm` kernel: transformers' `ExpertsInterface` where the model uses it,
+  else a static-shape form of the model's own experts class (`GRAPH_SAFE_FORWARDS`: DBRX,
+  LongCat-Flash, whose loops over `nonzero()` graph capture cannot trace).
 * Meta-device build: parameters are created on the meta device while buffers are computed for real
   (non-persistent buffers such as RoPE `inv_freq` are neither initialised nor loaded after
   `to_empty`, a known trap); their values are kept and restored by `init_buffers`. Small
@@ -355,7 +358,7 @@ def _longcat_flash_experts(module: nn.Module, hidden_TD: torch.Tensor, top_k_ind
     experts 0..R-1 through grouped_mm (`gate_up_proj` [R + Z, 2I, D], whose zero-expert rows are
     unused, and `down_proj` [R, D, I]); the Z zero-computation experts after them are the identity.
     Sorted by expert, the zero experts' rows come last, past the routed groups, where grouped_mm
-    gives zeros; the identity is added there."""
+    gives zeros; those rows take the identity instead."""
     R = module.num_routed_experts
     if R == 0 or module.gate_up_proj is None:
         return (hidden_TD.unsqueeze(1) * top_k_weights_TK.unsqueeze(-1)).sum(dim=1).to(hidden_TD.dtype)
