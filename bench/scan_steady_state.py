@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -38,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    from compile_time import build_step  # bench/ is on the path when this runs as a script
+    from compile_time import build_step, interleaved_seconds  # bench/ is on the path when this runs as a script
 
     args = build_parser().parse_args()
     args.backend = "inductor"
@@ -56,13 +55,7 @@ def main() -> None:
             mode.__torch_function__ = ours
     for name, (step, batch) in steps.items():
         print(f"{name}: losses {[step([batch], 1e-4).loss for _ in range(2)]}", flush=True)
-    seconds = {name: [] for name in steps}
-    for r in range(args.rounds):
-        for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
-            step, batch = steps[name]
-            start = time.perf_counter()
-            step([batch], 1e-4)
-            seconds[name].append(time.perf_counter() - start)
+    seconds = interleaved_seconds(steps, args.rounds)
     tokens = args.batch * args.seq
     print(f"{args.model} debug block x {args.depth}, batch {args.batch} x seq {args.seq}, fp32, inductor, "
           f"{args.threads} threads, {args.rounds} interleaved rounds")
