@@ -53,18 +53,25 @@ def compile_one(depth: int, scan: bool, args) -> dict:
             "nodes": len(step.captured.graph_module.graph.nodes)}
 
 
-def throughput(depth: int, args) -> dict:
-    torch.set_num_threads(args.threads)
-    steps = {name: build_step(depth, name == "scanned", args) for name in ("unrolled", "scanned")}
-    for step, batch in steps.values():  # warm-up
-        step([batch], 1e-4)
+def interleaved_seconds(steps: dict, rounds: int) -> dict[str, list[float]]:
+    """{name: (step, batch)} -> {name: seconds of each round's step}: one step of each per round,
+    the order reversed every other round, so machine noise hits all alike."""
     seconds = {name: [] for name in steps}
-    for r in range(args.rounds):
+    for r in range(rounds):
         for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
             step, batch = steps[name]
             start = time.perf_counter()
             step([batch], 1e-4)
             seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def throughput(depth: int, args) -> dict:
+    torch.set_num_threads(args.threads)
+    steps = {name: build_step(depth, name == "scanned", args) for name in ("unrolled", "scanned")}
+    for step, batch in steps.values():  # warm-up
+        step([batch], 1e-4)
+    seconds = interleaved_seconds(steps, args.rounds)
     ratio = statistics.median(s / u for s, u in zip(seconds["scanned"], seconds["unrolled"]))
     tokens = args.batch * args.seq
     return {name: tokens / statistics.median(s) for name, s in seconds.items()} | {"scanned_over_unrolled": 1 / ratio}

@@ -100,9 +100,10 @@ def test_activation_terms_match_autograd(name, ac_mode):
 def test_scan_autograd_terms_match_the_captured_graph(name, ac_mode):
     """Scanned layers in graph mode without full checkpointing: scan's own autograd. The forward
     scan returns what its backward needs, stacked per layer (activations by the modules'
-    partitioned counts, the layers' transposed weights, RoPE's values), the backward scan reads
-    flipped copies of those and of the norm scales, and writes the stacked weight gradients: each
-    equal, byte for byte, to the planner's terms (models/common/scan.py scan_autograd_memory)."""
+    partitioned counts, RoPE's values; no weight copies: the linears' backward reads the stack's
+    slice), the backward scan reads flipped copies of those and of the stacked weights, and writes
+    the stacked weight gradients: each equal, byte for byte, to the planner's terms
+    (models/common/scan.py scan_autograd_memory)."""
     from titan_tpu.graph.capture import capture_train_step
     from titan_tpu.parallel.plan_terms import Layout
     from titan_tpu.plan.planner import scanned_autograd_memory
@@ -127,6 +128,7 @@ def test_scan_autograd_terms_match_the_captured_graph(name, ac_mode):
     acts = activation_bytes(args, tokens=B * S, ac_mode=ac_mode, dtype_bytes=4, partitioned=True)
     want = scanned_autograd_memory(args, layout=Layout(), acts=acts, seq_len=S, gradient_stack=True)
     assert (saved, flipped, gradients) == (want.saved, want.flipped, want.gradients)
+    assert want.weight_copies == 0  # a copy of every layer's weights per step before _LinearSavingItsWeight
     # Not the eager count: the partitioner keeps other values than autograd does layer by layer.
     eager = activation_bytes(args, tokens=B * S, ac_mode="none", dtype_bytes=4)
     assert want.activations != eager.saved

@@ -212,7 +212,8 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     scan = None
     if partitioned:
         scan = scanned_autograd_memory(args, layout=layout, acts=acts, seq_len=t.seq_len,
-                                       gradient_stack=not full_grad or per_layer_stack)
+                                       gradient_stack=not full_grad or per_layer_stack,
+                                       gathered_in_body=layout.sharded and per_layer_stack)
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
         forward_end += scan.at_backward_start - scan.activations - min(gathered, scan.weight_copies)
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
@@ -317,23 +318,32 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
 
 
 def scanned_autograd_memory(args, *, layout: Layout, acts: ActivationBytes, seq_len: int,
-                            gradient_stack: bool) -> ScanAutogradMemory:
-    """scan.py `scan_autograd_memory` for this model and layout: the weights the scanned body
-    multiplies by (all block weights but the norm scales; local experts only under ep; gathered,
-    in the compute dtype), the RoPE values it keeps per layer, the norm scales the backward reads
-    from the stack, and the stacked weight gradients the backward loop writes (a rank's shards when
-    each layer reduce-scatters its own; gradient_stack False when the layout counts the stack's
-    gradient as its full-size gradient)."""
+                            gradient_stack: bool, gathered_in_body: bool = False) -> ScanAutogradMemory:
+    """scan.py `scan_autograd_memory` for this model and layout. The forward saves copies of the
+    weights the body computes itself: all matmul weights (local experts only under ep; in the
+    compute dtype) where each layer gathers its own inside the loop (gathered_in_body: sharded,
+    re-sharding after the forward), else only the MoE experts' transposed weights (the dense
+    linears' backward reads the stack's slice, scan.py `_LinearSavingItsWeight`). The backward
+    reads the rest from the stack, flipped: the norm scales, and without the per-layer gather the
+    matmul weights too (gathered in the compute dtype when sharded, as stored otherwise). Also the
+    RoPE values kept per layer and the stacked weight gradients the backward loop writes (a rank's
+    shards when each layer reduce-scatters its own; gradient_stack False when the layout counts the
+    stack's gradient as its full-size gradient)."""
     norm_params = args.n_layers * (2 * args.dim + (2 * args.hd if args.qk_norm else 0))
     block_params = num_params(args) - args.dim - args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
     experts = num_expert_params(args)
     matmul = layout.local_block_elements(block_params=block_params - norm_params, expert_params=experts)
     stored = layout.master_bytes() / layout.dp_shard  # bytes per block element a rank stores
+    if gathered_in_body:
+        copied, read = matmul, norm_params * stored
+    else:
+        stack_bytes = layout.compute_bytes if layout.sharded else stored
+        copied, read = experts / layout.ep, (matmul - experts / layout.ep + norm_params) * stack_bytes
     return scan_autograd_memory(
         activations_per_layer=acts.saved_per_layer,
-        layer_weight_bytes=matmul * layout.compute_bytes / args.n_layers,
+        layer_weight_bytes=copied * layout.compute_bytes / args.n_layers,
         shared_per_layer=seq_len * rope_real_saved_per_position(args.hd) * 4,
-        read_weight_bytes=norm_params * stored,
+        read_weight_bytes=read,
         gradient_bytes=block_params * stored if gradient_stack else 0.0)
 
 

@@ -41,8 +41,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._higher_order_ops.scan import scan_op
+from torch.overrides import TorchFunctionMode
 
 from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
@@ -222,13 +224,48 @@ def _scan_layers(block_fn: Callable, h: Tensor, rope: Tensor, document_ids: Tens
     def body(carry: Tensor, *layer_weights_and_shared: Tensor) -> list[Tensor]:
         layer_weights = layer_weights_and_shared[:n_weights]
         rope_rows, document_ids = _split_shared(layer_weights_and_shared[n_weights:])
-        out, stats = block_fn(carry, rope_rows, document_ids, *layer_weights)
+        with _LinearsSaveTheirWeight():
+            out, stats = block_fn(carry, rope_rows, document_ids, *layer_weights)
         # The body may not return an alias of its input, hence the clone of the layer input (an
         # empty tensor when the inputs are not kept: scan wants a fixed set of outputs).
         return [out, stats, carry.clone() if keep_inputs else out.new_empty(0)]
 
     final, stats, per_layer = scan_op(body, [h], stacked, additional_inputs=shared)
     return final, stats, per_layer if keep_inputs else None
+
+
+class _LinearSavingItsWeight(torch.autograd.Function):
+    """y = x W^T (no bias) whose backward reads W itself, not its transpose.
+
+    Scan's autograd functionalises the body (views become copies: `t` becomes `t_copy`) before its
+    min-cut partitioner chooses what the forward saves. With `F.linear` the backward's
+    grad_x = grad_y W reads `t_copy(W)`, a copy the partitioner saves as a per-layer output of the
+    forward scan: every step wrote a transposed copy of all the stacked matmul weights, and the
+    backward flipped that stack (a second copy). Here the backward reads W, the body's input
+    slice of the stack, which the partitioner saves by reference (scan's REMOVE_XS: no per-layer
+    output). Same matmuls as F.linear's backward (grad_x = grad_y W, grad_W = grad_y^T x)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        return x.matmul(w.t())
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor, Tensor]:
+        x, w = ctx.saved_tensors
+        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return grad_y.matmul(w), grad_w
+
+
+class _LinearsSaveTheirWeight(TorchFunctionMode):
+    """Inside the scanned body: bias-free `F.linear` calls (every block matmul but the MoE experts'
+    grouped ones) run as `_LinearSavingItsWeight`; everything else as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and args[2:3] in ((), (None,)) and kwargs.get("bias") is None:
+            return _LinearSavingItsWeight.apply(*args[:2])
+        return func(*args, **kwargs)
 
 
 class _ScanRecomputingLayers(torch.autograd.Function):
@@ -298,7 +335,8 @@ class ScanAutogradMemory:
     """Bytes scan's own autograd holds for the backward of L scanned layers."""
 
     activations: int  # each layer's saved activations, stacked [L, ...] by the forward scan
-    weight_copies: float  # each layer's weights as its matmuls read them (transposed), stacked: a copy
+    weight_copies: float  # weights each layer computes in its body (gathered per layer; MoE experts'
+    # transposed views), saved stacked: a copy
     shared: int  # per-layer copies of values every layer reads (the RoPE rows and what RoPE derives)
     flipped: float  # the backward scan's inputs: flipped copies of the saved stacks and of the weights it reads
     gradients: float  # the backward scan's output stack of every layer's weight gradients
@@ -322,13 +360,15 @@ def scan_autograd_memory(*, activations_per_layer: Sequence[int], layer_weight_b
 
     activations_per_layer: the bytes each layer's saved activations take (the block's own count
     with partitioned=True, transformer.py `block_saved_per_token`). layer_weight_bytes: one layer's
-    matmul weights as the body multiplies by them (gathered when sharded, in the compute dtype): the
-    partitioner saves each layer's transposed weights (an output of the body, so a copy, not a
-    view) and never recomputes the all-gather that produced them. shared_per_layer: bytes per layer
-    of the saved copies of values every layer reads (RoPE, rope.py `rope_real_saved_per_position`).
-    read_weight_bytes: the stacked weights the backward body reads as they are (the norm scales;
-    the matmul weights it reads through their saved copies). gradient_bytes: the stacked weight
-    gradients the backward loop writes (local shards when each layer reduce-scatters its own).
+    weights that the body computes before multiplying by them and the backward reads again: the
+    partitioner saves those as outputs of the body (copies, not views) and never recomputes the
+    all-gather that produced them (gathered per layer when sharded: all matmul weights, in the
+    compute dtype; the MoE experts' transposed views always; the dense linears' weights otherwise
+    not, see `_LinearSavingItsWeight`). shared_per_layer: bytes per layer of the saved copies of
+    values every layer reads (RoPE, rope.py `rope_real_saved_per_position`). read_weight_bytes:
+    the stacked weights the backward body reads as they are (the norm scales; the dense matmul
+    weights unless gathered per layer). gradient_bytes: the stacked weight gradients the backward
+    loop writes (local shards when each layer reduce-scatters its own).
 
     The backward scan runs the layers in reverse over flipped (copied) stacks of everything saved
     and of the weights it reads (torch's scan autograd: `torch.flip` of each). Inductor writes the

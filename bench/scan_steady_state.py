@@ -1,0 +1,68 @@
+"""Steady-state speed of scanned layers in graph mode: unrolled vs scanned, and scanned with
+`F.linear`'s own backward inside the body (before models/common/scan.py `_LinearsSaveTheirWeight`:
+the forward scan saved a transposed copy of every stacked weight), interleaved in one process.
+
+Each layout is captured and compiled once (Inductor, warm caches allowed: compile time is
+bench/compile_time.py's business), then single steps of the three alternate for --rounds rounds
+(order reversed every other round) and each ratio is the median of the per-round ratios, so
+machine noise hits all alike. Losses of the first two steps are printed: the three must agree.
+
+    python bench/scan_steady_state.py                       # 16 layers, batch 2 x seq 128
+    python bench/scan_steady_state.py --depth 6 --batch 8 --seq 256 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from titan_tpu.models.common import scan as scan_module
+
+
+def _passthrough(self, func, types, args=(), kwargs=None):
+    return func(*args, **(kwargs or {}))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3", choices=["llama3", "qwen3", "qwen3_moe"])
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=12)
+    return parser
+
+
+def main() -> None:
+    from compile_time import build_step, interleaved_seconds  # bench/ is on the path when this runs as a script
+
+    args = build_parser().parse_args()
+    args.backend = "inductor"
+    torch.set_num_threads(args.threads)
+
+    mode = scan_module._LinearsSaveTheirWeight
+    ours = mode.__torch_function__
+    steps = {}
+    for name in ("unrolled", "scanned, F.linear backward", "scanned"):
+        # The mode acts while the body is traced only: switch it off for the middle capture.
+        mode.__torch_function__ = _passthrough if name.startswith("scanned,") else ours
+        try:
+            steps[name] = build_step(args.depth, name != "unrolled", args)
+        finally:
+            mode.__torch_function__ = ours
+    for name, (step, batch) in steps.items():
+        print(f"{name}: losses {[step([batch], 1e-4).loss for _ in range(2)]}", flush=True)
+    seconds = interleaved_seconds(steps, args.rounds)
+    tokens = args.batch * args.seq
+    print(f"{args.model} debug block x {args.depth}, batch {args.batch} x seq {args.seq}, fp32, inductor, "
+          f"{args.threads} threads, {args.rounds} interleaved rounds")
+    for name, s in seconds.items():
+        ratio = statistics.median(u / x for x, u in zip(s, seconds["unrolled"]))
+        print(f"  {name:28s} {tokens / statistics.median(s):10,.0f} tok/s  {ratio:.3f}x unrolled")
+
+
+if __name__ == "__main__":
+    main()
