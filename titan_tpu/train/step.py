@@ -29,7 +29,7 @@ from torch import Tensor
 
 from titan_tpu.train.optim import AdamW, clip_grad_norm_
 
-__all__ = ["EagerStep", "StepResult", "all_reduce_sum", "batch_loss", "split_batch"]
+__all__ = ["EagerStep", "StepResult", "all_reduce_sum", "batch_loss", "model_copies", "split_batch"]
 
 
 @dataclass
@@ -74,6 +74,13 @@ def all_reduce_sum(t: Tensor) -> Tensor:
     return t
 
 
+def model_copies(dp_size: int) -> int:
+    """Ranks that hold the same data-parallel rank's batch (tensor-parallel ranks): each computes
+    the whole loss of that batch, so a sum over all ranks counts it this many times."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return max(1, world // dp_size)
+
+
 class EagerStep:
     """The step contract with plain autograd: accumulate, clip, AdamW, all in place.
 
@@ -111,6 +118,8 @@ class EagerStep:
             p.grad = None
         # Each rank holds its share of the global means and its own loads: one sum over ranks.
         totals = all_reduce_sum(torch.cat([loss_sum.view(1), aux_sum.view(1), load.flatten()]))
+        copies = model_copies(self.dp_size)
+        totals = totals / copies if copies > 1 else totals
         expert_load = totals[2:].view(load.shape) if load.numel() else None
         if expert_load is not None:
             update_expert_biases_(self.model, expert_load)

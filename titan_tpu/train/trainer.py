@@ -32,6 +32,7 @@ from titan_tpu.models.registry import build_model, flops_per_token
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, copy_full_, default_mixed_precision, materialize_and_init
+from titan_tpu.parallel.tensor_parallel import tensor_parallel
 from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, lr_at
@@ -69,7 +70,7 @@ class Trainer:
         self.rank, self.world_size = init_distributed(self.backend)
         self.is_main = self.rank == 0
         self.parallel_dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
-                                          world_size=self.world_size, ep=p.ep)
+                                          world_size=self.world_size, ep=p.ep, tp=p.tp, cp=p.cp)
         self.mesh = self.parallel_dims.build_mesh(self.backend.device.type)
         self.expert_mesh = self.parallel_dims.build_expert_mesh(self.backend.device.type)
         dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
@@ -147,6 +148,9 @@ class Trainer:
         from titan_tpu.models.hf_backend import build_hf_model, has_weights, load_pretrained_weights
 
         sharded = self.mesh is not None
+        if self.parallel_dims.tp > 1:
+            raise ValueError("--parallelism.tp > 1 is not supported with --model.name hf (the Transformers backend); "
+                             "set tp 1 or use a native model")
         model = build_hf_model(self.model_args, kernels=self.cfg.kernels, ac_mode=self.cfg.activation_checkpoint.mode,
                                dtype=torch.float32 if sharded else self.compute_dtype)
         mp = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
@@ -175,6 +179,8 @@ class Trainer:
         # parallelism.reduce_dtype. Built on meta and initialised piece by piece.
         with torch.device("meta"):
             model = Transformer(args, **options)
+        if self.parallel_dims.tp > 1:
+            tensor_parallel(model, self.mesh, seq_len=self.cfg.training.seq_len)
         mp = MixedPrecision(param_dtype=dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
         return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode, mp=mp,
                                     device=self.backend.device, seed=seed, expert_mesh=self.expert_mesh,
@@ -316,7 +322,8 @@ class Trainer:
                  f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {cfg.training.seq_len}"
                  f"{f' ({self.flops_note})' if self.flops_note else ''}; "
                  f"{self.world_size} rank(s), data parallel: {self.parallel_dims.mode}"
-                 f"{f', expert parallel: {self.parallel_dims.ep}' if self.parallel_dims.ep > 1 else ''}; "
+                 f"{f', expert parallel: {self.parallel_dims.ep}' if self.parallel_dims.ep > 1 else ''}"
+                 f"{f', tensor parallel: {self.parallel_dims.tp}' if self.parallel_dims.tp > 1 else ''}; "
                  f"MFU peak per device: {self.backend.peak_description()}")
 
         last_val, stopped_by = None, None
