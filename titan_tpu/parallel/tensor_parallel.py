@@ -151,6 +151,8 @@ class _VocabParallelKernels:
         self._kernels, self._start, self._group = kernels, start, group
 
     def __getattr__(self, name):
+        if name.startswith("__") or name in ("_kernels", "_start", "_group"):
+            raise AttributeError(name)  # copy/pickle probe these before __init__ has run
         return getattr(self._kernels, name)
 
     def loss_fn(self, device_type: str):
@@ -200,15 +202,14 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int | None =
     tp = mesh.size(names.index(TP_AXIS))
     args = model.args
     check_tensor_parallel(args, tp, seq_len=seq_len)
-    if model.scan_layers or model._checkpointed_blocks:
-        raise ValueError("--parallelism.tp > 1 runs unrolled blocks without activation checkpointing for now; "
-                         "set --model.scan_layers false and --activation_checkpoint.mode none")
+    if model.scan_layers:
+        raise ValueError("--parallelism.tp > 1 runs unrolled blocks for now; set --model.scan_layers false")
     if model.kernels.loss not in ("auto", "chunked"):
         raise ValueError(f"--parallelism.tp > 1 computes a vocabulary-parallel loss in the chunked kernel; set "
                          f"--kernels.loss chunked (got {model.kernels.loss!r})")
     group = mesh.get_group(TP_AXIS)
     rank = mesh.get_local_rank(TP_AXIS)
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *model.block_templates()]:
         _parallelize_block(block, group, tp)
     model.tok_embeddings.__class__ = VocabParallelEmbedding
     model.tok_embeddings._tp_group = group
