@@ -1,6 +1,6 @@
 """Where the time of an eager training step goes: torch's profiler over three steps (after two
-warm-up steps), self CPU time per op, grouped into matmuls, attention, MoE routing/dispatch and the
-rest (elementwise ops, reductions, copies, the optimizer). It is how the planner's time model was
+warm-up steps), self CPU time per op, grouped by the product's categories (titan_tpu/train/profiling.py,
+the same table `[profiling] enabled = true` prints in a run). It is how the planner's time model was
 checked (docs/planner.md, "Speed"): matmuls against the compute term, the rest against the
 elementwise term.
 
@@ -12,7 +12,6 @@ Arguments after the config are the trainer's overrides. Run it alone on the mach
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import sys
 
@@ -22,20 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 from titan_tpu.config import build_config, model_args_from_config
 from titan_tpu.models.registry import build_model
 from titan_tpu.train.optim import AdamW
+from titan_tpu.train.profiling import format_table, time_by_category
 from titan_tpu.train.step import EagerStep
-
-_MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_"}
-_DISPATCH = ("sort", "topk", "index", "gather", "scatter", "cumsum")
-
-
-def category(op: str) -> str:
-    if op in _MATMUL or "grouped_mm" in op:
-        return "matmul (dense and experts)"
-    if "scaled_dot_product" in op:
-        return "attention"
-    if any(word in op for word in _DISPATCH):
-        return "MoE routing/dispatch (sort, gather, scatter, index)"
-    return "other (elementwise, reductions, copies, optimizer)"
 
 
 def main(argv: list[str]) -> int:
@@ -58,13 +45,9 @@ def main(argv: list[str]) -> int:
     rows = sorted(((e.key, e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()),
                   key=lambda r: -r[1])
     total = sum(ms for _, ms, _ in rows)
-    by_category = collections.Counter()
-    for op, ms, _ in rows:
-        by_category[category(op)] += ms
-    print(f"{argv[0]} {' '.join(argv[1:])}: {total:.1f} ms of self CPU time per step "
-          f"({t.batch_size * t.seq_len} tokens)")
-    for name, ms in by_category.most_common():
-        print(f"  {name:52s} {ms:8.1f} ms {ms / total:6.1%}")
+    print(format_table(time_by_category(prof.events(), steps=steps, device=False),
+                       title=f"{argv[0]} {' '.join(argv[1:])}: {total:.1f} ms of self CPU time per step "
+                             f"({t.batch_size * t.seq_len} tokens)"))
     print("largest ops:")
     for op, ms, count in rows[:15]:
         print(f"  {op:60s} {ms:8.2f} ms  x{count}")

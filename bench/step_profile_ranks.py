@@ -1,8 +1,8 @@
 """Where the time of a multi-rank eager training step goes, on rank 0: the trainer's own step
 (titan_tpu.train.trainer.Trainer, so SimpleFSDP, expert parallelism and their collectives are as
 in a real run) under torch's profiler for three steps after two warm-up steps, self CPU time per
-op grouped like bench/step_profile.py, with the collectives (their waits included) as a group of
-their own. How the planner's collective rate was found wanting for the two-rank expert-parallel
+op grouped by the product's categories (titan_tpu/train/profiling.py), collectives and their waits
+among them. How the planner's collective rate was found wanting for the two-rank expert-parallel
 run (docs/planner.md, "Speed").
 
     torchrun --standalone --nproc_per_node 2 bench/step_profile_ranks.py configs/qwen3_moe_debug.toml \\
@@ -14,21 +14,14 @@ Arguments after the config are the trainer's overrides. Run it alone on the mach
 
 from __future__ import annotations
 
-import collections
 import sys
 import time
-from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_profile import category  # noqa: E402
-
-from titan_tpu.config import build_config  # noqa: E402
-from titan_tpu.train.trainer import Trainer  # noqa: E402
-
-_COLLECTIVE = ("all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce", "wait_tensor", "c10d",
-               "gloo")
+from titan_tpu.config import build_config
+from titan_tpu.train.profiling import format_table, time_by_category
+from titan_tpu.train.trainer import Trainer
 
 
 def main(argv: list[str]) -> int:
@@ -45,12 +38,8 @@ def main(argv: list[str]) -> int:
         return 0
     rows = [(e.key, e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()]
     total = sum(ms for _, ms, _ in rows)
-    by_category = collections.Counter()
-    for op, ms, _ in rows:
-        by_category["collectives (waits included)" if any(w in op for w in _COLLECTIVE) else category(op)] += ms
-    print(f"rank 0: {wall_ms:.1f} ms a step (profiled), {total:.1f} ms of self CPU time")
-    for name, ms in by_category.most_common():
-        print(f"  {name:52s} {ms:8.1f} ms {ms / total:6.1%}")
+    print(format_table(time_by_category(prof.events(), steps=steps, device=False),
+                       title=f"rank 0: {wall_ms:.1f} ms a step (profiled), {total:.1f} ms of self CPU time"))
     print("largest ops:")
     for op, ms, count in sorted(rows, key=lambda r: -r[1])[:15]:
         print(f"  {op:60s} {ms:8.2f} ms  x{count}")

@@ -2,7 +2,7 @@
 
 Both train the same architecture (the Llama 3 debug flavor by default; `--model qwen3_moe` for the
 mixture of experts against transformers' Qwen3MoeForCausalLM, both adding the balancing loss) at
-the same batch, in fp32, with AdamW and gradient clipping, on the same random token batches. They are measured interleaved
+the same batch, in fp32 (or bf16, --dtype), with AdamW and gradient clipping, on the same random token batches. They are measured interleaved
 (each round one step of each contender, back to back, in alternating order) so that machine noise
 hits both alike; the ratio of a pass is the median of the per-round ratios. The ratio also moved by a few percent from one
 process to the next, so two processes run, one per contender order, and the headline ratio is
@@ -12,6 +12,12 @@ the geometric mean of the two.
     python bench/throughput.py --rounds 24 --threads 2 --batch 8 --seq 256
     python bench/throughput.py --graph --dim 512 --layers 8 --seq 512 --batch 4   # larger CPU model
     python bench/throughput.py --model qwen3_moe --graph --memory   # MoE debug model, and peak memory
+    python bench/throughput.py --dtype bfloat16 --graph   # bf16 mixed precision vs transformers under autocast
+
+--dtype bfloat16: ours computes in bf16 from fp32 master weights (docs/mixed_precision.md), the
+transformers loop runs its fp32 model under torch.autocast("cpu", dtype=torch.bfloat16), what a
+transformers user does; MFU is against the measured bf16 matmul peak. On a CPU without bf16
+instructions (no avx512_bf16/amx_bf16) it prints why and measures nothing.
 
 Prints one line per contender (tokens/s, TFLOP/s, MFU against the stated peak) and the ratio
 ours / Hugging Face. MFU uses titan_tpu's flops_per_token (6N + 6*L*H*hd*S) for both.
@@ -31,15 +37,28 @@ import time
 import torch
 import torch.nn.functional as F
 
-from titan_tpu.device import get_backend
+from titan_tpu.device import cpu_bf16_support, get_backend
+from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.hf_adapter import hf_config_from_model_args, to_hf_state_dict
-from titan_tpu.models.registry import build_model, flops_per_token, get_model_args
+from titan_tpu.models.registry import flops_per_token, get_model_args
+from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 
 
-def titan_eager(args, batches, *, lr, max_norm):
-    model = build_model(args, seed=0)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def our_model(args, dtype: torch.dtype):
+    """The model as the trainer builds it on one device: fp32 masters computed in `dtype`."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return materialize_and_init(model, None, mode="none", mp=MixedPrecision(param_dtype=dtype),
+                                device=torch.device("cpu"), seed=0)
+
+
+def titan_eager(args, batches, *, lr, max_norm, dtype=torch.float32):
+    model = our_model(args, dtype)
     optimizer = AdamW(dict(model.named_parameters()), beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     step = EagerStep(model, optimizer, max_norm=max_norm)
 
@@ -49,11 +68,11 @@ def titan_eager(args, batches, *, lr, max_norm):
     return run, model
 
 
-def titan_graph(args, batches, *, lr, max_norm):
+def titan_graph(args, batches, *, lr, max_norm, dtype=torch.float32):
     """Our step captured whole (forward, backward, clipping, AdamW) and compiled by Inductor."""
     from titan_tpu.graph.compile import GraphStep
 
-    model = build_model(args, seed=0)
+    model = our_model(args, dtype)
     optimizer = AdamW(dict(model.named_parameters()), beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     step = GraphStep(model, optimizer, max_norm=max_norm, example_batch=batches[0], backend="inductor")
 
@@ -67,9 +86,10 @@ HF_CLASSES = {"llama3": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Con
               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
-def hf_loop(args, batches, *, lr, max_norm, init_from, name="llama3"):
+def hf_loop(args, batches, *, lr, max_norm, init_from, name="llama3", dtype=torch.float32):
     """The loop a transformers user writes: model(...).logits, cross-entropy (+ the router's
-    balancing loss for MoE), backward, clip, AdamW."""
+    balancing loss for MoE), backward, clip, AdamW; in bf16 the forward and loss under autocast
+    with the fp32 weights."""
     import transformers
 
     config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[name])
@@ -89,9 +109,10 @@ def hf_loop(args, batches, *, lr, max_norm, init_from, name="llama3"):
 
     def run(i):
         inputs, labels = batches[i % len(batches)]
-        out = model(input_ids=inputs, output_router_logits=args.moe is not None)
-        loss = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
-        total = loss if args.moe is None else loss + args.moe.aux_loss_coef * out.aux_loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = model(input_ids=inputs, output_router_logits=args.moe is not None)
+            loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten())
+            total = loss if args.moe is None else loss + args.moe.aux_loss_coef * out.aux_loss
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
@@ -130,17 +151,19 @@ def measure(args, *, hf_first: bool) -> dict:
     model_args = bench_model_args(args)
     batches = bench_batches(args, model_args)
 
-    ours, our_model = titan_eager(model_args, batches, lr=3e-4, max_norm=1.0)
-    hf = hf_loop(model_args, batches, lr=3e-4, max_norm=1.0, init_from=our_model, name=args.model)
+    dtype = DTYPES[args.dtype]
+    ours, ours_built = titan_eager(model_args, batches, lr=3e-4, max_norm=1.0, dtype=dtype)
+    hf = hf_loop(model_args, batches, lr=3e-4, max_norm=1.0, init_from=ours_built, name=args.model, dtype=dtype)
     contenders = {OURS: ours, HF: hf}
     names = [HF, OURS] if hf_first else [OURS, HF]
     compile_s = None
     if args.graph:
-        contenders[GRAPH], compile_s = titan_graph(model_args, batches, lr=3e-4, max_norm=1.0)
+        contenders[GRAPH], compile_s = titan_graph(model_args, batches, lr=3e-4, max_norm=1.0, dtype=dtype)
         names.append(GRAPH)
-    # Same weights and data: the first losses must agree, or the comparison is not like for like.
+    # Same weights and data: the first losses must agree, or the comparison is not like for like
+    # (in bf16 to its precision: autocast keeps the residual stream in fp32, cast weights do not).
     first = {name: contenders[name](0) for name in names}
-    if abs(first[OURS] - first[HF]) > 1e-4 * abs(first[HF]):
+    if abs(first[OURS] - first[HF]) > (1e-4 if dtype == torch.float32 else 2e-2) * abs(first[HF]):
         raise SystemExit(f"first-step losses differ: {first}; the comparison is not like for like")
     for name in names:
         for i in range(1, args.warmup):
@@ -153,8 +176,8 @@ def measure(args, *, hf_first: bool) -> dict:
             for i in range(args.steps_per_round):
                 contenders[name](i)
             seconds[name].append((time.perf_counter() - start) / args.steps_per_round)
-    return {"seconds": seconds, "first_loss": first[OURS], "peak": get_backend("cpu").peak_flops(),
-            "peak_description": get_backend("cpu").peak_description(), "capture_compile_s": compile_s}
+    return {"seconds": seconds, "first_loss": first[OURS], "peak": get_backend("cpu").peak_flops(dtype),
+            "peak_description": get_backend("cpu").peak_description(dtype), "capture_compile_s": compile_s}
 
 
 def peak_memory(args, contender: str) -> dict:
@@ -163,12 +186,13 @@ def peak_memory(args, contender: str) -> dict:
     torch.set_num_threads(args.threads)
     model_args = bench_model_args(args)
     batches = bench_batches(args, model_args)
+    dtype = DTYPES[args.dtype]
     if contender == GRAPH:
-        run, _ = titan_graph(model_args, batches, lr=3e-4, max_norm=1.0)
+        run, _ = titan_graph(model_args, batches, lr=3e-4, max_norm=1.0, dtype=dtype)
     else:
-        run, model = titan_eager(model_args, batches, lr=3e-4, max_norm=1.0)
+        run, model = titan_eager(model_args, batches, lr=3e-4, max_norm=1.0, dtype=dtype)
         if contender == HF:
-            run = hf_loop(model_args, batches, lr=3e-4, max_norm=1.0, init_from=model, name=args.model)
+            run = hf_loop(model_args, batches, lr=3e-4, max_norm=1.0, init_from=model, name=args.model, dtype=dtype)
             del model
     backend = get_backend("cpu")
     for i in range(2):
@@ -209,6 +233,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                        help="compute dtype; bfloat16: ours from fp32 masters vs transformers under autocast")
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--steps-per-round", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
@@ -227,6 +253,12 @@ def main() -> None:
         print(json.dumps(peak_memory(args, args.memory_of)))
         return
 
+    if args.dtype == "bfloat16":
+        supported, why = cpu_bf16_support()
+        if not supported:
+            print(f"skipped: --dtype bfloat16 needs a CPU with bf16 matmul instructions ({why}); without them "
+                  "bf16 runs ~100x slower than fp32 and the comparison would measure the emulation")
+            return
     # The ratio moved by up to +-5% from one process to the next here (memory placement, which
     # contender ran first), more than the per-round noise, so the benchmark runs one process per
     # contender order and combines the two.
@@ -240,7 +272,8 @@ def main() -> None:
     tokens_per_step = args.batch * args.seq
     fpt = flops_per_token(model_args, args.seq)
     size = f" (dim {model_args.dim}, {model_args.n_layers} layers, ffn {model_args.ffn_hidden_dim})"
-    print(f"{args.model}/{args.flavor}{size}, batch {args.batch} x seq {args.seq}, fp32, {args.threads} threads, "
+    how = "fp32" if args.dtype == "float32" else "bf16 (ours: fp32 masters cast; transformers: autocast)"
+    print(f"{args.model}/{args.flavor}{size}, batch {args.batch} x seq {args.seq}, {how}, {args.threads} threads, "
           f"AdamW + clipping; 2 processes (one per contender order) x {args.rounds} interleaved rounds x "
           f"{args.steps_per_round} steps")
     ratios = []

@@ -154,14 +154,14 @@ def test_damaged_checkpoints_are_clear_errors(tmp_path):
     shard = next(path.glob("*.distcp"))
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match=r"damaged \(__0_0.distcp is .* bytes instead of .*delete it"):
+    with pytest.raises(ValueError, match=r"damaged \(__0_0.distcp is .* bytes instead of .*move it away"):
         load(path, target)
     with pytest.raises(ValueError, match="damaged"):
         load_full_state_dict(path)
 
     # Same length but garbage inside is DCP's own error, re-raised as one line.
     shard.write_bytes(b"\0" * len(data))
-    with pytest.raises(ValueError, match="cannot be read .*delete it to fall back"):
+    with pytest.raises(ValueError, match="cannot be read .*move it away"):
         load(path, target)
 
     meta = path / ".metadata"

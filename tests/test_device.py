@@ -19,7 +19,7 @@ def fresh_cpu_memo(monkeypatch):
     monkeypatch.setattr(dev, "_cpu_peak_memo", {})
     calls = []
 
-    def fake_measure():
+    def fake_measure(dtype=torch.float32):
         calls.append(1)
         return 123e9
 

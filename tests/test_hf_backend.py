@@ -168,6 +168,27 @@ def test_loaded_model_logits_equal_transformers_from_pretrained(tmp_path):
     torch.testing.assert_close(ours(tokens), ref(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "bloom"])
+def test_model_without_sdpa_loads_from_a_directory(tmp_path, model_type):
+    """Issue 24: reading the weights asked transformers for sdpa, which Gemma 2 and BLOOM refuse; the
+    error blamed the weights. Now they load (logits equal transformers' from_pretrained) and train."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_sweep.tiny_config(model_type)).save_pretrained(str(tmp_path / "hf"))
+    ours = materialize_and_init(build_hf_model(hf_args_from_spec(str(tmp_path / "hf"))), None, mode="none", mp=None,
+                                device="cpu", seed=1)
+    load_pretrained_weights(ours, tmp_path / "hf")
+    ours.eval()
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), ref(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+    if model_type == "gemma2":
+        rows = _train(tmp_path / "run", tmp_path / "cache", str(tmp_path / "hf"), "--training.steps", "3")
+        assert len([r for r in rows if "loss" in r]) == 3
+
+
 def _train(run_dir: Path, cache: Path, hf_config: str, *extra: str) -> list[dict]:
     args = ["train", "--model.name", "hf", "--model.hf_config", hf_config, "--output_dir", str(run_dir),
             "--data.cache_dir", str(cache), "--data.max_bytes", "400000", "--training.batch_size", "2",

@@ -221,3 +221,37 @@ def test_failed_swap_restores_the_old_checkpoint(tmp_path, monkeypatch):
         _save(target, overwrite=True)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def _save_fused_qwen3_moe(path):
+    """A Qwen3-MoE directory as transformers 5.x holds the model in memory: experts fused
+    (gate_up_proj [E, 2I, H], down_proj [E, H, I]) in model.safetensors. Returns transformers' model."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=8, vocab_size=64, num_experts=4, num_experts_per_tok=2,
+                                         max_position_embeddings=1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf_sd = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert hf_sd["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)  # the fused layout
+    path.mkdir()
+    save_file(hf_sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(path))
+    return ref
+
+
+def test_fused_expert_file_loads(tmp_path):
+    """Issue 24: the names were checked against the hub layout before from_hf_state_dict unfused."""
+    ref = _save_fused_qwen3_moe(tmp_path / "hf")
+    name, args, model = load_model_from_hf(tmp_path / "hf")
+    assert name == "qwen3_moe"
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), ref(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+    # One fused tensor of a layer without the other is a missing tensor, named.
+    sd = load_file(tmp_path / "hf" / "model.safetensors")
+    del sd["model.layers.1.mlp.experts.down_proj"]
+    save_file(sd, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'model.layers.1.mlp.experts.down_proj' is missing"):
+        load_hf_checkpoint(tmp_path / "hf")

@@ -54,7 +54,7 @@ def test_console_line(tmp_path, capsys):
 
 def test_console_only_present_keys_and_no_total(tmp_path):
     log = MetricsLogger(output_dir=tmp_path, tensorboard=False, console=False)
-    assert log.format_line(3, {"loss": 2.0, "data_s": 0.5}) == "step 3 loss 2.0000 | data_s 0.5"
+    assert log.format_line(3, {"loss": 2.0, "seen": 0.5}) == "step 3 loss 2.0000 | seen 0.5"
     assert log.format_line(3, {}) == "step 3"
     log.close()
     log.close()  # idempotent
@@ -96,3 +96,53 @@ def test_nan_and_inf_become_null(tmp_path, capsys):
     assert "loss nan" in out and "gnorm inf" in out  # the console still shows the divergence
     assert math.isfinite(row["lr"])
     assert metrics_mod._json_safe(float("-inf")) is None
+
+
+def test_progress_line_eta_and_data_wait(tmp_path):
+    now = [100.0]
+    log = MetricsLogger(output_dir=tmp_path, tensorboard=False, console=False, total_steps=100, clock=lambda: now[0])
+    assert "ETA" not in log.format_line(10, {"loss": 1.0})  # the first row of a process: no rate yet
+    now[0] += 20.0  # 10 more steps in 20 s: 80 steps left at 2 s each
+    line = log.format_line(20, {"loss": 1.0, "data_s": 0.0012, "step_s": 2.0, "time": 1e9})
+    assert line.startswith("step  20/100 [####................] ETA 2m40s loss 1.0000 | data 1.2 ms")
+    assert "time" not in line and "step_s" not in line  # kept for metrics.jsonl and the report
+    now[0] += 3 * 3600.0
+    assert "ETA 6h00m" in log.format_line(40, {"loss": 1.0})  # 60 steps left at (3 h + 20 s) / 30 steps
+    assert "ETA" not in log.format_line(100, {"loss": 1.0})
+    log.close()
+
+
+def test_resumed_run_logs_no_step_twice(tmp_path, capsys):
+    """The first attempt logged steps 1-7 and died; its checkpoint was at step 5. The resumed
+    process replays 6-7 (not logged again, from any sink) and goes on at 8."""
+    class Recorder:
+        def __init__(self):
+            self.steps = []
+
+        def log(self, step, scalars):
+            self.steps.append(step)
+
+        def state_dict(self):
+            return {"recorder": "id"}
+
+        def close(self):
+            pass
+
+    with MetricsLogger(output_dir=tmp_path, tensorboard=False, console=False) as log:
+        for step in range(1, 8):
+            log.log(step, {"loss": 1.0 / step})
+    recorder = Recorder()
+    with MetricsLogger(output_dir=tmp_path, tensorboard=False, trackers=[recorder], resumed_step=5) as log:
+        assert log.state_dict() == {"recorder": "id"}
+        for step in range(6, 11):
+            log.log(step, {"loss": 2.0 / step})
+    assert [r["step"] for r in read_rows(tmp_path)] == list(range(1, 11))
+    assert read_rows(tmp_path)[6]["loss"] == 1.0 / 7  # the first attempt's row is the one kept
+    assert recorder.steps == [8, 9, 10]
+    assert "replayed after the restart" in capsys.readouterr().out
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events] == [0, 5]
+    # A run that starts afresh in the same directory (no resume) appends as before.
+    with MetricsLogger(output_dir=tmp_path, tensorboard=False, console=False) as log:
+        log.log(1, {"loss": 3.0})
+    assert read_rows(tmp_path)[-1] == {"step": 1, "loss": 3.0}

@@ -220,13 +220,16 @@ def test_collective_rate_is_gloos_not_the_copy_rate():
     sent = sum(r["mb_per_rank"] * 1e6 for r in sizes)  # two ranks: each sends its whole shard
     assert result["bytes_per_s"] == pytest.approx(sent / sum(r["median_ms"] / 1e3 for r in sizes))
     assert result["bytes_per_s"] < measure_cpu_memory_bandwidth() / 4
+    # A 4 KB call's median time: the per-call cost beside the bytes, below a 4 MB call's (a 1 MB
+    # call can take as long: at these sizes gloo's time is mostly the synchronisation).
+    assert 0 < result["latency_s"] < max(r["median_ms"] for r in sizes) / 1e3
 
 
 def test_cpu_collectives_take_gloos_rate():
     """The planner's collective time is each collective's bytes at the hardware's interconnect rate,
-    which for the CPU is gloo's measured rate: expert parallelism's token dispatch on two ranks
-    then takes the time its bytes take through gloo."""
-    from titan_tpu.plan.hardware import CPU_COLLECTIVE_BANDWIDTH
+    which for the CPU is gloo's measured rate, plus each call's latency: expert parallelism's token
+    dispatch on two ranks then takes the time its bytes and calls take through gloo."""
+    from titan_tpu.plan.hardware import CPU_COLLECTIVE_BANDWIDTH, CPU_COLLECTIVE_LATENCY
 
     cfg = build_config(CONFIGS / "qwen3_moe_debug.toml", ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"])
     plan = plan_config(cfg, CPU, measure=False)
@@ -234,7 +237,9 @@ def test_cpu_collectives_take_gloos_rate():
     dispatch = [c for c in plan.communication if c["axis"] == "ep"]
     assert len(dispatch) == 1 and dispatch[0]["bytes_per_step"] > 0
     total = sum(c["bytes_per_step"] for c in plan.communication)
-    assert plan.time["collectives_s"] == pytest.approx(total / CPU_COLLECTIVE_BANDWIDTH)
+    calls = sum(c["calls"] for c in plan.communication)
+    assert dispatch[0]["calls"] > 0 and CPU.collective_latency == CPU_COLLECTIVE_LATENCY > 0
+    assert plan.time["collectives_s"] == pytest.approx(total / CPU_COLLECTIVE_BANDWIDTH + calls * CPU_COLLECTIVE_LATENCY)
     assert plan.time["step_s"] == pytest.approx(plan.time["compute_s"] + plan.time["elementwise_s"]
                                                 + plan.time["collectives_s"])  # eager: no overlap
 

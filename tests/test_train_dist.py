@@ -66,8 +66,11 @@ def train(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    """Loss per step; after a restart the later row of a step wins (it is the one that counts)."""
+    """Loss per step. Every step has one row, in increasing order, also across restarts (a resumed
+    run does not log the steps it replays: train/metrics.py)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == sorted(set(steps)), steps
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 

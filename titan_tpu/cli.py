@@ -1,15 +1,21 @@
 """``titan-tpu`` command line: train, eval, convert, graph.
 
     titan-tpu train --config configs/llama3_debug.toml --training.steps 200 --optimizer.lr 3e-4
-    titan-tpu eval --hf-dir DIR --token-file tokens.json
+    titan-tpu eval --hf-dir DIR --token-file tokens.json     # or --text corpus/, or the model as for train
     titan-tpu convert --checkpoint outputs/run/checkpoints --to-hf hf_out/
     titan-tpu convert --hf-dir hf_in/ --to-checkpoint ckpt_out/
     titan-tpu graph --config configs/llama3_debug.toml      # dump the captured step graph
     titan-tpu kernels [--device cpu|cuda|tpu]               # kernel implementations and auto's pick
     titan-tpu plan --config configs/qwen3_235b_a22b_tpu.toml [--hardware v5p-1024] [--json]
+    titan-tpu plan --search --config configs/llama3_8b_tpu.toml [--hardware v5p-256] [--json]   # best knobs
     titan-tpu plan --calibrate                              # predicted vs measured on real CPU runs
+    titan-tpu prepare-data --config configs/llama3_debug.toml --workers 2   # tokenize the sources once
+    titan-tpu report outputs/run_a outputs/run_b [--out report.html] [--png DIR]   # plots in one HTML file
+    titan-tpu verify MODEL [--tiny] [--hardware v5p-256] [--checks a,b] [--report DIR]   # docs/verify.md
 
-User mistakes end the process with one line on stderr and exit status 2, not a traceback.
+User mistakes end the process with one line on stderr and exit status 2, not a traceback; faults of
+the run's environment (a checkpoint that could not be written, an output_dir another run holds:
+titan_tpu/errors.py ``RunError``) with one line and exit status 1.
 """
 
 from __future__ import annotations
@@ -54,15 +60,39 @@ def train_main(argv: list[str]) -> int:
 def eval_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="titan-tpu eval",
-        description="Mean next-token cross-entropy of a Hugging Face format model over token sequences.")
-    parser.add_argument("--hf-dir", required=True, help="directory with config.json and *.safetensors")
-    parser.add_argument("--token-file", required=True, help="JSON list of lists of token ids")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "tpu"])
-    args = parser.parse_args(argv)
+        description="Mean next-token cross-entropy and perplexity (JSON) of any model train takes, over a token "
+                    "file or a text corpus. The model as for train (--config, --model.name, --model.flavor, "
+                    "--model.hf_config DIR_OR_TYPE, --model.hf_overrides); --hf-dir DIR is short for an HF "
+                    "directory of any causal-LM type.")
+    parser.add_argument("--config", help="TOML recipe whose model section names the model")
+    parser.add_argument("--hf-dir", help="Hugging Face model directory (config.json, *.safetensors)")
+    parser.add_argument("--checkpoint", help="weights: a training checkpoint (step, checkpoints/ or run directory) or "
+                                             "an HF directory; default: the model directory's own, else a seeded init")
+    parser.add_argument("--token-file", help="JSON list of lists of token ids")
+    parser.add_argument("--text", help="text to evaluate on: a file, a directory of .txt/.md/.py or a .jsonl "
+                                       "(tokenized with --data.tokenizer_path or the model's tokenizer.json)")
+    parser.add_argument("--seq-len", type=int, default=512, help="with --text: tokens per window (512)")
+    parser.add_argument("--max-tokens", type=int, default=65536, help="with --text: tokens evaluated at most (65536)")
+    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "tpu"])
+    args, overrides = parser.parse_known_args(argv)
 
-    from titan_tpu.evaluate import evaluate_hf_dir
+    from titan_tpu.config import build_config
+    from titan_tpu.evaluate import run_eval
 
-    print(json.dumps(evaluate_hf_dir(args.hf_dir, args.token_file, device=args.device)))
+    if args.hf_dir:
+        if not Path(args.hf_dir).is_dir():
+            raise FileNotFoundError(f"--hf-dir {args.hf_dir} is not a directory; give a Hugging Face model directory")
+        if args.checkpoint:
+            raise ValueError("--hf-dir already names the weights; drop --checkpoint (or give the directory as it)")
+        overrides = ["--model.name", "hf", "--model.hf_config", args.hf_dir] + overrides
+        args.checkpoint = args.hf_dir  # its own weights; a config the native adapter reads runs natively
+    if args.device:
+        overrides += ["--training.device", args.device]
+    # training.seq_len does not apply (sequences are as given, windows are --seq-len): keep validation quiet.
+    cfg = build_config(args.config, ["--training.seq_len", "2"] + overrides)
+    result = run_eval(cfg, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
+                      seq_len=args.seq_len, max_tokens=args.max_tokens)
+    print(json.dumps(result))
     return 0
 
 
@@ -157,6 +187,13 @@ def plan_main(argv: list[str]) -> int:
                         help="what-if for gathered block weights: layer (re-sharded after the forward, gathered "
                              "again per layer) or model (kept from forward to backward); default: what the code "
                              "does with the config (parallelism.reshard_after_forward)")
+    parser.add_argument("--search", action="store_true",
+                        help="plan activation checkpointing, scan, re-sharding, bucket size, micro-batch x "
+                             "accumulation (same global batch), dp_replicate x dp_shard and ep, and rank what fits "
+                             "by predicted tokens/s (docs/playbook.md)")
+    parser.add_argument("--keep", default="", help="with --search: config keys to hold at the config's value, "
+                                                   "comma-separated (e.g. activation_checkpoint.mode,model.scan_layers)")
+    parser.add_argument("--top", type=int, default=5, help="with --search: how many ranked configurations to print")
     parser.add_argument("--calibrate", action="store_true",
                         help="run real CPU configurations and print predicted vs measured (minutes; run alone)")
     parser.add_argument("--replay", action="store_true", help="with --calibrate: recompute from the saved results")
@@ -175,10 +212,48 @@ def plan_main(argv: list[str]) -> int:
     from titan_tpu.plan.planner import for_planning
 
     cfg = for_planning(args.config, overrides)
-    hardware, chips = resolve_hardware(args.hardware) if args.hardware else (None, None)
+    hardware, chips = resolve_hardware(args.hardware, dtype=cfg.model.dtype) if args.hardware else (None, None)
+    if args.search:
+        from titan_tpu.plan.search import format_search, search, search_json
+
+        keep = [k.strip() for k in args.keep.split(",") if k.strip()]
+        result = search(cfg, hardware, chips=chips, keep=keep)
+        print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
+        return 0
     plan = plan_config(cfg, hardware, chips=chips, gather=args.gather)
     print(plan.to_json() if args.json else format_plan(plan))
     return 0
+
+
+def prepare_data_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu prepare-data",
+        description="Tokenize a config's data sources (and data.val_source) into the token shards training reads, "
+                    "in parallel processes, resumable after an interruption (docs/data.md). Config overrides as "
+                    "for train.")
+    parser.add_argument("--config", help="TOML recipe, e.g. configs/llama3_debug.toml")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="tokenizer processes (default: one per CPU); 1 tokenizes in this process")
+    args, overrides = parser.parse_known_args(argv)
+    if args.workers < 1:
+        raise ValueError(f"--workers {args.workers} must be >= 1")
+
+    from titan_tpu.config import build_config, data_sources, model_args_from_config, tokenizer_path
+    from titan_tpu.data.build import prepare_data
+    from titan_tpu.train.trainer import default_cache_dir
+
+    cfg = build_config(args.config, overrides)
+    prepared = prepare_data(cfg.data, data_sources(cfg), vocab_size=model_args_from_config(cfg).vocab_size,
+                            tokenizer_path=tokenizer_path(cfg), cache_dir=cfg.data.cache_dir or default_cache_dir(),
+                            workers=args.workers)
+    print(f"prepared {len(prepared.train) + len(prepared.val)} source(s) with {prepared.tokenizer}")
+    return 0
+
+
+def report_main(argv: list[str]) -> int:
+    from titan_tpu.tools.report import main as report
+
+    return report(argv)
 
 
 def hf_sweep_main(argv: list[str]) -> int:
@@ -187,8 +262,15 @@ def hf_sweep_main(argv: list[str]) -> int:
     return sweep(argv)
 
 
+def verify_main(argv: list[str]) -> int:
+    from titan_tpu.tools.verify import main as verify
+
+    return verify(argv)
+
+
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
-            "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main}
+            "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
+            "prepare-data": prepare_data_main, "report": report_main, "verify": verify_main}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,11 +278,16 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: titan-tpu {{{','.join(COMMANDS)}}} ...  (titan-tpu COMMAND --help for details)", file=sys.stderr)
         return 2
+    from titan_tpu.errors import RunError
+
     try:
         return COMMANDS[argv[0]](argv[1:])
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def exit_process(code: int) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from titan_tpu.data.sources import SourceConfig, normalized_weights, source_from_table
 from titan_tpu.kernels import KernelConfig
 
 
@@ -36,8 +37,9 @@ class ModelConfig:
     # changes config values: '{"hidden_size": 64}' or hidden_size=64,num_hidden_layers=2.
     hf_config: str = ""
     hf_overrides: str = ""
-    # Compute dtype; also the storage dtype on one device (sharded runs keep fp32 master weights).
-    # auto: float32 on CPU (bf16 matmuls are ~100x slower there), bfloat16 on CUDA and TPU.
+    # Compute dtype. Parameters and AdamW's moments stay fp32 (master weights) and are cast for
+    # compute, on one device as on many, eager and graph (docs/mixed_precision.md). auto: float32 on
+    # CPU, bfloat16 on CUDA and TPU; bfloat16 on a CPU needs its bf16 instructions (avx512_bf16/amx_bf16).
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Store the repeated blocks stacked ([layers, ...]) and run them with torch's scan op: the
     # compiler sees one block whatever the depth. Checkpoints keep the per-layer layout.
@@ -72,8 +74,8 @@ class TrainingConfig:
 class ParallelismConfig:
     # Data parallelism with SimpleFSDP under torchrun: dp_replicate x dp_shard must equal the
     # number of ranks. dp_shard shards parameters, gradients and optimizer state; dp_replicate
-    # keeps whole copies (both > 1: hybrid sharding). Sharded runs keep fp32 master parameters
-    # and compute in model.dtype.
+    # keeps whole copies (both > 1: hybrid sharding). fp32 master parameters, computed in
+    # model.dtype, as on one device.
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: all ranks that dp_replicate leaves
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype gradients are reduced in
@@ -143,8 +145,15 @@ class LRSchedulerConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # "stdlib" (embedded default corpus), a directory of .txt/.md/.py, or a .jsonl file
-    text_field: str = "text"  # JSONL field that holds the document
+    # "stdlib" (embedded default corpus), a directory of .txt/.md/.py, or parquet / jsonl(.gz/.zst) / arrow
+    # files, a glob of them, a datasets.save_to_disk directory or a local HF dataset directory (docs/data.md)
+    source: str = "stdlib"
+    text_field: str = "text"  # field/column that holds the document (format chat: the messages; "" = "messages")
+    format: Literal["text", "chat"] = "text"  # chat: {role, content} lists, loss on assistant tokens only
+    # Several sources mixed by weight, in TOML only: [[data.sources]] path, weight, text_field, format, repeat, name.
+    sources: list[SourceConfig] = field(default_factory=list)
+    val_source: str = ""  # validate on this source (same format) instead of the held-out fraction
+    overlong: Literal["drop", "truncate"] = "drop"  # chat conversations longer than seq_len: drop (counted) or cut
     max_bytes: int = 0  # stop reading the corpus after this many bytes; 0 = all of it
     tokenizer_path: str = ""  # a tokenizer.json; empty = train a byte-level BPE of the model's vocab size
     cache_dir: str = ""  # where tokenizers and token shards are cached; empty = ~/.cache/titan_tpu
@@ -164,8 +173,25 @@ class ValidationConfig:
 @dataclass
 class MetricsConfig:
     log_freq: int = 10
-    tensorboard: bool = True
+    # Where each row goes besides metrics.jsonl and the console: tensorboard, wandb (an optional
+    # extra; offline without WANDB_API_KEY). train/trackers.py; on the command line "tensorboard,wandb".
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    tensorboard: bool = True  # false leaves tensorboard out even when trackers lists it (the older switch)
+    wandb_project: str = "titan-tpu"
     console: bool = True
+
+
+@dataclass
+class ProfilingConfig:
+    # torch.profiler over active_steps steps from start_step: one Chrome trace per rank
+    # (trace_dir/rank<r>.json.gz, opens in Perfetto) and a table of where the step went by category
+    # on rank 0's console (train/profiling.py). memory_snapshot (CUDA): the allocator's history as
+    # trace_dir/memory_rank<r>.pickle (drag into pytorch.org/memory_viz).
+    enabled: bool = False
+    start_step: int = 3  # the first profiled step (after warm-up and compilation)
+    active_steps: int = 2
+    trace_dir: str = ""  # empty = <output_dir>/profile
+    memory_snapshot: bool = False
 
 
 @dataclass
@@ -175,6 +201,9 @@ class CheckpointConfig:
     keep_latest_k: int = 2  # 0 keeps every checkpoint
     resume: bool = True  # continue from the newest checkpoint in output_dir/checkpoints if there is one
     async_save: bool = False  # write checkpoints in the background while training goes on
+    # A save that fails (no space, no permission, an I/O error): stop ends the run with one line and
+    # a non-zero exit; warn logs the line, trains on and tries again at the next interval.
+    on_save_error: Literal["stop", "warn"] = "stop"
     # Weights to start from when there is nothing to resume: a checkpoint (step, checkpoints/ or run
     # directory) or a Hugging Face model directory. Only the model weights are taken.
     initial_load_path: str = ""
@@ -194,6 +223,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output_dir: str = ""  # empty = outputs/<job.name>
 
@@ -227,6 +257,12 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         raise AssertionError(f"unions are not supported in the config schema ({key})")
     from_cli = isinstance(value, str)
+    if origin is list:  # list[str]: a TOML array, or "a,b" on the command line
+        items = [v.strip() for v in value.split(",") if v.strip()] if from_cli else value
+        if isinstance(items, list) and all(isinstance(v, str) for v in items):
+            return items
+        raise ValueError(f"{key} = {value!r} has the wrong type; expected a list of strings, e.g. [\"a\", \"b\"] "
+                         "(a,b on the command line)")
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -271,6 +307,12 @@ def set_value(cfg: Config, dotted_key: str, value: Any) -> None:
     types_by_key = _field_types(type(section_obj))
     if key not in types_by_key:
         raise ValueError(f"unknown config key {dotted_key!r}; valid keys in [{section}]: {', '.join(types_by_key)}")
+    if dotted_key == "data.sources":
+        if not isinstance(value, list):
+            raise ValueError("data.sources is a list of [[data.sources]] tables in the TOML recipe; on the command "
+                             "line use --data.source PATH")
+        cfg.data.sources = [source_from_table(t, key=f"data.sources[{i}]") for i, t in enumerate(value)]
+        return
     setattr(section_obj, key, _convert(dotted_key, value, types_by_key[key]))
 
 
@@ -326,6 +368,30 @@ def build_config(toml_path: str | Path | None = None, overrides: list[str] | Non
         set_value(cfg, key, value)
     validate(cfg)
     return cfg
+
+
+def data_sources(cfg: Config) -> list[SourceConfig]:
+    """The run's sources: [[data.sources]], or the one data.source with its text_field and format."""
+    if cfg.data.sources:
+        return cfg.data.sources
+    d = cfg.data
+    field = "" if d.format == "chat" and d.text_field == "text" else d.text_field
+    return [SourceConfig(path=d.source, text_field=field, format=d.format)]
+
+
+def tokenizer_path(cfg: Config) -> str | None:
+    """data.tokenizer_path, else an hf model directory's tokenizer.json, else None (train a BPE)."""
+    if cfg.data.tokenizer_path:
+        return cfg.data.tokenizer_path
+    if cfg.model.name == "hf":
+        candidate = Path(cfg.model.hf_config).expanduser() / "tokenizer.json"
+        return str(candidate) if candidate.is_file() else None
+    return None
+
+
+def effective_warmup_steps(cfg: Config) -> int:
+    """lr_scheduler.warmup_steps, clamped to training.steps (a warmup never outlasts the run)."""
+    return min(cfg.lr_scheduler.warmup_steps, cfg.training.steps)
 
 
 def model_label(cfg: Config) -> str:
@@ -403,19 +469,43 @@ def validate(cfg: Config) -> None:
 
         check_tpu_compile_backend(t.device)
     cfg.kernels.validate()
+    _validate_observability(cfg)
     if cfg.checkpoint.keep_latest_k < 0:
         raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
     if cfg.optimizer.lr <= 0:
         raise ValueError(f"optimizer.lr = {cfg.optimizer.lr} must be > 0")
     s = cfg.lr_scheduler
-    validate_lr_schedule(base_lr=cfg.optimizer.lr, warmup_steps=s.warmup_steps, total_steps=t.steps,
+    # A warmup longer than the run (a quick --training.steps 2 with a recipe's warmup of 10) is clamped
+    # by the trainer, with a note in its log (effective_warmup_steps).
+    validate_lr_schedule(base_lr=cfg.optimizer.lr, warmup_steps=effective_warmup_steps(cfg), total_steps=t.steps,
                          decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio)
     if t.seq_len > model_args.max_seq_len:
         raise ValueError(f"training.seq_len = {t.seq_len} exceeds the max_seq_len = {model_args.max_seq_len} of "
                          f"{model_label(cfg)}; lower training.seq_len")
     if not 0.0 < cfg.data.val_fraction < 1.0 and cfg.validation.enabled:
         raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1) when validation.enabled = true")
+    if cfg.data.sources:
+        if cfg.data.source != "stdlib":
+            raise ValueError("data.source and [[data.sources]] are both set; keep one (a single source can be either)")
+        normalized_weights(cfg.data.sources)
+    if t.mode == "graph" and any(s.format == "chat" for s in data_sources(cfg)):
+        raise ValueError("format = chat needs training.mode = eager for now (the captured step divides the loss by a "
+                         "fixed token count, chat trains a varying number): set training.mode eager")
     if cfg.data.max_bytes < 0:
         raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
-    if cfg.model.dtype == "bfloat16" and t.device == "cpu":
-        raise ValueError("model.dtype = bfloat16 on training.device = cpu is ~100x slower than float32 here; use model.dtype = float32")
+    if t.device == "cpu":  # with auto, the trainer checks once it knows the device
+        from titan_tpu.device import check_cpu_compute_dtype
+
+        check_cpu_compute_dtype(cfg.model.dtype)
+
+
+def _validate_observability(cfg: Config) -> None:
+    from titan_tpu.train.trackers import TRACKERS
+
+    for name in cfg.metrics.trackers:
+        if name not in TRACKERS:
+            raise ValueError(f"metrics.trackers: unknown tracker {name!r}; use some of {', '.join(TRACKERS)}")
+    prof = cfg.profiling
+    if prof.start_step < 1 or prof.active_steps < 1:
+        raise ValueError(f"profiling.start_step = {prof.start_step} and profiling.active_steps = {prof.active_steps} "
+                         "must be >= 1")

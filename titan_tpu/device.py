@@ -10,10 +10,13 @@ torch_tpu but no libtpu, importing it aborts the whole process, so we only impor
 backend is actually chosen (or, for "auto", after checking with `importlib.util.find_spec` that
 both torch_tpu and libtpu are installed).
 
-Peak FLOP/s:
-  * CPU: a measured fp32 matmul rate (there is no meaningful datasheet number for a shared VM),
-    measured once per process (best of 10 matmuls, about 1.3 s) on the current thread count.
-  * CUDA: dense bf16 datasheet numbers by device name (`cuda_peak_flops`).
+Peak FLOP/s, for the compute dtype (model.dtype; docs/mixed_precision.md):
+  * CPU: a measured matmul rate in the compute dtype (there is no meaningful datasheet number for
+    a shared VM), measured once per process and dtype (best of 10 matmuls, about 1.3 s in fp32) on
+    the current thread count. bf16 is measured, and allowed, only where the CPU has bf16 matmul
+    instructions (`cpu_bf16_support`).
+  * CUDA: dense bf16 datasheet numbers by device name (`cuda_peak_flops`); an fp32 run is
+    measured against them too, and the printed peak says so.
   * TPU: dense bf16 datasheet numbers by generation, per device (`tpu_peak_flops`); v7 exposes two
     devices per chip, so each device gets half the chip's number.
   * $TITAN_TPU_PEAK_FLOPS, if set, overrides all of the above (for hardware not in the tables).
@@ -118,7 +121,7 @@ def tpu_peak_flops(generation: str) -> float:
 # measurement taken in a busy moment (seen here: 87 instead of 145 GFLOP/s) would otherwise
 # inflate every later run's MFU past 100%. A second of measuring per process is the price.
 
-_cpu_peak_memo: dict[str, float] = {}  # keyed by CPU model, thread count and torch version
+_cpu_peak_memo: dict[str, float] = {}  # keyed by CPU model, thread count, torch version and dtype
 
 
 def _cpu_model() -> str:
@@ -131,16 +134,60 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown-cpu"
 
 
-def _cpu_cache_key() -> str:
-    return f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+def _cpu_cache_key(dtype: torch.dtype) -> str:
+    return f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
 
 
-def measure_cpu_matmul_flops(n: int = _CPU_BENCH_N, reps: int = _CPU_BENCH_REPS) -> float:
-    """Best-of-`reps` fp32 n x n matmul rate (FLOP/s) on the current torch thread count."""
+# /proc/cpuinfo flags that give a CPU native bf16 matmuls (AVX512_BF16 dot products, AMX tiles).
+# Without them torch emulates bf16 and its matmuls run ~100x slower than fp32 (AMD EPYC with AVX2:
+# measured in docs/mixed_precision.md).
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, or None where it cannot be read (not Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def cpu_bf16_support() -> tuple[bool, str]:
+    """(does this CPU run bf16 matmuls natively, why): the /proc/cpuinfo flags `CPU_BF16_FLAGS`,
+    or torch's own CPU capability query where /proc/cpuinfo cannot be read."""
+    flags = _cpu_flags()
+    if flags is not None:
+        found = [f for f in CPU_BF16_FLAGS if f in flags]
+        if found:
+            return True, f"{_cpu_model()} lists {' and '.join(found)} in /proc/cpuinfo"
+        return False, f"{_cpu_model()} lists neither {' nor '.join(CPU_BF16_FLAGS)} in /proc/cpuinfo"
+    queries = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    found = [q for q in queries if getattr(torch.cpu, q, lambda: False)()]
+    if found:
+        return True, f"torch.cpu.{found[0]}() is True on {_cpu_model()}"
+    return False, f"torch reports neither AVX512_BF16 nor AMX on {_cpu_model()}"
+
+
+def check_cpu_compute_dtype(dtype: str) -> None:
+    """The one-line error for model.dtype bfloat16 on a CPU without bf16 matmul instructions."""
+    if dtype != "bfloat16":
+        return
+    supported, why = cpu_bf16_support()
+    if not supported:
+        raise ValueError(f"model.dtype = bfloat16 on the CPU needs bf16 matmul instructions ({why}), without "
+                         "which bf16 matmuls run ~100x slower than float32: use model.dtype = float32")
+
+
+def measure_cpu_matmul_flops(n: int = _CPU_BENCH_N, reps: int = _CPU_BENCH_REPS,
+                             dtype: torch.dtype = torch.float32) -> float:
+    """Best-of-`reps` n x n matmul rate (FLOP/s) in `dtype` on the current torch thread count."""
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen)
-    b = torch.randn(n, n, generator=gen)
-    out = torch.empty(n, n)
+    a = torch.randn(n, n, generator=gen).to(dtype)
+    b = torch.randn(n, n, generator=gen).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
     torch.mm(a, b, out=out)  # warm up: thread pool start, page faults on `out`
     best = float("inf")
     for _ in range(reps):
@@ -150,11 +197,14 @@ def measure_cpu_matmul_flops(n: int = _CPU_BENCH_N, reps: int = _CPU_BENCH_REPS)
     return 2.0 * n**3 / best
 
 
-def cpu_peak_flops() -> float:
-    """Measured CPU fp32 matmul peak, memoised for the life of the process."""
-    key = _cpu_cache_key()
+def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> float:
+    """Measured CPU matmul peak in `dtype`, memoised for the life of the process. bf16 only where
+    the CPU has bf16 instructions (elsewhere the measurement alone would take minutes)."""
+    if dtype == torch.bfloat16:
+        check_cpu_compute_dtype("bfloat16")
+    key = _cpu_cache_key(dtype)
     if key not in _cpu_peak_memo:
-        _cpu_peak_memo[key] = measure_cpu_matmul_flops()
+        _cpu_peak_memo[key] = measure_cpu_matmul_flops(dtype=dtype)
     return _cpu_peak_memo[key]
 
 
@@ -212,23 +262,27 @@ class Backend:
     device: torch.device
     process_group_backend: str  # "gloo" | "nccl" | "tpu_dist"
     compile_backend: str  # "inductor" (cpu, cuda) | "tpu" (TorchTPU's Dynamo backend)
-    _peak: tuple[float, str] | None = field(default=None, repr=False, compare=False)
+    _peaks: dict = field(default_factory=dict, repr=False, compare=False)  # by compute dtype
 
     # -- peak FLOP/s ---------------------------------------------------------------------------
 
-    def _peak_and_description(self) -> tuple[float, str]:
-        if self._peak is not None:
-            return self._peak
+    def _peak_and_description(self, dtype: torch.dtype) -> tuple[float, str]:
+        if dtype not in self._peaks:
+            flops, description = self._measure_or_look_up_peak(dtype)
+            if self.name != "cpu" and dtype != torch.bfloat16 and _env_peak_override() is None:
+                description += f" (the run computes in {_dtype_name(dtype)}: MFU against the bf16 peak)"
+            self._peaks[dtype] = (flops, description)
+        return self._peaks[dtype]
+
+    def _measure_or_look_up_peak(self, dtype: torch.dtype) -> tuple[float, str]:
         override = _env_peak_override()
         if override is not None:
-            self._peak = (override, f"{self.name} peak from TITAN_TPU_PEAK_FLOPS: {override / 1e12:.3g} TFLOP/s")
-        elif self.name == "cpu":
-            flops = cpu_peak_flops()
-            self._peak = (
-                flops,
-                f"cpu fp32 matmul, measured {flops / 1e9:.0f} GFLOP/s on {torch.get_num_threads()} threads",
-            )
-        elif self.name == "cuda":
+            return override, f"{self.name} peak from TITAN_TPU_PEAK_FLOPS: {override / 1e12:.3g} TFLOP/s"
+        if self.name == "cpu":
+            flops = cpu_peak_flops(dtype)
+            return flops, (f"cpu {_dtype_name(dtype)} matmul, measured {flops / 1e9:.0f} GFLOP/s on "
+                           f"{torch.get_num_threads()} threads")
+        if self.name == "cuda":
             dev_name = torch.cuda.get_device_name(self.device)
             flops = cuda_peak_flops(dev_name)
             if flops is None:
@@ -238,10 +292,9 @@ class Backend:
                     stacklevel=2,
                 )
                 assumed = f"assumed {CUDA_FALLBACK_PEAK / 1e12:.0f} TFLOP/s bf16 dense"
-                self._peak = (CUDA_FALLBACK_PEAK, f"cuda {dev_name}: unknown card, {assumed}")
-            else:
-                self._peak = (flops, f"cuda {dev_name}: bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s")
-        elif self.name == "tpu":
+                return CUDA_FALLBACK_PEAK, f"cuda {dev_name}: unknown card, {assumed}"
+            return flops, f"cuda {dev_name}: bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s"
+        if self.name == "tpu":
             kind = _detect_tpu_kind(self.device)
             gen = tpu_generation(kind) if kind else None
             if gen is None:
@@ -253,18 +306,17 @@ class Backend:
                 )
             flops = tpu_peak_flops(gen)
             per = " per device (2 devices per chip)" if _TPU_DEVICES_PER_CHIP.get(gen, 1) > 1 else ""
-            self._peak = (flops, f"tpu {gen} ({kind}): bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s{per}")
-        else:  # pragma: no cover - get_backend only builds the three names above
-            raise AssertionError(self.name)
-        return self._peak
+            return flops, f"tpu {gen} ({kind}): bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s{per}"
+        raise AssertionError(self.name)  # pragma: no cover - get_backend only builds the three names
 
-    def peak_flops(self) -> float:
-        """Per-device dense peak FLOP/s used as the MFU denominator."""
-        return self._peak_and_description()[0]
+    def peak_flops(self, dtype: torch.dtype = torch.float32) -> float:
+        """Per-device dense peak FLOP/s for compute in `dtype`, the MFU denominator."""
+        return self._peak_and_description(dtype)[0]
 
-    def peak_description(self) -> str:
-        """One line saying which peak MFU is measured against (printed at the start of training)."""
-        return self._peak_and_description()[1]
+    def peak_description(self, dtype: torch.dtype = torch.float32) -> str:
+        """One line saying which peak MFU is measured against, naming its dtype (printed at the
+        start of training)."""
+        return self._peak_and_description(dtype)[1]
 
     # -- memory and synchronisation -------------------------------------------------------------
 
@@ -308,6 +360,10 @@ class Backend:
             torch.cuda.synchronize(self.device)
         elif self.name == "tpu":
             torch.tpu.synchronize(self.device.index)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def _detect_tpu_kind(device: torch.device) -> str | None:

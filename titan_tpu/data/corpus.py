@@ -8,6 +8,8 @@ Three kinds of source, chosen by ``--data.source``:
 * a directory: every ``.txt`` / ``.md`` / ``.py`` file under it (recursively), one document per file.
 * a ``.jsonl`` file: one JSON object per line, the document text under ``text_field``.
   (A single ``.txt`` / ``.md`` / ``.py`` file is also accepted, as one document.)
+* parquet / jsonl.gz / jsonl.zst / arrow files, globs of them, ``datasets.save_to_disk``
+  directories and directories holding such files: read by ``sources.py`` (pyarrow).
 
 Order is always deterministic (sorted paths, file line order) so that the same source gives the
 same token stream, and therefore the same batches, on every run and every rank.
@@ -21,6 +23,8 @@ import os
 import sysconfig
 from pathlib import Path
 from typing import Iterator
+
+from titan_tpu.data import sources
 
 STDLIB_SOURCE = "stdlib"
 TEXT_SUFFIXES = (".txt", ".md", ".py")
@@ -81,9 +85,13 @@ def _resolve(source: str | None) -> tuple[str, Path]:
     """Classify a source as ("stdlib" | "dir" | "jsonl" | "file", path), validating it."""
     if source is None or source == STDLIB_SOURCE:
         return "stdlib", _stdlib_root()
+    if sources.looks_like_hub(source):
+        raise sources.hub_error(source)
     path = Path(source).expanduser()
     if path.is_dir():
-        return "dir", path
+        return ("data" if sources.is_data_dir(path) else "dir"), path
+    if sources.has_glob(source) and not path.exists():
+        return "data", path
     if not path.exists():
         raise FileNotFoundError(
             f"corpus directory or file {str(path)!r} does not exist; set --data.source to an "
@@ -93,9 +101,11 @@ def _resolve(source: str | None) -> tuple[str, Path]:
         return "jsonl", path
     if path.suffix in TEXT_SUFFIXES:
         return "file", path
+    if sources.is_data_file(path):
+        return "data", path
     raise ValueError(
         f"corpus file {str(path)!r} has unsupported type {path.suffix!r}; set --data.source to a "
-        f"directory of {'/'.join(TEXT_SUFFIXES)} files or a .jsonl file"
+        f"directory of {'/'.join(TEXT_SUFFIXES)} files, or a {', '.join(sources.DATA_SUFFIXES)} file, directory or glob"
     )
 
 
@@ -140,10 +150,20 @@ def iter_documents(
         raw: Iterator[str] = (_read_text(p) for p in _source_files(kind, path))
     elif kind == "jsonl":
         raw = _iter_jsonl(path, text_field=text_field)
+    elif kind == "data":
+        raw = _texts(sources.iter_records(sources.resolve_files(str(source)), field=text_field), text_field)
     else:
         raw = iter([_read_text(path)])
-    describe = {"stdlib": "stdlib", "dir": "directory", "jsonl": "file", "file": "file"}[kind]
+    describe = {"stdlib": "stdlib", "dir": "directory", "jsonl": "file", "file": "file", "data": "source"}[kind]
     return _limit(raw, max_bytes=max_bytes, describe=f"{describe} {str(path)!r}")
+
+
+def _texts(values: Iterator[object], text_field: str) -> Iterator[str]:
+    for value in values:
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"data field {text_field!r} holds {type(value).__name__}, not text; set text_field to a "
+                             f"text column (or format = chat for message lists)")
+        yield value or ""
 
 
 def _limit(docs: Iterator[str], *, max_bytes: int | None, describe: str) -> Iterator[str]:
@@ -190,8 +210,10 @@ def corpus_fingerprint(source: str | None, *, text_field: str = "text", max_byte
     """
     kind, path = _resolve(source)
     h = hashlib.sha256()
-    h.update(f"{_FINGERPRINT_VERSION}|{kind}|{text_field if kind == 'jsonl' else ''}|{max_bytes}".encode())
-    if kind in ("stdlib", "dir"):
+    h.update(f"{_FINGERPRINT_VERSION}|{kind}|{text_field if kind in ('jsonl', 'data') else ''}|{max_bytes}".encode())
+    if kind == "data":
+        h.update("|".join(sources.files_fingerprint(sources.resolve_files(str(source)))).encode())
+    elif kind in ("stdlib", "dir"):
         h.update(str(path.resolve()).encode())
         for p in _source_files(kind, path):
             st = p.stat()

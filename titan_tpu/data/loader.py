@@ -177,6 +177,10 @@ class TokenLoader:
             positions = self._rank_slice(b * self.global_batch) % self.num_val_windows
             yield self._windows_to_batch(self.num_train_windows + positions)
 
+    def metrics(self) -> dict[str, float]:
+        """Per-source metrics for the log: none for one source (MixtureLoader reports shares)."""
+        return {}
+
     # -- checkpointing ----------------------------------------------------------------------
 
     def state_dict(self) -> dict:

@@ -3,13 +3,16 @@
 Layout of a shard directory::
 
     index.json          {"format", "version", "dtype", "vocab_size", "eos_id", "num_tokens",
-                         "num_documents", "shards": [{"file", "num_tokens"}, ...]}
+                         "num_documents", "shards": [{"file", "num_tokens", "crc32"}, ...]}
     shard_00000.bin     raw little-endian uint16/uint32 token ids (np.memmap-able)
     ...
 
 The stream is ``doc0 <eos> doc1 <eos> ...``: the loader packs it into fixed-length windows, so
 document boundaries need no other bookkeeping. A directory is built under a temporary name and
 renamed into place when complete, so an interrupted build never leaves something that opens.
+Each shard's size and CRC-32 are checked when the cache is opened (a shard truncated or changed on
+disk since it was written): ``prepare_dataset`` then rebuilds the cache, with a note. Indexes written
+before the checksum existed have no "crc32" and are checked by size only.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -79,8 +83,9 @@ class _ShardWriter:
     def _flush(self, n: int) -> None:
         joined = np.concatenate(self.pending)
         name = f"shard_{len(self.shards):05d}.bin"
-        joined[:n].tofile(self.out_dir / name)
-        self.shards.append({"file": name, "num_tokens": int(n)})
+        data = joined[:n].tobytes()
+        (self.out_dir / name).write_bytes(data)
+        self.shards.append({"file": name, "num_tokens": int(n), "crc32": zlib.crc32(data)})
         rest = joined[n:]
         self.pending = [rest] if len(rest) else []
         self.pending_tokens = len(rest)
@@ -185,6 +190,8 @@ class TokenShards:
             actual = path.stat().st_size if path.is_file() else None
             if actual != expected:
                 raise bad(f"{shard['file']} has {actual} bytes, the index says {expected}")
+            if "crc32" in shard and _file_crc32(path) != shard["crc32"]:
+                raise bad(f"{shard['file']} does not match the checksum written with it (changed on disk)")
             arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["num_tokens"],)))
         total = sum(len(a) for a in arrays)
         if total != index["num_tokens"] or total == 0:
@@ -214,6 +221,14 @@ class TokenShards:
             f"TokenShards({str(self.directory)!r}, tokens={self.num_tokens}, docs={self.num_documents}, "
             f"shards={len(self._arrays)}, dtype={self.dtype.name}, vocab={self.vocab_size})"
         )
+
+
+def _file_crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def _file_sha256(path: Path) -> str:
@@ -247,9 +262,13 @@ def prepare_dataset(
 
     if tokenizer_path is None:
         tok_file = cache_dir / "tokenizers" / f"bpe-{fingerprint[:16]}-v{vocab_size}" / "tokenizer.json"
+        tokenizer = None
         if tok_file.is_file():
-            tokenizer = load_tokenizer(tok_file)
-        else:
+            try:
+                tokenizer = load_tokenizer(tok_file)
+            except ValueError as e:  # the cache's own file, damaged on disk: train it again
+                print(f"data: retraining the damaged cached tokenizer ({e})", flush=True)
+        if tokenizer is None:
             t0 = time.perf_counter()
             tokenizer = train_bpe_tokenizer(documents(), vocab_size=vocab_size, save_path=tok_file)
             seconds = time.perf_counter() - t0

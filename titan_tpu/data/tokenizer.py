@@ -57,6 +57,16 @@ class Tokenizer:
         # encode_batch_fast skips computing character offsets, which we never use.
         return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, character span of each token) with special tokens recognised as such: what a chat
+        template's markers (``<|im_start|>``) need, as transformers tokenizes a rendered chat."""
+        self._tok.encode_special_tokens = False
+        try:
+            enc = self._tok.encode(text, add_special_tokens=False)
+        finally:
+            self._tok.encode_special_tokens = True
+        return enc.ids, enc.offsets
+
     def decode(self, ids: Sequence[int] | Iterable[int]) -> str:
         # Keep special tokens so a decoded packed stream shows its document separators.
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -122,7 +132,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises a bare Exception on malformed files
         raise ValueError(
-            f"tokenizer file {str(path)!r} is not a valid tokenizer.json ({e}); point "
-            f"--data.tokenizer_path at a Hugging Face fast-tokenizer file"
+            f"tokenizer file {str(path)!r} is not a valid tokenizer.json ({e}); it is damaged (re-download "
+            f"it) or of another format: point --data.tokenizer_path at a Hugging Face fast-tokenizer file"
         ) from None
     return Tokenizer(tok, path=path)

@@ -188,6 +188,35 @@ def hf_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def hf_fused_expert_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
+    """The expert tensors of transformers 5.x's fused layout (what its save_pretrained may write
+    instead of one tensor per expert): gate_up_proj [E, 2I, H] and down_proj [E, H, I] per MoE layer."""
+    shapes = {}
+    for i in range(args.n_layers):
+        if args.is_moe_layer(i):
+            m = args.moe
+            shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] = (m.num_experts, 2 * m.hidden_dim, args.dim)
+            shapes[f"model.layers.{i}.mlp.experts.down_proj"] = (m.num_experts, args.dim, m.hidden_dim)
+    return shapes
+
+
+def fuse_experts(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
+    """Hub layout (one tensor per expert) -> transformers 5.x's fused layout; the inverse of
+    `_unfuse_experts`."""
+    out = dict(hf_sd)
+    for i in range(args.n_layers):
+        if not args.is_moe_layer(i):
+            continue
+        prefix = f"model.layers.{i}.mlp.experts."
+        experts = range(args.moe.num_experts)
+        gate = [out.pop(f"{prefix}{j}.gate_proj.weight") for j in experts]
+        up = [out.pop(f"{prefix}{j}.up_proj.weight") for j in experts]
+        down = [out.pop(f"{prefix}{j}.down_proj.weight") for j in experts]
+        out[prefix + "gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
+        out[prefix + "down_proj"] = torch.stack(down)
+    return out
+
+
 def native_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
     """Native state-dict names -> shapes, computed from the args (no model needed)."""
     d, hd, f = args.dim, args.hd, args.ffn_hidden_dim

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_tpu.files import usual_permissions
 from titan_tpu.kernels import KernelConfig, document_ids_from_positions
 from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.transformer import LossOutput
@@ -157,6 +158,9 @@ def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.hf_config {path} has no config.json; point at a Hugging Face model "
                                     "directory (config.json, *.safetensors)")
+        from titan_tpu.models.hf_checkpoint import read_hf_config_json
+
+        read_hf_config_json(path / "config.json")  # a damaged file: one line, not transformers' traceback
         make = functools.partial(AutoConfig.from_pretrained, str(path))
     elif "/" in spec or spec.startswith("."):
         raise FileNotFoundError(f"model.hf_config {spec} is not a directory; give a Hugging Face model directory or a "
@@ -510,6 +514,9 @@ class HFCausalLM(nn.Module):
         if self._router is None or router_logits is None or len(router_logits) == 0:
             return ce_sum.new_zeros(())
         balancing_loss, num_experts, top_k, coef = self._router
+        # In fp32 whatever the compute dtype, as transformers' routers take their softmax in fp32.
+        router_logits = (router_logits.float() if isinstance(router_logits, torch.Tensor)
+                         else tuple(t.float() for t in router_logits))
         aux = balancing_loss(router_logits, num_experts=num_experts, top_k=top_k, attention_mask=None)
         return coef * aux.to(ce_sum.dtype)
 
@@ -678,8 +685,11 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:
     text = text_config(model.hf_model.config)
     embeddings = model.hf_model.get_input_embeddings()
     output = model.hf_model.get_output_embeddings()
-    skip = {id(embeddings.weight)} if embeddings is not None else set()
-    tied = output is not None and embeddings is not None and output.weight is embeddings.weight
+    # The stored weights: reading `.weight` under data parallelism or a compute cast returns a new
+    # (gathered, cast) tensor each time.
+    stored_embeddings = embeddings._parameters.get("weight") if embeddings is not None else None
+    skip = {id(stored_embeddings)} if stored_embeddings is not None else set()
+    tied = output is not None and stored_embeddings is not None and output._parameters.get("weight") is stored_embeddings
     moe = _moe_shape(text)
     n = 0.0
     for name, p in model.named_parameters():
@@ -721,17 +731,10 @@ def load_pretrained_weights(model: HFCausalLM, hf_dir: str | Path) -> None:
     or fused tensors of newer modeling code) apply; every rank reads it and keeps its shard. A
     directory whose weights do not fit the config (a missing tensor, another shape) is a one-line
     error."""
-    from transformers import AutoModelForCausalLM
-
     from titan_tpu.parallel.simple_fsdp import copy_full_
 
     hf_dir = Path(hf_dir)
-    try:
-        loaded, info = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, output_loading_info=True,
-                                                            attn_implementation="sdpa")
-    except (RuntimeError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"the weights in {hf_dir} do not fit its config.json ({first[:300]})") from None
+    loaded, info = read_pretrained(hf_dir)
     problems = [f"missing {k}" for k in info.get("missing_keys", [])]
     problems += [f"{k}: {tuple(a)} in the files, the config wants {tuple(b)}" for k, a, b in info.get("mismatched_keys", [])]
     if problems:
@@ -744,6 +747,34 @@ def load_pretrained_weights(model: HFCausalLM, hf_dir: str | Path) -> None:
             continue  # a buffer transformers does not save
         copy_full_(target, source[key])
     del loaded, source
+
+
+def reference_attention(config) -> str:
+    """The attention transformers' own model of `config` runs with when we only read its weights or
+    compare against it: sdpa where the model class supports it, its eager attention otherwise
+    (Gemma 2, BLOOM: asking those for sdpa is an error, not a fallback)."""
+    return "sdpa" if getattr(_model_class(config), "_supports_sdpa", False) else "eager"
+
+
+def read_pretrained(hf_dir: Path):
+    """transformers' own from_pretrained of `hf_dir` in fp32 -> (model, loading info). A file that does
+    not fit the config (another shape, an unreadable tensor) is a one-line error blaming the weights;
+    anything else transformers refuses is reported as transformers' own message."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from titan_tpu.models.hf_checkpoint import check_safetensors_file
+
+    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+        check_safetensors_file(file)  # truncated or damaged: one line naming the file
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, output_loading_info=True,
+                                                    attn_implementation=reference_attention(config))
+    except (RuntimeError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        weights = isinstance(e, RuntimeError) or any(w in first for w in ("size mismatch", "shape", "safetensors"))
+        what = "the weights in {} do not fit its config.json" if weights else "transformers cannot load {}"
+        raise ValueError(f"{what.format(hf_dir)} ({first[:300]})") from None
 
 
 def export_hf(args: HFArgs, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
@@ -765,4 +796,5 @@ def export_hf(args: HFArgs, state_dict: dict[str, torch.Tensor], out_dir: str | 
     model.tie_weights()
     out_dir = Path(out_dir)
     model.save_pretrained(str(out_dir))
+    usual_permissions(out_dir)  # safetensors writes 0600 files; an export is for others to read too
     return out_dir

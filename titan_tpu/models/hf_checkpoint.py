@@ -9,16 +9,20 @@ Layout written and read (the one `save_pretrained` produces):
 import json
 import os
 import shutil
+import struct
 import uuid
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from titan_tpu.files import read_json_file, usual_permissions
+
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
 from titan_tpu.models.hf_adapter import (
     from_hf_state_dict,
     hf_config_from_model_args,
+    hf_fused_expert_shapes,
     hf_param_shapes,
     model_args_from_hf_config,
     native_param_shapes,
@@ -27,6 +31,49 @@ from titan_tpu.models.hf_adapter import (
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
+REDOWNLOAD = "re-download or re-export the model directory"
+
+
+def check_safetensors_file(path: str | Path) -> None:
+    """One ValueError naming ``path`` if it is not a whole safetensors file: a truncated file (an
+    interrupted download or copy) or a damaged header. Reads only the header: the format stores an
+    8-byte header length, a JSON header giving every tensor's byte range, then the data, so a whole
+    file is exactly as long as its header says. (The format has no checksum: a flipped bit inside the
+    tensor data cannot be told from a real value.)"""
+    path = Path(path)
+    size = path.stat().st_size
+
+    def damaged(why: str) -> ValueError:
+        return ValueError(f"{path} is damaged ({why}); {REDOWNLOAD}")
+
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise damaged(f"{size} bytes, shorter than a safetensors header")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise damaged(f"its header claims {header_len:,} bytes, the file has {size:,}: truncated")
+        try:
+            header = json.loads(f.read(header_len).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise damaged(f"the header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise damaged("the header is not a JSON object")
+    try:
+        data_end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise damaged("a tensor entry of the header has no valid data_offsets") from None
+    if 8 + header_len + data_end != size:
+        raise damaged(f"{size:,} bytes where its header describes {8 + header_len + data_end:,}"
+                      f"{': truncated' if size < 8 + header_len + data_end else ''}")
+
+
+def read_hf_config_json(path: str | Path) -> dict:
+    """A model directory's config.json, with a one-line error when it is damaged."""
+    config = read_json_file(path, what="config", fix=REDOWNLOAD)
+    if not isinstance(config, dict):
+        raise ValueError(f"config {path} is damaged (not a JSON object); {REDOWNLOAD}")
+    return config
 
 
 def load_hf_checkpoint(hf_dir: str | Path) -> tuple[str, TransformerArgs, dict[str, Tensor]]:
@@ -44,33 +91,42 @@ def load_hf_checkpoint(hf_dir: str | Path) -> tuple[str, TransformerArgs, dict[s
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} is missing; an HF checkpoint needs its config.json")
-    name, args = model_args_from_hf_config(json.loads(config_path.read_text()))
+    name, args = model_args_from_hf_config(read_hf_config_json(config_path))
 
     shard_files = _shard_files(hf_dir)
+    for shard in shard_files:
+        check_safetensors_file(shard)
     expected = hf_param_shapes(args)
+    # Experts may be stored one tensor each (the hub layout) or fused (transformers 5.x's layout):
+    # both are known names here; from_hf_state_dict unfuses, then checks that every expert is there.
+    fused = hf_fused_expert_shapes(args)
+    known = {**expected, **fused}
     hf_sd: dict[str, Tensor] = {}
     for shard in shard_files:
         with safe_open(str(shard), framework="pt") as f:
             for key in f.keys():
                 if key.endswith("rotary_emb.inv_freq"):
                     continue  # derived buffer saved by old transformers versions
-                if key not in expected:
+                if key not in known:
                     raise ValueError(
                         f"unexpected tensor {key!r} in {shard.name}; it does not belong to the "
                         f"{name} model described by config.json"
                     )
                 got = tuple(f.get_slice(key).get_shape())
-                if got != expected[key]:
+                if got != known[key]:
                     raise ValueError(
                         f"tensor {key!r} in {shard.name} has shape {list(got)}, expected "
-                        f"{list(expected[key])} from config.json"
+                        f"{list(known[key])} from config.json"
                     )
         # Shapes are fine: now read this shard's tensors.
         with safe_open(str(shard), framework="pt") as f:
             for key in f.keys():
-                if key in expected:
+                if key in known:
                     hf_sd[key] = f.get_tensor(key)
-    for key in expected:
+    fused_layers = {k.rpartition(".mlp.")[0] for k in hf_sd if k in fused}
+    needed = [k for k in expected if not (".mlp.experts." in k and k.rpartition(".mlp.")[0] in fused_layers)]
+    needed += [k for k in fused if k.rpartition(".mlp.")[0] in fused_layers]  # both fused tensors of a layer
+    for key in needed:
         # HF drops lm_head.weight from tied checkpoints; untied ones must have it.
         if key not in hf_sd and not (key == "lm_head.weight" and args.tie_embeddings):
             raise ValueError(f"tensor {key!r} is missing from the checkpoint in {hf_dir}")
@@ -80,7 +136,10 @@ def load_hf_checkpoint(hf_dir: str | Path) -> tuple[str, TransformerArgs, dict[s
 def _shard_files(hf_dir: Path) -> list[Path]:
     index_path = hf_dir / _INDEX
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        index = read_json_file(index_path, what="index", fix=REDOWNLOAD)
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise ValueError(f"index {index_path} is damaged (no weight_map object); {REDOWNLOAD}")
+        weight_map = index["weight_map"]
         files = [hf_dir / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -150,6 +209,7 @@ def save_hf_checkpoint(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        usual_permissions(tmp)  # safetensors writes 0600 files; an export is for others to read too
         _swap_into_place(tmp, hf_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

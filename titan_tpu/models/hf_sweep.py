@@ -110,15 +110,16 @@ def _every_layer_kind(values: list, layers: int) -> list:
     return (kinds + values)[:max(layers, len(kinds))]
 
 
-def tiny_overrides(model_type: str) -> dict:
+def tiny_overrides(model_type: str, config=None) -> dict:
     """The config values that make `model_type` tiny: TINY_SIZES where its config (or text config)
     has the key, one layer of each kind, dropouts 0, token ids inside the tiny vocab, then
-    TYPE_OVERRIDES."""
+    TYPE_OVERRIDES. `config`: a real config to shrink (titan-tpu verify --tiny of a directory);
+    default: the type's default config."""
     from transformers import AutoConfig
 
     from titan_tpu.models.hf_backend import text_config
 
-    config = AutoConfig.for_model(model_type)
+    config = config if config is not None else AutoConfig.for_model(model_type)
     out = {}
     for target in {id(c): c for c in (config, text_config(config))}.values():
         values = target.to_dict()

@@ -17,6 +17,9 @@ the calibration in docs/planner.md):
   forward to the end of the backward (`gather` = "model"); so does a scanned stack in graph mode
   without full activation checkpointing, where scan's own partitioner saves each layer's gathered
   weights stacked (it never recomputes a collective).
+* Parameters, gradients and AdamW moments are fp32 (master weights) on one process too; there a
+  compute dtype below fp32 casts each weight when read (simple_fsdp.cast_for_compute), and the
+  cast copies stay alive from the forward to the backward like gathered weights kept whole.
 * The gradient of a gathered weight is full size (reduce dtype) until it is reduce-scattered
   into the shard: one parameter at a time when unrolled; a scanned stack's gradient whole when it
   was gathered whole, one layer's when gathered per layer (re-sharding).
@@ -49,6 +52,7 @@ class Collective:
     group_size: int
     bytes_per_step: float  # bytes each rank sends per optimizer step
     purpose: str
+    calls: int = 0  # collective calls per optimizer step (each pays the hardware's per-call latency)
 
 
 @dataclass(frozen=True)
@@ -85,9 +89,9 @@ class Layout:
         return self.world > 1
 
     def master_bytes(self) -> int:
-        """Bytes per stored parameter element: fp32 master weights when sharded, else the model
-        is stored in its compute dtype (trainer._build_model)."""
-        return 4 if self.sharded else self.compute_bytes
+        """Bytes per stored parameter element: fp32 master weights, on one device as on many
+        (docs/mixed_precision.md)."""
+        return 4
 
     def stored_elements(self, total_params: int) -> float:
         """Elements of parameters (and of each AdamW moment, and of the sharded gradient) a rank
@@ -101,11 +105,13 @@ class Layout:
 
     def gathered_bytes(self, *, block_params: int, expert_params: int, n_layers: int) -> float:
         """Gathered compute copies of block weights a rank holds through the forward and backward
-        (see the module docstring and `gather`); 0 on one process, where weights are used in place,
-        and with tensor parallelism alone in fp32 (nothing to gather, nothing to cast)."""
-        if not self.sharded or (self.dp_shard * self.dp_replicate == 1 and self.compute_bytes == 4):
-            return 0.0
+        (see the module docstring and `gather`). Without data-parallel axes (one process, or
+        tensor parallelism alone) nothing is gathered: fp32 weights are used in place (0); a lower
+        compute dtype's cast copies are kept from the forward to the backward, all of them (nothing
+        re-casts per layer there)."""
         local = self.local_block_elements(block_params=block_params, expert_params=expert_params)
+        if self.dp_shard * self.dp_replicate == 1:
+            return 0.0 if self.compute_bytes == 4 else local * self.compute_bytes
         if self.gather == "layer":
             local = min(local, 2 * local / n_layers)
         return local * self.compute_bytes
@@ -125,9 +131,13 @@ class Layout:
 
     def step_collectives(self, *, total_params: int, expert_params: int, micro_batches: int,
                          moe_layers: int, tokens_per_micro_batch: int, dim: int, top_k: int,
-                         recompute_blocks: bool, regathered_params: int = 0, n_layers: int = 0) -> list[Collective]:
-        """Every collective of one optimizer step with the bytes each rank sends. regathered_params:
-        block parameters gathered a second time in the backward (re-sharding after the forward)."""
+                         recompute_blocks: bool, regathered_params: int = 0, gathers: int = 0,
+                         regathers: int = 0, n_layers: int = 0) -> list[Collective]:
+        """Every collective of one optimizer step with the bytes each rank sends and its calls.
+        regathered_params: block parameters gathered a second time in the backward (re-sharding
+        after the forward); gathers / regathers: collective calls of SimpleFSDP per micro-batch
+        in the forward / again in the backward (`collective_calls`); n_layers: blocks (tensor
+        parallelism's collectives are per block)."""
         out = []
         n, r, ep = self.dp_shard, self.dp_replicate, self.ep
         # What the data-parallel axes move: this rank's tp shard.
@@ -139,16 +149,17 @@ class Layout:
             m = n // ep
             ag = micro_batches * (dense * (n - 1) / n + shard_axis_experts * (m - 1) / m) * self.compute_bytes
             rs = micro_batches * (dense * (n - 1) / n + shard_axis_experts * (m - 1) / m) * self.reduce_bytes
-            out.append(Collective("all_gather", "dp_shard", n, ag, "weights, forward"))
+            out.append(Collective("all_gather", "dp_shard", n, ag, "weights, forward", micro_batches * gathers))
             if regathered_params:
                 share = regathered_params / max(total_params, 1)
                 out.append(Collective("all_gather", "dp_shard", n, ag * share,
-                                      "block weights again, backward (re-shard after forward)"))
-            out.append(Collective("reduce_scatter", "dp_shard", n, rs, "gradients, backward"))
+                                      "block weights again, backward (re-shard after forward)",
+                                      micro_batches * regathers))
+            out.append(Collective("reduce_scatter", "dp_shard", n, rs, "gradients, backward", micro_batches * gathers))
         if r > 1:
             shard = total_params / n
             out.append(Collective("all_reduce", "dp_replicate", r, 2 * (r - 1) / r * shard * self.reduce_bytes,
-                                  "gradients over replicas, once per step"))
+                                  "gradients over replicas, once per step", gathers))
         if ep > 1 and moe_layers:
             t = tokens_per_micro_batch
             # forward: gather x [T, D] (+ routing [T, k] int64 and weights), reduce-scatter y [ep T, D];
@@ -156,8 +167,10 @@ class Layout:
             passes = 2 + (1 if recompute_blocks else 0)
             per_layer = (t * dim * self.compute_bytes + t * top_k * (8 + self.compute_bytes)) * (ep - 1) \
                 + ep * t * dim * self.compute_bytes * (ep - 1) / ep
+            # Calls: tokens, choices and weights gathered and the outputs reduce-scattered, per pass.
             out.append(Collective("all_gather+reduce_scatter", "ep", ep,
-                                  micro_batches * moe_layers * passes * per_layer, "MoE token dispatch"))
+                                  micro_batches * moe_layers * passes * per_layer, "MoE token dispatch",
+                                  micro_batches * moe_layers * passes * 4))
         if self.tp > 1:
             out += self.tp_collectives(micro_batches=micro_batches, n_layers=n_layers,
                                        tokens_per_micro_batch=tokens_per_micro_batch, dim=dim,
@@ -166,12 +179,36 @@ class Layout:
 
     def tp_collectives(self, *, micro_batches: int, n_layers: int, tokens_per_micro_batch: int, dim: int,
                        recompute_blocks: bool) -> list[Collective]:
-        """Tensor parallelism's activation collectives (module docstring), bytes each rank sends."""
+        """Tensor parallelism's activation collectives (module docstring), bytes each rank sends
+        and calls."""
         tp, t = self.tp, tokens_per_micro_batch
         one = (tp - 1) / tp * t * dim * self.compute_bytes  # one all-gather or reduce-scatter of [T, D]
         per_pass = 4 * n_layers + 2
         passes = 2 * per_pass + (4 * n_layers if recompute_blocks else 0)
         loss = 3 * 2 * (tp - 1) / tp * t * 4
         return [Collective("all_gather+reduce_scatter", "tp", tp, micro_batches * passes * one,
-                           "sequence-parallel activations, forward and backward"),
-                Collective("all_reduce", "tp", tp, micro_batches * loss, "vocabulary-parallel loss")]
+                           "sequence-parallel activations, forward and backward", micro_batches * passes),
+                Collective("all_reduce", "tp", tp, micro_batches * loss, "vocabulary-parallel loss",
+                           micro_batches * 3)]
+
+
+def collective_calls(*, tensors_per_layer: list[int], bytes_per_layer: list[float], outside_tensors: int,
+                     bucket_bytes: float, scanned_whole: bool, regather: bool) -> tuple[int, int]:
+    """(calls per forward, calls again in the backward) of SimpleFSDP's gathers (each has its
+    gradient reduction) on a sharded mesh (parallel/buckets.py, simple_fsdp.py). Per parameter
+    (bucket_bytes 0): one per parameter tensor. Bucketed: one per piece outside the blocks
+    (embedding, final norm, output) and, per block, its tensors cut into runs of at most
+    bucket_bytes (taken as ceil(block bytes / bucket_bytes), at most one per tensor); a scanned
+    stack gathered whole (scanned_whole: not re-sharded) is one piece of stacked tensors.
+    regather: block buckets gathered again in the backward (re-sharding after the forward), all
+    but the last block's, which stays gathered from its forward into its backward."""
+    if bucket_bytes <= 0:
+        return sum(tensors_per_layer) + outside_tensors, 0
+
+    def runs(tensors: int, nbytes: float) -> int:
+        return min(tensors, max(1, -(-int(nbytes) // int(bucket_bytes))))
+
+    if scanned_whole:
+        return runs(max(tensors_per_layer), sum(bytes_per_layer)) + outside_tensors, 0
+    per_block = [runs(t, b) for t, b in zip(tensors_per_layer, bytes_per_layer)]
+    return sum(per_block) + outside_tensors, sum(per_block[:-1]) if regather else 0

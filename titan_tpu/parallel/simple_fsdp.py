@@ -33,7 +33,8 @@ from titan_tpu.parallel.reshard import LayerGather, ReshardHooks
 from titan_tpu.parallel.expert_parallel import ExpertParallelDispatch, expert_placements
 from titan_tpu.parallel.tensor_parallel import TP_AXIS, tp_placement
 
-__all__ = ["MixedPrecision", "copy_full_", "data_parallel", "default_mixed_precision", "local_bytes", "materialize_and_init", "MODES"]
+__all__ = ["MixedPrecision", "cast_for_compute", "copy_full_", "data_parallel", "default_mixed_precision", "local_bytes",
+           "materialize_and_init", "MODES"]
 
 MODES = ("replicate", "fully_shard", "hybrid_shard")
 
@@ -41,15 +42,16 @@ MODES = ("replicate", "fully_shard", "hybrid_shard")
 @dataclass
 class MixedPrecision:
     """Compute and gradient-reduction dtypes. Stored (master) parameters and the optimizer state
-    keep the dtype the model was built in (fp32)."""
+    keep the dtype the model was built in (fp32), on one device (`cast_for_compute`) as on many
+    (`data_parallel`): docs/mixed_precision.md."""
 
     param_dtype: torch.dtype = torch.float32  # dtype parameters are all-gathered to and computed in
     reduce_dtype: torch.dtype = torch.float32  # dtype gradients are reduced in
 
 
 def default_mixed_precision(device_type: str) -> MixedPrecision:
-    """fp32 throughout on CPU (bf16 matmuls there are ~100x slower); bf16 compute with fp32
-    gradient reduction on accelerators."""
+    """model.dtype auto: fp32 throughout on CPU (bf16 there is opt-in, for CPUs with bf16
+    instructions); bf16 compute with fp32 gradient reduction on accelerators."""
     if device_type == "cpu":
         return MixedPrecision()
     return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -170,11 +172,16 @@ def _replicate_for_compute(param: DTensor, mp: MixedPrecision) -> torch.Tensor:
 
 def _compute_tensor(module: nn.Module, name: str) -> torch.Tensor:
     """What reading `module.<name>` returns: the gathered tensor, from its bucket while the root
-    module's forward runs (buckets.py), else gathered on its own."""
+    module's forward runs (buckets.py), else gathered on its own; on one device (a plain stored
+    tensor, `cast_for_compute`) the stored tensor cast to the compute dtype, whose backward casts
+    the gradient back to the stored dtype."""
     bucket = module.__dict__.get("_simple_fsdp_buckets", {}).get(name)
     if bucket is not None and bucket.open:
         return bucket.get(module, name)
-    return _replicate_for_compute(module._parameters[name], module._simple_fsdp_mp)
+    param = module._parameters[name]
+    if not isinstance(param, DTensor):
+        return param.to(module._simple_fsdp_mp.param_dtype)
+    return _replicate_for_compute(param, module._simple_fsdp_mp)
 
 
 _PARAMETRIZED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -238,6 +245,19 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPre
     _install_buckets(model, mp, bucket_mb, reshard_after_forward=reshard_after_forward)
     if expert_mesh is not None:
         model.expert_dispatch.dispatch = ExpertParallelDispatch(expert_mesh)
+    return model
+
+
+def cast_for_compute(model: nn.Module, mp: MixedPrecision | None) -> nn.Module:
+    """One device: keep `model`'s stored parameters (fp32 master weights, which the optimizer
+    updates and checkpoints save) and make reading `module.<param>` return it cast to
+    `mp.param_dtype`, through the same parametrization as `data_parallel` without the collectives.
+    So `model.dtype` means the compute dtype on one device as on many. In place; a model already
+    stored in the compute dtype (or mp None) is returned unchanged: nothing to cast."""
+    if mp is None or all(p.dtype == mp.param_dtype for p in model.parameters()):
+        return model
+    for sub in model.modules():
+        _parametrize_module(sub, mp)
     return model
 
 
@@ -365,10 +385,11 @@ class BlockGather:
 
 @torch.no_grad()
 def materialize_and_init(
-    model: nn.Module, mesh: DeviceMesh | None, *, mode: str, mp: MixedPrecision, device: torch.device, seed: int,
+    model: nn.Module, mesh: DeviceMesh | None, *, mode: str, mp: MixedPrecision | None, device: torch.device, seed: int,
     expert_mesh: DeviceMesh | None = None, bucket_mb: float = DEFAULT_BUCKET_MB, reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Initialise a meta-device Transformer on `device`, sharded on `mesh` (plain when None).
+    """Initialise a meta-device Transformer on `device`, sharded on `mesh` (plain when None, then
+    computed in `mp.param_dtype` through `cast_for_compute`).
 
     Walks `model.init_plan()`: each piece (embedding, one block, final norm, output) is
     materialised at full size, initialised, and immediately sharded, so a rank never holds more
@@ -383,7 +404,7 @@ def materialize_and_init(
         model.to_empty(device=device)
         torch.manual_seed(seed)
         model.init_weights()
-        return model
+        return cast_for_compute(model, mp)
     placements = _placements(mode, mesh)
     torch.manual_seed(seed)
     for _, piece, init in model.init_plan():

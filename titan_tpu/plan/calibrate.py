@@ -132,14 +132,15 @@ def measure_runtime_bytes(out_dir: Path, tokenizer: str, python: str, *, graph: 
     return result["measured_peak_gb"] * 1e9 - plan.peak_bytes
 
 
-def measure_collective_rate(python: str) -> float:
-    """Bytes/s a rank sends into gloo's collectives between two processes (plan/collective_rate.py)."""
+def measure_collective_rate(python: str) -> dict:
+    """{"bytes_per_s", "latency_s", ...}: what a rank sends per second into gloo's collectives
+    between two processes and a small collective's time (plan/collective_rate.py)."""
     torchrun = str(Path(python).with_name("torchrun"))
     out = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "-m", "titan_tpu.plan.collective_rate"],
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"collective rate measurement failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["bytes_per_s"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 _LIVE_PROBE = r"""
@@ -232,6 +233,7 @@ def _run_case(case: Case, out_dir: Path, tokenizer: str, python: str) -> dict:
     return {"name": case.name, "argv": args, "ranks": case.ranks, "debug": case.debug,
             "measured_peak_gb": steps[-1]["max_memory_gb"], "measured_tokens_per_s": best["tokens_per_s"],
             "measured_mfu": best["mfu"], "step_tokens_per_s": [r["tokens_per_s"] for r in steps],
+            "compile_s": steps[0].get("capture_s", 0.0) + steps[0].get("compile_s", 0.0),  # graph mode
             "wall_s": time.perf_counter() - start}
 
 
@@ -252,6 +254,7 @@ def predict(result: dict, hw_numbers: dict) -> dict:
                              "interconnect_bandwidth": hw_numbers.get("interconnect_bandwidth",
                                                                       hw_mod.CPU_COLLECTIVE_BANDWIDTH),
                              "runtime_bytes": hw_numbers["runtime_bytes"],
+                             "collective_latency": hw_numbers.get("collective_latency", hw_mod.CPU_COLLECTIVE_LATENCY),
                              "graph_runtime_bytes": hw_numbers.get("graph_runtime_bytes", hw_numbers["runtime_bytes"])})
     return plan_config(cfg, cpu)
 
@@ -318,8 +321,10 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
                       "runtime_bytes": measure_runtime_bytes(out, tokenizer, python), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "threads": os.cpu_count()}
         if any(c.ranks > 1 for c in cases):
-            hw_numbers["interconnect_bandwidth"] = measure_collective_rate(python)
-            print(f"gloo collective rate {hw_numbers['interconnect_bandwidth'] / 1e9:.2f} GB/s per rank", flush=True)
+            rate = measure_collective_rate(python)
+            hw_numbers["interconnect_bandwidth"], hw_numbers["collective_latency"] = rate["bytes_per_s"], rate["latency_s"]
+            print(f"gloo collective rate {rate['bytes_per_s'] / 1e9:.2f} GB/s per rank, "
+                  f"{rate['latency_s'] * 1e3:.2f} ms per small call", flush=True)
         if any("graph" in " ".join(c.overrides) for c in cases):
             hw_numbers["graph_runtime_bytes"] = measure_runtime_bytes(out, tokenizer, python, graph=True)
             print(f"graph-mode runtime resident memory {hw_numbers['graph_runtime_bytes'] / 1e9:.3f} GB", flush=True)

@@ -36,22 +36,40 @@ def measure_collective_rate(*, reps: int = 12) -> dict:
         shard, whole = torch.randn(numel), torch.randn(world * numel)
         gathered, reduced = torch.empty(world * numel), torch.empty(numel)
         for kind in ("all_gather", "reduce_scatter"):
-            times = []
-            for _ in range(reps + 2):
-                dist.barrier()
-                start = time.perf_counter()
-                if kind == "all_gather":
-                    dist.all_gather_into_tensor(gathered, shard)
-                else:
-                    dist.reduce_scatter_tensor(reduced, whole)
-                times.append(time.perf_counter() - start)
-            median = statistics.median(times[2:])  # the first two warm the connections up
+            median = _median_seconds(kind, reps=reps, shard=shard, whole=whole, gathered=gathered, reduced=reduced)
             sent = numel * 4 * (world - 1)
             sent_total += sent
             time_total += median
             by_size.append({"kind": kind, "mb_per_rank": numel * 4 / 1e6, "median_ms": median * 1e3,
                             "gb_per_s": sent / median / 1e9})
-    return {"bytes_per_s": sent_total / time_total, "by_size": by_size}
+    return {"bytes_per_s": sent_total / time_total, "by_size": by_size, "latency_s": measure_latency(reps=reps)}
+
+
+def measure_latency(*, reps: int = 12, numel: int = 1024) -> float:
+    """Median seconds of a 4 KB all-gather and reduce-scatter, averaged over the two kinds: what a
+    collective call costs beside its bytes (the planner's collective_latency for the CPU)."""
+    world = dist.get_world_size()
+    shard, whole = torch.randn(numel), torch.randn(world * numel)
+    gathered, reduced = torch.empty(world * numel), torch.empty(numel)
+    medians = [_median_seconds(kind, reps=reps, shard=shard, whole=whole, gathered=gathered, reduced=reduced)
+               for kind in ("all_gather", "reduce_scatter")]
+    return sum(medians) / len(medians)
+
+
+def _median_seconds(kind: str, *, reps: int, shard, whole, gathered, reduced) -> float:
+    """Median seconds of `reps` calls of one collective ("all_gather" of shard into gathered, or
+    "reduce_scatter" of whole into reduced), each started together after a barrier; two more
+    calls first warm the connections up."""
+    times = []
+    for _ in range(reps + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        if kind == "all_gather":
+            dist.all_gather_into_tensor(gathered, shard)
+        else:
+            dist.reduce_scatter_tensor(reduced, whole)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
 
 
 def main() -> int:

@@ -3,7 +3,8 @@ device, each number with its source.
 
 Peak FLOP/s are dense bf16 per device, the same numbers titan_tpu/device.py uses as the MFU
 denominator (so a plan's MFU and a run's MFU share their denominator); this CPU's peak is its
-measured fp32 matmul rate (device.cpu_peak_flops). `efficiency` is the fraction of peak the
+measured matmul rate in the compute dtype (device.cpu_peak_flops; bf16 only on CPUs with bf16
+instructions). `efficiency` is the fraction of peak the
 planner assumes matmul-dominated work reaches; it is an assumption for accelerators (stated in
 docs/planner.md) and a calibrated number for this CPU (`titan-tpu plan --calibrate`).
 
@@ -45,6 +46,9 @@ class Hardware:
     runtime_bytes: float = 0.0  # memory the planner's terms do not model (CPU: the process itself)
     graph_runtime_bytes: float | None = None  # the same in graph mode (CPU: plus the compiled step); None: as eager
     source: str = ""
+    # Seconds each collective call costs beside its bytes (launch, synchronisation). Accelerators: 0,
+    # not modelled (no measurement here); the CPU: CPU_COLLECTIVE_LATENCY.
+    collective_latency: float = 0.0
 
     def mode_constants(self, *, graph: bool) -> tuple[float, float, float]:
         """(matmul efficiency, elementwise efficiency, runtime bytes) of an eager or a graph-mode
@@ -119,6 +123,14 @@ CPU_GRAPH_RUNTIME_BYTES = 0.484e9
 # 2026-12-01: 0.36-0.71 GB/s by kind and size). It was taken as a quarter of the copy rate (6.5
 # GB/s) before; the calibration measures it in each sitting.
 CPU_COLLECTIVE_BANDWIDTH = 0.53e9
+# CPU_COLLECTIVE_LATENCY: seconds a collective call costs beside its bytes on this CPU: the median
+# time of a 4 KB gloo all-gather and reduce-scatter between two processes (plan/collective_rate.py,
+# 2026-12-01, AMD EPYC: 2.0 and 0.5 ms in two sittings minutes apart; their mean. The README's
+# profile of a 2-rank eager step with per-parameter collectives, 2026-11-30, saw ~2.6 ms per call
+# with DTensor's dispatch). It is what
+# makes per-parameter collectives (bucket_mb 0: 57 calls each way for llama3 debug) slower than
+# buckets (9) in the planner, as measured (retention 0.48 vs 0.68 on 2026-11-30).
+CPU_COLLECTIVE_LATENCY = 1.25e-3
 
 
 def measure_cpu_memory_bandwidth(nbytes: int = 1 << 27, reps: int = 5) -> float:
@@ -145,29 +157,34 @@ def _total_ram() -> float:
     return 16e9
 
 
-def cpu_hardware(*, measure: bool = True) -> Hardware:
-    """This machine: measured fp32 matmul peak and copy bandwidth (about 2 s), or, with
-    measure=False, nominal numbers (for tests and for plans that only need memory)."""
-    peak = device.cpu_peak_flops() if measure else 100e9
+def cpu_hardware(*, measure: bool = True, dtype: str = "float32") -> Hardware:
+    """This machine: measured matmul peak in the compute dtype (model.dtype; auto is float32 on
+    the CPU) and copy bandwidth (about 2 s), or, with measure=False, nominal numbers (for tests and
+    for plans that only need memory)."""
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    short = "bf16" if torch_dtype == torch.bfloat16 else "fp32"
+    peak = device.cpu_peak_flops(torch_dtype) if measure else 100e9
     bandwidth = measure_cpu_memory_bandwidth() if measure else 10e9
     return Hardware("cpu", peak, _total_ram(), bandwidth, CPU_COLLECTIVE_BANDWIDTH, efficiency=CPU_EFFICIENCY,
                     graph_efficiency=CPU_GRAPH_EFFICIENCY, graph_runtime_bytes=CPU_GRAPH_RUNTIME_BYTES,
                     elementwise_efficiency=CPU_ELEMENTWISE_EFFICIENCY,
-                    runtime_bytes=CPU_RUNTIME_BYTES,
-                    source=f"this machine: fp32 matmul peak {peak / 1e9:.0f} GFLOP/s and copy bandwidth "
+                    runtime_bytes=CPU_RUNTIME_BYTES, collective_latency=CPU_COLLECTIVE_LATENCY,
+                    source=f"this machine: {short} matmul peak {peak / 1e9:.0f} GFLOP/s and copy bandwidth "
                            f"{bandwidth / 1e9:.1f} GB/s {'measured now' if measure else '(nominal, not measured)'}; "
                            "RAM from /proc/meminfo; ranks of one run share it; collectives at gloo's measured "
-                           f"{CPU_COLLECTIVE_BANDWIDTH / 1e9:.2f} GB/s per rank (plan/collective_rate.py)")
+                           f"{CPU_COLLECTIVE_BANDWIDTH / 1e9:.2f} GB/s per rank (plan/collective_rate.py) and "
+                           f"{CPU_COLLECTIVE_LATENCY * 1e3:.1f} ms per call")
 
 
 def known_names() -> list[str]:
     return [*HARDWARE, "cpu"]
 
 
-def resolve_hardware(spec: str, *, measure: bool = True) -> tuple[Hardware, int | None]:
+def resolve_hardware(spec: str, *, measure: bool = True, dtype: str = "float32") -> tuple[Hardware, int | None]:
     """("v5p-1024" | "v5p" | "h100" | "cpu" ...) -> (hardware, chips or None). TPU slice names count
     TensorCores for v4 and v5p (2 per chip: v5p-1024 is 512 chips) and chips for v5e, v6e and v7,
-    as Google names them; GPU and cpu names may carry a device count (h100-8)."""
+    as Google names them; GPU and cpu names may carry a device count (h100-8). dtype: model.dtype,
+    the dtype the CPU's peak is measured in (accelerators: their bf16 table)."""
     text = spec.strip().lower()
     match = re.fullmatch(r"([a-z0-9]+?)(?:-(\d+))?", text)
     if match is None:
@@ -176,7 +193,7 @@ def resolve_hardware(spec: str, *, measure: bool = True) -> tuple[Hardware, int 
     generation = device.tpu_generation(name) if name not in HARDWARE and name != "cpu" else None
     name = generation or name
     if name == "cpu":
-        hw = cpu_hardware(measure=measure)
+        hw = cpu_hardware(measure=measure, dtype=dtype)
     elif name in HARDWARE:
         hw = HARDWARE[name]
     else:

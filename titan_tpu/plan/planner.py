@@ -26,6 +26,7 @@ Eager runs (no scheduler to overlap) use the first, graph mode the second.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -38,7 +39,7 @@ from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memor
 from titan_tpu.models.common.transformer import ActivationBytes, activation_bytes
 from titan_tpu.models.registry import (flops_per_token, largest_param, num_active_params, num_expert_params,
                                        num_params)
-from titan_tpu.parallel.plan_terms import Layout
+from titan_tpu.parallel.plan_terms import Layout, collective_calls
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
 from titan_tpu.train.optim import update_buffers
@@ -72,19 +73,27 @@ class Plan:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
 
-def for_planning(toml_path, overrides: list[str] | None = None) -> Config:
-    """The config as the machine it is written for would load it. Planning runs nothing, so the
-    one check that needs that machine's software (compile.backend tpu wants TorchTPU installed)
-    is answered yes; every other check runs as usual."""
+@contextlib.contextmanager
+def planning_machine():
+    """Config checks as the machine a config is written for would run them. Planning runs
+    nothing, so the one check that needs that machine's software (compile.backend tpu wants
+    TorchTPU installed) is answered yes; every other check runs as usual."""
     from titan_tpu import device
-    from titan_tpu.config import build_config
 
     saved = device._tpu_installed
     device._tpu_installed = lambda: True
     try:
-        return build_config(toml_path, overrides)
+        yield
     finally:
         device._tpu_installed = saved
+
+
+def for_planning(toml_path, overrides: list[str] | None = None) -> Config:
+    """The config as the machine it is written for would load it (`planning_machine`)."""
+    from titan_tpu.config import build_config
+
+    with planning_machine():
+        return build_config(toml_path, overrides)
 
 
 def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, int | None]:
@@ -92,7 +101,7 @@ def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, in
     recipe names its slice in job.description ("TPU v5p-2048: 1,024 chips")."""
     t = cfg.training.device
     if t in ("cpu", "auto"):
-        return resolve_hardware("cpu", measure=measure)
+        return resolve_hardware("cpu", measure=measure, dtype=cfg.model.dtype)
     if t == "tpu":
         from titan_tpu.device import tpu_generation
 
@@ -150,11 +159,12 @@ def code_gather(cfg: Config) -> str:
 
 
 def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
-                measure: bool = True, gather: str | None = None) -> Plan:
+                measure: bool = True, gather: str | None = None, model_args=None) -> Plan:
     """The plan of `cfg` on `hardware` (default: what the config names, see `default_hardware`)
     with `chips` chips (default: the config's mesh, or the chip count the recipe names).
     gather: None for what the code does with this config (`code_gather`), or "model" / "layer"
-    as a what-if (parallel/plan_terms.py Layout.gather)."""
+    as a what-if (parallel/plan_terms.py Layout.gather). model_args: the model's TransformerArgs when
+    they are not a flavor of the table (titan-tpu verify of an HF directory); default: the config's."""
     code = code_gather(cfg)
     gather = gather or code
     if cfg.model.name == "hf":
@@ -165,7 +175,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         chips = chips if chips is not None else named_chips
     devices = chips * hardware.devices_per_chip if chips is not None else None
     dp_replicate, dp_shard, devices = _mesh(cfg, devices)
-    args = model_args_from_config(cfg)
+    args = model_args if model_args is not None else model_args_from_config(cfg)
     tp = cfg.parallelism.tp
     if tp > 1:
         check_tensor_parallel(args, tp, seq_len=cfg.training.seq_len)
@@ -272,12 +282,16 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     forward_share = 1 / 3 if ac == "full" else 0.0
     executed_rank = model_flops_rank * (1 + forward_share)
 
+    gathers, regathers = collective_calls(
+        tensors_per_layer=_layer_tensors(args), bytes_per_layer=[g * cb for g in _layer_params(args)],
+        outside_tensors=2 if args.tie_embeddings else 3, bucket_bytes=cfg.parallelism.bucket_mb * 2**20,
+        scanned_whole=scanned and not per_layer_stack, regather=gather == "layer")
     collectives = layout.step_collectives(total_params=total, expert_params=experts,
                                           micro_batches=t.grad_accum_steps, moe_layers=args.num_moe_layers,
                                           tokens_per_micro_batch=tokens, dim=args.dim,
                                           top_k=args.moe.top_k if args.moe else 0, recompute_blocks=ac == "full",
                                           regathered_params=block_params if gather == "layer" else 0,
-                                          n_layers=args.n_layers)
+                                          gathers=gathers, regathers=regathers, n_layers=args.n_layers)
 
     # Time. On this CPU the ranks share the cores: each gets 1 / devices of the peak.
     share = devices if hardware.name == "cpu" else 1
@@ -289,7 +303,8 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if ac != "none" else 0)) * t.grad_accum_steps \
         + 12 * stored * mb
     elementwise_s = elementwise_bytes / (hardware.memory_bandwidth / share * elementwise_efficiency)
-    comm_s = sum(c.bytes_per_step for c in collectives) / hardware.interconnect_bandwidth
+    comm_s = sum(c.bytes_per_step for c in collectives) / hardware.interconnect_bandwidth + \
+        sum(c.calls for c in collectives) * hardware.collective_latency
     no_overlap = compute_s + elementwise_s + comm_s
     overlap = compute_s + elementwise_s + max(0.0, comm_s - compute_s)
     step_s = overlap if overlapped else no_overlap
@@ -371,6 +386,13 @@ def _layer_params(args) -> list[int]:
     return out
 
 
+def _layer_tensors(args) -> list[int]:
+    """Parameter tensors of each block: wq wk wv wo, two norms (and q/k norms), then w1 w2 w3 or
+    an MoE layer's router and three expert stacks."""
+    attention = 4 + 2 + (2 if args.qk_norm else 0)
+    return [attention + (4 if args.is_moe_layer(i) else 3) for i in range(args.n_layers)]
+
+
 def _advice(plan: Plan, cfg: Config, *, acts_share: float) -> list[str]:
     """What to change when it does not fit, biggest lever first."""
     if plan.fits:
@@ -436,7 +458,7 @@ def format_plan(plan: Plan) -> str:
         lines.append("communication per device per step:")
         for c in plan.communication:
             lines.append(f"  {c['kind']:26s} over {c['axis']:12s} ({c['group_size']:>4}): "
-                         f"{c['bytes_per_step'] / 1e9:9.3f} GB  {c['purpose']}")
+                         f"{c['bytes_per_step'] / 1e9:9.3f} GB in {c['calls']:>5} calls  {c['purpose']}")
     t = plan.time
     lines.append(f"time per step: compute {t['compute_s']:.4g} s (at {t['efficiency']:.0%} of "
                  f"{hw['peak_flops'] / 1e12:.4g} TFLOP/s), elementwise {t['elementwise_s']:.4g} s, collectives "

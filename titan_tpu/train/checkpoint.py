@@ -15,6 +15,11 @@ rank 0 writes ``checkpoint.json``, fsyncs, renames the directory to ``step-XXXXX
 ``latest`` (itself replaced atomically) and prunes old checkpoints. A process killed at any moment
 therefore leaves ``latest`` on a complete checkpoint, and no partial directory is ever visible.
 
+A save that fails (no space, no permission, an I/O error) on any rank fails on every rank, as one
+``CheckpointSaveError`` whose line names the checkpoint, the directory, the cause (with the bytes it
+needs and the bytes free when space ran out) and the previous checkpoint, which is untouched; the
+staging directory is removed so that its space is free for the next attempt.
+
 Loading goes through DCP into the caller's own tensors: their placements (plain tensors, or DTensors
 on any mesh) define the target sharding, so a checkpoint saved on N ranks loads on M ranks.
 Works with or without an initialized process group.
@@ -22,6 +27,7 @@ Works with or without an initialized process group.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -31,7 +37,7 @@ import threading
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -40,6 +46,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from titan_tpu.errors import RunError
 
 # DCP warns on every single-process save/load that it "assumes" a single process; that is our intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -157,18 +165,69 @@ def _split_state(state: dict[str, Any]) -> tuple[dict, Any, dict]:
 # saving
 
 
+class CheckpointSaveError(RunError):
+    """A checkpoint could not be written. Raised on every rank alike; the message is one line."""
+
+
+def _errno_of(e: BaseException) -> int | None:
+    """The OS error number behind ``e``, looking through DCP's per-rank wrapper and exception chains."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno
+        if isinstance(e, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None
+
+
+def _tensor_bytes(tree: dict) -> int:
+    """Bytes of every tensor in ``tree``, at their global size (a DTensor counts whole): about what
+    a checkpoint of it takes on disk, all ranks together."""
+    return sum(v.numel() * v.element_size() for v in _flatten(tree).values() if isinstance(v, torch.Tensor))
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes (for this user) on the filesystem of ``path`` or of its nearest existing parent."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _first_error(local: str | None) -> str | None:
+    """The first rank's error message if any rank has one (collective: every rank calls it)."""
+    if not _distributed():
+        return local
+    gathered: list[str | None] = [None] * _world_size()
+    dist.all_gather_object(gathered, local)
+    return next((m for m in gathered if m is not None), None)
+
+
 class Checkpointer:
     """Writes step checkpoints under ``checkpoint_dir``; every rank must call ``save``/``wait``/``close``.
 
     With ``async_save=True`` the tensors are copied to host memory (DCP's staging) and written by a
     background thread, so training continues; the step directory appears (rename + ``latest``) as
-    soon as the write finishes. Call ``close()`` before the process exits.
+    soon as the write finishes. Call ``close()`` before the process exits. A failed write raises
+    ``CheckpointSaveError`` (on every rank): from ``save`` when synchronous, from the next
+    ``wait``/``save``/``close`` when asynchronous. ``log`` receives warnings (rank 0 prints them).
     """
 
-    def __init__(self, checkpoint_dir: str | Path, *, keep_latest_k: int = 0, async_save: bool = False):
+    def __init__(self, checkpoint_dir: str | Path, *, keep_latest_k: int = 0, async_save: bool = False,
+                 log: Callable[[str], None] | None = None):
         self.dir = Path(checkpoint_dir)
         self.keep_latest_k = keep_latest_k
         self.async_save = async_save
+        self.log = log or (lambda message: print(message, flush=True) if _rank() == 0 else None)
         self._pending: _PendingSave | None = None
         self._async_group = None
         if async_save and _distributed():
@@ -185,41 +244,49 @@ class Checkpointer:
 
         Synchronous saves return once the directory is complete and ``latest`` names it; async
         saves return once the tensors are staged, and the directory appears later (see ``wait``).
+        Raises ``CheckpointSaveError`` when the write fails; the previous checkpoints stay as they were.
         """
         self.wait()  # one save in flight at a time; the previous one must be complete first
         tensors, rng, meta = _split_state(state)
         final = self.dir / step_dir_name(step)
         tmp = self.dir / f".{final.name}.tmp"
         rank = _rank()
+        needed = _tensor_bytes(tensors)
         if rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # debris of a save that died
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        _barrier()  # the directory exists before any rank writes into it
-        if rng is not None:
-            _write_durably(tmp / rng_file_name(rank), _torch_bytes(rng))
+            self._warn_if_short_of_space(final.name, needed)
+        error = self._attempt(lambda: self._make_staging_dir(tmp) if rank == 0 else None, final.name, needed)
+        self._raise_agreed(error, tmp)  # the directory exists before any rank writes into it
         meta = {**meta, "format": FORMAT_VERSION, "world_size": _world_size()}
         # Without a process group DCP must not attempt collectives (it would infer this too, noisily).
         no_dist = not _distributed()
         writer = FileSystemWriter(tmp)  # sync_files=True: every shard is fsynced
         if not self.async_save:
-            dcp.save(tensors, storage_writer=writer, no_dist=no_dist)
-            _barrier()
+            # DCP gathers every rank's write errors and raises them on all ranks alike.
+            error = self._attempt(lambda: dcp.save(tensors, storage_writer=writer, no_dist=no_dist), final.name, needed)
+            if error is None and rng is not None:
+                error = self._attempt(lambda: _write_durably(tmp / rng_file_name(rank), _torch_bytes(rng)),
+                                      final.name, needed)
+            self._raise_agreed(error, tmp)
             if rank == 0:
-                self._finalize(tmp, final, meta)
-            _barrier()  # no rank races ahead (e.g. reads ``latest``) before the rename
+                error = self._attempt(lambda: self._finalize(tmp, final, meta), final.name, needed)
+            self._raise_agreed(error, tmp)  # no rank races ahead (e.g. reads ``latest``) before the rename
             return final
+        error = None
+        if rng is not None:  # small: written now, from the main thread
+            error = self._attempt(lambda: _write_durably(tmp / rng_file_name(rank), _torch_bytes(rng)),
+                                  final.name, needed)
+        self._raise_agreed(error, tmp)
         future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group, no_dist=no_dist)
-        self._pending = _PendingSave(future, finalize=(lambda: self._finalize(tmp, final, meta)) if rank == 0 else None)
+        self._pending = _PendingSave(future, finalize=(lambda: self._finalize(tmp, final, meta)) if rank == 0 else None,
+                                     name=final.name, tmp=tmp, needed=needed)
         return final
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) is written and renamed into place."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
-            _barrier()
+            error = self._attempt(pending.result, pending.name, pending.needed)
+            self._raise_agreed(error, pending.tmp)
 
     def close(self) -> None:
         """Finish any async save; call before exit (also safe for synchronous checkpointers)."""
@@ -239,13 +306,21 @@ class Checkpointer:
         return sorted(found, key=lambda p: p.name)
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint: the one ``latest`` names, else the newest on disk."""
+        """The newest complete checkpoint: the one ``latest`` names, else the newest on disk.
+
+        A pointer naming a directory that is not complete (deleted, or copied in part) is a warning
+        naming both that directory and the one used instead."""
         pointer = self.dir / LATEST
+        found = self.complete_checkpoints()
         if pointer.is_file():
-            named = self.dir / pointer.read_text().strip()
+            name = pointer.read_text().strip()
+            named = self.dir / name
             if _is_complete(named):
                 return named
-        found = self.complete_checkpoints()
+            instead = (f"using the newest complete one, {found[-1].name}" if found
+                       else "there is no complete checkpoint, so the run starts from step 0")
+            self.log(f"warning: {pointer} names {name}, which is not a complete checkpoint "
+                     f"({'missing' if not named.exists() else f'no {STATE_FILE} or {DCP_METADATA}'}); {instead}")
         return found[-1] if found else None
 
     def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
@@ -254,14 +329,63 @@ class Checkpointer:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _make_staging_dir(self, tmp: Path) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # debris of a save that died
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+
+    def _warn_if_short_of_space(self, name: str, needed: int) -> None:
+        free = _free_bytes(self.dir)
+        if free < needed:
+            self.log(f"warning: checkpoint {name} needs about {_mb(needed)} and {self.dir} has {_mb(free)} free; "
+                     "the save will likely fail: free some space, lower checkpoint.keep_latest_k or use another "
+                     "--output_dir")
+
+    def _attempt(self, fn: Callable[[], Any], name: str, needed: int) -> str | None:
+        """Run ``fn``; None if it worked, else the one-line description of its failure."""
+        try:
+            fn()
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            return self._describe_failure(e, name, needed)
+        return None
+
+    def _describe_failure(self, e: BaseException, name: str, needed: int) -> str:
+        free = _free_bytes(self.dir)
+        code = _errno_of(e)
+        if code == errno.ENOSPC or (code is None and free < needed):
+            why = f"no space left on the device (it needs about {_mb(needed)}, {_mb(free)} are free)"
+        elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+            why = f"no permission to write there ({_cause(e)})"
+        else:
+            why = _cause(e)
+        previous = [p for p in self.complete_checkpoints() if p.name != name]
+        intact = (f"the previous checkpoint {previous[-1].name} is intact and is the one a restart resumes from"
+                  if previous else "no earlier checkpoint exists")
+        return f"checkpoint {name} could not be saved in {self.dir}: {why}; {intact}"
+
+    def _raise_agreed(self, local: str | None, tmp: Path) -> None:
+        """Every rank learns whether any rank failed; then all raise the first failure (rank 0
+        removing the staging directory first), or all go on together."""
+        error = _first_error(local)
+        if error is None:
+            return
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(error)
+
     def _finalize(self, tmp: Path, final: Path, meta: dict) -> None:
         """Rank 0, after every rank's files are written: marker, fsync, rename, pointer, prune."""
         # Record every file's size, so a truncated or missing shard is caught before DCP reads it.
         meta = {**meta, "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}}
         _write_durably(tmp / STATE_FILE, (json.dumps(meta, indent=1) + "\n").encode())
         _fsync_dir(tmp)
+        old = final.with_name(f".{final.name}.old")
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
+            # Moved aside in one rename, not deleted in place: a kill halfway through deleting it
+            # could leave a step directory that still looks complete but has lost shards.
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(self.dir)
         _atomic_write_text(self.dir / LATEST, final.name + "\n")
@@ -269,7 +393,7 @@ class Checkpointer:
 
     def _prune(self) -> None:
         # Hidden directories of saves that died (only one save is ever in flight, and it just finished).
-        for stale in self.dir.glob(".step-*.tmp"):
+        for stale in [*self.dir.glob(".step-*.tmp"), *self.dir.glob(".step-*.old")]:
             shutil.rmtree(stale, ignore_errors=True)
         if self.keep_latest_k <= 0:
             return
@@ -284,8 +408,9 @@ class _PendingSave:
     finished checkpoint becomes visible without waiting for the next ``save``/``close``.
     """
 
-    def __init__(self, future: Future, *, finalize):
+    def __init__(self, future: Future, *, finalize, name: str, tmp: Path, needed: int):
         self.future = future
+        self.name, self.tmp, self.needed = name, tmp, needed
         self.done = threading.Event()
         self.error: BaseException | None = None
 
@@ -321,6 +446,16 @@ def _is_complete(path: Path) -> bool:
     return (path / STATE_FILE).is_file() and (path / DCP_METADATA).is_file()
 
 
+def _fallback(path: Path) -> str:
+    """What to do about the damaged checkpoint ``path``: the next older complete one, and how to use it."""
+    older = [p for p in Checkpointer(path.parent).complete_checkpoints() if p.name < path.name]
+    if not older:
+        return "there is no older complete checkpoint beside it: move it away to start from step 0"
+    return (f"the next older complete checkpoint is {older[-1].name}: move {path.name} out of {path.parent} (or "
+            f"delete it) and a restart resumes from {older[-1].name}, or pass that directory where a checkpoint "
+            "path is asked for")
+
+
 def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     """The global state of a checkpoint (step, data, model identity, world size), after checking
     that the directory is a complete, untruncated checkpoint. One-line errors otherwise."""
@@ -334,15 +469,13 @@ def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     try:
         meta = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"checkpoint {path} is damaged ({STATE_FILE}: {e}); delete it to fall back to an "
-                         "older checkpoint") from None
+        raise ValueError(f"checkpoint {path} is damaged ({STATE_FILE}: {e}); {_fallback(path)}") from None
     for name, size in meta.get("files", {}).items():
         file = path / name
         actual = file.stat().st_size if file.is_file() else None
         if actual != size:
             found = "missing" if actual is None else f"{actual} bytes instead of {size}"
-            raise ValueError(f"checkpoint {path} is damaged ({name} is {found}); delete it to fall back to an "
-                             "older checkpoint")
+            raise ValueError(f"checkpoint {path} is damaged ({name} is {found}); {_fallback(path)}")
     return meta
 
 
@@ -402,8 +535,7 @@ def load(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
     except ValueError:
         raise
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        raise ValueError(f"checkpoint {path} cannot be read ({_cause(e)}); it is damaged: delete it to fall back to "
-                         "an older checkpoint") from None
+        raise ValueError(f"checkpoint {path} cannot be read ({_cause(e)}); it is damaged: {_fallback(path)}") from None
     result = {k: v for k, v in meta.items() if k not in ("format", "files")}
     result["rng"] = None
     rng_file = path / rng_file_name(_rank())
@@ -435,8 +567,7 @@ def load_full_state_dict(path: str | Path, *, key: str = "model") -> dict[str, A
         }
         dcp.load({key: targets}, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as e:
-        raise ValueError(f"checkpoint {path} cannot be read ({_cause(e)}); it is damaged: delete it to fall back to "
-                         "an older checkpoint") from None
+        raise ValueError(f"checkpoint {path} cannot be read ({_cause(e)}); it is damaged: {_fallback(path)}") from None
     return targets
 
 

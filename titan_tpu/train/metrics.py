@@ -1,4 +1,4 @@
-"""Training metrics to the console, a JSONL file and TensorBoard.
+"""Training metrics to the console, a JSONL file and the experiment trackers (train/trackers.py).
 
 `MetricsLogger.log(step, metrics)` takes a flat dict of numbers. Any keys are accepted; these are
 formatted specially on the console (in this order), the rest are printed as "key value":
@@ -10,11 +10,22 @@ formatted specially on the console (in this order), the rest are printed as "key
     tflops                 "0.076 TFLOP/s"     (achieved model TFLOP/s per device)
     mfu                    "MFU 6.1%"          (already a percentage: 6.1 means 6.1 %)
     memory_gb              "mem 1.23 GB"       (max_memory_gb, if present, is added as "(max 1.50)")
+    data_s                 "data 1.2 ms"       (seconds a step waited for its batches)
+
+`time` (the wall clock, for the report) goes to metrics.jsonl only. With ``total_steps`` the line
+starts with a progress bar and, from the second row of a process on, an ETA: the remaining steps at
+this process's average wall time per step so far (validation and checkpoints included).
 
 metrics.jsonl gets one JSON object per call, {"step": step, **metrics}, flushed immediately so a
 killed run keeps every row written so far. JSON has no NaN or Infinity, and Python's json module
 would write them as bare tokens most readers reject, so non-finite floats are stored as null; the
 console and TensorBoard still show the real value (a diverged loss stays visible).
+
+A resumed run (``resumed_step > 0``) logs no step twice and none backwards: the steps between its
+checkpoint and the crash already have rows (the first attempt's; a deterministic run recomputes the
+same values), so every row up to the last step already in metrics.jsonl is dropped, from the file
+and from every tracker alike. Each process start appends one line to events.jsonl (the step it
+started from, the time), which is how the report counts restarts.
 """
 
 from __future__ import annotations
@@ -22,8 +33,12 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from titan_tpu.train.trackers import TensorBoardTracker, Tracker
 
 # Console formatting of the known keys: key -> function(value) -> text.
 _CONSOLE_FORMATS = {
@@ -38,7 +53,9 @@ _CONSOLE_FORMATS = {
     "aux_loss": lambda v: f"aux {v:.4f}",
     "expert_load_max": lambda v: f"expert load max/mean {v:.2f}",
     "expert_load_min": lambda v: f"min/mean {v:.2f}",
+    "data_s": lambda v: f"data {v * 1e3:.1f} ms",
 }
+_FILE_ONLY = {"time", "step_s"}  # in metrics.jsonl for the report, not on the console
 _BAR_WIDTH = 20
 
 
@@ -56,6 +73,28 @@ def _json_safe(value):
     return value
 
 
+def _last_step(path: Path) -> int:
+    """The largest step in a metrics.jsonl (0 if there is none); a torn last line is ignored."""
+    last = 0
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                last = max(last, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return last
+
+
+def format_duration(seconds: float) -> str:
+    """12s, 3m05s, 2h07m."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def _fmt_generic(key: str, value) -> str:
     if isinstance(value, bool) or isinstance(value, int):
         return f"{key} {value}"
@@ -65,7 +104,7 @@ def _fmt_generic(key: str, value) -> str:
 
 
 class MetricsLogger:
-    """Writes each step's metrics to output_dir/metrics.jsonl, TensorBoard and the console."""
+    """Writes each step's metrics to output_dir/metrics.jsonl, the trackers and the console."""
 
     def __init__(
         self,
@@ -74,36 +113,62 @@ class MetricsLogger:
         tensorboard: bool = True,
         console: bool = True,
         total_steps: int | None = None,
+        trackers: Sequence[Tracker] = (),
+        resumed_step: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.console = console
         self.total_steps = total_steps
+        self._clock = clock
+        self._first: tuple[int, float] | None = None  # (step, clock) of this process's first row
+        path = self.output_dir / "metrics.jsonl"
+        # Steps up to here were logged before a restart: a resumed run does not log them again.
+        self.logged_through = _last_step(path) if resumed_step > 0 else 0
         # Append: a resumed run continues the same file.
-        self._jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")
-        self._tb = self._open_tensorboard() if tensorboard else None
-
-    def _open_tensorboard(self):
-        try:  # tensorboard is optional: without it we still log to JSONL and the console
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            warnings.warn(f"TensorBoard logging disabled ({e}); pip install tensorboard to enable it", stacklevel=3)
-            return None
-        return SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+        self._jsonl = open(path, "a", encoding="utf-8")
+        with open(self.output_dir / "events.jsonl", "a", encoding="utf-8") as events:
+            events.write(json.dumps({"event": "start", "step": int(resumed_step), "time": time.time()}) + "\n")
+        self.trackers = list(trackers)
+        if tensorboard:
+            tb = TensorBoardTracker.open(self.output_dir / "tensorboard")
+            if tb is not None:
+                self.trackers.append(tb)
 
     def log(self, step: int, metrics: dict[str, float | int]) -> None:
         values = {k: _to_number(v) for k, v in metrics.items()}
+        if step <= self.logged_through:
+            if self.console:
+                print(f"{self.format_line(step, values)} (replayed after the restart; logged before it)", flush=True)
+            return
         row = {"step": int(step), **{k: _json_safe(v) for k, v in values.items()}}
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
-
-        if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, global_step=int(step))
-
+        scalars = {k: v for k, v in values.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "time"}
+        for tracker in self.trackers:
+            tracker.log(int(step), scalars)
         if self.console:
             print(self.format_line(step, values), file=sys.stdout, flush=True)
+
+    def state_dict(self) -> dict:
+        """What the trackers need to continue after a resume (the W&B run id), for the checkpoint."""
+        state = {}
+        for tracker in self.trackers:
+            state.update(tracker.state_dict())
+        return state
+
+    def eta(self, step: int) -> str:
+        """Time left at this process's average wall time per step so far; "" until it is known."""
+        now = self._clock()
+        if self._first is None:
+            self._first = (step, now)
+        first_step, first_time = self._first
+        if not self.total_steps or step <= first_step or step >= self.total_steps:
+            return ""
+        seconds = (self.total_steps - step) * (now - first_time) / (step - first_step)
+        return f"ETA {format_duration(seconds)}"
 
     def format_line(self, step: int, metrics: dict) -> str:
         """The console progress line, e.g. "step   10/200 [##....] loss 6.8123 | lr 3.0e-04"."""
@@ -111,6 +176,8 @@ class MetricsLogger:
             width = len(str(self.total_steps))
             filled = min(_BAR_WIDTH, round(_BAR_WIDTH * step / self.total_steps))
             head = f"step {step:>{width}}/{self.total_steps} [{'#' * filled}{'.' * (_BAR_WIDTH - filled)}]"
+            eta = self.eta(step) if "loss" in metrics else ""
+            head += f" {eta}" if eta else ""
         else:
             head = f"step {step}"
 
@@ -125,14 +192,14 @@ class MetricsLogger:
             parts.append(text)
         for key, value in metrics.items():
             shown_with_memory = key == "max_memory_gb" and "memory_gb" in metrics
-            if key not in _CONSOLE_FORMATS and not shown_with_memory:
+            if key not in _CONSOLE_FORMATS and key not in _FILE_ONLY and not shown_with_memory:
                 parts.append(_fmt_generic(key, value))
         return f"{head} {' | '.join(parts)}" if parts else head
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()  # flushes pending events
-            self._tb = None
+        for tracker in self.trackers:
+            tracker.close()  # flushes pending events
+        self.trackers = []
         if not self._jsonl.closed:
             self._jsonl.close()
 

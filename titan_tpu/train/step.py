@@ -26,10 +26,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.profiler import record_function
 
 from titan_tpu.train.optim import AdamW, clip_grad_norm_
+from titan_tpu.train.profiling import OPTIMIZER_REGION
 
-__all__ = ["EagerStep", "StepResult", "all_reduce_sum", "batch_loss", "model_copies", "split_batch"]
+__all__ = ["IGNORE_INDEX", "EagerStep", "StepResult", "all_reduce_sum", "batch_loss", "model_copies", "split_batch"]
+
+IGNORE_INDEX = -100  # a label the loss skips (chat data: every token that is not the assistant's)
 
 
 @dataclass
@@ -81,6 +85,19 @@ def model_copies(dp_size: int) -> int:
     return max(1, world // dp_size)
 
 
+def trained_tokens(micro_batches: list[tuple[Tensor, ...]], dp_size: int) -> int:
+    """Labels the loss trains on (not IGNORE_INDEX) in the step's micro-batches on all data-parallel
+    ranks: the loss denominator, so the mean is over trained tokens whatever their share per
+    micro-batch or rank. One scalar all-reduce over the ranks (the count differs between them); the
+    tensor-parallel ranks of one data-parallel rank hold the same batch, so the world's sum counts
+    each batch model_copies times."""
+    counts = torch.stack([(split_batch(b)[1] != IGNORE_INDEX).sum() for b in micro_batches]).sum()
+    if dp_size > 1:
+        counts = all_reduce_sum(counts) // model_copies(dp_size)
+    # At least 1: a step whose rows train nothing (possible with chat rows) gives loss 0, not NaN.
+    return max(int(counts.item()), 1)
+
+
 class EagerStep:
     """The step contract with plain autograd: accumulate, clip, AdamW, all in place.
 
@@ -97,8 +114,7 @@ class EagerStep:
         self.params = dict(model.named_parameters())
 
     def __call__(self, micro_batches: list[tuple[Tensor, ...]], lr: float) -> StepResult:
-        # Every rank has the same batch shape, so the step's token count is known up front.
-        num_tokens = sum(split_batch(b)[1].numel() for b in micro_batches) * self.dp_size
+        num_tokens = trained_tokens(micro_batches, self.dp_size)
         aux_share = 1.0 / (len(micro_batches) * self.dp_size)  # the balancing loss is averaged
         loss_sum = aux_sum = load = None
         for batch in micro_batches:
@@ -112,8 +128,9 @@ class EagerStep:
         # A parameter the loss does not reach (a module of the model unused by this forward) gets a
         # zero gradient, as in the captured step, rather than no entry.
         grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.params.items()}
-        grad_norm = clip_grad_norm_(grads, self.max_norm)
-        self.optimizer.step(grads, lr=lr)
+        with record_function(OPTIMIZER_REGION):  # a region of its own in profiles (train/profiling.py)
+            grad_norm = clip_grad_norm_(grads, self.max_norm)
+            self.optimizer.step(grads, lr=lr)
         for p in self.params.values():
             p.grad = None
         # Each rank holds its share of the global means and its own loads: one sum over ranks.

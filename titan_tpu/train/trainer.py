@@ -24,20 +24,26 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
-from titan_tpu.config import Config, model_args_from_config, model_label
-from titan_tpu.device import Backend, get_backend
+from titan_tpu.config import (Config, data_sources, effective_warmup_steps, model_args_from_config, model_label,
+                              tokenizer_path)
+from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
+from titan_tpu.errors import RunError
 from titan_tpu.models.common.transformer import Transformer
-from titan_tpu.models.registry import build_model, flops_per_token
+from titan_tpu.models.registry import flops_per_token
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, copy_full_, default_mixed_precision, materialize_and_init
 from titan_tpu.parallel.tensor_parallel import tensor_parallel
-from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_state
+from titan_tpu.train.checkpoint import CheckpointSaveError, Checkpointer, load, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, lr_at
+from titan_tpu.train.profiling import DATA_REGION, StepProfiler
+from titan_tpu.train.run_lock import RunLock
 from titan_tpu.train.signals import GracefulShutdown
-from titan_tpu.train.step import EagerStep, StepResult, all_reduce_sum, batch_loss
+from titan_tpu.train.step import IGNORE_INDEX, EagerStep, StepResult, all_reduce_sum, batch_loss
+from titan_tpu.train.trackers import build_trackers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -58,8 +64,7 @@ def init_distributed(backend: Backend) -> tuple[int, int]:
 
 class Trainer:
     def __init__(self, cfg: Config):
-        from titan_tpu.data.loader import TokenLoader
-        from titan_tpu.data.shards import prepare_dataset
+        from titan_tpu.data.build import build_loaders, prepare_data, uses_document_mask
 
         self.cfg = cfg
         self.run_dir = cfg.run_dir
@@ -67,6 +72,8 @@ class Trainer:
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         self.backend: Backend = get_backend(t.device)
+        if self.backend.name == "cpu":  # training.device auto that became the CPU (config checks cpu)
+            check_cpu_compute_dtype(cfg.model.dtype)
         self.rank, self.world_size = init_distributed(self.backend)
         self.is_main = self.rank == 0
         self.parallel_dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
@@ -74,29 +81,26 @@ class Trainer:
         self.mesh = self.parallel_dims.build_mesh(self.backend.device.type)
         self.expert_mesh = self.parallel_dims.build_expert_mesh(self.backend.device.type)
         dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
+        self.run_lock = self._lock_output_dir()
         torch.manual_seed(t.seed)
         # A kernel that cannot run on this device is a one-line error now, not at the first step.
-        cfg.kernels.check_device(self.backend.device.type, documents=cfg.data.document_mask)
+        sources = data_sources(cfg)
+        self.document_mask = uses_document_mask(cfg.data, sources)
+        cfg.kernels.check_device(self.backend.device.type, documents=self.document_mask)
 
         self.model_args = model_args_from_config(cfg)
         # Rank 0 tokenizes (or finds the cache) first; the others then only read the cache.
         for turn in ("main", "others"):
             if (turn == "main") == self.is_main:
-                self.tokenizer, shards = prepare_dataset(
-                    source=None if cfg.data.source == "stdlib" else cfg.data.source,
-                    text_field=cfg.data.text_field,
-                    max_bytes=cfg.data.max_bytes or None,
-                    tokenizer_path=cfg.data.tokenizer_path or self._hf_tokenizer() or None,
-                    vocab_size=self.model_args.vocab_size,
-                    cache_dir=cfg.data.cache_dir or default_cache_dir(),
-                )
+                prepared = prepare_data(cfg.data, sources, vocab_size=self.model_args.vocab_size,
+                                        tokenizer_path=tokenizer_path(cfg),
+                                        cache_dir=cfg.data.cache_dir or default_cache_dir(), log=self.log)
             if dist.is_initialized():
                 dist.barrier()
-        loader_kwargs = dict(seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
-                             val_fraction=cfg.data.val_fraction, dp_rank=dp_rank, dp_world_size=self.dp_size,
-                             document_mask=cfg.data.document_mask)
-        self.train_loader = TokenLoader(shards, split="train", **loader_kwargs)
-        self.val_loader = TokenLoader(shards, split="val", **loader_kwargs) if cfg.validation.enabled else None
+        self.tokenizer = prepared.tokenizer
+        self.train_loader, self.val_loader = build_loaders(
+            cfg.data, prepared, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, dp_rank=dp_rank,
+            dp_size=self.dp_size, validation=cfg.validation.enabled, log=self.log)
 
         self.model = self._build_model()
         o = cfg.optimizer
@@ -116,7 +120,7 @@ class Trainer:
                                  "or use --compile.backend aot_eager")
 
             example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=self.backend.device)
-            example_batch = (example, example) + ((example,) if cfg.data.document_mask else ())
+            example_batch = (example, example) + ((example,) if self.document_mask else ())
             self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=example_batch,
                                      backend=cfg.compile.backend, dp_size=self.dp_size, split=cfg.compile.split,
                                      prefetch=None if cfg.compile.prefetch < 0 else cfg.compile.prefetch)
@@ -126,8 +130,13 @@ class Trainer:
         else:
             self.step_fn = EagerStep(self.model, self.optimizer, max_norm=t.max_norm, dp_size=self.dp_size)
         self.step = 0
+        self.data_seconds = 0.0  # time spent waiting for batches, all steps of this process
+        self.logger: MetricsLogger | None = None  # rank 0's, while train() runs
+        self.tracker_state: dict[str, str] = {}  # from the checkpoint: the trackers' run ids
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_latest_k=cfg.checkpoint.keep_latest_k,
-                                         async_save=cfg.checkpoint.async_save)
+                                         async_save=cfg.checkpoint.async_save, log=self.log)
+        self.warmup_steps = effective_warmup_steps(cfg)
+        self.save_failures = 0  # checkpoint saves that failed under checkpoint.on_save_error = warn
         if cfg.model.name == "hf":
             from titan_tpu.models.hf_backend import hf_flops_per_token
 
@@ -135,12 +144,21 @@ class Trainer:
         else:
             self.flops_per_token, self.flops_note = flops_per_token(self.model_args, t.seq_len), ""
 
-    def _hf_tokenizer(self) -> str:
-        """An hf model directory's tokenizer.json, used when no data.tokenizer_path is given."""
-        if self.cfg.model.name != "hf":
-            return ""
-        candidate = Path(self.cfg.model.hf_config).expanduser() / "tokenizer.json"
-        return str(candidate) if candidate.is_file() else ""
+    def _lock_output_dir(self) -> RunLock | None:
+        """Rank 0 locks output_dir for the run's life (train/run_lock.py); every rank stops if it is taken."""
+        lock, error = None, None
+        if self.is_main:
+            try:
+                lock = RunLock(self.run_dir, log=self.log).acquire()
+            except RunError as e:
+                error = e
+        if dist.is_initialized():
+            shared = [error]
+            dist.broadcast_object_list(shared, src=0)
+            error = shared[0]
+        if error is not None:
+            raise error
+        return lock
 
     def _build_hf_model(self):
         """The Transformers backend (models/hf_backend.py): built on meta, initialised with the
@@ -152,10 +170,9 @@ class Trainer:
             raise ValueError("--parallelism.tp > 1 is not supported with --model.name hf (the Transformers backend); "
                              "set tp 1 or use a native model")
         model = build_hf_model(self.model_args, kernels=self.cfg.kernels, ac_mode=self.cfg.activation_checkpoint.mode,
-                               dtype=torch.float32 if sharded else self.compute_dtype)
-        mp = MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
-        model = materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if sharded else "none", mp=mp,
-                                     device=self.backend.device, seed=self.cfg.training.seed,
+                               dtype=torch.float32)
+        model = materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if sharded else "none",
+                                     mp=self.mixed_precision, device=self.backend.device, seed=self.cfg.training.seed,
                                      bucket_mb=self.cfg.parallelism.bucket_mb,
                                      reshard_after_forward=self.cfg.parallelism.reshard_after_forward)
         if has_weights(self.cfg.model.hf_config):
@@ -170,21 +187,17 @@ class Trainer:
         # The RoPE table only needs the training length (a published 128K table is ~134 MB for 8B);
         # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
         args = dataclasses.replace(self.model_args, max_seq_len=self.cfg.training.seq_len)
-        dtype, seed = self.compute_dtype, self.cfg.training.seed
-        options = dict(scan_layers=self.cfg.model.scan_layers, ac_mode=self.cfg.activation_checkpoint.mode,
-                       kernels=self.cfg.kernels)
-        if self.mesh is None:  # one device: parameters are stored in model.dtype
-            return build_model(args, device=self.backend.device, dtype=dtype, seed=seed, **options)
-        # Sharded: fp32 master parameters, computed in model.dtype, gradients reduced in
-        # parallelism.reduce_dtype. Built on meta and initialised piece by piece.
+        # fp32 master parameters on one device as on many, computed in model.dtype (gradients
+        # reduced in parallelism.reduce_dtype when sharded): docs/mixed_precision.md. Built on
+        # meta and initialised piece by piece.
         with torch.device("meta"):
-            model = Transformer(args, **options)
+            model = Transformer(args, scan_layers=self.cfg.model.scan_layers,
+                                ac_mode=self.cfg.activation_checkpoint.mode, kernels=self.cfg.kernels)
         if self.parallel_dims.tp > 1:
             tensor_parallel(model, self.mesh, seq_len=self.cfg.training.seq_len)
-        mp = MixedPrecision(param_dtype=dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
-        return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode, mp=mp,
-                                    device=self.backend.device, seed=seed, expert_mesh=self.expert_mesh,
-                                    bucket_mb=self.cfg.parallelism.bucket_mb,
+        return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if self.mesh is not None else "none",
+                                    mp=self.mixed_precision, device=self.backend.device, seed=self.cfg.training.seed,
+                                    expert_mesh=self.expert_mesh, bucket_mb=self.cfg.parallelism.bucket_mb,
                                     reshard_after_forward=self.cfg.parallelism.reshard_after_forward)
 
     @property
@@ -192,6 +205,10 @@ class Trainer:
         if self.cfg.model.dtype == "auto":
             return default_mixed_precision(self.backend.device.type).param_dtype
         return DTYPES[self.cfg.model.dtype]
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
 
     def log(self, message: str) -> None:
         if self.is_main:
@@ -217,6 +234,7 @@ class Trainer:
             "rng": rng_state(),
             "model_name": self.cfg.model.name,
             "model_args": dataclasses.asdict(self.model_args),
+            "trackers": self.logger.state_dict() if self.logger is not None else self.tracker_state,
         }
 
     def load_checkpoint(self, path: Path) -> None:
@@ -231,6 +249,7 @@ class Trainer:
         if rest["rng"] is not None:  # None when the checkpoint came from another number of ranks
             set_rng_state(rest["rng"])
         self.step = rest["step"]
+        self.tracker_state = rest.get("trackers") or {}
 
     def maybe_resume(self) -> None:
         if not self.cfg.checkpoint.resume:
@@ -273,21 +292,43 @@ class Trainer:
             copy_full_(value, weights[key])  # every rank read the file: each keeps its shard
         self.log(f"initial weights loaded from {path}")
 
-    def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.step, self.state_dict())
+    def save_checkpoint(self) -> Path | None:
+        """Save this step's checkpoint; None if it failed under checkpoint.on_save_error = warn."""
+        return self._checkpoint_io(lambda: self.checkpointer.save(self.step, self.state_dict()))
+
+    def _checkpoint_io(self, fn):
+        """Run a checkpointer call; a failed save stops the run (raises) or, under on_save_error =
+        warn, is logged and training goes on (the next interval tries again)."""
+        try:
+            return fn()
+        except CheckpointSaveError as e:
+            if self.cfg.checkpoint.on_save_error == "stop":
+                raise
+            self.save_failures += 1
+            self.log(f"warning: {e}; training goes on (checkpoint.on_save_error = warn) and the next save is "
+                     f"tried at step {self._next_save_step()}")
+            return None
+
+    def _next_save_step(self) -> int:
+        interval, steps = self.cfg.checkpoint.interval, self.cfg.training.steps
+        return min((self.step // interval + 1) * interval, steps) if self.step < steps else steps
 
     # ------------------------------------------------------------------------------------------
     # loop
 
     def lr(self, step: int) -> float:
         s, t = self.cfg.lr_scheduler, self.cfg.training
-        return lr_at(step, base_lr=self.cfg.optimizer.lr, warmup_steps=s.warmup_steps, total_steps=t.steps,
+        return lr_at(step, base_lr=self.cfg.optimizer.lr, warmup_steps=self.warmup_steps, total_steps=t.steps,
                      decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio)
 
     def _micro_batches(self) -> list[tuple[torch.Tensor, ...]]:
         device = self.backend.device
-        return [tuple(t.to(device, non_blocking=True) for t in self.train_loader.next_batch())
-                for _ in range(self.cfg.training.grad_accum_steps)]
+        start = time.perf_counter()
+        with record_function(DATA_REGION):
+            batches = [tuple(t.to(device, non_blocking=True) for t in self.train_loader.next_batch())
+                       for _ in range(self.cfg.training.grad_accum_steps)]
+        self.data_seconds += time.perf_counter() - start
+        return batches
 
     def train_step(self) -> StepResult:
         self.step += 1
@@ -302,10 +343,28 @@ class Trainer:
         for batch in self.val_loader.val_batches(self.cfg.validation.steps):
             batch = tuple(t.to(self.backend.device) for t in batch)
             totals[0] += batch_loss(self.model, batch).ce_sum
-            totals[1] += batch[1].numel()
+            totals[1] += (batch[1] != IGNORE_INDEX).sum()
         self.model.train()
         all_reduce_sum(totals)
         return (totals[0] / totals[1]).item()
+
+    def _open_logger(self) -> MetricsLogger:
+        """Rank 0's metrics: metrics.jsonl, the console and the trackers, continuing the trackers'
+        runs of the checkpoint this run resumed from (the W&B run id)."""
+        m = self.cfg.metrics
+        names = [name for name in m.trackers if m.tensorboard or name != "tensorboard"]
+        trackers = build_trackers(names, run_dir=self.run_dir, state=self.tracker_state, project=m.wandb_project,
+                                  name=self.cfg.job.name, config=self.cfg.to_dict())
+        return MetricsLogger(output_dir=self.run_dir, tensorboard=False, console=m.console,
+                             total_steps=self.cfg.training.steps, trackers=trackers, resumed_step=self.step)
+
+    def _profiler(self) -> StepProfiler | None:
+        p = self.cfg.profiling
+        if not p.enabled:
+            return None
+        return StepProfiler(start_step=p.start_step, active_steps=p.active_steps,
+                            trace_dir=Path(p.trace_dir) if p.trace_dir else self.run_dir / "profile", rank=self.rank,
+                            device_type=self.backend.device.type, memory_snapshot=p.memory_snapshot, log=self.log)
 
     def train(self) -> dict:
         """Run to ``training.steps`` (or until SIGTERM/SIGINT); returns a summary with the paths of
@@ -317,59 +376,78 @@ class Trainer:
             if self.tokenizer.path is not None:  # travels with the run, e.g. into an HF export
                 shutil.copyfile(self.tokenizer.path, self.run_dir / "tokenizer.json")
         self.maybe_resume()
-        peak = self.backend.peak_flops()
+        peak = self.backend.peak_flops(self.compute_dtype)
+        if self.warmup_steps < cfg.lr_scheduler.warmup_steps:
+            self.log(f"note: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than training.steps "
+                     f"= {cfg.training.steps}; warming up over {self.warmup_steps} steps instead")
         self.log(f"model {model_label(cfg)}: {_num_params(self.model):,} params, "
                  f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {cfg.training.seq_len}"
                  f"{f' ({self.flops_note})' if self.flops_note else ''}; "
                  f"{self.world_size} rank(s), data parallel: {self.parallel_dims.mode}"
                  f"{f', expert parallel: {self.parallel_dims.ep}' if self.parallel_dims.ep > 1 else ''}"
                  f"{f', tensor parallel: {self.parallel_dims.tp}' if self.parallel_dims.tp > 1 else ''}; "
-                 f"MFU peak per device: {self.backend.peak_description()}")
+                 f"MFU peak per device: {self.backend.peak_description(self.compute_dtype)}")
 
         last_val, stopped_by = None, None
-        logger = MetricsLogger(output_dir=self.run_dir, tensorboard=cfg.metrics.tensorboard,
-                               console=cfg.metrics.console, total_steps=cfg.training.steps) if self.is_main else None
+        logger = self.logger = self._open_logger() if self.is_main else None
+        profiler = self._profiler()
         with GracefulShutdown() as shutdown:
             # Throughput counts only time spent in training steps (each ends in a host sync when its
             # loss is read), not validation or checkpointing.
-            window_tokens, window_seconds = 0, 0.0
+            window_tokens, window_seconds, window_steps, window_start_data = 0, 0.0, 0, self.data_seconds
             self.backend.reset_peak_memory()
             while self.step < cfg.training.steps:
+                if profiler is not None:
+                    profiler.before_step(self.step + 1)
                 start = time.perf_counter()
                 result = self.train_step()
                 window_seconds += time.perf_counter() - start
                 window_tokens += result.num_tokens
+                window_steps += 1
+                if profiler is not None:
+                    profiler.after_step(self.step)
                 done = self.step == cfg.training.steps
                 if self.step % cfg.metrics.log_freq == 0 or done or self.step == 1:
                     tokens_per_s = window_tokens / window_seconds  # all ranks together
                     flops_per_device = tokens_per_s * self.flops_per_token / self.world_size
                     row = {"loss": result.loss, "lr": self.lr(self.step), "grad_norm": result.grad_norm,
                            "tokens_per_s": tokens_per_s, "tflops": flops_per_device / 1e12,
-                           "mfu": 100.0 * flops_per_device / peak}
+                           "mfu": 100.0 * flops_per_device / peak,
+                           "data_s": (self.data_seconds - window_start_data) / window_steps,
+                           "step_s": window_seconds / window_steps, "time": time.time()}
                     row.update(_moe_metrics(result))
+                    row.update(self.train_loader.metrics())  # mixtures: token share and epochs per source
                     row.update(self.backend.memory_stats())
                     row.update(self.compile_stats)
                     self.compile_stats = {}  # once per process
                     if logger is not None:
                         logger.log(self.step, row)
-                    window_tokens, window_seconds = 0, 0.0
+                    window_tokens, window_seconds, window_steps, window_start_data = 0, 0.0, 0, self.data_seconds
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or done):
                     last_val = self.validate()
                     if logger is not None:
                         logger.log(self.step, {"val_loss": last_val})
                 stop = shutdown.should_stop()  # agreed by all ranks, so all of them save together
                 if cfg.checkpoint.enabled and (self.step % cfg.checkpoint.interval == 0 or done or stop):
+                    if self.cfg.checkpoint.async_save:  # the previous async save's failure, if any, first
+                        self._checkpoint_io(self.checkpointer.wait)
                     self.save_checkpoint()
                 if stop:
                     stopped_by = shutdown.signal_name or "a signal on another rank"
                     break
-        self.checkpointer.close()  # an async save must land before the process ends
+        self._checkpoint_io(self.checkpointer.close)  # an async save must land before the process ends
+        if profiler is not None:
+            profiler.close()
         if logger is not None:
             logger.close()
+            self.logger = None
+        if self.run_lock is not None:
+            self.run_lock.release()
 
         latest = self.checkpointer.latest() if cfg.checkpoint.enabled else None
         summary = {"step": self.step, "metrics": str(self.run_dir / "metrics.jsonl"),
-                   "checkpoint": str(latest) if latest else None, "val_loss": last_val, "stopped_by": stopped_by}
+                   "checkpoint": str(latest) if latest else None, "val_loss": last_val, "stopped_by": stopped_by,
+                   "save_failures": self.save_failures}
         if stopped_by:
             self.log(f"stopped by {stopped_by} after step {self.step}; restart the same command to resume")
         self.log(f"done: step {self.step}; metrics: {summary['metrics']}; checkpoint: {summary['checkpoint']}")

@@ -1,0 +1,123 @@
+"""`titan-tpu plan --search` (plan/search.py): every ranked configuration is what the planner says
+of the config with the printed overrides pasted; the global batch stays the config's; rejections
+carry their reason; bad input and an empty space are one line. Whether the ranking matches real
+runs is measured, not tested: bench/search_check.py, docs/planner.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from titan_tpu.cli import main
+from titan_tpu.config import build_config
+from titan_tpu.plan import plan_config, resolve_hardware
+from titan_tpu.plan.planner import for_planning
+from titan_tpu.plan.search import KNOBS, search
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CPU = resolve_hardware("cpu", measure=False)[0]
+
+
+def _tokens_per_step(cfg, devices):
+    return cfg.training.batch_size * cfg.training.grad_accum_steps * cfg.training.seq_len * devices
+
+
+@pytest.mark.parametrize("config,overrides,hardware", [
+    ("llama3_debug", [], "cpu"),
+    ("llama3_debug", ["--parallelism.dp_shard", "2"], "cpu"),
+    ("qwen3_moe_debug", ["--parallelism.dp_shard", "4"], "cpu"),
+    ("qwen3_8b_graph_tpu", [], None),
+])
+def test_ranked_configurations_are_the_plans_of_their_overrides(config, overrides, hardware):
+    base = for_planning(CONFIGS / f"{config}.toml", overrides)
+    hw = CPU if hardware == "cpu" else None
+    result = search(base, hw, measure=False)
+    assert result.fitting
+    rates = [c.plan.tokens_per_s for c in result.fitting]
+    assert rates[0] == pytest.approx(max(rates), rel=0.005)  # first within the tie of the best
+    for c in result.fitting[:8]:
+        # The reference: the planner on the config with the printed overrides pasted.
+        pasted = for_planning(CONFIGS / f"{config}.toml", overrides + c.changes)
+        again = plan_config(pasted, hw, measure=False) if hw else plan_config(pasted)
+        assert again.tokens_per_s == pytest.approx(c.plan.tokens_per_s)
+        assert again.peak_bytes == pytest.approx(c.plan.peak_bytes) and again.fits
+        assert again.batch["tokens_per_step"] == c.plan.batch["tokens_per_step"] == \
+            _tokens_per_step(base, result.devices)
+
+
+def test_knobs_move_the_prediction_the_way_the_planner_models_them():
+    result = search(build_config(CONFIGS / "llama3_debug.toml", ["--parallelism.dp_shard", "2"]), CPU, measure=False)
+    first = result.fitting[0].values
+    assert first["activation_checkpoint.mode"] == "none"  # recomputation costs FLOPs, memory is no limit here
+
+    def best(**want):
+        return max(c.plan.tokens_per_s for c in result.fitting
+                   if all(c.values[k] == v for k, v in {**first, **want}.items()
+                          if k not in ("parallelism.reshard_after_forward",)))
+
+    # Per-parameter collectives (57 calls each way) pay gloo's per-call latency: slower than buckets (9).
+    assert best(**{"parallelism.bucket_mb": 0.0}) < best(**{"parallelism.bucket_mb": 256.0})
+    assert best(**{"activation_checkpoint.mode": "full"}) < best(**{"activation_checkpoint.mode": "selective"}) \
+        < result.fitting[0].plan.tokens_per_s
+    # Every candidate splits the same sequences per device.
+    assert {c.values["training.batch_size"] * c.values["training.grad_accum_steps"] for c in result.fitting} == {8}
+
+
+def test_collective_calls_are_the_codes():
+    """The calls SimpleFSDP makes on 2 ranks of llama3 debug (6 blocks, 9 buckets: README, counted
+    in the traced graph by tests/test_buckets.py): 57 per parameter, 9 bucketed, 5 blocks
+    gathered again when re-sharded after the forward."""
+    def calls(*overrides):
+        plan = plan_config(build_config(CONFIGS / "llama3_debug.toml", ["--parallelism.dp_shard", "2", *overrides]),
+                           CPU, measure=False)
+        return [(c["kind"], c["calls"]) for c in plan.communication]
+
+    assert calls("--parallelism.bucket_mb", "0") == [("all_gather", 57), ("reduce_scatter", 57)]
+    assert calls("--parallelism.reshard_after_forward", "false") == [("all_gather", 9), ("reduce_scatter", 9)]
+    assert calls() == [("all_gather", 9), ("all_gather", 5), ("reduce_scatter", 9)]
+
+
+def test_rejections_say_why():
+    result = search(for_planning(CONFIGS / "qwen3_235b_a22b_tpu.toml"), measure=False)
+    assert result.fitting and "memory" in result.rejected and "divisibility: ep" in result.rejected
+    for c in result.rejected["divisibility: ep"]:
+        assert c.values["parallelism.dp_shard"] % c.values["parallelism.ep"]
+    for c in result.rejected["memory"]:
+        assert c.plan.peak_bytes > c.plan.capacity_bytes
+    graph = search(for_planning(CONFIGS / "qwen3_8b_graph_tpu.toml"), measure=False)
+    assert all(c.values["training.grad_accum_steps"] > 1
+               for c in graph.rejected["graph mode runs one micro-batch per step"])
+
+
+def test_cli_search_prints_overrides_and_json(capsys):
+    argv = ["plan", "--search", "--config", str(CONFIGS / "qwen3_8b_graph_tpu.toml"), "--top", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("   overrides: ") == 3 and "rejected" in out and "memory (e.g." in out
+    assert main(argv + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["best"]) == 3 and data["devices"] == 16
+    assert data["fitting"] + sum(r["count"] for r in data["rejected"].values()) == data["candidates"]
+
+
+def test_nothing_fits_is_one_line_with_how_much(capsys):
+    code = main(["plan", "--search", "--config", str(CONFIGS / "llama3_405b_tpu.toml"), "--hardware", "v5e-8"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "nothing fits on 8 x v5e (16.0 GB per device)" in err and "x the device" in err
+    # A space narrowed by --keep: AC none and unrolled on the recipe's own slice.
+    code = main(["plan", "--search", "--config", str(CONFIGS / "llama3_405b_tpu.toml"),
+                 "--activation_checkpoint.mode", "none", "--keep", "activation_checkpoint.mode"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "need more memory, the least" in err
+
+
+def test_bad_search_input_is_one_line(capsys):
+    assert main(["plan", "--search", "--config", str(CONFIGS / "llama3_debug.toml"), "--hardware", "tpu9"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "known: v4, v5e, v5p, v6e, v7, h100, h200, b200, cpu" in err
+    assert main(["plan", "--search", "--config", str(CONFIGS / "llama3_debug.toml"), "--keep", "training.steps"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a searched knob" in err and "activation_checkpoint.mode" in err

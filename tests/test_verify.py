@@ -1,0 +1,123 @@
+"""`titan-tpu verify`: PASS for native flavors and HF directories of several kinds, FAIL when it should
+(an injected conversion bug, a directory whose config and weights disagree), one-line bad input.
+
+The checks run here are subsets per model (the whole list costs ~30-60 s a model on 2 cores); every
+check runs on at least one model."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from titan_tpu.cli import main  # noqa: E402
+from titan_tpu.models import hf_sweep  # noqa: E402
+from titan_tpu.tools.verify import verify  # noqa: E402
+
+NUMERICS = ("preflight", "weights", "numerics")
+
+
+def _statuses(report) -> dict:
+    return {r["check"]: r["status"] for r in report["checks"]}
+
+
+def _verify(spec, checks, **kwargs):
+    lines = []
+    report = verify(spec, only=checks, print_fn=lines.append, **kwargs)
+    return report, lines
+
+
+def _save(path, model_type):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_sweep.tiny_config(model_type)).save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("spec, checks", [
+    ("llama3/debug", ("preflight", "weights", "numerics", "rerun", "graph", "ac", "scan", "resume", "export", "plan")),
+    ("qwen3/debug", NUMERICS + ("scan", "plan")),
+    ("qwen3_moe/debug", NUMERICS + ("graph", "export")),
+])
+def test_native_flavors_pass(spec, checks):
+    report, lines = _verify(spec, checks, tiny=True)
+    assert report["backend"] == "native" and not report["failed"], lines
+    assert set(_statuses(report).values()) == {"PASS"}, lines
+    numerics = next(r for r in report["checks"] if r["check"] == "numerics")["details"]
+    assert numerics["long"]["tokens"] >= 512 and numerics["long"]["kl_max"] < 1e-6
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "bloom", "gpt2", "phi3", "mistral", "mixtral"])
+def test_hf_directories_pass(tmp_path, model_type):
+    """gemma2 and bloom: no sdpa support; mixtral: MoE through our experts kernel."""
+    _save(tmp_path / "hf", model_type)
+    report, lines = _verify(str(tmp_path / "hf"), NUMERICS + (("train", "rerun") if model_type == "gpt2" else ()))
+    assert report["backend"] == "hf" and report["weights"].startswith("the directory's own"), lines
+    assert set(_statuses(report).values()) == {"PASS"}, lines
+
+
+def test_fused_layout_moe_file_passes(tmp_path):
+    from test_hf_checkpoint import _save_fused_qwen3_moe
+
+    _save_fused_qwen3_moe(tmp_path / "hf")
+    report, lines = _verify(str(tmp_path / "hf"), NUMERICS + ("plan",))
+    assert report["backend"] == "native" and set(_statuses(report).values()) == {"PASS"}, lines
+    weights = next(r for r in report["checks"] if r["check"] == "weights")
+    assert "file, per-expert layout(s)" in weights["measured"]  # the fused file and the hub layout
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_and_the_rest_of_the_training_checks_pass(tmp_path):
+    _save(tmp_path / "hf", "bloom")
+    report, lines = _verify(str(tmp_path / "hf"), ("train", "ac", "fsdp", "resume", "export", "scan", "plan"))
+    assert _statuses(report) == {"train": "PASS", "ac": "PASS", "fsdp": "PASS", "resume": "PASS", "export": "PASS",
+                                 "scan": "SKIP", "plan": "SKIP"}, lines
+    assert "native-model mode" in lines[6] and "planner has no terms" in lines[7]  # a SKIP says why
+
+
+def test_an_injected_conversion_bug_fails(monkeypatch):
+    """Our weight import permutes the rows of one attention projection: it still trains, verify FAILs."""
+    from titan_tpu.models import hf_checkpoint
+
+    real = hf_checkpoint.from_hf_state_dict
+
+    def permuting(hf_sd, args):
+        out = real(hf_sd, args)
+        out["layers.0.attention.wk.weight"] = out["layers.0.attention.wk.weight"].roll(1, dims=0)
+        return out
+
+    monkeypatch.setattr(hf_checkpoint, "from_hf_state_dict", permuting)
+    report, lines = _verify("llama3/debug", NUMERICS, tiny=True)
+    assert report["failed"][0] == "weights" and _statuses(report)["numerics"] != "PASS", lines
+    assert any(line.startswith("FAIL  weights   max |difference| 0.") for line in lines), lines
+
+
+def test_a_directory_whose_config_and_weights_disagree_fails(tmp_path, capsys):
+    _save(tmp_path / "hf", "gpt2")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["n_inner"] = 96  # the saved MLP weights are 256 wide
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    code = main(["verify", str(tmp_path / "hf"), "--checks", "weights,numerics", "--report", str(tmp_path / "r")])
+    out, _ = capsys.readouterr()
+    assert code == 1 and "FAIL  weights" in out and "do not fit its config.json" in out, out
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["failed"] == ["weights", "numerics"]
+    assert "| weights | FAIL |" in (tmp_path / "r" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["{empty}"], "has no config.json"),
+    (["{vit}"], "is not a causal LM"),
+    (["llama3/debug", "--hardware", "v9x"], "unknown hardware 'v9x'"),
+    (["llama3/debug", "--checks", "weights,speed"], "unknown check 'speed'"),
+])
+def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "vit").mkdir()
+    (tmp_path / "vit" / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    argv = [a.format(empty=tmp_path / "empty", vit=tmp_path / "vit") for a in argv]
+    code = main(["verify", *argv])
+    _, err = capsys.readouterr()
+    assert code == 2 and message in err and err.count("\n") == 1, err

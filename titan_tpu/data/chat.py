@@ -1,0 +1,154 @@
+"""Chat data: conversations rendered with a model's chat template, loss on assistant tokens only.
+
+A row holds ``messages``, a list of ``{"role", "content"}``. It is rendered to text with the
+``chat_template`` of an HF model directory's ``tokenizer_config.json`` (jinja2 in a sandbox, as
+transformers does), tokenized, and every token gets a flag: trained (1, an assistant token) or
+not (0). Which characters are the assistant's:
+
+* a template with ``{% generation %} ... {% endgeneration %}`` blocks (the form transformers'
+  ``return_assistant_tokens_mask=True`` needs) marks them itself: we render the blocks between
+  two private-use sentinel characters, note where they fall and remove them;
+* any other template: the assistant turn ``i`` is the text that rendering ``messages[:i+1]`` adds
+  to rendering ``messages[:i]`` with the generation prompt, less trailing whitespace; this needs a
+  template whose render of a prefix is a prefix of the full render (true of ChatML/Llama-style
+  templates; checked, else an error asks for generation blocks). Templates that rewrite earlier
+  turns (Qwen3 drops the thinking of past turns) fail that check.
+
+A token is trained when a character span of the assistant covers it, mapped as transformers maps
+it (the token of the span's first character through the token of its last one).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_OPEN, _CLOSE = "\ue000", "\ue001"  # sentinels around {% generation %} output; never in real text
+
+
+def load_chat_template(tokenizer_path: str | Path) -> tuple[str, dict[str, str]]:
+    """(chat template, special-token strings it may use: bos_token, eos_token, ...) of the directory
+    holding ``tokenizer_path`` (tokenizer_config.json, or a chat_template.jinja beside it)."""
+    path = Path(tokenizer_path).expanduser()
+    directory = path if path.is_dir() else path.parent
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    special = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[key] = value
+    jinja = directory / "chat_template.jinja"
+    template = jinja.read_text() if jinja.is_file() else config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not isinstance(template, str):
+        raise ValueError(f"format = chat needs a chat template, and {str(directory)!r} has none (no chat_template in "
+                         f"tokenizer_config.json, no chat_template.jinja); set data.tokenizer_path to an HF model "
+                         f"directory of a chat model")
+    return template, special
+
+
+def _environment():
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationMarks(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            return _OPEN + caller() + _CLOSE
+
+    def raise_exception(message):
+        from jinja2.exceptions import TemplateError
+
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationMarks,
+                                                                                         "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+class ChatRenderer:
+    """Renders conversations with one template to (token ids, trained flags)."""
+
+    def __init__(self, template: str, tokenizer: Any, *, special_tokens: dict[str, str] | None = None):
+        self.template = _environment().from_string(template)
+        self.marks = "generation" in template and "endgeneration" in template
+        self.tokenizer = tokenizer  # titan_tpu Tokenizer
+        self.special = special_tokens or {}
+
+    def _render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+
+    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """(text, assistant character spans [start, end))."""
+        if self.marks:
+            marked = self._render(messages)
+            text, spans, pos = [], [], 0
+            for i, piece in enumerate(marked.replace(_CLOSE, _OPEN).split(_OPEN)):
+                if i % 2 == 1 and piece:
+                    spans.append((pos, pos + len(piece)))
+                text.append(piece)
+                pos += len(piece)
+            return "".join(text), spans
+        full = self._render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            before = self._render(messages[:i], add_generation_prompt=True)
+            through = self._render(messages[: i + 1])
+            if not (full.startswith(through) and through.startswith(before)):
+                raise ValueError("the chat template does not render a conversation's prefix as a prefix of the whole; "
+                                 "use a template with {% generation %} blocks")
+            # The whitespace a template puts after the end-of-turn token is not generated (decoding
+            # stops at that token): trimmed, which is where {% generation %} blocks end too.
+            end = len(through.rstrip())
+            if end > len(before):
+                spans.append((len(before), end))
+        return full, spans
+
+    def encode(self, messages: Any, *, where: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, trained flags as uint8) of one conversation; ``where`` names it in errors."""
+        from jinja2.exceptions import TemplateError
+
+        check_messages(messages, where=where)
+        try:
+            text, spans = self.render(messages)
+        except TemplateError as e:
+            raise ValueError(f"chat {where}: the chat template failed ({e}); check the row or the template") from None
+        ids, offsets = self.tokenizer.encode_with_offsets(text)
+        trained = np.zeros(len(ids), dtype=np.uint8)
+        if ids:
+            char_to_token = np.full(len(text) + 1, -1, dtype=np.int64)
+            for t, (start, end) in enumerate(offsets):
+                char_to_token[start:end] = np.where(char_to_token[start:end] < 0, t, char_to_token[start:end])
+            for start, end in spans:
+                first, last = char_to_token[start], char_to_token[end - 1]
+                if first >= 0 and last >= 0:
+                    trained[first : last + 1] = 1
+        if not trained.any():
+            raise ValueError(f"chat {where}: the assistant turns render to no tokens; check the chat template")
+        return np.asarray(ids, dtype=np.int64), trained
+
+
+def check_messages(messages: Any, *, where: str) -> None:
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages):
+        raise ValueError(f"chat {where} is not a list of {{role, content}} messages; set text_field to the column "
+                         f"holding them (default 'messages')")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"chat {where} has no assistant turn, so nothing to train on; remove it or add the reply")

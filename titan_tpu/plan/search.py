@@ -1,0 +1,267 @@
+"""`titan-tpu plan --search`: the planner run over the knobs a user would try, at a fixed global
+batch, on one hardware; the configurations that fit, ranked by predicted tokens/s, and why the
+others were rejected.
+
+The space (each knob at the values below; `keep` holds a knob at the config's value):
+
+    activation_checkpoint.mode        none, selective, full
+    model.scan_layers                 false, true
+    parallelism.reshard_after_forward true, false        (sharded layouts only)
+    parallelism.bucket_mb             0, 25, 256 and the config's (sharded or replicated layouts only)
+    training.batch_size x grad_accum  every split of the sequences per device (the global batch,
+                                      batch_size x grad_accum_steps x devices, is the config's)
+    parallelism.dp_replicate x dp_shard  every factorisation of the devices
+    parallelism.ep                    divisors of the experts (MoE models)
+
+Every candidate is a real Config (the config's own validation runs on it) planned by
+`plan_config`; nothing here estimates anything the planner does not. A candidate is rejected for
+divisibility (a micro-batch that does not divide the sequences per device, ep that does not
+divide dp_shard), for what the code cannot run (graph mode with more than one micro-batch, or any
+other validation error) or for memory (the planner's peak over the device's). The planner cannot
+tell apart what it does not model (host overhead per micro-batch, compile time, scan's
+steady-state cost): candidates within TIE of the best rate are ordered by fewer micro-batches, then
+fewer changes to the config, then lower peak memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+
+from titan_tpu.config import Config, model_args_from_config, validate
+from titan_tpu.plan.hardware import Hardware
+from titan_tpu.plan.planner import Plan, default_hardware, plan_config, planning_machine
+
+__all__ = ["KNOBS", "Candidate", "SearchResult", "search", "format_search"]
+
+# The searched config keys (what `keep` accepts).
+KNOBS = ("activation_checkpoint.mode", "model.scan_layers", "parallelism.reshard_after_forward",
+         "parallelism.bucket_mb", "training.batch_size", "parallelism.dp_replicate", "parallelism.ep")
+# Every key a candidate sets, in the order its overrides are printed: dp_shard goes with
+# dp_replicate, grad_accum_steps with batch_size.
+_SET = ("activation_checkpoint.mode", "model.scan_layers", "training.batch_size", "training.grad_accum_steps",
+        "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.ep", "parallelism.reshard_after_forward",
+        "parallelism.bucket_mb")
+BUCKETS_MB = (0.0, 25.0, 256.0)
+TIE = 0.005  # predicted rates this close (relative) are a tie: the planner cannot tell them apart
+
+
+@dataclass
+class Candidate:
+    values: dict  # config key -> value, for every key in _SET
+    changes: list  # ["--key", "value", ...]: what differs from the config
+    plan: Plan | None = None
+    reason: str = ""  # why rejected ("" when it fits)
+    detail: str = ""
+
+    def describe(self) -> str:
+        v = self.values
+        text = (f"AC {v['activation_checkpoint.mode']}, {'scanned' if v['model.scan_layers'] else 'unrolled'}, "
+                f"micro-batch {v['training.batch_size']} x accum {v['training.grad_accum_steps']}")
+        r, s = v["parallelism.dp_replicate"], v["parallelism.dp_shard"]
+        if r * s > 1:  # the layout's knobs act only on several devices
+            text += (f", dp_replicate {r} x dp_shard {s}{', ep ' + str(v['parallelism.ep']) if v['parallelism.ep'] > 1 else ''}"
+                     f", bucket {_fmt(v['parallelism.bucket_mb'])} MB")
+            if s > 1:
+                text += ", re-shard" if v["parallelism.reshard_after_forward"] else ", keep gathered"
+        return text
+
+
+@dataclass
+class SearchResult:
+    hardware: Hardware
+    devices: int
+    sequences_per_device: int
+    seq_len: int
+    fitting: list = field(default_factory=list)  # Candidates, best first
+    rejected: dict = field(default_factory=dict)  # reason -> [Candidate]
+
+    @property
+    def total(self) -> int:
+        return len(self.fitting) + sum(len(c) for c in self.rejected.values())
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _get(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _space(cfg: Config, devices: int, keep: set[str]) -> list[dict]:
+    """Every combination of knob values (a dict per candidate, each key of _SET)."""
+    args = model_args_from_config(cfg)
+    t, p = cfg.training, cfg.parallelism
+    per_device = t.batch_size * t.grad_accum_steps
+    micro = sorted(set(_divisors(per_device)) | {2**i for i in range(per_device.bit_length()) if 2**i <= per_device})
+    if "training.batch_size" in keep:
+        micro = [t.batch_size]
+    layouts = [(r, devices // r) for r in _divisors(devices)]
+    if "parallelism.dp_replicate" in keep:
+        r = p.dp_replicate if devices % p.dp_replicate == 0 else 1
+        layouts = [(r, devices // r)]
+    eps = _divisors(args.moe.num_experts) if args.moe is not None and "parallelism.ep" not in keep else [p.ep]
+    acs = [cfg.activation_checkpoint.mode] if "activation_checkpoint.mode" in keep else ["none", "selective", "full"]
+    scans = [cfg.model.scan_layers] if "model.scan_layers" in keep else [False, True]
+    out = []
+    for (r, s), ep, ac, scan, b in itertools.product(layouts, eps, acs, scans, micro):
+        # Knobs that act only on some layouts are held at the config's value elsewhere: buckets on
+        # several devices, re-sharding on a sharded axis with buckets.
+        buckets = sorted(set(BUCKETS_MB) | {p.bucket_mb}) if r * s > 1 and "parallelism.bucket_mb" not in keep \
+            else [p.bucket_mb]
+        reshards = [True, False] if s > 1 and "parallelism.reshard_after_forward" not in keep else \
+            [p.reshard_after_forward]
+        for bucket, reshard in itertools.product(buckets, reshards):
+            if bucket <= 0 and reshard != p.reshard_after_forward and len(reshards) > 1:
+                continue
+            out.append({"activation_checkpoint.mode": ac, "model.scan_layers": scan,
+                        "parallelism.reshard_after_forward": reshard, "parallelism.bucket_mb": bucket,
+                        "training.batch_size": b, "training.grad_accum_steps": max(per_device // b, 1),
+                        "parallelism.dp_replicate": r, "parallelism.dp_shard": s, "parallelism.ep": ep})
+    return out
+
+
+def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardware, chips: int | None) -> Candidate:
+    changes = []
+    for key in _SET:
+        # dp_shard -1 resolves to the devices dp_replicate leaves, whatever dp_replicate is.
+        if key == "parallelism.dp_shard" and base.parallelism.dp_shard == -1:
+            continue
+        if values[key] != _get(base, key):
+            changes += [f"--{key}", _fmt(values[key])]
+    c = Candidate(values=values, changes=changes)
+    b, ep, shard = values["training.batch_size"], values["parallelism.ep"], values["parallelism.dp_shard"]
+    if per_device % b:
+        c.reason, c.detail = "divisibility: micro-batch", f"micro-batch {b} does not divide {per_device} sequences"
+        return c
+    if shard % ep:
+        c.reason, c.detail = "divisibility: ep", f"ep {ep} does not divide dp_shard {shard}"
+        return c
+    # The sections a candidate sets are copied; the rest is shared with the config, read only.
+    cfg = copy.copy(base)
+    for section in {key.split(".")[0] for key in values}:
+        setattr(cfg, section, copy.copy(getattr(base, section)))
+    for key, value in values.items():
+        if key == "parallelism.dp_shard" and base.parallelism.dp_shard == -1:
+            continue
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    try:
+        with planning_machine():
+            validate(cfg)
+    except ValueError as e:
+        message = str(e)
+        c.reason = "graph mode runs one micro-batch per step" if "one micro-batch per step" in message else \
+            f"config: {message.split(';')[0]}"
+        c.detail = message
+        return c
+    c.plan = plan_config(cfg, hardware, chips=chips)
+    if not c.plan.fits:
+        c.reason = "memory"
+        c.detail = (f"peak {c.plan.peak_bytes / 1e9:.1f} GB at {c.plan.peak_phase} > {c.plan.capacity_bytes / 1e9:.1f} "
+                    f"GB (+{c.plan.peak_bytes / c.plan.capacity_bytes - 1:.0%})")
+    return c
+
+
+def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None, keep=(),
+           measure: bool = True) -> SearchResult:
+    """Plan every candidate of the space around `cfg` (module docstring) on `hardware` (default:
+    what the config names) and rank those that fit. Raises ValueError (one line) when none fits."""
+    if cfg.model.name == "hf":
+        raise ValueError("titan-tpu plan --search covers the native models (llama3, qwen3, qwen3_moe)")
+    unknown = sorted(set(keep) - set(KNOBS))
+    if unknown:
+        raise ValueError(f"--keep {unknown[0]} is not a searched knob; keep one of {', '.join(KNOBS)}")
+    if hardware is None:
+        hardware, named = default_hardware(cfg, measure=measure)
+        chips = chips if chips is not None else named
+    p = cfg.parallelism
+    devices = chips * hardware.devices_per_chip if chips is not None else \
+        p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else 1)
+    per_device = cfg.training.batch_size * cfg.training.grad_accum_steps
+    result = SearchResult(hardware=hardware, devices=devices, sequences_per_device=per_device,
+                          seq_len=cfg.training.seq_len)
+    for values in _space(cfg, devices, set(keep)):
+        c = _candidate(cfg, values, per_device=per_device, hardware=hardware, chips=chips)
+        if c.reason:
+            result.rejected.setdefault(c.reason, []).append(c)
+        else:
+            result.fitting.append(c)
+    if not result.fitting:
+        raise ValueError(_nothing_fits(result))
+    best = max(c.plan.tokens_per_s for c in result.fitting)
+
+    def rank(c: Candidate):
+        # Rates within TIE of each other share a step of the log scale.
+        step = math.floor(math.log(best / c.plan.tokens_per_s) / math.log1p(TIE))
+        return step, c.values["training.grad_accum_steps"], len(c.changes), c.plan.peak_bytes
+
+    result.fitting.sort(key=rank)
+    return result
+
+
+def _nothing_fits(result: SearchResult) -> str:
+    where = f"{result.devices} x {result.hardware.name} ({result.hardware.memory_bytes / 1e9:.1f} GB per device)"
+    memory = result.rejected.get("memory", [])
+    other = {k: len(v) for k, v in result.rejected.items() if k != "memory"}
+    others = "; ".join(f"{n} {k}" for k, n in other.items())
+    if memory:
+        least = min(memory, key=lambda c: c.plan.peak_bytes)
+        over = least.plan.peak_bytes / least.plan.capacity_bytes
+        return (f"nothing fits on {where}: of {result.total} candidates {len(memory)} need more memory, the least "
+                f"{least.plan.peak_bytes / 1e9:.1f} GB ({over:.2f}x the device, {least.describe()})"
+                + (f"; {others}" if others else "") + "; use more devices, a smaller seq_len or a smaller model")
+    return f"nothing runs on {where}: all {result.total} candidates rejected ({others})"
+
+
+def format_search(result: SearchResult, *, top: int = 5) -> str:
+    hw = result.hardware
+    lines = [f"search on {result.devices} x {hw.name} ({hw.memory_bytes / 1e9:.1f} GB per device): "
+             f"{result.sequences_per_device} sequences of {result.seq_len} per device per step; "
+             f"{result.total} candidates, {len(result.fitting)} fit"]
+    best = result.fitting[0].plan.tokens_per_s
+    for i, c in enumerate(result.fitting[:top], 1):
+        p = c.plan
+        lines.append(f"{i}. {p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s / best:.3f} of #1), MFU {p.mfu:.1f}%, "
+                     f"step {p.time['step_s']:.4g} s, peak {p.peak_bytes / 1e9:.2f} GB: {c.describe()}")
+        lines.append(f"   overrides: {' '.join(c.changes) if c.changes else '(the config as it is)'}")
+    ties = sum(1 for c in result.fitting if c.plan.tokens_per_s >= best * (1 - TIE))
+    if ties > 1:
+        lines.append(f"{ties} candidates predict within {TIE:.1%} of #1: the planner does not model host overhead "
+                     "per micro-batch, compile time or scan's steady-state cost, so they are ordered by fewer "
+                     "micro-batches, then fewer changes, then lower peak memory")
+    if result.rejected:
+        lines.append(f"rejected {sum(len(v) for v in result.rejected.values())}:")
+        for reason, cands in sorted(result.rejected.items(), key=lambda kv: -len(kv[1])):
+            example = min(cands, key=lambda c: c.plan.peak_bytes) if reason == "memory" else cands[0]
+            lines.append(f"  {len(cands):>5} {reason} (e.g. {example.describe()}: {example.detail})")
+    return "\n".join(lines)
+
+
+def search_json(result: SearchResult, *, top: int = 5) -> str:
+    def row(c: Candidate) -> dict:
+        return {"values": c.values, "overrides": c.changes, "tokens_per_s": c.plan.tokens_per_s, "mfu": c.plan.mfu,
+                "step_s": c.plan.time["step_s"], "peak_bytes": c.plan.peak_bytes}
+
+    return json.dumps({
+        "hardware": dataclasses.asdict(result.hardware), "devices": result.devices,
+        "sequences_per_device": result.sequences_per_device, "seq_len": result.seq_len,
+        "candidates": result.total, "fitting": len(result.fitting),
+        "best": [row(c) for c in result.fitting[:top]],
+        "rejected": {reason: {"count": len(cands), "example": cands[0].describe(), "detail": cands[0].detail}
+                     for reason, cands in result.rejected.items()},
+    }, indent=2)

@@ -1,0 +1,396 @@
+"""``titan-tpu report RUN_DIR [RUN_DIR ...]``: one HTML file that shows a run, or several overlaid.
+
+What a run directory holds and the report reads (train/metrics.py writes them):
+
+    metrics.jsonl   one row per logged step: loss, lr, grad_norm, tokens_per_s, mfu, memory_gb,
+                    max_memory_gb, data_s, step_s, time; val_loss rows; capture_s/compile_s on the
+                    first row of a process; aux_loss and expert_load_* for MoE models
+    config.json     the full config of the run (the config table compares these)
+    events.jsonl    one line per process start (restarts = starts - 1)
+
+The HTML is self-contained: every plot is a PNG inside the page as a data: URI, the style sheet is
+inline, and there is no script, font or link to fetch, so it opens the same from a laptop, a mail
+attachment or a machine without network. Plots are drawn with matplotlib's Agg backend (no display
+needed); ``--png DIR`` also writes each plot as a PNG file.
+
+A plot appears only when some run has its data (no MoE plot for dense models, no capture/compile
+plot for eager runs). "After warm-up" in the summary means: leaving out the first logged row of
+every process (its window holds compilation and the first, slow steps) and the first 10 % of the
+run's steps.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from titan_tpu.train.checkpoint import _flatten as flatten  # "section.key" names
+from titan_tpu.train.metrics import format_duration
+
+SMOOTHING = 0.9  # weight of the exponential moving average of the smoothed loss (TensorBoard's slider)
+WARMUP_FRACTION = 0.1
+
+
+@dataclass
+class Run:
+    path: Path
+    label: str
+    rows: list[dict[str, Any]]  # every row of metrics.jsonl, in file order
+    config: dict[str, Any]  # flattened: "training.steps" -> 200
+    starts: list[dict[str, Any]] = field(default_factory=list)  # events.jsonl "start" lines
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of the rows that have a number for ``key``."""
+        pairs = [(r["step"], r[key]) for r in self.rows if isinstance(r.get(key), (int, float))
+                 and not isinstance(r.get(key), bool)]
+        return [s for s, _ in pairs], [float(v) for _, v in pairs]
+
+    def has(self, key: str) -> bool:
+        return any(isinstance(r.get(key), (int, float)) for r in self.rows)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line torn by a killed process
+    return rows
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    if not (path / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{path} has no metrics.jsonl; pass a run directory (the output_dir of a training run)")
+    config_file = path / "config.json"
+    config = flatten(json.loads(config_file.read_text())) if config_file.is_file() else {}
+    starts = [e for e in _read_jsonl(path / "events.jsonl") if e.get("event") == "start"]
+    return Run(path=path, label=path.name, rows=_read_jsonl(path / "metrics.jsonl"), config=config, starts=starts)
+
+
+def _unique_labels(runs: list[Run]) -> None:
+    """Directory names, or parent/name where two runs share a name."""
+    names = [r.label for r in runs]
+    for run in runs:
+        if names.count(run.label) > 1:
+            run.label = f"{run.path.parent.name}/{run.path.name}"
+
+
+# ------------------------------------------------------------------------------------------------
+# summary
+
+
+def _after_warmup(run: Run, key: str) -> list[float]:
+    total = run.config.get("training.steps") or max((r["step"] for r in run.rows), default=0)
+    skip_before = WARMUP_FRACTION * total
+    first_rows, seen = set(), set()
+    for index, row in enumerate(run.rows):  # the first training row after each process start
+        if "loss" in row and "tokens_per_s" in row:
+            start = _segment(run, row)
+            if start not in seen:
+                seen.add(start)
+                first_rows.add(index)
+    return [float(r[key]) for i, r in enumerate(run.rows) if isinstance(r.get(key), (int, float))
+            and i not in first_rows and r["step"] > skip_before]
+
+
+def _segment(run: Run, row: dict) -> int:
+    """Which process wrote a row: the index of the last start whose time is not after the row's."""
+    t = row.get("time")
+    if t is None:
+        return 0
+    return max([i for i, s in enumerate(run.starts) if s.get("time", 0) <= t], default=0)
+
+
+def wall_seconds(run: Run) -> float | None:
+    """Sum over the processes of the run of (its last row's time - its start time)."""
+    if not run.starts or not any("time" in r for r in run.rows):
+        return None
+    last: dict[int, float] = {}
+    for row in run.rows:
+        if isinstance(row.get("time"), (int, float)):
+            seg = _segment(run, row)
+            last[seg] = max(last.get(seg, 0.0), row["time"])
+    return sum(t - run.starts[seg]["time"] for seg, t in last.items() if seg < len(run.starts))
+
+
+def summary(run: Run) -> dict[str, str]:
+    def last(key):
+        _, values = run.series(key)
+        return values[-1] if values else None
+
+    def median(key):
+        values = _after_warmup(run, key)
+        return statistics.median(values) if values else None
+
+    steps, _ = run.series("loss")
+    peak = [v for key in ("max_memory_gb", "memory_gb") for v in run.series(key)[1]]
+    wall = wall_seconds(run)
+    total = run.config.get("training.steps")
+    return {
+        "steps": f"{steps[-1] if steps else 0}" + (f" / {total}" if total else ""),
+        "final loss": _fmt(last("loss"), "{:.4f}"),
+        "final val loss": _fmt(last("val_loss"), "{:.4f}"),
+        "median tokens/s": _fmt(median("tokens_per_s"), "{:,.0f}"),
+        "median MFU": _fmt(median("mfu"), "{:.2f} %"),
+        "peak memory": _fmt(max(peak) if peak else None, "{:.2f} GB"),
+        "wall time": _fmt(wall, "{}", transform=format_duration),
+        "restarts": str(max(len(run.starts) - 1, 0)) if run.starts else "n/a",
+    }
+
+
+def _fmt(value, pattern: str, transform=None) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return pattern.format(transform(value) if transform else value)
+
+
+def config_differences(runs: list[Run]) -> list[tuple[str, list[str]]]:
+    """(key, value per run) for every config key whose value is not the same in all runs."""
+    keys = sorted(set().union(*(r.config for r in runs)))
+    missing = object()
+    rows = []
+    for key in keys:
+        values = [r.config.get(key, missing) for r in runs]
+        if any(v != values[0] for v in values[1:]):
+            rows.append((key, ["(absent)" if v is missing else json.dumps(v) for v in values]))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# plots
+
+
+def ema(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Exponential moving average with the start-up bias removed (as TensorBoard's smoothing);
+    non-finite values are skipped."""
+    out, avg, norm = [], 0.0, 0.0
+    for v in values:
+        if math.isfinite(v):
+            avg, norm = weight * avg + (1 - weight) * v, weight * norm + (1 - weight)
+        out.append(avg / norm if norm else float("nan"))
+    return out
+
+
+def _line_plot(ax, runs, colors, key, *, label_suffix="", style="-", scale=1.0, alpha=1.0) -> bool:
+    drawn = False
+    for run, color in zip(runs, colors):
+        steps, values = run.series(key)
+        if steps:
+            ax.plot(steps, [v * scale for v in values], style, color=color, alpha=alpha, linewidth=1.4,
+                    label=f"{run.label}{label_suffix}", markersize=4)
+            drawn = True
+    return drawn
+
+
+def _plot_loss(ax, runs, colors) -> bool:
+    drawn = False
+    for run, color in zip(runs, colors):
+        steps, values = run.series("loss")
+        if steps:
+            ax.plot(steps, values, color=color, alpha=0.25, linewidth=1.0)
+            ax.plot(steps, ema(values), color=color, linewidth=1.8, label=f"{run.label} (smoothed)")
+            drawn = True
+        val_steps, val = run.series("val_loss")
+        if val_steps:
+            ax.plot(val_steps, val, "o--", color=color, markersize=5, linewidth=1.2, label=f"{run.label} validation")
+            drawn = True
+    ax.set_ylabel("cross-entropy")
+    return drawn
+
+
+def _plot_share(ax, runs, colors) -> bool:
+    drawn = False
+    for run, color in zip(runs, colors):
+        pairs = [(r["step"], 100.0 * r["data_s"] / r["step_s"]) for r in run.rows
+                 if isinstance(r.get("data_s"), (int, float)) and isinstance(r.get("step_s"), (int, float))
+                 and r["step_s"] > 0]
+        if pairs:
+            ax.plot([s for s, _ in pairs], [v for _, v in pairs], color=color, linewidth=1.4, label=run.label)
+            drawn = True
+    ax.set_ylabel("% of step time")
+    return drawn
+
+
+def _plot_compile(ax, runs, colors) -> bool:
+    keys = ("capture_s", "compile_s")
+    totals = [[sum(run.series(k)[1]) for k in keys] for run in runs]
+    if not any(any(t) for t in totals):
+        return False
+    width = 0.8 / len(runs)
+    for i, (run, color, values) in enumerate(zip(runs, colors, totals)):
+        ax.bar([j + i * width for j in range(len(keys))], values, width=width, color=color, label=run.label)
+    ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(keys))], ["capture", "compile"])
+    ax.set_ylabel("seconds (all processes of the run)")
+    return True
+
+
+def _plot_memory(ax, runs, colors) -> bool:
+    drawn = _line_plot(ax, runs, colors, "memory_gb")
+    drawn |= _line_plot(ax, runs, colors, "max_memory_gb", label_suffix=" (peak)", style="--")
+    ax.set_ylabel("GB per device")
+    return drawn
+
+
+def _plot_experts(ax, runs, colors) -> bool:
+    drawn = _line_plot(ax, runs, colors, "expert_load_max", label_suffix=" max/mean")
+    drawn |= _line_plot(ax, runs, colors, "expert_load_min", label_suffix=" min/mean", style="--")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_ylabel("tokens per expert / mean")
+    return drawn
+
+
+def _simple(key: str, ylabel: str, *, log: bool = False):
+    def plot(ax, runs, colors) -> bool:
+        drawn = _line_plot(ax, runs, colors, key)
+        ax.set_ylabel(ylabel)
+        if log and drawn:
+            ax.set_yscale("log")
+        return drawn
+    return plot
+
+
+# (file name, title, plot function): the report's plots in page order.
+PLOTS = (
+    ("loss", "Loss (raw, smoothed) and validation loss", _plot_loss),
+    ("lr", "Learning rate", _simple("lr", "learning rate")),
+    ("grad_norm", "Gradient norm (before clipping)", _simple("grad_norm", "global L2 norm", log=True)),
+    ("tokens_per_s", "Throughput", _simple("tokens_per_s", "tokens / s (all ranks)")),
+    ("mfu", "Model FLOPs utilisation", _simple("mfu", "MFU (%)")),
+    ("memory", "Memory", _plot_memory),
+    ("data_wait", "Share of each step spent waiting for data", _plot_share),
+    ("compile", "Graph capture and compile time", _plot_compile),
+    ("expert_load", "MoE expert load", _plot_experts),
+    ("aux_loss", "MoE balancing loss", _simple("aux_loss", "auxiliary loss")),
+)
+
+
+def render_plots(runs: list[Run]) -> list[tuple[str, str, bytes]]:
+    """(name, title, PNG bytes) of every plot that some run has data for."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: draw into memory
+    import matplotlib.pyplot as plt
+
+    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
+    images = []
+    for name, title, plot in PLOTS:
+        fig, ax = plt.subplots(figsize=(7.0, 3.6), dpi=100)
+        try:
+            if not plot(ax, runs, colors):
+                continue
+            ax.set_title(title, fontsize=11)
+            if name != "compile":
+                ax.set_xlabel("step")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8, loc="best")
+            fig.tight_layout()
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format="png")
+            images.append((name, title, buffer.getvalue()))
+        finally:
+            plt.close(fig)
+    return images
+
+
+# ------------------------------------------------------------------------------------------------
+# HTML
+
+_STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1500px;
+       padding: 0 1em; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
+table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.92em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.7em; text-align: left; }
+th { background: #f3f3f3; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.plots { display: grid; grid-template-columns: repeat(auto-fill, minmax(640px, 1fr)); gap: 1em; }
+figure { margin: 0; } img { width: 100%; height: auto; border: 1px solid #eee; }
+.note { color: #666; font-size: 0.9em; }
+"""
+
+
+def _table(header: list[str], rows: list[list[str]], numeric_from: int = 1) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td{' class=num' if i >= numeric_from else ''}>{html.escape(c)}</td>"
+                         for i, c in enumerate(row)) + "</tr>"
+        for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def render_html(runs: list[Run], images: list[tuple[str, str, bytes]]) -> str:
+    labels = [r.label for r in runs]
+    summaries = [summary(r) for r in runs]
+    summary_rows = [[key] + [s[key] for s in summaries] for key in summaries[0]]
+    parts = [f"<h1>Training report: {html.escape(', '.join(labels))}</h1>",
+             "<h2>Summary</h2>", _table(["run"] + labels, summary_rows),
+             f"<p class=note>Medians leave out the first logged row of every process and the first "
+             f"{WARMUP_FRACTION:.0%} of the steps (warm-up, compilation). Wall time: from each process's start "
+             "to its last logged step, summed over restarts.</p>"]
+    if len(runs) > 1:
+        diff = config_differences(runs)
+        parts.append("<h2>How the configs differ</h2>")
+        parts.append(_table(["key"] + labels, [[k] + v for k, v in diff], numeric_from=len(labels) + 1)
+                     if diff else "<p>The configs are identical.</p>")
+    else:
+        keys = ("model.name", "model.flavor", "training.steps", "training.batch_size", "training.seq_len",
+                "training.mode", "optimizer.lr", "parallelism.dp_shard", "training.device")
+        rows = [[k, json.dumps(runs[0].config[k])] for k in keys if k in runs[0].config]
+        parts += ["<h2>Configuration (main keys)</h2>", _table(["key", "value"], rows, numeric_from=2)]
+    parts.append("<h2>Plots</h2><div class=plots>")
+    for name, title, png in images:
+        data = base64.b64encode(png).decode("ascii")
+        parts.append(f'<figure id="{name}"><img alt="{html.escape(title)}" src="data:image/png;base64,{data}">'
+                     "</figure>")
+    parts.append("</div>")
+    sources = "".join(f"<li>{html.escape(r.label)}: {html.escape(str(r.path.resolve()))}</li>" for r in runs)
+    parts.append(f"<h2>Runs</h2><ul class=note>{sources}</ul>")
+    body = "\n".join(parts)
+    return (f"<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
+            f"<title>titan-tpu report: {html.escape(', '.join(labels))}</title>"
+            f"<style>{_STYLE}</style></head><body>\n{body}\n</body></html>\n")
+
+
+def write_report(run_dirs: list[str | Path], *, out: str | Path | None = None,
+                 png_dir: str | Path | None = None) -> Path:
+    """Write the report of ``run_dirs`` (default: report.html in the first run directory);
+    returns its path. With ``png_dir`` every plot is also written there as <name>.png."""
+    if not run_dirs:
+        raise ValueError("titan-tpu report needs at least one run directory")
+    runs = [load_run(p) for p in run_dirs]
+    _unique_labels(runs)
+    images = render_plots(runs)
+    out = Path(out) if out else runs[0].path / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(runs, images), encoding="utf-8")
+    if png_dir is not None:
+        png_dir = Path(png_dir)
+        png_dir.mkdir(parents=True, exist_ok=True)
+        for name, _, png in images:
+            (png_dir / f"{name}.png").write_bytes(png)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu report",
+        description="One self-contained HTML file with the plots and a summary of one or more runs (overlaid), "
+                    "and a table of how their configs differ.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="output_dir of a training run")
+    parser.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html of the first run)")
+    parser.add_argument("--png", metavar="DIR", help="also write every plot as DIR/<name>.png")
+    args = parser.parse_args(argv)
+    out = write_report(args.run_dirs, out=args.out, png_dir=args.png)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,146 @@
+"""What `titan-tpu verify` checks: a model spec resolved to one working Hugging Face directory with
+weights, and the backend that runs it.
+
+Every spec becomes a directory that transformers' own from_pretrained reads, so the reference side
+of every check is unmodified transformers:
+
+* a native name/flavor (``llama3/debug``, ``qwen3_moe/30B-A3B``): the flavor's seeded init, written
+  with our HF export; the native backend runs it;
+* an HF directory with weights: that directory; the native backend where the native adapter reads
+  its config (Llama, Qwen3, Qwen3-MoE without unsupported features), the Transformers backend
+  otherwise;
+* an HF directory without weights (config.json only), or an HF model type with overrides: the
+  config, built by transformers with seed 0 and saved with save_pretrained.
+
+``tiny`` shrinks the config first (one layer of each kind, hidden 64, vocabulary 512, as hf-sweep
+does), so a 70B config verifies on a CPU; weights that do not fit the shrunk config are replaced by
+a seeded init, and the subject says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from titan_tpu.models.common.transformer import TransformerArgs
+
+
+@dataclasses.dataclass
+class Subject:
+    spec: str  # as the user gave it
+    backend: str  # native | hf
+    hf_dir: Path  # the working directory: config.json + safetensors, read by transformers
+    weights: str  # where the weights came from (the user's, or a seeded init)
+    native_name: str | None = None  # llama3 | qwen3 | qwen3_moe for the native backend
+    real_args: TransformerArgs | None = None  # the real-size native args (the planner's input)
+    real_config: dict | None = None  # the real-size HF config (before --tiny)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def config(self) -> dict:
+        return json.loads((self.hf_dir / "config.json").read_text())
+
+    def native_args(self) -> TransformerArgs:
+        from titan_tpu.models.hf_adapter import model_args_from_hf_config
+
+        return model_args_from_hf_config(self.config)[1]
+
+    def hf_args(self):
+        from titan_tpu.models.hf_backend import hf_args_from_spec
+
+        return hf_args_from_spec(str(self.hf_dir))
+
+
+def tiny_native_args(args: TransformerArgs) -> TransformerArgs:
+    """A native config shrunk as hf-sweep shrinks HF ones: its features (RoPE scaling, QK norm, tied
+    embeddings, MoE routing) kept, sizes cut."""
+    tiny = dataclasses.replace(args, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16 if args.head_dim else None,
+                               vocab_size=512, ffn_hidden_dim=128,
+                               max_seq_len=min(args.max_seq_len, 16384))  # RoPE scaling's original length fits
+    if args.moe is not None:
+        tiny.moe = dataclasses.replace(args.moe, num_experts=4, top_k=2, hidden_dim=64,
+                                       mlp_only_layers=[], decoder_sparse_step=1)
+    return tiny
+
+
+# A seeded init (std ~0.02) gives a tiny model near-uniform attention, under which a conversion bug
+# such as one permuted key projection moves the logits by ~1e-3 (KL ~4e-8: under the PASS band).
+# Seeded weights are scaled by this factor so attention and logits are as peaked as a trained
+# model's; both sides of every comparison read the same scaled weights.
+SHARPEN = 4.0
+
+
+def _seeded_hf_dir(config, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.mul_(SHARPEN)
+    model.save_pretrained(str(out))
+
+
+def _seeded_native(args: TransformerArgs) -> dict[str, torch.Tensor]:
+    from titan_tpu.models.registry import build_model
+
+    return {k: v * SHARPEN if v.ndim >= 2 else v for k, v in build_model(args, seed=0).state_dict().items()}
+
+
+def _tiny_hf_config(spec: str, overrides: dict, base_config=None):
+    """`spec` (a directory or a type) with hf-sweep's tiny sizes, then the user's overrides."""
+    from titan_tpu.models.hf_backend import load_hf_config
+    from titan_tpu.models.hf_sweep import tiny_overrides
+
+    config = base_config or load_hf_config(spec, overrides)
+    return load_hf_config(spec, {**tiny_overrides(config.model_type, config), **overrides})
+
+
+def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = None) -> Subject:
+    """`spec` -> a Subject whose hf_dir lies under `work_dir` (or is the user's directory)."""
+    from titan_tpu.evaluate import native_hf_dir
+    from titan_tpu.models.hf_adapter import model_args_from_hf_config
+    from titan_tpu.models.hf_backend import causal_lm_types, has_weights, load_hf_config
+    from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
+    from titan_tpu.models.registry import MODEL_FLAVORS, get_model_args
+
+    overrides = dict(overrides or {})
+    path = Path(spec).expanduser()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    name, _, flavor = spec.partition("/")
+    if not path.exists() and flavor and name in MODEL_FLAVORS:
+        real = get_model_args(name, flavor)
+        args = tiny_native_args(real) if tiny else real
+        out = work_dir / "model"
+        save_hf_checkpoint(out, name=name, args=args, state_dict=_seeded_native(args), overwrite=True)
+        return Subject(spec, "native", out, f"seeded init (seed 0) x {SHARPEN:g}", name, real)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json; verify takes a Hugging Face model directory, a native "
+                                    "name/flavor (llama3/8B) or a transformers model type (llama)")
+        real_config = json.loads((path / "config.json").read_text())
+        load_hf_config(str(path))  # one-line errors: not a causal LM, an invalid config
+        native = native_hf_dir(path)
+        real = model_args_from_hf_config(real_config)[1] if native else None
+        if has_weights(path) and not tiny and not overrides:
+            return Subject(spec, "native" if native else "hf", path, f"the directory's own ({path})",
+                           model_args_from_hf_config(real_config)[0] if native else None, real, real_config)
+        config = _tiny_hf_config(str(path), overrides) if tiny else load_hf_config(str(path), overrides)
+        weights = f"seeded init (seed 0) x {SHARPEN:g}: " + ("the directory has no weights" if not has_weights(path)
+                                              else "its weights do not fit the shrunk config")
+    elif spec in causal_lm_types() or spec.startswith("hf:"):
+        spec_type = spec.removeprefix("hf:")
+        config = _tiny_hf_config(spec_type, overrides) if tiny else load_hf_config(spec_type, overrides)
+        real_config, real, weights = None, None, f"seeded init (seed 0) x {SHARPEN:g}"
+    else:
+        load_hf_config(spec)  # raises with close names
+        raise AssertionError("unreachable")
+    out = work_dir / "model"
+    _seeded_hf_dir(config, out)
+    native = native_hf_dir(out)
+    name = model_args_from_hf_config(json.loads((out / "config.json").read_text()))[0] if native else None
+    return Subject(spec, "native" if native else "hf", out, weights, name, real, real_config)
