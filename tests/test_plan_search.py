@@ -21,13 +21,16 @@ CPU = resolve_hardware("cpu", measure=False)[0]
 
 
 def _tokens_per_step(cfg, devices):
-    return cfg.training.batch_size * cfg.training.grad_accum_steps * cfg.training.seq_len * devices
+    """Tokens of one step: tensor-parallel ranks share their data-parallel rank's batch."""
+    dp_ranks = devices // cfg.parallelism.tp
+    return cfg.training.batch_size * cfg.training.grad_accum_steps * cfg.training.seq_len * dp_ranks
 
 
 @pytest.mark.parametrize("config,overrides,hardware", [
     ("llama3_debug", [], "cpu"),
     ("llama3_debug", ["--parallelism.dp_shard", "2"], "cpu"),
     ("qwen3_moe_debug", ["--parallelism.dp_shard", "4"], "cpu"),
+    ("llama3_debug", ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"], "cpu"),
     ("qwen3_8b_graph_tpu", [], None),
 ])
 def test_ranked_configurations_are_the_plans_of_their_overrides(config, overrides, hardware):
@@ -121,3 +124,18 @@ def test_bad_search_input_is_one_line(capsys):
     assert main(["plan", "--search", "--config", str(CONFIGS / "llama3_debug.toml"), "--keep", "training.steps"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a searched knob" in err and "activation_checkpoint.mode" in err
+
+
+def test_search_holds_tp_and_factorises_the_rest():
+    """With tp the search splits devices / tp into dp_replicate x dp_shard and keeps blocks unrolled
+    (the layout tp runs); the 70B H100 recipe's tp 8 on its 32 GPUs searches (it raised before)."""
+    result = search(build_config(CONFIGS / "llama3_debug.toml", ["--parallelism.dp_shard", "2", "--parallelism.tp",
+                                                                  "2"]), CPU, measure=False)
+    assert result.devices == 4
+    layouts = {(c.values["parallelism.dp_replicate"], c.values["parallelism.dp_shard"]) for c in result.fitting}
+    assert layouts == {(1, 2), (2, 1)}
+    assert not any(c.values["model.scan_layers"] for c in result.fitting)
+    assert all(c.plan.mesh["tp"] == 2 for c in result.fitting)
+    recipe = search(for_planning(CONFIGS / "llama3_70b_h100_tp.toml", []), measure=False)
+    assert recipe.devices == 32 and recipe.fitting
+    assert {c.values["parallelism.dp_replicate"] * c.values["parallelism.dp_shard"] for c in recipe.fitting} == {4}

@@ -90,13 +90,17 @@ def reference(tmp_path_factory, cache):
 @pytest.mark.parametrize("layout", [
     {"nproc": 2, "parallelism__dp_shard": 2},
     {"nproc": 2, "parallelism__dp_replicate": 2, "parallelism__dp_shard": 1},
-])
+    # Tensor parallel: both ranks hold the same 4 sequences (docs/tensor_parallel.md).
+    {"nproc": 2, "parallelism__tp": 2, "training__batch_size": 4},
+], ids=["dp_shard2", "dp_replicate2", "tp2"])
 def test_two_ranks_match_one_process(tmp_path, cache, reference, layout):
-    layout = dict(layout)
-    nproc = layout.pop("nproc")
     # Same global batch: 2 ranks x 2 sequences = 1 process x 4 sequences.
-    done = train(nproc, overrides(tmp_path / "run", cache, training__batch_size=2, **layout))
+    layout = {"training__batch_size": 2, **layout}
+    nproc = layout.pop("nproc")
+    done = train(nproc, overrides(tmp_path / "run", cache, **layout))
     assert "data parallel: " in done.stdout
+    if "parallelism__tp" in layout:
+        assert "tensor parallel: 2" in done.stdout
     got = losses(tmp_path / "run")
     assert sorted(got) == sorted(reference)
     for step, loss in reference.items():
@@ -115,12 +119,16 @@ def test_two_ranks_match_one_process(tmp_path, cache, reference, layout):
         assert torch.equal(exported[name], value), name
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+# Layouts as (processes, overrides), each with the per-rank batch that keeps the global batch at 4.
+ONE, DP2, TP2 = (1, {"training__batch_size": 4}), (2, {"training__batch_size": 2}), \
+    (2, {"training__batch_size": 4, "parallelism__tp": 2})
+
+
+@pytest.mark.parametrize("before, after", [(DP2, ONE), (ONE, DP2), (TP2, ONE)], ids=["dp2-to-1", "1-to-dp2", "tp2-to-1"])
 def test_resume_on_another_number_of_ranks(tmp_path, cache, reference, before, after):
     run = tmp_path / "run"
-    batch = {1: 4, 2: 2}  # per-rank batch that keeps the global batch at 4
-    train(before, overrides(run, cache, training__steps=10, training__batch_size=batch[before]))
-    done = train(after, overrides(run, cache, training__batch_size=batch[after]))
+    train(before[0], overrides(run, cache, training__steps=10, **before[1]))
+    done = train(after[0], overrides(run, cache, **after[1]))
     assert "resumed from" in done.stdout and "step-00000010" in done.stdout
     got = losses(run)
     for step in range(1, 21):

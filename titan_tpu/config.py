@@ -94,6 +94,12 @@ class ParallelismConfig:
     # Expert parallelism (MoE models): experts spread over groups of ep ranks; ep divides dp_shard
     # and the number of experts. Tokens reach their experts by all-gather + reduce-scatter.
     ep: int = 1
+    # Tensor parallelism with sequence parallelism (docs/tensor_parallel.md): the innermost mesh
+    # axis; dp_replicate x dp_shard x cp x tp must equal the number of ranks. tp divides the heads,
+    # kv heads, ffn_hidden_dim, vocab_size and training.seq_len. Dense models only (MoE: use ep).
+    tp: int = 1
+    # Context parallelism: reserved for the [dp_replicate, dp_shard, cp, tp] mesh; must be 1 today.
+    cp: int = 1
 
 
 @dataclass

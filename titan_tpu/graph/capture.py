@@ -53,7 +53,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, f
 
 from titan_tpu.graph.passes import recomputed_nodes, rematerialize
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
-from titan_tpu.train.step import split_batch
+from titan_tpu.train.step import model_copies, split_batch
 
 __all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "capture_train_step"]
 
@@ -280,7 +280,7 @@ def capture_train_step(
     (AdamW.hparams). decay: which parameters get weight decay (AdamW.decay). example_batch:
     (inputs_BS, labels_BS[, positions_BS]) of the shape every step will use (the graph is
     static-shaped). dp_size: number of data-parallel ranks;
-    default the size of the parameters' mesh (1 for plain parameters). scalar_dtype: dtype of the
+    default the size of the data-parallel axes of the parameters' mesh (1 for plain parameters). scalar_dtype: dtype of the
     step and lr inputs; float64 matches the eager path's Python-float arithmetic bit for bit,
     float32 is for TPUs (no fast float64, and XLA may reject it).
 
@@ -299,13 +299,16 @@ def capture_train_step(
         raise ValueError(f"capture_train_step: mixed plain and DTensor parameters (plain: {plain}); "
                          "make the whole model data parallel or none of it")
     if dp_size is None:
-        dp_size = next(iter(specs.values())).mesh.size() if specs else 1
+        from titan_tpu.parallel.mesh import dp_rank_and_size
+
+        dp_size = dp_rank_and_size(next(iter(specs.values())).mesh)[1] if specs else 1
     distributed = dp_size > 1
     # Clones: make_fx maps one tensor object to one graph input, so a caller passing the same
     # tensor as inputs and labels would otherwise get a graph where labels alias the inputs.
     split_batch(example_batch)  # a 2- or 3-tuple, or a clear error
     example_batch = [t.clone() for t in example_batch]
     num_tokens = example_batch[1].numel() * dp_size  # static: shapes are fixed for the graph
+    copies = model_copies(dp_size)  # tensor-parallel ranks each hold the whole loss of their batch
     n, nb = len(param_names), len(example_batch)
     hparams = dict(adamw_hparams)
     updated_buffers = model.expert_bias_names() if hasattr(model, "expert_bias_names") else []
@@ -353,8 +356,9 @@ def capture_train_step(
             # sum over ranks gives the global values.
             load = out.expert_load
             totals = torch.cat([(out.ce_sum / num_tokens).detach().view(1), aux.detach().view(1), load.flatten()])
-            if distributed:
+            if distributed or copies > 1:
                 totals = _world_group_all_reduce_sum(totals)
+                totals = totals / copies if copies > 1 else totals
             global_load = totals[2:].view(load.shape)
             new_buffers = (model.updated_expert_biases({n: buffer_values[n] for n in updated_buffers}, global_load)
                            if updated_buffers else {})

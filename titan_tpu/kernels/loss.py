@@ -53,28 +53,53 @@ def reference_linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor,
 
 
 def _chunk_loss_and_grad_logits(h_CD: Tensor, w_VD: Tensor, labels_C: Tensor, ignore_index: int,
-                                with_grad: bool) -> tuple[Tensor, Tensor | None]:
+                                with_grad: bool, vocab_shard: tuple | None = None) -> tuple[Tensor, Tensor | None]:
     """Summed loss of one chunk and, with_grad, d(loss)/d(logits) = softmax - one_hot (fp32).
 
     The gradient is built in the logits' own buffer (in place: these are fresh intermediates, and
-    a traced graph is functionalised by the compiler), so a chunk costs one [C, V] buffer."""
+    a traced graph is functionalised by the compiler), so a chunk costs one [C, V] buffer.
+    vocab_shard (start, group): `w_VD` holds vocabulary rows [start, start + V) of a vocabulary
+    split over `group` (tensor parallelism): the log-sum-exp and the target logit are reduced over
+    the group (a max and two sums), so every rank gets the whole loss from its own logits."""
     logits_CV = (h_CD @ w_VD.t()).float()
     valid_C = labels_C != ignore_index
-    safe_labels_C = torch.where(valid_C, labels_C, 0)
-    logsumexp_C = torch.logsumexp(logits_CV, dim=-1)
-    target_C = logits_CV.gather(1, safe_labels_C.unsqueeze(1)).squeeze(1)
+    if vocab_shard is None:
+        mine_C = valid_C
+        safe_labels_C = torch.where(valid_C, labels_C, 0)
+        logsumexp_C = torch.logsumexp(logits_CV, dim=-1)
+        target_C = logits_CV.gather(1, safe_labels_C.unsqueeze(1)).squeeze(1)
+    else:
+        logsumexp_C, target_C, mine_C, safe_labels_C = _vocab_parallel_terms(logits_CV, labels_C, valid_C,
+                                                                             vocab_shard)
     loss = ((logsumexp_C - target_C) * valid_C).sum()
     if not with_grad:
         return loss, None
     grad_logits_CV = logits_CV.sub_(logsumexp_C.unsqueeze(1)).exp_()  # softmax
-    grad_logits_CV.scatter_add_(1, safe_labels_C.unsqueeze(1), torch.full_like(target_C, -1.0).unsqueeze(1))
+    minus_one_C = torch.full_like(target_C, -1.0) if vocab_shard is None else -mine_C.to(target_C.dtype)
+    grad_logits_CV.scatter_add_(1, safe_labels_C.unsqueeze(1), minus_one_C.unsqueeze(1))
     return loss, grad_logits_CV.mul_(valid_C.unsqueeze(1))
+
+
+def _vocab_parallel_terms(logits_CV: Tensor, labels_C: Tensor, valid_C: Tensor, vocab_shard: tuple):
+    """(log-sum-exp over the whole vocabulary, target logit, whether the label is in this shard,
+    the label's local index or 0) for a chunk of vocabulary-sharded logits."""
+    import torch.distributed._functional_collectives as funcol
+
+    start, group = vocab_shard
+    local_C = labels_C - start
+    mine_C = valid_C & (local_C >= 0) & (local_C < logits_CV.shape[1])
+    safe_labels_C = torch.where(mine_C, local_C, 0)
+    max_C = funcol.all_reduce(logits_CV.amax(dim=-1), "max", group)
+    sum_exp_C = funcol.all_reduce((logits_CV - max_C.unsqueeze(1)).exp().sum(dim=-1), "sum", group)
+    target_C = logits_CV.gather(1, safe_labels_C.unsqueeze(1)).squeeze(1) * mine_C
+    target_C = funcol.all_reduce(target_C, "sum", group)
+    return max_C + sum_exp_C.log(), target_C, mine_C, safe_labels_C
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, ignore_index: int, chunk: int,
-                with_grad: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                with_grad: bool, vocab_shard: tuple | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         grad_h_chunks = []
         # The weight gradient accumulates in fp32 across chunks, in place: one [V, D] buffer.
@@ -82,7 +107,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, h_ND.shape[0], chunk):
             h_CD = h_ND[start:start + chunk]
             loss, grad_logits_CV = _chunk_loss_and_grad_logits(h_CD, w_VD, labels_N[start:start + chunk],
-                                                               ignore_index, with_grad)
+                                                               ignore_index, with_grad, vocab_shard)
             total = total + loss
             if with_grad:
                 g_CV = grad_logits_CV.to(h_ND.dtype)
@@ -108,14 +133,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # so the [V, D] weight gradient is never copied.
         grad_h_ND, grad_w_VD = ctx.saved_tensors
         return grad_h_ND.mul_(grad_total.to(grad_h_ND.dtype)), grad_w_VD.mul_(grad_total.to(grad_w_VD.dtype)), \
-            None, None, None, None
+            None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, *, ignore_index: int = -100,
-                                 chunk_tokens: int = 0) -> Tensor:
+                                 chunk_tokens: int = 0, vocab_shard: tuple | None = None) -> Tensor:
+    """vocab_shard (start, group): vocabulary-parallel form (`_chunk_loss_and_grad_logits`); the
+    gradient of h it returns is this shard's part, summed over the group by the caller's
+    collective (tensor parallelism's sequence all-gather, whose backward reduce-scatters)."""
     chunk = chunk_tokens if chunk_tokens > 0 else auto_chunk_tokens(h_ND.shape[0], w_VD.shape[0])
     with_grad = torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad)
-    total, _, _ = _ChunkedLinearCrossEntropy.apply(h_ND, w_VD, labels_N, ignore_index, chunk, with_grad)
+    total, _, _ = _ChunkedLinearCrossEntropy.apply(h_ND, w_VD, labels_N, ignore_index, chunk, with_grad,
+                                                   vocab_shard)
     return total
 
 

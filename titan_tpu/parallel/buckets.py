@@ -264,7 +264,9 @@ def bucket_owners(model: nn.Module) -> list[nn.Module]:
 def _bucketable(p) -> bool:
     # Expert weights keep their expert-parallel shard when read (simple_fsdp._replicate_for_compute):
     # not a full gather, so they stay on the per-parameter path.
-    return isinstance(p, DTensor) and "ep" not in (p.device_mesh.mesh_dim_names or ())
+    # Tensor-parallel weights likewise keep their tp shard (the flat buffer gathers whole tensors).
+    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+    return isinstance(p, DTensor) and "ep" not in names and "tp" not in names
 
 
 def _layout_key(p: DTensor) -> tuple:

@@ -1,9 +1,11 @@
 """Parallelism sizes and the device mesh built from them.
 
-Data parallelism (replicate, fully shard, or both = hybrid shard) and expert parallelism, which
-is carved out of the fully sharded axis (ep divides dp_shard; parallel/expert_parallel.py). The
-sizes are validated here, once, so every later piece can trust them; tensor/context/pipeline
-axes will join `ParallelDims` as further factors of the world size.
+Data parallelism (replicate, fully shard, or both = hybrid shard), tensor parallelism (the
+innermost axis, parallel/tensor_parallel.py) and expert parallelism, which is carved out of the
+fully sharded axis (ep divides dp_shard; parallel/expert_parallel.py). The mesh is
+[dp_replicate, dp_shard, cp, tp], outermost first, keeping only the axes of size > 1; cp
+(context parallelism) is reserved and must be 1 today. The sizes are validated here, once, so
+every later piece can trust them.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_tpu.parallel.expert_parallel import build_expert_mesh
 
-__all__ = ["ParallelDims", "dp_rank_and_size", "DP_AXES"]
+__all__ = ["ParallelDims", "dp_rank_and_size", "DP_AXES", "MESH_AXES"]
 
 # Mesh axis names, outermost first. Replicas are the outer axis so that the shard groups (which
-# all-gather every layer) are the inner, usually faster-connected, neighbours.
+# all-gather every layer) are the inner, usually faster-connected, neighbours; tp, which
+# communicates several times per block, is innermost (within a node / NVLink domain / slice).
 DP_AXES = ("dp_replicate", "dp_shard")
+MESH_AXES = (*DP_AXES, "cp", "tp")
 
 
 @dataclass
@@ -27,22 +31,32 @@ class ParallelDims:
     dp_shard: int = -1  # -1: whatever the world size leaves after the other axes (TorchTitan)
     world_size: int = 1
     ep: int = 1  # expert parallelism: MoE experts spread over groups of ep of the dp_shard ranks
+    tp: int = 1  # tensor (and sequence) parallelism, the innermost axis
+    cp: int = 1  # context parallelism: reserved, must be 1
 
     def __post_init__(self):
         if self.world_size < 1:
             raise ValueError(f"world size must be >= 1, got {self.world_size}; check how the job was launched")
         if self.dp_replicate < 1:
             raise ValueError(f"--parallelism.dp_replicate must be >= 1, got {self.dp_replicate}")
+        if self.tp < 1:
+            raise ValueError(f"--parallelism.tp must be >= 1, got {self.tp}")
+        if self.cp != 1:
+            raise ValueError(f"--parallelism.cp {self.cp}: context parallelism is not implemented yet; set cp 1")
+        others = self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
-            if self.world_size % self.dp_replicate != 0:
-                raise ValueError(f"--parallelism.dp_replicate ({self.dp_replicate}) must divide the world size "
-                                 f"({self.world_size}) when --parallelism.dp_shard is -1")
-            self.dp_shard = self.world_size // self.dp_replicate
+            if self.world_size % others != 0:
+                raise ValueError(f"--parallelism.dp_replicate ({self.dp_replicate}) * cp ({self.cp}) * tp ({self.tp}) "
+                                 f"must divide the world size ({self.world_size}) when --parallelism.dp_shard is -1")
+            self.dp_shard = self.world_size // others
         if self.dp_shard < 1:
             raise ValueError(f"--parallelism.dp_shard must be >= 1 or -1 (use the rest), got {self.dp_shard}")
-        if self.dp_replicate * self.dp_shard != self.world_size:
+        if others * self.dp_shard != self.world_size:
             raise ValueError(f"--parallelism.dp_replicate ({self.dp_replicate}) * --parallelism.dp_shard "
-                             f"({self.dp_shard}) must equal the world size ({self.world_size}); change one of them")
+                             f"({self.dp_shard}) * cp ({self.cp}) * tp ({self.tp}) must equal the world size "
+                             f"({self.world_size}); change one of them")
+        if self.tp > 1 and self.ep > 1:
+            raise ValueError("--parallelism.tp > 1 with --parallelism.ep > 1: MoE models use ep only; set tp 1")
         if self.ep < 1:
             raise ValueError(f"--parallelism.ep must be >= 1, got {self.ep}")
         if self.ep > 1 and self.dp_shard % self.ep != 0:
@@ -68,13 +82,13 @@ class ParallelDims:
         return "none"
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The data-parallel mesh over the (already initialised) default process group, or None
-        on a single process, where the model stays plain tensors."""
+        """The [dp_replicate, dp_shard, cp, tp] mesh over the (already initialised) default process
+        group, or None on a single process, where the model stays plain tensors."""
         if self.world_size == 1:
             return None
-        shape_by_axis = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        shape_by_axis = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
         # Keep only the axes in use: a size-1 axis would only add an empty collective per layer.
-        axes = tuple(a for a in DP_AXES if shape_by_axis[a] > 1)
+        axes = tuple(a for a in MESH_AXES if shape_by_axis[a] > 1)
         return init_device_mesh(device_type, tuple(shape_by_axis[a] for a in axes), mesh_dim_names=axes)
 
 

@@ -28,6 +28,14 @@ the calibration in docs/planner.md):
   an all-reduce over dp_replicate of the sharded gradients, 2 (r - 1) / r; expert parallelism
   all-gathers each MoE layer's tokens and routing over ep and reduce-scatters the outputs in the
   forward (the reverse in the backward, and again when a checkpointed block is recomputed).
+* Tensor parallelism (parallel/tensor_parallel.py) splits every weight over tp (the norms, a few
+  vectors, are counted as split too), so stored, gathered and full-size gradient terms divide by
+  tp, and the data-parallel collectives move 1 / tp of the weights. Its own collectives act on
+  activations [tokens, dim] in the compute dtype, per micro-batch: per block an all-gather and a
+  reduce-scatter around attention and around the feed-forward, plus the embedding's
+  reduce-scatter and the gather after the final norm, each again (swapped) in the backward and,
+  for recomputed blocks, in the recomputation; and the vocabulary-parallel loss's three
+  all-reduces of one fp32 value per token. The norms' gradient all-reduces (vectors) are left out.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ __all__ = ["Layout", "Collective"]
 @dataclass(frozen=True)
 class Collective:
     kind: str  # all_gather | reduce_scatter | all_reduce
-    axis: str  # dp_shard | dp_replicate | ep
+    axis: str  # dp_shard | dp_replicate | ep | tp
     group_size: int
     bytes_per_step: float  # bytes each rank sends per optimizer step
     purpose: str
@@ -54,6 +62,7 @@ class Layout:
     dp_replicate: int = 1
     dp_shard: int = 1
     ep: int = 1
+    tp: int = 1
     compute_bytes: int = 4  # model.dtype
     reduce_bytes: int = 4  # parallelism.reduce_dtype
     # How long gathered weights live (module docstring). "layer": re-sharded after the forward, a
@@ -62,7 +71,7 @@ class Layout:
     gather: str = "layer"
 
     def __post_init__(self):
-        for name in ("dp_replicate", "dp_shard", "ep"):
+        for name in ("dp_replicate", "dp_shard", "ep", "tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallelism.{name} = {getattr(self, name)} must be >= 1")
         if self.gather not in ("model", "layer"):
@@ -72,7 +81,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def sharded(self) -> bool:
@@ -86,21 +95,22 @@ class Layout:
 
     def stored_elements(self, total_params: int) -> float:
         """Elements of parameters (and of each AdamW moment, and of the sharded gradient) a rank
-        stores: 1 / dp_shard of every parameter, experts included."""
-        return total_params / self.dp_shard
+        stores: 1 / (dp_shard x tp) of every parameter, experts included."""
+        return total_params / (self.dp_shard * self.tp)
 
     def local_block_elements(self, *, block_params: int, expert_params: int) -> float:
         """Elements of the block weights a rank computes with: all of them, but only its own
-        experts under expert parallelism."""
-        return block_params - expert_params + expert_params / self.ep
+        experts under expert parallelism, its tp shard under tensor parallelism."""
+        return (block_params - expert_params + expert_params / self.ep) / self.tp
 
     def gathered_bytes(self, *, block_params: int, expert_params: int, n_layers: int) -> float:
         """Gathered compute copies of block weights a rank holds through the forward and backward
-        (see the module docstring and `gather`). On one process: fp32 weights are used in place
-        (0); a lower compute dtype's cast copies are kept from the forward to the backward, all
-        of them (nothing re-casts per layer there)."""
+        (see the module docstring and `gather`). Without data-parallel axes (one process, or
+        tensor parallelism alone) nothing is gathered: fp32 weights are used in place (0); a lower
+        compute dtype's cast copies are kept from the forward to the backward, all of them (nothing
+        re-casts per layer there)."""
         local = self.local_block_elements(block_params=block_params, expert_params=expert_params)
-        if not self.sharded:
+        if self.dp_shard * self.dp_replicate == 1:
             return 0.0 if self.compute_bytes == 4 else local * self.compute_bytes
         if self.gather == "layer":
             local = min(local, 2 * local / n_layers)
@@ -122,13 +132,17 @@ class Layout:
     def step_collectives(self, *, total_params: int, expert_params: int, micro_batches: int,
                          moe_layers: int, tokens_per_micro_batch: int, dim: int, top_k: int,
                          recompute_blocks: bool, regathered_params: int = 0, gathers: int = 0,
-                         regathers: int = 0) -> list[Collective]:
+                         regathers: int = 0, n_layers: int = 0) -> list[Collective]:
         """Every collective of one optimizer step with the bytes each rank sends and its calls.
         regathered_params: block parameters gathered a second time in the backward (re-sharding
         after the forward); gathers / regathers: collective calls of SimpleFSDP per micro-batch
-        in the forward / again in the backward (`collective_calls`)."""
+        in the forward / again in the backward (`collective_calls`); n_layers: blocks (tensor
+        parallelism's collectives are per block)."""
         out = []
         n, r, ep = self.dp_shard, self.dp_replicate, self.ep
+        # What the data-parallel axes move: this rank's tp shard.
+        total_params, expert_params = total_params / self.tp, expert_params / self.tp
+        regathered_params = regathered_params / self.tp
         if n > 1:
             shard_axis_experts = expert_params / ep  # experts gather over dp_shard / ep ranks only
             dense = total_params - expert_params
@@ -157,7 +171,25 @@ class Layout:
             out.append(Collective("all_gather+reduce_scatter", "ep", ep,
                                   micro_batches * moe_layers * passes * per_layer, "MoE token dispatch",
                                   micro_batches * moe_layers * passes * 4))
+        if self.tp > 1:
+            out += self.tp_collectives(micro_batches=micro_batches, n_layers=n_layers,
+                                       tokens_per_micro_batch=tokens_per_micro_batch, dim=dim,
+                                       recompute_blocks=recompute_blocks)
         return out
+
+    def tp_collectives(self, *, micro_batches: int, n_layers: int, tokens_per_micro_batch: int, dim: int,
+                       recompute_blocks: bool) -> list[Collective]:
+        """Tensor parallelism's activation collectives (module docstring), bytes each rank sends
+        and calls."""
+        tp, t = self.tp, tokens_per_micro_batch
+        one = (tp - 1) / tp * t * dim * self.compute_bytes  # one all-gather or reduce-scatter of [T, D]
+        per_pass = 4 * n_layers + 2
+        passes = 2 * per_pass + (4 * n_layers if recompute_blocks else 0)
+        loss = 3 * 2 * (tp - 1) / tp * t * 4
+        return [Collective("all_gather+reduce_scatter", "tp", tp, micro_batches * passes * one,
+                           "sequence-parallel activations, forward and backward", micro_batches * passes),
+                Collective("all_reduce", "tp", tp, micro_batches * loss, "vocabulary-parallel loss",
+                           micro_batches * 3)]
 
 
 def collective_calls(*, tensors_per_layer: list[int], bytes_per_layer: list[float], outside_tensors: int,

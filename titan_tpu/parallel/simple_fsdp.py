@@ -31,6 +31,7 @@ from titan_tpu.models.common.functional_block import stored_weights
 from titan_tpu.parallel.buckets import DEFAULT_BUCKET_MB, build_buckets, gather_flat
 from titan_tpu.parallel.reshard import LayerGather, ReshardHooks
 from titan_tpu.parallel.expert_parallel import ExpertParallelDispatch, expert_placements
+from titan_tpu.parallel.tensor_parallel import TP_AXIS, tp_placement
 
 __all__ = ["MixedPrecision", "cast_for_compute", "copy_full_", "data_parallel", "default_mixed_precision", "local_bytes",
            "materialize_and_init", "MODES"]
@@ -57,17 +58,25 @@ def default_mixed_precision(device_type: str) -> MixedPrecision:
 
 
 def _placements(mode: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
-    if mode not in MODES:
+    """The placements on the data-parallel axes of `mesh` (all but tp, which the tensor-parallel
+    plan places per module: `_module_placements`)."""
+    if mode not in MODES and not (mode == "none" and _has_tp(mesh)):
         raise ValueError(f"data parallel mode must be one of {', '.join(MODES)}, got {mode!r}")
     placements = {
+        "none": (),
         "replicate": (Replicate(),),
         "fully_shard": (Shard(0),),
         "hybrid_shard": (Replicate(), Shard(0)),
     }[mode]
-    if mesh.ndim != len(placements):
-        raise ValueError(f"data parallel mode {mode!r} needs a {len(placements)}-D mesh, got {mesh.ndim}-D "
+    dp_ndim = mesh.ndim - _has_tp(mesh)
+    if dp_ndim != len(placements):
+        raise ValueError(f"data parallel mode {mode!r} needs {len(placements)} data-parallel mesh axes, got "
                          f"{mesh.mesh_dim_names}; build the mesh with ParallelDims")
     return placements
+
+
+def _has_tp(mesh: DeviceMesh) -> bool:
+    return TP_AXIS in (mesh.mesh_dim_names or ())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,10 +86,22 @@ def _placements(mode: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
 
 
 
-def _module_placements(module: nn.Module, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """Stacked-layer weights are sharded on their per-layer dim 0, i.e. dim 1 of the stack: a
-    rank's shard is then the stack of the shards it would hold of each layer unrolled, which keeps
-    checkpoints interchangeable and never splits the layer axis the scan loops over."""
+def _module_placements(module: nn.Module, placements: tuple[Placement, ...],
+                       mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """The placements of `module`'s parameters on every axis of `mesh`.
+
+    With a tp axis (innermost) the module's tensor-parallel placement is appended, and a weight
+    the tp plan shards on dim 0 is sharded over dp_shard on dim 1 instead: each axis then splits
+    its own dim, so gathering the data-parallel axes leaves exactly the tp shard (no strided
+    sharding), and checkpoints hold the same global tensors.
+    Stacked-layer weights are sharded on their per-layer dims, i.e. one dim further in the stack:
+    a rank's shard is then the stack of the shards it would hold of each layer unrolled, which
+    keeps checkpoints interchangeable and never splits the layer axis the scan loops over."""
+    if _has_tp(mesh):
+        tp = tp_placement(module)
+        if isinstance(tp, Shard) and tp.dim == 0:
+            placements = tuple(Shard(1) if isinstance(p, Shard) else p for p in placements)
+        placements = (*placements, tp)
     if not getattr(module, STACKED_MARKER, False):
         return placements
     return tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements)
@@ -92,7 +113,7 @@ def _module_layout(module: nn.Module, mesh: DeviceMesh, placements: tuple[Placem
     parallelism, everything else on the data-parallel mesh."""
     if expert_mesh is not None and getattr(module, EXPERT_MARKER, False):
         return expert_mesh, expert_placements(stacked=getattr(module, STACKED_MARKER, False))
-    return mesh, _module_placements(module, placements)
+    return mesh, _module_placements(module, placements, mesh)
 
 
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_data_rank: int | None,
@@ -132,19 +153,21 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_d
 
 
 def _replicate_for_compute(param: DTensor, mp: MixedPrecision) -> torch.Tensor:
-    # Expert weights keep their expert-parallel shard (this rank's experts); every other axis is
-    # gathered whole.
+    # Expert weights keep their expert-parallel shard (this rank's experts), tensor-parallel
+    # weights their tp shard; every other axis is gathered whole.
     axes = param.device_mesh.mesh_dim_names or ()
-    keep = [name == "ep" for name in axes] if "ep" in axes else [False] * param.device_mesh.ndim
+    keep = [name in ("ep", TP_AXIS) for name in axes]
     full = param.redistribute(
         placements=[p if k else Replicate() for p, k in zip(param.placements, keep)],
         forward_dtype=mp.param_dtype, backward_dtype=mp.reduce_dtype,
     )
     # Each rank's gradient w.r.t. the full weight covers only its own micro-batch rows: a partial
     # sum. Declaring it Partial makes the backward reduce it into the parameter's placements
-    # (reduce-scatter on a Shard axis, all-reduce on a Replicate axis). On the ep axis each rank's
-    # gradient is already its experts' own: it stays sharded.
-    return full.to_local(grad_placements=[p if k else Partial() for p, k in zip(param.placements, keep)])
+    # (reduce-scatter on a Shard axis, all-reduce on a Replicate axis). On the ep and tp axes a
+    # sharded weight's gradient is already this rank's own: it stays sharded; a weight replicated
+    # over tp (the norms) saw only this rank's tokens or heads: a partial sum, all-reduced.
+    return full.to_local(grad_placements=[p if k and p.is_shard() else Partial()
+                                          for p, k in zip(param.placements, keep)])
 
 
 def _compute_tensor(module: nn.Module, name: str) -> torch.Tensor:
@@ -306,7 +329,8 @@ def _reshard_pieces(model: nn.Module) -> list[nn.Module]:
     Models without such pieces (the Hugging Face backend's one piece) keep every gather."""
     if not hasattr(model, "init_plan"):
         return []
-    if not any(isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+    if not any(isinstance(p, DTensor) and any(isinstance(pl, Shard) and axis != TP_AXIS
+                                              for pl, axis in zip(p.placements, p.device_mesh.mesh_dim_names or ()))
                for p in model.parameters()):
         return []  # replicate: nothing is gathered, nothing to re-shard
     named = [(name, piece) for name, piece, _ in model.init_plan()]

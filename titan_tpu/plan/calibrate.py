@@ -64,6 +64,8 @@ CASES = [
     Case("qwen3 debug, 2 ranks fully_shard, scanned, AC selective", "configs/qwen3_debug.toml",
          ("--model.scan_layers", "true", "--activation_checkpoint.mode", "selective"), ranks=2),
     Case("qwen3_moe debug, 2 ranks, ep 2", "configs/qwen3_moe_debug.toml", ("--parallelism.ep", "2"), ranks=2),
+    # Tensor parallel: both ranks hold the whole batch, each a tp shard of the model (docs/tensor_parallel.md).
+    Case("llama3 debug, 2 ranks tp 2", "configs/llama3_debug.toml", ("--parallelism.tp", "2"), ranks=2),
     # Graph mode (--training.mode graph): the whole step captured and compiled, one process.
     Case("llama3 debug, graph aot_eager, unrolled", "configs/llama3_debug.toml",
          ("--training.mode", "graph", "--compile.backend", "aot_eager")),
@@ -246,7 +248,8 @@ def predict(result: dict, hw_numbers: dict) -> dict:
     argv = list(result["argv"])
     config = argv[argv.index("--config") + 1]
     rest = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
-    overrides = rest + (["--parallelism.dp_shard", str(result["ranks"])] if result["ranks"] > 1 else [])
+    tp = int(rest[rest.index("--parallelism.tp") + 1]) if "--parallelism.tp" in rest else 1
+    overrides = rest + (["--parallelism.dp_shard", str(result["ranks"] // tp)] if result["ranks"] > 1 else [])
     cfg = build_config(config, overrides)
     cpu = hw_mod.cpu_hardware(measure=False)
     cpu = hw_mod.Hardware(**{**cpu.as_dict(), "peak_flops": hw_numbers["peak_flops"],

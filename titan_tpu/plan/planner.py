@@ -40,6 +40,7 @@ from titan_tpu.models.common.transformer import ActivationBytes, activation_byte
 from titan_tpu.models.registry import (flops_per_token, largest_param, num_active_params, num_expert_params,
                                        num_params)
 from titan_tpu.parallel.plan_terms import Layout, collective_calls
+from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
 from titan_tpu.train.optim import update_buffers
 
@@ -111,22 +112,30 @@ def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, in
                              "'TPU v5p-1024: 512 chips' into job.description")
         hw, _ = resolve_hardware(gen, measure=measure)
         return hw, int(chips.group(1).replace(",", ""))
-    raise ValueError(f"training.device = {t}: name the GPU with --hardware (one of h100, h200, b200)")
+    gpu = re.search(r"\b(h100|h200|b200)\b", cfg.job.description, re.IGNORECASE)
+    gpus = re.search(r"([\d,]+) GPUs", cfg.job.description)
+    if t == "cuda" and gpu is not None and gpus is not None:  # a GPU recipe: "... 32 H100 ...: 32 GPUs"
+        hw, _ = resolve_hardware(gpu.group(1).lower(), measure=measure)
+        return hw, int(gpus.group(1).replace(",", ""))
+    raise ValueError(f"training.device = {t}: name the GPU with --hardware (one of h100, h200, b200) or write "
+                     "'H100: 32 GPUs' into job.description")
 
 
 def _mesh(cfg: Config, devices: int | None) -> tuple[int, int, int]:
     """(dp_replicate, dp_shard, devices) with dp_shard = -1 resolved, or a one-line error."""
     p = cfg.parallelism
+    others = p.dp_replicate * p.tp
     if devices is None:  # a CPU run: the mesh says how many ranks
-        devices = p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else 1)
+        devices = others * (p.dp_shard if p.dp_shard > 0 else 1)
     if p.dp_shard == -1:
-        if devices % p.dp_replicate:
-            raise ValueError(f"parallelism.dp_replicate = {p.dp_replicate} does not divide the {devices} devices; "
+        if devices % others:
+            raise ValueError(f"parallelism.dp_replicate x tp = {others} does not divide the {devices} devices; "
                              "choose a divisor")
-        return p.dp_replicate, devices // p.dp_replicate, devices
-    if p.dp_replicate * p.dp_shard != devices:
-        raise ValueError(f"the mesh dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} = "
-                         f"{p.dp_replicate * p.dp_shard} devices does not match the {devices} devices of the "
+        return p.dp_replicate, devices // others, devices
+    if others * p.dp_shard != devices:
+        raise ValueError(f"the mesh dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard}"
+                         f"{f' x tp {p.tp}' if p.tp > 1 else ''} = "
+                         f"{others * p.dp_shard} devices does not match the {devices} devices of the "
                          "hardware; change the mesh (or dp_shard = -1) or the slice")
     return p.dp_replicate, p.dp_shard, devices
 
@@ -135,9 +144,14 @@ def code_gather(cfg: Config) -> str:
     """How long the code keeps gathered block weights with this config (parallel/plan_terms.py,
     Layout.gather): "layer" when re-sharded after the forward, "model" when kept: re-sharding off,
     per-parameter collectives (bucket_mb 0), or scanned layers in graph mode without full
-    checkpointing (scan's partitioner saves each layer's gathered weights)."""
+    checkpointing (scan's partitioner saves each layer's gathered weights), or tensor parallelism
+    without activation checkpointing (parameters gathered one by one)."""
     p = cfg.parallelism
     if not p.reshard_after_forward or p.bucket_mb <= 0:
+        return "model"
+    if p.tp > 1 and cfg.activation_checkpoint.mode == "none":
+        # Tensor-parallel weights are gathered per parameter, outside buckets: autograd keeps them,
+        # unless a checkpointed block gathers them again in its recomputation.
         return "model"
     if cfg.model.scan_layers and cfg.training.mode == "graph" and cfg.activation_checkpoint.mode != "full":
         return "model"
@@ -162,10 +176,15 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     devices = chips * hardware.devices_per_chip if chips is not None else None
     dp_replicate, dp_shard, devices = _mesh(cfg, devices)
     args = model_args if model_args is not None else model_args_from_config(cfg)
+    tp = cfg.parallelism.tp
+    if tp > 1:
+        check_tensor_parallel(args, tp, seq_len=cfg.training.seq_len)
+        if cfg.model.scan_layers:
+            raise ValueError("--parallelism.tp > 1 runs unrolled blocks for now; set --model.scan_layers false")
     t, k = cfg.training, cfg.kernels
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
     cb = _DTYPE_BYTES[dtype]
-    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=cfg.parallelism.ep, compute_bytes=cb,
+    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=cfg.parallelism.ep, tp=tp, compute_bytes=cb,
                     reduce_bytes=_DTYPE_BYTES[cfg.parallelism.reduce_dtype], gather=gather)
     ac, scanned = cfg.activation_checkpoint.mode, cfg.model.scan_layers
     # Traced checkpointed blocks keep the attention output too (activation_checkpoint.py); the scanned
@@ -189,9 +208,10 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     # Activations of one micro-batch on one rank.
     tokens = t.batch_size * t.seq_len
     acts = activation_bytes(args, tokens=tokens, ac_mode=ac, dtype_bytes=cb, ep=cfg.parallelism.ep, traced=traced,
-                            partitioned=partitioned)
+                            partitioned=partitioned, tp=tp)
     loss_impl = _loss_impl(k.loss, hardware.name)
-    loss_kept, loss_peak = loss_memory_bytes(loss_impl, tokens=tokens, vocab_size=args.vocab_size, dim=args.dim,
+    # Under tensor parallelism the loss kernel sees every token and its rank's 1 / tp of the vocabulary.
+    loss_kept, loss_peak = loss_memory_bytes(loss_impl, tokens=tokens, vocab_size=args.vocab_size // tp, dim=args.dim,
                                              dtype_bytes=cb, chunk_tokens=k.loss_chunk_tokens)
     gathered = layout.gathered_bytes(block_params=block_params, expert_params=experts, n_layers=args.n_layers)
     # A scanned stack gathered per layer (re-sharding on, bucketed) reduce-scatters per layer too;
@@ -217,7 +237,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
         forward_end += scan.at_backward_start - scan.activations - min(gathered, scan.weight_copies)
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
-    layer_grad = [g * mb / dp_shard for g in _layer_params(args)]
+    layer_grad = [g * mb / (dp_shard * tp) for g in _layer_params(args)]
     below, above, worst = acts.saved, 0.0, 0.0
     for saved, grad in zip(reversed(acts.saved_per_layer), reversed(layer_grad)):
         worst = max(worst, below + above + grad)
@@ -258,8 +278,8 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
 
     # FLOPs: the trainer's count, and what runs (recomputed forwards under full checkpointing).
     fpt = flops_per_token(args, t.seq_len)
-    tokens_step_rank = tokens * t.grad_accum_steps
-    model_flops_rank = fpt * tokens_step_rank
+    tokens_step_rank = tokens * t.grad_accum_steps  # tokens of one data-parallel rank (its tp ranks share them)
+    model_flops_rank = fpt * tokens_step_rank / tp
     forward_share = 1 / 3 if ac == "full" else 0.0
     executed_rank = model_flops_rank * (1 + forward_share)
 
@@ -272,13 +292,13 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
                                           tokens_per_micro_batch=tokens, dim=args.dim,
                                           top_k=args.moe.top_k if args.moe else 0, recompute_blocks=ac == "full",
                                           regathered_params=block_params if gather == "layer" else 0,
-                                          gathers=gathers, regathers=regathers)
+                                          gathers=gathers, regathers=regathers, n_layers=args.n_layers)
 
     # Time. On this CPU the ranks share the cores: each gets 1 / devices of the peak.
     share = devices if hardware.name == "cpu" else 1
     peak_flops = hardware.peak_flops / share
     compute_s = executed_rank / (peak_flops * efficiency)
-    none_acts = activation_bytes(args, tokens=tokens, ac_mode="none", dtype_bytes=cb, ep=cfg.parallelism.ep)
+    none_acts = activation_bytes(args, tokens=tokens, ac_mode="none", dtype_bytes=cb, ep=cfg.parallelism.ep, tp=tp)
     # Every intermediate is written in the forward and read and written in the backward (again when
     # recomputed); AdamW and clipping stream parameters, gradients and moments about twelve times.
     elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if ac != "none" else 0)) * t.grad_accum_steps \
@@ -289,15 +309,16 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     no_overlap = compute_s + elementwise_s + comm_s
     overlap = compute_s + elementwise_s + max(0.0, comm_s - compute_s)
     step_s = overlap if overlapped else no_overlap
-    tokens_per_s = tokens_step_rank * devices / step_s
+    tokens_per_s = tokens_step_rank * devices / tp / step_s
     mfu = 100.0 * model_flops_rank / step_s / (hardware.peak_flops / share)
 
     plan = Plan(
         model=model_label(cfg), hardware=hardware.as_dict(), devices=devices,
-        mesh={"dp_replicate": dp_replicate, "dp_shard": dp_shard, "ep": cfg.parallelism.ep, "mode": _mode(layout),
+        mesh={"dp_replicate": dp_replicate, "dp_shard": dp_shard, "ep": cfg.parallelism.ep, "tp": tp,
+              "mode": _mode(layout),
               "gather": gather, "code_gather": code},
         batch={"batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum_steps": t.grad_accum_steps,
-               "tokens_per_step": tokens_step_rank * devices, "dtype": dtype, "activation_checkpoint": ac,
+               "tokens_per_step": tokens_step_rank * devices // tp, "dtype": dtype, "activation_checkpoint": ac,
                "scan_layers": scanned, "loss": loss_impl, "mode": t.mode},
         params={"total": total, "active": num_active_params(args), "experts": experts,
                 "stored_per_device": stored},
@@ -417,7 +438,8 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"plan for {plan.model} on {plan.devices} x {hw['name']} "
         f"(mesh dp_replicate {plan.mesh['dp_replicate']} x dp_shard {plan.mesh['dp_shard']}"
-        f"{', ep ' + str(plan.mesh['ep']) if plan.mesh['ep'] > 1 else ''}; {plan.mesh['mode']}"
+        f"{', ep ' + str(plan.mesh['ep']) if plan.mesh['ep'] > 1 else ''}"
+        f"{' x tp ' + str(plan.mesh.get('tp', 1)) if plan.mesh.get('tp', 1) > 1 else ''}; {plan.mesh['mode']}"
         f"; gathered weights: {'re-gathered per layer' if plan.mesh['gather'] == 'layer' else 'kept forward to backward'}"
         f"{' (what-if; the code ' + ('re-gathers' if plan.mesh['code_gather'] == 'layer' else 'keeps them') + ')' if plan.mesh['gather'] != plan.mesh['code_gather'] else ''})",
         f"  batch {b['batch_size']} x seq {b['seq_len']} x accum {b['grad_accum_steps']} per device, "

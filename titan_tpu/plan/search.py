@@ -10,7 +10,8 @@ The space (each knob at the values below; `keep` holds a knob at the config's va
     parallelism.bucket_mb             0, 25, 256 and the config's (sharded or replicated layouts only)
     training.batch_size x grad_accum  every split of the sequences per device (the global batch,
                                       batch_size x grad_accum_steps x devices, is the config's)
-    parallelism.dp_replicate x dp_shard  every factorisation of the devices
+    parallelism.dp_replicate x dp_shard  every factorisation of the devices (of devices / tp:
+                                      parallelism.tp is held at the config's value)
     parallelism.ep                    divisors of the experts (MoE models)
 
 Every candidate is a real Config (the config's own validation runs on it) planned by
@@ -77,6 +78,7 @@ class SearchResult:
     devices: int
     sequences_per_device: int
     seq_len: int
+    tp: int = 1  # held at the config's value; sequences_per_device are then per data-parallel rank
     fitting: list = field(default_factory=list)  # Candidates, best first
     rejected: dict = field(default_factory=dict)  # reason -> [Candidate]
 
@@ -110,13 +112,16 @@ def _space(cfg: Config, devices: int, keep: set[str]) -> list[dict]:
     micro = sorted(set(_divisors(per_device)) | {2**i for i in range(per_device.bit_length()) if 2**i <= per_device})
     if "training.batch_size" in keep:
         micro = [t.batch_size]
-    layouts = [(r, devices // r) for r in _divisors(devices)]
+    dp_devices = devices // p.tp  # tensor parallelism is held at the config's value
+    layouts = [(r, dp_devices // r) for r in _divisors(dp_devices)]
     if "parallelism.dp_replicate" in keep:
-        r = p.dp_replicate if devices % p.dp_replicate == 0 else 1
-        layouts = [(r, devices // r)]
+        r = p.dp_replicate if dp_devices % p.dp_replicate == 0 else 1
+        layouts = [(r, dp_devices // r)]
     eps = _divisors(args.moe.num_experts) if args.moe is not None and "parallelism.ep" not in keep else [p.ep]
     acs = [cfg.activation_checkpoint.mode] if "activation_checkpoint.mode" in keep else ["none", "selective", "full"]
     scans = [cfg.model.scan_layers] if "model.scan_layers" in keep else [False, True]
+    if p.tp > 1:
+        scans = [False]  # tensor parallelism runs unrolled blocks (parallel/tensor_parallel.py)
     out = []
     for (r, s), ep, ac, scan, b in itertools.product(layouts, eps, acs, scans, micro):
         # Knobs that act only on some layouts are held at the config's value elsewhere: buckets on
@@ -191,10 +196,12 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
         chips = chips if chips is not None else named
     p = cfg.parallelism
     devices = chips * hardware.devices_per_chip if chips is not None else \
-        p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else 1)
+        p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
+    if devices % p.tp:
+        raise ValueError(f"--parallelism.tp ({p.tp}) must divide the {devices} devices searched; choose a divisor")
     per_device = cfg.training.batch_size * cfg.training.grad_accum_steps
     result = SearchResult(hardware=hardware, devices=devices, sequences_per_device=per_device,
-                          seq_len=cfg.training.seq_len)
+                          seq_len=cfg.training.seq_len, tp=p.tp)
     for values in _space(cfg, devices, set(keep)):
         c = _candidate(cfg, values, per_device=per_device, hardware=hardware, chips=chips)
         if c.reason:
@@ -231,7 +238,8 @@ def _nothing_fits(result: SearchResult) -> str:
 def format_search(result: SearchResult, *, top: int = 5) -> str:
     hw = result.hardware
     lines = [f"search on {result.devices} x {hw.name} ({hw.memory_bytes / 1e9:.1f} GB per device): "
-             f"{result.sequences_per_device} sequences of {result.seq_len} per device per step; "
+             f"{f'tp {result.tp} held, ' if result.tp > 1 else ''}{result.sequences_per_device} sequences of "
+             f"{result.seq_len} per {'data-parallel rank' if result.tp > 1 else 'device'} per step; "
              f"{result.total} candidates, {len(result.fitting)} fit"]
     best = result.fitting[0].plan.tokens_per_s
     for i, c in enumerate(result.fitting[:top], 1):
@@ -259,7 +267,7 @@ def search_json(result: SearchResult, *, top: int = 5) -> str:
 
     return json.dumps({
         "hardware": dataclasses.asdict(result.hardware), "devices": result.devices,
-        "sequences_per_device": result.sequences_per_device, "seq_len": result.seq_len,
+        "sequences_per_device": result.sequences_per_device, "seq_len": result.seq_len, "tp": result.tp,
         "candidates": result.total, "fitting": len(result.fitting),
         "best": [row(c) for c in result.fitting[:top]],
         "rejected": {reason: {"count": len(cands), "example": cands[0].describe(), "detail": cands[0].detail}

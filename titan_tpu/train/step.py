@@ -31,7 +31,7 @@ from torch.profiler import record_function
 from titan_tpu.train.optim import AdamW, clip_grad_norm_
 from titan_tpu.train.profiling import OPTIMIZER_REGION
 
-__all__ = ["IGNORE_INDEX", "EagerStep", "StepResult", "all_reduce_sum", "batch_loss", "split_batch"]
+__all__ = ["IGNORE_INDEX", "EagerStep", "StepResult", "all_reduce_sum", "batch_loss", "model_copies", "split_batch"]
 
 IGNORE_INDEX = -100  # a label the loss skips (chat data: every token that is not the assistant's)
 
@@ -78,13 +78,24 @@ def all_reduce_sum(t: Tensor) -> Tensor:
     return t
 
 
+def model_copies(dp_size: int) -> int:
+    """Ranks that hold the same data-parallel rank's batch (tensor-parallel ranks): each computes
+    the whole loss of that batch, so a sum over all ranks counts it this many times."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return max(1, world // dp_size)
+
+
 def trained_tokens(micro_batches: list[tuple[Tensor, ...]], dp_size: int) -> int:
-    """Labels the loss trains on (not IGNORE_INDEX) in the step's micro-batches on all ranks: the
-    loss denominator, so the mean is over trained tokens whatever their share per micro-batch or
-    rank. One scalar all-reduce over the ranks (the count differs between them)."""
+    """Labels the loss trains on (not IGNORE_INDEX) in the step's micro-batches on all data-parallel
+    ranks: the loss denominator, so the mean is over trained tokens whatever their share per
+    micro-batch or rank. One scalar all-reduce over the ranks (the count differs between them); the
+    tensor-parallel ranks of one data-parallel rank hold the same batch, so the world's sum counts
+    each batch model_copies times."""
     counts = torch.stack([(split_batch(b)[1] != IGNORE_INDEX).sum() for b in micro_batches]).sum()
+    if dp_size > 1:
+        counts = all_reduce_sum(counts) // model_copies(dp_size)
     # At least 1: a step whose rows train nothing (possible with chat rows) gives loss 0, not NaN.
-    return max(int((all_reduce_sum(counts) if dp_size > 1 else counts).item()), 1)
+    return max(int(counts.item()), 1)
 
 
 class EagerStep:
@@ -124,6 +135,8 @@ class EagerStep:
             p.grad = None
         # Each rank holds its share of the global means and its own loads: one sum over ranks.
         totals = all_reduce_sum(torch.cat([loss_sum.view(1), aux_sum.view(1), load.flatten()]))
+        copies = model_copies(self.dp_size)
+        totals = totals / copies if copies > 1 else totals
         expert_load = totals[2:].view(load.shape) if load.numel() else None
         if expert_load is not None:
             update_expert_biases_(self.model, expert_load)

@@ -35,6 +35,7 @@ from titan_tpu.models.registry import flops_per_token
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, copy_full_, default_mixed_precision, materialize_and_init
+from titan_tpu.parallel.tensor_parallel import tensor_parallel
 from titan_tpu.train.checkpoint import CheckpointSaveError, Checkpointer, load, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, lr_at
@@ -76,7 +77,7 @@ class Trainer:
         self.rank, self.world_size = init_distributed(self.backend)
         self.is_main = self.rank == 0
         self.parallel_dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
-                                          world_size=self.world_size, ep=p.ep)
+                                          world_size=self.world_size, ep=p.ep, tp=p.tp, cp=p.cp)
         self.mesh = self.parallel_dims.build_mesh(self.backend.device.type)
         self.expert_mesh = self.parallel_dims.build_expert_mesh(self.backend.device.type)
         dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
@@ -165,6 +166,9 @@ class Trainer:
         from titan_tpu.models.hf_backend import build_hf_model, has_weights, load_pretrained_weights
 
         sharded = self.mesh is not None
+        if self.parallel_dims.tp > 1:
+            raise ValueError("--parallelism.tp > 1 is not supported with --model.name hf (the Transformers backend); "
+                             "set tp 1 or use a native model")
         model = build_hf_model(self.model_args, kernels=self.cfg.kernels, ac_mode=self.cfg.activation_checkpoint.mode,
                                dtype=torch.float32)
         model = materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if sharded else "none",
@@ -189,6 +193,8 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(args, scan_layers=self.cfg.model.scan_layers,
                                 ac_mode=self.cfg.activation_checkpoint.mode, kernels=self.cfg.kernels)
+        if self.parallel_dims.tp > 1:
+            tensor_parallel(model, self.mesh, seq_len=self.cfg.training.seq_len)
         return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if self.mesh is not None else "none",
                                     mp=self.mixed_precision, device=self.backend.device, seed=self.cfg.training.seed,
                                     expert_mesh=self.expert_mesh, bucket_mb=self.cfg.parallelism.bucket_mb,
@@ -378,7 +384,8 @@ class Trainer:
                  f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {cfg.training.seq_len}"
                  f"{f' ({self.flops_note})' if self.flops_note else ''}; "
                  f"{self.world_size} rank(s), data parallel: {self.parallel_dims.mode}"
-                 f"{f', expert parallel: {self.parallel_dims.ep}' if self.parallel_dims.ep > 1 else ''}; "
+                 f"{f', expert parallel: {self.parallel_dims.ep}' if self.parallel_dims.ep > 1 else ''}"
+                 f"{f', tensor parallel: {self.parallel_dims.tp}' if self.parallel_dims.tp > 1 else ''}; "
                  f"MFU peak per device: {self.backend.peak_description(self.compute_dtype)}")
 
         last_val, stopped_by = None, None

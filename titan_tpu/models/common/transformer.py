@@ -184,10 +184,12 @@ class Transformer(nn.Module):
             # Checkpointed blocks run as functions of their weights, so that the recomputation in
             # the backward uses the same weights (see functional_block.py); one template per kind.
             self._checkpointed_blocks = {}
+            self._block_fns = []
             if ac_mode != "none":
                 for moe in set(moe_layers):
                     block_fn = FunctionalBlock(functools.partial(TransformerBlock, args, kernels=kernels,
                                                                  moe_layer=moe, dispatch_slot=slot))
+                    self._block_fns.append(block_fn)
                     self._checkpointed_blocks[moe] = (block_fn.param_names, checkpointed(block_fn, ac_mode),
                                                       checkpointed(functools.partial(_gather_then_run, block_fn),
                                                                    ac_mode))
@@ -198,6 +200,14 @@ class Transformer(nn.Module):
         # Non-persistent: derived from args, never saved. Under `torch.device("meta")` this is a
         # free meta tensor; init_weights()/init_buffers() recompute it after materialisation.
         self.register_buffer("rope_cache", self._compute_rope_cache(), persistent=False)
+
+    def block_templates(self) -> list[nn.Module]:
+        """The meta-device blocks that checkpointed or scanned layers run as functions of their
+        weights (functional_block.py), beside the blocks in `layers`: whatever changes how a block
+        computes (tensor parallelism's plan) applies to these too."""
+        if self.scan_layers:
+            return [self.layers._block_fn.template]
+        return [block_fn.template for block_fn in self._block_fns]
 
     def _compute_rope_cache(self, device: torch.device | None = None) -> torch.Tensor:
         a = self.args
@@ -409,7 +419,7 @@ class ActivationBytes:
 
 
 def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: str, ep: int = 1,
-                          traced: bool = False, partitioned: bool = False) -> tuple[int, int]:
+                          traced: bool = False, partitioned: bool = False, tp: int = 1) -> tuple[float, float]:
     """(compute-dtype elements, 4-byte elements) one block keeps per token of this rank.
 
     none: everything its ops save (each RMSNorm: input, input * rstd, output; attention; the
@@ -431,8 +441,8 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
         ac_mode = "none"
     if ac_mode == "full":
         if traced:
-            return d + args.n_heads * args.hd, args.n_heads
-        return d, 0
+            return (d + args.n_heads * args.hd) / tp, args.n_heads / tp
+        return d / tp, 0
     if ac_mode == "selective":
         elements, fp32 = attention_matmul_outputs_per_token(dim=d, n_heads=args.n_heads,
                                                             n_kv_heads=args.n_kv_heads, head_dim=args.hd)
@@ -440,40 +450,43 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
             e, f = moe_matmul_outputs_per_token(dim=d, args=args.moe)
         else:
             e, f = feed_forward_matmul_outputs_per_token(dim=d, hidden_dim=args.ffn_hidden_dim), 0
+        if tp > 1:  # wo's and w2's outputs (d each) are whole until reduce-scattered
+            return (d + elements + e - 2 * d) / tp + 2 * d, (fp32 + f) / tp
         return d + elements + e, fp32 + f
     norm, norm_fp32 = rms_norm_saved_per_row(d, partitioned=partitioned)
     elements, fp32 = attention_saved_per_token(n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
                                                head_dim=args.hd, qk_norm=args.qk_norm, partitioned=partitioned)
-    elements += 2 * (norm + d)  # two norms: their saved tensors and their outputs
-    fp32 += 2 * norm_fp32
     if moe_layer:
         e, f = moe_saved_per_token(dim=d, args=args.moe, ep=ep)
     else:
         e, f = feed_forward_saved_per_token(args.ffn_hidden_dim, partitioned=partitioned), 0
-    return elements + e, fp32 + f
+    # Two norms: their saved tensors and their outputs (the matmuls' inputs; gathered whole under tp).
+    return (elements + e + 2 * norm) / tp + 2 * d, (fp32 + f + 2 * norm_fp32) / tp
 
 
 def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_bytes: int, ep: int = 1,
-                     traced: bool = False, partitioned: bool = False) -> ActivationBytes:
+                     traced: bool = False, partitioned: bool = False, tp: int = 1) -> ActivationBytes:
     """Activation memory of a micro-batch of `tokens` tokens (batch x sequence) on one rank.
     partitioned: the layers are scanned in graph mode under scan's own autograd
-    (`block_saved_per_token`); what scan adds around them is `scan.scan_autograd_memory`."""
+    (`block_saved_per_token`); what scan adds around them is `scan.scan_autograd_memory`.
+    tp: tensor parallelism's share of them (`block_saved_per_token`)."""
     from titan_tpu.models.common.norms import rms_norm_saved_per_row
 
     if partitioned and ac_mode != "full":
         ac_mode = "none"  # selective's tags do not reach scan's partitioner: nothing is recomputed
 
-    def nbytes(counts: tuple[int, int]) -> int:
-        return tokens * (counts[0] * dtype_bytes + counts[1] * 4)
+    def nbytes(counts: tuple[float, float]) -> int:
+        return int(tokens * (counts[0] * dtype_bytes + counts[1] * 4))
 
     saved, recompute = [], 0
     for layer_id in range(args.n_layers):
         moe = args.is_moe_layer(layer_id)
         saved.append(nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode=ac_mode, ep=ep, traced=traced,
-                                                  partitioned=partitioned)))
+                                                  partitioned=partitioned, tp=tp)))
         if ac_mode != "none":
-            whole = nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode="none", ep=ep))
+            whole = nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode="none", ep=ep, tp=tp))
             recompute = max(recompute, whole)
     norm, norm_fp32 = rms_norm_saved_per_row(args.dim)
-    head = tokens * ((norm + args.dim) * dtype_bytes + norm_fp32 * 4 + 8)  # final norm; the token ids
+    # The final norm (on a rank's 1 / tp of the sequence under tensor parallelism); the token ids.
+    head = tokens * ((norm + args.dim) * dtype_bytes + norm_fp32 * 4) // tp + tokens * 8
     return ActivationBytes(saved_per_layer=tuple(saved), recompute=recompute, head=head)

@@ -1,0 +1,322 @@
+"""Tensor parallelism (parallel/tensor_parallel.py): parity with one process on gloo ranks, composed
+with SimpleFSDP, in graph mode, through a checkpoint, and its one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+
+from titan_tpu.config import model_args_from_config
+from titan_tpu.graph.compile import GraphStep
+from titan_tpu.models.common.transformer import Transformer, activation_bytes
+from titan_tpu.models.registry import build_model, get_model_args
+from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
+from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+from titan_tpu.parallel.tensor_parallel import check_tensor_parallel, tensor_parallel
+from titan_tpu.plan import plan_config
+from titan_tpu.plan.planner import for_planning
+from titan_tpu.train.checkpoint import Checkpointer
+from titan_tpu.train.optim import AdamW
+from titan_tpu.train.step import EagerStep
+
+SEED = 3
+STEPS = 20
+BATCH = 4  # global batch (rows)
+SEQ = 32
+LR = 3e-3
+MAX_NORM = 1.0
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def tiny_args(name: str):
+    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden_dim=128, max_seq_len=SEQ)
+    if name == "qwen3":
+        args["head_dim"] = 16  # explicit, as Qwen3 sets it; q/k norms on
+    return dataclasses.replace(get_model_args(name, "debug"), **args)
+
+
+def global_batches(steps: int) -> torch.Tensor:
+    """[steps, BATCH, SEQ + 1] tokens following x[t+1] = (5 x[t] + 1) mod V (learnable, so the loss moves)."""
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, 256, (steps, BATCH), generator=g)]
+    for _ in range(SEQ):
+        tokens.append((5 * tokens[-1] + 1) % 256)
+    return torch.stack(tokens, dim=-1)
+
+
+def train(model, batches: torch.Tensor, *, dp_rank: int = 0, dp_size: int = 1, step_fn=None,
+          save_at: tuple[int, str] | None = None) -> tuple[list, list]:
+    """Train on this data-parallel rank's rows of each global batch; returns (losses, grad norms).
+    save_at (step, directory): write a checkpoint (model and optimizer) after that many steps."""
+    optimizer = step_fn.optimizer if step_fn is not None else AdamW(dict(model.named_parameters()))
+    step_fn = step_fn or EagerStep(model, optimizer, max_norm=MAX_NORM, dp_size=dp_size)
+    losses, norms = [], []
+    for step, batch in enumerate(batches):
+        rows = batch.chunk(dp_size)[dp_rank]
+        result = step_fn([(rows[:, :-1], rows[:, 1:])], LR)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        if save_at is not None and step + 1 == save_at[0]:
+            Checkpointer(save_at[1]).save(step + 1, {"step": step + 1, "model": model.state_dict(),
+                                                     "optimizer": optimizer.state_dict()})
+    return losses, norms
+
+
+@functools.cache
+def reference(name: str) -> dict:
+    """The one-process run: losses, grad norms, and the logits of the trained model."""
+    model = build_model(tiny_args(name), seed=SEED)
+    losses, norms = train(model, global_batches(STEPS))
+    return {"losses": losses, "norms": norms, "logits": model(global_batches(1)[0, :, :-1]).detach()}
+
+
+def build_parallel(name: str, dims: ParallelDims, *, ac_mode: str = "none"):
+    mesh = dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Transformer(tiny_args(name), ac_mode=ac_mode)
+    tensor_parallel(model, mesh, seq_len=SEQ)
+    model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
+                                 seed=SEED)
+    return model, mesh
+
+
+def _run(name: str, dims: ParallelDims, *, graph: bool = False, ac_mode: str = "none",
+         save_dir: str | None = None) -> dict:
+    model, mesh = build_parallel(name, dims, ac_mode=ac_mode)
+    dp_rank, dp_size = dp_rank_and_size(mesh)
+    out = {"mesh": mesh.mesh_dim_names, "wq_compute_shape": tuple(model.layers["0"].attention.wq.weight.shape)}
+    step_fn = None
+    if graph:
+        example = torch.zeros(BATCH // dp_size, SEQ, dtype=torch.long)
+        step_fn = GraphStep(model, AdamW(dict(model.named_parameters())), max_norm=MAX_NORM,
+                            example_batch=(example, example), backend="eager", dp_size=dp_size)
+        out["collectives"] = {op.split(".")[1]: n for op, n in step_fn.captured.collective_counts().items()}
+    out["losses"], out["norms"] = train(model, global_batches(STEPS), dp_rank=dp_rank, dp_size=dp_size,
+                                        step_fn=step_fn, save_at=(STEPS // 2, save_dir) if save_dir else None)
+    if not graph:
+        out["logits"] = model(global_batches(1)[0, :, :-1]).detach()  # gathered over the vocabulary
+    return out
+
+
+def _saved_bytes_per_layer(name: str, dims: ParallelDims) -> int:
+    """Bytes autograd keeps for the backward of one block on this rank (a 2-layer model's minus a
+    1-layer model's), parameters' storages left out."""
+    sizes = []
+    for n_layers in (1, 2):
+        mesh = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(tiny_args(name), n_layers=n_layers))
+        tensor_parallel(model, mesh, seq_len=SEQ)
+        model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
+                                     seed=SEED)
+        own = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in own:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        tokens = global_batches(1)[0, :, :-1]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(tokens, tokens)
+        sizes.append(sum(seen.values()))
+    return sizes[1] - sizes[0]
+
+
+def _tp2_worker(save_dir: str) -> dict:
+    dims = ParallelDims(tp=2, world_size=dist.get_world_size())
+    return {"saved_per_layer": {n: _saved_bytes_per_layer(n, dims) for n in ("llama3", "qwen3")},"llama3": _run("llama3", dims, save_dir=save_dir), "qwen3": _run("qwen3", dims),
+            "llama3-graph": _run("llama3", dims, graph=True), "qwen3-graph": _run("qwen3", dims, graph=True),
+            "llama3-ac": _run("llama3", dims, ac_mode="selective"),
+            "qwen3-ac-graph": _run("qwen3", dims, graph=True, ac_mode="full")}
+
+
+def _dp2_tp2_worker() -> dict:
+    return _run("llama3", ParallelDims(dp_shard=2, tp=2, world_size=dist.get_world_size()))
+
+
+@functools.cache
+def tp2_runs() -> tuple[list[dict], str]:
+    """One 2-rank spawn for every tp 2 test (starting ranks costs more than the runs)."""
+    save_dir = tempfile.mkdtemp(prefix="tp2-ckpt-")
+    return run_distributed(_tp2_worker, world_size=2, args=(save_dir,), timeout_s=300), save_dir
+
+
+def assert_matches_reference(run: dict, name: str) -> None:
+    ref = reference(name)
+    assert ref["losses"][-1] < ref["losses"][0] - 1.0  # it learns, so a divergence would show
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), **TOL)
+    torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), **TOL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_tp2_matches_one_process(name):
+    args = tiny_args(name)
+    for rank_runs in tp2_runs()[0]:
+        run = rank_runs[name]
+        assert run["mesh"] == ("tp",)
+        assert run["wq_compute_shape"] == (args.n_heads * args.hd // 2, args.dim)  # this rank's heads
+        assert_matches_reference(run, name)
+        torch.testing.assert_close(run["logits"], reference(name)["logits"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_tp2_graph_mode_matches_one_process(name):
+    n_layers = tiny_args(name).n_layers
+    for rank_runs in tp2_runs()[0]:
+        run = rank_runs[f"{name}-graph"]
+        assert_matches_reference(run, name)
+        counts = run["collectives"]
+        # Sequence parallelism: per block an all-gather before attention and before the feed-forward
+        # and a reduce-scatter after each, forward and backward swapped; the embedding's
+        # reduce-scatter and the gather after the final norm, each with its backward.
+        assert counts["all_gather_into_tensor"] == 4 * n_layers + 2, counts
+        assert counts["reduce_scatter_tensor"] == 4 * n_layers + 2, counts
+        # Norm gradients (2 per block, q/k norms, the final norm) summed over tp; the loss
+        # kernel's max, sum and target logit; the gradient norm and the logged loss.
+        norms = 2 * n_layers + 1 + (2 * n_layers if name == "qwen3" else 0)
+        assert counts["all_reduce"] == norms + 3 + 2, counts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name, run_name", [("llama3", "llama3-ac"), ("qwen3", "qwen3-ac-graph")])
+def test_tp2_with_activation_checkpointing_matches_one_process(name, run_name):
+    """Checkpointed blocks run a template of the block (functional_block.py): the plan applies to it."""
+    for rank_runs in tp2_runs()[0]:
+        assert_matches_reference(rank_runs[run_name], name)
+    if run_name.endswith("graph"):  # the recomputed forward gathers the sequence again
+        counts = tp2_runs()[0][0][run_name]["collectives"]
+        assert counts["all_gather_into_tensor"] > 4 * tiny_args(name).n_layers + 2, counts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_tp2_checkpoint_resumes_on_one_process():
+    """A checkpoint written by 2 tp ranks after 10 steps, loaded by one process, continues with
+    the one-process losses."""
+    save_dir = tp2_runs()[1]
+    model = build_model(tiny_args("llama3"), seed=SEED + 1)  # other weights: the load must replace them
+    optimizer = AdamW(dict(model.named_parameters()))
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    Checkpointer(save_dir).load(Checkpointer(save_dir).latest(), state)
+    optimizer.step_count = state["optimizer"]["step"]
+    assert optimizer.step_count == STEPS // 2
+    step_fn = EagerStep(model, optimizer, max_norm=MAX_NORM)
+    losses, _ = train(model, global_batches(STEPS)[STEPS // 2:], step_fn=step_fn)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference("llama3")["losses"][STEPS // 2:]), **TOL)
+
+
+@pytest.mark.multiprocess
+def test_dp_shard2_tp2_matches_one_process():
+    runs = run_distributed(_dp2_tp2_worker, world_size=4, timeout_s=300)
+    for run in runs:
+        assert run["mesh"] == ("dp_shard", "tp")
+        assert_matches_reference(run, "llama3")
+        torch.testing.assert_close(run["logits"], reference("llama3")["logits"], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line each
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(n_heads=6, n_kv_heads=2, dim=96), r"tp \(4\) must divide the model's n_heads \(6\)"),
+    (dict(n_heads=8, n_kv_heads=2), r"tp \(4\) must divide the model's n_kv_heads \(2\)"),
+    (dict(n_heads=8, n_kv_heads=4, ffn_hidden_dim=130), r"tp \(4\) must divide the model's ffn_hidden_dim \(130\)"),
+    (dict(n_heads=8, n_kv_heads=4, vocab_size=258), r"tp \(4\) must divide the model's vocab_size \(258\)"),
+])
+def test_tp_must_divide_the_model(change, match):
+    args = dataclasses.replace(tiny_args("llama3"), **change)
+    with pytest.raises(ValueError, match=match) as info:
+        check_tensor_parallel(args, 4, seq_len=SEQ)
+    assert "\n" not in str(info.value)
+
+
+def test_tp_errors_for_seq_len_and_moe():
+    with pytest.raises(ValueError, match=r"tp \(2\) must divide --training.seq_len \(31\)"):
+        check_tensor_parallel(tiny_args("llama3"), 2, seq_len=31)
+    moe = get_model_args("qwen3_moe", "debug")
+    with pytest.raises(ValueError, match=r"experts are parallelised over ep only"):
+        check_tensor_parallel(moe, 2)
+    check_tensor_parallel(moe, 1)  # tp 1: nothing to check
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dp_shard=2, tp=2, world_size=8), r"dp_replicate \(1\) \* --parallelism.dp_shard \(2\) \* cp \(1\) \* "
+                                           r"tp \(2\) must equal the world size \(8\)"),
+    (dict(tp=3, world_size=4), r"\* cp \(1\) \* tp \(3\) must divide the world size \(4\)"),
+    (dict(tp=0, world_size=4), r"--parallelism.tp must be >= 1"),
+    (dict(cp=2, world_size=4), r"context parallelism is not implemented yet"),
+    (dict(tp=2, ep=2, world_size=8), r"MoE models use ep only"),
+])
+def test_parallel_dims_tp_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        ParallelDims(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_parallel_dims_tp_leaves_dp_shard():
+    d = ParallelDims(tp=2, world_size=8)
+    assert (d.dp_shard, d.dp_size, d.tp, d.mode) == (4, 4, 2, "fully_shard")
+    assert ParallelDims(tp=2, world_size=2).mode == "none"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_tp2_planner_activation_terms_match_autograd(name):
+    """The planner's per-block activation term with tp 2 (models/common/transformer.py
+    block_saved_per_token) is what autograd keeps on each rank."""
+    predicted = activation_bytes(tiny_args(name), tokens=BATCH * SEQ, ac_mode="none", dtype_bytes=4, tp=2)
+    for rank_runs in tp2_runs()[0]:
+        assert rank_runs["saved_per_layer"][name] == predicted.saved_per_layer[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU recipes with tensor parallelism, checked by the planner
+# ---------------------------------------------------------------------------------------------
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name, gpus", [("llama3_70b_h100_tp", 32), ("llama3_405b_h100_tp", 128)])
+def test_h100_tp_recipe(name, gpus):
+    cfg = for_planning(CONFIGS / f"{name}.toml")
+    p = cfg.parallelism
+    assert f"{gpus} GPUs" in cfg.job.description and cfg.training.device == "cuda"
+    assert p.tp == 8 and p.dp_replicate * p.dp_shard * p.tp == gpus  # tp inside an 8-GPU NVLink node
+    check_tensor_parallel(model_args_from_config(cfg), p.tp, seq_len=cfg.training.seq_len)
+    plan = plan_config(cfg)
+    assert (plan.hardware["name"], plan.devices, plan.mesh["tp"]) == ("h100", gpus, 8)
+    assert plan.fits, f"{plan.peak_bytes / 1e9:.1f} GB per GPU at {plan.peak_phase}"
+    assert any(c["axis"] == "tp" and c["bytes_per_step"] > 0 for c in plan.communication)
+
+
+def test_70b_training_state_does_not_fit_8_h100():
+    """Why the 70B recipe spans 4 nodes: fp32 weights, gradients and AdamW moments (16 bytes per
+    parameter) need 1.1 TB, more than 8 x 80 GB, however the 8 GPUs are split."""
+    for tp, dp_shard in ((8, 1), (4, 2), (2, 4)):
+        cfg = for_planning(CONFIGS / "llama3_70b_h100_tp.toml",
+                           ["--parallelism.tp", str(tp), "--parallelism.dp_shard", str(dp_shard)])
+        plan = plan_config(cfg, chips=8)
+        assert plan.devices == 8 and not plan.fits
+
+
+def test_plan_divides_the_state_by_tp():
+    base = for_planning(CONFIGS / "llama3_70b_h100_tp.toml")
+    tp8 = plan_config(base)
+    no_tp = plan_config(for_planning(CONFIGS / "llama3_70b_h100_tp.toml",
+                                     ["--parallelism.tp", "1", "--parallelism.dp_shard", "32"]))
+    # The same 32-way split of the state either way; tp also divides the activations.
+    assert tp8.memory["parameters"] == pytest.approx(no_tp.memory["parameters"], rel=1e-9)
+    assert tp8.memory["activations"] < no_tp.memory["activations"] / 4

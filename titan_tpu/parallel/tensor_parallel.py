@@ -1,0 +1,228 @@
+"""Tensor parallelism with sequence parallelism (Megatron layout) on the `tp` mesh axis.
+
+Parameters (their DTensor placement on the tp axis, `TP_PLACEMENT` on the module):
+
+    tok_embeddings          Shard(0)   row-parallel over the vocabulary
+    attention.wq/wk/wv      Shard(0)   column-parallel: each rank owns H/tp query and K/tp kv heads
+    attention.wo            Shard(1)   row-parallel: partial sums of the block's output
+    feed_forward.w1/w3      Shard(0)   column-parallel over the hidden dim F
+    feed_forward.w2         Shard(1)   row-parallel
+    output                  Shard(0)   column-parallel over the vocabulary
+    every norm (q/k norms)  Replicate  their gradients are partial sums, all-reduced over tp
+
+Activations between blocks are sharded on the sequence ([B, S/tp, D]: sequence parallelism), so
+the norms and residual adds run on a rank's own S/tp tokens. Before attention and before the
+feed-forward the sequence is all-gathered ([B, S, D]); their row-parallel outputs are partial sums
+that are reduce-scattered back onto the sequence shards. Each collective's backward is the other
+one. The embedding looks up the tokens of its own vocabulary rows (zeros elsewhere) and its partial
+sums are reduce-scattered the same way; after the final norm the sequence is gathered once more and
+the loss kernel computes a vocabulary-parallel cross-entropy on the local logits [N, V/tp] (one
+max and two sums over tp per chunk), so the logits are never gathered.
+
+The model code stays single-device: this module sets the local head counts on each attention
+module, adds forward hooks for the sequence collectives, swaps the embedding's class for one whose
+forward is vocabulary-parallel, and hands the model a loss kernel bound to its vocabulary shard.
+The collectives are functional collectives (`_c10d_functional` ops) inside autograd Functions,
+so a traced step (graph/capture.py) holds them as graph nodes. SimpleFSDP (simple_fsdp.py) stores
+the parameters as DTensors on the whole mesh and, when a module reads a weight, gathers the
+data-parallel axes only: the module computes with its tp shard as a plain tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+__all__ = ["TP_AXIS", "TP_PLACEMENT", "check_tensor_parallel", "tensor_parallel", "tp_placement"]
+
+TP_AXIS = "tp"
+TP_PLACEMENT = "_tp_placement"  # module attribute: the tp placement of the module's own parameters
+
+
+def tp_placement(module: nn.Module) -> Placement:
+    """The placement of `module`'s parameters on the tp axis (Replicate unless the plan shards them)."""
+    return module.__dict__.get(TP_PLACEMENT, Replicate())
+
+
+def check_tensor_parallel(args, tp: int, *, seq_len: int | None = None) -> None:
+    """One-line ValueErrors for a model (TransformerArgs) that `tp` ranks cannot split evenly."""
+    if tp < 1:
+        raise ValueError(f"--parallelism.tp must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    if getattr(args, "moe", None) is not None:
+        raise ValueError(f"--parallelism.tp {tp} with an MoE model: experts are parallelised over ep only "
+                         "(--parallelism.ep), not tensor parallel; set --parallelism.tp 1")
+    for key, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
+                       ("ffn_hidden_dim", args.ffn_hidden_dim), ("vocab_size", args.vocab_size)):
+        if value % tp != 0:
+            raise ValueError(f"--parallelism.tp ({tp}) must divide the model's {key} ({value}); "
+                             "choose a tp that divides it")
+    if seq_len is not None and seq_len % tp != 0:
+        raise ValueError(f"--parallelism.tp ({tp}) must divide --training.seq_len ({seq_len}): "
+                         "activations are sharded on the sequence between blocks")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence collectives with their backward
+# ---------------------------------------------------------------------------------------------
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class _GatherSequence(torch.autograd.Function):
+    """[B, S/tp, D] -> [B, S, D]; backward: reduce-scatter (sum) of the gradient's partial sums."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _wait(funcol.all_gather_tensor(x.contiguous(), 1, group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _wait(funcol.reduce_scatter_tensor(grad.contiguous(), "sum", 1, ctx.group)), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Partial sums [B, S, D] -> summed [B, S/tp, D]; backward: all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 1, group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _wait(funcol.all_gather_tensor(grad.contiguous(), 1, ctx.group)), None
+
+
+def _gather_input(group, module, args):
+    return (_GatherSequence.apply(args[0], group), *args[1:])
+
+
+def _reduce_scatter_output(group, module, args, output):
+    return _ReduceScatterSequence.apply(output, group)
+
+
+def _gather_output(group, module, args, output):
+    return _GatherSequence.apply(output, group)
+
+
+def _gather_logits(group, module, args, output):
+    # model(tokens) without labels: each rank computed its vocabulary columns of the logits.
+    if isinstance(output, torch.Tensor):
+        return _wait(funcol.all_gather_tensor(output.contiguous(), output.dim() - 1, group))
+    return output
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary-parallel embedding and loss
+# ---------------------------------------------------------------------------------------------
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """nn.Embedding whose weight (as read) holds rows [start, start + V/tp) of the vocabulary:
+    tokens outside them look up zeros, and the partial sums are reduce-scattered onto the
+    sequence shards."""
+
+    _tp_group: object
+    _tp_start: int
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        w_vD = self.weight
+        local_BS = tokens_BS - self._tp_start
+        mine_BS = (local_BS >= 0) & (local_BS < w_vD.shape[0])
+        h_BSD = F.embedding(torch.where(mine_BS, local_BS, 0), w_vD).masked_fill(~mine_BS.unsqueeze(-1), 0.0)
+        return _ReduceScatterSequence.apply(h_BSD, self._tp_group)
+
+
+class _VocabParallelKernels:
+    """The model's KernelConfig, with the loss kernel bound to this rank's vocabulary shard."""
+
+    def __init__(self, kernels, *, start: int, group):
+        self._kernels, self._start, self._group = kernels, start, group
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_kernels", "_start", "_group"):
+            raise AttributeError(name)  # copy/pickle probe these before __init__ has run
+        return getattr(self._kernels, name)
+
+    def loss_fn(self, device_type: str):
+        from titan_tpu.kernels.loss import chunked_linear_cross_entropy
+
+        return functools.partial(chunked_linear_cross_entropy, chunk_tokens=self._kernels.loss_chunk_tokens,
+                                 vocab_shard=(self._start, self._group))
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+
+
+def _set_placement(module: nn.Module | None, placement: Placement) -> None:
+    if module is not None:
+        module.__dict__[TP_PLACEMENT] = placement
+
+
+def _parallelize_block(block: nn.Module, group, tp: int) -> list:
+    attn, ffn = block.attention, block.feed_forward
+    for linear in (attn.wq, attn.wk, attn.wv):
+        _set_placement(linear, Shard(0))
+    _set_placement(attn.wo, Shard(1))
+    attn.n_heads //= tp
+    attn.n_kv_heads //= tp
+    _set_placement(ffn.w1, Shard(0))
+    _set_placement(ffn.w3, Shard(0))
+    _set_placement(ffn.w2, Shard(1))
+    handles = []
+    for module in (attn, ffn):
+        handles.append(module.register_forward_pre_hook(functools.partial(_gather_input, group)))
+        handles.append(module.register_forward_hook(functools.partial(_reduce_scatter_output, group)))
+    return handles
+
+
+def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int | None = None) -> nn.Module:
+    """Apply the plan above to a (meta-device, not yet distributed) Transformer in place; its
+    parameters are then distributed by `materialize_and_init` / `data_parallel` on `mesh`, whose
+    `tp` axis they are sharded on. Returns the model."""
+    from titan_tpu.kernels.loss import LOSS
+
+    names = mesh.mesh_dim_names or ()
+    if TP_AXIS not in names:
+        raise ValueError(f"tensor_parallel needs a mesh with a {TP_AXIS!r} axis, got {names}; build it with "
+                         "ParallelDims(tp=...)")
+    tp = mesh.size(names.index(TP_AXIS))
+    args = model.args
+    check_tensor_parallel(args, tp, seq_len=seq_len)
+    if model.scan_layers:
+        raise ValueError("--parallelism.tp > 1 runs unrolled blocks for now; set --model.scan_layers false")
+    if model.kernels.loss not in ("auto", "chunked"):
+        raise ValueError(f"--parallelism.tp > 1 computes a vocabulary-parallel loss in the chunked kernel; set "
+                         f"--kernels.loss chunked (got {model.kernels.loss!r})")
+    group = mesh.get_group(TP_AXIS)
+    rank = mesh.get_local_rank(TP_AXIS)
+    for block in [*model.layers.values(), *model.block_templates()]:
+        _parallelize_block(block, group, tp)
+    model.tok_embeddings.__class__ = VocabParallelEmbedding
+    model.tok_embeddings._tp_group = group
+    model.tok_embeddings._tp_start = rank * (args.vocab_size // tp)
+    _set_placement(model.tok_embeddings, Shard(0))
+    _set_placement(model.output, Shard(0))
+    model.norm.register_forward_hook(functools.partial(_gather_output, group))
+    model.register_forward_hook(functools.partial(_gather_logits, group))
+    model.kernels = _VocabParallelKernels(model.kernels, start=rank * (args.vocab_size // tp), group=group)
+    return model
+
+
+def tp_size(mesh: DeviceMesh | None) -> int:
+    """Size of the mesh's tp axis (1 without one)."""
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return mesh.size(names.index(TP_AXIS)) if TP_AXIS in names else 1
