@@ -179,6 +179,21 @@ def test_shards_roundtrip_across_shard_boundaries(tokenizer, docs, tmp_path):
     np.testing.assert_array_equal(reopened.read(0, reopened.num_tokens), expected)
 
 
+def test_reads_map_a_bounded_number_of_shards(tokenizer, docs, tmp_path, monkeypatch):
+    """A map per shard would meet vm.max_map_count on a large corpus: at most MAX_OPEN_MAPS are
+    mapped, reads through evicted and re-mapped shards still equal the stream."""
+    monkeypatch.setattr(TokenShards, "MAX_OPEN_MAPS", 2)
+    shards = build_token_shards(docs, tokenizer, tmp_path / "s", shard_tokens=13)
+    expected = shards.read(0, shards.num_tokens)
+    assert len(shards._maps) == 2 and len(shards._files) > 10
+    rng = np.random.default_rng(0)
+    for start in rng.integers(0, shards.num_tokens - 40, size=50):
+        np.testing.assert_array_equal(shards.read(int(start), 40), expected[start : start + 40])
+        assert len(shards._maps) <= 2
+    np.testing.assert_array_equal(expected, np.concatenate([np.array(tokenizer.encode(d) + [tokenizer.eos_id])
+                                                            for d in docs]))
+
+
 def test_interrupted_build_leaves_nothing(tokenizer, docs, tmp_path):
     def failing_docs():
         yield from docs[:5]

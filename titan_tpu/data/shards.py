@@ -24,6 +24,7 @@ import os
 import shutil
 import time
 import zlib
+from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -145,16 +146,34 @@ def build_token_shards(
 class TokenShards:
     """Read side: one global token stream over all shard files."""
 
-    def __init__(self, directory: Path, index: dict, arrays: list[np.ndarray]):
+    # Shards mapped at once, at most. A map per shard for the life of the reader would meet the
+    # kernel's limit on one process's maps (vm.max_map_count, 65,530 by default) near 65,000
+    # shards, i.e. some 250 GB of text at prepare-data's chunk size; the loader reads each rank's
+    # stream forward, so a few recent maps serve nearly every read.
+    MAX_OPEN_MAPS = 64
+
+    def __init__(self, directory: Path, index: dict):
         self.directory = directory
         self.dtype = np.dtype(index["dtype"])
         self.vocab_size: int = index["vocab_size"]
         self.eos_id: int = index["eos_id"]
         self.num_tokens: int = index["num_tokens"]
         self.num_documents: int = index["num_documents"]
-        self._arrays = arrays
+        self._files = [directory / shard["file"] for shard in index["shards"]]
+        self._lengths = [shard["num_tokens"] for shard in index["shards"]]
+        self._maps: OrderedDict[int, np.memmap] = OrderedDict()  # shard index -> map, oldest first
         # _starts[i] = global position of shard i's first token, for bisecting a position to a shard.
-        self._starts = np.cumsum([0] + [len(a) for a in arrays])[:-1].tolist()
+        self._starts = np.cumsum([0] + self._lengths)[:-1].tolist()
+
+    def _shard(self, i: int) -> np.memmap:
+        """Shard ``i`` as an array, mapped on first use; the least recently used map is dropped."""
+        if i in self._maps:
+            self._maps.move_to_end(i)
+            return self._maps[i]
+        if len(self._maps) >= self.MAX_OPEN_MAPS:
+            self._maps.popitem(last=False)
+        self._maps[i] = np.memmap(self._files[i], dtype=self.dtype, mode="r", shape=(self._lengths[i],))
+        return self._maps[i]
 
     @classmethod
     def open(cls, directory: str | Path) -> TokenShards:
@@ -183,7 +202,6 @@ class TokenShards:
         if index["format"] != _FORMAT or index["version"] != _VERSION:
             raise bad(f"format {index['format']!r} v{index['version']} is not {_FORMAT!r} v{_VERSION}")
         dtype = np.dtype(index["dtype"])
-        arrays = []
         for shard in index["shards"]:
             path = directory / shard["file"]
             expected = shard["num_tokens"] * dtype.itemsize
@@ -192,11 +210,10 @@ class TokenShards:
                 raise bad(f"{shard['file']} has {actual} bytes, the index says {expected}")
             if "crc32" in shard and _file_crc32(path) != shard["crc32"]:
                 raise bad(f"{shard['file']} does not match the checksum written with it (changed on disk)")
-            arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["num_tokens"],)))
-        total = sum(len(a) for a in arrays)
+        total = sum(shard["num_tokens"] for shard in index["shards"])
         if total != index["num_tokens"] or total == 0:
             raise bad(f"shards hold {total} tokens, the index says {index['num_tokens']}")
-        return cls(directory, index, arrays)
+        return cls(directory, index)
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the global stream, as a fresh array (may span shards)."""
@@ -204,14 +221,14 @@ class TokenShards:
             raise IndexError(f"token range [{start}, {start + length}) outside [0, {self.num_tokens})")
         shard = bisect.bisect_right(self._starts, start) - 1
         offset = start - self._starts[shard]
-        first = self._arrays[shard][offset : offset + length]
+        first = self._shard(shard)[offset : offset + length]
         if len(first) == length:
             return np.array(first)  # copy: callers must not hold views into the memmap
         parts = [first]
         got = len(first)
         while got < length:
             shard += 1
-            part = self._arrays[shard][: length - got]
+            part = self._shard(shard)[: length - got]
             parts.append(part)
             got += len(part)
         return np.concatenate(parts)
@@ -219,7 +236,7 @@ class TokenShards:
     def __repr__(self) -> str:
         return (
             f"TokenShards({str(self.directory)!r}, tokens={self.num_tokens}, docs={self.num_documents}, "
-            f"shards={len(self._arrays)}, dtype={self.dtype.name}, vocab={self.vocab_size})"
+            f"shards={len(self._files)}, dtype={self.dtype.name}, vocab={self.vocab_size})"
         )
 
 
