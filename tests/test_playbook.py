@@ -47,7 +47,11 @@ def test_every_flag_exists_with_the_values_shown():
 def _bench_parser(script: str):
     spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # dataclasses look their module up (bench/playbook.py's Row)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     return module.build_parser()
 
 
