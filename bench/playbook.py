@@ -10,17 +10,23 @@ the planner's predicted effect of the same change on the TPU recipes (v5p, v6e).
 Each run trains six steps in a fresh process (torchrun for two ranks) as `titan-tpu plan
 --calibrate` does (plan/calibrate.py: validation and checkpoints off; tokens/s the best of steps
 2-6, or their mean where a knob acts on some steps only; peak memory the trainer's max_memory_gb,
-rank 0's resident peak; compile seconds the first row's capture_s + compile_s). A knob's rows are
-ratios against its own baseline, measured in the same run. Writes docs/playbook_tables.md (the
-playbook links it) and <out>/playbook.json. Run it alone on the machine (`/work/notes/cpu
-measure` where it is shared): the ratios are speeds.
+rank 0's resident peak; compile seconds the first row's capture_s + compile_s). Every row's
+baseline is measured beside its variant, not shared between rows: a row is --rounds pairs of runs,
+baseline and variant back to back, the order swapped from one pair to the next (and from one row to
+the next), and each column is the median of the pairs' ratios, so load that drifts over the run
+(another session starting, a neighbour's compile) hits both sides of a ratio alike instead of
+showing up as a knob's effect. Writes docs/playbook_tables.md (the playbook links it) and
+<out>/playbook.json. The ratios are speeds: run it alone where you can; where the machine is
+shared, say so beside the tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -103,6 +109,30 @@ def measure(row: Row, overrides: tuple[str, ...], out: Path, tag: str) -> dict:
             "peak_gb": r["measured_peak_gb"], "compile_s": r["compile_s"], "wall_s": r["wall_s"]}
 
 
+def measure_pairs(row: Row, out: Path, *, rounds: int, first: int) -> dict:
+    """`rounds` pairs of runs, baseline and variant back to back (the variant first in odd pairs,
+    counted from `first`); each quantity as the median of its per-pair ratios, and the medians of
+    the values themselves (for the brackets of the table)."""
+    pairs = []
+    for k in range(rounds):
+        order = ("base", "var") if (first + k) % 2 == 0 else ("var", "base")
+        runs = {tag: measure(row, row.base + (row.overrides if tag == "var" else ()), out, tag) for tag in order}
+        pairs.append({"base": runs["base"], "variant": runs["var"]})
+
+    def median_of(side: str, key: str) -> float:
+        return statistics.median(p[side][key] for p in pairs)
+
+    def ratio(key: str) -> float | None:
+        if not all(p["base"][key] and p["variant"][key] for p in pairs):
+            return None
+        return statistics.median(p["variant"][key] / p["base"][key] for p in pairs)
+
+    keys = ("tokens_per_s", "peak_gb", "compile_s", "wall_s")
+    return {"pairs": pairs, "ratio": {key: ratio(key) for key in keys[:3]},
+            "base": {key: median_of("base", key) for key in keys},
+            "variant": {key: median_of("variant", key) for key in keys}}
+
+
 def predict(row: Row) -> dict:
     """The planner's ratio (variant / baseline) of tokens/s and peak memory on each TPU recipe."""
     out = {}
@@ -138,11 +168,11 @@ def table(results: list[dict], header: str) -> str:
     for r in results:
         m = r.get("measured")
         if m:
-            b, v = m["base"], m["variant"]
-            comp = f"{v['compile_s'] / b['compile_s']:.2f}x ({b['compile_s']:.0f} -> {v['compile_s']:.0f} s)" \
-                if b["compile_s"] and v["compile_s"] else ("+" + f"{v['compile_s']:.0f} s" if v["compile_s"] else "-")
-            cpu = (f"{v['tokens_per_s'] / b['tokens_per_s']:.2f}x ({b['tokens_per_s']:,.0f} -> {v['tokens_per_s']:,.0f})",
-                   f"{v['peak_gb'] / b['peak_gb']:.2f}x ({b['peak_gb']:.2f} -> {v['peak_gb']:.2f} GB)", comp)
+            b, v, x = m["base"], m["variant"], m["ratio"]
+            comp = f"{x['compile_s']:.2f}x ({b['compile_s']:.0f} -> {v['compile_s']:.0f} s)" \
+                if x["compile_s"] else ("+" + f"{v['compile_s']:.0f} s" if v["compile_s"] else "-")
+            cpu = (f"{x['tokens_per_s']:.2f}x ({b['tokens_per_s']:,.0f} -> {v['tokens_per_s']:,.0f})",
+                   f"{x['peak_gb']:.2f}x ({b['peak_gb']:.2f} -> {v['peak_gb']:.2f} GB)", comp)
         else:
             cpu = ("not run", "", "")
         lines.append(f"| {r['knob']} | {r['variant']} | {' | '.join(cpu)} | "
@@ -155,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--short", action="store_true", help="only the rows marked short")
     parser.add_argument("--only", help="rows whose knob or change matches this regular expression")
     parser.add_argument("--predict-only", action="store_true", help="the planner's columns only, no runs")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="pairs of runs (baseline beside variant) per row; each ratio is their median")
     parser.add_argument("--out", default="outputs/playbook")
     parser.add_argument("--write", default=str(ROOT / "docs" / "playbook_tables.md"))
     return parser
@@ -166,16 +198,16 @@ def main() -> int:
             and (not args.only or re.search(args.only, f"{r.knob} {r.variant}"))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results, bases = [], {}
-    for row in rows:
+    results, start = [], time.perf_counter()
+    load = os.getloadavg()
+    for i, row in enumerate(rows):
         result = {"knob": row.knob, "variant": row.variant, "predicted": predict(row)}
         if not args.predict_only:
-            key = (row.config, row.base, row.ranks)
-            if key not in bases:  # one baseline per (config, base overrides, ranks), shared by its rows
-                bases[key] = measure(row, row.base, out, "base")
-            result["measured"] = {"base": bases[key], "variant": measure(row, row.base + row.overrides, out, "var")}
-            print(f"{row.knob}: {row.variant}: {result['measured']}", flush=True)
+            result["measured"] = measure_pairs(row, out, rounds=args.rounds, first=i)
+            print(f"{row.knob}: {row.variant}: {result['measured']['ratio']} "
+                  f"({time.perf_counter() - start:.0f} s so far)", flush=True)
         results.append(result)
+    minutes, load = (time.perf_counter() - start) / 60, (load, os.getloadavg())
     import platform
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -183,15 +215,17 @@ def main() -> int:
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     command = "python bench/playbook.py " + " ".join(sys.argv[1:])
     header = (f"<!-- generated by bench/playbook.py; do not edit by hand -->\n# Playbook tables\n\n"
-              f"`{command.strip()}`, {date}, {cpu}, torch fp32, 2 threads shared by the ranks. CPU columns: "
-              "variant / baseline measured in this run (baseline -> variant in brackets); llama3 debug, batch 8 x "
+              f"`{command.strip()}`, {date}, {cpu}, torch fp32, 2 threads shared by the ranks; {minutes:.0f} minutes, "
+              f"load average {load[0][0]:.1f} at the start and {load[1][0]:.1f} at the end. CPU columns: the median "
+              f"over {args.rounds} pair(s) of runs of variant / baseline, each pair measured back to back in this run "
+              "(the medians of baseline -> variant in brackets); llama3 debug, batch 8 x "
               "seq 256 per rank, eager, unless the change says otherwise. Planner columns: `titan-tpu plan` of the "
               "recipe with the change / without it (the recipe's own slice; for scan and AC the baseline is the recipe "
               "unrolled / without checkpointing), tokens/s and peak memory per device.")
     text = table(results, header)
     print(text)
-    (out / "playbook.json").write_text(json.dumps({"date": date, "cpu": cpu, "command": command,
-                                                   "results": results}, indent=2))
+    (out / "playbook.json").write_text(json.dumps({"date": date, "cpu": cpu, "command": command, "minutes": minutes,
+                                                   "load": load, "results": results}, indent=2))
     if not args.predict_only:
         Path(args.write).write_text(text + "\n")
         print(f"wrote {args.write}")

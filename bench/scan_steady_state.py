@@ -1,11 +1,13 @@
-"""Steady-state speed of scanned layers in graph mode: unrolled vs scanned, and scanned with
-`F.linear`'s own backward inside the body (before models/common/scan.py `_LinearsSaveTheirWeight`:
-the forward scan saved a transposed copy of every stacked weight), interleaved in one process.
+"""Steady-state speed of scanned layers in graph mode: unrolled vs scanned, and scanned without
+each of our two changes, interleaved in one process: with `F.linear`'s own backward inside the body
+(before models/common/scan.py `_LinearsSaveTheirWeight`: the forward scan saved a transposed copy of
+every stacked weight), and with the backward scan over flipped stacks (before
+graph/reverse_scan.py).
 
 Each layout is captured and compiled once (Inductor, warm caches allowed: compile time is
-bench/compile_time.py's business), then single steps of the three alternate for --rounds rounds
+bench/compile_time.py's business), then single steps of each alternate for --rounds rounds
 (order reversed every other round) and each ratio is the median of the per-round ratios, so
-machine noise hits all alike. Losses of the first two steps are printed: the three must agree.
+machine noise hits all alike. Losses of the first two steps are printed: all must agree.
 
     python bench/scan_steady_state.py                       # 16 layers, batch 2 x seq 128
     python bench/scan_steady_state.py --depth 6 --batch 8 --seq 256 --threads 1
@@ -14,6 +16,7 @@ machine noise hits all alike. Losses of the first two steps are printed: the thr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
@@ -36,6 +39,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _without(change: str):
+    """Build a scanned step as it was before one of our changes: "linear" runs `F.linear`'s own
+    backward in the body (scan.py `_LinearsSaveTheirWeight` off: the mode acts while the body is
+    traced only), "reverse" compiles without graph/reverse_scan.py (flipped stacks)."""
+    from titan_tpu.graph import compile as graph_compile
+
+    mode, passes = scan_module._LinearsSaveTheirWeight, graph_compile._backend_passes
+    ours = mode.__torch_function__
+    if change == "linear":
+        mode.__torch_function__ = _passthrough
+    elif change == "reverse":
+        graph_compile._backend_passes = lambda backend: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        mode.__torch_function__, graph_compile._backend_passes = ours, passes
+
+
+# name -> (scanned?, the change left out)
+VARIANTS = {"unrolled": (False, None), "scanned, F.linear backward": (True, "linear"),
+            "scanned, flipped stacks": (True, "reverse"), "scanned": (True, None)}
+
+
 def main() -> None:
     from compile_time import build_step, interleaved_seconds  # bench/ is on the path when this runs as a script
 
@@ -43,16 +70,10 @@ def main() -> None:
     args.backend = "inductor"
     torch.set_num_threads(args.threads)
 
-    mode = scan_module._LinearsSaveTheirWeight
-    ours = mode.__torch_function__
     steps = {}
-    for name in ("unrolled", "scanned, F.linear backward", "scanned"):
-        # The mode acts while the body is traced only: switch it off for the middle capture.
-        mode.__torch_function__ = _passthrough if name.startswith("scanned,") else ours
-        try:
-            steps[name] = build_step(args.depth, name != "unrolled", args)
-        finally:
-            mode.__torch_function__ = ours
+    for name, (scanned, change) in VARIANTS.items():
+        with _without(change):
+            steps[name] = build_step(args.depth, scanned, args)
     for name, (step, batch) in steps.items():
         print(f"{name}: losses {[step([batch], 1e-4).loss for _ in range(2)]}", flush=True)
     seconds = interleaved_seconds(steps, args.rounds)

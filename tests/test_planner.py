@@ -129,9 +129,61 @@ def test_scan_autograd_terms_match_the_captured_graph(name, ac_mode):
     want = scanned_autograd_memory(args, layout=Layout(), acts=acts, seq_len=S, gradient_stack=True)
     assert (saved, flipped, gradients) == (want.saved, want.flipped, want.gradients)
     assert want.weight_copies == 0  # a copy of every layer's weights per step before _LinearSavingItsWeight
+    # The captured graph (what every backend receives) flips; under Inductor graph/reverse_scan.py
+    # removes every flip (tests/test_reverse_scan.py), and the planner counts none there.
+    flips = {backend: plan_config(build_config(CONFIGS / f"{name}_debug.toml", [
+        "--model.scan_layers", "true", "--training.mode", "graph", "--activation_checkpoint.mode", ac_mode,
+        "--compile.backend", backend]), CPU, measure=False).memory["scan_flipped"] for backend in ("inductor", "eager")}
+    assert flips["inductor"] == 0 < flips["eager"]
     # Not the eager count: the partitioner keeps other values than autograd does layer by layer.
     eager = activation_bytes(args, tokens=B * S, ac_mode="none", dtype_bytes=4)
     assert want.activations != eager.saved
+
+
+def _forward_scan_saved(name: str, n_layers: int = 2) -> tuple[list[torch.Tensor], object]:
+    """The per-layer values the forward scan of a captured scanned step saves for its backward
+    (after the final h, the blocks' statistics and scan.py's kept inputs), and the model args."""
+    from titan_tpu.graph.capture import capture_train_step
+    from titan_tpu.train.optim import AdamW
+
+    B, S = 2, 64
+    args = dataclasses.replace(get_model_args(name, "debug"), n_layers=n_layers, max_seq_len=S)
+    model = build_model(args, seed=0, scan_layers=True)
+    opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+    example = torch.zeros(B, S, dtype=torch.long)
+    captured = capture_train_step(model, max_norm=1.0, adamw_hparams=opt.hparams, decay=opt.decay,
+                                  example_batch=(example, example))
+    forward = next(n for n in captured.graph_module.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.higher_order.scan)
+    return list(forward.meta["val"][3:]), args
+
+
+def test_scanned_moe_saves_no_copy_of_the_expert_weights(monkeypatch):
+    """kernels/grouped_mm.py `with_linear_layout`: the experts' grouped matmuls read the stored
+    weights in the backward, so the forward scan saves no [L, E, ...] copy of them (it saved a
+    transposed copy of each of w1, w2, w3 before). The difference is the planner's expert term."""
+    from titan_tpu.models.common import moe
+    from titan_tpu.parallel.plan_terms import Layout
+    from titan_tpu.plan.planner import scanned_autograd_memory
+
+    def expert_copies(saved, args):
+        E, D, F = args.moe.num_experts, args.dim, args.moe.hidden_dim
+        return [t for t in saved if tuple(t.shape[1:]) in ((E, F, D), (E, D, F))]
+
+    saved, args = _forward_scan_saved("qwen3_moe")
+    assert expert_copies(saved, args) == []
+    # Without it (the transposed view, as every other kernel gets): one copy per expert weight.
+    monkeypatch.setattr(moe, "with_linear_layout",
+                        lambda fn: lambda x, w, sizes: fn(x, w.transpose(1, 2), sizes))
+    saved_before, _ = _forward_scan_saved("qwen3_moe")
+    assert len(expert_copies(saved_before, args)) == 3
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    acts = activation_bytes(args, tokens=2 * 64, ac_mode="none", dtype_bytes=4, partitioned=True)
+    terms = {copied: scanned_autograd_memory(args, layout=Layout(), acts=acts, seq_len=64, gradient_stack=True,
+                                             experts_copied=copied) for copied in (True, False)}
+    assert terms[False].weight_copies == 0
+    copies = nbytes(expert_copies(saved_before, args))
+    assert nbytes(saved_before) - nbytes(saved) == terms[True].weight_copies == copies
 
 
 def test_chunked_loss_keeps_its_gradients():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,11 @@ def test_every_flag_exists_with_the_values_shown():
 def _bench_parser(script: str):
     spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # dataclasses look their module up (bench/playbook.py's Row)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     return module.build_parser()
 
 
@@ -73,3 +78,30 @@ def test_every_command_parses(command, capsys):
     else:
         config = argv[argv.index("--config") + 1]
         build_config(config, [a for a in argv[1:] if a not in ("--config", config)])
+
+
+def test_playbook_bench_measures_each_baseline_beside_its_variant(monkeypatch):
+    """bench/playbook.py: a row is pairs of runs, baseline and variant back to back in alternating
+    order, and each column is the median of the pairs' ratios (not a ratio of medians, nor one
+    baseline shared by rows and measured long before)."""
+    spec = importlib.util.spec_from_file_location("playbook_bench", ROOT / "bench" / "playbook.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "playbook_bench", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    calls = []
+    # tokens/s per run, in call order: the machine slows down 10x over the run; the variant is 2x,
+    # 1x and 3x its baseline in the three pairs.
+    speeds = iter([200.0, 100.0, 50.0, 50.0, 30.0, 10.0])
+
+    def fake_measure(row, overrides, out, tag):
+        calls.append((tag, overrides))
+        return {"tokens_per_s": next(speeds), "peak_gb": 2.0 if tag == "var" else 1.0, "compile_s": 0.0,
+                "wall_s": 1.0}
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    row = bench.Row("k", "v", ("--a.b", "1"), base=("--c.d", "2"))
+    got = bench.measure_pairs(row, Path("."), rounds=3, first=1)
+    assert [tag for tag, _ in calls] == ["var", "base", "base", "var", "var", "base"]
+    assert all(o == (("--c.d", "2", "--a.b", "1") if tag == "var" else ("--c.d", "2")) for tag, o in calls)
+    assert got["ratio"] == {"tokens_per_s": 2.0, "peak_gb": 2.0, "compile_s": None}
+    assert len(got["pairs"]) == 3

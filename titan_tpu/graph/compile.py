@@ -20,6 +20,7 @@ results back into the same tensors, so checkpoints and the rest of the trainer s
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -92,7 +93,7 @@ def compile_step(captured: CapturedStep, backend: str, *, split: str = "none",
         # itself would make, backend(graph_module, example_inputs); no compiler options are
         # passed (torch.tpu.compiler.custom_compiler_options exists but its keys are undocumented).
         example_inputs = _fake_inputs_with_shape_env(captured.example_inputs)
-        with torch.no_grad():
+        with torch.no_grad(), _backend_passes(backend):
             if split == "none":
                 compiled = compiler(gm, example_inputs)
             else:
@@ -108,6 +109,18 @@ def compile_step(captured: CapturedStep, backend: str, *, split: str = "none",
     run.backend = backend
     run.module = gm  # the (possibly split) graph that was compiled
     return run
+
+
+def _backend_passes(backend: str):
+    """Our passes inside the backend's own pipeline: for Inductor, `reverse_scan.ReverseScanPass`
+    (a scanned backward reads its stacks with a reversed index instead of flipped copies)."""
+    if backend != "inductor":
+        return contextlib.nullcontext()
+    from torch._inductor import config
+
+    from titan_tpu.graph.reverse_scan import ReverseScanPass
+
+    return config.patch(post_grad_custom_post_pass=ReverseScanPass())
 
 
 def _fake_inputs_with_shape_env(inputs: list[Tensor]) -> list[Tensor]:

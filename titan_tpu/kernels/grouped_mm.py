@@ -33,7 +33,7 @@ from torch import Tensor
 
 from titan_tpu.kernels.registry import Impl, Op
 
-__all__ = ["GROUPED_MM", "differentiable_grouped_mm", "group_ids"]
+__all__ = ["GROUPED_MM", "differentiable_grouped_mm", "group_ids", "with_linear_layout"]
 
 GROUPED_MM = Op("grouped_mm", config_key="kernels.grouped_mm")
 
@@ -90,26 +90,55 @@ def differentiable_grouped_mm(matmul: Callable, weight_grad: Callable) -> Callab
     used for the input gradient, against the transposed weights) and weight_grad(x_TD, grad_TF,
     sizes) -> [E, D, F]. An autograd.Function with setup_context (not a custom op's
     register_autograd), so that torch.func transforms (the vjp inside a scanned, checkpointed
-    layer's backward) accept it."""
+    layer's backward) accept it. The result also has a `.linear_layout` form (see
+    `with_linear_layout`) taking the weights as stored, [E, F, D]."""
 
     class GroupedMM(torch.autograd.Function):
         @staticmethod
-        def forward(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
-            return matmul(x_TD, w_EDF, group_sizes_E)
+        def forward(x_TD: Tensor, w: Tensor, group_sizes_E: Tensor, linear_layout: bool) -> Tensor:
+            return matmul(x_TD, w.transpose(1, 2) if linear_layout else w, group_sizes_E)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(*inputs)
+            ctx.linear_layout = inputs[3]
+            ctx.save_for_backward(*inputs[:3])  # w as passed in: the stored weights in linear layout
 
         @staticmethod
         def backward(ctx, grad_TF):
-            x_TD, w_EDF, group_sizes_E = ctx.saved_tensors
+            x_TD, w, group_sizes_E = ctx.saved_tensors
             grad_TF = grad_TF.contiguous()  # kernels want real strides (a loss's grad can be expanded)
-            grad_x = matmul(grad_TF, w_EDF.transpose(1, 2), group_sizes_E) if ctx.needs_input_grad[0] else None
+            w_EFD = w if ctx.linear_layout else w.transpose(1, 2)
+            grad_x = matmul(grad_TF, w_EFD, group_sizes_E) if ctx.needs_input_grad[0] else None
             grad_w = weight_grad(x_TD, grad_TF, group_sizes_E) if ctx.needs_input_grad[1] else None
-            return grad_x, grad_w, None
+            if grad_w is not None and ctx.linear_layout:
+                grad_w = grad_w.transpose(1, 2)
+            return grad_x, grad_w, None, None
 
-    return GroupedMM.apply
+    def grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
+        return GroupedMM.apply(x_TD, w_EDF, group_sizes_E, False)
+
+    def linear_layout(x_TD: Tensor, w_EFD: Tensor, group_sizes_E: Tensor) -> Tensor:
+        return GroupedMM.apply(x_TD, w_EFD, group_sizes_E, True)
+
+    grouped_mm.linear_layout = linear_layout
+    return grouped_mm
+
+
+def with_linear_layout(grouped_mm: Callable) -> Callable:
+    """(x_TD, w_EFD, group_sizes_E) -> y_TF = grouped_mm(x_TD, w_EFD.transpose(1, 2), sizes): the
+    experts' weights as stored (nn.Linear's [out, in] layout).
+
+    Where the kernel has a form that takes them so (`differentiable_grouped_mm`), its backward
+    reads the stored weights rather than their transposed view. That matters inside a scanned body
+    in graph mode: scan functionalises the body (the view becomes a `transpose_copy`) before its
+    partitioner picks what the forward saves, so a backward reading the view saved a transposed
+    copy of every layer's expert weights per step, where the stored weights' slice is saved by
+    reference (the same fix as models/common/scan.py `_LinearSavingItsWeight` for `F.linear`).
+    Other kernels get the transposed view, as before."""
+    own = getattr(grouped_mm, "linear_layout", None)
+    if own is not None:
+        return own
+    return lambda x_TD, w_EFD, group_sizes_E: grouped_mm(x_TD, w_EFD.transpose(1, 2), group_sizes_E)
 
 
 torch_grouped_mm = differentiable_grouped_mm(_torch_grouped_mm, _torch_grouped_mm_weight_grad)

@@ -233,7 +233,9 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     if partitioned:
         scan = scanned_autograd_memory(args, layout=layout, acts=acts, seq_len=t.seq_len,
                                        gradient_stack=not full_grad or per_layer_stack,
-                                       gathered_in_body=layout.sharded and per_layer_stack)
+                                       gathered_in_body=layout.sharded and per_layer_stack,
+                                       experts_copied=_grouped_mm_impl(k.grouped_mm, hardware.name) != "torch",
+                                       flipped=cfg.compile.backend != "inductor")
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
         forward_end += scan.at_backward_start - scan.activations - min(gathered, scan.weight_copies)
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
@@ -339,17 +341,21 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
 
 
 def scanned_autograd_memory(args, *, layout: Layout, acts: ActivationBytes, seq_len: int,
-                            gradient_stack: bool, gathered_in_body: bool = False) -> ScanAutogradMemory:
+                            gradient_stack: bool, gathered_in_body: bool = False,
+                            experts_copied: bool = True, flipped: bool = True) -> ScanAutogradMemory:
     """scan.py `scan_autograd_memory` for this model and layout. The forward saves copies of the
     weights the body computes itself: all matmul weights (local experts only under ep; in the
     compute dtype) where each layer gathers its own inside the loop (gathered_in_body: sharded,
-    re-sharding after the forward), else only the MoE experts' transposed weights (the dense
-    linears' backward reads the stack's slice, scan.py `_LinearSavingItsWeight`). The backward
+    re-sharding after the forward), else only the MoE experts' transposed weights, and those only
+    where the grouped_mm kernel reads them as a view (experts_copied: every kernel but "torch",
+    kernels/grouped_mm.py `with_linear_layout`; the dense linears' backward reads the stack's slice,
+    scan.py `_LinearSavingItsWeight`). The backward
     reads the rest from the stack, flipped: the norm scales, and without the per-layer gather the
     matmul weights too (gathered in the compute dtype when sharded, as stored otherwise). Also the
     RoPE values kept per layer and the stacked weight gradients the backward loop writes (a rank's
     shards when each layer reduce-scatters its own; gradient_stack False when the layout counts the
-    stack's gradient as its full-size gradient)."""
+    stack's gradient as its full-size gradient). flipped False: the backward reads the stacks
+    with a reversed index (Inductor, graph/reverse_scan.py), no flipped copies."""
     norm_params = args.n_layers * (2 * args.dim + (2 * args.hd if args.qk_norm else 0))
     block_params = num_params(args) - args.dim - args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
     experts = num_expert_params(args)
@@ -359,13 +365,14 @@ def scanned_autograd_memory(args, *, layout: Layout, acts: ActivationBytes, seq_
         copied, read = matmul, norm_params * stored
     else:
         stack_bytes = layout.compute_bytes if layout.sharded else stored
-        copied, read = experts / layout.ep, (matmul - experts / layout.ep + norm_params) * stack_bytes
+        copied = experts / layout.ep if experts_copied else 0.0  # this rank's experts
+        read = (matmul - copied + norm_params) * stack_bytes
     return scan_autograd_memory(
         activations_per_layer=acts.saved_per_layer,
         layer_weight_bytes=copied * layout.compute_bytes / args.n_layers,
         shared_per_layer=seq_len * rope_real_saved_per_position(args.hd) * 4,
         read_weight_bytes=read,
-        gradient_bytes=block_params * stored if gradient_stack else 0.0)
+        gradient_bytes=block_params * stored if gradient_stack else 0.0, flipped=flipped)
 
 
 def _mode(layout: Layout) -> str:
@@ -381,6 +388,13 @@ def _loss_impl(choice: str, hardware_name: str) -> str:
     if choice != "auto":
         return choice
     return "tokamax" if hardware_name in ("v4", "v5e", "v5p", "v6e", "v7") else "chunked"
+
+
+def _grouped_mm_impl(choice: str, hardware_name: str) -> str:
+    """The grouped_mm kernel `auto` picks (kernels/__init__.py preference order), by device kind."""
+    if choice != "auto":
+        return choice
+    return "gmm" if hardware_name in ("v4", "v5e", "v5p", "v6e", "v7") else "torch"
 
 
 def _layer_params(args) -> list[int]:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_tpu.kernels import KernelConfig
+from titan_tpu.kernels.grouped_mm import with_linear_layout
 
 __all__ = ["EXPERT_MARKER", "LOAD_BALANCE", "ExpertDispatch", "ExpertDispatchSlot", "MoE", "MoEArgs",
            "aux_loss_from_stats", "updated_expert_bias"]
@@ -166,10 +167,9 @@ class MoE(nn.Module):
         token_N = order_N // k
         group_sizes_L = _counts(key_N, E)[:num_local]
         x_ND = x_MD[token_N]
-        grouped_mm = self.kernels.grouped_mm_fn(x_BSD.device.type)
-        h_NF = F.silu(grouped_mm(x_ND, w1.transpose(1, 2), group_sizes_L)) * grouped_mm(
-            x_ND, w3.transpose(1, 2), group_sizes_L)
-        y_ND = grouped_mm(h_NF, w2.transpose(1, 2), group_sizes_L) * weights_MK.flatten()[order_N].unsqueeze(1)
+        linear = with_linear_layout(self.kernels.grouped_mm_fn(x_BSD.device.type))  # x @ w^T, w [E, out, in]
+        h_NF = F.silu(linear(x_ND, w1, group_sizes_L)) * linear(x_ND, w3, group_sizes_L)
+        y_ND = linear(h_NF, w2, group_sizes_L) * weights_MK.flatten()[order_N].unsqueeze(1)
         out_MD = torch.zeros_like(x_MD).index_add(0, token_N, y_ND)
         return dispatch.combine(out_MD).view_as(x_BSD), stats_2E
 

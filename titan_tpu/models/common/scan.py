@@ -355,7 +355,7 @@ class ScanAutogradMemory:
 
 def scan_autograd_memory(*, activations_per_layer: Sequence[int], layer_weight_bytes: float,
                          shared_per_layer: int, read_weight_bytes: float,
-                         gradient_bytes: float) -> ScanAutogradMemory:
+                         gradient_bytes: float, flipped: bool = True) -> ScanAutogradMemory:
     """What `StackedBlocks` in graph mode without full checkpointing keeps through scan's autograd.
 
     activations_per_layer: the bytes each layer's saved activations take (the block's own count
@@ -363,8 +363,9 @@ def scan_autograd_memory(*, activations_per_layer: Sequence[int], layer_weight_b
     weights that the body computes before multiplying by them and the backward reads again: the
     partitioner saves those as outputs of the body (copies, not views) and never recomputes the
     all-gather that produced them (gathered per layer when sharded: all matmul weights, in the
-    compute dtype; the MoE experts' transposed views always; the dense linears' weights otherwise
-    not, see `_LinearSavingItsWeight`). shared_per_layer: bytes per layer of the saved copies of
+    compute dtype; the MoE experts' transposed views where the grouped_mm kernel reads a view, every
+    kernel but "torch", see kernels/grouped_mm.py `with_linear_layout`; the dense linears' weights
+    otherwise not, see `_LinearSavingItsWeight`). shared_per_layer: bytes per layer of the saved copies of
     values every layer reads (RoPE, rope.py `rope_real_saved_per_position`). read_weight_bytes:
     the stacked weights the backward body reads as they are (the norm scales; the dense matmul
     weights unless gathered per layer). gradient_bytes: the stacked weight gradients the backward
@@ -375,10 +376,13 @@ def scan_autograd_memory(*, activations_per_layer: Sequence[int], layer_weight_b
     flips in a few fused kernels and frees each original after its kernel (qwen3 debug: 70% of the
     activation stacks were copied while their originals were alive), and allocates the gradient
     stack before the forward loop; `at_backward_start` counts every original beside its copy, an
-    upper bound (a memory-aware scheduler holds one stack twice at a time)."""
+    upper bound (a memory-aware scheduler holds one stack twice at a time). flipped False: under
+    Inductor, graph/reverse_scan.py runs that loop with a reversed index over the stacks as they
+    are, and the flipped copies do not exist."""
     activations = sum(activations_per_layer)
     n_layers = len(activations_per_layer)
     weights = layer_weight_bytes * n_layers
     shared = shared_per_layer * n_layers
     return ScanAutogradMemory(activations=activations, weight_copies=weights, shared=shared,
-                              flipped=activations + weights + shared + read_weight_bytes, gradients=gradient_bytes)
+                              flipped=(activations + weights + shared + read_weight_bytes) if flipped else 0.0,
+                              gradients=gradient_bytes)
