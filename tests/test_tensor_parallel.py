@@ -257,7 +257,7 @@ def test_tp_errors_for_seq_len_and_moe():
                                            r"tp \(2\) must equal the world size \(8\)"),
     (dict(tp=3, world_size=4), r"\* cp \(1\) \* tp \(3\) must divide the world size \(4\)"),
     (dict(tp=0, world_size=4), r"--parallelism.tp must be >= 1"),
-    (dict(cp=2, world_size=4), r"context parallelism is not implemented yet"),
+    (dict(cp=2, tp=2, world_size=4), r"cp > 1 with --parallelism.tp > 1 is not supported yet"),
     (dict(tp=2, ep=2, world_size=8), r"MoE models use ep only"),
 ])
 def test_parallel_dims_tp_errors(kwargs, match):
