@@ -15,10 +15,10 @@ from dist_utils import run_distributed
 
 from titan_tpu.graph.compile import GraphStep
 from titan_tpu.kernels.attention import document_ids_from_positions, reference_attention
-from titan_tpu.models.common.transformer import Transformer
+from titan_tpu.models.common.transformer import Transformer, activation_bytes
 from titan_tpu.models.registry import build_model, get_model_args
-from titan_tpu.parallel.context_parallel import (check_context_parallel, context_parallel, head_tail_positions,
-                                                 shard_attention)
+from titan_tpu.parallel.context_parallel import (check_context_parallel, context_parallel, cp_attention_saved_bytes,
+                                                 head_tail_positions, shard_attention)
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.train.checkpoint import Checkpointer
@@ -124,9 +124,39 @@ def _run(name: str, dims: ParallelDims, *, documents: bool = False, graph: bool 
     return out
 
 
+def _saved_bytes_per_layer(name: str, dims: ParallelDims, *, documents: bool) -> int:
+    """Bytes autograd keeps for the backward of one block on this rank (a 2-layer model's minus a
+    1-layer model's), parameters' storages left out. Per-parameter reads (bucket_mb 0): a bucket's
+    flat copy of the weights is the planner's gathered-weights term, not an activation."""
+    sizes = []
+    for n_layers in (1, 2):
+        mesh = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(tiny_args(name), n_layers=n_layers))
+        context_parallel(model, mesh, seq_len=SEQ, documents=documents)
+        model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
+                                     seed=SEED, bucket_mb=0)
+        own = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in own:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        tokens = global_batches(1)[0, :, :-1]
+        positions = packed_positions(1)[0] if documents else None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(tokens, tokens, positions_BS=positions)
+        sizes.append(sum(seen.values()))
+    return sizes[1] - sizes[0]
+
+
 def _cp2_worker(save_dir: str) -> dict:
     dims = ParallelDims(cp=2, world_size=dist.get_world_size())
-    return {"llama3": _run("llama3", dims, save_dir=save_dir), "qwen3": _run("qwen3", dims),
+    return {"saved_per_layer": {(n, d): _saved_bytes_per_layer(n, dims, documents=d)
+                                for n in ("llama3", "qwen3") for d in (False, True)},
+            "llama3": _run("llama3", dims, save_dir=save_dir), "qwen3": _run("qwen3", dims),
             "llama3-docs": _run("llama3", dims, documents=True), "qwen3-docs": _run("qwen3", dims, documents=True),
             "llama3-graph": _run("llama3", dims, graph=True),
             "llama3-docs-graph": _run("llama3", dims, documents=True, graph=True),
@@ -225,3 +255,17 @@ def test_cp2_graph_mode_matches_one_process(documents):
 def test_cp2_with_activation_checkpointing_matches_one_process():
     for rank_runs in cp2_runs()[0]:
         assert_matches_reference(rank_runs["qwen3-ac"], "qwen3", False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_cp2_planner_activation_terms_match_autograd(name, documents):
+    """The planner's per-block activation term with cp 2 (the block's terms for the rank's tokens
+    plus cp_attention_saved_bytes) is what autograd keeps on each rank."""
+    args = tiny_args(name)
+    predicted = activation_bytes(args, tokens=BATCH * SEQ // 2, ac_mode="none", dtype_bytes=4).saved_per_layer[0]
+    predicted += cp_attention_saved_bytes(batch_size=BATCH, seq_len=SEQ, cp=2, kv_dim=args.n_kv_heads * args.hd,
+                                          dtype_bytes=4, documents=documents)
+    for rank_runs in cp2_runs()[0]:
+        assert rank_runs["saved_per_layer"][(name, documents)] == predicted

@@ -40,7 +40,8 @@ from titan_tpu.kernels.attention import masked_sdpa
 from titan_tpu.kernels.registry import Impl
 from titan_tpu.parallel.tensor_parallel import _GatherSequence, _wait
 
-__all__ = ["CP_AXIS", "check_context_parallel", "context_parallel", "cp_size", "head_tail_positions", "shard_attention"]
+__all__ = ["CP_AXIS", "check_context_parallel", "context_parallel", "cp_attention_saved_bytes", "cp_size",
+           "head_tail_positions", "shard_attention"]
 
 CP_AXIS = "cp"
 
@@ -178,6 +179,17 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, docume
     model.register_forward_pre_hook(plan.shard_inputs, with_kwargs=True)
     model.register_forward_hook(plan.combine_outputs)
     return model
+
+
+def cp_attention_saved_bytes(*, batch_size: int, seq_len: int, cp: int, kv_dim: int, dtype_bytes: int,
+                             documents: bool) -> int:
+    """Bytes one block's attention keeps for its backward on a cp rank beyond what one process's
+    attention keeps for the rank's own tokens (`attention_saved_per_token`), without activation
+    checkpointing: SDPA keeps the gathered keys and values (every rank's, not only its own) and
+    the mask [1 or B, S / cp, S], converted to the compute dtype (an additive mask)."""
+    q = seq_len // cp
+    mask = (batch_size if documents else 1) * q * seq_len
+    return (2 * batch_size * (seq_len - q) * kv_dim + mask) * dtype_bytes
 
 
 def cp_size(mesh: DeviceMesh | None) -> int:
