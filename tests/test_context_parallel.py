@@ -6,49 +6,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from parallel_helpers import (BATCH, LR, MAX_NORM, SEED, SEQ, STEPS, TOL, global_batches, saved_bytes_per_layer,
+                              tiny_args)
 
 from titan_tpu.graph.compile import GraphStep
 from titan_tpu.kernels.attention import document_ids_from_positions, reference_attention
 from titan_tpu.models.common.transformer import Transformer, activation_bytes
-from titan_tpu.models.registry import build_model, get_model_args
+from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.context_parallel import (check_context_parallel, context_parallel, cp_attention_saved_bytes,
                                                  head_tail_positions, shard_attention)
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
-from titan_tpu.train.checkpoint import Checkpointer
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
-
-SEED = 3
-STEPS = 20
-BATCH = 4  # global batch (rows)
-SEQ = 32
-LR = 3e-3
-MAX_NORM = 1.0
-TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def tiny_args(name: str):
-    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden_dim=128, max_seq_len=SEQ)
-    if name == "qwen3":
-        args["head_dim"] = 16  # explicit, as Qwen3 sets it; q/k norms on
-    return dataclasses.replace(get_model_args(name, "debug"), **args)
-
-
-def global_batches(steps: int) -> torch.Tensor:
-    """[steps, BATCH, SEQ + 1] tokens following x[t+1] = (5 x[t] + 1) mod V (learnable, so the loss moves)."""
-    g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, 256, (steps, BATCH), generator=g)]
-    for _ in range(SEQ):
-        tokens.append((5 * tokens[-1] + 1) % 256)
-    return torch.stack(tokens, dim=-1)
-
 
 def packed_positions(steps: int) -> torch.Tensor:
     """[steps, BATCH, SEQ] positions restarting where a packed document starts: documents of 3 to
@@ -57,7 +32,7 @@ def packed_positions(steps: int) -> torch.Tensor:
     out = torch.empty(steps, BATCH, SEQ, dtype=torch.long)
     for s in range(steps):
         for b in range(BATCH):
-            pos, row = 0, []
+            row = []
             while len(row) < SEQ:
                 length = int(torch.randint(3, 21, (), generator=g))
                 row.extend(range(length))
@@ -65,15 +40,13 @@ def packed_positions(steps: int) -> torch.Tensor:
     return out
 
 
-def train(model, *, documents: bool, dp_rank: int = 0, dp_size: int = 1, step_fn=None,
-          save_at: tuple[int, str] | None = None, steps: int = STEPS, start: int = 0) -> tuple[list, list]:
-    """Train on this data-parallel rank's rows of each global batch; returns (losses, grad norms).
-    save_at (step, directory): write a checkpoint (model and optimizer) after that many steps."""
+def train(model, *, documents: bool, dp_rank: int = 0, dp_size: int = 1, step_fn=None) -> tuple[list, list]:
+    """Train on this data-parallel rank's rows of each global batch; returns (losses, grad norms)."""
     optimizer = step_fn.optimizer if step_fn is not None else AdamW(dict(model.named_parameters()))
     step_fn = step_fn or EagerStep(model, optimizer, max_norm=MAX_NORM, dp_size=dp_size)
     batches, positions = global_batches(STEPS), packed_positions(STEPS)
     losses, norms = [], []
-    for step in range(start, steps):
+    for step in range(STEPS):
         rows = batches[step].chunk(dp_size)[dp_rank]
         batch = (rows[:, :-1], rows[:, 1:])
         if documents:
@@ -81,9 +54,6 @@ def train(model, *, documents: bool, dp_rank: int = 0, dp_size: int = 1, step_fn
         result = step_fn([batch], LR)
         losses.append(result.loss)
         norms.append(result.grad_norm)
-        if save_at is not None and step + 1 == save_at[0]:
-            Checkpointer(save_at[1]).save(step + 1, {"step": step + 1, "model": model.state_dict(),
-                                                     "optimizer": optimizer.state_dict()})
     return losses, norms
 
 
@@ -105,8 +75,8 @@ def build_parallel(name: str, dims: ParallelDims, *, documents: bool, ac_mode: s
     return model, mesh
 
 
-def _run(name: str, dims: ParallelDims, *, documents: bool = False, graph: bool = False, ac_mode: str = "none",
-         save_dir: str | None = None) -> dict:
+def _run(name: str, dims: ParallelDims, *, documents: bool = False, graph: bool = False,
+         ac_mode: str = "none") -> dict:
     model, mesh = build_parallel(name, dims, documents=documents, ac_mode=ac_mode)
     dp_rank, dp_size = dp_rank_and_size(mesh)
     out = {"mesh": mesh.mesh_dim_names}
@@ -118,45 +88,33 @@ def _run(name: str, dims: ParallelDims, *, documents: bool = False, graph: bool 
                             dp_size=dp_size)
         out["collectives"] = {op.split(".")[1]: n for op, n in step_fn.captured.collective_counts().items()}
     out["losses"], out["norms"] = train(model, documents=documents, dp_rank=dp_rank, dp_size=dp_size,
-                                        step_fn=step_fn, save_at=(STEPS // 2, save_dir) if save_dir else None)
+                                        step_fn=step_fn)
     if not graph:
         out["logits"] = model(global_batches(1)[0, :, :-1]).detach()  # gathered in sequence order
     return out
 
 
 def _saved_bytes_per_layer(name: str, dims: ParallelDims, *, documents: bool) -> int:
-    """Bytes autograd keeps for the backward of one block on this rank (a 2-layer model's minus a
-    1-layer model's), parameters' storages left out. Per-parameter reads (bucket_mb 0): a bucket's
-    flat copy of the weights is the planner's gathered-weights term, not an activation."""
-    sizes = []
-    for n_layers in (1, 2):
+    """Per-parameter reads (bucket_mb 0): a bucket's flat copy of the weights is the planner's
+    gathered-weights term, not an activation."""
+    def build(n_layers: int):
         mesh = dims.build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(dataclasses.replace(tiny_args(name), n_layers=n_layers))
         context_parallel(model, mesh, seq_len=SEQ, documents=documents)
-        model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
-                                     seed=SEED, bucket_mb=0)
-        own = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
-        seen = {}
+        return materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
+                                    seed=SEED, bucket_mb=0)
 
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in own:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        tokens = global_batches(1)[0, :, :-1]
-        positions = packed_positions(1)[0] if documents else None
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(tokens, tokens, positions_BS=positions)
-        sizes.append(sum(seen.values()))
-    return sizes[1] - sizes[0]
+    tokens = global_batches(1)[0, :, :-1]
+    positions = packed_positions(1)[0] if documents else None
+    return saved_bytes_per_layer(build, lambda model: model(tokens, tokens, positions_BS=positions))
 
 
-def _cp2_worker(save_dir: str) -> dict:
+def _cp2_worker() -> dict:
     dims = ParallelDims(cp=2, world_size=dist.get_world_size())
     return {"saved_per_layer": {(n, d): _saved_bytes_per_layer(n, dims, documents=d)
                                 for n in ("llama3", "qwen3") for d in (False, True)},
-            "llama3": _run("llama3", dims, save_dir=save_dir), "qwen3": _run("qwen3", dims),
+            "llama3": _run("llama3", dims), "qwen3": _run("qwen3", dims),
             "llama3-docs": _run("llama3", dims, documents=True), "qwen3-docs": _run("qwen3", dims, documents=True),
             "llama3-graph": _run("llama3", dims, graph=True),
             "llama3-docs-graph": _run("llama3", dims, documents=True, graph=True),
@@ -164,10 +122,10 @@ def _cp2_worker(save_dir: str) -> dict:
 
 
 @functools.cache
-def cp2_runs() -> tuple[list[dict], str]:
-    """One 2-rank spawn for every cp 2 test (starting ranks costs more than the runs)."""
-    save_dir = tempfile.mkdtemp(prefix="cp2-ckpt-")
-    return run_distributed(_cp2_worker, world_size=2, args=(save_dir,), timeout_s=300), save_dir
+def cp2_runs() -> list[dict]:
+    """One 2-rank spawn for every cp 2 test (starting ranks costs more than the runs). A cp 2
+    checkpoint resuming on one process: tests/test_train_dist.py (cp2-to-1)."""
+    return run_distributed(_cp2_worker, world_size=2, timeout_s=300)
 
 
 def assert_matches_reference(run: dict, name: str, documents: bool) -> None:
@@ -229,7 +187,7 @@ def test_bad_input_is_one_line():
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
 @pytest.mark.parametrize("documents", [False, True])
 def test_cp2_matches_one_process(name, documents):
-    for rank_runs in cp2_runs()[0]:
+    for rank_runs in cp2_runs():
         run = rank_runs[f"{name}-docs" if documents else name]
         assert run["mesh"] == ("cp",)
         assert_matches_reference(run, name, documents)
@@ -240,7 +198,7 @@ def test_cp2_matches_one_process(name, documents):
 @pytest.mark.parametrize("documents", [False, True])
 def test_cp2_graph_mode_matches_one_process(documents):
     n_layers = tiny_args("llama3").n_layers
-    for rank_runs in cp2_runs()[0]:
+    for rank_runs in cp2_runs():
         run = rank_runs["llama3-docs-graph" if documents else "llama3-graph"]
         assert_matches_reference(run, "llama3", documents)
         counts = run["collectives"]
@@ -253,7 +211,7 @@ def test_cp2_graph_mode_matches_one_process(documents):
 
 @pytest.mark.multiprocess
 def test_cp2_with_activation_checkpointing_matches_one_process():
-    for rank_runs in cp2_runs()[0]:
+    for rank_runs in cp2_runs():
         assert_matches_reference(rank_runs["qwen3-ac"], "qwen3", False)
 
 
@@ -267,5 +225,5 @@ def test_cp2_planner_activation_terms_match_autograd(name, documents):
     predicted = activation_bytes(args, tokens=BATCH * SEQ // 2, ac_mode="none", dtype_bytes=4).saved_per_layer[0]
     predicted += cp_attention_saved_bytes(batch_size=BATCH, seq_len=SEQ, cp=2, kv_dim=args.n_kv_heads * args.hd,
                                           dtype_bytes=4, documents=documents)
-    for rank_runs in cp2_runs()[0]:
+    for rank_runs in cp2_runs():
         assert rank_runs["saved_per_layer"][(name, documents)] == predicted
