@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from parallel_helpers import (BATCH, LR, MAX_NORM, SEED, SEQ, STEPS, TOL, global_batches, saved_bytes_per_layer,
+                              tiny_args)
 
 from titan_tpu.config import model_args_from_config
 from titan_tpu.graph.compile import GraphStep
@@ -25,31 +27,6 @@ from titan_tpu.plan.planner import for_planning
 from titan_tpu.train.checkpoint import Checkpointer
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
-
-SEED = 3
-STEPS = 20
-BATCH = 4  # global batch (rows)
-SEQ = 32
-LR = 3e-3
-MAX_NORM = 1.0
-TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def tiny_args(name: str):
-    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden_dim=128, max_seq_len=SEQ)
-    if name == "qwen3":
-        args["head_dim"] = 16  # explicit, as Qwen3 sets it; q/k norms on
-    return dataclasses.replace(get_model_args(name, "debug"), **args)
-
-
-def global_batches(steps: int) -> torch.Tensor:
-    """[steps, BATCH, SEQ + 1] tokens following x[t+1] = (5 x[t] + 1) mod V (learnable, so the loss moves)."""
-    g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, 256, (steps, BATCH), generator=g)]
-    for _ in range(SEQ):
-        tokens.append((5 * tokens[-1] + 1) % 256)
-    return torch.stack(tokens, dim=-1)
-
 
 def train(model, batches: torch.Tensor, *, dp_rank: int = 0, dp_size: int = 1, step_fn=None,
           save_at: tuple[int, str] | None = None) -> tuple[list, list]:
@@ -106,29 +83,16 @@ def _run(name: str, dims: ParallelDims, *, graph: bool = False, ac_mode: str = "
 
 
 def _saved_bytes_per_layer(name: str, dims: ParallelDims) -> int:
-    """Bytes autograd keeps for the backward of one block on this rank (a 2-layer model's minus a
-    1-layer model's), parameters' storages left out."""
-    sizes = []
-    for n_layers in (1, 2):
+    def build(n_layers: int):
         mesh = dims.build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(dataclasses.replace(tiny_args(name), n_layers=n_layers))
         tensor_parallel(model, mesh, seq_len=SEQ)
-        model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
-                                     seed=SEED)
-        own = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
-        seen = {}
+        return materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
+                                    seed=SEED)
 
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in own:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        tokens = global_batches(1)[0, :, :-1]
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(tokens, tokens)
-        sizes.append(sum(seen.values()))
-    return sizes[1] - sizes[0]
+    tokens = global_batches(1)[0, :, :-1]
+    return saved_bytes_per_layer(build, lambda model: model(tokens, tokens))
 
 
 def _tp2_worker(save_dir: str) -> dict:
@@ -257,7 +221,7 @@ def test_tp_errors_for_seq_len_and_moe():
                                            r"tp \(2\) must equal the world size \(8\)"),
     (dict(tp=3, world_size=4), r"\* cp \(1\) \* tp \(3\) must divide the world size \(4\)"),
     (dict(tp=0, world_size=4), r"--parallelism.tp must be >= 1"),
-    (dict(cp=2, world_size=4), r"context parallelism is not implemented yet"),
+    (dict(cp=2, tp=2, world_size=4), r"cp > 1 with --parallelism.tp > 1 is not supported yet"),
     (dict(tp=2, ep=2, world_size=8), r"MoE models use ep only"),
 ])
 def test_parallel_dims_tp_errors(kwargs, match):

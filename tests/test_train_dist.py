@@ -92,7 +92,9 @@ def reference(tmp_path_factory, cache):
     {"nproc": 2, "parallelism__dp_replicate": 2, "parallelism__dp_shard": 1},
     # Tensor parallel: both ranks hold the same 4 sequences (docs/tensor_parallel.md).
     {"nproc": 2, "parallelism__tp": 2, "training__batch_size": 4},
-], ids=["dp_shard2", "dp_replicate2", "tp2"])
+    # Context parallel: both ranks hold the same 4 sequences, half of each (docs/context_parallel.md).
+    {"nproc": 2, "parallelism__cp": 2, "training__batch_size": 4},
+], ids=["dp_shard2", "dp_replicate2", "tp2", "cp2"])
 def test_two_ranks_match_one_process(tmp_path, cache, reference, layout):
     # Same global batch: 2 ranks x 2 sequences = 1 process x 4 sequences.
     layout = {"training__batch_size": 2, **layout}
@@ -101,6 +103,8 @@ def test_two_ranks_match_one_process(tmp_path, cache, reference, layout):
     assert "data parallel: " in done.stdout
     if "parallelism__tp" in layout:
         assert "tensor parallel: 2" in done.stdout
+    if "parallelism__cp" in layout:
+        assert "context parallel: 2" in done.stdout
     got = losses(tmp_path / "run")
     assert sorted(got) == sorted(reference)
     for step, loss in reference.items():
@@ -122,9 +126,11 @@ def test_two_ranks_match_one_process(tmp_path, cache, reference, layout):
 # Layouts as (processes, overrides), each with the per-rank batch that keeps the global batch at 4.
 ONE, DP2, TP2 = (1, {"training__batch_size": 4}), (2, {"training__batch_size": 2}), \
     (2, {"training__batch_size": 4, "parallelism__tp": 2})
+CP2 = (2, {"training__batch_size": 4, "parallelism__cp": 2})
 
 
-@pytest.mark.parametrize("before, after", [(DP2, ONE), (ONE, DP2), (TP2, ONE)], ids=["dp2-to-1", "1-to-dp2", "tp2-to-1"])
+@pytest.mark.parametrize("before, after", [(DP2, ONE), (ONE, DP2), (TP2, ONE), (CP2, ONE)],
+                         ids=["dp2-to-1", "1-to-dp2", "tp2-to-1", "cp2-to-1"])
 def test_resume_on_another_number_of_ranks(tmp_path, cache, reference, before, after):
     run = tmp_path / "run"
     train(before[0], overrides(run, cache, training__steps=10, **before[1]))

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from titan_tpu.kernels.registry import Impl, Op
 
-__all__ = ["ATTENTION", "allowed_BSS", "document_ids_from_positions"]
+__all__ = ["ATTENTION", "allowed_BSS", "document_ids_from_positions", "masked_sdpa"]
 
 ATTENTION = Op("attention", config_key="kernels.attention")
 
@@ -65,15 +65,22 @@ def reference_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
 
 def sdpa_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
                    document_ids_BS: Tensor | None = None) -> Tensor:
+    if document_ids_BS is not None:
+        return masked_sdpa(q_BSHD, k_BSKD, v_BSKD, allowed_BSS(q_BSHD.shape[1], document_ids_BS, q_BSHD.device))
     # SDPA wants heads before sequence; the transposes are views (the kernels take strides).
     gqa = q_BSHD.shape[2] != k_BSKD.shape[2]
-    q_BHSD, k_BKSD, v_BKSD = q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2)
-    if document_ids_BS is None:
-        o_BHSD = F.scaled_dot_product_attention(q_BHSD, k_BKSD, v_BKSD, is_causal=True, enable_gqa=gqa)
-    else:
-        allowed_B1SS = allowed_BSS(q_BSHD.shape[1], document_ids_BS, q_BSHD.device).unsqueeze(1)
-        o_BHSD = F.scaled_dot_product_attention(q_BHSD, k_BKSD, v_BKSD, attn_mask=allowed_B1SS, enable_gqa=gqa)
+    o_BHSD = F.scaled_dot_product_attention(q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
+                                            is_causal=True, enable_gqa=gqa)
     return o_BHSD.transpose(1, 2)
+
+
+def masked_sdpa(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, allowed_BQS: Tensor) -> Tensor:
+    """Attention of Q queries over S keys (grouped-query) where the boolean [B (or 1), Q, S] mask
+    allows, through torch's SDPA; every query must be allowed at least one key."""
+    gqa = q_BQHD.shape[2] != k_BSKD.shape[2]
+    o_BHQD = F.scaled_dot_product_attention(q_BQHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
+                                            attn_mask=allowed_BQS.unsqueeze(1), enable_gqa=gqa)
+    return o_BHQD.transpose(1, 2)
 
 
 _compiled_flex = None

@@ -1,11 +1,11 @@
 """Parallelism sizes and the device mesh built from them.
 
-Data parallelism (replicate, fully shard, or both = hybrid shard), tensor parallelism (the
-innermost axis, parallel/tensor_parallel.py) and expert parallelism, which is carved out of the
-fully sharded axis (ep divides dp_shard; parallel/expert_parallel.py). The mesh is
-[dp_replicate, dp_shard, cp, tp], outermost first, keeping only the axes of size > 1; cp
-(context parallelism) is reserved and must be 1 today. The sizes are validated here, once, so
-every later piece can trust them.
+Data parallelism (replicate, fully shard, or both = hybrid shard), context parallelism (cp:
+sequences split over ranks, parallel/context_parallel.py), tensor parallelism (the innermost
+axis, parallel/tensor_parallel.py) and expert parallelism, which is carved out of the fully
+sharded axis (ep divides dp_shard; parallel/expert_parallel.py). The mesh is
+[dp_replicate, dp_shard, cp, tp], outermost first, keeping only the axes of size > 1. The sizes
+are validated here, once, so every later piece can trust them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class ParallelDims:
     world_size: int = 1
     ep: int = 1  # expert parallelism: MoE experts spread over groups of ep of the dp_shard ranks
     tp: int = 1  # tensor (and sequence) parallelism, the innermost axis
-    cp: int = 1  # context parallelism: reserved, must be 1
+    cp: int = 1  # context parallelism: each rank holds 1 / cp of every sequence (parallel/context_parallel.py)
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -41,8 +41,8 @@ class ParallelDims:
             raise ValueError(f"--parallelism.dp_replicate must be >= 1, got {self.dp_replicate}")
         if self.tp < 1:
             raise ValueError(f"--parallelism.tp must be >= 1, got {self.tp}")
-        if self.cp != 1:
-            raise ValueError(f"--parallelism.cp {self.cp}: context parallelism is not implemented yet; set cp 1")
+        if self.cp < 1:
+            raise ValueError(f"--parallelism.cp must be >= 1, got {self.cp}")
         others = self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % others != 0:
@@ -57,6 +57,11 @@ class ParallelDims:
                              f"({self.world_size}); change one of them")
         if self.tp > 1 and self.ep > 1:
             raise ValueError("--parallelism.tp > 1 with --parallelism.ep > 1: MoE models use ep only; set tp 1")
+        if self.cp > 1 and self.tp > 1:
+            raise ValueError("--parallelism.cp > 1 with --parallelism.tp > 1 is not supported yet; set one of them to 1")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError("--parallelism.cp > 1 with --parallelism.ep > 1 is not supported yet (MoE models train "
+                             "without cp); set cp 1")
         if self.ep < 1:
             raise ValueError(f"--parallelism.ep must be >= 1, got {self.ep}")
         if self.ep > 1 and self.dp_shard % self.ep != 0:

@@ -36,13 +36,20 @@ the calibration in docs/planner.md):
   reduce-scatter and the gather after the final norm, each again (swapped) in the backward and,
   for recomputed blocks, in the recomputation; and the vocabulary-parallel loss's three
   all-reduces of one fp32 value per token. The norms' gradient all-reduces (vectors) are left out.
+* Context parallelism (parallel/context_parallel.py) stores parameters whole over cp (replicated:
+  stored terms do not divide by cp) and all-reduces every gradient over cp in each micro-batch's
+  backward, 2 (cp - 1) / cp of the sharded gradient. Per block it all-gathers keys and values
+  ([tokens, kv dim] of the whole sequence, compute dtype) in the forward (again when recomputed)
+  and reduce-scatters their gradients in the backward; with document masks also the int32
+  document ids. The loss's all-reduce over cp (one value) is left out. Its activations are the
+  planner's (titan_tpu/plan/planner.py: the rank's tokens, plus `cp_attention_saved_bytes`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Layout", "Collective"]
+__all__ = ["Layout", "Collective", "cp_collectives"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ class Layout:
     dp_shard: int = 1
     ep: int = 1
     tp: int = 1
+    cp: int = 1
     compute_bytes: int = 4  # model.dtype
     reduce_bytes: int = 4  # parallelism.reduce_dtype
     # How long gathered weights live (module docstring). "layer": re-sharded after the forward, a
@@ -71,7 +79,7 @@ class Layout:
     gather: str = "layer"
 
     def __post_init__(self):
-        for name in ("dp_replicate", "dp_shard", "ep", "tp"):
+        for name in ("dp_replicate", "dp_shard", "ep", "tp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallelism.{name} = {getattr(self, name)} must be >= 1")
         if self.gather not in ("model", "layer"):
@@ -81,7 +89,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def sharded(self) -> bool:
@@ -110,7 +118,7 @@ class Layout:
         compute dtype's cast copies are kept from the forward to the backward, all of them (nothing
         re-casts per layer there)."""
         local = self.local_block_elements(block_params=block_params, expert_params=expert_params)
-        if self.dp_shard * self.dp_replicate == 1:
+        if self.dp_shard * self.dp_replicate * self.cp == 1:  # cp: replicated, read through buckets like replicas
             return 0.0 if self.compute_bytes == 4 else local * self.compute_bytes
         if self.gather == "layer":
             local = min(local, 2 * local / n_layers)
@@ -171,6 +179,10 @@ class Layout:
             out.append(Collective("all_gather+reduce_scatter", "ep", ep,
                                   micro_batches * moe_layers * passes * per_layer, "MoE token dispatch",
                                   micro_batches * moe_layers * passes * 4))
+        if self.cp > 1:
+            c = self.cp
+            out.append(Collective("all_reduce", "cp", c, micro_batches * 2 * (c - 1) / c * total_params / n
+                                  * self.reduce_bytes, "gradients over cp, backward", micro_batches * gathers))
         if self.tp > 1:
             out += self.tp_collectives(micro_batches=micro_batches, n_layers=n_layers,
                                        tokens_per_micro_batch=tokens_per_micro_batch, dim=dim,
@@ -190,6 +202,23 @@ class Layout:
                            "sequence-parallel activations, forward and backward", micro_batches * passes),
                 Collective("all_reduce", "tp", tp, micro_batches * loss, "vocabulary-parallel loss",
                            micro_batches * 3)]
+
+
+def cp_collectives(*, cp: int, micro_batches: int, n_layers: int, kv_elements: int, compute_bytes: int,
+                   documents_tokens: int, recompute_blocks: bool) -> list[Collective]:
+    """Context parallelism's per-block collectives (module docstring), bytes each rank sends and
+    calls. kv_elements: keys (or values) of one micro-batch's whole sequences, [B, S, kv dim];
+    documents_tokens: B x S with document masks (their ids are gathered too), else 0."""
+    share = (cp - 1) / cp
+    forwards = 2 if recompute_blocks else 1
+    kv = share * 2 * kv_elements * compute_bytes  # keys and values, one direction
+    out = [Collective("all_gather+reduce_scatter", "cp", cp, micro_batches * n_layers * (forwards + 1) * kv,
+                      "keys and values gathered, their gradients reduce-scattered", micro_batches * n_layers
+                      * 2 * (forwards + 1))]
+    if documents_tokens:
+        out.append(Collective("all_gather", "cp", cp, micro_batches * n_layers * forwards * share * documents_tokens
+                              * 4, "document ids", micro_batches * n_layers * forwards))
+    return out
 
 
 def collective_calls(*, tensors_per_layer: list[int], bytes_per_layer: list[float], outside_tensors: int,

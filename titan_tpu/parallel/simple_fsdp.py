@@ -29,6 +29,7 @@ from titan_tpu.models.common.moe import EXPERT_MARKER  # set on modules holding 
 from titan_tpu.models.common.scan import STACKED_MARKER  # set on modules holding stacked layers
 from titan_tpu.models.common.functional_block import stored_weights
 from titan_tpu.parallel.buckets import DEFAULT_BUCKET_MB, build_buckets, gather_flat
+from titan_tpu.parallel.context_parallel import CP_AXIS
 from titan_tpu.parallel.reshard import LayerGather, ReshardHooks
 from titan_tpu.parallel.expert_parallel import ExpertParallelDispatch, expert_placements
 from titan_tpu.parallel.tensor_parallel import TP_AXIS, tp_placement
@@ -58,9 +59,10 @@ def default_mixed_precision(device_type: str) -> MixedPrecision:
 
 
 def _placements(mode: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """The placements on the data-parallel axes of `mesh` (all but tp, which the tensor-parallel
-    plan places per module: `_module_placements`)."""
-    if mode not in MODES and not (mode == "none" and _has_tp(mesh)):
+    """The placements on the data-parallel axes of `mesh` and on its cp axis (all but tp, which
+    the tensor-parallel plan places per module: `_module_placements`). Parameters are replicated
+    over cp: each cp rank's gradient covers its own tokens, a partial sum all-reduced over cp."""
+    if mode not in MODES and not (mode == "none" and (_has_tp(mesh) or _has_cp(mesh))):
         raise ValueError(f"data parallel mode must be one of {', '.join(MODES)}, got {mode!r}")
     placements = {
         "none": (),
@@ -68,15 +70,19 @@ def _placements(mode: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
         "fully_shard": (Shard(0),),
         "hybrid_shard": (Replicate(), Shard(0)),
     }[mode]
-    dp_ndim = mesh.ndim - _has_tp(mesh)
+    dp_ndim = mesh.ndim - _has_tp(mesh) - _has_cp(mesh)
     if dp_ndim != len(placements):
         raise ValueError(f"data parallel mode {mode!r} needs {len(placements)} data-parallel mesh axes, got "
                          f"{mesh.mesh_dim_names}; build the mesh with ParallelDims")
-    return placements
+    return placements + ((Replicate(),) if _has_cp(mesh) else ())
 
 
 def _has_tp(mesh: DeviceMesh) -> bool:
     return TP_AXIS in (mesh.mesh_dim_names or ())
+
+
+def _has_cp(mesh: DeviceMesh) -> bool:
+    return CP_AXIS in (mesh.mesh_dim_names or ())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,6 +66,8 @@ CASES = [
     Case("qwen3_moe debug, 2 ranks, ep 2", "configs/qwen3_moe_debug.toml", ("--parallelism.ep", "2"), ranks=2),
     # Tensor parallel: both ranks hold the whole batch, each a tp shard of the model (docs/tensor_parallel.md).
     Case("llama3 debug, 2 ranks tp 2", "configs/llama3_debug.toml", ("--parallelism.tp", "2"), ranks=2),
+    # Context parallel: both ranks hold the whole batch, each half of every sequence (docs/context_parallel.md).
+    Case("llama3 debug, 2 ranks cp 2", "configs/llama3_debug.toml", ("--parallelism.cp", "2"), ranks=2),
     # Graph mode (--training.mode graph): the whole step captured and compiled, one process.
     Case("llama3 debug, graph aot_eager, unrolled", "configs/llama3_debug.toml",
          ("--training.mode", "graph", "--compile.backend", "aot_eager")),
@@ -248,8 +250,10 @@ def predict(result: dict, hw_numbers: dict) -> dict:
     argv = list(result["argv"])
     config = argv[argv.index("--config") + 1]
     rest = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
-    tp = int(rest[rest.index("--parallelism.tp") + 1]) if "--parallelism.tp" in rest else 1
-    overrides = rest + (["--parallelism.dp_shard", str(result["ranks"] // tp)] if result["ranks"] > 1 else [])
+    model_share = 1  # ranks that share one data-parallel rank's batch (tp x cp)
+    for key in ("--parallelism.tp", "--parallelism.cp"):
+        model_share *= int(rest[rest.index(key) + 1]) if key in rest else 1
+    overrides = rest + (["--parallelism.dp_shard", str(result["ranks"] // model_share)] if result["ranks"] > 1 else [])
     cfg = build_config(config, overrides)
     cpu = hw_mod.cpu_hardware(measure=False)
     cpu = hw_mod.Hardware(**{**cpu.as_dict(), "peak_flops": hw_numbers["peak_flops"],

@@ -39,7 +39,8 @@ from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memor
 from titan_tpu.models.common.transformer import ActivationBytes, activation_bytes
 from titan_tpu.models.registry import (flops_per_token, largest_param, num_active_params, num_expert_params,
                                        num_params)
-from titan_tpu.parallel.plan_terms import Layout, collective_calls
+from titan_tpu.parallel.context_parallel import check_context_parallel, cp_attention_saved_bytes
+from titan_tpu.parallel.plan_terms import Layout, collective_calls, cp_collectives
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
 from titan_tpu.train.optim import update_buffers
@@ -124,17 +125,17 @@ def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, in
 def _mesh(cfg: Config, devices: int | None) -> tuple[int, int, int]:
     """(dp_replicate, dp_shard, devices) with dp_shard = -1 resolved, or a one-line error."""
     p = cfg.parallelism
-    others = p.dp_replicate * p.tp
+    others = p.dp_replicate * p.cp * p.tp
     if devices is None:  # a CPU run: the mesh says how many ranks
         devices = others * (p.dp_shard if p.dp_shard > 0 else 1)
     if p.dp_shard == -1:
         if devices % others:
-            raise ValueError(f"parallelism.dp_replicate x tp = {others} does not divide the {devices} devices; "
+            raise ValueError(f"parallelism.dp_replicate x cp x tp = {others} does not divide the {devices} devices; "
                              "choose a divisor")
         return p.dp_replicate, devices // others, devices
     if others * p.dp_shard != devices:
         raise ValueError(f"the mesh dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard}"
-                         f"{f' x tp {p.tp}' if p.tp > 1 else ''} = "
+                         f"{f' x cp {p.cp}' if p.cp > 1 else ''}{f' x tp {p.tp}' if p.tp > 1 else ''} = "
                          f"{others * p.dp_shard} devices does not match the {devices} devices of the "
                          "hardware; change the mesh (or dp_shard = -1) or the slice")
     return p.dp_replicate, p.dp_shard, devices
@@ -181,10 +182,16 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         check_tensor_parallel(args, tp, seq_len=cfg.training.seq_len)
         if cfg.model.scan_layers:
             raise ValueError("--parallelism.tp > 1 runs unrolled blocks for now; set --model.scan_layers false")
+    cp = cfg.parallelism.cp
+    if cp > 1:
+        check_context_parallel(cp, seq_len=cfg.training.seq_len)
+        if cfg.model.scan_layers or args.moe is not None or tp > 1:
+            raise ValueError("--parallelism.cp > 1 runs dense models with unrolled blocks and tp 1 for now; set "
+                             "--model.scan_layers false and --parallelism.tp 1")
     t, k = cfg.training, cfg.kernels
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
     cb = _DTYPE_BYTES[dtype]
-    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=cfg.parallelism.ep, tp=tp, compute_bytes=cb,
+    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=cfg.parallelism.ep, tp=tp, cp=cp, compute_bytes=cb,
                     reduce_bytes=_DTYPE_BYTES[cfg.parallelism.reduce_dtype], gather=gather)
     ac, scanned = cfg.activation_checkpoint.mode, cfg.model.scan_layers
     # Traced checkpointed blocks keep the attention output too (activation_checkpoint.py); the scanned
@@ -205,14 +212,20 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     moments_b = 2 * stored * mb
     grads_b = stored * mb
 
-    # Activations of one micro-batch on one rank.
-    tokens = t.batch_size * t.seq_len
-    acts = activation_bytes(args, tokens=tokens, ac_mode=ac, dtype_bytes=cb, ep=cfg.parallelism.ep, traced=traced,
-                            partitioned=partitioned, tp=tp)
+    # Activations of one micro-batch on one rank: under context parallelism its 1 / cp of the tokens,
+    # and attention keeps every rank's keys and values.
+    tokens = t.batch_size * t.seq_len  # of one data-parallel rank (its tp and cp ranks share them)
+    acts = activation_bytes(args, tokens=tokens // cp, ac_mode=ac, dtype_bytes=cb, ep=cfg.parallelism.ep,
+                            traced=traced, partitioned=partitioned, tp=tp)
+    if cp > 1 and ac == "none":
+        extra = cp_attention_saved_bytes(batch_size=t.batch_size, seq_len=t.seq_len, cp=cp, dtype_bytes=cb,
+                                         kv_dim=args.n_kv_heads * args.hd, documents=cfg.data.document_mask)
+        acts = dataclasses.replace(acts, saved_per_layer=tuple(s + extra for s in acts.saved_per_layer))
     loss_impl = _loss_impl(k.loss, hardware.name)
-    # Under tensor parallelism the loss kernel sees every token and its rank's 1 / tp of the vocabulary.
-    loss_kept, loss_peak = loss_memory_bytes(loss_impl, tokens=tokens, vocab_size=args.vocab_size // tp, dim=args.dim,
-                                             dtype_bytes=cb, chunk_tokens=k.loss_chunk_tokens)
+    # Under tensor parallelism the loss kernel sees every token and its rank's 1 / tp of the vocabulary,
+    # under context parallelism the rank's tokens.
+    loss_kept, loss_peak = loss_memory_bytes(loss_impl, tokens=tokens // cp, vocab_size=args.vocab_size // tp,
+                                             dim=args.dim, dtype_bytes=cb, chunk_tokens=k.loss_chunk_tokens)
     gathered = layout.gathered_bytes(block_params=block_params, expert_params=experts, n_layers=args.n_layers)
     # A scanned stack gathered per layer (re-sharding on, bucketed) reduce-scatters per layer too;
     # a what-if other than the code's stands for re-sharding on (layer) or off (model).
@@ -281,7 +294,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     # FLOPs: the trainer's count, and what runs (recomputed forwards under full checkpointing).
     fpt = flops_per_token(args, t.seq_len)
     tokens_step_rank = tokens * t.grad_accum_steps  # tokens of one data-parallel rank (its tp ranks share them)
-    model_flops_rank = fpt * tokens_step_rank / tp
+    model_flops_rank = fpt * tokens_step_rank / (tp * cp)
     forward_share = 1 / 3 if ac == "full" else 0.0
     executed_rank = model_flops_rank * (1 + forward_share)
 
@@ -295,12 +308,18 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
                                           top_k=args.moe.top_k if args.moe else 0, recompute_blocks=ac == "full",
                                           regathered_params=block_params if gather == "layer" else 0,
                                           gathers=gathers, regathers=regathers, n_layers=args.n_layers)
+    if cp > 1:
+        collectives += cp_collectives(cp=cp, micro_batches=t.grad_accum_steps, n_layers=args.n_layers,
+                                      kv_elements=tokens * args.n_kv_heads * args.hd, compute_bytes=cb,
+                                      documents_tokens=tokens if cfg.data.document_mask else 0,
+                                      recompute_blocks=ac != "none")
 
     # Time. On this CPU the ranks share the cores: each gets 1 / devices of the peak.
     share = devices if hardware.name == "cpu" else 1
     peak_flops = hardware.peak_flops / share
     compute_s = executed_rank / (peak_flops * efficiency)
-    none_acts = activation_bytes(args, tokens=tokens, ac_mode="none", dtype_bytes=cb, ep=cfg.parallelism.ep, tp=tp)
+    none_acts = activation_bytes(args, tokens=tokens // cp, ac_mode="none", dtype_bytes=cb, ep=cfg.parallelism.ep,
+                                 tp=tp)
     # Every intermediate is written in the forward and read and written in the backward (again when
     # recomputed); AdamW and clipping stream parameters, gradients and moments about twelve times.
     elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if ac != "none" else 0)) * t.grad_accum_steps \
@@ -311,16 +330,16 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     no_overlap = compute_s + elementwise_s + comm_s
     overlap = compute_s + elementwise_s + max(0.0, comm_s - compute_s)
     step_s = overlap if overlapped else no_overlap
-    tokens_per_s = tokens_step_rank * devices / tp / step_s
+    tokens_per_s = tokens_step_rank * devices / (tp * cp) / step_s
     mfu = 100.0 * model_flops_rank / step_s / (hardware.peak_flops / share)
 
     plan = Plan(
         model=model_label(cfg), hardware=hardware.as_dict(), devices=devices,
-        mesh={"dp_replicate": dp_replicate, "dp_shard": dp_shard, "ep": cfg.parallelism.ep, "tp": tp,
+        mesh={"dp_replicate": dp_replicate, "dp_shard": dp_shard, "ep": cfg.parallelism.ep, "tp": tp, "cp": cp,
               "mode": _mode(layout),
               "gather": gather, "code_gather": code},
         batch={"batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum_steps": t.grad_accum_steps,
-               "tokens_per_step": tokens_step_rank * devices // tp, "dtype": dtype, "activation_checkpoint": ac,
+               "tokens_per_step": tokens_step_rank * devices // (tp * cp), "dtype": dtype, "activation_checkpoint": ac,
                "scan_layers": scanned, "loss": loss_impl, "mode": t.mode},
         params={"total": total, "active": num_active_params(args), "experts": experts,
                 "stored_per_device": stored},
@@ -453,6 +472,7 @@ def format_plan(plan: Plan) -> str:
         f"plan for {plan.model} on {plan.devices} x {hw['name']} "
         f"(mesh dp_replicate {plan.mesh['dp_replicate']} x dp_shard {plan.mesh['dp_shard']}"
         f"{', ep ' + str(plan.mesh['ep']) if plan.mesh['ep'] > 1 else ''}"
+        f"{' x cp ' + str(plan.mesh.get('cp', 1)) if plan.mesh.get('cp', 1) > 1 else ''}"
         f"{' x tp ' + str(plan.mesh.get('tp', 1)) if plan.mesh.get('tp', 1) > 1 else ''}; {plan.mesh['mode']}"
         f"; gathered weights: {'re-gathered per layer' if plan.mesh['gather'] == 'layer' else 'kept forward to backward'}"
         f"{' (what-if; the code ' + ('re-gathers' if plan.mesh['code_gather'] == 'layer' else 'keeps them') + ')' if plan.mesh['gather'] != plan.mesh['code_gather'] else ''})",

@@ -79,8 +79,9 @@ def all_reduce_sum(t: Tensor) -> Tensor:
 
 
 def model_copies(dp_size: int) -> int:
-    """Ranks that hold the same data-parallel rank's batch (tensor-parallel ranks): each computes
-    the whole loss of that batch, so a sum over all ranks counts it this many times."""
+    """Ranks that hold the same data-parallel rank's batch (tensor- and context-parallel ranks):
+    each computes the whole loss of that batch (context parallelism sums its ranks' shares inside
+    the model, parallel/context_parallel.py), so a sum over all ranks counts it this many times."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     return max(1, world // dp_size)
 
@@ -89,8 +90,8 @@ def trained_tokens(micro_batches: list[tuple[Tensor, ...]], dp_size: int) -> int
     """Labels the loss trains on (not IGNORE_INDEX) in the step's micro-batches on all data-parallel
     ranks: the loss denominator, so the mean is over trained tokens whatever their share per
     micro-batch or rank. One scalar all-reduce over the ranks (the count differs between them); the
-    tensor-parallel ranks of one data-parallel rank hold the same batch, so the world's sum counts
-    each batch model_copies times."""
+    tensor- and context-parallel ranks of one data-parallel rank hold the same batch, so the world's
+    sum counts each batch model_copies times."""
     counts = torch.stack([(split_batch(b)[1] != IGNORE_INDEX).sum() for b in micro_batches]).sum()
     if dp_size > 1:
         counts = all_reduce_sum(counts) // model_copies(dp_size)

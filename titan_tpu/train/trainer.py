@@ -32,6 +32,7 @@ from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
 from titan_tpu.errors import RunError
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import flops_per_token
+from titan_tpu.parallel.context_parallel import context_parallel
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, copy_full_, default_mixed_precision, materialize_and_init
@@ -166,9 +167,9 @@ class Trainer:
         from titan_tpu.models.hf_backend import build_hf_model, has_weights, load_pretrained_weights
 
         sharded = self.mesh is not None
-        if self.parallel_dims.tp > 1:
-            raise ValueError("--parallelism.tp > 1 is not supported with --model.name hf (the Transformers backend); "
-                             "set tp 1 or use a native model")
+        if self.parallel_dims.tp > 1 or self.parallel_dims.cp > 1:
+            raise ValueError("--parallelism.tp or cp > 1 is not supported with --model.name hf (the Transformers "
+                             "backend); set tp 1 and cp 1 or use a native model")
         model = build_hf_model(self.model_args, kernels=self.cfg.kernels, ac_mode=self.cfg.activation_checkpoint.mode,
                                dtype=torch.float32)
         model = materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if sharded else "none",
@@ -195,6 +196,8 @@ class Trainer:
                                 ac_mode=self.cfg.activation_checkpoint.mode, kernels=self.cfg.kernels)
         if self.parallel_dims.tp > 1:
             tensor_parallel(model, self.mesh, seq_len=self.cfg.training.seq_len)
+        if self.parallel_dims.cp > 1:
+            context_parallel(model, self.mesh, seq_len=self.cfg.training.seq_len, documents=self.document_mask)
         return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if self.mesh is not None else "none",
                                     mp=self.mixed_precision, device=self.backend.device, seed=self.cfg.training.seed,
                                     expert_mesh=self.expert_mesh, bucket_mb=self.cfg.parallelism.bucket_mb,
@@ -385,7 +388,8 @@ class Trainer:
                  f"{f' ({self.flops_note})' if self.flops_note else ''}; "
                  f"{self.world_size} rank(s), data parallel: {self.parallel_dims.mode}"
                  f"{f', expert parallel: {self.parallel_dims.ep}' if self.parallel_dims.ep > 1 else ''}"
-                 f"{f', tensor parallel: {self.parallel_dims.tp}' if self.parallel_dims.tp > 1 else ''}; "
+                 f"{f', tensor parallel: {self.parallel_dims.tp}' if self.parallel_dims.tp > 1 else ''}"
+                 f"{f', context parallel: {self.parallel_dims.cp}' if self.parallel_dims.cp > 1 else ''}; "
                  f"MFU peak per device: {self.backend.peak_description(self.compute_dtype)}")
 
         last_val, stopped_by = None, None

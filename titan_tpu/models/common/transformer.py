@@ -292,10 +292,12 @@ class Transformer(nn.Module):
         _trunc_normal(self.output.weight, self.args.dim**-0.5)
 
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
-                positions_BS: torch.Tensor | None = None) -> torch.Tensor | LossOutput:
+                positions_BS: torch.Tensor | None = None,
+                document_ids_BS: torch.Tensor | None = None) -> torch.Tensor | LossOutput:
         """Logits [B, S, V] in the parameters' dtype; with labels, a `LossOutput`: the summed
-        next-token cross-entropy from the loss kernel, the MoE balancing loss and expert loads."""
-        h_BSD, stats_L2E = self.hidden_states(tokens_BS, positions_BS=positions_BS)
+        next-token cross-entropy from the loss kernel, the MoE balancing loss and expert loads.
+        positions_BS and document_ids_BS: see `hidden_states`."""
+        h_BSD, stats_L2E = self.hidden_states(tokens_BS, positions_BS=positions_BS, document_ids_BS=document_ids_BS)
         w_VD = self.output_weight()
         if labels_BS is None:
             return F.linear(h_BSD, w_VD)
@@ -332,10 +334,15 @@ class Transformer(nn.Module):
         under data parallelism, the all-gathered tensor."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def hidden_states(self, tokens_BS: torch.Tensor, *,
-                      positions_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden_states(self, tokens_BS: torch.Tensor, *, positions_BS: torch.Tensor | None = None,
+                      document_ids_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B, S] -> (final hidden states [B, S, D] after the last norm, the MoE layers'
-        statistics [L_moe, 2, E]; [0, 0] for a dense model)."""
+        statistics [L_moe, 2, E]; [0, 0] for a dense model).
+
+        positions_BS: each token's RoPE position (default 0..S-1). document_ids_BS: each token's
+        document, attention staying within it; by default derived from positions_BS, read as
+        the loader's packed form (positions restart at 0 where a document starts). A caller that
+        holds part of a sequence (context parallelism) passes both."""
         S = tokens_BS.shape[1]
         if S > self.args.max_seq_len:
             raise ValueError(
@@ -343,7 +350,8 @@ class Transformer(nn.Module):
                 "raise model max_seq_len or shorten the sequences"
             )
         rope = rope_rows(self.rope_cache, S, positions_BS)
-        document_ids_BS = None if positions_BS is None else document_ids_from_positions(positions_BS)
+        if document_ids_BS is None and positions_BS is not None:
+            document_ids_BS = document_ids_from_positions(positions_BS)
         h_BSD = self.tok_embeddings(tokens_BS)
         if self.scan_layers:
             h_BSD, stats_L2E = self.layers(h_BSD, rope, document_ids_BS)

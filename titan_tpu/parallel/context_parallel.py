@@ -1,0 +1,198 @@
+"""Context parallelism on the `cp` mesh axis: each rank holds a load-balanced share of every sequence.
+
+Head-tail layout: a sequence of S tokens is cut into 2 * cp chunks of S / (2 cp), and cp rank r
+holds chunks r and 2 cp - 1 - r. Under the causal mask an early chunk attends to few keys and a
+late one to many, so each rank gets one of each and the same number of (query, key) pairs:
+
+    cp 2, S 8:   positions 0 1 | 2 3 | 4 5 | 6 7     rank 0 holds 0 1 6 7, rank 1 holds 2 3 4 5
+
+The cp ranks of one data-parallel rank read the same batch (the loader is sharded over the
+data-parallel axes only, as for tensor parallelism). The plan, applied to the model before it is
+initialised, keeps the model code single-device:
+
+- a forward pre-hook on the model keeps the rank's tokens and labels and hands the model the
+  global positions of those tokens (RoPE) and their document ids (from the whole sequence's
+  positions, so a document crossing shards keeps one id);
+- each attention module computes with a kernel that all-gathers keys and values over cp (and the
+  document ids, with document masks), and masks with the global positions: query position i sees
+  key position j if j <= i, in the same document. The gather's backward is a reduce-scatter: a
+  rank gets the gradient of its keys and values summed over every rank's queries. The gathered
+  keys stay in rank order (no reordering): the mask is built from their positions;
+- a forward hook sums the loss of the rank's tokens over cp (backward: identity), so every cp
+  rank holds the batch's whole loss as tensor-parallel peers do (train/step.py: model_copies);
+  `model(tokens)` without labels gathers the logits and puts them back in sequence order.
+
+Parameters are replicated over cp (simple_fsdp._placements): each rank's gradient covers its own
+tokens, a partial sum that SimpleFSDP all-reduces over cp like a data-parallel axis. The
+collectives are functional collectives inside autograd Functions, so a captured step holds them
+as graph nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_tpu.kernels import document_ids_from_positions
+from titan_tpu.kernels.attention import masked_sdpa
+from titan_tpu.kernels.registry import Impl
+from titan_tpu.parallel.tensor_parallel import _GatherSequence, _wait
+
+__all__ = ["CP_AXIS", "check_context_parallel", "context_parallel", "cp_attention_saved_bytes", "cp_size",
+           "head_tail_positions", "shard_attention"]
+
+CP_AXIS = "cp"
+
+
+def check_context_parallel(cp: int, *, seq_len: int) -> None:
+    """One-line ValueError when `cp` ranks cannot split `seq_len` into 2 * cp equal chunks."""
+    if cp < 1:
+        raise ValueError(f"--parallelism.cp must be >= 1, got {cp}")
+    if cp > 1 and seq_len % (2 * cp) != 0:
+        raise ValueError(f"--parallelism.cp ({cp}) needs --training.seq_len ({seq_len}) divisible by 2 * cp = "
+                         f"{2 * cp} (each rank holds 2 of 2 * cp equal chunks); change seq_len or cp")
+
+
+def head_tail_positions(seq_len: int, cp: int, rank: int, device=None) -> Tensor:
+    """Global positions [S / cp] of the tokens cp rank `rank` holds: chunks rank and 2 cp - 1 - rank."""
+    c = seq_len // (2 * cp)
+    head = torch.arange(rank * c, (rank + 1) * c, device=device)
+    return torch.cat([head, torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)])
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Each rank's partial loss -> the sum over the group; backward: identity (every rank's
+    gradient flows into its own share)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _wait(funcol.all_reduce(x, "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ContextParallelPlan:
+    """This rank's place on the cp axis, and the hooks and attention kernel built from it."""
+
+    def __init__(self, *, group, cp: int, rank: int, documents: bool):
+        self.group, self.cp, self.rank, self.documents = group, cp, rank, documents
+
+    def local_positions(self, seq_len: int, device) -> Tensor:
+        if seq_len % (2 * self.cp) != 0:
+            raise ValueError(f"context parallelism over {self.cp} ranks needs a sequence length divisible by "
+                             f"{2 * self.cp}, got {seq_len}")
+        return head_tail_positions(seq_len, self.cp, self.rank, device)
+
+    def gathered_positions(self, seq_len: int, device) -> Tensor:
+        """Global positions [S] of the keys after the all-gather: every rank's tokens in rank order."""
+        return torch.cat([head_tail_positions(seq_len, self.cp, r, device) for r in range(self.cp)])
+
+    def shard_inputs(self, module, args, kwargs):
+        """Forward pre-hook: the rank's tokens, labels, RoPE positions and document ids."""
+        tokens_BS, *rest = args
+        B, S = tokens_BS.shape
+        mine_S = self.local_positions(S, tokens_BS.device)
+        labels_BS = rest[0] if rest else kwargs.pop("labels_BS", None)
+        positions_BS = kwargs.pop("positions_BS", None)
+        if positions_BS is None:  # plain causal windows: one document, positions 0..S-1
+            document_ids_BS = torch.zeros(B, S // self.cp, dtype=torch.int32, device=tokens_BS.device)
+            positions_BS = mine_S.unsqueeze(0).expand(B, -1)
+        else:  # packed documents: ids from the whole sequence, positions restarting per document
+            document_ids_BS = document_ids_from_positions(positions_BS)[:, mine_S]
+            positions_BS = positions_BS[:, mine_S]
+        labels = () if labels_BS is None else (labels_BS[:, mine_S],)
+        return (tokens_BS[:, mine_S], *labels), {**kwargs, "positions_BS": positions_BS,
+                                                 "document_ids_BS": document_ids_BS}
+
+    def combine_outputs(self, module, args, output):
+        """Forward hook: the loss summed over cp, or the logits gathered back into sequence order."""
+        if isinstance(output, Tensor):  # logits [B, S / cp, V]
+            gathered = _wait(funcol.all_gather_tensor(output.contiguous(), 1, self.group))
+            order = torch.argsort(self.gathered_positions(gathered.shape[1], output.device))
+            return gathered[:, order]
+        return output._replace(ce_sum=_SumOverGroup.apply(output.ce_sum, self.group))
+
+    def attention(self, q_BQHD: Tensor, k_BQKD: Tensor, v_BQKD: Tensor, document_ids_BQ: Tensor | None) -> Tensor:
+        """The attention kernel contract on this rank's queries, against every rank's keys."""
+        S = q_BQHD.shape[1] * self.cp
+        k_BSKD = _GatherSequence.apply(k_BQKD, self.group)
+        v_BSKD = _GatherSequence.apply(v_BQKD, self.group)
+        ids_BS = None
+        if self.documents:
+            ids_BS = _wait(funcol.all_gather_tensor(document_ids_BQ.contiguous(), 1, self.group))
+        return shard_attention(q_BQHD, k_BSKD, v_BSKD, q_pos_Q=self.local_positions(S, q_BQHD.device),
+                               k_pos_S=self.gathered_positions(S, q_BQHD.device),
+                               document_ids_BQ=document_ids_BQ if self.documents else None, document_ids_BS=ids_BS)
+
+
+def shard_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, q_pos_Q: Tensor, k_pos_S: Tensor,
+                    document_ids_BQ: Tensor | None = None, document_ids_BS: Tensor | None = None) -> Tensor:
+    """Causal attention of Q queries at global positions q_pos_Q over S keys at k_pos_S (any
+    order): query i sees key j if k_pos_S[j] <= q_pos_Q[i] and, with document ids, both are in
+    the same document."""
+    allowed_BQS = (k_pos_S.unsqueeze(0) <= q_pos_Q.unsqueeze(1)).unsqueeze(0)
+    if document_ids_BQ is not None:
+        allowed_BQS = allowed_BQS & (document_ids_BQ.unsqueeze(2) == document_ids_BS.unsqueeze(1))
+    return masked_sdpa(q_BQHD, k_BSKD, v_BSKD, allowed_BQS)
+
+
+class _ContextParallelKernels:
+    """An attention module's KernelConfig with attention replaced by the plan's."""
+
+    def __init__(self, kernels, impl: Impl):
+        self._kernels, self._impl = kernels, impl
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_kernels", "_impl"):
+            raise AttributeError(name)  # copy/pickle probe these before __init__ has run
+        return getattr(self._kernels, name)
+
+    def attention_impl(self, device_type: str, *, documents: bool) -> Impl:
+        return self._impl
+
+
+def context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, documents: bool) -> nn.Module:
+    """Apply the plan above to a (meta-device, not yet distributed) Transformer in place; its
+    parameters are then distributed on `mesh` (replicated over its `cp` axis) by
+    `materialize_and_init`. documents: batches carry per-token positions (document masks).
+    Returns the model."""
+    names = mesh.mesh_dim_names or ()
+    if CP_AXIS not in names:
+        raise ValueError(f"context_parallel needs a mesh with a {CP_AXIS!r} axis, got {names}; build it with "
+                         "ParallelDims(cp=...)")
+    cp = mesh.size(names.index(CP_AXIS))
+    check_context_parallel(cp, seq_len=seq_len)
+    if model.scan_layers:
+        raise ValueError("--parallelism.cp > 1 runs unrolled blocks for now; set --model.scan_layers false")
+    if model.args.moe is not None:
+        raise ValueError("--parallelism.cp > 1 with an MoE model is not supported yet; set --parallelism.cp 1")
+    plan = ContextParallelPlan(group=mesh.get_group(CP_AXIS), cp=cp, rank=mesh.get_local_rank(CP_AXIS),
+                               documents=documents)
+    impl = Impl("context_parallel", plan.attention, (mesh.device_type,),
+                "keys and values all-gathered over cp, head-tail causal mask", frozenset({"documents"}))
+    for block in [*model.layers.values(), *model.block_templates()]:
+        block.attention.kernels = _ContextParallelKernels(block.attention.kernels, impl)
+    model.register_forward_pre_hook(plan.shard_inputs, with_kwargs=True)
+    model.register_forward_hook(plan.combine_outputs)
+    return model
+
+
+def cp_attention_saved_bytes(*, batch_size: int, seq_len: int, cp: int, kv_dim: int, dtype_bytes: int,
+                             documents: bool) -> int:
+    """Bytes one block's attention keeps for its backward on a cp rank beyond what one process's
+    attention keeps for the rank's own tokens (`attention_saved_per_token`), without activation
+    checkpointing: SDPA keeps the gathered keys and values (every rank's, not only its own) and
+    the mask [1 or B, S / cp, S], converted to the compute dtype (an additive mask)."""
+    q = seq_len // cp
+    mask = (batch_size if documents else 1) * q * seq_len
+    return (2 * batch_size * (seq_len - q) * kv_dim + mask) * dtype_bytes
+
+
+def cp_size(mesh: DeviceMesh | None) -> int:
+    """Size of the mesh's cp axis (1 without one)."""
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return mesh.size(names.index(CP_AXIS)) if CP_AXIS in names else 1
