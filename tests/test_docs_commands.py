@@ -1,0 +1,305 @@
+"""The docs cannot drift from the command line: every ``titan-tpu ...`` command that README.md and
+docs/*.md show (in code blocks and inline code, ``python -m titan_tpu.train`` and ``make train
+ARGS=...`` counted as ``titan-tpu train``) is parsed by the real parser of its subcommand, its config
+overrides are checked against the config schema, and commands on a recipe of this repo build their
+whole config as the machine they are written for would (validation included). Nothing trains: a
+command is parsed, not run, except ``titan-tpu plan``, which is cheap and runs for real. Every
+relative link in those files must point to an existing file.
+
+Placeholders in the docs are read as a reader would: ``[--flag X]`` is an optional flag (checked),
+``...`` is dropped, ``a|b`` takes ``a``, and an upper-case value (``N``, ``DIR``) stands for any value
+of the key's type (the key is still checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from titan_tpu import cli
+from titan_tpu.config import SECTIONS, Config, load_toml, parse_overrides, set_value
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+MAKE_TRAIN_CONFIG = "configs/llama3_debug.toml"  # what `make train` passes (Makefile)
+# Commands whose extra arguments are config overrides (parse_known_args); the others take none.
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$|<")
+FENCE = re.compile(r"^(```|~~~)")
+INLINE_CODE = re.compile(r"`([^`\n]+)`")
+COMMAND_START = re.compile(r"(?:^|[\s/])titan-tpu\s+([a-z].*)$")
+SHELL_OPERATOR = re.compile(r"\s(?:&&|\|\||;|\||>)\s")
+MODULE_TRAIN = re.compile(r"-m\s+titan_tpu\.train\b(.*)$")
+MAKE_TRAIN = re.compile(r"make train ARGS=\"([^\"]*)\"")
+
+
+@dataclass(frozen=True)
+class DocCommand:
+    where: str  # file:line, for the failure message
+    argv: tuple[str, ...]  # after "titan-tpu": the subcommand first
+
+    def __str__(self) -> str:
+        return f"{self.where}: titan-tpu {' '.join(self.argv)}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding the commands
+
+
+def _code_blocks_and_prose(text: str):
+    """Yield (line number, line, in_code_block) with a code block's continued lines (`\\`) joined."""
+    in_code, pending, start = False, "", 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line.strip()):
+            in_code = not in_code
+            continue
+        if in_code:
+            if not pending:
+                start = number
+            if line.rstrip().endswith("\\"):
+                pending += line.rstrip()[:-1] + " "
+                continue
+            yield start, pending + line, True
+            pending = ""
+        else:
+            yield number, line, False
+
+
+def _tokens(command_line: str) -> list[str]:
+    """shlex tokens of a shown command, its placeholders read as a reader would."""
+    try:
+        raw = shlex.split(command_line, comments=True)
+    except ValueError:  # an unbalanced quote in prose: keep the words
+        raw = command_line.split()
+    tokens = []
+    for token in raw:
+        token = token.strip("[]")
+        if token in ("...", "…") and tokens and tokens[-1] == "--config":
+            token = "VALUE"  # "--config ...": some recipe
+        if token in ("", "...", "…"):
+            continue
+        if re.fullmatch(r"[\w.-]+(\|[\w.-]+)+", token):
+            token = token.split("|")[0]
+        tokens.append(token)
+    return tokens
+
+
+def _commands_in_line(line: str, in_code: bool) -> list[str]:
+    """The command lines (after `titan-tpu`) that one doc line shows."""
+    spans = [line] if in_code else INLINE_CODE.findall(line)
+    found = []
+    for span in spans:
+        if m := COMMAND_START.search(span):
+            found.append(SHELL_OPERATOR.split(m.group(1))[0])
+        elif m := MODULE_TRAIN.search(span):
+            found.append("train" + m.group(1))
+        elif m := MAKE_TRAIN.search(span):
+            found.append(f"train --config {MAKE_TRAIN_CONFIG} {m.group(1)}")
+    return found
+
+
+def doc_commands() -> list[DocCommand]:
+    commands = []
+    for path in DOC_FILES:
+        for number, line, in_code in _code_blocks_and_prose(path.read_text()):
+            for command_line in _commands_in_line(line, in_code):
+                argv = _tokens(command_line)
+                if argv and not PLACEHOLDER.match(argv[0]):  # "titan-tpu COMMAND --help" names no command
+                    commands.append(DocCommand(f"{path.relative_to(ROOT)}:{number}", tuple(argv)))
+    return commands
+
+
+def inline_config_keys() -> list[tuple[str, str]]:
+    """(file:line, key) of every `--section.key` shown in inline code outside a command."""
+    keys = []
+    for path in DOC_FILES:
+        for number, line, in_code in _code_blocks_and_prose(path.read_text()):
+            if in_code:
+                continue
+            for span in INLINE_CODE.findall(line):
+                if COMMAND_START.search(span) or MODULE_TRAIN.search(span):
+                    continue
+                for key in re.findall(r"(?:^|\s)--([a-z_]+\.[a-z_0-9]+)", span):
+                    if key.split(".")[0] in SECTIONS:
+                        keys.append((f"{path.relative_to(ROOT)}:{number}", key))
+    return keys
+
+
+# ----------------------------------------------------------------------------------------------
+# The real parsers
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, known: bool):
+        self.parser, self.known = parser, known
+
+
+def _capture_parser(subcommand: str) -> tuple[argparse.ArgumentParser, bool]:
+    """The subcommand's own ArgumentParser, stopped at its first parse (nothing runs), and whether
+    it accepts extra arguments (parse_known_args: config overrides) or none (parse_args)."""
+    original_known, original_args = argparse.ArgumentParser.parse_known_args, argparse.ArgumentParser.parse_args
+
+    def stop_known(self, *args, **kwargs):
+        raise _Captured(self, known=True)
+
+    def stop_args(self, *args, **kwargs):
+        raise _Captured(self, known=False)
+
+    argparse.ArgumentParser.parse_known_args, argparse.ArgumentParser.parse_args = stop_known, stop_args
+    try:
+        cli.COMMANDS[subcommand]([])
+    except _Captured as captured:
+        return captured.parser, captured.known
+    finally:
+        argparse.ArgumentParser.parse_known_args, argparse.ArgumentParser.parse_args = original_known, original_args
+    raise AssertionError(f"titan-tpu {subcommand} returned without parsing its arguments")
+
+
+@pytest.fixture(scope="module")
+def parsers():
+    return {name: _capture_parser(name) for name in cli.COMMANDS}
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]):
+    """parse_known_args, with argparse's exit turned into an assertion that carries its message."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            return parser.parse_known_args(argv)
+        except SystemExit:
+            raise AssertionError(stderr.getvalue().strip().splitlines()[-1]) from None
+
+
+def check_overrides(extras: list[str]) -> None:
+    """Every override names a config key, with a value of its type (placeholders: any value)."""
+    cfg = Config()
+    for key, value in parse_overrides(extras):
+        if PLACEHOLDER.match(value):
+            section, _, name = key.partition(".")
+            value = getattr(getattr(cfg, section, None), name, None) if name else cfg.output_dir
+            value = value if value is not None else "x"
+        set_value(cfg, key, value)
+
+
+def _recipe(namespace) -> str | None:
+    config = getattr(namespace, "config", None)
+    return config if config and (ROOT / config).is_file() else None
+
+
+def _builds_here(namespace, extras: list[str], takes_overrides: bool) -> bool:
+    """Whether the command's whole config can be built here: a recipe of this repo, concrete values,
+    and no Hugging Face model (its directory is on the reader's machine)."""
+    recipe = _recipe(namespace)
+    if not (recipe and takes_overrides and _is_concrete(extras)) or getattr(namespace, "calibrate", False):
+        return False
+    model_name = dict(parse_overrides(extras)).get("model.name", load_toml(ROOT / recipe).get("model", {}).get("name"))
+    return model_name != "hf"
+
+
+def _is_concrete(extras: list[str]) -> bool:
+    """No placeholder values and no example paths that exist only on the reader's machine."""
+    return not any(PLACEHOLDER.match(v) or "path/to" in v or v.startswith("~") for _, v in parse_overrides(extras))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+
+
+COMMANDS = doc_commands()
+
+
+def test_docs_show_commands():
+    subcommands = {c.argv[0] for c in COMMANDS}
+    assert {"train", "plan", "report", "verify", "convert", "kernels", "graph"} <= subcommands, subcommands
+
+
+@pytest.mark.parametrize("subcommand", sorted(cli.COMMANDS))
+def test_help(subcommand, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([subcommand, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_every_shown_command_parses(parsers, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    from titan_tpu.plan.planner import for_planning
+
+    failures = []
+    for command in COMMANDS:
+        subcommand, argv = command.argv[0], list(command.argv[1:])
+        if subcommand not in cli.COMMANDS:
+            failures.append(f"{command}: no such subcommand; titan-tpu has {', '.join(cli.COMMANDS)}")
+            continue
+        if not argv:  # the command named in prose ("made with `titan-tpu convert`"): test_help covers it
+            continue
+        parser, takes_overrides = parsers[subcommand]
+        try:
+            namespace, extras = _parse(parser, argv)
+            if extras and not takes_overrides:
+                raise AssertionError(f"unrecognized arguments: {' '.join(extras)}")
+            check_overrides(extras)
+            recipe = _recipe(namespace)
+            config = getattr(namespace, "config", None)
+            if config and config.startswith("configs/") and not PLACEHOLDER.search(config) and recipe is None:
+                raise AssertionError(f"{config} does not exist")
+            if _builds_here(namespace, extras, takes_overrides):
+                for_planning(recipe, extras)
+        except (AssertionError, ValueError, FileNotFoundError) as e:
+            failures.append(f"{command}: {e}")
+    assert not failures, "\n".join(failures)
+
+
+def test_shown_plans_run(parsers, capsys, monkeypatch):
+    """`titan-tpu plan` is cheap (no training): the shown plans on this repo's recipes run for real."""
+    monkeypatch.chdir(ROOT)
+    plans = []
+    for c in COMMANDS:
+        if c.argv[0] != "plan":
+            continue
+        namespace, extras = _parse(parsers["plan"][0], list(c.argv[1:]))
+        if _recipe(namespace) and not namespace.calibrate and _is_concrete(extras):
+            plans.append(c)
+    assert plans
+    failures = []
+    for command in plans:
+        code = cli.main(list(command.argv))
+        out, err = capsys.readouterr()
+        # A plan may end in a one-line error the doc shows on purpose ("nothing fits ..."): then the doc
+        # must show that error's start.
+        shown = " ".join((ROOT / command.where.split(":")[0]).read_text().split())
+        if code != 0 and err.removeprefix("error: ")[:40] not in shown:
+            failures.append(f"{command}: exit {code}: {err.strip()}")
+    assert not failures, "\n".join(failures)
+
+
+def test_inline_config_keys_exist():
+    cfg = Config()
+    failures = []
+    for where, key in inline_config_keys():
+        section, _, name = key.partition(".")
+        if not hasattr(getattr(cfg, section), name):
+            failures.append(f"{where}: --{key} is not a config key")
+    assert not failures, "\n".join(failures)
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_relative_links_exist():
+    failures = []
+    for path in DOC_FILES:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for target in LINK.findall(line):
+                if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                    continue
+                file_part = target.split("#")[0]
+                if not (path.parent / file_part).exists():
+                    failures.append(f"{path.relative_to(ROOT)}:{number}: link to {target}: no such file")
+    assert not failures, "\n".join(failures)
