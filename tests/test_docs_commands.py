@@ -292,14 +292,28 @@ def test_inline_config_keys_exist():
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped, spaces to -."""
+    anchors = set()
+    for _, line, in_code in _code_blocks_and_prose(path.read_text()):
+        if not in_code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
 def test_relative_links_exist():
+    """Every relative link names an existing file and, for a Markdown file, an existing heading."""
     failures = []
     for path in DOC_FILES:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             for target in LINK.findall(line):
-                if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                if re.match(r"[a-z]+:", target):
                     continue
-                file_part = target.split("#")[0]
-                if not (path.parent / file_part).exists():
+                file_part, _, anchor = target.partition("#")
+                linked = path.parent / file_part if file_part else path
+                if not linked.exists():
                     failures.append(f"{path.relative_to(ROOT)}:{number}: link to {target}: no such file")
+                elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
+                    failures.append(f"{path.relative_to(ROOT)}:{number}: link to {target}: no such heading")
     assert not failures, "\n".join(failures)
