@@ -6,7 +6,8 @@ whole config as the machine they are written for would (validation included). No
 command is parsed, not run, except ``titan-tpu plan``, which is cheap and runs for real. Every
 relative link in those files must point to an existing file.
 
-Placeholders in the docs are read as a reader would: ``[--flag X]`` is an optional flag (checked),
+Code blocks fenced as ```text (pictures, output) are not read for commands. Placeholders in the docs
+are read as a reader would: ``[--flag X]`` is an optional flag (checked),
 ``...`` is dropped, ``a|b`` takes ``a``, and an upper-case value (``N``, ``DIR``) stands for any value
 of the key's type (the key is still checked).
 """
@@ -53,11 +54,15 @@ class DocCommand:
 
 
 def _code_blocks_and_prose(text: str):
-    """Yield (line number, line, in_code_block) with a code block's continued lines (`\\`) joined."""
-    in_code, pending, start = False, "", 0
+    """Yield (line number, line, in_code_block) with a code block's continued lines (`\\`) joined.
+    A ```text block is a picture or output, not commands: its lines are skipped."""
+    in_code, picture, pending, start = False, False, "", 0
     for number, line in enumerate(text.splitlines(), 1):
         if FENCE.match(line.strip()):
             in_code = not in_code
+            picture = in_code and line.strip()[3:].strip() == "text"
+            continue
+        if picture:
             continue
         if in_code:
             if not pending:
