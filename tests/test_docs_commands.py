@@ -4,7 +4,7 @@ ARGS=...`` counted as ``titan-tpu train``) is parsed by the real parser of its s
 overrides are checked against the config schema, and commands on a recipe of this repo build their
 whole config as the machine they are written for would (validation included). Nothing trains: a
 command is parsed, not run, except ``titan-tpu plan``, which is cheap and runs for real. Every
-relative link in those files must point to an existing file.
+relative link in those files must point to an existing file (and heading, for a Markdown anchor).
 
 Code blocks fenced as ```text (pictures, output) are not read for commands. Placeholders in the docs
 are read as a reader would: ``[--flag X]`` is an optional flag (checked),
@@ -30,8 +30,7 @@ from titan_tpu.config import SECTIONS, Config, load_toml, parse_overrides, set_v
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 MAKE_TRAIN_CONFIG = "configs/llama3_debug.toml"  # what `make train` passes (Makefile)
-# Commands whose extra arguments are config overrides (parse_known_args); the others take none.
-PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$|<")
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$|<")  # N, DIR, YOUR.toml's "YOUR", configs/<recipe>.toml
 FENCE = re.compile(r"^(```|~~~)")
 INLINE_CODE = re.compile(r"`([^`\n]+)`")
 COMMAND_START = re.compile(r"(?:^|[\s/])titan-tpu\s+([a-z].*)$")
