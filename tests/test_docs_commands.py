@@ -30,7 +30,7 @@ from titan_tpu.config import SECTIONS, Config, load_toml, parse_overrides, set_v
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 MAKE_TRAIN_CONFIG = "configs/llama3_debug.toml"  # what `make train` passes (Makefile)
-PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$|<")  # N, DIR, YOUR.toml's "YOUR", configs/<recipe>.toml
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$|<")  # N, DIR, MODEL; or a <...> such as configs/<recipe>.toml
 FENCE = re.compile(r"^(```|~~~)")
 INLINE_CODE = re.compile(r"`([^`\n]+)`")
 COMMAND_START = re.compile(r"(?:^|[\s/])titan-tpu\s+([a-z].*)$")
