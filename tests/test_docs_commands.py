@@ -171,7 +171,9 @@ def parsers():
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]):
-    """parse_known_args, with argparse's exit turned into an assertion that carries its message."""
+    """parse_known_args, with argparse's exit turned into an assertion that carries its message. The
+    docs spell every flag out: an abbreviation the command line would accept (`--devic`) fails here."""
+    parser.allow_abbrev = False
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:
