@@ -323,3 +323,11 @@ def test_relative_links_exist():
                 elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
                     failures.append(f"{path.relative_to(ROOT)}:{number}: link to {target}: no such heading")
     assert not failures, "\n".join(failures)
+
+
+def test_index_lists_every_page():
+    """docs/README.md is the guide's table of contents: a new page must be added to it."""
+    index = (ROOT / "docs" / "README.md").read_text()
+    linked = {target.partition("#")[0] for target in LINK.findall(index)}
+    pages = {path.name for path in DOC_FILES if path.parent.name == "docs" and path.name != "README.md"}
+    assert not pages - linked, f"docs/README.md does not link {', '.join(sorted(pages - linked))}"
