@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from titan_tpu.cli import main  # noqa: E402
 from titan_tpu.data.tokenizer import load_tokenizer, train_bpe_tokenizer  # noqa: E402
-from titan_tpu.models import hf_sweep  # noqa: E402
+from titan_tpu.tools import hf_sweep  # noqa: E402
 
 TYPES = ["bloom", "gemma2", "gpt2", "phi3", "olmo2", "llama"]  # llama: read by the native adapter
 

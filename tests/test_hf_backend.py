@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from titan_tpu.cli import main  # noqa: E402
-from titan_tpu.models import hf_sweep  # noqa: E402
+from titan_tpu.tools import hf_sweep  # noqa: E402
 from titan_tpu.models.hf_backend import (  # noqa: E402
     build_hf_model,
     hf_args_from_config,

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from titan_tpu.cli import main  # noqa: E402
-from titan_tpu.models import hf_sweep  # noqa: E402
+from titan_tpu.tools import hf_sweep  # noqa: E402
 from titan_tpu.tools.verify import verify  # noqa: E402
 
 NUMERICS = ("preflight", "weights", "numerics")

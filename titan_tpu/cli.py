@@ -257,7 +257,7 @@ def report_main(argv: list[str]) -> int:
 
 
 def hf_sweep_main(argv: list[str]) -> int:
-    from titan_tpu.models.hf_sweep import main as sweep
+    from titan_tpu.tools.hf_sweep import main as sweep
 
     return sweep(argv)
 

@@ -44,6 +44,7 @@ from titan_tpu.kernels.attention import ATTENTION
 from titan_tpu.kernels.grouped_mm import GROUPED_MM, differentiable_grouped_mm
 from titan_tpu.kernels.loss import LOSS
 from titan_tpu.kernels.registry import Impl
+from titan_tpu.tracing import is_tracing
 
 __all__ = ["gmm_grouped_mm", "gmm_row_tile", "jax_op_replaced", "ragged_dot_grouped_mm", "splash_attention", "splash_block",
            "splash_sdpa_attention", "tokamax_linear_cross_entropy"]
@@ -210,8 +211,6 @@ def tokamax_linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, *
                                  chunk_tokens: int = 0) -> Tensor:
     # No ignore index in tokamax: refusing is cheaper to get right than a silent wrong loss. The
     # check reads a value, so it runs eagerly only (a traced step cannot branch on data).
-    from titan_tpu.models.common.tracing import is_tracing
-
     if not is_tracing() and bool((labels_N == ignore_index).any()):
         raise ValueError("kernels.loss = tokamax has no ignore index; use --kernels.loss chunked for "
                          "labels with ignored tokens")

@@ -57,6 +57,7 @@ from titan_tpu.files import usual_permissions
 from titan_tpu.kernels import KernelConfig, document_ids_from_positions
 from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.transformer import LossOutput
+from titan_tpu.tensors import copy_full_
 
 __all__ = ["ATTENTION_NAME", "HFArgs", "HFCausalLM", "build_hf_model", "export_hf", "hf_args_from_config",
            "hf_args_from_spec", "hf_flops_per_token", "load_hf_config", "load_pretrained_weights"]
@@ -819,8 +820,6 @@ def load_pretrained_weights(model: HFCausalLM, hf_dir: str | Path) -> None:
     or fused tensors of newer modeling code) apply; every rank reads it and keeps its shard. A
     directory whose weights do not fit the config (a missing tensor, another shape) is a one-line
     error."""
-    from titan_tpu.parallel.simple_fsdp import copy_full_
-
     hf_dir = Path(hf_dir)
     loaded, info = read_pretrained(hf_dir)
     problems = [f"missing {k}" for k in info.get("missing_keys", [])]

@@ -77,9 +77,7 @@ class Bucket:
                 params.append(p)
         full = gather_flat(params, self.mp)
         if self.reshard_hooks is not None:
-            from titan_tpu.parallel.reshard import GatherRecord
-
-            self.reshard_hooks.register(full, GatherRecord(params, self._regather))
+            self.reshard_hooks.register(full, params, self._regather)
         return {(id(m), n): full[slot_of[id(m._parameters[n])]] for m, n in self.members}
 
 

@@ -34,7 +34,9 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["ReshardHooks", "LayerGather", "GatherRecord"]
+from titan_tpu.parallel.buckets import gather_flat_local
+
+__all__ = ["ReshardHooks", "LayerGather"]
 
 
 class GatherRecord:
@@ -73,7 +75,10 @@ class ReshardHooks:
         self._records: dict[int, tuple[GatherRecord, int]] = {}
         self._context = None
 
-    def register(self, full: list[Tensor], record: GatherRecord) -> None:
+    def register(self, full: list[Tensor], sources: list, regather) -> None:
+        """Pack `full` (the tensors one gather of `sources` produced) as tokens from now on;
+        `regather(sources)` redoes that gather in the backward."""
+        record = GatherRecord(sources, regather)
         for slot, t in enumerate(full):
             root = _root(t)
             key = id(root)
@@ -145,8 +150,6 @@ class LayerGather:
         return [t.to_local() if isinstance(t, DTensor) else t for t in stored]
 
     def _full(self, key, sources: list[Tensor]) -> list[Tensor]:
-        from titan_tpu.parallel.buckets import gather_flat_local
-
         mesh, placements, keep, specs = self.groups[key]
         return gather_flat_local(sources, full_shapes=[s[0] for s in specs], shard_dims=[s[1] for s in specs],
                                  mesh=mesh, placements=placements, keep=keep, mp=self.mp)
@@ -159,7 +162,7 @@ class LayerGather:
             regather = functools.partial(self._full, key)
             full = regather(sources)
             if self.hooks is not None:
-                self.hooks.register(full, GatherRecord(sources, regather))
+                self.hooks.register(full, sources, regather)
             for i, t in zip(where, full):
                 out[i] = t
         return out

@@ -34,7 +34,7 @@ from titan_tpu.parallel.reshard import LayerGather, ReshardHooks
 from titan_tpu.parallel.expert_parallel import ExpertParallelDispatch, expert_placements
 from titan_tpu.parallel.tensor_parallel import TP_AXIS, tp_placement
 
-__all__ = ["MixedPrecision", "cast_for_compute", "copy_full_", "data_parallel", "default_mixed_precision", "local_bytes",
+__all__ = ["MixedPrecision", "cast_for_compute", "data_parallel", "default_mixed_precision", "local_bytes",
            "materialize_and_init", "MODES"]
 
 MODES = ("replicate", "fully_shard", "hybrid_shard")
@@ -422,17 +422,6 @@ def materialize_and_init(
     assert not leftover, f"init_plan missed parameters: {leftover}"
     return data_parallel(model, mesh, mode=mode, mp=mp, expert_mesh=expert_mesh, bucket_mb=bucket_mb,
                          reshard_after_forward=reshard_after_forward)
-
-
-@torch.no_grad()
-def copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a whole tensor into `target`, a plain tensor or a DTensor (then only this rank's shard
-    of `full` is written); `full` is cast to the target's device and dtype."""
-    full = full.to(device=target.device, dtype=target.dtype)
-    if isinstance(target, DTensor):
-        target.to_local().copy_(distribute_tensor(full, target.device_mesh, target.placements).to_local())
-    else:
-        target.copy_(full)
 
 
 def local_bytes(tensors) -> int:

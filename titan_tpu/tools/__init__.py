@@ -1,1 +1,2 @@
-"""Tools over the whole stack (verify, report): they may import every other layer; nothing imports them."""
+"""Tools over the whole stack (verify, compat, report, hf-sweep): they may import every other layer; only the entry
+points (cli.py) import them."""

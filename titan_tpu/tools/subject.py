@@ -94,7 +94,7 @@ def _seeded_native(args: TransformerArgs) -> dict[str, torch.Tensor]:
 def _tiny_hf_config(spec: str, overrides: dict, base_config=None):
     """`spec` (a directory or a type) with hf-sweep's tiny sizes, then the user's overrides."""
     from titan_tpu.models.hf_backend import load_hf_config
-    from titan_tpu.models.hf_sweep import tiny_overrides
+    from titan_tpu.tools.hf_sweep import tiny_overrides
 
     config = base_config or load_hf_config(spec, overrides)
     return load_hf_config(spec, {**tiny_overrides(config.model_type, config), **overrides})

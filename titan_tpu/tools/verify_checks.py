@@ -525,7 +525,7 @@ def check_export(subject: Subject) -> Result:
 def _fsdp_rank(subject: Subject, batch) -> dict:
     import torch.distributed as dist
 
-    from titan_tpu.models.hf_sweep import _loss_and_grads
+    from titan_tpu.tools.hf_sweep import _loss_and_grads
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 
@@ -544,7 +544,7 @@ def _fsdp_rank(subject: Subject, batch) -> dict:
 
 
 def check_fsdp(subject: Subject) -> Result:
-    from titan_tpu.models.hf_sweep import _loss_and_grads
+    from titan_tpu.tools.hf_sweep import _loss_and_grads
     from titan_tpu.parallel.spawn import run_ranks
 
     batch = _batches(subject, 1)[0]

@@ -35,8 +35,9 @@ from titan_tpu.models.registry import flops_per_token
 from titan_tpu.parallel.context_parallel import context_parallel
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
-from titan_tpu.parallel.simple_fsdp import MixedPrecision, copy_full_, default_mixed_precision, materialize_and_init
+from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision, materialize_and_init
 from titan_tpu.parallel.tensor_parallel import tensor_parallel
+from titan_tpu.tensors import copy_full_
 from titan_tpu.train.checkpoint import CheckpointSaveError, Checkpointer, load, rng_state, set_rng_state
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, lr_at

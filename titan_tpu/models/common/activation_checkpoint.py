@@ -35,7 +35,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from titan_tpu.models.common.tracing import is_tracing
+from titan_tpu.tracing import is_tracing
 
 __all__ = ["AC_MODES", "SAVED_OPS", "checkpointed"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_tpu.models.common.tracing import is_tracing
+from titan_tpu.tracing import is_tracing
 
 
 @dataclass

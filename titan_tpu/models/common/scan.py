@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 
 from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
-from titan_tpu.models.common.tracing import is_tracing
+from titan_tpu.tracing import is_tracing
 
 __all__ = ["StackedBlocks", "STACKED_MARKER", "ScanAutogradMemory", "scan_autograd_memory"]
 

@@ -1,4 +1,7 @@
-"""Is a tracer recording ops right now? Model code asks to pick graph-friendly formulations."""
+"""Is a tracer recording ops right now? Model and kernel code ask to pick graph-friendly formulations.
+
+It sits in the lowest layer (docs/architecture.md, "Layers") because kernels/ and models/ both ask.
+"""
 
 import torch
 

@@ -378,7 +378,7 @@ def _run_isolated(model_type: str, checks: tuple[str, ...], timeout_s: float) ->
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, "-m", "titan_tpu.models.hf_sweep", "--one", model_type, "--checks", ",".join(checks),
+        cmd = [sys.executable, "-m", "titan_tpu.tools.hf_sweep", "--one", model_type, "--checks", ",".join(checks),
                "--json", str(out)]
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -407,7 +407,7 @@ def write_table(rows: list[dict], checks: tuple[str, ...], path: Path, seconds: 
         "CPU fp32, "
         f"{len(rows)} types in {seconds / 60:.0f} min. Each type is built tiny ({LAYERS} layers, or one of each "
         f"layer kind where a model has more kinds, hidden 64, vocab {VOCAB}, dropout 0; per-type fixes where a "
-        "default config does not build; titan_tpu/models/hf_sweep.py) and checked on one batch of "
+        "default config does not build; titan_tpu/tools/hf_sweep.py) and checked on one batch of "
         f"{BATCH} x {SEQ} tokens:",
         "",
         "- **plain**: transformers' own model trains (forward + backward) with that config: the baseline;",

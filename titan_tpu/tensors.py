@@ -1,0 +1,23 @@
+"""Writing whole tensors into parameters that may be sharded (DTensors).
+
+It sits in the lowest layer (docs/architecture.md, "Layers") because models/ loads Hugging Face
+weights into parameters that parallel/ may already have sharded, and models/ sits below parallel/.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = ["copy_full_"]
+
+
+@torch.no_grad()
+def copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a whole tensor into `target`, a plain tensor or a DTensor (then only this rank's shard
+    of `full` is written); `full` is cast to the target's device and dtype."""
+    full = full.to(device=target.device, dtype=target.dtype)
+    if isinstance(target, DTensor):
+        target.to_local().copy_(distribute_tensor(full, target.device_mesh, target.placements).to_local())
+    else:
+        target.copy_(full)
