@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install train test stress bench tpu-check clean
+.PHONY: install train test lint stress bench tpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# Style and import order (ruff, configured in pyproject.toml): line length 120, pyflakes, isort.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check titan_tpu tests bench skills
 
 # Every multi-process test (marked `multiprocess`) N times in a row, pass/fail per test: ARGS="-n 5 -k scan".
 stress: $(STAMP)

@@ -110,7 +110,8 @@ def main() -> None:
     depths = [int(d) for d in args.depths.split(",")]
     print(f"{args.model} debug block, batch {args.batch} x seq {args.seq}, fp32, backend {args.backend}, "
           f"{args.threads} threads, cold compiles")
-    print(f"{'layers':>6} {'layout':>9} {'nodes':>6} {'capture s':>10} {'compile s':>10} {'total s':>8} {'vs 2-layer':>10}")
+    print(f"{'layers':>6} {'layout':>9} {'nodes':>6} {'capture s':>10} {'compile s':>10} {'total s':>8} "
+          f"{'vs 2-layer':>10}")
     base = {}
     for depth in depths:
         for layout in ("unrolled", "scanned"):

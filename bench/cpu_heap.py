@@ -28,7 +28,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_tpu.plan.malloc_stats import malloc_state
 
-
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _statm = open("/proc/self/statm", "rb", buffering=0)  # noqa: SIM115 - read after every op, kept open
 
@@ -79,7 +78,8 @@ def main(argv: list[str]) -> int:
 
     trainer_mod.Trainer.train_step = sampled_step
     defaults = ["--training.steps", "4", "--validation.enabled", "false", "--checkpoint.enabled", "false",
-                "--metrics.tensorboard", "false", "--checkpoint.resume", "false", "--training.device", "cpu", "--lr_scheduler.warmup_steps", "1"]
+                "--metrics.tensorboard", "false", "--checkpoint.resume", "false", "--training.device", "cpu",
+                "--lr_scheduler.warmup_steps", "1"]
     with tempfile.TemporaryDirectory() as tmp:
         rc = cli_main(["train", *defaults, "--output_dir", tmp, *argv])
     if rc or not reports:

@@ -103,8 +103,9 @@ def main() -> None:
         for impl, r in steps.items():
             print(f"  loss {impl:10s} resident {r['resident_gb']:.2f} GB, peak {r['peak_gb']:.2f} GB, "
                   f"step needs {r['step_gb']:.2f} GB, loss {r['loss']:.4f}")
-        print(f"whole-step peak chunked / materialised: {steps['chunked']['peak_gb'] / steps['reference']['peak_gb']:.3f}x; "
-              f"step memory: {steps['chunked']['step_gb'] / steps['reference']['step_gb']:.3f}x")
+        chunked, reference = steps["chunked"], steps["reference"]
+        print(f"whole-step peak chunked / materialised: {chunked['peak_gb'] / reference['peak_gb']:.3f}x; "
+              f"step memory: {chunked['step_gb'] / reference['step_gb']:.3f}x")
 
 
 if __name__ == "__main__":

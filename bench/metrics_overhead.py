@@ -30,8 +30,7 @@ from pathlib import Path
 from torch.profiler import record_function
 
 from titan_tpu.config import build_config
-from titan_tpu.train import metrics as metrics_mod
-from titan_tpu.train import trainer as trainer_mod
+from titan_tpu.train import metrics as metrics_mod, trainer as trainer_mod
 from titan_tpu.train.profiling import DATA_REGION
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")

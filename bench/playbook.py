@@ -163,7 +163,8 @@ def _cell(p) -> str:
 
 def table(results: list[dict], header: str) -> str:
     lines = [header, "",
-             "| knob | change | CPU tok/s | CPU peak RSS | CPU compile s | " + " | ".join(f"planner {hw} {n}" for hw, n in RECIPES) + " |",
+             "| knob | change | CPU tok/s | CPU peak RSS | CPU compile s | "
+             + " | ".join(f"planner {hw} {n}" for hw, n in RECIPES) + " |",
              "|---|---|---:|---:|---:|" + "---|" * len(RECIPES)]
     for r in results:
         m = r.get("measured")

@@ -116,7 +116,8 @@ def main() -> int:
             peer = _child("peer", work, args.workers)
             ours = _child("ours", work, args.workers)
             ratios.append(ours / peer)
-            print(f"round {r + 1}: tokenizers encode_batch {peer:.2f}  prepare-data {ours:.2f}  ratio {ours / peer:.2f}")
+            print(f"round {r + 1}: tokenizers encode_batch {peer:.2f}  prepare-data {ours:.2f}  "
+                  f"ratio {ours / peer:.2f}")
         print(f"prepare-data / encode_batch: {statistics.median(ratios):.2f} (median of {args.rounds}; target >= 0.8)")
     return 0
 

@@ -67,7 +67,7 @@ def main() -> int:
         print(f"{rank}: predicted {cand.plan.tokens_per_s:,.0f}, measured {rows[-1]['measured']:,.0f} tok/s "
               f"({cand.describe()})", flush=True)
     best = max(r["measured"] for r in rows)
-    print(f"\n| rank | configuration | predicted tok/s | measured tok/s | of best measured |\n|---|---|---:|---:|---:|")
+    print("\n| rank | configuration | predicted tok/s | measured tok/s | of best measured |\n|---|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['rank']} | {r['describe']} | {r['predicted']:,.0f} | {r['measured']:,.0f} | "
               f"{r['measured'] / best:.2f} |")

@@ -2,11 +2,11 @@
 
 Both train the same architecture (the Llama 3 debug flavor by default; `--model qwen3_moe` for the
 mixture of experts against transformers' Qwen3MoeForCausalLM, both adding the balancing loss) at
-the same batch, in fp32 (or bf16, --dtype), with AdamW and gradient clipping, on the same random token batches. They are measured interleaved
-(each round one step of each contender, back to back, in alternating order) so that machine noise
-hits both alike; the ratio of a pass is the median of the per-round ratios. The ratio also moved by a few percent from one
-process to the next, so two processes run, one per contender order, and the headline ratio is
-the geometric mean of the two.
+the same batch, in fp32 (or bf16, --dtype), with AdamW and gradient clipping, on the same random
+token batches. They are measured interleaved (each round one step of each contender, back to back,
+in alternating order) so that machine noise hits both alike; the ratio of a pass is the median of
+the per-round ratios. The ratio also moved by a few percent from one process to the next, so two
+processes run, one per contender order, and the headline ratio is the geometric mean of the two.
 
     python bench/throughput.py                       # reference case: debug flavor, batch 8 x seq 256
     python bench/throughput.py --rounds 24 --threads 2 --batch 8 --seq 256
@@ -44,7 +44,6 @@ from titan_tpu.models.registry import flops_per_token, get_model_args
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
-
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -310,7 +309,8 @@ def main() -> None:
             memory[name] = json.loads(child.stdout.strip().splitlines()[-1])
         print("peak memory (RSS) of the process during training steps, each contender alone in a fresh process:")
         for name, m in memory.items():
-            print(f"  {name:18s} peak {m['peak_gb']:.3f} GB ({m['peak_gb'] / memory[HF]['peak_gb']:.2f}x transformers); "
+            print(f"  {name:18s} peak {m['peak_gb']:.3f} GB "
+                  f"({m['peak_gb'] / memory[HF]['peak_gb']:.2f}x transformers); "
                   f"resident before the steps {m['resident_gb']:.3f} GB")
 
 

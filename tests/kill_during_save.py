@@ -12,8 +12,9 @@ and that ``latest`` leads to it, then starts the same command again, which resum
 with a run to the last step. Every loss any attempt logged, replayed steps included, must equal the
 reference bitwise. Prints one summary line and exits non-zero on any difference.
 
-It starts kills + 3 training processes of a few seconds each; run it under /work/notes/cpu run. Not collected by pytest (no test_ prefix): it is a stress script, run
-many times in a row before a change to the checkpoint code is committed.
+It starts kills + 3 training processes of a few seconds each; run it under /work/notes/cpu run.
+Not collected by pytest (no test_ prefix): it is a stress script, run many times in a row before a
+change to the checkpoint code is committed.
 """
 
 from __future__ import annotations
@@ -140,9 +141,10 @@ def main() -> int:
             got = losses(run_dir)
             mismatches += [(mode, step, loss, reference[step]) for step, loss in got if loss != reference[step]]
             assert {step for step, _ in got} == set(reference), (mode, got)
+        verdict = "yes" if not mismatches else "NO " + str(mismatches[:3])
         print(f"seed {seed}: {args.kills} kills ({counts['inside']} inside a save's staging phase, {counts['after']} "
               f"just after it, {counts['finished']} runs ended first), save window {window * 1000:.0f} ms; "
-              f"losses bitwise equal to the uninterrupted run: {'yes' if not mismatches else 'NO ' + str(mismatches[:3])}",
+              f"losses bitwise equal to the uninterrupted run: {verdict}",
               flush=True)
         return 1 if mismatches else 0
     finally:

@@ -327,7 +327,6 @@ def test_backward_re_gathers_are_prefetched_within_the_backward(runs):
     order = runs[0]["graph_bucketed_prefetch"]["order"]
     gathers = [i for i, op in enumerate(order) if op == AG]
     waits = [i for i, op in enumerate(order) if op == "wait:" + AG]
-    scatters = [i for i, op in enumerate(order) if op == RS]
     forward, backward = gathers[:6], gathers[6:]
     assert len(backward) == 2 and max(forward) < min(backward)
     # The first re-gather (block 1) stays where the backward first needs it, after the output's

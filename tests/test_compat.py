@@ -22,7 +22,8 @@ def _report(failed, kl):
 def test_page_from_kept_results(tmp_path):
     (tmp_path / "hf.md").write_text(SWEEP)
     out = tmp_path / "compat.md"
-    out.with_suffix(".json").write_text(json.dumps({"gemma2": _report(False, 3e-9), "llama3/debug": _report(True, 0.5)}))
+    reports = {"gemma2": _report(False, 3e-9), "llama3/debug": _report(True, 0.5)}
+    out.with_suffix(".json").write_text(json.dumps(reports))
     assert compat.main(["--sweep", str(tmp_path / "hf.md"), "--out", str(out), "--write-only", "--types",
                         "gemma2,llama3/debug", "--note", "A subset."]) == 0
     page = out.read_text()
@@ -31,5 +32,5 @@ def test_page_from_kept_results(tmp_path):
     assert "| gemma | 2 | 2 | 2 | 1 | 2 | 1 | 1 |" in page  # gemma2 + gemma3_text: one graph failure
     assert "| gemma2 | yes | yes | yes | yes | PASS 3e-09 | PASS | - | - |  |" in page
     assert "| gemma3_text | yes | yes | no | yes | - | - | - | - | graph: CaptureError: x |" in page
-    assert "| llama3/debug | native | native | native | native | FAIL 5e-01 | PASS | - | - | verify numerics: KL max big |" \
-        in page
+    assert ("| llama3/debug | native | native | native | native | FAIL 5e-01 | PASS | - | - "
+            "| verify numerics: KL max big |") in page

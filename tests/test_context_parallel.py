@@ -11,19 +11,35 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
-from parallel_helpers import (BATCH, LR, MAX_NORM, SEED, SEQ, STEPS, TOL, global_batches, saved_bytes_per_layer,
-                              tiny_args)
+from parallel_helpers import (
+    BATCH,
+    LR,
+    MAX_NORM,
+    SEED,
+    SEQ,
+    STEPS,
+    TOL,
+    global_batches,
+    saved_bytes_per_layer,
+    tiny_args,
+)
 
 from titan_tpu.graph.compile import GraphStep
 from titan_tpu.kernels.attention import document_ids_from_positions, reference_attention
 from titan_tpu.models.common.transformer import Transformer, activation_bytes
 from titan_tpu.models.registry import build_model
-from titan_tpu.parallel.context_parallel import (check_context_parallel, context_parallel, cp_attention_saved_bytes,
-                                                 head_tail_positions, shard_attention)
+from titan_tpu.parallel.context_parallel import (
+    check_context_parallel,
+    context_parallel,
+    cp_attention_saved_bytes,
+    head_tail_positions,
+    shard_attention,
+)
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
+
 
 def packed_positions(steps: int) -> torch.Tensor:
     """[steps, BATCH, SEQ] positions restarting where a packed document starts: documents of 3 to

@@ -11,19 +11,19 @@ import pytest
 import torch
 
 from titan_tpu.data import (
-    TokenLoader,
     Tokenizer,
+    TokenLoader,
     TokenShards,
     build_token_shards,
+    corpus as corpus_mod,
     corpus_fingerprint,
     iter_documents,
     load_tokenizer,
     prepare_dataset,
+    shards as shards_mod,
     train_bpe_tokenizer,
 )
-from titan_tpu.data import corpus as corpus_mod
 from titan_tpu.data.loader import document_positions
-from titan_tpu.data import shards as shards_mod
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu def class return import".split()
 
@@ -286,7 +286,8 @@ class PositionTokenizer:
 @pytest.fixture(scope="module")
 def pos_shards(tmp_path_factory) -> TokenShards:
     # NUM_TOKENS - 1 positional tokens + the eos separator; small shards so reads cross files.
-    return build_token_shards([str(NUM_TOKENS - 1)], PositionTokenizer(), tmp_path_factory.mktemp("pos") / "s", shard_tokens=333)
+    return build_token_shards([str(NUM_TOKENS - 1)], PositionTokenizer(), tmp_path_factory.mktemp("pos") / "s",
+                              shard_tokens=333)
 
 
 def loader(shards, **kw) -> TokenLoader:
@@ -431,4 +432,5 @@ def test_real_stdlib_pipeline_end_to_end(tmp_path):
     ld = TokenLoader(shards, seq_len=64, batch_size=4, seed=0)
     x, y = ld.next_batch()
     assert x.max() < 512 and torch.equal(x[:, 1:], y[:, :-1])
-    assert tok.decode(shards.read(0, 200)) in "".join(d + "<|endoftext|>" for d in iter_documents(None, max_bytes=200_000))
+    corpus = "".join(d + "<|endoftext|>" for d in iter_documents(None, max_bytes=200_000))
+    assert tok.decode(shards.read(0, 200)) in corpus

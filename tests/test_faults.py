@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from titan_tpu.cli import main
 from titan_tpu.config import build_config
 from titan_tpu.train import checkpoint as checkpoint_module
-from titan_tpu.train.checkpoint import CheckpointSaveError, Checkpointer, load_checkpoint, load_full_state_dict
+from titan_tpu.train.checkpoint import Checkpointer, CheckpointSaveError, load_checkpoint
 from titan_tpu.train.run_lock import OutputDirLocked, RunLock
 from titan_tpu.train.trainer import Trainer
 
@@ -197,7 +197,8 @@ FORK_AND_DIE = textwrap.dedent("""
 
 
 def _python(script: str, *args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, cwd=REPO, **kwargs)
+    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            **kwargs)
 
 
 @pytest.mark.multiprocess

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
-
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,

@@ -15,7 +15,6 @@ import torch
 pytest.importorskip("transformers")
 
 from titan_tpu.cli import main  # noqa: E402
-from titan_tpu.tools import hf_sweep  # noqa: E402
 from titan_tpu.models.hf_backend import (  # noqa: E402
     build_hf_model,
     hf_args_from_config,
@@ -24,6 +23,7 @@ from titan_tpu.models.hf_backend import (  # noqa: E402
     load_pretrained_weights,
 )
 from titan_tpu.parallel.simple_fsdp import materialize_and_init  # noqa: E402
+from titan_tpu.tools import hf_sweep  # noqa: E402
 from titan_tpu.train.checkpoint import load_full_state_dict  # noqa: E402
 
 SUBSET = ["llama", "qwen3", "gemma3_text", "mistral", "phi3", "gpt2", "olmo2", "qwen3_moe", "mixtral", "mamba"]
@@ -204,9 +204,9 @@ def _save_tiny_llama(path: Path, **config_changes) -> None:
 
     config = load_hf_config("llama", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
-                                      "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                                       "high_freq_factor": 4.0,
-                                                       "original_max_position_embeddings": 64},
+                                      "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 64},
                                       **config_changes})
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(path))

@@ -188,7 +188,8 @@ def test_auto_picks_an_available_implementation_and_names_are_checked():
     assert cfg.attention_impl("cpu", documents=False).name in run_here(ATTENTION)
     assert cfg.attention_impl("cpu", documents=True).name in run_here(ATTENTION)
     assert cfg.attention_impl("tpu", documents=True).name == "reference"  # splash needs TorchTPU, absent here
-    with pytest.raises(ValueError, match="kernels.attention = 'nope' is not a known implementation; use auto or one of"):
+    with pytest.raises(ValueError,
+                       match="kernels.attention = 'nope' is not a known implementation; use auto or one of"):
         KernelConfig(attention="nope").validate()
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
         KernelConfig(loss_chunk_tokens=-1).validate()

@@ -404,16 +404,15 @@ def test_several_ranks_train_like_one_process(world, ep, mode, scan, load_balanc
         # differentiable ones (reduce-scatter x 2) and the combine (all-gather). Plus one all-reduce:
         # the experts' share of the gradient norm, summed over the ep axis.
         layers = 1 if scan else tiny_args().num_moe_layers
-        assert results[0]["ep_collectives"] == {"all_gather_into_tensor": 4 * layers, "reduce_scatter_tensor": 3 * layers,
-                                                "all_reduce": 1}, results[0]["ep_collectives"]
+        expected = {"all_gather_into_tensor": 4 * layers, "reduce_scatter_tensor": 3 * layers, "all_reduce": 1}
+        assert results[0]["ep_collectives"] == expected, results[0]["ep_collectives"]
 
 
 @pytest.mark.multiprocess
 def test_expert_parallel_checkpoint_resumes_on_one_process(tmp_path, data_cache):
     """torchrun, 2 ranks with --parallelism.ep 2: each rank saves its own experts; one process
     resumes from that checkpoint (resharded to whole experts) and goes on."""
-    from test_train_dist import losses as run_losses
-    from test_train_dist import overrides, train as run_train
+    from test_train_dist import losses as run_losses, overrides, train as run_train
 
     from titan_tpu.train.checkpoint import load_full_state_dict
 

@@ -265,6 +265,7 @@ def test_collective_rate_is_gloos_not_the_copy_rate():
     times of gloo's collectives (as recorded beside it, by kind and size), and far below this
     machine's copy rate (the planner assumed a quarter of it before; measured: a 25th to a 50th)."""
     from dist_utils import run_distributed
+
     from titan_tpu.plan.hardware import measure_cpu_memory_bandwidth
 
     result = run_distributed(_collective_rate_worker, world_size=2)[0]
@@ -293,7 +294,8 @@ def test_cpu_collectives_take_gloos_rate():
     total = sum(c["bytes_per_step"] for c in plan.communication)
     calls = sum(c["calls"] for c in plan.communication)
     assert dispatch[0]["calls"] > 0 and CPU.collective_latency == CPU_COLLECTIVE_LATENCY > 0
-    assert plan.time["collectives_s"] == pytest.approx(total / CPU_COLLECTIVE_BANDWIDTH + calls * CPU_COLLECTIVE_LATENCY)
+    assert plan.time["collectives_s"] == pytest.approx(total / CPU_COLLECTIVE_BANDWIDTH
+                                                       + calls * CPU_COLLECTIVE_LATENCY)
     assert plan.time["step_s"] == pytest.approx(plan.time["compute_s"] + plan.time["elementwise_s"]
                                                 + plan.time["collectives_s"])  # eager: no overlap
 
@@ -303,7 +305,8 @@ def test_plan_grows_the_right_terms():
     full = plan_config(build_config(CONFIGS / "llama3_debug.toml", ["--activation_checkpoint.mode", "full"]), CPU,
                        measure=False)
     assert full.memory["activations"] < base.memory["activations"] / 5
-    assert full.flops["executed_per_step_per_device"] == pytest.approx(4 / 3 * base.flops["executed_per_step_per_device"])
+    executed = "executed_per_step_per_device"
+    assert full.flops[executed] == pytest.approx(4 / 3 * base.flops[executed])
     sharded = plan_config(build_config(CONFIGS / "llama3_debug.toml", ["--parallelism.dp_shard", "2"]), CPU,
                           measure=False)
     assert sharded.memory["parameters"] == pytest.approx(base.memory["parameters"] / 2)

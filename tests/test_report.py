@@ -15,7 +15,8 @@ from titan_tpu.tools import report
 from titan_tpu.train.trainer import Trainer
 
 LLAMA_DEBUG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
-ARTIFACTS = Path(os.environ.get("TITAN_TPU_ARTIFACTS", Path(__file__).resolve().parent.parent / "outputs" / "artifacts"))
+ARTIFACTS = Path(os.environ.get("TITAN_TPU_ARTIFACTS",
+                               Path(__file__).resolve().parent.parent / "outputs" / "artifacts"))
 
 
 def write_run(path: Path, rows: list[dict], *, config: dict, starts: list[dict]) -> Path:

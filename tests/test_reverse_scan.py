@@ -12,9 +12,8 @@ import contextlib
 
 import pytest
 import torch
-from torch._inductor import config as inductor_config
-
 from test_scan_ac import batches, lr, make_step, tiny_args
+from torch._inductor import config as inductor_config
 
 from titan_tpu.graph import compile as graph_compile
 from titan_tpu.graph.reverse_scan import reverse_scan_stats

@@ -13,10 +13,9 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 from dist_utils import run_distributed
-
 from test_train import LLAMA_DEBUG, train_losses
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_tpu.config import build_config
 from titan_tpu.graph import GraphStep, capture_train_step

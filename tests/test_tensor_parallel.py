@@ -12,8 +12,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
-from parallel_helpers import (BATCH, LR, MAX_NORM, SEED, SEQ, STEPS, TOL, global_batches, saved_bytes_per_layer,
-                              tiny_args)
+from parallel_helpers import (
+    BATCH,
+    LR,
+    MAX_NORM,
+    SEED,
+    SEQ,
+    STEPS,
+    TOL,
+    global_batches,
+    saved_bytes_per_layer,
+    tiny_args,
+)
 
 from titan_tpu.config import model_args_from_config
 from titan_tpu.graph.compile import GraphStep
@@ -27,6 +37,7 @@ from titan_tpu.plan.planner import for_planning
 from titan_tpu.train.checkpoint import Checkpointer
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
+
 
 def train(model, batches: torch.Tensor, *, dp_rank: int = 0, dp_size: int = 1, step_fn=None,
           save_at: tuple[int, str] | None = None) -> tuple[list, list]:
@@ -97,7 +108,8 @@ def _saved_bytes_per_layer(name: str, dims: ParallelDims) -> int:
 
 def _tp2_worker(save_dir: str) -> dict:
     dims = ParallelDims(tp=2, world_size=dist.get_world_size())
-    return {"saved_per_layer": {n: _saved_bytes_per_layer(n, dims) for n in ("llama3", "qwen3")},"llama3": _run("llama3", dims, save_dir=save_dir), "qwen3": _run("qwen3", dims),
+    return {"saved_per_layer": {n: _saved_bytes_per_layer(n, dims) for n in ("llama3", "qwen3")},
+            "llama3": _run("llama3", dims, save_dir=save_dir), "qwen3": _run("qwen3", dims),
             "llama3-graph": _run("llama3", dims, graph=True), "qwen3-graph": _run("qwen3", dims, graph=True),
             "llama3-ac": _run("llama3", dims, ac_mode="selective"),
             "qwen3-ac-graph": _run("qwen3", dims, graph=True, ac_mode="full")}

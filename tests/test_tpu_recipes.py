@@ -14,8 +14,7 @@ import pytest
 
 from titan_tpu import device
 from titan_tpu.config import build_config
-from titan_tpu.kernels import OPS
-from titan_tpu.kernels import tpu as tpu_kernels
+from titan_tpu.kernels import OPS, tpu as tpu_kernels
 from titan_tpu.models.registry import get_model_args
 from titan_tpu.plan import plan_config
 from titan_tpu.plan.planner import for_planning

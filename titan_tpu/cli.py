@@ -191,8 +191,9 @@ def plan_main(argv: list[str]) -> int:
                         help="plan activation checkpointing, scan, re-sharding, bucket size, micro-batch x "
                              "accumulation (same global batch), dp_replicate x dp_shard and ep, and rank what fits "
                              "by predicted tokens/s (docs/playbook.md)")
-    parser.add_argument("--keep", default="", help="with --search: config keys to hold at the config's value, "
-                                                   "comma-separated (e.g. activation_checkpoint.mode,model.scan_layers)")
+    parser.add_argument("--keep", default="",
+                        help="with --search: config keys to hold at the config's value, "
+                             "comma-separated (e.g. activation_checkpoint.mode,model.scan_layers)")
     parser.add_argument("--top", type=int, default=5, help="with --search: how many ranked configurations to print")
     parser.add_argument("--calibrate", action="store_true",
                         help="run real CPU configurations and print predicted vs measured (minutes; run alone)")

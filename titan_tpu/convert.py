@@ -48,7 +48,8 @@ def hf_to_checkpoint(hf_dir: str | Path, checkpoint_dir: str | Path, *, overwrit
 
     ckpt = Checkpointer(checkpoint_dir)
     if ckpt.latest() is not None and not overwrite:
-        raise FileExistsError(f"{checkpoint_dir} already holds checkpoints; pass --overwrite or choose another directory")
+        raise FileExistsError(f"{checkpoint_dir} already holds checkpoints; "
+                              "pass --overwrite or choose another directory")
     name, args, state_dict = load_hf_checkpoint(hf_dir)
     return ckpt.save(0, {"step": 0, "model": state_dict, "model_name": name,
                          "model_args": dataclasses.asdict(args)})

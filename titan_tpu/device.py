@@ -5,10 +5,10 @@ FLOP/s used as the MFU denominator, memory statistics and a synchronize hook, so
 the framework has to branch on "cpu" / "cuda" / "tpu".
 
 Every TorchTPU call of the framework outside the kernels is in this module (the kernels' are in
-kernels/tpu.py; tests/test_tpu_sites.py keeps it so). TorchTPU (`torch_tpu`) is never imported at module import time: in an environment that has
-torch_tpu but no libtpu, importing it aborts the whole process, so we only import it when the TPU
-backend is actually chosen (or, for "auto", after checking with `importlib.util.find_spec` that
-both torch_tpu and libtpu are installed).
+kernels/tpu.py; tests/test_tpu_sites.py keeps it so). TorchTPU (`torch_tpu`) is never imported at
+module import time: in an environment that has torch_tpu but no libtpu, importing it aborts the
+whole process, so we only import it when the TPU backend is actually chosen (or, for "auto", after
+checking with `importlib.util.find_spec` that both torch_tpu and libtpu are installed).
 
 Peak FLOP/s, for the compute dtype (model.dtype; docs/mixed_precision.md):
   * CPU: a measured matmul rate in the compute dtype (there is no meaningful datasheet number for

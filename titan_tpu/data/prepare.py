@@ -289,8 +289,8 @@ def prepare_sources(specs: list[Any], *, max_bytes: int | None, tokenizer_path: 
     cache_dir = Path(cache_dir).expanduser()
     chat_specs = [s for s in specs if s.format == "chat"]
     if chat_specs and not tokenizer_path:
-        raise ValueError(f"data source {chat_specs[0].label!r} has format = chat, which needs the chat template of an HF "
-                         f"model directory: set data.tokenizer_path to it (model.name = hf uses its hf_config)")
+        raise ValueError(f"data source {chat_specs[0].label!r} has format = chat, which needs the chat template of "
+                         f"an HF model directory: set data.tokenizer_path to it (model.name = hf uses its hf_config)")
 
     def source_arg(spec) -> str | None:
         return None if spec.path == "stdlib" else spec.path
@@ -329,7 +329,9 @@ def prepare_sources(specs: list[Any], *, max_bytes: int | None, tokenizer_path: 
         if spec.format == "text":
             key = _sha(f"{text_prints[id(spec)]}|{tok_hash}")[:16]
             directory = cache_dir / "tokens" / key
-            values: Callable[[], Iterator[Any]] = lambda spec=spec: texts(spec)
+
+            def values(spec=spec) -> Iterator[Any]:  # read only when the cache misses
+                return texts(spec)
         else:
             from titan_tpu.data.sources import files_fingerprint, iter_records, resolve_files
 
@@ -337,7 +339,9 @@ def prepare_sources(specs: list[Any], *, max_bytes: int | None, tokenizer_path: 
             key = _sha(f"chat-v1|{'|'.join(files_fingerprint(files))}|{spec.field}|{max_bytes}|{tok_hash}|"
                        f"{json.dumps(chat_template)}")[:16]
             directory = cache_dir / "chat" / key
-            values = lambda files=files, spec=spec: _limit_rows(iter_records(files, field=spec.field), max_bytes)
+
+            def values(files=files, spec=spec) -> Iterator[Any]:
+                return _limit_rows(iter_records(files, field=spec.field), max_bytes)
         with _build_lock(directory):  # one build per cache entry at a time; the others then open it
             opened = _open(spec, directory, log)
             if opened is None:

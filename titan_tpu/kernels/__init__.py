@@ -22,7 +22,8 @@ from titan_tpu.kernels.grouped_mm import GROUPED_MM
 from titan_tpu.kernels.loss import LOSS
 from titan_tpu.kernels.registry import Impl, Op
 
-__all__ = ["ATTENTION", "GROUPED_MM", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe", "document_ids_from_positions"]
+__all__ = ["ATTENTION", "GROUPED_MM", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe",
+           "document_ids_from_positions"]
 
 OPS: dict[str, Op] = {"attention": ATTENTION, "loss": LOSS, "grouped_mm": GROUPED_MM}
 

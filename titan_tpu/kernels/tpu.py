@@ -46,8 +46,8 @@ from titan_tpu.kernels.loss import LOSS
 from titan_tpu.kernels.registry import Impl
 from titan_tpu.tracing import is_tracing
 
-__all__ = ["gmm_grouped_mm", "gmm_row_tile", "jax_op_replaced", "ragged_dot_grouped_mm", "splash_attention", "splash_block",
-           "splash_sdpa_attention", "tokamax_linear_cross_entropy"]
+__all__ = ["gmm_grouped_mm", "gmm_row_tile", "jax_op_replaced", "ragged_dot_grouped_mm", "splash_attention",
+           "splash_block", "splash_sdpa_attention", "tokamax_linear_cross_entropy"]
 
 # tokamax's Pallas kernel. tests/tpu/ sets "xla" (tokamax's Mosaic kernel refuses CPU).
 TOKAMAX_IMPLEMENTATION = "mosaic_tpu"

@@ -23,8 +23,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as splash,
+    splash_attention_mask as splash_mask,
+)
 
 # -- attention: JAX's splash attention, causal, with segment ids for packed documents -----------
 

@@ -18,9 +18,8 @@ and export writes the hub layout. The router is `mlp.gate.weight` <-> `moe.route
 import torch
 from torch import Tensor
 
-from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
-
 from titan_tpu.models.common.moe import MoEArgs
+from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
 
 _ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}

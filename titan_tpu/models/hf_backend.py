@@ -185,7 +185,8 @@ def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
         text_keys = {} if text is config else {
             k: overrides.pop(k) for k in list(overrides) if not _has(config, k) and _has(text, k)}
         if layers := overrides.get("num_hidden_layers"):
-            for key, value in _cut_per_layer(config.to_dict(), getattr(config, "num_hidden_layers", -1), layers).items():
+            per_layer = _cut_per_layer(config.to_dict(), getattr(config, "num_hidden_layers", -1), layers)
+            for key, value in per_layer.items():
                 overrides.setdefault(key, value)
         if text_keys:
             text_dict = text.to_dict()
@@ -282,7 +283,8 @@ def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def _grouped_experts(hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, *,
-                     num_experts: int, expert_ffn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                     num_experts: int,
+                     expert_ffn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Mixture of experts with static shapes: the token-expert pairs sorted by expert (stable
     argsort), `expert_ffn(x_ND, group_sizes_E)` on the sorted rows (grouped matmuls), weighted, back
     in token order and summed over k as transformers does. Group sizes come from scatter_add, never
@@ -689,7 +691,8 @@ def _router_settings(text_config) -> tuple[Callable, int, int, float] | None:
     if not (num_experts and top_k and coef) or not getattr(text_config, "output_router_logits", False):
         return None
     try:
-        module = importlib.import_module(f"transformers.models.{text_config.model_type}.modeling_{text_config.model_type}")
+        model_type = text_config.model_type
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     except ImportError:
         return None
     balancing_loss = getattr(module, "load_balancing_loss_func", None)
@@ -778,7 +781,8 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:
     # (gathered, cast) tensor each time.
     stored_embeddings = embeddings._parameters.get("weight") if embeddings is not None else None
     skip = {id(stored_embeddings)} if stored_embeddings is not None else set()
-    tied = output is not None and stored_embeddings is not None and output._parameters.get("weight") is stored_embeddings
+    tied = (output is not None and stored_embeddings is not None
+            and output._parameters.get("weight") is stored_embeddings)
     moe = _moe_shape(text)
     n = 0.0
     for name, p in model.named_parameters():
@@ -790,7 +794,8 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:
         n += embeddings.weight.numel()
     layers = getattr(text, "num_hidden_layers", None)
     heads = getattr(text, "num_attention_heads", None)
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads and hasattr(text, "hidden_size") else None)
+    head_dim = getattr(text, "head_dim", None) or (
+        text.hidden_size // heads if heads and hasattr(text, "hidden_size") else None)
     how = "6N + 6 L H hd S from the config"
     attention = 0.0
     if layers and heads and head_dim:
@@ -823,7 +828,8 @@ def load_pretrained_weights(model: HFCausalLM, hf_dir: str | Path) -> None:
     hf_dir = Path(hf_dir)
     loaded, info = read_pretrained(hf_dir)
     problems = [f"missing {k}" for k in info.get("missing_keys", [])]
-    problems += [f"{k}: {tuple(a)} in the files, the config wants {tuple(b)}" for k, a, b in info.get("mismatched_keys", [])]
+    problems += [f"{k}: {tuple(a)} in the files, the config wants {tuple(b)}"
+                 for k, a, b in info.get("mismatched_keys", [])]
     if problems:
         raise ValueError(f"the weights in {hf_dir} do not fit its config.json: {problems[0]}"
                          f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}")

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from titan_tpu.files import read_json_file, usual_permissions
-
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
 from titan_tpu.models.hf_adapter import (
     from_hf_state_dict,

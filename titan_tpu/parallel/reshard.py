@@ -143,7 +143,8 @@ class LayerGather:
                     shape[p.dim] //= mesh.size(axis)  # this rank's experts, whole
             dims = [p.dim for axis, p in enumerate(placements) if isinstance(p, Shard) and not keep[axis]]
             key = (mesh, placements)
-            self.groups.setdefault(key, (mesh, placements, keep, []))[3].append((tuple(shape), dims[0] if dims else None))
+            members = self.groups.setdefault(key, (mesh, placements, keep, []))[3]
+            members.append((tuple(shape), dims[0] if dims else None))
             self.keys.append(key)
 
     def local(self, stored: list[Tensor]) -> list[Tensor]:

@@ -325,11 +325,12 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
             raise ValueError(f"--only {only!r} matches no calibration configuration")
         tokenizer = _debug_tokenizer(default_cache_dir())
         hw_numbers = {"peak_flops": cpu_peak_flops(), "memory_bandwidth": measure_cpu_memory_bandwidth(),
-                      "runtime_bytes": measure_runtime_bytes(out, tokenizer, python), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                      "threads": os.cpu_count()}
+                      "runtime_bytes": measure_runtime_bytes(out, tokenizer, python),
+                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": os.cpu_count()}
         if any(c.ranks > 1 for c in cases):
             rate = measure_collective_rate(python)
-            hw_numbers["interconnect_bandwidth"], hw_numbers["collective_latency"] = rate["bytes_per_s"], rate["latency_s"]
+            hw_numbers["interconnect_bandwidth"] = rate["bytes_per_s"]
+            hw_numbers["collective_latency"] = rate["latency_s"]
             print(f"gloo collective rate {rate['bytes_per_s'] / 1e9:.2f} GB/s per rank, "
                   f"{rate['latency_s'] * 1e3:.2f} ms per small call", flush=True)
         if any("graph" in " ".join(c.overrides) for c in cases):
@@ -356,8 +357,9 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
             path.write_text(json.dumps(data, indent=2) + "\n")
 
     table, implied = _table(data["results"], data["hardware"])
-    print(f"calibration of {data['hardware']['date']}: CPU peak {data['hardware']['peak_flops'] / 1e9:.0f} GFLOP/s, "
-          f"copy {data['hardware']['memory_bandwidth'] / 1e9:.1f} GB/s, runtime {data['hardware']['runtime_bytes'] / 1e9:.3f} GB")
+    hardware = data["hardware"]
+    print(f"calibration of {hardware['date']}: CPU peak {hardware['peak_flops'] / 1e9:.0f} GFLOP/s, "
+          f"copy {hardware['memory_bandwidth'] / 1e9:.1f} GB/s, runtime {hardware['runtime_bytes'] / 1e9:.3f} GB")
     print(table)
     from titan_tpu.plan import hardware as hw_mod
 

@@ -65,8 +65,8 @@ class Candidate:
                 f"micro-batch {v['training.batch_size']} x accum {v['training.grad_accum_steps']}")
         r, s = v["parallelism.dp_replicate"], v["parallelism.dp_shard"]
         if r * s > 1:  # the layout's knobs act only on several devices
-            text += (f", dp_replicate {r} x dp_shard {s}{', ep ' + str(v['parallelism.ep']) if v['parallelism.ep'] > 1 else ''}"
-                     f", bucket {_fmt(v['parallelism.bucket_mb'])} MB")
+            ep = f", ep {v['parallelism.ep']}" if v["parallelism.ep"] > 1 else ""
+            text += f", dp_replicate {r} x dp_shard {s}{ep}, bucket {_fmt(v['parallelism.bucket_mb'])} MB"
             if s > 1:
                 text += ", re-shard" if v["parallelism.reshard_after_forward"] else ", keep gathered"
         return text

@@ -88,7 +88,8 @@ def write(path: Path, sweep: dict[str, dict], verified: dict[str, dict], *, comm
         f"{len(verified)} of {len(types)} rows have a verify run; '-' where none ran.", "",
         *([note, ""] if note else []),
         "## Summary per family", "",
-        "| family | types | train plain | match transformers (eager) | graph | fsdp2 | verify run | verify without FAIL |",
+        "| family | types | train plain | match transformers (eager) | graph | fsdp2 | verify run "
+        "| verify without FAIL |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     families: dict[str, list[str]] = {}
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/model_compatibility.md")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--keep", action="store_true", help="keep verify columns of rows not re-run (from --out's JSON)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep verify columns of rows not re-run (from --out's JSON)")
     parser.add_argument("--write-only", action="store_true", help="rewrite the page from --out's JSON; run nothing")
     parser.add_argument("--note", default="", help="a paragraph under the page's header (e.g. why a subset ran)")
     args = parser.parse_args(argv)

@@ -57,8 +57,8 @@ class Subject:
 def tiny_native_args(args: TransformerArgs) -> TransformerArgs:
     """A native config shrunk as hf-sweep shrinks HF ones: its features (RoPE scaling, QK norm, tied
     embeddings, MoE routing) kept, sizes cut."""
-    tiny = dataclasses.replace(args, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16 if args.head_dim else None,
-                               vocab_size=512, ffn_hidden_dim=128,
+    tiny = dataclasses.replace(args, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                               head_dim=16 if args.head_dim else None, vocab_size=512, ffn_hidden_dim=128,
                                max_seq_len=min(args.max_seq_len, 16384))  # RoPE scaling's original length fits
     if args.moe is not None:
         tiny.moe = dataclasses.replace(args.moe, num_experts=4, top_k=2, hidden_dim=64,

@@ -107,8 +107,8 @@ def seeded_model(subject: Subject, *, ac_mode: str = "none", scan: bool = False,
 
 def loaded_model(subject: Subject) -> torch.nn.Module:
     """Our model with the directory's weights, fp32, as train and eval load it."""
-    from titan_tpu.evaluate import load_eval_model
     from titan_tpu.config import build_config
+    from titan_tpu.evaluate import load_eval_model
 
     cfg = build_config(None, ["--model.name", "hf", "--model.hf_config", str(subject.hf_dir), "--training.seq_len",
                               "2", "--training.device", "cpu"])
@@ -151,8 +151,15 @@ def _features(subject: Subject, experts: str | None = None) -> list[tuple[str, s
     `experts` says which code runs an HF-backend model's experts."""
     from transformers import AutoConfig
 
-    from titan_tpu.models.hf_backend import (ATTENTION_NAME, _attention_implementation, _has_sparse_indexer,
-                                             _logit_transform, _model_class, _moe_shape, text_config)
+    from titan_tpu.models.hf_backend import (
+        ATTENTION_NAME,
+        _attention_implementation,
+        _has_sparse_indexer,
+        _logit_transform,
+        _model_class,
+        _moe_shape,
+        text_config,
+    )
 
     config = text_config(AutoConfig.from_pretrained(str(subject.hf_dir)))
     d = config.to_dict()
@@ -208,8 +215,13 @@ def check_preflight(subject: Subject) -> Result:
     else:
         from transformers import AutoConfig
 
-        from titan_tpu.models.hf_backend import _moe_shape, build_hf_model, hf_args_from_config, hf_flops_per_token
-        from titan_tpu.models.hf_backend import text_config as text_of
+        from titan_tpu.models.hf_backend import (
+            _moe_shape,
+            build_hf_model,
+            hf_args_from_config,
+            hf_flops_per_token,
+            text_config as text_of,
+        )
 
         real = dict(subject.real_config or {})
         args = hf_args_from_config(AutoConfig.for_model(real.pop("model_type"), **real)) if real else subject.hf_args()
@@ -525,9 +537,9 @@ def check_export(subject: Subject) -> Result:
 def _fsdp_rank(subject: Subject, batch) -> dict:
     import torch.distributed as dist
 
-    from titan_tpu.tools.hf_sweep import _loss_and_grads
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+    from titan_tpu.tools.hf_sweep import _loss_and_grads
 
     mesh = ParallelDims(dp_replicate=1, dp_shard=2, world_size=2).build_mesh("cpu")
     model = materialize_and_init(meta_model(subject), mesh, mode="fully_shard", mp=MixedPrecision(), device="cpu",
@@ -544,8 +556,8 @@ def _fsdp_rank(subject: Subject, batch) -> dict:
 
 
 def check_fsdp(subject: Subject) -> Result:
-    from titan_tpu.tools.hf_sweep import _loss_and_grads
     from titan_tpu.parallel.spawn import run_ranks
+    from titan_tpu.tools.hf_sweep import _loss_and_grads
 
     batch = _batches(subject, 1)[0]
     inputs, labels = batch

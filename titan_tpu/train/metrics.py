@@ -34,7 +34,6 @@ import json
 import math
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 

@@ -19,6 +19,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args()
 
+    from titan_tpu.models.hf_backend import _CALL_CONTEXT
     from titan_tpu.tools import verify_checks
     from titan_tpu.tools.subject import resolve
 
@@ -30,11 +31,11 @@ def main() -> int:
     ours.eval()
     n = min(args.tokens, verify_checks.max_len(subject))
     tokens = verify_checks.corpus_tokens(verify_checks.vocab_size(subject), n)[None]
-    token = __import__("titan_tpu.models.hf_backend", fromlist=["_CALL_CONTEXT"])._CALL_CONTEXT.set((ours.kernels, None))
+    token = _CALL_CONTEXT.set((ours.kernels, None))
     with torch.no_grad():
         mine = ours.hf_model(input_ids=tokens, use_cache=False, output_hidden_states=True).hidden_states
         theirs = ref(input_ids=tokens, use_cache=False, output_hidden_states=True).hidden_states
-    __import__("titan_tpu.models.hf_backend", fromlist=["_CALL_CONTEXT"])._CALL_CONTEXT.reset(token)
+    _CALL_CONTEXT.reset(token)
     for i, (a, b) in enumerate(zip(mine, theirs)):
         print(f"{'embeddings' if i == 0 else f'layer {i - 1}'}: max |difference| {(a - b).abs().max().item():.3e}")
     return 0

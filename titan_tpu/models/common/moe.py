@@ -140,7 +140,6 @@ class MoE(nn.Module):
         """(output [B, S, D], statistics [2, E]: tokens per expert, router probability sums)."""
         E, k = self.args.num_experts, self.args.top_k
         x_TD = x_BSD.flatten(0, 1)
-        T = x_TD.shape[0]
         probs_TE = self.router.gate(x_TD).float().softmax(dim=-1)
         scores_TE = probs_TE if self.expert_bias is None else probs_TE + self.expert_bias
         chosen_TK = scores_TE.topk(k, dim=-1).indices
