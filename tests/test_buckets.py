@@ -112,7 +112,7 @@ def _run_variant(*, mode: str, scan: bool, bucket_mb: float, prefetch: int | Non
                  ac: str = "none") -> dict:
     from titan_tpu.graph.compile import GraphStep
     from titan_tpu.parallel.mesh import ParallelDims
-    from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+    from titan_tpu.parallel.simple_fsdp import MixedPrecision, fsdp_state, materialize_and_init
     from titan_tpu.train.optim import AdamW
     from titan_tpu.train.step import EagerStep
 
@@ -127,7 +127,7 @@ def _run_variant(*, mode: str, scan: bool, bucket_mb: float, prefetch: int | Non
     # Two batches in turn: the loss must fall within 20 steps (the runs train, not just agree).
     tokens = torch.randint(0, tiny_args().vocab_size, (2, BATCH, SEQ + 1), generator=g)
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens] * (STEPS // 2)
-    out = {"buckets": len(model._simple_fsdp_bucket_list)}
+    out = {"buckets": len(fsdp_state(model).all_buckets)}
     if mode == "eager":
         step = EagerStep(model, optimizer, max_norm=1.0, dp_size=2)
     else:

@@ -7,6 +7,7 @@ loss of ~6): the graph runs the same arithmetic as the eager step, only partly r
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -24,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from titan_tpu.graph import GraphStep, capture_train_step, compile_step
 from titan_tpu.graph.capture import CaptureError
 from titan_tpu.graph.passes import eliminate_dead_code, split_graph
+from titan_tpu.models.common.moe import MoEArgs
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
 from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
@@ -83,6 +85,33 @@ def test_capture_single_process():
     assert "collectives: none" in summary and f"{captured.num_params:,}" in summary
     # Tracing ran on fake tensors: the model and optimizer are untouched.
     assert opt.step_count == 0 and all(t.abs().sum() == 0 for t in opt.state["exp_avg"].values())
+
+
+def _counts_in_summary(summary: str) -> tuple[int, int]:
+    line = next(line for line in summary.splitlines() if line.strip().startswith("inputs:"))
+    inputs, outputs = line.split(";")
+    return int(inputs.split()[1]), int(outputs.split()[1])
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe_expert_bias_positions"])
+def test_summary_counts_match_the_graph(kind):
+    """summary() states the graph's real numbers of inputs and outputs (placeholders and returned
+    tensors), including the batch's positions and the MoE expert biases the step returns."""
+    batch = global_batches(BATCH)[0]
+    args = tiny_args()
+    if kind != "dense":
+        args = dataclasses.replace(args, moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=32, load_balance="expert_bias"))
+        batch = (*batch, torch.arange(SEQ).repeat(BATCH, 1))
+    model, opt = fresh(args)
+    captured = capture_train_step(model, max_norm=MAX_NORM, adamw_hparams=opt.hparams, decay=opt.decay,
+                                  example_batch=batch)
+    graph = captured.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    (returned,) = [n for n in graph.nodes if n.op == "output"][0].args
+    assert _counts_in_summary(captured.summary()) == (len(placeholders), len(returned))
+    assert captured.layout.num_outputs == len(returned)
+    if kind != "dense":
+        assert captured.updated_buffer_names and captured.layout.batch == 3
 
 
 def test_grad_accum_not_supported_yet():

@@ -55,7 +55,7 @@ from titan_tpu.graph.passes import recomputed_nodes, rematerialize
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
 from titan_tpu.train.step import model_copies, split_batch
 
-__all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "capture_train_step"]
+__all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "StepLayout", "capture_train_step"]
 
 # Ops traced as their decompositions because their fake (meta) kernel gives an output a layout that
 # the real kernel does not, and a view the graph then records on that output fails when the graph
@@ -71,6 +71,77 @@ def _slices(groups: list[tuple[str, int]]) -> dict[str, slice]:
         out[name] = slice(start, start + count)
         start += count
     return out
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The order and size of the captured step's flat inputs and outputs, written once.
+
+    The graph takes and returns flat lists of tensors; each list is a sequence of named groups
+    (the params, the moments, the batch, ...). Everything that builds or reads such a list (the
+    traced step, its example inputs, GraphStep feeding and unpacking it, the split of the graph at
+    the loss, `CapturedStep.summary`) goes through `flatten_*` / `unflatten_*` and the slices here,
+    so adding a group is one edit, and no count is written by hand anywhere else.
+
+    Inputs: params, exp_avg, exp_avg_sq (each in param_names order), batch (inputs_BS, labels_BS
+    and, with document masking, positions_BS), step, lr (0-dim), buffers (buffer_names order).
+    Outputs: params, exp_avg, exp_avg_sq (new values), loss, grad_norm, aux_loss, expert_load,
+    buffers (new values of updated_buffer_names). `CapturedStep` says what each one means.
+    """
+
+    params: int  # number of parameter tensors
+    batch: int  # tensors of one micro-batch: 2, or 3 with positions
+    buffers: int  # model buffers passed in
+    updated_buffers: int  # buffers the step returns new values of (MoE expert biases)
+
+    def input_groups(self) -> list[tuple[str, int]]:
+        n = self.params
+        return [("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("batch", self.batch), ("step", 1), ("lr", 1),
+                ("buffers", self.buffers)]
+
+    def output_groups(self) -> list[tuple[str, int]]:
+        n = self.params
+        return [("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("loss", 1), ("grad_norm", 1), ("aux_loss", 1),
+                ("expert_load", 1), ("buffers", self.updated_buffers)]
+
+    @property
+    def num_inputs(self) -> int:
+        return sum(count for _, count in self.input_groups())
+
+    @property
+    def num_outputs(self) -> int:
+        return sum(count for _, count in self.output_groups())
+
+    def input_slices(self) -> dict[str, slice]:
+        return _slices(self.input_groups())
+
+    def output_slices(self) -> dict[str, slice]:
+        return _slices(self.output_groups())
+
+    def flatten_inputs(self, **groups) -> list:
+        """The flat input list from every input group by name (each a sequence of tensors)."""
+        return _flatten(self.input_groups(), groups)
+
+    def flatten_outputs(self, **groups) -> list:
+        """The flat output list from every output group by name (each a sequence of tensors)."""
+        return _flatten(self.output_groups(), groups)
+
+    def unflatten_inputs(self, flat) -> dict[str, list]:
+        """Group name -> its tensors of a flat input list."""
+        return {name: list(flat[s]) for name, s in self.input_slices().items()}
+
+    def unflatten_outputs(self, flat) -> dict[str, list]:
+        """Group name -> its tensors of a flat output list."""
+        return {name: list(flat[s]) for name, s in self.output_slices().items()}
+
+
+def _flatten(layout: list[tuple[str, int]], groups: dict) -> list:
+    assert set(groups) == {name for name, _ in layout}, (sorted(groups), layout)
+    flat = []
+    for name, count in layout:
+        assert len(groups[name]) == count, f"group {name}: {len(groups[name])} tensors, the layout says {count}"
+        flat.extend(groups[name])
+    return flat
 
 
 class CaptureError(ValueError):
@@ -179,16 +250,16 @@ class DTensorSpec:
 class CapturedStep:
     """The traced step and how to feed it.
 
-    Flat inputs: params (param_names order), exp_avg (same order), exp_avg_sq, the batch (inputs_BS,
+    Flat inputs and outputs: the groups of `layout` (StepLayout), all plain (local) tensors.
+    Inputs: params (param_names order), exp_avg (same order), exp_avg_sq, the batch (inputs_BS,
     labels_BS and, with document masking, positions_BS), step (0-dim scalar_dtype), lr (0-dim
     scalar_dtype), buffers (buffer_names order; make_fx refuses real tensors closed over, so the
     RoPE table is an input too, never modified).
-    Flat outputs: new params, new exp_avg, new exp_avg_sq (each in param_names order), loss
+    Outputs: new params, new exp_avg, new exp_avg_sq (each in param_names order), loss
     (0-dim, mean per token over all ranks), grad_norm (0-dim, global, before clipping), aux_loss
     (0-dim, MoE balancing loss, mean over ranks; 0 for dense models), expert_load ([L_moe, E]
     tokens per expert, all ranks; [0, 0] for dense), then the new values of the buffers in
     `updated_buffer_names` (MoE expert biases under auxiliary-loss-free balancing).
-    All are plain (local) tensors.
     """
 
     graph_module: torch.fx.GraphModule
@@ -199,25 +270,21 @@ class CapturedStep:
     num_tokens: int  # tokens of one step on all ranks (the loss denominator)
     capture_seconds: float
     num_params: int  # global parameter count (full, unsharded sizes)
+    layout: StepLayout  # the order and size of the flat inputs and outputs
     scalar_dtype: torch.dtype = torch.float64  # dtype of the step and lr inputs
-    batch_tensors: int = 2  # inputs and labels, plus positions with document masking
     updated_buffer_names: list[str] = dataclasses.field(default_factory=list)  # buffers the step moves
 
     @property
     def num_inputs(self) -> int:
-        return 3 * len(self.param_names) + self.batch_tensors + 2 + len(self.buffer_names)
+        return self.layout.num_inputs
 
     def input_slices(self) -> dict[str, slice]:
         """Where each group of the flat inputs lies."""
-        n, b = len(self.param_names), len(self.buffer_names)
-        return _slices([("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("batch", self.batch_tensors),
-                        ("step", 1), ("lr", 1), ("buffers", b)])
+        return self.layout.input_slices()
 
     def output_slices(self) -> dict[str, slice]:
         """Where each group of the flat outputs lies."""
-        n = len(self.param_names)
-        return _slices([("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("loss", 1), ("grad_norm", 1),
-                        ("aux_loss", 1), ("expert_load", 1), ("buffers", len(self.updated_buffer_names))])
+        return self.layout.output_slices()
 
     def op_counts(self) -> Counter:
         """Number of call_function nodes per op (OpOverload name, e.g. 'aten.mm.default')."""
@@ -242,8 +309,8 @@ class CapturedStep:
             f"  parameters: {len(self.param_names)} tensors, {self.num_params:,} values"
             + (f", sharded as DTensors on mesh {next(iter(self.dtensor_specs.values())).mesh}"
                if self.dtensor_specs else ", plain tensors"),
-            f"  inputs: {self.num_inputs} (params, exp_avg, exp_avg_sq, batch, step, lr, buffers); "
-            f"outputs: {3 * len(self.param_names) + 2}",
+            f"  inputs: {self.layout.num_inputs} ({', '.join(name for name, _ in self.layout.input_groups())}); "
+            f"outputs: {self.layout.num_outputs} ({', '.join(name for name, _ in self.layout.output_groups())})",
             f"  distinct ops: {len(ops)}; most frequent: {top}",
             "  collectives: " + (", ".join(f"{op.removeprefix('_c10d_functional.')} {n}"
                                            for op, n in sorted(collectives.items())) or "none"),
@@ -309,16 +376,17 @@ def capture_train_step(
     example_batch = [t.clone() for t in example_batch]
     num_tokens = example_batch[1].numel() * dp_size  # static: shapes are fixed for the graph
     copies = model_copies(dp_size)  # tensor-parallel ranks each hold the whole loss of their batch
-    n, nb = len(param_names), len(example_batch)
     hparams = dict(adamw_hparams)
     updated_buffers = model.expert_bias_names() if hasattr(model, "expert_bias_names") else []
+    layout = StepLayout(params=len(param_names), batch=len(example_batch), buffers=len(buffer_names),
+                        updated_buffers=len(updated_buffers))
 
     def train_step(*flat: Tensor) -> list[Tensor]:
-        local_params = list(flat[0:n])
-        exp_avg, exp_avg_sq = list(flat[n:2 * n]), list(flat[2 * n:3 * n])
-        inputs, labels, positions = split_batch(flat[3 * n:3 * n + nb])
-        step, lr = flat[3 * n + nb:3 * n + nb + 2]
-        buffer_values = dict(zip(buffer_names, flat[3 * n + nb + 2:]))
+        groups = layout.unflatten_inputs(flat)
+        local_params, exp_avg, exp_avg_sq = groups["params"], groups["exp_avg"], groups["exp_avg_sq"]
+        inputs, labels, positions = split_batch(groups["batch"])
+        (step,), (lr,) = groups["step"], groups["lr"]
+        buffer_values = dict(zip(buffer_names, groups["buffers"]))
 
         # Differentiate with respect to fresh leaves, not the inputs themselves, so the optimizer
         # below reads the parameter inputs unchanged and untracked.
@@ -364,21 +432,24 @@ def capture_train_step(
                            if updated_buffers else {})
             if isinstance(total_norm, DTensor):
                 total_norm = total_norm.to_local()
-        return ([new_params[k] for k in param_names] + [new_state["exp_avg"][k] for k in param_names]
-                + [new_state["exp_avg_sq"][k] for k in param_names] + [totals[0], total_norm, totals[1], global_load]
-                + [new_buffers[n] for n in updated_buffers])
+        return layout.flatten_outputs(
+            params=[new_params[k] for k in param_names], exp_avg=[new_state["exp_avg"][k] for k in param_names],
+            exp_avg_sq=[new_state["exp_avg_sq"][k] for k in param_names], loss=[totals[0]],
+            grad_norm=[total_norm], aux_loss=[totals[1]], expert_load=[global_load],
+            buffers=[new_buffers[n] for n in updated_buffers])
 
     # Example inputs: the live local tensors (turned into fake tensors below; nothing is computed
     # on them). step/lr default to float64 like the Python numbers the eager path uses.
     def local(p: Tensor) -> Tensor:
         return (p.to_local() if isinstance(p, DTensor) else p).detach()
 
-    example = [local(p) for p in named.values()]
+    params = [local(p) for p in named.values()]
     # Distinct tensors for every input: make_fx maps one tensor object to one placeholder, so
     # reusing an example tensor for two inputs would silently wire both reads to the same input.
-    example += [torch.zeros_like(t) for t in example] + [torch.zeros_like(t) for t in example]
-    example += [*example_batch, torch.ones((), dtype=scalar_dtype), torch.ones((), dtype=scalar_dtype)]
-    example += [b.detach() for b in buffers.values()]
+    example = layout.flatten_inputs(
+        params=params, exp_avg=[torch.zeros_like(t) for t in params], exp_avg_sq=[torch.zeros_like(t) for t in params],
+        batch=example_batch, step=[torch.ones((), dtype=scalar_dtype)], lr=[torch.ones((), dtype=scalar_dtype)],
+        buffers=[b.detach() for b in buffers.values()])
 
     start = time.perf_counter()
     # Our own fake mode, without a ShapeEnv (make_fx picks up the mode of fake inputs): left to
@@ -406,6 +477,6 @@ def capture_train_step(
     return CapturedStep(graph_module=gm, param_names=param_names, buffer_names=buffer_names,
                         dtensor_specs=specs, example_inputs=fake_inputs,
                         num_tokens=num_tokens, capture_seconds=capture_seconds,
-                        num_params=sum(p.numel() for p in named.values()), scalar_dtype=scalar_dtype,
-                        batch_tensors=nb, updated_buffer_names=updated_buffers)
+                        num_params=sum(p.numel() for p in named.values()), layout=layout,
+                        scalar_dtype=scalar_dtype, updated_buffer_names=updated_buffers)
 

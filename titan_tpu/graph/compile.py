@@ -84,7 +84,7 @@ def compile_step(captured: CapturedStep, backend: str, *, split: str = "none",
     gm = captured.graph_module
     if prefetch is not None:
         gm = schedule_collectives(gm, prefetch=prefetch)
-    gm = split_graph(gm, split, loss_output_index=captured.output_slices()["loss"].start)
+    gm = split_graph(gm, split, loss_output_index=captured.layout.output_slices()["loss"].start)
     if backend == "eager":
         compiled = gm
     else:
@@ -183,7 +183,6 @@ class GraphStep:
         self._buffers = [_local(buffers[n]) for n in self.captured.buffer_names]
         self._updated_buffers = [_local(buffers[n]) for n in self.captured.updated_buffer_names]
         self._batch_shape = tuple(example_batch[1].shape)
-        self._batch_tensors = len(example_batch)
 
     @property
     def capture_seconds(self) -> float:
@@ -204,9 +203,10 @@ class GraphStep:
                              "set training.grad_accum_steps = 1")
         batch = micro_batches[0]
         split_batch(batch)
-        if len(batch) != self._batch_tensors:
-            raise ValueError(f"the captured step was traced for batches of {self._batch_tensors} tensors "
-                             f"(positions {'with' if self._batch_tensors == 3 else 'without'}), got {len(batch)}")
+        layout = self.captured.layout
+        if len(batch) != layout.batch:
+            raise ValueError(f"the captured step was traced for batches of {layout.batch} tensors "
+                             f"(positions {'with' if layout.batch == 3 else 'without'}), got {len(batch)}")
         if any(tuple(t.shape) != self._batch_shape for t in batch):
             raise ValueError(f"the captured step was traced for batches of shape {self._batch_shape}, "
                              f"got {tuple(batch[0].shape)}")
@@ -217,17 +217,16 @@ class GraphStep:
         # 0-dim tensors of the captured scalar dtype: float64 by default, as the eager path computes
         # bias corrections and lr in Python floats; float32 on TPU.
         scalar = self.captured.scalar_dtype
-        flat = [*self._params, *exp_avg, *exp_avg_sq, *batch,
-                torch.tensor(step_number, dtype=scalar), torch.tensor(lr, dtype=scalar), *self._buffers]
-        out = self.compiled(*flat)
-        s = self.captured.output_slices()
+        flat = layout.flatten_inputs(params=self._params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, batch=batch,
+                                     step=[torch.tensor(step_number, dtype=scalar)],
+                                     lr=[torch.tensor(lr, dtype=scalar)], buffers=self._buffers)
+        out = layout.unflatten_outputs(self.compiled(*flat))
         with torch.no_grad():
-            for dst_group, src in ((self._params, s["params"]), (exp_avg, s["exp_avg"]),
-                                   (exp_avg_sq, s["exp_avg_sq"]), (self._updated_buffers, s["buffers"])):
+            for dst_group, group in ((self._params, "params"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq"),
+                                     (self._updated_buffers, "buffers")):
                 if dst_group:
-                    torch._foreach_copy_(dst_group, out[src])
+                    torch._foreach_copy_(dst_group, out[group])
         self.optimizer.step_count = step_number
-        loss, norm = out[s["loss"]][0], out[s["grad_norm"]][0]
-        load = out[s["expert_load"]][0]
+        (loss,), (norm,), (aux,), (load,) = out["loss"], out["grad_norm"], out["aux_loss"], out["expert_load"]
         return StepResult(loss=loss.item(), grad_norm=norm.item(), num_tokens=self.captured.num_tokens,
-                          aux_loss=out[s["aux_loss"]][0].item(), expert_load=load if load.numel() else None)
+                          aux_loss=aux.item(), expert_load=load if load.numel() else None)

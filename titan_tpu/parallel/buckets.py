@@ -27,18 +27,22 @@ directly) parameters are gathered one by one as before.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["Bucket", "build_buckets", "bucket_owners", "DEFAULT_BUCKET_MB"]
+__all__ = ["Bucket", "build_buckets", "bucket_owners", "bucketable", "group_into_buckets", "DEFAULT_BUCKET_MB"]
 
 # Default cap on one bucket's gathered bytes (in the compute dtype). Large enough that a block of
 # any model up to the 8B class is one or a few buckets (one collective per block, FSDP2's unit),
 # small enough that one bucket's flat gather buffer stays a small slice of device memory.
 DEFAULT_BUCKET_MB = 256.0
+
+K = TypeVar("K")  # what group_into_buckets hands back for each parameter
 
 
 class Bucket:
@@ -259,10 +263,11 @@ def bucket_owners(model: nn.Module) -> list[nn.Module]:
     return list(model.children())
 
 
-def _bucketable(p) -> bool:
-    # Expert weights keep their expert-parallel shard when read (simple_fsdp._replicate_for_compute):
-    # not a full gather, so they stay on the per-parameter path.
-    # Tensor-parallel weights likewise keep their tp shard (the flat buffer gathers whole tensors).
+def bucketable(p) -> bool:
+    """Whether a parameter is gathered whole, so it can share a flat buffer with others: a DTensor
+    on no ep or tp axis. Expert weights keep their expert-parallel shard when read
+    (simple_fsdp._replicate_for_compute) and tensor-parallel weights their tp shard: not a full
+    gather, so they stay on the per-parameter path."""
     names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
     return isinstance(p, DTensor) and "ep" not in names and "tp" not in names
 
@@ -274,27 +279,41 @@ def _layout_key(p: DTensor) -> tuple:
     return (p.device_mesh, tuple(p.placements), p.dtype)
 
 
-def build_buckets(model: nn.Module, *, mp, bucket_mb: float, skip: set[int] = frozenset()) -> list[Bucket]:
-    """Buckets of `model`'s DTensor parameters (see the module docstring); bucket_mb caps one
-    bucket's gathered size in MB of the compute dtype. Parameters of a piece that live on another
-    mesh or with other placements (expert weights under expert parallelism) get their own buckets.
-    skip: ids of parameters gathered another way (a scanned stack gathered per layer)."""
+def group_into_buckets(items: Iterable[tuple[K, DTensor]], *, mp, bucket_mb: float) -> list[list[K]]:
+    """The bucketing rule, for one model piece: `items` ((key, bucketable parameter) in read order)
+    grouped by layout (mesh, placements, dtype: one flat buffer needs one), each group cut into
+    runs of at most `bucket_mb` MB gathered in `mp.param_dtype` (a parameter larger than that is a
+    run of its own). Returns the runs' keys: a layout's runs in order, layouts in first-seen order.
+    The order is the order of the collectives, so both users (build_buckets for attribute reads,
+    simple_fsdp.BlockGather inside checkpointed blocks) issue the same ones."""
     cap = bucket_mb * 2**20
+    groups: dict[tuple, list[list[K]]] = {}
+    sizes: dict[tuple, float] = {}
+    for key, p in items:
+        layout = _layout_key(p)
+        nbytes = p.numel() * mp.param_dtype.itemsize
+        if layout not in groups or (sizes[layout] + nbytes > cap and groups[layout][-1]):
+            groups.setdefault(layout, []).append([])
+            sizes[layout] = 0.0
+        groups[layout][-1].append(key)
+        sizes[layout] += nbytes
+    return [run for runs in groups.values() for run in runs]
+
+
+def build_buckets(model: nn.Module, *, mp, bucket_mb: float, skip: set[int] = frozenset()) -> list[Bucket]:
+    """Buckets of `model`'s DTensor parameters (see the module docstring), piece by piece
+    (`bucket_owners`), by `group_into_buckets`. Parameters of a piece that live on another mesh or
+    with other placements (expert weights under expert parallelism) get their own buckets.
+    skip: ids of parameters gathered another way (a scanned stack gathered per layer)."""
     buckets, seen = [], set()
     for owner in bucket_owners(model):
-        groups: dict[tuple, list[list[tuple[nn.Module, str]]]] = {}
-        sizes: dict[tuple, float] = {}
+        items = []
         for module in owner.modules():
             for name, p in module._parameters.items():
-                if not _bucketable(p) or (id(module), name) in seen or id(p) in skip:
+                if not bucketable(p) or (id(module), name) in seen or id(p) in skip:
                     continue
                 seen.add((id(module), name))
-                key = _layout_key(p)
-                nbytes = p.numel() * mp.param_dtype.itemsize
-                if key not in groups or (sizes[key] + nbytes > cap and groups[key][-1]):
-                    groups.setdefault(key, []).append([])
-                    sizes[key] = 0.0
-                groups[key][-1].append((module, name))
-                sizes[key] += nbytes
-        buckets.extend(Bucket(members, mp, owner=owner) for runs in groups.values() for members in runs if members)
+                items.append(((module, name), p))
+        buckets.extend(Bucket(members, mp, owner=owner)
+                       for members in group_into_buckets(items, mp=mp, bucket_mb=bucket_mb))
     return buckets

@@ -18,7 +18,7 @@ axis: a rank computes with its own experts, whole.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,15 +27,16 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from titan_tpu.models.common.moe import EXPERT_MARKER  # set on modules holding MoE expert weights
 from titan_tpu.models.common.scan import STACKED_MARKER  # set on modules holding stacked layers
-from titan_tpu.models.common.functional_block import stored_weights
-from titan_tpu.parallel.buckets import DEFAULT_BUCKET_MB, build_buckets, gather_flat
+from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, stored_weights
+from titan_tpu.parallel.buckets import (DEFAULT_BUCKET_MB, Bucket, bucketable, build_buckets, gather_flat,
+                                       group_into_buckets)
 from titan_tpu.parallel.context_parallel import CP_AXIS
 from titan_tpu.parallel.reshard import LayerGather, ReshardHooks
 from titan_tpu.parallel.expert_parallel import ExpertParallelDispatch, expert_placements
 from titan_tpu.parallel.tensor_parallel import TP_AXIS, tp_placement
 
-__all__ = ["MixedPrecision", "cast_for_compute", "data_parallel", "default_mixed_precision", "local_bytes",
-           "materialize_and_init", "MODES"]
+__all__ = ["MixedPrecision", "SimpleFSDPState", "cast_for_compute", "data_parallel", "default_mixed_precision",
+           "fsdp_state", "local_bytes", "materialize_and_init", "MODES"]
 
 MODES = ("replicate", "fully_shard", "hybrid_shard")
 
@@ -56,6 +57,31 @@ def default_mixed_precision(device_type: str) -> MixedPrecision:
     if device_type == "cpu":
         return MixedPrecision()
     return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+@dataclass
+class SimpleFSDPState:
+    """What SimpleFSDP keeps on a module it wraps, as one object under the one attribute
+    `_simple_fsdp` (`fsdp_state`). A module whose parameters it parametrizes uses `mp` and
+    `buckets`; the root module (the one `data_parallel` was given) uses `all_buckets` and
+    `hook_handles`. Kept in the module's __dict__, read without nn.Module.__getattr__ (every
+    parameter read goes through `_compute_tensor`)."""
+
+    mp: MixedPrecision | None = None  # the dtypes this module's parameters are read (gathered, cast) in
+    buckets: dict[str, Bucket] = field(default_factory=dict)  # parameter name -> the bucket gathering it
+    all_buckets: list[Bucket] = field(default_factory=list)  # root: every bucket of the model, in order
+    hook_handles: tuple = ()  # root: the hooks `_install_buckets` registered (removed when it runs again)
+
+
+_STATE = "_simple_fsdp"
+
+
+def fsdp_state(module: nn.Module) -> SimpleFSDPState:
+    """`module`'s SimpleFSDPState, created empty on first use."""
+    state = module.__dict__.get(_STATE)
+    if state is None:
+        state = module.__dict__[_STATE] = SimpleFSDPState()
+    return state
 
 
 def _placements(mode: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
@@ -181,13 +207,14 @@ def _compute_tensor(module: nn.Module, name: str) -> torch.Tensor:
     module's forward runs (buckets.py), else gathered on its own; on one device (a plain stored
     tensor, `cast_for_compute`) the stored tensor cast to the compute dtype, whose backward casts
     the gradient back to the stored dtype."""
-    bucket = module.__dict__.get("_simple_fsdp_buckets", {}).get(name)
+    state = module.__dict__[_STATE]
+    bucket = state.buckets.get(name)
     if bucket is not None and bucket.open:
         return bucket.get(module, name)
     param = module._parameters[name]
     if not isinstance(param, DTensor):
-        return param.to(module._simple_fsdp_mp.param_dtype)
-    return _replicate_for_compute(param, module._simple_fsdp_mp)
+        return param.to(state.mp.param_dtype)
+    return _replicate_for_compute(param, state.mp)
 
 
 _PARAMETRIZED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -201,10 +228,10 @@ def _parametrize_module(module: nn.Module, mp: MixedPrecision) -> None:
     names = tuple(n for n, p in module._parameters.items() if p is not None)
     if not names:
         return
-    module._simple_fsdp_mp = mp  # read by the properties; per instance, so classes can be shared
+    fsdp_state(module).mp = mp  # read by the properties; per instance, so classes can be shared
     cls = type(module)
-    if getattr(cls, "_simple_fsdp_names", None) == names:
-        return  # already parametrized
+    if _PARAMETRIZED_CLASSES.get((cls.__base__, names)) is cls:
+        return  # already parametrized (the class is one of ours, made for these names)
     key = (cls, names)
     if key not in _PARAMETRIZED_CLASSES:
         # A data descriptor on the class wins over nn.Module.__getattr__ (which is only consulted
@@ -214,7 +241,6 @@ def _parametrize_module(module: nn.Module, mp: MixedPrecision) -> None:
             n: property(lambda self, n=n: _compute_tensor(self, n))
             for n in names
         }
-        props["_simple_fsdp_names"] = names
         _PARAMETRIZED_CLASSES[key] = type(f"SimpleFSDP{cls.__name__}", (cls,), props)
     module.__class__ = _PARAMETRIZED_CLASSES[key]
 
@@ -268,50 +294,78 @@ def cast_for_compute(model: nn.Module, mp: MixedPrecision | None) -> nn.Module:
 
 
 def _install_buckets(model: nn.Module, mp: MixedPrecision, bucket_mb: float, *, reshard_after_forward: bool) -> None:
+    """Gather `model`'s parameters in buckets (parallel/buckets.py) and, with reshard_after_forward,
+    drop the gathered block weights after each block's forward (parallel/reshard.py). Replaces
+    what an earlier call installed."""
     if bucket_mb < 0:
         raise ValueError(f"parallelism.bucket_mb = {bucket_mb} must be >= 0 (0 turns bucketing off)")
-    for handle in getattr(model, "_simple_fsdp_bucket_hooks", ()):
-        handle.remove()
-    for sub in model.modules():
-        sub.__dict__.pop("_simple_fsdp_buckets", None)
-        sub.__dict__.pop("per_layer_gather", None)
-    hooks = ReshardHooks() if reshard_after_forward and bucket_mb > 0 else None
-    reshard_pieces = _reshard_pieces(model) if hooks is not None else []
-    if not reshard_pieces:
-        hooks = None  # nothing to re-shard (replicate, the HF backend's one piece): no saved-tensor hooks
-    # A scanned stack under re-sharding is gathered layer by layer inside the loop (LayerGather),
-    # never whole, so its parameters are not bucketed.
-    per_layer = {}
-    for piece in reshard_pieces:
-        if getattr(piece, STACKED_MARKER, False):
-            stored = stored_weights(piece, piece.state_names)
-            piece.__dict__["per_layer_gather"] = LayerGather(stored, mp=mp, hooks=hooks)
-            per_layer.update((id(t), t) for t in stored)
-    buckets = build_buckets(model, mp=mp, bucket_mb=bucket_mb, skip=set(per_layer)) if bucket_mb > 0 else []
+    _uninstall_buckets(model)
+    pieces = _reshard_pieces(model) if reshard_after_forward and bucket_mb > 0 else []
+    # Nothing to re-shard (replicate, the HF backend's one piece): no saved-tensor hooks.
+    hooks = ReshardHooks() if pieces else None
+    stacks = [piece for piece in pieces if getattr(piece, STACKED_MARKER, False)]
+    blocks = [piece for piece in pieces if not getattr(piece, STACKED_MARKER, False)]
+    per_layer = _install_layer_gathers(stacks, mp=mp, hooks=hooks)
+    buckets = build_buckets(model, mp=mp, bucket_mb=bucket_mb, skip=per_layer) if bucket_mb > 0 else []
     for bucket in buckets:
         for module, name in bucket.members:
-            module.__dict__.setdefault("_simple_fsdp_buckets", {})[name] = bucket
-    model._simple_fsdp_bucket_list = buckets
+            fsdp_state(module).buckets[name] = bucket
+    handles = _install_block_gathers(blocks, buckets, mp=mp, bucket_mb=bucket_mb, hooks=hooks)
+    if buckets or hooks is not None:
+        handles += _install_gathering_window(model, buckets, hooks)
+    root = fsdp_state(model)
+    root.all_buckets, root.hook_handles = buckets, tuple(handles)
+
+
+def _uninstall_buckets(model: nn.Module) -> None:
+    """Remove what `_install_buckets` installed: its hooks, the bucket of every parameter and the
+    blocks' per-layer gathers."""
+    for handle in fsdp_state(model).hook_handles:
+        handle.remove()
+    for sub in model.modules():
+        if _STATE in sub.__dict__:
+            sub.__dict__[_STATE].buckets = {}
+        sub.__dict__.pop(PER_LAYER_GATHER, None)
+
+
+def _install_layer_gathers(stacks: list[nn.Module], *, mp: MixedPrecision, hooks: ReshardHooks | None) -> set[int]:
+    """A scanned stack under re-sharding is gathered layer by layer inside the loop (LayerGather),
+    never whole; returns the ids of its parameters, which are therefore not bucketed."""
+    per_layer = set()
+    for stack in stacks:
+        stored = stored_weights(stack, stack.state_names)
+        stack.__dict__[PER_LAYER_GATHER] = LayerGather(stored, mp=mp, hooks=hooks)
+        per_layer.update(id(t) for t in stored)
+    return per_layer
+
+
+def _install_block_gathers(blocks: list[nn.Module], buckets: list[Bucket], *, mp: MixedPrecision, bucket_mb: float,
+                           hooks: ReshardHooks | None) -> list:
+    """Re-shard each block after its forward: its buckets register their gathers with `hooks`
+    (autograd saves tokens, not the gathered weights) and are released when the block's forward
+    ends. A checkpointed block is run as a function of its stored weights and gathers them inside
+    the checkpointed region (BlockGather), so the recomputation in the backward gathers them
+    again. Returns the hook handles."""
     handles = []
-    for piece in reshard_pieces:
-        if getattr(piece, STACKED_MARKER, False):
-            continue
-        own = [b for b in buckets if b.owner is piece]
+    for block in blocks:
+        own = [b for b in buckets if b.owner is block]
         for bucket in own:
             bucket.reshard_hooks = hooks
-        # A checkpointed block is run as a function of its stored weights and gathers them inside
-        # the checkpointed region, so the recomputation in the backward gathers them again.
-        piece.__dict__["per_layer_gather"] = BlockGather(mp=mp, bucket_mb=bucket_mb)
+        block.__dict__[PER_LAYER_GATHER] = BlockGather(mp=mp, bucket_mb=bucket_mb)
 
         def release(*_, own=own):
             for bucket in own:
                 bucket.release()
 
-        handles.append(piece.register_forward_hook(release, always_call=True))
+        handles.append(block.register_forward_hook(release, always_call=True))
+    return handles
 
-    # The gathering window: the root's forward. Opening and closing both drop what was gathered,
-    # so nothing outlives one forward (autograd holds what the backward needs, or, re-sharded,
-    # tokens to gather it again).
+
+def _install_gathering_window(model: nn.Module, buckets: list[Bucket], hooks: ReshardHooks | None) -> list:
+    """The gathering window: the root's forward. Opening and closing both drop what was gathered,
+    so nothing outlives one forward (autograd holds what the backward needs, or, re-sharded, tokens
+    to gather it again). Returns the hook handles."""
+
     def window(value: bool):
         def hook(*_):
             for bucket in buckets:
@@ -320,11 +374,8 @@ def _install_buckets(model: nn.Module, mp: MixedPrecision, bucket_mb: float, *, 
                 hooks.enter() if value else hooks.exit()
         return hook
 
-    if buckets or hooks is not None:
-        handles += [model.register_forward_pre_hook(window(True)),
-                    model.register_forward_hook(window(False), always_call=True)]
-    model._simple_fsdp_bucket_hooks = tuple(handles)
-    model._simple_fsdp_reshard = hooks is not None
+    return [model.register_forward_pre_hook(window(True)),
+            model.register_forward_hook(window(False), always_call=True)]
 
 
 def _reshard_pieces(model: nn.Module) -> list[nn.Module]:
@@ -348,39 +399,26 @@ def _reshard_pieces(model: nn.Module) -> list[nn.Module]:
 
 class BlockGather:
     """The compute tensors of one block's stored weights, gathered in the block's buckets (one
-    all-gather per bucket, the same grouping as build_buckets: by mesh and placements, at most
-    bucket_mb MB each); expert weights under expert parallelism and plain tensors as they are
+    all-gather per bucket, buckets.group_into_buckets as for build_buckets: by mesh and placements,
+    at most bucket_mb MB each); expert weights under expert parallelism and plain tensors as they are
     read elsewhere. Used inside activation-checkpointed blocks (models/common/transformer.py)."""
 
     def __init__(self, *, mp: MixedPrecision, bucket_mb: float):
         self.mp = mp
-        self.cap = bucket_mb * 2**20
+        self.bucket_mb = bucket_mb
 
     def local(self, stored: list) -> list:
         return list(stored)
 
     def gather(self, stored: list) -> list[torch.Tensor]:
-        from titan_tpu.parallel.buckets import _bucketable, _layout_key
-
         out: list = list(stored)
-        groups: dict[tuple, list[list[int]]] = {}
-        sizes: dict[tuple, float] = {}
         for i, t in enumerate(stored):
-            if not isinstance(t, DTensor):
-                continue
-            if not _bucketable(t):
+            if isinstance(t, DTensor) and not bucketable(t):
                 out[i] = _replicate_for_compute(t, self.mp)
-                continue
-            key, nbytes = _layout_key(t), t.numel() * self.mp.param_dtype.itemsize
-            if key not in groups or (sizes[key] + nbytes > self.cap and groups[key][-1]):
-                groups.setdefault(key, []).append([])
-                sizes[key] = 0.0
-            groups[key][-1].append(i)
-            sizes[key] += nbytes
-        for runs in groups.values():
-            for run in runs:
-                for i, full in zip(run, gather_flat([stored[i] for i in run], self.mp)):
-                    out[i] = full
+        bucketed = [(i, t) for i, t in enumerate(stored) if bucketable(t)]
+        for run in group_into_buckets(bucketed, mp=self.mp, bucket_mb=self.bucket_mb):
+            for i, full in zip(run, gather_flat([stored[i] for i in run], self.mp)):
+                out[i] = full
         return out
 
 

@@ -159,13 +159,130 @@ def code_gather(cfg: Config) -> str:
     return "layer"
 
 
+@dataclass(frozen=True)
+class _Setting:
+    """A config resolved for planning: what every term below reads. Built once by `_resolve`."""
+
+    cfg: Config
+    args: object  # the model's TransformerArgs
+    hardware: Hardware
+    devices: int
+    layout: Layout
+    dtype: str  # the compute dtype's name (model.dtype with auto resolved for the hardware)
+    gather: str  # "model" or "layer": what the plan assumes (parallel/plan_terms.py Layout.gather)
+    code_gather: str  # what the code does with this config (`code_gather`)
+
+    @property
+    def ac(self) -> str:
+        return self.cfg.activation_checkpoint.mode
+
+    @property
+    def scanned(self) -> bool:
+        return self.cfg.model.scan_layers
+
+    @property
+    def graph(self) -> bool:
+        return self.cfg.training.mode == "graph"
+
+    @property
+    def traced(self) -> bool:
+        # Traced checkpointed blocks keep the attention output too (activation_checkpoint.py); the
+        # scanned full mode is its own autograd function that keeps only the layer inputs.
+        return self.graph and not (self.scanned and self.ac == "full")
+
+    @property
+    def partitioned(self) -> bool:
+        # Scanned layers in graph mode without full checkpointing: scan's own autograd (scan.py).
+        return self.scanned and self.graph and self.ac != "full"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch of one data-parallel rank (its tp and cp ranks share them)."""
+        return self.cfg.training.batch_size * self.cfg.training.seq_len
+
+    @property
+    def per_layer_stack(self) -> bool:
+        """A scanned stack gathered per layer (re-sharding on, bucketed) reduce-scatters per layer
+        too; a what-if other than the code's stands for re-sharding on (layer) or off (model)."""
+        if self.gather != self.code_gather:
+            return self.gather == "layer"
+        return self.cfg.parallelism.reshard_after_forward and self.cfg.parallelism.bucket_mb > 0
+
+    @property
+    def block_params(self) -> int:
+        args = self.args
+        return num_params(args) - (args.dim + args.vocab_size * args.dim * (1 if args.tie_embeddings else 2))
+
+    @property
+    def stored(self) -> float:
+        """Parameter elements a device stores."""
+        return self.layout.stored_elements(num_params(self.args))
+
+
 def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
                 measure: bool = True, gather: str | None = None, model_args=None) -> Plan:
     """The plan of `cfg` on `hardware` (default: what the config names, see `default_hardware`)
     with `chips` chips (default: the config's mesh, or the chip count the recipe names).
     gather: None for what the code does with this config (`code_gather`), or "model" / "layer"
     as a what-if (parallel/plan_terms.py Layout.gather). model_args: the model's TransformerArgs when
-    they are not a flavor of the table (titan-tpu verify of an HF directory); default: the config's."""
+    they are not a flavor of the table (titan-tpu verify of an HF directory); default: the config's.
+
+    Composes the terms below, each a pure function of the resolved `_Setting` (and of terms
+    computed before it) returning one named quantity."""
+    s = _resolve(cfg, hardware, chips=chips, measure=measure, gather=gather, model_args=model_args)
+    args, t, layout, mb = s.args, cfg.training, s.layout, s.layout.master_bytes()
+    acts = _activations(s)
+    loss_kept, loss_peak = _loss_bytes(s)
+    gathered = _gathered_bytes(s)
+    full_grad = _full_gradient_bytes(s)
+    scan = _scan_memory(s, acts, full_grad)
+    phases = _memory_phases(s, acts=acts, loss_kept=loss_kept, loss_peak=loss_peak, gathered=gathered,
+                            full_grad=full_grad, scan=scan)
+    peak_phase = max(phases, key=phases.get)
+    peak = phases[peak_phase]
+    memory = {
+        "parameters": s.stored * mb, "gradients": s.stored * mb, "optimizer_state": 2 * s.stored * mb,
+        "activations": acts.saved + acts.head, "activation_recompute": acts.recompute,
+        "gathered_weights": gathered, "full_size_gradient": full_grad,
+        # scan's weight copies beyond the gathered weights they are when sharded, and the RoPE copies
+        "scan_saved_copies": (scan.weight_copies - min(gathered, scan.weight_copies) + scan.shared if scan else 0.0),
+        "scan_flipped": (scan.flipped if scan else 0.0), "scan_gradient_stack": (scan.gradients if scan else 0.0),
+        "loss_kept": loss_kept, "loss_peak": loss_peak, "optimizer_temporary": _optimizer_temporary_bytes(s),
+        "runtime": _runtime_bytes(s), "phases": phases,
+    }
+    if args.moe is not None:
+        memory["moe_dispatch"] = _moe_dispatch_bytes(s, acts)
+    flops = _flops(s)
+    collectives = _collectives(s)
+    step_time = _step_time(s, executed_rank=flops["executed_per_step_per_device"], collectives=collectives)
+    tokens_step_rank = s.tokens * t.grad_accum_steps
+    tp, cp = cfg.parallelism.tp, cfg.parallelism.cp
+    step_s = step_time["step_s"]
+    plan = Plan(
+        model=model_label(cfg), hardware=s.hardware.as_dict(), devices=s.devices,
+        mesh={"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "ep": cfg.parallelism.ep, "tp": tp,
+              "cp": cp, "mode": _mode(layout), "gather": s.gather, "code_gather": s.code_gather},
+        batch={"batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum_steps": t.grad_accum_steps,
+               "tokens_per_step": tokens_step_rank * s.devices // (tp * cp), "dtype": s.dtype,
+               "activation_checkpoint": s.ac, "scan_layers": s.scanned,
+               "loss": _loss_impl(cfg.kernels.loss, s.hardware.name), "mode": t.mode},
+        params={"total": num_params(args), "active": num_active_params(args), "experts": num_expert_params(args),
+                "stored_per_device": s.stored},
+        memory=memory, peak_bytes=peak, peak_phase=peak_phase, capacity_bytes=s.hardware.memory_bytes,
+        fits=peak <= s.hardware.memory_bytes, flops=flops,
+        communication=[dataclasses.asdict(c) for c in collectives], time=step_time,
+        tokens_per_s=tokens_step_rank * s.devices / (tp * cp) / step_s,
+        mfu=100.0 * flops["model_per_step_per_device"] / step_s / (s.hardware.peak_flops / _cpu_share(s)))
+    # Scan's autograd holds its saved stacks twice and the gradient stack: activation memory too,
+    # which full checkpointing removes (the scanned full mode keeps only the layer inputs).
+    scan_held = scan.at_backward_start - scan.activations if scan else 0.0
+    plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak + scan_held) / peak if peak else 0.0)
+    return plan
+
+
+def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measure: bool, gather: str | None,
+             model_args) -> _Setting:
+    """The config checked and resolved for planning (see `plan_config` for the arguments)."""
     code = code_gather(cfg)
     gather = gather or code
     if cfg.model.name == "hf":
@@ -177,82 +294,110 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     devices = chips * hardware.devices_per_chip if chips is not None else None
     dp_replicate, dp_shard, devices = _mesh(cfg, devices)
     args = model_args if model_args is not None else model_args_from_config(cfg)
-    tp = cfg.parallelism.tp
+    _check_parallel_support(cfg, args)
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
+    p = cfg.parallelism
+    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=p.ep, tp=p.tp, cp=p.cp,
+                    compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype], gather=gather)
+    return _Setting(cfg=cfg, args=args, hardware=hardware, devices=devices, layout=layout, dtype=dtype, gather=gather,
+                    code_gather=code)
+
+
+def _check_parallel_support(cfg: Config, args) -> None:
+    """The tensor- and context-parallel combinations the code runs, or a one-line error."""
+    tp, cp = cfg.parallelism.tp, cfg.parallelism.cp
     if tp > 1:
         check_tensor_parallel(args, tp, seq_len=cfg.training.seq_len)
         if cfg.model.scan_layers:
             raise ValueError("--parallelism.tp > 1 runs unrolled blocks for now; set --model.scan_layers false")
-    cp = cfg.parallelism.cp
     if cp > 1:
         check_context_parallel(cp, seq_len=cfg.training.seq_len)
         if cfg.model.scan_layers or args.moe is not None or tp > 1:
             raise ValueError("--parallelism.cp > 1 runs dense models with unrolled blocks and tp 1 for now; set "
                              "--model.scan_layers false and --parallelism.tp 1")
-    t, k = cfg.training, cfg.kernels
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
-    cb = _DTYPE_BYTES[dtype]
-    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=cfg.parallelism.ep, tp=tp, cp=cp, compute_bytes=cb,
-                    reduce_bytes=_DTYPE_BYTES[cfg.parallelism.reduce_dtype], gather=gather)
-    ac, scanned = cfg.activation_checkpoint.mode, cfg.model.scan_layers
-    # Traced checkpointed blocks keep the attention output too (activation_checkpoint.py); the scanned
-    # full mode is its own autograd function that keeps only the layer inputs.
-    traced = t.mode == "graph" and not (scanned and ac == "full")
-    # Scanned layers in graph mode without full checkpointing: scan's own autograd (scan.py).
-    partitioned = scanned and t.mode == "graph" and ac != "full"
-    overlapped = t.mode == "graph"
 
-    # Parameters.
-    total = num_params(args)
-    experts = num_expert_params(args)
-    outside_blocks = args.dim + args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
-    block_params = total - outside_blocks
-    mb = layout.master_bytes()
-    stored = layout.stored_elements(total)
-    params_b = stored * mb
-    moments_b = 2 * stored * mb
-    grads_b = stored * mb
 
-    # Activations of one micro-batch on one rank: under context parallelism its 1 / cp of the tokens,
-    # and attention keeps every rank's keys and values.
-    tokens = t.batch_size * t.seq_len  # of one data-parallel rank (its tp and cp ranks share them)
-    acts = activation_bytes(args, tokens=tokens // cp, ac_mode=ac, dtype_bytes=cb, ep=cfg.parallelism.ep,
-                            traced=traced, partitioned=partitioned, tp=tp)
-    if cp > 1 and ac == "none":
-        extra = cp_attention_saved_bytes(batch_size=t.batch_size, seq_len=t.seq_len, cp=cp, dtype_bytes=cb,
-                                         kv_dim=args.n_kv_heads * args.hd, documents=cfg.data.document_mask)
-        acts = dataclasses.replace(acts, saved_per_layer=tuple(s + extra for s in acts.saved_per_layer))
-    loss_impl = _loss_impl(k.loss, hardware.name)
-    # Under tensor parallelism the loss kernel sees every token and its rank's 1 / tp of the vocabulary,
-    # under context parallelism the rank's tokens.
-    loss_kept, loss_peak = loss_memory_bytes(loss_impl, tokens=tokens // cp, vocab_size=args.vocab_size // tp,
-                                             dim=args.dim, dtype_bytes=cb, chunk_tokens=k.loss_chunk_tokens)
-    gathered = layout.gathered_bytes(block_params=block_params, expert_params=experts, n_layers=args.n_layers)
-    # A scanned stack gathered per layer (re-sharding on, bucketed) reduce-scatters per layer too;
-    # a what-if other than the code's stands for re-sharding on (layer) or off (model).
-    per_layer_stack = (cfg.parallelism.reshard_after_forward and cfg.parallelism.bucket_mb > 0
-                       if gather == code else gather == "layer")
-    # Its full-size gradient is one layer's then, also where the gathered weights are kept (scan's
-    # autograd without full checkpointing: gather "model", the gradients still per layer).
-    grad_layout = dataclasses.replace(layout, gather="layer") if scanned and per_layer_stack else layout
-    full_grad = grad_layout.full_gradient_bytes(largest_param=largest_param(args), block_params=block_params,
-                                                expert_params=experts, n_layers=args.n_layers,
-                                                scanned=scanned and not per_layer_stack)
-    accumulating = grads_b if t.grad_accum_steps > 1 else 0.0  # earlier micro-batches' gradients
+def _activations(s: _Setting) -> ActivationBytes:
+    """Activations of one micro-batch on one rank: under context parallelism its 1 / cp of the
+    tokens, and attention keeps every rank's keys and values."""
+    cfg, args, cp = s.cfg, s.args, s.cfg.parallelism.cp
+    acts = activation_bytes(args, tokens=s.tokens // cp, ac_mode=s.ac, dtype_bytes=s.layout.compute_bytes,
+                            ep=cfg.parallelism.ep, traced=s.traced, partitioned=s.partitioned, tp=cfg.parallelism.tp)
+    if cp > 1 and s.ac == "none":
+        t = cfg.training
+        extra = cp_attention_saved_bytes(batch_size=t.batch_size, seq_len=t.seq_len, cp=cp,
+                                         dtype_bytes=s.layout.compute_bytes, kv_dim=args.n_kv_heads * args.hd,
+                                         documents=cfg.data.document_mask)
+        acts = dataclasses.replace(acts, saved_per_layer=tuple(saved + extra for saved in acts.saved_per_layer))
+    return acts
 
-    efficiency, elementwise_efficiency, runtime = hardware.mode_constants(graph=t.mode == "graph")
-    static = params_b + moments_b + runtime
+
+def _loss_bytes(s: _Setting) -> tuple[float, float]:
+    """(kept, peak) of the loss kernel. Under tensor parallelism it sees every token and its rank's
+    1 / tp of the vocabulary, under context parallelism the rank's tokens."""
+    k, p = s.cfg.kernels, s.cfg.parallelism
+    return loss_memory_bytes(_loss_impl(k.loss, s.hardware.name), tokens=s.tokens // p.cp,
+                             vocab_size=s.args.vocab_size // p.tp, dim=s.args.dim,
+                             dtype_bytes=s.layout.compute_bytes, chunk_tokens=k.loss_chunk_tokens)
+
+
+def _gathered_bytes(s: _Setting) -> float:
+    """Gathered block weights alive at once (parallel/plan_terms.py)."""
+    return s.layout.gathered_bytes(block_params=s.block_params, expert_params=num_expert_params(s.args),
+                                   n_layers=s.args.n_layers)
+
+
+def _full_gradient_bytes(s: _Setting) -> float:
+    """The largest full-size gradient alive before its reduce-scatter. A scanned stack gathered per
+    layer has one layer's, also where the gathered weights are kept (scan's autograd without full
+    checkpointing: gather "model", the gradients still per layer)."""
+    args, layout = s.args, s.layout
+    grad_layout = dataclasses.replace(layout, gather="layer") if s.scanned and s.per_layer_stack else layout
+    return grad_layout.full_gradient_bytes(largest_param=largest_param(args), block_params=s.block_params,
+                                           expert_params=num_expert_params(args), n_layers=args.n_layers,
+                                           scanned=s.scanned and not s.per_layer_stack)
+
+
+def _scan_memory(s: _Setting, acts: ActivationBytes, full_grad: float) -> ScanAutogradMemory | None:
+    """What scan's own autograd holds (scanned layers in graph mode without full checkpointing),
+    else None."""
+    if not s.partitioned:
+        return None
+    k = s.cfg.kernels
+    return scanned_autograd_memory(s.args, layout=s.layout, acts=acts, seq_len=s.cfg.training.seq_len,
+                                   gradient_stack=not full_grad or s.per_layer_stack,
+                                   gathered_in_body=s.layout.sharded and s.per_layer_stack,
+                                   experts_copied=_grouped_mm_impl(k.grouped_mm, s.hardware.name) != "torch",
+                                   flipped=s.cfg.compile.backend != "inductor")
+
+
+def _runtime_bytes(s: _Setting) -> float:
+    """What the runtime holds beside the model (hardware.mode_constants)."""
+    return s.hardware.mode_constants(graph=s.graph)[2]
+
+
+def _optimizer_temporary_bytes(s: _Setting) -> float:
+    """AdamW's sqrt(v) temporary; the traced step's out-of-place update also writes fresh
+    parameters and moments (train/optim.py update_buffers)."""
+    return update_buffers(out_of_place=s.graph) * s.stored * s.layout.master_bytes()
+
+
+def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss_peak: float, gathered: float,
+                   full_grad: float, scan: ScanAutogradMemory | None) -> dict[str, float]:
+    """Memory at the three moments of a step (the module docstring): forward end, backward,
+    optimizer update."""
+    mb = s.layout.master_bytes()
+    params_b = s.stored * mb
+    moments_b = 2 * s.stored * mb
+    grads_b = s.stored * mb
+    accumulating = grads_b if s.cfg.training.grad_accum_steps > 1 else 0.0  # earlier micro-batches' gradients
+    static = params_b + moments_b + _runtime_bytes(s)
     forward_end = static + gathered + acts.saved + acts.head + loss_kept + loss_peak + accumulating
-    scan = None
-    if partitioned:
-        scan = scanned_autograd_memory(args, layout=layout, acts=acts, seq_len=t.seq_len,
-                                       gradient_stack=not full_grad or per_layer_stack,
-                                       gathered_in_body=layout.sharded and per_layer_stack,
-                                       experts_copied=_grouped_mm_impl(k.grouped_mm, hardware.name) != "torch",
-                                       flipped=cfg.compile.backend != "inductor")
+    if scan is not None:
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
         forward_end += scan.at_backward_start - scan.activations - min(gathered, scan.weight_copies)
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
-    layer_grad = [g * mb / (dp_shard * tp) for g in _layer_params(args)]
+    layer_grad = [g * mb / (s.layout.dp_shard * s.layout.tp) for g in _layer_params(s.args)]
     below, above, worst = acts.saved, 0.0, 0.0
     for saved, grad in zip(reversed(acts.saved_per_layer), reversed(layer_grad)):
         worst = max(worst, below + above + grad)
@@ -265,98 +410,79 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         # one layer's intermediates are alive at a time.
         backward = static + acts.head + loss_kept + scan.flipped + scan.gradients + max(acts.saved_per_layer) + \
             full_grad + accumulating
-    # AdamW's sqrt(v) temporary; the traced step's out-of-place update also writes fresh parameters
-    # and moments (train/optim.py update_buffers).
-    update_b = update_buffers(out_of_place=t.mode == "graph") * stored * mb
-    optimizer = static + grads_b + update_b
-    phases = {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
-    peak_phase = max(phases, key=phases.get)
-    peak = phases[peak_phase]
+    optimizer = static + grads_b + _optimizer_temporary_bytes(s)
+    return {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
 
-    memory = {
-        "parameters": params_b, "gradients": grads_b, "optimizer_state": moments_b,
-        "activations": acts.saved + acts.head, "activation_recompute": acts.recompute,
-        "gathered_weights": gathered, "full_size_gradient": full_grad,
-        # scan's weight copies beyond the gathered weights they are when sharded, and the RoPE copies
-        "scan_saved_copies": (scan.weight_copies - min(gathered, scan.weight_copies) + scan.shared if scan else 0.0),
-        "scan_flipped": (scan.flipped if scan else 0.0), "scan_gradient_stack": (scan.gradients if scan else 0.0),
-        "loss_kept": loss_kept, "loss_peak": loss_peak, "optimizer_temporary": update_b,
-        "runtime": runtime, "phases": phases,
-    }
-    if args.moe is not None:
-        # Part of the activations: what expert parallelism adds (each rank's experts see the ep
-        # group's tokens: ep times the dispatched rows).
-        one_rank = activation_bytes(args, tokens=tokens, ac_mode=ac, dtype_bytes=cb, ep=1, traced=traced)
-        memory["moe_dispatch"] = acts.saved - one_rank.saved + acts.recompute - one_rank.recompute
-    capacity = hardware.memory_bytes
-    fits = peak <= capacity
 
-    # FLOPs: the trainer's count, and what runs (recomputed forwards under full checkpointing).
-    fpt = flops_per_token(args, t.seq_len)
-    tokens_step_rank = tokens * t.grad_accum_steps  # tokens of one data-parallel rank (its tp ranks share them)
-    model_flops_rank = fpt * tokens_step_rank / (tp * cp)
-    forward_share = 1 / 3 if ac == "full" else 0.0
-    executed_rank = model_flops_rank * (1 + forward_share)
+def _moe_dispatch_bytes(s: _Setting, acts: ActivationBytes) -> float:
+    """Part of the activations: what expert parallelism adds (each rank's experts see the ep
+    group's tokens: ep times the dispatched rows)."""
+    one_rank = activation_bytes(s.args, tokens=s.tokens, ac_mode=s.ac, dtype_bytes=s.layout.compute_bytes, ep=1,
+                                traced=s.traced)
+    return acts.saved - one_rank.saved + acts.recompute - one_rank.recompute
 
+
+def _flops(s: _Setting) -> dict[str, float]:
+    """The trainer's FLOPs count, and what runs (recomputed forwards under full checkpointing)."""
+    t, p = s.cfg.training, s.cfg.parallelism
+    fpt = flops_per_token(s.args, t.seq_len)
+    tokens_step_rank = s.tokens * t.grad_accum_steps  # tokens of one data-parallel rank (its tp ranks share them)
+    model_flops_rank = fpt * tokens_step_rank / (p.tp * p.cp)
+    forward_share = 1 / 3 if s.ac == "full" else 0.0
+    return {"per_token": fpt, "model_per_step_per_device": model_flops_rank,
+            "executed_per_step_per_device": model_flops_rank * (1 + forward_share)}
+
+
+def _collectives(s: _Setting) -> list:
+    """The collectives of one step (parallel/plan_terms.py)."""
+    args, t, p = s.args, s.cfg.training, s.cfg.parallelism
+    cb = s.layout.compute_bytes
     gathers, regathers = collective_calls(
         tensors_per_layer=_layer_tensors(args), bytes_per_layer=[g * cb for g in _layer_params(args)],
-        outside_tensors=2 if args.tie_embeddings else 3, bucket_bytes=cfg.parallelism.bucket_mb * 2**20,
-        scanned_whole=scanned and not per_layer_stack, regather=gather == "layer")
-    collectives = layout.step_collectives(total_params=total, expert_params=experts,
-                                          micro_batches=t.grad_accum_steps, moe_layers=args.num_moe_layers,
-                                          tokens_per_micro_batch=tokens, dim=args.dim,
-                                          top_k=args.moe.top_k if args.moe else 0, recompute_blocks=ac == "full",
-                                          regathered_params=block_params if gather == "layer" else 0,
-                                          gathers=gathers, regathers=regathers, n_layers=args.n_layers)
-    if cp > 1:
-        collectives += cp_collectives(cp=cp, micro_batches=t.grad_accum_steps, n_layers=args.n_layers,
-                                      kv_elements=tokens * args.n_kv_heads * args.hd, compute_bytes=cb,
-                                      documents_tokens=tokens if cfg.data.document_mask else 0,
-                                      recompute_blocks=ac != "none")
+        outside_tensors=2 if args.tie_embeddings else 3, bucket_bytes=p.bucket_mb * 2**20,
+        scanned_whole=s.scanned and not s.per_layer_stack, regather=s.gather == "layer")
+    collectives = s.layout.step_collectives(total_params=num_params(args), expert_params=num_expert_params(args),
+                                            micro_batches=t.grad_accum_steps, moe_layers=args.num_moe_layers,
+                                            tokens_per_micro_batch=s.tokens, dim=args.dim,
+                                            top_k=args.moe.top_k if args.moe else 0, recompute_blocks=s.ac == "full",
+                                            regathered_params=s.block_params if s.gather == "layer" else 0,
+                                            gathers=gathers, regathers=regathers, n_layers=args.n_layers)
+    if p.cp > 1:
+        collectives += cp_collectives(cp=p.cp, micro_batches=t.grad_accum_steps, n_layers=args.n_layers,
+                                      kv_elements=s.tokens * args.n_kv_heads * args.hd, compute_bytes=cb,
+                                      documents_tokens=s.tokens if s.cfg.data.document_mask else 0,
+                                      recompute_blocks=s.ac != "none")
+    return collectives
 
-    # Time. On this CPU the ranks share the cores: each gets 1 / devices of the peak.
-    share = devices if hardware.name == "cpu" else 1
+
+def _cpu_share(s: _Setting) -> int:
+    """On this CPU the ranks share the cores: each gets 1 / devices of the peak."""
+    return s.devices if s.hardware.name == "cpu" else 1
+
+
+def _step_time(s: _Setting, *, executed_rank: float, collectives: list) -> dict:
+    """Seconds per step: compute, elementwise work and collectives (the module docstring)."""
+    hardware, t, p = s.hardware, s.cfg.training, s.cfg.parallelism
+    efficiency, elementwise_efficiency, _ = hardware.mode_constants(graph=s.graph)
+    share = _cpu_share(s)
     peak_flops = hardware.peak_flops / share
     compute_s = executed_rank / (peak_flops * efficiency)
-    none_acts = activation_bytes(args, tokens=tokens // cp, ac_mode="none", dtype_bytes=cb, ep=cfg.parallelism.ep,
-                                 tp=tp)
+    none_acts = activation_bytes(s.args, tokens=s.tokens // p.cp, ac_mode="none", dtype_bytes=s.layout.compute_bytes,
+                                 ep=p.ep, tp=p.tp)
     # Every intermediate is written in the forward and read and written in the backward (again when
     # recomputed); AdamW and clipping stream parameters, gradients and moments about twelve times.
-    elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if ac != "none" else 0)) * t.grad_accum_steps \
-        + 12 * stored * mb
+    elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if s.ac != "none" else 0)) * t.grad_accum_steps \
+        + 12 * s.stored * s.layout.master_bytes()
     elementwise_s = elementwise_bytes / (hardware.memory_bandwidth / share * elementwise_efficiency)
     comm_s = sum(c.bytes_per_step for c in collectives) / hardware.interconnect_bandwidth + \
         sum(c.calls for c in collectives) * hardware.collective_latency
     no_overlap = compute_s + elementwise_s + comm_s
     overlap = compute_s + elementwise_s + max(0.0, comm_s - compute_s)
-    step_s = overlap if overlapped else no_overlap
-    tokens_per_s = tokens_step_rank * devices / (tp * cp) / step_s
-    mfu = 100.0 * model_flops_rank / step_s / (hardware.peak_flops / share)
-
-    plan = Plan(
-        model=model_label(cfg), hardware=hardware.as_dict(), devices=devices,
-        mesh={"dp_replicate": dp_replicate, "dp_shard": dp_shard, "ep": cfg.parallelism.ep, "tp": tp, "cp": cp,
-              "mode": _mode(layout),
-              "gather": gather, "code_gather": code},
-        batch={"batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum_steps": t.grad_accum_steps,
-               "tokens_per_step": tokens_step_rank * devices // (tp * cp), "dtype": dtype, "activation_checkpoint": ac,
-               "scan_layers": scanned, "loss": loss_impl, "mode": t.mode},
-        params={"total": total, "active": num_active_params(args), "experts": experts,
-                "stored_per_device": stored},
-        memory=memory, peak_bytes=peak, peak_phase=peak_phase, capacity_bytes=capacity, fits=fits,
-        flops={"per_token": fpt, "model_per_step_per_device": model_flops_rank,
-               "executed_per_step_per_device": executed_rank},
-        communication=[dataclasses.asdict(c) for c in collectives],
-        time={"compute_s": compute_s, "elementwise_s": elementwise_s, "collectives_s": comm_s,
-              "step_s_no_overlap": no_overlap, "step_s_overlap": overlap, "step_s": step_s,
-              "overlap_assumed": overlapped, "efficiency": efficiency,
-              "elementwise_efficiency": elementwise_efficiency},
-        tokens_per_s=tokens_per_s, mfu=mfu)
-    # Scan's autograd holds its saved stacks twice and the gradient stack: activation memory too,
-    # which full checkpointing removes (the scanned full mode keeps only the layer inputs).
-    scan_held = scan.at_backward_start - scan.activations if scan else 0.0
-    plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak + scan_held) / peak if peak else 0.0)
-    return plan
+    # Eager runs have no scheduler to overlap collectives with compute; graph mode does.
+    return {"compute_s": compute_s, "elementwise_s": elementwise_s, "collectives_s": comm_s,
+            "step_s_no_overlap": no_overlap, "step_s_overlap": overlap,
+            "step_s": overlap if s.graph else no_overlap, "overlap_assumed": s.graph, "efficiency": efficiency,
+            "elementwise_efficiency": elementwise_efficiency}
 
 
 def scanned_autograd_memory(args, *, layout: Layout, acts: ActivationBytes, seq_len: int,

@@ -183,16 +183,12 @@ class Transformer(nn.Module):
                                          for i, moe in enumerate(moe_layers)})
             # Checkpointed blocks run as functions of their weights, so that the recomputation in
             # the backward uses the same weights (see functional_block.py); one template per kind.
-            self._checkpointed_blocks = {}
-            self._block_fns = []
+            self._checkpointed_blocks: dict[bool, CheckpointedBlock] = {}  # by "is an MoE block"
             if ac_mode != "none":
                 for moe in set(moe_layers):
-                    block_fn = FunctionalBlock(functools.partial(TransformerBlock, args, kernels=kernels,
-                                                                 moe_layer=moe, dispatch_slot=slot))
-                    self._block_fns.append(block_fn)
-                    self._checkpointed_blocks[moe] = (block_fn.param_names, checkpointed(block_fn, ac_mode),
-                                                      checkpointed(functools.partial(_gather_then_run, block_fn),
-                                                                   ac_mode))
+                    self._checkpointed_blocks[moe] = CheckpointedBlock(
+                        FunctionalBlock(functools.partial(TransformerBlock, args, kernels=kernels, moe_layer=moe,
+                                                          dispatch_slot=slot)), ac_mode)
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = (
             None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -207,7 +203,7 @@ class Transformer(nn.Module):
         computes (tensor parallelism's plan) applies to these too."""
         if self.scan_layers:
             return [self.layers._block_fn.template]
-        return [block_fn.template for block_fn in self._block_fns]
+        return [block.block_fn.template for block in self._checkpointed_blocks.values()]
 
     def _compute_rope_cache(self, device: torch.device | None = None) -> torch.Tensor:
         a = self.args
@@ -353,29 +349,48 @@ class Transformer(nn.Module):
         if document_ids_BS is None and positions_BS is not None:
             document_ids_BS = document_ids_from_positions(positions_BS)
         h_BSD = self.tok_embeddings(tokens_BS)
-        if self.scan_layers:
+        if self.scan_layers:  # one scan over the stacked blocks (models/common/scan.py)
             h_BSD, stats_L2E = self.layers(h_BSD, rope, document_ids_BS)
-            if self.args.moe is None:
-                stats_L2E = stats_L2E.new_zeros(0, 0)
+            stats_L2E = stats_L2E if self.args.moe is not None else stats_L2E.new_zeros(0, 0)
         else:
-            stats = []
+            moe_stats = []
             for layer in self.layers.values():
-                if not self._checkpointed_blocks:
-                    h_BSD, layer_stats = layer(h_BSD, rope, document_ids_BS)
-                else:
-                    names, block, gathering_block = self._checkpointed_blocks[layer.moe is not None]
-                    gather = getattr(layer, PER_LAYER_GATHER, None)
-                    if gather is None:
-                        h_BSD, layer_stats = block(h_BSD, rope, document_ids_BS, *read_weights(layer, names))
-                    else:
-                        # Gathered inside the checkpointed region: the recomputation gathers again,
-                        # so the gathered weights are not kept from the forward to the backward.
-                        h_BSD, layer_stats = gathering_block(h_BSD, rope, document_ids_BS, gather,
-                                                             *stored_weights(layer, names))
+                h_BSD, layer_stats = self._run_block(layer, h_BSD, rope, document_ids_BS)
                 if layer.moe is not None:
-                    stats.append(layer_stats)
-            stats_L2E = torch.stack(stats) if stats else h_BSD.new_zeros(0, 0)
+                    moe_stats.append(layer_stats)
+            stats_L2E = torch.stack(moe_stats) if moe_stats else h_BSD.new_zeros(0, 0)
         return self.norm(h_BSD), stats_L2E
+
+    def _run_block(self, layer: TransformerBlock, h_BSD: torch.Tensor, rope: torch.Tensor,
+                   document_ids_BS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One unrolled block: the module itself, or under activation checkpointing its kind's
+        `CheckpointedBlock` (dense or MoE), which runs it as a function of its weights."""
+        checkpointed_block = self._checkpointed_blocks.get(layer.moe is not None)
+        if checkpointed_block is None:
+            return layer(h_BSD, rope, document_ids_BS)
+        return checkpointed_block(layer, h_BSD, rope, document_ids_BS)
+
+
+class CheckpointedBlock:
+    """One kind of block (dense or MoE) under activation checkpointing, run as a function of a
+    layer's weights (functional_block.py), so that the recomputation in the backward uses the same
+    weights. The weights are the layer's parameters read as attributes (under data parallelism the
+    gathered tensors), or, when a data-parallel wrapper set `PER_LAYER_GATHER` on the layer, its
+    stored shards, gathered inside the checkpointed region: the recomputation then gathers them
+    again, and the gathered weights are not kept from the forward to the backward."""
+
+    def __init__(self, block_fn: FunctionalBlock, ac_mode: str):
+        self.block_fn = block_fn
+        self._run = checkpointed(block_fn, ac_mode)
+        self._gather_then_run = checkpointed(functools.partial(_gather_then_run, block_fn), ac_mode)
+
+    def __call__(self, layer: TransformerBlock, h_BSD: torch.Tensor, rope: torch.Tensor,
+                 document_ids_BS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        names = self.block_fn.param_names
+        gather = getattr(layer, PER_LAYER_GATHER, None)
+        if gather is None:
+            return self._run(h_BSD, rope, document_ids_BS, *read_weights(layer, names))
+        return self._gather_then_run(h_BSD, rope, document_ids_BS, gather, *stored_weights(layer, names))
 
 
 def _gather_then_run(block_fn: FunctionalBlock, h_BSD, rope, document_ids_BS, gather, *stored):
