@@ -52,6 +52,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from titan_tpu.graph.passes import recomputed_nodes, rematerialize
+from titan_tpu.model_contract import TrainableModel
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
 from titan_tpu.train.step import model_copies, split_batch
 
@@ -311,7 +312,7 @@ def capture_train_step(
     copies = model_copies(dp_size)  # tensor-parallel ranks each hold the whole loss of their batch
     n, nb = len(param_names), len(example_batch)
     hparams = dict(adamw_hparams)
-    updated_buffers = model.expert_bias_names() if hasattr(model, "expert_bias_names") else []
+    updated_buffers = model.expert_bias_names() if isinstance(model, TrainableModel) else []
 
     def train_step(*flat: Tensor) -> list[Tensor]:
         local_params = list(flat[0:n])

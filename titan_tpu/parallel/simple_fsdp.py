@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
+from titan_tpu.model_contract import TrainableModel
 from titan_tpu.models.common.moe import EXPERT_MARKER  # set on modules holding MoE expert weights
 from titan_tpu.models.common.scan import STACKED_MARKER  # set on modules holding stacked layers
 from titan_tpu.models.common.functional_block import stored_weights
@@ -333,7 +334,7 @@ def _reshard_pieces(model: nn.Module) -> list[nn.Module]:
     TorchTitan keep it too), or the scanned stack (gathered per layer). The embedding, final
     norm and output projection stay gathered: their backward follows the forward at once.
     Models without such pieces (the Hugging Face backend's one piece) keep every gather."""
-    if not hasattr(model, "init_plan"):
+    if not isinstance(model, TrainableModel):
         return []
     if not any(isinstance(p, DTensor) and any(isinstance(pl, Shard) and axis != TP_AXIS
                                               for pl, axis in zip(p.placements, p.device_mesh.mesh_dim_names or ()))
