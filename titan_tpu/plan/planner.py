@@ -32,7 +32,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from titan_tpu.config import Config, model_args_from_config, model_label
+from titan_tpu.config import Config, model_args_from_config, model_label, model_spec
 from titan_tpu.kernels.loss import loss_memory_bytes
 from titan_tpu.models.common.rope import rope_real_saved_per_position
 from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memory
@@ -168,7 +168,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     they are not a flavor of the table (titan-tpu verify of an HF directory); default: the config's."""
     code = code_gather(cfg)
     gather = gather or code
-    if cfg.model.name == "hf":
+    if not model_spec(cfg).plannable:
         raise ValueError("titan-tpu plan covers the native models (llama3, qwen3, qwen3_moe); an hf model's "
                          "layers are transformers' own code, which the planner has no terms for")
     if hardware is None:
