@@ -52,9 +52,6 @@ class ModelConfig:
     moe_bias_update_rate: float = 0.001
 
 
-MOE_OPTIONS = ("moe_load_balance", "moe_aux_loss_coef", "moe_bias_update_rate")
-
-
 @dataclass
 class TrainingConfig:
     steps: int = 100  # optimizer steps
@@ -323,7 +320,8 @@ def set_value(cfg: Config, dotted_key: str, value: Any) -> None:
 def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist; pass --config with a TOML recipe, e.g. configs/llama3_debug.toml")
+        raise FileNotFoundError(f"config file {path} does not exist; pass --config with a TOML recipe, "
+                                "e.g. configs/llama3_debug.toml")
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
@@ -380,13 +378,8 @@ def data_sources(cfg: Config) -> list[SourceConfig]:
 
 
 def tokenizer_path(cfg: Config) -> str | None:
-    """data.tokenizer_path, else an hf model directory's tokenizer.json, else None (train a BPE)."""
-    if cfg.data.tokenizer_path:
-        return cfg.data.tokenizer_path
-    if cfg.model.name == "hf":
-        candidate = Path(cfg.model.hf_config).expanduser() / "tokenizer.json"
-        return str(candidate) if candidate.is_file() else None
-    return None
+    """data.tokenizer_path, else the model's own (an hf model directory's tokenizer.json), else None (train a BPE)."""
+    return model_spec(cfg).tokenizer_path(cfg)
 
 
 def effective_warmup_steps(cfg: Config) -> int:
@@ -394,46 +387,30 @@ def effective_warmup_steps(cfg: Config) -> int:
     return min(cfg.lr_scheduler.warmup_steps, cfg.training.steps)
 
 
+def model_spec(cfg: Config):
+    """The model spec of the [model] section (models/spec.py), resolved anew on each call: a
+    component that asks more than once keeps the result."""
+    from titan_tpu.models.spec import model_spec as resolve
+
+    return resolve(cfg.model)
+
+
 def model_label(cfg: Config) -> str:
     """How messages name the model: name/flavor, or hf:<hf_config> for the Transformers backend."""
-    return f"hf:{cfg.model.hf_config}" if cfg.model.name == "hf" else f"{cfg.model.name}/{cfg.model.flavor}"
+    return model_spec(cfg).label
 
 
 def model_args_from_config(cfg: Config):
-    """The flavor's TransformerArgs with the config's model options applied (MoE balancing)."""
-    from titan_tpu.models.registry import get_model_args
-
-    defaults = ModelConfig()
-    if cfg.model.name == "hf":
-        from titan_tpu.models.hf_backend import hf_args_from_spec
-
-        changed = [k for k in MOE_OPTIONS if getattr(cfg.model, k) != getattr(defaults, k)]
-        if changed:
-            raise ValueError(f"model.{changed[0]} applies to qwen3_moe; an hf model balances its experts as its "
-                             "config says (output_router_logits, router_aux_loss_coef; set them with "
-                             "--model.hf_overrides): remove it")
-        return hf_args_from_spec(cfg.model.hf_config, cfg.model.hf_overrides)
-    if cfg.model.hf_config or cfg.model.hf_overrides:
-        raise ValueError(f"model.hf_config / model.hf_overrides apply to model.name = hf, not {cfg.model.name}: "
-                         "remove them or set --model.name hf")
-    args = get_model_args(cfg.model.name, cfg.model.flavor)
-    if args.moe is None:
-        changed = [k for k in MOE_OPTIONS if getattr(cfg.model, k) != getattr(defaults, k)]
-        if changed:
-            raise ValueError(f"model.{changed[0]} applies to mixture-of-experts models (qwen3_moe); "
-                             f"{model_label(cfg)} is dense: remove it")
-        return args
-    args.moe = dataclasses.replace(args.moe, load_balance=cfg.model.moe_load_balance,
-                                   aux_loss_coef=cfg.model.moe_aux_loss_coef,
-                                   bias_update_rate=cfg.model.moe_bias_update_rate)
-    return args
+    """The model's args (a flavor's TransformerArgs with the config's MoE options applied, or HFArgs)."""
+    return model_spec(cfg).args
 
 
 def validate(cfg: Config) -> None:
     """Checks that span keys or need the flavor table; single-key types are checked on assignment."""
     from titan_tpu.train.optim import validate_lr_schedule
 
-    model_args = model_args_from_config(cfg)  # raises with the valid flavors and on MoE options of dense models
+    spec = model_spec(cfg)  # raises with the valid flavors and on MoE options of dense models
+    model_args = spec.args
     t = cfg.training
     for key, value in (("training.steps", t.steps), ("training.batch_size", t.batch_size),
                        ("training.seq_len", t.seq_len), ("training.grad_accum_steps", t.grad_accum_steps),
@@ -453,14 +430,12 @@ def validate(cfg: Config) -> None:
     if ep < 1:
         raise ValueError(f"parallelism.ep = {ep} must be >= 1")
     if ep > 1 and model_args.moe is None:
-        raise ValueError(f"parallelism.ep = {ep} spreads MoE experts; {model_label(cfg)} has none: "
+        raise ValueError(f"parallelism.ep = {ep} spreads MoE experts; {spec.label} has none: "
                          "remove it or use a qwen3_moe model")
     if ep > 1 and model_args.moe.num_experts % ep != 0:
         raise ValueError(f"parallelism.ep = {ep} must divide the {model_args.moe.num_experts} experts of "
-                         f"{model_label(cfg)}")
-    if cfg.model.name == "hf" and cfg.model.scan_layers:
-        raise ValueError("model.scan_layers needs a native model (llama3, qwen3, qwen3_moe); an hf model runs its "
-                         "own layer loop: set model.scan_layers false")
+                         f"{spec.label}")
+    spec.check(cfg)
     if t.mode == "graph" and t.grad_accum_steps != 1:
         raise ValueError(f"training.mode = graph runs one micro-batch per step for now; set training.grad_accum_steps "
                          f"= 1 (got {t.grad_accum_steps}) or use training.mode = eager")
@@ -481,9 +456,10 @@ def validate(cfg: Config) -> None:
                          decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio)
     if t.seq_len > model_args.max_seq_len:
         raise ValueError(f"training.seq_len = {t.seq_len} exceeds the max_seq_len = {model_args.max_seq_len} of "
-                         f"{model_label(cfg)}; lower training.seq_len")
+                         f"{spec.label}; lower training.seq_len")
     if not 0.0 < cfg.data.val_fraction < 1.0 and cfg.validation.enabled:
-        raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1) when validation.enabled = true")
+        raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1) "
+                         "when validation.enabled = true")
     if cfg.data.sources:
         if cfg.data.source != "stdlib":
             raise ValueError("data.source and [[data.sources]] are both set; keep one (a single source can be either)")

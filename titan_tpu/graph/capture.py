@@ -32,7 +32,7 @@ import dataclasses
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +52,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from titan_tpu.graph.passes import recomputed_nodes, rematerialize
+from titan_tpu.model_contract import TrainableModel
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
 from titan_tpu.train.step import model_copies, split_batch
 
@@ -346,8 +347,8 @@ def capture_train_step(
     step on all ranks, as EagerStep does. adamw_hparams: beta1, beta2, eps, weight_decay
     (AdamW.hparams). decay: which parameters get weight decay (AdamW.decay). example_batch:
     (inputs_BS, labels_BS[, positions_BS]) of the shape every step will use (the graph is
-    static-shaped). dp_size: number of data-parallel ranks;
-    default the size of the data-parallel axes of the parameters' mesh (1 for plain parameters). scalar_dtype: dtype of the
+    static-shaped). dp_size: number of data-parallel ranks; default the size of the data-parallel
+    axes of the parameters' mesh (1 for plain parameters). scalar_dtype: dtype of the
     step and lr inputs; float64 matches the eager path's Python-float arithmetic bit for bit,
     float32 is for TPUs (no fast float64, and XLA may reject it).
 
@@ -377,7 +378,7 @@ def capture_train_step(
     num_tokens = example_batch[1].numel() * dp_size  # static: shapes are fixed for the graph
     copies = model_copies(dp_size)  # tensor-parallel ranks each hold the whole loss of their batch
     hparams = dict(adamw_hparams)
-    updated_buffers = model.expert_bias_names() if hasattr(model, "expert_bias_names") else []
+    updated_buffers = model.expert_bias_names() if isinstance(model, TrainableModel) else []
     layout = StepLayout(params=len(param_names), batch=len(example_batch), buffers=len(buffer_names),
                         updated_buffers=len(updated_buffers))
 

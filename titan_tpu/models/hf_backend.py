@@ -561,7 +561,11 @@ class HFCausalLM(nn.Module):
         return dict(named)
 
     def expert_bias_names(self) -> list[str]:
-        return []
+        return []  # transformers' routers move their own biases, if any, outside the gradient
+
+    def updated_expert_biases(self, biases: dict[str, torch.Tensor],
+                              expert_load_LE: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
 
     # --- forward ------------------------------------------------------------------------------
 

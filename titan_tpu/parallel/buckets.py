@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from titan_tpu.model_contract import TrainableModel
+
 __all__ = ["Bucket", "build_buckets", "bucket_owners", "bucketable", "group_into_buckets", "DEFAULT_BUCKET_MB"]
 
 # Default cap on one bucket's gathered bytes (in the compute dtype). Large enough that a block of
@@ -258,7 +260,7 @@ class _CopyOut(torch.autograd.Function):
 def bucket_owners(model: nn.Module) -> list[nn.Module]:
     """The pieces whose parameters are bucketed together: the model's init_plan pieces (embedding,
     each block or the whole stack of scanned blocks, final norm, output), else its children."""
-    if hasattr(model, "init_plan"):
+    if isinstance(model, TrainableModel):
         return [piece for _, piece, _ in model.init_plan()]
     return list(model.children())
 

@@ -25,14 +25,21 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
+from titan_tpu.model_contract import TrainableModel
+from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, stored_weights
 from titan_tpu.models.common.moe import EXPERT_MARKER  # set on modules holding MoE expert weights
 from titan_tpu.models.common.scan import STACKED_MARKER  # set on modules holding stacked layers
-from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, stored_weights
-from titan_tpu.parallel.buckets import (DEFAULT_BUCKET_MB, Bucket, bucketable, build_buckets, gather_flat,
-                                       group_into_buckets)
+from titan_tpu.parallel.buckets import (
+    DEFAULT_BUCKET_MB,
+    Bucket,
+    bucketable,
+    build_buckets,
+    gather_flat,
+    group_into_buckets,
+)
 from titan_tpu.parallel.context_parallel import CP_AXIS
-from titan_tpu.parallel.reshard import LayerGather, ReshardHooks
 from titan_tpu.parallel.expert_parallel import ExpertParallelDispatch, expert_placements
+from titan_tpu.parallel.reshard import LayerGather, ReshardHooks
 from titan_tpu.parallel.tensor_parallel import TP_AXIS, tp_placement
 
 __all__ = ["MixedPrecision", "SimpleFSDPState", "cast_for_compute", "data_parallel", "default_mixed_precision",
@@ -384,7 +391,7 @@ def _reshard_pieces(model: nn.Module) -> list[nn.Module]:
     TorchTitan keep it too), or the scanned stack (gathered per layer). The embedding, final
     norm and output projection stay gathered: their backward follows the forward at once.
     Models without such pieces (the Hugging Face backend's one piece) keep every gather."""
-    if not hasattr(model, "init_plan"):
+    if not isinstance(model, TrainableModel):
         return []
     if not any(isinstance(p, DTensor) and any(isinstance(pl, Shard) and axis != TP_AXIS
                                               for pl, axis in zip(p.placements, p.device_mesh.mesh_dim_names or ()))

@@ -20,7 +20,8 @@ full-size gradient) and the optimizer update (gradients and the AdamW temporary)
 Time: compute = executed FLOPs (the model's, plus the recomputed forward under full activation
 checkpointing) / (peak x efficiency); elementwise work = memory traffic of the activations and of
 the optimizer / (memory bandwidth x elementwise efficiency, fitted on the CPU's eager runs);
-collectives = bytes / interconnect bandwidth. Step time without overlap sums them; with overlap, collectives hide behind compute and only the excess shows.
+collectives = bytes / interconnect bandwidth. Step time without overlap sums them; with overlap,
+collectives hide behind compute and only the excess shows.
 Eager runs (no scheduler to overlap) use the first, graph mode the second.
 """
 
@@ -32,13 +33,12 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from titan_tpu.config import Config, model_args_from_config, model_label
+from titan_tpu.config import Config, model_args_from_config, model_label, model_spec
 from titan_tpu.kernels.loss import loss_memory_bytes
 from titan_tpu.models.common.rope import rope_real_saved_per_position
 from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memory
 from titan_tpu.models.common.transformer import ActivationBytes, activation_bytes
-from titan_tpu.models.registry import (flops_per_token, largest_param, num_active_params, num_expert_params,
-                                       num_params)
+from titan_tpu.models.registry import flops_per_token, largest_param, num_active_params, num_expert_params, num_params
 from titan_tpu.parallel.context_parallel import check_context_parallel, cp_attention_saved_bytes
 from titan_tpu.parallel.plan_terms import Layout, collective_calls, cp_collectives
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
@@ -285,7 +285,7 @@ def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measu
     """The config checked and resolved for planning (see `plan_config` for the arguments)."""
     code = code_gather(cfg)
     gather = gather or code
-    if cfg.model.name == "hf":
+    if not model_spec(cfg).plannable:
         raise ValueError("titan-tpu plan covers the native models (llama3, qwen3, qwen3_moe); an hf model's "
                          "layers are transformers' own code, which the planner has no terms for")
     if hardware is None:
@@ -594,14 +594,17 @@ def _gb(x: float) -> str:
 def format_plan(plan: Plan) -> str:
     """The human-readable report `titan-tpu plan` prints."""
     hw, m, b = plan.hardware, plan.memory, plan.batch
+    gathered = "re-gathered per layer" if plan.mesh["gather"] == "layer" else "kept forward to backward"
+    what_if = ""
+    if plan.mesh["gather"] != plan.mesh["code_gather"]:
+        what_if = f" (what-if; the code {'re-gathers' if plan.mesh['code_gather'] == 'layer' else 'keeps them'})"
     lines = [
         f"plan for {plan.model} on {plan.devices} x {hw['name']} "
         f"(mesh dp_replicate {plan.mesh['dp_replicate']} x dp_shard {plan.mesh['dp_shard']}"
         f"{', ep ' + str(plan.mesh['ep']) if plan.mesh['ep'] > 1 else ''}"
         f"{' x cp ' + str(plan.mesh.get('cp', 1)) if plan.mesh.get('cp', 1) > 1 else ''}"
         f"{' x tp ' + str(plan.mesh.get('tp', 1)) if plan.mesh.get('tp', 1) > 1 else ''}; {plan.mesh['mode']}"
-        f"; gathered weights: {'re-gathered per layer' if plan.mesh['gather'] == 'layer' else 'kept forward to backward'}"
-        f"{' (what-if; the code ' + ('re-gathers' if plan.mesh['code_gather'] == 'layer' else 'keeps them') + ')' if plan.mesh['gather'] != plan.mesh['code_gather'] else ''})",
+        f"; gathered weights: {gathered}{what_if})",
         f"  batch {b['batch_size']} x seq {b['seq_len']} x accum {b['grad_accum_steps']} per device, "
         f"{b['tokens_per_step']:,} tokens/step; {b['dtype']}; AC {b['activation_checkpoint']}; "
         f"{'scanned' if b['scan_layers'] else 'unrolled'}; loss {b['loss']}; {b['mode']} mode",

@@ -33,7 +33,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from titan_tpu.config import Config, model_args_from_config, validate
+from titan_tpu.config import Config, model_args_from_config, model_spec, validate
 from titan_tpu.plan.hardware import Hardware
 from titan_tpu.plan.planner import Plan, default_hardware, plan_config, planning_machine
 
@@ -186,7 +186,7 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
            measure: bool = True) -> SearchResult:
     """Plan every candidate of the space around `cfg` (module docstring) on `hardware` (default:
     what the config names) and rank those that fit. Raises ValueError (one line) when none fits."""
-    if cfg.model.name == "hf":
+    if not model_spec(cfg).plannable:
         raise ValueError("titan-tpu plan --search covers the native models (llama3, qwen3, qwen3_moe)")
     unknown = sorted(set(keep) - set(KNOBS))
     if unknown:

@@ -37,7 +37,7 @@ import threading
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -48,6 +48,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_tpu.errors import RunError
+
+if TYPE_CHECKING:
+    from titan_tpu.config import CheckpointConfig
 
 # DCP warns on every single-process save/load that it "assumes" a single process; that is our intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -236,6 +239,13 @@ class Checkpointer:
             # on each rank; a separate gloo group also works for any device (async save needs CPU).
             # new_group is collective: every rank constructs its Checkpointer at the same point.
             self._async_group = dist.new_group(backend="gloo")
+
+    @classmethod
+    def from_config(cls, checkpoint: CheckpointConfig, run_dir: str | Path, *,
+                    log: Callable[[str], None] | None = None) -> Checkpointer:
+        """The [checkpoint] section's checkpointer, writing under <run_dir>/checkpoints."""
+        return cls(Path(run_dir) / "checkpoints", keep_latest_k=checkpoint.keep_latest_k,
+                   async_save=checkpoint.async_save, log=log)
 
     # -- public API --------------------------------------------------------------------------
 

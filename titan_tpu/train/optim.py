@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from titan_tpu.config import OptimizerConfig
 
 __all__ = [
     "AdamW",
@@ -235,6 +239,13 @@ class AdamW:
         with torch.no_grad():
             self.state = adamw_init({n: p.detach() for n, p in self.params.items()})
         self.step_count = 0
+
+    @classmethod
+    def from_config(cls, named_params: dict[str, Tensor], optimizer: OptimizerConfig, *,
+                    layer_stacked: Collection[str] = ()) -> AdamW:
+        """The [optimizer] section's AdamW (its lr goes to `step`, through the schedule)."""
+        return cls(named_params, beta1=optimizer.beta1, beta2=optimizer.beta2, eps=optimizer.eps,
+                   weight_decay=optimizer.weight_decay, layer_stacked=layer_stacked)
 
     @torch.no_grad()
     def step(self, grads: dict[str, Tensor], *, lr: float) -> None:

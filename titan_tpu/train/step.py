@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
+from titan_tpu.model_contract import TrainableModel
 from titan_tpu.train.optim import AdamW, clip_grad_norm_
 from titan_tpu.train.profiling import OPTIMIZER_REGION
 
@@ -62,7 +63,7 @@ def batch_loss(model: torch.nn.Module, batch: tuple[Tensor, ...]):
 def update_expert_biases_(model: torch.nn.Module, expert_load: Tensor) -> None:
     """Auxiliary-loss-free balancing, in place: move the model's expert biases by the step's global
     expert loads (a no-op for models without them)."""
-    names = model.expert_bias_names() if hasattr(model, "expert_bias_names") else []
+    names = model.expert_bias_names() if isinstance(model, TrainableModel) else []
     if not names:
         return
     buffers = dict(model.named_buffers())

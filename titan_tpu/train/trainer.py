@@ -6,7 +6,9 @@ One optimizer step is described once, by the step contract (train/step.py)::
 
 ``EagerStep`` implements it with ordinary autograd; the Graph Trainer (graph/compile.py
 ``GraphStep``) provides another implementation of the same contract, so the loop around it
-(data, schedule, validation, metrics, checkpoints, signals) is shared.
+(data, schedule, validation, metrics, checkpoints, signals) is shared; train/make_step.py picks
+one from the config. What the trainer needs to know about the model (build, FLOPs, tokenizer,
+weights from an HF directory) it asks the model spec (models/spec.py), never the model's name.
 
 Under ``torchrun`` every rank runs this same loop. Parameters are SimpleFSDP DTensors (see
 ``parallel/simple_fsdp.py``), each data-parallel rank reads its own rows of the global batch, and
@@ -20,31 +22,29 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from titan_tpu.config import (Config, data_sources, effective_warmup_steps, model_args_from_config, model_label,
-                              tokenizer_path)
+from titan_tpu.config import Config, data_sources, effective_warmup_steps, model_spec
 from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
 from titan_tpu.errors import RunError
-from titan_tpu.models.common.transformer import Transformer
-from titan_tpu.models.registry import flops_per_token
-from titan_tpu.parallel.context_parallel import context_parallel
+from titan_tpu.model_contract import TrainableModel
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision, materialize_and_init
-from titan_tpu.parallel.tensor_parallel import tensor_parallel
-from titan_tpu.tensors import copy_full_
-from titan_tpu.train.checkpoint import CheckpointSaveError, Checkpointer, load, rng_state, set_rng_state
+from titan_tpu.train.checkpoint import Checkpointer, CheckpointSaveError, load, rng_state, set_rng_state
+from titan_tpu.train.make_step import make_step
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import AdamW, lr_at
 from titan_tpu.train.profiling import DATA_REGION, StepProfiler
 from titan_tpu.train.run_lock import RunLock
 from titan_tpu.train.signals import GracefulShutdown
-from titan_tpu.train.step import IGNORE_INDEX, EagerStep, StepResult, all_reduce_sum, batch_loss
+from titan_tpu.train.step import IGNORE_INDEX, StepResult, all_reduce_sum, batch_loss
 from titan_tpu.train.trackers import build_trackers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -62,6 +62,21 @@ def init_distributed(backend: Backend) -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+@contextmanager
+def main_process_first() -> Iterator[None]:
+    """Rank 0 runs the body first (tokenizing, filling a cache), then the other ranks run it
+    (finding the cache); every rank leaves together. A plain block on one process."""
+    distributed = dist.is_initialized()
+    is_main = not distributed or dist.get_rank() == 0
+    if distributed and not is_main:
+        dist.barrier()  # rank 0's turn
+    yield
+    if distributed and is_main:
+        dist.barrier()  # the others' turn
+    if distributed:
+        dist.barrier()
 
 
 class Trainer:
@@ -90,61 +105,33 @@ class Trainer:
         self.document_mask = uses_document_mask(cfg.data, sources)
         cfg.kernels.check_device(self.backend.device.type, documents=self.document_mask)
 
-        self.model_args = model_args_from_config(cfg)
+        self.spec = model_spec(cfg)  # what the trainer asks about the model (models/spec.py)
+        self.model_args = self.spec.args
         # Rank 0 tokenizes (or finds the cache) first; the others then only read the cache.
-        for turn in ("main", "others"):
-            if (turn == "main") == self.is_main:
-                prepared = prepare_data(cfg.data, sources, vocab_size=self.model_args.vocab_size,
-                                        tokenizer_path=tokenizer_path(cfg),
-                                        cache_dir=cfg.data.cache_dir or default_cache_dir(), log=self.log)
-            if dist.is_initialized():
-                dist.barrier()
+        with main_process_first():
+            prepared = prepare_data(cfg.data, sources, vocab_size=self.model_args.vocab_size,
+                                    tokenizer_path=self.spec.tokenizer_path(cfg),
+                                    cache_dir=cfg.data.cache_dir or default_cache_dir(), log=self.log)
         self.tokenizer = prepared.tokenizer
         self.train_loader, self.val_loader = build_loaders(
             cfg.data, prepared, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, dp_rank=dp_rank,
             dp_size=self.dp_size, validation=cfg.validation.enabled, log=self.log)
 
         self.model = self._build_model()
-        o = cfg.optimizer
-        self.optimizer = AdamW(dict(self.model.named_parameters()), beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                               weight_decay=o.weight_decay, layer_stacked=self.model.stacked_parameter_names())
-        self.compile_stats: dict[str, float] = {}  # capture/compile seconds, logged with the first row
-        if t.mode == "graph":
-            from titan_tpu.graph.compile import GraphStep  # graph/ imports this module: import late
-
-            if (cfg.compile.backend == "inductor" and self.backend.name == "cpu" and self.world_size > 1
-                    and cfg.compile.split != "collectives"):
-                # Seen in testing: one Inductor program with many gloo collectives in flight at
-                # once corrupted the process heap in about one run in four; cut after every
-                # collective, 20 runs in 20 were clean (docs/architecture.md, "Known problem").
-                raise ValueError("graph mode with compile.backend inductor on several CPU processes needs "
-                                 "--compile.split collectives (one program corrupted the heap in testing), "
-                                 "or use --compile.backend aot_eager")
-
-            example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=self.backend.device)
-            example_batch = (example, example) + ((example,) if self.document_mask else ())
-            self.step_fn = GraphStep(self.model, self.optimizer, max_norm=t.max_norm, example_batch=example_batch,
-                                     backend=cfg.compile.backend, dp_size=self.dp_size, split=cfg.compile.split,
-                                     prefetch=None if cfg.compile.prefetch < 0 else cfg.compile.prefetch)
-            self.compile_stats = {"capture_s": self.step_fn.capture_seconds, "compile_s": self.step_fn.compile_seconds}
-            self.log(f"graph mode: step captured in {self.step_fn.capture_seconds:.1f} s, compiled with "
-                     f"{cfg.compile.backend} in {self.step_fn.compile_seconds:.1f} s")
-        else:
-            self.step_fn = EagerStep(self.model, self.optimizer, max_norm=t.max_norm, dp_size=self.dp_size)
+        self.optimizer = AdamW.from_config(dict(self.model.named_parameters()), cfg.optimizer,
+                                           layer_stacked=self.model.stacked_parameter_names())
+        # compile_stats: capture/compile seconds, logged with the first row
+        self.step_fn, self.compile_stats = make_step(cfg, self.model, self.optimizer, backend=self.backend,
+                                                     world_size=self.world_size, dp_size=self.dp_size,
+                                                     documents=self.document_mask, log=self.log)
         self.step = 0
         self.data_seconds = 0.0  # time spent waiting for batches, all steps of this process
         self.logger: MetricsLogger | None = None  # rank 0's, while train() runs
         self.tracker_state: dict[str, str] = {}  # from the checkpoint: the trackers' run ids
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_latest_k=cfg.checkpoint.keep_latest_k,
-                                         async_save=cfg.checkpoint.async_save, log=self.log)
+        self.checkpointer = Checkpointer.from_config(cfg.checkpoint, self.run_dir, log=self.log)
         self.warmup_steps = effective_warmup_steps(cfg)
         self.save_failures = 0  # checkpoint saves that failed under checkpoint.on_save_error = warn
-        if cfg.model.name == "hf":
-            from titan_tpu.models.hf_backend import hf_flops_per_token
-
-            self.flops_per_token, self.flops_note = hf_flops_per_token(self.model, t.seq_len)
-        else:
-            self.flops_per_token, self.flops_note = flops_per_token(self.model_args, t.seq_len), ""
+        self.flops_per_token, self.flops_note = self.spec.flops_per_token(self.model, t.seq_len)
 
     def _lock_output_dir(self) -> RunLock | None:
         """Rank 0 locks output_dir for the run's life (train/run_lock.py); every rank stops if it is taken."""
@@ -162,47 +149,20 @@ class Trainer:
             raise error
         return lock
 
-    def _build_hf_model(self):
-        """The Transformers backend (models/hf_backend.py): built on meta, initialised with the
-        model's own init (sharded when there is a mesh), weights from its directory if it has them."""
-        from titan_tpu.models.hf_backend import build_hf_model, has_weights, load_pretrained_weights
-
-        sharded = self.mesh is not None
-        if self.parallel_dims.tp > 1 or self.parallel_dims.cp > 1:
-            raise ValueError("--parallelism.tp or cp > 1 is not supported with --model.name hf (the Transformers "
-                             "backend); set tp 1 and cp 1 or use a native model")
-        model = build_hf_model(self.model_args, kernels=self.cfg.kernels, ac_mode=self.cfg.activation_checkpoint.mode,
-                               dtype=torch.float32)
-        model = materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if sharded else "none",
-                                     mp=self.mixed_precision, device=self.backend.device, seed=self.cfg.training.seed,
-                                     bucket_mb=self.cfg.parallelism.bucket_mb,
-                                     reshard_after_forward=self.cfg.parallelism.reshard_after_forward)
-        if has_weights(self.cfg.model.hf_config):
-            load_pretrained_weights(model, self.cfg.model.hf_config)
-            self.log(f"weights loaded from {self.cfg.model.hf_config}")
-        model.check_chunked_loss(self.model_args.vocab_size)
+    def _build_model(self) -> TrainableModel:
+        """The spec's model built on the meta device, then materialised and initialised piece by
+        piece (sharded when there is a mesh): fp32 master parameters on one device as on many,
+        computed in model.dtype, gradients reduced in parallelism.reduce_dtype when sharded
+        (docs/mixed_precision.md)."""
+        p = self.cfg.parallelism
+        model = self.spec.build_on_meta(self.cfg, mesh=self.mesh, parallel_dims=self.parallel_dims,
+                                        documents=self.document_mask)
+        mode = self.parallel_dims.mode if self.mesh is not None else "none"
+        model = materialize_and_init(model, self.mesh, mode=mode, mp=self.mixed_precision, device=self.backend.device,
+                                     seed=self.cfg.training.seed, expert_mesh=self.expert_mesh,
+                                     bucket_mb=p.bucket_mb, reshard_after_forward=p.reshard_after_forward)
+        self.spec.finish(model, log=self.log)
         return model
-
-    def _build_model(self) -> Transformer:
-        if self.cfg.model.name == "hf":
-            return self._build_hf_model()
-        # The RoPE table only needs the training length (a published 128K table is ~134 MB for 8B);
-        # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
-        args = dataclasses.replace(self.model_args, max_seq_len=self.cfg.training.seq_len)
-        # fp32 master parameters on one device as on many, computed in model.dtype (gradients
-        # reduced in parallelism.reduce_dtype when sharded): docs/mixed_precision.md. Built on
-        # meta and initialised piece by piece.
-        with torch.device("meta"):
-            model = Transformer(args, scan_layers=self.cfg.model.scan_layers,
-                                ac_mode=self.cfg.activation_checkpoint.mode, kernels=self.cfg.kernels)
-        if self.parallel_dims.tp > 1:
-            tensor_parallel(model, self.mesh, seq_len=self.cfg.training.seq_len)
-        if self.parallel_dims.cp > 1:
-            context_parallel(model, self.mesh, seq_len=self.cfg.training.seq_len, documents=self.document_mask)
-        return materialize_and_init(model, self.mesh, mode=self.parallel_dims.mode if self.mesh is not None else "none",
-                                    mp=self.mixed_precision, device=self.backend.device, seed=self.cfg.training.seed,
-                                    expert_mesh=self.expert_mesh, bucket_mb=self.cfg.parallelism.bucket_mb,
-                                    reshard_after_forward=self.cfg.parallelism.reshard_after_forward)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -236,7 +196,7 @@ class Trainer:
             "optimizer": self._optimizer_state_per_layer(),
             "data": self.train_loader.state_dict(),
             "rng": rng_state(),
-            "model_name": self.cfg.model.name,
+            "model_name": self.spec.name,
             "model_args": dataclasses.asdict(self.model_args),
             "trackers": self.logger.state_dict() if self.logger is not None else self.tracker_state,
         }
@@ -244,7 +204,7 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         """Resume everything from a checkpoint, resharding it onto this run's ranks if needed."""
         state = {"model": self.model.state_dict(), "optimizer": self._optimizer_state_per_layer(),
-                 "model_name": self.cfg.model.name, "model_args": dataclasses.asdict(self.model_args)}
+                 "model_name": self.spec.name, "model_args": dataclasses.asdict(self.model_args)}
         rest = load(path, state)  # fills the model's and optimizer's tensors in place
         loaded = state["optimizer"]
         self.optimizer.load_state_dict({**loaded, "exp_avg": self.model.from_per_layer(loaded["exp_avg"]),
@@ -269,31 +229,12 @@ class Trainer:
     def load_initial_weights(self, path: str | Path) -> None:
         """Start from the weights of a checkpoint or a Hugging Face directory (fine-tuning)."""
         from titan_tpu.convert import resolve_checkpoint
-        from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
 
         path = Path(path)
-        if self.cfg.model.name == "hf" and (path / "config.json").is_file():
-            from titan_tpu.models.hf_backend import load_pretrained_weights
-
-            load_pretrained_weights(self.model, path)
-            self.log(f"initial weights loaded from {path}")
-            return
-        if not (path / "config.json").is_file():  # a training checkpoint: DCP loads (and shards) it
+        if (path / "config.json").is_file():  # a Hugging Face directory: the spec knows its layout
+            self.spec.load_hf_weights(self.model, path)
+        else:  # a training checkpoint: DCP loads (and shards) it
             load(resolve_checkpoint(path), {"model": self.model.state_dict()})
-            self.log(f"initial weights loaded from {path}")
-            return
-        _, _, weights = load_hf_checkpoint(path)
-        own = self.model.state_dict()
-        for key, value in own.items():
-            if key not in weights or weights[key].shape != value.shape:
-                got = tuple(weights[key].shape) if key in weights else "nothing"
-                raise ValueError(f"checkpoint.initial_load_path {path} does not fit {self.cfg.model.name}/"
-                                 f"{self.cfg.model.flavor}: {key} should be {tuple(value.shape)}, found {got}")
-        extra = sorted(set(weights) - set(own))
-        if extra:
-            raise ValueError(f"checkpoint.initial_load_path {path} has tensors the model lacks, e.g. {extra[0]}")
-        for key, value in own.items():
-            copy_full_(value, weights[key])  # every rank read the file: each keeps its shard
         self.log(f"initial weights loaded from {path}")
 
     def save_checkpoint(self) -> Path | None:
@@ -384,7 +325,7 @@ class Trainer:
         if self.warmup_steps < cfg.lr_scheduler.warmup_steps:
             self.log(f"note: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than training.steps "
                      f"= {cfg.training.steps}; warming up over {self.warmup_steps} steps instead")
-        self.log(f"model {model_label(cfg)}: {_num_params(self.model):,} params, "
+        self.log(f"model {self.spec.label}: {_num_params(self.model):,} params, "
                  f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {cfg.training.seq_len}"
                  f"{f' ({self.flops_note})' if self.flops_note else ''}; "
                  f"{self.world_size} rank(s), data parallel: {self.parallel_dims.mode}"

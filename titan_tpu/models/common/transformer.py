@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_tpu.kernels import KernelConfig, document_ids_from_positions
+from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.attention import Attention
 from titan_tpu.models.common.feed_forward import FeedForward
 from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
 from titan_tpu.models.common.moe import ExpertDispatchSlot, MoE, MoEArgs, aux_loss_from_stats, updated_expert_bias
 from titan_tpu.models.common.norms import RMSNorm
-from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.rope import RopeScaling, apply_rope, apply_rope_real, rope_cache, rope_rows
 from titan_tpu.models.common.scan import StackedBlocks
 
@@ -454,8 +454,7 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
     partitioner picks the values (each module's `partitioned` count; selective's tags do not reach
     it, so selective keeps what none keeps). MoE layers are counted as eagerly (not measured)."""
     from titan_tpu.models.common.attention import attention_matmul_outputs_per_token, attention_saved_per_token
-    from titan_tpu.models.common.feed_forward import (feed_forward_matmul_outputs_per_token,
-                                                      feed_forward_saved_per_token)
+    from titan_tpu.models.common.feed_forward import feed_forward_matmul_outputs_per_token, feed_forward_saved_per_token
     from titan_tpu.models.common.moe import moe_matmul_outputs_per_token, moe_saved_per_token
     from titan_tpu.models.common.norms import rms_norm_saved_per_row
 

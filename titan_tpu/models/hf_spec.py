@@ -1,0 +1,106 @@
+"""The model spec of the Transformers backend (``model.name = hf``): see models/spec.py."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from titan_tpu.models.hf_backend import (
+    HFArgs,
+    HFCausalLM,
+    build_hf_model,
+    export_hf,
+    has_weights,
+    hf_args_from_spec,
+    hf_flops_per_token,
+    load_pretrained_weights,
+)
+from titan_tpu.models.spec_base import Log, ModelSpec, moe_options_changed
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from titan_tpu.config import Config, ModelConfig
+    from titan_tpu.parallel.mesh import ParallelDims
+
+
+def hf_spec(model: ModelConfig) -> HFSpec:
+    changed = moe_options_changed(model)
+    if changed:
+        raise ValueError(f"model.{changed[0]} applies to qwen3_moe; an hf model balances its experts as its "
+                         "config says (output_router_logits, router_aux_loss_coef; set them with "
+                         "--model.hf_overrides): remove it")
+    return HFSpec(name=model.name, args=hf_args_from_spec(model.hf_config, model.hf_overrides),
+                  label=f"hf:{model.hf_config}", hf_config=model.hf_config)
+
+
+@dataclass
+class HFSpec(ModelSpec):
+    name: str
+    args: HFArgs
+    label: str
+    hf_config: str  # model.hf_config: a directory (its weights and tokenizer are used) or a model_type
+    plannable: bool = False  # the layers are transformers' own code: the planner has no terms for them
+
+    @classmethod
+    def of_args(cls, model_args: dict) -> HFSpec:
+        """The spec of a checkpoint's HF-backend model (its HFArgs as a dict)."""
+        args = HFArgs(**model_args)
+        return cls(name="hf", args=args, label=f"hf:{args.hf_config}", hf_config=args.hf_config)
+
+    def check(self, cfg: Config) -> None:
+        if cfg.model.scan_layers:
+            raise ValueError("model.scan_layers needs a native model (llama3, qwen3, qwen3_moe); an hf model runs "
+                             "its own layer loop: set model.scan_layers false")
+
+    def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
+                      documents: bool) -> HFCausalLM:
+        if parallel_dims.tp > 1 or parallel_dims.cp > 1:
+            raise ValueError("--parallelism.tp or cp > 1 is not supported with --model.name hf (the Transformers "
+                             "backend); set tp 1 and cp 1 or use a native model")
+        return build_hf_model(self.args, kernels=cfg.kernels, ac_mode=cfg.activation_checkpoint.mode,
+                              dtype=torch.float32)
+
+    def finish(self, model: HFCausalLM, *, log: Log) -> None:
+        """The directory's weights when it has them; then whether the chunked loss kernel may
+        replace the model's logits (decided on the real weights)."""
+        if has_weights(self.hf_config):
+            load_pretrained_weights(model, self.hf_config)
+            log(f"weights loaded from {self.hf_config}")
+        model.check_chunked_loss(self.args.vocab_size)
+
+    def flops_per_token(self, model: HFCausalLM, seq_len: int) -> tuple[float, str]:
+        return hf_flops_per_token(model, seq_len)
+
+    def own_tokenizer_path(self) -> str | None:
+        candidate = Path(self.hf_config).expanduser() / "tokenizer.json"
+        return str(candidate) if candidate.is_file() else None
+
+    def load_hf_weights(self, model: HFCausalLM, hf_dir: Path) -> None:
+        """transformers reads the directory itself, so its checkpoint conversions apply."""
+        load_pretrained_weights(model, hf_dir)
+
+    def save_hf(self, state_dict: dict[str, torch.Tensor], hf_dir: Path, *, overwrite: bool) -> Path:
+        """transformers writes its own layout (save_pretrained) into a fresh sibling directory that
+        then replaces `hf_dir`: an interrupted export never leaves a half-written directory where a
+        complete one was."""
+        if hf_dir.exists() and not hf_dir.is_dir():
+            raise FileExistsError(f"{hf_dir} exists and is not a directory; choose another path")
+        if hf_dir.is_dir() and any(hf_dir.iterdir()) and not overwrite:
+            raise FileExistsError(f"{hf_dir} already exists and is not empty; pass --overwrite or choose another "
+                                  "directory")
+        staging = hf_dir.with_name(f".{hf_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+        export_hf(self.args, state_dict, staging)
+        if hf_dir.exists():
+            old = hf_dir.with_name(f".{hf_dir.name}.old-{uuid.uuid4().hex[:8]}")
+            hf_dir.rename(old)
+            staging.rename(hf_dir)
+            shutil.rmtree(old)
+        else:
+            staging.rename(hf_dir)
+        return hf_dir

@@ -1,0 +1,73 @@
+"""The model spec's interface: what every model kind answers (`ModelSpec`), implemented by
+`NativeSpec` (models/spec.py) and `HFSpec` (models/hf_spec.py). A module of its own so both
+implementations build on it and models/spec.py, which picks between them, imports them without a
+cycle."""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from titan_tpu.config import Config, ModelConfig
+    from titan_tpu.model_contract import TrainableModel
+    from titan_tpu.parallel.mesh import ParallelDims
+
+Log = Callable[[str], None]
+
+
+class ModelSpec(ABC):
+    """One model kind's answers. `args` has at least vocab_size, max_seq_len and moe (None for
+    models without our MoE machinery); checkpoints store it as a dict beside `name`."""
+
+    name: str  # model.name: what checkpoints record and resume checks compare
+    args: Any  # TransformerArgs for native models, HFArgs for the HF backend
+    label: str  # how messages name the model: llama3/debug, hf:<hf_config>
+    plannable: bool  # titan-tpu plan has terms for its layers (our Transformer's)
+
+    def check(self, cfg: Config) -> None:
+        """Checks of other config sections that depend on the model kind (config.validate)."""
+
+    @abstractmethod
+    def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
+                      documents: bool) -> TrainableModel:
+        """The model on the meta device, its tensor/context-parallel layout applied when the mesh
+        has those axes: `parallel.simple_fsdp.materialize_and_init` materialises it next."""
+
+    def finish(self, model: TrainableModel, *, log: Log) -> None:
+        """After initialisation: what the model's own files or checks add (the HF backend loads
+        the weights of its directory)."""
+
+    @abstractmethod
+    def flops_per_token(self, model: TrainableModel, seq_len: int) -> tuple[float, str]:
+        """(model FLOPs per trained token, a note on how they were counted; "" for the formula)."""
+
+    def own_tokenizer_path(self) -> str | None:
+        """The tokenizer that comes with the model (an HF directory's tokenizer.json), if any."""
+        return None
+
+    def tokenizer_path(self, cfg: Config) -> str | None:
+        """data.tokenizer_path, else the model's own tokenizer, else None (train a BPE)."""
+        return cfg.data.tokenizer_path or self.own_tokenizer_path()
+
+    @abstractmethod
+    def load_hf_weights(self, model: TrainableModel, hf_dir: Path) -> None:
+        """Copy the weights of a Hugging Face directory into `model` (plain or sharded)."""
+
+    @abstractmethod
+    def save_hf(self, state_dict: dict[str, torch.Tensor], hf_dir: Path, *, overwrite: bool) -> Path:
+        """Write a full state dict (our names) as a Hugging Face directory that from_pretrained loads."""
+
+
+def moe_options_changed(model: ModelConfig) -> list[str]:
+    """The model.moe_* options set to other than their defaults. The defaults come from the
+    config's own class, so this layer need not import config.py (which sits above it)."""
+    defaults = type(model)()
+    return [f.name for f in dataclasses.fields(model)
+            if f.name.startswith("moe_") and getattr(model, f.name) != getattr(defaults, f.name)]

@@ -1,0 +1,54 @@
+"""The step function of a run, chosen once from the config: `EagerStep` or the graph trainer's
+`GraphStep` (the step contract: train/step.py). The checks of backend combinations that cannot
+run live here, beside the choice, not in the trainer's loop.
+
+It sits above graph/ (which imports train/step.py and train/optim.py): the trainer asks this
+module for its step and never imports graph/ itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from titan_tpu.train.optim import AdamW
+from titan_tpu.train.step import EagerStep, StepResult
+
+if TYPE_CHECKING:
+    from titan_tpu.config import Config
+    from titan_tpu.device import Backend
+
+StepFn = Callable[[list[tuple[torch.Tensor, ...]], float], StepResult]
+
+
+def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend: Backend, world_size: int,
+              dp_size: int, documents: bool, log: Callable[[str], None]) -> tuple[StepFn, dict[str, float]]:
+    """(the step of training.mode, its capture and compile seconds: {} for eager) for the first
+    metrics row. documents: batches carry positions (a document mask)."""
+    t = cfg.training
+    if t.mode != "graph":
+        return EagerStep(model, optimizer, max_norm=t.max_norm, dp_size=dp_size), {}
+    from titan_tpu.graph.compile import GraphStep  # make_fx and the compilers load only for graph mode
+
+    check_graph_backend(cfg, backend=backend, world_size=world_size)
+    example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=backend.device)
+    example_batch = (example, example) + ((example,) if documents else ())
+    c = cfg.compile
+    step = GraphStep(model, optimizer, max_norm=t.max_norm, example_batch=example_batch, backend=c.backend,
+                     dp_size=dp_size, split=c.split, prefetch=None if c.prefetch < 0 else c.prefetch)
+    log(f"graph mode: step captured in {step.capture_seconds:.1f} s, compiled with {c.backend} in "
+        f"{step.compile_seconds:.1f} s")
+    return step, {"capture_s": step.capture_seconds, "compile_s": step.compile_seconds}
+
+
+def check_graph_backend(cfg: Config, *, backend: Backend, world_size: int) -> None:
+    """Combinations of compile backend, device and ranks known to fail at run time."""
+    if (cfg.compile.backend == "inductor" and backend.name == "cpu" and world_size > 1
+            and cfg.compile.split != "collectives"):
+        # Seen in testing: one Inductor program with many gloo collectives in flight at once
+        # corrupted the process heap in about one run in four; cut after every collective, 20 runs
+        # in 20 were clean (docs/architecture.md, "Known problem").
+        raise ValueError("graph mode with compile.backend inductor on several CPU processes needs "
+                         "--compile.split collectives (one program corrupted the heap in testing), "
+                         "or use --compile.backend aot_eager")
