@@ -78,13 +78,21 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+# The Functions below take their context in `setup_context`, apart from `forward`: torch.func
+# transforms (the vjp in scan's recomputing backward, models/common/scan.py) only accept
+# autograd Functions written that way.
+
+
 class _GatherSequence(torch.autograd.Function):
     """[B, S/tp, D] -> [B, S, D]; backward: reduce-scatter (sum) of the gradient's partial sums."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(x, group):
         return _wait(funcol.all_gather_tensor(x.contiguous(), 1, group))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
@@ -95,9 +103,12 @@ class _ReduceScatterSequence(torch.autograd.Function):
     """Partial sums [B, S, D] -> summed [B, S/tp, D]; backward: all-gather of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(x, group):
         return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 1, group))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
