@@ -185,9 +185,9 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     cp = cfg.parallelism.cp
     if cp > 1:
         check_context_parallel(cp, seq_len=cfg.training.seq_len)
-        if cfg.model.scan_layers or args.moe is not None or tp > 1:
-            raise ValueError("--parallelism.cp > 1 runs dense models with unrolled blocks and tp 1 for now; set "
-                             "--model.scan_layers false and --parallelism.tp 1")
+        if args.moe is not None or tp > 1:
+            raise ValueError("--parallelism.cp > 1 runs dense models with tp 1 for now; set --parallelism.tp 1 "
+                             "(or --parallelism.cp 1 for an MoE model)")
     t, k = cfg.training, cfg.kernels
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
     cb = _DTYPE_BYTES[dtype]
