@@ -183,16 +183,24 @@ def _set_placement(module: nn.Module | None, placement: Placement) -> None:
         module.__dict__[TP_PLACEMENT] = placement
 
 
-def _parallelize_block(block: nn.Module, group, tp: int) -> list:
+def _place_block_weights(block: nn.Module) -> None:
+    """The tp placements of a block's weights (per layer: SimpleFSDP shifts them one dim in for a
+    stacked weight, simple_fsdp._module_placements)."""
     attn, ffn = block.attention, block.feed_forward
     for linear in (attn.wq, attn.wk, attn.wv):
         _set_placement(linear, Shard(0))
     _set_placement(attn.wo, Shard(1))
-    attn.n_heads //= tp
-    attn.n_kv_heads //= tp
     _set_placement(ffn.w1, Shard(0))
     _set_placement(ffn.w3, Shard(0))
     _set_placement(ffn.w2, Shard(1))
+
+
+def _parallelize_block(block: nn.Module, group, tp: int) -> list:
+    """A block that computes: its weights' placements, local head counts, sequence collectives."""
+    attn, ffn = block.attention, block.feed_forward
+    _place_block_weights(block)
+    attn.n_heads //= tp
+    attn.n_kv_heads //= tp
     handles = []
     for module in (attn, ffn):
         handles.append(module.register_forward_pre_hook(functools.partial(_gather_input, group)))
@@ -213,14 +221,19 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int | None =
     tp = mesh.size(names.index(TP_AXIS))
     args = model.args
     check_tensor_parallel(args, tp, seq_len=seq_len)
-    if model.scan_layers:
-        raise ValueError("--parallelism.tp > 1 runs unrolled blocks for now; set --model.scan_layers false")
     if model.kernels.loss not in ("auto", "chunked"):
         raise ValueError(f"--parallelism.tp > 1 computes a vocabulary-parallel loss in the chunked kernel; set "
                          f"--kernels.loss chunked (got {model.kernels.loss!r})")
     group = mesh.get_group(TP_AXIS)
     rank = mesh.get_local_rank(TP_AXIS)
-    for block in [*model.layers.values(), *model.block_templates()]:
+    if model.scan_layers:
+        # The stack (model.layers, a StackedBlocks) only stores the weights; its template block,
+        # which the scan body runs, computes.
+        _place_block_weights(model.layers)
+        unrolled = []
+    else:
+        unrolled = list(model.layers.values())
+    for block in [*unrolled, *model.block_templates()]:
         _parallelize_block(block, group, tp)
     model.tok_embeddings.__class__ = VocabParallelEmbedding
     model.tok_embeddings._tp_group = group
