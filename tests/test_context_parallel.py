@@ -1,6 +1,6 @@
 """Context parallelism (parallel/context_parallel.py): the head-tail split and the sharded attention
 in one process, parity with one process on gloo ranks (with and without document masks, in graph
-mode, through a checkpoint), and its one-line errors."""
+mode, with scanned layers, through a checkpoint), and its one-line errors."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Tensor parallelism (parallel/tensor_parallel.py): parity with one process on gloo ranks, composed
-with SimpleFSDP, in graph mode, through a checkpoint, and its one-line errors."""
+with SimpleFSDP, in graph mode, with scanned layers, through a checkpoint, and its one-line errors."""
 
 from __future__ import annotations
 
