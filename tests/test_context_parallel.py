@@ -1,6 +1,6 @@
 """Context parallelism (parallel/context_parallel.py): the head-tail split and the sharded attention
 in one process, parity with one process on gloo ranks (with and without document masks, in graph
-mode, through a checkpoint), and its one-line errors."""
+mode, with scanned layers, through a checkpoint), and its one-line errors."""
 
 from __future__ import annotations
 
@@ -56,9 +56,14 @@ def packed_positions(steps: int) -> torch.Tensor:
     return out
 
 
+def optimizer_for(model) -> AdamW:
+    """AdamW that knows the scanned model's stacked weights (no decay on the stacked norm scales)."""
+    return AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+
+
 def train(model, *, documents: bool, dp_rank: int = 0, dp_size: int = 1, step_fn=None) -> tuple[list, list]:
     """Train on this data-parallel rank's rows of each global batch; returns (losses, grad norms)."""
-    optimizer = step_fn.optimizer if step_fn is not None else AdamW(dict(model.named_parameters()))
+    optimizer = step_fn.optimizer if step_fn is not None else optimizer_for(model)
     step_fn = step_fn or EagerStep(model, optimizer, max_norm=MAX_NORM, dp_size=dp_size)
     batches, positions = global_batches(STEPS), packed_positions(STEPS)
     losses, norms = [], []
@@ -81,10 +86,18 @@ def reference(name: str, documents: bool) -> dict:
     return {"losses": losses, "norms": norms, "logits": model(global_batches(1)[0, :, :-1]).detach()}
 
 
-def build_parallel(name: str, dims: ParallelDims, *, documents: bool, ac_mode: str = "none"):
+@functools.cache
+def scan_reference(documents: bool) -> dict:
+    """The one-process run with scanned layers (eager, no checkpointing)."""
+    model = build_model(tiny_args("llama3"), seed=SEED, scan_layers=True)
+    losses, norms = train(model, documents=documents)
+    return {"losses": losses, "norms": norms, "logits": model(global_batches(1)[0, :, :-1]).detach()}
+
+
+def build_parallel(name: str, dims: ParallelDims, *, documents: bool, ac_mode: str = "none", scan: bool = False):
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
-        model = Transformer(tiny_args(name), ac_mode=ac_mode)
+        model = Transformer(tiny_args(name), ac_mode=ac_mode, scan_layers=scan)
     context_parallel(model, mesh, seq_len=SEQ, documents=documents)
     model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
                                  seed=SEED)
@@ -92,14 +105,14 @@ def build_parallel(name: str, dims: ParallelDims, *, documents: bool, ac_mode: s
 
 
 def _run(name: str, dims: ParallelDims, *, documents: bool = False, graph: bool = False,
-         ac_mode: str = "none") -> dict:
-    model, mesh = build_parallel(name, dims, documents=documents, ac_mode=ac_mode)
+         ac_mode: str = "none", scan: bool = False) -> dict:
+    model, mesh = build_parallel(name, dims, documents=documents, ac_mode=ac_mode, scan=scan)
     dp_rank, dp_size = dp_rank_and_size(mesh)
     out = {"mesh": mesh.mesh_dim_names}
     step_fn = None
     if graph:
         example = torch.zeros(BATCH // dp_size, SEQ, dtype=torch.long)
-        step_fn = GraphStep(model, AdamW(dict(model.named_parameters())), max_norm=MAX_NORM,
+        step_fn = GraphStep(model, optimizer_for(model), max_norm=MAX_NORM,
                             example_batch=(example, example) + ((example,) if documents else ()), backend="eager",
                             dp_size=dp_size)
         out["collectives"] = {op.split(".")[1]: n for op, n in step_fn.captured.collective_counts().items()}
@@ -144,8 +157,22 @@ def cp2_runs() -> list[dict]:
     return run_distributed(_cp2_worker, world_size=2, timeout_s=300)
 
 
-def assert_matches_reference(run: dict, name: str, documents: bool) -> None:
-    ref = reference(name, documents)
+def _cp2_scan_worker() -> dict:
+    dims = ParallelDims(cp=2, world_size=dist.get_world_size())
+    return {"eager": _run("llama3", dims, scan=True),
+            "eager-docs": _run("llama3", dims, scan=True, documents=True),
+            "graph-full": _run("llama3", dims, scan=True, graph=True, ac_mode="full"),
+            "graph-full-docs": _run("llama3", dims, scan=True, graph=True, ac_mode="full", documents=True)}
+
+
+@functools.cache
+def cp2_scan_runs() -> list[dict]:
+    """cp 2 with scanned layers (Llama 3): one 2-rank spawn for the scan tests."""
+    return run_distributed(_cp2_scan_worker, world_size=2, timeout_s=300)
+
+
+def assert_matches_reference(run: dict, name: str, documents: bool, ref: dict | None = None) -> None:
+    ref = ref or reference(name, documents)
     assert ref["losses"][-1] < ref["losses"][0] - 1.0  # it learns, so a divergence would show
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), **TOL)
     torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), **TOL)
@@ -229,6 +256,20 @@ def test_cp2_graph_mode_matches_one_process(documents):
 def test_cp2_with_activation_checkpointing_matches_one_process():
     for rank_runs in cp2_runs():
         assert_matches_reference(rank_runs["qwen3-ac"], "qwen3", False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("variant", ["eager", "graph-full"])
+def test_cp2_scanned_layers_match_one_process_scanned(variant, documents):
+    """Scanned layers on cp 2: eager (the Python loop over the stack), and graph mode with full
+    activation checkpointing (scan_op, whose backward differentiates each layer with
+    torch.func.vjp through the cp gathers), against the one-process scanned run."""
+    for rank_runs in cp2_scan_runs():
+        run = rank_runs[f"{variant}-docs" if documents else variant]
+        assert_matches_reference(run, "llama3", documents, ref=scan_reference(documents))
+        if variant == "eager":
+            torch.testing.assert_close(run["logits"], scan_reference(documents)["logits"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.multiprocess

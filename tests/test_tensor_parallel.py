@@ -1,5 +1,5 @@
 """Tensor parallelism (parallel/tensor_parallel.py): parity with one process on gloo ranks, composed
-with SimpleFSDP, in graph mode, through a checkpoint, and its one-line errors."""
+with SimpleFSDP, in graph mode, with scanned layers, through a checkpoint, and its one-line errors."""
 
 from __future__ import annotations
 
@@ -39,11 +39,16 @@ from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 
 
+def optimizer_for(model) -> AdamW:
+    """AdamW that knows the scanned model's stacked weights (no decay on the stacked norm scales)."""
+    return AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+
+
 def train(model, batches: torch.Tensor, *, dp_rank: int = 0, dp_size: int = 1, step_fn=None,
           save_at: tuple[int, str] | None = None) -> tuple[list, list]:
     """Train on this data-parallel rank's rows of each global batch; returns (losses, grad norms).
     save_at (step, directory): write a checkpoint (model and optimizer) after that many steps."""
-    optimizer = step_fn.optimizer if step_fn is not None else AdamW(dict(model.named_parameters()))
+    optimizer = step_fn.optimizer if step_fn is not None else optimizer_for(model)
     step_fn = step_fn or EagerStep(model, optimizer, max_norm=MAX_NORM, dp_size=dp_size)
     losses, norms = [], []
     for step, batch in enumerate(batches):
@@ -62,13 +67,14 @@ def reference(name: str) -> dict:
     """The one-process run: losses, grad norms, and the logits of the trained model."""
     model = build_model(tiny_args(name), seed=SEED)
     losses, norms = train(model, global_batches(STEPS))
-    return {"losses": losses, "norms": norms, "logits": model(global_batches(1)[0, :, :-1]).detach()}
+    return {"losses": losses, "norms": norms, "logits": model(global_batches(1)[0, :, :-1]).detach(),
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def build_parallel(name: str, dims: ParallelDims, *, ac_mode: str = "none"):
+def build_parallel(name: str, dims: ParallelDims, *, ac_mode: str = "none", scan: bool = False):
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
-        model = Transformer(tiny_args(name), ac_mode=ac_mode)
+        model = Transformer(tiny_args(name), ac_mode=ac_mode, scan_layers=scan)
     tensor_parallel(model, mesh, seq_len=SEQ)
     model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
                                  seed=SEED)
@@ -76,20 +82,23 @@ def build_parallel(name: str, dims: ParallelDims, *, ac_mode: str = "none"):
 
 
 def _run(name: str, dims: ParallelDims, *, graph: bool = False, ac_mode: str = "none",
-         save_dir: str | None = None) -> dict:
-    model, mesh = build_parallel(name, dims, ac_mode=ac_mode)
+         save_dir: str | None = None, scan: bool = False) -> dict:
+    model, mesh = build_parallel(name, dims, ac_mode=ac_mode, scan=scan)
     dp_rank, dp_size = dp_rank_and_size(mesh)
-    out = {"mesh": mesh.mesh_dim_names, "wq_compute_shape": tuple(model.layers["0"].attention.wq.weight.shape)}
+    wq = model.layers.attention.wq if scan else model.layers["0"].attention.wq
+    out = {"mesh": mesh.mesh_dim_names, "wq_compute_shape": tuple(wq.weight.shape)}
     step_fn = None
     if graph:
         example = torch.zeros(BATCH // dp_size, SEQ, dtype=torch.long)
-        step_fn = GraphStep(model, AdamW(dict(model.named_parameters())), max_norm=MAX_NORM,
+        step_fn = GraphStep(model, optimizer_for(model), max_norm=MAX_NORM,
                             example_batch=(example, example), backend="eager", dp_size=dp_size)
         out["collectives"] = {op.split(".")[1]: n for op, n in step_fn.captured.collective_counts().items()}
     out["losses"], out["norms"] = train(model, global_batches(STEPS), dp_rank=dp_rank, dp_size=dp_size,
                                         step_fn=step_fn, save_at=(STEPS // 2, save_dir) if save_dir else None)
     if not graph:
         out["logits"] = model(global_batches(1)[0, :, :-1]).detach()  # gathered over the vocabulary
+    if scan:  # the checkpoint layout: per-layer global tensors, as unrolled
+        out["state"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return out
 
 
@@ -115,8 +124,27 @@ def _tp2_worker(save_dir: str) -> dict:
             "qwen3-ac-graph": _run("qwen3", dims, graph=True, ac_mode="full")}
 
 
+def _tp2_scan_worker() -> dict:
+    dims = ParallelDims(tp=2, world_size=dist.get_world_size())
+    return {"llama3-eager": _run("llama3", dims, scan=True),
+            "qwen3-graph-full": _run("qwen3", dims, scan=True, graph=True, ac_mode="full")}
+
+
+@functools.cache
+def tp2_scan_runs() -> list[dict]:
+    """tp 2 with scanned layers: one 2-rank spawn for the scan test."""
+    return run_distributed(_tp2_scan_worker, world_size=2, timeout_s=300)
+
+
 def _dp2_tp2_worker() -> dict:
-    return _run("llama3", ParallelDims(dp_shard=2, tp=2, world_size=dist.get_world_size()))
+    dims = ParallelDims(dp_shard=2, tp=2, world_size=dist.get_world_size())
+    return {"unrolled": _run("llama3", dims), "scanned": _run("llama3", dims, scan=True)}
+
+
+@functools.cache
+def dp2_tp2_runs() -> list[dict]:
+    """One 4-rank spawn for the dp_shard 2 x tp 2 tests."""
+    return run_distributed(_dp2_tp2_worker, world_size=4, timeout_s=300)
 
 
 @functools.cache
@@ -193,12 +221,37 @@ def test_tp2_checkpoint_resumes_on_one_process():
 
 
 @pytest.mark.multiprocess
-def test_dp_shard2_tp2_matches_one_process():
-    runs = run_distributed(_dp2_tp2_worker, world_size=4, timeout_s=300)
-    for run in runs:
+@pytest.mark.parametrize("name, run_name", [("llama3", "llama3-eager"), ("qwen3", "qwen3-graph-full")])
+def test_tp2_scanned_layers_match_one_process(name, run_name):
+    """Scanned layers on tp 2 (stacked weights sharded one dim in, the template block computing
+    with local heads): eager, and graph mode with full activation checkpointing (the backward scan
+    differentiates each layer with torch.func.vjp through the sequence collectives), against the
+    unrolled one-process run (which a one-process scanned run equals, tests/test_scan_ac.py); the
+    state dict is the unrolled layout of the same global tensors."""
+    args = tiny_args(name)
+    for rank_runs in tp2_scan_runs():
+        run = rank_runs[run_name]
+        assert_matches_reference(run, name)
+        assert run["wq_compute_shape"] == (args.n_layers, args.n_heads * args.hd // 2, args.dim)  # this rank's heads
+        for key, value in reference(name)["state"].items():
+            torch.testing.assert_close(run["state"][key], value, atol=1e-4, rtol=1e-4)
+        if "logits" in run:
+            torch.testing.assert_close(run["logits"], reference(name)["logits"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layers", ["unrolled", "scanned"])
+def test_dp_shard2_tp2_matches_one_process(layers):
+    """Scanned: the stack sharded over dp_shard and tp on its per-layer dims, read whole before
+    the loop (simple_fsdp._reshard_pieces); its state dict is the unrolled layout."""
+    for rank_runs in dp2_tp2_runs():
+        run = rank_runs[layers]
         assert run["mesh"] == ("dp_shard", "tp")
         assert_matches_reference(run, "llama3")
         torch.testing.assert_close(run["logits"], reference("llama3")["logits"], rtol=1e-4, atol=1e-4)
+        if layers == "scanned":
+            for key, value in reference("llama3")["state"].items():
+                torch.testing.assert_close(run["state"][key], value, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,8 +67,12 @@ class _SumOverGroup(torch.autograd.Function):
     gradient flows into its own share)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(x, group):
         return _wait(funcol.all_reduce(x, "sum", group))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass  # the backward needs nothing (torch.func wants forward and context apart, see tensor_parallel.py)
 
     @staticmethod
     def backward(ctx, grad):
@@ -166,15 +170,15 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, docume
                          "ParallelDims(cp=...)")
     cp = mesh.size(names.index(CP_AXIS))
     check_context_parallel(cp, seq_len=seq_len)
-    if model.scan_layers:
-        raise ValueError("--parallelism.cp > 1 runs unrolled blocks for now; set --model.scan_layers false")
     if model.args.moe is not None:
         raise ValueError("--parallelism.cp > 1 with an MoE model is not supported yet; set --parallelism.cp 1")
     plan = ContextParallelPlan(group=mesh.get_group(CP_AXIS), cp=cp, rank=mesh.get_local_rank(CP_AXIS),
                                documents=documents)
     impl = Impl("context_parallel", plan.attention, (mesh.device_type,),
                 "keys and values all-gathered over cp, head-tail causal mask", frozenset({"documents"}))
-    for block in [*model.layers.values(), *model.block_templates()]:
+    # Scanned layers (model.layers a StackedBlocks) compute only through their template block.
+    unrolled = [] if model.scan_layers else list(model.layers.values())
+    for block in [*unrolled, *model.block_templates()]:
         block.attention.kernels = _ContextParallelKernels(block.attention.kernels, impl)
     model.register_forward_pre_hook(plan.shard_inputs, with_kwargs=True)
     model.register_forward_hook(plan.combine_outputs)

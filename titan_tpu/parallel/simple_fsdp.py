@@ -400,7 +400,10 @@ def _reshard_pieces(model: nn.Module) -> list[nn.Module]:
     named = [(name, piece) for name, piece, _ in model.init_plan()]
     stacked = [piece for name, piece in named if name == "layers" and getattr(piece, STACKED_MARKER, False)]
     if stacked:
-        return stacked
+        # A tensor-parallel stack is read whole (its data-parallel axes gathered before the loop,
+        # its tp shard kept, `_replicate_for_compute`): the per-layer gather (LayerGather) gathers
+        # flat buffers over the whole mesh and has no tp shard to keep, like the buckets.
+        return [] if _has_tp(next(stacked[0].parameters()).device_mesh) else stacked
     return [piece for name, piece in named if name.startswith("layers.")][:-1]
 
 

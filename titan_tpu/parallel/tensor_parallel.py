@@ -78,13 +78,21 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+# The Functions below take their context in `setup_context`, apart from `forward`: torch.func
+# transforms (the vjp in scan's recomputing backward, models/common/scan.py) only accept
+# autograd Functions written that way.
+
+
 class _GatherSequence(torch.autograd.Function):
     """[B, S/tp, D] -> [B, S, D]; backward: reduce-scatter (sum) of the gradient's partial sums."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(x, group):
         return _wait(funcol.all_gather_tensor(x.contiguous(), 1, group))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
@@ -95,9 +103,12 @@ class _ReduceScatterSequence(torch.autograd.Function):
     """Partial sums [B, S, D] -> summed [B, S/tp, D]; backward: all-gather of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(x, group):
         return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 1, group))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
@@ -172,16 +183,24 @@ def _set_placement(module: nn.Module | None, placement: Placement) -> None:
         module.__dict__[TP_PLACEMENT] = placement
 
 
-def _parallelize_block(block: nn.Module, group, tp: int) -> list:
+def _place_block_weights(block: nn.Module) -> None:
+    """The tp placements of a block's weights (per layer: SimpleFSDP shifts them one dim in for a
+    stacked weight, simple_fsdp._module_placements)."""
     attn, ffn = block.attention, block.feed_forward
     for linear in (attn.wq, attn.wk, attn.wv):
         _set_placement(linear, Shard(0))
     _set_placement(attn.wo, Shard(1))
-    attn.n_heads //= tp
-    attn.n_kv_heads //= tp
     _set_placement(ffn.w1, Shard(0))
     _set_placement(ffn.w3, Shard(0))
     _set_placement(ffn.w2, Shard(1))
+
+
+def _parallelize_block(block: nn.Module, group, tp: int) -> list:
+    """A block that computes: its weights' placements, local head counts, sequence collectives."""
+    attn, ffn = block.attention, block.feed_forward
+    _place_block_weights(block)
+    attn.n_heads //= tp
+    attn.n_kv_heads //= tp
     handles = []
     for module in (attn, ffn):
         handles.append(module.register_forward_pre_hook(functools.partial(_gather_input, group)))
@@ -193,7 +212,6 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int | None =
     """Apply the plan above to a (meta-device, not yet distributed) Transformer in place; its
     parameters are then distributed by `materialize_and_init` / `data_parallel` on `mesh`, whose
     `tp` axis they are sharded on. Returns the model."""
-    from titan_tpu.kernels.loss import LOSS
 
     names = mesh.mesh_dim_names or ()
     if TP_AXIS not in names:
@@ -202,14 +220,19 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int | None =
     tp = mesh.size(names.index(TP_AXIS))
     args = model.args
     check_tensor_parallel(args, tp, seq_len=seq_len)
-    if model.scan_layers:
-        raise ValueError("--parallelism.tp > 1 runs unrolled blocks for now; set --model.scan_layers false")
     if model.kernels.loss not in ("auto", "chunked"):
         raise ValueError(f"--parallelism.tp > 1 computes a vocabulary-parallel loss in the chunked kernel; set "
                          f"--kernels.loss chunked (got {model.kernels.loss!r})")
     group = mesh.get_group(TP_AXIS)
     rank = mesh.get_local_rank(TP_AXIS)
-    for block in [*model.layers.values(), *model.block_templates()]:
+    if model.scan_layers:
+        # The stack (model.layers, a StackedBlocks) only stores the weights; its template block,
+        # which the scan body runs, computes.
+        _place_block_weights(model.layers)
+        unrolled = []
+    else:
+        unrolled = list(model.layers.values())
+    for block in [*unrolled, *model.block_templates()]:
         _parallelize_block(block, group, tp)
     model.tok_embeddings.__class__ = VocabParallelEmbedding
     model.tok_embeddings._tp_group = group

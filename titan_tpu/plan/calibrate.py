@@ -66,8 +66,21 @@ CASES = [
     Case("qwen3_moe debug, 2 ranks, ep 2", "configs/qwen3_moe_debug.toml", ("--parallelism.ep", "2"), ranks=2),
     # Tensor parallel: both ranks hold the whole batch, each a tp shard of the model (docs/tensor_parallel.md).
     Case("llama3 debug, 2 ranks tp 2", "configs/llama3_debug.toml", ("--parallelism.tp", "2"), ranks=2),
+    Case("llama3 debug, 2 ranks tp 2, scanned", "configs/llama3_debug.toml",
+         ("--parallelism.tp", "2", "--model.scan_layers", "true"), ranks=2),
+    Case("llama3 debug, 2 ranks tp 2, graph aot_eager, scanned, AC full", "configs/llama3_debug.toml",
+         ("--parallelism.tp", "2", "--model.scan_layers", "true", "--training.mode", "graph",
+          "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "full"), ranks=2),
     # Context parallel: both ranks hold the whole batch, each half of every sequence (docs/context_parallel.md).
     Case("llama3 debug, 2 ranks cp 2", "configs/llama3_debug.toml", ("--parallelism.cp", "2"), ranks=2),
+    Case("llama3 debug, 2 ranks cp 2, scanned", "configs/llama3_debug.toml",
+         ("--parallelism.cp", "2", "--model.scan_layers", "true"), ranks=2),
+    Case("llama3 debug, 2 ranks cp 2, graph aot_eager, scanned", "configs/llama3_debug.toml",
+         ("--parallelism.cp", "2", "--model.scan_layers", "true", "--training.mode", "graph",
+          "--compile.backend", "aot_eager"), ranks=2),
+    Case("llama3 debug, 2 ranks cp 2, graph aot_eager, scanned, AC full", "configs/llama3_debug.toml",
+         ("--parallelism.cp", "2", "--model.scan_layers", "true", "--training.mode", "graph",
+          "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "full"), ranks=2),
     # Graph mode (--training.mode graph): the whole step captured and compiled, one process.
     Case("llama3 debug, graph aot_eager, unrolled", "configs/llama3_debug.toml",
          ("--training.mode", "graph", "--compile.backend", "aot_eager")),

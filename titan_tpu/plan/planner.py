@@ -146,7 +146,7 @@ def code_gather(cfg: Config) -> str:
     Layout.gather): "layer" when re-sharded after the forward, "model" when kept: re-sharding off,
     per-parameter collectives (bucket_mb 0), or scanned layers in graph mode without full
     checkpointing (scan's partitioner saves each layer's gathered weights), or tensor parallelism
-    without activation checkpointing (parameters gathered one by one)."""
+    without activation checkpointing (parameters gathered one by one) or with scanned layers."""
     p = cfg.parallelism
     if not p.reshard_after_forward or p.bucket_mb <= 0:
         return "model"
@@ -156,6 +156,8 @@ def code_gather(cfg: Config) -> str:
         return "model"
     if cfg.model.scan_layers and cfg.training.mode == "graph" and cfg.activation_checkpoint.mode != "full":
         return "model"
+    if cfg.model.scan_layers and p.tp > 1:
+        return "model"  # a tensor-parallel stack is gathered whole before the loop (simple_fsdp._reshard_pieces)
     return "layer"
 
 
@@ -308,13 +310,11 @@ def _check_parallel_support(cfg: Config, args) -> None:
     tp, cp = cfg.parallelism.tp, cfg.parallelism.cp
     if tp > 1:
         check_tensor_parallel(args, tp, seq_len=cfg.training.seq_len)
-        if cfg.model.scan_layers:
-            raise ValueError("--parallelism.tp > 1 runs unrolled blocks for now; set --model.scan_layers false")
     if cp > 1:
         check_context_parallel(cp, seq_len=cfg.training.seq_len)
-        if cfg.model.scan_layers or args.moe is not None or tp > 1:
-            raise ValueError("--parallelism.cp > 1 runs dense models with unrolled blocks and tp 1 for now; set "
-                             "--model.scan_layers false and --parallelism.tp 1")
+        if args.moe is not None or tp > 1:
+            raise ValueError("--parallelism.cp > 1 runs dense models with tp 1 for now; set --parallelism.tp 1 "
+                             "(or --parallelism.cp 1 for an MoE model)")
 
 
 def _activations(s: _Setting) -> ActivationBytes:

@@ -121,7 +121,9 @@ def _space(cfg: Config, devices: int, keep: set[str]) -> list[dict]:
     acs = [cfg.activation_checkpoint.mode] if "activation_checkpoint.mode" in keep else ["none", "selective", "full"]
     scans = [cfg.model.scan_layers] if "model.scan_layers" in keep else [False, True]
     if p.tp > 1:
-        scans = [False]  # tensor parallelism runs unrolled blocks (parallel/tensor_parallel.py)
+        # Tensor parallelism runs scanned blocks too, but under dp_shard their stack is gathered
+        # whole before the loop (docs/tensor_parallel.md, Limitations): the search keeps tp unrolled.
+        scans = [False]
     out = []
     for (r, s), ep, ac, scan, b in itertools.product(layouts, eps, acs, scans, micro):
         # Knobs that act only on some layouts are held at the config's value elsewhere: buckets on
