@@ -77,7 +77,7 @@ def throughput(depth: int, args) -> dict:
     return {name: tokens / statistics.median(s) for name, s in seconds.items()} | {"scanned_over_unrolled": 1 / ratio}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3", choices=["llama3", "qwen3", "qwen3_moe"],
                         help="whose debug block to stack")
@@ -89,7 +89,11 @@ def main() -> None:
     parser.add_argument("--throughput", action="store_true", help="also compare steady-state tokens/s")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--only", help=argparse.SUPPRESS)  # child: "compile:<depth>:<scan 0|1>" or "throughput:<depth>"
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     if args.only:
         kind, depth, *rest = args.only.split(":")
