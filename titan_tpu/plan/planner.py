@@ -33,7 +33,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from titan_tpu.config import Config, model_args_from_config, model_label, model_spec
+from titan_tpu.config import Config, model_spec
 from titan_tpu.kernels.loss import loss_memory_bytes
 from titan_tpu.models.common.rope import rope_real_saved_per_position
 from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memory
@@ -166,6 +166,7 @@ class _Setting:
     """A config resolved for planning: what every term below reads. Built once by `_resolve`."""
 
     cfg: Config
+    label: str  # how the plan names the model (the spec's label, e.g. llama3/8B)
     args: object  # the model's TransformerArgs
     hardware: Hardware
     devices: int
@@ -261,7 +262,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     tp, cp = cfg.parallelism.tp, cfg.parallelism.cp
     step_s = step_time["step_s"]
     plan = Plan(
-        model=model_label(cfg), hardware=s.hardware.as_dict(), devices=s.devices,
+        model=s.label, hardware=s.hardware.as_dict(), devices=s.devices,
         mesh={"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "ep": cfg.parallelism.ep, "tp": tp,
               "cp": cp, "mode": _mode(layout), "gather": s.gather, "code_gather": s.code_gather},
         batch={"batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum_steps": t.grad_accum_steps,
@@ -287,7 +288,8 @@ def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measu
     """The config checked and resolved for planning (see `plan_config` for the arguments)."""
     code = code_gather(cfg)
     gather = gather or code
-    if not model_spec(cfg).plannable:
+    spec = model_spec(cfg)  # resolved once per plan: a search plans hundreds of candidates
+    if not spec.plannable:
         raise ValueError("titan-tpu plan covers the native models (llama3, qwen3, qwen3_moe); an hf model's "
                          "layers are transformers' own code, which the planner has no terms for")
     if hardware is None:
@@ -295,14 +297,14 @@ def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measu
         chips = chips if chips is not None else named_chips
     devices = chips * hardware.devices_per_chip if chips is not None else None
     dp_replicate, dp_shard, devices = _mesh(cfg, devices)
-    args = model_args if model_args is not None else model_args_from_config(cfg)
+    args = model_args if model_args is not None else spec.args
     _check_parallel_support(cfg, args)
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
     p = cfg.parallelism
     layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=p.ep, tp=p.tp, cp=p.cp,
                     compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype], gather=gather)
-    return _Setting(cfg=cfg, args=args, hardware=hardware, devices=devices, layout=layout, dtype=dtype, gather=gather,
-                    code_gather=code)
+    return _Setting(cfg=cfg, label=spec.label, args=args, hardware=hardware, devices=devices, layout=layout,
+                    dtype=dtype, gather=gather, code_gather=code)
 
 
 def _check_parallel_support(cfg: Config, args) -> None:
