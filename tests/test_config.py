@@ -58,6 +58,7 @@ def test_every_recipe_validates(path, monkeypatch, tmp_path):
     (["--parallelism.ep", "0"], "parallelism.ep = 0 must be >= 1"),
     (["--kernels.attention", "fast"], "kernels.attention = 'fast' is not a known implementation; use auto or one of"),
     (["--kernels.loss", "fused"], "kernels.loss = 'fused' is not a known implementation"),
+    (["--kernels.chunk_attention", "ring"], "kernels.chunk_attention = 'ring' is not a known implementation"),
     (["--kernels.loss_chunk_tokens", "-5"], "kernels.loss_chunk_tokens = -5 must be >= 0"),
 ])
 def test_bad_config_is_one_clear_error(overrides, message):

@@ -25,15 +25,16 @@ from parallel_helpers import (
 )
 
 from titan_tpu.graph.compile import GraphStep
-from titan_tpu.kernels.attention import document_ids_from_positions, reference_attention
+from titan_tpu.kernels.attention import CHUNK_ATTENTION, document_ids_from_positions, reference_attention
 from titan_tpu.models.common.transformer import Transformer, activation_bytes
 from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.context_parallel import (
     check_context_parallel,
     context_parallel,
     cp_attention_saved_bytes,
+    head_tail_attention,
     head_tail_positions,
-    shard_attention,
+    sequence_order,
 )
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
@@ -191,22 +192,34 @@ def test_head_tail_split_balances_causal_work():
     assert len({int((s + 1).sum()) for s in shards}) == 1
 
 
+def test_sequence_order_undoes_the_head_tail_gather():
+    S, cp = 24, 3
+    gathered = torch.cat([head_tail_positions(S, cp, r) for r in range(cp)])  # rank order, as the gather hands it
+    assert torch.equal(sequence_order(gathered.unsqueeze(0), cp)[0], torch.arange(S))
+
+
+@pytest.mark.parametrize("kernel", ["reference", "sdpa"])
 @pytest.mark.parametrize("documents", [False, True])
-def test_sharded_attention_equals_full_attention(documents):
-    """Simulate cp ranks in one process: each rank's queries against every rank's keys in rank
-    order (what the all-gather hands over) give that rank's rows of full attention."""
+def test_sharded_attention_equals_full_attention(documents, kernel):
+    """Simulate cp ranks in one process: each rank's two chunks of queries, each against the keys
+    up to its end (chunk_attention), give that rank's rows of full attention, and so do their
+    gradients (with respect to the whole sequence's q, k, v, summed over ranks)."""
     torch.manual_seed(0)
     B, S, H, K, D, cp = 2, 24, 4, 2, 8, 3
-    q, k, v = torch.randn(B, S, H, D), torch.randn(B, S, K, D), torch.randn(B, S, K, D)
+    q, k, v = (torch.randn(B, S, n, D, requires_grad=True) for n in (H, K, K))
     ids = document_ids_from_positions(packed_positions(1)[0, :B, :S]) if documents else None
     full = reference_attention(q, k, v, ids)
-    shards = [head_tail_positions(S, cp, r) for r in range(cp)]
-    k_pos = torch.cat(shards)
-    for mine in shards:
-        out = shard_attention(q[:, mine], k[:, k_pos], v[:, k_pos], q_pos_Q=mine, k_pos_S=k_pos,
-                              document_ids_BQ=None if ids is None else ids[:, mine],
-                              document_ids_BS=None if ids is None else ids[:, k_pos])
-        torch.testing.assert_close(out, full[:, mine], rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(full)
+    want = torch.autograd.grad(full, (q, k, v), grad)
+    out = torch.empty_like(full)
+    for rank in range(cp):
+        mine = head_tail_positions(S, cp, rank)
+        out[:, mine] = head_tail_attention(CHUNK_ATTENTION.impls[kernel].fn, q[:, mine], k, v, cp=cp, rank=rank,
+                                           document_ids_BQ=None if ids is None else ids[:, mine],
+                                           document_ids_BS=ids)
+    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(torch.autograd.grad(out, (q, k, v), grad), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_input_is_one_line():
@@ -280,7 +293,8 @@ def test_cp2_planner_activation_terms_match_autograd(name, documents):
     plus cp_attention_saved_bytes) is what autograd keeps on each rank."""
     args = tiny_args(name)
     predicted = activation_bytes(args, tokens=BATCH * SEQ // 2, ac_mode="none", dtype_bytes=4).saved_per_layer[0]
-    predicted += cp_attention_saved_bytes(batch_size=BATCH, seq_len=SEQ, cp=2, kv_dim=args.n_kv_heads * args.hd,
-                                          dtype_bytes=4, documents=documents)
+    predicted += cp_attention_saved_bytes(batch_size=BATCH, seq_len=SEQ, cp=2, q_dim=args.n_heads * args.hd,
+                                          kv_dim=args.n_kv_heads * args.hd, dtype_bytes=4, documents=documents,
+                                          mask=True)
     for rank_runs in cp2_runs():
         assert rank_runs["saved_per_layer"][(name, documents)] == predicted

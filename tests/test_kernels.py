@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from titan_tpu.kernels import ATTENTION, LOSS, KernelConfig, describe, document_ids_from_positions
+from titan_tpu.kernels import ATTENTION, CHUNK_ATTENTION, LOSS, KernelConfig, describe, document_ids_from_positions
 from titan_tpu.kernels.loss import auto_chunk_tokens
 from titan_tpu.models.common.transformer import TransformerArgs
 from titan_tpu.models.registry import build_model
@@ -119,6 +119,54 @@ def test_masks_and_document_ids():
     positions = torch.zeros(1, 6, dtype=torch.long)  # every token its own document
     o = ATTENTION.impls["reference"].fn(q, k, v, document_ids_from_positions(positions))
     torch.testing.assert_close(o, v.detach(), rtol=0, atol=1e-6)
+
+
+# Chunk attention (context parallelism): the last Q of S positions against all S keys.
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_chunk_reference_is_the_last_rows_of_full_attention(documents):
+    q, k, v = (t.detach() for t in attention_inputs())
+    ids = document_ids_from_positions(two_documents()) if documents else None
+    full = ATTENTION.impls["reference"].fn(q, k, v, ids)
+    for Q in (1, 8, 24):
+        got = CHUNK_ATTENTION.impls["reference"].fn(q[:, -Q:], k, v, None if ids is None else ids[:, -Q:], ids)
+        torch.testing.assert_close(got, full[:, -Q:], rtol=0, atol=FP32_TOL)
+
+
+@pytest.mark.parametrize("impl", run_here(CHUNK_ATTENTION))
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("captured", [False, True])
+def test_chunk_attention_matches_reference_fp32(impl, documents, captured):
+    q, k, v = attention_inputs()
+    q = q[:, -8:].detach().requires_grad_()  # the last 8 of 24 positions
+    ids = document_ids_from_positions(two_documents()) if documents else None
+    q_ids = None if ids is None else ids[:, -8:]
+    grad_out = torch.randn_like(q)
+    reference = CHUNK_ATTENTION.impls["reference"].fn
+    want, want_grads = value_and_grads(lambda q, k, v: reference(q, k, v, q_ids, ids), q, k, v, grad_out=grad_out)
+    fn = CHUNK_ATTENTION.impls[impl].fn
+    if captured and documents:
+        got, got_grads = traced(fn)(q, k, v, q_ids, ids, grad_out=grad_out)
+    elif captured:
+        got, got_grads = traced(fn)(q, k, v, grad_out=grad_out)
+    else:
+        got, got_grads = value_and_grads(lambda q, k, v: fn(q, k, v, q_ids, ids), q, k, v, grad_out=grad_out)
+    torch.testing.assert_close(got, want, rtol=0, atol=FP32_TOL)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=FP32_TOL)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("documents", [False, True])
+def test_flex_chunk_forward_matches_reference_on_cpu(documents):
+    q, k, v = (t.detach() for t in attention_inputs())
+    ids = document_ids_from_positions(two_documents()) if documents else None
+    q_ids = None if ids is None else ids[:, -8:]
+    with torch.no_grad():
+        got = CHUNK_ATTENTION.impls["flex"].fn(q[:, -8:], k, v, q_ids, ids)
+        want = CHUNK_ATTENTION.impls["reference"].fn(q[:, -8:], k, v, q_ids, ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=FP32_TOL)
 
 
 # ---------------------------------------------------------------------------------------------

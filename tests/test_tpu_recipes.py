@@ -24,6 +24,7 @@ RECIPES = {
     "qwen3_8b_graph_tpu": dict(scan=True, split="none", ep=1),
     "llama3_405b_tpu": dict(scan=True, split="none", ep=1),
     "qwen3_235b_a22b_tpu": dict(scan=True, split="collectives", ep=8),
+    "llama3_8b_128k_cp_tpu": dict(scan=True, split="none", ep=1),
 }
 
 
@@ -50,7 +51,7 @@ def test_tpu_recipe(name, monkeypatch):
     assert generation is not None, cfg.job.description
     devices = _chips(cfg.job.description) * device._TPU_DEVICES_PER_CHIP.get(generation, 1)
     assert p.dp_replicate > 0 and p.dp_shard > 0, "a recipe spells out its mesh (no -1)"
-    assert p.dp_replicate * p.dp_shard == devices
+    assert p.dp_replicate * p.dp_shard * p.cp * p.tp == devices
 
     # Shapes divide the mesh and suit the kernels it names (each a TPU implementation).
     args = get_model_args(cfg.model.name, cfg.model.flavor)
@@ -61,6 +62,9 @@ def test_tpu_recipe(name, monkeypatch):
         impl = OPS[op_name].impls[choice]
         assert "tpu" in impl.devices and op_needs <= impl.features, (op_name, choice)
     assert tpu_kernels.splash_block(t.seq_len) >= 128
+    if p.cp > 1:  # each rank's two chunks of seq_len / (2 cp) against the keys up to their ends
+        assert k.chunk_attention == "splash" and "tpu" in OPS["chunk_attention"].impls["splash"].devices
+        assert tpu_kernels.splash_block(t.seq_len // (2 * p.cp), t.seq_len) >= 128
     if args.moe is not None:
         assert k.grouped_mm == "gmm" and "tpu" in OPS["grouped_mm"].impls["gmm"].devices
         assert args.moe.num_experts % p.ep == 0 and p.dp_shard % p.ep == 0

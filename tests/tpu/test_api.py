@@ -98,7 +98,8 @@ def real_ops():
 
 def test_jax_op_accepts_every_kernel_function(real_ops):
     schemas = {name: str(op._opoverload._schema) for name, op in vars(real_ops).items()}
-    assert "Tensor segment_ids_BS" in schemas["splash"] and "SymInt block" in schemas["splash"]
+    assert "Tensor q_segment_ids_BQ, Tensor kv_segment_ids_BS" in schemas["splash"]
+    assert "SymInt block" in schemas["splash"]
     assert schemas["splash_vjp"].endswith("-> (Tensor, Tensor, Tensor)")
     assert schemas["gmm_vjp"].endswith("-> (Tensor, Tensor)") and "str implementation" in schemas["lce"]
     conftest.SUMMARY.append(f"jax_op registered {len(schemas)} kernel functions: " + ", ".join(sorted(schemas)))
@@ -116,10 +117,15 @@ def test_splash_lowers_for_tpu(real_ops):
     with FakeTensorMode():
         q, k = _fake(1, 8, 1024, 128), _fake(1, 2, 1024, 128)
         ids = _fake(1, 1024, dtype=torch.int32)
-        o = real_ops.splash(q, k, k, ids, 512)
-        dq, dk, dv = real_ops.splash_vjp(q, k, k, ids, o, 512)
+        o = real_ops.splash(q, k, k, ids, ids, 512)
+        dq, dk, dv = real_ops.splash_vjp(q, k, k, ids, ids, o, 512)
+        # Context parallelism's chunk: the last 512 queries over 1024 keys (the mask offset by 512).
+        q_chunk, ids_chunk = _fake(1, 8, 512, 128), _fake(1, 512, dtype=torch.int32)
+        o_chunk = real_ops.splash(q_chunk, k, k, ids_chunk, ids, 512)
+        dq_chunk, dk_chunk, _ = real_ops.splash_vjp(q_chunk, k, k, ids_chunk, ids, o_chunk, 512)
     assert o.shape == q.shape and dq.shape == q.shape and dk.shape == dv.shape == k.shape
     assert o.dtype == torch.bfloat16
+    assert o_chunk.shape == dq_chunk.shape == q_chunk.shape and dk_chunk.shape == k.shape
 
 
 def test_gmm_lowers_for_tpu(real_ops):

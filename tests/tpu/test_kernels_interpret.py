@@ -24,13 +24,13 @@ import torch
 from jax.experimental.pallas import tpu as pltpu
 
 from titan_tpu.kernels import GROUPED_MM, LOSS, OPS, tpu as tpu_kernels
-from titan_tpu.kernels.attention import document_ids_from_positions, reference_attention
+from titan_tpu.kernels.attention import document_ids_from_positions, reference_attention, reference_chunk_attention
 from titan_tpu.kernels.grouped_mm import reference_grouped_mm
 from titan_tpu.kernels.loss import reference_linear_cross_entropy
 
 # Checked for signature only (test_api.py): TorchTPU's own kernels, no JAX function to run here.
 NATIVE_ONLY = {("attention", "splash_sdpa"), ("grouped_mm", "ragged_dot")}
-NUMERIC = {("attention", "splash"), ("grouped_mm", "gmm"), ("loss", "tokamax")}
+NUMERIC = {("attention", "splash"), ("chunk_attention", "splash"), ("grouped_mm", "gmm"), ("loss", "tokamax")}
 
 # Max |ours - reference| allowed, relative to the reference's largest magnitude (forward, grads).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -86,6 +86,26 @@ def test_splash_attention(heads, kv_heads, documents, dtype):
     ours = _run(tpu_kernels.splash_attention, [q, k, v], grad, ids)
     ref = _run(reference_attention, [q.float(), k.float(), v.float()], grad.float(), ids)
     _compare(f"attention splash {heads}:{kv_heads} heads{' documents' if documents else ''} {dtype}", ours, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_splash_chunk_attention(documents, dtype):
+    """Context parallelism's chunk: the last 128 of 384 positions against all 384 keys (splash's
+    causal mask offset by 256), GQA 8:2."""
+    B, Q, S, D, heads, kv_heads = 2, 128, 384, 64, 8, 2
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Q, heads, D, generator=gen).to(dtype)
+    k, v = (torch.randn(B, S, kv_heads, D, generator=gen).to(dtype) for _ in range(2))
+    grad = torch.randn(B, Q, heads, D, generator=gen).to(dtype)
+    q_ids = ids = None
+    if documents:  # row 0: documents of 200, 100 and 84 tokens (one starts inside the chunk); row 1: one
+        positions = torch.stack([torch.cat([torch.arange(200), torch.arange(100), torch.arange(84)]), torch.arange(S)])
+        ids = document_ids_from_positions(positions)
+        q_ids = ids[:, -Q:]
+    ours = _run(tpu_kernels.splash_chunk_attention, [q, k, v], grad, q_ids, ids)
+    ref = _run(reference_chunk_attention, [q.float(), k.float(), v.float()], grad.float(), q_ids, ids)
+    _compare(f"chunk_attention splash {Q} of {S}{' documents' if documents else ''} {dtype}", ours, ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

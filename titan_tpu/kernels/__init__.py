@@ -1,6 +1,7 @@
 """Hot ops with per-backend implementations behind one registry (see registry.py).
 
-Ops: ``attention`` (causal, optionally document-masked; attention.py), ``loss`` (output
+Ops: ``attention`` (causal, optionally document-masked; attention.py), ``chunk_attention`` (a
+chunk of queries over the keys up to its end: context parallelism's; attention.py), ``loss`` (output
 projection + cross-entropy, chunked so the logits are never whole; loss.py) and ``grouped_mm``
 (mixture-of-experts expert matmuls; grouped_mm.py). TPU variants live in tpu.py, the only kernel
 module that calls torch_tpu; the JAX functions it hands to TorchTPU's jax_op are in tpu_jax.py.
@@ -17,15 +18,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from titan_tpu.kernels import tpu as _tpu  # noqa: F401 - registers the TPU variants
-from titan_tpu.kernels.attention import ATTENTION, document_ids_from_positions
+from titan_tpu.kernels.attention import ATTENTION, CHUNK_ATTENTION, document_ids_from_positions
 from titan_tpu.kernels.grouped_mm import GROUPED_MM
 from titan_tpu.kernels.loss import LOSS
 from titan_tpu.kernels.registry import Impl, Op
 
-__all__ = ["ATTENTION", "GROUPED_MM", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe",
+__all__ = ["ATTENTION", "CHUNK_ATTENTION", "GROUPED_MM", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe",
            "document_ids_from_positions"]
 
-OPS: dict[str, Op] = {"attention": ATTENTION, "loss": LOSS, "grouped_mm": GROUPED_MM}
+OPS: dict[str, Op] = {"attention": ATTENTION, "chunk_attention": CHUNK_ATTENTION, "loss": LOSS,
+                      "grouped_mm": GROUPED_MM}
 
 DOCUMENTS = frozenset({"documents"})
 
@@ -40,6 +42,14 @@ ATTENTION.preference = {
     "cuda+documents": ["flex", "sdpa", "reference"],
     "tpu": ["splash", "splash_sdpa", "reference"],
     "tpu+documents": ["splash", "reference"],
+}
+# Chunk attention (context parallelism): on CUDA flex, whose block mask skips the causally masked
+# blocks without a per-element mask (sdpa would build a [Q, S] mask of each chunk: gigabytes at
+# long contexts); on CPU sdpa with the mask.
+CHUNK_ATTENTION.preference = {
+    "cpu": ["sdpa", "reference"],
+    "cuda": ["flex", "sdpa", "reference"],
+    "tpu": ["splash", "reference"],
 }
 GROUPED_MM.preference = {
     "cpu": ["torch", "reference"],
@@ -58,6 +68,9 @@ class KernelConfig:
     # Implementation per op: auto picks the best one that runs on the device (titan-tpu kernels
     # lists them); a name forces one (an error if it cannot run here).
     attention: str = "auto"  # auto, reference, sdpa, flex, splash, splash_sdpa
+    # Context parallelism's attention (each rank's sequence chunks over the gathered keys):
+    # auto, reference, sdpa, flex, splash.
+    chunk_attention: str = "auto"
     loss: str = "auto"  # auto, reference, chunked, tokamax
     # Tokens per chunk of the chunked loss; 0 = about 64M logits per chunk (one chunk for small vocabularies).
     loss_chunk_tokens: int = 0
@@ -66,6 +79,7 @@ class KernelConfig:
     def validate(self) -> None:
         """Config-time checks that need no device: known names, sane sizes."""
         ATTENTION.check_name(self.attention)
+        CHUNK_ATTENTION.check_name(self.chunk_attention)
         LOSS.check_name(self.loss)
         GROUPED_MM.check_name(self.grouped_mm)
         if self.loss_chunk_tokens < 0:
@@ -84,6 +98,10 @@ class KernelConfig:
     def attention_impl(self, device_type: str, *, documents: bool) -> Impl:
         return _resolve(ATTENTION, self.attention, device_type, DOCUMENTS if documents else frozenset())
 
+    def chunk_attention_impl(self, device_type: str, *, documents: bool) -> Impl:
+        """Context parallelism's kernel; resolved only by runs with --parallelism.cp > 1."""
+        return _resolve(CHUNK_ATTENTION, self.chunk_attention, device_type, DOCUMENTS if documents else frozenset())
+
     def loss_fn(self, device_type: str) -> Callable:
         """(h_ND, w_VD, labels_N) -> summed cross-entropy, with this config's chunk size."""
         impl = _resolve(LOSS, self.loss, device_type, frozenset())
@@ -100,7 +118,7 @@ def describe(device_type: str) -> str:
     lines = []
     for name, op in OPS.items():
         lines.append(f"{op.config_key}:")
-        needs_variants = [frozenset(), DOCUMENTS] if name == "attention" else [frozenset()]
+        needs_variants = [frozenset(), DOCUMENTS] if name.endswith("attention") else [frozenset()]
         for needs in needs_variants:
             try:
                 picked = _resolve(op, "auto", device_type, needs).name

@@ -20,6 +20,20 @@ Implementations (the registry picks one per device; `titan-tpu kernels` lists th
 * flex: FlexAttention with a block mask built from the document ids, which skips the blocks
   that cross documents; compiled, on CUDA only (no backward on CPU); the CUDA choice for documents.
 * splash (TPU, kernels/tpu.py): TorchTPU's splash attention kernel, causal windows.
+
+The second op, ``chunk_attention``, is causal attention of a chunk of queries over the keys up to
+the chunk's end: context parallelism (parallel/context_parallel.py) computes each rank's two
+sequence chunks with it, against the prefix of the gathered keys each one sees, so no rank builds
+a mask over the whole sequence and every kernel skips the causally masked blocks itself::
+
+    chunk_attention(q_BQHD, k_BSKD, v_BSKD, q_document_ids_BQ=None, k_document_ids_BS=None) -> o_BQHD
+
+The Q queries are the last Q positions of the S keys: query i sees key j if j <= S - Q + i (the
+causal mask aligned to the lower right; Q == S is plain causal attention) and, with document ids,
+both are in the same document. Implementations: reference and sdpa (a boolean [B or 1, Q, S]
+mask: the CPU choice), flex (a block mask from the same rule, nothing materialised per element: the
+CUDA choice) and splash (TPU: splash's causal mask with an offset and separate query and key
+segment ids).
 """
 
 from __future__ import annotations
@@ -30,9 +44,11 @@ from torch import Tensor
 
 from titan_tpu.kernels.registry import Impl, Op
 
-__all__ = ["ATTENTION", "allowed_BSS", "document_ids_from_positions", "masked_sdpa"]
+__all__ = ["ATTENTION", "CHUNK_ATTENTION", "allowed_BSS", "chunk_allowed_BQS", "document_ids_from_positions",
+           "masked_sdpa"]
 
 ATTENTION = Op("attention", config_key="kernels.attention")
+CHUNK_ATTENTION = Op("chunk_attention", config_key="kernels.chunk_attention")
 
 
 def document_ids_from_positions(positions_BS: Tensor) -> Tensor:
@@ -50,17 +66,39 @@ def allowed_BSS(S: int, document_ids_BS: Tensor | None, device: torch.device) ->
     return causal_SS & same_document_BSS
 
 
-def reference_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
-                        document_ids_BS: Tensor | None = None) -> Tensor:
-    B, S, H, D = q_BSHD.shape
+def chunk_allowed_BQS(Q: int, S: int, q_document_ids_BQ: Tensor | None, k_document_ids_BS: Tensor | None,
+                      device: torch.device) -> Tensor:
+    """Boolean [B (or 1), Q, S] mask of chunk attention: the Q queries are the last Q of the S
+    positions, query i sees key j <= S - Q + i of its own document."""
+    causal_QS = torch.ones(Q, S, dtype=torch.bool, device=device).tril(diagonal=S - Q)
+    if q_document_ids_BQ is None:
+        return causal_QS.unsqueeze(0)
+    return causal_QS & (q_document_ids_BQ.unsqueeze(2) == k_document_ids_BS.unsqueeze(1))
+
+
+def _reference_masked(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, allowed_BQS: Tensor) -> Tensor:
+    """The masked softmax written out in fp32, grouped-query."""
+    H, D = q_BQHD.shape[2:]
     group = H // k_BSKD.shape[2]
-    q_BHSD = q_BSHD.transpose(1, 2).float()
+    q_BHQD = q_BQHD.transpose(1, 2).float()
     k_BHSD = k_BSKD.transpose(1, 2).repeat_interleave(group, dim=1).float()
     v_BHSD = v_BSKD.transpose(1, 2).repeat_interleave(group, dim=1).float()
-    scores_BHSS = (q_BHSD @ k_BHSD.transpose(-1, -2)) * D**-0.5
-    allowed_B1SS = allowed_BSS(S, document_ids_BS, q_BSHD.device).unsqueeze(1)
-    probs_BHSS = scores_BHSS.masked_fill(~allowed_B1SS, float("-inf")).softmax(dim=-1)
-    return (probs_BHSS @ v_BHSD).to(q_BSHD.dtype).transpose(1, 2)
+    scores_BHQS = (q_BHQD @ k_BHSD.transpose(-1, -2)) * D**-0.5
+    probs_BHQS = scores_BHQS.masked_fill(~allowed_BQS.unsqueeze(1), float("-inf")).softmax(dim=-1)
+    return (probs_BHQS @ v_BHSD).to(q_BQHD.dtype).transpose(1, 2)
+
+
+def reference_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
+                        document_ids_BS: Tensor | None = None) -> Tensor:
+    allowed = allowed_BSS(q_BSHD.shape[1], document_ids_BS, q_BSHD.device)
+    return _reference_masked(q_BSHD, k_BSKD, v_BSKD, allowed)
+
+
+def reference_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
+                              k_document_ids_BS: Tensor | None = None) -> Tensor:
+    allowed = chunk_allowed_BQS(q_BQHD.shape[1], k_BSKD.shape[1], q_document_ids_BQ, k_document_ids_BS,
+                                q_BQHD.device)
+    return _reference_masked(q_BQHD, k_BSKD, v_BSKD, allowed)
 
 
 def sdpa_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
@@ -72,6 +110,15 @@ def sdpa_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
     o_BHSD = F.scaled_dot_product_attention(q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
                                             is_causal=True, enable_gqa=gqa)
     return o_BHSD.transpose(1, 2)
+
+
+def sdpa_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
+                         k_document_ids_BS: Tensor | None = None) -> Tensor:
+    """SDPA with the chunk's boolean mask, [1 or B, Q, S] (SDPA's is_causal aligns the mask to the
+    upper left, which is wrong when Q < S)."""
+    allowed = chunk_allowed_BQS(q_BQHD.shape[1], k_BSKD.shape[1], q_document_ids_BQ, k_document_ids_BS,
+                                q_BQHD.device)
+    return masked_sdpa(q_BQHD, k_BSKD, v_BSKD, allowed)
 
 
 def masked_sdpa(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, allowed_BQS: Tensor) -> Tensor:
@@ -99,23 +146,31 @@ def _flex_kernel(device_type: str):
     return _compiled_flex
 
 
-def flex_attention_impl(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
-                        document_ids_BS: Tensor | None = None) -> Tensor:
+def flex_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
+                         k_document_ids_BS: Tensor | None = None) -> Tensor:
+    """FlexAttention with a block mask from the chunk rule (Q == S: plain causal attention)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    B, S, H, _ = q_BSHD.shape
-    if document_ids_BS is None:
+    B, Q, H, _ = q_BQHD.shape
+    S = k_BSKD.shape[1]
+    offset = S - Q
+    if q_document_ids_BQ is None:
         def mask_mod(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
+            return q_idx + offset >= kv_idx
     else:
         def mask_mod(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (document_ids_BS[b, q_idx] == document_ids_BS[b, kv_idx])
-    block_mask = create_block_mask(mask_mod, B if document_ids_BS is not None else None, None, S, S,
-                                   device=q_BSHD.device)
-    kernel = _flex_kernel(q_BSHD.device.type)
-    o_BHSD = kernel(q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2), block_mask=block_mask,
+            return (q_idx + offset >= kv_idx) & (q_document_ids_BQ[b, q_idx] == k_document_ids_BS[b, kv_idx])
+    block_mask = create_block_mask(mask_mod, B if q_document_ids_BQ is not None else None, None, Q, S,
+                                   device=q_BQHD.device)
+    kernel = _flex_kernel(q_BQHD.device.type)
+    o_BHQD = kernel(q_BQHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2), block_mask=block_mask,
                     enable_gqa=H != k_BSKD.shape[2])
-    return o_BHSD.transpose(1, 2)
+    return o_BHQD.transpose(1, 2)
+
+
+def flex_attention_impl(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
+                        document_ids_BS: Tensor | None = None) -> Tensor:
+    return flex_chunk_attention(q_BSHD, k_BSKD, v_BSKD, document_ids_BS, document_ids_BS)
 
 
 ATTENTION.register(Impl("reference", reference_attention, ("cpu", "cuda", "tpu"),
@@ -127,3 +182,10 @@ ATTENTION.register(Impl("sdpa", sdpa_attention, ("cpu", "cuda"),
 # how the tests check the block mask against the reference.
 ATTENTION.register(Impl("flex", flex_attention_impl, ("cuda",),
                         "FlexAttention with a document block mask, compiled", frozenset({"documents"})))
+
+CHUNK_ATTENTION.register(Impl("reference", reference_chunk_attention, ("cpu", "cuda", "tpu"),
+                              "masked softmax in fp32 (the definition; Q x S memory)", frozenset({"documents"})))
+CHUNK_ATTENTION.register(Impl("sdpa", sdpa_chunk_attention, ("cpu", "cuda"),
+                              "torch SDPA with a boolean [Q, S] mask", frozenset({"documents"})))
+CHUNK_ATTENTION.register(Impl("flex", flex_chunk_attention, ("cuda",),
+                              "FlexAttention with a block mask, compiled", frozenset({"documents"})))

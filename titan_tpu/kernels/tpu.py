@@ -12,7 +12,9 @@ torch_tpu (and jax, tokamax where needed) are installed.
 Through `torch.tpu.pallas.jax_op` (one torch op for the forward, one for its VJP, bound by an
 autograd.Function; checked numerically in interpret mode):
 * attention "splash": JAX's splash attention (Pallas), causal, GQA, and packed documents through
-  its segment ids. Layout [B, H, S, D]; the sequence must be a multiple of 128.
+  its segment ids; the same kernel is chunk_attention "splash" (context parallelism: a chunk of
+  queries over the keys up to its end, splash's causal mask with an offset). Layout [B, H, S, D];
+  the sequence must be a multiple of 128.
 * grouped_mm "gmm": megablox's grouped matmul (Pallas), with its own VJP (gmm against the
   transposed weights for the input gradient, tgmm for the weight gradient).
 * loss "tokamax": tokamax's `linear_softmax_cross_entropy_loss` (a Pallas kernel that never
@@ -40,14 +42,14 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from titan_tpu.kernels.attention import ATTENTION
+from titan_tpu.kernels.attention import ATTENTION, CHUNK_ATTENTION
 from titan_tpu.kernels.grouped_mm import GROUPED_MM, differentiable_grouped_mm
 from titan_tpu.kernels.loss import LOSS
 from titan_tpu.kernels.registry import Impl
 from titan_tpu.tracing import is_tracing
 
 __all__ = ["gmm_grouped_mm", "gmm_row_tile", "jax_op_replaced", "ragged_dot_grouped_mm", "splash_attention",
-           "splash_block", "splash_sdpa_attention", "tokamax_linear_cross_entropy"]
+           "splash_block", "splash_chunk_attention", "splash_sdpa_attention", "tokamax_linear_cross_entropy"]
 
 # tokamax's Pallas kernel. tests/tpu/ sets "xla" (tokamax's Mosaic kernel refuses CPU).
 TOKAMAX_IMPLEMENTATION = "mosaic_tpu"
@@ -109,42 +111,57 @@ def _jax_ops() -> SimpleNamespace:
 # -- attention "splash" (jax_op) ------------------------------------------------------------------
 
 
-def splash_block(seq_len: int) -> int:
-    """Splash's query/key block: the largest of 512, 256, 128 that divides the sequence."""
+def splash_block(*lengths: int) -> int:
+    """Splash's query/key block: the largest of 512, 256, 128 that divides every length (the
+    queries' and the keys')."""
     for block in (512, 256, 128):
-        if seq_len % block == 0:
+        if all(length % block == 0 for length in lengths):
             return block
-    raise ValueError(f"kernels.attention = splash needs training.seq_len divisible by 128, got {seq_len}; "
-                     "change seq_len or use --kernels.attention reference")
+    raise ValueError(f"splash attention needs seq_len divisible by 128 (with --parallelism.cp, seq_len / (2 cp) "
+                     f"too), got {', '.join(map(str, lengths))}; change --training.seq_len or use the reference kernel")
 
 
 class _SplashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, ids_BS: Tensor, block: int) -> Tensor:
-        return _jax_ops().splash(q_BHSD, k_BKSD, v_BKSD, ids_BS, block)
+    def forward(q_BHQD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, q_ids_BQ: Tensor, kv_ids_BS: Tensor,
+                block: int) -> Tensor:
+        return _jax_ops().splash(q_BHQD, k_BKSD, v_BKSD, q_ids_BQ, kv_ids_BS, block)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:4])
-        ctx.block = inputs[4]
+        ctx.save_for_backward(*inputs[:5])
+        ctx.block = inputs[5]
 
     @staticmethod
-    def backward(ctx, grad_BHSD):
-        q_BHSD, k_BKSD, v_BKSD, ids_BS = ctx.saved_tensors
-        dq, dk, dv = _jax_ops().splash_vjp(q_BHSD, k_BKSD, v_BKSD, ids_BS, grad_BHSD.contiguous(), ctx.block)
-        return dq, dk, dv, None, None
+    def backward(ctx, grad_BHQD):
+        q_BHQD, k_BKSD, v_BKSD, q_ids_BQ, kv_ids_BS = ctx.saved_tensors
+        dq, dk, dv = _jax_ops().splash_vjp(q_BHQD, k_BKSD, v_BKSD, q_ids_BQ, kv_ids_BS, grad_BHQD.contiguous(),
+                                           ctx.block)
+        return dq, dk, dv, None, None, None
+
+
+def _segment_ids(document_ids: Tensor | None, B: int, length: int, device) -> Tensor:
+    """Splash's segment ids: the document ids, or one segment for a plain causal window."""
+    if document_ids is None:
+        return torch.zeros(B, length, dtype=torch.int32, device=device)
+    return document_ids.to(torch.int32)
+
+
+def splash_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
+                           k_document_ids_BS: Tensor | None = None) -> Tensor:
+    """The chunk_attention contract (kernels/attention.py): splash's causal mask offset by S - Q."""
+    B, Q, _, _ = q_BQHD.shape
+    S = k_BSKD.shape[1]
+    q_ids_BQ = _segment_ids(q_document_ids_BQ, B, Q, q_BQHD.device)
+    kv_ids_BS = _segment_ids(k_document_ids_BS, B, S, q_BQHD.device)
+    # Contiguous [B, heads, length, D]: what the JAX function's arrays are.
+    q_BHQD, k_BKSD, v_BKSD = (t.transpose(1, 2).contiguous() for t in (q_BQHD, k_BSKD, v_BSKD))
+    o_BHQD = _SplashAttention.apply(q_BHQD, k_BKSD, v_BKSD, q_ids_BQ, kv_ids_BS, splash_block(Q, S))
+    return o_BHQD.transpose(1, 2)
 
 
 def splash_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, document_ids_BS: Tensor | None = None) -> Tensor:
-    B, S, _, _ = q_BSHD.shape
-    if document_ids_BS is None:  # one segment: plain causal attention
-        ids_BS = torch.zeros(B, S, dtype=torch.int32, device=q_BSHD.device)
-    else:
-        ids_BS = document_ids_BS.to(torch.int32)
-    # Contiguous [B, heads, S, D]: what the JAX function's arrays are.
-    q_BHSD, k_BKSD, v_BKSD = (t.transpose(1, 2).contiguous() for t in (q_BSHD, k_BSKD, v_BSKD))
-    o_BHSD = _SplashAttention.apply(q_BHSD, k_BKSD, v_BKSD, ids_BS, splash_block(S))
-    return o_BHSD.transpose(1, 2)
+    return splash_chunk_attention(q_BSHD, k_BSKD, v_BSKD, document_ids_BS, document_ids_BS)
 
 
 # -- grouped_mm "gmm" (jax_op) --------------------------------------------------------------------
@@ -250,6 +267,9 @@ def ragged_dot_grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) ->
 ATTENTION.register(Impl("splash", splash_attention, ("tpu",),
                         "JAX splash attention (Pallas) through torch.tpu.pallas.jax_op; documents as segment ids",
                         frozenset({"documents"}), unavailable=lambda: _missing("jax")))
+CHUNK_ATTENTION.register(Impl("splash", splash_chunk_attention, ("tpu",),
+                              "JAX splash attention (Pallas), its causal mask offset to the chunk's place",
+                              frozenset({"documents"}), unavailable=lambda: _missing("jax")))
 ATTENTION.register(Impl("splash_sdpa", splash_sdpa_attention, ("tpu",),
                         "TorchTPU's own splash_sdpa op, causal only", unavailable=_missing))
 GROUPED_MM.register(Impl("gmm", gmm_grouped_mm, ("tpu",),

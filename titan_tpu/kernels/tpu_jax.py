@@ -32,11 +32,14 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 
 
 @functools.cache
-def _splash_kernel(heads: int, seq_len: int, block: int):
+def _splash_kernel(heads: int, q_len: int, kv_len: int, block: int):
     """A causal splash kernel over `heads` query heads (the key/value heads may be fewer: splash's
-    multi-head form takes grouped-query attention as it is). Cached per shape: building the mask's
-    block tables is host work done once."""
-    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((seq_len, seq_len)) for _ in range(heads)])
+    multi-head form takes grouped-query attention as it is). The q_len queries are the last q_len
+    of the kv_len positions (splash's causal mask with offset kv_len - q_len: query i sees key
+    j <= i + offset; 0 for self-attention). Cached per shape: building the mask's block tables is
+    host work done once."""
+    causal = splash_mask.CausalMask((q_len, kv_len), offset=kv_len - q_len)
+    mask = splash_mask.MultiHeadMask([causal for _ in range(heads)])
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     # Built as concrete arrays even when first called inside a trace: the cached kernel outlives it.
@@ -44,30 +47,34 @@ def _splash_kernel(heads: int, seq_len: int, block: int):
         return splash.make_splash_mha(mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1)
 
 
-def splash_attention(q_BHSD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array, segment_ids_BS: jax.Array,
-                     block: int) -> jax.Array:
+def splash_attention(q_BHQD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array, q_segment_ids_BQ: jax.Array,
+                     kv_segment_ids_BS: jax.Array, block: int) -> jax.Array:
     """Causal attention, scale 1/sqrt(D), a token attending only to tokens of its own segment
-    (document); grouped-query: query head h reads kv head h // (H / K). Returns [B, H, S, D]."""
-    B, H, S, D = q_BHSD.shape
-    kernel = _splash_kernel(H, S, block)
-    q_BHSD = (q_BHSD * D**-0.5).astype(q_BHSD.dtype)  # splash takes no softmax scale
+    (document); grouped-query: query head h reads kv head h // (H / K). The Q queries are the last
+    Q of the S key positions (Q == S: self-attention; kernels/attention.py, chunk_attention).
+    Returns [B, H, Q, D]."""
+    B, H, Q, D = q_BHQD.shape
+    kernel = _splash_kernel(H, Q, k_BKSD.shape[2], block)
+    q_BHQD = (q_BHQD * D**-0.5).astype(q_BHQD.dtype)  # splash takes no softmax scale
 
     def one_sequence(args):
-        q_HSD, k_KSD, v_KSD, ids_S = args
-        return kernel(q_HSD, k_KSD, v_KSD, segment_ids=splash.SegmentIds(q=ids_S, kv=ids_S))
+        q_HQD, k_KSD, v_KSD, q_ids_Q, kv_ids_S = args
+        return kernel(q_HQD, k_KSD, v_KSD, segment_ids=splash.SegmentIds(q=q_ids_Q, kv=kv_ids_S))
 
     # A loop over the batch (lax.map), not vmap: Pallas's TPU interpret mode rejects a vmapped
     # kernel (jax 0.10.2: the added grid axis has no dimension semantics), and the loop is what
     # can be checked here. Each iteration is a whole kernel over all heads; per-device batches on
     # TPU are small.
-    return jax.lax.map(one_sequence, (q_BHSD, k_BKSD, v_BKSD, segment_ids_BS))
+    return jax.lax.map(one_sequence, (q_BHQD, k_BKSD, v_BKSD, q_segment_ids_BQ, kv_segment_ids_BS))
 
 
-def splash_attention_vjp(q_BHSD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array, segment_ids_BS: jax.Array,
-                         grad_BHSD: jax.Array, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def splash_attention_vjp(q_BHQD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array, q_segment_ids_BQ: jax.Array,
+                         kv_segment_ids_BS: jax.Array, grad_BHQD: jax.Array,
+                         block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of `splash_attention` for q, k, v (splash's own backward kernels)."""
-    _, vjp = jax.vjp(lambda q, k, v: splash_attention(q, k, v, segment_ids_BS, block), q_BHSD, k_BKSD, v_BKSD)
-    return vjp(grad_BHSD)
+    _, vjp = jax.vjp(lambda q, k, v: splash_attention(q, k, v, q_segment_ids_BQ, kv_segment_ids_BS, block),
+                     q_BHQD, k_BKSD, v_BKSD)
+    return vjp(grad_BHQD)
 
 
 # -- grouped matmul: megablox gmm (forward and input gradient) and tgmm (weight gradient) -------

@@ -13,11 +13,14 @@ initialised, keeps the model code single-device:
 - a forward pre-hook on the model keeps the rank's tokens and labels and hands the model the
   global positions of those tokens (RoPE) and their document ids (from the whole sequence's
   positions, so a document crossing shards keeps one id);
-- each attention module computes with a kernel that all-gathers keys and values over cp (and the
-  document ids, with document masks), and masks with the global positions: query position i sees
-  key position j if j <= i, in the same document. The gather's backward is a reduce-scatter: a
-  rank gets the gradient of its keys and values summed over every rank's queries. The gathered
-  keys stay in rank order (no reordering): the mask is built from their positions;
+- each attention module all-gathers keys and values over cp (and the document ids, with document
+  masks), puts them in sequence order, and computes each of the rank's two chunks with the
+  `chunk_attention` kernel (kernels/attention.py) against the keys up to the chunk's end: chunk
+  i (of 2 cp) sees the first (i + 1) S / (2 cp) keys, causally aligned to the lower right, within
+  its documents. No rank builds a mask over the whole sequence: the TPU (splash, its causal mask
+  offset) and CUDA (flex, a block mask) kernels skip the masked blocks themselves, and the work of
+  the two chunks sums to the same on every rank. The gather's backward is a reduce-scatter: a rank
+  gets the gradient of its keys and values summed over every rank's queries;
 - a forward hook sums the loss of the rank's tokens over cp (backward: identity), so every cp
   rank holds the batch's whole loss as tensor-parallel peers do (train/step.py: model_copies);
   `model(tokens)` without labels gathers the logits and puts them back in sequence order.
@@ -30,18 +33,19 @@ as graph nodes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_tpu.kernels import document_ids_from_positions
-from titan_tpu.kernels.attention import masked_sdpa
 from titan_tpu.kernels.registry import Impl
 from titan_tpu.parallel.tensor_parallel import _GatherSequence, _wait
 
 __all__ = ["CP_AXIS", "check_context_parallel", "context_parallel", "cp_attention_saved_bytes", "cp_size",
-           "head_tail_positions", "shard_attention"]
+           "head_tail_attention", "head_tail_positions", "sequence_order"]
 
 CP_AXIS = "cp"
 
@@ -91,10 +95,6 @@ class ContextParallelPlan:
                              f"{2 * self.cp}, got {seq_len}")
         return head_tail_positions(seq_len, self.cp, self.rank, device)
 
-    def gathered_positions(self, seq_len: int, device) -> Tensor:
-        """Global positions [S] of the keys after the all-gather: every rank's tokens in rank order."""
-        return torch.cat([head_tail_positions(seq_len, self.cp, r, device) for r in range(self.cp)])
-
     def shard_inputs(self, module, args, kwargs):
         """Forward pre-hook: the rank's tokens, labels, RoPE positions and document ids."""
         tokens_BS, *rest = args
@@ -115,48 +115,62 @@ class ContextParallelPlan:
     def combine_outputs(self, module, args, output):
         """Forward hook: the loss summed over cp, or the logits gathered back into sequence order."""
         if isinstance(output, Tensor):  # logits [B, S / cp, V]
-            gathered = _wait(funcol.all_gather_tensor(output.contiguous(), 1, self.group))
-            order = torch.argsort(self.gathered_positions(gathered.shape[1], output.device))
-            return gathered[:, order]
+            return sequence_order(_wait(funcol.all_gather_tensor(output.contiguous(), 1, self.group)), self.cp)
         return output._replace(ce_sum=_SumOverGroup.apply(output.ce_sum, self.group))
 
-    def attention(self, q_BQHD: Tensor, k_BQKD: Tensor, v_BQKD: Tensor, document_ids_BQ: Tensor | None) -> Tensor:
-        """The attention kernel contract on this rank's queries, against every rank's keys."""
-        S = q_BQHD.shape[1] * self.cp
-        k_BSKD = _GatherSequence.apply(k_BQKD, self.group)
-        v_BSKD = _GatherSequence.apply(v_BQKD, self.group)
+    def attention(self, chunk_attention, q_BQHD: Tensor, k_BQKD: Tensor, v_BQKD: Tensor,
+                  document_ids_BQ: Tensor | None) -> Tensor:
+        """The attention kernel contract on this rank's queries, against every rank's keys;
+        `chunk_attention` is the chosen kernel of that op (kernels/attention.py)."""
+        k_BSKD = sequence_order(_GatherSequence.apply(k_BQKD, self.group), self.cp)
+        v_BSKD = sequence_order(_GatherSequence.apply(v_BQKD, self.group), self.cp)
         ids_BS = None
         if self.documents:
-            ids_BS = _wait(funcol.all_gather_tensor(document_ids_BQ.contiguous(), 1, self.group))
-        return shard_attention(q_BQHD, k_BSKD, v_BSKD, q_pos_Q=self.local_positions(S, q_BQHD.device),
-                               k_pos_S=self.gathered_positions(S, q_BQHD.device),
-                               document_ids_BQ=document_ids_BQ if self.documents else None, document_ids_BS=ids_BS)
+            ids_BS = sequence_order(_wait(funcol.all_gather_tensor(document_ids_BQ.contiguous(), 1, self.group)),
+                                    self.cp)
+        return head_tail_attention(chunk_attention, q_BQHD, k_BSKD, v_BSKD, cp=self.cp, rank=self.rank,
+                                   document_ids_BQ=document_ids_BQ if self.documents else None,
+                                   document_ids_BS=ids_BS)
 
 
-def shard_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, q_pos_Q: Tensor, k_pos_S: Tensor,
-                    document_ids_BQ: Tensor | None = None, document_ids_BS: Tensor | None = None) -> Tensor:
-    """Causal attention of Q queries at global positions q_pos_Q over S keys at k_pos_S (any
-    order): query i sees key j if k_pos_S[j] <= q_pos_Q[i] and, with document ids, both are in
-    the same document."""
-    allowed_BQS = (k_pos_S.unsqueeze(0) <= q_pos_Q.unsqueeze(1)).unsqueeze(0)
-    if document_ids_BQ is not None:
-        allowed_BQS = allowed_BQS & (document_ids_BQ.unsqueeze(2) == document_ids_BS.unsqueeze(1))
-    return masked_sdpa(q_BQHD, k_BSKD, v_BSKD, allowed_BQS)
+def sequence_order(gathered_BS: Tensor, cp: int) -> Tensor:
+    """A cp all-gather's result (every rank's head and tail chunks, in rank order, on dim 1) in
+    sequence order: the heads of ranks 0..cp-1, then the tails of ranks cp-1..0."""
+    chunks = gathered_BS.unflatten(1, (cp, 2, -1))  # [B, rank, head/tail, chunk, ...]
+    heads, tails = chunks[:, :, 0], chunks[:, :, 1].flip(1)
+    return torch.cat([heads.flatten(1, 2), tails.flatten(1, 2)], dim=1)
+
+
+def head_tail_attention(chunk_attention, q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, cp: int, rank: int,
+                        document_ids_BQ: Tensor | None = None, document_ids_BS: Tensor | None = None) -> Tensor:
+    """Causal attention of cp rank `rank`'s queries (its head chunk, then its tail chunk) over the
+    whole sequence's keys, in sequence order: each chunk against the keys up to its own end."""
+    c = q_BQHD.shape[1] // 2
+    outputs = []
+    for half, chunk in ((slice(None, c), rank), (slice(c, None), 2 * cp - 1 - rank)):
+        end = (chunk + 1) * c
+        outputs.append(chunk_attention(q_BQHD[:, half], k_BSKD[:, :end], v_BSKD[:, :end],
+                                       None if document_ids_BQ is None else document_ids_BQ[:, half],
+                                       None if document_ids_BS is None else document_ids_BS[:, :end]))
+    return torch.cat(outputs, dim=1)
 
 
 class _ContextParallelKernels:
     """An attention module's KernelConfig with attention replaced by the plan's."""
 
-    def __init__(self, kernels, impl: Impl):
-        self._kernels, self._impl = kernels, impl
+    def __init__(self, kernels, plan: ContextParallelPlan):
+        self._kernels, self._plan = kernels, plan
 
     def __getattr__(self, name):
-        if name.startswith("__") or name in ("_kernels", "_impl"):
+        if name.startswith("__") or name in ("_kernels", "_plan"):
             raise AttributeError(name)  # copy/pickle probe these before __init__ has run
         return getattr(self._kernels, name)
 
     def attention_impl(self, device_type: str, *, documents: bool) -> Impl:
-        return self._impl
+        chunk = self._kernels.chunk_attention_impl(device_type, documents=documents)
+        return Impl("context_parallel", functools.partial(self._plan.attention, chunk.fn), (device_type,),
+                    f"keys and values all-gathered over cp, each chunk by chunk_attention {chunk.name}",
+                    frozenset({"documents"}))
 
 
 def context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, documents: bool) -> nn.Module:
@@ -174,26 +188,33 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, docume
         raise ValueError("--parallelism.cp > 1 with an MoE model is not supported yet; set --parallelism.cp 1")
     plan = ContextParallelPlan(group=mesh.get_group(CP_AXIS), cp=cp, rank=mesh.get_local_rank(CP_AXIS),
                                documents=documents)
-    impl = Impl("context_parallel", plan.attention, (mesh.device_type,),
-                "keys and values all-gathered over cp, head-tail causal mask", frozenset({"documents"}))
     # Scanned layers (model.layers a StackedBlocks) compute only through their template block.
     unrolled = [] if model.scan_layers else list(model.layers.values())
     for block in [*unrolled, *model.block_templates()]:
-        block.attention.kernels = _ContextParallelKernels(block.attention.kernels, impl)
+        block.attention.kernels.chunk_attention_impl(mesh.device_type, documents=documents)  # one line if it can't run
+        block.attention.kernels = _ContextParallelKernels(block.attention.kernels, plan)
     model.register_forward_pre_hook(plan.shard_inputs, with_kwargs=True)
     model.register_forward_hook(plan.combine_outputs)
     return model
 
 
-def cp_attention_saved_bytes(*, batch_size: int, seq_len: int, cp: int, kv_dim: int, dtype_bytes: int,
-                             documents: bool) -> int:
+def cp_attention_saved_bytes(*, batch_size: int, seq_len: int, cp: int, q_dim: int, kv_dim: int, dtype_bytes: int,
+                             documents: bool, mask: bool) -> int:
     """Bytes one block's attention keeps for its backward on a cp rank beyond what one process's
     attention keeps for the rank's own tokens (`attention_saved_per_token`), without activation
-    checkpointing: SDPA keeps the gathered keys and values (every rank's, not only its own) and
-    the mask [1 or B, S / cp, S], converted to the compute dtype (an additive mask)."""
+    checkpointing:
+    - the gathered keys and values: every rank's, not only its own (the chunks' key prefixes are
+      views of one sequence-ordered tensor);
+    - the output twice: the kernel keeps each chunk's output, the output projection their
+      concatenation (one process's projection reads the kernel's output itself);
+    - where the kernel takes a per-element mask (`mask`: the sdpa and reference kernels), each
+      chunk's [1 or B, c, end] mask in the compute dtype (SDPA's additive form): c (S + c)
+      elements for the two chunks together, c = S / (2 cp), on every rank."""
     q = seq_len // cp
-    mask = (batch_size if documents else 1) * q * seq_len
-    return (2 * batch_size * (seq_len - q) * kv_dim + mask) * dtype_bytes
+    c = q // 2
+    mask_elements = (batch_size if documents else 1) * c * (seq_len + c) if mask else 0
+    keys = 2 * batch_size * (seq_len - q) * kv_dim
+    return (keys + batch_size * q * q_dim + mask_elements) * dtype_bytes
 
 
 def cp_size(mesh: DeviceMesh | None) -> int:

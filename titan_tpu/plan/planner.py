@@ -327,9 +327,10 @@ def _activations(s: _Setting) -> ActivationBytes:
                             ep=cfg.parallelism.ep, traced=s.traced, partitioned=s.partitioned, tp=cfg.parallelism.tp)
     if cp > 1 and s.ac == "none":
         t = cfg.training
+        mask = _chunk_attention_impl(cfg.kernels.chunk_attention, s.hardware.name) in ("sdpa", "reference")
         extra = cp_attention_saved_bytes(batch_size=t.batch_size, seq_len=t.seq_len, cp=cp,
-                                         dtype_bytes=s.layout.compute_bytes, kv_dim=args.n_kv_heads * args.hd,
-                                         documents=cfg.data.document_mask)
+                                         dtype_bytes=s.layout.compute_bytes, q_dim=args.n_heads * args.hd,
+                                         kv_dim=args.n_kv_heads * args.hd, documents=cfg.data.document_mask, mask=mask)
         acts = dataclasses.replace(acts, saved_per_layer=tuple(saved + extra for saved in acts.saved_per_layer))
     return acts
 
@@ -535,6 +536,15 @@ def _loss_impl(choice: str, hardware_name: str) -> str:
     if choice != "auto":
         return choice
     return "tokamax" if hardware_name in ("v4", "v5e", "v5p", "v6e", "v7") else "chunked"
+
+
+def _chunk_attention_impl(choice: str, hardware_name: str) -> str:
+    """The chunk_attention kernel (context parallelism) `auto` picks, by device kind."""
+    if choice != "auto":
+        return choice
+    if hardware_name in ("v4", "v5e", "v5p", "v6e", "v7"):
+        return "splash"
+    return "sdpa" if hardware_name == "cpu" else "flex"
 
 
 def _grouped_mm_impl(choice: str, hardware_name: str) -> str:
