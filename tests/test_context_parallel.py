@@ -172,6 +172,17 @@ def cp2_scan_runs() -> list[dict]:
     return run_distributed(_cp2_scan_worker, world_size=2, timeout_s=300)
 
 
+def _dp2_cp2_worker() -> dict:
+    dims = ParallelDims(dp_shard=2, cp=2, world_size=dist.get_world_size())
+    return {"llama3": _run("llama3", dims)}
+
+
+@functools.cache
+def dp2_cp2_runs() -> list[dict]:
+    """One 4-rank spawn for the dp_shard 2 x cp 2 test: one run, the tiny model, no documents."""
+    return run_distributed(_dp2_cp2_worker, world_size=4, timeout_s=300)
+
+
 def assert_matches_reference(run: dict, name: str, documents: bool, ref: dict | None = None) -> None:
     ref = ref or reference(name, documents)
     assert ref["losses"][-1] < ref["losses"][0] - 1.0  # it learns, so a divergence would show
@@ -269,6 +280,18 @@ def test_cp2_graph_mode_matches_one_process(documents):
 def test_cp2_with_activation_checkpointing_matches_one_process():
     for rank_runs in cp2_runs():
         assert_matches_reference(rank_runs["qwen3-ac"], "qwen3", False)
+
+
+@pytest.mark.multiprocess
+def test_dp_shard2_cp2_matches_one_process():
+    """Four ranks: each dp_shard rank trains on half the batch's rows, each cp rank of a pair on half
+    of every sequence. Parameters are sharded over dp_shard and replicated over cp: each gradient is
+    reduce-scattered over dp_shard and all-reduced over cp."""
+    for rank_runs in dp2_cp2_runs():
+        run = rank_runs["llama3"]
+        assert run["mesh"] == ("dp_shard", "cp")
+        assert_matches_reference(run, "llama3", False)
+        torch.testing.assert_close(run["logits"], reference("llama3", False)["logits"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.multiprocess

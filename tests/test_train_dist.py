@@ -129,8 +129,15 @@ ONE, DP2, TP2 = (1, {"training__batch_size": 4}), (2, {"training__batch_size": 2
 CP2 = (2, {"training__batch_size": 4, "parallelism__cp": 2})
 
 
-@pytest.mark.parametrize("before, after", [(DP2, ONE), (ONE, DP2), (TP2, ONE), (CP2, ONE)],
-                         ids=["dp2-to-1", "1-to-dp2", "tp2-to-1", "cp2-to-1"])
+def scanned(layout: tuple[int, dict]) -> tuple[int, dict]:
+    """The layout with scanned layers (the checkpoint holds the same per-layer tensors as unrolled)."""
+    return layout[0], {**layout[1], "model__scan_layers": "true"}
+
+
+@pytest.mark.parametrize("before, after", [(DP2, ONE), (ONE, DP2), (TP2, ONE), (CP2, ONE),
+                                           (scanned(TP2), scanned(ONE)), (scanned(CP2), scanned(ONE))],
+                         ids=["dp2-to-1", "1-to-dp2", "tp2-to-1", "cp2-to-1", "tp2-to-1-scanned",
+                              "cp2-to-1-scanned"])
 def test_resume_on_another_number_of_ranks(tmp_path, cache, reference, before, after):
     run = tmp_path / "run"
     train(before[0], overrides(run, cache, training__steps=10, **before[1]))

@@ -155,7 +155,7 @@ LOSS.register(Impl("chunked", chunked_linear_cross_entropy, ("cpu", "cuda", "tpu
 
 
 def loss_memory_bytes(impl: str, *, tokens: int, vocab_size: int, dim: int, dtype_bytes: int,
-                      chunk_tokens: int = 0) -> tuple[int, int]:
+                      chunk_tokens: int = 0, vocab_parallel: bool = False) -> tuple[int, int]:
     """(bytes kept from the forward to the backward, extra bytes live at the kernel's peak) of
     the output projection + loss over `tokens` tokens, for the planner (titan_tpu/plan).
 
@@ -163,8 +163,11 @@ def loss_memory_bytes(impl: str, *, tokens: int, vocab_size: int, dim: int, dtyp
     are live beside it. chunked: the gradients it computes in the forward are kept (h's [N, D]
     in the compute dtype, w's [V, D] accumulated in fp32); at its peak one chunk's fp32 logits
     [C, V] (and their compute-dtype copy when that is not fp32) and the per-chunk pieces of h's
-    gradient beside their concatenation. tokamax (TPU): a fused kernel that keeps no logits;
-    counted as chunked with the automatic chunk (its own blocks are smaller)."""
+    gradient beside their concatenation. vocab_parallel (tensor parallelism, `vocab_size` the
+    rank's shard): the log-sum-exp over the shards (`_vocab_parallel_terms`) forms the
+    max-shifted logits and their exp out of place, two more fp32 [C, V] buffers live beside the
+    logits until their sum. tokamax (TPU): a fused kernel that keeps no logits; counted as
+    chunked with the automatic chunk (its own blocks are smaller)."""
     n, v, d = tokens, vocab_size, dim
     if impl == "reference":
         return n * v * 4, 2 * n * v * 4
@@ -172,4 +175,6 @@ def loss_memory_bytes(impl: str, *, tokens: int, vocab_size: int, dim: int, dtyp
     chunk = min(chunk, n)
     kept = n * d * dtype_bytes + v * d * 4
     peak = chunk * v * 4 + (chunk * v * dtype_bytes if dtype_bytes != 4 else 0) + n * d * dtype_bytes
+    if vocab_parallel:
+        peak += 2 * chunk * v * 4
     return kept, peak

@@ -337,11 +337,13 @@ def _activations(s: _Setting) -> ActivationBytes:
 
 def _loss_bytes(s: _Setting) -> tuple[float, float]:
     """(kept, peak) of the loss kernel. Under tensor parallelism it sees every token and its rank's
-    1 / tp of the vocabulary, under context parallelism the rank's tokens."""
+    1 / tp of the vocabulary (the vocabulary-parallel form, with its own temporaries), under
+    context parallelism the rank's tokens."""
     k, p = s.cfg.kernels, s.cfg.parallelism
     return loss_memory_bytes(_loss_impl(k.loss, s.hardware.name), tokens=s.tokens // p.cp,
                              vocab_size=s.args.vocab_size // p.tp, dim=s.args.dim,
-                             dtype_bytes=s.layout.compute_bytes, chunk_tokens=k.loss_chunk_tokens)
+                             dtype_bytes=s.layout.compute_bytes, chunk_tokens=k.loss_chunk_tokens,
+                             vocab_parallel=p.tp > 1)
 
 
 def _gathered_bytes(s: _Setting) -> float:

@@ -511,4 +511,8 @@ def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_
     norm, norm_fp32 = rms_norm_saved_per_row(args.dim)
     # The final norm (on a rank's 1 / tp of the sequence under tensor parallelism); the token ids.
     head = tokens * ((norm + args.dim) * dtype_bytes + norm_fp32 * 4) // tp + tokens * 8
+    if tp > 1:
+        # The loss's input: the final norm's output gathered over the sequence, whole [tokens, dim]
+        # (parallel/tensor_parallel.py), live beside the rank's own part while the loss runs.
+        head += tokens * args.dim * dtype_bytes
     return ActivationBytes(saved_per_layer=tuple(saved), recompute=recompute, head=head)
