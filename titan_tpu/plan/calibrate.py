@@ -133,19 +133,23 @@ RUNTIME_CASE = Case("runtime: llama3 debug, batch 1 x seq 16", "configs/llama3_d
                     ("--training.batch_size", "1", "--training.seq_len", "16"))
 
 
-def measure_runtime_bytes(out_dir: Path, tokenizer: str, python: str, *, graph: bool = False) -> float:
+def measure_runtime_bytes(out_dir: Path, tokenizer: str, python: str, *, graph: bool = False,
+                          ranks: int = 1) -> float:
     """Resident memory of the trainer process that the planner's terms do not model (Python,
     torch, the tokenizer, the data loader, allocator slack): the measured peak of a run whose
     model terms are tiny (llama3 debug, 16 tokens a step: 0.12 GB of parameters, gradients and
-    moments, nothing else to speak of) minus the planner's own terms for that run."""
-    case = RUNTIME_CASE
+    moments, nothing else to speak of) minus the planner's own terms for that run. ranks 2: the
+    same run on two ranks (dp_shard 2), so it holds the process group's state too."""
+    case = dataclasses.replace(RUNTIME_CASE, ranks=ranks)
+    if ranks > 1:
+        case = dataclasses.replace(case, name=case.name + f", {ranks} ranks")
     if graph:  # the same tiny run, its step captured and compiled by Inductor (CPU_GRAPH_RUNTIME_BYTES)
         case = dataclasses.replace(case, name=case.name + ", graph inductor",
                                    overrides=case.overrides + ("--training.mode", "graph", "--compile.backend",
                                                                "inductor"))
     result = _run_case(case, out_dir, tokenizer, python)
     plan = predict(result, {"peak_flops": 1e11, "memory_bandwidth": 1e10, "runtime_bytes": 0.0,
-                            "graph_runtime_bytes": 0.0})
+                            "graph_runtime_bytes": 0.0, "distributed_runtime_bytes": 0.0})
     return result["measured_peak_gb"] * 1e9 - plan.peak_bytes
 
 
@@ -275,7 +279,9 @@ def predict(result: dict, hw_numbers: dict) -> dict:
                                                                       hw_mod.CPU_COLLECTIVE_BANDWIDTH),
                              "runtime_bytes": hw_numbers["runtime_bytes"],
                              "collective_latency": hw_numbers.get("collective_latency", hw_mod.CPU_COLLECTIVE_LATENCY),
-                             "graph_runtime_bytes": hw_numbers.get("graph_runtime_bytes", hw_numbers["runtime_bytes"])})
+                             "graph_runtime_bytes": hw_numbers.get("graph_runtime_bytes", hw_numbers["runtime_bytes"]),
+                             "distributed_runtime_bytes": hw_numbers.get("distributed_runtime_bytes",
+                                                                         hw_mod.CPU_DISTRIBUTED_RUNTIME_BYTES)})
     return plan_config(cfg, cpu)
 
 
@@ -346,6 +352,9 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
             hw_numbers["collective_latency"] = rate["latency_s"]
             print(f"gloo collective rate {rate['bytes_per_s'] / 1e9:.2f} GB/s per rank, "
                   f"{rate['latency_s'] * 1e3:.2f} ms per small call", flush=True)
+            two_ranks = measure_runtime_bytes(out, tokenizer, python, ranks=2)
+            hw_numbers["distributed_runtime_bytes"] = two_ranks - hw_numbers["runtime_bytes"]
+            print(f"a rank's process-group memory {hw_numbers['distributed_runtime_bytes'] / 1e9:.3f} GB", flush=True)
         if any("graph" in " ".join(c.overrides) for c in cases):
             hw_numbers["graph_runtime_bytes"] = measure_runtime_bytes(out, tokenizer, python, graph=True)
             print(f"graph-mode runtime resident memory {hw_numbers['graph_runtime_bytes'] / 1e9:.3f} GB", flush=True)

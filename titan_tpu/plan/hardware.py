@@ -45,6 +45,9 @@ class Hardware:
     elementwise_efficiency: float = 1.0
     runtime_bytes: float = 0.0  # memory the planner's terms do not model (CPU: the process itself)
     graph_runtime_bytes: float | None = None  # the same in graph mode (CPU: plus the compiled step); None: as eager
+    # What each rank of a multi-process run holds beside runtime_bytes (CPU: the process group's
+    # state, gloo's threads and buffers); 0 on accelerators (not measured there).
+    distributed_runtime_bytes: float = 0.0
     source: str = ""
     # Seconds each collective call costs beside its bytes (launch, synchronisation). Accelerators: 0,
     # not modelled (no measurement here); the CPU: CPU_COLLECTIVE_LATENCY.
@@ -118,6 +121,11 @@ CPU_GRAPH_EFFICIENCY = 0.50
 # runtime above plus the captured and compiled step (graph, generated code, compiler state),
 # measured like CPU_RUNTIME_BYTES with the tiny run in graph mode (Inductor).
 CPU_GRAPH_RUNTIME_BYTES = 0.484e9
+# CPU_DISTRIBUTED_RUNTIME_BYTES: what a rank of a 2-process run holds beyond CPU_RUNTIME_BYTES (the
+# process group: gloo's threads and buffers, torch.distributed's state): the tiny run on 2 ranks
+# (dp_shard 2) minus its planner terms and the one-process runtime, measured by the calibration
+# (`measure_runtime_bytes(ranks=2)`); 2026-12-02, AMD EPYC: 0.03-0.05 GB in three sittings.
+CPU_DISTRIBUTED_RUNTIME_BYTES = 0.04e9
 # CPU_COLLECTIVE_BANDWIDTH: bytes/s a rank sends into a gloo all-gather or reduce-scatter between two
 # processes of this machine (loopback TCP), medians at 1 and 4 MB a rank (plan/collective_rate.py,
 # 2026-12-01: 0.36-0.71 GB/s by kind and size). It was taken as a quarter of the copy rate (6.5
@@ -168,7 +176,8 @@ def cpu_hardware(*, measure: bool = True, dtype: str = "float32") -> Hardware:
     return Hardware("cpu", peak, _total_ram(), bandwidth, CPU_COLLECTIVE_BANDWIDTH, efficiency=CPU_EFFICIENCY,
                     graph_efficiency=CPU_GRAPH_EFFICIENCY, graph_runtime_bytes=CPU_GRAPH_RUNTIME_BYTES,
                     elementwise_efficiency=CPU_ELEMENTWISE_EFFICIENCY,
-                    runtime_bytes=CPU_RUNTIME_BYTES, collective_latency=CPU_COLLECTIVE_LATENCY,
+                    runtime_bytes=CPU_RUNTIME_BYTES, distributed_runtime_bytes=CPU_DISTRIBUTED_RUNTIME_BYTES,
+                    collective_latency=CPU_COLLECTIVE_LATENCY,
                     source=f"this machine: {short} matmul peak {peak / 1e9:.0f} GFLOP/s and copy bandwidth "
                            f"{bandwidth / 1e9:.1f} GB/s {'measured now' if measure else '(nominal, not measured)'}; "
                            "RAM from /proc/meminfo; ranks of one run share it; collectives at gloo's measured "

@@ -377,8 +377,10 @@ def _scan_memory(s: _Setting, acts: ActivationBytes, full_grad: float) -> ScanAu
 
 
 def _runtime_bytes(s: _Setting) -> float:
-    """What the runtime holds beside the model (hardware.mode_constants)."""
-    return s.hardware.mode_constants(graph=s.graph)[2]
+    """What the runtime holds beside the model (hardware.mode_constants), and on each rank of a
+    multi-process run its process group's state."""
+    distributed = s.hardware.distributed_runtime_bytes if s.devices > 1 else 0.0
+    return s.hardware.mode_constants(graph=s.graph)[2] + distributed
 
 
 def _optimizer_temporary_bytes(s: _Setting) -> float:
