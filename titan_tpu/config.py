@@ -96,7 +96,8 @@ class ParallelismConfig:
     # kv heads, ffn_hidden_dim, vocab_size and training.seq_len. Dense models only (MoE: use ep).
     tp: int = 1
     # Context parallelism (docs/context_parallel.md): each rank holds 1 / cp of every sequence;
-    # dense models, composes with tp (cp x tp) and the data-parallel axes. cp divides seq_len / 2.
+    # dense models, composes with tp (cp x tp) and the data-parallel axes. seq_len divisible by
+    # 2 x cp, and seq_len / cp by tp.
     cp: int = 1
 
 
