@@ -1,11 +1,13 @@
 """Context parallelism (parallel/context_parallel.py): the head-tail split and the sharded attention
 in one process, parity with one process on gloo ranks (with and without document masks, in graph
-mode, with scanned layers, through a checkpoint), and its one-line errors."""
+mode, with scanned layers, through a checkpoint, with tensor parallelism: cp x tp), and its
+one-line errors."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,8 +40,13 @@ from titan_tpu.parallel.context_parallel import (
 )
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+from titan_tpu.parallel.tensor_parallel import tensor_parallel
+from titan_tpu.plan import plan_config
+from titan_tpu.plan.planner import for_planning
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "llama3_debug.toml"
 
 
 def packed_positions(steps: int) -> torch.Tensor:
@@ -95,11 +102,19 @@ def scan_reference(documents: bool) -> dict:
     return {"losses": losses, "norms": norms, "logits": model(global_batches(1)[0, :, :-1]).detach()}
 
 
+def apply_plans(model: Transformer, mesh, dims: ParallelDims, *, documents: bool) -> None:
+    """The plans in the trainer's order (models/spec.py): tensor parallelism (with cp x tp), then
+    context parallelism."""
+    if dims.tp > 1:
+        tensor_parallel(model, mesh, seq_len=SEQ)
+    context_parallel(model, mesh, seq_len=SEQ, documents=documents)
+
+
 def build_parallel(name: str, dims: ParallelDims, *, documents: bool, ac_mode: str = "none", scan: bool = False):
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(tiny_args(name), ac_mode=ac_mode, scan_layers=scan)
-    context_parallel(model, mesh, seq_len=SEQ, documents=documents)
+    apply_plans(model, mesh, dims, documents=documents)
     model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
                                  seed=SEED)
     return model, mesh
@@ -131,7 +146,7 @@ def _saved_bytes_per_layer(name: str, dims: ParallelDims, *, documents: bool) ->
         mesh = dims.build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(dataclasses.replace(tiny_args(name), n_layers=n_layers))
-        context_parallel(model, mesh, seq_len=SEQ, documents=documents)
+        apply_plans(model, mesh, dims, documents=documents)
         return materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
                                     seed=SEED, bucket_mb=0)
 
@@ -181,6 +196,19 @@ def _dp2_cp2_worker() -> dict:
 def dp2_cp2_runs() -> list[dict]:
     """One 4-rank spawn for the dp_shard 2 x cp 2 test: one run, the tiny model, no documents."""
     return run_distributed(_dp2_cp2_worker, world_size=4, timeout_s=300)
+
+
+def _cp2_tp2_worker() -> dict:
+    dims = ParallelDims(cp=2, tp=2, world_size=dist.get_world_size())
+    return {"saved_per_layer": {d: _saved_bytes_per_layer("llama3", dims, documents=d) for d in (False, True)},
+            "eager": _run("llama3", dims), "graph-docs": _run("llama3", dims, documents=True, graph=True),
+            "scan-graph-full-docs": _run("llama3", dims, documents=True, graph=True, ac_mode="full", scan=True)}
+
+
+@functools.cache
+def cp2_tp2_runs() -> list[dict]:
+    """cp 2 x tp 2 (Llama 3): one 4-rank spawn for the cp x tp tests."""
+    return run_distributed(_cp2_tp2_worker, world_size=4, timeout_s=300)
 
 
 def assert_matches_reference(run: dict, name: str, documents: bool, ref: dict | None = None) -> None:
@@ -233,6 +261,22 @@ def test_sharded_attention_equals_full_attention(documents, kernel):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def _plan_traffic(cp: int, tp: int) -> dict[tuple[str, str], float]:
+    """Bytes per step of each collective the planner counts for llama3 debug on cp x tp ranks."""
+    cfg = for_planning(CONFIG, ["--parallelism.cp", str(cp), "--parallelism.tp", str(tp),
+                                "--parallelism.dp_shard", "1"])
+    return {(c["axis"], c["purpose"]): c["bytes_per_step"] for c in plan_config(cfg, chips=cp * tp).communication}
+
+
+def test_plan_cp_x_tp_shares_each_plans_traffic():
+    """cp x tp in the planner: tp's sequence collectives and loss move a cp rank's tokens (1 / cp),
+    cp's gathers a tp rank's kv heads (1 / tp), and the gradients over cp a tp shard (1 / tp)."""
+    both, tp_only, cp_only = _plan_traffic(2, 2), _plan_traffic(1, 2), _plan_traffic(2, 1)
+    assert set(both) == set(tp_only) | set(cp_only)
+    for key, nbytes in {**tp_only, **cp_only}.items():
+        assert both[key] == pytest.approx(nbytes / 2), key
+
+
 def test_bad_input_is_one_line():
     with pytest.raises(ValueError, match=r"--training.seq_len \(30\) divisible by 2 \* cp = 4"):
         check_context_parallel(2, seq_len=30)
@@ -240,8 +284,8 @@ def test_bad_input_is_one_line():
         ParallelDims(dp_shard=2, cp=2, world_size=2)
     with pytest.raises(ValueError, match="must divide the world size"):
         ParallelDims(cp=2, world_size=3)
-    with pytest.raises(ValueError, match="cp > 1 with --parallelism.tp > 1"):
-        ParallelDims(cp=2, tp=2, world_size=4)
+    with pytest.raises(ValueError, match=r"x tp \(4\) needs --training.seq_len / cp \(6\) divisible by tp"):
+        check_context_parallel(2, seq_len=12, tp=4)
     with pytest.raises(ValueError, match="--parallelism.cp must be >= 1"):
         ParallelDims(cp=0, world_size=1)
 
@@ -321,3 +365,43 @@ def test_cp2_planner_activation_terms_match_autograd(name, documents):
                                           mask=True)
     for rank_runs in cp2_runs():
         assert rank_runs["saved_per_layer"][(name, documents)] == predicted
+
+
+# ---------------------------------------------------------------------------------------------
+# cp 2 x tp 2 on four gloo ranks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["eager", "graph-docs", "scan-graph-full-docs"])
+def test_cp2_tp2_matches_one_process(variant):
+    """cp's hooks around tp's (a cp rank's S / cp tokens sharded again over tp between blocks):
+    eager with the gathered logits; graph mode with document masks, counting both plans'
+    collectives; scanned layers in graph mode with full checkpointing (the backward scan's vjp
+    through both plans' collectives), against the one-process scanned run."""
+    documents, scan = "docs" in variant, "scan" in variant
+    ref = scan_reference(documents) if scan else reference("llama3", documents)
+    n_layers = tiny_args("llama3").n_layers
+    for rank_runs in cp2_tp2_runs():
+        run = rank_runs[variant]
+        assert run["mesh"] == ("cp", "tp")
+        assert_matches_reference(run, "llama3", documents, ref=ref)
+        if "logits" in run:
+            torch.testing.assert_close(run["logits"], ref["logits"], rtol=1e-4, atol=1e-4)
+        if variant == "graph-docs":  # tp's sequence collectives (tests/test_tensor_parallel.py) and cp's above
+            counts = run["collectives"]
+            assert counts["all_gather_into_tensor"] == (4 * n_layers + 2) + 3 * n_layers, counts
+            assert counts["reduce_scatter_tensor"] == (4 * n_layers + 2) + 2 * n_layers, counts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("documents", [False, True])
+def test_cp2_tp2_planner_activation_terms_match_autograd(documents):
+    """The planner's per-block terms under cp x tp: tp's for the rank's S / cp tokens, plus the cp
+    attention's gathered keys and values of the rank's kv heads (kv dim / tp) and its mask."""
+    args = tiny_args("llama3")
+    predicted = activation_bytes(args, tokens=BATCH * SEQ // 2, ac_mode="none", dtype_bytes=4, tp=2).saved_per_layer[0]
+    predicted += cp_attention_saved_bytes(batch_size=BATCH, seq_len=SEQ, cp=2, q_dim=args.n_heads * args.hd // 2,
+                                          kv_dim=args.n_kv_heads * args.hd // 2, dtype_bytes=4, documents=documents,
+                                          mask=True)
+    for rank_runs in cp2_tp2_runs():
+        assert rank_runs["saved_per_layer"][documents] == predicted

@@ -286,7 +286,6 @@ def test_tp_errors_for_seq_len_and_moe():
                                            r"tp \(2\) must equal the world size \(8\)"),
     (dict(tp=3, world_size=4), r"\* cp \(1\) \* tp \(3\) must divide the world size \(4\)"),
     (dict(tp=0, world_size=4), r"--parallelism.tp must be >= 1"),
-    (dict(cp=2, tp=2, world_size=4), r"cp > 1 with --parallelism.tp > 1 is not supported yet"),
     (dict(tp=2, ep=2, world_size=8), r"MoE models use ep only"),
 ])
 def test_parallel_dims_tp_errors(kwargs, match):
@@ -299,6 +298,7 @@ def test_parallel_dims_tp_leaves_dp_shard():
     d = ParallelDims(tp=2, world_size=8)
     assert (d.dp_shard, d.dp_size, d.tp, d.mode) == (4, 4, 2, "fully_shard")
     assert ParallelDims(tp=2, world_size=2).mode == "none"
+    assert ParallelDims(cp=2, tp=2, world_size=4).mode == "none"  # cp x tp (tests/test_context_parallel.py)
 
 
 @pytest.mark.multiprocess

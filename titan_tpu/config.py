@@ -95,7 +95,9 @@ class ParallelismConfig:
     # axis; dp_replicate x dp_shard x cp x tp must equal the number of ranks. tp divides the heads,
     # kv heads, ffn_hidden_dim, vocab_size and training.seq_len. Dense models only (MoE: use ep).
     tp: int = 1
-    # Context parallelism: reserved for the [dp_replicate, dp_shard, cp, tp] mesh; must be 1 today.
+    # Context parallelism (docs/context_parallel.md): each rank holds 1 / cp of every sequence;
+    # dense models, composes with tp (cp x tp) and the data-parallel axes. seq_len divisible by
+    # 2 x cp, and seq_len / cp by tp.
     cp: int = 1
 
 

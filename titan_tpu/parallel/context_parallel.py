@@ -29,6 +29,14 @@ Parameters are replicated over cp (simple_fsdp._placements): each rank's gradien
 tokens, a partial sum that SimpleFSDP all-reduces over cp like a data-parallel axis. The
 collectives are functional collectives inside autograd Functions, so a captured step holds them
 as graph nodes.
+
+With tensor parallelism (cp x tp, tp the inner axis; tensor_parallel.py applied first) the two
+plans nest without knowing of each other: the pre-hook above cuts the sequence to the rank's
+S / cp tokens, and tp's sequence parallelism shards those further between blocks and gathers them
+back to S / cp before attention and the feed-forward. So attention sees the rank's S / cp tokens
+with its H / tp heads, the positions and document ids this hook computed (for S / cp tokens)
+still describe them, and the gather over cp joins the keys and values of the same heads. The
+loss is tp's vocabulary-parallel one over the rank's S / cp tokens, summed over cp here.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_tpu.kernels import document_ids_from_positions
 from titan_tpu.kernels.registry import Impl
-from titan_tpu.parallel.tensor_parallel import _GatherSequence, _wait
+from titan_tpu.parallel.tensor_parallel import _GatherSequence, _wait, tp_size
 
 __all__ = ["CP_AXIS", "check_context_parallel", "context_parallel", "cp_attention_saved_bytes", "cp_size",
            "head_tail_attention", "head_tail_positions", "sequence_order"]
@@ -50,13 +58,17 @@ __all__ = ["CP_AXIS", "check_context_parallel", "context_parallel", "cp_attentio
 CP_AXIS = "cp"
 
 
-def check_context_parallel(cp: int, *, seq_len: int) -> None:
-    """One-line ValueError when `cp` ranks cannot split `seq_len` into 2 * cp equal chunks."""
+def check_context_parallel(cp: int, *, seq_len: int, tp: int = 1) -> None:
+    """One-line ValueError when `cp` ranks cannot split `seq_len` into 2 * cp equal chunks, or
+    (with tensor parallelism) `tp` ranks cannot split a cp rank's S / cp tokens between blocks."""
     if cp < 1:
         raise ValueError(f"--parallelism.cp must be >= 1, got {cp}")
     if cp > 1 and seq_len % (2 * cp) != 0:
         raise ValueError(f"--parallelism.cp ({cp}) needs --training.seq_len ({seq_len}) divisible by 2 * cp = "
                          f"{2 * cp} (each rank holds 2 of 2 * cp equal chunks); change seq_len or cp")
+    if cp > 1 and (seq_len // cp) % tp != 0:
+        raise ValueError(f"--parallelism.cp ({cp}) x tp ({tp}) needs --training.seq_len / cp ({seq_len // cp}) "
+                         "divisible by tp (a cp rank's tokens are sharded over tp between blocks); change seq_len")
 
 
 def head_tail_positions(seq_len: int, cp: int, rank: int, device=None) -> Tensor:
@@ -183,7 +195,7 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, docume
         raise ValueError(f"context_parallel needs a mesh with a {CP_AXIS!r} axis, got {names}; build it with "
                          "ParallelDims(cp=...)")
     cp = mesh.size(names.index(CP_AXIS))
-    check_context_parallel(cp, seq_len=seq_len)
+    check_context_parallel(cp, seq_len=seq_len, tp=tp_size(mesh))
     if model.args.moe is not None:
         raise ValueError("--parallelism.cp > 1 with an MoE model is not supported yet; set --parallelism.cp 1")
     plan = ContextParallelPlan(group=mesh.get_group(CP_AXIS), cp=cp, rank=mesh.get_local_rank(CP_AXIS),

@@ -57,9 +57,6 @@ class ParallelDims:
                              f"({self.world_size}); change one of them")
         if self.tp > 1 and self.ep > 1:
             raise ValueError("--parallelism.tp > 1 with --parallelism.ep > 1: MoE models use ep only; set tp 1")
-        if self.cp > 1 and self.tp > 1:
-            raise ValueError("--parallelism.cp > 1 with --parallelism.tp > 1 is not supported yet; "
-                             "set one of them to 1")
         if self.cp > 1 and self.ep > 1:
             raise ValueError("--parallelism.cp > 1 with --parallelism.ep > 1 is not supported yet (MoE models train "
                              "without cp); set cp 1")

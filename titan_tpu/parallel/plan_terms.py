@@ -43,6 +43,9 @@ the calibration in docs/planner.md):
   and reduce-scatters their gradients in the backward; with document masks also the int32
   document ids. The loss's all-reduce over cp (one value) is left out. Its activations are the
   planner's (titan_tpu/plan/planner.py: the rank's tokens, plus `cp_attention_saved_bytes`).
+* cp x tp: tensor parallelism works on a cp rank's tokens (its collectives and the loss's
+  all-reduces move 1 / cp of the micro-batch's tokens), and cp gathers the keys and values of a
+  tp rank's kv heads (1 / tp of the kv dim; the document ids whole).
 """
 
 from __future__ import annotations
@@ -192,8 +195,8 @@ class Layout:
     def tp_collectives(self, *, micro_batches: int, n_layers: int, tokens_per_micro_batch: int, dim: int,
                        recompute_blocks: bool) -> list[Collective]:
         """Tensor parallelism's activation collectives (module docstring), bytes each rank sends
-        and calls."""
-        tp, t = self.tp, tokens_per_micro_batch
+        and calls; on a cp rank's share of the tokens (cp x tp)."""
+        tp, t = self.tp, tokens_per_micro_batch / self.cp
         one = (tp - 1) / tp * t * dim * self.compute_bytes  # one all-gather or reduce-scatter of [T, D]
         per_pass = 4 * n_layers + 2
         passes = 2 * per_pass + (4 * n_layers if recompute_blocks else 0)
@@ -207,7 +210,8 @@ class Layout:
 def cp_collectives(*, cp: int, micro_batches: int, n_layers: int, kv_elements: int, compute_bytes: int,
                    documents_tokens: int, recompute_blocks: bool) -> list[Collective]:
     """Context parallelism's per-block collectives (module docstring), bytes each rank sends and
-    calls. kv_elements: keys (or values) of one micro-batch's whole sequences, [B, S, kv dim];
+    calls. kv_elements: keys (or values) of one micro-batch's whole sequences, [B, S, kv dim]
+    (a tp rank's kv heads under cp x tp: kv dim / tp);
     documents_tokens: B x S with document masks (their ids are gathered too), else 0."""
     share = (cp - 1) / cp
     forwards = 2 if recompute_blocks else 1

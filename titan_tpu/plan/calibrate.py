@@ -81,6 +81,10 @@ CASES = [
     Case("llama3 debug, 2 ranks cp 2, graph aot_eager, scanned, AC full", "configs/llama3_debug.toml",
          ("--parallelism.cp", "2", "--model.scan_layers", "true", "--training.mode", "graph",
           "--compile.backend", "aot_eager", "--activation_checkpoint.mode", "full"), ranks=2),
+    # Context x tensor parallel: the 4 ranks hold the whole batch, each half of every sequence with
+    # a tp shard of the model (docs/context_parallel.md, "With tensor parallelism").
+    Case("llama3 debug, 4 ranks cp 2 x tp 2", "configs/llama3_debug.toml",
+         ("--parallelism.cp", "2", "--parallelism.tp", "2"), ranks=4),
     # Graph mode (--training.mode graph): the whole step captured and compiled, one process.
     Case("llama3 debug, graph aot_eager, unrolled", "configs/llama3_debug.toml",
          ("--training.mode", "graph", "--compile.backend", "aot_eager")),

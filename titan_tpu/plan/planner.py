@@ -313,24 +313,25 @@ def _check_parallel_support(cfg: Config, args) -> None:
     if tp > 1:
         check_tensor_parallel(args, tp, seq_len=cfg.training.seq_len)
     if cp > 1:
-        check_context_parallel(cp, seq_len=cfg.training.seq_len)
-        if args.moe is not None or tp > 1:
-            raise ValueError("--parallelism.cp > 1 runs dense models with tp 1 for now; set --parallelism.tp 1 "
-                             "(or --parallelism.cp 1 for an MoE model)")
+        check_context_parallel(cp, seq_len=cfg.training.seq_len, tp=tp)
+        if args.moe is not None:
+            raise ValueError("--parallelism.cp > 1 runs dense models only for now; set --parallelism.cp 1 for an "
+                             "MoE model")
 
 
 def _activations(s: _Setting) -> ActivationBytes:
     """Activations of one micro-batch on one rank: under context parallelism its 1 / cp of the
-    tokens, and attention keeps every rank's keys and values."""
-    cfg, args, cp = s.cfg, s.args, s.cfg.parallelism.cp
+    tokens, and attention keeps every rank's keys and values (of its kv heads: 1 / tp of them)."""
+    cfg, args, cp, tp = s.cfg, s.args, s.cfg.parallelism.cp, s.cfg.parallelism.tp
     acts = activation_bytes(args, tokens=s.tokens // cp, ac_mode=s.ac, dtype_bytes=s.layout.compute_bytes,
-                            ep=cfg.parallelism.ep, traced=s.traced, partitioned=s.partitioned, tp=cfg.parallelism.tp)
+                            ep=cfg.parallelism.ep, traced=s.traced, partitioned=s.partitioned, tp=tp)
     if cp > 1 and s.ac == "none":
         t = cfg.training
         mask = _chunk_attention_impl(cfg.kernels.chunk_attention, s.hardware.name) in ("sdpa", "reference")
         extra = cp_attention_saved_bytes(batch_size=t.batch_size, seq_len=t.seq_len, cp=cp,
-                                         dtype_bytes=s.layout.compute_bytes, q_dim=args.n_heads * args.hd,
-                                         kv_dim=args.n_kv_heads * args.hd, documents=cfg.data.document_mask, mask=mask)
+                                         dtype_bytes=s.layout.compute_bytes, q_dim=args.n_heads * args.hd // tp,
+                                         kv_dim=args.n_kv_heads * args.hd // tp, documents=cfg.data.document_mask,
+                                         mask=mask)
         acts = dataclasses.replace(acts, saved_per_layer=tuple(saved + extra for saved in acts.saved_per_layer))
     return acts
 
@@ -456,7 +457,7 @@ def _collectives(s: _Setting) -> list:
                                             gathers=gathers, regathers=regathers, n_layers=args.n_layers)
     if p.cp > 1:
         collectives += cp_collectives(cp=p.cp, micro_batches=t.grad_accum_steps, n_layers=args.n_layers,
-                                      kv_elements=s.tokens * args.n_kv_heads * args.hd, compute_bytes=cb,
+                                      kv_elements=s.tokens * args.n_kv_heads * args.hd // p.tp, compute_bytes=cb,
                                       documents_tokens=s.tokens if s.cfg.data.document_mask else 0,
                                       recompute_blocks=s.ac != "none")
     return collectives
