@@ -20,7 +20,9 @@ initialised, keeps the model code single-device:
   keys stay in rank order (no reordering): the mask is built from their positions;
 - a forward hook sums the loss of the rank's tokens over cp (backward: identity), so every cp
   rank holds the batch's whole loss as tensor-parallel peers do (train/step.py: model_copies);
-  `model(tokens)` without labels gathers the logits and puts them back in sequence order.
+  `model(tokens)` without labels gathers the logits and puts them back in sequence order;
+- a forward hook on each MoE layer sums its routing statistics over cp in the same way, so the
+  balancing loss, the expert loads and the expert-bias update are those of the whole batch.
 
 Parameters are replicated over cp (simple_fsdp._placements): each rank's gradient covers its own
 tokens, a partial sum that SimpleFSDP all-reduces over cp like a data-parallel axis. The
@@ -120,6 +122,15 @@ class ContextParallelPlan:
             return gathered[:, order]
         return output._replace(ce_sum=_SumOverGroup.apply(output.ce_sum, self.group))
 
+    def sum_routing_statistics(self, module, args, output):
+        """Forward hook on each MoE layer: its routing statistics [2, E] (tokens per expert, router
+        probability sums) summed over cp, so that the balancing loss, the expert loads and the
+        expert-bias update see the whole batch, as on one process. Backward: identity (a rank's
+        probabilities get the gradient of their own tokens; the router's gradient is summed over
+        cp with the other parameters')."""
+        out_BSD, stats_2E = output
+        return out_BSD, _SumOverGroup.apply(stats_2E, self.group)
+
     def attention(self, q_BQHD: Tensor, k_BQKD: Tensor, v_BQKD: Tensor, document_ids_BQ: Tensor | None) -> Tensor:
         """The attention kernel contract on this rank's queries, against every rank's keys."""
         S = q_BQHD.shape[1] * self.cp
@@ -170,8 +181,6 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, docume
                          "ParallelDims(cp=...)")
     cp = mesh.size(names.index(CP_AXIS))
     check_context_parallel(cp, seq_len=seq_len)
-    if model.args.moe is not None:
-        raise ValueError("--parallelism.cp > 1 with an MoE model is not supported yet; set --parallelism.cp 1")
     plan = ContextParallelPlan(group=mesh.get_group(CP_AXIS), cp=cp, rank=mesh.get_local_rank(CP_AXIS),
                                documents=documents)
     impl = Impl("context_parallel", plan.attention, (mesh.device_type,),
@@ -180,6 +189,8 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, docume
     unrolled = [] if model.scan_layers else list(model.layers.values())
     for block in [*unrolled, *model.block_templates()]:
         block.attention.kernels = _ContextParallelKernels(block.attention.kernels, impl)
+        if block.moe is not None:
+            block.moe.register_forward_hook(plan.sum_routing_statistics)
     model.register_forward_pre_hook(plan.shard_inputs, with_kwargs=True)
     model.register_forward_hook(plan.combine_outputs)
     return model
