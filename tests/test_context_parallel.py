@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +39,9 @@ from titan_tpu.parallel.context_parallel import (
 )
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+from titan_tpu.plan import plan_config
+from titan_tpu.plan.hardware import resolve_hardware
+from titan_tpu.plan.planner import for_planning
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 
@@ -256,6 +260,22 @@ def test_bad_input_is_one_line():
         ParallelDims(cp=2, tp=2, world_size=4)
     with pytest.raises(ValueError, match="--parallelism.cp must be >= 1"):
         ParallelDims(cp=0, world_size=1)
+    with pytest.raises(ValueError, match=r"cp > 1 with --parallelism.ep > 1 is not supported yet .*; set ep 1"):
+        ParallelDims(cp=2, ep=2, world_size=4)
+
+
+def test_plan_takes_moe_models_with_cp_and_refuses_ep_with_cp():
+    """The planner plans what the trainer runs: an MoE model on cp 2 (its activations for half of
+    each sequence), and refuses cp with ep in the trainer's words."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "qwen3_moe_debug.toml"
+    hardware = resolve_hardware("cpu", measure=False)[0]
+    one = plan_config(for_planning(config), hardware, measure=False)
+    cp2 = plan_config(for_planning(config, ["--parallelism.cp", "2"]), hardware, measure=False, chips=2)
+    assert cp2.memory["activations"] < one.memory["activations"]
+    assert cp2.memory["parameters"] == pytest.approx(one.memory["parameters"], rel=1e-9)  # replicated over cp
+    with pytest.raises(ValueError, match=r"cp > 1 with --parallelism.ep > 1 is not supported yet"):
+        plan_config(for_planning(config, ["--parallelism.cp", "2", "--parallelism.ep", "2"]), hardware,
+                    measure=False, chips=4)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -314,9 +314,11 @@ def _check_parallel_support(cfg: Config, args) -> None:
         check_tensor_parallel(args, tp, seq_len=cfg.training.seq_len)
     if cp > 1:
         check_context_parallel(cp, seq_len=cfg.training.seq_len)
-        if args.moe is not None or tp > 1:
-            raise ValueError("--parallelism.cp > 1 runs dense models with tp 1 for now; set --parallelism.tp 1 "
-                             "(or --parallelism.cp 1 for an MoE model)")
+        if tp > 1:
+            raise ValueError("--parallelism.cp > 1 runs with tp 1 for now; set --parallelism.tp 1")
+        if cfg.parallelism.ep > 1:  # as parallel/mesh.py ParallelDims refuses it for training
+            raise ValueError("--parallelism.cp > 1 with --parallelism.ep > 1 is not supported yet (the expert mesh "
+                             "is carved out of dp_shard alone); set ep 1 (cp runs MoE models with ep 1) or cp 1")
 
 
 def _activations(s: _Setting) -> ActivationBytes:
