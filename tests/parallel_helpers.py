@@ -19,11 +19,16 @@ MAX_NORM = 1.0
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def tiny_args(name: str):
+def tiny_args(name: str, load_balance: str | None = None):
+    """The model's debug flavor, shrunk; an MoE model's experts (8, top-2) kept, with the
+    `load_balance` given (aux_loss, expert_bias), else the flavor's."""
     args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden_dim=128, max_seq_len=SEQ)
-    if name == "qwen3":
+    if name in ("qwen3", "qwen3_moe"):
         args["head_dim"] = 16  # explicit, as Qwen3 sets it; q/k norms on
-    return dataclasses.replace(get_model_args(name, "debug"), **args)
+    model_args = dataclasses.replace(get_model_args(name, "debug"), **args)
+    if load_balance is not None:
+        model_args.moe = dataclasses.replace(model_args.moe, load_balance=load_balance)
+    return model_args
 
 
 def global_batches(steps: int) -> torch.Tensor:

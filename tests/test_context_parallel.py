@@ -1,6 +1,7 @@
 """Context parallelism (parallel/context_parallel.py): the head-tail split and the sharded attention
 in one process, parity with one process on gloo ranks (with and without document masks, in graph
-mode, with scanned layers, through a checkpoint, with tensor parallelism: cp x tp), and its
+mode, with scanned layers, through a checkpoint, with tensor parallelism: cp x tp, the MoE model with
+each balancing), and its
 one-line errors."""
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.parallel.tensor_parallel import tensor_parallel
 from titan_tpu.plan import plan_config
+from titan_tpu.plan.hardware import resolve_hardware
 from titan_tpu.plan.planner import for_planning
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
@@ -69,37 +71,45 @@ def optimizer_for(model) -> AdamW:
     return AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
 
 
-def train(model, *, documents: bool, dp_rank: int = 0, dp_size: int = 1, step_fn=None) -> tuple[list, list]:
-    """Train on this data-parallel rank's rows of each global batch; returns (losses, grad norms)."""
+def args_for(model: str):
+    """A model key's tiny args: a model name, or for the MoE model name:balancing ("qwen3_moe:aux_loss")."""
+    name, _, load_balance = model.partition(":")
+    return tiny_args(name, load_balance or None)
+
+
+def train(model, *, documents: bool, dp_rank: int = 0, dp_size: int = 1, step_fn=None) -> dict:
+    """Train on this data-parallel rank's rows of each global batch; returns the losses, grad
+    norms, MoE balancing losses and expert loads per step, and the expert biases at the end."""
     optimizer = step_fn.optimizer if step_fn is not None else optimizer_for(model)
     step_fn = step_fn or EagerStep(model, optimizer, max_norm=MAX_NORM, dp_size=dp_size)
     batches, positions = global_batches(STEPS), packed_positions(STEPS)
-    losses, norms = [], []
+    out = {"losses": [], "norms": [], "aux": [], "loads": []}
     for step in range(STEPS):
         rows = batches[step].chunk(dp_size)[dp_rank]
         batch = (rows[:, :-1], rows[:, 1:])
         if documents:
             batch += (positions[step].chunk(dp_size)[dp_rank],)
         result = step_fn([batch], LR)
-        losses.append(result.loss)
-        norms.append(result.grad_norm)
-    return losses, norms
+        out["losses"].append(result.loss)
+        out["norms"].append(result.grad_norm)
+        out["aux"].append(result.aux_loss)
+        out["loads"].append(result.expert_load)
+    out["biases"] = {n: b.clone() for n, b in model.named_buffers() if "expert_bias" in n}
+    return out
 
 
 @functools.cache
 def reference(name: str, documents: bool) -> dict:
-    """The one-process run: losses, grad norms, and the logits of the trained model."""
-    model = build_model(tiny_args(name), seed=SEED)
-    losses, norms = train(model, documents=documents)
-    return {"losses": losses, "norms": norms, "logits": model(global_batches(1)[0, :, :-1]).detach()}
+    """The one-process run of a model key (`args_for`): `train`'s results and the trained model's logits."""
+    model = build_model(args_for(name), seed=SEED)
+    return {**train(model, documents=documents), "logits": model(global_batches(1)[0, :, :-1]).detach()}
 
 
 @functools.cache
 def scan_reference(documents: bool) -> dict:
     """The one-process run with scanned layers (eager, no checkpointing)."""
     model = build_model(tiny_args("llama3"), seed=SEED, scan_layers=True)
-    losses, norms = train(model, documents=documents)
-    return {"losses": losses, "norms": norms, "logits": model(global_batches(1)[0, :, :-1]).detach()}
+    return {**train(model, documents=documents), "logits": model(global_batches(1)[0, :, :-1]).detach()}
 
 
 def apply_plans(model: Transformer, mesh, dims: ParallelDims, *, documents: bool) -> None:
@@ -113,7 +123,7 @@ def apply_plans(model: Transformer, mesh, dims: ParallelDims, *, documents: bool
 def build_parallel(name: str, dims: ParallelDims, *, documents: bool, ac_mode: str = "none", scan: bool = False):
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
-        model = Transformer(tiny_args(name), ac_mode=ac_mode, scan_layers=scan)
+        model = Transformer(args_for(name), ac_mode=ac_mode, scan_layers=scan)
     apply_plans(model, mesh, dims, documents=documents)
     model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
                                  seed=SEED)
@@ -132,8 +142,7 @@ def _run(name: str, dims: ParallelDims, *, documents: bool = False, graph: bool 
                             example_batch=(example, example) + ((example,) if documents else ()), backend="eager",
                             dp_size=dp_size)
         out["collectives"] = {op.split(".")[1]: n for op, n in step_fn.captured.collective_counts().items()}
-    out["losses"], out["norms"] = train(model, documents=documents, dp_rank=dp_rank, dp_size=dp_size,
-                                        step_fn=step_fn)
+    out.update(train(model, documents=documents, dp_rank=dp_rank, dp_size=dp_size, step_fn=step_fn))
     if not graph:
         out["logits"] = model(global_batches(1)[0, :, :-1]).detach()  # gathered in sequence order
     return out
@@ -145,7 +154,7 @@ def _saved_bytes_per_layer(name: str, dims: ParallelDims, *, documents: bool) ->
     def build(n_layers: int):
         mesh = dims.build_mesh("cpu")
         with torch.device("meta"):
-            model = Transformer(dataclasses.replace(tiny_args(name), n_layers=n_layers))
+            model = Transformer(dataclasses.replace(args_for(name), n_layers=n_layers))
         apply_plans(model, mesh, dims, documents=documents)
         return materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
                                     seed=SEED, bucket_mb=0)
@@ -155,22 +164,41 @@ def _saved_bytes_per_layer(name: str, dims: ParallelDims, *, documents: bool) ->
     return saved_bytes_per_layer(build, lambda model: model(tokens, tokens, positions_BS=positions))
 
 
-def _cp2_worker() -> dict:
+DENSE_MODELS = ["llama3", "qwen3"]
+# The MoE model with each balancing: the routing statistics they read are summed over cp.
+MOE_MODELS = ["qwen3_moe:aux_loss", "qwen3_moe:expert_bias"]
+GRAPH_RUNS = [("llama3", False), ("llama3", True), *((m, False) for m in MOE_MODELS)]  # (model, documents)
+
+
+def _cp2_worker(models: tuple[str, ...]) -> dict:
+    """These models' cp 2 runs: eager with and without documents, graph mode (GRAPH_RUNS), the
+    planner's activation bytes; Qwen3 with selective checkpointing."""
     dims = ParallelDims(cp=2, world_size=dist.get_world_size())
-    return {"saved_per_layer": {(n, d): _saved_bytes_per_layer(n, dims, documents=d)
-                                for n in ("llama3", "qwen3") for d in (False, True)},
-            "llama3": _run("llama3", dims), "qwen3": _run("qwen3", dims),
-            "llama3-docs": _run("llama3", dims, documents=True), "qwen3-docs": _run("qwen3", dims, documents=True),
-            "llama3-graph": _run("llama3", dims, graph=True),
-            "llama3-docs-graph": _run("llama3", dims, documents=True, graph=True),
-            "qwen3-ac": _run("qwen3", dims, ac_mode="selective")}
+    runs = {"saved_per_layer": {(n, d): _saved_bytes_per_layer(n, dims, documents=d)
+                                for n in models for d in (False, True)}}
+    for name in models:
+        runs[name] = _run(name, dims)
+        runs[f"{name}-docs"] = _run(name, dims, documents=True)
+    for name, documents in GRAPH_RUNS:
+        if name in models:
+            runs[f"{name}-docs-graph" if documents else f"{name}-graph"] = _run(name, dims, documents=documents,
+                                                                              graph=True)
+    if "qwen3" in models:
+        runs["qwen3-ac"] = _run("qwen3", dims, ac_mode="selective")
+    return runs
 
 
 @functools.cache
-def cp2_runs() -> list[dict]:
-    """One 2-rank spawn for every cp 2 test (starting ranks costs more than the runs). A cp 2
+def cp2_runs(moe: bool = False) -> list[dict]:
+    """One 2-rank spawn for the cp 2 tests of the dense models, one for the MoE models' (starting
+    ranks costs more than the runs; apart, a -k selection of either starts only its own). A cp 2
     checkpoint resuming on one process: tests/test_train_dist.py (cp2-to-1)."""
-    return run_distributed(_cp2_worker, world_size=2, timeout_s=300)
+    models = MOE_MODELS if moe else DENSE_MODELS
+    return run_distributed(_cp2_worker, world_size=2, args=(tuple(models),), timeout_s=300)
+
+
+def runs_of(name: str) -> list[dict]:
+    return cp2_runs(moe=name in MOE_MODELS)
 
 
 def _cp2_scan_worker() -> dict:
@@ -212,10 +240,19 @@ def cp2_tp2_runs() -> list[dict]:
 
 
 def assert_matches_reference(run: dict, name: str, documents: bool, ref: dict | None = None) -> None:
+    """Losses and grad norms to TOL; for an MoE model also the balancing losses (relative, TOL's
+    rtol: they are ~1e-3), the expert loads of every step (the same routing) and the final expert
+    biases."""
     ref = ref or reference(name, documents)
     assert ref["losses"][-1] < ref["losses"][0] - 1.0  # it learns, so a divergence would show
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), **TOL)
     torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), **TOL)
+    torch.testing.assert_close(torch.tensor(run["aux"]), torch.tensor(ref["aux"]), rtol=TOL["rtol"], atol=1e-9)
+    for load, want in zip(run["loads"], ref["loads"], strict=True):
+        assert (load is None and want is None) or torch.equal(load, want), (load, want)
+    assert run["biases"].keys() == ref["biases"].keys()
+    for key, bias in run["biases"].items():
+        torch.testing.assert_close(bias, ref["biases"][key], rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +325,22 @@ def test_bad_input_is_one_line():
         check_context_parallel(2, seq_len=12, tp=4)
     with pytest.raises(ValueError, match="--parallelism.cp must be >= 1"):
         ParallelDims(cp=0, world_size=1)
+    with pytest.raises(ValueError, match=r"cp > 1 with --parallelism.ep > 1 is not supported yet .*; set ep 1"):
+        ParallelDims(cp=2, ep=2, world_size=4)
+
+
+def test_plan_takes_moe_models_with_cp_and_refuses_ep_with_cp():
+    """The planner plans what the trainer runs: an MoE model on cp 2 (its activations for half of
+    each sequence), and refuses cp with ep in the trainer's words."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "qwen3_moe_debug.toml"
+    hardware = resolve_hardware("cpu", measure=False)[0]
+    one = plan_config(for_planning(config), hardware, measure=False)
+    cp2 = plan_config(for_planning(config, ["--parallelism.cp", "2"]), hardware, measure=False, chips=2)
+    assert cp2.memory["activations"] < one.memory["activations"]
+    assert cp2.memory["parameters"] == pytest.approx(one.memory["parameters"], rel=1e-9)  # replicated over cp
+    with pytest.raises(ValueError, match=r"cp > 1 with --parallelism.ep > 1 is not supported yet"):
+        plan_config(for_planning(config, ["--parallelism.cp", "2", "--parallelism.ep", "2"]), hardware,
+                    measure=False, chips=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,10 +348,10 @@ def test_bad_input_is_one_line():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("name", [*DENSE_MODELS, *MOE_MODELS])
 @pytest.mark.parametrize("documents", [False, True])
 def test_cp2_matches_one_process(name, documents):
-    for rank_runs in cp2_runs():
+    for rank_runs in runs_of(name):
         run = rank_runs[f"{name}-docs" if documents else name]
         assert run["mesh"] == ("cp",)
         assert_matches_reference(run, name, documents)
@@ -306,12 +359,12 @@ def test_cp2_matches_one_process(name, documents):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("documents", [False, True])
-def test_cp2_graph_mode_matches_one_process(documents):
-    n_layers = tiny_args("llama3").n_layers
-    for rank_runs in cp2_runs():
-        run = rank_runs["llama3-docs-graph" if documents else "llama3-graph"]
-        assert_matches_reference(run, "llama3", documents)
+@pytest.mark.parametrize("name, documents", GRAPH_RUNS)
+def test_cp2_graph_mode_matches_one_process(name, documents):
+    n_layers = args_for(name).n_layers
+    for rank_runs in runs_of(name):
+        run = rank_runs[f"{name}-docs-graph" if documents else f"{name}-graph"]
+        assert_matches_reference(run, name, documents)
         counts = run["collectives"]
         # Per block: keys and values gathered (and, with documents, the document ids); their
         # backward reduce-scatters the key and value gradients.
@@ -353,18 +406,20 @@ def test_cp2_scanned_layers_match_one_process_scanned(variant, documents):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("name", [*DENSE_MODELS, *MOE_MODELS])
 @pytest.mark.parametrize("documents", [False, True])
 def test_cp2_planner_activation_terms_match_autograd(name, documents):
     """The planner's per-block activation term with cp 2 (the block's terms for the rank's tokens
     plus cp_attention_saved_bytes) is what autograd keeps on each rank."""
-    args = tiny_args(name)
+    args = args_for(name)
     predicted = activation_bytes(args, tokens=BATCH * SEQ // 2, ac_mode="none", dtype_bytes=4).saved_per_layer[0]
     predicted += cp_attention_saved_bytes(batch_size=BATCH, seq_len=SEQ, cp=2, q_dim=args.n_heads * args.hd,
                                           kv_dim=args.n_kv_heads * args.hd, dtype_bytes=4, documents=documents,
                                           mask=True)
-    for rank_runs in cp2_runs():
-        assert rank_runs["saved_per_layer"][(name, documents)] == predicted
+    # Not counted, as on one process (test_planner.py): the MoE per-expert counts, [E] int64.
+    slack = 8 * args.moe.num_experts if args.moe is not None else 0
+    for rank_runs in runs_of(name):
+        assert 0 <= rank_runs["saved_per_layer"][(name, documents)] - predicted <= slack
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ initialised, keeps the model code single-device:
   gets the gradient of its keys and values summed over every rank's queries;
 - a forward hook sums the loss of the rank's tokens over cp (backward: identity), so every cp
   rank holds the batch's whole loss as tensor-parallel peers do (train/step.py: model_copies);
-  `model(tokens)` without labels gathers the logits and puts them back in sequence order.
+  `model(tokens)` without labels gathers the logits and puts them back in sequence order;
+- a forward hook on each MoE layer sums its routing statistics over cp in the same way, so the
+  balancing loss, the expert loads and the expert-bias update are those of the whole batch.
 
 Parameters are replicated over cp (simple_fsdp._placements): each rank's gradient covers its own
 tokens, a partial sum that SimpleFSDP all-reduces over cp like a data-parallel axis. The
@@ -130,6 +132,15 @@ class ContextParallelPlan:
             return sequence_order(_wait(funcol.all_gather_tensor(output.contiguous(), 1, self.group)), self.cp)
         return output._replace(ce_sum=_SumOverGroup.apply(output.ce_sum, self.group))
 
+    def sum_routing_statistics(self, module, args, output):
+        """Forward hook on each MoE layer: its routing statistics [2, E] (tokens per expert, router
+        probability sums) summed over cp, so that the balancing loss, the expert loads and the
+        expert-bias update see the whole batch, as on one process. Backward: identity (a rank's
+        probabilities get the gradient of their own tokens; the router's gradient is summed over
+        cp with the other parameters')."""
+        out_BSD, stats_2E = output
+        return out_BSD, _SumOverGroup.apply(stats_2E, self.group)
+
     def attention(self, chunk_attention, q_BQHD: Tensor, k_BQKD: Tensor, v_BQKD: Tensor,
                   document_ids_BQ: Tensor | None) -> Tensor:
         """The attention kernel contract on this rank's queries, against every rank's keys;
@@ -196,8 +207,6 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, docume
                          "ParallelDims(cp=...)")
     cp = mesh.size(names.index(CP_AXIS))
     check_context_parallel(cp, seq_len=seq_len, tp=tp_size(mesh))
-    if model.args.moe is not None:
-        raise ValueError("--parallelism.cp > 1 with an MoE model is not supported yet; set --parallelism.cp 1")
     plan = ContextParallelPlan(group=mesh.get_group(CP_AXIS), cp=cp, rank=mesh.get_local_rank(CP_AXIS),
                                documents=documents)
     # Scanned layers (model.layers a StackedBlocks) compute only through their template block.
@@ -205,6 +214,8 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, docume
     for block in [*unrolled, *model.block_templates()]:
         block.attention.kernels.chunk_attention_impl(mesh.device_type, documents=documents)  # one line if it can't run
         block.attention.kernels = _ContextParallelKernels(block.attention.kernels, plan)
+        if block.moe is not None:
+            block.moe.register_forward_hook(plan.sum_routing_statistics)
     model.register_forward_pre_hook(plan.shard_inputs, with_kwargs=True)
     model.register_forward_hook(plan.combine_outputs)
     return model

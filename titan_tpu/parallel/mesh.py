@@ -58,8 +58,8 @@ class ParallelDims:
         if self.tp > 1 and self.ep > 1:
             raise ValueError("--parallelism.tp > 1 with --parallelism.ep > 1: MoE models use ep only; set tp 1")
         if self.cp > 1 and self.ep > 1:
-            raise ValueError("--parallelism.cp > 1 with --parallelism.ep > 1 is not supported yet (MoE models train "
-                             "without cp); set cp 1")
+            raise ValueError("--parallelism.cp > 1 with --parallelism.ep > 1 is not supported yet (the expert mesh "
+                             "is carved out of dp_shard alone); set ep 1 (cp runs MoE models with ep 1) or cp 1")
         if self.ep < 1:
             raise ValueError(f"--parallelism.ep must be >= 1, got {self.ep}")
         if self.ep > 1 and self.dp_shard % self.ep != 0:
