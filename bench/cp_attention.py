@@ -13,11 +13,11 @@ interleaved (each round one call of each, alternating order); times are medians 
 from __future__ import annotations
 
 import argparse
-import platform
 
 import torch
 from kernels import time_interleaved  # bench/kernels.py, beside this file
 
+from titan_tpu.device import _cpu_model  # the CPU's name, as the cache keys use it
 from titan_tpu.kernels.attention import CHUNK_ATTENTION, masked_sdpa
 from titan_tpu.parallel.context_parallel import head_tail_attention, head_tail_positions, sequence_order
 
@@ -81,7 +81,7 @@ def main() -> None:
     kept = {name: saved_bytes(fn) for name, fn in forms.items()}
     base = "dense mask (replaced)"
     print(f"cp attention, rank {rank} of cp {cp}: batch {B}, seq {S}, {a.heads} heads of {a.head_dim} on "
-          f"{a.kv_heads} kv heads, fp32, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}")
+          f"{a.kv_heads} kv heads, fp32, {torch.get_num_threads()} threads, {_cpu_model()}")
     for name in forms:
         print(f"  {name:<26} fwd+bwd {seconds[name] * 1e3:8.1f} ms ({seconds[base] / seconds[name]:.2f}x speed)   "
               f"kept {kept[name] / 2**20:8.1f} MiB ({kept[name] / kept[base]:.2f}x)")
