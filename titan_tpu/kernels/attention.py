@@ -58,12 +58,9 @@ def document_ids_from_positions(positions_BS: Tensor) -> Tensor:
 
 
 def allowed_BSS(S: int, document_ids_BS: Tensor | None, device: torch.device) -> Tensor:
-    """Boolean [B (or 1), S, S] mask: query i may attend key j (causal, same document)."""
-    causal_SS = torch.ones(S, S, dtype=torch.bool, device=device).tril()
-    if document_ids_BS is None:
-        return causal_SS.unsqueeze(0)
-    same_document_BSS = document_ids_BS.unsqueeze(2) == document_ids_BS.unsqueeze(1)
-    return causal_SS & same_document_BSS
+    """Boolean [B (or 1), S, S] mask: query i may attend key j (causal, same document); the chunk
+    mask below with the chunk the whole window."""
+    return chunk_allowed_BQS(S, S, document_ids_BS, document_ids_BS, device)
 
 
 def chunk_allowed_BQS(Q: int, S: int, q_document_ids_BQ: Tensor | None, k_document_ids_BS: Tensor | None,
@@ -76,29 +73,23 @@ def chunk_allowed_BQS(Q: int, S: int, q_document_ids_BQ: Tensor | None, k_docume
     return causal_QS & (q_document_ids_BQ.unsqueeze(2) == k_document_ids_BS.unsqueeze(1))
 
 
-def _reference_masked(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, allowed_BQS: Tensor) -> Tensor:
+def reference_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
+                              k_document_ids_BS: Tensor | None = None) -> Tensor:
     """The masked softmax written out in fp32, grouped-query."""
-    H, D = q_BQHD.shape[2:]
+    Q, H, D = q_BQHD.shape[1:]
     group = H // k_BSKD.shape[2]
     q_BHQD = q_BQHD.transpose(1, 2).float()
     k_BHSD = k_BSKD.transpose(1, 2).repeat_interleave(group, dim=1).float()
     v_BHSD = v_BSKD.transpose(1, 2).repeat_interleave(group, dim=1).float()
     scores_BHQS = (q_BHQD @ k_BHSD.transpose(-1, -2)) * D**-0.5
+    allowed_BQS = chunk_allowed_BQS(Q, k_BSKD.shape[1], q_document_ids_BQ, k_document_ids_BS, q_BQHD.device)
     probs_BHQS = scores_BHQS.masked_fill(~allowed_BQS.unsqueeze(1), float("-inf")).softmax(dim=-1)
     return (probs_BHQS @ v_BHSD).to(q_BQHD.dtype).transpose(1, 2)
 
 
 def reference_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
                         document_ids_BS: Tensor | None = None) -> Tensor:
-    allowed = allowed_BSS(q_BSHD.shape[1], document_ids_BS, q_BSHD.device)
-    return _reference_masked(q_BSHD, k_BSKD, v_BSKD, allowed)
-
-
-def reference_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
-                              k_document_ids_BS: Tensor | None = None) -> Tensor:
-    allowed = chunk_allowed_BQS(q_BQHD.shape[1], k_BSKD.shape[1], q_document_ids_BQ, k_document_ids_BS,
-                                q_BQHD.device)
-    return _reference_masked(q_BQHD, k_BSKD, v_BSKD, allowed)
+    return reference_chunk_attention(q_BSHD, k_BSKD, v_BSKD, document_ids_BS, document_ids_BS)
 
 
 def sdpa_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,

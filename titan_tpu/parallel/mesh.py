@@ -25,6 +25,14 @@ DP_AXES = ("dp_replicate", "dp_shard")
 MESH_AXES = (*DP_AXES, "cp", "tp")
 
 
+def check_cp_with_ep(cp: int, ep: int) -> None:
+    """One-line ValueError for context parallelism together with expert parallelism (the planner
+    refuses it in the same words)."""
+    if cp > 1 and ep > 1:
+        raise ValueError("--parallelism.cp > 1 with --parallelism.ep > 1 is not supported yet (the expert mesh "
+                         "is carved out of dp_shard alone); set ep 1 (cp runs MoE models with ep 1) or cp 1")
+
+
 @dataclass
 class ParallelDims:
     dp_replicate: int = 1
@@ -57,9 +65,7 @@ class ParallelDims:
                              f"({self.world_size}); change one of them")
         if self.tp > 1 and self.ep > 1:
             raise ValueError("--parallelism.tp > 1 with --parallelism.ep > 1: MoE models use ep only; set tp 1")
-        if self.cp > 1 and self.ep > 1:
-            raise ValueError("--parallelism.cp > 1 with --parallelism.ep > 1 is not supported yet (the expert mesh "
-                             "is carved out of dp_shard alone); set ep 1 (cp runs MoE models with ep 1) or cp 1")
+        check_cp_with_ep(self.cp, self.ep)
         if self.ep < 1:
             raise ValueError(f"--parallelism.ep must be >= 1, got {self.ep}")
         if self.ep > 1 and self.dp_shard % self.ep != 0:

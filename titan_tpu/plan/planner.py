@@ -40,6 +40,7 @@ from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memor
 from titan_tpu.models.common.transformer import ActivationBytes, activation_bytes
 from titan_tpu.models.registry import flops_per_token, largest_param, num_active_params, num_expert_params, num_params
 from titan_tpu.parallel.context_parallel import check_context_parallel, cp_attention_saved_bytes
+from titan_tpu.parallel.mesh import check_cp_with_ep
 from titan_tpu.parallel.plan_terms import Layout, collective_calls, cp_collectives
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
@@ -314,9 +315,7 @@ def _check_parallel_support(cfg: Config, args) -> None:
         check_tensor_parallel(args, tp, seq_len=cfg.training.seq_len)
     if cp > 1:
         check_context_parallel(cp, seq_len=cfg.training.seq_len, tp=tp)
-        if cfg.parallelism.ep > 1:  # as parallel/mesh.py ParallelDims refuses it for training
-            raise ValueError("--parallelism.cp > 1 with --parallelism.ep > 1 is not supported yet (the expert mesh "
-                             "is carved out of dp_shard alone); set ep 1 (cp runs MoE models with ep 1) or cp 1")
+        check_cp_with_ep(cp, cfg.parallelism.ep)
 
 
 def _activations(s: _Setting) -> ActivationBytes:
@@ -536,18 +535,22 @@ def _mode(layout: Layout) -> str:
     return "replicate" if layout.dp_replicate > 1 else "none"
 
 
+# Hardware names (hardware.py) of TPU generations: where `auto` picks the TPU kernels.
+_TPU_NAMES = ("v4", "v5e", "v5p", "v6e", "v7")
+
+
 def _loss_impl(choice: str, hardware_name: str) -> str:
     """The loss kernel `auto` picks (kernels/__init__.py preference order), by device kind."""
     if choice != "auto":
         return choice
-    return "tokamax" if hardware_name in ("v4", "v5e", "v5p", "v6e", "v7") else "chunked"
+    return "tokamax" if hardware_name in _TPU_NAMES else "chunked"
 
 
 def _chunk_attention_impl(choice: str, hardware_name: str) -> str:
     """The chunk_attention kernel (context parallelism) `auto` picks, by device kind."""
     if choice != "auto":
         return choice
-    if hardware_name in ("v4", "v5e", "v5p", "v6e", "v7"):
+    if hardware_name in _TPU_NAMES:
         return "splash"
     return "sdpa" if hardware_name == "cpu" else "flex"
 
@@ -556,7 +559,7 @@ def _grouped_mm_impl(choice: str, hardware_name: str) -> str:
     """The grouped_mm kernel `auto` picks (kernels/__init__.py preference order), by device kind."""
     if choice != "auto":
         return choice
-    return "gmm" if hardware_name in ("v4", "v5e", "v5p", "v6e", "v7") else "torch"
+    return "gmm" if hardware_name in _TPU_NAMES else "torch"
 
 
 def _layer_params(args) -> list[int]:
