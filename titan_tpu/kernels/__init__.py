@@ -114,20 +114,28 @@ def _resolve(op: Op, choice: str, device_type: str, needs: frozenset[str]) -> Im
 
 
 def describe(device_type: str) -> str:
-    """Per op: every implementation, whether it runs here (and why not), and what auto picks."""
+    """Per op: what auto picks on a machine of this device type with its packages installed (a TPU
+    VM with torch-tpu, jax and tokamax; a CUDA machine), what it picks in this process, and every
+    implementation with whether it runs here (and why not)."""
     lines = []
     for name, op in OPS.items():
         lines.append(f"{op.config_key}:")
         needs_variants = [frozenset(), DOCUMENTS] if name.endswith("attention") else [frozenset()]
         for needs in needs_variants:
-            try:
-                picked = _resolve(op, "auto", device_type, needs).name
-            except ValueError:
-                picked = "none"
+            on_device, here = (_auto_pick(op, device_type, needs, installed=flag) for flag in (True, False))
             label = "auto" + (" (documents)" if needs else "")
-            lines.append(f"  {label:<18} -> {picked}")
+            where = "a TPU VM" if device_type == "tpu" else f"a {device_type.upper()} machine"
+            pick = on_device if on_device == here else f"{on_device} on {where}; here: {here}"
+            lines.append(f"  {label:<18} -> {pick}")
         for impl in op.impls.values():
             reason = impl.why_not(device_type)
             status = "available" if reason is None else f"not here: {reason}"
             lines.append(f"  {impl.name:<18} {status}; {impl.description}")
     return "\n".join(lines)
+
+
+def _auto_pick(op: Op, device_type: str, needs: frozenset[str], *, installed: bool) -> str:
+    try:
+        return op.resolve("auto", device_type, needs, installed=installed).name
+    except ValueError:
+        return "none"

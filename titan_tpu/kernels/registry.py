@@ -36,14 +36,17 @@ class Impl:
     features: frozenset[str] = frozenset()
     unavailable: Callable[[], str | None] = lambda: None
 
-    def why_not(self, device_type: str, needs: frozenset[str] = frozenset()) -> str | None:
-        """None when it runs on `device_type` with `needs`; else a short reason."""
+    def why_not(self, device_type: str, needs: frozenset[str] = frozenset(), *,
+                installed: bool = False) -> str | None:
+        """None when it runs on `device_type` with `needs`; else a short reason. installed: answer
+        for a machine of that device type with every package the implementation needs (a TPU VM
+        with torch-tpu, jax and tokamax), not for this process."""
         if device_type not in self.devices:
             return f"runs on {'/'.join(self.devices)}, not {device_type}"
         missing = needs - self.features
         if missing:
             return f"does not support {', '.join(sorted(missing))}"
-        return self.unavailable()
+        return None if installed else self.unavailable()
 
 
 @dataclass(eq=False)  # compared and hashed by identity: one object per op
@@ -66,21 +69,23 @@ class Op:
             raise ValueError(f"{self.config_key} = {choice!r} is not a known implementation; "
                              f"use auto or one of {', '.join(self.impls)}")
 
-    def resolve(self, choice: str, device_type: str, needs: frozenset[str] = frozenset()) -> Impl:
+    def resolve(self, choice: str, device_type: str, needs: frozenset[str] = frozenset(), *,
+                installed: bool = False) -> Impl:
         """The implementation to run for `choice` ("auto" or a name) on `device_type`. For auto
         the preference list is the one for "<device>+<needs>" when there is one (e.g.
-        "cuda+documents"), else the device's."""
+        "cuda+documents"), else the device's. installed: pick as a machine of that device type
+        with every package installed would (`Impl.why_not`)."""
         self.check_name(choice)
         if choice != "auto":
             impl = self.impls[choice]
-            reason = impl.why_not(device_type, needs)
+            reason = impl.why_not(device_type, needs, installed=installed)
             if reason is not None:
                 raise ValueError(f"{self.config_key} = {choice} cannot run here ({reason}); "
                                  f"available on {device_type}: {', '.join(self.available(device_type, needs))}")
             return impl
         specific = f"{device_type}+{'+'.join(sorted(needs))}"
         for name in self.preference.get(specific, self.preference.get(device_type, [])):
-            if self.impls[name].why_not(device_type, needs) is None:
+            if self.impls[name].why_not(device_type, needs, installed=installed) is None:
                 return self.impls[name]
         raise ValueError(f"{self.config_key}: no implementation runs on {device_type}"
                          + (f" with {', '.join(sorted(needs))}" if needs else ""))
