@@ -348,6 +348,21 @@ def test_json_output(capsys):
     assert 0 < plan["mfu"] < 100 and plan["tokens_per_s"] > 0
 
 
+def test_no_speed_for_eager_mode_on_a_tpu(capsys):
+    """Eager mode on a TPU has no measured basis for a step time: the plan says so instead of printing
+    one (memory is still planned), --search refuses to rank by it, and graph mode names its assumption."""
+    overrides = ["--training.mode", "eager"]
+    eager = plan_config(for_planning(CONFIGS / "qwen3_8b_graph_tpu.toml", overrides))
+    graph = plan_config(for_planning(CONFIGS / "qwen3_8b_graph_tpu.toml"))
+    assert eager.speed_basis is None and eager.tokens_per_s is None and eager.mfu is None
+    assert eager.peak_bytes > 0 and "assumption" in graph.speed_basis and graph.tokens_per_s > 0
+    assert main(["plan", "--config", str(CONFIGS / "qwen3_8b_graph_tpu.toml"), *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "predicted: no step time: eager mode on a TPU" in out and "MFU" not in out
+    code = main(["plan", "--search", "--config", str(CONFIGS / "qwen3_8b_graph_tpu.toml"), *overrides])
+    assert code == 2 and "eager mode on a TPU has no basis" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_fit_once_weights_are_regathered_per_layer(recipe):
     """SimpleFSDP re-shards after the forward by default (parallel/reshard.py: block weights

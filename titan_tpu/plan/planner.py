@@ -46,7 +46,7 @@ from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
 from titan_tpu.train.optim import update_buffers
 
-__all__ = ["Plan", "plan_config", "format_plan", "default_hardware", "for_planning"]
+__all__ = ["Plan", "TPU_NAMES", "plan_config", "format_plan", "default_hardware", "for_planning"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -67,8 +67,9 @@ class Plan:
     flops: dict
     communication: list
     time: dict
-    tokens_per_s: float
-    mfu: float  # percent, model FLOPs over peak, as the trainer logs it
+    tokens_per_s: float | None  # None where nothing grounds a step time (`speed_basis`)
+    mfu: float | None  # percent, model FLOPs over peak, as the trainer logs it; None as tokens_per_s
+    speed_basis: str | None = None  # what the step time rests on; None: no basis (eager mode on a TPU)
     advice: list = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -262,6 +263,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     tokens_step_rank = s.tokens * t.grad_accum_steps
     tp, cp = cfg.parallelism.tp, cfg.parallelism.cp
     step_s = step_time["step_s"]
+    basis = _speed_basis(s, step_time["efficiency"])
     plan = Plan(
         model=s.label, hardware=s.hardware.as_dict(), devices=s.devices,
         mesh={"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "ep": cfg.parallelism.ep, "tp": tp,
@@ -275,8 +277,9 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
         memory=memory, peak_bytes=peak, peak_phase=peak_phase, capacity_bytes=s.hardware.memory_bytes,
         fits=peak <= s.hardware.memory_bytes, flops=flops,
         communication=[dataclasses.asdict(c) for c in collectives], time=step_time,
-        tokens_per_s=tokens_step_rank * s.devices / (tp * cp) / step_s,
-        mfu=100.0 * flops["model_per_step_per_device"] / step_s / (s.hardware.peak_flops / _cpu_share(s)))
+        tokens_per_s=tokens_step_rank * s.devices / (tp * cp) / step_s if basis else None,
+        mfu=100.0 * flops["model_per_step_per_device"] / step_s / (s.hardware.peak_flops / _cpu_share(s))
+        if basis else None, speed_basis=basis)
     # Scan's autograd holds its saved stacks twice and the gradient stack: activation memory too,
     # which full checkpointing removes (the scanned full mode keeps only the layer inputs).
     scan_held = scan.at_backward_start - scan.activations if scan else 0.0
@@ -462,6 +465,17 @@ def _collectives(s: _Setting) -> list:
     return collectives
 
 
+def _speed_basis(s: _Setting, efficiency: float) -> str | None:
+    """What the predicted step time rests on, or None where nothing does: TorchTPU's eager mode runs
+    the step op by op for debugging, and no eager TPU step has been measured, so the planner gives no
+    eager TPU speed rather than one that looks as good as graph mode's."""
+    if s.hardware.name == "cpu":
+        return "fitted to this project's CPU runs (titan-tpu plan --calibrate)"
+    if s.hardware.name in TPU_NAMES and not s.graph:
+        return None
+    return f"an assumption: matmul work at {efficiency:.0%} of peak (never measured on {s.hardware.name})"
+
+
 def _cpu_share(s: _Setting) -> int:
     """On this CPU the ranks share the cores: each gets 1 / devices of the peak."""
     return s.devices if s.hardware.name == "cpu" else 1
@@ -536,21 +550,21 @@ def _mode(layout: Layout) -> str:
 
 
 # Hardware names (hardware.py) of TPU generations: where `auto` picks the TPU kernels.
-_TPU_NAMES = ("v4", "v5e", "v5p", "v6e", "v7")
+TPU_NAMES = ("v4", "v5e", "v5p", "v6e", "v7")
 
 
 def _loss_impl(choice: str, hardware_name: str) -> str:
     """The loss kernel `auto` picks (kernels/__init__.py preference order), by device kind."""
     if choice != "auto":
         return choice
-    return "tokamax" if hardware_name in _TPU_NAMES else "chunked"
+    return "tokamax" if hardware_name in TPU_NAMES else "chunked"
 
 
 def _chunk_attention_impl(choice: str, hardware_name: str) -> str:
     """The chunk_attention kernel (context parallelism) `auto` picks, by device kind."""
     if choice != "auto":
         return choice
-    if hardware_name in _TPU_NAMES:
+    if hardware_name in TPU_NAMES:
         return "splash"
     return "sdpa" if hardware_name == "cpu" else "flex"
 
@@ -559,7 +573,7 @@ def _grouped_mm_impl(choice: str, hardware_name: str) -> str:
     """The grouped_mm kernel `auto` picks (kernels/__init__.py preference order), by device kind."""
     if choice != "auto":
         return choice
-    return "gmm" if hardware_name in _TPU_NAMES else "torch"
+    return "gmm" if hardware_name in TPU_NAMES else "torch"
 
 
 def _layer_params(args) -> list[int]:
@@ -653,12 +667,17 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"  {c['kind']:26s} over {c['axis']:12s} ({c['group_size']:>4}): "
                          f"{c['bytes_per_step'] / 1e9:9.3f} GB in {c['calls']:>5} calls  {c['purpose']}")
     t = plan.time
-    lines.append(f"time per step: compute {t['compute_s']:.4g} s (at {t['efficiency']:.0%} of "
-                 f"{hw['peak_flops'] / 1e12:.4g} TFLOP/s), elementwise {t['elementwise_s']:.4g} s, collectives "
-                 f"{t['collectives_s']:.4g} s; {t['step_s_no_overlap']:.4g} s without overlap, "
-                 f"{t['step_s_overlap']:.4g} s with")
-    lines.append(f"predicted: {t['step_s']:.4g} s/step ({'overlapped' if t['overlap_assumed'] else 'no overlap'}), "
-                 f"{plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1f}%")
+    if plan.speed_basis is None:
+        lines.append("predicted: no step time: eager mode on a TPU runs op by op for debugging and has never been "
+                     "measured; plan the run with --training.mode graph (the TPU path)")
+    else:
+        lines.append(f"time per step: compute {t['compute_s']:.4g} s (at {t['efficiency']:.0%} of "
+                     f"{hw['peak_flops'] / 1e12:.4g} TFLOP/s), elementwise {t['elementwise_s']:.4g} s, collectives "
+                     f"{t['collectives_s']:.4g} s; {t['step_s_no_overlap']:.4g} s without overlap, "
+                     f"{t['step_s_overlap']:.4g} s with")
+        lines.append(f"predicted: {t['step_s']:.4g} s/step "
+                     f"({'overlapped' if t['overlap_assumed'] else 'no overlap'}), "
+                     f"{plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1f}%; speed basis: {plan.speed_basis}")
     for a in plan.advice:
         lines.append(f"to fit: {a}")
     lines.append(f"hardware source: {hw['source']}")

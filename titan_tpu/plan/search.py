@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from titan_tpu.config import Config, model_args_from_config, model_spec, validate
 from titan_tpu.plan.hardware import Hardware
-from titan_tpu.plan.planner import Plan, default_hardware, plan_config, planning_machine
+from titan_tpu.plan.planner import TPU_NAMES, Plan, default_hardware, plan_config, planning_machine
 
 __all__ = ["KNOBS", "Candidate", "SearchResult", "search", "format_search"]
 
@@ -196,6 +196,9 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
     if hardware is None:
         hardware, named = default_hardware(cfg, measure=measure)
         chips = chips if chips is not None else named
+    if hardware.name in TPU_NAMES and cfg.training.mode != "graph":
+        raise ValueError("plan --search ranks by predicted speed, and eager mode on a TPU has no basis for one; "
+                         "search with --training.mode graph (the TPU path)")
     p = cfg.parallelism
     devices = chips * hardware.devices_per_chip if chips is not None else \
         p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)

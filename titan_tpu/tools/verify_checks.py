@@ -580,21 +580,23 @@ def check_fsdp(subject: Subject) -> Result:
 
 def check_plan(subject: Subject, hardware: str) -> Result:
     from titan_tpu.plan import plan_config, resolve_hardware
-    from titan_tpu.plan.planner import for_planning
+    from titan_tpu.plan.planner import TPU_NAMES, for_planning
 
     if subject.native_name is None:
         return Result("plan", "SKIP", "titan-tpu plan covers the native models (llama3, qwen3, qwen3_moe); this model "
                       "runs through the Transformers backend, whose layers the planner has no terms for")
     args = subject.real_args or subject.native_args()
     hw, chips = resolve_hardware(hardware)
+    mode = "graph" if hw.name in TPU_NAMES else "eager"  # a TPU runs the captured step (docs/tpu.md)
     cfg = for_planning(None, ["--model.name", subject.native_name, "--training.device", "cpu",
-                              "--training.seq_len", "8", "--training.batch_size", "1",
+                              "--training.seq_len", "8", "--training.batch_size", "1", "--training.mode", mode,
                               "--parallelism.dp_shard", "-1", "--activation_checkpoint.mode", "full"])
     cfg.training.seq_len = min(4096, args.max_seq_len)  # validated against these args, not the debug flavor's
     plan = plan_config(cfg, hw, chips=chips, model_args=args)
     measured = (f"{hardware}: peak {plan.peak_bytes / 1e9:.1f} GB of {plan.capacity_bytes / 1e9:.1f} GB per device, "
                 f"{'fits' if plan.fits else 'does not fit'}; predicted MFU {plan.mfu:.1f}% "
-                f"({plan.tokens_per_s:,.0f} tokens/s, batch 1 x {cfg.training.seq_len} per device, full AC)")
+                f"({plan.tokens_per_s:,.0f} tokens/s, batch 1 x {cfg.training.seq_len} per device, full AC, "
+                f"{mode} mode)")
     if plan.advice:
         measured += "; " + plan.advice[0]
     return Result("plan", "PASS" if plan.fits else "WARN", measured, "fits in device memory",
