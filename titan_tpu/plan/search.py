@@ -10,8 +10,8 @@ The space (each knob at the values below; `keep` holds a knob at the config's va
     parallelism.bucket_mb             0, 25, 256 and the config's (sharded or replicated layouts only)
     training.batch_size x grad_accum  every split of the sequences per device (the global batch,
                                       batch_size x grad_accum_steps x devices, is the config's)
-    parallelism.dp_replicate x dp_shard  every factorisation of the devices (of devices / tp:
-                                      parallelism.tp is held at the config's value)
+    parallelism.dp_replicate x dp_shard  every factorisation of the devices (of devices / (tp x cp):
+                                      parallelism.tp and cp are held at the config's values)
     parallelism.ep                    divisors of the experts (MoE models)
 
 Every candidate is a real Config (the config's own validation runs on it) planned by
@@ -112,7 +112,7 @@ def _space(cfg: Config, devices: int, keep: set[str]) -> list[dict]:
     micro = sorted(set(_divisors(per_device)) | {2**i for i in range(per_device.bit_length()) if 2**i <= per_device})
     if "training.batch_size" in keep:
         micro = [t.batch_size]
-    dp_devices = devices // p.tp  # tensor parallelism is held at the config's value
+    dp_devices = devices // (p.tp * p.cp)  # tensor and context parallelism are held at the config's values
     layouts = [(r, dp_devices // r) for r in _divisors(dp_devices)]
     if "parallelism.dp_replicate" in keep:
         r = p.dp_replicate if dp_devices % p.dp_replicate == 0 else 1
@@ -201,9 +201,10 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
                          "search with --training.mode graph (the TPU path)")
     p = cfg.parallelism
     devices = chips * hardware.devices_per_chip if chips is not None else \
-        p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
-    if devices % p.tp:
-        raise ValueError(f"--parallelism.tp ({p.tp}) must divide the {devices} devices searched; choose a divisor")
+        p.dp_replicate * p.tp * p.cp * (p.dp_shard if p.dp_shard > 0 else 1)
+    if devices % (p.tp * p.cp):
+        raise ValueError(f"--parallelism.tp x cp ({p.tp * p.cp}) must divide the {devices} devices searched; "
+                         "choose divisors")
     per_device = cfg.training.batch_size * cfg.training.grad_accum_steps
     result = SearchResult(hardware=hardware, devices=devices, sequences_per_device=per_device,
                           seq_len=cfg.training.seq_len, tp=p.tp)
