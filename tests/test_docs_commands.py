@@ -2,9 +2,11 @@
 docs/*.md show (in code blocks and inline code, ``python -m titan_tpu.train`` and ``make train
 ARGS=...`` counted as ``titan-tpu train``) is parsed by the real parser of its subcommand, its config
 overrides are checked against the config schema, and commands on a recipe of this repo build their
-whole config as the machine they are written for would (validation included). Nothing trains: a
-command is parsed, not run, except ``titan-tpu plan``, which is cheap and runs for real. Every
-relative link in those files must point to an existing file (and heading, for a Markdown anchor).
+whole config as the machine they are written for would (validation included). The launch commands
+in the recipes' header comments count too. Nothing trains: a command is parsed, not run, except
+``titan-tpu plan``, which is cheap and runs for real, and every TPU or GPU run shown must fit its
+hardware by the planner. Every relative link in those files must point to an existing file (and
+heading, for a Markdown anchor).
 
 Code blocks fenced as ```text (pictures, output) are not read for commands. Placeholders in the docs
 are read as a reader would: ``[--flag X]`` is an optional flag (checked),
@@ -29,6 +31,7 @@ from titan_tpu.config import SECTIONS, Config, load_toml, parse_overrides, set_v
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+RECIPE_FILES = sorted((ROOT / "configs").glob("*.toml"))  # their header comments show launch commands
 MAKE_TRAIN_CONFIG = "configs/llama3_debug.toml"  # what `make train` passes (Makefile)
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$|<")  # N, DIR, MODEL; or a <...> such as configs/<recipe>.toml
 FENCE = re.compile(r"^(```|~~~)")
@@ -43,6 +46,7 @@ MAKE_TRAIN = re.compile(r"make train ARGS=\"([^\"]*)\"")
 class DocCommand:
     where: str  # file:line, for the failure message
     argv: tuple[str, ...]  # after "titan-tpu": the subcommand first
+    ranks: int | None = None  # processes the shown launcher starts (torchrun nnodes x nproc_per_node), if it says
 
     def __str__(self) -> str:
         return f"{self.where}: titan-tpu {' '.join(self.argv)}"
@@ -108,14 +112,46 @@ def _commands_in_line(line: str, in_code: bool) -> list[str]:
     return found
 
 
+def _launched_ranks(line: str) -> int | None:
+    """nnodes x nproc_per_node of a torchrun line whose numbers are written out, else None."""
+    if "torchrun" not in line and "torch.distributed.run" not in line:
+        return None
+    counts = dict(re.findall(r"--(nnodes|nproc_per_node)[ =](\d+)\b", line))
+    if "nproc_per_node" not in counts:
+        return None
+    return int(counts["nproc_per_node"]) * int(counts.get("nnodes", 1))
+
+
+def _recipe_header_lines(path: Path):
+    """(line number, line, is_command) of a recipe's header comment: an indented line ("#   torchrun
+    ...") is a command, with its continued lines joined, the rest prose; `--config THIS` is the
+    recipe itself."""
+    pending, start = "", 0
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.startswith("#"):
+            break
+        command = line.startswith("#  ") or bool(pending)
+        text = line.lstrip("#").strip().replace("--config THIS", f"--config configs/{path.name}")
+        if not pending:
+            start = number
+        if command and text.endswith("\\"):
+            pending += text[:-1] + " "
+            continue
+        yield start, pending + text, command
+        pending = ""
+
+
 def doc_commands() -> list[DocCommand]:
     commands = []
-    for path in DOC_FILES:
-        for number, line, in_code in _code_blocks_and_prose(path.read_text()):
+    sources = [(path, _code_blocks_and_prose(path.read_text())) for path in DOC_FILES]
+    sources += [(path, _recipe_header_lines(path)) for path in RECIPE_FILES]
+    for path, lines in sources:
+        for number, line, in_code in lines:
             for command_line in _commands_in_line(line, in_code):
                 argv = _tokens(command_line)
                 if argv and not PLACEHOLDER.match(argv[0]):  # "titan-tpu COMMAND --help" names no command
-                    commands.append(DocCommand(f"{path.relative_to(ROOT)}:{number}", tuple(argv)))
+                    commands.append(DocCommand(f"{path.relative_to(ROOT)}:{number}", tuple(argv),
+                                               _launched_ranks(line)))
     return commands
 
 
@@ -282,6 +318,51 @@ def test_shown_plans_run(parsers, capsys, monkeypatch):
         shown = " ".join((ROOT / command.where.split(":")[0]).read_text().split())
         if code != 0 and err.removeprefix("error: ")[:40] not in shown:
             failures.append(f"{command}: exit {code}: {err.strip()}")
+    assert not failures, "\n".join(failures)
+
+
+def test_shown_accelerator_commands_fit(parsers, monkeypatch):
+    """Every TPU or GPU run the docs and the recipes' headers show (train or plan, on a recipe of this
+    repo) fits its hardware by the planner: the hardware the command names (--hardware) or the
+    recipe's description, with as many devices as the shown torchrun starts. A command a reader
+    copies must not be one that runs out of memory. Plans the docs show not fitting on purpose are
+    the exception, and they must say so next to the command ("does not fit")."""
+    monkeypatch.chdir(ROOT)
+    from titan_tpu.plan import plan_config, resolve_hardware
+    from titan_tpu.plan.planner import default_hardware, for_planning
+    from titan_tpu.plan.search import search
+
+    checked, failures = [], []
+    for command in COMMANDS:
+        subcommand = command.argv[0]
+        if subcommand not in ("train", "plan"):
+            continue
+        namespace, extras = _parse(parsers[subcommand][0], list(command.argv[1:]))
+        if not _builds_here(namespace, extras, takes_overrides=True):
+            continue
+        cfg = for_planning(_recipe(namespace), extras)
+        if cfg.training.device not in ("tpu", "cuda"):
+            continue
+        hardware, chips = (resolve_hardware(namespace.hardware) if getattr(namespace, "hardware", None)
+                           else default_hardware(cfg, measure=False))
+        if command.ranks is not None:
+            chips = command.ranks // hardware.devices_per_chip
+        checked.append(command)
+        file, line = command.where.split(":")
+        nearby = " ".join((ROOT / file).read_text().splitlines()[max(int(line) - 3, 0):int(line) + 2]).lower()
+        try:
+            if getattr(namespace, "search", False):  # the search lays out its own meshes
+                search(cfg, hardware, chips=chips, measure=False)
+                continue
+            plan = plan_config(cfg, hardware, chips=chips, measure=False)
+        except ValueError as e:  # e.g. a mesh that is not the devices the launcher starts; nothing fits
+            if "nothing fits" not in nearby or "nothing fits" not in str(e):
+                failures.append(f"{command}: {e}")
+            continue
+        if not plan.fits and "does not fit" not in nearby:
+            failures.append(f"{command}: {plan.peak_bytes / 1e9:.1f} GB per device at {plan.peak_phase} on "
+                            f"{plan.devices} x {hardware.name} ({plan.capacity_bytes / 1e9:.1f} GB)")
+    assert len(checked) >= 10, [str(c) for c in checked]
     assert not failures, "\n".join(failures)
 
 
