@@ -57,12 +57,12 @@ class HFSpec(ModelSpec):
         if cfg.model.scan_layers:
             raise ValueError("model.scan_layers needs a native model (llama3, qwen3, qwen3_moe); an hf model runs "
                              "its own layer loop: set model.scan_layers false")
+        if cfg.parallelism.tp > 1 or cfg.parallelism.cp > 1:
+            raise ValueError("--parallelism.tp or cp > 1 is not supported with --model.name hf (the Transformers "
+                             "backend); set tp 1 and cp 1 or use a native model")
 
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
                       documents: bool) -> HFCausalLM:
-        if parallel_dims.tp > 1 or parallel_dims.cp > 1:
-            raise ValueError("--parallelism.tp or cp > 1 is not supported with --model.name hf (the Transformers "
-                             "backend); set tp 1 and cp 1 or use a native model")
         return build_hf_model(self.args, kernels=cfg.kernels, ac_mode=cfg.activation_checkpoint.mode,
                               dtype=torch.float32)
 
