@@ -348,6 +348,22 @@ def test_json_output(capsys):
     assert 0 < plan["mfu"] < 100 and plan["tokens_per_s"] > 0
 
 
+def test_explain_names_every_term(capsys):
+    """Every memory term a plan can print has a meaning for --explain (a new term needs one), and a cp
+    recipe's batch is said to be split over its cp devices, not held per device."""
+    from titan_tpu.plan.planner import TERMS
+
+    recipe = str(CONFIGS / "llama3_8b_128k_cp_tpu.toml")
+    plan = plan_config(for_planning(recipe))
+    assert set(plan.memory) - {"phases"} <= set(TERMS)
+    assert main(["plan", "--config", recipe, "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "terms (bytes per device):" in out and TERMS["gathered_weights"] in out
+    assert "per data-parallel rank (its 8 cp x tp devices each hold 1/8 of every sequence)" in out
+    assert main(["plan", "--config", recipe]) == 0
+    assert "titan-tpu plan --explain" in capsys.readouterr().out
+
+
 def test_no_speed_for_eager_mode_on_a_tpu(capsys):
     """Eager mode on a TPU has no measured basis for a step time: the plan says so instead of printing
     one (memory is still planned), --search refuses to rank by it, and graph mode names its assumption."""

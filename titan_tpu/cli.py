@@ -187,6 +187,7 @@ def plan_main(argv: list[str]) -> int:
                                            "Google names slices (v5p-1024: 512 chips) or a device count (h100-8); "
                                            "default: what the config names")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--explain", action="store_true", help="after the plan, what each of its terms means")
     parser.add_argument("--gather", default=None, choices=["model", "layer"],
                         help="what-if for gathered block weights: layer (re-sharded after the forward, gathered "
                              "again per layer) or model (kept from forward to backward); default: what the code "
@@ -226,7 +227,7 @@ def plan_main(argv: list[str]) -> int:
         print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
         return 0
     plan = plan_config(cfg, hardware, chips=chips, gather=args.gather)
-    print(plan.to_json() if args.json else format_plan(plan))
+    print(plan.to_json() if args.json else format_plan(plan, explain=args.explain))
     return 0
 
 
