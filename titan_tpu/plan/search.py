@@ -68,7 +68,8 @@ class Candidate:
             ep = f", ep {v['parallelism.ep']}" if v["parallelism.ep"] > 1 else ""
             text += f", dp_replicate {r} x dp_shard {s}{ep}, bucket {_fmt(v['parallelism.bucket_mb'])} MB"
             if s > 1:
-                text += ", re-shard" if v["parallelism.reshard_after_forward"] == "true" else ", keep gathered"
+                text += {"true": ", re-shard", "false": ", keep gathered"}.get(v["parallelism.reshard_after_forward"],
+                                                                                ", re-shard auto")
         return text
 
 
