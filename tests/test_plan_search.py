@@ -71,7 +71,8 @@ def test_knobs_move_the_prediction_the_way_the_planner_models_them():
 def test_collective_calls_are_the_codes():
     """The calls SimpleFSDP makes on 2 ranks of llama3 debug (6 blocks, 9 buckets: README, counted
     in the traced graph by tests/test_buckets.py): 57 per parameter, 9 bucketed, 5 blocks
-    gathered again when re-sharded after the forward."""
+    gathered again when re-sharded after the forward. The default (auto) keeps them: the debug
+    model fits with them kept, so the plan is the one with re-sharding off."""
     def calls(*overrides):
         plan = plan_config(build_config(CONFIGS / "llama3_debug.toml", ["--parallelism.dp_shard", "2", *overrides]),
                            CPU, measure=False)
@@ -79,7 +80,9 @@ def test_collective_calls_are_the_codes():
 
     assert calls("--parallelism.bucket_mb", "0") == [("all_gather", 57), ("reduce_scatter", 57)]
     assert calls("--parallelism.reshard_after_forward", "false") == [("all_gather", 9), ("reduce_scatter", 9)]
-    assert calls() == [("all_gather", 9), ("all_gather", 5), ("reduce_scatter", 9)]
+    assert calls("--parallelism.reshard_after_forward", "true") == [("all_gather", 9), ("all_gather", 5),
+                                                                   ("reduce_scatter", 9)]
+    assert calls() == calls("--parallelism.reshard_after_forward", "false")
 
 
 def test_rejections_say_why():

@@ -381,11 +381,12 @@ def test_no_speed_for_eager_mode_on_a_tpu(capsys):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_fit_once_weights_are_regathered_per_layer(recipe):
-    """SimpleFSDP re-shards after the forward by default (parallel/reshard.py: block weights
-    gathered again in the backward, a scanned stack gathered and reduce-scattered per layer): the
-    recipes fit with the code as it is. Keeping every gathered block weight from the forward to the
-    backward (--parallelism.reshard_after_forward false, or the what-if --gather model), the
-    gathered weights are the whole model in bf16 and they do not."""
+    """SimpleFSDP re-shards after the forward (parallel/reshard.py: block weights gathered again
+    in the backward, a scanned stack gathered and reduce-scattered per layer) where the memory
+    needs it, which the default (auto) picks for these recipes: they fit with the code as it is.
+    Keeping every gathered block weight from the forward to the backward
+    (--parallelism.reshard_after_forward false, or the what-if --gather model), the gathered
+    weights are the whole model in bf16 and they do not."""
     cfg = for_planning(CONFIGS / f"{recipe}.toml")
     today = plan_config(cfg)
     assert today.mesh["gather"] == today.mesh["code_gather"] == "layer"

@@ -86,8 +86,10 @@ class ParallelismConfig:
     # scanned stack is gathered one layer at a time inside the loop, so about one layer's gathered
     # weights are alive at a time instead of the whole model. false: keep them from the forward to
     # the backward (one gather fewer per block; for small models where memory is not the limit).
-    # Acts on bucketed collectives (bucket_mb > 0).
-    reshard_after_forward: bool = True
+    # auto: false where the planner's plan with false fits the device, else true (titan-tpu plan;
+    # the trainer logs its choice): re-sharding's extra gathers are paid only where the memory is
+    # needed. Acts on bucketed collectives (bucket_mb > 0).
+    reshard_after_forward: Literal["auto", "true", "false"] = "auto"
     # Expert parallelism (MoE models): experts spread over groups of ep ranks; ep divides dp_shard
     # and the number of experts. Tokens reach their experts by all-gather + reduce-scatter.
     ep: int = 1
@@ -250,6 +252,8 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     if origin is Literal:
         choices = typing.get_args(annotation)
+        if isinstance(value, bool) and str(value).lower() in choices:
+            return str(value).lower()  # a TOML true/false for a choice spelled "true"/"false"
         if value not in choices:
             raise ValueError(f"{key} = {value!r} is not a valid choice; use one of {', '.join(map(str, choices))}")
         return value

@@ -28,6 +28,7 @@ Eager runs (no scheduler to overlap) use the first, graph mode the second.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import re
@@ -150,7 +151,8 @@ def code_gather(cfg: Config) -> str:
     checkpointing (scan's partitioner saves each layer's gathered weights), or tensor parallelism
     without activation checkpointing (parameters gathered one by one) or with scanned layers."""
     p = cfg.parallelism
-    if not p.reshard_after_forward or p.bucket_mb <= 0:
+    assert p.reshard_after_forward != "auto", "plan_config resolves auto first (with_reshard_resolved)"
+    if p.reshard_after_forward == "false" or p.bucket_mb <= 0:
         return "model"
     if p.tp > 1 and cfg.activation_checkpoint.mode == "none":
         # Tensor-parallel weights are gathered per parameter, outside buckets: autograd keeps them,
@@ -211,7 +213,7 @@ class _Setting:
         too; a what-if other than the code's stands for re-sharding on (layer) or off (model)."""
         if self.gather != self.code_gather:
             return self.gather == "layer"
-        return self.cfg.parallelism.reshard_after_forward and self.cfg.parallelism.bucket_mb > 0
+        return self.cfg.parallelism.reshard_after_forward == "true" and self.cfg.parallelism.bucket_mb > 0
 
     @property
     def block_params(self) -> int:
@@ -233,7 +235,10 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     they are not a flavor of the table (titan-tpu verify of an HF directory); default: the config's.
 
     Composes the terms below, each a pure function of the resolved `_Setting` (and of terms
-    computed before it) returning one named quantity."""
+    computed before it) returning one named quantity. parallelism.reshard_after_forward auto is
+    planned as what the trainer resolves it to (`with_reshard_resolved`)."""
+    if cfg.parallelism.reshard_after_forward == "auto":
+        cfg = with_reshard_resolved(cfg, hardware, chips=chips, measure=measure, model_args=model_args)
     s = _resolve(cfg, hardware, chips=chips, measure=measure, gather=gather, model_args=model_args)
     args, t, layout, mb = s.args, cfg.training, s.layout, s.layout.master_bytes()
     acts = _activations(s)
@@ -285,6 +290,21 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     scan_held = scan.at_backward_start - scan.activations if scan else 0.0
     plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak + scan_held) / peak if peak else 0.0)
     return plan
+
+
+def with_reshard_resolved(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
+                          measure: bool = True, model_args=None) -> Config:
+    """`cfg` with parallelism.reshard_after_forward auto resolved: "false" where the plan that keeps
+    the gathered block weights from the forward to the backward fits the device (re-sharding would
+    only add an all-gather per block to the backward), else "true". Other values: `cfg` itself.
+    The trainer runs this too (train/trainer.py), so the plan and the run agree."""
+    if cfg.parallelism.reshard_after_forward != "auto":
+        return cfg
+    resolved = copy.copy(cfg)
+    resolved.parallelism = dataclasses.replace(cfg.parallelism, reshard_after_forward="false")
+    if not plan_config(resolved, hardware, chips=chips, measure=measure, model_args=model_args).fits:
+        resolved.parallelism = dataclasses.replace(cfg.parallelism, reshard_after_forward="true")
+    return resolved
 
 
 def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measure: bool, gather: str | None,

@@ -6,7 +6,7 @@ The space (each knob at the values below; `keep` holds a knob at the config's va
 
     activation_checkpoint.mode        none, selective, full
     model.scan_layers                 false, true
-    parallelism.reshard_after_forward true, false        (sharded layouts only)
+    parallelism.reshard_after_forward true, false        (sharded layouts only; auto plans as one of them)
     parallelism.bucket_mb             0, 25, 256 and the config's (sharded or replicated layouts only)
     training.batch_size x grad_accum  every split of the sequences per device (the global batch,
                                       batch_size x grad_accum_steps x devices, is the config's)
@@ -68,7 +68,8 @@ class Candidate:
             ep = f", ep {v['parallelism.ep']}" if v["parallelism.ep"] > 1 else ""
             text += f", dp_replicate {r} x dp_shard {s}{ep}, bucket {_fmt(v['parallelism.bucket_mb'])} MB"
             if s > 1:
-                text += ", re-shard" if v["parallelism.reshard_after_forward"] else ", keep gathered"
+                text += {"true": ", re-shard", "false": ", keep gathered"}.get(v["parallelism.reshard_after_forward"],
+                                                                                ", re-shard auto")
         return text
 
 
@@ -130,10 +131,13 @@ def _space(cfg: Config, devices: int, keep: set[str]) -> list[dict]:
         # several devices, re-sharding on a sharded axis with buckets.
         buckets = sorted(set(BUCKETS_MB) | {p.bucket_mb}) if r * s > 1 and "parallelism.bucket_mb" not in keep \
             else [p.bucket_mb]
-        reshards = [True, False] if s > 1 and "parallelism.reshard_after_forward" not in keep else \
+        reshards = ["true", "false"] if s > 1 and "parallelism.reshard_after_forward" not in keep else \
             [p.reshard_after_forward]
+        # Without buckets re-sharding does nothing: one candidate, at the config's value (or false
+        # when the config says auto).
+        unbucketed = p.reshard_after_forward if p.reshard_after_forward in reshards else "false"
         for bucket, reshard in itertools.product(buckets, reshards):
-            if bucket <= 0 and reshard != p.reshard_after_forward and len(reshards) > 1:
+            if bucket <= 0 and reshard != unbucketed and len(reshards) > 1:
                 continue
             out.append({"activation_checkpoint.mode": ac, "model.scan_layers": scan,
                         "parallelism.reshard_after_forward": reshard, "parallelism.bucket_mb": bucket,

@@ -160,9 +160,36 @@ class Trainer:
         mode = self.parallel_dims.mode if self.mesh is not None else "none"
         model = materialize_and_init(model, self.mesh, mode=mode, mp=self.mixed_precision, device=self.backend.device,
                                      seed=self.cfg.training.seed, expert_mesh=self.expert_mesh,
-                                     bucket_mb=p.bucket_mb, reshard_after_forward=p.reshard_after_forward)
+                                     bucket_mb=p.bucket_mb, reshard_after_forward=self._reshard_after_forward())
         self.spec.finish(model, log=self.log)
         return model
+
+    def _reshard_after_forward(self) -> bool:
+        """parallelism.reshard_after_forward as this run applies it: auto is decided by the planner
+        on rank 0 (planner.with_reshard_resolved: re-shard only where keeping the gathered block
+        weights would not fit) and shared, so every rank runs the same collectives. Where the
+        planner has no terms for the run (an hf model, an unnamed GPU) auto re-shards."""
+        value = self.cfg.parallelism.reshard_after_forward
+        if value != "auto" or self.mesh is None:
+            return value == "true"
+        decision = [None, None]  # (re-shard, why), filled on rank 0
+        if self.is_main:
+            from titan_tpu.plan.planner import default_hardware, with_reshard_resolved
+
+            try:
+                hardware, _ = default_hardware(self.cfg, measure=False)
+                chips = max(self.world_size // hardware.devices_per_chip, 1)
+                resolved = with_reshard_resolved(self.cfg, hardware, chips=chips, measure=False)
+                decision = [resolved.parallelism.reshard_after_forward == "true",
+                            "the plan that keeps them does not fit" if resolved.parallelism.reshard_after_forward
+                            == "true" else "the plan that keeps them fits"]
+            except ValueError as e:
+                decision = [True, f"the planner cannot plan this run ({str(e).split(';')[0]})"]
+        if dist.is_initialized():
+            dist.broadcast_object_list(decision, src=0)
+        reshard, why = decision
+        self.log(f"parallelism.reshard_after_forward auto: {str(reshard).lower()} ({why})")
+        return reshard
 
     @property
     def compute_dtype(self) -> torch.dtype:
