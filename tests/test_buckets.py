@@ -269,7 +269,7 @@ def test_one_all_gather_and_one_reduce_scatter_per_bucket(runs):
     assert r["graph_scan_full"]["scan_bodies"] == [(1, 0), (1, 1)]  # forward body; backward body
     # Graph mode, scanned, no checkpointing: scan's own autograd partitioner saves each layer's
     # gathered weights (stacked) for its backward and never recomputes a collective, so there is
-    # no re-gather (docs/architecture.md); the gradients are still reduce-scattered per layer.
+    # no re-gather (docs/decisions.md); the gradients are still reduce-scattered per layer.
     assert r["graph_scan_bucketed_prefetch"]["counts"] == {AG: 3 + 3, RS: 3 + 3}
     assert r["graph_scan_bucketed_prefetch"]["scan_bodies"] == [(0, 1), (1, 0)]
 

@@ -154,6 +154,24 @@ def test_tpu_peak_table():
         tpu_peak_flops("v2")
 
 
+def test_the_planner_plans_with_the_peaks_a_run_measures_its_mfu_against(monkeypatch):
+    """One table: on every accelerator the planner knows, a plan's peak FLOP/s (and devices per
+    chip) are what a training run on that device divides by for its MFU."""
+    from titan_tpu.plan.hardware import HARDWARE
+
+    monkeypatch.delenv("TITAN_TPU_PEAK_FLOPS", raising=False)
+    for name, hardware in HARDWARE.items():
+        if tpu_generation(name):
+            monkeypatch.setattr(dev, "_detect_tpu_kind", lambda device, kind=name: kind)
+            run = Backend(name="tpu", device=torch.device("cpu"), process_group_backend="gloo", compile_backend="tpu")
+            assert hardware.devices_per_chip == dev.tpu_devices_per_chip(name), name
+        else:
+            monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, kind=name: f"NVIDIA {kind.upper()}")
+            run = Backend(name="cuda", device=torch.device("cpu"), process_group_backend="gloo",
+                          compile_backend="inductor")
+        assert run.peak_flops(torch.bfloat16) == hardware.peak_flops, name
+
+
 @pytest.mark.parametrize(
     "name, gen",
     [

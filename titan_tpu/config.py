@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from titan_tpu.data.sources import SourceConfig, normalized_weights, source_from_table
 from titan_tpu.kernels import KernelConfig
+from titan_tpu.models.registry import MODEL_NAMES
 
 
 @dataclass
@@ -29,8 +30,9 @@ class JobConfig:
 
 @dataclass
 class ModelConfig:
-    name: Literal["llama3", "qwen3", "qwen3_moe", "hf"] = "llama3"  # a native family, or hf (the Transformers backend)
-    flavor: str = "debug"  # a row of the flavor table, e.g. debug, 1B, 8B (see models/registry.py)
+    # A native family (models/registry.py FAMILIES: llama3, qwen3, qwen3_moe) or hf.
+    name: Literal[MODEL_NAMES + ("hf",)] = "llama3"
+    flavor: str = "debug"  # a row of the family's flavor table, e.g. debug, 1B, 8B
     # name = hf (the Transformers backend, models/hf_backend.py): a Hugging Face model directory
     # (config.json; its safetensors weights and tokenizer.json are used when present) or a causal-LM
     # model_type of transformers (e.g. llama, qwen3, gemma3_text) for a fresh model; hf_overrides

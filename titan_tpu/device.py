@@ -40,6 +40,8 @@ import torch
 
 BACKEND_CHOICES = ("auto", "cpu", "cuda", "tpu")
 
+# The one table of accelerator peaks: the MFU denominator here and the planner's hardware table
+# (plan/hardware.py) both read these.
 # Dense bf16 peak FLOP/s per device, matched as substrings of torch.cuda.get_device_name().
 # Order matters: more specific names come first ("H100 PCIe" before "H100").
 _CUDA_PEAK_BF16 = (
@@ -111,7 +113,12 @@ def tpu_peak_flops(generation: str) -> float:
         raise ValueError(
             f"unknown TPU generation {generation!r}; known: {sorted(_TPU_PEAK_BF16_PER_CHIP)}"
         )
-    return _TPU_PEAK_BF16_PER_CHIP[gen] / _TPU_DEVICES_PER_CHIP.get(gen, 1)
+    return _TPU_PEAK_BF16_PER_CHIP[gen] / tpu_devices_per_chip(gen)
+
+
+def tpu_devices_per_chip(generation: str) -> int:
+    """How many torch devices one chip of a TPU generation exposes (2 on v7, else 1)."""
+    return _TPU_DEVICES_PER_CHIP.get(tpu_generation(generation) or generation, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +312,7 @@ class Backend:
                     stacklevel=2,
                 )
             flops = tpu_peak_flops(gen)
-            per = " per device (2 devices per chip)" if _TPU_DEVICES_PER_CHIP.get(gen, 1) > 1 else ""
+            per = " per device (2 devices per chip)" if tpu_devices_per_chip(gen) > 1 else ""
             return flops, f"tpu {gen} ({kind}): bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s{per}"
         raise AssertionError(self.name)  # pragma: no cover - get_backend only builds the three names
 

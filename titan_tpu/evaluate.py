@@ -13,9 +13,13 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from titan_tpu.models.spec_base import ModelSpec
 
 
 def load_token_file(path: str | Path, *, vocab_size: int, max_len: int) -> list[list[int]]:
@@ -56,24 +60,26 @@ def sequence_losses(model: torch.nn.Module, sequences: list[list[int]], *, devic
 class EvalModel:
     """A model ready for evaluation: model(tokens_BS) -> logits_BSV, in eval mode."""
 
-    label: str  # how the output names it: llama3/debug, hf:DIR, ...
-    backend: str  # native | hf
+    spec: ModelSpec  # what runs: its label names it in the output, its args give the vocabulary and window
     model: torch.nn.Module
-    vocab_size: int
-    max_len: int  # longest input (tokens) its position tables cover
     weights: str  # where the weights came from
     tokenizer: str | None  # a tokenizer.json that goes with the weights, if one is known
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.args.vocab_size
+
+    @property
+    def max_len(self) -> int:
+        """Longest input (tokens) its position tables cover."""
+        return self.spec.args.max_seq_len
 
 
 def native_hf_dir(hf_dir: str | Path) -> bool:
     """Whether the native adapter reads this HF directory's config (so the native model runs it)."""
-    from titan_tpu.models.hf_adapter import model_args_from_hf_config
+    from titan_tpu.models.spec import spec_for_hf_dir
 
-    try:
-        model_args_from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
-    except (ValueError, KeyError, TypeError):
-        return False
-    return True
+    return spec_for_hf_dir(hf_dir).kind == "native"
 
 
 def _tokenizer_beside(*dirs: Path) -> str | None:
@@ -81,78 +87,56 @@ def _tokenizer_beside(*dirs: Path) -> str | None:
     return str(found[0]) if found else None
 
 
-def _hf_backend_model(args, *, kernels, device: torch.device, seed: int, state_dict: dict | None = None,
-                      hf_dir: Path | None = None) -> torch.nn.Module:
-    from titan_tpu.models.hf_backend import build_hf_model, load_pretrained_weights
-    from titan_tpu.parallel.simple_fsdp import materialize_and_init
+def _eval_build(spec: ModelSpec, cfg, *, device: torch.device, seed: int, own_weights: bool = True) -> torch.nn.Module:
+    """The spec's model as eval runs it: fp32 on one device, the plain layer loop without
+    activation checkpointing, position tables over the model's whole window."""
+    from titan_tpu.models.spec import build
 
-    model = materialize_and_init(build_hf_model(args, kernels=kernels), None, mode="none", mp=None, device=device,
-                                 seed=seed)
-    if state_dict is not None:
-        model.load_state_dict(state_dict, strict=False)
-    elif hf_dir is not None:
-        load_pretrained_weights(model, hf_dir)
-    return model
+    view = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False),
+                               activation_checkpoint=dataclasses.replace(cfg.activation_checkpoint, mode="none"),
+                               training=dataclasses.replace(cfg.training, seq_len=spec.args.max_seq_len))
+    return build(spec, view, device=device, seed=seed, own_weights=own_weights)
 
 
 def _from_checkpoint(checkpoint: str | Path, cfg, device: torch.device) -> EvalModel:
     """A training checkpoint (step, checkpoints/ or run directory) of any model: its own args."""
     from titan_tpu.convert import resolve_checkpoint
-    from titan_tpu.models.common.transformer import Transformer, TransformerArgs
+    from titan_tpu.models.spec import checkpoint_spec
     from titan_tpu.train.checkpoint import load_full_state_dict, read_checkpoint_meta
 
     step_dir = resolve_checkpoint(checkpoint)
     meta = read_checkpoint_meta(step_dir)
-    state_dict = load_full_state_dict(step_dir)
+    spec = checkpoint_spec(meta["model_name"], meta["model_args"])
+    model = _eval_build(spec, cfg, device=device, seed=0, own_weights=False)
+    result = model.load_state_dict(load_full_state_dict(step_dir), strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"checkpoint {step_dir} has tensors {spec.label} lacks, e.g. {result.unexpected_keys[0]}")
     tokenizer = _tokenizer_beside(step_dir.parent.parent)  # <run>/checkpoints/step-N -> <run>
-    if meta["model_name"] == "hf":
-        from titan_tpu.models.hf_backend import HFArgs
-
-        args = HFArgs(**meta["model_args"])
-        model = _hf_backend_model(args, kernels=cfg.kernels, device=device, seed=0, state_dict=state_dict)
-        return EvalModel(f"hf:{args.hf_config}", "hf", model, args.vocab_size, args.max_seq_len, str(step_dir),
-                         tokenizer)
-    args = TransformerArgs(**meta["model_args"])
-    with torch.device("meta"):
-        model = Transformer(args, kernels=cfg.kernels)
-    model.load_state_dict({k: v.to(device=device, dtype=torch.float32) for k, v in state_dict.items()},
-                          strict=True, assign=True)
-    model.init_buffers(device)
-    return EvalModel(meta["model_name"], "native", model, args.vocab_size, args.max_seq_len, str(step_dir), tokenizer)
+    return EvalModel(spec, model, str(step_dir), tokenizer)
 
 
 def load_eval_model(cfg, *, checkpoint: str | Path | None = None, device: torch.device) -> EvalModel:
     """The model of a run config (model section as `train` reads it), in fp32 on `device`, with the
     weights of `checkpoint` (a training checkpoint or an HF directory) when given, else the weights
     its HF directory holds, else a seeded init (training.seed)."""
-    from titan_tpu.config import model_args_from_config, model_label
-    from titan_tpu.models.hf_checkpoint import load_model_from_hf
-    from titan_tpu.models.registry import build_model
+    from titan_tpu.config import model_spec
+    from titan_tpu.models.spec import spec_for_weights
 
+    seed = cfg.training.seed
     hf_files = checkpoint is not None and (Path(checkpoint) / "config.json").is_file() and any(
         Path(checkpoint).glob("*.safetensors"))  # a run directory has a config.json too, but no safetensors
     if hf_files:
-        if native_hf_dir(checkpoint) or cfg.model.name != "hf":
-            name, args, model = load_model_from_hf(checkpoint, device=device, dtype=torch.float32)
-            return EvalModel(name, "native", model, args.vocab_size, args.max_seq_len, str(checkpoint),
-                             _tokenizer_beside(Path(checkpoint)))
-        cfg.model.hf_config = str(checkpoint)
-    elif checkpoint is not None:
+        spec = spec_for_weights(cfg.model, checkpoint)
+        model = _eval_build(spec, cfg, device=device, seed=seed, own_weights=False)
+        spec.load_hf_weights(model, Path(checkpoint))
+        return EvalModel(spec, model, str(checkpoint), _tokenizer_beside(Path(checkpoint)))
+    if checkpoint is not None:
         return _from_checkpoint(checkpoint, cfg, device)
-    args = model_args_from_config(cfg)
-    seed = cfg.training.seed
-    if cfg.model.name == "hf":
-        from titan_tpu.models.hf_backend import has_weights
-
-        spec = cfg.model.hf_config
-        hf_dir = Path(spec).expanduser() if has_weights(spec) else None
-        model = _hf_backend_model(args, kernels=cfg.kernels, device=device, seed=seed, hf_dir=hf_dir)
-        weights = str(hf_dir) if hf_dir else f"initialised (seed {seed})"
-        tokenizer = _tokenizer_beside(Path(spec).expanduser()) if Path(spec).expanduser().is_dir() else None
-        return EvalModel(model_label(cfg), "hf", model, args.vocab_size, args.max_seq_len, weights, tokenizer)
-    model = build_model(args, device=device, dtype=torch.float32, seed=seed, kernels=cfg.kernels)
-    return EvalModel(model_label(cfg), "native", model, args.vocab_size, args.max_seq_len, f"initialised (seed {seed})",
-                     None)
+    spec = model_spec(cfg)
+    model = _eval_build(spec, cfg, device=device, seed=seed)
+    own = spec.own_weights_path()
+    weights = str(own) if own else f"initialised (seed {seed})"
+    return EvalModel(spec, model, weights, spec.own_tokenizer_path())
 
 
 def text_sequences(source: str, *, tokenizer_path: str | None, vocab_size: int, seq_len: int, max_tokens: int,
@@ -189,7 +173,7 @@ def evaluate(loaded: EvalModel, sequences: list[list[int]]) -> dict:
     losses = sequence_losses(loaded.model, sequences, device=device)
     counts = [len(s) - 1 for s in sequences]
     mean = sum(loss * n for loss, n in zip(losses, counts)) / sum(counts)  # token-weighted
-    return {"model": loaded.label, "backend": loaded.backend, "weights": loaded.weights,
+    return {"model": loaded.spec.label, "backend": loaded.spec.kind, "weights": loaded.weights,
             "num_sequences": len(sequences), "num_tokens": sum(counts), "loss": mean, "perplexity": math.exp(mean),
             "per_sequence_loss": losses}
 

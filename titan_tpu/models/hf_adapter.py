@@ -18,17 +18,15 @@ and export writes the hub layout. The router is `mlp.gate.weight` <-> `moe.route
 import torch
 from torch import Tensor
 
-from titan_tpu.models.common.moe import MoEArgs
 from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
-
-_ARCHITECTURES = {"LlamaForCausalLM": "llama3", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
-_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
-_QK_NORM = ("qwen3", "qwen3_moe")
+from titan_tpu.models.family import Family
+from titan_tpu.models.registry import FAMILIES
 
 # (hub name under mlp.experts.{j}., native stacked name under moe.experts.)
 _EXPERT_NAMES = [("gate_proj.weight", "w1"), ("up_proj.weight", "w3"), ("down_proj.weight", "w2")]
 
-# Per-layer name pairs (HF suffix, native suffix) under model.layers.{i}. / layers.{i}.
+# Per-layer name pairs (HF suffix, native suffix) under model.layers.{i}. / layers.{i}.: the Llama
+# layout every native family shares (the Transformer has one block shape).
 _LAYER_NAMES = [
     ("self_attn.q_proj.weight", "attention.wq.weight"),
     ("self_attn.k_proj.weight", "attention.wk.weight"),
@@ -46,8 +44,9 @@ _LAYER_NAMES = [
 
 def model_args_from_hf_config(config: dict) -> tuple[str, TransformerArgs]:
     """HF config.json dict -> (model name, TransformerArgs). Reads both the transformers 4.x
-    keys (rope_theta, rope_scaling) and the 5.x key (rope_parameters)."""
-    name = _model_name(config)
+    keys (rope_theta, rope_scaling) and the 5.x key (rope_parameters); the family's record
+    (models/family.py) says which family it is and reads the family's own keys."""
+    family = _family_of(config)
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                     ("use_sliding_window", False)):
         if config.get(key, ok) != ok:
@@ -70,7 +69,7 @@ def model_args_from_hf_config(config: dict) -> tuple[str, TransformerArgs]:
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim")
     # Llama flavors leave head_dim implicit; keep it explicit only where it matters.
-    if name == "llama3" and head_dim == dim // n_heads:
+    if not family.hf.explicit_head_dim and head_dim == dim // n_heads:
         head_dim = None
     args = TransformerArgs(
         dim=dim,
@@ -83,36 +82,26 @@ def model_args_from_hf_config(config: dict) -> tuple[str, TransformerArgs]:
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
         rope_scaling=scaling,
-        qk_norm=name in _QK_NORM,
+        qk_norm=family.qk_norm,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_seq_len=int(config.get("max_position_embeddings", 4096)),
-        moe=_moe_args_from_hf_config(config) if name == "qwen3_moe" else None,
+        **family.hf.args_from_config(config),
     )
-    return name, args
+    return family.name, args
 
 
-def _moe_args_from_hf_config(config: dict) -> MoEArgs:
-    if config.get("shared_expert_intermediate_size"):
-        raise ValueError("HF config has a shared expert (Qwen2-MoE style); only Qwen3-MoE is supported")
-    # Published config.json files say num_experts; transformers 5.x writes num_local_experts.
-    num_experts = config.get("num_experts", config.get("num_local_experts"))
-    return MoEArgs(num_experts=int(num_experts), top_k=int(config["num_experts_per_tok"]),
-                   hidden_dim=int(config["moe_intermediate_size"]),
-                   norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-                   decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
-                   mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
-                   aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))
-
-
-def _model_name(config: dict) -> str:
+def _family_of(config: dict) -> Family:
     for arch in config.get("architectures") or []:
-        if arch in _ARCHITECTURES:
-            return _ARCHITECTURES[arch]
-    if config.get("model_type") in _MODEL_TYPES:
-        return _MODEL_TYPES[config["model_type"]]
+        for family in FAMILIES.values():
+            if arch == family.hf.architecture:
+                return family
+    for family in FAMILIES.values():
+        if config.get("model_type") == family.hf.model_type:
+            return family
     raise ValueError(
         f"unsupported HF model (architectures={config.get('architectures')}, "
-        f"model_type={config.get('model_type')!r}); supported: {', '.join(_ARCHITECTURES)}"
+        f"model_type={config.get('model_type')!r}); supported: "
+        f"{', '.join(family.hf.architecture for family in FAMILIES.values())}"
     )
 
 
@@ -121,21 +110,20 @@ def hf_config_from_model_args(
 ) -> dict:
     """Native args -> HF config.json dict, loadable by transformers 4.x and 5.x (rope written
     in the 4.x form, which 5.x still reads)."""
-    arch = {v: k for k, v in _ARCHITECTURES.items()}
-    model_type = {v: k for k, v in _MODEL_TYPES.items()}
-    if name not in arch:
-        raise ValueError(f"cannot export model {name!r} to HF; supported: {', '.join(arch)}")
-    if args.qk_norm != (name in _QK_NORM):
+    if name not in FAMILIES:
+        raise ValueError(f"cannot export model {name!r} to HF; supported: {', '.join(FAMILIES)}")
+    family = FAMILIES[name]
+    if args.qk_norm != family.qk_norm:
         raise ValueError(f"model {name!r} with qk_norm={args.qk_norm} has no HF equivalent")
-    if (args.moe is not None) != (name == "qwen3_moe"):
+    if (args.moe is not None) != family.moe:
         raise ValueError(f"model {name!r} with moe={args.moe} has no HF equivalent")
     if args.moe is not None and args.moe.load_balance == "expert_bias":
         raise ValueError("a model trained with moe.load_balance expert_bias routes with a per-expert bias that "
                          "Hugging Face's Qwen3-MoE does not have; export models trained with aux_loss or none")
     s = args.rope_scaling
     config = {
-        "architectures": [arch[name]],
-        "model_type": model_type[name],
+        "architectures": [family.hf.architecture],
+        "model_type": family.hf.model_type,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
         "num_hidden_layers": args.n_layers,
@@ -161,18 +149,7 @@ def hf_config_from_model_args(
         "torch_dtype": torch_dtype,  # transformers 4.x key
         "dtype": torch_dtype,  # transformers >= 4.56 key
     }
-    if name == "llama3":
-        config["mlp_bias"] = False
-    else:
-        config.update(
-            use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers
-        )
-    if args.moe is not None:
-        m = args.moe
-        config.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.hidden_dim,
-                      norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=m.decoder_sparse_step,
-                      mlp_only_layers=list(m.mlp_only_layers), router_aux_loss_coef=m.aux_loss_coef,
-                      output_router_logits=False)
+    config.update(family.hf.config_from_args(args))
     return config
 
 

@@ -46,11 +46,23 @@ class HFSpec(ModelSpec):
     label: str
     hf_config: str  # model.hf_config: a directory (its weights and tokenizer are used) or a model_type
     plannable: bool = False  # the layers are transformers' own code: the planner has no terms for them
+    kind: str = "hf"
+
+    @classmethod
+    def of_dir(cls, hf_dir: str | Path, overrides: str = "") -> HFSpec:
+        """The spec of a Hugging Face directory the Transformers backend runs (model.hf_overrides
+        applied)."""
+        hf_config = str(hf_dir)
+        return cls(name="hf", args=hf_args_from_spec(hf_config, overrides), label=f"hf:{hf_config}",
+                   hf_config=hf_config)
 
     @classmethod
     def of_args(cls, model_args: dict) -> HFSpec:
         """The spec of a checkpoint's HF-backend model (its HFArgs as a dict)."""
-        args = HFArgs(**model_args)
+        return cls.of_hf_args(HFArgs(**model_args))
+
+    @classmethod
+    def of_hf_args(cls, args: HFArgs) -> HFSpec:
         return cls(name="hf", args=args, label=f"hf:{args.hf_config}", hf_config=args.hf_config)
 
     def check(self, cfg: Config) -> None:
@@ -66,16 +78,19 @@ class HFSpec(ModelSpec):
         return build_hf_model(self.args, kernels=cfg.kernels, ac_mode=cfg.activation_checkpoint.mode,
                               dtype=torch.float32)
 
-    def finish(self, model: HFCausalLM, *, log: Log) -> None:
-        """The directory's weights when it has them; then whether the chunked loss kernel may
-        replace the model's logits (decided on the real weights)."""
-        if has_weights(self.hf_config):
+    def finish(self, model: HFCausalLM, *, log: Log, own_weights: bool = True) -> None:
+        """The directory's weights when it has them (and `own_weights`); then whether the chunked
+        loss kernel may replace the model's logits (decided on the real weights)."""
+        if own_weights and has_weights(self.hf_config):
             load_pretrained_weights(model, self.hf_config)
             log(f"weights loaded from {self.hf_config}")
         model.check_chunked_loss(self.args.vocab_size)
 
     def flops_per_token(self, model: HFCausalLM, seq_len: int) -> tuple[float, str]:
         return hf_flops_per_token(model, seq_len)
+
+    def own_weights_path(self) -> Path | None:
+        return Path(self.hf_config).expanduser() if has_weights(self.hf_config) else None
 
     def own_tokenizer_path(self) -> str | None:
         candidate = Path(self.hf_config).expanduser() / "tokenizer.json"

@@ -1,6 +1,7 @@
 """Llama 3 / 3.1 / 3.2 flavors (dimensions as published in Meta's HF config.json files)."""
 
 from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
+from titan_tpu.models.family import Family, HFMapping
 
 # Llama 3.1 (8B/70B/405B) scales RoPE by 8 from an 8k original context; Llama 3.2 (1B/3B) by 32.
 _ROPE_3_1 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -34,3 +35,10 @@ LLAMA3_FLAVORS: dict[str, TransformerArgs] = {
     "405B": _llama(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden_dim=53248,
                    rope_scaling=RopeScaling(**_ROPE_3_1)),
 }
+
+FAMILY = Family(
+    name="llama3",
+    flavors=LLAMA3_FLAVORS,
+    hf=HFMapping(architecture="LlamaForCausalLM", model_type="llama", explicit_head_dim=False,
+                 config_from_args=lambda args: {"mlp_bias": False}),
+)

@@ -6,9 +6,15 @@ rms eps 1e-6, and tied embeddings on the small models.
 """
 
 from titan_tpu.models.common.transformer import TransformerArgs
+from titan_tpu.models.family import Family, HFMapping
 
 _VOCAB = 151936
 _MAX_POS = 40960
+
+
+def sliding_window_config(args: TransformerArgs) -> dict:
+    """Qwen configs' sliding-window keys, written off (the native model attends to the whole window)."""
+    return dict(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers)
 
 
 def _qwen3(**kwargs) -> TransformerArgs:
@@ -32,3 +38,10 @@ QWEN3_FLAVORS: dict[str, TransformerArgs] = {
     "14B": _qwen3(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden_dim=17408),
     "32B": _qwen3(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_hidden_dim=25600),
 }
+
+FAMILY = Family(
+    name="qwen3",
+    flavors=QWEN3_FLAVORS,
+    hf=HFMapping(architecture="Qwen3ForCausalLM", model_type="qwen3", config_from_args=sliding_window_config),
+    qk_norm=True,
+)

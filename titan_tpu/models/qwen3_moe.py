@@ -9,6 +9,8 @@ mlp_only_layers (none in the published models).
 
 from titan_tpu.models.common.moe import MoEArgs
 from titan_tpu.models.common.transformer import TransformerArgs
+from titan_tpu.models.family import Family, HFMapping
+from titan_tpu.models.qwen3 import sliding_window_config
 
 _VOCAB = 151936
 _MAX_POS = 40960
@@ -33,3 +35,36 @@ QWEN3_MOE_FLAVORS: dict[str, TransformerArgs] = {
     "235b_a22b": _qwen3_moe(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_hidden_dim=12288,
                             num_experts=128, top_k=8, moe_hidden=1536),
 }
+
+
+def moe_args_from_config(config: dict) -> dict:
+    """The `moe` args of a Qwen3-MoE config.json dict."""
+    if config.get("shared_expert_intermediate_size"):
+        raise ValueError("HF config has a shared expert (Qwen2-MoE style); only Qwen3-MoE is supported")
+    # Published config.json files say num_experts; transformers 5.x writes num_local_experts.
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    return {"moe": MoEArgs(num_experts=int(num_experts), top_k=int(config["num_experts_per_tok"]),
+                           hidden_dim=int(config["moe_intermediate_size"]),
+                           norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                           decoder_sparse_step=int(config.get("decoder_sparse_step", 1)),
+                           mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
+                           aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))}
+
+
+def config_from_moe_args(args: TransformerArgs) -> dict:
+    """Qwen3-MoE's config.json keys: Qwen's sliding-window keys (off), then the experts'."""
+    m = args.moe
+    return {**sliding_window_config(args), "num_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.hidden_dim, "norm_topk_prob": m.norm_topk_prob,
+            "decoder_sparse_step": m.decoder_sparse_step, "mlp_only_layers": list(m.mlp_only_layers),
+            "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": False}
+
+
+FAMILY = Family(
+    name="qwen3_moe",
+    flavors=QWEN3_MOE_FLAVORS,
+    hf=HFMapping(architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", args_from_config=moe_args_from_config,
+                 config_from_args=config_from_moe_args),
+    qk_norm=True,
+    moe=True,
+)

@@ -1,20 +1,19 @@
-"""Model registry: (family name, flavor) -> TransformerArgs; building; parameter and FLOP counts."""
+"""Model registry: the native families (models/family.py records), (family name, flavor) ->
+TransformerArgs; building; parameter and FLOP counts."""
 
 import copy
 
 import torch
 
 from titan_tpu.kernels import KernelConfig
+from titan_tpu.models import llama3, qwen3, qwen3_moe
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
-from titan_tpu.models.llama3 import LLAMA3_FLAVORS
-from titan_tpu.models.qwen3 import QWEN3_FLAVORS
-from titan_tpu.models.qwen3_moe import QWEN3_MOE_FLAVORS
+from titan_tpu.models.family import Family
 
-MODEL_FLAVORS: dict[str, dict[str, TransformerArgs]] = {
-    "llama3": LLAMA3_FLAVORS,
-    "qwen3": QWEN3_FLAVORS,
-    "qwen3_moe": QWEN3_MOE_FLAVORS,
-}
+# Every native family, by model.name: a new family is its module and one entry here.
+FAMILIES: dict[str, Family] = {family.name: family for family in (llama3.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
+MODEL_NAMES: tuple[str, ...] = tuple(FAMILIES)  # config.py's model.name choices, with "hf"
+MODEL_FLAVORS: dict[str, dict[str, TransformerArgs]] = {name: family.flavors for name, family in FAMILIES.items()}
 
 
 def get_model_args(name: str, flavor: str) -> TransformerArgs:

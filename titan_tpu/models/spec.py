@@ -5,6 +5,11 @@ args, how messages name it, how to build it on the meta device (parallelized on 
 its FLOPs per token, its own tokenizer and where its HF weights come from. The trainer, the
 config checks and the planner ask the spec; they never ask which kind of model runs.
 
+This module is the dispatch: the one place that picks a kind (`model_spec` from a [model]
+section, `checkpoint_spec` from a checkpoint's record, `spec_for_hf_dir` from a Hugging Face
+directory), and `build`, the one way every caller (trainer, eval, verify, hf-sweep, the planner's
+calibration) turns a spec into a model.
+
 Two kinds implement the interface (`ModelSpec`, models/spec_base.py):
 
 * `NativeSpec` (this file): llama3, qwen3, qwen3_moe, our `Transformer` with a flavor of the
@@ -18,6 +23,7 @@ What a built model then offers the trainer, SimpleFSDP and graph capture is the 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
-from titan_tpu.models.spec_base import ModelSpec, moe_options_changed
+from titan_tpu.models.spec_base import Log, ModelSpec, moe_options_changed
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -33,6 +39,7 @@ if TYPE_CHECKING:
     from titan_tpu.config import Config, ModelConfig
     from titan_tpu.model_contract import TrainableModel
     from titan_tpu.parallel.mesh import ParallelDims
+    from titan_tpu.parallel.simple_fsdp import MixedPrecision
 
 
 def model_spec(model: ModelConfig) -> ModelSpec:
@@ -54,6 +61,58 @@ def checkpoint_spec(model_name: str, model_args: dict) -> ModelSpec:
         return HFSpec.of_args(model_args)
     args = TransformerArgs(**model_args)  # rope_scaling may stay a dict: __post_init__ converts it
     return NativeSpec(name=model_name, args=args, label=model_name)
+
+
+def spec_for_hf_dir(hf_dir: str | Path, *, native_only: bool = False, overrides: str = "") -> ModelSpec:
+    """The spec of a Hugging Face directory's model: native where the adapter reads its config
+    (Llama, Qwen3, Qwen3-MoE without unsupported features), else the Transformers backend on the
+    directory (with model.hf_overrides). `native_only`: the adapter's one-line error instead of the
+    fallback."""
+    from titan_tpu.models.hf_adapter import model_args_from_hf_config
+
+    try:
+        name, args = model_args_from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
+    except (ValueError, KeyError, TypeError):
+        if native_only:
+            raise
+        from titan_tpu.models.hf_spec import HFSpec
+
+        return HFSpec.of_dir(hf_dir, overrides)
+    return NativeSpec(name=name, args=args, label=name)
+
+
+def spec_for_weights(model: ModelConfig, hf_dir: str | Path) -> ModelSpec:
+    """The spec that runs an HF directory's weights for a [model] section: a native name takes
+    them through the adapter (its error when the adapter cannot read them); hf takes the directory
+    natively when it can, else through the Transformers backend."""
+    return spec_for_hf_dir(hf_dir, native_only=model.name != "hf", overrides=model.hf_overrides)
+
+
+def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int, mesh: DeviceMesh | None = None,
+          parallel_dims: ParallelDims | None = None, expert_mesh: DeviceMesh | None = None,
+          mp: MixedPrecision | None = None, documents: bool = False, own_weights: bool = True,
+          reshard_after_forward: bool | None = None, log: Log = lambda message: None) -> TrainableModel:
+    """The one way a spec becomes a model: built on the meta device (tensor/context parallel
+    when the mesh has those axes), materialised and initialised from `seed` piece by piece
+    (sharded when there is a mesh, computed in `mp.param_dtype`), then finished by the spec (an
+    HF directory's own weights unless `own_weights` is False; the chunked-loss check).
+
+    The execution options come from `cfg`: model.scan_layers, activation_checkpoint.mode,
+    kernels, training.seq_len (a native model's RoPE table length) and parallelism.bucket_mb /
+    reshard_after_forward (the trainer passes what it resolved auto to; None takes the config's
+    value, with auto as true). Without a mesh the model is plain, on one device."""
+    from titan_tpu.parallel.mesh import ParallelDims
+    from titan_tpu.parallel.simple_fsdp import materialize_and_init
+
+    dims = parallel_dims or ParallelDims(world_size=1)
+    model = spec.build_on_meta(cfg, mesh=mesh, parallel_dims=dims, documents=documents)
+    p = cfg.parallelism
+    model = materialize_and_init(model, mesh, mode=dims.mode if mesh is not None else "none", mp=mp, device=device,
+                                 seed=seed, expert_mesh=expert_mesh, bucket_mb=p.bucket_mb,
+                                 reshard_after_forward=(p.reshard_after_forward != "false"
+                                                        if reshard_after_forward is None else reshard_after_forward))
+    spec.finish(model, log=log, own_weights=own_weights)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,6 +147,7 @@ class NativeSpec(ModelSpec):
     args: TransformerArgs
     label: str
     plannable: bool = True
+    kind: str = "native"
 
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
                       documents: bool) -> Transformer:

@@ -30,6 +30,7 @@ class ModelSpec(ABC):
     args: Any  # TransformerArgs for native models, HFArgs for the HF backend
     label: str  # how messages name the model: llama3/debug, hf:<hf_config>
     plannable: bool  # titan-tpu plan has terms for its layers (our Transformer's)
+    kind: str  # how reports name the backend that runs it: native | hf
 
     def check(self, cfg: Config) -> None:
         """Checks of other config sections that depend on the model kind (config.validate)."""
@@ -40,13 +41,17 @@ class ModelSpec(ABC):
         """The model on the meta device, its tensor/context-parallel layout applied when the mesh
         has those axes: `parallel.simple_fsdp.materialize_and_init` materialises it next."""
 
-    def finish(self, model: TrainableModel, *, log: Log) -> None:
+    def finish(self, model: TrainableModel, *, log: Log, own_weights: bool = True) -> None:
         """After initialisation: what the model's own files or checks add (the HF backend loads
-        the weights of its directory)."""
+        the weights of its directory unless `own_weights` is False)."""
 
     @abstractmethod
     def flops_per_token(self, model: TrainableModel, seq_len: int) -> tuple[float, str]:
         """(model FLOPs per trained token, a note on how they were counted; "" for the formula)."""
+
+    def own_weights_path(self) -> Path | None:
+        """The weights that come with the model (an HF directory's), which `finish` loads, if any."""
+        return None
 
     def own_tokenizer_path(self) -> str | None:
         """The tokenizer that comes with the model (an HF directory's tokenizer.json), if any."""

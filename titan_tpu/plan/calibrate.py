@@ -169,25 +169,22 @@ def measure_collective_rate(python: str) -> dict:
 
 
 _LIVE_PROBE = r"""
-import dataclasses, json, sys, torch
+import json, sys, torch
 from torch.profiler import ProfilerActivity, profile
-from titan_tpu.config import build_config, model_args_from_config
-from titan_tpu.models.registry import build_model
+from titan_tpu.config import build_config, model_spec
+from titan_tpu.device import get_backend
+from titan_tpu.models.spec import build
+from titan_tpu.train.make_step import make_step
 from titan_tpu.train.optim import AdamW
-from titan_tpu.train.step import EagerStep
 cfg = build_config(sys.argv[1], sys.argv[2:])
 t = cfg.training
-args = dataclasses.replace(model_args_from_config(cfg), max_seq_len=t.seq_len)  # as the trainer builds it
-model = build_model(args, seed=0, scan_layers=cfg.model.scan_layers, ac_mode=cfg.activation_checkpoint.mode,
-                    kernels=cfg.kernels)
+spec = model_spec(cfg)
+args = spec.args
+model = build(spec, cfg, device="cpu", seed=0)  # as the trainer builds it, on one CPU process
 opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
-if t.mode == "graph":  # the trainer's graph step: captured and compiled once, before the measured steps
-    from titan_tpu.graph.compile import GraphStep
-    example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long)
-    step = GraphStep(model, opt, max_norm=t.max_norm, example_batch=(example, example), backend=cfg.compile.backend,
-                     split=cfg.compile.split, prefetch=None if cfg.compile.prefetch < 0 else cfg.compile.prefetch)
-else:
-    step = EagerStep(model, opt, max_norm=t.max_norm)
+# The trainer's step (a graph step is captured and compiled here, before the measured steps).
+step, _ = make_step(cfg, model, opt, backend=get_backend("cpu"), world_size=1, dp_size=1, documents=False,
+                    log=lambda message: None)
 tokens = torch.randint(0, args.vocab_size, (t.batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(0))
 batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 step([batch], 1e-4)

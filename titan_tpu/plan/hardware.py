@@ -1,8 +1,9 @@
 """The hardware table of the planner: peak FLOP/s, memory, memory and interconnect bandwidth per
 device, each number with its source.
 
-Peak FLOP/s are dense bf16 per device, the same numbers titan_tpu/device.py uses as the MFU
-denominator (so a plan's MFU and a run's MFU share their denominator); this CPU's peak is its
+Peak FLOP/s are dense bf16 per device, read from the one table titan_tpu/device.py keeps for the
+MFU denominator (so a plan's MFU and a run's MFU share their denominator; tests/test_device.py ties
+them); the memory, bandwidth and interconnect numbers are the planner's own; this CPU's peak is its
 measured matmul rate in the compute dtype (device.cpu_peak_flops; bf16 only on CPUs with bf16
 instructions). `efficiency` is the fraction of peak the
 planner assumes matmul-dominated work reaches; it is an assumption for accelerators (stated in
@@ -76,29 +77,30 @@ ACCELERATOR_EFFICIENCY = 0.7
 # Pod" (1.1 PB/s) over its 4,096 chips, which for v5e and v6e gives exactly half their stated
 # bidirectional figure, the same rule as the others.
 HARDWARE: dict[str, Hardware] = {
-    "v4": Hardware("v4", 275e12, 32 * GiB, 1200e9, 1.1e15 / 4096,
+    "v4": Hardware("v4", device.tpu_peak_flops("v4"), 32 * GiB, 1200e9, 1.1e15 / 4096,
                    source=f"{_GOOGLE}v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s; all-reduce bandwidth "
                           "1.1 PB/s per 4,096-chip pod (no per-chip ICI figure on the page)"),
-    "v5e": Hardware("v5e", 197e12, 16e9, 819e9, 400e9 / 2,
+    "v5e": Hardware("v5e", device.tpu_peak_flops("v5e"), 16e9, 819e9, 400e9 / 2,
                     source=f"{_GOOGLE}v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, bidirectional ICI "
                            "400 GB/s per chip"),
-    "v5p": Hardware("v5p", 459e12, 95 * GiB, 2765e9, 1200e9 / 2,
+    "v5p": Hardware("v5p", device.tpu_peak_flops("v5p"), 95 * GiB, 2765e9, 1200e9 / 2,
                     source=f"{_GOOGLE}v5p-training: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s, "
                            "bidirectional ICI 1,200 GB/s per chip"),
-    "v6e": Hardware("v6e", 918e12, 32 * GiB, 1638e9, 800e9 / 2,
+    "v6e": Hardware("v6e", device.tpu_peak_flops("v6e"), 32 * GiB, 1638e9, 800e9 / 2,
                     source=f"{_GOOGLE}v6e and {_GOOGLE}tpu7x (comparison table): 918 TFLOP/s bf16, 32 GiB HBM "
                            "at 1,638 GB/s, bidirectional ICI 800 GB/s per chip"),
     # v7 (Ironwood, TPU7x): two devices per chip; per-device numbers are half the chip's.
-    "v7": Hardware("v7", 2307e12 / 2, 192 * GiB / 2, 7380e9 / 2, 1200e9 / 2 / 2, devices_per_chip=2,
+    "v7": Hardware("v7", device.tpu_peak_flops("v7"), 192 * GiB / 2, 7380e9 / 2, 1200e9 / 2 / 2,
+                   devices_per_chip=device.tpu_devices_per_chip("v7"),
                    source=f"{_GOOGLE}tpu7x: 2,307 TFLOP/s bf16, 192 GiB HBM at 7,380 GB/s, bidirectional ICI "
                           "1,200 GB/s per chip; two devices per chip (halved here)"),
-    "h100": Hardware("h100", 989e12, 80e9, 3.35e12, 900e9 / 2,
+    "h100": Hardware("h100", device.cuda_peak_flops("H100 SXM"), 80e9, 3.35e12, 900e9 / 2,
                      source="https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s bf16 dense "
                             "(1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional"),
-    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 900e9 / 2,
+    "h200": Hardware("h200", device.cuda_peak_flops("H200"), 141e9, 4.8e12, 900e9 / 2,
                      source="https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s bf16 dense "
                             "(1,979 with sparsity), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional"),
-    "b200": Hardware("b200", 2250e12, 180e9, 8e12, 1800e9 / 2,
+    "b200": Hardware("b200", device.cuda_peak_flops("B200"), 180e9, 8e12, 1800e9 / 2,
                      source="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU): 2.25 PFLOP/s "
                             "bf16 dense (4.5 with sparsity), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional"),
 }

@@ -189,14 +189,15 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1.0)).item() if b.numel() else 0.0
 
 
-def _our_model(args, *, seed: int = 0):
-    from titan_tpu.models.hf_backend import build_hf_model
-    from titan_tpu.parallel.simple_fsdp import materialize_and_init
+def _our_model(args, *, seed: int = 0, mesh=None, parallel_dims=None, mp=None):
+    """The Transformers backend's model of `args` (HFArgs) with a seeded init, through models/spec.py
+    `build` as train builds it (the chunked-loss check included), on the CPU."""
+    from titan_tpu.config import Config
+    from titan_tpu.models.hf_spec import HFSpec
+    from titan_tpu.models.spec import build
 
-    model = build_hf_model(args)
-    model = materialize_and_init(model, None, mode="none", mp=None, device="cpu", seed=seed)
-    model.check_chunked_loss(args.vocab_size)
-    return model
+    return build(HFSpec.of_hf_args(args), Config(), device="cpu", seed=seed, mesh=mesh, parallel_dims=parallel_dims,
+                 mp=mp, own_weights=False)
 
 
 def _reference_model(config, state_dict):
@@ -303,15 +304,11 @@ def _fsdp_rank(args) -> dict:
     """One rank of the fsdp2 check: its half of the batch; the summed loss and full gradients."""
     import torch.distributed as dist
 
-    from titan_tpu.models.hf_backend import build_hf_model
     from titan_tpu.parallel.mesh import ParallelDims
-    from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+    from titan_tpu.parallel.simple_fsdp import MixedPrecision
 
     dims = ParallelDims(dp_replicate=1, dp_shard=2, world_size=2)
-    mesh = dims.build_mesh("cpu")
-    model = materialize_and_init(build_hf_model(args), mesh, mode="fully_shard", mp=MixedPrecision(), device="cpu",
-                                 seed=0)
-    model.check_chunked_loss(args.vocab_size)
+    model = _our_model(args, mesh=dims.build_mesh("cpu"), parallel_dims=dims, mp=MixedPrecision())
     rank = dist.get_rank()
     rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
     inputs, labels = sweep_batch()

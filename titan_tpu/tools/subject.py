@@ -26,12 +26,14 @@ from pathlib import Path
 import torch
 
 from titan_tpu.models.common.transformer import TransformerArgs
+from titan_tpu.models.spec import spec_for_hf_dir
+from titan_tpu.models.spec_base import ModelSpec
 
 
 @dataclasses.dataclass
 class Subject:
     spec: str  # as the user gave it
-    backend: str  # native | hf
+    model: ModelSpec  # what runs it: native where the adapter reads hf_dir, else the Transformers backend
     hf_dir: Path  # the working directory: config.json + safetensors, read by transformers
     weights: str  # where the weights came from (the user's, or a seeded init)
     native_name: str | None = None  # llama3 | qwen3 | qwen3_moe for the native backend
@@ -43,15 +45,18 @@ class Subject:
     def config(self) -> dict:
         return json.loads((self.hf_dir / "config.json").read_text())
 
-    def native_args(self) -> TransformerArgs:
-        from titan_tpu.models.hf_adapter import model_args_from_hf_config
+    @property
+    def backend(self) -> str:
+        """How the report names what runs it: native | hf."""
+        return self.model.kind
 
-        return model_args_from_hf_config(self.config)[1]
+    def native_args(self) -> TransformerArgs:
+        assert self.model.kind == "native", self.model.label
+        return self.model.args
 
     def hf_args(self):
-        from titan_tpu.models.hf_backend import hf_args_from_spec
-
-        return hf_args_from_spec(str(self.hf_dir))
+        assert self.model.kind == "hf", self.model.label
+        return self.model.args
 
 
 def tiny_native_args(args: TransformerArgs) -> TransformerArgs:
@@ -117,7 +122,7 @@ def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = N
         args = tiny_native_args(real) if tiny else real
         out = work_dir / "model"
         save_hf_checkpoint(out, name=name, args=args, state_dict=_seeded_native(args), overwrite=True)
-        return Subject(spec, "native", out, f"seeded init (seed 0) x {SHARPEN:g}", name, real)
+        return Subject(spec, spec_for_hf_dir(out), out, f"seeded init (seed 0) x {SHARPEN:g}", name, real)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json; verify takes a Hugging Face model directory, a native "
@@ -127,7 +132,7 @@ def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = N
         native = native_hf_dir(path)
         real = model_args_from_hf_config(real_config)[1] if native else None
         if has_weights(path) and not tiny and not overrides:
-            return Subject(spec, "native" if native else "hf", path, f"the directory's own ({path})",
+            return Subject(spec, spec_for_hf_dir(path), path, f"the directory's own ({path})",
                            model_args_from_hf_config(real_config)[0] if native else None, real, real_config)
         config = _tiny_hf_config(str(path), overrides) if tiny else load_hf_config(str(path), overrides)
         weights = f"seeded init (seed 0) x {SHARPEN:g}: " + ("the directory has no weights" if not has_weights(path)
@@ -141,6 +146,6 @@ def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = N
         raise AssertionError("unreachable")
     out = work_dir / "model"
     _seeded_hf_dir(config, out)
-    native = native_hf_dir(out)
-    name = model_args_from_hf_config(json.loads((out / "config.json").read_text()))[0] if native else None
-    return Subject(spec, "native" if native else "hf", out, weights, name, real, real_config)
+    model = spec_for_hf_dir(out)
+    name = model.name if model.kind == "native" else None
+    return Subject(spec, model, out, weights, name, real, real_config)

@@ -76,47 +76,32 @@ def corpus_tokens(vocab_size: int, n: int, *, offset: int = 0) -> torch.Tensor:
 
 
 def vocab_size(subject: Subject) -> int:
-    return subject.native_args().vocab_size if subject.backend == "native" else subject.hf_args().vocab_size
+    return subject.model.args.vocab_size
 
 
 def max_len(subject: Subject) -> int:
-    return subject.native_args().max_seq_len if subject.backend == "native" else subject.hf_args().max_seq_len
+    return subject.model.args.max_seq_len
 
 
-def meta_model(subject: Subject, *, ac_mode: str = "none", scan: bool = False) -> torch.nn.Module:
-    if subject.backend == "native":
-        from titan_tpu.models.common.transformer import Transformer
+def seeded_model(subject: Subject, *, ac_mode: str = "none", scan: bool = False, seed: int = 0, mesh=None,
+              parallel_dims=None, mp=None) -> torch.nn.Module:
+    """Our model of the subject with the seeded init of the training checks (the same weights in
+    every mode), through models/spec.py `build` as train builds it, on the CPU in fp32."""
+    from titan_tpu.config import Config
+    from titan_tpu.models.spec import build
 
-        with torch.device("meta"):
-            return Transformer(subject.native_args(), scan_layers=scan, ac_mode=ac_mode)
-    from titan_tpu.models.hf_backend import build_hf_model
-
-    return build_hf_model(subject.hf_args(), ac_mode=ac_mode)
-
-
-def seeded_model(subject: Subject, *, ac_mode: str = "none", scan: bool = False, seed: int = 0) -> torch.nn.Module:
-    """Our model with the seeded init of the training checks (the same weights in every mode)."""
-    from titan_tpu.parallel.simple_fsdp import materialize_and_init
-
-    model = materialize_and_init(meta_model(subject, ac_mode=ac_mode, scan=scan), None, mode="none", mp=None,
-                                 device="cpu", seed=seed)
-    if subject.backend == "hf":
-        model.check_chunked_loss(vocab_size(subject))
-    return model
+    cfg = Config()
+    cfg.model.scan_layers, cfg.activation_checkpoint.mode = scan, ac_mode
+    cfg.training.seq_len = max_len(subject)  # position tables over the whole window, as the checks use it
+    return build(subject.model, cfg, device="cpu", seed=seed, mesh=mesh, parallel_dims=parallel_dims, mp=mp,
+                 own_weights=False)
 
 
 def loaded_model(subject: Subject) -> torch.nn.Module:
     """Our model with the directory's weights, fp32, as train and eval load it."""
-    from titan_tpu.config import build_config
-    from titan_tpu.evaluate import load_eval_model
-
-    cfg = build_config(None, ["--model.name", "hf", "--model.hf_config", str(subject.hf_dir), "--training.seq_len",
-                              "2", "--training.device", "cpu"])
-    if subject.backend == "native":
-        from titan_tpu.models.hf_checkpoint import load_model_from_hf
-
-        return load_model_from_hf(subject.hf_dir)[2]
-    return load_eval_model(cfg, device=torch.device("cpu")).model
+    model = seeded_model(subject)
+    subject.model.load_hf_weights(model, subject.hf_dir)
+    return model
 
 
 def reference_model(subject: Subject) -> torch.nn.Module:
@@ -538,14 +523,11 @@ def _fsdp_rank(subject: Subject, batch) -> dict:
     import torch.distributed as dist
 
     from titan_tpu.parallel.mesh import ParallelDims
-    from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+    from titan_tpu.parallel.simple_fsdp import MixedPrecision
     from titan_tpu.tools.hf_sweep import _loss_and_grads
 
-    mesh = ParallelDims(dp_replicate=1, dp_shard=2, world_size=2).build_mesh("cpu")
-    model = materialize_and_init(meta_model(subject), mesh, mode="fully_shard", mp=MixedPrecision(), device="cpu",
-                                 seed=0)
-    if subject.backend == "hf":
-        model.check_chunked_loss(vocab_size(subject))
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, world_size=2)
+    model = seeded_model(subject, mesh=dims.build_mesh("cpu"), parallel_dims=dims, mp=MixedPrecision())
     rank = dist.get_rank()
     inputs, labels = batch
     rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)

@@ -34,9 +34,10 @@ from titan_tpu.config import Config, data_sources, effective_warmup_steps, model
 from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
 from titan_tpu.errors import RunError
 from titan_tpu.model_contract import TrainableModel
+from titan_tpu.models.spec import build
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
-from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision, materialize_and_init
+from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision
 from titan_tpu.train.checkpoint import Checkpointer, CheckpointSaveError, load, rng_state, set_rng_state
 from titan_tpu.train.make_step import make_step
 from titan_tpu.train.metrics import MetricsLogger
@@ -150,19 +151,13 @@ class Trainer:
         return lock
 
     def _build_model(self) -> TrainableModel:
-        """The spec's model built on the meta device, then materialised and initialised piece by
-        piece (sharded when there is a mesh): fp32 master parameters on one device as on many,
+        """The spec's model (models/spec.py `build`): materialised and initialised piece by piece
+        (sharded when there is a mesh): fp32 master parameters on one device as on many,
         computed in model.dtype, gradients reduced in parallelism.reduce_dtype when sharded
         (docs/mixed_precision.md)."""
-        p = self.cfg.parallelism
-        model = self.spec.build_on_meta(self.cfg, mesh=self.mesh, parallel_dims=self.parallel_dims,
-                                        documents=self.document_mask)
-        mode = self.parallel_dims.mode if self.mesh is not None else "none"
-        model = materialize_and_init(model, self.mesh, mode=mode, mp=self.mixed_precision, device=self.backend.device,
-                                     seed=self.cfg.training.seed, expert_mesh=self.expert_mesh,
-                                     bucket_mb=p.bucket_mb, reshard_after_forward=self._reshard_after_forward())
-        self.spec.finish(model, log=self.log)
-        return model
+        return build(self.spec, self.cfg, device=self.backend.device, seed=self.cfg.training.seed, mesh=self.mesh,
+                     parallel_dims=self.parallel_dims, expert_mesh=self.expert_mesh, mp=self.mixed_precision,
+                     documents=self.document_mask, reshard_after_forward=self._reshard_after_forward(), log=self.log)
 
     def _reshard_after_forward(self) -> bool:
         """parallelism.reshard_after_forward as this run applies it: auto is decided by the planner

@@ -7,7 +7,7 @@ layout instead (pairs (x[i], x[i + hd/2])); `hf_adapter` permutes the wq/wk rows
 export, which makes the two models compute the same function.
 
 The rotation is a complex multiply (as in Meta's and TorchTitan's code) on a table stored as
-real (cos, sin) pairs; see `apply_rope` for why, and docs/architecture.md for the TPU note.
+real (cos, sin) pairs; see `apply_rope` for why, and docs/decisions.md for the TPU note.
 """
 
 import math

@@ -30,7 +30,7 @@ its body on every eager call (about a second per step here). Activation checkpoi
 scan: ``full`` runs `_ScanRecomputingLayers` (the forward scan keeps only each layer's input; the
 backward is a reverse scan that recomputes each layer and takes its vector-Jacobian product);
 ``none`` and ``selective`` use scan's own autograd, whose partitioner decides what the body
-saves; selective's tags do not reach it (see docs/architecture.md), so inside a scanned body in
+saves; selective's tags do not reach it (see docs/decisions.md), so inside a scanned body in
 graph mode selective currently saves what none saves.
 """
 
