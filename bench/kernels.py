@@ -6,6 +6,11 @@ the result is the median of per-round times, printed with the ratio to the op's 
 
     python bench/kernels.py                      # the debug model's and the larger CPU model's shapes
     python bench/kernels.py --rounds 30 --threads 2
+    python bench/kernels.py --bf16-attention --threads 1   # CPU SDPA on bf16 inputs: bf16 vs fp32 kernel
+
+--bf16-attention (a CPU with bf16 instructions): SDPA forward + backward on bf16 inputs computed
+by the bf16 kernel against the same inputs cast to fp32 and the output cast back, per head dim:
+where `sdpa` on CPU computes bf16 in fp32 (kernels/attention.py CPU_FP32_ATTENTION_MAX_HEAD_DIM).
 """
 
 from __future__ import annotations
@@ -74,6 +79,27 @@ def loss_case(N, D, V):
     return {name: make(LOSS.impls[name]) for name in LOSS.available("cpu")}
 
 
+# (B, S, H, D) for --bf16-attention: the debug shape, then wider heads at similar work.
+BF16_ATTENTION_SHAPES = [(8, 256, 16, 16), (8, 256, 8, 32), (8, 256, 4, 64), (4, 512, 2, 128)]
+
+
+def bf16_attention_case(B, S, H, D):
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    grad = torch.randn(B, H, S, D, generator=g).bfloat16()
+
+    def make(dtype):
+        def run():
+            q.grad = k.grad = v.grad = None
+            F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True) \
+                .to(torch.bfloat16).backward(grad)
+        return run
+
+    return {"bf16": make(torch.bfloat16), "in fp32": make(torch.float32)}
+
+
 def report(title: str, times: dict[str, float]) -> None:
     ref = times["reference"]
     print(f"{title}:")
@@ -85,8 +111,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bf16-attention", action="store_true",
+                        help="SDPA on bf16 inputs: the bf16 kernel against the fp32 one, per head dim")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.bf16_attention:
+        from titan_tpu.device import cpu_bf16_support
+
+        print(f"CPU: {cpu_bf16_support()[1]}; SDPA forward + backward on bf16 inputs, causal, {args.threads} "
+              f"threads, median of {args.rounds} interleaved rounds")
+        for B, S, H, D in BF16_ATTENTION_SHAPES:
+            t = time_interleaved(bf16_attention_case(B, S, H, D), args.rounds)
+            print(f"  batch {B} x seq {S}, {H} heads of {D}: bf16 {t['bf16'] * 1000:7.2f} ms, in fp32 "
+                  f"{t['in fp32'] * 1000:7.2f} ms: fp32 / bf16 speed {t['bf16'] / t['in fp32']:.2f}x")
+        return
     print(f"fp32, {args.threads} threads, forward + backward, median of {args.rounds} interleaved rounds")
     for name, B, S, H, K, D in ATTENTION_SHAPES:
         for documents in (False, True):

@@ -13,6 +13,11 @@ captured graph's nodes (graph mode).
     python bench/scaling.py --modes graph --prefetch 0 1 --profile /tmp/prof   # + torch.profiler trace of rank 0
     python bench/scaling.py --scan                           # scanned layers
     python bench/scaling.py --bucket-mb 256 --prefetch 1 --reshard true false   # re-sharding on vs off
+    python bench/scaling.py --bucket-mb 256 --prefetch 1 --reshard auto true --rounds 3   # the defaults vs re-sharding
+
+--reshard auto is the trainer's default: decided by the planner as the trainer decides it
+(planner.with_reshard_resolved), printed with the planner's predicted step time and retention for
+re-sharding on and off.
 
 Prints one line per (mode, options) with 1-rank and 2-rank tokens/s per rank, per-round
 retentions and their median, and the collectives per step.
@@ -89,6 +94,34 @@ def _job(*, mode: str, backend: str, split: str, batch: int, seq: int, steps: in
     return out
 
 
+def _planned_reshard(a, mode: str, reshard: str) -> bool:
+    """What --parallelism.reshard_after_forward `reshard` runs as (auto: the planner decides, as
+    the trainer does), printed with the planner's step time and 1 -> 2 rank retention for
+    re-sharding on and off, for this bench's model, batch and mode."""
+    from pathlib import Path
+
+    from titan_tpu.config import build_config
+    from titan_tpu.plan.planner import plan_config, with_reshard_resolved
+
+    def config(ranks: int, value: str):
+        overrides = ["--training.device", "cpu", "--training.mode", mode, "--training.batch_size", str(a.batch),
+                     "--training.seq_len", str(a.seq), "--parallelism.dp_shard", str(ranks),
+                     "--parallelism.bucket_mb", str(a.bucket_mb[-1]), "--parallelism.reshard_after_forward", value,
+                     "--model.scan_layers", str(a.scan).lower()]
+        return build_config(Path(__file__).parent.parent / "configs" / "llama3_debug.toml", overrides)
+
+    if reshard != "auto":
+        return reshard == "true"
+    resolved = with_reshard_resolved(config(2, "auto"), measure=False).parallelism.reshard_after_forward
+    plans = {value: plan_config(config(2, value), measure=False) for value in ("true", "false")}
+    predicted = "; ".join(f"re-shard {v}: {p.time['step_s'] * 1000:.0f} ms/step ({p.time['collectives_s'] * 1000:.0f} "
+                          f"ms collectives), peak {p.peak_bytes / 1e9:.2f} GB" for v, p in plans.items())
+    flavor = " the debug flavor's layers," if a.layers else ""
+    print(f"{mode}: --parallelism.reshard_after_forward auto -> {resolved} (planner,{flavor} 2 ranks of this CPU, "
+          f"bucket_mb {a.bucket_mb[-1]:g}: {predicted})", flush=True)
+    return resolved == "true"
+
+
 def run_job(world_size: int, options: dict) -> dict:
     from titan_tpu.parallel.spawn import run_ranks
 
@@ -106,8 +139,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", nargs="+", type=float, default=[0.0, 25.0])
     parser.add_argument("--prefetch", nargs="+", type=int, default=[-1],
                         help="graph mode: all-gather prefetch depths to compare; -1 keeps the trace order")
-    parser.add_argument("--reshard", nargs="+", default=["true"], choices=["true", "false"],
-                        help="--parallelism.reshard_after_forward settings to compare (both: true false)")
+    parser.add_argument("--reshard", nargs="+", default=["auto"], choices=["auto", "true", "false"],
+                        help="--parallelism.reshard_after_forward settings to compare (auto: the default, "
+                             "resolved by the planner as the trainer does)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=256)
@@ -122,7 +156,8 @@ def main() -> None:
     tokens = a.batch * a.seq
     rows = []
     for mode in a.modes:
-        variants = [(b, p, r == "true") for b, p, r in
+        reshards = {r: _planned_reshard(a, mode, r) for r in a.reshard}
+        variants = [(b, p, reshards[r]) for b, p, r in
                     itertools.product(a.bucket_mb, a.prefetch if mode == "graph" else [-1], a.reshard)]
         base = dict(mode=mode, backend=a.backend, split=a.split, batch=a.batch, seq=a.seq, steps=a.steps,
                     warmup=a.warmup, layers=a.layers, scan=a.scan)

@@ -252,8 +252,8 @@ def main() -> None:
         print(json.dumps(peak_memory(args, args.memory_of)))
         return
 
+    supported, why = cpu_bf16_support()
     if args.dtype == "bfloat16":
-        supported, why = cpu_bf16_support()
         if not supported:
             print(f"skipped: --dtype bfloat16 needs a CPU with bf16 matmul instructions ({why}); without them "
                   "bf16 runs ~100x slower than fp32 and the comparison would measure the emulation")
@@ -275,6 +275,7 @@ def main() -> None:
     print(f"{args.model}/{args.flavor}{size}, batch {args.batch} x seq {args.seq}, {how}, {args.threads} threads, "
           f"AdamW + clipping; 2 processes (one per contender order) x {args.rounds} interleaved rounds x "
           f"{args.steps_per_round} steps")
+    print(f"CPU: {why}")
     ratios = []
     for order, result in passes.items():
         peak = result["peak"]

@@ -154,9 +154,37 @@ def test_kernels_lists_implementations_and_the_auto_choice(capsys):
     assert "auto               -> gmm on a TPU VM; here: reference" in out
 
 
-def test_usage(capsys):
-    code, _, err = run_cli(capsys)
-    assert code == 2 and "usage: titan-tpu" in err
+def test_help_lists_every_command_and_version(capsys):
+    from titan_tpu import cli
+
+    assert set(cli.SUMMARIES) == set(cli.COMMANDS)  # a new command needs its line in --help
+    for argv in ((), ("--help",), ("-h",)):
+        code, out, _ = run_cli(capsys, *argv)
+        assert code == 0 and out.startswith("usage: titan-tpu COMMAND")
+        for name, summary in cli.SUMMARIES.items():
+            assert f"  {name} " in out and summary in out
+        assert "docs/README.md" in out
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0 and out.startswith("titan-tpu 0.") and "torch 2." in out
+    code, _, err = run_cli(capsys, "trian")
+    assert code == 2 and err.count("\n") == 1 and "unknown command 'trian'; use one of train, config" in err
+
+
+def test_config_lists_every_key_with_its_meaning(capsys):
+    """`titan-tpu config` is the schema itself: every key of every section, its type and default, and
+    the comment the schema writes for it (a key added without one fails here)."""
+    from titan_tpu.config import SECTIONS, Config
+    from titan_tpu.tools.config_reference import config_reference
+
+    docs = {d.key: d for d in config_reference()}
+    cfg = Config()
+    keys = {f"{section}.{name}" for section in SECTIONS for name in vars(getattr(cfg, section))} | {"output_dir"}
+    assert set(docs) == keys
+    assert not [key for key, d in docs.items() if not d.help], "config keys without a comment in the schema"
+    assert docs["training.mode"].type == "eager|graph" and docs["training.steps"].default == "100"
+    assert docs["model.scan_layers"].default == "false" and docs["metrics.trackers"].type == "list of str"
+    code, out, _ = run_cli(capsys, "config", "parallelism")
+    assert code == 0 and out.startswith("--parallelism.dp_replicate (int; default 1)") and "--training." not in out
 
 
 def test_graph_dump(tmp_path, train_overrides, capsys):

@@ -366,6 +366,24 @@ def test_shown_accelerator_commands_fit(parsers, monkeypatch):
     assert not failures, "\n".join(failures)
 
 
+def test_named_flavors_exist():
+    """Every native `family/flavor` the docs and skills name in code (`titan-tpu verify qwen3_moe/30b_a3b`,
+    a label in prose) is a flavor of the table: flavor names are case-sensitive."""
+    from titan_tpu.models.registry import MODEL_FLAVORS
+
+    pattern = re.compile(r"\b(" + "|".join(sorted(MODEL_FLAVORS, key=len, reverse=True)) + r")/([A-Za-z0-9_.-]+)")
+    failures = []
+    for path in DOC_FILES + sorted((ROOT / "skills").rglob("*.md")):
+        for number, line, in_code in _code_blocks_and_prose(path.read_text()):
+            for span in [line] if in_code else INLINE_CODE.findall(line):
+                for family, flavor in pattern.findall(span):
+                    flavor = flavor.rstrip(".")
+                    if flavor not in MODEL_FLAVORS[family] and not PLACEHOLDER.match(flavor):
+                        failures.append(f"{path.relative_to(ROOT)}:{number}: {family}/{flavor} is not a flavor; "
+                                        f"{family} has {', '.join(MODEL_FLAVORS[family])}")
+    assert not failures, "\n".join(failures)
+
+
 def test_inline_config_keys_exist():
     cfg = Config()
     failures = []

@@ -8,6 +8,7 @@ loss of ~6): the graph runs the same arithmetic as the eager step, only partly r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 import pytest
@@ -177,13 +178,19 @@ def _sharded_worker(mode: str, split: str = "none") -> dict:
     return out
 
 
+@functools.cache
+def sharded_eager_runs() -> list[dict]:
+    """The eager 2-rank run every graph-mode 2-rank run is compared with: one spawn, shared."""
+    return run_distributed(_sharded_worker, world_size=2, args=("eager",))
+
+
 # Inductor on 2 gloo ranks only with a cut after every collective: as one program it corrupted
 # the heap in about one run in four (docs/architecture.md, "Known problem"; the trainer refuses it).
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend, split", [("aot_eager", "none"), ("inductor", "collectives")])
 def test_fully_shard_two_ranks(eager_reference, backend, split):
     _, reference, reference_params = eager_reference
-    eager = run_distributed(_sharded_worker, world_size=2, args=("eager",))
+    eager = sharded_eager_runs()
     graph = run_distributed(_sharded_worker, world_size=2, args=(backend, split), timeout_s=300)
     print(graph[0]["summary"])
     print(f"capture {graph[0]['capture_seconds']:.2f} s, compile {graph[0]['compile_seconds']:.2f} s")
@@ -247,7 +254,7 @@ def test_split_graph_gives_the_unsplit_losses(eager_reference, split):
 
 @pytest.mark.multiprocess
 def test_collectives_split_on_two_ranks():
-    eager = run_distributed(_sharded_worker, world_size=2, args=("eager",))
+    eager = sharded_eager_runs()
     graph = run_distributed(_sharded_worker, world_size=2, args=("aot_eager", "collectives"), timeout_s=240)
     # A cut after each collective wait (one all-gather and one reduce-scatter per bucket, plus
     # the loss and norm all-reduces): one program per wait, and one after the last.

@@ -13,7 +13,7 @@ from titan_tpu.models.hf_checkpoint import (
     load_model_from_hf,
     save_hf_checkpoint,
 )
-from titan_tpu.models.registry import build_model
+from titan_tpu.models.registry import MODEL_FLAVORS, build_model, get_model_args
 
 ARGS = {
     "llama3": TransformerArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
@@ -255,3 +255,26 @@ def test_fused_expert_file_loads(tmp_path):
     save_file(sd, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="'model.layers.1.mlp.experts.down_proj' is missing"):
         load_hf_checkpoint(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("name, flavor", [(n, f) for n, flavors in MODEL_FLAVORS.items() for f in flavors
+                                          if n in ("llama3", "qwen3", "qwen3_moe") and f == "debug"])
+def test_exported_config_loads_without_warnings(tmp_path, name, flavor, caplog):
+    """transformers validates an exported config on every load; a debug export must pass cleanly (the
+    Llama 3 debug flavor once had a shorter max_seq_len than its RoPE scaling's original window)."""
+    import logging
+
+    from transformers import AutoConfig
+
+    args = get_model_args(name, flavor)
+    model = build_model(args, seed=0)
+    out = save_hf_checkpoint(tmp_path / "hf", name=name, args=args, state_dict=model.state_dict())
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_propagation()  # transformers' logger keeps its records to itself otherwise
+    try:
+        with caplog.at_level(logging.WARNING):
+            AutoConfig.from_pretrained(out)
+    finally:
+        hf_logging.disable_propagation()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -111,6 +111,31 @@ def test_attention_bf16_is_close_to_the_fp32_reference(impl):
     torch.testing.assert_close(got.float(), want, rtol=0, atol=BF16_TOL)
 
 
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_cpu_sdpa_computes_small_head_dims_in_fp32(documents, head_dim):
+    """bf16 SDPA on CPU at head_dim <= 16 is the fp32 kernel on the bf16 inputs, rounded to bf16
+    (faster there, kernels/attention.py); larger head dims stay the bf16 kernel. Forward and
+    gradients, against SDPA called in that dtype directly."""
+    from titan_tpu.kernels.attention import CPU_FP32_ATTENTION_MAX_HEAD_DIM
+
+    q, k, v = attention_inputs(D=head_dim, dtype=torch.bfloat16)
+    doc_ids = document_ids_from_positions(two_documents()) if documents else None
+    grad_out = torch.randn_like(q)
+    fn = ATTENTION.impls["sdpa"].fn
+    got, got_grads = value_and_grads(lambda q, k, v: fn(q, k, v, doc_ids), q, k, v, grad_out=grad_out)
+    dtype = torch.float32 if head_dim <= CPU_FP32_ATTENTION_MAX_HEAD_DIM else torch.bfloat16
+
+    def direct(q, k, v):
+        return fn(q.to(dtype), k.to(dtype), v.to(dtype), doc_ids).to(torch.bfloat16)
+
+    want, want_grads = value_and_grads(direct, q, k, v, grad_out=grad_out)
+    assert got.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in got_grads)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_masks_and_document_ids():
     positions = torch.tensor([[0, 1, 2, 0, 1], [0, 0, 1, 2, 3]])
     assert document_ids_from_positions(positions).tolist() == [[1, 1, 1, 2, 2], [1, 2, 2, 2, 2]]

@@ -31,9 +31,10 @@ LAYERS = (
     ("graph", ("titan_tpu.graph",)),
     ("convert", ("titan_tpu.convert",)),
     ("config", ("titan_tpu.config",)),
+    ("plan", ("titan_tpu.plan",)),
     ("trainer", ("titan_tpu.train.trainer", "titan_tpu.train.make_step")),
     ("evaluate", ("titan_tpu.evaluate",)),
-    ("plan", ("titan_tpu.plan",)),
+    ("calibration", ("titan_tpu.plan.calibrate",)),
     ("tools", ("titan_tpu.tools",)),
     ("entry points", ("titan_tpu.cli", "titan_tpu.train.__main__")),
 )

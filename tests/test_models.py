@@ -76,7 +76,7 @@ def test_get_model_args_returns_a_copy():
     args.max_seq_len = 7
     args.rope_scaling.factor = 2.0
     fresh = get_model_args("llama3", "debug")
-    assert fresh.max_seq_len == 4096 and fresh.rope_scaling.factor == 8.0
+    assert fresh.max_seq_len == 16384 and fresh.rope_scaling.factor == 8.0
 
 
 def test_unknown_name_and_flavor_list_choices():

@@ -309,6 +309,30 @@ def test_gloo_groups_run_one_worker_thread_each():
         assert torch.equal(result["total"], torch.full((3,), 2.0))
 
 
+def _what_a_rank_sees() -> dict:
+    import os
+    import sys
+
+    return {"env": os.environ.get("TITAN_TPU_TEST_RANK_ENV"), "cwd": os.getcwd(), "path": list(sys.path)}
+
+
+@pytest.mark.multiprocess
+def test_ranks_see_the_callers_environment_of_the_call(monkeypatch, tmp_path):
+    """Ranks fork from a server started once per process (parallel/spawn.py), not from the caller:
+    what the caller set before this call (environment, working directory, sys.path) must reach
+    them as it did when every rank was a fresh interpreter."""
+    import os
+
+    run_distributed(_gloo_worker_threads, world_size=2)  # the fork server runs before the changes below
+    monkeypatch.setenv("TITAN_TPU_TEST_RANK_ENV", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for result in run_distributed(_what_a_rank_sees, world_size=2):
+        assert result["env"] == "set after the server started"
+        assert os.path.samefile(result["cwd"], tmp_path)
+        assert str(tmp_path) in result["path"], result["path"]
+
+
 def test_trainer_makes_gloo_groups_single_threaded_before_joining(monkeypatch):
     """Under torchrun the trainer joins the default group itself: the single-thread gloo class must
     be in place by then (the multi-process test above checks the class's effect)."""

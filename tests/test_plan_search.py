@@ -71,7 +71,8 @@ def test_knobs_move_the_prediction_the_way_the_planner_models_them():
 def test_collective_calls_are_the_codes():
     """The calls SimpleFSDP makes on 2 ranks of llama3 debug (6 blocks, 9 buckets: README, counted
     in the traced graph by tests/test_buckets.py): 57 per parameter, 9 bucketed, 5 blocks
-    gathered again when re-sharded after the forward."""
+    gathered again when re-sharded after the forward. The default (auto) keeps them: the debug
+    model fits with them kept, so the plan is the one with re-sharding off."""
     def calls(*overrides):
         plan = plan_config(build_config(CONFIGS / "llama3_debug.toml", ["--parallelism.dp_shard", "2", *overrides]),
                            CPU, measure=False)
@@ -79,7 +80,9 @@ def test_collective_calls_are_the_codes():
 
     assert calls("--parallelism.bucket_mb", "0") == [("all_gather", 57), ("reduce_scatter", 57)]
     assert calls("--parallelism.reshard_after_forward", "false") == [("all_gather", 9), ("reduce_scatter", 9)]
-    assert calls() == [("all_gather", 9), ("all_gather", 5), ("reduce_scatter", 9)]
+    assert calls("--parallelism.reshard_after_forward", "true") == [("all_gather", 9), ("all_gather", 5),
+                                                                   ("reduce_scatter", 9)]
+    assert calls() == calls("--parallelism.reshard_after_forward", "false")
 
 
 def test_rejections_say_why():
@@ -139,3 +142,27 @@ def test_search_holds_tp_and_factorises_the_rest():
     recipe = search(for_planning(CONFIGS / "llama3_70b_h100_tp.toml", []), measure=False)
     assert recipe.devices == 32 and recipe.fitting
     assert {c.values["parallelism.dp_replicate"] * c.values["parallelism.dp_shard"] for c in recipe.fitting} == {4}
+
+
+def test_configurations_that_plan_the_same_are_one_row():
+    """Bucket sizes that make the same buckets (25 and 256 MB hold a whole debug block) plan exactly
+    the same: the search lists them once, naming the other size, and a row without buckets does
+    not claim to re-shard."""
+    cfg = for_planning(CONFIGS / "llama3_debug.toml", ["--parallelism.dp_shard", "2"])
+    result = search(cfg, CPU, chips=2, measure=False)
+
+    def plan_of(values: dict, bucket_mb: float):
+        overrides = [f"--{key}={str(value).lower() if isinstance(value, bool) else value}"
+                     for key, value in {**values, "parallelism.bucket_mb": bucket_mb}.items()]
+        return plan_config(for_planning(CONFIGS / "llama3_debug.toml", overrides), CPU, chips=2, measure=False)
+
+    merged = [c for c in result.fitting if c.same_buckets]
+    assert merged, "25 and 256 MB buckets of the debug model were not recognised as the same"
+    for c in merged:
+        for size in c.same_buckets:
+            twin = plan_of(c.values, size)
+            assert twin.peak_bytes == c.plan.peak_bytes and twin.time == c.plan.time
+            assert f"(= {size:g} MB)" in c.describe()
+    for c in result.fitting:
+        if c.values["parallelism.bucket_mb"] <= 0:
+            assert "no buckets" in c.describe() and "re-shard" not in c.describe()

@@ -348,6 +348,22 @@ def test_json_output(capsys):
     assert 0 < plan["mfu"] < 100 and plan["tokens_per_s"] > 0
 
 
+def test_explain_names_every_term(capsys):
+    """Every memory term a plan can print has a meaning for --explain (a new term needs one), and a cp
+    recipe's batch is said to be split over its cp devices, not held per device."""
+    from titan_tpu.plan.planner import TERMS
+
+    recipe = str(CONFIGS / "llama3_8b_128k_cp_tpu.toml")
+    plan = plan_config(for_planning(recipe))
+    assert set(plan.memory) - {"phases"} <= set(TERMS)
+    assert main(["plan", "--config", recipe, "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "terms (bytes per device):" in out and TERMS["gathered_weights"] in out
+    assert "per data-parallel rank (its 8 cp x tp devices each hold 1/8 of every sequence)" in out
+    assert main(["plan", "--config", recipe]) == 0
+    assert "titan-tpu plan --explain" in capsys.readouterr().out
+
+
 def test_no_speed_for_eager_mode_on_a_tpu(capsys):
     """Eager mode on a TPU has no measured basis for a step time: the plan says so instead of printing
     one (memory is still planned), --search refuses to rank by it, and graph mode names its assumption."""
@@ -365,11 +381,12 @@ def test_no_speed_for_eager_mode_on_a_tpu(capsys):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_fit_once_weights_are_regathered_per_layer(recipe):
-    """SimpleFSDP re-shards after the forward by default (parallel/reshard.py: block weights
-    gathered again in the backward, a scanned stack gathered and reduce-scattered per layer): the
-    recipes fit with the code as it is. Keeping every gathered block weight from the forward to the
-    backward (--parallelism.reshard_after_forward false, or the what-if --gather model), the
-    gathered weights are the whole model in bf16 and they do not."""
+    """SimpleFSDP re-shards after the forward (parallel/reshard.py: block weights gathered again
+    in the backward, a scanned stack gathered and reduce-scattered per layer) where the memory
+    needs it, which the default (auto) picks for these recipes: they fit with the code as it is.
+    Keeping every gathered block weight from the forward to the backward
+    (--parallelism.reshard_after_forward false, or the what-if --gather model), the gathered
+    weights are the whole model in bf16 and they do not."""
     cfg = for_planning(CONFIGS / f"{recipe}.toml")
     today = plan_config(cfg)
     assert today.mesh["gather"] == today.mesh["code_gather"] == "layer"

@@ -8,6 +8,7 @@ match the unrolled eager run to 1e-6 in loss.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -235,10 +236,16 @@ def _sharded_worker(scan: bool, ac: str, mode: str) -> dict:
     return out
 
 
+@functools.cache
+def sharded_reference_runs() -> list[dict]:
+    """The unrolled eager 2-rank run, without checkpointing: one spawn shared by both modes."""
+    return run_distributed(_sharded_worker, world_size=2, args=(False, "none", "eager"), timeout_s=180)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["eager", "aot_eager"])
 def test_two_rank_fully_shard_scan_and_checkpointing_match_unrolled(mode):
-    reference = run_distributed(_sharded_worker, world_size=2, args=(False, "none", "eager"), timeout_s=180)
+    reference = sharded_reference_runs()
     for scan, ac in [(True, "none"), (True, "full"), (False, "selective")]:
         results = run_distributed(_sharded_worker, world_size=2, args=(scan, ac, mode), timeout_s=240)
         for rank in range(2):

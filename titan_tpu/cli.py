@@ -12,6 +12,8 @@
     titan-tpu prepare-data --config configs/llama3_debug.toml --workers 2   # tokenize the sources once
     titan-tpu report outputs/run_a outputs/run_b [--out report.html] [--png DIR]   # plots in one HTML file
     titan-tpu verify MODEL [--tiny] [--hardware v5p-256] [--checks a,b] [--report DIR]   # docs/verify.md
+    titan-tpu config [SECTION]                              # every config key: type, default, meaning
+    titan-tpu --help | --version
 
 User mistakes end the process with one line on stderr and exit status 2, not a traceback; faults of
 the run's environment (a checkpoint that could not be written, an output_dir another run holds:
@@ -44,7 +46,9 @@ def train_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="titan-tpu train",
         description="Train a model. Any config field can be overridden as --section.key VALUE "
-                    "(e.g. --training.steps 200 --optimizer.lr 3e-4 --output_dir DIR).")
+                    "(e.g. --training.steps 200 --optimizer.lr 3e-4 --output_dir DIR).",
+        epilog="Every key, with its type, default and meaning: titan-tpu config [SECTION]. Rerunning the same "
+               "command resumes from the newest checkpoint in the output directory.")
     parser.add_argument("--config", help="TOML recipe, e.g. configs/llama3_debug.toml")
     args, overrides = parser.parse_known_args(argv)
 
@@ -183,6 +187,7 @@ def plan_main(argv: list[str]) -> int:
                                            "Google names slices (v5p-1024: 512 chips) or a device count (h100-8); "
                                            "default: what the config names")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--explain", action="store_true", help="after the plan, what each of its terms means")
     parser.add_argument("--gather", default=None, choices=["model", "layer"],
                         help="what-if for gathered block weights: layer (re-sharded after the forward, gathered "
                              "again per layer) or model (kept from forward to backward); default: what the code "
@@ -222,7 +227,7 @@ def plan_main(argv: list[str]) -> int:
         print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
         return 0
     plan = plan_config(cfg, hardware, chips=chips, gather=args.gather)
-    print(plan.to_json() if args.json else format_plan(plan))
+    print(plan.to_json() if args.json else format_plan(plan, explain=args.explain))
     return 0
 
 
@@ -269,15 +274,67 @@ def verify_main(argv: list[str]) -> int:
     return verify(argv)
 
 
+def config_main(argv: list[str]) -> int:
+    from titan_tpu.tools.config_reference import main as reference
+
+    return reference(argv)
+
+
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
             "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
-            "prepare-data": prepare_data_main, "report": report_main, "verify": verify_main}
+            "prepare-data": prepare_data_main, "report": report_main, "verify": verify_main, "config": config_main}
+
+# One line per command for `titan-tpu --help`, in the order a new user meets them.
+SUMMARIES = {
+    "train": "train a model from a TOML recipe plus --section.key overrides (also under torchrun)",
+    "config": "list every config key with its type, default and meaning",
+    "plan": "predict memory, FLOPs, communication and speed before touching hardware; --search for the best knobs",
+    "verify": "check a model (native or a Hugging Face directory) end to end before a long run",
+    "prepare-data": "tokenize a recipe's data sources once, into the shared token cache",
+    "eval": "loss and perplexity of a checkpoint or an HF directory on held-out text",
+    "convert": "checkpoint <-> Hugging Face directory",
+    "report": "plots of one or more runs in one HTML file",
+    "graph": "write the captured training step (graph mode) as text",
+    "kernels": "kernel implementations per op, which run here, and what auto picks",
+    "hf-sweep": "train every Hugging Face causal-LM type tiny and compare with transformers",
+}
+DOCS = "docs/README.md (the user guide, one page per topic)"
+
+
+def usage() -> str:
+    """What `titan-tpu` and `titan-tpu --help` print."""
+    width = max(map(len, COMMANDS))
+    lines = ["usage: titan-tpu COMMAND [options]   (titan-tpu COMMAND --help for a command's options)", "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {SUMMARIES[name]}" for name in SUMMARIES]
+    lines += ["", "options:", f"  {'--version':<{width}}  the titan-tpu and torch versions", "",
+              f"guide: {DOCS}"]
+    return "\n".join(lines)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as package_version
+
+    import torch
+
+    try:
+        ours = package_version("titan-tpu")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        ours = "(not installed)"
+    return f"titan-tpu {ours} (torch {torch.__version__}, Python {sys.version.split()[0]})"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: titan-tpu {{{','.join(COMMANDS)}}} ...  (titan-tpu COMMAND --help for details)", file=sys.stderr)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] == "--version":
+        print(version())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"error: unknown command {argv[0]!r}; use one of {', '.join(SUMMARIES)} (titan-tpu --help)",
+              file=sys.stderr)
         return 2
     from titan_tpu.errors import RunError
 

@@ -25,7 +25,7 @@ from titan_tpu.models.registry import MODEL_NAMES
 @dataclass
 class JobConfig:
     name: str = "run"  # run name: the default output directory is outputs/<name>
-    description: str = ""
+    description: str = ""  # free text; TPU and GPU recipes name their hardware here ("TPU v5p-128: 64 chips")
 
 
 @dataclass
@@ -38,7 +38,7 @@ class ModelConfig:
     # model_type of transformers (e.g. llama, qwen3, gemma3_text) for a fresh model; hf_overrides
     # changes config values: '{"hidden_size": 64}' or hidden_size=64,num_hidden_layers=2.
     hf_config: str = ""
-    hf_overrides: str = ""
+    hf_overrides: str = ""  # name = hf: changes to the directory's config values (the comment above)
     # Compute dtype. Parameters and AdamW's moments stay fp32 (master weights) and are cast for
     # compute, on one device as on many, eager and graph (docs/mixed_precision.md). auto: float32 on
     # CPU, bfloat16 on CUDA and TPU; bfloat16 on a CPU needs its bf16 instructions (avx512_bf16/amx_bf16).
@@ -50,20 +50,20 @@ class ModelConfig:
     # loss times moe_aux_loss_coef; expert_bias is DeepSeek-V3's auxiliary-loss-free bias, moved
     # by moe_bias_update_rate each step; none does neither.
     moe_load_balance: Literal["aux_loss", "expert_bias", "none"] = "aux_loss"
-    moe_aux_loss_coef: float = 0.001
-    moe_bias_update_rate: float = 0.001
+    moe_aux_loss_coef: float = 0.001  # moe_load_balance = aux_loss: the balancing loss's weight
+    moe_bias_update_rate: float = 0.001  # moe_load_balance = expert_bias: how far the biases move per step
 
 
 @dataclass
 class TrainingConfig:
     steps: int = 100  # optimizer steps
     batch_size: int = 8  # sequences per micro-batch (per data-parallel rank)
-    seq_len: int = 256
+    seq_len: int = 256  # tokens per sequence (a packed window of documents)
     grad_accum_steps: int = 1  # micro-batches summed into one optimizer step
     max_norm: float = 1.0  # global gradient-norm clipping; <= 0 disables clipping
-    seed: int = 0
+    seed: int = 0  # initialisation and data order
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise-repeatable runs
-    device: Literal["auto", "cpu", "cuda", "tpu"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "tpu"] = "auto"  # auto: tpu, else cuda, else cpu
     # eager: plain autograd. graph: forward, backward, clipping and AdamW captured as one program
     # with make_fx and compiled by compile.backend (one micro-batch per step for now).
     mode: Literal["eager", "graph"] = "eager"
@@ -88,8 +88,10 @@ class ParallelismConfig:
     # scanned stack is gathered one layer at a time inside the loop, so about one layer's gathered
     # weights are alive at a time instead of the whole model. false: keep them from the forward to
     # the backward (one gather fewer per block; for small models where memory is not the limit).
-    # Acts on bucketed collectives (bucket_mb > 0).
-    reshard_after_forward: bool = True
+    # auto: false where the planner's plan with false fits the device, else true (titan-tpu plan;
+    # the trainer logs its choice): re-sharding's extra gathers are paid only where the memory is
+    # needed. Acts on bucketed collectives (bucket_mb > 0).
+    reshard_after_forward: Literal["auto", "true", "false"] = "auto"
     # Expert parallelism (MoE models): experts spread over groups of ep ranks; ep divides dp_shard
     # and the number of experts. Tokens reach their experts by all-gather + reduce-scatter.
     ep: int = 1
@@ -128,19 +130,19 @@ class ActivationCheckpointConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
-    lr: float = 8e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    name: Literal["adamw"] = "adamw"  # AdamW with decoupled weight decay, fp32 moments (train/optim.py)
+    lr: float = 8e-4  # peak learning rate, reached after lr_scheduler.warmup_steps
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # added to the second moment's root
+    weight_decay: float = 0.1  # decoupled; on tensors of 2+ dims (linear weights, embeddings), not norms or biases
 
 
 @dataclass
 class LRSchedulerConfig:
-    warmup_steps: int = 10
+    warmup_steps: int = 10  # linear warm-up from 0 to optimizer.lr (clamped to training.steps)
     decay_ratio: float = 0.8  # fraction of training spent decaying (warmup-stable-decay)
-    decay_type: Literal["linear", "cosine", "none"] = "cosine"
+    decay_type: Literal["linear", "cosine", "none"] = "cosine"  # the shape of the decay to min_lr_ratio
     min_lr_ratio: float = 0.1  # floor, as a fraction of optimizer.lr
 
 
@@ -166,20 +168,20 @@ class DataConfig:
 
 @dataclass
 class ValidationConfig:
-    enabled: bool = True
+    enabled: bool = True  # evaluate the loss on held-out data during training
     freq: int = 50  # validate every freq steps (and after the last step)
     steps: int = 4  # validation batches per evaluation
 
 
 @dataclass
 class MetricsConfig:
-    log_freq: int = 10
+    log_freq: int = 10  # a metrics row (loss, tokens/s, MFU, memory) every log_freq steps
     # Where each row goes besides metrics.jsonl and the console: tensorboard, wandb (an optional
     # extra; offline without WANDB_API_KEY). train/trackers.py; on the command line "tensorboard,wandb".
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     tensorboard: bool = True  # false leaves tensorboard out even when trackers lists it (the older switch)
-    wandb_project: str = "titan-tpu"
-    console: bool = True
+    wandb_project: str = "titan-tpu"  # the Weights & Biases project when trackers has wandb
+    console: bool = True  # print each metrics row to the console (rank 0)
 
 
 @dataclass
@@ -190,14 +192,14 @@ class ProfilingConfig:
     # trace_dir/memory_rank<r>.pickle (drag into pytorch.org/memory_viz).
     enabled: bool = False
     start_step: int = 3  # the first profiled step (after warm-up and compilation)
-    active_steps: int = 2
+    active_steps: int = 2  # how many steps are profiled
     trace_dir: str = ""  # empty = <output_dir>/profile
-    memory_snapshot: bool = False
+    memory_snapshot: bool = False  # CUDA: also record the allocator's history
 
 
 @dataclass
 class CheckpointConfig:
-    enabled: bool = True
+    enabled: bool = True  # save checkpoints under output_dir/checkpoints
     interval: int = 100  # save every interval steps (and after the last step)
     keep_latest_k: int = 2  # 0 keeps every checkpoint
     resume: bool = True  # continue from the newest checkpoint in output_dir/checkpoints if there is one
@@ -252,6 +254,8 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     if origin is Literal:
         choices = typing.get_args(annotation)
+        if isinstance(value, bool) and str(value).lower() in choices:
+            return str(value).lower()  # a TOML true/false for a choice spelled "true"/"false"
         if value not in choices:
             raise ValueError(f"{key} = {value!r} is not a valid choice; use one of {', '.join(map(str, choices))}")
         return value

@@ -92,15 +92,31 @@ def reference_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
     return reference_chunk_attention(q_BSHD, k_BSKD, v_BSKD, document_ids_BS, document_ids_BS)
 
 
+# CPU flash attention in bf16 is slower than in fp32 at small head dims: forward + backward of
+# [8, 256, 16 heads, 16] took 1.6-1.7x as long in bf16 as in fp32 (inputs cast up, output down),
+# while at head_dim 64 and 128 bf16 was 1.1-1.4x faster (AMD EPYC with avx512_bf16, one thread,
+# 2026-12-04). Up to this head dim SDPA on CPU computes in fp32 (more precise, never less).
+CPU_FP32_ATTENTION_MAX_HEAD_DIM = 16
+
+
+def _sdpa_dtype(q: Tensor) -> torch.dtype:
+    """The dtype SDPA computes in for these queries: fp32 for bf16/fp16 on CPU at small head dims
+    (see CPU_FP32_ATTENTION_MAX_HEAD_DIM), else the inputs' own."""
+    if q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[-1] <= CPU_FP32_ATTENTION_MAX_HEAD_DIM:
+        return torch.float32
+    return q.dtype
+
+
 def sdpa_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
                    document_ids_BS: Tensor | None = None) -> Tensor:
     if document_ids_BS is not None:
         return masked_sdpa(q_BSHD, k_BSKD, v_BSKD, allowed_BSS(q_BSHD.shape[1], document_ids_BS, q_BSHD.device))
     # SDPA wants heads before sequence; the transposes are views (the kernels take strides).
     gqa = q_BSHD.shape[2] != k_BSKD.shape[2]
-    o_BHSD = F.scaled_dot_product_attention(q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
-                                            is_causal=True, enable_gqa=gqa)
-    return o_BHSD.transpose(1, 2)
+    dtype = _sdpa_dtype(q_BSHD)
+    o_BHSD = F.scaled_dot_product_attention(q_BSHD.transpose(1, 2).to(dtype), k_BSKD.transpose(1, 2).to(dtype),
+                                            v_BSKD.transpose(1, 2).to(dtype), is_causal=True, enable_gqa=gqa)
+    return o_BHSD.transpose(1, 2).to(q_BSHD.dtype)
 
 
 def sdpa_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
@@ -116,9 +132,11 @@ def masked_sdpa(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, allowed_BQS: Ten
     """Attention of Q queries over S keys (grouped-query) where the boolean [B (or 1), Q, S] mask
     allows, through torch's SDPA; every query must be allowed at least one key."""
     gqa = q_BQHD.shape[2] != k_BSKD.shape[2]
-    o_BHQD = F.scaled_dot_product_attention(q_BQHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2),
-                                            attn_mask=allowed_BQS.unsqueeze(1), enable_gqa=gqa)
-    return o_BHQD.transpose(1, 2)
+    dtype = _sdpa_dtype(q_BQHD)
+    o_BHQD = F.scaled_dot_product_attention(q_BQHD.transpose(1, 2).to(dtype), k_BSKD.transpose(1, 2).to(dtype),
+                                            v_BSKD.transpose(1, 2).to(dtype), attn_mask=allowed_BQS.unsqueeze(1),
+                                            enable_gqa=gqa)
+    return o_BHQD.transpose(1, 2).to(q_BQHD.dtype)
 
 
 _compiled_flex = None

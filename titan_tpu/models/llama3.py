@@ -19,8 +19,10 @@ def _llama(**kwargs) -> TransformerArgs:
 
 LLAMA3_FLAVORS: dict[str, TransformerArgs] = {
     # Tiny model for tests and CPU runs: 6,163,712 parameters.
+    # max_seq_len above the 8,192 positions Llama 3.1's RoPE scaling starts from, as the real models
+    # have it (transformers warns on every load of an export otherwise); runs build the table at seq_len.
     "debug": _llama(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048,
-                    ffn_hidden_dim=768, rope_scaling=RopeScaling(**_ROPE_3_1), max_seq_len=4096),
+                    ffn_hidden_dim=768, rope_scaling=RopeScaling(**_ROPE_3_1), max_seq_len=16384),
     # Llama 3.2 1B and 3B tie the output projection to the embeddings.
     "1B": _llama(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192,
                  rope_scaling=RopeScaling(**_ROPE_3_2), tie_embeddings=True),

@@ -91,7 +91,7 @@ def spec_for_weights(model: ModelConfig, hf_dir: str | Path) -> ModelSpec:
 def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int, mesh: DeviceMesh | None = None,
           parallel_dims: ParallelDims | None = None, expert_mesh: DeviceMesh | None = None,
           mp: MixedPrecision | None = None, documents: bool = False, own_weights: bool = True,
-          log: Log = lambda message: None) -> TrainableModel:
+          reshard_after_forward: bool | None = None, log: Log = lambda message: None) -> TrainableModel:
     """The one way a spec becomes a model: built on the meta device (tensor/context parallel
     when the mesh has those axes), materialised and initialised from `seed` piece by piece
     (sharded when there is a mesh, computed in `mp.param_dtype`), then finished by the spec (an
@@ -99,7 +99,8 @@ def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int
 
     The execution options come from `cfg`: model.scan_layers, activation_checkpoint.mode,
     kernels, training.seq_len (a native model's RoPE table length) and parallelism.bucket_mb /
-    reshard_after_forward. Without a mesh the model is plain, on one device."""
+    reshard_after_forward (the trainer passes what it resolved auto to; None takes the config's
+    value, with auto as true). Without a mesh the model is plain, on one device."""
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import materialize_and_init
 
@@ -108,7 +109,8 @@ def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int
     p = cfg.parallelism
     model = materialize_and_init(model, mesh, mode=dims.mode if mesh is not None else "none", mp=mp, device=device,
                                  seed=seed, expert_mesh=expert_mesh, bucket_mb=p.bucket_mb,
-                                 reshard_after_forward=p.reshard_after_forward)
+                                 reshard_after_forward=(p.reshard_after_forward != "false"
+                                                        if reshard_after_forward is None else reshard_after_forward))
     spec.finish(model, log=log, own_weights=own_weights)
     return model
 

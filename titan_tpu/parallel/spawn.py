@@ -10,6 +10,13 @@ clients, as under torchrun, whose agent hosts the store: the OS picks the port a
 it, so no other process can take it in between, and no rank runs a store server thread. A rank
 that finished leaves with os._exit, skipping interpreter finalization, which a gloo worker thread
 can abort (docs/known-issues.md, 1b).
+
+Ranks are forked from multiprocessing's fork server, a clean process started once per calling
+process that has imported torch, titan_tpu and the first caller's module (not from the caller, whose
+threads and state a fork would copy). A fresh interpreter per rank ("spawn") imports torch again each
+time: on a 2-core machine that was seconds per start, most of what a short multi-process test
+costs. A forked rank gets the caller's environment, working directory and sys.path, as a spawned
+one did.
 """
 
 from __future__ import annotations
@@ -29,9 +36,16 @@ from titan_tpu.parallel.gloo import use_single_thread_gloo
 
 __all__ = ["run_ranks"]
 
+# Imported once by the fork server, so that no rank imports them again.
+RANK_PRELOAD = ("torch", "torch.distributed.tensor", "titan_tpu.train.trainer")
+
 
 def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple, kwargs: dict,
-            num_threads: int) -> None:
+            num_threads: int, environ: dict[str, str]) -> None:
+    # The fork server's environment is the caller's as it was when the server started: take the
+    # caller's of now (multiprocessing passes the working directory and sys.path itself).
+    os.environ.clear()
+    os.environ.update(environ)
     # Ranks share the machine's cores; one thread each keeps them from oversubscribing it.
     torch.set_num_threads(num_threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -58,13 +72,14 @@ def run_ranks(fn: Callable, *, world_size: int, args: tuple = (), kwargs: dict |
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results."""
     # The store server: port 0 lets the OS pick a free port as it binds; ranks connect as clients.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    _preload_fork_server(fn)
     with tempfile.TemporaryDirectory(prefix="titan_tpu_dist_") as result_dir:
         context = mp.start_processes(
             _worker,
-            args=(fn, world_size, store.port, result_dir, args, kwargs or {}, num_threads),
+            args=(fn, world_size, store.port, result_dir, args, kwargs or {}, num_threads, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline = time.monotonic() + timeout_s
         while not context.join(timeout=0.5):  # raises ProcessRaisedException if a rank failed
@@ -74,3 +89,14 @@ def run_ranks(fn: Callable, *, world_size: int, args: tuple = (), kwargs: dict |
                         process.kill()
                 raise TimeoutError(f"distributed run of {fn.__name__} took longer than {timeout_s} s")
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _preload_fork_server(fn: Callable) -> None:
+    """Name what the fork server imports when it starts (the first call in this process; later
+    calls find it running and this has no effect): torch, titan_tpu's training stack, and `fn`'s
+    module with its imports (in a test session: pytest and the test helpers). A module run as a
+    script (`__main__`) is imported in each rank as under spawn."""
+    modules = list(RANK_PRELOAD)
+    if fn.__module__ != "__main__":
+        modules.append(fn.__module__)
+    mp.get_context("forkserver").set_forkserver_preload(modules)

@@ -28,6 +28,7 @@ Eager runs (no scheduler to overlap) use the first, graph mode the second.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import re
@@ -150,7 +151,8 @@ def code_gather(cfg: Config) -> str:
     checkpointing (scan's partitioner saves each layer's gathered weights), or tensor parallelism
     without activation checkpointing (parameters gathered one by one) or with scanned layers."""
     p = cfg.parallelism
-    if not p.reshard_after_forward or p.bucket_mb <= 0:
+    assert p.reshard_after_forward != "auto", "plan_config resolves auto first (with_reshard_resolved)"
+    if p.reshard_after_forward == "false" or p.bucket_mb <= 0:
         return "model"
     if p.tp > 1 and cfg.activation_checkpoint.mode == "none":
         # Tensor-parallel weights are gathered per parameter, outside buckets: autograd keeps them,
@@ -211,7 +213,7 @@ class _Setting:
         too; a what-if other than the code's stands for re-sharding on (layer) or off (model)."""
         if self.gather != self.code_gather:
             return self.gather == "layer"
-        return self.cfg.parallelism.reshard_after_forward and self.cfg.parallelism.bucket_mb > 0
+        return self.cfg.parallelism.reshard_after_forward == "true" and self.cfg.parallelism.bucket_mb > 0
 
     @property
     def block_params(self) -> int:
@@ -233,7 +235,10 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     they are not a flavor of the table (titan-tpu verify of an HF directory); default: the config's.
 
     Composes the terms below, each a pure function of the resolved `_Setting` (and of terms
-    computed before it) returning one named quantity."""
+    computed before it) returning one named quantity. parallelism.reshard_after_forward auto is
+    planned as what the trainer resolves it to (`with_reshard_resolved`)."""
+    if cfg.parallelism.reshard_after_forward == "auto":
+        cfg = with_reshard_resolved(cfg, hardware, chips=chips, measure=measure, model_args=model_args)
     s = _resolve(cfg, hardware, chips=chips, measure=measure, gather=gather, model_args=model_args)
     args, t, layout, mb = s.args, cfg.training, s.layout, s.layout.master_bytes()
     acts = _activations(s)
@@ -285,6 +290,21 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     scan_held = scan.at_backward_start - scan.activations if scan else 0.0
     plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak + scan_held) / peak if peak else 0.0)
     return plan
+
+
+def with_reshard_resolved(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
+                          measure: bool = True, model_args=None) -> Config:
+    """`cfg` with parallelism.reshard_after_forward auto resolved: "false" where the plan that keeps
+    the gathered block weights from the forward to the backward fits the device (re-sharding would
+    only add an all-gather per block to the backward), else "true". Other values: `cfg` itself.
+    The trainer runs this too (train/trainer.py), so the plan and the run agree."""
+    if cfg.parallelism.reshard_after_forward != "auto":
+        return cfg
+    resolved = copy.copy(cfg)
+    resolved.parallelism = dataclasses.replace(cfg.parallelism, reshard_after_forward="false")
+    if not plan_config(resolved, hardware, chips=chips, measure=measure, model_args=model_args).fits:
+        resolved.parallelism = dataclasses.replace(cfg.parallelism, reshard_after_forward="true")
+    return resolved
 
 
 def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measure: bool, gather: str | None,
@@ -621,12 +641,46 @@ def _advice(plan: Plan, cfg: Config, *, acts_share: float) -> list[str]:
     return out or ["a device with more memory"]
 
 
+def _batch_unit(mesh: dict) -> str:
+    """Who holds a micro-batch: a device, or under cp / tp a group of devices that splits it."""
+    split = mesh.get("cp", 1) * mesh.get("tp", 1)
+    if split == 1:
+        return "device"
+    return f"data-parallel rank (its {split} cp x tp devices each hold 1/{mesh.get('cp', 1)} of every sequence)"
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:8.3f} GB"
 
 
-def format_plan(plan: Plan) -> str:
-    """The human-readable report `titan-tpu plan` prints."""
+# What each memory term of a plan is, for `titan-tpu plan --explain` (bytes per device).
+TERMS = {
+    "parameters": "the fp32 master weights this device stores (its shard under dp_shard, its slice under tp/ep)",
+    "gradients": "their fp32 gradients, reduced and sharded like the parameters",
+    "optimizer_state": "AdamW's two fp32 moments per stored parameter",
+    "activations": "what the forward keeps for the backward (per activation-checkpointing mode), for one "
+                   "micro-batch",
+    "activation_recompute": "the largest block's activations while its forward is recomputed in the backward "
+                            "(activation checkpointing)",
+    "gathered_weights": "weights all-gathered from the shards for compute, in the compute dtype: one bucket "
+                        "(re-gathered per layer) or the whole model (kept from forward to backward)",
+    "full_size_gradient": "the largest gradient alive at full size before its reduce-scatter to this device's shard",
+    "scan_saved_copies": "scanned layers: copies of weights and RoPE tables the scan loop saves per layer",
+    "scan_flipped": "scanned layers: the reversed copies of the saved stacks the backward loop reads",
+    "scan_gradient_stack": "scanned layers: the stacked weight gradients the backward loop writes",
+    "loss_kept": "what the output projection + loss kernel keeps from its forward for the backward",
+    "loss_peak": "the loss kernel's largest transient (a chunk of logits and what is computed from it)",
+    "optimizer_temporary": "AdamW's temporaries during the update (sqrt of the second moment; graph mode's "
+                           "out-of-place update also writes fresh parameters and moments)",
+    "moe_dispatch": "MoE under ep: what the ep group's tokens add to the activations (counted within them)",
+    "runtime": "what the process holds beside the model's tensors (on the CPU: Python, torch, the data "
+               "loader, gloo; the compiled step in graph mode)",
+    "peak": "the largest sum of the terms alive at one moment (forward end, backward, optimizer step)",
+}
+
+
+def format_plan(plan: Plan, *, explain: bool = False) -> str:
+    """The human-readable report `titan-tpu plan` prints; explain appends what each term means."""
     hw, m, b = plan.hardware, plan.memory, plan.batch
     gathered = "re-gathered per layer" if plan.mesh["gather"] == "layer" else "kept forward to backward"
     what_if = ""
@@ -639,8 +693,9 @@ def format_plan(plan: Plan) -> str:
         f"{' x cp ' + str(plan.mesh.get('cp', 1)) if plan.mesh.get('cp', 1) > 1 else ''}"
         f"{' x tp ' + str(plan.mesh.get('tp', 1)) if plan.mesh.get('tp', 1) > 1 else ''}; {plan.mesh['mode']}"
         f"; gathered weights: {gathered}{what_if})",
-        f"  batch {b['batch_size']} x seq {b['seq_len']} x accum {b['grad_accum_steps']} per device, "
-        f"{b['tokens_per_step']:,} tokens/step; {b['dtype']}; AC {b['activation_checkpoint']}; "
+        f"  batch {b['batch_size']} x seq {b['seq_len']} x accum {b['grad_accum_steps']} per "
+        f"{_batch_unit(plan.mesh)}, {b['tokens_per_step']:,} tokens/step; {b['dtype']}; "
+        f"AC {b['activation_checkpoint']}; "
         f"{'scanned' if b['scan_layers'] else 'unrolled'}; loss {b['loss']}; {b['mode']} mode",
         f"  parameters {plan.params['total'] / 1e9:.3f} B ({plan.params['active'] / 1e9:.3f} B active), "
         f"{plan.params['stored_per_device'] / 1e9:.3f} B stored per device",
@@ -681,4 +736,9 @@ def format_plan(plan: Plan) -> str:
     for a in plan.advice:
         lines.append(f"to fit: {a}")
     lines.append(f"hardware source: {hw['source']}")
+    if explain:
+        lines.append("terms (bytes per device):")
+        lines += [f"  {key:22s}{meaning}" for key, meaning in TERMS.items() if key == "peak" or m.get(key)]
+    else:
+        lines.append("(titan-tpu plan --explain: what each term means)")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ The space (each knob at the values below; `keep` holds a knob at the config's va
 
     activation_checkpoint.mode        none, selective, full
     model.scan_layers                 false, true
-    parallelism.reshard_after_forward true, false        (sharded layouts only)
+    parallelism.reshard_after_forward true, false        (sharded layouts only; auto plans as one of them)
     parallelism.bucket_mb             0, 25, 256 and the config's (sharded or replicated layouts only)
     training.batch_size x grad_accum  every split of the sequences per device (the global batch,
                                       batch_size x grad_accum_steps x devices, is the config's)
@@ -58,6 +58,7 @@ class Candidate:
     plan: Plan | None = None
     reason: str = ""  # why rejected ("" when it fits)
     detail: str = ""
+    same_buckets: list = field(default_factory=list)  # other bucket_mb values that plan exactly the same
 
     def describe(self) -> str:
         v = self.values
@@ -66,9 +67,14 @@ class Candidate:
         r, s = v["parallelism.dp_replicate"], v["parallelism.dp_shard"]
         if r * s > 1:  # the layout's knobs act only on several devices
             ep = f", ep {v['parallelism.ep']}" if v["parallelism.ep"] > 1 else ""
-            text += f", dp_replicate {r} x dp_shard {s}{ep}, bucket {_fmt(v['parallelism.bucket_mb'])} MB"
+            text += f", dp_replicate {r} x dp_shard {s}{ep}"
+            if v["parallelism.bucket_mb"] <= 0:  # one collective per parameter: nothing to re-shard
+                return text + ", no buckets"
+            same = "".join(f" (= {_fmt(b)} MB)" for b in self.same_buckets)
+            text += f", bucket {_fmt(v['parallelism.bucket_mb'])} MB{same}"
             if s > 1:
-                text += ", re-shard" if v["parallelism.reshard_after_forward"] else ", keep gathered"
+                text += {"true": ", re-shard", "false": ", keep gathered"}.get(v["parallelism.reshard_after_forward"],
+                                                                                ", re-shard auto")
         return text
 
 
@@ -130,10 +136,13 @@ def _space(cfg: Config, devices: int, keep: set[str]) -> list[dict]:
         # several devices, re-sharding on a sharded axis with buckets.
         buckets = sorted(set(BUCKETS_MB) | {p.bucket_mb}) if r * s > 1 and "parallelism.bucket_mb" not in keep \
             else [p.bucket_mb]
-        reshards = [True, False] if s > 1 and "parallelism.reshard_after_forward" not in keep else \
+        reshards = ["true", "false"] if s > 1 and "parallelism.reshard_after_forward" not in keep else \
             [p.reshard_after_forward]
+        # Without buckets re-sharding does nothing: one candidate, at the config's value (or false
+        # when the config says auto).
+        unbucketed = p.reshard_after_forward if p.reshard_after_forward in reshards else "false"
         for bucket, reshard in itertools.product(buckets, reshards):
-            if bucket <= 0 and reshard != p.reshard_after_forward and len(reshards) > 1:
+            if bucket <= 0 and reshard != unbucketed and len(reshards) > 1:
                 continue
             out.append({"activation_checkpoint.mode": ac, "model.scan_layers": scan,
                         "parallelism.reshard_after_forward": reshard, "parallelism.bucket_mb": bucket,
@@ -224,7 +233,26 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
         return step, c.values["training.grad_accum_steps"], len(c.changes), c.plan.peak_bytes
 
     result.fitting.sort(key=rank)
+    result.fitting = _merge_same_buckets(result.fitting)
     return result
+
+
+def _merge_same_buckets(ranked: list[Candidate]) -> list[Candidate]:
+    """Candidates that differ only in bucket_mb and plan exactly the same (the same memory, step time
+    and collectives: both sizes make the same buckets) are one configuration: the first in rank
+    order stays, naming the other sizes."""
+    kept, by_behaviour = [], {}
+    for c in ranked:
+        others = tuple((k, v) for k, v in c.values.items() if k != "parallelism.bucket_mb")
+        collectives = tuple((x["kind"], x["axis"], x["calls"], round(x["bytes_per_step"]))
+                            for x in c.plan.communication)
+        key = (others, round(c.plan.peak_bytes), round(c.plan.time["step_s"], 9), collectives)
+        if key in by_behaviour and c.values["parallelism.bucket_mb"] > 0:
+            by_behaviour[key].same_buckets.append(c.values["parallelism.bucket_mb"])
+            continue
+        by_behaviour.setdefault(key, c)
+        kept.append(c)
+    return kept
 
 
 def _nothing_fits(result: SearchResult) -> str:

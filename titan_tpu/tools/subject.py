@@ -4,7 +4,7 @@ weights, and the backend that runs it.
 Every spec becomes a directory that transformers' own from_pretrained reads, so the reference side
 of every check is unmodified transformers:
 
-* a native name/flavor (``llama3/debug``, ``qwen3_moe/30B-A3B``): the flavor's seeded init, written
+* a native name/flavor (``llama3/debug``, ``qwen3_moe/30b_a3b``): the flavor's seeded init, written
   with our HF export; the native backend runs it;
 * an HF directory with weights: that directory; the native backend where the native adapter reads
   its config (Llama, Qwen3, Qwen3-MoE without unsupported features), the Transformers backend

@@ -157,7 +157,34 @@ class Trainer:
         (docs/mixed_precision.md)."""
         return build(self.spec, self.cfg, device=self.backend.device, seed=self.cfg.training.seed, mesh=self.mesh,
                      parallel_dims=self.parallel_dims, expert_mesh=self.expert_mesh, mp=self.mixed_precision,
-                     documents=self.document_mask, log=self.log)
+                     documents=self.document_mask, reshard_after_forward=self._reshard_after_forward(), log=self.log)
+
+    def _reshard_after_forward(self) -> bool:
+        """parallelism.reshard_after_forward as this run applies it: auto is decided by the planner
+        on rank 0 (planner.with_reshard_resolved: re-shard only where keeping the gathered block
+        weights would not fit) and shared, so every rank runs the same collectives. Where the
+        planner has no terms for the run (an hf model, an unnamed GPU) auto re-shards."""
+        value = self.cfg.parallelism.reshard_after_forward
+        if value != "auto" or self.mesh is None:
+            return value == "true"
+        decision = [None, None]  # (re-shard, why), filled on rank 0
+        if self.is_main:
+            from titan_tpu.plan.planner import default_hardware, with_reshard_resolved
+
+            try:
+                hardware, _ = default_hardware(self.cfg, measure=False)
+                chips = max(self.world_size // hardware.devices_per_chip, 1)
+                resolved = with_reshard_resolved(self.cfg, hardware, chips=chips, measure=False)
+                decision = [resolved.parallelism.reshard_after_forward == "true",
+                            "the plan that keeps them does not fit" if resolved.parallelism.reshard_after_forward
+                            == "true" else "the plan that keeps them fits"]
+            except ValueError as e:
+                decision = [True, f"the planner cannot plan this run ({str(e).split(';')[0]})"]
+        if dist.is_initialized():
+            dist.broadcast_object_list(decision, src=0)
+        reshard, why = decision
+        self.log(f"parallelism.reshard_after_forward auto: {str(reshard).lower()} ({why})")
+        return reshard
 
     @property
     def compute_dtype(self) -> torch.dtype:
