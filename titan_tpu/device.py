@@ -2,7 +2,8 @@
 
 A `Backend` bundles the torch device, the process-group backend, the compile backend, the peak
 FLOP/s used as the MFU denominator, memory statistics and a synchronize hook, so nothing else in
-the framework has to branch on "cpu" / "cuda" / "tpu".
+the framework has to branch on "cpu" / "cuda" / "tpu"; what differs per device is one class each
+(`_CPU`, `_CUDA`, `_TPU`), so `Backend` does not branch on its own name either.
 
 Every TorchTPU call of the framework outside the kernels is in this module (the kernels' are in
 kernels/tpu.py; tests/test_tpu_sites.py keeps it so). TorchTPU (`torch_tpu`) is never imported at
@@ -257,12 +258,111 @@ def _cpu_memory_stats() -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 
 
+class _CPU:
+    """The CPU: a measured peak, the process's RSS, nothing to synchronise."""
+
+    datasheet_peak = False  # the peak is measured in the compute dtype itself
+
+    def look_up_peak(self, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+        flops = cpu_peak_flops(dtype)
+        return flops, (f"cpu {_dtype_name(dtype)} matmul, measured {flops / 1e9:.0f} GFLOP/s on "
+                       f"{torch.get_num_threads()} threads")
+
+    def memory_stats(self, device: torch.device) -> dict[str, float]:
+        return _cpu_memory_stats()
+
+    def reset_peak_memory(self, device: torch.device) -> None:
+        # Linux resets VmHWM to the current RSS when "5" is written to clear_refs.
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+    def synchronize(self, device: torch.device) -> None:
+        pass
+
+
+class _CUDA:
+    """A CUDA GPU: the datasheet's dense bf16 peak by device name, the caching allocator's stats."""
+
+    datasheet_peak = True
+
+    def look_up_peak(self, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+        dev_name = torch.cuda.get_device_name(device)
+        flops = cuda_peak_flops(dev_name)
+        if flops is None:
+            warnings.warn(
+                f"no peak FLOP/s known for GPU {dev_name!r}; MFU uses {CUDA_FALLBACK_PEAK / 1e12:.0f} "
+                "TFLOP/s (set TITAN_TPU_PEAK_FLOPS to the card's dense bf16 peak)",
+                stacklevel=3,
+            )
+            assumed = f"assumed {CUDA_FALLBACK_PEAK / 1e12:.0f} TFLOP/s bf16 dense"
+            return CUDA_FALLBACK_PEAK, f"cuda {dev_name}: unknown card, {assumed}"
+        return flops, f"cuda {dev_name}: bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s"
+
+    def memory_stats(self, device: torch.device) -> dict[str, float]:
+        return {
+            "memory_gb": torch.cuda.memory_allocated(device) / 1e9,
+            "max_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+        }
+
+    def reset_peak_memory(self, device: torch.device) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+
+class _TPU:
+    """A TPU through TorchTPU: the datasheet's dense bf16 peak by generation, per device."""
+
+    datasheet_peak = True
+
+    def look_up_peak(self, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+        kind = _detect_tpu_kind(device)
+        gen = tpu_generation(kind) if kind else None
+        if gen is None:
+            gen = TPU_FALLBACK_GENERATION
+            warnings.warn(
+                f"could not tell the TPU generation from {kind!r}; MFU assumes {gen} "
+                "(set TITAN_TPU_PEAK_FLOPS to override)",
+                stacklevel=3,
+            )
+        flops = tpu_peak_flops(gen)
+        per = " per device (2 devices per chip)" if tpu_devices_per_chip(gen) > 1 else ""
+        return flops, f"tpu {gen} ({kind}): bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s{per}"
+
+    def memory_stats(self, device: torch.device) -> dict[str, float]:
+        # torch_tpu 0.2.0 lists no memory API of its own; try torch.accelerator's generic
+        # allocator stats, which work when the backend registers an allocator.
+        try:
+            return {
+                "memory_gb": torch.accelerator.memory_allocated(device) / 1e9,
+                "max_memory_gb": torch.accelerator.max_memory_allocated(device) / 1e9,
+            }
+        except Exception:  # noqa: BLE001 - any failure just means "no stats"
+            return {}
+
+    def reset_peak_memory(self, device: torch.device) -> None:
+        try:
+            torch.accelerator.reset_peak_memory_stats(device)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.tpu.synchronize(device.index)
+
+
+# One class per device kind: what differs between them, so `Backend` never asks its own name.
+_DEVICE_KINDS = {"cpu": _CPU(), "cuda": _CUDA(), "tpu": _TPU()}
+
+
 @dataclass
 class Backend:
     """One training device and how to drive it. Build with `get_backend`.
 
     Memory numbers are in GB of 1e9 bytes: process RSS on CPU, allocated tensor memory on
-    accelerators.
+    accelerators. What differs per device lives in its class (`_CPU`, `_CUDA`, `_TPU`).
     """
 
     name: str  # "cpu" | "cuda" | "tpu"
@@ -271,12 +371,16 @@ class Backend:
     compile_backend: str  # "inductor" (cpu, cuda) | "tpu" (TorchTPU's Dynamo backend)
     _peaks: dict = field(default_factory=dict, repr=False, compare=False)  # by compute dtype
 
+    @property
+    def _kind(self):
+        return _DEVICE_KINDS[self.name]
+
     # -- peak FLOP/s ---------------------------------------------------------------------------
 
     def _peak_and_description(self, dtype: torch.dtype) -> tuple[float, str]:
         if dtype not in self._peaks:
             flops, description = self._measure_or_look_up_peak(dtype)
-            if self.name != "cpu" and dtype != torch.bfloat16 and _env_peak_override() is None:
+            if self._kind.datasheet_peak and dtype != torch.bfloat16 and _env_peak_override() is None:
                 description += f" (the run computes in {_dtype_name(dtype)}: MFU against the bf16 peak)"
             self._peaks[dtype] = (flops, description)
         return self._peaks[dtype]
@@ -285,36 +389,7 @@ class Backend:
         override = _env_peak_override()
         if override is not None:
             return override, f"{self.name} peak from TITAN_TPU_PEAK_FLOPS: {override / 1e12:.3g} TFLOP/s"
-        if self.name == "cpu":
-            flops = cpu_peak_flops(dtype)
-            return flops, (f"cpu {_dtype_name(dtype)} matmul, measured {flops / 1e9:.0f} GFLOP/s on "
-                           f"{torch.get_num_threads()} threads")
-        if self.name == "cuda":
-            dev_name = torch.cuda.get_device_name(self.device)
-            flops = cuda_peak_flops(dev_name)
-            if flops is None:
-                warnings.warn(
-                    f"no peak FLOP/s known for GPU {dev_name!r}; MFU uses {CUDA_FALLBACK_PEAK / 1e12:.0f} "
-                    "TFLOP/s (set TITAN_TPU_PEAK_FLOPS to the card's dense bf16 peak)",
-                    stacklevel=2,
-                )
-                assumed = f"assumed {CUDA_FALLBACK_PEAK / 1e12:.0f} TFLOP/s bf16 dense"
-                return CUDA_FALLBACK_PEAK, f"cuda {dev_name}: unknown card, {assumed}"
-            return flops, f"cuda {dev_name}: bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s"
-        if self.name == "tpu":
-            kind = _detect_tpu_kind(self.device)
-            gen = tpu_generation(kind) if kind else None
-            if gen is None:
-                gen = TPU_FALLBACK_GENERATION
-                warnings.warn(
-                    f"could not tell the TPU generation from {kind!r}; MFU assumes {gen} "
-                    "(set TITAN_TPU_PEAK_FLOPS to override)",
-                    stacklevel=2,
-                )
-            flops = tpu_peak_flops(gen)
-            per = " per device (2 devices per chip)" if tpu_devices_per_chip(gen) > 1 else ""
-            return flops, f"tpu {gen} ({kind}): bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s{per}"
-        raise AssertionError(self.name)  # pragma: no cover - get_backend only builds the three names
+        return self._kind.look_up_peak(self.device, dtype)
 
     def peak_flops(self, dtype: torch.dtype = torch.float32) -> float:
         """Per-device dense peak FLOP/s for compute in `dtype`, the MFU denominator."""
@@ -329,44 +404,14 @@ class Backend:
 
     def memory_stats(self) -> dict[str, float]:
         """{"memory_gb": now, "max_memory_gb": peak since the last reset}; {} if unavailable."""
-        if self.name == "cpu":
-            return _cpu_memory_stats()
-        if self.name == "cuda":
-            return {
-                "memory_gb": torch.cuda.memory_allocated(self.device) / 1e9,
-                "max_memory_gb": torch.cuda.max_memory_allocated(self.device) / 1e9,
-            }
-        # TPU: torch_tpu 0.2.0 lists no memory API of its own; try torch.accelerator's generic
-        # allocator stats, which work when the backend registers an allocator.
-        try:
-            return {
-                "memory_gb": torch.accelerator.memory_allocated(self.device) / 1e9,
-                "max_memory_gb": torch.accelerator.max_memory_allocated(self.device) / 1e9,
-            }
-        except Exception:  # noqa: BLE001 - any failure just means "no stats"
-            return {}
+        return self._kind.memory_stats(self.device)
 
     def reset_peak_memory(self) -> None:
-        if self.name == "cpu":
-            # Linux resets VmHWM to the current RSS when "5" is written to clear_refs.
-            try:
-                Path("/proc/self/clear_refs").write_text("5")
-            except OSError:
-                pass
-        elif self.name == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            try:
-                torch.accelerator.reset_peak_memory_stats(self.device)
-            except Exception:  # noqa: BLE001
-                pass
+        self._kind.reset_peak_memory(self.device)
 
     def synchronize(self) -> None:
         """Wait for queued device work, so wall-clock timings measure the work itself."""
-        if self.name == "cuda":
-            torch.cuda.synchronize(self.device)
-        elif self.name == "tpu":
-            torch.tpu.synchronize(self.device.index)
+        self._kind.synchronize(self.device)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
