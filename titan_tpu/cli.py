@@ -263,6 +263,12 @@ def hf_sweep_main(argv: list[str]) -> int:
     return sweep(argv)
 
 
+def compile_main(argv: list[str]) -> int:
+    from titan_tpu.tools.compile_cmd import compile_main as compile_for_tpu
+
+    return compile_for_tpu(argv)
+
+
 def verify_main(argv: list[str]) -> int:
     from titan_tpu.tools.verify import main as verify
 
@@ -271,7 +277,8 @@ def verify_main(argv: list[str]) -> int:
 
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
             "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
-            "prepare-data": prepare_data_main, "report": report_main, "verify": verify_main}
+            "prepare-data": prepare_data_main, "report": report_main, "verify": verify_main,
+            "compile": compile_main}
 
 
 def main(argv: list[str] | None = None) -> int:

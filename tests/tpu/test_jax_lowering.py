@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from titan_tpu.config import build_config
-from titan_tpu.graph.jax_lowering import JaxLoweringError, LOWERINGS, check_lowerable
+from titan_tpu.graph.jax_lowering import LOWERINGS, JaxLoweringError, check_lowerable
 from titan_tpu.models.registry import build_model
 from titan_tpu.tools.device_step import build_device_model, capture_device_step, fake_world
 from titan_tpu.tools.tpu_compile import run_on_devices
@@ -86,12 +86,15 @@ def _max_rel(ours, reference) -> float:
     return float(np.abs(np.asarray(ours, dtype=np.float64) - reference).max() / max(np.abs(reference).max(), 1e-30))
 
 
-def _shard_of(full: torch.Tensor, local: np.ndarray, rank: int) -> np.ndarray:
-    """Rank `rank`'s slice of a full reference tensor, for parameters sharded on their first dim."""
-    if tuple(full.shape) == local.shape:
-        return full.detach().numpy()
-    rows = local.shape[0]
-    return full.detach().numpy()[rank * rows:(rank + 1) * rows]
+def _shard_of(full: torch.Tensor, spec, rank: int) -> np.ndarray:
+    """Rank `rank`'s part of a full reference tensor, by the parameter's placement on the one mesh
+    axis of these tests (Shard(d): the rank's chunk of dim d; replicated: all of it)."""
+    full = full.detach().numpy()
+    if spec is None or not spec.placements[0].is_shard():
+        return full
+    dim = spec.placements[0].dim
+    size = full.shape[dim] // spec.mesh.size()
+    return np.take(full, range(rank * size, (rank + 1) * size), axis=dim)
 
 
 @pytest.mark.parametrize("name, ranks", [("llama3_debug", 1), ("qwen3_debug", 1), ("qwen3_moe_debug", 1),
@@ -108,6 +111,7 @@ def test_lowered_step_equals_eager_step(name, ranks, monkeypatch):
     outputs = run_on_devices(step, per_device, jax.devices("cpu"))
     result, model, optimizer = _reference(cfg, batches, monkeypatch)
     layout, names = step.captured.layout, step.captured.param_names
+    specs = step.captured.dtensor_specs
     params, state = dict(model.named_parameters()), optimizer.state
     errors = {}
     for rank, flat in enumerate(outputs):
@@ -117,7 +121,10 @@ def test_lowered_step_equals_eager_step(name, ranks, monkeypatch):
         for group, reference in (("params", params), ("exp_avg", state["exp_avg"]),
                                  ("exp_avg_sq", state["exp_avg_sq"])):
             for n, value in zip(names, out[group]):
-                errors[group] = max(errors.get(group, 0), _max_rel(value, _shard_of(reference[n], value, rank)))
+                error = _max_rel(value, _shard_of(reference[n], specs.get(n), rank))
+                errors[group] = max(errors.get(group, 0), error)
+                if error > TOL:
+                    print(f"  {group} {n}: {error:.1e} ({specs[n].placements if n in specs else 'plain'})")
     print(f"{name} on {ranks} device(s): max relative error " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     assert max(errors.values()) <= TOL, errors
 

@@ -95,6 +95,39 @@ def _slice(x, dim=0, start=None, end=None, step=1):
     return x[tuple(index)]
 
 
+def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    n = x.shape[dim]
+    start = 0 if start is None else (start + n if start < 0 else min(start, n))
+    end = n if end is None else (end + n if end < 0 else min(end, n))
+    index = [slice(None)] * x.ndim
+    index[dim] = slice(start, end, step)
+    return x.at[tuple(index)].set(src)
+
+
+def _select_scatter(x, src, dim, index):
+    where = [slice(None)] * x.ndim
+    where[dim] = index
+    return x.at[tuple(where)].set(src)
+
+
+def _as_strided(x, size, stride, storage_offset=0):
+    # Read as from x's storage in row-major order (what the functionalised graph's values are:
+    # SimpleFSDP views a gathered flat bucket this way): a gather at the strided positions.
+    flat = x.reshape(-1)
+    position = jnp.asarray(storage_offset or 0)
+    for axis, (n, step) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[axis] = n
+        position = position + (jnp.arange(n) * step).reshape(shape)
+    return flat[jnp.broadcast_to(position, tuple(size))]
+
+
+def _constant_pad(x, pad, value=0):
+    # torch's pad list runs from the last dimension backwards, (before, after) per dimension.
+    widths = [(pad[i], pad[i + 1]) for i in range(len(pad) - 2, -1, -2)]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - len(widths)) + widths, constant_values=value)
+
+
 def _index(x, indices):
     # aten.index: None keeps a dimension; the tensor indices broadcast together (numpy's rules,
     # which JAX's advanced indexing follows).
@@ -310,6 +343,7 @@ LOWERINGS: dict[object, Callable] = {
     aten.detach_copy.default: lambda x: x,
     aten.alias_copy.default: lambda x: x,
     aten.alias.default: lambda x: x,
+    aten.copy.default: lambda x, src, non_blocking=False: jnp.broadcast_to(src, x.shape).astype(x.dtype),
     aten._to_copy.default: _to_copy,
     # reductions
     aten.sum.dim_IntList: _sum,
@@ -352,6 +386,11 @@ LOWERINGS: dict[object, Callable] = {
     aten.split_with_sizes_copy.default: _split_with_sizes,
     aten.split_with_sizes.default: _split_with_sizes,
     aten.index.Tensor: _index,
+    aten.slice_scatter.default: _slice_scatter,
+    aten.as_strided_copy.default: _as_strided,
+    aten.as_strided.default: _as_strided,
+    aten.select_scatter.default: _select_scatter,
+    aten.constant_pad_nd.default: _constant_pad,
     aten.index_put.default: _index_put,
     aten.index_select.default: lambda x, dim, index: jnp.take(x, index, axis=dim),
     aten.gather.default: _gather,
