@@ -37,8 +37,12 @@ EPS = 1e-5  # max |lowered - reference|, relative to the reference's largest mag
 
 
 def _config(name: str, dp_shard: int):
-    return build_config(f"configs/{name}.toml", [f"--parallelism.dp_shard={dp_shard}", "--model.dtype=float32",
-                                                   f"--optimizer.eps={EPS}"])
+    overrides = [f"--parallelism.dp_shard={dp_shard}", "--model.dtype=float32", f"--optimizer.eps={EPS}"]
+    if "moe" in name and dp_shard > 1:
+        # Each rank's balancing loss is of its own batch (averaged over ranks), not of the joint
+        # batch a one-process reference sees: the same step only without it.
+        overrides.append("--model.moe_load_balance=none")
+    return build_config(f"configs/{name}.toml", overrides)
 
 
 def _batches(vocab: int, ranks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
