@@ -37,7 +37,9 @@ def topology_for(hardware: str) -> str:
     dims = [1, 1, 1] if generation in ("v4", "v5p", "tpu7x") else [1, 1]
     for i in range(int(math.log2(chips))):
         dims[i % len(dims)] *= 2
-    return f"{generation}:{'x'.join(str(d) for d in sorted(dims))}"
+    # Ascending with the unused axes last, as libtpu names them (v5p:2x2x1, v5p:2x2x4).
+    dims = sorted(d for d in dims if d > 1) + [d for d in dims if d == 1]
+    return f"{generation}:{'x'.join(str(d) for d in dims)}"
 
 
 def _require_jax() -> None:
@@ -114,7 +116,8 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
         "fits": None if hbm is None else peak <= hbm,
         "flops_per_chip": cost.get("flops"), "bytes_accessed_per_chip": cost.get("bytes accessed"),
         "formula_flops_per_chip": flops_per_token * step.captured.num_tokens / len(devices),
-        "collectives": _collectives(text), "collectives_counted_in": collectives_from, "capture_seconds": capture_s, "compile_seconds": compile_s,
+        "collectives": _collectives(text), "collectives_counted_in": collectives_from,
+        "capture_seconds": capture_s, "compile_seconds": compile_s,
     }
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
