@@ -157,8 +157,9 @@ def test_unknown_operator_is_one_line():
 
 def test_compile_debug_recipe_for_v5p():
     """`titan-tpu compile`'s core on the llama3 debug recipe for a 4-chip v5p slice (dp_shard 4):
-    XLA's TPU compiler accepts the lowered step, and its per-chip argument bytes are exactly the
-    bytes of what one device is handed (its parameter shards, moments, batch, scalars, buffers)."""
+    XLA's TPU compiler accepts the lowered step, and its per-chip argument bytes are the bytes of
+    what one device is handed (its parameter shards, moments, batch, scalars, buffers), give or take
+    the TPU's tile padding of small arrays (16 KB of 18.5 MB measured)."""
     import math
 
     from titan_tpu.graph.jax_lowering import jax_dtype
@@ -168,7 +169,7 @@ def test_compile_debug_recipe_for_v5p():
     report = compile_step_for_tpu(cfg, "v5p:2x2x1")
     step = capture_device_step(cfg, world_size=4, batch_size=2, seq_len=64)
     handed = sum(math.prod(t.shape) * jax_dtype(t.dtype).itemsize for t in step.captured.example_inputs)
-    assert report["memory_per_chip_bytes"]["arguments"] == handed
+    assert handed <= report["memory_per_chip_bytes"]["arguments"] <= 1.01 * handed
     assert report["fits"] and report["mesh"] == {"dp_shard": 4}
     assert report["collectives"]
     import conftest
