@@ -268,6 +268,12 @@ def hf_sweep_main(argv: list[str]) -> int:
     return sweep(argv)
 
 
+def compile_main(argv: list[str]) -> int:
+    from titan_tpu.tools.compile_cmd import compile_main as compile_for_tpu
+
+    return compile_for_tpu(argv)
+
+
 def verify_main(argv: list[str]) -> int:
     from titan_tpu.tools.verify import main as verify
 
@@ -282,7 +288,8 @@ def config_main(argv: list[str]) -> int:
 
 COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
             "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
-            "prepare-data": prepare_data_main, "report": report_main, "verify": verify_main, "config": config_main}
+            "prepare-data": prepare_data_main, "report": report_main, "verify": verify_main, "config": config_main,
+            "compile": compile_main}
 
 # One line per command for `titan-tpu --help`, in the order a new user meets them.
 SUMMARIES = {
@@ -295,6 +302,7 @@ SUMMARIES = {
     "convert": "checkpoint <-> Hugging Face directory",
     "report": "plots of one or more runs in one HTML file",
     "graph": "write the captured training step (graph mode) as text",
+    "compile": "XLA's TPU compiler's per-chip memory and FLOPs for the captured step, on a CPU (needs .venv-tpu)",
     "kernels": "kernel implementations per op, which run here, and what auto picks",
     "hf-sweep": "train every Hugging Face causal-LM type tiny and compare with transformers",
 }

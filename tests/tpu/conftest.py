@@ -5,6 +5,7 @@ TITAN_TPU_CHECK=1). Counts for the run's summary are printed at the end."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,10 @@ if importlib.util.find_spec("torch_tpu") is None or importlib.util.find_spec("ja
 from absl import flags  # noqa: E402 - after the check that the environment has jax
 
 flags.FLAGS(sys.argv[:1], known_only=True)
+
+# 4 CPU devices for JAX, set before JAX starts: the lowered step of several ranks runs on a CPU
+# mesh (test_jax_lowering.py).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
 SUMMARY: list[str] = []  # lines for the terminal summary, added by the tests
 

@@ -1,0 +1,179 @@
+"""The captured step run as JAX (graph/jax_lowering.py) is the step we train with: one whole step
+(forward, loss, backward, clipping, AdamW) of the lowered graph on JAX's CPU backend against our
+eager step, for the debug models on one device and on 2 dp_shard ranks simulated as a 2-device CPU
+mesh (captured on one process under a fake process group: tools/device_step.py).
+
+The reference is our eager step run in float64 on the same weights and batch: the fp32 eager step
+is itself off by ~1e-4 in the gradient norm on CPU (torch's fp32 _foreach_norm sums a 524k-element
+gradient with that error; the lowered step's XLA reduction is closer to the exact value), so an
+fp32-vs-fp32 comparison could not tell the lowering's errors from torch's. The learning rate is
+small enough that Adam's eps-sized gradients (whose update direction is rounding noise in any
+fp32 run) move a weight by less than the tolerance, with Adam's eps at 1e-5 (EPS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from titan_tpu.config import build_config
+from titan_tpu.graph.jax_lowering import LOWERINGS, JaxLoweringError, check_lowerable
+from titan_tpu.models.registry import build_model
+from titan_tpu.tools.device_step import build_device_model, capture_device_step, fake_world
+from titan_tpu.tools.tpu_compile import run_on_devices
+from titan_tpu.train.optim import AdamW
+from titan_tpu.train.step import EagerStep
+
+BATCH, SEQ = 2, 32  # per device
+LR = 1e-4
+TOL = 1e-5
+# Adam's eps: a gradient near eps moves its weight by up to lr in a direction set by its fp32
+# rounding (a gradient that is a sum of cancelling terms); 1e-5 keeps that below the tolerance.
+EPS = 1e-5  # max |lowered - reference|, relative to the reference's largest magnitude per tensor
+
+
+def _config(name: str, dp_shard: int):
+    overrides = [f"--parallelism.dp_shard={dp_shard}", "--model.dtype=float32", f"--optimizer.eps={EPS}"]
+    if "moe" in name and dp_shard > 1:
+        # Each rank's balancing loss is of its own batch (averaged over ranks), not of the joint
+        # batch a one-process reference sees: the same step only without it.
+        overrides.append("--model.moe_load_balance=none")
+    return build_config(f"configs/{name}.toml", overrides)
+
+
+def _batches(vocab: int, ranks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens = torch.randint(0, vocab, (ranks, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def _inputs(step, model, optimizer, batch) -> list[np.ndarray]:
+    """The captured step's flat inputs for this rank's model, fresh moments and `batch` (step 1)."""
+    captured = step.captured
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+
+    def local(t):
+        t = t.detach()
+        return (t.to_local() if hasattr(t, "to_local") else t).numpy().copy()
+
+    p = [local(params[n]) for n in captured.param_names]
+    return captured.layout.flatten_inputs(
+        params=p, exp_avg=[np.zeros_like(x) for x in p], exp_avg_sq=[np.zeros_like(x) for x in p],
+        batch=[t.numpy() for t in batch], step=[np.float32(1)], lr=[np.float32(LR)],
+        buffers=[local(buffers[n]) for n in captured.buffer_names])
+
+
+def _reference(cfg, batches, monkeypatch):
+    """Our eager step in float64, one process, on all ranks' rows at once (what dp ranks train).
+    grad_norm asks _foreach_norm for float32 norms, which torch refuses for float64 gradients
+    (narrowing): here the norms stay float64."""
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda tensors, ord=2, dtype=None: foreach_norm(tensors, ord))
+    from titan_tpu.config import model_spec
+
+    # Initialised in float32 (the RNG draws other values for float64), then widened; the expert
+    # matmuls through the reference kernel (torch's grouped GEMM takes no float64).
+    kernels = dataclasses.replace(cfg.kernels, grouped_mm="reference")
+    model = build_model(model_spec(cfg).args, seed=cfg.training.seed, kernels=kernels).to(torch.float64)
+    optimizer = AdamW.from_config(dict(model.named_parameters()), cfg.optimizer)
+    batch = tuple(torch.cat([b[i] for b in batches]) for i in range(2))
+    result = EagerStep(model, optimizer, max_norm=cfg.training.max_norm)([batch], LR)
+    return result, model, optimizer
+
+
+def _max_rel(ours, reference) -> float:
+    reference = np.asarray(reference, dtype=np.float64)
+    return float(np.abs(np.asarray(ours, dtype=np.float64) - reference).max() / max(np.abs(reference).max(), 1e-30))
+
+
+def _shard_of(full: torch.Tensor, spec, rank: int) -> np.ndarray:
+    """Rank `rank`'s part of a full reference tensor, by the parameter's placement on the one mesh
+    axis of these tests (Shard(d): the rank's chunk of dim d; replicated: all of it)."""
+    full = full.detach().numpy()
+    if spec is None or not spec.placements[0].is_shard():
+        return full
+    dim = spec.placements[0].dim
+    size = full.shape[dim] // spec.mesh.size()
+    return np.take(full, range(rank * size, (rank + 1) * size), axis=dim)
+
+
+@pytest.mark.parametrize("name, ranks", [("llama3_debug", 1), ("qwen3_debug", 1), ("qwen3_moe_debug", 1),
+                                         ("llama3_debug", 2), ("qwen3_moe_debug", 2)])
+def test_lowered_step_equals_eager_step(name, ranks, monkeypatch):
+    cfg = _config(name, ranks)
+    step = capture_device_step(cfg, world_size=ranks, batch_size=BATCH, seq_len=SEQ)
+    batches = _batches(cfg_vocab(cfg), ranks)
+    per_device = []
+    for rank in range(ranks):
+        with fake_world(ranks, rank):
+            model, optimizer, _, _ = build_device_model(cfg, ranks)
+            per_device.append(_inputs(step, model, optimizer, batches[rank]))
+    outputs = run_on_devices(step, per_device, jax.devices("cpu"))
+    result, model, optimizer = _reference(cfg, batches, monkeypatch)
+    layout, names = step.captured.layout, step.captured.param_names
+    specs = step.captured.dtensor_specs
+    params, state = dict(model.named_parameters()), optimizer.state
+    errors = {}
+    for rank, flat in enumerate(outputs):
+        out = layout.unflatten_outputs(flat)
+        errors["loss"] = max(errors.get("loss", 0), _max_rel(out["loss"][0], result.loss))
+        errors["grad_norm"] = max(errors.get("grad_norm", 0), _max_rel(out["grad_norm"][0], result.grad_norm))
+        for group, reference in (("params", params), ("exp_avg", state["exp_avg"]),
+                                 ("exp_avg_sq", state["exp_avg_sq"])):
+            for n, value in zip(names, out[group]):
+                error = _max_rel(value, _shard_of(reference[n], specs.get(n), rank))
+                errors[group] = max(errors.get(group, 0), error)
+                if error > TOL:
+                    print(f"  {group} {n}: {error:.1e} ({specs[n].placements if n in specs else 'plain'})")
+    print(f"{name} on {ranks} device(s): max relative error " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    assert max(errors.values()) <= TOL, errors
+
+
+def cfg_vocab(cfg) -> int:
+    from titan_tpu.config import model_spec
+
+    return model_spec(cfg).args.vocab_size
+
+
+def test_unknown_operator_is_one_line():
+    step = capture_device_step(_config("llama3_debug", 1), world_size=1, batch_size=BATCH, seq_len=SEQ)
+    from titan_tpu.graph.jax_lowering import functional_graph
+
+    graph = functional_graph(step.captured.graph_module, step.captured.example_inputs)
+    missing = next(n.target for n in graph.graph.nodes if n.op == "call_function" and n.target in LOWERINGS
+                   and "mm" in str(n.target))
+    saved = LOWERINGS.pop(missing)
+    try:
+        with pytest.raises(JaxLoweringError, match=str(missing).replace(".", r"\.")) as error:
+            check_lowerable(graph)
+        assert "\n" not in str(error.value)
+    finally:
+        LOWERINGS[missing] = saved
+
+
+def test_compile_debug_recipe_for_v5p():
+    """`titan-tpu compile`'s core on the llama3 debug recipe for a 4-chip v5p slice (dp_shard 4):
+    XLA's TPU compiler accepts the lowered step, and its per-chip argument bytes are the bytes of
+    what one device is handed (its parameter shards, moments, batch, scalars, buffers), give or take
+    the TPU's tile padding of small arrays (16 KB of 18.5 MB measured)."""
+    import math
+
+    from titan_tpu.graph.jax_lowering import jax_dtype
+    from titan_tpu.tools.compile_cmd import compile_step_for_tpu
+
+    cfg = build_config("configs/llama3_debug.toml", ["--training.batch_size=2", "--training.seq_len=64"])
+    report = compile_step_for_tpu(cfg, "v5p:2x2x1")
+    step = capture_device_step(cfg, world_size=4, batch_size=2, seq_len=64)
+    handed = sum(math.prod(t.shape) * jax_dtype(t.dtype).itemsize for t in step.captured.example_inputs)
+    assert handed <= report["memory_per_chip_bytes"]["arguments"] <= 1.01 * handed
+    assert report["fits"] and report["mesh"] == {"dp_shard": 4}
+    assert report["collectives"]
+    import conftest
+
+    conftest.SUMMARY.append(f"compile llama3_debug for v5p:2x2x1: {report['compile_seconds']:.1f} s, peak "
+                            f"{report['peak_per_chip_bytes'] / 2**20:.1f} MiB/chip, XLA FLOPs "
+                            f"{report['flops_per_chip']:.3e} vs formula {report['formula_flops_per_chip']:.3e}")

@@ -1,0 +1,169 @@
+"""`titan-tpu compile`: XLA's TPU compiler's verdict on our training step, on any CPU machine.
+
+The step one device of the run captures (graph mode: forward, loss, backward, clipping, AdamW,
+SimpleFSDP's collectives), captured on this one process under a fake process group
+(tools/device_step.py), lowered to JAX (graph/jax_lowering.py) inside shard_map over the slice's
+devices, and compiled with libtpu's compile-only client for the slice's topology
+(`jax.experimental.topologies.get_topology_desc`). Printed: XLA's memory per chip by kind, the
+peak against the chip's HBM, XLA's FLOPs per chip against our formula, bytes accessed, the
+collectives XLA kept, and the compile time. Needs .venv-tpu (jax + libtpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+__all__ = ["compile_main", "topology_for"]
+
+GiB = 1024**3
+KNOWN_TOPOLOGIES = ("v5p:2x2x1", "v5p:2x2x2", "v5p:8x16x16", "v5e:2x2", "v6e:4x4", "v6e:16x16", "tpu7x:2x2x1")
+
+
+def topology_for(hardware: str) -> str:
+    """A slice name as Google writes it (v5p-8: 4 chips) -> a topology name (v5p:2x2x1): chips
+    spread over 3 torus axes for v4/v5p/tpu7x, 2 for v5e/v6e, each axis doubled in turn."""
+    from titan_tpu.plan.hardware import resolve_hardware
+
+    hw, chips = resolve_hardware(hardware, measure=False)
+    generation = {"v7": "tpu7x"}.get(hw.name, hw.name)
+    if chips is None or chips & (chips - 1):
+        raise ValueError(f"--hardware {hardware}: give a TPU slice whose chip count is a power of two "
+                         "(e.g. v5p-8), or --topology (e.g. v5p:2x2x1)")
+    dims = [1, 1, 1] if generation in ("v4", "v5p", "tpu7x") else [1, 1]
+    for i in range(int(math.log2(chips))):
+        dims[i % len(dims)] *= 2
+    # Ascending with the unused axes last, as libtpu names them (v5p:2x2x1, v5p:2x2x4).
+    dims = sorted(d for d in dims if d > 1) + [d for d in dims if d == 1]
+    return f"{generation}:{'x'.join(str(d) for d in dims)}"
+
+
+def _require_jax() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("libtpu") is None:
+        raise ValueError("titan-tpu compile needs JAX and libtpu: `make tpu-check` builds .venv-tpu; "
+                         "run .venv-tpu/bin/titan-tpu compile")
+
+
+def _topology(name: str):
+    from jax.experimental import topologies
+
+    try:
+        return topologies.get_topology_desc(topology_name=name, platform="tpu")
+    except Exception as e:  # noqa: BLE001 - libtpu raises its own error types
+        raise ValueError(f"unknown TPU topology {name!r} ({type(e).__name__}); known ones include "
+                         f"{', '.join(KNOWN_TOPOLOGIES)}") from e
+
+
+def _collectives(hlo_text: str) -> dict[str, int]:
+    kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+    counts = {}
+    for kind in kinds:
+        # HLO: "= f32[..] all-gather-start(" ; StableHLO: "stablehlo.all_gather"
+        n = len(re.findall(rf"\b{kind}(?:-start)?\(|stablehlo\.{kind.replace('-', '_')}\b", hlo_text))
+        if n:
+            counts[kind] = n
+    return counts
+
+
+def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> dict:
+    """Compile `cfg`'s step for the topology; returns the report (see the module docstring)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from titan_tpu.config import model_spec
+    from titan_tpu.graph.jax_lowering import jax_dtype
+    from titan_tpu.plan.hardware import HARDWARE
+    from titan_tpu.tools.device_step import capture_device_step
+    from titan_tpu.tools.tpu_compile import jax_mesh, sharded_step
+
+    topology = _topology(topology_name)
+    devices = topology.devices
+    t = cfg.training
+    start = time.perf_counter()
+    step = capture_device_step(cfg, world_size=len(devices), batch_size=t.batch_size, seq_len=t.seq_len)
+    capture_s = time.perf_counter() - start
+    mesh = jax_mesh(step, devices)
+    spec = NamedSharding(mesh, PartitionSpec(*mesh.axis_names))
+    args = [jax.ShapeDtypeStruct(mesh.devices.shape + tuple(x.shape), jax_dtype(x.dtype), sharding=spec)
+            for x in step.captured.example_inputs]
+    start = time.perf_counter()
+    lowered = jax.jit(sharded_step(step, mesh)).lower(*args)
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    kinds = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+             "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
+             "code": memory.generated_code_size_in_bytes}
+    peak = kinds["arguments"] + kinds["outputs"] - kinds["aliased"] + kinds["temporaries"] + kinds["code"]
+    generation = topology_name.split(":")[0].replace("tpu7x", "v7")
+    hbm = HARDWARE[generation].memory_bytes if generation in HARDWARE else None
+    flops_per_token, _ = model_spec(cfg).flops_per_token(None, t.seq_len)  # native specs read only the args
+    try:
+        text, collectives_from = compiled.as_text(), "optimized HLO"
+    except Exception:  # noqa: BLE001 - libtpu 0.0.52 cannot print some async collectives it made (RET_CHECK)
+        text, collectives_from = lowered.as_text(), "StableHLO, before XLA's passes (the optimized HLO would not print)"
+    report = {
+        "topology": topology_name, "devices": len(devices), "mesh": dict(step.axis_sizes),
+        "memory_per_chip_bytes": kinds, "peak_per_chip_bytes": peak, "hbm_per_chip_bytes": hbm,
+        "fits": None if hbm is None else peak <= hbm,
+        "flops_per_chip": cost.get("flops"), "bytes_accessed_per_chip": cost.get("bytes accessed"),
+        "formula_flops_per_chip": flops_per_token * step.captured.num_tokens / len(devices),
+        "collectives": _collectives(text), "collectives_counted_in": collectives_from,
+        "capture_seconds": capture_s, "compile_seconds": compile_s,
+    }
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "step.stablehlo.mlir").write_text(lowered.as_text())
+        if collectives_from == "optimized HLO":
+            (dump / "step.optimized.hlo").write_text(text)
+    return report
+
+
+def _format(report: dict) -> str:
+    kinds = report["memory_per_chip_bytes"]
+    lines = [f"compiled for {report['topology']} ({report['devices']} devices, mesh "
+             f"{report['mesh'] or 'one device'}) in {report['compile_seconds']:.1f} s "
+             f"(capture {report['capture_seconds']:.1f} s); numbers are XLA's, per chip:",
+             "  memory: " + ", ".join(f"{k} {v / GiB:.3f} GiB" for k, v in kinds.items())]
+    peak, hbm = report["peak_per_chip_bytes"], report["hbm_per_chip_bytes"]
+    lines.append(f"  peak {peak / GiB:.3f} GiB" + ("" if hbm is None else
+                 f" of {hbm / GiB:.0f} GiB HBM: {'fits' if report['fits'] else 'does NOT fit'}"))
+    flops = report["flops_per_chip"]
+    lines.append(f"  FLOPs per step {flops:.3e}" if flops is not None else "  FLOPs: not reported")
+    if report["formula_flops_per_chip"]:
+        lines[-1] += f" (our formula {report['formula_flops_per_chip']:.3e})"
+    if report["bytes_accessed_per_chip"] is not None:
+        lines.append(f"  bytes accessed {report['bytes_accessed_per_chip'] / GiB:.3f} GiB")
+    lines.append("  collectives: " + (", ".join(f"{k} {v}" for k, v in report["collectives"].items()) or "none")
+                 + f" (in the {report['collectives_counted_in']})")
+    return "\n".join(lines)
+
+
+def compile_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu compile",
+        description="Compile the training step of a config with XLA's TPU compiler for a TPU slice, on this CPU "
+                    "(no TPU needed; needs .venv-tpu): XLA's per-chip memory, FLOPs and collectives. "
+                    "Config overrides as for train.")
+    parser.add_argument("--config", required=True, help="TOML recipe, e.g. configs/llama3_8b_tpu.toml")
+    parser.add_argument("--hardware", help="a TPU slice as Google names it, e.g. v5p-8 (4 chips)")
+    parser.add_argument("--topology", help="a libtpu topology name, e.g. v5p:2x2x1 (default v5p:2x2x1)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--dump", help="directory for the StableHLO and the optimized HLO")
+    args, overrides = parser.parse_known_args(argv)
+    _require_jax()
+    from titan_tpu.config import build_config
+
+    topology = args.topology or (topology_for(args.hardware) if args.hardware else "v5p:2x2x1")
+    cfg = build_config(args.config, overrides)
+    report = compile_step_for_tpu(cfg, topology, Path(args.dump) if args.dump else None)
+    print(json.dumps(report, indent=2) if args.json else _format(report))
+    return 0

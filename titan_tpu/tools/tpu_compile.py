@@ -1,0 +1,48 @@
+"""The captured step of one device as a JAX program over a mesh of devices: run on CPU devices
+(the parity tests) or compiled by XLA's TPU compiler for a TPU topology (`titan-tpu compile`).
+
+Imports jax: only .venv-tpu has it (`make tpu-check` builds it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from titan_tpu.graph.jax_lowering import functional_graph, shard_step, to_jax
+from titan_tpu.tools.device_step import DeviceStep
+
+__all__ = ["jax_mesh", "run_on_devices", "sharded_step"]
+
+
+def jax_mesh(step: DeviceStep, devices: Sequence) -> Mesh:
+    """A JAX mesh of the first devices, with the step's axis names and sizes (one axis named
+    "device" of size 1 for a one-device step)."""
+    sizes = step.axis_sizes or {"device": 1}
+    count = math.prod(sizes.values())
+    if len(devices) < count:
+        raise ValueError(f"the step needs {count} devices, {len(devices)} are available")
+    return Mesh(np.asarray(devices[:count]).reshape(tuple(sizes.values())), tuple(sizes))
+
+
+def sharded_step(step: DeviceStep, mesh: Mesh) -> Callable:
+    """The step over every device of `mesh` (shard_step: inputs and outputs are stacks of the
+    per-device values), not yet jitted."""
+    graph = functional_graph(step.captured.graph_module, step.captured.example_inputs)
+    return shard_step(to_jax(graph, step.group_axes), mesh, step.captured.num_inputs)
+
+
+def run_on_devices(step: DeviceStep, per_device_inputs: list[list], devices: Sequence) -> list[list[np.ndarray]]:
+    """Run the step on `devices` (e.g. jax.devices("cpu")): per_device_inputs[d] is device d's flat
+    input list (mesh order, row-major); returns each device's flat outputs."""
+    mesh = jax_mesh(step, devices)
+    shape = mesh.devices.shape
+    stacked = [np.stack([np.asarray(inputs[i]) for inputs in per_device_inputs]).reshape(shape + np.shape(first))
+               for i, first in enumerate(per_device_inputs[0])]
+    outputs = jax.jit(sharded_step(step, mesh))(*stacked)
+    count = len(per_device_inputs)
+    return [[np.asarray(y).reshape((count,) + y.shape[len(shape):])[d] for y in outputs] for d in range(count)]
