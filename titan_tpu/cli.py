@@ -13,6 +13,7 @@
     titan-tpu report outputs/run_a outputs/run_b [--out report.html] [--png DIR]   # plots in one HTML file
     titan-tpu verify MODEL [--tiny] [--hardware v5p-256] [--checks a,b] [--report DIR]   # docs/verify.md
     titan-tpu config [SECTION]                              # every config key: type, default, meaning
+    titan-tpu compile --config configs/llama3_debug.toml --hardware v5p-8   # XLA's TPU verdict (.venv-tpu)
     titan-tpu --help | --version
 
 User mistakes end the process with one line on stderr and exit status 2, not a traceback; faults of
