@@ -117,10 +117,11 @@ class NativeSpec(ModelSpec):
         """Through the native <-> HF adapter (names, fused experts, RoPE layout); every tensor's
         name and shape is checked before any is copied."""
         from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
+        from titan_tpu.models.lora import is_adapter_key
         from titan_tpu.tensors import copy_full_
 
         _, _, weights = load_hf_checkpoint(hf_dir)
-        own = model.state_dict()
+        own = {k: v for k, v in model.state_dict().items() if not is_adapter_key(k)}  # HF holds the base
         for key, value in own.items():
             if key not in weights or weights[key].shape != value.shape:
                 got = tuple(weights[key].shape) if key in weights else "nothing"

