@@ -138,3 +138,9 @@ class NativeSpec(ModelSpec):
         from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
 
         return save_hf_checkpoint(hf_dir, name=self.name, args=self.args, state_dict=state_dict, overwrite=overwrite)
+
+    def hf_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Through the native <-> HF adapter: HF names, B's rows in HF's RoPE layout."""
+        from titan_tpu.models.hf_adapter import adapters_to_hf
+
+        return adapters_to_hf(adapters, self.args)
