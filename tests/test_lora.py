@@ -200,3 +200,65 @@ def test_native_run_freezes_the_base_resumes_exactly_and_matches_under_checkpoin
         run_dir = tmp_path / next(iter(extra.values()))
         Trainer(_native_cfg(train_overrides, run_dir, checkpoint__enabled="false", **extra)).train()
         assert _losses(run_dir) == pytest.approx(straight, rel=TOLERANCE, abs=TOLERANCE), extra
+
+
+def _trained_logits(trainer, tokens):
+    trainer.model.eval()
+    with torch.no_grad():
+        return trainer.model(tokens)
+
+
+def _peft_and_merged_logits(base_dir, run_dir, out, tokens):
+    """Logits of peft's model (base_dir + the --to-peft export) with its adapter off and on, and of
+    transformers' model of the --to-hf --merge-lora export."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_tpu.cli import main
+
+    assert main(["convert", "--checkpoint", str(run_dir), "--to-peft", str(out / "peft")]) == 0
+    assert main(["convert", "--checkpoint", str(run_dir), "--to-hf", str(out / "merged"), "--merge-lora"]) == 0
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, str(out / "peft")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(out / "merged"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        with adapted.disable_adapter():
+            plain = adapted(input_ids=tokens).logits
+        return plain, adapted(input_ids=tokens).logits, merged(input_ids=tokens).logits
+
+
+def test_exports_to_peft_and_merged_hf_give_the_trained_logits(tmp_path, train_overrides):
+    """An HF-backend run started from an HF directory's weights, and a native run (its base written
+    as an HF directory): peft's model with the --to-peft export and the --merge-lora export give
+    our trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_tpu.models.spec import checkpoint_spec
+    from titan_tpu.train.checkpoint import load_full_state_dict, read_checkpoint_meta
+    from titan_tpu.train.trainer import Trainer
+
+    config = tiny_config("llama")
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "hf"))
+    hf_run = Trainer(_native_cfg(train_overrides, tmp_path / "hf_run", model__name="hf",
+                                 model__hf_config=str(tmp_path / "hf"), model__flavor="debug", training__steps=3))
+    hf_run.train()
+    base = dict(AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).named_parameters())
+    for name, p in hf_run.model.named_parameters():  # started from the directory's weights, kept them
+        if not is_adapter_key(name):
+            assert torch.equal(p, base[name[len(PREFIX):]]), name
+
+    native_run = Trainer(_native_cfg(train_overrides, tmp_path / "native_run", training__steps=3))
+    native_run.train()
+    step_dir = tmp_path / "native_run" / "checkpoints" / "step-00000003"
+    meta = read_checkpoint_meta(step_dir)
+    state = {k: v for k, v in load_full_state_dict(step_dir).items() if not is_adapter_key(k)}
+    checkpoint_spec(meta["model_name"], meta["model_args"]).save_hf(state, tmp_path / "native_base", overwrite=False)
+
+    for run, base_dir, run_dir in ((hf_run, tmp_path / "hf", tmp_path / "hf_run"),
+                                   (native_run, tmp_path / "native_base", tmp_path / "native_run")):
+        tokens = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+        ours = _trained_logits(run, tokens)
+        plain, adapted, merged = _peft_and_merged_logits(base_dir, run_dir, tmp_path / run_dir.name, tokens)
+        assert (plain - ours).abs().max() > 1e-3  # the adapters trained: they change the logits
+        torch.testing.assert_close(adapted, ours, rtol=TOLERANCE, atol=TOLERANCE)
+        torch.testing.assert_close(merged, ours, rtol=TOLERANCE, atol=TOLERANCE)

@@ -82,7 +82,8 @@ def checkpoint_to_peft(checkpoint: str | Path, out_dir: str | Path, *, overwrite
                          "export the model with --to-hf DIR")
     out_dir = Path(out_dir)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists and is not empty; pass --overwrite or choose another directory")
+        raise FileExistsError(f"{out_dir} already exists and is not empty; pass --overwrite or choose another "
+                              "directory")
     spec = checkpoint_spec(meta["model_name"], meta["model_args"])
     state_dict = load_full_state_dict(step_dir)
     adapters = spec.hf_adapters({k: v for k, v in state_dict.items() if is_adapter_key(k)})
