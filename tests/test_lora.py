@@ -35,7 +35,8 @@ def lora_hf_model(config, lora: LoRAConfig = LORA):
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for linear in lora_modules(model).values():
-            linear.lora_B.copy_(torch.randn(linear.lora_B.shape, generator=generator) * 0.1)
+            stored_b = linear._parameters["lora_B"]
+            stored_b.copy_(torch.randn(stored_b.shape, generator=generator) * 0.1)
     model.train()
     return model
 

@@ -144,11 +144,12 @@ def init_lora_(model: nn.Module, *, seed: int) -> None:
     shard: the same adapters on any number of ranks, and the global RNG untouched."""
     generator = torch.Generator().manual_seed(seed)
     for linear in lora_modules(model).values():
-        rank, fan_in = linear.lora_A.shape
+        # The stored parameters: under SimpleFSDP reading `linear.lora_A` gives a gathered copy.
+        stored_a, stored_b = linear._parameters["lora_A"], linear._parameters["lora_B"]
+        rank, fan_in = stored_a.shape
         bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_ with a = sqrt(5), as nn.Linear and peft
-        a = torch.empty(rank, fan_in).uniform_(-bound, bound, generator=generator)
-        copy_full_(linear.lora_A, a)
-        copy_full_(linear.lora_B, torch.zeros(linear.lora_B.shape))
+        copy_full_(stored_a, torch.empty(rank, fan_in).uniform_(-bound, bound, generator=generator))
+        copy_full_(stored_b, torch.zeros(stored_b.shape))
 
 
 def freeze_base(model: nn.Module) -> None:
