@@ -184,6 +184,14 @@ def test_native_run_freezes_the_base_resumes_exactly_and_matches_under_checkpoin
     straight = _losses(tmp_path / "run")
     assert set(trained.optimizer.state["exp_avg"]) == {n for n, _ in trained.model.named_parameters()
                                                        if is_adapter_key(n)}
+    # The planner counts what the run holds: moments for the adapters only, the base stored beside them.
+    from titan_tpu.plan.planner import plan_config
+
+    plan = plan_config(trained.cfg, measure=False)
+    moments = sum(t.numel() * t.element_size() for key in ("exp_avg", "exp_avg_sq")
+                  for t in trained.optimizer.state[key].values())
+    assert plan.memory["optimizer_state"] == moments
+    assert plan.memory["parameters"] == sum(p.numel() * p.element_size() for p in trained.model.parameters())
 
     # Resume from step 3 in another directory: steps 4..6 again, bitwise; its fresh base equals
     # the trained run's base (frozen), its restored adapters differ from a fresh init's.
