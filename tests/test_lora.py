@@ -241,6 +241,7 @@ def test_exports_to_peft_and_merged_hf_give_the_trained_logits(tmp_path, train_o
     our trained model's logits."""
     from transformers import AutoModelForCausalLM
 
+    from titan_tpu.evaluate import load_eval_model
     from titan_tpu.models.spec import checkpoint_spec
     from titan_tpu.train.checkpoint import load_full_state_dict, read_checkpoint_meta
     from titan_tpu.train.trainer import Trainer
@@ -271,3 +272,6 @@ def test_exports_to_peft_and_merged_hf_give_the_trained_logits(tmp_path, train_o
         assert (plain - ours).abs().max() > 1e-3  # the adapters trained: they change the logits
         torch.testing.assert_close(adapted, ours, rtol=TOLERANCE, atol=TOLERANCE)
         torch.testing.assert_close(merged, ours, rtol=TOLERANCE, atol=TOLERANCE)
+        evaluated = load_eval_model(run.cfg, checkpoint=run_dir, device=torch.device("cpu")).model.eval()
+        with torch.no_grad():  # titan-tpu eval of the checkpoint evaluates the adapted model
+            torch.testing.assert_close(evaluated(tokens), ours, rtol=TOLERANCE, atol=TOLERANCE)

@@ -104,6 +104,10 @@ def _from_checkpoint(checkpoint: str | Path, cfg, device: torch.device) -> EvalM
     step_dir = resolve_checkpoint(checkpoint)
     meta = read_checkpoint_meta(step_dir)
     state_dict = load_full_state_dict(step_dir)
+    if meta.get("lora"):  # a LoRA run: evaluate the adapted model, its adapters folded into the weights
+        from titan_tpu.models.lora import merge_lora_state_dict
+
+        state_dict = merge_lora_state_dict(state_dict, scaling=meta["lora"]["alpha"] / meta["lora"]["rank"])
     tokenizer = _tokenizer_beside(step_dir.parent.parent)  # <run>/checkpoints/step-N -> <run>
     if meta["model_name"] == "hf":
         from titan_tpu.models.hf_backend import HFArgs

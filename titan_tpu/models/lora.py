@@ -175,23 +175,23 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     """`apply_lora` on a built model, and on the block templates that activation-checkpointed
     native blocks run as functions of their weights (models/common/functional_block.py): those
     must compute what the blocks do, so every block must carry the same adapters."""
+    from titan_tpu.models.common.transformer import Transformer
+
     names = apply_lora(model, cfg)
-    functional_blocks = getattr(model, "_checkpointed_blocks", {})
-    if not functional_blocks:
+    templates = model.block_templates() if isinstance(model, Transformer) else []
+    if not templates:
         return names
     per_block: dict[str, set[str]] = {}
     for name in names:
         parts = name.split(".")
         if parts[0] == "layers" and len(parts) > 2:
             per_block.setdefault(parts[1], set()).add(".".join(parts[2:]))
-    blocks = [str(i) for i in range(len(model.layers))]
-    relative = per_block.get(blocks[0], set())
-    if any(per_block.get(b, set()) != relative for b in blocks):
+    relative = per_block.get("0", set())
+    if any(per_block.get(str(i), set()) != relative for i in range(len(model.layers))):
         raise ValueError("lora.target_modules must select the same layers in every block under activation "
                          "checkpointing; widen the patterns or set activation_checkpoint.mode none")
     settings = LoRASettings(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout)
-    for block_fn in (b.block_fn for b in functional_blocks.values()):
+    for template in templates:
         for rel in sorted(relative):
-            _add_adapter(block_fn.template.get_submodule(rel), settings)
-        block_fn.refresh_names()
+            _add_adapter(template.get_submodule(rel), settings)
     return names
