@@ -111,15 +111,22 @@ def convert_main(argv: list[str]) -> int:
     source.add_argument("--hf-dir", help="Hugging Face model directory to import")
     parser.add_argument("--to-hf", help="output Hugging Face directory (with --checkpoint)")
     parser.add_argument("--to-checkpoint", help="output checkpoints directory (with --hf-dir)")
+    parser.add_argument("--to-peft", help="output peft adapter directory of a LoRA run (with --checkpoint)")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="with --to-hf: fold a LoRA run's adapters into the weights (a plain HF model)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     args = parser.parse_args(argv)
 
     from titan_tpu import convert
 
     if args.checkpoint:
-        if not args.to_hf:
-            parser.error("--checkpoint needs --to-hf OUT_DIR")
-        out = convert.checkpoint_to_hf(args.checkpoint, args.to_hf, overwrite=args.overwrite)
+        if bool(args.to_hf) == bool(args.to_peft):
+            parser.error("--checkpoint needs one of --to-hf OUT_DIR or --to-peft OUT_DIR")
+        if args.to_peft:
+            out = convert.checkpoint_to_peft(args.checkpoint, args.to_peft, overwrite=args.overwrite)
+        else:
+            out = convert.checkpoint_to_hf(args.checkpoint, args.to_hf, overwrite=args.overwrite,
+                                           merge_lora=args.merge_lora)
     else:
         if not args.to_checkpoint:
             parser.error("--hf-dir needs --to-checkpoint OUT_DIR")

@@ -129,6 +129,19 @@ class ActivationCheckpointConfig:
 
 
 @dataclass
+class LoRAConfig:
+    # LoRA fine-tuning (docs/lora.md): the base weights are frozen (no gradients, no optimizer
+    # state) and each targeted linear layer learns a low-rank update B @ A * alpha / rank.
+    enabled: bool = False
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0  # on the adapters' input, in training only
+    # Linear layers by name: a name's last part (wq, q_proj) or an fnmatch glob of the full name.
+    # Empty: the attention and MLP projections (wq wk wv wo w1 w2 w3; q_proj ... down_proj).
+    target_modules: list[str] = field(default_factory=list)
+
+
+@dataclass
 class OptimizerConfig:
     name: Literal["adamw"] = "adamw"  # AdamW with decoupled weight decay, fp32 moments (train/optim.py)
     lr: float = 8e-4  # peak learning rate, reached after lr_scheduler.warmup_steps
@@ -221,6 +234,7 @@ class Config:
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)  # attention and loss implementations
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -452,6 +466,7 @@ def validate(cfg: Config) -> None:
 
         check_tpu_compile_backend(t.device)
     cfg.kernels.validate()
+    _validate_lora(cfg)
     _validate_observability(cfg)
     if cfg.checkpoint.keep_latest_k < 0:
         raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
@@ -481,6 +496,28 @@ def validate(cfg: Config) -> None:
         from titan_tpu.device import check_cpu_compute_dtype
 
         check_cpu_compute_dtype(cfg.model.dtype)
+
+
+def _validate_lora(cfg: Config) -> None:
+    """LoRA's own ranges and the options it cannot run with (the layer checks come with the model:
+    models/lora.py)."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return
+    if lora.rank < 1:
+        raise ValueError(f"lora.rank = {lora.rank} must be >= 1")
+    if lora.alpha <= 0:
+        raise ValueError(f"lora.alpha = {lora.alpha} must be > 0")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ValueError(f"lora.dropout = {lora.dropout} must be in [0, 1)")
+    if cfg.model.scan_layers:
+        raise ValueError("lora.enabled needs model.scan_layers = false (the stacked blocks carry no adapters yet)")
+    if cfg.parallelism.tp > 1:
+        raise ValueError(f"lora.enabled needs parallelism.tp = 1 (got {cfg.parallelism.tp}): the adapters of a split "
+                         "layer are not split yet; use data parallelism")
+    if lora.dropout > 0 and cfg.training.mode == "graph":
+        raise ValueError(f"lora.dropout = {lora.dropout} needs training.mode = eager (the captured step has no "
+                         "dropout); set lora.dropout 0")
 
 
 def _validate_observability(cfg: Config) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,15 +24,28 @@ def resolve_checkpoint(path: str | Path) -> Path:
                             "checkpoints/ directory or a run directory")
 
 
-def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: bool = False) -> Path:
-    """Export the model weights (and the run's tokenizer.json, when there is one) as an HF directory."""
+def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: bool = False,
+                     merge_lora: bool = False) -> Path:
+    """Export the model weights (and the run's tokenizer.json, when there is one) as an HF directory.
+    A LoRA run's adapters are folded into the weights they adapt (merge_lora), the plain model."""
+    from titan_tpu.models.lora import merge_lora_state_dict
     from titan_tpu.models.spec import checkpoint_spec
 
     step_dir = resolve_checkpoint(checkpoint)
     meta = read_checkpoint_meta(step_dir)
     spec = checkpoint_spec(meta["model_name"], meta["model_args"])
+    lora = meta.get("lora")
+    if lora and not merge_lora:
+        raise ValueError(f"checkpoint {step_dir} holds LoRA adapters; pass --merge-lora to fold them into the "
+                         "weights, or export them alone with --to-peft DIR")
+    if merge_lora and not lora:
+        raise ValueError(f"--merge-lora: checkpoint {step_dir} holds no LoRA adapters (trained without "
+                         "lora.enabled); leave --merge-lora out")
     # Only the model's tensors: the optimizer moments (twice the model's size) are not needed here.
-    out = spec.save_hf(load_full_state_dict(step_dir), Path(hf_dir), overwrite=overwrite)
+    state_dict = load_full_state_dict(step_dir)
+    if lora:
+        state_dict = merge_lora_state_dict(state_dict, scaling=lora["alpha"] / lora["rank"])
+    out = spec.save_hf(state_dict, Path(hf_dir), overwrite=overwrite)
     tokenizer = step_dir.parent.parent / "tokenizer.json"  # <run>/checkpoints/step-N -> <run>
     if tokenizer.is_file():
         shutil.copyfile(tokenizer, out / "tokenizer.json")
@@ -48,3 +63,38 @@ def hf_to_checkpoint(hf_dir: str | Path, checkpoint_dir: str | Path, *, overwrit
     name, args, state_dict = load_hf_checkpoint(hf_dir)
     return ckpt.save(0, {"step": 0, "model": state_dict, "model_name": name,
                          "model_args": dataclasses.asdict(args)})
+
+
+def checkpoint_to_peft(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """Export a LoRA run's adapters as a peft adapter directory (adapter_config.json and
+    adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base model."""
+    from safetensors.torch import save_file
+
+    from titan_tpu.files import usual_permissions
+    from titan_tpu.models.lora import is_adapter_key
+    from titan_tpu.models.spec import checkpoint_spec
+
+    step_dir = resolve_checkpoint(checkpoint)
+    meta = read_checkpoint_meta(step_dir)
+    lora = meta.get("lora")
+    if not lora:
+        raise ValueError(f"--to-peft: checkpoint {step_dir} holds no LoRA adapters (trained without lora.enabled); "
+                         "export the model with --to-hf DIR")
+    out_dir = Path(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists and is not empty; pass --overwrite or choose another "
+                              "directory")
+    spec = checkpoint_spec(meta["model_name"], meta["model_args"])
+    state_dict = load_full_state_dict(step_dir)
+    adapters = spec.hf_adapters({k: v for k, v in state_dict.items() if is_adapter_key(k)})
+    # peft's names: base_model.model.<module>.lora_A.weight; its target_modules regex names each layer.
+    tensors = {f"base_model.model.{name}.weight": t.float().contiguous() for name, t in adapters.items()}
+    modules = sorted({name.rpartition(".")[0] for name in adapters})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
+              "lora_dropout": lora["dropout"], "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "target_modules": "|".join(re.escape(m) for m in modules), "base_model_name_or_path": None}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    usual_permissions(out_dir)
+    return out_dir

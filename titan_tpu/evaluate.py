@@ -94,6 +94,7 @@ def _eval_build(spec: ModelSpec, cfg, *, device: torch.device, seed: int, own_we
 
     view = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False),
                                activation_checkpoint=dataclasses.replace(cfg.activation_checkpoint, mode="none"),
+                               lora=dataclasses.replace(cfg.lora, enabled=False),  # adapters come merged
                                training=dataclasses.replace(cfg.training, seq_len=spec.args.max_seq_len))
     return build(spec, view, device=device, seed=seed, own_weights=own_weights)
 
@@ -108,7 +109,12 @@ def _from_checkpoint(checkpoint: str | Path, cfg, device: torch.device) -> EvalM
     meta = read_checkpoint_meta(step_dir)
     spec = checkpoint_spec(meta["model_name"], meta["model_args"])
     model = _eval_build(spec, cfg, device=device, seed=0, own_weights=False)
-    result = model.load_state_dict(load_full_state_dict(step_dir), strict=False)
+    state_dict = load_full_state_dict(step_dir)
+    if meta.get("lora"):  # a LoRA run: evaluate the adapted model, its adapters folded into the weights
+        from titan_tpu.models.lora import merge_lora_state_dict
+
+        state_dict = merge_lora_state_dict(state_dict, scaling=meta["lora"]["alpha"] / meta["lora"]["rank"])
+    result = model.load_state_dict(state_dict, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"checkpoint {step_dir} has tensors {spec.label} lacks, e.g. {result.unexpected_keys[0]}")
     tokenizer = _tokenizer_beside(step_dir.parent.parent)  # <run>/checkpoints/step-N -> <run>

@@ -354,14 +354,18 @@ def capture_train_step(
 
     Raises CaptureError when the step cannot be one static graph (see the module docstring).
     """
-    named = dict(model.named_parameters())
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not named:
         raise ValueError("capture_train_step: the model has no parameters")
     param_names = list(named)
-    buffers = dict(model.named_buffers())
+    # Frozen parameters (LoRA's base weights) are read like buffers: graph inputs, no gradient, no update.
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    buffers = {**dict(model.named_buffers()), **frozen}
     buffer_names = list(buffers)
     specs = {n: DTensorSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
              for n, p in named.items() if isinstance(p, DTensor)}
+    frozen_specs = {n: DTensorSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
+                    for n, p in frozen.items() if isinstance(p, DTensor)}
     if specs and len(specs) != len(named):
         plain = sorted(set(named) - set(specs))[:3]
         raise ValueError(f"capture_train_step: mixed plain and DTensor parameters (plain: {plain}); "
@@ -387,7 +391,8 @@ def capture_train_step(
         local_params, exp_avg, exp_avg_sq = groups["params"], groups["exp_avg"], groups["exp_avg_sq"]
         inputs, labels, positions = split_batch(groups["batch"])
         (step,), (lr,) = groups["step"], groups["lr"]
-        buffer_values = dict(zip(buffer_names, groups["buffers"]))
+        buffer_values = {n: frozen_specs[n].wrap(t) if n in frozen_specs else t
+                         for n, t in zip(buffer_names, groups["buffers"])}
 
         # Differentiate with respect to fresh leaves, not the inputs themselves, so the optimizer
         # below reads the parameter inputs unchanged and untracked.
@@ -450,7 +455,7 @@ def capture_train_step(
     example = layout.flatten_inputs(
         params=params, exp_avg=[torch.zeros_like(t) for t in params], exp_avg_sq=[torch.zeros_like(t) for t in params],
         batch=example_batch, step=[torch.ones((), dtype=scalar_dtype)], lr=[torch.ones((), dtype=scalar_dtype)],
-        buffers=[b.detach() for b in buffers.values()])
+        buffers=[local(b) for b in buffers.values()])
 
     start = time.perf_counter()
     # Our own fake mode, without a ShapeEnv (make_fx picks up the mode of fake inputs): left to

@@ -176,7 +176,8 @@ class GraphStep:
         self.compiled = compile_step(self.captured, backend, split=split, prefetch=prefetch)
         names = self.captured.param_names
         params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
+        # Frozen parameters (LoRA's base weights) are graph inputs beside the buffers (capture.py).
+        buffers = {**dict(model.named_buffers()), **{n: p for n, p in params.items() if not p.requires_grad}}
         if set(names) != set(optimizer.params):
             raise ValueError("GraphStep: the optimizer does not hold exactly the model's parameters")
         self._params = [_local(params[n]) for n in names]

@@ -351,3 +351,19 @@ def to_hf_state_dict(sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, 
             raise ValueError(f"tensor {native_name!r} is missing from the native state dict")
         out[hf_name] = sd[native_name][expert].contiguous()
     return out
+
+
+def adapters_to_hf(adapters: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
+    """LoRA adapters (models/lora.py) by native name (`layers.0.attention.wq.lora_B`) -> by HF
+    name (`model.layers.0.self_attn.q_proj.lora_B`). B's rows are the output rows of the weight,
+    so they take the weight's RoPE permutation; A's columns are the unchanged input."""
+    hf_of = {native[: -len("weight")]: hf[: -len("weight")] for hf, native in _name_pairs(args) if native}
+    out = {}
+    for name, t in adapters.items():
+        module, _, leaf = name.rpartition(".")
+        if f"{module}." not in hf_of:
+            raise ValueError(f"LoRA adapter {name!r} sits on a layer the HF layout has no one-to-one tensor for")
+        heads = _permute(f"{module}.weight", args)
+        out[f"{hf_of[module + '.']}{leaf}"] = t if heads is None or leaf == "lora_A" else \
+            _interleaved_to_rotate_half(t, heads)
+    return out

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from titan_tpu.models.hf_backend import (
+    PREFIX,
     HFArgs,
     HFCausalLM,
     build_hf_model,
@@ -99,6 +100,10 @@ class HFSpec(ModelSpec):
     def load_hf_weights(self, model: HFCausalLM, hf_dir: Path) -> None:
         """transformers reads the directory itself, so its checkpoint conversions apply."""
         load_pretrained_weights(model, hf_dir)
+
+    def hf_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our names are transformers' own under the wrapper's prefix."""
+        return {name[len(PREFIX):]: t for name, t in adapters.items()}
 
     def save_hf(self, state_dict: dict[str, torch.Tensor], hf_dir: Path, *, overwrite: bool) -> Path:
         """transformers writes its own layout (save_pretrained) into a fresh sibling directory that

@@ -98,19 +98,26 @@ def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int
     HF directory's own weights unless `own_weights` is False; the chunked-loss check).
 
     The execution options come from `cfg`: model.scan_layers, activation_checkpoint.mode,
-    kernels, training.seq_len (a native model's RoPE table length) and parallelism.bucket_mb /
+    kernels, lora (adapters on the matching linears, the base frozen: models/lora.py),
+    training.seq_len (a native model's RoPE table length) and parallelism.bucket_mb /
     reshard_after_forward (the trainer passes what it resolved auto to; None takes the config's
     value, with auto as true). Without a mesh the model is plain, on one device."""
+    from titan_tpu.models.lora import add_adapters, freeze_base, init_lora_
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import materialize_and_init
 
     dims = parallel_dims or ParallelDims(world_size=1)
     model = spec.build_on_meta(cfg, mesh=mesh, parallel_dims=dims, documents=documents)
+    if cfg.lora.enabled:  # adapters before sharding, so they are sharded like the rest
+        add_adapters(model, cfg.lora)
     p = cfg.parallelism
     model = materialize_and_init(model, mesh, mode=dims.mode if mesh is not None else "none", mp=mp, device=device,
                                  seed=seed, expert_mesh=expert_mesh, bucket_mb=p.bucket_mb,
                                  reshard_after_forward=(p.reshard_after_forward != "false"
                                                         if reshard_after_forward is None else reshard_after_forward))
+    if cfg.lora.enabled:  # initialised in the stored (maybe sharded) parameters; the base frozen
+        init_lora_(model, seed=seed)
+        freeze_base(model)
     spec.finish(model, log=log, own_weights=own_weights)
     return model
 
@@ -177,10 +184,11 @@ class NativeSpec(ModelSpec):
         """Through the native <-> HF adapter (names, fused experts, RoPE layout); every tensor's
         name and shape is checked before any is copied."""
         from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
+        from titan_tpu.models.lora import is_adapter_key
         from titan_tpu.tensors import copy_full_
 
         _, _, weights = load_hf_checkpoint(hf_dir)
-        own = model.state_dict()
+        own = {k: v for k, v in model.state_dict().items() if not is_adapter_key(k)}  # HF holds the base
         for key, value in own.items():
             if key not in weights or weights[key].shape != value.shape:
                 got = tuple(weights[key].shape) if key in weights else "nothing"
@@ -197,3 +205,9 @@ class NativeSpec(ModelSpec):
         from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
 
         return save_hf_checkpoint(hf_dir, name=self.name, args=self.args, state_dict=state_dict, overwrite=overwrite)
+
+    def hf_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Through the native <-> HF adapter: HF names, B's rows in HF's RoPE layout."""
+        from titan_tpu.models.hf_adapter import adapters_to_hf
+
+        return adapters_to_hf(adapters, self.args)

@@ -70,6 +70,12 @@ class ModelSpec(ABC):
         """Write a full state dict (our names) as a Hugging Face directory that from_pretrained loads."""
 
 
+    @abstractmethod
+    def hf_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """LoRA adapters by our state-dict name -> by the module names of the transformers model
+        (`model.layers.0.self_attn.q_proj.lora_A`), in its layout: what a peft export holds."""
+
+
 def moe_options_changed(model: ModelConfig) -> list[str]:
     """The model.moe_* options set to other than their defaults. The defaults come from the
     config's own class, so this layer need not import config.py (which sits above it)."""

@@ -178,6 +178,7 @@ class _Setting:
     dtype: str  # the compute dtype's name (model.dtype with auto resolved for the hardware)
     gather: str  # "model" or "layer": what the plan assumes (parallel/plan_terms.py Layout.gather)
     code_gather: str  # what the code does with this config (`code_gather`)
+    adapter_params: int = 0  # LoRA's adapter elements (the trained ones under LoRA); 0 without LoRA
 
     @property
     def ac(self) -> str:
@@ -222,8 +223,18 @@ class _Setting:
 
     @property
     def stored(self) -> float:
-        """Parameter elements a device stores."""
-        return self.layout.stored_elements(num_params(self.args))
+        """Parameter elements a device stores (LoRA's adapters beside the base weights)."""
+        return self.layout.stored_elements(num_params(self.args) + self.adapter_params)
+
+    @property
+    def lora(self) -> bool:
+        return self.cfg.lora.enabled
+
+    @property
+    def trained(self) -> float:
+        """Parameter elements a device keeps gradients and AdamW moments for: all it stores, or
+        under LoRA the adapters only (the base is frozen)."""
+        return self.layout.stored_elements(self.adapter_params) if self.lora else self.stored
 
 
 def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
@@ -244,14 +255,14 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     acts = _activations(s)
     loss_kept, loss_peak = _loss_bytes(s)
     gathered = _gathered_bytes(s)
-    full_grad = _full_gradient_bytes(s)
+    full_grad = 0.0 if s.lora else _full_gradient_bytes(s)  # LoRA: only the small adapters have gradients
     scan = _scan_memory(s, acts, full_grad)
     phases = _memory_phases(s, acts=acts, loss_kept=loss_kept, loss_peak=loss_peak, gathered=gathered,
                             full_grad=full_grad, scan=scan)
     peak_phase = max(phases, key=phases.get)
     peak = phases[peak_phase]
     memory = {
-        "parameters": s.stored * mb, "gradients": s.stored * mb, "optimizer_state": 2 * s.stored * mb,
+        "parameters": s.stored * mb, "gradients": s.trained * mb, "optimizer_state": 2 * s.trained * mb,
         "activations": acts.saved + acts.head, "activation_recompute": acts.recompute,
         "gathered_weights": gathered, "full_size_gradient": full_grad,
         # scan's weight copies beyond the gathered weights they are when sharded, and the RoPE copies
@@ -328,7 +339,22 @@ def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measu
     layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=p.ep, tp=p.tp, cp=p.cp,
                     compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype], gather=gather)
     return _Setting(cfg=cfg, label=spec.label, args=args, hardware=hardware, devices=devices, layout=layout,
-                    dtype=dtype, gather=gather, code_gather=code)
+                    dtype=dtype, gather=gather, code_gather=code, adapter_params=_adapter_params(cfg, args))
+
+
+def _adapter_params(cfg: Config, args) -> int:
+    """LoRA's adapter elements, counted on the model built on the meta device (no memory)."""
+    if not cfg.lora.enabled:
+        return 0
+    import torch
+
+    from titan_tpu.models.common.transformer import Transformer
+    from titan_tpu.models.lora import apply_lora, is_adapter_key
+
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(args, max_seq_len=cfg.training.seq_len))
+        apply_lora(model, cfg.lora)
+    return sum(p.numel() for n, p in model.named_parameters() if is_adapter_key(n))
 
 
 def _check_parallel_support(cfg: Config, args) -> None:
@@ -409,7 +435,7 @@ def _runtime_bytes(s: _Setting) -> float:
 def _optimizer_temporary_bytes(s: _Setting) -> float:
     """AdamW's sqrt(v) temporary; the traced step's out-of-place update also writes fresh
     parameters and moments (train/optim.py update_buffers)."""
-    return update_buffers(out_of_place=s.graph) * s.stored * s.layout.master_bytes()
+    return update_buffers(out_of_place=s.graph) * s.trained * s.layout.master_bytes()
 
 
 def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss_peak: float, gathered: float,
@@ -418,8 +444,8 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
     optimizer update."""
     mb = s.layout.master_bytes()
     params_b = s.stored * mb
-    moments_b = 2 * s.stored * mb
-    grads_b = s.stored * mb
+    moments_b = 2 * s.trained * mb
+    grads_b = s.trained * mb
     accumulating = grads_b if s.cfg.training.grad_accum_steps > 1 else 0.0  # earlier micro-batches' gradients
     static = params_b + moments_b + _runtime_bytes(s)
     forward_end = static + gathered + acts.saved + acts.head + loss_kept + loss_peak + accumulating
@@ -427,7 +453,8 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
         forward_end += scan.at_backward_start - scan.activations - min(gathered, scan.weight_copies)
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
-    layer_grad = [g * mb / (s.layout.dp_shard * s.layout.tp) for g in _layer_params(s.args)]
+    per_layer = [s.adapter_params / s.args.n_layers] * s.args.n_layers if s.lora else _layer_params(s.args)
+    layer_grad = [g * mb / (s.layout.dp_shard * s.layout.tp) for g in per_layer]
     below, above, worst = acts.saved, 0.0, 0.0
     for saved, grad in zip(reversed(acts.saved_per_layer), reversed(layer_grad)):
         worst = max(worst, below + above + grad)

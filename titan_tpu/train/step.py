@@ -113,7 +113,7 @@ class EagerStep:
         self.optimizer = optimizer
         self.max_norm = max_norm
         self.dp_size = dp_size
-        self.params = dict(model.named_parameters())
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}  # LoRA: adapters only
 
     def __call__(self, micro_batches: list[tuple[Tensor, ...]], lr: float) -> StepResult:
         num_tokens = trained_tokens(micro_batches, self.dp_size)

@@ -34,6 +34,7 @@ from titan_tpu.config import Config, data_sources, effective_warmup_steps, model
 from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
 from titan_tpu.errors import RunError
 from titan_tpu.model_contract import TrainableModel
+from titan_tpu.models.lora import is_adapter_key
 from titan_tpu.models.spec import build
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
@@ -119,7 +120,9 @@ class Trainer:
             dp_size=self.dp_size, validation=cfg.validation.enabled, log=self.log)
 
         self.model = self._build_model()
-        self.optimizer = AdamW.from_config(dict(self.model.named_parameters()), cfg.optimizer,
+        # The trained parameters: all of them, or under LoRA the adapters (the base is frozen).
+        trained = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+        self.optimizer = AdamW.from_config(trained, cfg.optimizer,
                                            layer_stacked=self.model.stacked_parameter_names())
         # compile_stats: capture/compile seconds, logged with the first row
         self.step_fn, self.compile_stats = make_step(cfg, self.model, self.optimizer, backend=self.backend,
@@ -221,6 +224,8 @@ class Trainer:
             "model_name": self.spec.name,
             "model_args": dataclasses.asdict(self.model_args),
             "trackers": self.logger.state_dict() if self.logger is not None else self.tracker_state,
+            # What convert needs to export the adapters (peft) or merge them (HF).
+            "lora": dataclasses.asdict(self.cfg.lora) if self.cfg.lora.enabled else None,
         }
 
     def load_checkpoint(self, path: Path) -> None:
@@ -256,7 +261,9 @@ class Trainer:
         if (path / "config.json").is_file():  # a Hugging Face directory: the spec knows its layout
             self.spec.load_hf_weights(self.model, path)
         else:  # a training checkpoint: DCP loads (and shards) it
-            load(resolve_checkpoint(path), {"model": self.model.state_dict()})
+            # The base weights: a checkpoint of a full run has no adapters (LoRA's start at init).
+            base = {k: v for k, v in self.model.state_dict().items() if not is_adapter_key(k)}
+            load(resolve_checkpoint(path), {"model": base})
         self.log(f"initial weights loaded from {path}")
 
     def save_checkpoint(self) -> Path | None:

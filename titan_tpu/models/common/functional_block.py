@@ -30,10 +30,15 @@ class FunctionalBlock:
     def __init__(self, make_block: Callable[[], nn.Module]):
         with torch.device("meta"):
             self.template = make_block()
-        # The parameters, then the persistent buffers (per-layer state such as an MoE expert bias).
+
+    @property
+    def param_names(self) -> list[str]:
+        """The weights' names: the parameters, then the persistent buffers (per-layer state such as
+        an MoE expert bias). Read from the template each time, so parameters added to it after
+        construction (LoRA adapters, models/lora.py) count."""
         persistent = self.template.state_dict(keep_vars=True).keys()
-        self.param_names = [n for n, _ in self.template.named_parameters()]
-        self.param_names += [n for n, _ in self.template.named_buffers() if n in persistent]
+        names = [n for n, _ in self.template.named_parameters()]
+        return names + [n for n, _ in self.template.named_buffers() if n in persistent]
 
     def __call__(self, h: Tensor, rope: Tensor, document_ids: Tensor | None, *weights: Tensor):
         """Run the block on (h, rope, document_ids) with `weights` (and persistent buffers) in
