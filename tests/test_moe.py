@@ -323,10 +323,11 @@ def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_p
 PARALLEL_STEPS = 20
 
 
-def _expert_parallel_worker(mode: str, scan: bool, ep: int, load_balance: str) -> dict:
+def _expert_parallel_worker(mode: str, scan: bool, ep: int, load_balance: str, dispatch: str = "all_gather") -> dict:
     import torch.distributed as dist
 
     from titan_tpu.models.common.transformer import Transformer
+    from titan_tpu.parallel.expert_parallel import make_dispatch
     from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
     from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 
@@ -339,6 +340,8 @@ def _expert_parallel_worker(mode: str, scan: bool, ep: int, load_balance: str) -
         model = Transformer(args, scan_layers=scan)
     model = materialize_and_init(model, mesh, mode="fully_shard", mp=MixedPrecision(), device=torch.device("cpu"),
                                  seed=0, expert_mesh=expert_mesh)
+    if expert_mesh is not None:
+        model.expert_dispatch.dispatch = make_dispatch(expert_mesh, dispatch)
     local_experts = model.layers["0"].moe.experts.w1.shape[0] if not scan else model.layers.moe.experts.w1.shape[1]
     opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
     g = torch.Generator().manual_seed(2)
@@ -426,3 +429,44 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(tmp_path, data_cache)
     done = run_train(1, overrides(run, data_cache, training__batch_size=4, **args))
     assert "resumed from" in done.stdout and "step-00000006" in done.stdout
     assert sorted(run_losses(run)) == list(range(1, 21))
+
+
+def _several_cases_worker(cases: list[tuple]) -> list[dict]:
+    """One spawn for several runs (starting ranks costs more than a tiny model's 20 steps)."""
+    return [_expert_parallel_worker(*case) for case in cases]
+
+
+A2A_CASES = [("eager", False, 2, "aux_loss"), ("eager", False, 2, "expert_bias"),
+             ("aot_eager", True, 2, "expert_bias"), ("aot_eager", False, 2, "aux_loss")]
+COMPARED_WITH_ALL_GATHER = (0, 2)  # an eager and a captured case (more would only add spawn time)
+
+
+@pytest.mark.multiprocess
+def test_all_to_all_dispatch_trains_like_one_process_and_like_all_gather():
+    """--parallelism.ep_dispatch all_to_all (each token only to the ranks of its experts; exact
+    split sizes in eager mode, a static worst-case buffer when captured) on 2 ranks with ep 2
+    equals one process with 2 micro-batches, and the all-gather dispatch, step by step."""
+    from dist_utils import run_distributed
+
+    cases = [case + ("all_to_all",) for case in A2A_CASES] + \
+        [A2A_CASES[i] + ("all_gather",) for i in COMPARED_WITH_ALL_GATHER]
+    results = run_distributed(_several_cases_worker, world_size=2, args=(cases,), timeout_s=900)
+    for i, (mode, scan, ep, load_balance) in enumerate(A2A_CASES):
+        want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=2, steps=PARALLEL_STEPS)
+        for rank_results in results:
+            a2a = rank_results[i]
+            for (loss, aux), (w_loss, w_aux) in zip(a2a["losses"], losses(want)):
+                assert abs(loss - w_loss) <= 1e-5 and abs(aux - w_aux) <= 1e-5, (mode, scan, load_balance)
+            for load, w in zip(a2a["loads"], want):
+                assert torch.equal(load, w.expert_load)
+            got = torch.cat([b.reshape(-1) for b in a2a["biases"].values()]) if a2a["biases"] else torch.zeros(0)
+            ref = torch.cat([b.reshape(-1) for b in want_biases.values()]) if want_biases else torch.zeros(0)
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+            if i in COMPARED_WITH_ALL_GATHER:
+                gathered = rank_results[len(A2A_CASES) + COMPARED_WITH_ALL_GATHER.index(i)]
+                for (loss, aux), (g_loss, g_aux) in zip(a2a["losses"], gathered["losses"]):
+                    assert abs(loss - g_loss) <= 1e-6 and abs(aux - g_aux) <= 1e-6, (mode, scan, load_balance)
+                for name, value in a2a["state"].items():
+                    torch.testing.assert_close(value, gathered["state"][name], rtol=0, atol=1e-6)
+            if mode != "eager":  # captured: the tokens travel by all-to-all, no all-gather of them
+                assert a2a["ep_collectives"].get("all_to_all_single", 0) > 0

@@ -34,6 +34,7 @@ from titan_tpu.config import Config, data_sources, effective_warmup_steps, model
 from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
 from titan_tpu.errors import RunError
 from titan_tpu.model_contract import TrainableModel
+from titan_tpu.parallel.expert_parallel import make_dispatch
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision, materialize_and_init
@@ -161,6 +162,8 @@ class Trainer:
         model = materialize_and_init(model, self.mesh, mode=mode, mp=self.mixed_precision, device=self.backend.device,
                                      seed=self.cfg.training.seed, expert_mesh=self.expert_mesh,
                                      bucket_mb=p.bucket_mb, reshard_after_forward=p.reshard_after_forward)
+        if self.expert_mesh is not None:
+            model.expert_dispatch.dispatch = make_dispatch(self.expert_mesh, p.ep_dispatch)
         self.spec.finish(model, log=self.log)
         return model
 
