@@ -470,3 +470,27 @@ def test_all_to_all_dispatch_trains_like_one_process_and_like_all_gather():
                     torch.testing.assert_close(value, gathered["state"][name], rtol=0, atol=1e-6)
             if mode != "eager":  # captured: the tokens travel by all-to-all, no all-gather of them
                 assert a2a["ep_collectives"].get("all_to_all_single", 0) > 0
+
+
+@pytest.mark.parametrize("num_experts, top_k, ep", [(8, 2, 2), (16, 4, 4), (128, 8, 8)])
+def test_planner_counts_the_all_to_all_rows_that_random_routing_sends(num_experts, top_k, ep):
+    """The planner's all-to-all count (each token once to each other rank holding one of its
+    experts) against routings drawn at random: the same rule counted on real choices."""
+    from titan_tpu.parallel.plan_terms import ep_dispatch_bytes
+
+    T, dim, cb = 20000, 64, 4
+    g = torch.Generator().manual_seed(0)
+    chosen_TK = torch.rand(T, num_experts, generator=g).topk(top_k, dim=-1).indices
+    needed_TR = torch.zeros(T, ep, dtype=torch.int64).scatter(1, chosen_TK // (num_experts // ep), 1)
+    rank = 0  # every rank alike: the rows rank 0's tokens send to the other ranks
+    copies = needed_TR.sum().item() - needed_TR[:, rank].sum().item()
+    row = 2 * dim * cb + top_k * (8 + cb)
+    planned = ep_dispatch_bytes("all_to_all", tokens=T, dim=dim, top_k=top_k, num_experts=num_experts, ep=ep,
+                                compute_bytes=cb)
+    assert abs(planned - (copies * row + ep * 8)) / planned < 0.02
+    gathered = ep_dispatch_bytes("all_gather", tokens=T, dim=dim, top_k=top_k, num_experts=num_experts, ep=ep,
+                                 compute_bytes=cb)
+    assert gathered == T * (ep - 1) * row and planned < gathered
+    padded = ep_dispatch_bytes("all_to_all", tokens=T, dim=dim, top_k=top_k, num_experts=num_experts, ep=ep,
+                               compute_bytes=cb, padded=True)
+    assert padded == gathered + ep * 8  # the static buffer sends what the all-gather does
