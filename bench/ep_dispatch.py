@@ -38,8 +38,9 @@ class CollectiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
-        if name.startswith("_c10d_functional") and not name.endswith("wait_tensor"):
-            op, x = name.split(".")[-1], args[0]
+        op = name.split(".")[-1]
+        if name.startswith("_c10d_functional") and op not in ("wait_tensor", "_wrap_tensor_autograd"):
+            x = args[0]
             nbytes = x.numel() * x.element_size()
             if op == "all_gather_into_tensor":
                 self.sent += nbytes * (args[1] - 1)
