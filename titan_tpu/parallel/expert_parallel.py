@@ -33,7 +33,8 @@ way and are added to their tokens. Three ways to move the rows, one per situatio
   travels: the same bytes as the all-gather path. CPU/CUDA collectives have no ragged variant.
 * TPU: `torch.tpu.ops.ragged_all_to_all`, the same worst-case buffer of which only the real
   rows travel (sizes and offsets are tensors). Written against torch-tpu 0.2.0's signature,
-  selected only on TPU devices, and not yet run on a TPU.
+  selected only on TPU devices; checked on CPU against an emulation of the op's contract
+  (tests/test_moe.py), not yet run on a TPU.
 """
 
 from __future__ import annotations
@@ -99,7 +100,12 @@ def make_dispatch(expert_mesh: DeviceMesh, kind: str) -> ExpertParallelDispatch:
 
 class AllToAllDispatch(ExpertParallelDispatch):
     """Each token to the ranks holding its experts only (module docstring). `gather` keeps what
-    the matching `combine` needs (MoE layers call the two in pairs, one layer at a time)."""
+    the matching `combine` needs (MoE layers call the two in pairs, one layer at a time).
+    ragged: use ragged_all_to_all (None: on TPU devices only; tests set it to run the path)."""
+
+    def __init__(self, expert_mesh: DeviceMesh, ragged: bool | None = None):
+        super().__init__(expert_mesh)
+        self.ragged = ragged
 
     def gather(self, x_TD: Tensor, chosen_TK: Tensor, weights_TK: Tensor,
                num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -111,12 +117,12 @@ class AllToAllDispatch(ExpertParallelDispatch):
         needed_RT = needed_TR.t()
         # Padding (static buffers) carries an expert of the next rank with weight 0: never local
         # to the receiver, so it runs no expert there and comes back as zeros.
-        pad_expert_R = ((torch.arange(ep, device=x_TD.device) + 1) % ep) * per_rank
-        if x_TD.device.type == "tpu":
+        if self.ragged if self.ragged is not None else x_TD.device.type == "tpu":
             return self._ragged_gather(x_TD, chosen_TK, weights_TK, needed_RT, ((self.rank + 1) % ep) * per_rank)
         if _is_traced(x_TD):
             # Chunk r of the send buffer: the tokens rank r needs first (stable), then the others
             # as padding. T rows per peer whatever the routing.
+            pad_expert_R = ((torch.arange(ep, device=x_TD.device) + 1) % ep) * per_rank
             slot_RT = torch.argsort(1 - needed_RT, dim=1, stable=True)
             token_S = slot_RT.flatten()
             valid_S = needed_RT.gather(1, slot_RT).flatten().bool()
@@ -130,7 +136,7 @@ class AllToAllDispatch(ExpertParallelDispatch):
             send, recv = send_counts_R.tolist(), recv_counts_R.tolist()  # host sync: exact sizes
             token_S = needed_RT.flatten().nonzero().squeeze(1) % T  # rank-major
             chosen_SK, weights_SK = chosen_TK[token_S], weights_TK[token_S]
-        self._pending = (token_S, send, recv, T)
+        self._pending = (token_S, send, recv, T, None)
         x_MD = funcol.all_to_all_single_autograd(x_TD[token_S], recv, send, self.group)
         chosen_MK = funcol.all_to_all_single(chosen_SK, recv, send, self.group)
         weights_MK = funcol.all_to_all_single_autograd(weights_SK, recv, send, self.group)
@@ -138,10 +144,10 @@ class AllToAllDispatch(ExpertParallelDispatch):
 
     def combine(self, out_MD: Tensor) -> Tensor:
         """The experts' outputs back to the ranks that sent the rows, added to their tokens."""
-        token_S, send, recv, T = self._pending
+        token_S, send, recv, T, ragged = self._pending
         self._pending = None
-        if out_MD.device.type == "tpu":
-            counts_RR, group_name = self._ragged
+        if ragged is not None:
+            counts_RR, group_name = ragged
             y_SD = _RaggedAllToAll.apply(out_MD, counts_RR.t().contiguous(), self.rank, group_name)
         else:
             y_SD = funcol.all_to_all_single_autograd(out_MD, send, recv, self.group)
@@ -158,8 +164,7 @@ class AllToAllDispatch(ExpertParallelDispatch):
         token_S = torch.argsort(key_S, stable=True) % T  # needed rows by destination, then the rest
         counts_RR = funcol.all_gather_tensor(needed_RT.sum(dim=1)[None], 0, self.group)  # [sender, receiver]
         group_name = self.mesh.get_group("ep").group_name
-        self._pending = (token_S, None, None, T)
-        self._ragged = (counts_RR, group_name)
+        self._pending = (token_S, None, None, T, (counts_RR, group_name))
         x_MD = _RaggedAllToAll.apply(x_TD[token_S], counts_RR, self.rank, group_name)
         chosen_SK = chosen_TK[token_S]
         chosen_MK = _ragged_exchange(chosen_SK, torch.full_like(chosen_SK, pad_expert),
