@@ -56,6 +56,7 @@ def test_every_recipe_validates(path, monkeypatch, tmp_path):
     (["--parallelism.ep", "2"], "parallelism.ep = 2 spreads MoE experts; llama3/debug has none"),
     (["--model.name", "qwen3_moe", "--parallelism.ep", "3"], "parallelism.ep = 3 must divide the 8 experts"),
     (["--parallelism.ep", "0"], "parallelism.ep = 0 must be >= 1"),
+    (["--parallelism.ep_dispatch", "ring"], "parallelism.ep_dispatch = 'ring': use all_gather or all_to_all"),
     (["--kernels.attention", "fast"], "kernels.attention = 'fast' is not a known implementation; use auto or one of"),
     (["--kernels.loss", "fused"], "kernels.loss = 'fused' is not a known implementation"),
     (["--kernels.chunk_attention", "ring"], "kernels.chunk_attention = 'ring' is not a known implementation"),

@@ -323,10 +323,11 @@ def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_p
 PARALLEL_STEPS = 20
 
 
-def _expert_parallel_worker(mode: str, scan: bool, ep: int, load_balance: str) -> dict:
+def _expert_parallel_worker(mode: str, scan: bool, ep: int, load_balance: str, dispatch: str = "all_gather") -> dict:
     import torch.distributed as dist
 
     from titan_tpu.models.common.transformer import Transformer
+    from titan_tpu.parallel.expert_parallel import make_dispatch
     from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
     from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 
@@ -339,6 +340,8 @@ def _expert_parallel_worker(mode: str, scan: bool, ep: int, load_balance: str) -
         model = Transformer(args, scan_layers=scan)
     model = materialize_and_init(model, mesh, mode="fully_shard", mp=MixedPrecision(), device=torch.device("cpu"),
                                  seed=0, expert_mesh=expert_mesh)
+    if expert_mesh is not None:
+        model.expert_dispatch.dispatch = make_dispatch(expert_mesh, dispatch)
     local_experts = model.layers["0"].moe.experts.w1.shape[0] if not scan else model.layers.moe.experts.w1.shape[1]
     opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
     g = torch.Generator().manual_seed(2)
@@ -426,3 +429,130 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(tmp_path, data_cache)
     done = run_train(1, overrides(run, data_cache, training__batch_size=4, **args))
     assert "resumed from" in done.stdout and "step-00000006" in done.stdout
     assert sorted(run_losses(run)) == list(range(1, 21))
+
+
+def _several_cases_worker(cases: list[tuple]) -> list[dict]:
+    """One spawn for several runs (starting ranks costs more than a tiny model's 20 steps)."""
+    return [_expert_parallel_worker(*case) for case in cases]
+
+
+A2A_CASES = [("eager", False, 2, "aux_loss"), ("eager", False, 2, "expert_bias"),
+             ("aot_eager", True, 2, "expert_bias"), ("aot_eager", False, 2, "aux_loss")]
+COMPARED_WITH_ALL_GATHER = (0, 2)  # an eager and a captured case (more would only add spawn time)
+
+
+@pytest.mark.multiprocess
+def test_all_to_all_dispatch_trains_like_one_process_and_like_all_gather():
+    """--parallelism.ep_dispatch all_to_all (each token only to the ranks of its experts; exact
+    split sizes in eager mode, a static worst-case buffer when captured) on 2 ranks with ep 2
+    equals one process with 2 micro-batches, and the all-gather dispatch, step by step."""
+    from dist_utils import run_distributed
+
+    cases = [case + ("all_to_all",) for case in A2A_CASES] + \
+        [A2A_CASES[i] + ("all_gather",) for i in COMPARED_WITH_ALL_GATHER]
+    results = run_distributed(_several_cases_worker, world_size=2, args=(cases,), timeout_s=900)
+    for i, (mode, scan, ep, load_balance) in enumerate(A2A_CASES):
+        want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=2, steps=PARALLEL_STEPS)
+        for rank_results in results:
+            a2a = rank_results[i]
+            for (loss, aux), (w_loss, w_aux) in zip(a2a["losses"], losses(want)):
+                assert abs(loss - w_loss) <= 1e-5 and abs(aux - w_aux) <= 1e-5, (mode, scan, load_balance)
+            for load, w in zip(a2a["loads"], want):
+                assert torch.equal(load, w.expert_load)
+            got = torch.cat([b.reshape(-1) for b in a2a["biases"].values()]) if a2a["biases"] else torch.zeros(0)
+            ref = torch.cat([b.reshape(-1) for b in want_biases.values()]) if want_biases else torch.zeros(0)
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+            if i in COMPARED_WITH_ALL_GATHER:
+                gathered = rank_results[len(A2A_CASES) + COMPARED_WITH_ALL_GATHER.index(i)]
+                for (loss, aux), (g_loss, g_aux) in zip(a2a["losses"], gathered["losses"]):
+                    assert abs(loss - g_loss) <= 1e-6 and abs(aux - g_aux) <= 1e-6, (mode, scan, load_balance)
+                for name, value in a2a["state"].items():
+                    torch.testing.assert_close(value, gathered["state"][name], rtol=0, atol=1e-6)
+            if mode != "eager":  # captured: the tokens travel by all-to-all, no all-gather of them
+                assert a2a["ep_collectives"].get("all_to_all_single", 0) > 0
+
+
+@pytest.mark.parametrize("num_experts, top_k, ep", [(8, 2, 2), (16, 4, 4), (128, 8, 8)])
+def test_planner_counts_the_all_to_all_rows_that_random_routing_sends(num_experts, top_k, ep):
+    """The planner's all-to-all count (each token once to each other rank holding one of its
+    experts) against routings drawn at random: the same rule counted on real choices."""
+    from titan_tpu.parallel.plan_terms import ep_dispatch_bytes
+
+    T, dim, cb = 20000, 64, 4
+    g = torch.Generator().manual_seed(0)
+    chosen_TK = torch.rand(T, num_experts, generator=g).topk(top_k, dim=-1).indices
+    needed_TR = torch.zeros(T, ep, dtype=torch.int64).scatter(1, chosen_TK // (num_experts // ep), 1)
+    rank = 0  # every rank alike: the rows rank 0's tokens send to the other ranks
+    copies = needed_TR.sum().item() - needed_TR[:, rank].sum().item()
+    row = 2 * dim * cb + top_k * (8 + cb)
+    planned = ep_dispatch_bytes("all_to_all", tokens=T, dim=dim, top_k=top_k, num_experts=num_experts, ep=ep,
+                                compute_bytes=cb)
+    assert abs(planned - (copies * row + ep * 8)) / planned < 0.02
+    gathered = ep_dispatch_bytes("all_gather", tokens=T, dim=dim, top_k=top_k, num_experts=num_experts, ep=ep,
+                                 compute_bytes=cb)
+    assert gathered == T * (ep - 1) * row and planned < gathered
+    padded = ep_dispatch_bytes("all_to_all", tokens=T, dim=dim, top_k=top_k, num_experts=num_experts, ep=ep,
+                               compute_bytes=cb, padded=True)
+    assert padded == gathered + ep * 8  # the static buffer sends what the all-gather does
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, group_name):
+    """torch.tpu.ops.ragged_all_to_all's contract (XLA's RaggedAllToAll) with gloo: rank s sends
+    operand[input_offsets[r]:+send_sizes[r]] to rank r, which writes it at output_offsets[r] (an
+    offset in r's output, chosen by the sender); recv_sizes[s]: rows r gets from s."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    send, recv = send_sizes.tolist(), recv_sizes.tolist()
+    rows = torch.cat([operand[o:o + n] for o, n in zip(input_offsets.tolist(), send)])
+    got = rows.new_empty((sum(recv),) + tuple(operand.shape[1:]))
+    dist.all_to_all_single(got, rows.contiguous(), recv, send, group=group)
+    where = torch.empty_like(output_offsets)
+    dist.all_to_all_single(where, output_offsets.contiguous(), group=group)  # where my rows from each s go
+    output = output.clone()
+    for chunk, offset, n in zip(got.split(recv), where.tolist(), recv):
+        output[offset:offset + n] = chunk
+    return output
+
+
+def _ragged_path_worker() -> dict:
+    """One MoE layer (this rank's 2 of 4 experts), forward + backward, through the exact
+    all-to-all and through the TPU path with ragged_all_to_all emulated."""
+    import types
+
+    import torch.distributed as dist
+
+    from titan_tpu.models.common.moe import MoE, MoEArgs
+    from titan_tpu.parallel.expert_parallel import AllToAllDispatch, build_expert_mesh
+
+    torch.tpu = types.SimpleNamespace(ops=types.SimpleNamespace(ragged_all_to_all=_emulated_ragged_all_to_all))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layer = MoE(dim=16, args=MoEArgs(num_experts=4, top_k=2, hidden_dim=8, load_balance="none"))
+    layer.init_weights(std=0.2, depth_std=0.2)
+    for name in ("w1", "w2", "w3"):
+        w = getattr(layer.experts, name)
+        setattr(layer.experts, name, torch.nn.Parameter(w.detach()[2 * rank:2 * rank + 2].clone()))
+    mesh = build_expert_mesh("cpu", dp_shard=2, ep=2)
+    x_BSD = torch.randn(1, 24, 16, generator=torch.Generator().manual_seed(1 + rank))
+    out = {}
+    for ragged in (False, True):
+        layer.dispatch_slot.dispatch = AllToAllDispatch(mesh, ragged=ragged)
+        x = x_BSD.clone().requires_grad_()
+        y, _ = layer(x)
+        y.square().sum().backward()
+        out[ragged] = (y.detach(), x.grad, layer.experts.w1.grad.clone())
+        layer.zero_grad()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_tpu_ragged_path_matches_the_exact_all_to_all_with_the_op_emulated():
+    """The TPU path's packing, offsets and gradient routing, run against an emulation of
+    ragged_all_to_all (the op itself needs a TPU): same outputs and gradients as the exact path."""
+    from dist_utils import run_distributed
+
+    for result in run_distributed(_ragged_path_worker, world_size=2, timeout_s=300):
+        for exact, ragged in zip(result[False], result[True]):
+            torch.testing.assert_close(ragged, exact, rtol=0, atol=1e-6)

@@ -95,6 +95,10 @@ class ParallelismConfig:
     # Expert parallelism (MoE models): experts spread over groups of ep ranks; ep divides dp_shard
     # and the number of experts. Tokens reach their experts by all-gather + reduce-scatter.
     ep: int = 1
+    # How tokens reach their experts under ep > 1 (docs/moe.md): all_gather (every token to every
+    # rank of the group, outputs reduce-scattered back) or all_to_all (each token only to the
+    # ranks holding its experts, outputs returned the same way).
+    ep_dispatch: str = "all_gather"
     # Tensor parallelism with sequence parallelism (docs/tensor_parallel.md): the innermost mesh
     # axis; dp_replicate x dp_shard x cp x tp must equal the number of ranks. tp divides the heads,
     # kv heads, ffn_hidden_dim, vocab_size and training.seq_len. Dense models only (MoE: use ep).
@@ -454,6 +458,8 @@ def validate(cfg: Config) -> None:
     if ep > 1 and model_args.moe is None:
         raise ValueError(f"parallelism.ep = {ep} spreads MoE experts; {spec.label} has none: "
                          "remove it or use a qwen3_moe model")
+    if cfg.parallelism.ep_dispatch not in ("all_gather", "all_to_all"):
+        raise ValueError(f"parallelism.ep_dispatch = {cfg.parallelism.ep_dispatch!r}: use all_gather or all_to_all")
     if ep > 1 and model_args.moe.num_experts % ep != 0:
         raise ValueError(f"parallelism.ep = {ep} must divide the {model_args.moe.num_experts} experts of "
                          f"{spec.label}")

@@ -103,6 +103,7 @@ def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int
     reshard_after_forward (the trainer passes what it resolved auto to; None takes the config's
     value, with auto as true). Without a mesh the model is plain, on one device."""
     from titan_tpu.models.lora import add_adapters, freeze_base, init_lora_
+    from titan_tpu.parallel.expert_parallel import make_dispatch
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import materialize_and_init
 
@@ -115,6 +116,8 @@ def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int
                                  seed=seed, expert_mesh=expert_mesh, bucket_mb=p.bucket_mb,
                                  reshard_after_forward=(p.reshard_after_forward != "false"
                                                         if reshard_after_forward is None else reshard_after_forward))
+    if expert_mesh is not None:  # how tokens reach their experts (parallelism.ep_dispatch)
+        model.expert_dispatch.dispatch = make_dispatch(expert_mesh, p.ep_dispatch)
     if cfg.lora.enabled:  # initialised in the stored (maybe sharded) parameters; the base frozen
         init_lora_(model, seed=seed)
         freeze_base(model)

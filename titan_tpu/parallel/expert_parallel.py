@@ -17,6 +17,24 @@ the partial outputs back to the ranks that own the tokens. This is MaxText's "ri
 collective pattern: more bytes than an all-to-all with exact splits, but every shape is known
 before the data is, so the collectives are ordinary static graph nodes. Both collectives are the
 autograd-aware functional ones, so the backward is a reduce-scatter and an all-gather.
+
+Dispatch by all-to-all (`--parallelism.ep_dispatch all_to_all`, `AllToAllDispatch`): each token
+travels once to each rank that holds at least one of its k experts (not to every rank), with its
+routing; the receiving rank runs its experts over the rows it got (the other experts named in a
+row's routing are not local there and give zeros, as above), and the outputs come back the same
+way and are added to their tokens. Three ways to move the rows, one per situation:
+* eager (CPU, CUDA): exact. The per-destination row counts are exchanged first (a small
+  all-to-all), read on the host, and the rows sent with `all_to_all_single` and those split
+  sizes: only real rows travel, nothing dropped.
+* captured (graph mode: fake tensors, no data-dependent sizes): a worst-case static buffer. A
+  rank can send at most its T tokens to each peer, so every peer gets a fixed chunk of T rows:
+  the needed rows first, then padding routed to an expert the receiver does not hold with weight
+  0 (it computes nothing for them and returns zeros). Dropless and static, but the padding
+  travels: the same bytes as the all-gather path. CPU/CUDA collectives have no ragged variant.
+* TPU: `torch.tpu.ops.ragged_all_to_all`, the same worst-case buffer of which only the real
+  rows travel (sizes and offsets are tensors). Written against torch-tpu 0.2.0's signature,
+  selected only on TPU devices; checked on CPU against an emulation of the op's contract
+  (tests/test_moe.py), not yet run on a TPU.
 """
 
 from __future__ import annotations
@@ -27,9 +45,11 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-__all__ = ["EP_AXES", "ExpertParallelDispatch", "expert_placements", "build_expert_mesh"]
+__all__ = ["EP_AXES", "EP_DISPATCH", "AllToAllDispatch", "ExpertParallelDispatch", "make_dispatch",
+           "expert_placements", "build_expert_mesh"]
 
 EP_AXES = ("dp_shard_mod_ep", "ep")
+EP_DISPATCH = ("all_gather", "all_to_all")
 
 
 def build_expert_mesh(device_type: str, *, dp_shard: int, ep: int) -> DeviceMesh:
@@ -58,7 +78,8 @@ class ExpertParallelDispatch:
     def first_local_expert(self, num_experts: int) -> int:
         return self.rank * (num_experts // self.size)
 
-    def gather(self, x_TD: Tensor, chosen_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def gather(self, x_TD: Tensor, chosen_TK: Tensor, weights_TK: Tensor,
+               num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
         """Every ep rank's tokens, routing choices and routing weights, rank by rank."""
         x_all = funcol.all_gather_tensor_autograd(x_TD, 0, self.group)
         chosen_all = funcol.all_gather_tensor(chosen_TK, 0, self.group)
@@ -68,3 +89,119 @@ class ExpertParallelDispatch:
     def combine(self, out_ND: Tensor) -> Tensor:
         """Sum the ranks' partial outputs and hand each rank the rows of its own tokens."""
         return funcol.reduce_scatter_tensor_autograd(out_ND, "sum", 0, self.group)
+
+
+def make_dispatch(expert_mesh: DeviceMesh, kind: str) -> ExpertParallelDispatch:
+    """The dispatch named by `parallelism.ep_dispatch`."""
+    if kind not in EP_DISPATCH:
+        raise ValueError(f"parallelism.ep_dispatch = {kind!r}: use one of {', '.join(EP_DISPATCH)}")
+    return AllToAllDispatch(expert_mesh) if kind == "all_to_all" else ExpertParallelDispatch(expert_mesh)
+
+
+class AllToAllDispatch(ExpertParallelDispatch):
+    """Each token to the ranks holding its experts only (module docstring). `gather` keeps what
+    the matching `combine` needs (MoE layers call the two in pairs, one layer at a time).
+    ragged: use ragged_all_to_all (None: on TPU devices only; tests set it to run the path)."""
+
+    def __init__(self, expert_mesh: DeviceMesh, ragged: bool | None = None):
+        super().__init__(expert_mesh)
+        self.ragged = ragged
+
+    def gather(self, x_TD: Tensor, chosen_TK: Tensor, weights_TK: Tensor,
+               num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+        T, ep = x_TD.shape[0], self.size
+        per_rank = num_experts // ep
+        # needed_RT[r, t]: token t has at least one expert on rank r (sent once however many).
+        needed_TR = torch.zeros(T, ep, dtype=torch.int64, device=x_TD.device).scatter(
+            1, chosen_TK // per_rank, torch.ones_like(chosen_TK))
+        needed_RT = needed_TR.t()
+        # Padding (static buffers) carries an expert of the next rank with weight 0: never local
+        # to the receiver, so it runs no expert there and comes back as zeros.
+        if self.ragged if self.ragged is not None else x_TD.device.type == "tpu":
+            return self._ragged_gather(x_TD, chosen_TK, weights_TK, needed_RT, ((self.rank + 1) % ep) * per_rank)
+        if _is_traced(x_TD):
+            # Chunk r of the send buffer: the tokens rank r needs first (stable), then the others
+            # as padding. T rows per peer whatever the routing.
+            pad_expert_R = ((torch.arange(ep, device=x_TD.device) + 1) % ep) * per_rank
+            slot_RT = torch.argsort(1 - needed_RT, dim=1, stable=True)
+            token_S = slot_RT.flatten()
+            valid_S = needed_RT.gather(1, slot_RT).flatten().bool()
+            pad_S = pad_expert_R.repeat_interleave(T)
+            chosen_SK = torch.where(valid_S[:, None], chosen_TK[token_S], pad_S[:, None])
+            weights_SK = weights_TK[token_S] * valid_S[:, None].to(weights_TK.dtype)
+            send = recv = None  # equal chunks
+        else:
+            send_counts_R = needed_RT.sum(dim=1)
+            recv_counts_R = funcol.all_to_all_single(send_counts_R, None, None, self.group)
+            send, recv = send_counts_R.tolist(), recv_counts_R.tolist()  # host sync: exact sizes
+            token_S = needed_RT.flatten().nonzero().squeeze(1) % T  # rank-major
+            chosen_SK, weights_SK = chosen_TK[token_S], weights_TK[token_S]
+        self._pending = (token_S, send, recv, T, None)
+        x_MD = funcol.all_to_all_single_autograd(x_TD[token_S], recv, send, self.group)
+        chosen_MK = funcol.all_to_all_single(chosen_SK, recv, send, self.group)
+        weights_MK = funcol.all_to_all_single_autograd(weights_SK, recv, send, self.group)
+        return x_MD, chosen_MK, weights_MK
+
+    def combine(self, out_MD: Tensor) -> Tensor:
+        """The experts' outputs back to the ranks that sent the rows, added to their tokens."""
+        token_S, send, recv, T, ragged = self._pending
+        self._pending = None
+        if ragged is not None:
+            counts_RR, group_name = ragged
+            y_SD = _RaggedAllToAll.apply(out_MD, counts_RR.t().contiguous(), self.rank, group_name)
+        else:
+            y_SD = funcol.all_to_all_single_autograd(out_MD, send, recv, self.group)
+        # Padding rows came back as zeros (their weight was 0), so adding them changes nothing.
+        return torch.zeros(T, out_MD.shape[1], dtype=out_MD.dtype, device=out_MD.device).index_add(0, token_S, y_SD)
+
+    # -- TPU: ragged all-to-all (unrun) ---------------------------------------------------------
+
+    def _ragged_gather(self, x_TD, chosen_TK, weights_TK, needed_RT, pad_expert: int):
+        """Real rows packed by destination at the front of a worst-case buffer [ep * T]; the
+        sizes and offsets that ragged_all_to_all takes are tensors, so nothing is read on the host."""
+        T, ep = x_TD.shape[0], self.size
+        key_S = torch.where(needed_RT.bool(), torch.arange(ep, device=x_TD.device)[:, None], ep).flatten()
+        token_S = torch.argsort(key_S, stable=True) % T  # needed rows by destination, then the rest
+        counts_RR = funcol.all_gather_tensor(needed_RT.sum(dim=1)[None], 0, self.group)  # [sender, receiver]
+        group_name = self.mesh.get_group("ep").group_name
+        self._pending = (token_S, None, None, T, (counts_RR, group_name))
+        x_MD = _RaggedAllToAll.apply(x_TD[token_S], counts_RR, self.rank, group_name)
+        chosen_SK = chosen_TK[token_S]
+        chosen_MK = _ragged_exchange(chosen_SK, torch.full_like(chosen_SK, pad_expert),
+                                     counts_RR, self.rank, group_name)
+        weights_MK = _RaggedAllToAll.apply(weights_TK[token_S], counts_RR, self.rank, group_name)
+        return x_MD, chosen_MK, weights_MK
+
+
+def _ragged_exchange(operand: Tensor, output: Tensor, counts_RR: Tensor, rank: int, group_name: str) -> Tensor:
+    """Rank s sends counts_RR[s, r] rows to rank r: its rows packed by destination at the front of
+    `operand`, received packed by sender at the front of `output` (the rest of `output` kept)."""
+    send_R, recv_R = counts_RR[rank], counts_RR[:, rank]
+    in_off_R = torch.cumsum(send_R, 0) - send_R
+    out_off_R = (torch.cumsum(counts_RR, 0) - counts_RR)[rank]  # after the rows of lower senders
+    return torch.tpu.ops.ragged_all_to_all(operand, output, in_off_R, send_R, out_off_R, recv_R, group_name)
+
+
+class _RaggedAllToAll(torch.autograd.Function):
+    """ragged_all_to_all into a zero buffer of the operand's shape; the gradient returns by the
+    same exchange with the traffic matrix transposed (each receiver sends back what it got)."""
+
+    @staticmethod
+    def forward(ctx, operand, counts_RR, rank, group_name):
+        ctx.save_for_backward(counts_RR)
+        ctx.rank, ctx.group_name = rank, group_name
+        return _ragged_exchange(operand, torch.zeros_like(operand), counts_RR, rank, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (counts_RR,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        back_RR = counts_RR.t().contiguous()
+        return _ragged_exchange(grad, torch.zeros_like(grad), back_RR, ctx.rank, ctx.group_name), None, None, None
+
+
+def _is_traced(x: Tensor) -> bool:
+    """Being captured (graph mode traces with fake tensors): no data-dependent sizes allowed."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(x)

@@ -50,9 +50,33 @@ the calibration in docs/planner.md):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["Layout", "Collective", "cp_collectives"]
+__all__ = ["Layout", "Collective", "cp_collectives", "ep_dispatch_bytes"]
+
+# Collective calls of one MoE layer's dispatch per pass: all_gather gathers tokens, choices and
+# weights and reduce-scatters the outputs; all_to_all exchanges the row counts, then sends
+# tokens, choices and weights and returns the outputs.
+EP_DISPATCH_CALLS = {"all_gather": 4, "all_to_all": 5}
+
+
+def ep_dispatch_bytes(kind: str, *, tokens: int, dim: int, top_k: int, num_experts: int, ep: int,
+                      compute_bytes: int, padded: bool = False) -> float:
+    """Bytes one rank sends for one MoE layer's dispatch, one way (the tokens [T, D] with their
+    choices [T, k] int64 and weights [T, k] to the experts, the outputs [D] back).
+    all_gather: every token to the ep - 1 other ranks, and the reduce-scatter of [ep T, D] sends
+    (ep - 1) T rows. all_to_all: each token once to each other rank that holds one of its experts:
+    with routing spread evenly, a token's k distinct experts miss a given rank's E / ep with
+    probability C(E - E/ep, k) / C(E, k); padded (a static worst-case buffer sent whole): T rows
+    to each other rank, the all-gather's bytes. Plus the row counts (ep int64) for all_to_all."""
+    row = dim * compute_bytes + top_k * (8 + compute_bytes) + dim * compute_bytes  # there and back
+    if kind == "all_gather" or padded:
+        copies = ep - 1
+    else:
+        local = num_experts // ep
+        copies = (ep - 1) * (1 - math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k))
+    return tokens * copies * row + (ep * 8 if kind == "all_to_all" else 0)
 
 
 @dataclass(frozen=True)
@@ -80,6 +104,11 @@ class Layout:
     # layer's weights gathered again for its backward, two layers' worth live at a time (one
     # prefetched). "model": every block weight from its forward gather to the end of the backward.
     gather: str = "layer"
+    # How MoE tokens reach their experts under ep (parallel/expert_parallel.py): all_gather or
+    # all_to_all; ep_padded: the all_to_all sends its static worst-case buffer whole (captured
+    # steps on CPU/CUDA; TPU's ragged all-to-all and eager steps send the real rows only).
+    ep_dispatch: str = "all_gather"
+    ep_padded: bool = False
 
     def __post_init__(self):
         for name in ("dp_replicate", "dp_shard", "ep", "tp", "cp"):
@@ -143,12 +172,13 @@ class Layout:
     def step_collectives(self, *, total_params: int, expert_params: int, micro_batches: int,
                          moe_layers: int, tokens_per_micro_batch: int, dim: int, top_k: int,
                          recompute_blocks: bool, regathered_params: int = 0, gathers: int = 0,
-                         regathers: int = 0, n_layers: int = 0) -> list[Collective]:
+                         regathers: int = 0, n_layers: int = 0, num_experts: int = 0) -> list[Collective]:
         """Every collective of one optimizer step with the bytes each rank sends and its calls.
         regathered_params: block parameters gathered a second time in the backward (re-sharding
         after the forward); gathers / regathers: collective calls of SimpleFSDP per micro-batch
         in the forward / again in the backward (`collective_calls`); n_layers: blocks (tensor
-        parallelism's collectives are per block)."""
+        parallelism's collectives are per block); num_experts: per MoE layer (the all-to-all's
+        count depends on how many ranks a token's experts fall on)."""
         out = []
         n, r, ep = self.dp_shard, self.dp_replicate, self.ep
         # What the data-parallel axes move: this rank's tp shard.
@@ -172,16 +202,19 @@ class Layout:
             out.append(Collective("all_reduce", "dp_replicate", r, 2 * (r - 1) / r * shard * self.reduce_bytes,
                                   "gradients over replicas, once per step", gathers))
         if ep > 1 and moe_layers:
-            t = tokens_per_micro_batch
-            # forward: gather x [T, D] (+ routing [T, k] int64 and weights), reduce-scatter y [ep T, D];
-            # backward: the reverse of both. Recomputed blocks run the forward pair again.
+            # Each pass (forward, backward, the forward again of recomputed blocks) moves the
+            # tokens there and the outputs back (ep_dispatch_bytes); the backward sends no routing
+            # choices, counted anyway (a small overcount: 8 bytes x top_k per row).
             passes = 2 + (1 if recompute_blocks else 0)
-            per_layer = (t * dim * self.compute_bytes + t * top_k * (8 + self.compute_bytes)) * (ep - 1) \
-                + ep * t * dim * self.compute_bytes * (ep - 1) / ep
-            # Calls: tokens, choices and weights gathered and the outputs reduce-scattered, per pass.
-            out.append(Collective("all_gather+reduce_scatter", "ep", ep,
-                                  micro_batches * moe_layers * passes * per_layer, "MoE token dispatch",
-                                  micro_batches * moe_layers * passes * 4))
+            both = {kind: ep_dispatch_bytes(kind, tokens=tokens_per_micro_batch, dim=dim, top_k=top_k,
+                                            num_experts=num_experts, ep=ep, compute_bytes=self.compute_bytes,
+                                            padded=self.ep_padded) for kind in EP_DISPATCH_CALLS}
+            other = "all_to_all" if self.ep_dispatch == "all_gather" else "all_gather"
+            scale = micro_batches * moe_layers * passes
+            out.append(Collective(self.ep_dispatch.replace("all_gather", "all_gather+reduce_scatter"), "ep", ep,
+                                  scale * both[self.ep_dispatch],
+                                  f"MoE token dispatch ({other} would send {scale * both[other] / 1e9:.3g} GB)",
+                                  scale * EP_DISPATCH_CALLS[self.ep_dispatch]))
         if self.cp > 1:
             c = self.cp
             out.append(Collective("all_reduce", "cp", c, micro_batches * 2 * (c - 1) / c * total_params / n

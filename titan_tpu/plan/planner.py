@@ -337,7 +337,10 @@ def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measu
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
     p = cfg.parallelism
     layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=p.ep, tp=p.tp, cp=p.cp,
-                    compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype], gather=gather)
+                    compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype], gather=gather,
+                    ep_dispatch=p.ep_dispatch,
+                    # captured CPU/CUDA steps send the all-to-all's static buffer whole; TPU's is ragged
+                    ep_padded=cfg.training.mode == "graph" and hardware.name not in TPU_NAMES)
     return _Setting(cfg=cfg, label=spec.label, args=args, hardware=hardware, devices=devices, layout=layout,
                     dtype=dtype, gather=gather, code_gather=code, adapter_params=_adapter_params(cfg, args))
 
@@ -503,7 +506,8 @@ def _collectives(s: _Setting) -> list:
                                             tokens_per_micro_batch=s.tokens, dim=args.dim,
                                             top_k=args.moe.top_k if args.moe else 0, recompute_blocks=s.ac == "full",
                                             regathered_params=s.block_params if s.gather == "layer" else 0,
-                                            gathers=gathers, regathers=regathers, n_layers=args.n_layers)
+                                            gathers=gathers, regathers=regathers, n_layers=args.n_layers,
+                                            num_experts=args.moe.num_experts if args.moe else 0)
     if p.cp > 1:
         collectives += cp_collectives(cp=p.cp, micro_batches=t.grad_accum_steps, n_layers=args.n_layers,
                                       kv_elements=s.tokens * args.n_kv_heads * args.hd // p.tp, compute_bytes=cb,

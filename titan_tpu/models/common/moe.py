@@ -87,7 +87,8 @@ class ExpertDispatch:
     def first_local_expert(self, num_experts: int) -> int:
         return 0
 
-    def gather(self, x_TD: Tensor, chosen_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def gather(self, x_TD: Tensor, chosen_TK: Tensor, weights_TK: Tensor,
+               num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
         return x_TD, chosen_TK, weights_TK
 
     def combine(self, out_ND: Tensor) -> Tensor:
@@ -151,9 +152,10 @@ class MoE(nn.Module):
         tokens_per_expert_E = _counts(chosen_TK.flatten(), E)
         stats_2E = torch.stack([tokens_per_expert_E.to(torch.float32), probs_TE.sum(dim=0)])
 
-        # To the experts: under expert parallelism the ep group's tokens, else this rank's.
+        # To the experts: under expert parallelism the ep group's tokens (all_gather) or the rows
+        # sent to this rank (all_to_all), else this rank's.
         dispatch = self.dispatch_slot.dispatch
-        x_MD, chosen_MK, weights_MK = dispatch.gather(x_TD, chosen_TK, weights_TK)
+        x_MD, chosen_MK, weights_MK = dispatch.gather(x_TD, chosen_TK, weights_TK, E)
         w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3  # this rank's experts
         num_local = w1.shape[0]
         first = dispatch.first_local_expert(E)
