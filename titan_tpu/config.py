@@ -98,7 +98,7 @@ class ParallelismConfig:
     # How tokens reach their experts under ep > 1 (docs/moe.md): all_gather (every token to every
     # rank of the group, outputs reduce-scattered back) or all_to_all (each token only to the
     # ranks holding its experts, outputs returned the same way).
-    ep_dispatch: str = "all_gather"
+    ep_dispatch: Literal["all_gather", "all_to_all"] = "all_gather"
     # Tensor parallelism with sequence parallelism (docs/tensor_parallel.md): the innermost mesh
     # axis; dp_replicate x dp_shard x cp x tp must equal the number of ranks. tp divides the heads,
     # kv heads, ffn_hidden_dim, vocab_size and training.seq_len. Dense models only (MoE: use ep).
@@ -137,8 +137,8 @@ class LoRAConfig:
     # LoRA fine-tuning (docs/lora.md): the base weights are frozen (no gradients, no optimizer
     # state) and each targeted linear layer learns a low-rank update B @ A * alpha / rank.
     enabled: bool = False
-    rank: int = 16
-    alpha: float = 32.0
+    rank: int = 16  # the adapters' inner dimension
+    alpha: float = 32.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on the adapters' input, in training only
     # Linear layers by name: a name's last part (wq, q_proj) or an fnmatch glob of the full name.
     # Empty: the attention and MLP projections (wq wk wv wo w1 w2 w3; q_proj ... down_proj).
@@ -458,8 +458,6 @@ def validate(cfg: Config) -> None:
     if ep > 1 and model_args.moe is None:
         raise ValueError(f"parallelism.ep = {ep} spreads MoE experts; {spec.label} has none: "
                          "remove it or use a qwen3_moe model")
-    if cfg.parallelism.ep_dispatch not in ("all_gather", "all_to_all"):
-        raise ValueError(f"parallelism.ep_dispatch = {cfg.parallelism.ep_dispatch!r}: use all_gather or all_to_all")
     if ep > 1 and model_args.moe.num_experts % ep != 0:
         raise ValueError(f"parallelism.ep = {ep} must divide the {model_args.moe.num_experts} experts of "
                          f"{spec.label}")
