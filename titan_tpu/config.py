@@ -62,8 +62,9 @@ class TrainingConfig:
     seed: int = 0
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise-repeatable runs
     device: Literal["auto", "cpu", "cuda", "tpu"] = "auto"
-    # eager: plain autograd. graph: forward, backward, clipping and AdamW captured as one program
-    # with make_fx and compiled by compile.backend (one micro-batch per step for now).
+    # eager: plain autograd. graph: forward, backward, clipping and AdamW captured with make_fx and
+    # compiled by compile.backend (one program; with grad_accum_steps > 1 a micro-batch program and
+    # an update program: docs/graph_mode.md).
     mode: Literal["eager", "graph"] = "eager"
 
 
@@ -438,9 +439,6 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"parallelism.ep = {ep} must divide the {model_args.moe.num_experts} experts of "
                          f"{spec.label}")
     spec.check(cfg)
-    if t.mode == "graph" and t.grad_accum_steps != 1:
-        raise ValueError(f"training.mode = graph runs one micro-batch per step for now; set training.grad_accum_steps "
-                         f"= 1 (got {t.grad_accum_steps}) or use training.mode = eager")
     if cfg.compile.backend == "tpu":
         from titan_tpu.device import check_tpu_compile_backend
 
@@ -466,9 +464,10 @@ def validate(cfg: Config) -> None:
         if cfg.data.source != "stdlib":
             raise ValueError("data.source and [[data.sources]] are both set; keep one (a single source can be either)")
         normalized_weights(cfg.data.sources)
-    if t.mode == "graph" and any(s.format == "chat" for s in data_sources(cfg)):
-        raise ValueError("format = chat needs training.mode = eager for now (the captured step divides the loss by a "
-                         "fixed token count, chat trains a varying number): set training.mode eager")
+    if cfg.kernels.loss == "tokamax" and any(s.format == "chat" for s in data_sources(cfg)):
+        # The one loss kernel without an ignore index; a traced step could not even check the labels.
+        raise ValueError("kernels.loss = tokamax cannot skip the untrained tokens of format = chat (no ignore index); "
+                         "use --kernels.loss chunked")
     if cfg.data.max_bytes < 0:
         raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
     if t.device == "cpu":  # with auto, the trainer checks once it knows the device
