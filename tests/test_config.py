@@ -61,7 +61,8 @@ def test_every_recipe_validates(path, monkeypatch, tmp_path):
     (["--kernels.chunk_attention", "ring"], "kernels.chunk_attention = 'ring' is not a known implementation"),
     (["--kernels.loss_chunk_tokens", "-5"], "kernels.loss_chunk_tokens = -5 must be >= 0"),
     (["--kernels.loss", "tokamax", "--data.format", "chat"], "kernels.loss = tokamax cannot skip the untrained tokens"),
-    (["--training.global_batch_tokens", "1000", "--training.batch_size", "2", "--training.seq_len", "64"],
+    (["--training.global_batch_tokens", "1000", "--training.batch_size", "2", "--training.seq_len", "64",
+      "--parallelism.dp_shard", "1"],
      "training.global_batch_tokens = 1000 is not a multiple of batch_size x seq_len x data-parallel ranks = "
      "2 x 64 x 1 = 128"),
     (["--training.global_batch_tokens", "256", "--training.grad_accum_steps", "2"], "remove one of them"),
