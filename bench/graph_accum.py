@@ -34,10 +34,11 @@ CONFIG = REPO / "configs" / "llama3_debug.toml"
 
 
 def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+    """The CPU's model name, and whether it has bf16 instructions (the numbers depend on both)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                "unknown CPU")
+    return name + (", avx512_bf16" if "avx512_bf16" in info else "")
 
 
 def contender_overrides(name: str, args) -> list[str]:

@@ -126,6 +126,27 @@ def test_wrong_micro_batch_count_is_one_clear_error():
     step(batches, 1e-3)  # the eager step takes any count; the graph step was captured for 2
 
 
+def test_trainer_derives_accumulation_from_global_batch_tokens_in_graph_mode(train_overrides):
+    """The trainer's wiring: global_batch_tokens sets 2 micro-batches of 2 rows x 128 tokens on
+    one process, and graph mode (the captured graphs run as traced) trains like eager mode."""
+    from test_train import LLAMA_DEBUG
+
+    from titan_tpu.config import build_config
+    from titan_tpu.train.trainer import Trainer
+
+    common = dict(training__steps=3, validation__enabled="false", checkpoint__enabled="false",
+                  training__batch_size=2, training__global_batch_tokens=2 * 2 * 128, parallelism__dp_shard=1)
+    eager = Trainer(build_config(LLAMA_DEBUG, train_overrides(**common)))
+    graph = Trainer(build_config(LLAMA_DEBUG, train_overrides(training__mode="graph", compile__backend="eager",
+                                                              **common)))
+    assert eager.cfg.training.grad_accum_steps == graph.cfg.training.grad_accum_steps == 2
+    assert graph.step_fn.grad_accum_steps == 2
+    for _ in range(3):
+        a, b = eager.train_step(), graph.train_step()
+        assert a.num_tokens == b.num_tokens == 2 * 2 * 128
+        assert abs(a.loss - b.loss) <= TOL and abs(a.grad_norm - b.grad_norm) <= TOL
+
+
 # ---------------------------------------------------------------------------------------------
 # Two gloo ranks, fully_shard: one spawn for both variants; reference: eager on one process with
 # the same global micro-batches (each rank holds every second row of each)
