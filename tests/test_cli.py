@@ -196,3 +196,11 @@ def test_graph_dump(tmp_path, train_overrides, capsys):
     text = out.read_text()
     assert "torch.ops.aten.mm" in text and "torch.ops.aten._foreach_sqrt" in text  # fwd/bwd and AdamW
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained
+    # With accumulation: both programs, the micro-batch's and the update's, in the summary and the file.
+    code, stdout, err = run_cli(capsys, "graph", "--config", LLAMA_DEBUG, "--out", str(out), *train_overrides(),
+                                "--training.grad_accum_steps", "2")
+    assert code == 0, err
+    assert "captured micro-batch:" in stdout and "(run 2 times per step, then)" in stdout
+    assert "captured update:" in stdout
+    text = out.read_text()
+    assert "torch.ops.aten.mm" in text and "torch.ops.aten._foreach_sqrt" in text

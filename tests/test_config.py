@@ -62,6 +62,12 @@ def test_every_recipe_validates(path, monkeypatch, tmp_path):
     (["--kernels.loss", "fused"], "kernels.loss = 'fused' is not a known implementation"),
     (["--kernels.chunk_attention", "ring"], "kernels.chunk_attention = 'ring' is not a known implementation"),
     (["--kernels.loss_chunk_tokens", "-5"], "kernels.loss_chunk_tokens = -5 must be >= 0"),
+    (["--kernels.loss", "tokamax", "--data.format", "chat"], "kernels.loss = tokamax cannot skip the untrained tokens"),
+    (["--training.global_batch_tokens", "1000", "--training.batch_size", "2", "--training.seq_len", "64",
+      "--parallelism.dp_shard", "1"],
+     "training.global_batch_tokens = 1000 is not a multiple of batch_size x seq_len x data-parallel ranks = "
+     "2 x 64 x 1 = 128"),
+    (["--training.global_batch_tokens", "256", "--training.grad_accum_steps", "2"], "remove one of them"),
 ])
 def test_bad_config_is_one_clear_error(overrides, message):
     with pytest.raises(ValueError) as err:
@@ -101,3 +107,14 @@ def test_trackers_list_from_command_line_and_toml(tmp_path):
         build_config(recipe)
     with pytest.raises(ValueError, match="profiling.start_step = 0"):
         build_config(None, ["--profiling.start_step", "0"])
+
+
+def test_global_batch_tokens_sets_accumulation_from_the_data_parallel_ranks():
+    from titan_tpu.config import grad_accum_from_tokens
+
+    cfg = build_config(None, ["--training.global_batch_tokens", "1024", "--training.batch_size", "2",
+                              "--training.seq_len", "64"])
+    assert grad_accum_from_tokens(cfg.training, 1) == 8 and grad_accum_from_tokens(cfg.training, 4) == 2
+    with pytest.raises(ValueError, match="2 x 64 x 16 = 2048"):  # the mesh is known at launch (dp_shard -1)
+        grad_accum_from_tokens(cfg.training, 16)
+    assert grad_accum_from_tokens(build_config(None, ["--training.grad_accum_steps", "3"]).training, 8) == 3

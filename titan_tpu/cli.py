@@ -152,14 +152,16 @@ def graph_main(argv: list[str]) -> int:
     cfg = build_config(args.config, overrides + ["--training.mode", "graph", "--compile.backend", "eager"])
     with _process_group_cleanup():
         trainer = Trainer(cfg)
-        captured = trainer.step_fn.captured
+        step = trainer.step_fn
         t = cfg.training
         if trainer.is_main:
             out = Path(args.out) if args.out else trainer.run_dir / "graph" / "train_step.txt"
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(captured.graph_module.print_readable(print_output=False))
-            tokens = t.batch_size * t.seq_len * trainer.dp_size
-            print(captured.summary())
+            # With accumulation: the micro-batch program, then the update program.
+            programs = [c for c in (step.captured, step.captured_update) if c is not None]
+            out.write_text("\n".join(c.graph_module.print_readable(print_output=False) for c in programs))
+            tokens = t.batch_size * t.seq_len * trainer.dp_size * t.grad_accum_steps
+            print(step.summary())
             print(f"  estimated model FLOPs per step: {trainer.flops_per_token * tokens / 1e9:.1f} GFLOP "
                   f"({tokens:,} tokens x {trainer.flops_per_token / 1e6:.1f} MFLOP/token)")
             print(f"graph written to {out}")

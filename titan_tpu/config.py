@@ -60,12 +60,16 @@ class TrainingConfig:
     batch_size: int = 8  # sequences per micro-batch (per data-parallel rank)
     seq_len: int = 256  # tokens per sequence (a packed window of documents)
     grad_accum_steps: int = 1  # micro-batches summed into one optimizer step
+    # Tokens per optimizer step on all ranks; when set (> 0) it sets grad_accum_steps from the mesh:
+    # global_batch_tokens / (batch_size x seq_len x data-parallel ranks), which must divide.
+    global_batch_tokens: int = 0
     max_norm: float = 1.0  # global gradient-norm clipping; <= 0 disables clipping
     seed: int = 0  # initialisation and data order
     deterministic: bool = False  # torch.use_deterministic_algorithms for bitwise-repeatable runs
     device: Literal["auto", "cpu", "cuda", "tpu"] = "auto"  # auto: tpu, else cuda, else cpu
-    # eager: plain autograd. graph: forward, backward, clipping and AdamW captured as one program
-    # with make_fx and compiled by compile.backend (one micro-batch per step for now).
+    # eager: plain autograd. graph: forward, backward, clipping and AdamW captured with make_fx and
+    # compiled by compile.backend (one program; with grad_accum_steps > 1 a micro-batch program and
+    # an update program: docs/graph_mode.md).
     mode: Literal["eager", "graph"] = "eager"
 
 
@@ -431,6 +435,20 @@ def model_args_from_config(cfg: Config):
     return model_spec(cfg).args
 
 
+def grad_accum_from_tokens(t: TrainingConfig, dp_ranks: int) -> int:
+    """The micro-batches per step that give training.global_batch_tokens on `dp_ranks` data-parallel
+    ranks (tensor- and context-parallel ranks share their rank's batch), as TorchTitan derives its
+    accumulation from the global batch; training.grad_accum_steps when global_batch_tokens is 0."""
+    if not t.global_batch_tokens:
+        return t.grad_accum_steps
+    per_micro_batch = t.batch_size * t.seq_len * dp_ranks
+    if t.global_batch_tokens % per_micro_batch:
+        raise ValueError(f"training.global_batch_tokens = {t.global_batch_tokens} is not a multiple of batch_size x "
+                         f"seq_len x data-parallel ranks = {t.batch_size} x {t.seq_len} x {dp_ranks} = "
+                         f"{per_micro_batch}; pick a multiple or change training.batch_size")
+    return t.global_batch_tokens // per_micro_batch
+
+
 def validate(cfg: Config) -> None:
     """Checks that span keys or need the flavor table; single-key types are checked on assignment."""
     from titan_tpu.train.optim import validate_lr_schedule
@@ -462,9 +480,14 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"parallelism.ep = {ep} must divide the {model_args.moe.num_experts} experts of "
                          f"{spec.label}")
     spec.check(cfg)
-    if t.mode == "graph" and t.grad_accum_steps != 1:
-        raise ValueError(f"training.mode = graph runs one micro-batch per step for now; set training.grad_accum_steps "
-                         f"= 1 (got {t.grad_accum_steps}) or use training.mode = eager")
+    if t.global_batch_tokens < 0:
+        raise ValueError(f"training.global_batch_tokens = {t.global_batch_tokens} must be >= 0 (0: use "
+                         "training.grad_accum_steps)")
+    if t.global_batch_tokens and t.grad_accum_steps != 1:
+        raise ValueError(f"training.global_batch_tokens = {t.global_batch_tokens} sets training.grad_accum_steps; "
+                         f"remove one of them (grad_accum_steps = {t.grad_accum_steps})")
+    if t.global_batch_tokens and cfg.parallelism.dp_shard != -1:  # with -1 the ranks are known at launch
+        grad_accum_from_tokens(t, cfg.parallelism.dp_replicate * cfg.parallelism.dp_shard)
     if cfg.compile.backend == "tpu":
         from titan_tpu.device import check_tpu_compile_backend
 
@@ -491,9 +514,10 @@ def validate(cfg: Config) -> None:
         if cfg.data.source != "stdlib":
             raise ValueError("data.source and [[data.sources]] are both set; keep one (a single source can be either)")
         normalized_weights(cfg.data.sources)
-    if t.mode == "graph" and any(s.format == "chat" for s in data_sources(cfg)):
-        raise ValueError("format = chat needs training.mode = eager for now (the captured step divides the loss by a "
-                         "fixed token count, chat trains a varying number): set training.mode eager")
+    if cfg.kernels.loss == "tokamax" and any(s.format == "chat" for s in data_sources(cfg)):
+        # The one loss kernel without an ignore index; a traced step could not even check the labels.
+        raise ValueError("kernels.loss = tokamax cannot skip the untrained tokens of format = chat (no ignore index); "
+                         "use --kernels.loss chunked")
     if cfg.data.max_bytes < 0:
         raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
     if t.device == "cpu":  # with auto, the trainer checks once it knows the device

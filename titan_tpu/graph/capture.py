@@ -2,12 +2,16 @@
 
 The step is written once as a pure function of plain tensors::
 
-    (params, exp_avg, exp_avg_sq, inputs_BS, labels_BS[, positions_BS], step, lr, buffers)
+    (params, exp_avg, exp_avg_sq, inputs_BS, labels_BS[, positions_BS], num_tokens, step, lr, buffers)
         -> (new_params, new_exp_avg, new_exp_avg_sq, loss, grad_norm, aux_loss, expert_load,
             new expert biases)
 
 and traced with ``make_fx(tracing_mode="fake")``, which records the aten ops that autograd, the
 pure optimizer functions and DTensor dispatch run. Nothing is executed for real while tracing.
+
+With gradient accumulation (`capture_accumulating_step`) the same pieces are traced as two
+programs: the forward and backward of one micro-batch, which adds its gradients to the sums it is
+given and runs once per micro-batch, and the update (clipping, AdamW), once per step.
 
 Why plain local tensors at the boundary: make_fx refuses real DTensors passed in or closed over.
 So the graph takes each parameter's *local shard* and rebuilds the DTensor inside with
@@ -56,7 +60,8 @@ from titan_tpu.model_contract import TrainableModel
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
 from titan_tpu.train.step import model_copies, split_batch
 
-__all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "StepLayout", "capture_train_step"]
+__all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "StepLayout", "capture_accumulating_step",
+           "capture_train_step"]
 
 # Ops traced as their decompositions because their fake (meta) kernel gives an output a layout that
 # the real kernel does not, and a view the graph then records on that output fails when the graph
@@ -76,34 +81,67 @@ def _slices(groups: list[tuple[str, int]]) -> dict[str, slice]:
 
 @dataclass(frozen=True)
 class StepLayout:
-    """The order and size of the captured step's flat inputs and outputs, written once.
+    """The order and size of a captured program's flat inputs and outputs, written once.
 
-    The graph takes and returns flat lists of tensors; each list is a sequence of named groups
+    A graph takes and returns flat lists of tensors; each list is a sequence of named groups
     (the params, the moments, the batch, ...). Everything that builds or reads such a list (the
     traced step, its example inputs, GraphStep feeding and unpacking it, the split of the graph at
     the loss, `CapturedStep.summary`) goes through `flatten_*` / `unflatten_*` and the slices here,
     so adding a group is one edit, and no count is written by hand anywhere else.
 
-    Inputs: params, exp_avg, exp_avg_sq (each in param_names order), batch (inputs_BS, labels_BS
-    and, with document masking, positions_BS), step, lr (0-dim), buffers (buffer_names order).
-    Outputs: params, exp_avg, exp_avg_sq (new values), loss, grad_norm, aux_loss, expert_load,
-    buffers (new values of updated_buffer_names). `CapturedStep` says what each one means.
+    Three programs have a layout (`CapturedStep` says what each group means):
+
+    * `whole_step`, one micro-batch per step: params, exp_avg, exp_avg_sq, batch (inputs_BS,
+      labels_BS and, with document masking, positions_BS), num_tokens, step, lr, buffers ->
+      params, exp_avg, exp_avg_sq, loss, grad_norm, aux_loss, expert_load, buffers (new values of
+      the updated buffers);
+    * `micro_batch`, the forward and backward of one micro-batch of an accumulating step:
+      params, grads (the sums so far), batch, num_tokens, buffers -> grads (the new sums), totals
+      (this micro-batch's);
+    * `update`, once per accumulating step: params, grads, exp_avg, exp_avg_sq, totals, step, lr,
+      buffers -> what `whole_step` returns.
     """
 
-    params: int  # number of parameter tensors
-    batch: int  # tensors of one micro-batch: 2, or 3 with positions
-    buffers: int  # model buffers passed in
-    updated_buffers: int  # buffers the step returns new values of (MoE expert biases)
+    inputs: tuple[tuple[str, int], ...]
+    outputs: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def whole_step(cls, *, params: int, batch: int, buffers: int, updated_buffers: int) -> StepLayout:
+        return cls(inputs=(("params", params), ("exp_avg", params), ("exp_avg_sq", params), ("batch", batch),
+                           ("num_tokens", 1), ("step", 1), ("lr", 1), ("buffers", buffers)),
+                   outputs=_update_outputs(params, updated_buffers))
+
+    @classmethod
+    def micro_batch(cls, *, params: int, batch: int, buffers: int) -> StepLayout:
+        return cls(inputs=(("params", params), ("grads", params), ("batch", batch), ("num_tokens", 1),
+                           ("buffers", buffers)),
+                   outputs=(("grads", params), ("totals", 1)))
+
+    @classmethod
+    def update(cls, *, params: int, buffers: int, updated_buffers: int) -> StepLayout:
+        return cls(inputs=(("params", params), ("grads", params), ("exp_avg", params), ("exp_avg_sq", params),
+                           ("totals", 1), ("step", 1), ("lr", 1), ("buffers", buffers)),
+                   outputs=_update_outputs(params, updated_buffers))
+
+    @property
+    def batch(self) -> int:
+        """Tensors of one micro-batch the program takes: 2, or 3 with positions; 0 for `update`."""
+        return dict(self.inputs).get("batch", 0)
+
+    @property
+    def loss_output_index(self) -> int | None:
+        """Where the first output that depends on the forward only lies (the loss, or the running
+        sums whose first value is the loss), for splitting forward from backward; None for `update`."""
+        slices = self.output_slices()
+        if "batch" not in dict(self.inputs):
+            return None
+        return slices["loss"].start if "loss" in slices else slices["totals"].start
 
     def input_groups(self) -> list[tuple[str, int]]:
-        n = self.params
-        return [("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("batch", self.batch), ("step", 1), ("lr", 1),
-                ("buffers", self.buffers)]
+        return list(self.inputs)
 
     def output_groups(self) -> list[tuple[str, int]]:
-        n = self.params
-        return [("params", n), ("exp_avg", n), ("exp_avg_sq", n), ("loss", 1), ("grad_norm", 1), ("aux_loss", 1),
-                ("expert_load", 1), ("buffers", self.updated_buffers)]
+        return list(self.outputs)
 
     @property
     def num_inputs(self) -> int:
@@ -134,6 +172,11 @@ class StepLayout:
     def unflatten_outputs(self, flat) -> dict[str, list]:
         """Group name -> its tensors of a flat output list."""
         return {name: list(flat[s]) for name, s in self.output_slices().items()}
+
+
+def _update_outputs(params: int, updated_buffers: int) -> tuple[tuple[str, int], ...]:
+    return (("params", params), ("exp_avg", params), ("exp_avg_sq", params), ("loss", 1), ("grad_norm", 1),
+            ("aux_loss", 1), ("expert_load", 1), ("buffers", updated_buffers))
 
 
 def _flatten(layout: list[tuple[str, int]], groups: dict) -> list:
@@ -249,18 +292,23 @@ class DTensorSpec:
 
 @dataclass
 class CapturedStep:
-    """The traced step and how to feed it.
+    """One traced program of the step and how to feed it.
 
     Flat inputs and outputs: the groups of `layout` (StepLayout), all plain (local) tensors.
-    Inputs: params (param_names order), exp_avg (same order), exp_avg_sq, the batch (inputs_BS,
-    labels_BS and, with document masking, positions_BS), step (0-dim scalar_dtype), lr (0-dim
-    scalar_dtype), buffers (buffer_names order; make_fx refuses real tensors closed over, so the
-    RoPE table is an input too, never modified).
-    Outputs: new params, new exp_avg, new exp_avg_sq (each in param_names order), loss
-    (0-dim, mean per token over all ranks), grad_norm (0-dim, global, before clipping), aux_loss
-    (0-dim, MoE balancing loss, mean over ranks; 0 for dense models), expert_load ([L_moe, E]
-    tokens per expert, all ranks; [0, 0] for dense), then the new values of the buffers in
-    `updated_buffer_names` (MoE expert biases under auxiliary-loss-free balancing).
+    params, grads, exp_avg, exp_avg_sq: one tensor per parameter (param_names order); batch:
+    inputs_BS, labels_BS and, with document masking, positions_BS; num_tokens: 0-dim int32, the
+    labels the step trains on (not IGNORE_INDEX) on all data-parallel ranks, the loss denominator,
+    an input so that chat data (a varying count) needs no new graph; step, lr: 0-dim scalar_dtype;
+    buffers: buffer_names order (make_fx refuses real tensors closed over, so the RoPE table is an
+    input too, never modified); totals: 1-dim, this rank's share of the loss, its share of the
+    balancing loss and its expert loads flattened (an update takes their sum over the step's
+    micro-batches).
+    Outputs of a whole step or of an update: new params, new exp_avg, new exp_avg_sq, loss (0-dim,
+    mean per token over all ranks), grad_norm (0-dim, global, before clipping), aux_loss (0-dim,
+    MoE balancing loss, mean over micro-batches and ranks; 0 for dense models), expert_load
+    ([L_moe, E] tokens per expert, all ranks; [0, 0] for dense), then the new values of the buffers
+    in `updated_buffer_names` (MoE expert biases under auxiliary-loss-free balancing). A
+    micro-batch program returns the gradients summed so far and its own totals.
     """
 
     graph_module: torch.fx.GraphModule
@@ -268,12 +316,13 @@ class CapturedStep:
     buffer_names: list[str]  # model buffers (e.g. the RoPE table), passed as the last inputs
     dtensor_specs: dict[str, DTensorSpec]  # empty for a single-process (plain tensor) model
     example_inputs: list[Tensor]  # fake tensors with the shapes the graph was traced for
-    num_tokens: int  # tokens of one step on all ranks (the loss denominator)
+    dp_size: int  # data-parallel ranks: num_tokens counts the labels of all of them
     capture_seconds: float
     num_params: int  # global parameter count (full, unsharded sizes)
     layout: StepLayout  # the order and size of the flat inputs and outputs
     scalar_dtype: torch.dtype = torch.float64  # dtype of the step and lr inputs
     updated_buffer_names: list[str] = dataclasses.field(default_factory=list)  # buffers the step moves
+    program: str = "train step"  # what the graph is, for summary(): "train step", "micro-batch", "update"
 
     @property
     def num_inputs(self) -> int:
@@ -306,7 +355,7 @@ class CapturedStep:
         collectives = self.collective_counts()
         scans = sum(n for op, n in ops.items() if op.endswith("scan"))
         lines = [
-            f"captured train step: {len(nodes)} nodes ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})",
+            f"captured {self.program}: {len(nodes)} nodes ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})",
             f"  parameters: {len(self.param_names)} tensors, {self.num_params:,} values"
             + (f", sharded as DTensors on mesh {next(iter(self.dtensor_specs.values())).mesh}"
                if self.dtensor_specs else ", plain tensors"),
@@ -330,133 +379,150 @@ def _world_group_all_reduce_sum(t: Tensor) -> Tensor:
     return funcol.all_reduce(t, "sum", dist.group.WORLD)
 
 
-def capture_train_step(
-    model: torch.nn.Module,
-    *,
-    max_norm: float,
-    adamw_hparams: dict,
-    decay: dict[str, bool],
-    example_batch: tuple[Tensor, Tensor],
-    dp_size: int | None = None,
-    scalar_dtype: torch.dtype = torch.float64,
-) -> CapturedStep:
-    """Trace one training step of `model` into a CapturedStep (see the module docstring).
+class _StepParts:
+    """The pieces every captured program of a step is written with: the forward and backward of
+    one micro-batch, and the update (clipping, AdamW, the sums over ranks, the expert biases).
+    `capture_train_step` traces both in one program; `capture_accumulating_step` traces them as
+    two, the first run once per micro-batch."""
 
-    The loss is the model's own ``model(inputs, labels, positions_BS=...)`` (the summed
-    cross-entropy through the loss kernel; train/step.py), divided by the token count of the whole
-    step on all ranks, as EagerStep does. adamw_hparams: beta1, beta2, eps, weight_decay
-    (AdamW.hparams). decay: which parameters get weight decay (AdamW.decay). example_batch:
-    (inputs_BS, labels_BS[, positions_BS]) of the shape every step will use (the graph is
-    static-shaped). dp_size: number of data-parallel ranks; default the size of the data-parallel
-    axes of the parameters' mesh (1 for plain parameters). scalar_dtype: dtype of the
-    step and lr inputs; float64 matches the eager path's Python-float arithmetic bit for bit,
-    float32 is for TPUs (no fast float64, and XLA may reject it).
+    def __init__(self, model: torch.nn.Module, *, max_norm: float, adamw_hparams: dict, decay: dict[str, bool],
+                 dp_size: int | None, micro_batches: int):
+        named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if not named:
+            raise ValueError("capture_train_step: the model has no parameters")
+        self.model = model
+        self.param_names = list(named)
+        # Frozen parameters (LoRA's base weights) are read like buffers: graph inputs, no gradient, no update.
+        frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+        self.buffers = {**dict(model.named_buffers()), **frozen}
+        self.buffer_names = list(self.buffers)
+        self.specs = {n: DTensorSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
+                      for n, p in named.items() if isinstance(p, DTensor)}
+        self.frozen_specs = {n: DTensorSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
+                             for n, p in frozen.items() if isinstance(p, DTensor)}
+        if self.specs and len(self.specs) != len(named):
+            plain = sorted(set(named) - set(self.specs))[:3]
+            raise ValueError(f"capture_train_step: mixed plain and DTensor parameters (plain: {plain}); "
+                             "make the whole model data parallel or none of it")
+        if dp_size is None:
+            from titan_tpu.parallel.mesh import dp_rank_and_size
 
-    Raises CaptureError when the step cannot be one static graph (see the module docstring).
-    """
-    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if not named:
-        raise ValueError("capture_train_step: the model has no parameters")
-    param_names = list(named)
-    # Frozen parameters (LoRA's base weights) are read like buffers: graph inputs, no gradient, no update.
-    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
-    buffers = {**dict(model.named_buffers()), **frozen}
-    buffer_names = list(buffers)
-    specs = {n: DTensorSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
-             for n, p in named.items() if isinstance(p, DTensor)}
-    frozen_specs = {n: DTensorSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
-                    for n, p in frozen.items() if isinstance(p, DTensor)}
-    if specs and len(specs) != len(named):
-        plain = sorted(set(named) - set(specs))[:3]
-        raise ValueError(f"capture_train_step: mixed plain and DTensor parameters (plain: {plain}); "
-                         "make the whole model data parallel or none of it")
-    if dp_size is None:
-        from titan_tpu.parallel.mesh import dp_rank_and_size
+            dp_size = dp_rank_and_size(next(iter(self.specs.values())).mesh)[1] if self.specs else 1
+        self.dp_size = dp_size
+        self.copies = model_copies(dp_size)  # tensor-parallel ranks each hold the whole loss of their batch
+        # The balancing loss is averaged over micro-batches and ranks (the gradient reduction sums
+        # them), with EagerStep's arithmetic.
+        self.aux_share = 1.0 / (micro_batches * dp_size)
+        self.max_norm, self.hparams, self.decay = max_norm, dict(adamw_hparams), decay
+        self.updated_buffers = model.expert_bias_names() if isinstance(model, TrainableModel) else []
+        self.num_params = sum(p.numel() for p in named.values())
+        self.load_shape: torch.Size | None = None  # the expert loads' shape, known once a forward is traced
 
-        dp_size = dp_rank_and_size(next(iter(specs.values())).mesh)[1] if specs else 1
-    distributed = dp_size > 1
-    # Clones: make_fx maps one tensor object to one graph input, so a caller passing the same
-    # tensor as inputs and labels would otherwise get a graph where labels alias the inputs.
-    split_batch(example_batch)  # a 2- or 3-tuple, or a clear error
-    example_batch = [t.clone() for t in example_batch]
-    num_tokens = example_batch[1].numel() * dp_size  # static: shapes are fixed for the graph
-    copies = model_copies(dp_size)  # tensor-parallel ranks each hold the whole loss of their batch
-    hparams = dict(adamw_hparams)
-    updated_buffers = model.expert_bias_names() if isinstance(model, TrainableModel) else []
-    layout = StepLayout(params=len(param_names), batch=len(example_batch), buffers=len(buffer_names),
-                        updated_buffers=len(updated_buffers))
+    def _as_model_tensor(self, name: str, t: Tensor) -> Tensor:
+        return self.specs[name].wrap(t) if name in self.specs else t
 
-    def train_step(*flat: Tensor) -> list[Tensor]:
-        groups = layout.unflatten_inputs(flat)
-        local_params, exp_avg, exp_avg_sq = groups["params"], groups["exp_avg"], groups["exp_avg_sq"]
-        inputs, labels, positions = split_batch(groups["batch"])
-        (step,), (lr,) = groups["step"], groups["lr"]
-        buffer_values = {n: frozen_specs[n].wrap(t) if n in frozen_specs else t
-                         for n, t in zip(buffer_names, groups["buffers"])}
-
+    def forward_backward(self, local_params: list[Tensor], batch: list[Tensor], num_tokens: Tensor,
+                         buffer_values: dict[str, Tensor]) -> tuple[list[Tensor], Tensor]:
+        """(local gradient shards, this rank's totals: its share of the loss and of the balancing
+        loss, its expert loads flattened) of one micro-batch."""
+        inputs, labels, positions = split_batch(batch)
         # Differentiate with respect to fresh leaves, not the inputs themselves, so the optimizer
-        # below reads the parameter inputs unchanged and untracked.
+        # reads the parameter inputs unchanged and untracked.
         leaves = [t.detach().requires_grad_(True) for t in local_params]
-
-        def as_model_tensor(name: str, t: Tensor) -> Tensor:
-            return specs[name].wrap(t) if name in specs else t
-
         with torch.enable_grad():
-            params = {name: as_model_tensor(name, t) for name, t in zip(param_names, leaves)}
-            out = torch.func.functional_call(model, {**params, **buffer_values}, (inputs, labels),
+            params = {name: self._as_model_tensor(name, t) for name, t in zip(self.param_names, leaves)}
+            out = torch.func.functional_call(self.model, {**params, **buffer_values}, (inputs, labels),
                                              {"positions_BS": positions})
-            # The balancing loss is averaged over ranks (the gradient reduction sums them).
-            aux = out.aux_loss / dp_size
-            loss = out.ce_sum / num_tokens + aux
+            aux = out.aux_loss * self.aux_share
+            # num_tokens is a graph input, not a traced constant: chat data trains a varying count.
+            ce = out.ce_sum / num_tokens
             # Gradients of the local leaves are the local shards of the (reduce-scattered)
             # parameter gradients: DTensor.from_local's backward hands back the local part.
             # The backward region, for the rematerialize pass (activation checkpointing).
             with fx_traceback.annotate({"phase": "backward"}):
                 # Zeros for parameters the loss does not reach, as the eager step does.
-                local_grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
+                local_grads = torch.autograd.grad(ce + aux, leaves, allow_unused=True, materialize_grads=True)
+        self.load_shape = out.expert_load.shape
+        totals = torch.cat([ce.detach().view(1), aux.detach().view(1), out.expert_load.flatten()])
+        return list(local_grads), totals
 
+    def update(self, local_params: list[Tensor], local_grads: list[Tensor], exp_avg: list[Tensor],
+               exp_avg_sq: list[Tensor], totals: Tensor, step: Tensor, lr: Tensor,
+               buffer_values: dict[str, Tensor]) -> dict[str, list[Tensor]]:
+        """The output groups of an update (StepLayout): clipping, AdamW, the global loss, balancing
+        loss and expert loads, the new expert biases."""
+        names = self.param_names
         with torch.no_grad():
             # Norm and clipping on DTensors: the norm of sharded grads needs a cross-rank sum,
             # which grad_norm adds (full_tensor) exactly as in the eager path.
-            grads = {name: as_model_tensor(name, g) for name, g in zip(param_names, local_grads)}
-            clipped, total_norm = clip_grad_norm(grads, max_norm)
+            grads = {name: self._as_model_tensor(name, g) for name, g in zip(names, local_grads)}
+            clipped, total_norm = clip_grad_norm(grads, self.max_norm)
             # The optimizer update is elementwise per shard, so it runs on plain local tensors:
             # the same arithmetic as the DTensor eager path, without DTensor dispatch.
             local = {name: g.to_local() if isinstance(g, DTensor) else g for name, g in clipped.items()}
-            state = {"exp_avg": dict(zip(param_names, exp_avg)), "exp_avg_sq": dict(zip(param_names, exp_avg_sq))}
-            new_params, new_state = adamw_update(dict(zip(param_names, local_params)), local, state,
-                                                 step=step, lr=lr, decay=decay, **hparams)
-            # Cross-entropy mean, balancing loss and expert loads: each rank holds its share, one
-            # sum over ranks gives the global values.
-            load = out.expert_load
-            totals = torch.cat([(out.ce_sum / num_tokens).detach().view(1), aux.detach().view(1), load.flatten()])
-            if distributed or copies > 1:
+            state = {"exp_avg": dict(zip(names, exp_avg)), "exp_avg_sq": dict(zip(names, exp_avg_sq))}
+            new_params, new_state = adamw_update(dict(zip(names, local_params)), local, state,
+                                                 step=step, lr=lr, decay=self.decay, **self.hparams)
+            # Each rank holds its share of the global means and its own loads: one sum over ranks.
+            if self.dp_size > 1 or self.copies > 1:
                 totals = _world_group_all_reduce_sum(totals)
-                totals = totals / copies if copies > 1 else totals
-            global_load = totals[2:].view(load.shape)
-            new_buffers = (model.updated_expert_biases({n: buffer_values[n] for n in updated_buffers}, global_load)
-                           if updated_buffers else {})
+                totals = totals / self.copies if self.copies > 1 else totals
+            global_load = totals[2:].view(self.load_shape)
+            updated = self.updated_buffers
+            new_buffers = (self.model.updated_expert_biases({n: buffer_values[n] for n in updated}, global_load)
+                           if updated else {})
             if isinstance(total_norm, DTensor):
                 total_norm = total_norm.to_local()
-        return layout.flatten_outputs(
-            params=[new_params[k] for k in param_names], exp_avg=[new_state["exp_avg"][k] for k in param_names],
-            exp_avg_sq=[new_state["exp_avg_sq"][k] for k in param_names], loss=[totals[0]],
-            grad_norm=[total_norm], aux_loss=[totals[1]], expert_load=[global_load],
-            buffers=[new_buffers[n] for n in updated_buffers])
+        return dict(params=[new_params[k] for k in names], exp_avg=[new_state["exp_avg"][k] for k in names],
+                    exp_avg_sq=[new_state["exp_avg_sq"][k] for k in names], loss=[totals[0]],
+                    grad_norm=[total_norm], aux_loss=[totals[1]], expert_load=[global_load],
+                    buffers=[new_buffers[n] for n in updated])
 
-    # Example inputs: the live local tensors (turned into fake tensors below; nothing is computed
-    # on them). step/lr default to float64 like the Python numbers the eager path uses.
-    def local(p: Tensor) -> Tensor:
-        return (p.to_local() if isinstance(p, DTensor) else p).detach()
+    def local_params(self) -> list[Tensor]:
+        # The live local tensors (turned into fake tensors when tracing; nothing is computed on them).
+        named = dict(self.model.named_parameters())
+        return [_local_tensor(named[n]) for n in self.param_names]
 
-    params = [local(p) for p in named.values()]
-    # Distinct tensors for every input: make_fx maps one tensor object to one placeholder, so
-    # reusing an example tensor for two inputs would silently wire both reads to the same input.
-    example = layout.flatten_inputs(
-        params=params, exp_avg=[torch.zeros_like(t) for t in params], exp_avg_sq=[torch.zeros_like(t) for t in params],
-        batch=example_batch, step=[torch.ones((), dtype=scalar_dtype)], lr=[torch.ones((), dtype=scalar_dtype)],
-        buffers=[local(b) for b in buffers.values()])
+    def local_buffers(self) -> list[Tensor]:
+        return [_local_tensor(b) for b in self.buffers.values()]
 
+    def buffer_values(self, tensors: list[Tensor]) -> dict[str, Tensor]:
+        """Buffer name -> the graph input, a frozen sharded parameter wrapped back into its DTensor."""
+        return {n: self.frozen_specs[n].wrap(t) if n in self.frozen_specs else t
+                for n, t in zip(self.buffer_names, tensors)}
+
+    def captured(self, gm: torch.fx.GraphModule, seconds: float, layout: StepLayout, scalar_dtype: torch.dtype,
+                 program: str) -> CapturedStep:
+        fake_inputs = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
+        return CapturedStep(graph_module=gm, param_names=self.param_names, buffer_names=self.buffer_names,
+                            dtensor_specs=self.specs, example_inputs=fake_inputs, dp_size=self.dp_size,
+                            capture_seconds=seconds, num_params=self.num_params, layout=layout,
+                            scalar_dtype=scalar_dtype, updated_buffer_names=self.updated_buffers, program=program)
+
+
+def _local_tensor(t: Tensor) -> Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+
+
+def _example_batch(example_batch: tuple[Tensor, ...]) -> list[Tensor]:
+    # Clones: make_fx maps one tensor object to one graph input, so a caller passing the same
+    # tensor as inputs and labels would otherwise get a graph where labels alias the inputs.
+    split_batch(example_batch)  # a 2- or 3-tuple, or a clear error
+    return [t.clone() for t in example_batch]
+
+
+def _num_tokens_example() -> Tensor:
+    return torch.ones((), dtype=torch.int32)
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list:
+    """The fake values a traced graph returns, in output order."""
+    output = next(node for node in gm.graph.nodes if node.op == "output")
+    return [node.meta["val"] for node in output.args[0]]
+
+
+def _trace(fn, example: list[Tensor], model: torch.nn.Module) -> tuple[torch.fx.GraphModule, float]:
+    """(fn traced on fake copies of `example`, seconds), activation checkpointing applied."""
     start = time.perf_counter()
     # Our own fake mode, without a ShapeEnv (make_fx picks up the mode of fake inputs): left to
     # itself, make_fx("fake") adds one, and data-dependent values and shapes then become unbacked
@@ -468,8 +534,7 @@ def capture_train_step(
             # preserve_node_meta: annotations made while tracing (the backward phase) land in
             # node.meta["custom"].
             with fx_traceback.preserve_node_meta():
-                gm = make_fx(train_step, tracing_mode="fake",
-                             decomposition_table=TRACE_DECOMPOSITIONS)(*fake_example)
+                gm = make_fx(fn, tracing_mode="fake", decomposition_table=TRACE_DECOMPOSITIONS)(*fake_example)
         except Exception as e:
             error = _capture_error(e, stack)
             if error is None:
@@ -477,12 +542,115 @@ def capture_train_step(
             raise error from e
     # Activation checkpointing: recompute tagged forward ops in the backward (no-op untagged).
     gm = rematerialize(gm)
-    capture_seconds = time.perf_counter() - start
+    return gm, time.perf_counter() - start
 
-    fake_inputs = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
-    return CapturedStep(graph_module=gm, param_names=param_names, buffer_names=buffer_names,
-                        dtensor_specs=specs, example_inputs=fake_inputs,
-                        num_tokens=num_tokens, capture_seconds=capture_seconds,
-                        num_params=sum(p.numel() for p in named.values()), layout=layout,
-                        scalar_dtype=scalar_dtype, updated_buffer_names=updated_buffers)
 
+def capture_train_step(
+    model: torch.nn.Module,
+    *,
+    max_norm: float,
+    adamw_hparams: dict,
+    decay: dict[str, bool],
+    example_batch: tuple[Tensor, Tensor],
+    dp_size: int | None = None,
+    scalar_dtype: torch.dtype = torch.float64,
+) -> CapturedStep:
+    """Trace one training step of `model` (one micro-batch) into a CapturedStep (see the module
+    docstring).
+
+    The loss is the model's own ``model(inputs, labels, positions_BS=...)`` (the summed
+    cross-entropy through the loss kernel; train/step.py), divided by the num_tokens input, the
+    step's trained token count on all ranks, as EagerStep does. adamw_hparams: beta1, beta2, eps,
+    weight_decay (AdamW.hparams). decay: which parameters get weight decay (AdamW.decay).
+    example_batch: (inputs_BS, labels_BS[, positions_BS]) of the shape every step will use (the
+    graph is static-shaped). dp_size: number of data-parallel ranks; default the size of the
+    data-parallel axes of the parameters' mesh (1 for plain parameters). scalar_dtype: dtype of
+    the step and lr inputs; float64 matches the eager path's Python-float arithmetic bit for bit,
+    float32 is for TPUs (no fast float64, and XLA may reject it).
+
+    Raises CaptureError when the step cannot be one static graph (see the module docstring).
+    """
+    parts = _StepParts(model, max_norm=max_norm, adamw_hparams=adamw_hparams, decay=decay, dp_size=dp_size,
+                       micro_batches=1)
+    batch = _example_batch(example_batch)
+    layout = StepLayout.whole_step(params=len(parts.param_names), batch=len(batch), buffers=len(parts.buffer_names),
+                                   updated_buffers=len(parts.updated_buffers))
+
+    def train_step(*flat: Tensor) -> list[Tensor]:
+        g = layout.unflatten_inputs(flat)
+        buffer_values = parts.buffer_values(g["buffers"])
+        (num_tokens,), (step,), (lr,) = g["num_tokens"], g["step"], g["lr"]
+        grads, totals = parts.forward_backward(g["params"], g["batch"], num_tokens, buffer_values)
+        out = parts.update(g["params"], grads, g["exp_avg"], g["exp_avg_sq"], totals, step, lr, buffer_values)
+        return layout.flatten_outputs(**out)
+
+    params = parts.local_params()
+    # Distinct tensors for every input: make_fx maps one tensor object to one placeholder, so
+    # reusing an example tensor for two inputs would silently wire both reads to the same input.
+    example = layout.flatten_inputs(
+        params=params, exp_avg=[torch.zeros_like(t) for t in params], exp_avg_sq=[torch.zeros_like(t) for t in params],
+        batch=batch, num_tokens=[_num_tokens_example()], step=[torch.ones((), dtype=scalar_dtype)],
+        lr=[torch.ones((), dtype=scalar_dtype)], buffers=parts.local_buffers())
+    gm, seconds = _trace(train_step, example, model)
+    return parts.captured(gm, seconds, layout, scalar_dtype, "train step")
+
+
+def capture_accumulating_step(
+    model: torch.nn.Module,
+    *,
+    max_norm: float,
+    adamw_hparams: dict,
+    decay: dict[str, bool],
+    example_batch: tuple[Tensor, Tensor],
+    grad_accum_steps: int,
+    dp_size: int | None = None,
+    scalar_dtype: torch.dtype = torch.float64,
+) -> tuple[CapturedStep, CapturedStep]:
+    """A step of `grad_accum_steps` micro-batches as two programs: (the forward and backward of one
+    micro-batch, adding its gradients to the sums it is given; the update, once per step). The
+    arguments are capture_train_step's.
+
+    Two programs rather than a loop in one: the micro-batch program is the model once, whatever
+    the count (no unrolled copies, so compile time does not grow with it), and a loop over
+    micro-batches around autograd inside a traced scan is not something make_fx can capture.
+    Under SimpleFSDP each micro-batch's backward reduce-scatters its gradients (the sums are
+    sharded, as in EagerStep): holding them unreduced until the update would keep a full-size
+    gradient per rank.
+    """
+    if grad_accum_steps < 2:
+        raise ValueError(f"capture_accumulating_step: grad_accum_steps = {grad_accum_steps}; one micro-batch "
+                         "is capture_train_step")
+    parts = _StepParts(model, max_norm=max_norm, adamw_hparams=adamw_hparams, decay=decay, dp_size=dp_size,
+                       micro_batches=grad_accum_steps)
+    batch = _example_batch(example_batch)
+    n, buffers = len(parts.param_names), parts.local_buffers()
+    micro_layout = StepLayout.micro_batch(params=n, batch=len(batch), buffers=len(buffers))
+    update_layout = StepLayout.update(params=n, buffers=len(buffers), updated_buffers=len(parts.updated_buffers))
+
+    def micro_batch(*flat: Tensor) -> list[Tensor]:
+        g = micro_layout.unflatten_inputs(flat)
+        buffer_values = parts.buffer_values(g["buffers"])
+        grads, totals = parts.forward_backward(g["params"], g["batch"], g["num_tokens"][0], buffer_values)
+        return micro_layout.flatten_outputs(grads=[a + b for a, b in zip(g["grads"], grads)], totals=[totals])
+
+    def update(*flat: Tensor) -> list[Tensor]:
+        g = update_layout.unflatten_inputs(flat)
+        buffer_values = parts.buffer_values(g["buffers"])
+        out = parts.update(g["params"], g["grads"], g["exp_avg"], g["exp_avg_sq"], g["totals"][0], g["step"][0],
+                           g["lr"][0], buffer_values)
+        return update_layout.flatten_outputs(**out)
+
+    params = parts.local_params()
+    zeros = lambda: [torch.zeros_like(t) for t in params]  # noqa: E731 - distinct tensors per group
+    example = micro_layout.flatten_inputs(params=params, grads=zeros(), batch=batch,
+                                          num_tokens=[_num_tokens_example()], buffers=buffers)
+    micro_gm, micro_seconds = _trace(micro_batch, example, model)
+    # The totals' length (the loss, the balancing loss, the expert loads) is known from that trace.
+    totals = _output_values(micro_gm)[micro_layout.output_slices()["totals"].start]
+    example = update_layout.flatten_inputs(
+        params=params, grads=zeros(), exp_avg=zeros(), exp_avg_sq=zeros(),
+        totals=[torch.zeros(totals.shape, dtype=totals.dtype, device=totals.device)],
+        step=[torch.ones((), dtype=scalar_dtype)], lr=[torch.ones((), dtype=scalar_dtype)], buffers=buffers)
+    update_gm, update_seconds = _trace(update, example, model)
+    return (parts.captured(micro_gm, micro_seconds, micro_layout, scalar_dtype, "micro-batch"),
+            parts.captured(update_gm, update_seconds, update_layout, scalar_dtype, "update"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -29,10 +30,10 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from titan_tpu.device import tpu_compile_error as _tpu_error
-from titan_tpu.graph.capture import CapturedStep, capture_train_step
+from titan_tpu.graph.capture import CapturedStep, capture_accumulating_step, capture_train_step
 from titan_tpu.graph.passes import compile_submodules, schedule_collectives, split_graph
 from titan_tpu.train.optim import AdamW
-from titan_tpu.train.step import StepResult, split_batch
+from titan_tpu.train.step import StepResult, split_batch, trained_tokens
 
 __all__ = ["BACKENDS", "GraphStep", "compile_step"]
 
@@ -84,7 +85,10 @@ def compile_step(captured: CapturedStep, backend: str, *, split: str = "none",
     gm = captured.graph_module
     if prefetch is not None:
         gm = schedule_collectives(gm, prefetch=prefetch)
-    gm = split_graph(gm, split, loss_output_index=captured.layout.output_slices()["loss"].start)
+    loss_index = captured.layout.loss_output_index
+    if loss_index is None and split == "fwd_bwd":
+        split = "none"  # the update program has no forward to cut off
+    gm = split_graph(gm, split, loss_output_index=loss_index)
     if backend == "eager":
         compiled = gm
     else:
@@ -144,15 +148,17 @@ def _local(t: Tensor) -> Tensor:
 
 
 class GraphStep:
-    """The step contract, `step(micro_batches, lr) -> StepResult`, run by one compiled graph.
+    """The step contract, `step(micro_batches, lr) -> StepResult`, run by compiled graphs.
 
     Takes the parameters from `model` and the moments and step count from `optimizer` (the eager
     `AdamW` holder), so it can replace `EagerStep` in a trainer: after each call those same tensors
     hold the new values (written with copy_, so nothing keeps a second copy of the model or the
     optimizer state between steps) and `optimizer.step_count` advanced by one.
 
-    Only grad_accum_steps == 1 for now: one micro-batch per step, of the shape of `example_batch`
-    ((inputs, labels) or, with document masking, (inputs, labels, positions)).
+    Each step takes `grad_accum_steps` micro-batches of the shape of `example_batch` ((inputs,
+    labels) or, with document masking, (inputs, labels, positions)). One micro-batch: one program
+    for the whole step. Several: a micro-batch program run once per micro-batch, summing the
+    gradients, then an update program (graph/capture.py, capture_accumulating_step).
 
     scalar_dtype: dtype of the step and lr graph inputs; None picks float32 for the tpu backend
     (TPUs have no fast float64 and XLA may reject it) and float64 otherwise, which keeps the graph
@@ -161,19 +167,30 @@ class GraphStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float,
                  example_batch: tuple[Tensor, ...], backend: str = "inductor", dp_size: int | None = None,
-                 split: str = "none", scalar_dtype: torch.dtype | None = None, prefetch: int | None = None):
+                 split: str = "none", scalar_dtype: torch.dtype | None = None, prefetch: int | None = None,
+                 grad_accum_steps: int = 1):
         _check_backend(backend)
         if backend == "tpu":
             _tpu_dynamo_backend(None)  # fail before a capture that can take minutes on a large model
+        if grad_accum_steps < 1:
+            raise ValueError(f"training.grad_accum_steps = {grad_accum_steps} must be >= 1")
         if scalar_dtype is None:
             scalar_dtype = torch.float32 if backend == "tpu" else torch.float64
         self.model = model
         self.optimizer = optimizer
-        self.captured = capture_train_step(model, max_norm=max_norm,
-                                           adamw_hparams=optimizer.hparams, decay=optimizer.decay,
-                                           example_batch=example_batch, dp_size=dp_size,
-                                           scalar_dtype=scalar_dtype)
+        self.grad_accum_steps = grad_accum_steps
+        kwargs = dict(max_norm=max_norm, adamw_hparams=optimizer.hparams, decay=optimizer.decay,
+                      example_batch=example_batch, dp_size=dp_size, scalar_dtype=scalar_dtype)
+        if grad_accum_steps == 1:
+            self.captured = capture_train_step(model, **kwargs)
+            self.captured_update = None
+        else:
+            # captured: the micro-batch program (the forward and backward, its collectives)
+            self.captured, self.captured_update = capture_accumulating_step(
+                model, grad_accum_steps=grad_accum_steps, **kwargs)
         self.compiled = compile_step(self.captured, backend, split=split, prefetch=prefetch)
+        self.compiled_update = (None if self.captured_update is None else
+                                compile_step(self.captured_update, backend, split=split))
         names = self.captured.param_names
         params = dict(model.named_parameters())
         # Frozen parameters (LoRA's base weights) are graph inputs beside the buffers (capture.py).
@@ -187,41 +204,70 @@ class GraphStep:
 
     @property
     def capture_seconds(self) -> float:
-        return self.captured.capture_seconds
+        update = self.captured_update.capture_seconds if self.captured_update is not None else 0.0
+        return self.captured.capture_seconds + update
 
     @property
     def compile_seconds(self) -> float:
-        return self.compiled.compile_seconds
+        update = self.compiled_update.compile_seconds if self.compiled_update is not None else 0.0
+        return self.compiled.compile_seconds + update
+
+    def collectives_per_step(self) -> Counter:
+        """Collective ops one step runs: the micro-batch program's once per micro-batch, plus the
+        update program's."""
+        counts = Counter()
+        for op, n in self.captured.collective_counts().items():
+            counts[op] += n * self.grad_accum_steps
+        if self.captured_update is not None:
+            counts.update(self.captured_update.collective_counts())
+        return counts
+
+    def summary(self) -> str:
+        text = self.captured.summary()
+        if self.captured_update is not None:
+            text += f"\n(run {self.grad_accum_steps} times per step, then)\n" + self.captured_update.summary()
+        return text
 
     def _state_tensors(self) -> tuple[list[Tensor], list[Tensor]]:
         # Read the optimizer state each call: load_state_dict replaces the dicts' tensors.
         names, state = self.captured.param_names, self.optimizer.state
         return [_local(state["exp_avg"][n]) for n in names], [_local(state["exp_avg_sq"][n]) for n in names]
 
-    def __call__(self, micro_batches: list[tuple[Tensor, ...]], lr: float) -> StepResult:
-        if len(micro_batches) != 1:
-            raise ValueError(f"the graph trainer runs one micro-batch per step for now, got {len(micro_batches)}; "
-                             "set training.grad_accum_steps = 1")
-        batch = micro_batches[0]
+    def _check_batch(self, batch: tuple[Tensor, ...]) -> list[Tensor]:
         split_batch(batch)
-        layout = self.captured.layout
-        if len(batch) != layout.batch:
-            raise ValueError(f"the captured step was traced for batches of {layout.batch} tensors "
-                             f"(positions {'with' if layout.batch == 3 else 'without'}), got {len(batch)}")
+        expected = self.captured.layout.batch
+        if len(batch) != expected:
+            raise ValueError(f"the captured step was traced for batches of {expected} tensors "
+                             f"(positions {'with' if expected == 3 else 'without'}), got {len(batch)}")
         if any(tuple(t.shape) != self._batch_shape for t in batch):
             raise ValueError(f"the captured step was traced for batches of shape {self._batch_shape}, "
                              f"got {tuple(batch[0].shape)}")
         # The graph was traced for contiguous batches; a strided view (e.g. tokens[:, :-1]) is not.
-        batch = [t.contiguous() for t in batch]
+        return [t.contiguous() for t in batch]
+
+    def __call__(self, micro_batches: list[tuple[Tensor, ...]], lr: float) -> StepResult:
+        if len(micro_batches) != self.grad_accum_steps:
+            raise ValueError(f"the graph step was captured for {self.grad_accum_steps} micro-batches per step "
+                             f"(training.grad_accum_steps), got {len(micro_batches)}")
+        batches = [self._check_batch(b) for b in micro_batches]
+        # The loss denominator, as EagerStep counts it (labels not IGNORE_INDEX on all ranks): a
+        # graph input, so chat data's varying count needs no new graph.
+        num_tokens = trained_tokens(micro_batches, self.captured.dp_size)
+        count = torch.tensor(num_tokens, dtype=torch.int32)
         exp_avg, exp_avg_sq = self._state_tensors()
         step_number = self.optimizer.step_count + 1
         # 0-dim tensors of the captured scalar dtype: float64 by default, as the eager path computes
         # bias corrections and lr in Python floats; float32 on TPU.
         scalar = self.captured.scalar_dtype
-        flat = layout.flatten_inputs(params=self._params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, batch=batch,
-                                     step=[torch.tensor(step_number, dtype=scalar)],
-                                     lr=[torch.tensor(lr, dtype=scalar)], buffers=self._buffers)
-        out = layout.unflatten_outputs(self.compiled(*flat))
+        step_t, lr_t = torch.tensor(step_number, dtype=scalar), torch.tensor(lr, dtype=scalar)
+        if self.captured_update is None:
+            layout = self.captured.layout
+            flat = layout.flatten_inputs(params=self._params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                                         batch=batches[0], num_tokens=[count], step=[step_t], lr=[lr_t],
+                                         buffers=self._buffers)
+            out = layout.unflatten_outputs(self.compiled(*flat))
+        else:
+            out = self._accumulate_and_update(batches, count, exp_avg, exp_avg_sq, step_t, lr_t)
         with torch.no_grad():
             for dst_group, group in ((self._params, "params"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq"),
                                      (self._updated_buffers, "buffers")):
@@ -229,5 +275,24 @@ class GraphStep:
                     torch._foreach_copy_(dst_group, out[group])
         self.optimizer.step_count = step_number
         (loss,), (norm,), (aux,), (load,) = out["loss"], out["grad_norm"], out["aux_loss"], out["expert_load"]
-        return StepResult(loss=loss.item(), grad_norm=norm.item(), num_tokens=self.captured.num_tokens,
+        return StepResult(loss=loss.item(), grad_norm=norm.item(), num_tokens=num_tokens,
                           aux_loss=aux.item(), expert_load=load if load.numel() else None)
+
+    def _accumulate_and_update(self, batches: list[list[Tensor]], count: Tensor, exp_avg: list[Tensor],
+                               exp_avg_sq: list[Tensor], step_t: Tensor, lr_t: Tensor) -> dict[str, list[Tensor]]:
+        """The output groups of the update program after the micro-batch program ran on every batch."""
+        micro, update = self.captured.layout, self.captured_update.layout
+        # The first micro-batch adds to zeros (exact); each later one to the sums the previous returned.
+        grads = [torch.zeros_like(p) for p in self._params]
+        totals = None
+        for batch in batches:
+            flat = micro.flatten_inputs(params=self._params, grads=grads, batch=batch, num_tokens=[count],
+                                        buffers=self._buffers)
+            out = micro.unflatten_outputs(self.compiled(*flat))
+            grads = out["grads"]
+            # The loss, balancing loss and loads: one short vector per micro-batch, summed here in
+            # EagerStep's order.
+            totals = out["totals"][0] if totals is None else totals + out["totals"][0]
+        flat = update.flatten_inputs(params=self._params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                                     totals=[totals], step=[step_t], lr=[lr_t], buffers=self._buffers)
+        return update.unflatten_outputs(self.compiled_update(*flat))

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from titan_tpu.kernels import tpu as _tpu  # noqa: F401 - registers the TPU variants
 from titan_tpu.kernels.attention import ATTENTION, CHUNK_ATTENTION, document_ids_from_positions
 from titan_tpu.kernels.grouped_mm import GROUPED_MM
-from titan_tpu.kernels.loss import LOSS
+from titan_tpu.kernels.loss import IGNORED_LABELS, LOSS
 from titan_tpu.kernels.registry import Impl, Op
 
 __all__ = ["ATTENTION", "CHUNK_ATTENTION", "GROUPED_MM", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe",
@@ -90,6 +90,11 @@ class KernelConfig:
         _resolve(ATTENTION, self.attention, device_type, DOCUMENTS if documents else frozenset())
         _resolve(LOSS, self.loss, device_type, frozenset())
         _resolve(GROUPED_MM, self.grouped_mm, device_type, frozenset())
+
+    def for_ignored_labels(self, device_type: str) -> KernelConfig:
+        """This config with its loss kernel one that skips ignored labels (chat data): auto becomes
+        the best such kernel on `device_type`; a named kernel without it is a one-line error."""
+        return replace(self, loss=_resolve(LOSS, self.loss, device_type, IGNORED_LABELS).name)
 
     def grouped_mm_fn(self, device_type: str) -> Callable:
         """(x_TD, w_EDF, group_sizes_E) -> y_TF, rows sorted by group (kernels/grouped_mm.py)."""

@@ -148,10 +148,14 @@ def chunked_linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, *
     return total
 
 
+# A loss kernel's feature: it skips labels equal to ignore_index (chat data trains only the
+# assistant's tokens). One without it is refused for such data, and auto passes over it.
+IGNORED_LABELS = frozenset({"ignored labels"})
+
 LOSS.register(Impl("reference", reference_linear_cross_entropy, ("cpu", "cuda", "tpu"),
-                   "materialised logits + F.cross_entropy (the definition)"))
+                   "materialised logits + F.cross_entropy (the definition)", features=IGNORED_LABELS))
 LOSS.register(Impl("chunked", chunked_linear_cross_entropy, ("cpu", "cuda", "tpu"),
-                   "token chunks, gradients computed per chunk; never holds the whole logits"))
+                   "token chunks, gradients computed per chunk; never holds the whole logits", features=IGNORED_LABELS))
 
 
 def loss_memory_bytes(impl: str, *, tokens: int, vocab_size: int, dim: int, dtype_bytes: int,

@@ -34,7 +34,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from titan_tpu.config import Config, model_spec
+from titan_tpu.config import Config, grad_accum_from_tokens, model_spec
 from titan_tpu.kernels.loss import loss_memory_bytes
 from titan_tpu.models.common.rope import rope_real_saved_per_position
 from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memory
@@ -332,6 +332,10 @@ def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measu
         chips = chips if chips is not None else named_chips
     devices = chips * hardware.devices_per_chip if chips is not None else None
     dp_replicate, dp_shard, devices = _mesh(cfg, devices)
+    if cfg.training.global_batch_tokens:  # the accumulation the trainer derives on this mesh
+        training = dataclasses.replace(cfg.training, global_batch_tokens=0,
+                                       grad_accum_steps=grad_accum_from_tokens(cfg.training, dp_replicate * dp_shard))
+        cfg = dataclasses.replace(cfg, training=training)
     args = model_args if model_args is not None else spec.args
     _check_parallel_support(cfg, args)
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
@@ -463,8 +467,11 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
         worst = max(worst, below + above + grad)
         below -= saved
         above += grad
-    backward = static + gathered + acts.head + loss_kept + worst + acts.recompute + full_grad + \
-        max(accumulating - above, 0.0)
+    # Eager adds each gradient into the sums in place (the sums of the layers done so far are the
+    # fresh gradients counted in `worst`); the captured micro-batch program writes new sums and
+    # reads the old ones to its end (graph/capture.py, capture_accumulating_step).
+    held_sums = accumulating if s.graph else max(accumulating - above, 0.0)
+    backward = static + gathered + acts.head + loss_kept + worst + acts.recompute + full_grad + held_sums
     if scan is not None:
         # The backward loop reads every flipped stack until it ends and writes the gradient stack;
         # one layer's intermediates are alive at a time.

@@ -17,11 +17,11 @@ The space (each knob at the values below; `keep` holds a knob at the config's va
 Every candidate is a real Config (the config's own validation runs on it) planned by
 `plan_config`; nothing here estimates anything the planner does not. A candidate is rejected for
 divisibility (a micro-batch that does not divide the sequences per device, ep that does not
-divide dp_shard), for what the code cannot run (graph mode with more than one micro-batch, or any
-other validation error) or for memory (the planner's peak over the device's). The planner cannot
-tell apart what it does not model (host overhead per micro-batch, compile time, scan's
-steady-state cost): candidates within TIE of the best rate are ordered by fewer micro-batches, then
-fewer changes to the config, then lower peak memory.
+divide dp_shard), for what the code cannot run (any validation error) or for memory (the
+planner's peak over the device's). The planner cannot tell apart what it does not model (host
+overhead per micro-batch, compile time, scan's steady-state cost): candidates within TIE of the
+best rate are ordered by fewer micro-batches, then fewer changes to the config, then lower peak
+memory.
 """
 
 from __future__ import annotations
@@ -181,8 +181,7 @@ def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardwar
             validate(cfg)
     except ValueError as e:
         message = str(e)
-        c.reason = "graph mode runs one micro-batch per step" if "one micro-batch per step" in message else \
-            f"config: {message.split(';')[0]}"
+        c.reason = f"config: {message.split(';')[0]}"
         c.detail = message
         return c
     c.plan = plan_config(cfg, hardware, chips=chips)

@@ -36,7 +36,8 @@ def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend:
     example_batch = (example, example) + ((example,) if documents else ())
     c = cfg.compile
     step = GraphStep(model, optimizer, max_norm=t.max_norm, example_batch=example_batch, backend=c.backend,
-                     dp_size=dp_size, split=c.split, prefetch=None if c.prefetch < 0 else c.prefetch)
+                     dp_size=dp_size, split=c.split, prefetch=None if c.prefetch < 0 else c.prefetch,
+                     grad_accum_steps=t.grad_accum_steps)
     log(f"graph mode: step captured in {step.capture_seconds:.1f} s, compiled with {c.backend} in "
         f"{step.compile_seconds:.1f} s")
     return step, {"capture_s": step.capture_seconds, "compile_s": step.compile_seconds}

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from titan_tpu.config import Config, data_sources, effective_warmup_steps, model_spec
+from titan_tpu.config import Config, data_sources, effective_warmup_steps, grad_accum_from_tokens, model_spec
 from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
 from titan_tpu.errors import RunError
 from titan_tpu.model_contract import TrainableModel
@@ -100,11 +100,17 @@ class Trainer:
         self.mesh = self.parallel_dims.build_mesh(self.backend.device.type)
         self.expert_mesh = self.parallel_dims.build_expert_mesh(self.backend.device.type)
         dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
+        if t.global_batch_tokens:  # accumulation from the global batch, now that the mesh is known
+            t.grad_accum_steps = grad_accum_from_tokens(t, self.dp_size)
+            self.log(f"training.global_batch_tokens = {t.global_batch_tokens}: {t.grad_accum_steps} micro-batches of "
+                     f"{t.batch_size} x {t.seq_len} tokens per step on each of {self.dp_size} data-parallel ranks")
         self.run_lock = self._lock_output_dir()
         torch.manual_seed(t.seed)
         # A kernel that cannot run on this device is a one-line error now, not at the first step.
         sources = data_sources(cfg)
         self.document_mask = uses_document_mask(cfg.data, sources)
+        if any(s.format == "chat" for s in sources):  # labels IGNORE_INDEX outside the assistant's turns
+            cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.device.type)
         cfg.kernels.check_device(self.backend.device.type, documents=self.document_mask)
 
         self.spec = model_spec(cfg)  # what the trainer asks about the model (models/spec.py)
