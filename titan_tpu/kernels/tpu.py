@@ -48,7 +48,8 @@ from titan_tpu.kernels.loss import LOSS
 from titan_tpu.kernels.registry import Impl
 from titan_tpu.tracing import is_tracing
 
-__all__ = ["gmm_grouped_mm", "gmm_row_tile", "jax_op_replaced", "ragged_dot_grouped_mm", "splash_attention",
+__all__ = ["gmm_grouped_mm", "gmm_row_tile", "jax_op_replaced", "ragged_all_to_all", "ragged_dot_grouped_mm",
+           "splash_attention",
            "splash_block", "splash_chunk_attention", "splash_sdpa_attention", "tokamax_linear_cross_entropy"]
 
 # tokamax's Pallas kernel. tests/tpu/ sets "xla" (tokamax's Mosaic kernel refuses CPU).
@@ -262,6 +263,14 @@ _ragged_dot_with_grad = differentiable_grouped_mm(_ragged_dot, _ragged_dot_weigh
 
 def ragged_dot_grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
     return _ragged_dot_with_grad(x_TD, w_EDF, group_sizes_E.to(torch.int32))
+
+
+def ragged_all_to_all(operand: Tensor, output: Tensor, input_offsets: Tensor, send_sizes: Tensor,
+                      output_offsets: Tensor, recv_sizes: Tensor, group_name: str) -> Tensor:
+    """TorchTPU's ragged all-to-all (XLA's RaggedAllToAll): expert parallelism's TPU dispatch
+    (parallel/expert_parallel.py), here so that every torch_tpu call lives in this module."""
+    return torch.tpu.ops.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                           group_name)
 
 
 ATTENTION.register(Impl("splash", splash_attention, ("tpu",),

@@ -179,7 +179,9 @@ def _ragged_exchange(operand: Tensor, output: Tensor, counts_RR: Tensor, rank: i
     send_R, recv_R = counts_RR[rank], counts_RR[:, rank]
     in_off_R = torch.cumsum(send_R, 0) - send_R
     out_off_R = (torch.cumsum(counts_RR, 0) - counts_RR)[rank]  # after the rows of lower senders
-    return torch.tpu.ops.ragged_all_to_all(operand, output, in_off_R, send_R, out_off_R, recv_R, group_name)
+    from titan_tpu.kernels.tpu import ragged_all_to_all
+
+    return ragged_all_to_all(operand, output, in_off_R, send_R, out_off_R, recv_R, group_name)
 
 
 class _RaggedAllToAll(torch.autograd.Function):
