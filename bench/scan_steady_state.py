@@ -11,7 +11,7 @@ machine noise hits all alike. Losses of the first two steps are printed: all mus
 
     python bench/scan_steady_state.py                       # 16 layers, batch 2 x seq 128
     python bench/scan_steady_state.py --depth 6 --batch 8 --seq 256 --threads 1
-    python bench/scan_steady_state.py --threads 1 --variants "unrolled,scanned, transposed copies,scanned"
+    python bench/scan_steady_state.py --threads 1 --variants "scanned, transposed copies;scanned"
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated subset of: " + ", ".join(VARIANTS) + " (unrolled is always run)")
+    parser.add_argument("--variants", default=";".join(VARIANTS),
+                        help="';'-separated subset of: " + ", ".join(VARIANTS) + " (unrolled is always run)")
     return parser
 
 
@@ -84,7 +84,7 @@ def main() -> None:
     args.backend = "inductor"
     torch.set_num_threads(args.threads)
 
-    chosen = ["unrolled", *(v for v in VARIANTS if v != "unrolled" and v in args.variants.split(","))]
+    chosen = ["unrolled", *(v for v in VARIANTS if v != "unrolled" and v in args.variants.split(";"))]
     steps = {}
     for name in chosen:
         scanned, change = VARIANTS[name]

@@ -27,7 +27,9 @@ def train_inductor(ac: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
+# Activation checkpointing none only: with full, the scans are ours (`_ScanRecomputingLayers`), not
+# partitioned by scan's autograd, and the pass finds no copied transposes there.
+@pytest.mark.parametrize("ac", ["none"])
 def test_scan_body_matmuls_read_transposes_in_place_same_numbers(ac, monkeypatch):
     before = scan_body_transpose_stats.copy()
     losses, params = train_inductor(ac)
@@ -42,4 +44,3 @@ def test_scan_body_matmuls_read_transposes_in_place_same_numbers(ac, monkeypatch
     torch.testing.assert_close(losses, copied_losses, rtol=1e-5, atol=0)
     for name, p in params.items():
         torch.testing.assert_close(p, copied_params[name], rtol=1e-4, atol=1e-6, msg=name)
-    print("bitwise:", losses == copied_losses, all(torch.equal(p, copied_params[n]) for n, p in params.items()))
