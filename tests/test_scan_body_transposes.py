@@ -2,7 +2,7 @@
 
 Scan's autograd functionalises the body, turning `W.t()` into a contiguous copy before each
 matmul; the pass lets the matmul read the view instead. Same values in a different memory layout:
-the run is compared with the same step compiled without the pass.
+the run is compared with the same step compiled without the pass (bitwise here).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def test_scan_body_matmuls_read_transposes_in_place_same_numbers(ac, monkeypatch
     monkeypatch.setattr(scan_body_transposes, "drop_transpose_copies", lambda gm: 0)
     copied_losses, copied_params = train_inductor(ac)
     assert (scan_body_transpose_stats - before)["copies_dropped"] == dropped  # compiled without the pass
-    torch.testing.assert_close(losses, copied_losses, rtol=1e-5, atol=0)
+    # The matmuls take the transposed operand as a view; on this CPU every number is bitwise the same.
+    assert losses == copied_losses
     for name, p in params.items():
-        torch.testing.assert_close(p, copied_params[name], rtol=1e-4, atol=1e-6, msg=name)
+        assert torch.equal(p, copied_params[name]), name
