@@ -1,8 +1,8 @@
 """Steady-state speed of scanned layers in graph mode: unrolled vs scanned, and scanned without
-each of our two changes, interleaved in one process: with `F.linear`'s own backward inside the body
+each of our changes, interleaved in one process: with `F.linear`'s own backward inside the body
 (before models/common/scan.py `_LinearsSaveTheirWeight`: the forward scan saved a transposed copy of
-every stacked weight), and with the backward scan over flipped stacks (before
-graph/reverse_scan.py).
+every stacked weight), with the backward scan over flipped stacks (before graph/reverse_scan.py),
+and with the body's matmuls reading copied transposes (before graph/scan_body_transposes.py).
 
 Each layout is captured and compiled once (Inductor, warm caches allowed: compile time is
 bench/compile_time.py's business), then single steps of each alternate for --rounds rounds
@@ -11,6 +11,7 @@ machine noise hits all alike. Losses of the first two steps are printed: all mus
 
     python bench/scan_steady_state.py                       # 16 layers, batch 2 x seq 128
     python bench/scan_steady_state.py --depth 6 --batch 8 --seq 256 --threads 1
+    python bench/scan_steady_state.py --threads 1 --variants "scanned, transposed copies;scanned"
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--variants", default=";".join(VARIANTS),
+                        help="';'-separated subset of: " + ", ".join(VARIANTS) + " (unrolled is always run)")
     return parser
 
 
@@ -43,24 +46,35 @@ def build_parser() -> argparse.ArgumentParser:
 def _without(change: str):
     """Build a scanned step as it was before one of our changes: "linear" runs `F.linear`'s own
     backward in the body (scan.py `_LinearsSaveTheirWeight` off: the mode acts while the body is
-    traced only), "reverse" compiles without graph/reverse_scan.py (flipped stacks)."""
-    from titan_tpu.graph import compile as graph_compile
+    traced only), "reverse" compiles without graph/reverse_scan.py (flipped stacks), "transposes"
+    without graph/scan_body_transposes.py (the body's matmuls read copied transposes)."""
+    from torch._inductor import config as inductor_config
+
+    from titan_tpu.graph import compile as graph_compile, scan_body_transposes
 
     mode, passes = scan_module._LinearsSaveTheirWeight, graph_compile._backend_passes
-    ours = mode.__torch_function__
+    ours, drop = mode.__torch_function__, scan_body_transposes.drop_transpose_copies
+    stack = contextlib.ExitStack()
     if change == "linear":
         mode.__torch_function__ = _passthrough
     elif change == "reverse":
         graph_compile._backend_passes = lambda backend: contextlib.nullcontext()
+    elif change == "transposes":
+        # Inductor's cache keys on the pass's source, not on this patch: compile uncached.
+        scan_body_transposes.drop_transpose_copies = lambda gm: 0
+        stack.enter_context(inductor_config.patch(fx_graph_cache=False))
     try:
         yield
     finally:
+        stack.close()
         mode.__torch_function__, graph_compile._backend_passes = ours, passes
+        scan_body_transposes.drop_transpose_copies = drop
 
 
 # name -> (scanned?, the change left out)
 VARIANTS = {"unrolled": (False, None), "scanned, F.linear backward": (True, "linear"),
-            "scanned, flipped stacks": (True, "reverse"), "scanned": (True, None)}
+            "scanned, flipped stacks": (True, "reverse"), "scanned, transposed copies": (True, "transposes"),
+            "scanned": (True, None)}
 
 
 def main() -> None:
@@ -70,8 +84,10 @@ def main() -> None:
     args.backend = "inductor"
     torch.set_num_threads(args.threads)
 
+    chosen = ["unrolled", *(v for v in VARIANTS if v != "unrolled" and v in args.variants.split(";"))]
     steps = {}
-    for name, (scanned, change) in VARIANTS.items():
+    for name in chosen:
+        scanned, change = VARIANTS[name]
         with _without(change):
             steps[name] = build_step(args.depth, scanned, args)
     for name, (step, batch) in steps.items():

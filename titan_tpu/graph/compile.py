@@ -116,15 +116,32 @@ def compile_step(captured: CapturedStep, backend: str, *, split: str = "none",
 
 
 def _backend_passes(backend: str):
-    """Our passes inside the backend's own pipeline: for Inductor, `reverse_scan.ReverseScanPass`
-    (a scanned backward reads its stacks with a reversed index instead of flipped copies)."""
+    """Our passes inside the backend's own pipeline: for Inductor, `_ScanPasses` (scan bodies'
+    matmuls read transposed weights as views; a scanned backward reads its stacks with a
+    reversed index instead of flipped copies)."""
     if backend != "inductor":
         return contextlib.nullcontext()
     from torch._inductor import config
 
-    from titan_tpu.graph.reverse_scan import ReverseScanPass
+    return config.patch(post_grad_custom_post_pass=_scan_passes())
 
-    return config.patch(post_grad_custom_post_pass=ReverseScanPass())
+
+def _scan_passes():
+    """Inductor's post-grad custom pass: graph/scan_body_transposes.py, then graph/reverse_scan.py."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    from titan_tpu.graph import reverse_scan, scan_body_transposes
+
+    class _ScanPasses(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            if scan_body_transposes.drop_transpose_copies(graph.owning_module):
+                graph.owning_module.recompile()
+            reverse_scan.ReverseScanPass()(graph)
+
+        def uuid(self) -> bytes:
+            return get_hash_for_files((reverse_scan.__file__, scan_body_transposes.__file__))
+
+    return _ScanPasses()
 
 
 def _fake_inputs_with_shape_env(inputs: list[Tensor]) -> list[Tensor]:
