@@ -64,6 +64,8 @@ def _inputs(step, model, optimizer, batch) -> list[np.ndarray]:
     return captured.layout.flatten_inputs(
         params=p, exp_avg=[np.zeros_like(x) for x in p], exp_avg_sq=[np.zeros_like(x) for x in p],
         batch=[t.numpy() for t in batch], step=[np.float32(1)], lr=[np.float32(LR)],
+        # The step's trained tokens on all ranks (every label counts here: no -100 in these batches).
+        num_tokens=[np.int32(batch[1].numel() * captured.dp_size)],
         buffers=[local(buffers[n]) for n in captured.buffer_names])
 
 

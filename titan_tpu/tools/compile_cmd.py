@@ -115,7 +115,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
         "memory_per_chip_bytes": kinds, "peak_per_chip_bytes": peak, "hbm_per_chip_bytes": hbm,
         "fits": None if hbm is None else peak <= hbm,
         "flops_per_chip": cost.get("flops"), "bytes_accessed_per_chip": cost.get("bytes accessed"),
-        "formula_flops_per_chip": flops_per_token * step.captured.num_tokens / len(devices),
+        "formula_flops_per_chip": flops_per_token * _step_tokens(step.captured) / len(devices),
         "collectives": _collectives(text), "collectives_counted_in": collectives_from,
         "capture_seconds": capture_s, "compile_seconds": compile_s,
     }
@@ -167,3 +167,9 @@ def compile_main(argv: list[str]) -> int:
     report = compile_step_for_tpu(cfg, topology, Path(args.dump) if args.dump else None)
     print(json.dumps(report, indent=2) if args.json else _format(report))
     return 0
+
+
+def _step_tokens(captured) -> int:
+    """Tokens of one step on all devices: this device's labels times the data-parallel ranks."""
+    labels = captured.layout.unflatten_inputs(captured.example_inputs)["batch"][1]
+    return labels.numel() * captured.dp_size
