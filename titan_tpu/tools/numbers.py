@@ -62,16 +62,15 @@ def render(numbers: dict[str, Number]) -> str:
         "",
         "Every measured number that more than one page states, once, with the command that measures it,",
         "the date and the CPU. The pages link here where they state one; `tests/test_numbers.py` fails",
-        "when a page's number disagrees with this table. To update a number, edit `docs/numbers.toml` and",
+        "when a page's number disagrees with this page. To update a number, edit `docs/numbers.toml` and",
         "run `python -m titan_tpu.tools.numbers`. Single figures on the shared 2-core CPU move by tens of",
-        "percent from run to run: the notes say how many rounds a value rests on.",
-        "",
-        "| number | value | command | date | CPU | note |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "percent from run to run: the notes say what a value rests on.",
     ]
     for n in numbers.values():
-        cells = [f'<a id="{n.key}"></a>{n.claim}', f"**{n.value}**", f"`{n.command}`", n.date, n.cpu, n.note]
-        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+        lines += ["", f"## {n.key}", "", f"**{n.value}**: {n.claim}.", "", f"- command: `{n.command}`",
+                  f"- measured: {n.date}; {n.cpu}"]
+        if n.note:
+            lines.append(f"- note: {n.note}")
     return "\n".join(lines) + "\n"
 
 
