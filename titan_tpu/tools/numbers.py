@@ -1,11 +1,11 @@
 """docs/numbers.md from docs/numbers.toml: one current value for each measured number the guides share.
 
 A number that more than one page states lives once, in docs/numbers.toml, with the command that
-measures it, the date and the CPU. A page states it as a link to its row of docs/numbers.md,
-`[1.12x](numbers.md#graph-over-eager)`, so a reader sees the value and one click gives its
+measures it, the date and the CPU. A page states it as a link to its section of docs/numbers.md,
+`[1.12-1.13x](numbers.md#graph-over-eager)`, so a reader sees the value and one click gives its
 provenance. tests/test_numbers.py holds the pages to that:
 
-* every link to a row of numbers.md carries the row's value;
+* every link to a section of numbers.md carries its value;
 * a number typed where a source number belongs (an entry's `typed` patterns, each with one group
   around the number) is an error that names the link to write instead;
 * an entry drawn from a generated table (`table`: its `file` and a `pattern` whose one group is
