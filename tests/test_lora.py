@@ -11,7 +11,8 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from titan_tpu.config import LoRAConfig, build_config  # noqa: E402
-from titan_tpu.models.hf_backend import PREFIX, build_hf_model, hf_args_from_config  # noqa: E402
+from titan_tpu.models.hf.config import hf_args_from_config  # noqa: E402
+from titan_tpu.models.hf.model import PREFIX, build_hf_model  # noqa: E402
 from titan_tpu.models.lora import add_adapters, freeze_base, init_lora_, is_adapter_key, lora_modules  # noqa: E402
 from titan_tpu.parallel.simple_fsdp import materialize_and_init  # noqa: E402
 from titan_tpu.tools.hf_sweep import sweep_batch, tiny_config  # noqa: E402

@@ -229,7 +229,8 @@ def test_hf_backend_bf16_matches_transformers_autocast(model_type):
     the residual stream in fp32 where the cast weights keep it in bf16, so they agree to bf16's
     precision, not bitwise: stated tolerance 2e-2 relative on the loss and the balancing loss."""
     pytest.importorskip("transformers")
-    from titan_tpu.models.hf_backend import build_hf_model, hf_args_from_config
+    from titan_tpu.models.hf.config import hf_args_from_config
+    from titan_tpu.models.hf.model import build_hf_model
     from titan_tpu.tools import hf_sweep
 
     config = hf_sweep.tiny_config(model_type)

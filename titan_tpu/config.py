@@ -33,7 +33,7 @@ class ModelConfig:
     # A native family (models/registry.py FAMILIES: llama3, qwen3, qwen3_moe) or hf.
     name: Literal[MODEL_NAMES + ("hf",)] = "llama3"
     flavor: str = "debug"  # a row of the family's flavor table, e.g. debug, 1B, 8B
-    # name = hf (the Transformers backend, models/hf_backend.py): a Hugging Face model directory
+    # name = hf (the Transformers backend, models/hf/): a Hugging Face model directory
     # (config.json; its safetensors weights and tokenizer.json are used when present) or a causal-LM
     # model_type of transformers (e.g. llama, qwen3, gemma3_text) for a fresh model; hf_overrides
     # changes config values: '{"hidden_size": 64}' or hidden_size=64,num_hidden_layers=2.
