@@ -314,11 +314,12 @@ def test_bad_input_is_one_line(tmp_path):
         load_pretrained_weights(model, tmp_path / "hf")
     with pytest.raises(ValueError, match="model.hf_config / model.hf_overrides apply to model.name = hf"):
         from titan_tpu.config import build_config
+        from titan_tpu.run_setup import prepare_run
 
-        build_config(None, ["--model.hf_config", "llama"])
+        prepare_run(build_config(None, ["--model.hf_config", "llama"]))
     with pytest.raises(ValueError, match="scan_layers needs a native model"):
-        build_config(None, ["--model.name", "hf", "--model.hf_config", "llama", "--model.hf_overrides", TINY_LLAMA,
-                            "--model.scan_layers", "true"])
+        prepare_run(build_config(None, ["--model.name", "hf", "--model.hf_config", "llama", "--model.hf_overrides",
+                                        TINY_LLAMA, "--model.scan_layers", "true"]))
 
 
 def test_kernel_attention_runs_in_both_modes_and_documents_match(monkeypatch):

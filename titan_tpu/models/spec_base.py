@@ -33,7 +33,7 @@ class ModelSpec(ABC):
     kind: str  # how reports name the backend that runs it: native | hf
 
     def check(self, cfg: Config) -> None:
-        """Checks of other config sections that depend on the model kind (config.validate)."""
+        """Checks of other config sections that depend on the model kind (run_setup.prepare_run)."""
 
     @abstractmethod
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
