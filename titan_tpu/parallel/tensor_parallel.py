@@ -39,9 +39,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from titan_tpu.parallel.axes import TP_AXIS
+
 __all__ = ["TP_AXIS", "TP_PLACEMENT", "check_tensor_parallel", "tensor_parallel", "tp_placement"]
 
-TP_AXIS = "tp"
 TP_PLACEMENT = "_tp_placement"  # module attribute: the tp placement of the module's own parameters
 
 
