@@ -1,7 +1,7 @@
 """The Transformers backend against the native model: the same Llama, the same weights, the same step.
 
 The native `llama3` debug model (models/common/transformer.py) and transformers' LlamaForCausalLM
-built through our backend (`--model.name hf`, models/hf_backend.py) with the native model's
+built through our backend (`--model.name hf`, models/hf/) with the native model's
 weights, both trained by our EagerStep (or both by the graph trainer with --graph) on the same
 random batches, fp32 CPU. The steps are interleaved (each round one step of each, the order
 alternating) so the machine's drift hits both alike; the ratio is the median of the per-round
@@ -31,7 +31,8 @@ def hf_backend_model(native, args):
     """LlamaForCausalLM through our backend, holding `native`'s weights."""
     import transformers
 
-    from titan_tpu.models.hf_backend import PREFIX, build_hf_model, hf_args_from_config
+    from titan_tpu.models.hf.config import hf_args_from_config
+    from titan_tpu.models.hf.model import PREFIX, build_hf_model
     from titan_tpu.parallel.simple_fsdp import materialize_and_init
 
     values = {k: v for k, v in hf_config_from_model_args("llama3", args).items()

@@ -18,8 +18,9 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from titan_tpu.config import build_config, model_args_from_config
+from titan_tpu.config import build_config
 from titan_tpu.models.registry import build_model
+from titan_tpu.models.spec import model_spec
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.profiling import format_table, time_by_category
 from titan_tpu.train.step import EagerStep
@@ -28,7 +29,7 @@ from titan_tpu.train.step import EagerStep
 def main(argv: list[str]) -> int:
     cfg = build_config(argv[0], argv[1:])
     t = cfg.training
-    args = dataclasses.replace(model_args_from_config(cfg), max_seq_len=t.seq_len)
+    args = dataclasses.replace(model_spec(cfg.model).args, max_seq_len=t.seq_len)
     model = build_model(args, seed=0, scan_layers=cfg.model.scan_layers, ac_mode=cfg.activation_checkpoint.mode,
                         kernels=cfg.kernels)
     optimizer = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from titan_tpu.config import build_config, parse_overrides
+from titan_tpu.run_setup import prepare_run
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
@@ -33,7 +34,7 @@ def test_every_recipe_validates(path, monkeypatch, tmp_path):
         LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     max_position_embeddings=4096).save_pretrained(tmp_path)
         overrides = ["--model.hf_config", str(tmp_path)]
-    cfg = build_config(path, overrides)
+    cfg = prepare_run(build_config(path, overrides)).cfg
     assert cfg.job.name == path.stem
 
 
@@ -70,8 +71,10 @@ def test_every_recipe_validates(path, monkeypatch, tmp_path):
     (["--training.global_batch_tokens", "256", "--training.grad_accum_steps", "2"], "remove one of them"),
 ])
 def test_bad_config_is_one_clear_error(overrides, message):
+    """Read (config.py: keys, types, each section's own checks) and set up (run_setup.py: across
+    sections, asking the model spec, the schedule, the trackers): one line either way."""
     with pytest.raises(ValueError) as err:
-        build_config(None, overrides)
+        prepare_run(build_config(None, overrides))
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -101,7 +104,7 @@ def test_trackers_list_from_command_line_and_toml(tmp_path):
     assert build_config(recipe).metrics.trackers == ["wandb"]
     assert build_config(None).metrics.trackers == ["tensorboard"]
     with pytest.raises(ValueError, match="metrics.trackers: unknown tracker 'mlflow'; use some of tensorboard, wandb"):
-        build_config(None, ["--metrics.trackers", "mlflow"])
+        prepare_run(build_config(None, ["--metrics.trackers", "mlflow"]))
     recipe.write_text("[metrics]\ntrackers = 3\n")
     with pytest.raises(ValueError, match="expected a list of strings"):
         build_config(recipe)

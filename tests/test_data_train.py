@@ -177,7 +177,7 @@ def test_chat_recipe_fine_tunes_an_hf_model_directory(tmp_path):
     chat rows from the directory's template, validation on the held-out conversations."""
     from transformers import AutoModelForCausalLM
 
-    from titan_tpu.models.hf_backend import load_hf_config
+    from titan_tpu.models.hf.config import load_hf_config
 
     hf_dir = write_chat_tokenizer_dir(tmp_path / "hf")
     config = load_hf_config("llama", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

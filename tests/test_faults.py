@@ -444,7 +444,8 @@ def test_exports_are_readable_by_others(tmp_path):
 
 def test_hf_backend_export_is_readable_by_others(tmp_path):
     pytest.importorskip("transformers")
-    from titan_tpu.models.hf_backend import export_hf, hf_args_from_spec
+    from titan_tpu.models.hf.config import hf_args_from_spec
+    from titan_tpu.models.hf.weights import export_hf
 
     args = hf_args_from_spec("llama", "hidden_size=32,intermediate_size=64,num_hidden_layers=1,"
                                       "num_attention_heads=2,num_key_value_heads=1,vocab_size=64")

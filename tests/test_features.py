@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from titan_tpu.config import build_config, model_spec
+from titan_tpu.config import build_config
 from titan_tpu.parallel.context_parallel import check_context_parallel
 from titan_tpu.parallel.mesh import ParallelDims
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
+from titan_tpu.run_setup import prepare_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "docs" / "features.md"
@@ -34,13 +35,13 @@ def table_rows() -> list[tuple[str, list[str], list[str]]]:
 
 
 def refusal(overrides: list[str]) -> str | None:
-    """The first refusal of the config, its mesh or the model-parallel checks, or None."""
+    """The first refusal of the config (read and set up), its mesh or the model-parallel checks, or None."""
     try:
-        cfg = build_config(ROOT / "configs" / "llama3_debug.toml", overrides)
+        setup = prepare_run(build_config(ROOT / "configs" / "llama3_debug.toml", overrides))
+        cfg, spec = setup.cfg, setup.spec
         p = cfg.parallelism
         world = p.dp_replicate * p.cp * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
         ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, world_size=world, ep=p.ep, tp=p.tp, cp=p.cp)
-        spec = model_spec(cfg)
         if spec.plannable:  # the native models' split checks (an hf model refuses tp and cp in its spec)
             check_tensor_parallel(spec.args, p.tp, seq_len=cfg.training.seq_len)
             check_context_parallel(p.cp, seq_len=cfg.training.seq_len, tp=p.tp)

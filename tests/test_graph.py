@@ -275,6 +275,7 @@ def test_tpu_backend_without_torch_tpu_is_one_clear_error(monkeypatch, capsys):
     from titan_tpu import device
     from titan_tpu.cli import main
     from titan_tpu.config import build_config
+    from titan_tpu.run_setup import prepare_run
 
     # torch_tpu missing, whatever this machine has: find_spec says no, and an import would fail.
     monkeypatch.setattr(device, "_tpu_installed", lambda: False)
@@ -299,13 +300,13 @@ def test_tpu_backend_without_torch_tpu_is_one_clear_error(monkeypatch, capsys):
 
     # The config refuses it up front: on a non-TPU device always, on auto/tpu without torch_tpu.
     with pytest.raises(ValueError) as err:
-        build_config(None, ["--compile.backend", "tpu", "--training.device", "cpu"])
+        prepare_run(build_config(None, ["--compile.backend", "tpu", "--training.device", "cpu"]))
     _assert_tpu_error(str(err.value))
     assert "training.device is cpu" in str(err.value)
     monkeypatch.setattr(device, "_tpu_installed", lambda: False)
     for device_name in ("auto", "tpu"):
         with pytest.raises(ValueError) as err:
-            build_config(None, ["--compile.backend", "tpu", "--training.device", device_name])
+            prepare_run(build_config(None, ["--compile.backend", "tpu", "--training.device", device_name]))
         _assert_tpu_error(str(err.value))
     code = main(["train", "--training.mode", "graph", "--compile.backend", "tpu"])
     err_text = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The Transformers backend (models/hf_backend.py): any HF causal LM under our trainer.
+"""The Transformers backend (models/hf/): any HF causal LM under our trainer.
 
 The fixed subset of `titan-tpu hf-sweep` runs here (the whole sweep does not: docs/hf_models.md):
 our loss and gradients against transformers' own forward and backward, the captured graph step
@@ -15,13 +15,9 @@ import torch
 pytest.importorskip("transformers")
 
 from titan_tpu.cli import main  # noqa: E402
-from titan_tpu.models.hf_backend import (  # noqa: E402
-    build_hf_model,
-    hf_args_from_config,
-    hf_args_from_spec,
-    load_hf_config,
-    load_pretrained_weights,
-)
+from titan_tpu.models.hf.config import hf_args_from_config, hf_args_from_spec, load_hf_config  # noqa: E402
+from titan_tpu.models.hf.model import build_hf_model  # noqa: E402
+from titan_tpu.models.hf.weights import load_pretrained_weights  # noqa: E402
 from titan_tpu.parallel.simple_fsdp import materialize_and_init  # noqa: E402
 from titan_tpu.tools import hf_sweep  # noqa: E402
 from titan_tpu.train.checkpoint import load_full_state_dict  # noqa: E402
@@ -58,7 +54,7 @@ def test_graph_safe_dbrx_experts_equal_its_own_loop():
     nonzero()'s experts): output and gradients, with top 2 of 4 experts and one expert unused."""
     from transformers.models.dbrx.modeling_dbrx import DbrxExperts
 
-    from titan_tpu.models.hf_backend import GRAPH_SAFE_FORWARDS
+    from titan_tpu.models.hf.hooks import GRAPH_SAFE_FORWARDS
 
     ffn = hf_sweep.tiny_config("dbrx").ffn_config
     torch.manual_seed(0)
@@ -94,7 +90,7 @@ def test_graph_safe_longcat_flash_experts_equal_its_own_loop():
     and identity ("zero-computation") experts mixed in one token's top-k."""
     from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
 
-    from titan_tpu.models.hf_backend import GRAPH_SAFE_FORWARDS
+    from titan_tpu.models.hf.hooks import GRAPH_SAFE_FORWARDS
 
     config = hf_sweep.tiny_config("longcat_flash")
     torch.manual_seed(0)
@@ -318,11 +314,12 @@ def test_bad_input_is_one_line(tmp_path):
         load_pretrained_weights(model, tmp_path / "hf")
     with pytest.raises(ValueError, match="model.hf_config / model.hf_overrides apply to model.name = hf"):
         from titan_tpu.config import build_config
+        from titan_tpu.run_setup import prepare_run
 
-        build_config(None, ["--model.hf_config", "llama"])
+        prepare_run(build_config(None, ["--model.hf_config", "llama"]))
     with pytest.raises(ValueError, match="scan_layers needs a native model"):
-        build_config(None, ["--model.name", "hf", "--model.hf_config", "llama", "--model.hf_overrides", TINY_LLAMA,
-                            "--model.scan_layers", "true"])
+        prepare_run(build_config(None, ["--model.name", "hf", "--model.hf_config", "llama", "--model.hf_overrides",
+                                        TINY_LLAMA, "--model.scan_layers", "true"]))
 
 
 def test_kernel_attention_runs_in_both_modes_and_documents_match(monkeypatch):

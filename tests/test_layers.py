@@ -17,20 +17,23 @@ import pytest
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "titan_tpu"
 
 # Bottom to top. A module belongs to the layer of its longest matching prefix: titan_tpu.train
-# holds the training parts (optimizer, step contract, checkpoints, metrics) that graph/ and
-# config.py build on, and titan_tpu.train.trainer, which assembles everything, sits far above them.
+# holds the training parts (optimizer, step contract, checkpoints, metrics) that graph/ builds on,
+# and titan_tpu.train.trainer, which assembles everything, sits far above them. config.py (the
+# schema every layer reads) sits under every component: it reads only the kernel choices, the
+# family names and the data source records; the checks that ask components sit in the run setup.
 LAYERS = (
     ("base", ("titan_tpu", "titan_tpu.errors", "titan_tpu.files", "titan_tpu.device", "titan_tpu.tracing",
-              "titan_tpu.tensors", "titan_tpu.model_contract")),
+              "titan_tpu.tensors", "titan_tpu.model_contract", "titan_tpu.data.sources")),
     ("kernels", ("titan_tpu.kernels",)),
     ("models", ("titan_tpu.models",)),
+    ("config", ("titan_tpu.config",)),
     ("parallel", ("titan_tpu.parallel",)),
     ("model specs", ("titan_tpu.models.spec_base", "titan_tpu.models.spec", "titan_tpu.models.hf_spec")),
     ("data", ("titan_tpu.data",)),
     ("train", ("titan_tpu.train",)),
     ("graph", ("titan_tpu.graph",)),
     ("convert", ("titan_tpu.convert",)),
-    ("config", ("titan_tpu.config",)),
+    ("run setup", ("titan_tpu.run_setup",)),
     ("plan", ("titan_tpu.plan",)),
     ("trainer", ("titan_tpu.train.trainer", "titan_tpu.train.make_step")),
     ("evaluate", ("titan_tpu.evaluate",)),

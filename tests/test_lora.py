@@ -11,9 +11,11 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from titan_tpu.config import LoRAConfig, build_config  # noqa: E402
-from titan_tpu.models.hf_backend import PREFIX, build_hf_model, hf_args_from_config  # noqa: E402
+from titan_tpu.models.hf.config import hf_args_from_config  # noqa: E402
+from titan_tpu.models.hf.model import PREFIX, build_hf_model  # noqa: E402
 from titan_tpu.models.lora import add_adapters, freeze_base, init_lora_, is_adapter_key, lora_modules  # noqa: E402
 from titan_tpu.parallel.simple_fsdp import materialize_and_init  # noqa: E402
+from titan_tpu.run_setup import prepare_run  # noqa: E402
 from titan_tpu.tools.hf_sweep import sweep_batch, tiny_config  # noqa: E402
 from titan_tpu.train.optim import AdamW  # noqa: E402
 from titan_tpu.train.step import EagerStep  # noqa: E402
@@ -144,9 +146,10 @@ def test_bad_input_is_one_line():
     with pytest.raises(ValueError, match=r"lora.rank = 0 must be >= 1"):
         build_config(None, ["--lora.enabled", "true", "--lora.rank", "0"])
     with pytest.raises(ValueError, match=r"lora.enabled needs model.scan_layers = false"):
-        build_config(None, ["--lora.enabled", "true", "--model.scan_layers", "true"])
+        prepare_run(build_config(None, ["--lora.enabled", "true", "--model.scan_layers", "true"]))
     with pytest.raises(ValueError, match=r"lora.dropout = 0.1 needs training.mode = eager"):
-        build_config(None, ["--lora.enabled", "true", "--lora.dropout", "0.1", "--training.mode", "graph"])
+        prepare_run(build_config(None, ["--lora.enabled", "true", "--lora.dropout", "0.1", "--training.mode",
+                                        "graph"]))
 
 
 # ---------------------------------------------------------------------------------------------

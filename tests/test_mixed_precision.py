@@ -24,6 +24,7 @@ from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import get_model_args
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+from titan_tpu.run_setup import prepare_run
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 
@@ -229,7 +230,8 @@ def test_hf_backend_bf16_matches_transformers_autocast(model_type):
     the residual stream in fp32 where the cast weights keep it in bf16, so they agree to bf16's
     precision, not bitwise: stated tolerance 2e-2 relative on the loss and the balancing loss."""
     pytest.importorskip("transformers")
-    from titan_tpu.models.hf_backend import build_hf_model, hf_args_from_config
+    from titan_tpu.models.hf.config import hf_args_from_config
+    from titan_tpu.models.hf.model import build_hf_model
     from titan_tpu.tools import hf_sweep
 
     config = hf_sweep.tiny_config(model_type)
@@ -276,7 +278,7 @@ def test_cpu_bf16_detection_on_this_machine():
 def test_bf16_on_a_cpu_without_it_is_one_line_that_says_why(monkeypatch, train_overrides):
     monkeypatch.setattr(dev, "_cpu_flags", lambda: {"avx2", "fma"})
     with pytest.raises(ValueError) as error:
-        build_config(LLAMA_DEBUG, train_overrides(model__dtype="bfloat16"))
+        prepare_run(build_config(LLAMA_DEBUG, train_overrides(model__dtype="bfloat16")))
     message = str(error.value)
     assert "\n" not in message
     assert "avx512_bf16" in message and "~100x slower" in message and "use model.dtype = float32" in message

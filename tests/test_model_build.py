@@ -10,18 +10,18 @@ import dataclasses
 import pytest
 import torch
 
-from titan_tpu.config import build_config, model_spec
+from titan_tpu.config import build_config
 from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
 from titan_tpu.models.hf_spec import HFSpec
 from titan_tpu.models.registry import FAMILIES, MODEL_NAMES, build_model, get_model_args
-from titan_tpu.models.spec import NativeSpec, build, spec_for_hf_dir, spec_for_weights
+from titan_tpu.models.spec import NativeSpec, build, model_spec, spec_for_hf_dir, spec_for_weights
 
 
 @pytest.mark.parametrize("name, scan", [("llama3", False), ("qwen3_moe", True)])
 def test_build_gives_the_seeded_init_of_the_flavor(name, scan):
     cfg = build_config(None, ["--model.name", name, "--training.device", "cpu", "--training.seq_len", "32",
                               "--model.scan_layers", str(scan).lower()])
-    spec = model_spec(cfg)
+    spec = model_spec(cfg.model)
     model = build(spec, cfg, device="cpu", seed=3)
     reference = build_model(dataclasses.replace(spec.args, max_seq_len=32), seed=3, scan_layers=scan)
     ours, theirs = model.state_dict(), reference.state_dict()

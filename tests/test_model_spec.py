@@ -12,11 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from titan_tpu.config import ModelConfig, build_config, model_spec
+from titan_tpu.config import ModelConfig, build_config
 from titan_tpu.model_contract import TrainableModel
 from titan_tpu.models.registry import MODEL_FLAVORS, flops_per_token, get_model_args
 from titan_tpu.models.spec import NativeSpec
 from titan_tpu.parallel.mesh import ParallelDims
+from titan_tpu.run_setup import prepare_run
 
 TINY = ("hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,"
         "vocab_size=512")
@@ -28,7 +29,7 @@ CONTRACT = [name for name, value in vars(TrainableModel).items()
 
 def _spec_of(overrides: list[str]):
     # seq_len 64 fits every flavor's max_seq_len; the spec itself does not depend on it.
-    return model_spec(build_config(None, ["--training.seq_len", "64", "--training.device", "cpu", *overrides]))
+    return prepare_run(build_config(None, ["--training.seq_len", "64", "--training.device", "cpu", *overrides])).spec
 
 
 def _meta_model(spec, overrides: list[str]):

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from titan_tpu.cli import main
-from titan_tpu.config import build_config, model_args_from_config, model_spec
+from titan_tpu.config import build_config
 from titan_tpu.kernels import KernelConfig
 from titan_tpu.kernels.loss import loss_memory_bytes
 from titan_tpu.models.common.transformer import Transformer, activation_bytes
 from titan_tpu.models.registry import MODEL_FLAVORS, build_model, get_model_args, num_expert_params
+from titan_tpu.models.spec import model_spec
 from titan_tpu.plan import plan_config, resolve_hardware
 from titan_tpu.plan.planner import for_planning
 
@@ -37,7 +38,7 @@ def test_flops_are_the_trainers(recipe, overrides):
     plan = plan_config(cfg, CPU if "cpu" in recipe or "debug" in recipe else None, measure=False)
     # The trainer's MFU numerator: trainer.py asks the model spec with these arguments (native
     # models count from their args, not the built model).
-    want, _ = model_spec(cfg).flops_per_token(None, cfg.training.seq_len)
+    want, _ = model_spec(cfg.model).flops_per_token(None, cfg.training.seq_len)
     assert plan.flops["per_token"] == want
     t = cfg.training
     assert plan.flops["model_per_step_per_device"] == want * t.batch_size * t.seq_len * t.grad_accum_steps
@@ -391,7 +392,7 @@ def test_recipes_fit_once_weights_are_regathered_per_layer(recipe):
     today = plan_config(cfg)
     assert today.mesh["gather"] == today.mesh["code_gather"] == "layer"
     assert today.fits, today.peak_bytes / 1e9
-    args = model_args_from_config(cfg)
+    args = model_spec(cfg.model).args
     with torch.device("meta"):
         layers = Transformer(args).layers
     experts = sum(p.numel() for n, p in layers.named_parameters() if ".experts." in n)

@@ -25,10 +25,10 @@ from parallel_helpers import (
     tiny_args,
 )
 
-from titan_tpu.config import model_args_from_config
 from titan_tpu.graph.compile import GraphStep
 from titan_tpu.models.common.transformer import Transformer, activation_bytes
 from titan_tpu.models.registry import build_model, get_model_args
+from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel, tensor_parallel
@@ -324,7 +324,7 @@ def test_h100_tp_recipe(name, gpus):
     p = cfg.parallelism
     assert f"{gpus} GPUs" in cfg.job.description and cfg.training.device == "cuda"
     assert p.tp == 8 and p.dp_replicate * p.dp_shard * p.tp == gpus  # tp inside an 8-GPU NVLink node
-    check_tensor_parallel(model_args_from_config(cfg), p.tp, seq_len=cfg.training.seq_len)
+    check_tensor_parallel(model_spec(cfg.model).args, p.tp, seq_len=cfg.training.seq_len)
     plan = plan_config(cfg)
     assert (plan.hardware["name"], plan.devices, plan.mesh["tp"]) == ("h100", gpus, 8)
     assert plan.fits, f"{plan.peak_bytes / 1e9:.1f} GB per GPU at {plan.peak_phase}"

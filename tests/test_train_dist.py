@@ -151,7 +151,7 @@ def test_resume_on_another_number_of_ranks(tmp_path, cache, reference, before, a
         assert got[step] == pytest.approx(reference[step], abs=1e-5), step
 
 
-# The Transformers backend: a tiny qwen3 built from its model type (models/hf_backend.py).
+# The Transformers backend: a tiny qwen3 built from its model type (models/hf/).
 HF_MODEL = {"model__name": "hf", "model__hf_config": "qwen3",
             "model__hf_overrides": "hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,"
                                    "num_key_value_heads=2,head_dim=16,vocab_size=512"}

@@ -72,13 +72,13 @@ def test_fused_layout_moe_file_passes(tmp_path):
 def test_a_data_dependent_expert_loop_is_captured_through_its_graph_safe_form(tmp_path, monkeypatch, model_type,
                                                                                experts):
     """These experts loop over `nonzero()`: graph capture FAILs naming the op and module until our
-    graph-safe form runs them (hf_backend.GRAPH_SAFE_FORWARDS); then graph and numerics PASS (DBRX
+    graph-safe form runs them (models/hf/hooks.py GRAPH_SAFE_FORWARDS); then graph and numerics PASS (DBRX
     is the worked example of skills/onboard-model in docs/verify.md)."""
-    from titan_tpu.models import hf_backend
+    from titan_tpu.models.hf import hooks
 
     _save(tmp_path / "hf", model_type)
     with monkeypatch.context() as m:
-        m.setattr(hf_backend, "GRAPH_SAFE_FORWARDS", {})
+        m.setattr(hooks, "GRAPH_SAFE_FORWARDS", {})
         report, lines = _verify(str(tmp_path / "hf"), ("graph",))
     assert report["failed"] == ["graph"], lines
     assert "aten.nonzero" in lines[-2] and f"({experts})" in lines[-2], lines

@@ -83,6 +83,7 @@ def eval_main(argv: list[str]) -> int:
 
     from titan_tpu.config import build_config
     from titan_tpu.evaluate import run_eval
+    from titan_tpu.run_setup import prepare_run
 
     if args.hf_dir:
         if not Path(args.hf_dir).is_dir():
@@ -94,7 +95,7 @@ def eval_main(argv: list[str]) -> int:
     if args.device:
         overrides += ["--training.device", args.device]
     # training.seq_len does not apply (sequences are as given, windows are --seq-len): keep validation quiet.
-    cfg = build_config(args.config, ["--training.seq_len", "2"] + overrides)
+    cfg = prepare_run(build_config(args.config, ["--training.seq_len", "2"] + overrides)).cfg
     result = run_eval(cfg, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
                       seq_len=args.seq_len, max_tokens=args.max_tokens)
     print(json.dumps(result))
@@ -254,13 +255,15 @@ def prepare_data_main(argv: list[str]) -> int:
     if args.workers < 1:
         raise ValueError(f"--workers {args.workers} must be >= 1")
 
-    from titan_tpu.config import build_config, data_sources, model_args_from_config, tokenizer_path
+    from titan_tpu.config import build_config
     from titan_tpu.data.build import prepare_data
+    from titan_tpu.run_setup import prepare_run
     from titan_tpu.train.trainer import default_cache_dir
 
-    cfg = build_config(args.config, overrides)
-    prepared = prepare_data(cfg.data, data_sources(cfg), vocab_size=model_args_from_config(cfg).vocab_size,
-                            tokenizer_path=tokenizer_path(cfg), cache_dir=cfg.data.cache_dir or default_cache_dir(),
+    setup = prepare_run(build_config(args.config, overrides))
+    cfg = setup.cfg
+    prepared = prepare_data(cfg.data, setup.sources, vocab_size=setup.spec.args.vocab_size,
+                            tokenizer_path=setup.tokenizer_path, cache_dir=cfg.data.cache_dir or default_cache_dir(),
                             workers=args.workers)
     print(f"prepared {len(prepared.train) + len(prepared.val)} source(s) with {prepared.tokenizer}")
     return 0

@@ -4,7 +4,9 @@ A recipe is a TOML file whose tables mirror the sections below (``[training]``, 
 ...). Any field can be overridden on the command line as ``--section.key value`` (or
 ``--section.key=value``); ``--output_dir`` is the one top-level key. Every mistake (an unknown
 section or key, a value of the wrong type, a choice outside the allowed set, an impossible
-combination) is one ``ValueError`` whose message names the key and says what is allowed.
+combination) is one ``ValueError`` whose message names the key and says what is allowed: each
+section's own keys here (`check`), combinations across sections and the components' own limits in
+the run setup (titan_tpu/run_setup.py `prepare_run`), which this module never imports.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class ModelConfig:
     # A native family (models/registry.py FAMILIES: llama3, qwen3, qwen3_moe) or hf.
     name: Literal[MODEL_NAMES + ("hf",)] = "llama3"
     flavor: str = "debug"  # a row of the family's flavor table, e.g. debug, 1B, 8B
-    # name = hf (the Transformers backend, models/hf_backend.py): a Hugging Face model directory
+    # name = hf (the Transformers backend, models/hf/): a Hugging Face model directory
     # (config.json; its safetensors weights and tokenizer.json are used when present) or a causal-LM
     # model_type of transformers (e.g. llama, qwen3, gemma3_text) for a fresh model; hf_overrides
     # changes config values: '{"hidden_size": 64}' or hidden_size=64,num_hidden_layers=2.
@@ -380,7 +382,8 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 
 def build_config(toml_path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML recipe, then command-line overrides; then validation."""
+    """Defaults, then the TOML recipe, then command-line overrides; then each section's own checks
+    (`check`). The checks across sections run in `titan_tpu.run_setup.prepare_run`."""
     cfg = Config()
     if toml_path is not None:
         for section, table in load_toml(toml_path).items():
@@ -394,7 +397,7 @@ def build_config(toml_path: str | Path | None = None, overrides: list[str] | Non
                 set_value(cfg, f"{section}.{key}", value)
     for key, value in parse_overrides(overrides or []):
         set_value(cfg, key, value)
-    validate(cfg)
+    check(cfg)
     return cfg
 
 
@@ -405,34 +408,6 @@ def data_sources(cfg: Config) -> list[SourceConfig]:
     d = cfg.data
     field = "" if d.format == "chat" and d.text_field == "text" else d.text_field
     return [SourceConfig(path=d.source, text_field=field, format=d.format)]
-
-
-def tokenizer_path(cfg: Config) -> str | None:
-    """data.tokenizer_path, else the model's own (an hf model directory's tokenizer.json), else None (train a BPE)."""
-    return model_spec(cfg).tokenizer_path(cfg)
-
-
-def effective_warmup_steps(cfg: Config) -> int:
-    """lr_scheduler.warmup_steps, clamped to training.steps (a warmup never outlasts the run)."""
-    return min(cfg.lr_scheduler.warmup_steps, cfg.training.steps)
-
-
-def model_spec(cfg: Config):
-    """The model spec of the [model] section (models/spec.py), resolved anew on each call: a
-    component that asks more than once keeps the result."""
-    from titan_tpu.models.spec import model_spec as resolve
-
-    return resolve(cfg.model)
-
-
-def model_label(cfg: Config) -> str:
-    """How messages name the model: name/flavor, or hf:<hf_config> for the Transformers backend."""
-    return model_spec(cfg).label
-
-
-def model_args_from_config(cfg: Config):
-    """The model's args (a flavor's TransformerArgs with the config's MoE options applied, or HFArgs)."""
-    return model_spec(cfg).args
 
 
 def grad_accum_from_tokens(t: TrainingConfig, dp_ranks: int) -> int:
@@ -449,12 +424,10 @@ def grad_accum_from_tokens(t: TrainingConfig, dp_ranks: int) -> int:
     return t.global_batch_tokens // per_micro_batch
 
 
-def validate(cfg: Config) -> None:
-    """Checks that span keys or need the flavor table; single-key types are checked on assignment."""
-    from titan_tpu.train.optim import validate_lr_schedule
-
-    spec = model_spec(cfg)  # raises with the valid flavors and on MoE options of dense models
-    model_args = spec.args
+def check(cfg: Config) -> None:
+    """Each section's own keys: ranges and the combinations within one section. Checks that span
+    sections or need a component (the model spec, the lr schedule, the trackers, the device) run
+    once per run in `titan_tpu.run_setup.prepare_run`; types and choices are checked on assignment."""
     t = cfg.training
     for key, value in (("training.steps", t.steps), ("training.batch_size", t.batch_size),
                        ("training.seq_len", t.seq_len), ("training.grad_accum_steps", t.grad_accum_steps),
@@ -470,91 +443,34 @@ def validate(cfg: Config) -> None:
     if cfg.parallelism.bucket_mb < 0:
         raise ValueError(f"parallelism.bucket_mb = {cfg.parallelism.bucket_mb} must be >= 0 (0: one collective per "
                          "parameter)")
-    ep = cfg.parallelism.ep
-    if ep < 1:
-        raise ValueError(f"parallelism.ep = {ep} must be >= 1")
-    if ep > 1 and model_args.moe is None:
-        raise ValueError(f"parallelism.ep = {ep} spreads MoE experts; {spec.label} has none: "
-                         "remove it or use a qwen3_moe model")
-    if ep > 1 and model_args.moe.num_experts % ep != 0:
-        raise ValueError(f"parallelism.ep = {ep} must divide the {model_args.moe.num_experts} experts of "
-                         f"{spec.label}")
-    spec.check(cfg)
+    if cfg.parallelism.ep < 1:
+        raise ValueError(f"parallelism.ep = {cfg.parallelism.ep} must be >= 1")
     if t.global_batch_tokens < 0:
         raise ValueError(f"training.global_batch_tokens = {t.global_batch_tokens} must be >= 0 (0: use "
                          "training.grad_accum_steps)")
     if t.global_batch_tokens and t.grad_accum_steps != 1:
         raise ValueError(f"training.global_batch_tokens = {t.global_batch_tokens} sets training.grad_accum_steps; "
                          f"remove one of them (grad_accum_steps = {t.grad_accum_steps})")
-    if t.global_batch_tokens and cfg.parallelism.dp_shard != -1:  # with -1 the ranks are known at launch
-        grad_accum_from_tokens(t, cfg.parallelism.dp_replicate * cfg.parallelism.dp_shard)
-    if cfg.compile.backend == "tpu":
-        from titan_tpu.device import check_tpu_compile_backend
-
-        check_tpu_compile_backend(t.device)
     cfg.kernels.validate()
-    _validate_lora(cfg)
-    _validate_observability(cfg)
-    if cfg.checkpoint.keep_latest_k < 0:
-        raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
-    if cfg.optimizer.lr <= 0:
-        raise ValueError(f"optimizer.lr = {cfg.optimizer.lr} must be > 0")
-    s = cfg.lr_scheduler
-    # A warmup longer than the run (a quick --training.steps 2 with a recipe's warmup of 10) is clamped
-    # by the trainer, with a note in its log (effective_warmup_steps).
-    validate_lr_schedule(base_lr=cfg.optimizer.lr, warmup_steps=effective_warmup_steps(cfg), total_steps=t.steps,
-                         decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio)
-    if t.seq_len > model_args.max_seq_len:
-        raise ValueError(f"training.seq_len = {t.seq_len} exceeds the max_seq_len = {model_args.max_seq_len} of "
-                         f"{spec.label}; lower training.seq_len")
-    if not 0.0 < cfg.data.val_fraction < 1.0 and cfg.validation.enabled:
-        raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1) "
-                         "when validation.enabled = true")
-    if cfg.data.sources:
-        if cfg.data.source != "stdlib":
-            raise ValueError("data.source and [[data.sources]] are both set; keep one (a single source can be either)")
-        normalized_weights(cfg.data.sources)
-    if cfg.kernels.loss == "tokamax" and any(s.format == "chat" for s in data_sources(cfg)):
-        # The one loss kernel without an ignore index; a traced step could not even check the labels.
-        raise ValueError("kernels.loss = tokamax cannot skip the untrained tokens of format = chat (no ignore index); "
-                         "use --kernels.loss chunked")
-    if cfg.data.max_bytes < 0:
-        raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
-    if t.device == "cpu":  # with auto, the trainer checks once it knows the device
-        from titan_tpu.device import check_cpu_compute_dtype
-
-        check_cpu_compute_dtype(cfg.model.dtype)
-
-
-def _validate_lora(cfg: Config) -> None:
-    """LoRA's own ranges and the options it cannot run with (the layer checks come with the model:
-    models/lora.py)."""
     lora = cfg.lora
-    if not lora.enabled:
-        return
-    if lora.rank < 1:
-        raise ValueError(f"lora.rank = {lora.rank} must be >= 1")
-    if lora.alpha <= 0:
-        raise ValueError(f"lora.alpha = {lora.alpha} must be > 0")
-    if not 0.0 <= lora.dropout < 1.0:
-        raise ValueError(f"lora.dropout = {lora.dropout} must be in [0, 1)")
-    if cfg.model.scan_layers:
-        raise ValueError("lora.enabled needs model.scan_layers = false (the stacked blocks carry no adapters yet)")
-    if cfg.parallelism.tp > 1:
-        raise ValueError(f"lora.enabled needs parallelism.tp = 1 (got {cfg.parallelism.tp}): the adapters of a split "
-                         "layer are not split yet; use data parallelism")
-    if lora.dropout > 0 and cfg.training.mode == "graph":
-        raise ValueError(f"lora.dropout = {lora.dropout} needs training.mode = eager (the captured step has no "
-                         "dropout); set lora.dropout 0")
-
-
-def _validate_observability(cfg: Config) -> None:
-    from titan_tpu.train.trackers import TRACKERS
-
-    for name in cfg.metrics.trackers:
-        if name not in TRACKERS:
-            raise ValueError(f"metrics.trackers: unknown tracker {name!r}; use some of {', '.join(TRACKERS)}")
+    if lora.enabled:
+        if lora.rank < 1:
+            raise ValueError(f"lora.rank = {lora.rank} must be >= 1")
+        if lora.alpha <= 0:
+            raise ValueError(f"lora.alpha = {lora.alpha} must be > 0")
+        if not 0.0 <= lora.dropout < 1.0:
+            raise ValueError(f"lora.dropout = {lora.dropout} must be in [0, 1)")
     prof = cfg.profiling
     if prof.start_step < 1 or prof.active_steps < 1:
         raise ValueError(f"profiling.start_step = {prof.start_step} and profiling.active_steps = {prof.active_steps} "
                          "must be >= 1")
+    if cfg.checkpoint.keep_latest_k < 0:
+        raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
+    if cfg.optimizer.lr <= 0:
+        raise ValueError(f"optimizer.lr = {cfg.optimizer.lr} must be > 0")
+    if cfg.data.sources:
+        if cfg.data.source != "stdlib":
+            raise ValueError("data.source and [[data.sources]] are both set; keep one (a single source can be either)")
+        normalized_weights(cfg.data.sources)
+    if cfg.data.max_bytes < 0:
+        raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")

@@ -125,8 +125,7 @@ def load_eval_model(cfg, *, checkpoint: str | Path | None = None, device: torch.
     """The model of a run config (model section as `train` reads it), in fp32 on `device`, with the
     weights of `checkpoint` (a training checkpoint or an HF directory) when given, else the weights
     its HF directory holds, else a seeded init (training.seed)."""
-    from titan_tpu.config import model_spec
-    from titan_tpu.models.spec import spec_for_weights
+    from titan_tpu.models.spec import model_spec, spec_for_weights
 
     seed = cfg.training.seed
     hf_files = checkpoint is not None and (Path(checkpoint) / "config.json").is_file() and any(
@@ -138,7 +137,7 @@ def load_eval_model(cfg, *, checkpoint: str | Path | None = None, device: torch.
         return EvalModel(spec, model, str(checkpoint), _tokenizer_beside(Path(checkpoint)))
     if checkpoint is not None:
         return _from_checkpoint(checkpoint, cfg, device)
-    spec = model_spec(cfg)
+    spec = model_spec(cfg.model)
     model = _eval_build(spec, cfg, device=device, seed=seed)
     own = spec.own_weights_path()
     weights = str(own) if own else f"initialised (seed {seed})"

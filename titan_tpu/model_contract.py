@@ -1,7 +1,7 @@
 """The model contract: what the trainer, SimpleFSDP, graph capture and checkpoints need from a model.
 
 Two classes satisfy it today: the native `Transformer` (models/common/transformer.py: llama3,
-qwen3, qwen3_moe) and `HFCausalLM` (models/hf_backend.py: any transformers causal LM).
+qwen3, qwen3_moe) and `HFCausalLM` (models/hf/model.py: any transformers causal LM).
 Everything else they read is `nn.Module`'s own (named_parameters, state_dict, train/eval).
 
 Code below the models (parallel/, graph/, train/) asks ``isinstance(model, TrainableModel)``

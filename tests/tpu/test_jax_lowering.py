@@ -75,12 +75,12 @@ def _reference(cfg, batches, monkeypatch):
     (narrowing): here the norms stay float64."""
     foreach_norm = torch._foreach_norm
     monkeypatch.setattr(torch, "_foreach_norm", lambda tensors, ord=2, dtype=None: foreach_norm(tensors, ord))
-    from titan_tpu.config import model_spec
+    from titan_tpu.models.spec import model_spec
 
     # Initialised in float32 (the RNG draws other values for float64), then widened; the expert
     # matmuls through the reference kernel (torch's grouped GEMM takes no float64).
     kernels = dataclasses.replace(cfg.kernels, grouped_mm="reference")
-    model = build_model(model_spec(cfg).args, seed=cfg.training.seed, kernels=kernels).to(torch.float64)
+    model = build_model(model_spec(cfg.model).args, seed=cfg.training.seed, kernels=kernels).to(torch.float64)
     optimizer = AdamW.from_config(dict(model.named_parameters()), cfg.optimizer)
     batch = tuple(torch.cat([b[i] for b in batches]) for i in range(2))
     result = EagerStep(model, optimizer, max_norm=cfg.training.max_norm)([batch], LR)
@@ -136,9 +136,9 @@ def test_lowered_step_equals_eager_step(name, ranks, monkeypatch):
 
 
 def cfg_vocab(cfg) -> int:
-    from titan_tpu.config import model_spec
+    from titan_tpu.models.spec import model_spec
 
-    return model_spec(cfg).args.vocab_size
+    return model_spec(cfg.model).args.vocab_size
 
 
 def test_unknown_operator_is_one_line():

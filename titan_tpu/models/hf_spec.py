@@ -10,17 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titan_tpu.models.hf_backend import (
-    PREFIX,
-    HFArgs,
-    HFCausalLM,
-    build_hf_model,
-    export_hf,
-    has_weights,
-    hf_args_from_spec,
-    hf_flops_per_token,
-    load_pretrained_weights,
-)
+from titan_tpu.models.hf.config import HFArgs, hf_args_from_spec
+from titan_tpu.models.hf.flops import hf_flops_per_token
+from titan_tpu.models.hf.model import PREFIX, HFCausalLM, build_hf_model
+from titan_tpu.models.hf.weights import export_hf, has_weights, load_pretrained_weights
 from titan_tpu.models.spec_base import Log, ModelSpec, moe_options_changed
 
 if TYPE_CHECKING:

@@ -161,9 +161,6 @@ class NativeSpec(ModelSpec):
 
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
                       documents: bool) -> Transformer:
-        from titan_tpu.parallel.context_parallel import context_parallel
-        from titan_tpu.parallel.tensor_parallel import tensor_parallel
-
         seq_len = cfg.training.seq_len
         # The RoPE table only needs the training length (a published 128K table is ~134 MB for 8B);
         # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
@@ -171,11 +168,20 @@ class NativeSpec(ModelSpec):
         with torch.device("meta"):
             model = Transformer(args, scan_layers=cfg.model.scan_layers, ac_mode=cfg.activation_checkpoint.mode,
                                 kernels=cfg.kernels)
-        if parallel_dims.tp > 1:
-            tensor_parallel(model, mesh, seq_len=seq_len)
-        if parallel_dims.cp > 1:
-            context_parallel(model, mesh, seq_len=seq_len, documents=documents)
+        self.parallelize(model, cfg, mesh=mesh, parallel_dims=parallel_dims, documents=documents)
         return model
+
+    def parallelize(self, model: Transformer, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
+                    documents: bool) -> None:
+        """The Transformer's tensor-parallel plan (parallel/tensor_parallel.py `BLOCK_PLAN`) and
+        context-parallel attention, on the meta-device model, before it is materialised."""
+        from titan_tpu.parallel.context_parallel import context_parallel
+        from titan_tpu.parallel.tensor_parallel import tensor_parallel
+
+        if parallel_dims.tp > 1:
+            tensor_parallel(model, mesh, seq_len=cfg.training.seq_len)
+        if parallel_dims.cp > 1:
+            context_parallel(model, mesh, seq_len=cfg.training.seq_len, documents=documents)
 
     def flops_per_token(self, model: TrainableModel, seq_len: int) -> tuple[float, str]:
         from titan_tpu.models.registry import flops_per_token

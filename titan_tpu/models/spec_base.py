@@ -33,13 +33,19 @@ class ModelSpec(ABC):
     kind: str  # how reports name the backend that runs it: native | hf
 
     def check(self, cfg: Config) -> None:
-        """Checks of other config sections that depend on the model kind (config.validate)."""
+        """Checks of other config sections that depend on the model kind (run_setup.prepare_run)."""
 
     @abstractmethod
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
                       documents: bool) -> TrainableModel:
         """The model on the meta device, its tensor/context-parallel layout applied when the mesh
-        has those axes: `parallel.simple_fsdp.materialize_and_init` materialises it next."""
+        has those axes (`parallelize`): `parallel.simple_fsdp.materialize_and_init` materialises it next."""
+
+    def parallelize(self, model: TrainableModel, cfg: Config, *, mesh: DeviceMesh | None,
+                    parallel_dims: ParallelDims, documents: bool) -> None:
+        """Apply the model's tensor- and context-parallel layout (the spec owns tp and cp for its
+        model; SimpleFSDP's data-parallel axes come after, generic). The default has none: a kind
+        without one refuses tp and cp in `check`."""
 
     def finish(self, model: TrainableModel, *, log: Log, own_weights: bool = True) -> None:
         """After initialisation: what the model's own files or checks add (the HF backend loads

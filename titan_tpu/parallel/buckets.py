@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from titan_tpu.model_contract import TrainableModel
+from titan_tpu.parallel.axes import gathered_for_compute
 
 __all__ = ["Bucket", "build_buckets", "bucket_owners", "bucketable", "group_into_buckets", "DEFAULT_BUCKET_MB"]
 
@@ -267,11 +268,11 @@ def bucket_owners(model: nn.Module) -> list[nn.Module]:
 
 def bucketable(p) -> bool:
     """Whether a parameter is gathered whole, so it can share a flat buffer with others: a DTensor
-    on no ep or tp axis. Expert weights keep their expert-parallel shard when read
+    on no axis that compute reads sharded (parallel/axes.py: ep, tp). Expert weights keep their
+    expert-parallel shard when read
     (simple_fsdp._replicate_for_compute) and tensor-parallel weights their tp shard: not a full
     gather, so they stay on the per-parameter path."""
-    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-    return isinstance(p, DTensor) and "ep" not in names and "tp" not in names
+    return isinstance(p, DTensor) and all(gathered_for_compute(p.device_mesh.mesh_dim_names or ()))
 
 
 def _layout_key(p: DTensor) -> tuple:

@@ -52,12 +52,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_tpu.kernels import document_ids_from_positions
 from titan_tpu.kernels.registry import Impl
+from titan_tpu.parallel.axes import CP_AXIS
 from titan_tpu.parallel.tensor_parallel import _GatherSequence, _wait, tp_size
 
 __all__ = ["CP_AXIS", "check_context_parallel", "context_parallel", "cp_attention_saved_bytes", "cp_size",
            "head_tail_attention", "head_tail_positions", "sequence_order"]
-
-CP_AXIS = "cp"
 
 
 def check_context_parallel(cp: int, *, seq_len: int, tp: int = 1) -> None:

@@ -45,10 +45,11 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
+from titan_tpu.parallel.axes import EP_AXES, EP_AXIS
+
 __all__ = ["EP_AXES", "EP_DISPATCH", "AllToAllDispatch", "ExpertParallelDispatch", "make_dispatch",
            "expert_placements", "build_expert_mesh"]
 
-EP_AXES = ("dp_shard_mod_ep", "ep")
 EP_DISPATCH = ("all_gather", "all_to_all")
 
 
@@ -71,9 +72,9 @@ class ExpertParallelDispatch:
 
     def __init__(self, expert_mesh: DeviceMesh):
         self.mesh = expert_mesh
-        self.group = (expert_mesh, EP_AXES.index("ep"))
-        self.size = expert_mesh.size(EP_AXES.index("ep"))
-        self.rank = expert_mesh.get_local_rank("ep")
+        self.group = (expert_mesh, EP_AXES.index(EP_AXIS))
+        self.size = expert_mesh.size(EP_AXES.index(EP_AXIS))
+        self.rank = expert_mesh.get_local_rank(EP_AXIS)
 
     def first_local_expert(self, num_experts: int) -> int:
         return self.rank * (num_experts // self.size)
@@ -163,7 +164,7 @@ class AllToAllDispatch(ExpertParallelDispatch):
         key_S = torch.where(needed_RT.bool(), torch.arange(ep, device=x_TD.device)[:, None], ep).flatten()
         token_S = torch.argsort(key_S, stable=True) % T  # needed rows by destination, then the rest
         counts_RR = funcol.all_gather_tensor(needed_RT.sum(dim=1)[None], 0, self.group)  # [sender, receiver]
-        group_name = self.mesh.get_group("ep").group_name
+        group_name = self.mesh.get_group(EP_AXIS).group_name
         self._pending = (token_S, None, None, T, (counts_RR, group_name))
         x_MD = _RaggedAllToAll.apply(x_TD[token_S], counts_RR, self.rank, group_name)
         chosen_SK = chosen_TK[token_S]

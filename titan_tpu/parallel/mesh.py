@@ -14,15 +14,10 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titan_tpu.parallel.axes import AXES, DP_AXES, MESH_AXES
 from titan_tpu.parallel.expert_parallel import build_expert_mesh
 
 __all__ = ["ParallelDims", "dp_rank_and_size", "DP_AXES", "MESH_AXES"]
-
-# Mesh axis names, outermost first. Replicas are the outer axis so that the shard groups (which
-# all-gather every layer) are the inner, usually faster-connected, neighbours; tp, which
-# communicates several times per block, is innermost (within a node / NVLink domain / slice).
-DP_AXES = ("dp_replicate", "dp_shard")
-MESH_AXES = (*DP_AXES, "cp", "tp")
 
 
 def check_cp_with_ep(cp: int, ep: int) -> None:
@@ -95,7 +90,7 @@ class ParallelDims:
         group, or None on a single process, where the model stays plain tensors."""
         if self.world_size == 1:
             return None
-        shape_by_axis = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+        shape_by_axis = {a: getattr(self, AXES[a].size_key) for a in MESH_AXES}  # order and names: parallel/axes.py
         # Keep only the axes in use: a size-1 axis would only add an empty collective per layer.
         axes = tuple(a for a in MESH_AXES if shape_by_axis[a] > 1)
         return init_device_mesh(device_type, tuple(shape_by_axis[a] for a in axes), mesh_dim_names=axes)

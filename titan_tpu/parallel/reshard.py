@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
+from titan_tpu.parallel.axes import EP_AXIS
 from titan_tpu.parallel.buckets import gather_flat_local
 
 __all__ = ["ReshardHooks", "LayerGather"]
@@ -136,7 +137,7 @@ class LayerGather:
                 continue
             mesh = t.device_mesh
             placements = tuple(Shard(p.dim - 1) if isinstance(p, Shard) else p for p in t.placements)
-            keep = tuple(name == "ep" for name in (mesh.mesh_dim_names or ())) or (False,) * mesh.ndim
+            keep = tuple(name == EP_AXIS for name in (mesh.mesh_dim_names or ())) or (False,) * mesh.ndim
             shape = list(t.shape[1:])
             for axis, p in enumerate(placements):
                 if keep[axis] and isinstance(p, Shard):

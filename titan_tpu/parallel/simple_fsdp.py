@@ -29,6 +29,7 @@ from titan_tpu.model_contract import TrainableModel
 from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, stored_weights
 from titan_tpu.models.common.moe import EXPERT_MARKER  # set on modules holding MoE expert weights
 from titan_tpu.models.common.scan import STACKED_MARKER  # set on modules holding stacked layers
+from titan_tpu.parallel.axes import CP_AXIS, TP_AXIS, gathered_for_compute
 from titan_tpu.parallel.buckets import (
     DEFAULT_BUCKET_MB,
     Bucket,
@@ -37,10 +38,9 @@ from titan_tpu.parallel.buckets import (
     gather_flat,
     group_into_buckets,
 )
-from titan_tpu.parallel.context_parallel import CP_AXIS
 from titan_tpu.parallel.expert_parallel import ExpertParallelDispatch, expert_placements
 from titan_tpu.parallel.reshard import LayerGather, ReshardHooks
-from titan_tpu.parallel.tensor_parallel import TP_AXIS, tp_placement
+from titan_tpu.parallel.tensor_parallel import tp_placement
 
 __all__ = ["MixedPrecision", "SimpleFSDPState", "cast_for_compute", "data_parallel", "default_mixed_precision",
            "fsdp_state", "local_bytes", "materialize_and_init", "MODES"]
@@ -194,8 +194,7 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_d
 def _replicate_for_compute(param: DTensor, mp: MixedPrecision) -> torch.Tensor:
     # Expert weights keep their expert-parallel shard (this rank's experts), tensor-parallel
     # weights their tp shard; every other axis is gathered whole.
-    axes = param.device_mesh.mesh_dim_names or ()
-    keep = [name in ("ep", TP_AXIS) for name in axes]
+    keep = [not gathered for gathered in gathered_for_compute(param.device_mesh.mesh_dim_names or ())]
     full = param.redistribute(
         placements=[p if k else Replicate() for p, k in zip(param.placements, keep)],
         forward_dtype=mp.param_dtype, backward_dtype=mp.reduce_dtype,

@@ -39,9 +39,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from titan_tpu.parallel.axes import TP_AXIS
+
 __all__ = ["TP_AXIS", "TP_PLACEMENT", "check_tensor_parallel", "tensor_parallel", "tp_placement"]
 
-TP_AXIS = "tp"
 TP_PLACEMENT = "_tp_placement"  # module attribute: the tp placement of the module's own parameters
 
 
@@ -178,21 +179,37 @@ class _VocabParallelKernels:
 # ---------------------------------------------------------------------------------------------
 
 
+# The plan: module paths -> the tp placement of their weights. Shard(0) splits a linear's output
+# features (column-parallel: q, k, v and the gate and up projections, one head or hidden unit per
+# rank), Shard(1) its input features (row-parallel: the attention output and down projections,
+# whose partial sums the block's reduce-scatter adds). Paths are relative to a block, or to the
+# model for the vocabulary-parallel embedding and output projection; per layer, SimpleFSDP shifts
+# a stacked weight's placement one dim in (simple_fsdp._module_placements).
+BLOCK_PLAN: dict[str, Placement] = {
+    "attention.wq": Shard(0), "attention.wk": Shard(0), "attention.wv": Shard(0), "attention.wo": Shard(1),
+    "feed_forward.w1": Shard(0), "feed_forward.w3": Shard(0), "feed_forward.w2": Shard(1),
+}
+MODEL_PLAN: dict[str, Placement] = {"tok_embeddings": Shard(0), "output": Shard(0)}
+
+
 def _set_placement(module: nn.Module | None, placement: Placement) -> None:
     if module is not None:
         module.__dict__[TP_PLACEMENT] = placement
 
 
+def _apply_plan(root: nn.Module, plan: dict[str, Placement]) -> None:
+    """Set each planned module's placement; a path whose module is None (an absent projection) is
+    skipped, an attribute the model does not have is an error."""
+    for path, placement in plan.items():
+        module = root
+        for name in path.split("."):
+            module = getattr(module, name) if module is not None else None
+        _set_placement(module, placement)
+
+
 def _place_block_weights(block: nn.Module) -> None:
-    """The tp placements of a block's weights (per layer: SimpleFSDP shifts them one dim in for a
-    stacked weight, simple_fsdp._module_placements)."""
-    attn, ffn = block.attention, block.feed_forward
-    for linear in (attn.wq, attn.wk, attn.wv):
-        _set_placement(linear, Shard(0))
-    _set_placement(attn.wo, Shard(1))
-    _set_placement(ffn.w1, Shard(0))
-    _set_placement(ffn.w3, Shard(0))
-    _set_placement(ffn.w2, Shard(1))
+    """The tp placements of a block's weights (`BLOCK_PLAN`)."""
+    _apply_plan(block, BLOCK_PLAN)
 
 
 def _parallelize_block(block: nn.Module, group, tp: int) -> list:
@@ -237,8 +254,7 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int | None =
     model.tok_embeddings.__class__ = VocabParallelEmbedding
     model.tok_embeddings._tp_group = group
     model.tok_embeddings._tp_start = rank * (args.vocab_size // tp)
-    _set_placement(model.tok_embeddings, Shard(0))
-    _set_placement(model.output, Shard(0))
+    _apply_plan(model, MODEL_PLAN)
     model.norm.register_forward_hook(functools.partial(_gather_output, group))
     model.register_forward_hook(functools.partial(_gather_logits, group))
     model.kernels = _VocabParallelKernels(model.kernels, start=rank * (args.vocab_size // tp), group=group)

@@ -171,14 +171,15 @@ def measure_collective_rate(python: str) -> dict:
 _LIVE_PROBE = r"""
 import json, sys, torch
 from torch.profiler import ProfilerActivity, profile
-from titan_tpu.config import build_config, model_spec
+from titan_tpu.config import build_config
 from titan_tpu.device import get_backend
 from titan_tpu.models.spec import build
+from titan_tpu.run_setup import prepare_run
 from titan_tpu.train.make_step import make_step
 from titan_tpu.train.optim import AdamW
 cfg = build_config(sys.argv[1], sys.argv[2:])
 t = cfg.training
-spec = model_spec(cfg)
+spec = prepare_run(cfg).spec
 args = spec.args
 model = build(spec, cfg, device="cpu", seed=0)  # as the trainer builds it, on one CPU process
 opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
@@ -264,6 +265,7 @@ def predict(result: dict, hw_numbers: dict) -> dict:
     from titan_tpu.config import build_config
     from titan_tpu.plan import hardware as hw_mod
     from titan_tpu.plan.planner import plan_config
+    from titan_tpu.run_setup import prepare_run
 
     argv = list(result["argv"])
     config = argv[argv.index("--config") + 1]
@@ -272,7 +274,7 @@ def predict(result: dict, hw_numbers: dict) -> dict:
     for key in ("--parallelism.tp", "--parallelism.cp"):
         model_share *= int(rest[rest.index(key) + 1]) if key in rest else 1
     overrides = rest + (["--parallelism.dp_shard", str(result["ranks"] // model_share)] if result["ranks"] > 1 else [])
-    cfg = build_config(config, overrides)
+    cfg = prepare_run(build_config(config, overrides)).cfg
     cpu = hw_mod.cpu_hardware(measure=False)
     cpu = hw_mod.Hardware(**{**cpu.as_dict(), "peak_flops": hw_numbers["peak_flops"],
                              "memory_bandwidth": hw_numbers["memory_bandwidth"],

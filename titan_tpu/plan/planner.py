@@ -34,12 +34,13 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from titan_tpu.config import Config, grad_accum_from_tokens, model_spec
+from titan_tpu.config import Config, grad_accum_from_tokens
 from titan_tpu.kernels.loss import loss_memory_bytes
 from titan_tpu.models.common.rope import rope_real_saved_per_position
 from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memory
 from titan_tpu.models.common.transformer import ActivationBytes, activation_bytes
 from titan_tpu.models.registry import flops_per_token, largest_param, num_active_params, num_expert_params, num_params
+from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.context_parallel import check_context_parallel, cp_attention_saved_bytes
 from titan_tpu.parallel.mesh import check_cp_with_ep
 from titan_tpu.parallel.plan_terms import Layout, collective_calls, cp_collectives
@@ -95,9 +96,10 @@ def planning_machine():
 def for_planning(toml_path, overrides: list[str] | None = None) -> Config:
     """The config as the machine it is written for would load it (`planning_machine`)."""
     from titan_tpu.config import build_config
+    from titan_tpu.run_setup import prepare_run
 
     with planning_machine():
-        return build_config(toml_path, overrides)
+        return prepare_run(build_config(toml_path, overrides)).cfg
 
 
 def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, int | None]:
@@ -323,7 +325,7 @@ def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measu
     """The config checked and resolved for planning (see `plan_config` for the arguments)."""
     code = code_gather(cfg)
     gather = gather or code
-    spec = model_spec(cfg)  # resolved once per plan: a search plans hundreds of candidates
+    spec = model_spec(cfg.model)  # resolved once per plan: a search plans hundreds of candidates
     if not spec.plannable:
         raise ValueError("titan-tpu plan covers the native models (llama3, qwen3, qwen3_moe); an hf model's "
                          "layers are transformers' own code, which the planner has no terms for")

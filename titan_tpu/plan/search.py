@@ -33,9 +33,11 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from titan_tpu.config import Config, model_args_from_config, model_spec, validate
+from titan_tpu.config import Config
+from titan_tpu.models.spec import model_spec
 from titan_tpu.plan.hardware import Hardware
 from titan_tpu.plan.planner import TPU_NAMES, Plan, default_hardware, plan_config, planning_machine
+from titan_tpu.run_setup import prepare_run
 
 __all__ = ["KNOBS", "Candidate", "SearchResult", "search", "format_search"]
 
@@ -112,7 +114,7 @@ def _divisors(n: int) -> list[int]:
 
 def _space(cfg: Config, devices: int, keep: set[str]) -> list[dict]:
     """Every combination of knob values (a dict per candidate, each key of _SET)."""
-    args = model_args_from_config(cfg)
+    args = model_spec(cfg.model).args
     t, p = cfg.training, cfg.parallelism
     per_device = t.batch_size * t.grad_accum_steps
     micro = sorted(set(_divisors(per_device)) | {2**i for i in range(per_device.bit_length()) if 2**i <= per_device})
@@ -178,7 +180,7 @@ def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardwar
         setattr(getattr(cfg, section), name, value)
     try:
         with planning_machine():
-            validate(cfg)
+            prepare_run(cfg)
     except ValueError as e:
         message = str(e)
         c.reason = f"config: {message.split(';')[0]}"
@@ -196,7 +198,7 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
            measure: bool = True) -> SearchResult:
     """Plan every candidate of the space around `cfg` (module docstring) on `hardware` (default:
     what the config names) and rank those that fit. Raises ValueError (one line) when none fits."""
-    if not model_spec(cfg).plannable:
+    if not model_spec(cfg.model).plannable:
         raise ValueError("titan-tpu plan --search covers the native models (llama3, qwen3, qwen3_moe)")
     unknown = sorted(set(keep) - set(KNOBS))
     if unknown:

@@ -76,8 +76,8 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from titan_tpu.config import model_spec
     from titan_tpu.graph.jax_lowering import jax_dtype
+    from titan_tpu.models.spec import model_spec
     from titan_tpu.plan.hardware import HARDWARE
     from titan_tpu.tools.device_step import capture_device_step
     from titan_tpu.tools.tpu_compile import jax_mesh, sharded_step
@@ -105,7 +105,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
     peak = kinds["arguments"] + kinds["outputs"] - kinds["aliased"] + kinds["temporaries"] + kinds["code"]
     generation = topology_name.split(":")[0].replace("tpu7x", "v7")
     hbm = HARDWARE[generation].memory_bytes if generation in HARDWARE else None
-    flops_per_token, _ = model_spec(cfg).flops_per_token(None, t.seq_len)  # native specs read only the args
+    flops_per_token, _ = model_spec(cfg.model).flops_per_token(None, t.seq_len)  # native specs read only the args
     try:
         text, collectives_from = compiled.as_text(), "optimized HLO"
     except Exception:  # noqa: BLE001 - libtpu 0.0.52 cannot print some async collectives it made (RET_CHECK)
@@ -161,9 +161,10 @@ def compile_main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     _require_jax()
     from titan_tpu.config import build_config
+    from titan_tpu.run_setup import prepare_run
 
     topology = args.topology or (topology_for(args.hardware) if args.hardware else "v5p:2x2x1")
-    cfg = build_config(args.config, overrides)
+    cfg = prepare_run(build_config(args.config, overrides)).cfg
     report = compile_step_for_tpu(cfg, topology, Path(args.dump) if args.dump else None)
     print(json.dumps(report, indent=2) if args.json else _format(report))
     return 0

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from titan_tpu.config import Config, model_spec
+from titan_tpu.config import Config
 from titan_tpu.graph.capture import CapturedStep, capture_train_step
+from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.mesh import ParallelDims
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.train.optim import AdamW
@@ -66,7 +67,7 @@ def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | Non
         raise ValueError("titan-tpu compile: expert parallelism (parallelism.ep > 1) is not lowered to JAX yet; "
                          "set --parallelism.ep 1")
     compute = dtype or _DTYPES.get(cfg.model.dtype, torch.bfloat16)
-    model = model_spec(cfg).build_on_meta(cfg, mesh=mesh, parallel_dims=dims, documents=False)
+    model = model_spec(cfg.model).build_on_meta(cfg, mesh=mesh, parallel_dims=dims, documents=False)
     mode = dims.mode if mesh is not None else "none"
     model = materialize_and_init(model, mesh, mode=mode, mp=MixedPrecision(param_dtype=compute, reduce_dtype=compute),
                                  device=torch.device("cpu"), seed=cfg.training.seed,

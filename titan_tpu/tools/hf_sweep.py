@@ -121,7 +121,7 @@ def tiny_overrides(model_type: str, config=None) -> dict:
     default: the type's default config."""
     from transformers import AutoConfig
 
-    from titan_tpu.models.hf_backend import text_config
+    from titan_tpu.models.hf.config import text_config
 
     config = config if config is not None else AutoConfig.for_model(model_type)
     out = {}
@@ -167,7 +167,7 @@ def tiny_overrides(model_type: str, config=None) -> dict:
 def tiny_config(model_type: str):
     """A small config of `model_type` for the sweep and the tests, built as --model.hf_config TYPE
     --model.hf_overrides would build it."""
-    from titan_tpu.models.hf_backend import load_hf_config
+    from titan_tpu.models.hf.config import load_hf_config
 
     return load_hf_config(model_type, tiny_overrides(model_type))
 
@@ -204,7 +204,7 @@ def _reference_model(config, state_dict):
     """transformers' own model (its default attention) with our weights."""
     from transformers import AutoModelForCausalLM
 
-    from titan_tpu.models.hf_backend import PREFIX
+    from titan_tpu.models.hf.model import PREFIX
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict({k[len(PREFIX):]: v for k, v in state_dict.items()}, strict=False)
@@ -225,7 +225,8 @@ def check_plain(config) -> None:
 
 def check_eager(config) -> str:
     """Loss and gradients of our backend vs transformers' own forward and backward; returns a note."""
-    from titan_tpu.models.hf_backend import PREFIX, hf_args_from_config
+    from titan_tpu.models.hf.config import hf_args_from_config
+    from titan_tpu.models.hf.model import PREFIX
 
     ours = _our_model(hf_args_from_config(config))
     ref = _reference_model(config, ours.state_dict())
@@ -272,7 +273,7 @@ def _full_params(model) -> dict[str, torch.Tensor]:
 
 
 def check_graph(config) -> None:
-    from titan_tpu.models.hf_backend import hf_args_from_config
+    from titan_tpu.models.hf.config import hf_args_from_config
 
     args = hf_args_from_config(config)
     batch = sweep_batch()
@@ -320,7 +321,7 @@ def _fsdp_rank(args) -> dict:
 
 def check_fsdp2(config) -> None:
     """Loss and gradients of 2 fully_shard ranks (half the batch each) vs one process."""
-    from titan_tpu.models.hf_backend import hf_args_from_config
+    from titan_tpu.models.hf.config import hf_args_from_config
     from titan_tpu.parallel.spawn import run_ranks
 
     args = hf_args_from_config(config)
@@ -452,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    from titan_tpu.models.hf_backend import causal_lm_types
+    from titan_tpu.models.hf.config import causal_lm_types
 
     checks = tuple(c for c in args.checks.split(",") if c)
     unknown = [c for c in checks if c not in CHECKS]

@@ -98,7 +98,7 @@ def _seeded_native(args: TransformerArgs) -> dict[str, torch.Tensor]:
 
 def _tiny_hf_config(spec: str, overrides: dict, base_config=None):
     """`spec` (a directory or a type) with hf-sweep's tiny sizes, then the user's overrides."""
-    from titan_tpu.models.hf_backend import load_hf_config
+    from titan_tpu.models.hf.config import load_hf_config
     from titan_tpu.tools.hf_sweep import tiny_overrides
 
     config = base_config or load_hf_config(spec, overrides)
@@ -108,8 +108,9 @@ def _tiny_hf_config(spec: str, overrides: dict, base_config=None):
 def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = None) -> Subject:
     """`spec` -> a Subject whose hf_dir lies under `work_dir` (or is the user's directory)."""
     from titan_tpu.evaluate import native_hf_dir
+    from titan_tpu.models.hf.config import causal_lm_types, load_hf_config
+    from titan_tpu.models.hf.weights import has_weights
     from titan_tpu.models.hf_adapter import model_args_from_hf_config
-    from titan_tpu.models.hf_backend import causal_lm_types, has_weights, load_hf_config
     from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
     from titan_tpu.models.registry import MODEL_FLAVORS, get_model_args
 

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                                                         "hidden_size=64,num_hidden_layers=2 or JSON")
     args = parser.parse_args(argv)
 
-    from titan_tpu.models.hf_backend import parse_overrides
+    from titan_tpu.models.hf.config import parse_overrides
 
     only = parse_checks(args.checks)
     report = verify(args.model, hardware=args.hardware, tiny=args.tiny, only=only,

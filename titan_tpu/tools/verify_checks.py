@@ -105,7 +105,7 @@ def loaded_model(subject: Subject) -> torch.nn.Module:
 
 
 def reference_model(subject: Subject) -> torch.nn.Module:
-    from titan_tpu.models.hf_backend import read_pretrained
+    from titan_tpu.models.hf.weights import read_pretrained
 
     model, _ = read_pretrained(subject.hf_dir)
     return model.eval()
@@ -136,15 +136,8 @@ def _features(subject: Subject, experts: str | None = None) -> list[tuple[str, s
     `experts` says which code runs an HF-backend model's experts."""
     from transformers import AutoConfig
 
-    from titan_tpu.models.hf_backend import (
-        ATTENTION_NAME,
-        _attention_implementation,
-        _has_sparse_indexer,
-        _logit_transform,
-        _model_class,
-        _moe_shape,
-        text_config,
-    )
+    from titan_tpu.models.hf.config import _logit_transform, _model_class, _moe_shape, text_config
+    from titan_tpu.models.hf.hooks import ATTENTION_NAME, _attention_implementation, _has_sparse_indexer
 
     config = text_config(AutoConfig.from_pretrained(str(subject.hf_dir)))
     d = config.to_dict()
@@ -200,13 +193,9 @@ def check_preflight(subject: Subject) -> Result:
     else:
         from transformers import AutoConfig
 
-        from titan_tpu.models.hf_backend import (
-            _moe_shape,
-            build_hf_model,
-            hf_args_from_config,
-            hf_flops_per_token,
-            text_config as text_of,
-        )
+        from titan_tpu.models.hf.config import _moe_shape, hf_args_from_config, text_config as text_of
+        from titan_tpu.models.hf.flops import hf_flops_per_token
+        from titan_tpu.models.hf.model import build_hf_model
 
         real = dict(subject.real_config or {})
         args = hf_args_from_config(AutoConfig.for_model(real.pop("model_type"), **real)) if real else subject.hf_args()
@@ -272,7 +261,7 @@ def check_weights(subject: Subject) -> Result:
                 other = fuse_experts(back, args)
                 layouts["fused"] = (other, fuse_experts(to_hf_state_dict(from_hf_state_dict(other, args), args), args))
     else:
-        from titan_tpu.models.hf_backend import export_hf, load_pretrained_weights
+        from titan_tpu.models.hf.weights import export_hf, load_pretrained_weights
 
         model = seeded_model(subject, seed=1)
         load_pretrained_weights(model, subject.hf_dir)
@@ -359,7 +348,7 @@ def _loss_and_grad_diff(subject: Subject) -> tuple[float, float, str]:
         if any(n.endswith("experts.gate_up_proj") for n, _ in ref.named_parameters()):
             grads = fuse_experts(grads, args)
     else:
-        from titan_tpu.models.hf_backend import PREFIX
+        from titan_tpu.models.hf.model import PREFIX
 
         grads = {n[len(PREFIX):]: g for n, g in grads.items()}
     worst_diff, worst_name = 0.0, ""
@@ -504,7 +493,8 @@ def check_export(subject: Subject) -> Result:
             save_hf_checkpoint(out, name=subject.native_name, args=args, state_dict=model.state_dict())
             expected = to_hf_state_dict(model.state_dict(), args)
         else:
-            from titan_tpu.models.hf_backend import PREFIX, export_hf
+            from titan_tpu.models.hf.model import PREFIX
+            from titan_tpu.models.hf.weights import export_hf
 
             export_hf(subject.hf_args(), model.state_dict(), out)
             expected = {k[len(PREFIX):]: v for k, v in model.state_dict().items()}

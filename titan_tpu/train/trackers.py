@@ -26,6 +26,13 @@ from typing import Any, Protocol
 TRACKERS = ("tensorboard", "wandb")
 
 
+def check_tracker_names(names: list[str]) -> None:
+    """metrics.trackers: every name one of TRACKERS (run setup checks it before the run starts)."""
+    for name in names:
+        if name not in TRACKERS:
+            raise ValueError(f"metrics.trackers: unknown tracker {name!r}; use some of {', '.join(TRACKERS)}")
+
+
 class Tracker(Protocol):
     def log(self, step: int, scalars: dict[str, float]) -> None: ...
 

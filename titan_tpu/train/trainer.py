@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from titan_tpu.config import Config, data_sources, effective_warmup_steps, grad_accum_from_tokens, model_spec
+from titan_tpu.config import Config, grad_accum_from_tokens
 from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
 from titan_tpu.errors import RunError
 from titan_tpu.model_contract import TrainableModel
@@ -39,6 +39,7 @@ from titan_tpu.models.spec import build
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision
+from titan_tpu.run_setup import prepare_run
 from titan_tpu.train.checkpoint import Checkpointer, CheckpointSaveError, load, rng_state, set_rng_state
 from titan_tpu.train.make_step import make_step
 from titan_tpu.train.metrics import MetricsLogger
@@ -86,6 +87,7 @@ class Trainer:
         from titan_tpu.data.build import build_loaders, prepare_data, uses_document_mask
 
         self.cfg = cfg
+        setup = prepare_run(cfg)  # the config checked across its sections; the spec resolved once
         self.run_dir = cfg.run_dir
         t, p = cfg.training, cfg.parallelism
         if t.deterministic:
@@ -107,18 +109,18 @@ class Trainer:
         self.run_lock = self._lock_output_dir()
         torch.manual_seed(t.seed)
         # A kernel that cannot run on this device is a one-line error now, not at the first step.
-        sources = data_sources(cfg)
+        sources = setup.sources
         self.document_mask = uses_document_mask(cfg.data, sources)
         if any(s.format == "chat" for s in sources):  # labels IGNORE_INDEX outside the assistant's turns
             cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.device.type)
         cfg.kernels.check_device(self.backend.device.type, documents=self.document_mask)
 
-        self.spec = model_spec(cfg)  # what the trainer asks about the model (models/spec.py)
+        self.spec = setup.spec  # what the trainer asks about the model (models/spec.py)
         self.model_args = self.spec.args
         # Rank 0 tokenizes (or finds the cache) first; the others then only read the cache.
         with main_process_first():
             prepared = prepare_data(cfg.data, sources, vocab_size=self.model_args.vocab_size,
-                                    tokenizer_path=self.spec.tokenizer_path(cfg),
+                                    tokenizer_path=setup.tokenizer_path,
                                     cache_dir=cfg.data.cache_dir or default_cache_dir(), log=self.log)
         self.tokenizer = prepared.tokenizer
         self.train_loader, self.val_loader = build_loaders(
@@ -139,7 +141,7 @@ class Trainer:
         self.logger: MetricsLogger | None = None  # rank 0's, while train() runs
         self.tracker_state: dict[str, str] = {}  # from the checkpoint: the trackers' run ids
         self.checkpointer = Checkpointer.from_config(cfg.checkpoint, self.run_dir, log=self.log)
-        self.warmup_steps = effective_warmup_steps(cfg)
+        self.warmup_steps = setup.warmup_steps
         self.save_failures = 0  # checkpoint saves that failed under checkpoint.on_save_error = warn
         self.flops_per_token, self.flops_note = self.spec.flops_per_token(self.model, t.seq_len)
 

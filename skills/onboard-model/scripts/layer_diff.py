@@ -19,7 +19,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args()
 
-    from titan_tpu.models.hf_backend import _CALL_CONTEXT
+    from titan_tpu.models.hf.hooks import _CALL_CONTEXT
     from titan_tpu.tools import verify_checks
     from titan_tpu.tools.subject import resolve
 

@@ -1,0 +1,257 @@
+"""Our hooks into transformers: the "titan_tpu" attention, mask and experts implementations
+(registered with transformers' AttentionInterface, AttentionMaskInterface and ExpertsInterface),
+the graph-safe forms of expert classes that do not use the interface (`GRAPH_SAFE_FORWARDS`), and
+the choice of attention implementation per model class."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from titan_tpu.kernels import KernelConfig
+
+ATTENTION_NAME = "titan_tpu"
+
+
+# Set by HFCausalLM.forward for the attention function below: the kernels to use and the
+# document ids of the batch (None for plain causal windows).
+_CALL_CONTEXT: contextvars.ContextVar[tuple[KernelConfig, torch.Tensor | None] | None] = contextvars.ContextVar(
+    "titan_tpu_hf_call", default=None)
+
+
+def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query [B, H, S, D], key/value [B, K, S, D] ->
+    ([B, S, H, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kwargs.get("sparse_indices") is not None:
+        raise NotImplementedError(f"{type(module).__name__} passes sparse_indices (a sparse-attention indexer); the "
+                                  "titan_tpu attention does not apply them; build such a model with sdpa attention")
+    context = _CALL_CONTEXT.get()
+    document_ids = context[1] if context is not None else None
+    plain_causal = (
+        context is not None and not dropout and getattr(module, "is_causal", True)
+        and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None and kwargs.get("sinks") is None and kwargs.get("position_bias") is None
+        and query.shape[2] == key.shape[2] and query.shape[1] % key.shape[1] == 0
+        # A mask without documents is something other than causal (e.g. chunked attention).
+        and (attention_mask is None or document_ids is not None)
+    )
+    if not plain_causal:
+        if attention_mask is None and document_ids is not None:
+            attention_mask = _document_mask(query, document_ids)  # our mask function left it to us
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+            # Features sdpa lacks: the model's own eager attention (its modeling module defines one).
+            eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            if eager is not None:
+                mask = _additive_mask(attention_mask, query, document_ids, getattr(module, "is_causal", True))
+                return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    kernels = context[0]
+    head_dim = query.shape[-1]
+    if scaling is not None and scaling != head_dim**-0.5:
+        query = query * (scaling * head_dim**0.5)  # our kernels scale by 1/sqrt(D)
+    impl = kernels.attention_impl(query.device.type, documents=document_ids is not None)
+    out_BSHD = impl.fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), document_ids)
+    return out_BSHD, None
+
+
+def _grouped_experts(hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, *,
+                     num_experts: int,
+                     expert_ffn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Mixture of experts with static shapes: the token-expert pairs sorted by expert (stable
+    argsort), `expert_ffn(x_ND, group_sizes_E)` on the sorted rows (grouped matmuls), weighted, back
+    in token order and summed over k as transformers does. Group sizes come from scatter_add, never
+    from `nonzero`, so graph mode captures it."""
+    T, K = top_k_index_TK.shape
+    expert_N = top_k_index_TK.reshape(-1)
+    order_N = torch.argsort(expert_N, stable=True)
+    group_sizes_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_N.device).scatter_add(
+        0, expert_N, torch.ones_like(expert_N))
+    y_ND = expert_ffn(hidden_TD[order_N // K], group_sizes_E)
+    y_ND = y_ND * top_k_weights_TK.reshape(-1)[order_N].unsqueeze(-1)
+    inverse_N = torch.argsort(order_N)
+    return y_ND[inverse_N].view(T, K, -1).sum(dim=1).to(hidden_TD.dtype)
+
+
+def _grouped_mm() -> Callable:
+    context = _CALL_CONTEXT.get()
+    kernels = context[0] if context is not None else KernelConfig()
+    return kernels.grouped_mm_fn
+
+
+def _titan_experts(module: nn.Module, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor,
+                   top_k_weights_TK: torch.Tensor) -> torch.Tensor:
+    """transformers' experts contract (stacked expert weights, one routing per token) through our
+    `grouped_mm` kernel (`_grouped_experts`), which graph mode captures in fp32; transformers' own
+    grouped_mm path cannot (its fake kernel demands bf16). Variants it does not cover (expert
+    parallel sentinels, biases) use transformers' batched_mm form."""
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    if getattr(module, "_is_expert_parallel", False) or getattr(module, "has_bias", False):
+        return batched_mm_experts_forward(module, hidden_TD, top_k_index_TK, top_k_weights_TK)
+    grouped_mm = _grouped_mm()(hidden_TD.device.type)
+
+    def as_EDF(weight: torch.Tensor) -> torch.Tensor:  # HF stores [E, out, in] unless transposed
+        return weight if module.is_transposed else weight.transpose(1, 2)
+
+    def expert_ffn(x_ND: torch.Tensor, group_sizes_E: torch.Tensor) -> torch.Tensor:
+        if module.has_gate:
+            h_NF = module._apply_gate(grouped_mm(x_ND, as_EDF(module.gate_up_proj), group_sizes_E))
+        else:
+            h_NF = module.act_fn(grouped_mm(x_ND, as_EDF(module.up_proj), group_sizes_E))
+        y_ND = grouped_mm(h_NF, as_EDF(module.down_proj), group_sizes_E)
+        if getattr(module, "has_post_expert_norm", False):
+            y_ND = module.post_expert_norm(y_ND)
+        return y_ND
+
+    return _grouped_experts(hidden_TD, top_k_index_TK, top_k_weights_TK, num_experts=module.num_experts,
+                            expert_ffn=expert_ffn)
+
+
+def _dbrx_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index_TK: torch.Tensor,
+                  top_k_weights_TK: torch.Tensor) -> torch.Tensor:
+    """`DbrxExperts.forward` (a loop over `nonzero()`'s experts) with static shapes: its weights
+    `mlp.w1`, `mlp.v1`, `mlp.w2` [E * F, D] viewed per expert, the same gated MLP
+    (act(x w1^T) * (x v1^T)) w2, through `_grouped_experts`."""
+    mlp, E, F_, D = module.mlp, module.num_experts, module.ffn_hidden_size, module.hidden_size
+    grouped_mm = _grouped_mm()(hidden_states.device.type)
+    w1_EDF = mlp.w1.view(E, F_, D).transpose(1, 2)
+    v1_EDF = mlp.v1.view(E, F_, D).transpose(1, 2)
+    w2_EFD = mlp.w2.view(E, F_, D)
+
+    def expert_ffn(x_ND: torch.Tensor, group_sizes_E: torch.Tensor) -> torch.Tensor:
+        h_NF = mlp.activation_fn(grouped_mm(x_ND, w1_EDF, group_sizes_E)) * grouped_mm(x_ND, v1_EDF, group_sizes_E)
+        return grouped_mm(h_NF, w2_EFD, group_sizes_E)
+
+    out_TD = _grouped_experts(hidden_states.reshape(-1, D), top_k_index_TK, top_k_weights_TK, num_experts=E,
+                              expert_ffn=expert_ffn)
+    return out_TD.view(hidden_states.shape[0], -1, D)
+
+
+def _longcat_flash_experts(module: nn.Module, hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor,
+                           top_k_weights_TK: torch.Tensor) -> torch.Tensor:
+    """`LongcatFlashExperts.forward` (a loop over `nonzero()`'s experts) with static shapes: routed
+    experts 0..R-1 through grouped_mm (`gate_up_proj` [R + Z, 2I, D], whose zero-expert rows are
+    unused, and `down_proj` [R, D, I]); the Z zero-computation experts after them are the identity.
+    Sorted by expert, the zero experts' rows come last, past the routed groups, where grouped_mm
+    gives zeros; those rows take the identity instead."""
+    R = module.num_routed_experts
+    if R == 0 or module.gate_up_proj is None:
+        return (hidden_TD.unsqueeze(1) * top_k_weights_TK.unsqueeze(-1)).sum(dim=1).to(hidden_TD.dtype)
+    grouped_mm = _grouped_mm()(hidden_TD.device.type)
+    gate_up_EDF = module.gate_up_proj[:R].transpose(1, 2)
+    down_EFD = module.down_proj.transpose(1, 2)
+
+    def expert_ffn(x_ND: torch.Tensor, group_sizes_E: torch.Tensor) -> torch.Tensor:
+        gate_NF, up_NF = grouped_mm(x_ND, gate_up_EDF, group_sizes_E[:R]).chunk(2, dim=-1)
+        y_ND = grouped_mm(module.act_fn(gate_NF) * up_NF, down_EFD, group_sizes_E[:R])
+        routed_N = torch.arange(x_ND.shape[0], device=x_ND.device) < group_sizes_E[:R].sum()
+        return torch.where(routed_N.unsqueeze(-1), y_ND, x_ND)
+
+    return _grouped_experts(hidden_TD, top_k_index_TK, top_k_weights_TK, num_experts=module.total_experts,
+                            expert_ffn=expert_ffn)
+
+
+# Graph-safe forwards for modules of models that do not reach their experts through transformers'
+# ExpertsInterface, keyed by class name: the same parameters (names and layouts unchanged) and the
+# same math with static shapes. They replace the forward of our wrapped instances only (as
+# activation checkpointing does); transformers' classes stay untouched, so verify's numerics check
+# compares each form against the unmodified model. A new entry needs a verify test (graph and
+# numerics) in tests/test_verify.py.
+GRAPH_SAFE_FORWARDS: dict[str, Callable[..., torch.Tensor]] = {
+    "DbrxExperts": _dbrx_experts,
+    "LongcatFlashExperts": _longcat_flash_experts,
+}
+
+
+def _use_graph_safe_forwards(hf_model: nn.Module) -> list[str]:
+    """Bind GRAPH_SAFE_FORWARDS to the model's modules of those classes; the class names used."""
+    used = set()
+    for module in hf_model.modules():
+        form = GRAPH_SAFE_FORWARDS.get(type(module).__name__)
+        if form is not None:
+            module.forward = functools.partial(form, module)
+            used.add(type(module).__name__)
+    return sorted(used)
+
+
+def _document_mask(query: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+    """Boolean [B or 1, 1, S, S]: causal, and within each document when there are documents."""
+    from titan_tpu.kernels.attention import allowed_BSS
+
+    return allowed_BSS(query.shape[2], document_ids, query.device).unsqueeze(1)
+
+
+def _titan_mask(*args, attention_mask: torch.Tensor | None = None, local_size: int | None = None, **kwargs):
+    """The mask function of our attention name: None (causal, and the documents of the batch,
+    which our attention reads from the call context) when there is no padding mask and no local
+    window; sdpa's boolean mask otherwise. sdpa's own function never skips while tracing (it
+    cannot tell packed position ids from plain ones then), which would leave graph mode without
+    our kernels."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and local_size is None and _CALL_CONTEXT.get() is not None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, local_size=local_size, **kwargs)
+
+
+def _additive_mask(attention_mask: torch.Tensor | None, query: torch.Tensor, document_ids: torch.Tensor | None,
+                   causal: bool) -> torch.Tensor | None:
+    """The masks of our attention name are sdpa's (boolean, or None where is_causal will do); an
+    eager attention function adds a float mask and applies no causality of its own."""
+    if attention_mask is None:
+        if not causal:
+            return None
+        attention_mask = _document_mask(query, document_ids)
+    if attention_mask.dtype != torch.bool:
+        return attention_mask
+    zero = torch.zeros((), dtype=query.dtype, device=query.device)
+    return torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
+
+
+@functools.cache
+def register_attention() -> None:
+    """Make "titan_tpu" a transformers attention and experts implementation (once per process)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _titan_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _titan_mask)
+    ExpertsInterface.register(ATTENTION_NAME, _titan_experts)
+
+
+# Models that build their attention mask from the mask function's output, so they need the
+# materialised causal mask our mask function leaves out (None: "causal, use the kernel").
+_KEEP_SDPA = {
+    "doge": "adds its learned dynamic mask (dt_states) to the causal mask it is given",
+}
+
+
+def _has_sparse_indexer(text) -> bool:
+    """Whether some layer selects its keys with an indexer that reads the attention mask (DeepSeek
+    V3.2's index_topk, Qwen4-Exp's indexer_budget, layers named "indexed_attention")."""
+    layer_types = getattr(text, "layer_types", None) or []
+    return bool(getattr(text, "index_topk", None) or getattr(text, "indexer_budget", None)
+                or "indexed_attention" in layer_types)
+
+
+def _attention_implementation(model_class: type) -> str:
+    """Our attention where the model looks attention functions up by name (AttentionInterface);
+    sdpa where it picks an attention class from a fixed table of its own (Falcon's
+    FALCON_ATTENTION_CLASSES), which has no entry for ours; its own eager attention where it does not
+    support sdpa (our attention speaks sdpa's mask convention, where None may mean causal)."""
+    if not getattr(model_class, "_supports_sdpa", False):
+        return "eager"
+    module = sys.modules[model_class.__module__]
+    tables = [v for k, v in vars(module).items() if k.endswith("ATTENTION_CLASSES") and isinstance(v, dict)]
+    return "sdpa" if any(ATTENTION_NAME not in table for table in tables) else ATTENTION_NAME

@@ -1,0 +1,292 @@
+"""`HFCausalLM`, a transformers causal LM under the project's model contract, and
+`build_hf_model`, which builds it on the meta device (see the package docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_tpu.kernels import KernelConfig, document_ids_from_positions
+from titan_tpu.models.common.activation_checkpoint import checkpointed
+from titan_tpu.models.common.transformer import LossOutput
+from titan_tpu.models.hf.config import HFArgs, _logit_transform, _model_class, _moe_shape, text_config
+from titan_tpu.models.hf.hooks import (
+    _CALL_CONTEXT,
+    _KEEP_SDPA,
+    ATTENTION_NAME,
+    _attention_implementation,
+    _has_sparse_indexer,
+    _use_graph_safe_forwards,
+    register_attention,
+)
+
+PREFIX = "hf_model."
+
+
+# Parameters up to this size keep the value their module's __init__ gave them (see below).
+_KEEP_INIT_VALUE_NUMEL = 1 << 16
+
+
+@contextlib.contextmanager
+def _parameters_on_meta(kept: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Inside: every registered parameter moves to the meta device; buffers stay real. Constructing
+    a model then costs no parameter memory (one parameter at a time, transiently), and buffers
+    computed in `__init__` (RoPE tables) keep their values. Small parameters' construction values
+    go into `kept` (by id of the meta parameter): some modules set a parameter in `__init__` (a
+    learned activation's scalars, a norm's offset) that the model's `_init_weights` never touches."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            if param.numel() <= _KEEP_INIT_VALUE_NUMEL:
+                kept[id(meta)] = param.detach().clone()
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM under the project's model contract (see the module docstring)."""
+
+    def __init__(self, hf_model: nn.Module, *, ac_mode: str = "none", kernels: KernelConfig | None = None,
+                 init_values: dict[int, torch.Tensor] | None = None):
+        super().__init__()
+        self.hf_model = hf_model
+        # Construction values of small parameters by name, restored before the model's own init.
+        by_id = init_values or {}
+        # Frozen parameters (requires_grad=False, e.g. a router's expert bias that the model moves
+        # outside the gradient) become persistent buffers under the same names: the optimizer and
+        # the captured step train parameters only, and state dicts keep their names.
+        frozen = {}
+        for module_name, module in hf_model.named_modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and not param.requires_grad:
+                    full_name = f"{module_name}.{name}" if module_name else name
+                    value = by_id.get(id(param))
+                    frozen[full_name] = value if value is not None else torch.zeros(param.shape, dtype=param.dtype)
+                    del module._parameters[name]
+                    module.register_buffer(name, param.detach())
+        self._param_init_values = {name: by_id[id(p)] for name, p in hf_model.named_parameters() if id(p) in by_id}
+        self.kernels = kernels or KernelConfig()
+        self.scan_layers = False
+        # Buffer values as computed at construction, restored after to_empty (init_buffers).
+        self._buffer_values = {name: b.detach().clone() for name, b in hf_model.named_buffers()}
+        self._buffer_values.update(frozen)
+        self.use_chunked_loss = False  # decided by check_chunked_loss() once the weights are real
+        self.graph_safe_forwards = _use_graph_safe_forwards(hf_model)
+        self.decoder_layers = _decoder_layers(hf_model)
+        if ac_mode != "none":
+            for layer in self.decoder_layers:
+                _checkpoint_forward(layer, ac_mode)
+        text = text_config(hf_model.config)
+        self._router = _router_settings(text)
+
+    # --- the init contract (parallel/simple_fsdp.materialize_and_init) -----------------------
+
+    def init_plan(self) -> list[tuple[str, nn.Module, Callable[[], None]]]:
+        # One piece: transformers' init walks the whole model (composite models dispatch per
+        # sub-model), so a rank materialises the model at full size once while initialising.
+        return [("hf_model", self.hf_model, self._init_hf_weights)]
+
+    @torch.no_grad()
+    def _init_hf_weights(self) -> None:
+        model = self.hf_model
+        for module in model.modules():  # init runs only on modules not yet marked initialised
+            module.__dict__.pop("_is_hf_initialized", None)
+        self.init_buffers()  # rotary inits read them; restore first
+        for name, value in self._param_init_values.items():
+            model.get_parameter(name).copy_(value)
+        model.initialize_weights()
+        model.tie_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self._init_hf_weights()
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        if device is None:
+            device = next(self.parameters()).device
+        for name, value in self._buffer_values.items():
+            owner, _, leaf = name.rpartition(".")
+            module = self.hf_model.get_submodule(owner) if owner else self.hf_model
+            module._buffers[leaf] = value.to(device)
+
+    # --- checkpoint layout hooks (identity: no stacked layers) ----------------------------------
+
+    def stacked_parameter_names(self) -> set[str]:
+        return set()
+
+    def to_per_layer(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(named)
+
+    def from_per_layer(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(named)
+
+    def expert_bias_names(self) -> list[str]:
+        return []  # transformers' routers move their own biases, if any, outside the gradient
+
+    def updated_expert_biases(self, biases: dict[str, torch.Tensor],
+                              expert_load_LE: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def _model_kwargs(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor | None) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"input_ids": tokens_BS, "use_cache": False}
+        if positions_BS is not None:
+            kwargs["position_ids"] = positions_BS
+        if self._router is not None:
+            kwargs["output_router_logits"] = True
+        return kwargs
+
+    def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
+                positions_BS: torch.Tensor | None = None) -> torch.Tensor | LossOutput:
+        document_ids = None if positions_BS is None else document_ids_from_positions(positions_BS)
+        token = _CALL_CONTEXT.set((self.kernels, document_ids))
+        try:
+            kwargs = self._model_kwargs(tokens_BS, positions_BS)
+            if labels_BS is None:
+                return self.hf_model(**kwargs).logits
+            if self.use_chunked_loss:
+                out = self.hf_model.base_model(**kwargs)
+                h_BSD = out[0]
+                loss_fn = self.kernels.loss_fn(h_BSD.device.type)
+                w_VD = self.hf_model.get_output_embeddings().weight
+                ce_sum = loss_fn(h_BSD.flatten(0, 1), w_VD, labels_BS.flatten())
+            else:
+                out = self.hf_model(**kwargs)
+                ce_sum = F.cross_entropy(out.logits.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100,
+                                         reduction="sum")
+            aux = self._aux_loss(out, ce_sum)
+            return LossOutput(ce_sum, aux, ce_sum.new_zeros(0, 0))
+        finally:
+            _CALL_CONTEXT.reset(token)
+
+    def _aux_loss(self, out, ce_sum: torch.Tensor) -> torch.Tensor:
+        """The MoE load-balancing loss, coefficient applied, as transformers computes it."""
+        router_logits = getattr(out, "router_logits", None)
+        if self._router is None or router_logits is None or len(router_logits) == 0:
+            return ce_sum.new_zeros(())
+        balancing_loss, num_experts, top_k, coef = self._router
+        # In fp32 whatever the compute dtype, as transformers' routers take their softmax in fp32.
+        router_logits = (router_logits.float() if isinstance(router_logits, torch.Tensor)
+                         else tuple(t.float() for t in router_logits))
+        aux = balancing_loss(router_logits, num_experts=num_experts, top_k=top_k, attention_mask=None)
+        return coef * aux.to(ce_sum.dtype)
+
+    @torch.no_grad()
+    def check_chunked_loss(self, vocab_size: int) -> bool:
+        """Use the loss kernel when logits == output_embeddings(base_model(x)[0]) for this model;
+        decided on a small real batch (all ranks run it together under data parallelism)."""
+        output = self.hf_model.get_output_embeddings()
+        base = getattr(self.hf_model, "base_model", None)
+        self.use_chunked_loss = False
+        if not isinstance(output, nn.Linear) or output.bias is not None or base is None or base is self.hf_model:
+            return False
+        if _logit_transform(text_config(self.hf_model.config)):
+            return False  # e.g. soft-capping: too close to identity at init for the check below to see
+        device = next(self.parameters()).device
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab_size, (1, 8), generator=generator).to(device)
+        token = _CALL_CONTEXT.set((self.kernels, None))
+        try:
+            kwargs = self._model_kwargs(tokens, None)
+            logits = self.hf_model(**kwargs).logits.float()
+            hidden = base(**kwargs)[0]
+            if not isinstance(hidden, torch.Tensor) or hidden.shape[:2] != tokens.shape:
+                return False
+            ours = F.linear(hidden, output.weight).float()
+        except Exception:  # a model whose base model cannot be called alone keeps its own logits
+            return False
+        finally:
+            _CALL_CONTEXT.reset(token)
+        self.use_chunked_loss = bool(torch.allclose(ours, logits, rtol=1e-4, atol=1e-4))
+        return self.use_chunked_loss
+
+
+def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
+    """The decoder layers: instances of the classes the model names in `_no_split_modules`."""
+    names = set(getattr(hf_model, "_no_split_modules", None) or [])
+    return [m for m in hf_model.modules() if type(m).__name__ in names]
+
+
+def _checkpoint_forward(layer: nn.Module, mode: str) -> None:
+    """Activation checkpointing of one decoder layer, whatever its forward's signature: the
+    keyword arguments ride along in a closure (non-reentrant checkpointing and the traced tagger
+    both handle tensors reached that way)."""
+    forward = layer.forward
+
+    def checkpointed_forward(*args, **kwargs):
+        return checkpointed(functools.partial(forward, **kwargs), mode)(*args)
+
+    layer.forward = checkpointed_forward
+
+
+def _router_settings(text_config) -> tuple[Callable, int, int, float] | None:
+    """(load_balancing_loss_func, experts, top_k, coefficient) for MoE models whose config asks for
+    the balancing loss and whose modeling module defines it in the common form; None otherwise."""
+    import importlib
+
+    num_experts, top_k = _moe_shape(text_config) or (None, None)
+    coef = getattr(text_config, "router_aux_loss_coef", None)
+    # As transformers trains: the balancing loss only when the config asks for router logits
+    # (output_router_logits, false in most published configs; --model.hf_overrides turns it on).
+    if not (num_experts and top_k and coef) or not getattr(text_config, "output_router_logits", False):
+        return None
+    try:
+        model_type = text_config.model_type
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        return None
+    balancing_loss = getattr(module, "load_balancing_loss_func", None)
+    if balancing_loss is None:
+        return None
+    import inspect
+
+    try:  # the common form (Mixtral, Qwen-MoE, ...); other forms are not called
+        inspect.signature(balancing_loss).bind((), num_experts=1, top_k=1, attention_mask=None)
+    except TypeError:
+        return None
+    return balancing_loss, int(num_experts), int(top_k), float(coef)
+
+
+def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode: str = "none",
+                   dtype: torch.dtype = torch.float32) -> HFCausalLM:
+    """The wrapped model with parameters on the meta device (buffers real): materialise and
+    initialise it with `parallel.simple_fsdp.materialize_and_init` (one device or sharded)."""
+    from transformers import AutoModelForCausalLM
+
+    register_attention()
+    config = args.transformers_config()
+    # transformers' own switches; sub-configs (the text model of a composite) follow.
+    attention = _attention_implementation(_model_class(config))
+    if config.model_type in _KEEP_SDPA:
+        attention = "sdpa"
+    if _has_sparse_indexer(text_config(config)) and attention == ATTENTION_NAME:
+        # A sparse-attention indexer (DeepSeek V3.2, GLM-MoE-DSA) folds its top-k selection into
+        # the mask for eager and sdpa only; any other implementation gets `sparse_indices` to apply
+        # itself, which our kernels do not: such models keep sdpa (or eager, where sdpa is not
+        # supported: DeepSeek V4).
+        attention = "sdpa"
+    for target in {id(c): c for c in (config, text_config(config))}.values():
+        target._attn_implementation = attention
+        target._experts_implementation = ATTENTION_NAME
+    kept: dict[int, torch.Tensor] = {}
+    with _parameters_on_meta(kept):
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    hf_model.train()
+    return HFCausalLM(hf_model, ac_mode=ac_mode, kernels=kernels, init_values=kept)

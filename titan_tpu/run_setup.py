@@ -1,0 +1,104 @@
+"""Run setup: a read config checked as a whole, once, and what the run's components need from it.
+
+config.py is the schema every layer reads: sections, TOML, overrides and each section's own
+checks. What spans sections or needs a component to answer (the model spec's flavors and limits,
+the learning-rate schedule, the metric trackers, the device) is checked here, each check asked of
+the part that owns it, and the answers are kept so nobody resolves them again:
+
+    setup = prepare_run(build_config(recipe, overrides))
+    setup.spec       # models/spec.py: what the run asks about the model (args, label, build, files)
+    setup.sources    # the data sources ([[data.sources]] or the one data.source)
+    setup.warmup_steps
+
+The trainer, `titan-tpu plan`, eval, prepare-data and calibration start from `prepare_run`; every
+mistake is still one ValueError that names the key and says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_tpu.config import Config, check, data_sources, grad_accum_from_tokens
+from titan_tpu.data.sources import SourceConfig
+from titan_tpu.models.spec import model_spec
+from titan_tpu.models.spec_base import ModelSpec
+
+
+@dataclass
+class RunSetup:
+    cfg: Config
+    spec: ModelSpec  # the [model] section resolved (models/spec.py)
+    sources: list[SourceConfig]  # data_sources(cfg)
+    warmup_steps: int  # lr_scheduler.warmup_steps clamped to training.steps
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """data.tokenizer_path, else the model's own (an HF directory's tokenizer.json), else None (train a BPE)."""
+        return self.spec.tokenizer_path(self.cfg)
+
+
+def effective_warmup_steps(cfg: Config) -> int:
+    """lr_scheduler.warmup_steps, clamped to training.steps (a warmup never outlasts the run)."""
+    return min(cfg.lr_scheduler.warmup_steps, cfg.training.steps)
+
+
+def prepare_run(cfg: Config) -> RunSetup:
+    """Check `cfg` (config.py's section checks, then across sections) and resolve what the run's
+    components read: raises one-line ValueErrors. Call it once per run: it does not change `cfg`."""
+    from titan_tpu.device import check_cpu_compute_dtype, check_tpu_compile_backend
+    from titan_tpu.train.optim import validate_lr_schedule
+    from titan_tpu.train.trackers import check_tracker_names
+
+    check(cfg)  # a config built in code, not read by build_config, is checked too
+    spec = model_spec(cfg.model)  # raises with the valid flavors and on MoE options of dense models
+    model_args = spec.args
+    t, p = cfg.training, cfg.parallelism
+    if p.ep > 1 and model_args.moe is None:
+        raise ValueError(f"parallelism.ep = {p.ep} spreads MoE experts; {spec.label} has none: "
+                         "remove it or use a qwen3_moe model")
+    if p.ep > 1 and model_args.moe.num_experts % p.ep != 0:
+        raise ValueError(f"parallelism.ep = {p.ep} must divide the {model_args.moe.num_experts} experts of "
+                         f"{spec.label}")
+    spec.check(cfg)
+    if t.global_batch_tokens and p.dp_shard != -1:  # with -1 the ranks are known at launch
+        grad_accum_from_tokens(t, p.dp_replicate * p.dp_shard)
+    if cfg.compile.backend == "tpu":
+        check_tpu_compile_backend(t.device)
+    _check_lora(cfg)
+    check_tracker_names(cfg.metrics.trackers)
+    s = cfg.lr_scheduler
+    # A warmup longer than the run (a quick --training.steps 2 with a recipe's warmup of 10) is clamped
+    # by the trainer, with a note in its log.
+    warmup_steps = effective_warmup_steps(cfg)
+    validate_lr_schedule(base_lr=cfg.optimizer.lr, warmup_steps=warmup_steps, total_steps=t.steps,
+                         decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio)
+    if t.seq_len > model_args.max_seq_len:
+        raise ValueError(f"training.seq_len = {t.seq_len} exceeds the max_seq_len = {model_args.max_seq_len} of "
+                         f"{spec.label}; lower training.seq_len")
+    if not 0.0 < cfg.data.val_fraction < 1.0 and cfg.validation.enabled:
+        raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1) "
+                         "when validation.enabled = true")
+    sources = data_sources(cfg)
+    if cfg.kernels.loss == "tokamax" and any(source.format == "chat" for source in sources):
+        # The one loss kernel without an ignore index; a traced step could not even check the labels.
+        raise ValueError("kernels.loss = tokamax cannot skip the untrained tokens of format = chat (no ignore index); "
+                         "use --kernels.loss chunked")
+    if t.device == "cpu":  # with auto, the trainer checks once it knows the device
+        check_cpu_compute_dtype(cfg.model.dtype)
+    return RunSetup(cfg=cfg, spec=spec, sources=sources, warmup_steps=warmup_steps)
+
+
+def _check_lora(cfg: Config) -> None:
+    """The options LoRA cannot run with (its own ranges: config.py; the layer checks come with the
+    model: models/lora.py)."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return
+    if cfg.model.scan_layers:
+        raise ValueError("lora.enabled needs model.scan_layers = false (the stacked blocks carry no adapters yet)")
+    if cfg.parallelism.tp > 1:
+        raise ValueError(f"lora.enabled needs parallelism.tp = 1 (got {cfg.parallelism.tp}): the adapters of a split "
+                         "layer are not split yet; use data parallelism")
+    if lora.dropout > 0 and cfg.training.mode == "graph":
+        raise ValueError(f"lora.dropout = {lora.dropout} needs training.mode = eager (the captured step has no "
+                         "dropout); set lora.dropout 0")
