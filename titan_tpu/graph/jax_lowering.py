@@ -518,15 +518,15 @@ def rank_constants(graphs: list[torch.fx.GraphModule]) -> dict[str, dict[int, li
     out: dict[str, dict[int, list]] = {}
     node_lists = [list(g.graph.nodes) for g in graphs]
     if len({len(nodes) for nodes in node_lists}) > 1:
-        raise JaxLoweringError("the ranks' captured steps have different numbers of operations; they cannot run as "
-                               "one SPMD program")
+        raise JaxLoweringError("the ranks' captured steps have different numbers of operations: no single SPMD "
+                               "program runs them all")
     for nodes in zip(*node_lists):
         first = nodes[0]
         vals = [n.meta.get("val") for n in nodes]
         shapes = {tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals}
         if len({n.target for n in nodes}) > 1 or len(shapes) > 1:
             raise JaxLoweringError(f"operation {first.target} (from {_where(first)}) has a different shape or op on "
-                                   "different ranks; the step has no single SPMD program to lower")
+                                   "different ranks: no single SPMD program runs them all")
         leaves = [tree_flatten((n.args, n.kwargs))[0] for n in nodes]
         for i, values in enumerate(zip(*leaves)):
             if isinstance(values[0], torch.fx.Node):
