@@ -23,6 +23,7 @@ import torch
 from titan_tpu.config import build_config
 from titan_tpu.graph.jax_lowering import LOWERINGS, JaxLoweringError, check_lowerable
 from titan_tpu.models.registry import build_model
+from titan_tpu.parallel.mesh import dp_rank_and_size
 from titan_tpu.tools.device_step import build_device_model, capture_device_step, fake_world
 from titan_tpu.tools.tpu_compile import run_on_devices
 from titan_tpu.train.optim import AdamW
@@ -36,9 +37,10 @@ TOL = 1e-5
 EPS = 1e-5  # max |lowered - reference|, relative to the reference's largest magnitude per tensor
 
 
-def _config(name: str, dp_shard: int):
-    overrides = [f"--parallelism.dp_shard={dp_shard}", "--model.dtype=float32", f"--optimizer.eps={EPS}"]
-    if "moe" in name and dp_shard > 1:
+def _config(name: str, layout: dict[str, int]):
+    overrides = ["--model.dtype=float32", f"--optimizer.eps={EPS}", "--parallelism.dp_shard=1",
+                 *(f"--parallelism.{axis}={size}" for axis, size in layout.items())]
+    if "moe" in name and layout.get("dp_shard", 1) > 1:
         # Each rank's balancing loss is of its own batch (averaged over ranks), not of the joint
         # batch a one-process reference sees: the same step only without it.
         overrides.append("--model.moe_load_balance=none")
@@ -93,28 +95,44 @@ def _max_rel(ours, reference) -> float:
 
 
 def _shard_of(full: torch.Tensor, spec, rank: int) -> np.ndarray:
-    """Rank `rank`'s part of a full reference tensor, by the parameter's placement on the one mesh
-    axis of these tests (Shard(d): the rank's chunk of dim d; replicated: all of it)."""
+    """Global rank `rank`'s part of a full reference tensor, by the parameter's placements: for each
+    mesh dim with Shard(d), the chunk of dim d at the rank's coordinate on that mesh dim."""
     full = full.detach().numpy()
-    if spec is None or not spec.placements[0].is_shard():
+    if spec is None:
         return full
-    dim = spec.placements[0].dim
-    size = full.shape[dim] // spec.mesh.size()
-    return np.take(full, range(rank * size, (rank + 1) * size), axis=dim)
+    coords = [int(c[0]) for c in torch.nonzero(spec.mesh.mesh == rank, as_tuple=True)]
+    for mesh_dim, placement in enumerate(spec.placements):
+        if placement.is_shard():
+            size = full.shape[placement.dim] // spec.mesh.size(mesh_dim)
+            start = coords[mesh_dim] * size
+            full = np.take(full, range(start, start + size), axis=placement.dim)
+    return full
 
 
-@pytest.mark.parametrize("name, ranks", [("llama3_debug", 1), ("qwen3_debug", 1), ("qwen3_moe_debug", 1),
-                                         ("llama3_debug", 2), ("qwen3_moe_debug", 2)])
-def test_lowered_step_equals_eager_step(name, ranks, monkeypatch):
-    cfg = _config(name, ranks)
-    step = capture_device_step(cfg, world_size=ranks, batch_size=BATCH, seq_len=SEQ)
-    batches = _batches(cfg_vocab(cfg), ranks)
+LAYOUTS = [("llama3_debug", {}), ("qwen3_debug", {}), ("qwen3_moe_debug", {}),
+           ("llama3_debug", {"dp_shard": 2}), ("qwen3_moe_debug", {"dp_shard": 2}),
+           ("llama3_debug", {"tp": 2}), ("qwen3_moe_debug", {"dp_shard": 2, "ep": 2})]
+
+
+@pytest.mark.parametrize("name, layout", LAYOUTS, ids=[f"{n}-{'-'.join(f'{a}{s}' for a, s in lay.items()) or '1dev'}"
+                                                         for n, lay in LAYOUTS])
+def test_lowered_step_equals_eager_step(name, layout, monkeypatch):
+    """One whole step, lowered and run by JAX on a CPU mesh of the layout's ranks, equals our eager
+    step (float64, one process, on the batches of all data-parallel ranks). Under tp and cp every
+    rank reads its data-parallel rank's batch (both ranks the same one); the model's own hooks
+    split it (cp) or not (tp), as in training."""
+    cfg = _config(name, layout)
+    ranks = int(np.prod(list(layout.values()) or [1])) // layout.get("ep", 1)
+    steps = [capture_device_step(cfg, world_size=ranks, batch_size=BATCH, seq_len=SEQ, rank=r) for r in range(ranks)]
+    step = steps[0]
     per_device = []
     for rank in range(ranks):
         with fake_world(ranks, rank):
-            model, optimizer, _, _ = build_device_model(cfg, ranks)
-            per_device.append(_inputs(step, model, optimizer, batches[rank]))
-    outputs = run_on_devices(step, per_device, jax.devices("cpu"))
+            model, optimizer, _, mesh = build_device_model(cfg, ranks)
+            dp_rank, dp_size = dp_rank_and_size(mesh)
+            batches = _batches(cfg_vocab(cfg), dp_size)
+            per_device.append(_inputs(step, model, optimizer, batches[dp_rank]))
+    outputs = run_on_devices(steps, per_device, jax.devices("cpu"))
     result, model, optimizer = _reference(cfg, batches, monkeypatch)
     layout, names = step.captured.layout, step.captured.param_names
     specs = step.captured.dtensor_specs
@@ -131,7 +149,8 @@ def test_lowered_step_equals_eager_step(name, ranks, monkeypatch):
                 errors[group] = max(errors.get(group, 0), error)
                 if error > TOL:
                     print(f"  {group} {n}: {error:.1e} ({specs[n].placements if n in specs else 'plain'})")
-    print(f"{name} on {ranks} device(s): max relative error " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    print(f"{name} on {ranks} device(s) {cfg.parallelism}: max relative error "
+          + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     assert max(errors.values()) <= TOL, errors
 
 
@@ -141,8 +160,24 @@ def cfg_vocab(cfg) -> int:
     return model_spec(cfg.model).args.vocab_size
 
 
+def test_context_parallel_ranks_are_refused_as_one_program():
+    """cp's head-tail layout gives each rank's chunks keys up to a rank-dependent length: the ranks'
+    graphs differ in shapes, so no one SPMD program runs them all (compiling uses rank 0's graph,
+    whose cost every rank shares); the comparison of the ranks' graphs says so in one line."""
+    from titan_tpu.graph.jax_lowering import functional_graph, rank_constants
+
+    cfg = _config("llama3_debug", {"cp": 2})
+    graphs = []
+    for rank in range(2):
+        step = capture_device_step(cfg, world_size=2, batch_size=BATCH, seq_len=SEQ, rank=rank)
+        graphs.append(functional_graph(step.captured.graph_module, step.captured.example_inputs))
+    with pytest.raises(JaxLoweringError, match="no single SPMD program runs them all") as error:
+        rank_constants(graphs)
+    assert "\n" not in str(error.value)
+
+
 def test_unknown_operator_is_one_line():
-    step = capture_device_step(_config("llama3_debug", 1), world_size=1, batch_size=BATCH, seq_len=SEQ)
+    step = capture_device_step(_config("llama3_debug", {}), world_size=1, batch_size=BATCH, seq_len=SEQ)
     from titan_tpu.graph.jax_lowering import functional_graph
 
     graph = functional_graph(step.captured.graph_module, step.captured.example_inputs)
@@ -161,7 +196,8 @@ def test_compile_debug_recipe_for_v5p():
     """`titan-tpu compile`'s core on the llama3 debug recipe for a 4-chip v5p slice (dp_shard 4):
     XLA's TPU compiler accepts the lowered step, and its per-chip argument bytes are the bytes of
     what one device is handed (its parameter shards, moments, batch, scalars, buffers), give or take
-    the TPU's tile padding of small arrays (16 KB of 18.5 MB measured)."""
+    the TPU's tile padding of small arrays (16 KB of 18.5 MB measured); the donated parameters and
+    moments are aliased with their updated outputs (counted once in the peak)."""
     import math
 
     from titan_tpu.graph.jax_lowering import jax_dtype
@@ -172,6 +208,11 @@ def test_compile_debug_recipe_for_v5p():
     step = capture_device_step(cfg, world_size=4, batch_size=2, seq_len=64)
     handed = sum(math.prod(t.shape) * jax_dtype(t.dtype).itemsize for t in step.captured.example_inputs)
     assert handed <= report["memory_per_chip_bytes"]["arguments"] <= 1.01 * handed
+    # Parameters and moments are donated: XLA aliases each with its updated output.
+    slices, inputs = step.captured.input_slices(), step.captured.example_inputs
+    donated = sum(math.prod(t.shape) * jax_dtype(t.dtype).itemsize
+                  for group in ("params", "exp_avg", "exp_avg_sq") for t in inputs[slices[group]])
+    assert donated <= report["memory_per_chip_bytes"]["aliased"] <= 1.01 * donated
     assert report["fits"] and report["mesh"] == {"dp_shard": 4}
     assert report["collectives"]
     import conftest

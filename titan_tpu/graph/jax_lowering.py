@@ -40,7 +40,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import titan_tpu.kernels.grouped_mm  # noqa: F401 - registers the titan_tpu:: custom ops the table names
 
-__all__ = ["LOWERINGS", "JaxLoweringError", "functional_graph", "jax_dtype", "shard_step", "to_jax"]
+__all__ = ["LOWERINGS", "JaxLoweringError", "functional_graph", "jax_dtype", "rank_constants", "shard_step",
+           "to_jax"]
 
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
@@ -186,8 +187,9 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
     return jnp.sum(jnp.abs(x) ** ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
 
 
-def _reference_attention(q_BHSD, k_BKSD, v_BKSD, is_causal, scale):
-    """softmax(q k^T * scale) v with grouped-query heads, in float32: the sdpa backward's forward."""
+def _reference_attention(q_BHSD, k_BKSD, v_BKSD, is_causal, scale, mask=None):
+    """softmax(q k^T * scale) v with grouped-query heads, in float32: the sdpa backward's forward.
+    mask: SDPA's attn_mask, boolean (True: attend) or additive, broadcast to [B, H, Q, S]."""
     heads, kv_heads = q_BHSD.shape[1], k_BKSD.shape[1]
     if kv_heads != heads:
         k_BKSD = jnp.repeat(k_BKSD, heads // kv_heads, axis=1)
@@ -197,17 +199,20 @@ def _reference_attention(q_BHSD, k_BKSD, v_BKSD, is_causal, scale):
         q_len, kv_len = scores_BHQS.shape[-2:]
         allowed_QS = jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None] + (kv_len - q_len)
         scores_BHQS = jnp.where(allowed_QS, scores_BHQS, -jnp.inf)
+    if mask is not None:
+        scores_BHQS = (jnp.where(mask, scores_BHQS, -jnp.inf) if mask.dtype == jnp.bool_
+                       else scores_BHQS + mask.astype(scores_BHQS.dtype))
     return jnp.einsum("bhqs,bhsd->bhqd", jax.nn.softmax(scores_BHQS, axis=-1), v_BKSD)
 
 
 def _sdpa_flash_cpu_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=None,
                              scale=None):
     # No core-ATen decomposition exists for this backward: differentiate the reference forward.
-    if dropout_p or attn_mask is not None:
-        raise JaxLoweringError("aten._scaled_dot_product_flash_attention_for_cpu_backward with dropout or a mask "
+    if dropout_p:
+        raise JaxLoweringError("aten._scaled_dot_product_flash_attention_for_cpu_backward with dropout "
                                "has no JAX lowering")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    _, vjp = jax.vjp(lambda q, k, v: _reference_attention(q, k, v, is_causal, scale), q, k, v)
+    _, vjp = jax.vjp(lambda q, k, v: _reference_attention(q, k, v, is_causal, scale, attn_mask), q, k, v)
     return vjp(grad_out)
 
 
@@ -284,6 +289,11 @@ def _unbind(x, dim=0):
 def _split_with_sizes(x, sizes, dim=0):
     offsets = [sum(sizes[:i]) for i in range(1, len(sizes))]
     return jnp.split(x, offsets, axis=dim)
+
+
+def _split(x, split_size, dim=0):
+    n = x.shape[dim]
+    return jnp.split(x, list(range(split_size, n, split_size)), axis=dim)
 
 
 def _select(x, dim, index):
@@ -376,6 +386,7 @@ LOWERINGS: dict[object, Callable] = {
     aten.squeeze.dims: _squeeze,
     aten.squeeze.dim: _squeeze,
     aten.squeeze_copy.dims: _squeeze,
+    aten.flip.default: lambda x, dims: jnp.flip(x, axis=tuple(dims)),
     aten.cat.default: lambda xs, dim=0: jnp.concatenate(xs, axis=dim),
     aten.slice_copy.Tensor: _slice,
     aten.slice.Tensor: _slice,
@@ -384,6 +395,8 @@ LOWERINGS: dict[object, Callable] = {
     aten.unbind_copy.int: _unbind,
     aten.unbind.int: _unbind,
     aten.split_with_sizes_copy.default: _split_with_sizes,
+    aten.split_copy.Tensor: _split,
+    aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split_with_sizes,
     aten.index.Tensor: _index,
     aten.slice_scatter.default: _slice_scatter,
@@ -458,7 +471,7 @@ def _collective_lowerings(group_axes: dict[str, tuple[str, ...]]) -> dict[object
         out = jax.lax.psum_scatter(x, axes(group_name), scatter_dimension=0, tiled=True)
         return out / group_size if op.lower() == "avg" else out
 
-    def all_to_all(x, output_split_sizes, input_split_sizes, group_size, group_name):
+    def all_to_all(x, output_split_sizes, input_split_sizes, group_name):
         for sizes in (output_split_sizes, input_split_sizes):
             if sizes is not None and len(set(sizes)) > 1:
                 raise JaxLoweringError("_c10d_functional.all_to_all_single with uneven splits has no JAX lowering")
@@ -494,23 +507,72 @@ def check_lowerable(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, .
                                    "LOWERINGS in titan_tpu/graph/jax_lowering.py or run the step in eager mode")
 
 
-def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | None = None) -> Callable:
+def rank_constants(graphs: list[torch.fx.GraphModule]) -> dict[str, dict[int, list]]:
+    """The constants that differ between the ranks' graphs (graphs[r]: global rank r's
+    `functional_graph`): node name -> {index of the number among the node's flattened arguments:
+    its value on each rank}. tp's vocabulary offset and ep's first local expert are such numbers;
+    `to_jax` reads them per device. Graphs that differ otherwise (an op, or a shape: cp's head-tail
+    chunks attend to rank-dependent key lengths) have no single SPMD program: JaxLoweringError."""
+    from torch.utils._pytree import tree_flatten
+
+    out: dict[str, dict[int, list]] = {}
+    node_lists = [list(g.graph.nodes) for g in graphs]
+    if len({len(nodes) for nodes in node_lists}) > 1:
+        raise JaxLoweringError("the ranks' captured steps have different numbers of operations: no single SPMD "
+                               "program runs them all")
+    for nodes in zip(*node_lists):
+        first = nodes[0]
+        vals = [n.meta.get("val") for n in nodes]
+        shapes = {tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals}
+        if len({n.target for n in nodes}) > 1 or len(shapes) > 1:
+            raise JaxLoweringError(f"operation {first.target} (from {_where(first)}) has a different shape or op on "
+                                   "different ranks: no single SPMD program runs them all")
+        leaves = [tree_flatten((n.args, n.kwargs))[0] for n in nodes]
+        for i, values in enumerate(zip(*leaves)):
+            if isinstance(values[0], torch.fx.Node):
+                continue
+            if any(v != values[0] for v in values):
+                out.setdefault(first.name, {})[i] = list(values)
+    return out
+
+
+def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | None = None,
+           per_rank: dict[str, dict[int, list]] | None = None, axis_sizes: dict[str, int] | None = None) -> Callable:
     """A function of JAX arrays (the graph's flat inputs, one device's values) returning the list of
     its flat outputs. gm: a `functional_graph`. group_axes: process group name -> the mesh axis
-    names it spans (empty for a one-device step); the function must then run inside shard_map."""
+    names it spans (empty for a one-device step); the function must then run inside shard_map.
+    per_rank (`rank_constants`) with the mesh's axis_sizes: numbers read per device, by its rank
+    (row-major over the mesh axes); without it every device uses gm's own (rank 0's) numbers."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
     check_lowerable(gm, group_axes)
     table = {**LOWERINGS, **_collective_lowerings(group_axes or {})}
     nodes = list(gm.graph.nodes)
+    per_rank = per_rank or {}
+
+    def device_rank():
+        rank = 0
+        for name, size in (axis_sizes or {}).items():
+            rank = rank * size + jax.lax.axis_index(name)
+        return rank
 
     def run(*inputs):
         env: dict[torch.fx.Node, object] = {}
         placeholders = iter(inputs)
         load = lambda a: torch.fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
+        rank = device_rank() if per_rank else None
         for node in nodes:
             if node.op == "placeholder":
                 env[node] = jnp.asarray(next(placeholders))
             elif node.op == "call_function":
-                args, kwargs = load(node.args), load(node.kwargs)
+                if node.name in per_rank:  # the node's arguments with its rank-dependent numbers read per device
+                    leaves, spec = tree_flatten((node.args, node.kwargs))
+                    leaves = [env[a] if isinstance(a, torch.fx.Node) else a for a in leaves]
+                    for i, values in per_rank[node.name].items():
+                        leaves[i] = jnp.asarray(values)[rank]
+                    args, kwargs = tree_unflatten(leaves, spec)
+                else:
+                    args, kwargs = load(node.args), load(node.kwargs)
                 kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory",
                                                                        "memory_format", "non_blocking")}
                 try:

@@ -18,22 +18,31 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["compile_main", "topology_for"]
+__all__ = ["compile_main", "recipe_topology", "topology_for", "topology_for_chips"]
 
 GiB = 1024**3
-KNOWN_TOPOLOGIES = ("v5p:2x2x1", "v5p:2x2x2", "v5p:8x16x16", "v5e:2x2", "v6e:4x4", "v6e:16x16", "tpu7x:2x2x1")
+KNOWN_TOPOLOGIES = ("v5p:2x2x1", "v5p:2x2x2", "v5p:4x4x4", "v5p:8x16x16", "v5e:2x2", "v6e:4x4", "v6e:16x16",
+                    "tpu7x:2x2x1")
 
 
 def topology_for(hardware: str) -> str:
-    """A slice name as Google writes it (v5p-8: 4 chips) -> a topology name (v5p:2x2x1): chips
-    spread over 3 torus axes for v4/v5p/tpu7x, 2 for v5e/v6e, each axis doubled in turn."""
+    """A slice name as Google writes it (v5p-8: 4 chips) -> a topology name (v5p:2x2x1)."""
     from titan_tpu.plan.hardware import resolve_hardware
 
     hw, chips = resolve_hardware(hardware, measure=False)
-    generation = {"v7": "tpu7x"}.get(hw.name, hw.name)
-    if chips is None or chips & (chips - 1):
-        raise ValueError(f"--hardware {hardware}: give a TPU slice whose chip count is a power of two "
-                         "(e.g. v5p-8), or --topology (e.g. v5p:2x2x1)")
+    if chips is None:
+        raise ValueError(f"--hardware {hardware}: give a TPU slice with its size (e.g. v5p-8), or --topology "
+                         "(e.g. v5p:2x2x1)")
+    return topology_for_chips(hw.name, chips)
+
+
+def topology_for_chips(generation: str, chips: int) -> str:
+    """The topology of `chips` chips of a TPU generation: spread over 3 torus axes for
+    v4/v5p/tpu7x, 2 for v5e/v6e, each axis doubled in turn."""
+    generation = {"v7": "tpu7x"}.get(generation, generation)
+    if chips & (chips - 1):
+        raise ValueError(f"a {generation} slice of {chips} chips: give a chip count that is a power of two, "
+                         "or --topology (e.g. v5p:2x2x1)")
     dims = [1, 1, 1] if generation in ("v4", "v5p", "tpu7x") else [1, 1]
     for i in range(int(math.log2(chips))):
         dims[i % len(dims)] *= 2
@@ -56,6 +65,9 @@ def _topology(name: str):
     try:
         return topologies.get_topology_desc(topology_name=name, platform="tpu")
     except Exception as e:  # noqa: BLE001 - libtpu raises its own error types
+        if "lockfile" in str(e):
+            raise ValueError("libtpu is in use by another process on this machine (/tmp/libtpu_lockfile); set "
+                             "ALLOW_MULTIPLE_LIBTPU_LOAD=1 (a compile-only client takes no device) or wait") from e
         raise ValueError(f"unknown TPU topology {name!r} ({type(e).__name__}); known ones include "
                          f"{', '.join(KNOWN_TOPOLOGIES)}") from e
 
@@ -71,6 +83,26 @@ def _collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+def cpu_kernels(cfg):
+    """(cfg with each kernel the CPU capture can trace, what each op ran as): a recipe's TPU picks
+    (splash, tokamax, megablox's gmm) run through jax_op, which the CPU capture cannot trace; the
+    op's CPU pick takes its place in the lowered step, and the report says so (the FLOPs of the
+    same math; the memory of the TPU kernels' own tiling is not in XLA's numbers)."""
+    import dataclasses
+
+    from titan_tpu.kernels import OPS
+
+    kernels, used = cfg.kernels, {}
+    for field, op in OPS.items():
+        choice = getattr(kernels, field)
+        try:
+            used[field] = op.resolve(choice, "cpu").name
+        except ValueError:
+            used[field] = f"{op.resolve('auto', 'cpu').name} (in place of the recipe's {choice}, not lowered yet)"
+            kernels = dataclasses.replace(kernels, **{field: "auto"})
+    return dataclasses.replace(cfg, kernels=kernels), used
+
+
 def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> dict:
     """Compile `cfg`'s step for the topology; returns the report (see the module docstring)."""
     import jax
@@ -84,6 +116,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
 
     topology = _topology(topology_name)
     devices = topology.devices
+    cfg, kernels_used = cpu_kernels(cfg)
     t = cfg.training
     start = time.perf_counter()
     step = capture_device_step(cfg, world_size=len(devices), batch_size=t.batch_size, seq_len=t.seq_len)
@@ -93,7 +126,11 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
     args = [jax.ShapeDtypeStruct(mesh.devices.shape + tuple(x.shape), jax_dtype(x.dtype), sharding=spec)
             for x in step.captured.example_inputs]
     start = time.perf_counter()
-    lowered = jax.jit(sharded_step(step, mesh)).lower(*args)
+    # Parameters and moments are donated, as the trainer's step updates them in place: XLA aliases
+    # each with its updated output, and the peak below counts them once.
+    slices = step.captured.input_slices()
+    donated = [i for group in ("params", "exp_avg", "exp_avg_sq") for i in range(len(args))[slices[group]]]
+    lowered = jax.jit(sharded_step(step, mesh), donate_argnums=tuple(donated)).lower(*args)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
@@ -116,7 +153,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
         "fits": None if hbm is None else peak <= hbm,
         "flops_per_chip": cost.get("flops"), "bytes_accessed_per_chip": cost.get("bytes accessed"),
         "formula_flops_per_chip": flops_per_token * _step_tokens(step.captured) / len(devices),
-        "collectives": _collectives(text), "collectives_counted_in": collectives_from,
+        "collectives": _collectives(text), "collectives_counted_in": collectives_from, "kernels": kernels_used,
         "capture_seconds": capture_s, "compile_seconds": compile_s,
     }
     if dump is not None:
@@ -134,14 +171,15 @@ def _format(report: dict) -> str:
              f"(capture {report['capture_seconds']:.1f} s); numbers are XLA's, per chip:",
              "  memory: " + ", ".join(f"{k} {v / GiB:.3f} GiB" for k, v in kinds.items())]
     peak, hbm = report["peak_per_chip_bytes"], report["hbm_per_chip_bytes"]
-    lines.append(f"  peak {peak / GiB:.3f} GiB" + ("" if hbm is None else
-                 f" of {hbm / GiB:.0f} GiB HBM: {'fits' if report['fits'] else 'does NOT fit'}"))
+    verdict = "" if hbm is None else f" of {hbm / GiB:.0f} GiB HBM: {'fits' if report['fits'] else 'does NOT fit'}"
+    lines.append(f"  peak {peak / GiB:.3f} GiB (arguments + outputs - aliased + temporaries + code){verdict}")
     flops = report["flops_per_chip"]
     lines.append(f"  FLOPs per step {flops:.3e}" if flops is not None else "  FLOPs: not reported")
     if report["formula_flops_per_chip"]:
         lines[-1] += f" (our formula {report['formula_flops_per_chip']:.3e})"
     if report["bytes_accessed_per_chip"] is not None:
         lines.append(f"  bytes accessed {report['bytes_accessed_per_chip'] / GiB:.3f} GiB")
+    lines.append("  kernels: " + ", ".join(f"{op} {name}" for op, name in report["kernels"].items()))
     lines.append("  collectives: " + (", ".join(f"{k} {v}" for k, v in report["collectives"].items()) or "none")
                  + f" (in the {report['collectives_counted_in']})")
     return "\n".join(lines)
@@ -155,7 +193,8 @@ def compile_main(argv: list[str]) -> int:
                     "Config overrides as for train.")
     parser.add_argument("--config", required=True, help="TOML recipe, e.g. configs/llama3_8b_tpu.toml")
     parser.add_argument("--hardware", help="a TPU slice as Google names it, e.g. v5p-8 (4 chips)")
-    parser.add_argument("--topology", help="a libtpu topology name, e.g. v5p:2x2x1 (default v5p:2x2x1)")
+    parser.add_argument("--topology", help="a libtpu topology name, e.g. v5p:2x2x1 (default: the slice the "
+                        "recipe's job.description names, or v5p:2x2x1)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--dump", help="directory for the StableHLO and the optimized HLO")
     args, overrides = parser.parse_known_args(argv)
@@ -163,11 +202,28 @@ def compile_main(argv: list[str]) -> int:
     from titan_tpu.config import build_config
     from titan_tpu.run_setup import prepare_run
 
-    topology = args.topology or (topology_for(args.hardware) if args.hardware else "v5p:2x2x1")
     cfg = prepare_run(build_config(args.config, overrides)).cfg
+    topology = args.topology or (topology_for(args.hardware) if args.hardware else recipe_topology(cfg))
     report = compile_step_for_tpu(cfg, topology, Path(args.dump) if args.dump else None)
     print(json.dumps(report, indent=2) if args.json else _format(report))
+    if report["fits"] is False:
+        kinds = report["memory_per_chip_bytes"]
+        raise ValueError(f"{args.config} does not fit {topology}: XLA's peak {report['peak_per_chip_bytes'] / GiB:.2f} "
+                         f"GiB per chip > {report['hbm_per_chip_bytes'] / GiB:.0f} GiB HBM (temporaries "
+                         f"{kinds['temporaries'] / GiB:.2f} GiB, arguments {kinds['arguments'] / GiB:.2f} GiB); "
+                         "lower training.batch_size or seq_len, add activation checkpointing, or use a larger slice")
     return 0
+
+
+def recipe_topology(cfg) -> str:
+    """The slice a TPU recipe's job.description names ("TPU v5p-128: 64 chips"); v5p:2x2x1 for
+    any other recipe (a debug recipe compiled for the smallest v5p slice)."""
+    if cfg.training.device != "tpu":
+        return "v5p:2x2x1"
+    from titan_tpu.plan.planner import default_hardware
+
+    hardware, chips = default_hardware(cfg, measure=False)
+    return topology_for_chips(hardware.name, chips)
 
 
 def _step_tokens(captured) -> int:

@@ -13,6 +13,8 @@ sizes) and, per process group the graph's collectives name, the axes it spans.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,8 +25,9 @@ import torch.fx
 from titan_tpu.config import Config
 from titan_tpu.graph.capture import CapturedStep, capture_train_step
 from titan_tpu.models.spec import model_spec
+from titan_tpu.parallel.expert_parallel import EP_AXES
 from titan_tpu.parallel.mesh import ParallelDims
-from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+from titan_tpu.parallel.simple_fsdp import MixedPrecision
 from titan_tpu.train.optim import AdamW
 
 __all__ = ["DeviceStep", "build_device_model", "capture_device_step", "fake_world"]
@@ -59,22 +62,22 @@ def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
 
 def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | None = None):
     """(model, AdamW, ParallelDims, mesh) as the trainer builds them on the current rank of a
-    (fake) `world_size` group: the spec's model, sharded, with rank-local real weights.
-    dtype: the compute dtype (default the config's model.dtype; "auto" is bfloat16, the TPU's)."""
+    (fake) `world_size` group: models/spec.py `build` (tensor/context/expert parallel, sharded,
+    rank-local real weights), the trainer's AdamW. dtype: the compute dtype (default the config's
+    model.dtype; "auto" is bfloat16, the TPU's)."""
+    from titan_tpu.models.spec import build
+
     dims = parallel_dims(cfg, world_size)
+    if dims.ep > 1 and cfg.parallelism.ep_dispatch != "all_gather":
+        raise ValueError("titan-tpu compile: --parallelism.ep_dispatch all_to_all sends sizes read on the host, "
+                         "which a compiled TPU step cannot; use --parallelism.ep_dispatch all_gather")
     mesh = dims.build_mesh("cpu")
-    if dims.ep > 1:
-        raise ValueError("titan-tpu compile: expert parallelism (parallelism.ep > 1) is not lowered to JAX yet; "
-                         "set --parallelism.ep 1")
     compute = dtype or _DTYPES.get(cfg.model.dtype, torch.bfloat16)
-    model = model_spec(cfg.model).build_on_meta(cfg, mesh=mesh, parallel_dims=dims, documents=False)
-    mode = dims.mode if mesh is not None else "none"
-    model = materialize_and_init(model, mesh, mode=mode, mp=MixedPrecision(param_dtype=compute, reduce_dtype=compute),
-                                 device=torch.device("cpu"), seed=cfg.training.seed,
-                                 bucket_mb=cfg.parallelism.bucket_mb,
-                                 reshard_after_forward=cfg.parallelism.reshard_after_forward)
-    optimizer = AdamW.from_config(dict(model.named_parameters()), cfg.optimizer,
-                                  layer_stacked=model.stacked_parameter_names())
+    model = build(model_spec(cfg.model), cfg, device=torch.device("cpu"), seed=cfg.training.seed, mesh=mesh,
+                  parallel_dims=dims, expert_mesh=dims.build_expert_mesh("cpu"),
+                  mp=MixedPrecision(param_dtype=compute, reduce_dtype=compute), documents=False, own_weights=False)
+    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    optimizer = AdamW.from_config(trained, cfg.optimizer, layer_stacked=model.stacked_parameter_names())
     return model, optimizer, dims, mesh
 
 
@@ -94,25 +97,58 @@ class DeviceStep:
         return n
 
 
-def _group_axes(mesh) -> dict[str, tuple[str, ...]]:
-    """Each mesh axis's process group, and the default (world) group spanning them all."""
+def _axis_sizes(mesh, dims: ParallelDims) -> dict[str, int]:
+    """The JAX mesh's axes: the device mesh's, with dp_shard split into the expert mesh's
+    (dp_shard / ep, ep) under expert parallelism (its ranks are dp_shard's, row-major)."""
     if mesh is None:
         return {}
-    names = tuple(mesh.mesh_dim_names)
-    out = {mesh.get_group(name).group_name: (name,) for name in names}
-    out[dist.group.WORLD.group_name] = names
+    sizes = {}
+    for name, size in zip(mesh.mesh_dim_names, mesh.shape):
+        if name == "dp_shard" and dims.ep > 1:
+            sizes.update({EP_AXES[0]: size // dims.ep, EP_AXES[1]: dims.ep})
+        else:
+            sizes[name] = size
+    return sizes
+
+
+def _group_axes(graph: torch.fx.Graph, axis_sizes: dict[str, int]) -> dict[str, tuple[str, ...]]:
+    """Process group name -> the mesh axes it spans, for every group the graph's collectives
+    name: the axes along which rank 0's neighbours are exactly the group's ranks, in order
+    (global ranks are row-major over the mesh axes, as init_device_mesh lays them out)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    names, sizes = list(axis_sizes), list(axis_sizes.values())
+    strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+    by_ranks = {}
+    for subset in itertools.product((False, True), repeat=len(names)):
+        axes = [i for i, used in enumerate(subset) if used]
+        ranks = [sum(c * strides[i] for c, i in zip(coords, axes))
+                 for coords in itertools.product(*(range(sizes[i]) for i in axes))]
+        by_ranks.setdefault(tuple(ranks), tuple(names[i] for i in axes))
+    out = {}
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        where = [i for i, a in enumerate(schema.arguments) if a.name == "group_name"] if schema else []
+        if where and schema.name.startswith("_c10d_functional::"):
+            group = node.args[where[0]] if len(node.args) > where[0] else node.kwargs["group_name"]
+            ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
+            if ranks not in by_ranks:
+                raise ValueError(f"process group {group} (ranks {list(ranks)}) is no set of axes of the mesh "
+                                 f"{axis_sizes}")
+            out[group] = by_ranks[ranks]
     return out
 
 
 def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_len: int,
-                        scalar_dtype: torch.dtype = torch.float32) -> DeviceStep:
-    """Rank 0's captured step of a `world_size`-rank run of `cfg`, with per-rank batches of
+                        scalar_dtype: torch.dtype = torch.float32, rank: int = 0) -> DeviceStep:
+    """Rank `rank`'s captured step of a `world_size`-rank run of `cfg`, with per-rank batches of
     batch_size x seq_len. Inside a fake process group (see the module docstring)."""
-    with fake_world(world_size):
+    with fake_world(world_size, rank):
         model, optimizer, dims, mesh = build_device_model(cfg, world_size)
         example = torch.zeros(batch_size, seq_len, dtype=torch.long)
         captured = capture_train_step(model, max_norm=cfg.training.max_norm, adamw_hparams=optimizer.hparams,
                                       decay=optimizer.decay, example_batch=(example, example.clone()),
                                       scalar_dtype=scalar_dtype)
-        axis_sizes = dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh is not None else {}
-        return DeviceStep(captured=captured, axis_sizes=axis_sizes, group_axes=_group_axes(mesh))
+        axis_sizes = _axis_sizes(mesh, dims)
+        return DeviceStep(captured=captured, axis_sizes=axis_sizes,
+                          group_axes=_group_axes(captured.graph_module.graph, axis_sizes) if axis_sizes else {})

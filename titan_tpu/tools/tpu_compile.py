@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from titan_tpu.graph.jax_lowering import functional_graph, shard_step, to_jax
+from titan_tpu.graph.jax_lowering import functional_graph, rank_constants, shard_step, to_jax
 from titan_tpu.tools.device_step import DeviceStep
 
 __all__ = ["jax_mesh", "run_on_devices", "sharded_step"]
@@ -29,20 +29,31 @@ def jax_mesh(step: DeviceStep, devices: Sequence) -> Mesh:
     return Mesh(np.asarray(devices[:count]).reshape(tuple(sizes.values())), tuple(sizes))
 
 
-def sharded_step(step: DeviceStep, mesh: Mesh) -> Callable:
+def sharded_step(step: DeviceStep, mesh: Mesh, ranks: Sequence[DeviceStep] = ()) -> Callable:
     """The step over every device of `mesh` (shard_step: inputs and outputs are stacks of the
-    per-device values), not yet jitted."""
+    per-device values), not yet jitted. ranks: every rank's DeviceStep (global rank order), whose
+    differing constants each device then reads for its own rank (`rank_constants`); without them
+    every device runs rank 0's numbers, the same program and cost with other values (what a
+    compile for a slice of thousands of chips uses: one capture, not one per chip)."""
     graph = functional_graph(step.captured.graph_module, step.captured.example_inputs)
-    return shard_step(to_jax(graph, step.group_axes), mesh, step.captured.num_inputs)
+    per_rank = None
+    if len(ranks) > 1:
+        per_rank = rank_constants([graph] + [functional_graph(s.captured.graph_module, s.captured.example_inputs)
+                                             for s in ranks[1:]])
+    return shard_step(to_jax(graph, step.group_axes, per_rank, step.axis_sizes), mesh, step.captured.num_inputs)
 
 
-def run_on_devices(step: DeviceStep, per_device_inputs: list[list], devices: Sequence) -> list[list[np.ndarray]]:
-    """Run the step on `devices` (e.g. jax.devices("cpu")): per_device_inputs[d] is device d's flat
-    input list (mesh order, row-major); returns each device's flat outputs."""
+def run_on_devices(ranks: Sequence[DeviceStep], per_device_inputs: list[list], devices: Sequence
+                   ) -> list[list[np.ndarray]]:
+    """Run the step on `devices` (e.g. jax.devices("cpu")): ranks[r] is rank r's captured step
+    (all ranks, or rank 0's alone when its graph has no rank-dependent numbers);
+    per_device_inputs[d] is device d's flat input list (mesh order, row-major); returns each
+    device's flat outputs."""
+    step = ranks[0]
     mesh = jax_mesh(step, devices)
     shape = mesh.devices.shape
     stacked = [np.stack([np.asarray(inputs[i]) for inputs in per_device_inputs]).reshape(shape + np.shape(first))
                for i, first in enumerate(per_device_inputs[0])]
-    outputs = jax.jit(sharded_step(step, mesh))(*stacked)
+    outputs = jax.jit(sharded_step(step, mesh, ranks))(*stacked)
     count = len(per_device_inputs)
     return [[np.asarray(y).reshape((count,) + y.shape[len(shape):])[d] for y in outputs] for d in range(count)]

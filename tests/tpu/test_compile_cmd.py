@@ -1,0 +1,71 @@
+"""`titan-tpu compile` for the other layouts `make tpu-check` covers (an MoE with expert
+parallelism, a dense model with tensor parallelism) and its one-line refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import conftest
+import pytest
+
+from titan_tpu.config import build_config
+from titan_tpu.tools import compile_cmd
+from titan_tpu.tools.compile_cmd import compile_main, compile_step_for_tpu
+
+SMALL = ["--training.batch_size=2", "--training.seq_len=64"]
+
+
+def _summary(name: str, report: dict) -> None:
+    conftest.SUMMARY.append(f"compile {name} for {report['topology']} (mesh {report['mesh']}): "
+                            f"{report['compile_seconds']:.1f} s, peak {report['peak_per_chip_bytes'] / 2**20:.1f} "
+                            f"MiB/chip, aliased {report['memory_per_chip_bytes']['aliased'] / 2**20:.1f} MiB")
+
+
+def test_compile_moe_with_expert_parallelism_for_v5p():
+    """qwen3_moe debug on 4 v5p chips, dp_shard 4 with ep 2: the expert mesh's two axes become JAX
+    mesh axes, tokens reach their experts by all-gather and reduce-scatter over ep."""
+    cfg = build_config("configs/qwen3_moe_debug.toml", SMALL + ["--parallelism.dp_shard=4", "--parallelism.ep=2"])
+    report = compile_step_for_tpu(cfg, "v5p:2x2x1")
+    assert report["mesh"] == {"dp_shard_mod_ep": 2, "ep": 2}
+    assert report["fits"] and report["memory_per_chip_bytes"]["aliased"] > 0
+    assert {"all-gather", "reduce-scatter"} <= set(report["collectives"])
+    _summary("qwen3_moe_debug ep 2", report)
+
+
+def test_compile_with_tensor_parallelism_and_a_recipe_that_does_not_fit(monkeypatch, capsys):
+    """llama3 debug on 4 v5p chips as dp_shard 2 x tp 2, through the command; with the chip's HBM
+    made 1 MiB the command prints XLA's numbers and refuses in one line naming the peak."""
+    from titan_tpu.plan import hardware
+
+    small = dataclasses.replace(hardware.HARDWARE["v5p"], memory_bytes=2**20)
+    monkeypatch.setitem(hardware.HARDWARE, "v5p", small)
+    with pytest.raises(ValueError, match=r"does not fit v5p:2x2x1: XLA's peak .* GiB per chip > .* GiB HBM") as error:
+        compile_main(["--config", "configs/llama3_debug.toml", "--topology", "v5p:2x2x1", *SMALL,
+                      "--parallelism.dp_shard=2", "--parallelism.tp=2"])
+    assert "\n" not in str(error.value)
+    out = capsys.readouterr().out
+    assert "mesh {'dp_shard': 2, 'tp': 2}" in out and "does NOT fit" in out
+
+
+def test_unknown_topology_lists_known_ones():
+    with pytest.raises(ValueError, match="unknown TPU topology 'v9:3x3'.*known ones include v5p:2x2x1") as error:
+        compile_cmd._topology("v9:3x3")
+    assert "\n" not in str(error.value)
+
+
+def test_missing_tpu_environment_names_the_command_that_builds_it(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else find_spec(name, *a))
+    with pytest.raises(ValueError, match="make tpu-check") as error:
+        compile_main(["--config", "configs/llama3_debug.toml"])
+    assert "\n" not in str(error.value)
+
+
+def test_expert_all_to_all_dispatch_is_refused_in_one_line():
+    cfg = build_config("configs/qwen3_moe_debug.toml", SMALL + ["--parallelism.dp_shard=4", "--parallelism.ep=2",
+                                                               "--parallelism.ep_dispatch=all_to_all"])
+    with pytest.raises(ValueError, match="ep_dispatch all_gather") as error:
+        compile_step_for_tpu(cfg, "v5p:2x2x1")
+    assert "\n" not in str(error.value)
