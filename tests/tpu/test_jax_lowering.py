@@ -24,7 +24,7 @@ from titan_tpu.config import build_config
 from titan_tpu.graph.jax_lowering import LOWERINGS, JaxLoweringError, check_lowerable
 from titan_tpu.models.registry import build_model
 from titan_tpu.tools.device_step import build_device_model, capture_device_step, fake_world
-from titan_tpu.tools.tpu_compile import run_on_devices
+from titan_tpu.tools.tpu_compile import jax_mesh, run_on_devices, sharded_step
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 
@@ -36,8 +36,9 @@ TOL = 1e-5
 EPS = 1e-5  # max |lowered - reference|, relative to the reference's largest magnitude per tensor
 
 
-def _config(name: str, dp_shard: int):
-    overrides = [f"--parallelism.dp_shard={dp_shard}", "--model.dtype=float32", f"--optimizer.eps={EPS}"]
+def _config(name: str, dp_shard: int, scan: bool = False):
+    overrides = [f"--parallelism.dp_shard={dp_shard}", "--model.dtype=float32",
+                 f"--optimizer.eps={EPS}", f"--model.scan_layers={str(scan).lower()}"]
     if "moe" in name and dp_shard > 1:
         # Each rank's balancing loss is of its own batch (averaged over ranks), not of the joint
         # batch a one-process reference sees: the same step only without it.
@@ -80,8 +81,11 @@ def _reference(cfg, batches, monkeypatch):
     # Initialised in float32 (the RNG draws other values for float64), then widened; the expert
     # matmuls through the reference kernel (torch's grouped GEMM takes no float64).
     kernels = dataclasses.replace(cfg.kernels, grouped_mm="reference")
-    model = build_model(model_spec(cfg).args, seed=cfg.training.seed, kernels=kernels).to(torch.float64)
-    optimizer = AdamW.from_config(dict(model.named_parameters()), cfg.optimizer)
+    model = build_model(model_spec(cfg).args, seed=cfg.training.seed, kernels=kernels,
+                        scan_layers=cfg.model.scan_layers).to(torch.float64)
+    # Stacked norm weights take no weight decay, as per layer (the optimizer is told which are stacked).
+    optimizer = AdamW.from_config(dict(model.named_parameters()), cfg.optimizer,
+                                  layer_stacked=model.stacked_parameter_names())
     batch = tuple(torch.cat([b[i] for b in batches]) for i in range(2))
     result = EagerStep(model, optimizer, max_norm=cfg.training.max_norm)([batch], LR)
     return result, model, optimizer
@@ -103,10 +107,13 @@ def _shard_of(full: torch.Tensor, spec, rank: int) -> np.ndarray:
     return np.take(full, range(rank * size, (rank + 1) * size), axis=dim)
 
 
-@pytest.mark.parametrize("name, ranks", [("llama3_debug", 1), ("qwen3_debug", 1), ("qwen3_moe_debug", 1),
-                                         ("llama3_debug", 2), ("qwen3_moe_debug", 2)])
-def test_lowered_step_equals_eager_step(name, ranks, monkeypatch):
-    cfg = _config(name, ranks)
+@pytest.mark.parametrize("name, ranks, scan", [("llama3_debug", 1, False), ("qwen3_debug", 1, False),
+                                               ("qwen3_moe_debug", 1, False), ("llama3_debug", 2, False),
+                                               ("qwen3_moe_debug", 2, False), ("llama3_debug", 1, True)])
+def test_lowered_step_equals_eager_step(name, ranks, scan, monkeypatch):
+    """scan: scanned layers, whose scan ops (forward and backward) lower to lax.scan (XLA's while
+    loop); the reference is the eager step over the same stacked weights."""
+    cfg = _config(name, ranks, scan)
     step = capture_device_step(cfg, world_size=ranks, batch_size=BATCH, seq_len=SEQ)
     batches = _batches(cfg_vocab(cfg), ranks)
     per_device = []
@@ -115,6 +122,10 @@ def test_lowered_step_equals_eager_step(name, ranks, monkeypatch):
             model, optimizer, _, _ = build_device_model(cfg, ranks)
             per_device.append(_inputs(step, model, optimizer, batches[rank]))
     outputs = run_on_devices(step, per_device, jax.devices("cpu"))
+    if scan:  # the forward and the backward each one while loop over the layers, not unrolled
+        stacked = [np.stack([np.asarray(x) for x in inputs]) for inputs in zip(*per_device)]
+        text = jax.jit(sharded_step(step, jax_mesh(step, jax.devices("cpu")))).lower(*stacked).as_text()
+        assert text.count("stablehlo.while") == 2, text.count("stablehlo.while")
     result, model, optimizer = _reference(cfg, batches, monkeypatch)
     layout, names = step.captured.layout, step.captured.param_names
     specs = step.captured.dtensor_specs
@@ -131,7 +142,8 @@ def test_lowered_step_equals_eager_step(name, ranks, monkeypatch):
                 errors[group] = max(errors.get(group, 0), error)
                 if error > TOL:
                     print(f"  {group} {n}: {error:.1e} ({specs[n].placements if n in specs else 'plain'})")
-    print(f"{name} on {ranks} device(s): max relative error " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    print(f"{name}{' scanned' if scan else ''} on {ranks} device(s): max relative error "
+          + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     assert max(errors.values()) <= TOL, errors
 
 
