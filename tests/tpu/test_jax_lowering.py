@@ -25,7 +25,7 @@ from titan_tpu.graph.jax_lowering import LOWERINGS, JaxLoweringError, check_lowe
 from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.mesh import dp_rank_and_size
 from titan_tpu.tools.device_step import build_device_model, capture_device_step, fake_world
-from titan_tpu.tools.tpu_compile import run_on_devices
+from titan_tpu.tools.tpu_compile import jax_mesh, run_on_devices, sharded_step
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 
@@ -37,8 +37,9 @@ TOL = 1e-5
 EPS = 1e-5  # max |lowered - reference|, relative to the reference's largest magnitude per tensor
 
 
-def _config(name: str, layout: dict[str, int]):
+def _config(name: str, layout: dict[str, int], scan: bool = False):
     overrides = ["--model.dtype=float32", f"--optimizer.eps={EPS}", "--parallelism.dp_shard=1",
+                 f"--model.scan_layers={str(scan).lower()}",
                  *(f"--parallelism.{axis}={size}" for axis, size in layout.items())]
     if "moe" in name and layout.get("dp_shard", 1) > 1:
         # Each rank's balancing loss is of its own batch (averaged over ranks), not of the joint
@@ -82,8 +83,11 @@ def _reference(cfg, batches, monkeypatch):
     # Initialised in float32 (the RNG draws other values for float64), then widened; the expert
     # matmuls through the reference kernel (torch's grouped GEMM takes no float64).
     kernels = dataclasses.replace(cfg.kernels, grouped_mm="reference")
-    model = build_model(model_spec(cfg.model).args, seed=cfg.training.seed, kernels=kernels).to(torch.float64)
-    optimizer = AdamW.from_config(dict(model.named_parameters()), cfg.optimizer)
+    model = build_model(model_spec(cfg.model).args, seed=cfg.training.seed, kernels=kernels,
+                        scan_layers=cfg.model.scan_layers).to(torch.float64)
+    # Stacked norm weights take no weight decay, as per layer (the optimizer is told which are stacked).
+    optimizer = AdamW.from_config(dict(model.named_parameters()), cfg.optimizer,
+                                  layer_stacked=model.stacked_parameter_names())
     batch = tuple(torch.cat([b[i] for b in batches]) for i in range(2))
     result = EagerStep(model, optimizer, max_norm=cfg.training.max_norm)([batch], LR)
     return result, model, optimizer
@@ -109,19 +113,23 @@ def _shard_of(full: torch.Tensor, spec, rank: int) -> np.ndarray:
     return full
 
 
-LAYOUTS = [("llama3_debug", {}), ("qwen3_debug", {}), ("qwen3_moe_debug", {}),
-           ("llama3_debug", {"dp_shard": 2}), ("qwen3_moe_debug", {"dp_shard": 2}),
-           ("llama3_debug", {"tp": 2}), ("qwen3_moe_debug", {"dp_shard": 2, "ep": 2})]
+LAYOUTS = [("llama3_debug", {}, False), ("qwen3_debug", {}, False), ("qwen3_moe_debug", {}, False),
+           ("llama3_debug", {"dp_shard": 2}, False), ("qwen3_moe_debug", {"dp_shard": 2}, False),
+           ("llama3_debug", {"tp": 2}, False), ("qwen3_moe_debug", {"dp_shard": 2, "ep": 2}, False),
+           ("llama3_debug", {}, True)]
 
 
-@pytest.mark.parametrize("name, layout", LAYOUTS, ids=[f"{n}-{'-'.join(f'{a}{s}' for a, s in lay.items()) or '1dev'}"
-                                                         for n, lay in LAYOUTS])
-def test_lowered_step_equals_eager_step(name, layout, monkeypatch):
+@pytest.mark.parametrize("name, layout, scan", LAYOUTS, ids=[
+    f"{n}-{'-'.join(f'{a}{s}' for a, s in lay.items()) or '1dev'}{'-scanned' if scan else ''}"
+    for n, lay, scan in LAYOUTS])
+def test_lowered_step_equals_eager_step(name, layout, scan, monkeypatch):
     """One whole step, lowered and run by JAX on a CPU mesh of the layout's ranks, equals our eager
     step (float64, one process, on the batches of all data-parallel ranks). Under tp and cp every
     rank reads its data-parallel rank's batch (both ranks the same one); the model's own hooks
-    split it (cp) or not (tp), as in training."""
-    cfg = _config(name, layout)
+    split it (cp) or not (tp), as in training. scan: scanned layers, whose scan ops (forward and
+    backward) lower to lax.scan (XLA's while loop); the reference is the eager step over the same
+    stacked weights."""
+    cfg = _config(name, layout, scan)
     ranks = int(np.prod(list(layout.values()) or [1])) // layout.get("ep", 1)
     steps = [capture_device_step(cfg, world_size=ranks, batch_size=BATCH, seq_len=SEQ, rank=r) for r in range(ranks)]
     step = steps[0]
@@ -133,6 +141,10 @@ def test_lowered_step_equals_eager_step(name, layout, monkeypatch):
             batches = _batches(cfg_vocab(cfg), dp_size)
             per_device.append(_inputs(step, model, optimizer, batches[dp_rank]))
     outputs = run_on_devices(steps, per_device, jax.devices("cpu"))
+    if scan:  # the forward and the backward each one while loop over the layers, not unrolled
+        stacked = [np.stack([np.asarray(x) for x in inputs]) for inputs in zip(*per_device)]
+        text = jax.jit(sharded_step(step, jax_mesh(step, jax.devices("cpu")))).lower(*stacked).as_text()
+        assert text.count("stablehlo.while") == 2, text.count("stablehlo.while")
     result, model, optimizer = _reference(cfg, batches, monkeypatch)
     layout, names = step.captured.layout, step.captured.param_names
     specs = step.captured.dtensor_specs
@@ -149,7 +161,7 @@ def test_lowered_step_equals_eager_step(name, layout, monkeypatch):
                 errors[group] = max(errors.get(group, 0), error)
                 if error > TOL:
                     print(f"  {group} {n}: {error:.1e} ({specs[n].placements if n in specs else 'plain'})")
-    print(f"{name} on {ranks} device(s) {cfg.parallelism}: max relative error "
+    print(f"{name}{' scanned' if scan else ''} on {ranks} device(s) {cfg.parallelism}: max relative error "
           + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     assert max(errors.values()) <= TOL, errors
 

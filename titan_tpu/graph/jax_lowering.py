@@ -378,6 +378,7 @@ LOWERINGS: dict[object, Callable] = {
     aten._unsafe_view.default: jnp.reshape,
     aten.reshape.default: jnp.reshape,
     aten.permute.default: jnp.transpose,
+    aten.flip.default: lambda x, dims: jnp.flip(x, axis=tuple(dims)),  # a scanned backward's reversed stacks
     aten.permute_copy.default: jnp.transpose,
     aten.expand.default: _expand,
     aten.expand_copy.default: _expand,
@@ -386,7 +387,6 @@ LOWERINGS: dict[object, Callable] = {
     aten.squeeze.dims: _squeeze,
     aten.squeeze.dim: _squeeze,
     aten.squeeze_copy.dims: _squeeze,
-    aten.flip.default: lambda x, dims: jnp.flip(x, axis=tuple(dims)),
     aten.cat.default: lambda xs, dim=0: jnp.concatenate(xs, axis=dim),
     aten.slice_copy.Tensor: _slice,
     aten.slice.Tensor: _slice,
@@ -502,7 +502,9 @@ def check_lowerable(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, .
     """Raise JaxLoweringError for the first op of `gm` with no JAX lowering (before any tracing)."""
     table = {**LOWERINGS, **_collective_lowerings(group_axes or {})}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target not in table:
+        if node.op == "call_function" and node.target is _SCAN:
+            check_lowerable(_subgraph(gm, node.args[0]), group_axes)  # the body: the same table
+        elif node.op == "call_function" and node.target not in table:
             raise JaxLoweringError(f"operator {node.target} (from {_where(node)}) has no JAX lowering; add it to "
                                    "LOWERINGS in titan_tpu/graph/jax_lowering.py or run the step in eager mode")
 
@@ -564,6 +566,8 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
         for node in nodes:
             if node.op == "placeholder":
                 env[node] = jnp.asarray(next(placeholders))
+            elif node.op == "call_function" and node.target is _SCAN:
+                env[node] = _as_traced(_scan(gm, node, load, group_axes), node.meta.get("val"), node)
             elif node.op == "call_function":
                 if node.name in per_rank:  # the node's arguments with its rank-dependent numbers read per device
                     leaves, spec = tree_flatten((node.args, node.kwargs))
@@ -585,11 +589,43 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
                 env[node] = _as_traced(value, node.meta.get("val"), node)
             elif node.op == "output":
                 return list(load(node.args[0]))
+            elif node.op == "get_attr" and all(u.target is _SCAN for u in node.users):
+                continue  # a scan's body, read by the scan's lowering
             else:
                 raise JaxLoweringError(f"graph node {node.name} of kind {node.op} has no JAX lowering")
         raise AssertionError("graph without an output node")
 
     return run
+
+
+_SCAN = torch.ops.higher_order.scan
+
+
+def _subgraph(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.GraphModule:
+    """The GraphModule a `get_attr` node of `gm` names (a scan's body)."""
+    assert node.op == "get_attr", node
+    return getattr(gm, node.target)
+
+
+def _scan(gm: torch.fx.GraphModule, node: torch.fx.Node, load: Callable, group_axes) -> list:
+    """torch's scan op (scanned layers, their backward) as `jax.lax.scan`: XLA's while loop over the
+    leading dim of the stacked inputs, the body (one layer) lowered once, by this same table.
+
+    The op's arguments: (body, init, xs, additional_inputs); the body takes (*carry, one slice of
+    each xs, *additional_inputs) and returns (*next carry, one slice of each stacked output); the op
+    returns (*last carry, *stacked outputs), which is what lax.scan returns (a reversed scan reaches
+    here as flips of xs and of the outputs, lowered as flips)."""
+    body_gm, init, xs, additional = node.args[0], *load(node.args[1:4])
+    assert not node.kwargs, node.kwargs
+    body = to_jax(_subgraph(gm, body_gm), group_axes)
+    n_carry = len(init)
+
+    def step(carry, layer_xs):
+        out = body(*carry, *layer_xs, *additional)
+        return list(out[:n_carry]), list(out[n_carry:])
+
+    carry, ys = jax.lax.scan(step, [jnp.asarray(c) for c in init], [jnp.asarray(x) for x in xs])
+    return [*carry, *ys]
 
 
 def _as_traced(value, val, node):
