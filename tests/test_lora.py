@@ -143,8 +143,6 @@ def test_bad_input_is_one_line():
         apply_lora(model, dataclasses.replace(LORA, rank=4096))
     with pytest.raises(ValueError, match=r"lora.rank = 0 must be >= 1"):
         build_config(None, ["--lora.enabled", "true", "--lora.rank", "0"])
-    with pytest.raises(ValueError, match=r"lora.enabled needs model.scan_layers = false"):
-        build_config(None, ["--lora.enabled", "true", "--model.scan_layers", "true"])
     with pytest.raises(ValueError, match=r"lora.dropout = 0.1 needs training.mode = eager"):
         build_config(None, ["--lora.enabled", "true", "--lora.dropout", "0.1", "--training.mode", "graph"])
 
@@ -209,6 +207,32 @@ def test_native_run_freezes_the_base_resumes_exactly_and_matches_under_checkpoin
         run_dir = tmp_path / next(iter(extra.values()))
         Trainer(_native_cfg(train_overrides, run_dir, checkpoint__enabled="false", **extra)).train()
         assert _losses(run_dir) == pytest.approx(straight, rel=TOLERANCE, abs=TOLERANCE), extra
+
+
+def test_scanned_layers_carry_stacked_adapters_and_give_the_unrolled_losses(tmp_path, train_overrides):
+    """Scanned layers hold the adapters stacked like their weights ([L, rank, in]): the same
+    initial adapters, checkpoint names and losses as the unrolled run, eagerly and captured (with
+    scan's own autograd, and under full checkpointing with its reverse scan)."""
+    from titan_tpu.train.trainer import Trainer
+
+    unrolled = Trainer(_native_cfg(train_overrides, tmp_path / "unrolled", checkpoint__enabled="false"))
+    initial = {k: v.clone() for k, v in unrolled.model.state_dict().items()}
+    unrolled.train()
+    straight = _losses(tmp_path / "unrolled")
+    for extra in (dict(), dict(training__mode="graph", compile__backend="aot_eager"),
+                  dict(training__mode="graph", compile__backend="aot_eager", activation_checkpoint__mode="full")):
+        run_dir = tmp_path / "-".join(["scan", *map(str, extra.values())])
+        scanned = Trainer(_native_cfg(train_overrides, run_dir, checkpoint__enabled="false", model__scan_layers="true",
+                                      **extra))
+        stacked = dict(scanned.model.named_parameters())["layers.attention.wq.lora_A"]
+        assert stacked.shape == (6, 4, 256) and stacked.requires_grad
+        state = scanned.model.state_dict()
+        assert state.keys() == initial.keys()
+        assert all(torch.equal(state[k], initial[k]) for k in initial)
+        scanned.train()
+        assert _losses(run_dir) == pytest.approx(straight, rel=TOLERANCE, abs=TOLERANCE), extra
+        assert set(scanned.optimizer.state["exp_avg"]) == {n for n, p in scanned.model.named_parameters()
+                                                           if p.requires_grad}
 
 
 def _trained_logits(trainer, tokens):

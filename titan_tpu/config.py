@@ -538,8 +538,6 @@ def _validate_lora(cfg: Config) -> None:
         raise ValueError(f"lora.alpha = {lora.alpha} must be > 0")
     if not 0.0 <= lora.dropout < 1.0:
         raise ValueError(f"lora.dropout = {lora.dropout} must be in [0, 1)")
-    if cfg.model.scan_layers:
-        raise ValueError("lora.enabled needs model.scan_layers = false (the stacked blocks carry no adapters yet)")
     if cfg.parallelism.tp > 1:
         raise ValueError(f"lora.enabled needs parallelism.tp = 1 (got {cfg.parallelism.tp}): the adapters of a split "
                          "layer are not split yet; use data parallelism")
