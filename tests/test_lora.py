@@ -145,6 +145,36 @@ def test_bad_input_is_one_line():
         build_config(None, ["--lora.enabled", "true", "--lora.rank", "0"])
     with pytest.raises(ValueError, match=r"lora.dropout = 0.1 needs training.mode = eager"):
         build_config(None, ["--lora.enabled", "true", "--lora.dropout", "0.1", "--training.mode", "graph"])
+    with pytest.raises(ValueError, match=r"lora.enabled needs parallelism.tp = 1 \(got 2\).*use data parallelism"):
+        build_config(None, ["--lora.enabled", "true", "--parallelism.tp", "2", "--parallelism.dp_shard", "1"])
+
+
+@pytest.mark.parametrize("layout", [dict(scan_layers="true"), dict(ac="full"), dict(scan_layers="true", ac="full")])
+def test_native_bad_input_and_dropout_following_the_model_mode(layout):
+    """On scanned and checkpointed native models: the same one-line errors; the adapters' dropout
+    (computed by block templates that are no submodules) is on in train() and off in eval()."""
+    from tests.test_train import LLAMA_DEBUG
+    from titan_tpu.models.spec import build, native_spec
+
+    def model(*extra):
+        cfg = build_config(LLAMA_DEBUG, ["--lora.enabled", "true", "--lora.rank", "4", "--training.device", "cpu",
+                                         "--model.scan_layers", layout.get("scan_layers", "false"),
+                                         "--activation_checkpoint.mode", layout.get("ac", "none"), *extra])
+        return build(native_spec(cfg.model), cfg, device="cpu", seed=0)
+
+    with pytest.raises(ValueError, match=r"'qkv' matches no linear layer; the model's are .*wq.* \(e.g. layers\."):
+        model("--lora.target_modules", "wq,qkv")
+    with pytest.raises(ValueError, match=r"lora.rank = 300 is larger than layer layers\..*wq \(256 -> 256\); use "
+                                         r"at most 256"):
+        model("--lora.rank", "300")
+    tokens = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain, dropped = model(), model("--lora.dropout", "0.5")
+    with torch.no_grad():
+        for linear in [*lora_modules(plain).values(), *lora_modules(dropped).values()]:
+            linear._parameters["lora_B"].fill_(0.1)  # B = 0 would hide the adapters' input
+        assert not torch.equal(dropped(tokens), plain(tokens))  # train(): dropout on
+        plain.eval(), dropped.eval()
+        assert torch.equal(dropped(tokens), plain(tokens))
 
 
 # ---------------------------------------------------------------------------------------------

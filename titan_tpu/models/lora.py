@@ -44,6 +44,9 @@ ADAPTER_NAMES = ("lora_A", "lora_B")
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3",
                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _STATE = "_lora"  # the LoRASettings of an adapted linear, in its __dict__
+# In a block template's adapted linear (its __dict__): the model whose train()/eval() mode the
+# adapters' dropout follows, since a template is no submodule and never changes mode itself.
+_MODE_OF = "_lora_mode_of"
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,8 @@ def _check_layer_rank(cfg: LoRAConfig, name: str, linear: nn.Linear) -> None:
                          f"{min(linear.in_features, linear.out_features)}")
 
 
-def _add_adapter(linear: nn.Linear, settings: LoRASettings, *, n_layers: int | None = None) -> None:
+def _add_adapter(linear: nn.Linear, settings: LoRASettings, *, n_layers: int | None = None,
+                 mode_of: nn.Module | None = None) -> None:
     """Adapters on one linear; with n_layers, on a scanned stack's linear (weight [L, out, in]):
     the adapters are stacked like it ([L, rank, in], [L, out, rank]) and take no hook, since the
     stack only stores weights (its block template, given adapters too, computes)."""
@@ -134,6 +138,8 @@ def _add_adapter(linear: nn.Linear, settings: LoRASettings, *, n_layers: int | N
     linear.lora_B = nn.Parameter(torch.empty(*lead, linear.out_features, settings.rank, device=w.device,
                                              dtype=w.dtype))
     linear.__dict__[_STATE] = settings
+    if mode_of is not None:
+        linear.__dict__[_MODE_OF] = mode_of
     if n_layers is None:
         linear.register_forward_hook(_add_low_rank_update)
 
@@ -143,7 +149,7 @@ def _add_low_rank_update(linear: nn.Linear, args: tuple, out: torch.Tensor) -> t
     settings: LoRASettings = linear.__dict__[_STATE]
     x = args[0]
     if settings.dropout > 0:
-        x = F.dropout(x, p=settings.dropout, training=linear.training)
+        x = F.dropout(x, p=settings.dropout, training=linear.__dict__.get(_MODE_OF, linear).training)
     return out + F.linear(F.linear(x, linear.lora_A), linear.lora_B) * settings.scaling
 
 
@@ -232,7 +238,7 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig) -> list[str]:
                          "checkpointing; widen the patterns or set activation_checkpoint.mode none")
     for template in templates:
         for rel in sorted(relative):
-            _add_adapter(template.get_submodule(rel), settings)
+            _add_adapter(template.get_submodule(rel), settings, mode_of=model)
     return names
 
 
@@ -249,7 +255,7 @@ def _add_stacked_adapters(model: nn.Module, cfg: LoRAConfig, settings: LoRASetti
         _check_layer_rank(cfg, name, linear)
         if name.startswith("layers."):
             _add_adapter(linear, settings, n_layers=stack.n_layers)
-            _add_adapter(stack._block_fn.template.get_submodule(name[len("layers."):]), settings)
+            _add_adapter(stack._block_fn.template.get_submodule(name[len("layers."):]), settings, mode_of=model)
         else:
             _add_adapter(linear, settings)
     return names
