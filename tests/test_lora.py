@@ -265,6 +265,40 @@ def test_scanned_layers_carry_stacked_adapters_and_give_the_unrolled_losses(tmp_
                                                            if p.requires_grad}
 
 
+def _saved_activation_bytes(model, tokens) -> int:
+    """Bytes autograd keeps from a forward, distinct storages, the parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, tokens)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora.dropout", "0.1"]])
+def test_planner_counts_the_activations_lora_keeps(extra):
+    """The planner's activations of a LoRA run (the adapters' rank-wide intermediates, with dropout
+    their dropped inputs and masks, minus what frozen RMSNorm scales no longer keep) against what
+    autograd keeps, as it does for full fine-tuning."""
+    from tests.test_train import LLAMA_DEBUG
+    from titan_tpu.models.spec import build, native_spec
+    from titan_tpu.plan.planner import plan_config
+
+    tokens = torch.randint(0, 2048, (4, 256), generator=torch.Generator().manual_seed(0))
+    for lora in ("false", "true"):
+        cfg = build_config(LLAMA_DEBUG, ["--training.device", "cpu", "--model.dtype", "float32", "--lora.enabled", lora,
+                                         "--training.batch_size", "4", "--training.seq_len", "256", *extra])
+        planned = plan_config(cfg, measure=False).memory["activations"]
+        measured = _saved_activation_bytes(build(native_spec(cfg.model), cfg, device="cpu", seed=0), tokens)
+        assert planned == pytest.approx(measured, rel=0.05), lora
+
+
 def _trained_logits(trainer, tokens):
     trainer.model.eval()
     with torch.no_grad():
