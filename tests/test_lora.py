@@ -145,11 +145,40 @@ def test_bad_input_is_one_line():
         apply_lora(model, dataclasses.replace(LORA, rank=4096))
     with pytest.raises(ValueError, match=r"lora.rank = 0 must be >= 1"):
         build_config(None, ["--lora.enabled", "true", "--lora.rank", "0"])
-    with pytest.raises(ValueError, match=r"lora.enabled needs model.scan_layers = false"):
-        prepare_run(build_config(None, ["--lora.enabled", "true", "--model.scan_layers", "true"]))
     with pytest.raises(ValueError, match=r"lora.dropout = 0.1 needs training.mode = eager"):
         prepare_run(build_config(None, ["--lora.enabled", "true", "--lora.dropout", "0.1", "--training.mode",
                                         "graph"]))
+    with pytest.raises(ValueError, match=r"lora.enabled needs parallelism.tp = 1 \(got 2\).*use data parallelism"):
+        prepare_run(build_config(None, ["--lora.enabled", "true", "--parallelism.tp", "2", "--parallelism.dp_shard",
+                                        "1"]))
+
+
+@pytest.mark.parametrize("layout", [dict(scan_layers="true"), dict(ac="full"), dict(scan_layers="true", ac="full")])
+def test_native_bad_input_and_dropout_following_the_model_mode(layout):
+    """On scanned and checkpointed native models: the same one-line errors; the adapters' dropout
+    (computed by block templates that are no submodules) is on in train() and off in eval()."""
+    from tests.test_train import LLAMA_DEBUG
+    from titan_tpu.models.spec import build, native_spec
+
+    def model(*extra):
+        cfg = build_config(LLAMA_DEBUG, ["--lora.enabled", "true", "--lora.rank", "4", "--training.device", "cpu",
+                                         "--model.scan_layers", layout.get("scan_layers", "false"),
+                                         "--activation_checkpoint.mode", layout.get("ac", "none"), *extra])
+        return build(native_spec(cfg.model), cfg, device="cpu", seed=0)
+
+    with pytest.raises(ValueError, match=r"'qkv' matches no linear layer; the model's are .*wq.* \(e.g. layers\."):
+        model("--lora.target_modules", "wq,qkv")
+    with pytest.raises(ValueError, match=r"lora.rank = 300 is larger than layer layers\..*wq \(256 -> 256\); use "
+                                         r"at most 256"):
+        model("--lora.rank", "300")
+    tokens = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain, dropped = model(), model("--lora.dropout", "0.5")
+    with torch.no_grad():
+        for linear in [*lora_modules(plain).values(), *lora_modules(dropped).values()]:
+            linear._parameters["lora_B"].fill_(0.1)  # B = 0 would hide the adapters' input
+        assert not torch.equal(dropped(tokens), plain(tokens))  # train(): dropout on
+        plain.eval(), dropped.eval()
+        assert torch.equal(dropped(tokens), plain(tokens))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,6 +241,66 @@ def test_native_run_freezes_the_base_resumes_exactly_and_matches_under_checkpoin
         run_dir = tmp_path / next(iter(extra.values()))
         Trainer(_native_cfg(train_overrides, run_dir, checkpoint__enabled="false", **extra)).train()
         assert _losses(run_dir) == pytest.approx(straight, rel=TOLERANCE, abs=TOLERANCE), extra
+
+
+def test_scanned_layers_carry_stacked_adapters_and_give_the_unrolled_losses(tmp_path, train_overrides):
+    """Scanned layers hold the adapters stacked like their weights ([L, rank, in]): the same
+    initial adapters, checkpoint names and losses as the unrolled run, eagerly and captured (with
+    scan's own autograd, and under full checkpointing with its reverse scan)."""
+    from titan_tpu.train.trainer import Trainer
+
+    unrolled = Trainer(_native_cfg(train_overrides, tmp_path / "unrolled", checkpoint__enabled="false"))
+    initial = {k: v.clone() for k, v in unrolled.model.state_dict().items()}
+    unrolled.train()
+    straight = _losses(tmp_path / "unrolled")
+    for extra in (dict(), dict(training__mode="graph", compile__backend="aot_eager"),
+                  dict(training__mode="graph", compile__backend="aot_eager", activation_checkpoint__mode="full")):
+        run_dir = tmp_path / "-".join(["scan", *map(str, extra.values())])
+        scanned = Trainer(_native_cfg(train_overrides, run_dir, checkpoint__enabled="false", model__scan_layers="true",
+                                      **extra))
+        stacked = dict(scanned.model.named_parameters())["layers.attention.wq.lora_A"]
+        assert stacked.shape == (6, 4, 256) and stacked.requires_grad
+        state = scanned.model.state_dict()
+        assert state.keys() == initial.keys()
+        assert all(torch.equal(state[k], initial[k]) for k in initial)
+        scanned.train()
+        assert _losses(run_dir) == pytest.approx(straight, rel=TOLERANCE, abs=TOLERANCE), extra
+        assert set(scanned.optimizer.state["exp_avg"]) == {n for n, p in scanned.model.named_parameters()
+                                                           if p.requires_grad}
+
+
+def _saved_activation_bytes(model, tokens) -> int:
+    """Bytes autograd keeps from a forward, distinct storages, the parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, tokens)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora.dropout", "0.1"]])
+def test_planner_counts_the_activations_lora_keeps(extra):
+    """The planner's activations of a LoRA run (the adapters' rank-wide intermediates, with dropout
+    their dropped inputs and masks, minus what frozen RMSNorm scales no longer keep) against what
+    autograd keeps, as it does for full fine-tuning."""
+    from tests.test_train import LLAMA_DEBUG
+    from titan_tpu.models.spec import build, native_spec
+    from titan_tpu.plan.planner import plan_config
+
+    tokens = torch.randint(0, 2048, (4, 256), generator=torch.Generator().manual_seed(0))
+    for lora in ("false", "true"):
+        cfg = build_config(LLAMA_DEBUG, ["--training.device", "cpu", "--model.dtype", "float32", "--lora.enabled", lora,
+                                         "--training.batch_size", "4", "--training.seq_len", "256", *extra])
+        planned = plan_config(cfg, measure=False).memory["activations"]
+        measured = _saved_activation_bytes(build(native_spec(cfg.model), cfg, device="cpu", seed=0), tokens)
+        assert planned == pytest.approx(measured, rel=0.05), lora
 
 
 def _trained_logits(trainer, tokens):

@@ -168,3 +168,26 @@ def test_configurations_that_plan_the_same_are_one_row():
     for c in result.fitting:
         if c.values["parallelism.bucket_mb"] <= 0:
             assert "no buckets" in c.describe() and "re-shard" not in c.describe()
+
+
+def test_lora_only_where_full_fine_tuning_fits_nowhere(capsys):
+    """Llama 3 8B on one H200: full fine-tuning fits in no candidate, so the search ranks the same
+    space with LoRA (each row the planner's plan of the config with its printed overrides, the
+    adapters among them); `--keep lora.enabled` holds full fine-tuning, and nothing fits."""
+    config = CONFIGS / "llama3_8b_cuda.toml"
+    h200, chips = resolve_hardware("h200-1")
+    result = search(for_planning(config), h200, chips=chips, measure=False)
+    assert result.lora_fallback and result.rejected["memory"]
+    assert all(not c.values["lora.enabled"] for c in result.rejected["memory"])
+    for c in result.fitting[:3]:
+        assert c.values["lora.enabled"] and c.changes[-2:] == ["--lora.enabled", "true"]
+        again = plan_config(for_planning(config, c.changes), h200, chips=chips)
+        assert again.peak_bytes == pytest.approx(c.plan.peak_bytes) and again.fits
+    with pytest.raises(ValueError, match="nothing fits on 1 x h200"):
+        search(for_planning(config), h200, chips=chips, keep=["lora.enabled"], measure=False)
+    assert main(["plan", "--search", "--config", str(config), "--hardware", "h200-1", "--top", "1"]) == 0
+    assert "full fine-tuning fits in none of them; with LoRA (lora.rank 16" in capsys.readouterr().out
+    # A config with LoRA on is searched as LoRA, and one where full fine-tuning fits never gets it.
+    assert all(c.values["lora.enabled"] for c in search(for_planning(config, ["--lora.enabled", "true"]), h200,
+                                                        chips=chips, measure=False).fitting)
+    assert not search(for_planning(CONFIGS / "llama3_debug.toml"), CPU, measure=False).lora_fallback

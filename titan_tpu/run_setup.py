@@ -94,8 +94,6 @@ def _check_lora(cfg: Config) -> None:
     lora = cfg.lora
     if not lora.enabled:
         return
-    if cfg.model.scan_layers:
-        raise ValueError("lora.enabled needs model.scan_layers = false (the stacked blocks carry no adapters yet)")
     if cfg.parallelism.tp > 1:
         raise ValueError(f"lora.enabled needs parallelism.tp = 1 (got {cfg.parallelism.tp}): the adapters of a split "
                          "layer are not split yet; use data parallelism")

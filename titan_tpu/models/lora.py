@@ -44,6 +44,9 @@ ADAPTER_NAMES = ("lora_A", "lora_B")
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3",
                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _STATE = "_lora"  # the LoRASettings of an adapted linear, in its __dict__
+# In a block template's adapted linear (its __dict__): the model whose train()/eval() mode the
+# adapters' dropout follows, since a template is no submodule and never changes mode itself.
+_MODE_OF = "_lora_mode_of"
 
 
 @dataclass(frozen=True)
@@ -100,27 +103,45 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     """Give the linear layers of `model` that `cfg.target_modules` selects LoRA adapters, in place
     (on any device, the meta device too); returns their names. The adapters' values are set by
     `init_lora_`. rank must be at least 1 and at most the layer's smaller side."""
-    if cfg.rank < 1:
-        raise ValueError(f"lora.rank = {cfg.rank} must be >= 1")
+    _check_rank(cfg)
     names = target_names(model, cfg.target_modules)
     settings = LoRASettings(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout)
     for name in names:
         linear = model.get_submodule(name)
-        if cfg.rank > min(linear.in_features, linear.out_features):
-            raise ValueError(f"lora.rank = {cfg.rank} is larger than layer {name} "
-                             f"({linear.in_features} -> {linear.out_features}); use at most "
-                             f"{min(linear.in_features, linear.out_features)}")
+        _check_layer_rank(cfg, name, linear)
         _add_adapter(linear, settings)
     return names
 
 
-def _add_adapter(linear: nn.Linear, settings: LoRASettings) -> None:
+def _check_rank(cfg: LoRAConfig) -> None:
+    if cfg.rank < 1:
+        raise ValueError(f"lora.rank = {cfg.rank} must be >= 1")
+
+
+def _check_layer_rank(cfg: LoRAConfig, name: str, linear: nn.Linear) -> None:
+    if cfg.rank > min(linear.in_features, linear.out_features):
+        raise ValueError(f"lora.rank = {cfg.rank} is larger than layer {name} "
+                         f"({linear.in_features} -> {linear.out_features}); use at most "
+                         f"{min(linear.in_features, linear.out_features)}")
+
+
+def _add_adapter(linear: nn.Linear, settings: LoRASettings, *, n_layers: int | None = None,
+                 mode_of: nn.Module | None = None) -> None:
+    """Adapters on one linear; with n_layers, on a scanned stack's linear (weight [L, out, in]):
+    the adapters are stacked like it ([L, rank, in], [L, out, rank]) and take no hook, since the
+    stack only stores weights (its block template, given adapters too, computes)."""
     assert _STATE not in linear.__dict__, "a linear layer was given LoRA twice"
     w = linear.weight
-    linear.lora_A = nn.Parameter(torch.empty(settings.rank, linear.in_features, device=w.device, dtype=w.dtype))
-    linear.lora_B = nn.Parameter(torch.empty(linear.out_features, settings.rank, device=w.device, dtype=w.dtype))
+    lead = () if n_layers is None else (n_layers,)
+    linear.lora_A = nn.Parameter(torch.empty(*lead, settings.rank, linear.in_features, device=w.device,
+                                             dtype=w.dtype))
+    linear.lora_B = nn.Parameter(torch.empty(*lead, linear.out_features, settings.rank, device=w.device,
+                                             dtype=w.dtype))
     linear.__dict__[_STATE] = settings
-    linear.register_forward_hook(_add_low_rank_update)
+    if mode_of is not None:
+        linear.__dict__[_MODE_OF] = mode_of
+    if n_layers is None:
+        linear.register_forward_hook(_add_low_rank_update)
 
 
 def _add_low_rank_update(linear: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -128,7 +149,7 @@ def _add_low_rank_update(linear: nn.Linear, args: tuple, out: torch.Tensor) -> t
     settings: LoRASettings = linear.__dict__[_STATE]
     x = args[0]
     if settings.dropout > 0:
-        x = F.dropout(x, p=settings.dropout, training=linear.training)
+        x = F.dropout(x, p=settings.dropout, training=linear.__dict__.get(_MODE_OF, linear).training)
     return out + F.linear(F.linear(x, linear.lora_A), linear.lora_B) * settings.scaling
 
 
@@ -143,13 +164,35 @@ def init_lora_(model: nn.Module, *, seed: int) -> None:
     generator of its own seeded by `seed`, whole tensors in module order copied into each rank's
     shard: the same adapters on any number of ranks, and the global RNG untouched."""
     generator = torch.Generator().manual_seed(seed)
-    for linear in lora_modules(model).values():
+    for group in _draw_groups(lora_modules(model)):
         # The stored parameters: under SimpleFSDP reading `linear.lora_A` gives a gathered copy.
-        stored_a, stored_b = linear._parameters["lora_A"], linear._parameters["lora_B"]
-        rank, fan_in = stored_a.shape
-        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_ with a = sqrt(5), as nn.Linear and peft
-        copy_full_(stored_a, torch.empty(rank, fan_in).uniform_(-bound, bound, generator=generator))
-        copy_full_(stored_b, torch.zeros(stored_b.shape))
+        stored_a = [linear._parameters["lora_A"] for linear in group]
+        full_a = [torch.empty(a.shape) for a in stored_a]
+        # A scanned stack's adapters ([L, rank, in]) are drawn layer by layer, each layer's in
+        # module order, as the unrolled model draws them: scanned or not, the same adapters.
+        for layer in range(full_a[0].shape[0] if full_a[0].dim() == 3 else 1):
+            for a in full_a:
+                a_layer = a[layer] if a.dim() == 3 else a
+                bound = 1.0 / math.sqrt(a_layer.shape[1])  # kaiming_uniform_ with a = sqrt(5), as nn.Linear and peft
+                a_layer.uniform_(-bound, bound, generator=generator)
+        for linear, stored, full in zip(group, stored_a, full_a):
+            copy_full_(stored, full)
+            copy_full_(linear._parameters["lora_B"], torch.zeros(linear._parameters["lora_B"].shape))
+
+
+def _draw_groups(linears: dict[str, nn.Linear]) -> list[list[nn.Linear]]:
+    """The adapted linears in module order, those of a scanned stack (stacked adapters, adjacent
+    in module order) in one group, every other one alone."""
+    groups: list[list[nn.Linear]] = []
+    previous_stacked = False
+    for linear in linears.values():
+        stacked = linear._parameters["lora_A"].dim() == 3
+        if stacked and previous_stacked:
+            groups[-1].append(linear)
+        else:
+            groups.append([linear])
+        previous_stacked = stacked
+    return groups
 
 
 def freeze_base(model: nn.Module) -> None:
@@ -177,6 +220,9 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     must compute what the blocks do, so every block must carry the same adapters."""
     from titan_tpu.models.common.transformer import Transformer
 
+    settings = LoRASettings(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout)
+    if isinstance(model, Transformer) and model.scan_layers:
+        return _add_stacked_adapters(model, cfg, settings)
     names = apply_lora(model, cfg)
     templates = model.block_templates() if isinstance(model, Transformer) else []
     if not templates:
@@ -190,8 +236,26 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     if any(per_block.get(str(i), set()) != relative for i in range(len(model.layers))):
         raise ValueError("lora.target_modules must select the same layers in every block under activation "
                          "checkpointing; widen the patterns or set activation_checkpoint.mode none")
-    settings = LoRASettings(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout)
     for template in templates:
         for rel in sorted(relative):
-            _add_adapter(template.get_submodule(rel), settings)
+            _add_adapter(template.get_submodule(rel), settings, mode_of=model)
+    return names
+
+
+def _add_stacked_adapters(model: nn.Module, cfg: LoRAConfig, settings: LoRASettings) -> list[str]:
+    """Scanned layers (models/common/scan.py): the stack's linears (named like one block's,
+    `layers.attention.wq`) get stacked adapters, every layer the same targets, and the block
+    template that the scan body runs gets one layer's adapters with the hook. Outside the stack
+    (the output projection) adapters are as unrolled."""
+    _check_rank(cfg)
+    names = target_names(model, cfg.target_modules)
+    stack = model.layers
+    for name in names:
+        linear = model.get_submodule(name)
+        _check_layer_rank(cfg, name, linear)
+        if name.startswith("layers."):
+            _add_adapter(linear, settings, n_layers=stack.n_layers)
+            _add_adapter(stack._block_fn.template.get_submodule(name[len("layers."):]), settings, mode_of=model)
+        else:
+            _add_adapter(linear, settings)
     return names

@@ -181,6 +181,7 @@ class _Setting:
     gather: str  # "model" or "layer": what the plan assumes (parallel/plan_terms.py Layout.gather)
     code_gather: str  # what the code does with this config (`code_gather`)
     adapter_params: int = 0  # LoRA's adapter elements (the trained ones under LoRA); 0 without LoRA
+    adapted: tuple[tuple[str, int], ...] = ()  # LoRA's adapted linears: (unrolled name, in_features)
 
     @property
     def ac(self) -> str:
@@ -348,22 +349,24 @@ def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measu
                     # captured CPU/CUDA steps send the all-to-all's static buffer whole; TPU's is ragged
                     ep_padded=cfg.training.mode == "graph" and hardware.name not in TPU_NAMES)
     return _Setting(cfg=cfg, label=spec.label, args=args, hardware=hardware, devices=devices, layout=layout,
-                    dtype=dtype, gather=gather, code_gather=code, adapter_params=_adapter_params(cfg, args))
+                    dtype=dtype, gather=gather, code_gather=code, **_adapters(cfg, args))
 
 
-def _adapter_params(cfg: Config, args) -> int:
-    """LoRA's adapter elements, counted on the model built on the meta device (no memory)."""
+def _adapters(cfg: Config, args) -> dict:
+    """LoRA's adapter elements and adapted linears, read off the unrolled model built on the meta
+    device (no memory); nothing without LoRA."""
     if not cfg.lora.enabled:
-        return 0
+        return {}
     import torch
 
     from titan_tpu.models.common.transformer import Transformer
-    from titan_tpu.models.lora import apply_lora, is_adapter_key
+    from titan_tpu.models.lora import apply_lora, is_adapter_key, lora_modules
 
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(args, max_seq_len=cfg.training.seq_len))
         apply_lora(model, cfg.lora)
-    return sum(p.numel() for n, p in model.named_parameters() if is_adapter_key(n))
+    return {"adapter_params": sum(p.numel() for n, p in model.named_parameters() if is_adapter_key(n)),
+            "adapted": tuple((name, m.in_features) for name, m in lora_modules(model).items())}
 
 
 def _check_parallel_support(cfg: Config, args) -> None:
@@ -390,7 +393,29 @@ def _activations(s: _Setting) -> ActivationBytes:
                                          kv_dim=args.n_kv_heads * args.hd // tp, documents=cfg.data.document_mask,
                                          mask=mask)
         acts = dataclasses.replace(acts, saved_per_layer=tuple(saved + extra for saved in acts.saved_per_layer))
-    return acts
+    return _with_lora_activations(s, acts) if s.lora else acts
+
+
+def _with_lora_activations(s: _Setting, acts: ActivationBytes) -> ActivationBytes:
+    """What LoRA changes in the saved activations (models/lora.py; measured with autograd's
+    saved-tensor hooks on llama3 debug). Each adapted linear keeps its rank-wide intermediate
+    A x for B's gradient, and with dropout its dropped input and the mask; each RMSNorm, its scale
+    frozen, no longer keeps input * rstd (only the scale's gradient reads it; eager autograd, without
+    checkpointing: scan's partitioner does not keep it anyway). Under full checkpointing a block keeps
+    its input only, as without LoRA."""
+    if s.ac == "full":
+        return acts
+    tokens, dtype_bytes, lora = s.tokens // s.cfg.parallelism.cp, s.layout.compute_bytes, s.cfg.lora
+    frozen_norm = s.args.dim * dtype_bytes * tokens if s.ac == "none" and not s.partitioned else 0
+
+    def adapters(prefix: str) -> int:
+        per_token = sum(lora.rank * dtype_bytes + (in_features * (dtype_bytes + 1) if lora.dropout > 0 else 0)
+                        for name, in_features in s.adapted if name.startswith(prefix))
+        return per_token * tokens
+
+    saved = tuple(int(b + adapters(f"layers.{i}.") - 2 * frozen_norm) for i, b in enumerate(acts.saved_per_layer))
+    head = int(acts.head + adapters("output") - frozen_norm)
+    return dataclasses.replace(acts, saved_per_layer=saved, head=head)
 
 
 def _loss_bytes(s: _Setting) -> tuple[float, float]:

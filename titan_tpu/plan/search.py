@@ -13,6 +13,7 @@ The space (each knob at the values below; `keep` holds a knob at the config's va
     parallelism.dp_replicate x dp_shard  every factorisation of the devices (of devices / (tp x cp):
                                       parallelism.tp and cp are held at the config's values)
     parallelism.ep                    divisors of the experts (MoE models)
+    lora.enabled                      true, only where no full fine-tuning candidate fits (below)
 
 Every candidate is a real Config (the config's own validation runs on it) planned by
 `plan_config`; nothing here estimates anything the planner does not. A candidate is rejected for
@@ -22,6 +23,12 @@ planner's peak over the device's). The planner cannot tell apart what it does no
 overhead per micro-batch, compile time, scan's steady-state cost): candidates within TIE of the
 best rate are ordered by fewer micro-batches, then fewer changes to the config, then lower peak
 memory.
+
+LoRA changes what a run trains (the base frozen, a low-rank update learned), so the search never
+trades full fine-tuning for it on speed: a config with lora.enabled is searched as LoRA, and one
+without it is searched as full fine-tuning. Only when no full fine-tuning candidate fits does the
+search plan the same space again with lora.enabled true (the config's [lora] rank and targets) and
+rank those, saying so; `--keep lora.enabled` turns that fallback off.
 """
 
 from __future__ import annotations
@@ -43,12 +50,12 @@ __all__ = ["KNOBS", "Candidate", "SearchResult", "search", "format_search"]
 
 # The searched config keys (what `keep` accepts).
 KNOBS = ("activation_checkpoint.mode", "model.scan_layers", "parallelism.reshard_after_forward",
-         "parallelism.bucket_mb", "training.batch_size", "parallelism.dp_replicate", "parallelism.ep")
+         "parallelism.bucket_mb", "training.batch_size", "parallelism.dp_replicate", "parallelism.ep", "lora.enabled")
 # Every key a candidate sets, in the order its overrides are printed: dp_shard goes with
 # dp_replicate, grad_accum_steps with batch_size.
 _SET = ("activation_checkpoint.mode", "model.scan_layers", "training.batch_size", "training.grad_accum_steps",
         "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.ep", "parallelism.reshard_after_forward",
-        "parallelism.bucket_mb")
+        "parallelism.bucket_mb", "lora.enabled")
 BUCKETS_MB = (0.0, 25.0, 256.0)
 TIE = 0.005  # predicted rates this close (relative) are a tie: the planner cannot tell them apart
 
@@ -64,7 +71,8 @@ class Candidate:
 
     def describe(self) -> str:
         v = self.values
-        text = (f"AC {v['activation_checkpoint.mode']}, {'scanned' if v['model.scan_layers'] else 'unrolled'}, "
+        text = (f"{'LoRA, ' if v['lora.enabled'] else ''}AC {v['activation_checkpoint.mode']}, "
+                f"{'scanned' if v['model.scan_layers'] else 'unrolled'}, "
                 f"micro-batch {v['training.batch_size']} x accum {v['training.grad_accum_steps']}")
         r, s = v["parallelism.dp_replicate"], v["parallelism.dp_shard"]
         if r * s > 1:  # the layout's knobs act only on several devices
@@ -87,6 +95,8 @@ class SearchResult:
     sequences_per_device: int
     seq_len: int
     tp: int = 1  # held at the config's value; sequences_per_device are then per data-parallel rank
+    lora_fallback: bool = False  # no full fine-tuning candidate fit: `fitting` are LoRA's (module docstring)
+    lora_rank: int = 0  # the config's lora.rank, which the fallback plans with
     fitting: list = field(default_factory=list)  # Candidates, best first
     rejected: dict = field(default_factory=dict)  # reason -> [Candidate]
 
@@ -149,7 +159,8 @@ def _space(cfg: Config, devices: int, keep: set[str]) -> list[dict]:
             out.append({"activation_checkpoint.mode": ac, "model.scan_layers": scan,
                         "parallelism.reshard_after_forward": reshard, "parallelism.bucket_mb": bucket,
                         "training.batch_size": b, "training.grad_accum_steps": max(per_device // b, 1),
-                        "parallelism.dp_replicate": r, "parallelism.dp_shard": s, "parallelism.ep": ep})
+                        "parallelism.dp_replicate": r, "parallelism.dp_shard": s, "parallelism.ep": ep,
+                        "lora.enabled": cfg.lora.enabled})
     return out
 
 
@@ -224,6 +235,14 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
             result.rejected.setdefault(c.reason, []).append(c)
         else:
             result.fitting.append(c)
+    if not result.fitting and not cfg.lora.enabled and "lora.enabled" not in keep:
+        # Full fine-tuning fits nowhere: the same space with LoRA (module docstring).
+        for values in _space(cfg, devices, set(keep)):
+            c = _candidate(cfg, {**values, "lora.enabled": True}, per_device=per_device, hardware=hardware,
+                           chips=chips)
+            if not c.reason:
+                result.fitting.append(c)
+        result.lora_fallback, result.lora_rank = bool(result.fitting), cfg.lora.rank
     if not result.fitting:
         raise ValueError(_nothing_fits(result))
     best = max(c.plan.tokens_per_s for c in result.fitting)
@@ -276,6 +295,9 @@ def format_search(result: SearchResult, *, top: int = 5) -> str:
              f"{f'tp {result.tp} held, ' if result.tp > 1 else ''}{result.sequences_per_device} sequences of "
              f"{result.seq_len} per {'data-parallel rank' if result.tp > 1 else 'device'} per step; "
              f"{result.total} candidates, {len(result.fitting)} fit"]
+    if result.lora_fallback:
+        lines.append(f"full fine-tuning fits in none of them; with LoRA (lora.rank {result.lora_rank}, "
+                     "the base frozen) these fit, ranked: LoRA trains an update, not every weight (docs/lora.md)")
     best = result.fitting[0].plan.tokens_per_s
     for i, c in enumerate(result.fitting[:top], 1):
         p = c.plan
@@ -303,7 +325,7 @@ def search_json(result: SearchResult, *, top: int = 5) -> str:
     return json.dumps({
         "hardware": dataclasses.asdict(result.hardware), "devices": result.devices,
         "sequences_per_device": result.sequences_per_device, "seq_len": result.seq_len, "tp": result.tp,
-        "candidates": result.total, "fitting": len(result.fitting),
+        "candidates": result.total, "fitting": len(result.fitting), "lora_fallback": result.lora_fallback,
         "best": [row(c) for c in result.fitting[:top]],
         "rejected": {reason: {"count": len(cands), "example": cands[0].describe(), "detail": cands[0].detail}
                      for reason, cands in result.rejected.items()},

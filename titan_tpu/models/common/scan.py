@@ -85,9 +85,6 @@ class StackedBlocks(nn.Module):
             for bname, b in list(module._buffers.items()):  # persistent per-layer state (MoE expert_bias)
                 if b is not None and bname not in module._non_persistent_buffers_set:
                     module._buffers[bname] = torch.empty((n_layers, *b.shape), dtype=b.dtype, device=b.device)
-        self.param_names = [n for n, _ in self.named_parameters()]
-        # What the body reads per layer: the parameters, then the persistent buffers.
-        self.state_names = self.param_names + [n for n, _ in _persistent_buffers(self)]
         block_fn = FunctionalBlock(make_block)
         assert block_fn.param_names == self.state_names
         object.__setattr__(self, "_make_block", make_block)  # a plain attribute, not a submodule
@@ -96,6 +93,17 @@ class StackedBlocks(nn.Module):
         self._body = checkpointed(block_fn, ac_mode)
         self._register_state_dict_hook(_split_layers_hook)
         self._register_load_state_dict_pre_hook(_stack_layers_hook, with_module=True)
+
+    @property
+    def param_names(self) -> list[str]:
+        """The stacked parameters' names, read each time: parameters added to the stack and its
+        template after construction (LoRA adapters, models/lora.py) count."""
+        return [n for n, _ in self.named_parameters()]
+
+    @property
+    def state_names(self) -> list[str]:
+        """What the body reads per layer: the parameters, then the persistent buffers."""
+        return self.param_names + [n for n, _ in _persistent_buffers(self)]
 
     # ------------------------------------------------------------------------------------------
     # forward
@@ -148,6 +156,8 @@ class StackedBlocks(nn.Module):
         scratch.to(dtype=some.dtype)
         scratch_state = {**dict(scratch.named_parameters()), **dict(_persistent_buffers(scratch))}
         own_state = {**dict(self.named_parameters()), **dict(_persistent_buffers(self))}
+        # Parameters the block does not make (LoRA adapters) are initialised by their owner.
+        own_state = {name: t for name, t in own_state.items() if name in scratch_state}
         for layer_id in range(self.n_layers):
             self._init_layer(scratch, layer_id)
             for name, t in own_state.items():
@@ -251,9 +261,11 @@ class _LinearSavingItsWeight(torch.autograd.Function):
         return x.matmul(w.t())
 
     @staticmethod
-    def backward(ctx, grad_y: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor, Tensor | None]:
         x, w = ctx.saved_tensors
-        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        grad_w = None
+        if ctx.needs_input_grad[1]:  # not for a frozen weight (LoRA's base)
+            grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
         return grad_y.matmul(w), grad_w
 
 
