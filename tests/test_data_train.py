@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from data_fixtures import conversations, make_docs, write_chat_tokenizer_dir, write_jsonl, write_parquet
-from dist_utils import require_multiprocess_marker
+from dist_utils import require_multiprocess_marker, train_on_ranks
 from test_train_dist import _wait_for
 
 from titan_tpu.config import build_config
@@ -154,10 +154,11 @@ def test_two_ranks_equal_one_and_reshard_with_a_chat_mixture(tmp_path, recipe):
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def run(nproc: int, out: Path, *extra: str) -> None:
-        launch = [sys.executable, "-m", "titan_tpu.train"] if nproc == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "titan_tpu.train"]
-        args = ["--config", str(recipe), "--output_dir", str(out), "--training.deterministic", "false", *extra]
+        args = ["--output_dir", str(out), "--training.deterministic", "false", *extra]
+        if nproc > 1:  # the same trainer on ranks forked from the fork server (torchrun is not the point here)
+            train_on_ranks(recipe, args, world_size=nproc)
+            return
+        launch = [sys.executable, "-m", "titan_tpu.train", "--config", str(recipe)]
         done = subprocess.run(launch + args, capture_output=True, text=True, timeout=300, env=env)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 

@@ -4,6 +4,7 @@ graph mode (scanned and unrolled, with activation checkpointing), balancing, FLO
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -387,10 +388,14 @@ def test_several_ranks_train_like_one_process(world, ep, mode, scan, load_balanc
     micro-batches."""
     from dist_utils import run_distributed
 
-    want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=world, steps=PARALLEL_STEPS)
+    want, want_biases = parallel_reference(load_balance, world)
     reference_model = build_model(tiny_args(load_balance=load_balance), seed=0)
-    results = run_distributed(_expert_parallel_worker, world_size=world, args=(mode, scan, ep, load_balance),
-                              timeout_s=400)
+    if (world, ep) == (2, 2):  # these runs are also the all-gather side of the all-to-all test: one spawn
+        results = [rank_results[EP2_CASES.index((mode, scan, ep, load_balance, "all_gather"))]
+                   for rank_results in ep2_runs()]
+    else:
+        results = run_distributed(_expert_parallel_worker, world_size=world, args=(mode, scan, ep, load_balance),
+                                  timeout_s=400)
     for result in results:
         assert result["local_experts"] == 4 // ep
         for (loss, aux), (w_loss, w_aux) in zip(result["losses"], losses(want)):
@@ -413,22 +418,22 @@ def test_several_ranks_train_like_one_process(world, ep, mode, scan, load_balanc
 
 @pytest.mark.multiprocess
 def test_expert_parallel_checkpoint_resumes_on_one_process(tmp_path, data_cache):
-    """torchrun, 2 ranks with --parallelism.ep 2: each rank saves its own experts; one process
-    resumes from that checkpoint (resharded to whole experts) and goes on."""
-    from test_train_dist import losses as run_losses, overrides, train as run_train
+    """2 ranks with --parallelism.ep 2 (forked: test_train_dist runs torchrun): each rank saves its
+    own experts; one process resumes from that checkpoint (resharded to whole experts) and goes on."""
+    from test_train_dist import losses as run_losses, overrides, train as run_train, train_forked
 
     from titan_tpu.train.checkpoint import load_full_state_dict
 
     run = tmp_path / "run"
     args = dict(model__name="qwen3_moe", checkpoint__interval=3)  # the debug flavor of qwen3_moe
-    first = run_train(2, overrides(run, data_cache, training__steps=6, training__batch_size=2,
-                                   parallelism__ep=2, **args))
-    assert "expert parallel: 2" in first.stdout
+    first = train_forked(2, overrides(run, data_cache, training__steps=6, training__batch_size=2,
+                                      parallelism__ep=2, **args))
+    assert "expert parallel: 2" in first
     saved = load_full_state_dict(run / "checkpoints" / "step-00000006")
     assert saved["layers.0.moe.experts.w1"].shape == (8, 128, 256)  # whole, gathered from both ranks
     done = run_train(1, overrides(run, data_cache, training__batch_size=4, **args))
     assert "resumed from" in done.stdout and "step-00000006" in done.stdout
-    assert sorted(run_losses(run)) == list(range(1, 21))
+    assert sorted(run_losses(run)) == list(range(1, 11))  # test_train_dist.overrides: 10 steps
 
 
 def _several_cases_worker(cases: list[tuple]) -> list[dict]:
@@ -436,9 +441,26 @@ def _several_cases_worker(cases: list[tuple]) -> list[dict]:
     return [_expert_parallel_worker(*case) for case in cases]
 
 
+@functools.cache
+def parallel_reference(load_balance: str, micro_batches: int):
+    """One process taking the world's rows as micro-batches: shared by every test comparing with it."""
+    return train(tiny_args(load_balance=load_balance), micro_batches=micro_batches, steps=PARALLEL_STEPS)
+
+
 A2A_CASES = [("eager", False, 2, "aux_loss"), ("eager", False, 2, "expert_bias"),
              ("aot_eager", True, 2, "expert_bias"), ("aot_eager", False, 2, "aux_loss")]
 COMPARED_WITH_ALL_GATHER = (0, 2)  # an eager and a captured case (more would only add spawn time)
+# Every 2-rank ep 2 run, in one spawn: the all-to-all cases, then the all-gather ones (those
+# test_several_ranks_train_like_one_process checks against one process and this test against all-to-all).
+EP2_CASES = [case + ("all_to_all",) for case in A2A_CASES] + \
+    [A2A_CASES[i] + ("all_gather",) for i in COMPARED_WITH_ALL_GATHER]
+
+
+@functools.cache
+def ep2_runs() -> list[list[dict]]:
+    from dist_utils import run_distributed
+
+    return run_distributed(_several_cases_worker, world_size=2, args=(EP2_CASES,), timeout_s=900)
 
 
 @pytest.mark.multiprocess
@@ -446,13 +468,9 @@ def test_all_to_all_dispatch_trains_like_one_process_and_like_all_gather():
     """--parallelism.ep_dispatch all_to_all (each token only to the ranks of its experts; exact
     split sizes in eager mode, a static worst-case buffer when captured) on 2 ranks with ep 2
     equals one process with 2 micro-batches, and the all-gather dispatch, step by step."""
-    from dist_utils import run_distributed
-
-    cases = [case + ("all_to_all",) for case in A2A_CASES] + \
-        [A2A_CASES[i] + ("all_gather",) for i in COMPARED_WITH_ALL_GATHER]
-    results = run_distributed(_several_cases_worker, world_size=2, args=(cases,), timeout_s=900)
+    results = ep2_runs()
     for i, (mode, scan, ep, load_balance) in enumerate(A2A_CASES):
-        want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=2, steps=PARALLEL_STEPS)
+        want, want_biases = parallel_reference(load_balance, 2)
         for rank_results in results:
             a2a = rank_results[i]
             for (loss, aux), (w_loss, w_aux) in zip(a2a["losses"], losses(want)):
