@@ -237,3 +237,53 @@ def test_bad_mla_args_are_one_line_errors():
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="n_kv_heads = n_heads"):
         dataclasses.replace(tiny_args(), n_kv_heads=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the command line: eval of an HF directory, training from it, export of the trained run
+# ---------------------------------------------------------------------------------------------
+
+
+def test_eval_hf_dir_runs_natively_training_starts_from_it_and_exports_back(tmp_path, train_overrides, capsys):
+    import json
+
+    import torch.nn.functional as F
+
+    from titan_tpu.cli import main
+    from titan_tpu.train.checkpoint import load_checkpoint
+
+    debug = get_model_args("deepseek_v3", "debug")
+    hf = random_hf_model(dataclasses.replace(debug, max_seq_len=128))
+    with torch.no_grad():  # small weights again, so that training from them is sane
+        for p in hf.parameters():
+            p.mul_(0.1) if p.ndim > 1 else p.fill_(1.0)
+    hf.save_pretrained(tmp_path / "hf")
+
+    g = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (7, 30)]
+    (tmp_path / "tokens.json").write_text(json.dumps(sequences))
+    assert main(["eval", "--hf-dir", str(tmp_path / "hf"), "--token-file", str(tmp_path / "tokens.json"),
+                 "--device", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["backend"] == "native"
+    with torch.no_grad():
+        want = [F.cross_entropy(hf(input_ids=torch.tensor([s[:-1]])).logits[0], torch.tensor(s[1:])).item()
+                for s in sequences]
+    assert result["per_sequence_loss"] == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+    config = "configs/deepseek_v3_debug.toml"
+    code = main(["train", "--config", config, *train_overrides(
+        training__steps=2, validation__enabled="false", checkpoint__initial_load_path=str(tmp_path / "hf"))])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"initial weights loaded from {tmp_path / 'hf'}" in out
+
+    assert main(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "export")]) == 0
+    state = load_checkpoint(tmp_path / "run/checkpoints/step-00000002")
+    trained = build_model(debug)
+    trained.load_state_dict(state["model"])
+    assert any(b.abs().sum() > 0 for n, b in trained.named_buffers() if n.endswith("expert_bias"))  # it moved
+    reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="sdpa")
+    tokens = torch.randint(0, 2048, (1, 32), generator=g)
+    with torch.no_grad():
+        assert_close(reloaded.eval()(input_ids=tokens).logits, trained(tokens))
