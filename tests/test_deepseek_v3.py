@@ -317,3 +317,77 @@ def test_planner_activation_terms_are_close_to_autograd(q_lora_rank):
             assert measured == predicted
         else:
             assert predicted <= measured <= 1.03 * predicted
+
+
+# ---------------------------------------------------------------------------------------------
+# Several ranks: SimpleFSDP, and expert parallelism with the all-to-all dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+PARALLEL_STEPS = 20
+PARALLEL_CASES = [("eager", 1, "expert_bias"), ("eager", 2, "expert_bias"), ("eager", 2, "aux_loss"),
+                  ("aot_eager", 2, "expert_bias")]  # (mode, ep, moe.load_balance); ep 2 by all_to_all
+
+
+def _parallel_worker(cases: list[tuple]) -> list[dict]:
+    import torch.distributed as dist
+
+    from titan_tpu.models.common.transformer import Transformer
+    from titan_tpu.parallel.expert_parallel import make_dispatch
+    from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
+    from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+
+    out = []
+    for mode, ep, load_balance in cases:
+        args = tiny_args(load_balance=load_balance)
+        world = dist.get_world_size()
+        dims = ParallelDims(dp_shard=world, world_size=world, ep=ep)
+        mesh, expert_mesh = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
+        rank, size = dp_rank_and_size(mesh)
+        with torch.device("meta"):
+            model = Transformer(args)
+        model = materialize_and_init(model, mesh, mode="fully_shard", mp=MixedPrecision(),
+                                     device=torch.device("cpu"), seed=0, expert_mesh=expert_mesh)
+        if expert_mesh is not None:
+            model.expert_dispatch.dispatch = make_dispatch(expert_mesh, "all_to_all")
+        opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+        g = torch.Generator().manual_seed(2)
+        data = [torch.randint(0, args.vocab_size, (4, 33), generator=g) for _ in range(PARALLEL_STEPS)]
+        rows = 4 // size
+        batches = [(t[rank * rows:(rank + 1) * rows, :-1].contiguous(),
+                    t[rank * rows:(rank + 1) * rows, 1:].contiguous()) for t in data]
+        if mode == "eager":
+            step = EagerStep(model, opt, max_norm=1.0, dp_size=size)
+        else:
+            from titan_tpu.graph import GraphStep
+
+            step = GraphStep(model, opt, max_norm=1.0, example_batch=batches[0], backend=mode, dp_size=size)
+        results = [step([b], 2e-3) for b in batches]
+        out.append({"losses": [(r.loss, r.aux_loss) for r in results], "loads": [r.expert_load for r in results],
+                    "biases": {n: b.clone() for n, b in model.named_buffers() if "expert_bias" in n},
+                    "local_experts": model.layers["1"].moe.experts.w1.to_local().shape[0]
+                    if hasattr(model.layers["1"].moe.experts.w1, "to_local")
+                    else model.layers["1"].moe.experts.w1.shape[0]})
+    return out
+
+
+@pytest.mark.multiprocess
+def test_simple_fsdp_and_all_to_all_expert_parallel_train_like_one_process():
+    """2 ranks, 20 steps: SimpleFSDP alone, and with ep 2 by the all-to-all dispatch (each rank 4
+    of the 8 experts; with and without the balancing bias, eager and captured) equal one process
+    taking the same rows as 2 micro-batches: losses within 1e-5, the same routing, biases."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_parallel_worker, world_size=2, args=(PARALLEL_CASES,), timeout_s=900)
+    for i, (mode, ep, load_balance) in enumerate(PARALLEL_CASES):
+        want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=2, steps=PARALLEL_STEPS)
+        for rank_results in results:
+            got = rank_results[i]
+            for (loss, aux), w in zip(got["losses"], want):
+                assert abs(loss - w.loss) <= 1e-5 and abs(aux - w.aux_loss) <= 1e-5, (mode, ep, load_balance)
+            for load, w in zip(got["loads"], want):
+                assert torch.equal(load, w.expert_load)
+            assert got["biases"].keys() == want_biases.keys()
+            for name, bias in got["biases"].items():
+                torch.testing.assert_close(bias, want_biases[name], rtol=0, atol=1e-6)
+            assert got["local_experts"] == 8 // ep or ep == 1
