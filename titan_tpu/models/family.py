@@ -48,3 +48,6 @@ class Family:
     hf: HFMapping
     qk_norm: bool = False  # RMSNorm over head_dim on q and k (HF configs have no flag: the family decides)
     moe: bool = False  # a mixture-of-experts feed-forward (TransformerArgs.moe set)
+    # HF's router has a per-expert choice bias (DeepSeek-V3's e_score_correction_bias): models
+    # trained with moe.load_balance expert_bias export it.
+    router_bias: bool = False

@@ -62,10 +62,12 @@ def model_args_from_hf_config(config: dict) -> tuple[str, TransformerArgs]:
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
         )
+    elif rope_type == "yarn":
+        scaling = _yarn_scaling(rope, config)
     elif rope_type == "default":
         scaling = None
     else:
-        raise ValueError(f"HF config has rope type {rope_type!r}; supported: 'default', 'llama3'")
+        raise ValueError(f"HF config has rope type {rope_type!r}; supported: 'default', 'llama3', 'yarn'")
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim")
     # Llama flavors leave head_dim implicit; keep it explicit only where it matters.
@@ -88,6 +90,34 @@ def model_args_from_hf_config(config: dict) -> tuple[str, TransformerArgs]:
         **family.hf.args_from_config(config),
     )
     return family.name, args
+
+
+def _yarn_scaling(rope: dict, config: dict) -> RopeScaling:
+    """YaRN's keys (DeepSeek-V3), with transformers' defaults for the absent ones."""
+    if rope.get("attention_factor") is not None:
+        raise ValueError("HF config sets rope attention_factor; only YaRN's derived one (mscale, mscale_all_dim) "
+                         "is supported")
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor")
+    return RopeScaling(rope_type="yarn", original_max_position_embeddings=original,
+                       factor=float(factor if factor is not None else config["max_position_embeddings"] / original),
+                       beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                       mscale=float(rope.get("mscale") or 0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+                       truncate=bool(rope.get("truncate", True)))
+
+
+def _rope_scaling_config(s: RopeScaling | None) -> dict | None:
+    """config.json's rope_scaling (transformers 4.x form) for the native scaling."""
+    if s is None:
+        return None
+    if s.rope_type == "yarn":
+        out = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings":
+               s.original_max_position_embeddings, "beta_fast": s.beta_fast, "beta_slow": s.beta_slow}
+        out.update({k: v for k, v in (("mscale", s.mscale), ("mscale_all_dim", s.mscale_all_dim)) if v})
+        return out if s.truncate else {**out, "truncate": False}
+    return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings}
 
 
 def _family_of(config: dict) -> Family:
@@ -117,7 +147,7 @@ def hf_config_from_model_args(
         raise ValueError(f"model {name!r} with qk_norm={args.qk_norm} has no HF equivalent")
     if (args.moe is not None) != family.moe:
         raise ValueError(f"model {name!r} with moe={args.moe} has no HF equivalent")
-    if args.moe is not None and args.moe.load_balance == "expert_bias":
+    if args.moe is not None and args.moe.load_balance == "expert_bias" and not family.router_bias:
         raise ValueError("a model trained with moe.load_balance expert_bias routes with a per-expert bias that "
                          "Hugging Face's Qwen3-MoE does not have; export models trained with aux_loss or none")
     s = args.rope_scaling
@@ -134,13 +164,7 @@ def hf_config_from_model_args(
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_scaling": None if s is None else {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        },
+        "rope_scaling": _rope_scaling_config(s),
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
@@ -161,6 +185,8 @@ def hf_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
     shapes = {hf_name: native[native_name] for hf_name, native_name in _name_pairs(args)}
     for hf_name, native_name, expert in _expert_names(args):
         shapes[hf_name] = native[native_name][1:]
+    for hf_name in _zero_router_biases(args):
+        shapes[hf_name] = (args.moe.num_experts,)
     return shapes
 
 
@@ -199,10 +225,13 @@ def native_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
     shapes = {"tok_embeddings.weight": (args.vocab_size, d)}
     for i in range(args.n_layers):
         p = f"layers.{i}."
-        shapes[p + "attention.wq.weight"] = (args.n_heads * hd, d)
-        shapes[p + "attention.wk.weight"] = (args.n_kv_heads * hd, d)
-        shapes[p + "attention.wv.weight"] = (args.n_kv_heads * hd, d)
-        shapes[p + "attention.wo.weight"] = (d, args.n_heads * hd)
+        if args.mla is not None:
+            shapes.update(_mla_shapes(args, p + "attention."))
+        else:
+            shapes[p + "attention.wq.weight"] = (args.n_heads * hd, d)
+            shapes[p + "attention.wk.weight"] = (args.n_kv_heads * hd, d)
+            shapes[p + "attention.wv.weight"] = (args.n_kv_heads * hd, d)
+            shapes[p + "attention.wo.weight"] = (d, args.n_heads * hd)
         if args.qk_norm:
             shapes[p + "attention.q_norm.weight"] = (hd,)
             shapes[p + "attention.k_norm.weight"] = (hd,)
@@ -212,6 +241,13 @@ def native_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
             shapes[p + "moe.experts.w1"] = (m.num_experts, m.hidden_dim, d)
             shapes[p + "moe.experts.w2"] = (m.num_experts, d, m.hidden_dim)
             shapes[p + "moe.experts.w3"] = (m.num_experts, m.hidden_dim, d)
+            if m.num_shared_experts:
+                shared = m.num_shared_experts * m.hidden_dim
+                shapes[p + "moe.shared_experts.w1.weight"] = (shared, d)
+                shapes[p + "moe.shared_experts.w2.weight"] = (d, shared)
+                shapes[p + "moe.shared_experts.w3.weight"] = (shared, d)
+            if m.load_balance == "expert_bias" and m.score_func == "sigmoid":  # HF's e_score_correction_bias
+                shapes[p + "moe.expert_bias"] = (m.num_experts,)
         else:
             shapes[p + "feed_forward.w1.weight"] = (f, d)
             shapes[p + "feed_forward.w2.weight"] = (d, f)
@@ -224,6 +260,42 @@ def native_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _mla_shapes(args: TransformerArgs, p: str) -> dict[str, tuple[int, ...]]:
+    """Native shapes of one MLA layer (models/common/mla.py), names under `p`."""
+    m, d, H = args.mla, args.dim, args.n_heads
+    shapes = {}
+    if m.q_lora_rank:
+        shapes[p + "wq_a.weight"] = (m.q_lora_rank, d)
+        shapes[p + "q_norm.weight"] = (m.q_lora_rank,)
+        shapes[p + "wq_b.weight"] = (H * m.qk_head_dim, m.q_lora_rank)
+    else:
+        shapes[p + "wq.weight"] = (H * m.qk_head_dim, d)
+    shapes[p + "wkv_a.weight"] = (m.kv_lora_rank + m.qk_rope_head_dim, d)
+    shapes[p + "kv_norm.weight"] = (m.kv_lora_rank,)
+    shapes[p + "wkv_b.weight"] = (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    shapes[p + "wo.weight"] = (d, H * m.v_head_dim)
+    return shapes
+
+
+# MLA's (HF suffix under self_attn., native suffix under attention.); the query's depend on q_lora_rank.
+_MLA_QUERY_NAMES = [("q_proj.weight", "wq.weight")]
+_MLA_LORA_QUERY_NAMES = [("q_a_proj.weight", "wq_a.weight"), ("q_a_layernorm.weight", "q_norm.weight"),
+                         ("q_b_proj.weight", "wq_b.weight")]
+_MLA_KV_NAMES = [("kv_a_proj_with_mqa.weight", "wkv_a.weight"), ("kv_a_layernorm.weight", "kv_norm.weight"),
+                 ("kv_b_proj.weight", "wkv_b.weight"), ("o_proj.weight", "wo.weight")]
+_SHARED_EXPERT_NAMES = [("gate_proj.weight", "w1.weight"), ("up_proj.weight", "w3.weight"),
+                        ("down_proj.weight", "w2.weight")]
+
+
+def _zero_router_biases(args: TransformerArgs) -> list[str]:
+    """HF names of the router biases a sigmoid-routed model without expert_bias exports as zeros
+    (transformers' DeepSeek-V3 always has e_score_correction_bias)."""
+    m = args.moe
+    if m is None or m.score_func != "sigmoid" or m.load_balance == "expert_bias":
+        return []
+    return [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in range(args.n_layers) if args.is_moe_layer(i)]
+
+
 def _name_pairs(args: TransformerArgs) -> list[tuple[str, str]]:
     """(HF name, native name) for every tensor mapped one to one (experts: `_expert_names`); for
     tied models lm_head maps to nothing ("")."""
@@ -234,9 +306,21 @@ def _name_pairs(args: TransformerArgs) -> list[tuple[str, str]]:
                 continue
             if hf_suffix.startswith("mlp.") and args.is_moe_layer(i):
                 continue
+            if hf_suffix.startswith("self_attn.") and args.mla is not None:
+                continue
             pairs.append((f"model.layers.{i}.{hf_suffix}", f"layers.{i}.{native_suffix}"))
+        if args.mla is not None:
+            query = _MLA_LORA_QUERY_NAMES if args.mla.q_lora_rank else _MLA_QUERY_NAMES
+            pairs += [(f"model.layers.{i}.self_attn.{hf}", f"layers.{i}.attention.{native}")
+                      for hf, native in query + _MLA_KV_NAMES]
         if args.is_moe_layer(i):
             pairs.append((f"model.layers.{i}.mlp.gate.weight", f"layers.{i}.moe.router.gate.weight"))
+            m = args.moe
+            if m.num_shared_experts:
+                pairs += [(f"model.layers.{i}.mlp.shared_experts.{hf}", f"layers.{i}.moe.shared_experts.{native}")
+                          for hf, native in _SHARED_EXPERT_NAMES]
+            if m.load_balance == "expert_bias" and m.score_func == "sigmoid":
+                pairs.append((f"model.layers.{i}.mlp.gate.e_score_correction_bias", f"layers.{i}.moe.expert_bias"))
     pairs.append(("model.norm.weight", "norm.weight"))
     pairs.append(("lm_head.weight", "" if args.tie_embeddings else "output.weight"))
     return pairs
@@ -280,7 +364,10 @@ def _interleaved_to_rotate_half(w: Tensor, n_heads: int) -> Tensor:
 
 
 def _permute(native_name: str, args: TransformerArgs):
-    """(heads to permute over) for tensors whose rows follow RoPE's layout, else None."""
+    """(heads to permute over) for tensors whose rows follow RoPE's layout, else None. MLA's
+    RoPE parts are interleaved in DeepSeek's layout too (transformers' rope_interleave): none."""
+    if args.mla is not None:
+        return None
     if native_name.endswith("attention.wq.weight"):
         return args.n_heads
     if native_name.endswith("attention.wk.weight"):
@@ -300,6 +387,12 @@ def from_hf_state_dict(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[
     pairs = _name_pairs(args)
     experts = _expert_names(args)
     hf_sd = _unfuse_experts(hf_sd, args) if experts else hf_sd
+    for name in _zero_router_biases(args):
+        bias = hf_sd.get(name)
+        if bias is not None and bool(bias.any()):
+            raise ValueError(f"{name} is not zero: the model routes with it; set model.moe_load_balance = "
+                             "\"expert_bias\" to keep it")
+        hf_sd = {k: v for k, v in hf_sd.items() if k != name}
     known = {hf for hf, _ in pairs} | {hf for hf, _, _ in experts}
     unexpected = [k for k in hf_sd if k not in known and not k.endswith("rotary_emb.inv_freq")]
     if unexpected:
@@ -350,6 +443,8 @@ def to_hf_state_dict(sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, 
         if native_name not in sd:
             raise ValueError(f"tensor {native_name!r} is missing from the native state dict")
         out[hf_name] = sd[native_name][expert].contiguous()
+    for hf_name in _zero_router_biases(args):
+        out[hf_name] = torch.zeros(args.moe.num_experts, dtype=torch.float32)
     return out
 
 

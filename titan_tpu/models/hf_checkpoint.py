@@ -106,6 +106,8 @@ def load_hf_checkpoint(hf_dir: str | Path) -> tuple[str, TransformerArgs, dict[s
             for key in f.keys():
                 if key.endswith("rotary_emb.inv_freq"):
                     continue  # derived buffer saved by old transformers versions
+                if args.mla is not None and key.startswith(f"model.layers.{args.n_layers}."):
+                    continue  # DeepSeek-V3's multi-token-prediction module: not part of the model here
                 if key not in known:
                     raise ValueError(
                         f"unexpected tensor {key!r} in {shard.name}; it does not belong to the "

@@ -6,12 +6,13 @@ import copy
 import torch
 
 from titan_tpu.kernels import KernelConfig
-from titan_tpu.models import llama3, qwen3, qwen3_moe
+from titan_tpu.models import deepseek_v3, llama3, qwen3, qwen3_moe
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
 from titan_tpu.models.family import Family
 
 # Every native family, by model.name: a new family is its module and one entry here.
-FAMILIES: dict[str, Family] = {family.name: family for family in (llama3.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (llama3.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
+                                                                   deepseek_v3.FAMILY)}
 MODEL_NAMES: tuple[str, ...] = tuple(FAMILIES)  # config.py's model.name choices, with "hf"
 MODEL_FLAVORS: dict[str, dict[str, TransformerArgs]] = {name: family.flavors for name, family in FAMILIES.items()}
 
@@ -54,6 +55,10 @@ def build_model(
 
 
 def _attention_params(args: TransformerArgs) -> int:
+    if args.mla is not None:
+        from titan_tpu.models.common.mla import mla_params
+
+        return mla_params(dim=args.dim, n_heads=args.n_heads, args=args.mla)
     attention = args.dim * args.hd * (2 * args.n_heads + 2 * args.n_kv_heads)  # wq, wo + wk, wv
     return attention + (2 * args.hd if args.qk_norm else 0)
 
@@ -67,7 +72,8 @@ def num_params(args: TransformerArgs, *, exclude_embedding: bool = False) -> int
     for layer_id in range(args.n_layers):
         if args.is_moe_layer(layer_id):
             moe = args.moe
-            feed_forward = d * moe.num_experts + moe.num_experts * 3 * d * moe.hidden_dim  # router + experts
+            # router + experts + shared experts
+            feed_forward = d * moe.num_experts + (moe.num_experts + moe.num_shared_experts) * 3 * d * moe.hidden_dim
         else:
             feed_forward = 3 * d * args.ffn_hidden_dim
         total += _attention_params(args) + feed_forward + 2 * d  # + attention_norm, ffn_norm
@@ -94,6 +100,10 @@ def flops_per_token(args: TransformerArgs, seq_len: int) -> float:
 
     ``6 * N + 6 * n_layers * n_heads * head_dim * seq_len``
 
+    With multi-head latent attention (DeepSeek-V3) N counts its projections, and the scores use
+    the query-key width while the weighted sum uses the value width: head_dim is their mean
+    (`attention_head_dim`). Shared experts count as active parameters of every token.
+
     * ``6 * N``: every weight matrix costs 2 FLOPs per token per parameter in the forward
       (a multiply and an add) and 4 in the backward (gradient w.r.t. input and w.r.t. weight).
       N is the non-embedding parameter count: the embedding lookup is a gather, not a matmul.
@@ -114,7 +124,15 @@ def flops_per_token(args: TransformerArgs, seq_len: int) -> float:
     n = num_active_params(args, exclude_embedding=True)
     if args.tie_embeddings:
         n += args.dim * args.vocab_size
-    return 6.0 * n + 6.0 * args.n_layers * args.n_heads * args.hd * seq_len
+    return 6.0 * n + 6.0 * args.n_layers * args.n_heads * attention_head_dim(args) * seq_len
+
+
+def attention_head_dim(args: TransformerArgs) -> float:
+    """The head width of the attention FLOP term: head_dim, or for multi-head latent attention
+    the mean of the query-key width (scores) and the value width (weighted sum)."""
+    if args.mla is not None:
+        return (args.mla.qk_head_dim + args.mla.v_head_dim) / 2
+    return args.hd
 
 
 def num_expert_params(args: TransformerArgs) -> int:

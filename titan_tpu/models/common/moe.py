@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from titan_tpu.kernels import KernelConfig
 from titan_tpu.kernels.grouped_mm import with_linear_layout
+from titan_tpu.models.common.feed_forward import FeedForward
 
 __all__ = ["EXPERT_MARKER", "LOAD_BALANCE", "ExpertDispatch", "ExpertDispatchSlot", "MoE", "MoEArgs",
            "aux_loss_from_stats", "updated_expert_bias"]
@@ -62,9 +63,30 @@ class MoEArgs:
     load_balance: str = "aux_loss"  # aux_loss | expert_bias | none
     aux_loss_coef: float = 0.001  # HF router_aux_loss_coef
     bias_update_rate: float = 0.001  # expert_bias step size
+    # DeepSeek-V3's router and shared experts (the defaults are Qwen3-MoE's: none of them).
+    score_func: str = "softmax"  # softmax | sigmoid (each expert's score on its own)
+    n_group: int = 1  # experts in n_group equal groups; a token picks topk_group groups first ...
+    topk_group: int = 1  # ... by the sum of each group's two best scores, then top_k experts within them
+    route_scale: float = 1.0  # routed outputs' weights times this (HF routed_scaling_factor)
+    num_shared_experts: int = 0  # a SwiGLU of width num_shared_experts * hidden_dim every token runs
 
     def __post_init__(self):
         self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"model moe.score_func must be softmax or sigmoid, got {self.score_func!r}")
+        for name in ("n_group", "topk_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model moe.{name} must be a positive integer, got {value!r}")
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
+            raise ValueError(f"model moe.n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and be "
+                             f">= moe.topk_group ({self.topk_group})")
+        if self.n_group > 1 and (self.num_experts // self.n_group < 2
+                                 or self.top_k > self.topk_group * self.num_experts // self.n_group):
+            raise ValueError(f"model moe.n_group ({self.n_group}) leaves groups of fewer than 2 experts or fewer "
+                             f"experts in topk_group groups than top_k ({self.top_k}); lower n_group")
+        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+            raise ValueError(f"model moe.num_shared_experts must be >= 0, got {self.num_shared_experts!r}")
         for name in ("num_experts", "top_k", "hidden_dim", "decoder_sparse_step"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -132,6 +154,9 @@ class MoE(nn.Module):
         self.dispatch_slot = dispatch_slot or ExpertDispatchSlot()
         self.router = Router(dim, args.num_experts)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        # DeepSeek's shared experts: one SwiGLU every token runs, beside the routed ones.
+        self.shared_experts = (FeedForward(dim=dim, hidden_dim=args.num_shared_experts * args.hidden_dim)
+                               if args.num_shared_experts else None)
         if args.load_balance == "expert_bias":
             self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
         else:
@@ -141,12 +166,7 @@ class MoE(nn.Module):
         """(output [B, S, D], statistics [2, E]: tokens per expert, router probability sums)."""
         E, k = self.args.num_experts, self.args.top_k
         x_TD = x_BSD.flatten(0, 1)
-        probs_TE = self.router.gate(x_TD).float().softmax(dim=-1)
-        scores_TE = probs_TE if self.expert_bias is None else probs_TE + self.expert_bias
-        chosen_TK = scores_TE.topk(k, dim=-1).indices
-        weights_TK = probs_TE.gather(1, chosen_TK)
-        if self.args.norm_topk_prob:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        chosen_TK, weights_TK, probs_TE = self._route(x_TD)
         weights_TK = weights_TK.to(x_BSD.dtype)
         # Statistics of this rank's own routing (before any dispatch).
         tokens_per_expert_E = _counts(chosen_TK.flatten(), E)
@@ -172,7 +192,42 @@ class MoE(nn.Module):
         h_NF = F.silu(linear(x_ND, w1, group_sizes_L)) * linear(x_ND, w3, group_sizes_L)
         y_ND = linear(h_NF, w2, group_sizes_L) * weights_MK.flatten()[order_N].unsqueeze(1)
         out_MD = torch.zeros_like(x_MD).index_add(0, token_N, y_ND)
-        return dispatch.combine(out_MD).view_as(x_BSD), stats_2E
+        out_BSD = dispatch.combine(out_MD).view_as(x_BSD)
+        if self.shared_experts is not None:
+            out_BSD = out_BSD + self.shared_experts(x_BSD)
+        return out_BSD, stats_2E
+
+    def _route(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(chosen experts [T, k], their weights [T, k] fp32, each token's probabilities [T, E] fp32
+        for the balancing statistics). softmax: Qwen3-MoE's routing above. sigmoid (DeepSeek-V3):
+        each expert's score is sigmoid(logit); with n_group > 1 a token first keeps the topk_group
+        groups whose two best scores (bias added) sum highest, then picks top_k experts among
+        them; the weights are the chosen scores, renormalised when norm_topk_prob (with
+        DeepSeek's 1e-20 guard), times route_scale. The probabilities for the statistics are the
+        scores normalised to sum to one per token (DeepSeek-V3's sequence-wise balance loss)."""
+        a, k = self.args, self.args.top_k
+        logits_TE = self.router.gate(x_TD).float()
+        if a.score_func == "softmax":
+            probs_TE = scores_TE = logits_TE.softmax(dim=-1)
+        else:
+            scores_TE = logits_TE.sigmoid()
+            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+        choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias
+        if a.n_group > 1:
+            T, E = choice_TE.shape
+            groups_TGX = choice_TE.view(T, a.n_group, E // a.n_group)
+            group_scores_TG = groups_TGX.topk(2, dim=-1).values.sum(dim=-1)
+            kept_TG = group_scores_TG.topk(a.topk_group, dim=-1).indices
+            mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter(1, kept_TG, True)
+            choice_TE = groups_TGX.masked_fill(~mask_TG.unsqueeze(-1), float("-inf")).view(T, E)
+        chosen_TK = choice_TE.topk(k, dim=-1).indices
+        weights_TK = scores_TE.gather(1, chosen_TK)
+        if a.norm_topk_prob:
+            guard = 1e-20 if a.score_func == "sigmoid" else 0.0
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + guard)
+        if a.route_scale != 1.0:
+            weights_TK = weights_TK * a.route_scale
+        return chosen_TK, weights_TK, probs_TE
 
     @torch.no_grad()
     def init_weights(self, *, std: float, depth_std: float) -> None:
@@ -180,6 +235,10 @@ class MoE(nn.Module):
         for w, s in ((self.router.gate.weight, std), (self.experts.w1, std), (self.experts.w3, depth_std),
                      (self.experts.w2, depth_std)):
             nn.init.trunc_normal_(w, mean=0.0, std=s, a=-3 * s, b=3 * s)
+        if self.shared_experts is not None:
+            sh = self.shared_experts
+            for w, s in ((sh.w1.weight, std), (sh.w3.weight, depth_std), (sh.w2.weight, depth_std)):
+                nn.init.trunc_normal_(w, mean=0.0, std=s, a=-3 * s, b=3 * s)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
 
@@ -208,8 +267,9 @@ def updated_expert_bias(bias_E: Tensor, load_E: Tensor, rate: float) -> Tensor:
 
 
 def active_params_per_token(*, dim: int, args: MoEArgs) -> int:
-    """Weights a token's forward touches in one MoE layer: the router and its top-k experts."""
-    return dim * args.num_experts + args.top_k * 3 * dim * args.hidden_dim
+    """Weights a token's forward touches in one MoE layer: the router, its top-k experts and the
+    shared experts."""
+    return dim * args.num_experts + (args.top_k + args.num_shared_experts) * 3 * dim * args.hidden_dim
 
 
 
@@ -222,11 +282,13 @@ def moe_saved_per_token(*, dim: int, args: MoEArgs, ep: int = 1) -> tuple[int, i
     the down projection's output and its weighted copy [D each], and the sort order (int64)."""
     k, rows = args.top_k, args.top_k * ep
     elements = rows * (3 * dim + 4 * args.hidden_dim)
+    elements += 4 * args.num_shared_experts * args.hidden_dim  # shared experts (feed_forward_saved_per_token)
     four_byte = args.num_experts + 1 + 2 * k + k + 4 * rows + rows  # probs, sum, chosen (int64), weights, order
     return elements, four_byte
 
 
 def moe_matmul_outputs_per_token(*, dim: int, args: MoEArgs) -> tuple[int, int]:
     """What selective checkpointing keeps of an MoE layer per token: the router's logits (fp32
-    count) — the grouped matmuls are not in its list of saved ops, so the experts are recomputed."""
-    return 0, args.num_experts
+    count) — the grouped matmuls are not in its list of saved ops, so the experts are recomputed —
+    and the shared experts' three matmul outputs."""
+    return (2 * args.num_shared_experts * args.hidden_dim + dim if args.num_shared_experts else 0), args.num_experts

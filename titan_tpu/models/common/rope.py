@@ -20,12 +20,63 @@ from titan_tpu.tracing import is_tracing
 
 @dataclass
 class RopeScaling:
-    """Llama 3.1 style frequency scaling (HF ``rope_type: "llama3"``)."""
+    """Frequency scaling: Llama 3.1's (HF ``rope_type: "llama3"``, the default) or YaRN's
+    (``rope_type: "yarn"``, DeepSeek-V3; the beta_* and mscale* fields are YaRN's only)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"  # llama3 | yarn
+    beta_fast: float = 32.0  # yarn: rotations above which frequencies are kept (extrapolated)
+    beta_slow: float = 1.0  # yarn: rotations below which frequencies are divided by factor
+    mscale: float = 0.0  # yarn: 0 = unset; with mscale_all_dim, cos/sin scale = m(mscale) / m(mscale_all_dim)
+    mscale_all_dim: float = 0.0  # yarn: 0 = unset; else the softmax scale gets m(mscale_all_dim)^2
+    truncate: bool = True  # yarn: round the correction range outwards to whole dimensions
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "yarn"):
+            raise ValueError(f"model rope_scaling.rope_type must be llama3 or yarn, got {self.rope_type!r}")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor` (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """What YaRN multiplies the RoPE table's cos and sin by (1 for every other kind), as
+    transformers derives it from factor, mscale and mscale_all_dim."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
+
+
+def softmax_scale_factor(scaling: RopeScaling | None) -> float:
+    """DeepSeek's correction of the softmax scale under YaRN: m(mscale_all_dim)^2 (1 without)."""
+    if scaling is None or scaling.rope_type != "yarn" or not scaling.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    divided by `factor`, those turning more than beta_fast times kept, a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        turns = s.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    return (inv_freq / s.factor) * (1 - keep) + inv_freq * keep
 
 
 def rope_inv_freq(*, head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -38,6 +89,8 @@ def rope_inv_freq(*, head_dim: int, theta: float, scaling: RopeScaling | None) -
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     # Llama 3.1: leave high frequencies alone, divide low frequencies by `factor`, and blend
     # smoothly in between. Wavelengths are measured against the original training context.
     old_len = scaling.original_max_position_embeddings
@@ -60,12 +113,15 @@ def rope_cache(
 
     Stored as real numbers (so dtype casts, meta tensors and checkpoints treat it like any other
     buffer) and viewed as unit complex numbers where it is applied.
-    Created on the current default device (meta under ``with torch.device("meta")``).
+    Created on the current default device (meta under ``with torch.device("meta")``). Under YaRN
+    both are multiplied by its attention factor (`rope_attention_factor`), as transformers does.
     """
     inv_freq = rope_inv_freq(head_dim=head_dim, theta=theta, scaling=scaling)
     positions = torch.arange(max_seq_len, dtype=torch.int64).float()
     angles_SP = torch.outer(positions, inv_freq)  # P = head_dim // 2 pairs
-    return torch.stack([angles_SP.cos(), angles_SP.sin()], dim=-1)
+    table = torch.stack([angles_SP.cos(), angles_SP.sin()], dim=-1)
+    factor = rope_attention_factor(scaling)
+    return table if factor == 1.0 else table * factor
 
 
 def rope_rows(table_SP2: torch.Tensor, seq_len: int, positions_BS: torch.Tensor | None = None) -> torch.Tensor:

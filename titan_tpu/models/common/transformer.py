@@ -21,12 +21,20 @@ from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.attention import Attention
 from titan_tpu.models.common.feed_forward import FeedForward
 from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
+from titan_tpu.models.common.mla import MLA, MLAArgs
 from titan_tpu.models.common.moe import ExpertDispatchSlot, MoE, MoEArgs, aux_loss_from_stats, updated_expert_bias
 from titan_tpu.models.common.norms import RMSNorm
-from titan_tpu.models.common.rope import RopeScaling, apply_rope, apply_rope_real, rope_cache, rope_rows
+from titan_tpu.models.common.rope import (
+    RopeScaling,
+    apply_rope,
+    apply_rope_real,
+    rope_cache,
+    rope_rows,
+    softmax_scale_factor,
+)
 from titan_tpu.models.common.scan import StackedBlocks
 
-__all__ = ["LossOutput", "MoEArgs", "RopeScaling", "TransformerArgs", "TransformerBlock", "Transformer"]
+__all__ = ["LossOutput", "MLAArgs", "MoEArgs", "RopeScaling", "TransformerArgs", "TransformerBlock", "Transformer"]
 
 
 class LossOutput(NamedTuple):
@@ -53,6 +61,9 @@ class TransformerArgs:
     tie_embeddings: bool = False  # True: no `output` module; logits use tok_embeddings.weight
     max_seq_len: int = 4096  # length of the RoPE table
     moe: MoEArgs | None = None  # mixture-of-experts feed-forward (Qwen3-MoE); ffn_hidden_dim serves dense layers
+    # Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention; head_dim is then
+    # its RoPE part (qk_rope_head_dim, the RoPE table's width) and n_kv_heads equals n_heads.
+    mla: MLAArgs | None = None
 
     def __post_init__(self):
         # Accept plain dicts for the nested args so TOML/JSON configs and checkpoints can spell them.
@@ -60,6 +71,13 @@ class TransformerArgs:
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if isinstance(self.moe, dict):
             self.moe = MoEArgs(**self.moe)
+        if isinstance(self.mla, dict):
+            self.mla = MLAArgs(**self.mla)
+        if self.mla is not None:
+            if self.head_dim not in (None, self.mla.qk_rope_head_dim) or self.n_kv_heads != self.n_heads:
+                raise ValueError(f"model mla needs head_dim = mla.qk_rope_head_dim ({self.mla.qk_rope_head_dim}) and "
+                                 f"n_kv_heads = n_heads ({self.n_heads}), got {self.head_dim} and {self.n_kv_heads}")
+            self.head_dim = self.mla.qk_rope_head_dim
         for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim",
                       "max_seq_len"):
             value = getattr(self, field)
@@ -113,16 +131,20 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: TransformerArgs, *, rope_fn=apply_rope, kernels: KernelConfig | None = None,
                  moe_layer: bool = False, dispatch_slot: ExpertDispatchSlot | None = None):
         super().__init__()
-        self.attention = Attention(
-            dim=args.dim,
-            n_heads=args.n_heads,
-            n_kv_heads=args.n_kv_heads,
-            head_dim=args.hd,
-            qk_norm=args.qk_norm,
-            norm_eps=args.norm_eps,
-            rope_fn=rope_fn,
-            kernels=kernels,
-        )
+        if args.mla is not None:
+            self.attention = MLA(dim=args.dim, n_heads=args.n_heads, args=args.mla, rope_fn=rope_fn, kernels=kernels,
+                                 softmax_scale_factor=softmax_scale_factor(args.rope_scaling))
+        else:
+            self.attention = Attention(
+                dim=args.dim,
+                n_heads=args.n_heads,
+                n_kv_heads=args.n_kv_heads,
+                head_dim=args.hd,
+                qk_norm=args.qk_norm,
+                norm_eps=args.norm_eps,
+                rope_fn=rope_fn,
+                kernels=kernels,
+            )
         if moe_layer:
             self.moe = MoE(dim=args.dim, args=args.moe, kernels=kernels, dispatch_slot=dispatch_slot)
             self.feed_forward = None
@@ -406,13 +428,18 @@ def _init_block(layer: TransformerBlock, *, layer_id: int) -> None:
     # layer_id is the position in the stack (layers "0".."L-1" today); deeper blocks start smaller.
     depth_std = 0.02 / math.sqrt(2 * (layer_id + 1))
     attn, ffn = layer.attention, layer.feed_forward
-    for linear in (attn.wq, attn.wk, attn.wv) + ((ffn.w1,) if ffn is not None else ()):
+    if isinstance(attn, MLA):
+        attn.init_weights(std=0.02, depth_std=depth_std)
+        attention_linears, attention_norms = (), ()
+    else:
+        attention_linears, attention_norms = (attn.wq, attn.wk, attn.wv), (attn.q_norm, attn.k_norm)
+    for linear in attention_linears + ((ffn.w1,) if ffn is not None else ()):
         _trunc_normal(linear.weight, 0.02)
-    for linear in (attn.wo,) + ((ffn.w2, ffn.w3) if ffn is not None else ()):
+    for linear in (() if isinstance(attn, MLA) else (attn.wo,)) + ((ffn.w2, ffn.w3) if ffn is not None else ()):
         _trunc_normal(linear.weight, depth_std)
     if layer.moe is not None:
         layer.moe.init_weights(std=0.02, depth_std=depth_std)
-    for norm in (layer.attention_norm, layer.ffn_norm, attn.q_norm, attn.k_norm):
+    for norm in (layer.attention_norm, layer.ffn_norm) + attention_norms:
         if norm is not None:
             norm.reset_parameters()
 
@@ -463,11 +490,17 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
         ac_mode = "none"
     if ac_mode == "full":
         if traced:
-            return (d + args.n_heads * args.hd) / tp, args.n_heads / tp
+            out = args.n_heads * (args.mla.v_head_dim if args.mla is not None else args.hd)
+            return (d + out) / tp, args.n_heads / tp
         return d / tp, 0
     if ac_mode == "selective":
-        elements, fp32 = attention_matmul_outputs_per_token(dim=d, n_heads=args.n_heads,
-                                                            n_kv_heads=args.n_kv_heads, head_dim=args.hd)
+        if args.mla is not None:
+            from titan_tpu.models.common.mla import mla_matmul_outputs_per_token
+
+            elements, fp32 = mla_matmul_outputs_per_token(dim=d, n_heads=args.n_heads, args=args.mla)
+        else:
+            elements, fp32 = attention_matmul_outputs_per_token(dim=d, n_heads=args.n_heads,
+                                                                n_kv_heads=args.n_kv_heads, head_dim=args.hd)
         if moe_layer:
             e, f = moe_matmul_outputs_per_token(dim=d, args=args.moe)
         else:
@@ -476,8 +509,13 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
             return (d + elements + e - 2 * d) / tp + 2 * d, (fp32 + f) / tp
         return d + elements + e, fp32 + f
     norm, norm_fp32 = rms_norm_saved_per_row(d, partitioned=partitioned)
-    elements, fp32 = attention_saved_per_token(n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                                               head_dim=args.hd, qk_norm=args.qk_norm, partitioned=partitioned)
+    if args.mla is not None:  # counted as eagerly (not measured partitioned)
+        from titan_tpu.models.common.mla import mla_saved_per_token
+
+        elements, fp32 = mla_saved_per_token(n_heads=args.n_heads, args=args.mla)
+    else:
+        elements, fp32 = attention_saved_per_token(n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                                                   head_dim=args.hd, qk_norm=args.qk_norm, partitioned=partitioned)
     if moe_layer:
         e, f = moe_saved_per_token(dim=d, args=args.moe, ep=ep)
     else:

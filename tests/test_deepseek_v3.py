@@ -1,0 +1,393 @@
+"""DeepSeek-V3: parity with transformers' DeepseekV3ForCausalLM (multi-head latent attention with
+and without the low-rank query, YaRN, group-limited sigmoid routing, shared experts, dense first
+layers), HF round trips through files, training in eager and graph mode, FLOPs, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from titan_tpu.models.common.mla import MLAArgs
+from titan_tpu.models.common.moe import MoEArgs
+from titan_tpu.models.common.rope import RopeScaling
+from titan_tpu.models.common.transformer import TransformerArgs
+from titan_tpu.models.registry import build_model, flops_per_token, get_model_args, num_active_params, num_params
+from titan_tpu.train.optim import AdamW
+from titan_tpu.train.step import EagerStep
+
+transformers = pytest.importorskip("transformers")
+
+from titan_tpu.models.hf_adapter import from_hf_state_dict, hf_config_from_model_args  # noqa: E402
+from titan_tpu.models.hf_checkpoint import load_model_from_hf, save_hf_checkpoint  # noqa: E402
+
+YARN = RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+                   mscale=0.8, mscale_all_dim=0.6)
+
+
+def tiny_args(*, q_lora_rank: int = 24, rope_scaling: RopeScaling | None = YARN, **moe) -> TransformerArgs:
+    """Every option on: dense layer 0, then MoE layers with 8 experts in 4 groups (top-2 groups,
+    top-3 experts), a shared expert, route scale, renormalised weights; MLA with a low-rank query
+    (q_lora_rank 0: without), YaRN with both mscales."""
+    moe_args = {"num_experts": 8, "top_k": 3, "hidden_dim": 32, "norm_topk_prob": True, "mlp_only_layers": (0,),
+                "load_balance": "expert_bias", "score_func": "sigmoid", "n_group": 4, "topk_group": 2,
+                "route_scale": 2.5, "num_shared_experts": 1, **moe}
+    return TransformerArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=128, ffn_hidden_dim=96,
+                           norm_eps=1e-6, rope_theta=10000.0, rope_scaling=rope_scaling, max_seq_len=64,
+                           moe=MoEArgs(**moe_args),
+                           mla=MLAArgs(q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=16,
+                                       qk_rope_head_dim=8, v_head_dim=12))
+
+
+def random_hf_model(args: TransformerArgs):
+    config = transformers.DeepseekV3Config(**hf_config_from_model_args("deepseek_v3", args))
+    config._attn_implementation = "sdpa"
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # strong random weights: a swapped projection or a wrong expert cannot hide
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():  # a non-zero choice bias: it must reach the routing
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    return model
+
+
+def tokens_for(args: TransformerArgs, batch: int = 2, seq: int = 40) -> torch.Tensor:
+    return torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def assert_close(actual, expected, tol=1e-5):
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * max(1.0, expected.abs().max().item()))
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, 0])
+@pytest.mark.parametrize("rope_scaling", [YARN, None], ids=["yarn", "plain_rope"])
+def test_logits_match_transformers_and_round_trip_through_files(q_lora_rank, rope_scaling, tmp_path):
+    args = tiny_args(q_lora_rank=q_lora_rank, rope_scaling=rope_scaling)
+    hf = random_hf_model(args)
+    tokens = tokens_for(args)
+    with torch.no_grad():
+        want = hf(input_ids=tokens).logits
+
+    # From transformers' in-memory state dict (fused experts).
+    model = build_model(args)
+    model.load_state_dict(from_hf_state_dict(hf.state_dict(), args), strict=True)
+    with torch.no_grad():
+        assert_close(model(tokens), want)
+
+    # From the directory save_pretrained writes.
+    hf.save_pretrained(tmp_path / "saved")
+    name, args2, model2 = load_model_from_hf(tmp_path / "saved")
+    assert name == "deepseek_v3" and args2.mla == args.mla and args2.rope_scaling == args.rope_scaling
+    assert dataclasses.replace(args2.moe, load_balance="expert_bias") == args.moe
+    with torch.no_grad():
+        assert_close(model2(tokens), want)
+
+    # Export: transformers loads it and computes the same logits; the state dict round trips exactly.
+    out_dir = save_hf_checkpoint(tmp_path / "exported", name="deepseek_v3", args=args, state_dict=model.state_dict())
+    reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(out_dir, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        assert_close(reloaded(input_ids=tokens).logits, want)
+    _, _, model3 = load_model_from_hf(out_dir)
+    for key, value in model.state_dict().items():
+        assert torch.equal(model3.state_dict()[key], value), key
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: eager, graph mode, activation checkpointing; balancing bias; scan's refusal
+# ---------------------------------------------------------------------------------------------
+
+
+def train(args, *, mode="eager", ac="none", steps=6, micro_batches=1):
+    model = build_model(args, seed=0, ac_mode=ac)
+    opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randint(0, args.vocab_size, (4, 33), generator=g) for _ in range(steps)]
+    rows = 4 // micro_batches
+    batches = [[(t[i:i + rows, :-1].contiguous(), t[i:i + rows, 1:].contiguous()) for i in range(0, 4, rows)]
+               for t in data]
+    if mode == "eager":
+        step = EagerStep(model, opt, max_norm=1.0)
+    else:
+        from titan_tpu.graph import GraphStep
+
+        step = GraphStep(model, opt, max_norm=1.0, example_batch=batches[0][0], backend=mode)
+    results = [step(b, 2e-3) for b in batches]
+    biases = {n: b.clone() for n, b in model.named_buffers() if "expert_bias" in n}
+    return results, biases
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {lb: train(tiny_args(load_balance=lb)) for lb in ("expert_bias", "aux_loss")}
+
+
+@pytest.mark.parametrize("load_balance", ["expert_bias", "aux_loss"])
+@pytest.mark.parametrize("mode, ac", [("eager", "full"), ("eager", "selective"), ("aot_eager", "none"),
+                                      ("aot_eager", "full")])
+def test_graph_mode_and_checkpointing_train_like_eager(reference, load_balance, mode, ac):
+    want, want_biases = reference[load_balance]
+    got, got_biases = train(tiny_args(load_balance=load_balance), mode=mode, ac=ac)
+    for a, b in zip(got, want):
+        assert abs(a.loss - b.loss) <= 1e-5 and abs(a.aux_loss - b.aux_loss) <= 1e-6
+        assert torch.equal(a.expert_load, b.expert_load)  # the same routing, step by step
+    assert got_biases.keys() == want_biases.keys()
+    for name, bias in got_biases.items():
+        torch.testing.assert_close(bias, want_biases[name], rtol=0, atol=1e-6)
+
+
+def test_the_bias_moves_and_the_aux_loss_counts(reference):
+    results, biases = reference["expert_bias"]
+    assert all(r.aux_loss == 0 for r in results)
+    assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases.values())  # the two MoE layers
+    aux_results, _ = reference["aux_loss"]
+    assert all(r.aux_loss > 0 for r in aux_results)  # sigmoid scores feed the balancing loss too
+
+
+def test_debug_flavor_trains_its_loss_down():
+    args = dataclasses.replace(get_model_args("deepseek_v3", "debug"), max_seq_len=64)
+    model = build_model(args, seed=0)
+    step = EagerStep(model, AdamW(dict(model.named_parameters())), max_norm=1.0)
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, 2048, (20, 8, 1), generator=g)
+    seqs = (starts + 3 * torch.arange(33)) % 2048  # a learnable rule
+    results = [step([(s[:, :-1], s[:, 1:])], 3e-3) for s in seqs]
+    assert results[-1].loss < results[0].loss - 1.0
+
+
+def test_scan_is_refused_for_the_dense_first_layers():
+    with pytest.raises(ValueError, match="mixes dense and MoE layers") as err:
+        build_model(tiny_args(), scan_layers=True)
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes, FLOPs, bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def test_flavors_have_the_published_sizes():
+    v3 = get_model_args("deepseek_v3", "671B")
+    assert round(num_params(v3) / 1e9) == 671 and round(num_active_params(v3) / 1e9, 1) == 37.6
+    moonlight = get_model_args("deepseek_v3", "16B")
+    assert round(num_params(moonlight) / 1e9) == 16 and round(num_active_params(moonlight) / 1e9, 1) == 2.9
+    for flavor in ("debug", "16B", "671B"):  # the count from args equals the built model's
+        args = get_model_args("deepseek_v3", flavor)
+        with torch.device("meta"):
+            from titan_tpu.models.common.transformer import Transformer
+
+            model = Transformer(args)
+        assert sum(p.numel() for p in model.parameters()) == num_params(args), flavor
+
+
+def test_flops_per_token_matches_a_count_from_the_model():
+    """FlopCounterMode over a forward + backward of the debug flavor. With torch's grouped GEMM
+    (a custom op the counter cannot see) it counts every 2-D weight's matmul and full
+    (non-causal) attention, QK^T at the query-key width and PV at the value width; with the
+    reference grouped matmul, which multiplies each routed row by all E experts, it counts the
+    routed rows E times more: the difference over E is the routed experts' FLOPs. The formula
+    counts causal attention once and the norms as parameters: the gap is exactly that."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from titan_tpu.kernels import KernelConfig
+
+    seq_len, batch = 64, 2
+    args = dataclasses.replace(get_model_args("deepseek_v3", "debug"), max_seq_len=seq_len)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    counted = {}
+    for impl in ("torch", "reference"):
+        model = build_model(args, seed=0, kernels=KernelConfig(grouped_mm=impl))
+        counter = FlopCounterMode(display=False)
+        with sdpa_kernel(SDPBackend.MATH), counter:
+            model(tokens).float().logsumexp(-1).mean().backward()
+        counted[impl] = counter.get_total_flops() / (batch * seq_len)
+
+    m, a = args.moe, args.mla
+    matmul_params = sum(p.numel() for name, p in model.named_parameters()
+                        if p.ndim == 2 and name != "tok_embeddings.weight")
+    full_attention = 6 * args.n_layers * args.n_heads * (a.qk_head_dim + a.v_head_dim) * seq_len
+    assert counted["torch"] == 6 * matmul_params + full_attention
+    routed = (counted["reference"] - counted["torch"]) / m.num_experts
+    assert routed == 6 * args.num_moe_layers * m.top_k * 3 * args.dim * m.hidden_dim
+    norm_params = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    gap = counted["torch"] + routed - flops_per_token(args, seq_len)
+    assert gap == pytest.approx(full_attention / 2 - 6 * norm_params, rel=1e-9)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(n_group=3), r"moe.n_group \(3\) must divide num_experts \(8\)"),
+    (dict(score_func="tanh"), "moe.score_func must be softmax or sigmoid"),
+    (dict(n_group=4, topk_group=1), "fewer experts in topk_group groups than top_k"),
+])
+def test_bad_router_args_are_one_line_errors(change, match):
+    with pytest.raises(ValueError, match=match) as err:
+        tiny_args(**change)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_mla_args_are_one_line_errors():
+    with pytest.raises(ValueError, match="mla.qk_rope_head_dim \\(7\\) must be even") as err:
+        MLAArgs(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=7, v_head_dim=8)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="n_kv_heads = n_heads"):
+        dataclasses.replace(tiny_args(), n_kv_heads=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the command line: eval of an HF directory, training from it, export of the trained run
+# ---------------------------------------------------------------------------------------------
+
+
+def test_eval_hf_dir_runs_natively_training_starts_from_it_and_exports_back(tmp_path, train_overrides, capsys):
+    import json
+
+    import torch.nn.functional as F
+
+    from titan_tpu.cli import main
+    from titan_tpu.train.checkpoint import load_checkpoint
+
+    debug = get_model_args("deepseek_v3", "debug")
+    hf = random_hf_model(dataclasses.replace(debug, max_seq_len=128))
+    with torch.no_grad():  # small weights again, so that training from them is sane
+        for p in hf.parameters():
+            p.mul_(0.1) if p.ndim > 1 else p.fill_(1.0)
+    hf.save_pretrained(tmp_path / "hf")
+
+    g = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (7, 30)]
+    (tmp_path / "tokens.json").write_text(json.dumps(sequences))
+    assert main(["eval", "--hf-dir", str(tmp_path / "hf"), "--token-file", str(tmp_path / "tokens.json"),
+                 "--device", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["backend"] == "native"
+    with torch.no_grad():
+        want = [F.cross_entropy(hf(input_ids=torch.tensor([s[:-1]])).logits[0], torch.tensor(s[1:])).item()
+                for s in sequences]
+    assert result["per_sequence_loss"] == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+    config = "configs/deepseek_v3_debug.toml"
+    code = main(["train", "--config", config, *train_overrides(
+        training__steps=2, validation__enabled="false", checkpoint__initial_load_path=str(tmp_path / "hf"))])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"initial weights loaded from {tmp_path / 'hf'}" in out
+
+    assert main(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "export")]) == 0
+    state = load_checkpoint(tmp_path / "run/checkpoints/step-00000002")
+    trained = build_model(debug)
+    trained.load_state_dict(state["model"])
+    assert any(b.abs().sum() > 0 for n, b in trained.named_buffers() if n.endswith("expert_bias"))  # it moved
+    reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="sdpa")
+    tokens = torch.randint(0, 2048, (1, 32), generator=g)
+    with torch.no_grad():
+        assert_close(reloaded.eval()(input_ids=tokens).logits, trained(tokens))
+
+
+@pytest.mark.parametrize("q_lora_rank", [128, 0])
+def test_planner_activation_terms_are_close_to_autograd(q_lora_rank):
+    """An MLA + MoE layer's saved tensors (the difference between a 3- and a 2-layer debug model,
+    layer 2 an MoE layer) against the planner's count: within 3% (RoPE's and the routing's
+    small pieces are not counted); with full checkpointing exactly the block input."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_planner import _saved_bytes
+
+    from titan_tpu.kernels import KernelConfig
+    from titan_tpu.models.common.transformer import activation_bytes
+
+    B, S = 2, 64
+    base = get_model_args("deepseek_v3", "debug")
+    for ac_mode in ("none", "full"):
+        sizes = {}
+        for n in (2, 3):
+            args = dataclasses.replace(base, n_layers=n, mla=dataclasses.replace(base.mla, q_lora_rank=q_lora_rank))
+            model = build_model(args, seed=0, ac_mode=ac_mode, kernels=KernelConfig(loss="reference"))
+            sizes[n] = _saved_bytes(model, torch.randint(0, args.vocab_size, (B, S)))
+        predicted = activation_bytes(args, tokens=B * S, ac_mode=ac_mode, dtype_bytes=4).saved_per_layer[2]
+        measured = sizes[3] - sizes[2]
+        if ac_mode == "full":
+            assert measured == predicted
+        else:
+            assert predicted <= measured <= 1.03 * predicted
+
+
+# ---------------------------------------------------------------------------------------------
+# Several ranks: SimpleFSDP, and expert parallelism with the all-to-all dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+PARALLEL_STEPS = 20
+PARALLEL_CASES = [("eager", 1, "expert_bias"), ("eager", 2, "expert_bias"), ("eager", 2, "aux_loss"),
+                  ("aot_eager", 2, "expert_bias")]  # (mode, ep, moe.load_balance); ep 2 by all_to_all
+
+
+def _parallel_worker(cases: list[tuple]) -> list[dict]:
+    import torch.distributed as dist
+
+    from titan_tpu.models.common.transformer import Transformer
+    from titan_tpu.parallel.expert_parallel import make_dispatch
+    from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
+    from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+
+    out = []
+    for mode, ep, load_balance in cases:
+        args = tiny_args(load_balance=load_balance)
+        world = dist.get_world_size()
+        dims = ParallelDims(dp_shard=world, world_size=world, ep=ep)
+        mesh, expert_mesh = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
+        rank, size = dp_rank_and_size(mesh)
+        with torch.device("meta"):
+            model = Transformer(args)
+        model = materialize_and_init(model, mesh, mode="fully_shard", mp=MixedPrecision(),
+                                     device=torch.device("cpu"), seed=0, expert_mesh=expert_mesh)
+        if expert_mesh is not None:
+            model.expert_dispatch.dispatch = make_dispatch(expert_mesh, "all_to_all")
+        opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+        g = torch.Generator().manual_seed(2)
+        data = [torch.randint(0, args.vocab_size, (4, 33), generator=g) for _ in range(PARALLEL_STEPS)]
+        rows = 4 // size
+        batches = [(t[rank * rows:(rank + 1) * rows, :-1].contiguous(),
+                    t[rank * rows:(rank + 1) * rows, 1:].contiguous()) for t in data]
+        if mode == "eager":
+            step = EagerStep(model, opt, max_norm=1.0, dp_size=size)
+        else:
+            from titan_tpu.graph import GraphStep
+
+            step = GraphStep(model, opt, max_norm=1.0, example_batch=batches[0], backend=mode, dp_size=size)
+        results = [step([b], 2e-3) for b in batches]
+        out.append({"losses": [(r.loss, r.aux_loss) for r in results], "loads": [r.expert_load for r in results],
+                    "biases": {n: b.clone() for n, b in model.named_buffers() if "expert_bias" in n},
+                    "local_experts": model.layers["1"].moe.experts.w1.to_local().shape[0]
+                    if hasattr(model.layers["1"].moe.experts.w1, "to_local")
+                    else model.layers["1"].moe.experts.w1.shape[0]})
+    return out
+
+
+@pytest.mark.multiprocess
+def test_simple_fsdp_and_all_to_all_expert_parallel_train_like_one_process():
+    """2 ranks, 20 steps: SimpleFSDP alone, and with ep 2 by the all-to-all dispatch (each rank 4
+    of the 8 experts; with and without the balancing bias, eager and captured) equal one process
+    taking the same rows as 2 micro-batches: losses within 1e-5, the same routing, biases."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_parallel_worker, world_size=2, args=(PARALLEL_CASES,), timeout_s=900)
+    for i, (mode, ep, load_balance) in enumerate(PARALLEL_CASES):
+        want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=2, steps=PARALLEL_STEPS)
+        for rank_results in results:
+            got = rank_results[i]
+            for (loss, aux), w in zip(got["losses"], want):
+                assert abs(loss - w.loss) <= 1e-5 and abs(aux - w.aux_loss) <= 1e-5, (mode, ep, load_balance)
+            for load, w in zip(got["loads"], want):
+                assert torch.equal(load, w.expert_load)
+            assert got["biases"].keys() == want_biases.keys()
+            for name, bias in got["biases"].items():
+                torch.testing.assert_close(bias, want_biases[name], rtol=0, atol=1e-6)
+            assert got["local_experts"] == 8 // ep or ep == 1
