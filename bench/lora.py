@@ -46,7 +46,7 @@ def train(a: argparse.Namespace, run_dir: Path, lora: bool) -> dict:
     return {"peak_gb": steps[-1]["max_memory_gb"], "tokens_per_s": max(r["tokens_per_s"] for r in steps[1:])}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", default="llama3")
     parser.add_argument("--flavor", default="debug")
@@ -55,7 +55,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
-    a = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    a = build_parser().parse_args()
 
     best: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -272,6 +272,12 @@ def test_eval_hf_dir_runs_natively_training_starts_from_it_and_exports_back(tmp_
     assert result["per_sequence_loss"] == pytest.approx(want, rel=1e-5, abs=1e-5)
 
     config = "configs/deepseek_v3_debug.toml"
+    # The directory carries the routers' balancing bias: with the aux loss instead, one line says what to set.
+    code = main(["train", "--config", config, *train_overrides(
+        training__steps=2, validation__enabled="false", checkpoint__initial_load_path=str(tmp_path / "hf"),
+        model__moe_load_balance="aux_loss", output_dir=str(tmp_path / "aux_loss_run"))])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--model.moe_load_balance expert_bias" in err, err
     code = main(["train", "--config", config, *train_overrides(
         training__steps=2, validation__enabled="false", checkpoint__initial_load_path=str(tmp_path / "hf"))])
     out, err = capsys.readouterr()

@@ -89,6 +89,10 @@ def model_args_from_hf_config(config: dict) -> tuple[str, TransformerArgs]:
         max_seq_len=int(config.get("max_position_embeddings", 4096)),
         **family.hf.args_from_config(config),
     )
+    if scaling is not None and scaling.rope_type == "yarn" and args.mla is None:
+        # YaRN is checked against transformers with multi-head latent attention (DeepSeek-V3) only.
+        raise ValueError(f"HF config has rope type 'yarn' on {family.name}; YaRN is supported with multi-head latent "
+                         "attention (deepseek_v3) only; use 'default' or 'llama3' rope scaling")
     return family.name, args
 
 
@@ -97,7 +101,8 @@ def _yarn_scaling(rope: dict, config: dict) -> RopeScaling:
     if rope.get("attention_factor") is not None:
         raise ValueError("HF config sets rope attention_factor; only YaRN's derived one (mscale, mscale_all_dim) "
                          "is supported")
-    original = int(rope["original_max_position_embeddings"])
+    # transformers reads the pre-extension length from max_position_embeddings when the key is absent
+    original = int(rope.get("original_max_position_embeddings") or config["max_position_embeddings"])
     factor = rope.get("factor")
     return RopeScaling(rope_type="yarn", original_max_position_embeddings=original,
                        factor=float(factor if factor is not None else config["max_position_embeddings"] / original),

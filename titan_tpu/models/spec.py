@@ -210,6 +210,9 @@ class NativeSpec(ModelSpec):
                 raise ValueError(f"checkpoint.initial_load_path {hf_dir} does not fit {self.label}: {key} should be "
                                  f"{tuple(value.shape)}, found {got}")
         extra = sorted(set(weights) - set(own))
+        if extra and all(k.endswith("expert_bias") for k in extra):  # the routers' balancing bias (DeepSeek-V3)
+            raise ValueError(f"checkpoint.initial_load_path {hf_dir} carries the routers' balancing bias ({extra[0]}); "
+                             "set --model.moe_load_balance expert_bias to train with it")
         if extra:
             raise ValueError(f"checkpoint.initial_load_path {hf_dir} has tensors the model lacks, e.g. {extra[0]}")
         for key, value in own.items():

@@ -292,7 +292,8 @@ def _nothing_fits(result: SearchResult) -> str:
 def format_search(result: SearchResult, *, top: int = 5) -> str:
     hw = result.hardware
     lines = [f"search on {result.devices} x {hw.name} ({hw.memory_bytes / 1e9:.1f} GB per device): "
-             f"{f'tp {result.tp} held, ' if result.tp > 1 else ''}{result.sequences_per_device} sequences of "
+             f"{f'tp {result.tp} held, ' if result.tp > 1 else ''}{result.sequences_per_device} "
+             f"sequence{'s' if result.sequences_per_device != 1 else ''} of "
              f"{result.seq_len} per {'data-parallel rank' if result.tp > 1 else 'device'} per step; "
              f"{result.total} candidates, {len(result.fitting)} fit"]
     if result.lora_fallback:
