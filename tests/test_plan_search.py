@@ -111,15 +111,13 @@ def test_cli_search_prints_overrides_and_json(capsys):
 
 
 def test_nothing_fits_is_one_line_with_how_much(capsys):
-    # --keep lora.enabled: full fine-tuning only (the LoRA fallback, a second search, has its own test).
-    code = main(["plan", "--search", "--config", str(CONFIGS / "llama3_405b_tpu.toml"), "--hardware", "v5e-8",
-                 "--keep", "lora.enabled"])
+    code = main(["plan", "--search", "--config", str(CONFIGS / "llama3_405b_tpu.toml"), "--hardware", "v5e-8"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "nothing fits on 8 x v5e (16.0 GB per device)" in err and "x the device" in err
     # A space narrowed by --keep: AC none and unrolled on the recipe's own slice.
     code = main(["plan", "--search", "--config", str(CONFIGS / "llama3_405b_tpu.toml"),
-                 "--activation_checkpoint.mode", "none", "--keep", "activation_checkpoint.mode,lora.enabled"])
+                 "--activation_checkpoint.mode", "none", "--keep", "activation_checkpoint.mode"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "need more memory, the least" in err
 

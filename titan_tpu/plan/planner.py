@@ -357,6 +357,17 @@ def _adapters(cfg: Config, args) -> dict:
     device (no memory); nothing without LoRA."""
     if not cfg.lora.enabled:
         return {}
+    # A search plans the same model and adapters for every candidate: build the meta model once.
+    key = (repr(args), repr(cfg.lora))
+    if key not in _ADAPTERS:
+        _ADAPTERS[key] = _count_adapters(cfg, args)
+    return _ADAPTERS[key]
+
+
+_ADAPTERS: dict[tuple[str, str], dict] = {}
+
+
+def _count_adapters(cfg: Config, args) -> dict:
     import torch
 
     from titan_tpu.models.common.transformer import Transformer
