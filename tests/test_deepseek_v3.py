@@ -103,23 +103,8 @@ def test_logits_match_transformers_and_round_trip_through_files(q_lora_rank, rop
 # ---------------------------------------------------------------------------------------------
 
 
-def train(args, *, mode="eager", ac="none", steps=6, micro_batches=1):
-    model = build_model(args, seed=0, ac_mode=ac)
-    opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
-    g = torch.Generator().manual_seed(2)
-    data = [torch.randint(0, args.vocab_size, (4, 33), generator=g) for _ in range(steps)]
-    rows = 4 // micro_batches
-    batches = [[(t[i:i + rows, :-1].contiguous(), t[i:i + rows, 1:].contiguous()) for i in range(0, 4, rows)]
-               for t in data]
-    if mode == "eager":
-        step = EagerStep(model, opt, max_norm=1.0)
-    else:
-        from titan_tpu.graph import GraphStep
-
-        step = GraphStep(model, opt, max_norm=1.0, example_batch=batches[0][0], backend=mode)
-    results = [step(b, 2e-3) for b in batches]
-    biases = {n: b.clone() for n, b in model.named_buffers() if "expert_bias" in n}
-    return results, biases
+# The MoE tests' short training loop (routing, balancing bias): the same for this family.
+from tests.test_moe import train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
