@@ -574,3 +574,14 @@ def test_the_tpu_ragged_path_matches_the_exact_all_to_all_with_the_op_emulated()
     for result in run_distributed(_ragged_path_worker, world_size=2, timeout_s=300):
         for exact, ragged in zip(result[False], result[True]):
             torch.testing.assert_close(ragged, exact, rtol=0, atol=1e-6)
+
+
+def test_moe_args_with_every_layer_dense_train_like_the_dense_model():
+    """An HF config may list every layer as dense (mlp_only_layers, first_k_dense_replace >= layers):
+    no MoE statistics at all, and the same losses as the same model without MoE args."""
+    import dataclasses
+
+    args = tiny_args(mlp_only_layers=(0, 1), load_balance="aux_loss")
+    got, _ = train(args, steps=3)
+    want, _ = train(dataclasses.replace(args, moe=None), steps=3)
+    assert [r.loss for r in got] == [r.loss for r in want]

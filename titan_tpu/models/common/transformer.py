@@ -322,7 +322,7 @@ class Transformer(nn.Module):
         loss_fn = self.kernels.loss_fn(h_BSD.device.type)
         ce_sum = loss_fn(h_BSD.flatten(0, 1), w_VD, labels_BS.flatten())
         moe = self.args.moe
-        if moe is None:
+        if moe is None or stats_L2E.shape[0] == 0:  # dense, or MoE args whose layers are all dense
             return LossOutput(ce_sum, torch.zeros_like(ce_sum), ce_sum.new_zeros(0, 0))
         aux = ce_sum.new_zeros(())
         if moe.load_balance == "aux_loss":
