@@ -57,12 +57,8 @@ def random_hf_model(args: TransformerArgs):
     return model
 
 
-def tokens_for(args: TransformerArgs, batch: int = 2, seq: int = 40) -> torch.Tensor:
-    return torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-
-
-def assert_close(actual, expected, tol=1e-5):
-    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * max(1.0, expected.abs().max().item()))
+# The MoE tests' tokens, tolerance and short training loop (routing, balancing bias): the same here.
+from tests.test_moe import assert_close, tokens_for, train  # noqa: E402
 
 
 @pytest.mark.parametrize("q_lora_rank", [24, 0])
@@ -103,10 +99,6 @@ def test_logits_match_transformers_and_round_trip_through_files(q_lora_rank, rop
 # ---------------------------------------------------------------------------------------------
 
 
-# The MoE tests' short training loop (routing, balancing bias): the same for this family.
-from tests.test_moe import train  # noqa: E402
-
-
 @pytest.fixture(scope="module")
 def reference():
     return {lb: train(tiny_args(load_balance=lb)) for lb in ("expert_bias", "aux_loss")}
@@ -132,17 +124,6 @@ def test_the_bias_moves_and_the_aux_loss_counts(reference):
     assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases.values())  # the two MoE layers
     aux_results, _ = reference["aux_loss"]
     assert all(r.aux_loss > 0 for r in aux_results)  # sigmoid scores feed the balancing loss too
-
-
-def test_debug_flavor_trains_its_loss_down():
-    args = dataclasses.replace(get_model_args("deepseek_v3", "debug"), max_seq_len=64)
-    model = build_model(args, seed=0)
-    step = EagerStep(model, AdamW(dict(model.named_parameters())), max_norm=1.0)
-    g = torch.Generator().manual_seed(0)
-    starts = torch.randint(0, 2048, (20, 8, 1), generator=g)
-    seqs = (starts + 3 * torch.arange(33)) % 2048  # a learnable rule
-    results = [step([(s[:, :-1], s[:, 1:])], 3e-3) for s in seqs]
-    assert results[-1].loss < results[0].loss - 1.0
 
 
 def test_scan_is_refused_for_the_dense_first_layers():

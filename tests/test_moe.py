@@ -238,8 +238,9 @@ def test_flavors_have_the_published_sizes_and_active_flops():
     assert flops_per_token(a3b, 4096) == 6 * n_active + 6 * 48 * 32 * 128 * 4096
 
 
-def test_debug_flavor_trains_its_loss_down():
-    args = dataclasses.replace(get_model_args("qwen3_moe", "debug"), max_seq_len=64)
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_debug_flavor_trains_its_loss_down(family):
+    args = dataclasses.replace(get_model_args(family, "debug"), max_seq_len=64)
     model = build_model(args, seed=0)
     step = EagerStep(model, AdamW(dict(model.named_parameters())), max_norm=1.0)
     g = torch.Generator().manual_seed(0)
