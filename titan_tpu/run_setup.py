@@ -55,7 +55,7 @@ def prepare_run(cfg: Config) -> RunSetup:
     t, p = cfg.training, cfg.parallelism
     if p.ep > 1 and model_args.moe is None:
         raise ValueError(f"parallelism.ep = {p.ep} spreads MoE experts; {spec.label} has none: "
-                         "remove it or use a qwen3_moe model")
+                         "remove it or use an MoE model (qwen3_moe, deepseek_v3)")
     if p.ep > 1 and model_args.moe.num_experts % p.ep != 0:
         raise ValueError(f"parallelism.ep = {p.ep} must divide the {model_args.moe.num_experts} experts of "
                          f"{spec.label}")

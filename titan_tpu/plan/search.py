@@ -210,7 +210,7 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
     """Plan every candidate of the space around `cfg` (module docstring) on `hardware` (default:
     what the config names) and rank those that fit. Raises ValueError (one line) when none fits."""
     if not model_spec(cfg.model).plannable:
-        raise ValueError("titan-tpu plan --search covers the native models (llama3, qwen3, qwen3_moe)")
+        raise ValueError("titan-tpu plan --search covers the native models (llama3, qwen3, qwen3_moe, deepseek_v3)")
     unknown = sorted(set(keep) - set(KNOBS))
     if unknown:
         raise ValueError(f"--keep {unknown[0]} is not a searched knob; keep one of {', '.join(KNOBS)}")
