@@ -40,7 +40,11 @@ from torch import Tensor, nn
 
 from titan_tpu.kernels import KernelConfig
 from titan_tpu.kernels.grouped_mm import with_linear_layout
-from titan_tpu.models.common.feed_forward import FeedForward
+from titan_tpu.models.common.feed_forward import (
+    FeedForward,
+    feed_forward_matmul_outputs_per_token,
+    feed_forward_saved_per_token,
+)
 
 __all__ = ["EXPERT_MARKER", "LOAD_BALANCE", "ExpertDispatch", "ExpertDispatchSlot", "MoE", "MoEArgs",
            "aux_loss_from_stats", "updated_expert_bias"]
@@ -282,7 +286,8 @@ def moe_saved_per_token(*, dim: int, args: MoEArgs, ep: int = 1) -> tuple[int, i
     the down projection's output and its weighted copy [D each], and the sort order (int64)."""
     k, rows = args.top_k, args.top_k * ep
     elements = rows * (3 * dim + 4 * args.hidden_dim)
-    elements += 4 * args.num_shared_experts * args.hidden_dim  # shared experts (feed_forward_saved_per_token)
+    if args.num_shared_experts:
+        elements += feed_forward_saved_per_token(args.num_shared_experts * args.hidden_dim)
     four_byte = args.num_experts + 1 + 2 * k + k + 4 * rows + rows  # probs, sum, chosen (int64), weights, order
     return elements, four_byte
 
@@ -291,4 +296,6 @@ def moe_matmul_outputs_per_token(*, dim: int, args: MoEArgs) -> tuple[int, int]:
     """What selective checkpointing keeps of an MoE layer per token: the router's logits (fp32
     count) — the grouped matmuls are not in its list of saved ops, so the experts are recomputed —
     and the shared experts' three matmul outputs."""
-    return (2 * args.num_shared_experts * args.hidden_dim + dim if args.num_shared_experts else 0), args.num_experts
+    shared = (feed_forward_matmul_outputs_per_token(dim=dim, hidden_dim=args.num_shared_experts * args.hidden_dim)
+              if args.num_shared_experts else 0)
+    return shared, args.num_experts
