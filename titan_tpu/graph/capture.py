@@ -201,16 +201,31 @@ def _module_stack(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
 
     A forward that raises never reaches its post-hook, so after a tracing failure the list still
     holds the chain of modules that were running when the failing op was called.
+
+    While node meta is preserved (`_trace`), the stack is also fx's current ``nn_module_stack``
+    (name -> (name, class name), outermost first, as torch.export writes it), which every node
+    traced meanwhile copies into its meta: a later error about a node (an op with no JAX
+    lowering) can name the module it came from.
     """
     stack: list[tuple[str, str]] = []
     handles = []
+
+    def publish():
+        if fx_traceback.has_preserved_node_meta():
+            if stack:
+                fx_traceback.current_meta["nn_module_stack"] = {name: (name, cls) for name, cls in stack}
+            else:
+                fx_traceback.current_meta.pop("nn_module_stack", None)
+
     try:
         for name, module in model.named_modules():
             def push(mod, args, name=name):
                 stack.append((name, type(mod).__name__))
+                publish()
 
             def pop(mod, args, output):
                 stack.pop()
+                publish()
 
             handles.append(module.register_forward_pre_hook(push))
             handles.append(module.register_forward_hook(pop))
@@ -218,6 +233,40 @@ def _module_stack(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _autograd_nodes(roots) -> Iterator:
+    seen, todo = set(), [r for r in roots if r is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+
+def _tag_backward_with_forward(roots) -> None:
+    """While the backward of `roots` (grad_fns) is traced, each node traced for a grad_fn records
+    that grad_fn's sequence number as its ``seq_nr`` (the one the forward node that made it has),
+    as torch's AOTAutograd does; `_module_stack_from_forward` then gives it its forward's module."""
+    if not fx_traceback.has_preserved_node_meta():
+        return
+    for node in _autograd_nodes(roots):
+        node.register_prehook(lambda grad_output, seq_nr=node._sequence_nr(): fx_traceback.set_grad_fn_seq_nr(seq_nr))
+        node.register_hook(lambda grad_input, grad_output: fx_traceback.reset_grad_fn_seq_nr())
+
+
+def _module_stack_from_forward(gm: torch.fx.GraphModule) -> None:
+    """Backward nodes (seq_nr of a forward node, `_tag_backward_with_forward`) get that forward
+    node's ``nn_module_stack`` (their meta["custom"]["phase"] says they are the backward)."""
+    forward = {}
+    for node in gm.graph.nodes:
+        if "nn_module_stack" in node.meta and node.meta.get("custom", {}).get("phase") != "backward":
+            forward.setdefault(node.meta.get("seq_nr"), node.meta["nn_module_stack"])
+    for node in gm.graph.nodes:
+        if node.meta.get("custom", {}).get("phase") == "backward" and node.meta.get("seq_nr") in forward:
+            node.meta["nn_module_stack"] = forward[node.meta["seq_nr"]]
 
 
 def _defining_op(partial_graph: object, symbols: set) -> str | None:
@@ -439,9 +488,11 @@ class _StepParts:
             # Gradients of the local leaves are the local shards of the (reduce-scattered)
             # parameter gradients: DTensor.from_local's backward hands back the local part.
             # The backward region, for the rematerialize pass (activation checkpointing).
+            total = ce + aux
             with fx_traceback.annotate({"phase": "backward"}):
+                _tag_backward_with_forward([total.grad_fn])
                 # Zeros for parameters the loss does not reach, as the eager step does.
-                local_grads = torch.autograd.grad(ce + aux, leaves, allow_unused=True, materialize_grads=True)
+                local_grads = torch.autograd.grad(total, leaves, allow_unused=True, materialize_grads=True)
         self.load_shape = out.expert_load.shape
         totals = torch.cat([ce.detach().view(1), aux.detach().view(1), out.expert_load.flatten()])
         return list(local_grads), totals
@@ -532,9 +583,10 @@ def _trace(fn, example: list[Tensor], model: torch.nn.Module) -> tuple[torch.fx.
     with _module_stack(model) as stack:
         try:
             # preserve_node_meta: annotations made while tracing (the backward phase) land in
-            # node.meta["custom"].
+            # node.meta["custom"], the running modules in node.meta["nn_module_stack"].
             with fx_traceback.preserve_node_meta():
                 gm = make_fx(fn, tracing_mode="fake", decomposition_table=TRACE_DECOMPOSITIONS)(*fake_example)
+            _module_stack_from_forward(gm)
         except Exception as e:
             error = _capture_error(e, stack)
             if error is None:
