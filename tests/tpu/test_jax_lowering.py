@@ -266,6 +266,10 @@ def test_compile_debug_recipe_for_v5p():
     assert donated <= report["memory_per_chip_bytes"]["aliased"] <= 1.01 * donated
     assert report["fits"] and report["mesh"] == {"dp_shard": 4}
     assert report["collectives"]
+    # 64 positions: too few for splash's blocks of 128, so the CPU's attention is lowered instead, and said.
+    assert report["kernels"]["attention"].startswith("sdpa (in place of splash: splash attention needs seq_len "
+                                                     "divisible by 128"), report["kernels"]
+    assert not any("splash" in k for k in report["tpu_kernels"])
     import conftest
 
     conftest.SUMMARY.append(f"compile llama3_debug for v5p:2x2x1: {report['compile_seconds']:.1f} s, peak "

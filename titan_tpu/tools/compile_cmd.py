@@ -185,6 +185,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
         "flops_per_chip": cost.get("flops"), "bytes_accessed_per_chip": cost.get("bytes accessed"),
         "formula_flops_per_chip": flops_per_token * _step_tokens(step.captured) / len(devices),
         "collectives": _collectives(text), "collectives_counted_in": collectives_from, "kernels": kernels_used,
+        "tpu_kernels": _tpu_kernels(lowered.as_text()),
         "capture_seconds": capture_s, "compile_seconds": compile_s,
     }
     if dump is not None:
@@ -193,6 +194,20 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
         if collectives_from == "optimized HLO":
             (dump / "step.optimized.hlo").write_text(text)
     return report
+
+
+def _tpu_kernels(stablehlo: str) -> dict[str, int]:
+    """The Pallas kernels in the program (Mosaic custom calls, ``tpu_custom_call``), each named by
+    its kernel name, or by the JAX function that calls it where that name is the generic "kernel"
+    (megablox's gmm and tgmm), with how often each is called in the StableHLO (a kernel called from
+    a loop counts once)."""
+    counts: dict[str, int] = {}
+    for function in stablehlo.split("func.func ")[1:]:
+        caller = re.sub(r"_\d+$", "", (re.match(r"(?:\w+ )?@([\w.]+)", function) or [None, "?"])[1])
+        for name in re.findall(r'custom_call @tpu_custom_call\(.*?kernel_name = "([^"]+)"', function, re.S):
+            name = caller if name == "kernel" else name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _format(report: dict) -> str:
@@ -211,6 +226,8 @@ def _format(report: dict) -> str:
     if report["bytes_accessed_per_chip"] is not None:
         lines.append(f"  bytes accessed {report['bytes_accessed_per_chip'] / GiB:.3f} GiB")
     lines.append("  kernels: " + ", ".join(f"{op} {name}" for op, name in report["kernels"].items()))
+    lines.append("  Pallas kernels in the program (Mosaic custom calls): "
+                 + (", ".join(report["tpu_kernels"]) or "none"))
     lines.append("  collectives: " + (", ".join(f"{k} {v}" for k, v in report["collectives"].items()) or "none")
                  + f" (in the {report['collectives_counted_in']})")
     return "\n".join(lines)
