@@ -42,7 +42,9 @@ def test_multiprocess_tests_share_one_worker_in_order_and_files_stay_whole(tmp_p
     write_suite(tmp_path)
     log = tmp_path / "ran.txt"
     path = os.pathsep.join([str(TESTS), str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, GROUPS_LOG=str(log), PYTHONPATH=path)
+    # Run from a worker of `make test` itself: the inner run must not see the outer worker's variables.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(GROUPS_LOG=str(log), PYTHONPATH=path)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "xdist_groups",
                            "-n", "2", "--dist", "loadgroup", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
