@@ -159,12 +159,6 @@ class NativeSpec(ModelSpec):
     plannable: bool = True
     kind: str = "native"
 
-    def check(self, cfg: Config) -> None:
-        p = cfg.parallelism
-        if self.args.mla is not None and (p.tp > 1 or p.cp > 1):
-            raise ValueError(f"{self.label} uses multi-head latent attention, which tensor and context parallelism "
-                             "do not split yet: set parallelism.tp and parallelism.cp to 1 (use dp_shard and ep)")
-
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
                       documents: bool) -> Transformer:
         seq_len = cfg.training.seq_len

@@ -390,6 +390,17 @@ def _check_parallel_support(cfg: Config, args) -> None:
         check_cp_with_ep(cp, cfg.parallelism.ep)
 
 
+def attention_widths(args, tp: int = 1) -> tuple[int, int, int]:
+    """Per token, on one of tp ranks: the widths of the queries, keys and values the attention
+    kernel reads (what context parallelism gathers: keys and values). Multi-head latent attention
+    expands its keys per head to qk_nope_head_dim + qk_rope_head_dim and its values to
+    v_head_dim (models/common/mla.py)."""
+    if args.mla is not None:
+        heads = args.n_heads // tp
+        return heads * args.mla.qk_head_dim, heads * args.mla.qk_head_dim, heads * args.mla.v_head_dim
+    return args.n_heads * args.hd // tp, args.n_kv_heads * args.hd // tp, args.n_kv_heads * args.hd // tp
+
+
 def _activations(s: _Setting) -> ActivationBytes:
     """Activations of one micro-batch on one rank: under context parallelism its 1 / cp of the
     tokens, and attention keeps every rank's keys and values (of its kv heads: 1 / tp of them)."""
@@ -399,10 +410,10 @@ def _activations(s: _Setting) -> ActivationBytes:
     if cp > 1 and s.ac == "none":
         t = cfg.training
         mask = _chunk_attention_impl(cfg.kernels.chunk_attention, s.hardware.name) in ("sdpa", "reference")
+        q_dim, k_dim, v_dim = attention_widths(args, tp)
         extra = cp_attention_saved_bytes(batch_size=t.batch_size, seq_len=t.seq_len, cp=cp,
-                                         dtype_bytes=s.layout.compute_bytes, q_dim=args.n_heads * args.hd // tp,
-                                         kv_dim=args.n_kv_heads * args.hd // tp, documents=cfg.data.document_mask,
-                                         mask=mask)
+                                         dtype_bytes=s.layout.compute_bytes, q_dim=q_dim, kv_dim=k_dim, v_dim=v_dim,
+                                         documents=cfg.data.document_mask, mask=mask)
         acts = dataclasses.replace(acts, saved_per_layer=tuple(saved + extra for saved in acts.saved_per_layer))
     return _with_lora_activations(s, acts) if s.lora else acts
 
@@ -554,8 +565,9 @@ def _collectives(s: _Setting) -> list:
                                             gathers=gathers, regathers=regathers, n_layers=args.n_layers,
                                             num_experts=args.moe.num_experts if args.moe else 0)
     if p.cp > 1:
+        _, k_dim, v_dim = attention_widths(args, p.tp)
         collectives += cp_collectives(cp=p.cp, micro_batches=t.grad_accum_steps, n_layers=args.n_layers,
-                                      kv_elements=s.tokens * args.n_kv_heads * args.hd // p.tp, compute_bytes=cb,
+                                      kv_elements=s.tokens * k_dim, v_elements=s.tokens * v_dim, compute_bytes=cb,
                                       documents_tokens=s.tokens if s.cfg.data.document_mask else 0,
                                       recompute_blocks=s.ac != "none")
     return collectives

@@ -494,34 +494,37 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
             return (d + out) / tp, args.n_heads / tp
         return d / tp, 0
     if ac_mode == "selective":
-        if args.mla is not None:
-            from titan_tpu.models.common.mla import mla_matmul_outputs_per_token
-
-            elements, fp32 = mla_matmul_outputs_per_token(dim=d, n_heads=args.n_heads, args=args.mla)
-        else:
-            elements, fp32 = attention_matmul_outputs_per_token(dim=d, n_heads=args.n_heads,
-                                                                n_kv_heads=args.n_kv_heads, head_dim=args.hd)
         if moe_layer:
             e, f = moe_matmul_outputs_per_token(dim=d, args=args.moe)
         else:
             e, f = feed_forward_matmul_outputs_per_token(dim=d, hidden_dim=args.ffn_hidden_dim), 0
+        if args.mla is not None:  # already this rank's share (its latent projections whole)
+            from titan_tpu.models.common.mla import mla_matmul_outputs_per_token
+
+            elements, fp32 = mla_matmul_outputs_per_token(dim=d, n_heads=args.n_heads, args=args.mla, tp=tp)
+            if tp > 1:  # w2's output (d) is whole until reduce-scattered
+                return d / tp + elements + (e - d) / tp + d, fp32 + f / tp
+            return d + elements + e, fp32 + f
+        elements, fp32 = attention_matmul_outputs_per_token(dim=d, n_heads=args.n_heads,
+                                                            n_kv_heads=args.n_kv_heads, head_dim=args.hd)
         if tp > 1:  # wo's and w2's outputs (d each) are whole until reduce-scattered
             return (d + elements + e - 2 * d) / tp + 2 * d, (fp32 + f) / tp
         return d + elements + e, fp32 + f
     norm, norm_fp32 = rms_norm_saved_per_row(d, partitioned=partitioned)
-    if args.mla is not None:  # counted as eagerly (not measured partitioned)
+    if args.mla is not None:  # counted as eagerly (not measured partitioned); this rank's share
         from titan_tpu.models.common.mla import mla_saved_per_token
 
-        elements, fp32 = mla_saved_per_token(n_heads=args.n_heads, args=args.mla)
+        elements, fp32 = mla_saved_per_token(n_heads=args.n_heads, args=args.mla, tp=tp)
     else:
         elements, fp32 = attention_saved_per_token(n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
                                                    head_dim=args.hd, qk_norm=args.qk_norm, partitioned=partitioned)
+        elements, fp32 = elements / tp, fp32 / tp
     if moe_layer:
         e, f = moe_saved_per_token(dim=d, args=args.moe, ep=ep)
     else:
         e, f = feed_forward_saved_per_token(args.ffn_hidden_dim, partitioned=partitioned), 0
     # Two norms: their saved tensors and their outputs (the matmuls' inputs; gathered whole under tp).
-    return (elements + e + 2 * norm) / tp + 2 * d, (fp32 + f + 2 * norm_fp32) / tp
+    return elements + (e + 2 * norm) / tp + 2 * d, fp32 + (f + 2 * norm_fp32) / tp
 
 
 def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_bytes: int, ep: int = 1,
