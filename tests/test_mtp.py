@@ -221,3 +221,30 @@ def test_sizes_and_flops_count_the_mtp_layer():
     attention = 6 * args.n_heads * (args.mla.qk_head_dim + args.mla.v_head_dim) / 2 * 128
     assert flops_per_token(args, 128) - flops_per_token(debug, 128) == pytest.approx(
         6 * (mtp - unused + args.dim * args.vocab_size) + attention)
+
+
+SMALL = {"training__seq_len": 32, "training__batch_size": 2}
+
+
+def test_train_logs_the_mtp_loss_exports_it_and_starts_again_from_the_export(tmp_path, train_overrides, capsys):
+    from titan_tpu.cli import main
+
+    config = "configs/deepseek_v3_debug.toml"
+    assert main(["train", "--config", config, *train_overrides(
+        training__steps=2, validation__enabled="false", model__mtp_num_layers=1, **SMALL)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "loss" in r and "mtp_loss" in r]
+    assert len(trained) == 2 and all(r["mtp_loss"] > 0 for r in trained)
+    assert main(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "export")]) == 0
+    index = json.loads((tmp_path / "export/config.json").read_text())
+    assert index["num_nextn_predict_layers"] == 1
+    capsys.readouterr()
+    code = main(["train", "--config", config, *train_overrides(
+        training__steps=1, validation__enabled="false", model__mtp_num_layers=1,
+        checkpoint__initial_load_path=str(tmp_path / "export"), output_dir=str(tmp_path / "again"), **SMALL)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"initial weights loaded from {tmp_path / 'export'}" in out
+    again = [json.loads(line) for line in (tmp_path / "again/metrics.jsonl").read_text().splitlines()]
+    again = next(r for r in again if "mtp_loss" in r)
+    assert again["mtp_loss"] < trained[0]["mtp_loss"]  # it starts from the trained MTP layer, not a fresh one
