@@ -509,7 +509,8 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
         forward_end += scan.at_backward_start - scan.activations - min(gathered, scan.weight_copies)
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
-    per_layer = [s.adapter_params / s.args.n_layers] * s.args.n_layers if s.lora else _layer_params(s.args)
+    blocks = len(acts.saved_per_layer)  # the layers, then the multi-token-prediction blocks
+    per_layer = [s.adapter_params / blocks] * blocks if s.lora else _layer_params(s.args)
     layer_grad = [g * mb / (s.layout.dp_shard * s.layout.tp) for g in per_layer]
     below, above, worst = acts.saved, 0.0, 0.0
     for saved, grad in zip(reversed(acts.saved_per_layer), reversed(layer_grad)):
@@ -688,12 +689,13 @@ def _layer_params(args) -> list[int]:
     from titan_tpu.models.registry import _attention_params
 
     out = []
-    for layer_id in range(args.n_layers):
+    for layer_id in range(args.n_layers + args.mtp_num_layers):  # the layers, then the MTP blocks
         if args.is_moe_layer(layer_id):
             ffn = args.dim * args.moe.num_experts + args.moe.num_experts * 3 * args.dim * args.moe.hidden_dim
         else:
             ffn = 3 * args.dim * args.ffn_hidden_dim
-        out.append(_attention_params(args) + ffn + 2 * args.dim)
+        mtp = 3 * args.dim + 2 * args.dim * args.dim if layer_id >= args.n_layers else 0  # norms, eh_proj
+        out.append(_attention_params(args) + ffn + 2 * args.dim + mtp)
     return out
 
 
