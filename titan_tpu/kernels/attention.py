@@ -45,7 +45,7 @@ from torch import Tensor
 from titan_tpu.kernels.registry import Impl, Op
 
 __all__ = ["ATTENTION", "CHUNK_ATTENTION", "allowed_BSS", "chunk_allowed_BQS", "document_ids_from_positions",
-           "masked_sdpa"]
+           "masked_sdpa", "pads_values"]
 
 ATTENTION = Op("attention", config_key="kernels.attention")
 CHUNK_ATTENTION = Op("chunk_attention", config_key="kernels.chunk_attention")
@@ -111,12 +111,7 @@ def sdpa_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
                    document_ids_BS: Tensor | None = None) -> Tensor:
     if document_ids_BS is not None:
         return masked_sdpa(q_BSHD, k_BSKD, v_BSKD, allowed_BSS(q_BSHD.shape[1], document_ids_BS, q_BSHD.device))
-    # SDPA wants heads before sequence; the transposes are views (the kernels take strides).
-    gqa = q_BSHD.shape[2] != k_BSKD.shape[2]
-    dtype = _sdpa_dtype(q_BSHD)
-    o_BHSD = F.scaled_dot_product_attention(q_BSHD.transpose(1, 2).to(dtype), k_BSKD.transpose(1, 2).to(dtype),
-                                            v_BSKD.transpose(1, 2).to(dtype), is_causal=True, enable_gqa=gqa)
-    return o_BHSD.transpose(1, 2).to(q_BSHD.dtype)
+    return _sdpa(q_BSHD, k_BSKD, v_BSKD, is_causal=True)
 
 
 def sdpa_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
@@ -131,12 +126,31 @@ def sdpa_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_docum
 def masked_sdpa(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, allowed_BQS: Tensor) -> Tensor:
     """Attention of Q queries over S keys (grouped-query) where the boolean [B (or 1), Q, S] mask
     allows, through torch's SDPA; every query must be allowed at least one key."""
+    return _sdpa(q_BQHD, k_BSKD, v_BSKD, attn_mask=allowed_BQS.unsqueeze(1))
+
+
+def pads_values(device_type: str, qk_head_dim: int, v_head_dim: int) -> bool:
+    """Whether the sdpa implementation pads the values to the queries' head dim on this device:
+    CPU's flash kernel needs q, k and v of one head dim (multi-head latent attention's values are
+    narrower than its queries), and without it SDPA falls back to the math path, which keeps the
+    [S, S] probabilities of every head for the backward. Zero columns change nothing in the output
+    but its width, which is sliced back; the cost is the padded values and output the kernel keeps
+    (the planner counts them, models/common/mla.py). CUDA's memory-efficient kernel takes the
+    narrower values as they are."""
+    return device_type == "cpu" and v_head_dim < qk_head_dim
+
+
+def _sdpa(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, **kwargs) -> Tensor:
+    """torch's SDPA on [batch, sequence, heads, head dim] tensors (it wants heads before sequence;
+    the transposes are views, the kernels take strides), grouped-query, in `_sdpa_dtype`."""
     gqa = q_BQHD.shape[2] != k_BSKD.shape[2]
     dtype = _sdpa_dtype(q_BQHD)
+    v_dim = v_BSKD.shape[-1]
+    if pads_values(q_BQHD.device.type, q_BQHD.shape[-1], v_dim):
+        v_BSKD = F.pad(v_BSKD, (0, q_BQHD.shape[-1] - v_dim))
     o_BHQD = F.scaled_dot_product_attention(q_BQHD.transpose(1, 2).to(dtype), k_BSKD.transpose(1, 2).to(dtype),
-                                            v_BSKD.transpose(1, 2).to(dtype), attn_mask=allowed_BQS.unsqueeze(1),
-                                            enable_gqa=gqa)
-    return o_BHQD.transpose(1, 2).to(q_BQHD.dtype)
+                                            v_BSKD.transpose(1, 2).to(dtype), enable_gqa=gqa, **kwargs)
+    return o_BHQD[..., :v_dim].transpose(1, 2).to(q_BQHD.dtype)
 
 
 _compiled_flex = None

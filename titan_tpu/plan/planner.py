@@ -196,6 +196,15 @@ class _Setting:
         return self.cfg.training.mode == "graph"
 
     @property
+    def padded_values(self) -> bool:
+        """Multi-head latent attention's values padded by the CPU attention kernel (kernels/attention.py)."""
+        from titan_tpu.kernels.attention import pads_values
+
+        mla = self.args.mla
+        return (mla is not None and self.hardware.name == "cpu" and self.cfg.kernels.attention in ("auto", "sdpa")
+                and pads_values("cpu", mla.qk_head_dim, mla.v_head_dim))
+
+    @property
     def traced(self) -> bool:
         # Traced checkpointed blocks keep the attention output too (activation_checkpoint.py); the
         # scanned full mode is its own autograd function that keeps only the layer inputs.
@@ -406,14 +415,15 @@ def _activations(s: _Setting) -> ActivationBytes:
     tokens, and attention keeps every rank's keys and values (of its kv heads: 1 / tp of them)."""
     cfg, args, cp, tp = s.cfg, s.args, s.cfg.parallelism.cp, s.cfg.parallelism.tp
     acts = activation_bytes(args, tokens=s.tokens // cp, ac_mode=s.ac, dtype_bytes=s.layout.compute_bytes,
-                            ep=cfg.parallelism.ep, traced=s.traced, partitioned=s.partitioned, tp=tp)
+                            ep=cfg.parallelism.ep, traced=s.traced, partitioned=s.partitioned, tp=tp,
+                            padded_values=s.padded_values)
     if cp > 1 and s.ac == "none":
         t = cfg.training
         mask = _chunk_attention_impl(cfg.kernels.chunk_attention, s.hardware.name) in ("sdpa", "reference")
         q_dim, k_dim, v_dim = attention_widths(args, tp)
         extra = cp_attention_saved_bytes(batch_size=t.batch_size, seq_len=t.seq_len, cp=cp,
                                          dtype_bytes=s.layout.compute_bytes, q_dim=q_dim, kv_dim=k_dim, v_dim=v_dim,
-                                         documents=cfg.data.document_mask, mask=mask)
+                                         documents=cfg.data.document_mask, mask=mask, padded_values=s.padded_values)
         acts = dataclasses.replace(acts, saved_per_layer=tuple(saved + extra for saved in acts.saved_per_layer))
     return _with_lora_activations(s, acts) if s.lora else acts
 
@@ -535,7 +545,7 @@ def _moe_dispatch_bytes(s: _Setting, acts: ActivationBytes) -> float:
     """Part of the activations: what expert parallelism adds (each rank's experts see the ep
     group's tokens: ep times the dispatched rows)."""
     one_rank = activation_bytes(s.args, tokens=s.tokens, ac_mode=s.ac, dtype_bytes=s.layout.compute_bytes, ep=1,
-                                traced=s.traced)
+                                traced=s.traced, padded_values=s.padded_values)
     return acts.saved - one_rank.saved + acts.recompute - one_rank.recompute
 
 
@@ -598,7 +608,7 @@ def _step_time(s: _Setting, *, executed_rank: float, collectives: list) -> dict:
     peak_flops = hardware.peak_flops / share
     compute_s = executed_rank / (peak_flops * efficiency)
     none_acts = activation_bytes(s.args, tokens=s.tokens // p.cp, ac_mode="none", dtype_bytes=s.layout.compute_bytes,
-                                 ep=p.ep, tp=p.tp)
+                                 ep=p.ep, tp=p.tp, padded_values=s.padded_values)
     # Every intermediate is written in the forward and read and written in the backward (again when
     # recomputed); AdamW and clipping stream parameters, gradients and moments about twelve times.
     elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if s.ac != "none" else 0)) * t.grad_accum_steps \

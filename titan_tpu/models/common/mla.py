@@ -122,18 +122,22 @@ def mla_params(*, dim: int, n_heads: int, args: MLAArgs) -> int:
     return query + kv + n_heads * args.v_head_dim * dim
 
 
-def mla_saved_per_token(*, n_heads: int, args: MLAArgs, tp: int = 1) -> tuple[float, float]:
+def mla_saved_per_token(*, n_heads: int, args: MLAArgs, tp: int = 1,
+                        padded_values: bool = False) -> tuple[float, float]:
     """What `MLA.forward` keeps for its backward per token, without checkpointing, as
-    (compute-dtype elements, fp32 elements), its input counted by the block: the query
-    projection's output (RoPE keeps the tensor its rotated part views), wkv_a's output (RoPE and
-    kv_norm read views of it), kv_norm's input * rstd and output (wkv_b's input), the expanded
-    q and k, the value copy and the kernel's output (wo's input) with its log-sum-exp; with a
-    low-rank query, q_norm's input, input * rstd and output. Checked against autograd's saved
-    tensors in tests/test_deepseek_v3.py (a few hundred elements per token are not counted).
+    (compute-dtype elements, fp32 elements), its input counted by the block: wkv_a's output (RoPE
+    and kv_norm read views of it), kv_norm's input * rstd and output (wkv_b's input), the expanded
+    q and k, the values and the kernel's output (wo's input) with its log-sum-exp; with a low-rank
+    query, q_norm's input, input * rstd and output.
+    padded_values: the attention kernel widened the values to the queries' head dim
+    (kernels/attention.py `pads_values`: CPU's flash kernel): it keeps the padded values and its
+    padded output, and wo reads a copy of the output's real columns.
+    Checked against autograd's saved tensors in tests/test_deepseek_v3.py (CPU, padded).
     tp: on one of tp ranks (parallel/tensor_parallel.py MLA_BLOCK_PLAN), the per-head tensors of
     its H / tp heads; the latent ones, computed whole on every rank, whole."""
     H, qk, v, c = n_heads / tp, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
-    elements = 3 * H * qk + 2 * H * v + (c + args.qk_rope_head_dim) + 2 * c
+    attention = 4 * H * qk + H * v if padded_values else 2 * H * qk + 2 * H * v
+    elements = attention + (c + args.qk_rope_head_dim) + 2 * c
     fp32 = H + 1
     if args.q_lora_rank:
         elements += 3 * args.q_lora_rank
@@ -141,12 +145,15 @@ def mla_saved_per_token(*, n_heads: int, args: MLAArgs, tp: int = 1) -> tuple[fl
     return elements, fp32
 
 
-def mla_matmul_outputs_per_token(*, dim: int, n_heads: int, args: MLAArgs, tp: int = 1) -> tuple[float, float]:
+def mla_matmul_outputs_per_token(*, dim: int, n_heads: int, args: MLAArgs, tp: int = 1,
+                                 padded_values: bool = False) -> tuple[float, float]:
     """Outputs of MLA's matmuls and of the kernel per token (what selective checkpointing keeps);
-    tp: on one of tp ranks, its H / tp heads' (the latent projections' and wo's whole)."""
+    tp: on one of tp ranks, its H / tp heads' (the latent projections' and wo's whole);
+    padded_values: the kernel's output as wide as the queries (`mla_saved_per_token`)."""
     H = n_heads / tp
+    kernel_output = H * (args.qk_head_dim if padded_values else args.v_head_dim)
     elements = H * args.qk_head_dim + args.kv_lora_rank + args.qk_rope_head_dim \
-        + H * (args.qk_nope_head_dim + args.v_head_dim) + H * args.v_head_dim + dim
+        + H * (args.qk_nope_head_dim + args.v_head_dim) + kernel_output + dim
     if args.q_lora_rank:
         elements += args.q_lora_rank
     return elements, H

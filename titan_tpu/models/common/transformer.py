@@ -540,7 +540,8 @@ class ActivationBytes:
 
 
 def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: str, ep: int = 1,
-                          traced: bool = False, partitioned: bool = False, tp: int = 1) -> tuple[float, float]:
+                          traced: bool = False, partitioned: bool = False, tp: int = 1,
+                          padded_values: bool = False) -> tuple[float, float]:
     """(compute-dtype elements, 4-byte elements) one block keeps per token of this rank.
 
     none: everything its ops save (each RMSNorm: input, input * rstd, output; attention; the
@@ -550,7 +551,9 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
     (activation_checkpoint.SAVED_OPS). partitioned: what scan's own autograd keeps per layer
     (scanned layers in graph mode without full checkpointing, models/common/scan.py): its min-cut
     partitioner picks the values (each module's `partitioned` count; selective's tags do not reach
-    it, so selective keeps what none keeps). MoE layers are counted as eagerly (not measured)."""
+    it, so selective keeps what none keeps). MoE layers are counted as eagerly (not measured).
+    padded_values: multi-head latent attention's values padded to the queries' width by the
+    attention kernel (kernels/attention.py `pads_values`; models/common/mla.py)."""
     from titan_tpu.models.common.attention import attention_matmul_outputs_per_token, attention_saved_per_token
     from titan_tpu.models.common.feed_forward import feed_forward_matmul_outputs_per_token, feed_forward_saved_per_token
     from titan_tpu.models.common.moe import moe_matmul_outputs_per_token, moe_saved_per_token
@@ -561,7 +564,9 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
         ac_mode = "none"
     if ac_mode == "full":
         if traced:
-            out = args.n_heads * (args.mla.v_head_dim if args.mla is not None else args.hd)
+            out = args.n_heads * args.hd
+            if args.mla is not None:
+                out = args.n_heads * (args.mla.qk_head_dim if padded_values else args.mla.v_head_dim)
             return (d + out) / tp, args.n_heads / tp
         return d / tp, 0
     if ac_mode == "selective":
@@ -572,7 +577,8 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
         if args.mla is not None:  # already this rank's share (its latent projections whole)
             from titan_tpu.models.common.mla import mla_matmul_outputs_per_token
 
-            elements, fp32 = mla_matmul_outputs_per_token(dim=d, n_heads=args.n_heads, args=args.mla, tp=tp)
+            elements, fp32 = mla_matmul_outputs_per_token(dim=d, n_heads=args.n_heads, args=args.mla, tp=tp,
+                                                          padded_values=padded_values)
             if tp > 1:  # w2's output (d) is whole until reduce-scattered
                 return d / tp + elements + (e - d) / tp + d, fp32 + f / tp
             return d + elements + e, fp32 + f
@@ -585,7 +591,7 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
     if args.mla is not None:  # counted as eagerly (not measured partitioned); this rank's share
         from titan_tpu.models.common.mla import mla_saved_per_token
 
-        elements, fp32 = mla_saved_per_token(n_heads=args.n_heads, args=args.mla, tp=tp)
+        elements, fp32 = mla_saved_per_token(n_heads=args.n_heads, args=args.mla, tp=tp, padded_values=padded_values)
     else:
         elements, fp32 = attention_saved_per_token(n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
                                                    head_dim=args.hd, qk_norm=args.qk_norm, partitioned=partitioned)
@@ -599,11 +605,12 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
 
 
 def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_bytes: int, ep: int = 1,
-                     traced: bool = False, partitioned: bool = False, tp: int = 1) -> ActivationBytes:
+                     traced: bool = False, partitioned: bool = False, tp: int = 1,
+                     padded_values: bool = False) -> ActivationBytes:
     """Activation memory of a micro-batch of `tokens` tokens (batch x sequence) on one rank.
     partitioned: the layers are scanned in graph mode under scan's own autograd
     (`block_saved_per_token`); what scan adds around them is `scan.scan_autograd_memory`.
-    tp: tensor parallelism's share of them (`block_saved_per_token`)."""
+    tp: tensor parallelism's share of them (`block_saved_per_token`); padded_values: see there."""
     from titan_tpu.models.common.norms import rms_norm_saved_per_row
 
     if partitioned and ac_mode != "full":
@@ -616,9 +623,10 @@ def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_
     for layer_id in range(args.n_layers + args.mtp_num_layers):  # the layers, then the MTP blocks
         moe = args.is_moe_layer(layer_id)
         saved.append(nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode=ac_mode, ep=ep, traced=traced,
-                                                  partitioned=partitioned, tp=tp)))
+                                                  partitioned=partitioned, tp=tp, padded_values=padded_values)))
         if ac_mode != "none":
-            whole = nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode="none", ep=ep, tp=tp))
+            whole = nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode="none", ep=ep, tp=tp,
+                                                 padded_values=padded_values))
             recompute = max(recompute, whole)
     norm, norm_fp32 = rms_norm_saved_per_row(args.dim)
     # The final norm (on a rank's 1 / tp of the sequence under tensor parallelism); the token ids.
