@@ -38,8 +38,10 @@ EPS = 1e-5  # max |lowered - reference|, relative to the reference's largest mag
 
 
 def _config(name: str, layout: dict[str, int], scan: bool = False):
+    # Scanned layers with full activation checkpointing, as every TPU recipe runs them.
     overrides = ["--model.dtype=float32", f"--optimizer.eps={EPS}", "--parallelism.dp_shard=1",
                  f"--model.scan_layers={str(scan).lower()}",
+                 f"--activation_checkpoint.mode={'full' if scan else 'none'}",
                  *(f"--parallelism.{axis}={size}" for axis, size in layout.items())]
     if "moe" in name and layout.get("dp_shard", 1) > 1:
         # Each rank's balancing loss is of its own batch (averaged over ranks), not of the joint

@@ -166,6 +166,24 @@ def _group_axes(graph: torch.fx.Graph, axis_sizes: dict[str, int]) -> dict[str, 
     return out
 
 
+def _views_as_reshapes(gm: torch.fx.GraphModule) -> int:
+    """Every aten.view in the graph and its subgraphs (scan bodies) made an aten.reshape, in
+    place; returns how many. The JAX lowering re-traces the graph (functionalised, decomposed),
+    and there a scan body recomputed for activation checkpointing can receive a layer input with
+    other strides than the first trace gave it, which a view refuses; JAX arrays have no strides,
+    so a reshape is the same program."""
+    count = 0
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+                node.target = torch.ops.aten.reshape.default
+                count += 1
+        module.recompile()
+    return count
+
+
 def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_len: int,
                         scalar_dtype: torch.dtype = torch.float32, rank: int = 0) -> DeviceStep:
     """Rank `rank`'s captured step of a `world_size`-rank run of `cfg`, with per-rank batches of
@@ -180,6 +198,7 @@ def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_le
         captured = capture_train_step(model, max_norm=cfg.training.max_norm, adamw_hparams=optimizer.hparams,
                                       decay=optimizer.decay, example_batch=(example, example.clone()),
                                       scalar_dtype=scalar_dtype)
+        _views_as_reshapes(captured.graph_module)
         axis_sizes = _axis_sizes(mesh, dims)
         return DeviceStep(captured=captured, axis_sizes=axis_sizes,
                           group_axes=_group_axes(captured.graph_module.graph, axis_sizes) if axis_sizes else {})
