@@ -18,7 +18,7 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["compile_main", "recipe_topology", "topology_for", "topology_for_chips"]
+__all__ = ["compile_main", "recipe_topology", "topology_for", "topology_for_chips", "xla_beside_plan"]
 
 GiB = 1024**3
 KNOWN_TOPOLOGIES = ("v5p:2x2x1", "v5p:2x2x2", "v5p:4x4x4", "v5p:8x16x16", "v5e:2x2", "v6e:4x4", "v6e:16x16",
@@ -205,6 +205,7 @@ def compile_main(argv: list[str]) -> int:
     cfg = prepare_run(build_config(args.config, overrides)).cfg
     topology = args.topology or (topology_for(args.hardware) if args.hardware else recipe_topology(cfg))
     report = compile_step_for_tpu(cfg, topology, Path(args.dump) if args.dump else None)
+    report["config"] = " ".join([args.config, *overrides])
     print(json.dumps(report, indent=2) if args.json else _format(report))
     if report["fits"] is False:
         kinds = report["memory_per_chip_bytes"]
@@ -213,6 +214,37 @@ def compile_main(argv: list[str]) -> int:
                          f"{kinds['temporaries'] / GiB:.2f} GiB, arguments {kinds['arguments'] / GiB:.2f} GiB); "
                          "lower training.batch_size or seq_len, add activation checkpointing, or use a larger slice")
     return 0
+
+
+def xla_beside_plan(plan, path: str) -> tuple[str, dict]:
+    """(lines for `titan-tpu plan --xla PATH`, the comparison as a dict): XLA's per-chip numbers
+    from a saved `titan-tpu compile --json` report beside the plan's. The report must be of the
+    same number of chips; its config is named in it, so a report of another recipe is visible."""
+    try:
+        report = json.loads(Path(path).read_text())
+        xla_peak, xla_flops = report["peak_per_chip_bytes"], report["flops_per_chip"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--xla {path}: not a report of `titan-tpu compile --json` ({type(e).__name__}: {e}); "
+                         "save one with titan-tpu compile --config ... --json > xla.json") from e
+    if report["devices"] != plan.devices:
+        raise ValueError(f"--xla {path}: compiled for {report['devices']} chips ({report['topology']}), the plan is "
+                         f"for {plan.devices}; compile the same slice (--hardware) or plan its size")
+    plan_flops = plan.flops["executed_per_step_per_device"]
+    beside = {"config": report.get("config"), "topology": report["topology"], "xla_peak_bytes": xla_peak,
+              "plan_peak_bytes": plan.peak_bytes, "peak_ratio": plan.peak_bytes / xla_peak,
+              "xla_flops": xla_flops, "plan_flops": plan_flops,
+              "flops_ratio": plan_flops / xla_flops if xla_flops else None,
+              "xla_memory_bytes": report["memory_per_chip_bytes"]}
+    kinds = report["memory_per_chip_bytes"]
+    lines = [f"XLA's TPU compiler (compile-only, {report['topology']}, from {path}"
+             f"{', config ' + report['config'] if report.get('config') else ''}), per chip beside the plan:",
+             f"  peak {xla_peak / 1e9:.3f} GB (arguments {kinds['arguments'] / 1e9:.3f}, temporaries "
+             f"{kinds['temporaries'] / 1e9:.3f}, code {kinds['code'] / 1e9:.3f}); plan {plan.peak_bytes / 1e9:.3f} GB "
+             f"({beside['peak_ratio']:.2f}x XLA's)"]
+    if xla_flops:
+        lines.append(f"  FLOPs per step {xla_flops / 1e12:,.3f} TFLOP; plan executed {plan_flops / 1e12:,.3f} TFLOP "
+                     f"({beside['flops_ratio']:.3f}x XLA's)")
+    return "\n".join(lines), beside
 
 
 def recipe_topology(cfg) -> str:
