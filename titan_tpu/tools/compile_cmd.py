@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -199,6 +200,9 @@ def compile_main(argv: list[str]) -> int:
     parser.add_argument("--dump", help="directory for the StableHLO and the optimized HLO")
     args, overrides = parser.parse_known_args(argv)
     _require_jax()
+    # A compile-only client takes no device: it may load libtpu beside another process's (libtpu's
+    # lockfile refuses that unless told); read when libtpu starts, below.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from titan_tpu.config import build_config
     from titan_tpu.run_setup import prepare_run
 
