@@ -70,9 +70,10 @@ HEADER = ("| recipe | slice compiled | capture + compile here (peak memory here)
 def row(recipe: str, r: dict) -> str:
     xla_peak, plan_peak = r["peak_per_chip_bytes"], r["plan_peak_bytes"]
     xla_flops, plan_flops, formula = r["flops_per_chip"], r["plan_flops_per_chip"], r["formula_flops_per_chip"]
+    once = " (loop bodies once)" if r.get("loop_body_counted_once") else ""
     return (f"| {recipe} | {r['topology']} ({r['devices']} chips) | {r['capture_seconds']:.0f} + "
             f"{r['compile_seconds']:.0f} s ({r['max_rss_bytes'] / GiB:.1f} GiB) | {xla_peak / GiB:.1f} GiB | "
-            f"{plan_peak / GiB:.1f} GiB ({plan_peak / xla_peak:.2f}x) | {xla_flops:.3e} | "
+            f"{plan_peak / GiB:.1f} GiB ({plan_peak / xla_peak:.2f}x) | {xla_flops:.3e}{once} | "
             f"{formula:.3e} ({formula / xla_flops:.3f}x) | {plan_flops:.3e} ({plan_flops / xla_flops:.3f}x) |")
 
 
@@ -84,8 +85,17 @@ def main() -> None:
                         "(give the matching --override=--parallelism.dp_shard=N)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per recipe (default 3600)")
     parser.add_argument("--json-dir", help="also write each recipe's report there (plan --xla reads them)")
+    parser.add_argument("--from-json", metavar="DIR", help="print the table of the reports --json-dir wrote, "
+                        "compiling nothing")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
+    if args.from_json:
+        print(HEADER)
+        for path in sorted(glob.glob(os.path.join(args.from_json, "*.json"))):
+            with open(path) as f:
+                report = json.load(f)
+            print(row(report["config"].split()[0], report))
+        return
     if args.one:
         print(json.dumps(one(args.recipes[0], args.override, args.topology)))
         return
