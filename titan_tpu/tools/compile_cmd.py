@@ -98,6 +98,12 @@ def jax_kernels(cfg):
     kernels, used = cfg.kernels, {}
     for field, op in OPS.items():
         choice = getattr(kernels, field)
+        if field == "loss" and cfg.parallelism.tp > 1 and choice in ("auto", "chunked"):
+            # Under tensor parallelism the loss is the chunked kernel's vocabulary-parallel form, on
+            # a TPU too (parallel/tensor_parallel.py); tokamax has none.
+            used[field] = "chunked (vocabulary-parallel under tp)"
+            kernels = dataclasses.replace(kernels, loss="chunked")
+            continue
         try:
             used[field] = op.resolve(choice, "jax").name
         except ValueError:
