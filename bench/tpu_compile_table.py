@@ -95,8 +95,9 @@ def row(recipe: str, r: dict) -> str:
     xla_peak, plan_peak = r["peak_per_chip_bytes"], r["plan_peak_bytes"]
     xla_flops, plan_flops, counted = r["flops_per_chip"], r["plan_flops_per_chip"], r["formula_as_xla_counts_per_chip"]
     once = " (loop bodies once)" if r.get("loop_body_counted_once") else ""
+    rss = f" ({r['max_rss_bytes'] / GiB:.1f} GiB)" if r.get("max_rss_bytes") else ""
     return (f"| {recipe} | {r['topology']} ({r['devices']} chips) | {r['capture_seconds']:.0f} + "
-            f"{r['compile_seconds']:.0f} s ({r['max_rss_bytes'] / GiB:.1f} GiB) | {xla_peak / GiB:.1f} GiB | "
+            f"{r['compile_seconds']:.0f} s{rss} | {xla_peak / GiB:.1f} GiB | "
             f"{plan_peak / GiB:.1f} GiB ({plan_peak / xla_peak:.2f}x) | {xla_flops:.3e}{once} | "
             f"{counted:.3e} ({counted / xla_flops:.3f}x) | {plan_flops:.3e} |")
 
