@@ -26,7 +26,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from titan_tpu.models.registry import build_model, flops_per_token, get_model_args
+from titan_tpu.models.registry import build_model, flops_per_token, get_model_args, recomputed_flops_per_token
 
 BATCH = 2
 
@@ -78,3 +78,21 @@ def test_default_cpu_sdpa_is_either_uncounted_or_full():
     matmuls = 6 * _matmul_params(model)
     full = matmuls + 12 * args.n_layers * args.n_heads * args.hd * 128
     assert counted == pytest.approx(matmuls) or counted == pytest.approx(full)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_full_checkpointing_reruns_the_blocks_forward_only(name):
+    """What full checkpointing adds to a step, counted by FlopCounterMode (the same step with and
+    without it), is recomputed_flops_per_token: the blocks' forward less their down projections,
+    not the output projection (the planner used to count a third of everything)."""
+    args = get_model_args(name, "debug")
+    seq_len = 64
+    plain = _counted_flops_per_token(build_model(args, seed=0), seq_len, math_sdpa=True)
+    full = _counted_flops_per_token(build_model(args, seed=0, ac_mode="full"), seq_len, math_sdpa=True)
+    model = build_model(args, seed=0)
+    norm_params = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    # The counter's forward attention is the full score matrix (4 H hd S per layer), the formula's
+    # the causal half; the formula counts norm weights as matmul parameters.
+    half_attention = 2 * args.n_layers * args.n_heads * args.hd * seq_len
+    assert full - plain == pytest.approx(recomputed_flops_per_token(args, seq_len) + half_attention
+                                         - 2 * norm_params, rel=1e-6)

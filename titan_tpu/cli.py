@@ -211,6 +211,9 @@ def plan_main(argv: list[str]) -> int:
                         help="with --search: config keys to hold at the config's value, "
                              "comma-separated (e.g. activation_checkpoint.mode,model.scan_layers)")
     parser.add_argument("--top", type=int, default=5, help="with --search: how many ranked configurations to print")
+    parser.add_argument("--xla", metavar="JSON",
+                        help="a saved `titan-tpu compile --json` report of the same config and slice: XLA's "
+                             "per-chip peak and FLOPs printed beside the plan's")
     parser.add_argument("--calibrate", action="store_true",
                         help="run real CPU configurations and print predicted vs measured (minutes; run alone)")
     parser.add_argument("--replay", action="store_true", help="with --calibrate: recompute from the saved results")
@@ -238,6 +241,13 @@ def plan_main(argv: list[str]) -> int:
         print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
         return 0
     plan = plan_config(cfg, hardware, chips=chips, gather=args.gather)
+    if args.xla:
+        from titan_tpu.tools.compile_cmd import xla_beside_plan
+
+        lines, beside = xla_beside_plan(plan, args.xla)
+        print(json.dumps({**json.loads(plan.to_json()), "xla": beside}, indent=2) if args.json
+              else format_plan(plan, explain=args.explain) + "\n" + lines)
+        return 0
     print(plan.to_json() if args.json else format_plan(plan, explain=args.explain))
     return 0
 

@@ -26,6 +26,10 @@ flags.FLAGS(sys.argv[:1], known_only=True)
 # mesh (test_jax_lowering.py).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
+# The compiles here are compile-only (libtpu's topology client takes no device): let them load
+# libtpu beside another process's, which its lockfile otherwise refuses.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 SUMMARY: list[str] = []  # lines for the terminal summary, added by the tests
 
 

@@ -41,8 +41,10 @@ EPS = 1e-5  # max |lowered - reference|, relative to the reference's largest mag
 
 
 def _config(name: str, layout: dict[str, int], scan: bool = False):
+    # Scanned layers with full activation checkpointing, as every TPU recipe runs them.
     overrides = ["--model.dtype=float32", f"--optimizer.eps={EPS}", "--parallelism.dp_shard=1",
                  f"--model.scan_layers={str(scan).lower()}",
+                 f"--activation_checkpoint.mode={'full' if scan else 'none'}",
                  *(f"--parallelism.{axis}={size}" for axis, size in layout.items())]
     if "moe" in name and layout.get("dp_shard", 1) > 1:
         # Each rank's balancing loss is of its own batch (averaged over ranks), not of the joint
@@ -132,8 +134,11 @@ def test_lowered_step_equals_eager_step(name, layout, scan, monkeypatch):
 # The TPU's JAX kernels inside the lowered step (kernels/jax_traced.py), run by JAX on CPU: splash
 # and megablox's gmm in Pallas's TPU interpret mode, tokamax's loss as its plain-XLA form (its
 # Mosaic kernel will not run off a TPU). 128 positions: splash's smallest block. The MoE with
-# expert parallelism holds all three kernels (interpret mode is slow: one layout).
+# expert parallelism holds all three kernels (interpret mode is slow: one layout, and the debug
+# model cut to one layer, which holds each kernel and its backward: each layer more ran the same
+# kernels again and made the check the slowest of make tpu-check).
 KERNEL_LAYOUTS = [("qwen3_moe_debug", {"dp_shard": 2, "ep": 2})]
+KERNEL_LAYERS = 1
 
 
 @pytest.mark.parametrize("name, layout", KERNEL_LAYOUTS, ids=[
@@ -141,16 +146,25 @@ KERNEL_LAYOUTS = [("qwen3_moe_debug", {"dp_shard": 2, "ep": 2})]
 def test_lowered_step_with_tpu_kernels_equals_eager_step(name, layout, monkeypatch):
     """The step lowered with the TPU kernels as their JAX functions (what `titan-tpu compile` hands
     XLA) equals our eager step with the CPU's kernels (float64), one whole step."""
+    import dataclasses
+
     from jax.experimental.pallas import tpu as pltpu
 
     from titan_tpu.kernels.jax_traced import NAMESPACE, traced_for_jax
+    from titan_tpu.models.registry import MODEL_FLAVORS
 
+    model = _config(name, layout).model
+    family, flavor = model.name, model.flavor
+    monkeypatch.setitem(MODEL_FLAVORS[family], flavor,
+                        dataclasses.replace(MODEL_FLAVORS[family][flavor], n_layers=KERNEL_LAYERS))
     with pltpu.force_tpu_interpret_mode():
         step = _check_lowered_step(name, layout, False, monkeypatch, batch=1, seq=128, capture=traced_for_jax)
     kernels = {n.target.name().split("::")[1] for n in step.captured.graph_module.graph.nodes
                if n.op == "call_function" and getattr(n.target, "namespace", None) == NAMESPACE}
     assert kernels == {"splash_attention", "splash_attention_vjp", "tokamax_lce", "tokamax_lce_vjp", "megablox_gmm",
                        "megablox_gmm_vjp"}, kernels
+    layers = {n.split(".")[1] for n in step.captured.param_names if n.startswith("layers.")}
+    assert len(layers) == KERNEL_LAYERS, layers
 
 
 def _check_lowered_step(name, layout, scan, monkeypatch, batch=BATCH, seq=SEQ, capture=contextlib.nullcontext):

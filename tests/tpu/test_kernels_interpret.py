@@ -17,6 +17,8 @@ variant fails `test_every_tpu_variant_is_classified` until it is checked or list
 
 from __future__ import annotations
 
+import sys
+
 import conftest
 import jax_bridge
 import pytest
@@ -151,3 +153,22 @@ def test_tokamax_refuses_ignored_labels():
     labels = torch.tensor([1, 2, -100, 4, 5, 6, 7, 8])
     with pytest.raises(ValueError, match="no ignore index"):
         tpu_kernels.tokamax_linear_cross_entropy(h, w, labels)
+
+
+def test_tokamax_under_our_command_line(monkeypatch):
+    """tokamax parses absl flags from sys.argv when first read; `titan-tpu compile --config ...` and
+    the trainer's options are not its flags and used to fail that parse (UnrecognizedFlagError)."""
+    import jax.numpy as jnp
+    from absl import flags
+
+    from titan_tpu.kernels import tpu_jax
+
+    monkeypatch.setattr(sys, "argv", ["titan-tpu", "compile", "--config", "configs/llama3_8b_tpu.toml", "--one"])
+    flags.FLAGS.unparse_flags()
+    try:
+        x, w = jnp.ones((8, 128), jnp.float32), jnp.ones((128, 256), jnp.float32) / 128
+        loss = tpu_jax.linear_cross_entropy(x, jnp.arange(8), w, "xla")
+    finally:
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS(sys.argv[:1], known_only=True)
+    assert abs(float(loss) - 8 * float(jnp.log(256.0))) < 1e-4  # equal logits: log(V) per token

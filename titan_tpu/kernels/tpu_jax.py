@@ -107,12 +107,25 @@ def grouped_mm_vjp(x_TD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, 
 # -- loss: tokamax's linear softmax cross-entropy ------------------------------------------------
 
 
+def _tokamax():
+    """tokamax, imported here (only the loss needs it). Its options are absl flags that it parses
+    from sys.argv when first read, unless parsed already; the trainer's and titan-tpu's own options
+    (--config) are not its flags and made that parse fail, so they are marked parsed with the
+    program name alone (its defaults)."""
+    import sys
+
+    import tokamax
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(sys.argv[:1], known_only=True)
+    return tokamax
+
+
 def linear_cross_entropy(x_ND: jax.Array, labels_N: jax.Array, w_DV: jax.Array, implementation: str) -> jax.Array:
     """Summed cross-entropy of the logits x @ w against the labels, without materialising them
     (tokamax; implementation "mosaic_tpu" is its Pallas kernel, "xla" its plain-XLA form)."""
-    import tokamax  # here, not at the top: only the loss needs it
-
-    return tokamax.linear_softmax_cross_entropy_loss(x_ND, labels_N.astype(jnp.int32), w_DV, reduction="sum",
+    return _tokamax().linear_softmax_cross_entropy_loss(x_ND, labels_N.astype(jnp.int32), w_DV, reduction="sum",
                                                      implementation=implementation)
 
 

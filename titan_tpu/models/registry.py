@@ -145,6 +145,59 @@ def flops_per_token(args: TransformerArgs, seq_len: int) -> float:
     return 6.0 * n + 6.0 * blocks * args.n_heads * attention_head_dim(args) * seq_len
 
 
+def head_flops_per_token(args: TransformerArgs) -> float:
+    """The output projection's share of `flops_per_token` (6 * dim * vocab, once more per
+    multi-token-prediction depth): the part outside the blocks that checkpointing never reruns."""
+    return 6.0 * args.dim * args.vocab_size * (1 + args.mtp_num_layers)
+
+
+def recomputed_flops_per_token(args: TransformerArgs, seq_len: int) -> float:
+    """What full activation checkpointing runs again in the backward, per token: the blocks'
+    forward (a third of `flops_per_token` without the output projection: checkpointing wraps the
+    blocks, never the output projection and loss) less each block's last matmul, the feed-forward
+    down projection (of the dense MLP, or of the routed top-k and shared experts), whose output
+    only joins the residual sum, which no gradient needs: torch's checkpoint stops its rerun
+    before it (early stop) and XLA drops it as dead code."""
+    down = 0.0
+    for layer_id in range(args.n_layers + args.mtp_num_layers):
+        if args.is_moe_layer(layer_id):
+            down += 2.0 * args.dim * args.moe.hidden_dim * (args.moe.top_k + args.moe.num_shared_experts)
+        else:
+            down += 2.0 * args.dim * args.ffn_hidden_dim
+    return (flops_per_token(args, seq_len) - head_flops_per_token(args)) / 3 - down
+
+
+def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers_counted: int, recompute: bool,
+                                  attention: str, experts_in_kernel: bool) -> float:
+    """The executed FLOPs per token that XLA's cost analysis reports for a compiled step, from
+    the same terms as `flops_per_token`: XLA counts a scanned stack's loop body once
+    (layers_counted 1, else n_layers + mtp_num_layers) and no work inside a custom call.
+    attention: "kernel" (splash, a Mosaic custom call: not counted), "full" (plain softmax
+    attention compiled by XLA: the whole S x S score matrix, masked half included) or "causal"
+    (the formula's half). experts_in_kernel: the routed experts' matmuls run in megablox's gmm and
+    tgmm (custom calls: not counted); the router and shared experts are XLA's. recompute: full
+    checkpointing's rerun of each block's forward. Norms, softmax, SiLU, the optimizer are not
+    counted (as in flops_per_token)."""
+    blocks = args.n_layers + args.mtp_num_layers
+    head = head_flops_per_token(args)
+    block_matmuls = (6.0 * num_active_params(args, exclude_embedding=True)
+                     + 6.0 * args.dim * args.vocab_size * (args.tie_embeddings + args.mtp_num_layers)
+                     - head - 6.0 * args.dim) / blocks  # per block: no final norm, no output projection
+    if experts_in_kernel and args.moe is not None:
+        block_matmuls -= 6.0 * num_moe_blocks(args) * args.moe.top_k * 3 * args.dim * args.moe.hidden_dim / blocks
+    causal = 6.0 * args.n_heads * attention_head_dim(args) * seq_len
+    block_attention = {"kernel": 0.0, "full": 2 * causal, "causal": causal}[attention]
+    per_block = block_matmuls + block_attention
+    rerun = 0.0
+    if recompute:  # the block's forward again, without its down projection (recomputed_flops_per_token)
+        down = 2.0 * args.dim * args.ffn_hidden_dim
+        if args.moe is not None and args.is_moe_layer(0):
+            down = 2.0 * args.dim * args.moe.hidden_dim * (args.moe.num_shared_experts
+                                                           + (0 if experts_in_kernel else args.moe.top_k))
+        rerun = per_block / 3 - down
+    return head + layers_counted * (per_block + rerun)
+
+
 def attention_head_dim(args: TransformerArgs) -> float:
     """The head width of the attention FLOP term: head_dim, or for multi-head latent attention
     the mean of the query-key width (scores) and the value width (weighted sum)."""

@@ -39,7 +39,14 @@ from titan_tpu.kernels.loss import loss_memory_bytes
 from titan_tpu.models.common.rope import rope_real_saved_per_position
 from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memory
 from titan_tpu.models.common.transformer import ActivationBytes, activation_bytes
-from titan_tpu.models.registry import flops_per_token, largest_param, num_active_params, num_expert_params, num_params
+from titan_tpu.models.registry import (
+    flops_per_token,
+    largest_param,
+    num_active_params,
+    num_expert_params,
+    num_params,
+    recomputed_flops_per_token,
+)
 from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.context_parallel import check_context_parallel, cp_attention_saved_bytes
 from titan_tpu.parallel.mesh import check_cp_with_ep
@@ -555,9 +562,11 @@ def _flops(s: _Setting) -> dict[str, float]:
     fpt = flops_per_token(s.args, t.seq_len)
     tokens_step_rank = s.tokens * t.grad_accum_steps  # tokens of one data-parallel rank (its tp ranks share them)
     model_flops_rank = fpt * tokens_step_rank / (p.tp * p.cp)
-    forward_share = 1 / 3 if s.ac == "full" else 0.0
+    # Full checkpointing reruns the blocks' forward in the backward; the output projection and the
+    # loss are outside the checkpointed blocks and run once.
+    recomputed = recomputed_flops_per_token(s.args, t.seq_len) if s.ac == "full" else 0.0
     return {"per_token": fpt, "model_per_step_per_device": model_flops_rank,
-            "executed_per_step_per_device": model_flops_rank * (1 + forward_share)}
+            "executed_per_step_per_device": (fpt + recomputed) * tokens_step_rank / (p.tp * p.cp)}
 
 
 def _collectives(s: _Setting) -> list:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
 
-__all__ = ["compile_main", "recipe_topology", "topology_for", "topology_for_chips"]
+__all__ = ["compile_main", "recipe_topology", "topology_for", "topology_for_chips", "xla_beside_plan"]
 
 GiB = 1024**3
 KNOWN_TOPOLOGIES = ("v5p:2x2x1", "v5p:2x2x2", "v5p:4x4x4", "v5p:8x16x16", "v5e:2x2", "v6e:4x4", "v6e:16x16",
@@ -97,6 +98,12 @@ def jax_kernels(cfg):
     kernels, used = cfg.kernels, {}
     for field, op in OPS.items():
         choice = getattr(kernels, field)
+        if field == "loss" and cfg.parallelism.tp > 1 and choice in ("auto", "chunked"):
+            # Under tensor parallelism the loss is the chunked kernel's vocabulary-parallel form, on
+            # a TPU too (parallel/tensor_parallel.py); tokamax has none.
+            used[field] = "chunked (vocabulary-parallel under tp)"
+            kernels = dataclasses.replace(kernels, loss="chunked")
+            continue
         try:
             used[field] = op.resolve(choice, "jax").name
         except ValueError:
@@ -184,6 +191,12 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
         "fits": None if hbm is None else peak <= hbm,
         "flops_per_chip": cost.get("flops"), "bytes_accessed_per_chip": cost.get("bytes accessed"),
         "formula_flops_per_chip": flops_per_token * _step_tokens(step.captured) / len(devices),
+        "formula_as_xla_counts_per_chip": _formula_as_xla_counts(cfg, kernels_used, _step_tokens(step.captured)
+                                                                 / len(devices)),
+        # XLA's cost analysis counts a while loop's body once, not once per trip (a lax.scan of 8
+        # matmuls reports the FLOPs of 1): with scanned layers its FLOPs are the step outside the
+        # layers plus one layer's forward and backward.
+        "loop_body_counted_once": bool(cfg.model.scan_layers),
         "collectives": _collectives(text), "collectives_counted_in": collectives_from, "kernels": kernels_used,
         "tpu_kernels": _tpu_kernels(lowered.as_text()),
         "capture_seconds": capture_s, "compile_seconds": compile_s,
@@ -223,6 +236,14 @@ def _format(report: dict) -> str:
     lines.append(f"  FLOPs per step {flops:.3e}" if flops is not None else "  FLOPs: not reported")
     if report["formula_flops_per_chip"]:
         lines[-1] += f" (our formula {report['formula_flops_per_chip']:.3e})"
+    if report.get("formula_as_xla_counts_per_chip"):
+        counted = report["formula_as_xla_counts_per_chip"]
+        lines.append(f"  our formula counted as XLA counts (scanned loop bodies once, no work inside the Pallas "
+                     f"kernels, checkpointing's rerun): {counted:.3e}"
+                     + (f" ({counted / flops:.3f}x XLA's)" if flops else ""))
+    if report.get("loop_body_counted_once"):
+        lines.append("  (scanned layers: XLA counts each while loop's body once, so its FLOPs are the step outside "
+                     "the layers plus one layer's forward and backward)")
     if report["bytes_accessed_per_chip"] is not None:
         lines.append(f"  bytes accessed {report['bytes_accessed_per_chip'] / GiB:.3f} GiB")
     lines.append("  kernels: " + ", ".join(f"{op} {name}" for op, name in report["kernels"].items()))
@@ -247,12 +268,16 @@ def compile_main(argv: list[str]) -> int:
     parser.add_argument("--dump", help="directory for the StableHLO and the optimized HLO")
     args, overrides = parser.parse_known_args(argv)
     _require_jax()
+    # A compile-only client takes no device: it may load libtpu beside another process's (libtpu's
+    # lockfile refuses that unless told); read when libtpu starts, below.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from titan_tpu.config import build_config
     from titan_tpu.run_setup import prepare_run
 
     cfg = prepare_run(build_config(args.config, overrides)).cfg
     topology = args.topology or (topology_for(args.hardware) if args.hardware else recipe_topology(cfg))
     report = compile_step_for_tpu(cfg, topology, Path(args.dump) if args.dump else None)
+    report["config"] = " ".join([args.config, *overrides])
     print(json.dumps(report, indent=2) if args.json else _format(report))
     if report["fits"] is False:
         kinds = report["memory_per_chip_bytes"]
@@ -261,6 +286,47 @@ def compile_main(argv: list[str]) -> int:
                          f"{kinds['temporaries'] / GiB:.2f} GiB, arguments {kinds['arguments'] / GiB:.2f} GiB); "
                          "lower training.batch_size or seq_len, add activation checkpointing, or use a larger slice")
     return 0
+
+
+def xla_beside_plan(plan, path: str) -> tuple[str, dict]:
+    """(lines for `titan-tpu plan --xla PATH`, the comparison as a dict): XLA's per-chip numbers
+    from a saved `titan-tpu compile --json` report beside the plan's. The report must be of the
+    same number of chips; its config is named in it, so a report of another recipe is visible."""
+    try:
+        report = json.loads(Path(path).read_text())
+        xla_peak, xla_flops = report["peak_per_chip_bytes"], report["flops_per_chip"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--xla {path}: not a report of `titan-tpu compile --json` ({type(e).__name__}: {e}); "
+                         "save one with titan-tpu compile --config ... --json > xla.json") from e
+    if report["devices"] != plan.devices:
+        raise ValueError(f"--xla {path}: compiled for {report['devices']} chips ({report['topology']}), the plan is "
+                         f"for {plan.devices}; compile the same slice (--hardware) or plan its size")
+    plan_flops = plan.flops["executed_per_step_per_device"]
+    # XLA counts a scanned loop's body once and no work inside a Pallas kernel: the comparison is
+    # with our formula counted the same way (the report's), where the report has it.
+    counted = report.get("formula_as_xla_counts_per_chip")
+    compared = counted if counted else plan_flops
+    beside = {"config": report.get("config"), "topology": report["topology"], "xla_peak_bytes": xla_peak,
+              "plan_peak_bytes": plan.peak_bytes, "peak_ratio": plan.peak_bytes / xla_peak,
+              "xla_flops": xla_flops, "plan_flops": plan_flops, "formula_as_xla_counts": counted,
+              "flops_ratio": compared / xla_flops if xla_flops else None,
+              "xla_memory_bytes": report["memory_per_chip_bytes"]}
+    kinds = report["memory_per_chip_bytes"]
+    lines = [f"XLA's TPU compiler (compile-only, {report['topology']}, from {path}"
+             f"{', config ' + report['config'] if report.get('config') else ''}), per chip beside the plan:",
+             f"  peak {xla_peak / 1e9:.3f} GB (arguments {kinds['arguments'] / 1e9:.3f}, temporaries "
+             f"{kinds['temporaries'] / 1e9:.3f}, code {kinds['code'] / 1e9:.3f}); plan {plan.peak_bytes / 1e9:.3f} GB "
+             f"({beside['peak_ratio']:.2f}x XLA's)"]
+    if xla_flops and counted:
+        lines.append(f"  FLOPs per step {xla_flops / 1e12:,.3f} TFLOP as XLA counts them (scanned loop bodies once, no "
+                     f"work inside the Pallas kernels); our formula counted so {counted / 1e12:,.3f} TFLOP "
+                     f"({beside['flops_ratio']:.3f}x XLA's); the plan's whole step {plan_flops / 1e12:,.3f} TFLOP")
+    elif xla_flops:
+        lines.append(f"  FLOPs per step {xla_flops / 1e12:,.3f} TFLOP; plan executed {plan_flops / 1e12:,.3f} TFLOP "
+                     f"({beside['flops_ratio']:.3f}x XLA's)"
+                     + ("; XLA counted the scanned layers' loop bodies once, so these differ by about the "
+                        "layer count" if report.get("loop_body_counted_once") else ""))
+    return "\n".join(lines), beside
 
 
 def recipe_topology(cfg) -> str:
@@ -272,6 +338,26 @@ def recipe_topology(cfg) -> str:
 
     hardware, chips = default_hardware(cfg, measure=False)
     return topology_for_chips(hardware.name, chips)
+
+
+def _formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float) -> float | None:
+    """Our FLOP formula counted as XLA's cost analysis counts the compiled step (models/registry.py
+    flops_per_token_as_xla_counts): a scanned stack's loop body once, nothing inside the Mosaic
+    custom calls (splash attention, megablox's gmm and tgmm), full checkpointing's rerun of the
+    forward. None for a model without native args (an HF directory)."""
+    from titan_tpu.models.registry import flops_per_token_as_xla_counts
+    from titan_tpu.models.spec import model_spec
+
+    args = getattr(model_spec(cfg.model), "args", None)
+    if args is None:
+        return None
+    attention = kernels_used.get("attention", "").split()[0] if kernels_used.get("attention") else ""
+    mode = "kernel" if attention.startswith("splash") else "full" if attention in ("sdpa", "reference") else "causal"
+    per_token = flops_per_token_as_xla_counts(
+        args, cfg.training.seq_len, layers_counted=1 if cfg.model.scan_layers else args.n_layers + args.mtp_num_layers,
+        recompute=cfg.activation_checkpoint.mode == "full", attention=mode,
+        experts_in_kernel=kernels_used.get("grouped_mm", "").startswith("gmm"))
+    return per_token * tokens_per_chip
 
 
 def _step_tokens(captured) -> int:

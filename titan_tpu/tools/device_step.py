@@ -60,7 +60,7 @@ def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
                         cp=p.cp)
 
 
-def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | None = None):
+def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | None = None, fake_mode=None):
     """(model, AdamW, ParallelDims, mesh) as the trainer builds them on the current rank of a
     (fake) `world_size` group: models/spec.py `build` (tensor/context/expert parallel, sharded,
     rank-local real weights), the trainer's AdamW. dtype: the compute dtype (default the config's
@@ -71,14 +71,41 @@ def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | Non
     if dims.ep > 1 and cfg.parallelism.ep_dispatch != "all_gather":
         raise ValueError("titan-tpu compile: --parallelism.ep_dispatch all_to_all sends sizes read on the host, "
                          "which a compiled TPU step cannot; use --parallelism.ep_dispatch all_gather")
-    mesh = dims.build_mesh("cpu")
+    mesh, expert_mesh = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
     compute = dtype or _DTYPES.get(cfg.model.dtype, torch.bfloat16)
-    model = build(model_spec(cfg.model), cfg, device=torch.device("cpu"), seed=cfg.training.seed, mesh=mesh,
-                  parallel_dims=dims, expert_mesh=dims.build_expert_mesh("cpu"),
+    model = build(model_spec(cfg.model), cfg, device=torch.device("meta" if fake_mode else "cpu"),
+                  seed=cfg.training.seed, mesh=mesh, parallel_dims=dims, expert_mesh=expert_mesh,
                   mp=MixedPrecision(param_dtype=compute, reduce_dtype=compute), documents=False, own_weights=False)
+    if fake_mode is not None:
+        _to_fake(model, fake_mode)
     trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
     optimizer = AdamW.from_config(trained, cfg.optimizer, layer_stacked=model.stacked_parameter_names())
     return model, optimizer, dims, mesh
+
+
+def _fake_like(t: torch.Tensor, fake_mode) -> torch.Tensor:
+    """A CPU fake tensor of `t`'s local shape, dtype and strides, in `fake_mode` (no storage);
+    a DTensor keeps its mesh, placements and global shape around it."""
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    with fake_mode:
+        fake = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device="cpu")
+    if isinstance(t, DTensor):
+        return DTensor.from_local(fake, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return fake
+
+
+def _to_fake(model: torch.nn.Module, fake_mode) -> None:
+    """Every parameter and buffer of a model built on the meta device replaced, in place, by a CPU
+    fake tensor of the same (local) shape: the capture traces on these, nothing is allocated."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(_fake_like(p, fake_mode), requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = _fake_like(b, fake_mode)
 
 
 @dataclass
@@ -139,16 +166,39 @@ def _group_axes(graph: torch.fx.Graph, axis_sizes: dict[str, int]) -> dict[str, 
     return out
 
 
+def _views_as_reshapes(gm: torch.fx.GraphModule) -> int:
+    """Every aten.view in the graph and its subgraphs (scan bodies) made an aten.reshape, in
+    place; returns how many. The JAX lowering re-traces the graph (functionalised, decomposed),
+    and there a scan body recomputed for activation checkpointing can receive a layer input with
+    other strides than the first trace gave it, which a view refuses; JAX arrays have no strides,
+    so a reshape is the same program."""
+    count = 0
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+                node.target = torch.ops.aten.reshape.default
+                count += 1
+        module.recompile()
+    return count
+
+
 def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_len: int,
                         scalar_dtype: torch.dtype = torch.float32, rank: int = 0) -> DeviceStep:
     """Rank `rank`'s captured step of a `world_size`-rank run of `cfg`, with per-rank batches of
     batch_size x seq_len. Inside a fake process group (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     with fake_world(world_size, rank):
-        model, optimizer, dims, mesh = build_device_model(cfg, world_size)
+        # No ShapeEnv, as the capture's own fake mode (graph/capture.py): static shapes.
+        model, optimizer, dims, mesh = build_device_model(cfg, world_size,
+                                                          fake_mode=FakeTensorMode(allow_fallback_kernels=True))
         example = torch.zeros(batch_size, seq_len, dtype=torch.long)
         captured = capture_train_step(model, max_norm=cfg.training.max_norm, adamw_hparams=optimizer.hparams,
                                       decay=optimizer.decay, example_batch=(example, example.clone()),
                                       scalar_dtype=scalar_dtype)
+        _views_as_reshapes(captured.graph_module)
         axis_sizes = _axis_sizes(mesh, dims)
         return DeviceStep(captured=captured, axis_sizes=axis_sizes,
                           group_axes=_group_axes(captured.graph_module.graph, axis_sizes) if axis_sizes else {})

@@ -1,0 +1,62 @@
+"""`titan-tpu plan --xla REPORT`: XLA's per-chip numbers from a saved `titan-tpu compile --json`
+report beside the plan's (the compile itself needs .venv-tpu; tests/tpu compiles)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from titan_tpu.cli import main
+from titan_tpu.plan import resolve_hardware
+from titan_tpu.plan.planner import for_planning, plan_config
+
+CONFIG = ["--config", "configs/llama3_debug.toml", "--hardware", "v5p-8"]
+
+
+def _report(tmp_path, devices=4, **more):
+    # The fields `titan-tpu compile --json` writes that the comparison reads.
+    report = more | {"topology": "v5p:2x2x1", "devices": devices, "config": "configs/llama3_debug.toml",
+              "peak_per_chip_bytes": 3.0e8, "flops_per_chip": 8.0e10,
+              "memory_per_chip_bytes": {"arguments": 1.7e7, "outputs": 1.7e7, "aliased": 1.6e7,
+                                        "temporaries": 2.2e8, "code": 5.8e7}}
+    path = tmp_path / "xla.json"
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_plan_prints_xla_beside_its_own(tmp_path, capsys):
+    path = _report(tmp_path)
+    assert main(["plan", *CONFIG, "--xla", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = for_planning("configs/llama3_debug.toml", [])
+    hardware, chips = resolve_hardware("v5p-8", dtype=cfg.model.dtype)
+    plan = plan_config(cfg, hardware, chips=chips)
+    assert out["xla"]["plan_peak_bytes"] == pytest.approx(plan.peak_bytes)
+    assert out["xla"]["peak_ratio"] == pytest.approx(plan.peak_bytes / 3.0e8)
+    assert out["xla"]["flops_ratio"] == pytest.approx(plan.flops["executed_per_step_per_device"] / 8.0e10)
+    assert main(["plan", *CONFIG, "--xla", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "XLA's TPU compiler (compile-only, v5p:2x2x1" in text and "0.300 GB" in text
+
+
+def test_plan_compares_flops_counted_as_xla_counts(tmp_path, capsys):
+    """With the report's formula counted as XLA counts (scanned loop bodies once, no work inside
+    the Pallas kernels), the FLOPs ratio is that against XLA's, and the plan's whole step beside."""
+    path = _report(tmp_path, formula_as_xla_counts_per_chip=7.6e10)
+    assert main(["plan", *CONFIG, "--xla", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["xla"]["flops_ratio"] == pytest.approx(0.95)
+    assert main(["plan", *CONFIG, "--xla", str(path)]) == 0
+    assert "our formula counted so 0.076 TFLOP (0.950x XLA's)" in capsys.readouterr().out
+
+
+def test_plan_refuses_a_report_of_another_slice_or_no_report(tmp_path, capsys):
+    assert main(["plan", *CONFIG, "--xla", str(_report(tmp_path, devices=8))]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "compiled for 8 chips (v5p:2x2x1), the plan is for 4" in err and "\n" not in err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["plan", *CONFIG, "--xla", str(bad)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "not a report of `titan-tpu compile --json`" in err and "\n" not in err
