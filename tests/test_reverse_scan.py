@@ -43,13 +43,18 @@ def test_reversed_backward_scan_removes_every_flip_and_changes_no_bit(ac, monkey
     # One backward scan; every flip of the step gone (AC none, llama3-like block: 29 flipped
     # inputs, the saved stacks and stacked weights, and 9 flipped gradient stacks). Both loops
     # lowered by the pass; at least the block's 7 weight gradients written in place.
-    in_place = done.pop("matmuls_into_stacks")
+    in_place, copies = done.pop("matmuls_into_stacks"), done.pop("copies_dropped", 0)
     assert flips > 9 and done == {"scans": 1, "flips_removed": flips, "forward_scans": 1}
     assert in_place >= 7
+    # Under scan's own autograd the bodies' fallback copies go: RoPE's cos/sin halves and their
+    # gradients (select_copy), the saved attention output and norm statistics (detach_copy).
+    assert copies >= 4 or ac == "full"
 
     monkeypatch.setattr(graph_compile, "_backend_passes", lambda backend: contextlib.nullcontext())
     flipped_losses, flipped_params, _ = train_inductor(ac)
-    assert reverse_scan_stats - before == done | {"matmuls_into_stacks": in_place}  # the second: without the pass
+    # the second run: without the pass
+    assert reverse_scan_stats - before == done | {"matmuls_into_stacks": in_place} | (
+        {"copies_dropped": copies} if copies else {})
     assert losses == flipped_losses
     for name, p in params.items():
         assert torch.equal(p, flipped_params[name]), name

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-__all__ = ["ReverseScanPass", "reverse_scan_stats", "write_matmuls_into_stacks"]
+__all__ = ["ReverseScanPass", "drop_body_copies", "reverse_scan_stats", "write_matmuls_into_stacks"]
 
 reverse_scan_stats: Counter = Counter()
 
@@ -132,6 +132,80 @@ def write_matmuls_into_stacks(body: fx.GraphModule) -> int:
         graph.eliminate_dead_code()
         body.recompile()
     _check_write_order(body)
+    return done
+
+
+# Copies a functionalised loop body keeps that Inductor runs as eager fallback kernels (one
+# dispatch, an allocation and a pass over the data each, per iteration): detach_copy(x) is x in a
+# graph that builds no tape, select_copy(x, d, i) is the view select(x, d, i).
+_COPY_VIEWS = {torch.ops.aten.detach_copy.default: None, torch.ops.aten.select_copy.int: torch.ops.aten.select.int}
+
+
+def _written_placeholders(body: fx.GraphModule) -> set[fx.Node]:
+    """The body's inputs (loop operands) that some op writes, through views."""
+    written = set()
+    for node in body.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            for arg, schema in zip(node.args, node.target._schema.arguments):
+                while isinstance(arg, fx.Node) and arg.op != "placeholder":
+                    arg = arg.args[0] if arg.args else None
+                if schema.is_write and isinstance(arg, fx.Node):
+                    written.add(arg)
+    return written
+
+
+def _is_view(node) -> bool:
+    """An op whose result aliases its first argument (select, view, permute, ...)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload) and node.args):
+        return False
+    returns = node.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def _written_later(node: fx.Node) -> bool:
+    """Whether a reader of `node`, or of a view of it, may write it (an argument it mutates, an op
+    we cannot see into), or returns it from the loop body (an output must not alias an input)."""
+    for user in node.users:
+        if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+            return True
+        schema_args = user.target._schema.arguments
+        by_name = {a.name: a for a in schema_args}
+        passed = [*zip(user.args, schema_args), *((v, by_name.get(k)) for k, v in user.kwargs.items())]
+        if any(arg is node and (schema is None or schema.is_write) for arg, schema in passed):
+            return True
+        if _is_view(user) and user.args[0] is node and _written_later(user):
+            return True
+    return False
+
+
+def drop_body_copies(body: fx.GraphModule) -> int:
+    """In a loop body: ``detach_copy(x)`` -> ``x`` and ``select_copy(x, d, i)`` -> ``select(x, d,
+    i)``, where neither the copy nor its source is written afterwards (x not a view of a stack the
+    body writes, no reader mutating the copy, the copy not a loop output). Readers get the same
+    values without the copy. Returns how many copies went."""
+    graph = body.graph
+    written = _written_placeholders(body)
+    done = 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _COPY_VIEWS]:
+        src = node.args[0]
+        root = src  # what src is a view of
+        while _is_view(root):
+            root = root.args[0]
+        if node.kwargs or root in written or _written_later(node):
+            continue
+        view = _COPY_VIEWS[node.target]
+        if view is None:
+            replacement = src
+        else:
+            with graph.inserting_before(node):
+                replacement = graph.call_function(view, node.args)
+            replacement.meta.update(node.meta)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+        done += 1
+    if done:
+        body.recompile()
     return done
 
 
@@ -248,6 +322,7 @@ class ReverseScanPass(CustomGraphPass):
             return
         for body in bodies:
             reverse_scan_stats["matmuls_into_stacks"] += write_matmuls_into_stacks(body)
+            reverse_scan_stats["copies_dropped"] += drop_body_copies(body)
         graph.eliminate_dead_code()
         gm.recompile()
 
