@@ -2,7 +2,9 @@
 each of our changes, interleaved in one process: with `F.linear`'s own backward inside the body
 (before models/common/scan.py `_LinearsSaveTheirWeight`: the forward scan saved a transposed copy of
 every stacked weight), with the backward scan over flipped stacks (before graph/reverse_scan.py),
-and with the body's matmuls reading copied transposes (before graph/scan_body_transposes.py).
+with the body's matmuls reading copied transposes (before graph/scan_body_transposes.py), and with
+matmul products copied into their stacks (before graph/reverse_scan.py wrote them in place), and
+with the loop bodies' fallback copies (before reverse_scan.drop_body_copies).
 
 Each layout is captured and compiled once (Inductor, warm caches allowed: compile time is
 bench/compile_time.py's business), then single steps of each alternate for --rounds rounds
@@ -47,13 +49,16 @@ def _without(change: str):
     """Build a scanned step as it was before one of our changes: "linear" runs `F.linear`'s own
     backward in the body (scan.py `_LinearsSaveTheirWeight` off: the mode acts while the body is
     traced only), "reverse" compiles without graph/reverse_scan.py (flipped stacks), "transposes"
-    without graph/scan_body_transposes.py (the body's matmuls read copied transposes)."""
+    without graph/scan_body_transposes.py (the body's matmuls read copied transposes), "in place"
+    without reverse_scan.write_matmuls_into_stacks (products copied into their stacks), "copies"
+    without reverse_scan.drop_body_copies (detach_copy / select_copy kernels in the bodies)."""
     from torch._inductor import config as inductor_config
 
-    from titan_tpu.graph import compile as graph_compile, scan_body_transposes
+    from titan_tpu.graph import compile as graph_compile, reverse_scan, scan_body_transposes
 
     mode, passes = scan_module._LinearsSaveTheirWeight, graph_compile._backend_passes
     ours, drop = mode.__torch_function__, scan_body_transposes.drop_transpose_copies
+    write, drop_copies = reverse_scan.write_matmuls_into_stacks, reverse_scan.drop_body_copies
     stack = contextlib.ExitStack()
     if change == "linear":
         mode.__torch_function__ = _passthrough
@@ -63,17 +68,25 @@ def _without(change: str):
         # Inductor's cache keys on the pass's source, not on this patch: compile uncached.
         scan_body_transposes.drop_transpose_copies = lambda gm: 0
         stack.enter_context(inductor_config.patch(fx_graph_cache=False))
+    elif change == "in place":
+        reverse_scan.write_matmuls_into_stacks = lambda body: 0
+        stack.enter_context(inductor_config.patch(fx_graph_cache=False))
+    elif change == "copies":
+        reverse_scan.drop_body_copies = lambda body: 0
+        stack.enter_context(inductor_config.patch(fx_graph_cache=False))
     try:
         yield
     finally:
         stack.close()
         mode.__torch_function__, graph_compile._backend_passes = ours, passes
         scan_body_transposes.drop_transpose_copies = drop
+        reverse_scan.write_matmuls_into_stacks, reverse_scan.drop_body_copies = write, drop_copies
 
 
 # name -> (scanned?, the change left out)
 VARIANTS = {"unrolled": (False, None), "scanned, F.linear backward": (True, "linear"),
             "scanned, flipped stacks": (True, "reverse"), "scanned, transposed copies": (True, "transposes"),
+            "scanned, products copied": (True, "in place"), "scanned, fallback copies": (True, "copies"),
             "scanned": (True, None)}
 
 
