@@ -8,8 +8,8 @@ round is the 2-rank job's median per-rank tokens/s over the 1-rank job's, and th
 the median over rounds. Collective counts per step come from CommDebugMode (eager) or the
 captured graph's nodes (graph mode).
 
-    python bench/scaling.py                                  # eager and graph, every bucket setting
-    python bench/scaling.py --modes eager --bucket-mb 0 25 --rounds 3
+    python bench/scaling.py                                  # eager and graph, the trainer's defaults
+    python bench/scaling.py --modes eager --bucket-mb 0 256 --rounds 3
     python bench/scaling.py --modes graph --prefetch 0 1 --profile   # + rank 0's time split and profile
     python bench/scaling.py --modes graph --profile /tmp/prof        # + its chrome traces in /tmp/prof
     python bench/scaling.py --scan                           # scanned layers
@@ -22,7 +22,10 @@ and off.
 
 Prints one line per (mode, options) with 1-rank and 2-rank tokens/s per rank, per-round
 retentions and their median, the measured 2-rank step time beside the planner's for that setting
-(and its 1-rank step), and the collectives per step.
+(and its 1-rank step), the collectives per step, and the CPU time per step of 1 rank and of the
+slowest of 2 (every thread of the process: gloo's worker too). On 2 cores each of 2 ranks has at
+most one core, so the CPU ratio bounds the retention a quiet machine can show; other load on the
+machine stretches wall times far more than CPU times, so read the ratio when the machine is shared.
 """
 
 from __future__ import annotations
@@ -73,12 +76,17 @@ def _job(*, mode: str, backend: str, split: str, batch: int, seq: int, steps: in
                          split=split, prefetch=None if prefetch < 0 else prefetch)
         out["collectives"] = {k.removeprefix("_c10d_functional.").removesuffix(".default"): v
                               for k, v in step.captured.collective_counts().items()}
-    times = []
+    times, cpu, main_cpu = [], [], []
     for i in range(warmup + steps):
-        start = time.perf_counter()
+        start, start_cpu, start_main = time.perf_counter(), time.process_time(), time.thread_time()
         loss = step([data], 1e-4).loss
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+        main_cpu.append(time.thread_time() - start_main)
     out["step_s"] = statistics.median(times[warmup:])
+    # CPU time of the step, the process's (every thread: gloo's workers too) and the main thread's:
+    # other load stretches the wall time, much less the CPU time.
+    out["cpu_s"], out["main_cpu_s"] = statistics.median(cpu[warmup:]), statistics.median(main_cpu[warmup:])
     out["loss"] = loss  # the same in every variant of a world size: bucketing and order change no value
     if mode == "eager" and dp_size > 1:
         with CommDebugMode() as comm:
@@ -173,6 +181,7 @@ def run_job(world_size: int, options: dict) -> dict:
 
     results = run_ranks(_job, world_size=world_size, kwargs=options, timeout_s=900)
     return {"step_s": max(r["step_s"] for r in results),  # the step ends when the slowest rank ends
+            "cpu_s": max(r["cpu_s"] for r in results), "main_cpu_s": max(r["main_cpu_s"] for r in results),
             "collectives": results[0].get("collectives", {}), "profile": results[0].get("profile"),
             "split": results[0].get("split"),
             "loss": results[0]["loss"]}
@@ -183,8 +192,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"])
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--split", default="collectives", help="--compile.split for graph mode (see docs)")
-    parser.add_argument("--bucket-mb", nargs="+", type=float, default=[0.0, 25.0])
-    parser.add_argument("--prefetch", nargs="+", type=int, default=[-1],
+    parser.add_argument("--bucket-mb", nargs="+", type=float, default=[256.0],
+                        help="--parallelism.bucket_mb settings to compare (0: one collective per parameter)")
+    parser.add_argument("--prefetch", nargs="+", type=int, default=[1],
                         help="graph mode: all-gather prefetch depths to compare; -1 keeps the trace order")
     parser.add_argument("--reshard", nargs="+", default=["auto"], choices=["auto", "true", "false"],
                         help="--parallelism.reshard_after_forward settings to compare (auto: the default, "
@@ -213,6 +223,7 @@ def main() -> None:
         base = dict(mode=mode, backend=a.backend, split=a.split, batch=a.batch, seq=a.seq, steps=a.steps,
                     warmup=a.warmup, layers=a.layers, scan=a.scan)
         single, multi = [], {v: [] for v in variants}
+        cpu_single, cpu_multi = [], {v: [] for v in variants}  # (process, main thread) CPU s per step
         counts, profiles, losses, splits = {}, {}, {}, {}
         for r in range(a.rounds):
             order = [("1", None)] + [("2", v) for v in variants]
@@ -226,8 +237,10 @@ def main() -> None:
                     splits[v] = res["split"]
                 if world == "1":
                     single.append(res["step_s"])
+                    cpu_single.append((res["cpu_s"], res["main_cpu_s"]))
                 else:
                     multi[v].append(res["step_s"])
+                    cpu_multi[v].append((res["cpu_s"], res["main_cpu_s"]))
                     counts[v] = res["collectives"]
                     losses[v] = res["loss"]
                     if res["profile"]:
@@ -239,6 +252,13 @@ def main() -> None:
                        retention_rounds=[round(x, 3) for x in retention], retention=statistics.median(retention),
                        collectives=counts[v], final_loss=losses[v], step_ms_2=statistics.median(multi[v]) * 1000,
                        planner_step_ms_2=planned_ms[str(v[2]).lower()], planner_step_ms_1=planned_ms["1"])
+            # Two ranks on two cores: each rank has one core at most, so its step takes at least its
+            # CPU time (gloo's worker included); the CPU ratio bounds the retention a quiet machine
+            # can show, and the rest of the gap is waiting.
+            cpu_1, cpu_2 = (statistics.median(c[0] for c in cs) for cs in (cpu_single, cpu_multi[v]))
+            main_2 = statistics.median(c[1] for c in cpu_multi[v])
+            row.update(cpu_ms_1=cpu_1 * 1000, cpu_ms_2=cpu_2 * 1000, main_cpu_ms_2=main_2 * 1000,
+                       cpu_retention=cpu_1 / cpu_2)
             rows.append(row)
             extra = (f", prefetch {v[1]}" if mode == "graph" else "") + f", reshard {str(v[2]).lower()}"
             print(f"{mode:5s} bucket_mb {v[0]:g}{extra}{' scan' if a.scan else ''}: 1 rank {row['tokens_s_1']:,.0f} "
@@ -246,6 +266,9 @@ def main() -> None:
                   f"(rounds {row['retention_rounds']}); 2-rank step {row['step_ms_2']:,.0f} ms, planner "
                   f"{row['planner_step_ms_2']:,.0f} ms (1 rank on all cores {row['planner_step_ms_1']:,.0f} ms); "
                   f"collectives/step {counts[v]}; final loss {losses[v]:.6f}", flush=True)
+            print(f"  CPU per step: 1 rank {cpu_1 * 1000:,.0f} ms, 2 ranks {cpu_2 * 1000:,.0f} ms (main thread "
+                  f"{main_2 * 1000:,.0f} ms, other threads {(cpu_2 - main_2) * 1000:,.0f} ms); CPU ratio "
+                  f"{row['cpu_retention']:.3f} (the retention's bound on 2 cores)", flush=True)
             for world, key in (("1 rank ", None), ("2 ranks", v)):
                 if key in splits:
                     row[f"split_{world[0]}"] = splits[key]
