@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import sys
 
 import pytest
@@ -25,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from titan_tpu.graph import GraphStep, capture_train_step, compile_step
 from titan_tpu.graph.capture import CaptureError
-from titan_tpu.graph.passes import eliminate_dead_code, split_graph
+from titan_tpu.graph.passes import _VIEW_OPS, eliminate_dead_code, schedule_collectives, split_graph
 from titan_tpu.models.common.moe import MoEArgs
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
 from titan_tpu.models.registry import build_model
@@ -149,6 +150,26 @@ def test_graph_matches_eager(eager_reference, backend):
 # ---------------------------------------------------------------------------------------------
 
 
+def _program_ops(step: GraphStep, split: str, prefetch: int | None) -> list[tuple[int, int]] | None:
+    """(collective waits, waits of a collective issued in the same program, other ops but views and
+    those collectives) in each program `split` cuts the captured step, scheduled with `prefetch`,
+    into. Reorders the captured graph in place (after compilation, which has its own copy)."""
+    if split == "none":
+        return None
+    gm = step.captured.graph_module
+    if prefetch is not None:
+        gm = schedule_collectives(gm, prefetch=prefetch)
+    cut = split_graph(gm, split, loss_output_index=step.captured.layout.loss_output_index)
+    out = []
+    for _, program in cut.named_children():
+        nodes = [n for n in program.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+        waits = [n for n in nodes if "wait_tensor" in str(n.target)]
+        waited_here = {w.args[0] for w in waits}
+        out.append((len(waits), len(waited_here & set(nodes)),
+                    sum(str(n.target) not in _VIEW_OPS and n not in waited_here for n in nodes) - len(waits)))
+    return out
+
+
 def _sharded_worker(mode: str, split: str = "none") -> dict:
     dims = ParallelDims(world_size=dist.get_world_size())  # dp_shard = 2: fully_shard
     mesh = dims.build_mesh("cpu")
@@ -167,6 +188,8 @@ def _sharded_worker(mode: str, split: str = "none") -> dict:
         step = GraphStep(model, opt, max_norm=MAX_NORM, example_batch=batches[0], backend=mode, dp_size=dp_size,
                          split=split)
         out.update(programs=sum(1 for n, _ in step.compiled.module.named_children()) if split != "none" else 1,
+                   program_ops=_program_ops(step, split, prefetch=None),
+                   program_ops_prefetch=_program_ops(step, split, prefetch=1),
                    collectives=dict(step.captured.collective_counts()), summary=step.captured.summary(),
                    capture_seconds=step.capture_seconds, compile_seconds=step.compile_seconds)
     results = run_steps(step, batches)
@@ -253,10 +276,21 @@ def test_split_graph_gives_the_unsplit_losses(eager_reference, split):
 def test_collectives_split_on_two_ranks():
     eager = sharded_eager_runs()
     graph = run_distributed(_sharded_worker, world_size=2, args=("aot_eager", "collectives"), timeout_s=240)
-    # A cut after each collective wait (one all-gather and one reduce-scatter per bucket, plus
-    # the loss and norm all-reduces): one program per wait, and one after the last.
+    # Cuts around each collective wait (one all-gather and one reduce-scatter per bucket, plus
+    # the loss and norm all-reduces): waits sit in programs of their own (consecutive waits and
+    # the views of their results in one), so no backend's scheduler can move a wait up into the
+    # compute before it.
+    # In trace order each wait follows its own collective and ends that program (nothing to
+    # overlap); reordered (prefetch 1), most waits are far from their collective and sit alone.
     waits = graph[0]["collectives"]["_c10d_functional.wait_tensor.default"]
-    assert waits >= 10 and graph[0]["programs"] == waits + 1, (waits, graph[0]["programs"])
+    ops = graph[0]["program_ops"]
+    assert waits >= 10 and sum(w for w, _, _ in ops) == waits and len(ops) == graph[0]["programs"], (waits, ops)
+    assert all(w == own for w, own, _ in ops), ops
+    reordered = graph[0]["program_ops_prefetch"]
+    assert sum(w for w, _, _ in reordered) == waits, reordered
+    # A program holding a wait of a collective issued in an earlier one holds nothing else.
+    assert all(other == 0 for w, own, other in reordered if w > own), reordered
+    assert sum(w > own for w, own, _ in reordered) >= 6, reordered
     for rank in range(2):
         assert max(abs(a - b) for a, b in zip(eager[rank]["losses"], graph[rank]["losses"])) <= TOL
 

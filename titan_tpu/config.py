@@ -129,7 +129,8 @@ class CompileConfig:
     # tpu hands the graph to TorchTPU (XLA; needs torch_tpu and training.device tpu or auto).
     backend: Literal["eager", "aot_eager", "inductor", "tpu"] = "inductor"
     # Compile the step as several programs: fwd_bwd (forward + loss, then backward + update) or
-    # collectives (a cut after every collective), for backends slow to compile one large program.
+    # collectives (every collective wait in a program of its own), for backends slow to compile one
+    # large program.
     split: Literal["none", "fwd_bwd", "collectives"] = "none"
     # Collective schedule of the captured step (graph/passes.py, schedule_collectives): each
     # all-gather is issued `prefetch` buckets ahead of its use (the next block's weights travel

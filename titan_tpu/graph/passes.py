@@ -3,14 +3,16 @@
 * ``eliminate_dead_code``: drop nodes whose results nobody uses (side-effecting ops stay).
 * ``split_graph(gm, mode)``: cut one program into several, for backends where one program is too
   large to compile quickly (XLA on TPU especially). ``fwd_bwd``: forward + loss, then backward +
-  update. ``collectives``: a new program after every collective's wait, so each program holds at
-  most one round of communication. The result is a GraphModule whose submodules ``submod_0``,
+  update. ``collectives``: every collective's wait in a program of its own (consecutive waits
+  share one; a wait right after its collective ends that collective's program), so each program
+  holds at most one round of communication and no backend can move a wait up into the compute it
+  was placed after. The result is a GraphModule whose submodules ``submod_0``,
   ``submod_1``, ... run in order; ``compile_submodules`` hands each to a backend on its own.
 * ``rematerialize``: activation checkpointing in the captured graph: forward ops tagged for
   recomputation while tracing are copied into the backward where they are needed.
 * ``schedule_collectives(gm, prefetch=k)``: overlap communication with compute by node order: each
-  forward all-gather is issued right after the wait of the all-gather k buckets before it (so the
-  next blocks' weights travel while the current block computes), and each gradient
+  forward all-gather is issued early enough that k stretches of compute (a block's forward; an
+  embedding lookup or a norm does not count) run while it travels, and each gradient
   reduce-scatter's wait moves down to the first op that reads the gradient's values (clipping,
   after the whole backward), so the reduce-scatters run behind the remaining backward.
 """
@@ -131,14 +133,47 @@ def _in_backward(node: fx.Node) -> bool:
     return node.meta.get("custom", {}).get("phase") == "backward" or node.meta.get("autograd_backward", False)
 
 
+# Ops that make a stretch of the graph worth hiding a collective behind (a block's matmuls and
+# attention, a scanned stack's loop); a stretch without them (an embedding lookup, a norm) is not
+# counted as a step of prefetch distance.
+_COMPUTE_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "convolution", "_scaled_dot_product")
+
+
+def _is_compute(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return True  # scan / while_loop / checkpoint bodies: a block's compute behind one node
+    name = str(node.target).split(".")
+    return len(name) > 1 and name[1].startswith(_COMPUTE_OPS) and name[1] != "mm_"
+
+
 def _prefetch(graph: fx.Graph, gathers: list[fx.Node], prefetch: int) -> None:
-    """Move each all-gather (with the chain building its buffer) to just after the wait of the
-    all-gather `prefetch` places before it in `gathers`."""
+    """Move each all-gather (with the chain building its buffer) up so that `prefetch` stretches
+    of compute run while it travels: to just after the wait of the latest earlier all-gather that
+    has `prefetch` compute stretches (between consecutive waits: one block's forward, say)
+    between it and this gather's own wait. A stretch without compute (after the embedding's or
+    the final norm's gather) does not count, so the block after the embedding and the output
+    projection after the norm still get their weights behind a block's compute, or, with no
+    compute before them at all, right after the first gather is issued."""
     waits = [_wait_of(g) for g in gathers]
-    for i in range(prefetch, len(gathers)):
-        anchor = waits[i - prefetch]
+    index = {n: k for k, n in enumerate(graph.nodes)}
+    nodes = list(graph.nodes)
+    # computes[j]: does the stretch from wait j to wait j + 1 compute anything?
+    computes = [a is not None and b is not None and any(_is_compute(n) for n in nodes[index[a] + 1:index[b]])
+                for a, b in zip(waits, waits[1:])]
+    placed: dict[fx.Node, fx.Node] = {}
+    for i in range(1, len(gathers)):
+        anchor, stretches = gathers[0], 0
+        for j in range(i - 1, -1, -1):
+            stretches += computes[j]
+            if stretches >= prefetch:
+                anchor = waits[j]
+                break
         if anchor is None:
             continue
+        # Gathers moved to the same anchor keep their order: each goes after the one before.
+        original, anchor = anchor, placed.get(anchor, anchor)
         index = {n: k for k, n in enumerate(graph.nodes)}
         if index[gathers[i]] <= index[anchor]:
             continue
@@ -147,6 +182,7 @@ def _prefetch(graph: fx.Graph, gathers: list[fx.Node], prefetch: int) -> None:
             continue
         for node in reversed(chain):
             anchor.append(node)  # appending in reverse keeps the chain's order right after anchor
+        placed[original] = gathers[i]
 
 
 def _is_wait(node: fx.Node) -> bool:
@@ -183,11 +219,19 @@ def split_graph(gm: fx.GraphModule, mode: str, *, loss_output_index: int) -> fx.
         for node in gm.graph.nodes:
             partition[node] = 0 if node in forward else 1
     else:
-        current = 0
+        # Waits sit in programs of their own (consecutive waits, and views re-indexing their
+        # results, share one): a backend schedules the nodes of one program as it likes, and
+        # Inductor's memory-driven order hoisted a wait that ended a program up to just after its
+        # collective, undoing the overlap schedule_collectives had set up. A wait right after its
+        # own collective (trace order: nothing to overlap) stays with it, as the program's end.
+        current, waits_only, filled, previous = 0, False, False, None
         for node in gm.graph.nodes:
-            partition[node] = current
-            if _is_wait(node):
+            wait = _is_wait(node) or (waits_only and str(node.target) in _VIEW_OPS
+                                      and all(partition.get(n) == current for n in node.all_input_nodes))
+            if filled and wait != waits_only and not (wait and node.args and node.args[0] is previous):
                 current += 1
+            waits_only, filled, previous = wait, True, node
+            partition[node] = current
     # A multi-output op (the foreach optimizer ops) must sit with its getitems: otherwise a whole
     # list crosses from one program to the next, and compilers want flat tensor outputs. Moving a
     # getitem back to its source's program keeps the order monotonic.
