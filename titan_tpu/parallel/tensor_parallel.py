@@ -245,7 +245,8 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int | None =
     if model.scan_layers:
         # The stack (model.layers, a StackedBlocks) only stores the weights; its template block,
         # which the scan body runs, computes.
-        _place_block_weights(model.layers)
+        for _, stack in model.stacks():
+            _place_block_weights(stack)
         unrolled = []
     else:
         unrolled = list(model.layers.values())
