@@ -19,8 +19,11 @@ install: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/titan-tpu train --config configs/llama3_debug.toml $(ARGS)
 
+# Two pytest-xdist workers: every multiprocess test on one of them, in order; the other tests a file at
+# a time on whichever is free (tests/conftest.py). ARGS="-n 0" runs it all in one process (pdb, -s).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 # Style and import order (ruff, configured in pyproject.toml): line length 120, pyflakes, isort.
 lint: $(STAMP)

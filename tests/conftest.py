@@ -21,6 +21,10 @@ SMALL_CORPUS_BYTES = 1_500_000
 def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: spawns ranks or training processes; "
                                        "tests/stress.py runs these many times in a row")
+    if config.pluginmanager.hasplugin("xdist"):  # `make test`: how two workers share the suite
+        import xdist_groups
+
+        config.pluginmanager.register(xdist_groups, "xdist_groups")
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +38,13 @@ def _note_multiprocess_marker(request):
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory):
-    """Cache directory shared by every test that trains on the embedded corpus."""
+    """Cache directory shared by every test that trains on the embedded corpus. Under pytest-xdist both
+    workers share one, beside their own temporary directories: a build is locked per cache entry and
+    renamed into place whole (titan_tpu/data/prepare.py), so the corpus is tokenized once per run."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "titan_tpu_cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("titan_tpu_cache")
 
 

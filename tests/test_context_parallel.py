@@ -31,6 +31,7 @@ from titan_tpu.graph.compile import GraphStep
 from titan_tpu.kernels.attention import CHUNK_ATTENTION, document_ids_from_positions, reference_attention
 from titan_tpu.models.common.transformer import Transformer, activation_bytes
 from titan_tpu.models.registry import build_model
+from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.context_parallel import (
     check_context_parallel,
     context_parallel,
@@ -44,7 +45,7 @@ from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.parallel.tensor_parallel import tensor_parallel
 from titan_tpu.plan import plan_config
 from titan_tpu.plan.hardware import resolve_hardware
-from titan_tpu.plan.planner import for_planning
+from titan_tpu.plan.planner import attention_widths, for_planning
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 
@@ -165,9 +166,11 @@ def _saved_bytes_per_layer(name: str, dims: ParallelDims, *, documents: bool) ->
 
 
 DENSE_MODELS = ["llama3", "qwen3"]
-# The MoE model with each balancing: the routing statistics they read are summed over cp.
-MOE_MODELS = ["qwen3_moe:aux_loss", "qwen3_moe:expert_bias"]
-GRAPH_RUNS = [("llama3", False), ("llama3", True), *((m, False) for m in MOE_MODELS)]  # (model, documents)
+# The MoE model with each balancing: the routing statistics they read are summed over cp; and
+# DeepSeek-V3 (multi-head latent attention: keys 24 wide per head, values 16; a dense first layer).
+MOE_MODELS = ["qwen3_moe:aux_loss", "qwen3_moe:expert_bias", "deepseek_v3:expert_bias"]
+GRAPH_RUNS = [("llama3", False), ("llama3", True), ("qwen3_moe:aux_loss", False), ("qwen3_moe:expert_bias", False),
+              ("deepseek_v3:expert_bias", True)]  # (model, documents)
 
 
 def _cp2_worker(models: tuple[str, ...]) -> dict:
@@ -343,6 +346,21 @@ def test_plan_takes_moe_models_with_cp_and_refuses_ep_with_cp():
                     measure=False, chips=4)
 
 
+def test_plan_counts_mla_keys_and_values_at_their_widths():
+    """DeepSeek-V3 on cp 2 (the trainer runs it, with ep 1): the planner's key/value traffic is the
+    other rank's keys (heads x (qk_nope + qk_rope)) and values (heads x v_head_dim), each way."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "deepseek_v3_debug.toml"
+    cfg = for_planning(config, ["--parallelism.cp", "2", "--parallelism.dp_shard", "1", "--parallelism.ep", "1"])
+    plan = plan_config(cfg, resolve_hardware("cpu", measure=False)[0], measure=False, chips=2)
+    args, t = model_spec(cfg.model).args, cfg.training
+    kv = [c for c in plan.communication if c["axis"] == "cp" and c["purpose"].startswith("keys and values")]
+    forwards = 1 if cfg.activation_checkpoint.mode == "none" else 2
+    per_token = args.n_heads * (args.mla.qk_head_dim + args.mla.v_head_dim)
+    tokens = t.batch_size * t.seq_len * t.grad_accum_steps
+    want = tokens * per_token * 4 // 2 * args.n_layers * (forwards + 1)  # fp32, (cp - 1) / cp of them
+    assert [c["bytes_per_step"] for c in kv] == [pytest.approx(want)]
+
+
 # ---------------------------------------------------------------------------------------------
 # cp 2 on two gloo ranks
 
@@ -412,12 +430,19 @@ def test_cp2_planner_activation_terms_match_autograd(name, documents):
     """The planner's per-block activation term with cp 2 (the block's terms for the rank's tokens
     plus cp_attention_saved_bytes) is what autograd keeps on each rank."""
     args = args_for(name)
-    predicted = activation_bytes(args, tokens=BATCH * SEQ // 2, ac_mode="none", dtype_bytes=4).saved_per_layer[0]
-    predicted += cp_attention_saved_bytes(batch_size=BATCH, seq_len=SEQ, cp=2, q_dim=args.n_heads * args.hd,
-                                          kv_dim=args.n_kv_heads * args.hd, dtype_bytes=4, documents=documents,
-                                          mask=True)
-    # Not counted, as on one process (test_planner.py): the MoE per-expert counts, [E] int64.
+    # The last layer's: the measured one (DeepSeek-V3's first layer is dense, the second MoE).
+    predicted = activation_bytes(args, tokens=BATCH * SEQ // 2, ac_mode="none", dtype_bytes=4).saved_per_layer[-1]
+    q_dim, k_dim, v_dim = attention_widths(args)
+    # MLA: values narrower than keys send CPU SDPA to its math kernel, which keeps the chunks'
+    # softmax probabilities (not counted, as on one process; within 3% at this length) instead of
+    # their masks.
+    predicted += cp_attention_saved_bytes(batch_size=BATCH, seq_len=SEQ, cp=2, q_dim=q_dim, kv_dim=k_dim,
+                                          v_dim=v_dim, dtype_bytes=4, documents=documents, mask=args.mla is None)
+    # Not counted, as on one process (test_planner.py): the MoE per-expert counts, [E] int64; with
+    # MLA the pieces above, within 3% (tests/test_deepseek_v3.py).
     slack = 8 * args.moe.num_experts if args.moe is not None else 0
+    if args.mla is not None:
+        slack += 0.03 * predicted
     for rank_runs in runs_of(name):
         assert 0 <= rank_runs["saved_per_layer"][(name, documents)] - predicted <= slack
 

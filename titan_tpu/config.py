@@ -54,6 +54,13 @@ class ModelConfig:
     moe_load_balance: Literal["aux_loss", "expert_bias", "none"] = "aux_loss"
     moe_aux_loss_coef: float = 0.001  # moe_load_balance = aux_loss: the balancing loss's weight
     moe_bias_update_rate: float = 0.001  # moe_load_balance = expert_bias: how far the biases move per step
+    # Multi-token prediction (deepseek_v3 only; docs/deepseek_v3.md): depths after the main model,
+    # each one block that predicts one token further ahead through the shared embedding and output
+    # projection (DeepSeek-V3 publishes 1). 0: off. Megatron's and MaxText's names.
+    mtp_num_layers: int = 0
+    # mtp_num_layers > 0: the loss adds this weight x the mean over depths of their cross-entropies
+    # (DeepSeek-V3 trained with 0.3, then 0.1).
+    mtp_loss_scaling_factor: float = 0.1
 
 
 @dataclass

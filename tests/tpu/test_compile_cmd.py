@@ -23,13 +23,24 @@ def _summary(name: str, report: dict) -> None:
 
 def test_compile_moe_with_expert_parallelism_for_v5p():
     """qwen3_moe debug on 4 v5p chips, dp_shard 4 with ep 2: the expert mesh's two axes become JAX
-    mesh axes, tokens reach their experts by all-gather and reduce-scatter over ep."""
-    cfg = build_config("configs/qwen3_moe_debug.toml", SMALL + ["--parallelism.dp_shard=4", "--parallelism.ep=2"])
+    mesh axes, tokens reach their experts by all-gather and reduce-scatter over ep. The TPU's
+    kernels are in the compiled program as Pallas (Mosaic) custom calls: splash attention's
+    forward and backward, megablox's grouped matmul (gmm) and its weight gradient (tgmm); the
+    loss is tokamax's plain-XLA form, and the report says why."""
+    cfg = build_config("configs/qwen3_moe_debug.toml", ["--training.batch_size=1", "--training.seq_len=128",
+                                                        "--parallelism.dp_shard=4", "--parallelism.ep=2"])
     report = compile_step_for_tpu(cfg, "v5p:2x2x1")
     assert report["mesh"] == {"dp_shard_mod_ep": 2, "ep": 2}
     assert report["fits"] and report["memory_per_chip_bytes"]["aliased"] > 0
     assert {"all-gather", "reduce-scatter"} <= set(report["collectives"])
+    assert report["kernels"]["attention"] == "splash" and report["kernels"]["grouped_mm"] == "gmm"
+    assert report["kernels"]["loss"].startswith("tokamax (its plain-XLA implementation: the Mosaic kernel asks")
+    kernels = set(report["tpu_kernels"])
+    assert {"splash_mha_fwd_segmented_no_residuals", "splash_mha_dq_segmented_no_residuals",
+            "splash_mha_dkv_segmented_no_residuals"} <= kernels, kernels
+    assert {"gmm", "tgmm"} <= kernels, kernels
     _summary("qwen3_moe_debug ep 2", report)
+    conftest.SUMMARY.append("  Pallas kernels in it: " + ", ".join(sorted(kernels)))
 
 
 def test_compile_with_tensor_parallelism_and_a_recipe_that_does_not_fit(monkeypatch, capsys):

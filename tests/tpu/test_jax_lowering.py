@@ -13,6 +13,7 @@ fp32 run) move a weight by less than the tolerance, with Adam's eps at 1e-5 (EPS
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -28,6 +29,8 @@ from titan_tpu.tools.device_step import build_device_model, capture_device_step,
 from titan_tpu.tools.tpu_compile import jax_mesh, run_on_devices, sharded_step
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
+
+aten = torch.ops.aten
 
 BATCH, SEQ = 2, 32  # per device
 LR = 1e-4
@@ -48,8 +51,8 @@ def _config(name: str, layout: dict[str, int], scan: bool = False):
     return build_config(f"configs/{name}.toml", overrides)
 
 
-def _batches(vocab: int, ranks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    tokens = torch.randint(0, vocab, (ranks, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+def _batches(vocab: int, ranks: int, batch: int = BATCH, seq: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens = torch.randint(0, vocab, (ranks, batch, seq + 1), generator=torch.Generator().manual_seed(1))
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
@@ -123,6 +126,34 @@ LAYOUTS = [("llama3_debug", {}, False), ("qwen3_debug", {}, False), ("qwen3_moe_
     f"{n}-{'-'.join(f'{a}{s}' for a, s in lay.items()) or '1dev'}{'-scanned' if scan else ''}"
     for n, lay, scan in LAYOUTS])
 def test_lowered_step_equals_eager_step(name, layout, scan, monkeypatch):
+    _check_lowered_step(name, layout, scan, monkeypatch)
+
+
+# The TPU's JAX kernels inside the lowered step (kernels/jax_traced.py), run by JAX on CPU: splash
+# and megablox's gmm in Pallas's TPU interpret mode, tokamax's loss as its plain-XLA form (its
+# Mosaic kernel will not run off a TPU). 128 positions: splash's smallest block. The MoE with
+# expert parallelism holds all three kernels (interpret mode is slow: one layout).
+KERNEL_LAYOUTS = [("qwen3_moe_debug", {"dp_shard": 2, "ep": 2})]
+
+
+@pytest.mark.parametrize("name, layout", KERNEL_LAYOUTS, ids=[
+    f"{n}-{'-'.join(f'{a}{s}' for a, s in lay.items()) or '1dev'}" for n, lay in KERNEL_LAYOUTS])
+def test_lowered_step_with_tpu_kernels_equals_eager_step(name, layout, monkeypatch):
+    """The step lowered with the TPU kernels as their JAX functions (what `titan-tpu compile` hands
+    XLA) equals our eager step with the CPU's kernels (float64), one whole step."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from titan_tpu.kernels.jax_traced import NAMESPACE, traced_for_jax
+
+    with pltpu.force_tpu_interpret_mode():
+        step = _check_lowered_step(name, layout, False, monkeypatch, batch=1, seq=128, capture=traced_for_jax)
+    kernels = {n.target.name().split("::")[1] for n in step.captured.graph_module.graph.nodes
+               if n.op == "call_function" and getattr(n.target, "namespace", None) == NAMESPACE}
+    assert kernels == {"splash_attention", "splash_attention_vjp", "tokamax_lce", "tokamax_lce_vjp", "megablox_gmm",
+                       "megablox_gmm_vjp"}, kernels
+
+
+def _check_lowered_step(name, layout, scan, monkeypatch, batch=BATCH, seq=SEQ, capture=contextlib.nullcontext):
     """One whole step, lowered and run by JAX on a CPU mesh of the layout's ranks, equals our eager
     step (float64, one process, on the batches of all data-parallel ranks). Under tp and cp every
     rank reads its data-parallel rank's batch (both ranks the same one); the model's own hooks
@@ -131,14 +162,16 @@ def test_lowered_step_equals_eager_step(name, layout, scan, monkeypatch):
     stacked weights."""
     cfg = _config(name, layout, scan)
     ranks = int(np.prod(list(layout.values()) or [1])) // layout.get("ep", 1)
-    steps = [capture_device_step(cfg, world_size=ranks, batch_size=BATCH, seq_len=SEQ, rank=r) for r in range(ranks)]
+    with capture():
+        steps = [capture_device_step(cfg, world_size=ranks, batch_size=batch, seq_len=seq, rank=r)
+                 for r in range(ranks)]
     step = steps[0]
     per_device = []
     for rank in range(ranks):
         with fake_world(ranks, rank):
             model, optimizer, _, mesh = build_device_model(cfg, ranks)
             dp_rank, dp_size = dp_rank_and_size(mesh)
-            batches = _batches(cfg_vocab(cfg), dp_size)
+            batches = _batches(cfg_vocab(cfg), dp_size, batch, seq)
             per_device.append(_inputs(step, model, optimizer, batches[dp_rank]))
     outputs = run_on_devices(steps, per_device, jax.devices("cpu"))
     if scan:  # the forward and the backward each one while loop over the layers, not unrolled
@@ -164,6 +197,7 @@ def test_lowered_step_equals_eager_step(name, layout, scan, monkeypatch):
     print(f"{name}{' scanned' if scan else ''} on {ranks} device(s) {cfg.parallelism}: max relative error "
           + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     assert max(errors.values()) <= TOL, errors
+    return step
 
 
 def cfg_vocab(cfg) -> int:
@@ -188,20 +222,25 @@ def test_context_parallel_ranks_are_refused_as_one_program():
     assert "\n" not in str(error.value)
 
 
-def test_unknown_operator_is_one_line():
+def test_unknown_operator_names_its_module_in_one_line():
+    """An op with no JAX lowering: one line naming the op and the module whose forward made it
+    (for a backward op, the module whose forward's backward made it), as the capture recorded."""
     step = capture_device_step(_config("llama3_debug", {}), world_size=1, batch_size=BATCH, seq_len=SEQ)
     from titan_tpu.graph.jax_lowering import functional_graph
 
     graph = functional_graph(step.captured.graph_module, step.captured.example_inputs)
-    missing = next(n.target for n in graph.graph.nodes if n.op == "call_function" and n.target in LOWERINGS
-                   and "mm" in str(n.target))
-    saved = LOWERINGS.pop(missing)
-    try:
-        with pytest.raises(JaxLoweringError, match=str(missing).replace(".", r"\.")) as error:
-            check_lowerable(graph)
-        assert "\n" not in str(error.value)
-    finally:
-        LOWERINGS[missing] = saved
+    forward_mm, backward_attention = aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    where = {forward_mm: r"from module layers\.0\.attention\.wq \(Linear\), graph node mm\b",
+             # The last layer's backward runs first.
+             backward_attention: r"from the backward of module layers\.5\.attention \(Attention\), graph node"}
+    for missing, module in where.items():
+        saved = LOWERINGS.pop(missing)
+        try:
+            with pytest.raises(JaxLoweringError, match=str(missing).replace(".", r"\.") + r" \(" + module) as error:
+                check_lowerable(graph)
+            assert "\n" not in str(error.value)
+        finally:
+            LOWERINGS[missing] = saved
 
 
 def test_compile_debug_recipe_for_v5p():
@@ -227,6 +266,10 @@ def test_compile_debug_recipe_for_v5p():
     assert donated <= report["memory_per_chip_bytes"]["aliased"] <= 1.01 * donated
     assert report["fits"] and report["mesh"] == {"dp_shard": 4}
     assert report["collectives"]
+    # 64 positions: too few for splash's blocks of 128, so the CPU's attention is lowered instead, and said.
+    assert report["kernels"]["attention"].startswith("sdpa (in place of splash: splash attention needs seq_len "
+                                                     "divisible by 128"), report["kernels"]
+    assert not any("splash" in k for k in report["tpu_kernels"])
     import conftest
 
     conftest.SUMMARY.append(f"compile llama3_debug for v5p:2x2x1: {report['compile_seconds']:.1f} s, peak "

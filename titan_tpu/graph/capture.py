@@ -58,7 +58,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, f
 from titan_tpu.graph.passes import recomputed_nodes, rematerialize
 from titan_tpu.model_contract import TrainableModel
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
-from titan_tpu.train.step import model_copies, split_batch
+from titan_tpu.train.step import model_copies, mtp_share, split_batch
 
 __all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "StepLayout", "capture_accumulating_step",
            "capture_train_step"]
@@ -176,7 +176,7 @@ class StepLayout:
 
 def _update_outputs(params: int, updated_buffers: int) -> tuple[tuple[str, int], ...]:
     return (("params", params), ("exp_avg", params), ("exp_avg_sq", params), ("loss", 1), ("grad_norm", 1),
-            ("aux_loss", 1), ("expert_load", 1), ("buffers", updated_buffers))
+            ("aux_loss", 1), ("mtp_loss", 1), ("expert_load", 1), ("buffers", updated_buffers))
 
 
 def _flatten(layout: list[tuple[str, int]], groups: dict) -> list:
@@ -201,16 +201,31 @@ def _module_stack(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
 
     A forward that raises never reaches its post-hook, so after a tracing failure the list still
     holds the chain of modules that were running when the failing op was called.
+
+    While node meta is preserved (`_trace`), the stack is also fx's current ``nn_module_stack``
+    (name -> (name, class name), outermost first, as torch.export writes it), which every node
+    traced meanwhile copies into its meta: a later error about a node (an op with no JAX
+    lowering) can name the module it came from.
     """
     stack: list[tuple[str, str]] = []
     handles = []
+
+    def publish():
+        if fx_traceback.has_preserved_node_meta():
+            if stack:
+                fx_traceback.current_meta["nn_module_stack"] = {name: (name, cls) for name, cls in stack}
+            else:
+                fx_traceback.current_meta.pop("nn_module_stack", None)
+
     try:
         for name, module in model.named_modules():
             def push(mod, args, name=name):
                 stack.append((name, type(mod).__name__))
+                publish()
 
             def pop(mod, args, output):
                 stack.pop()
+                publish()
 
             handles.append(module.register_forward_pre_hook(push))
             handles.append(module.register_forward_hook(pop))
@@ -218,6 +233,40 @@ def _module_stack(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _autograd_nodes(roots) -> Iterator:
+    seen, todo = set(), [r for r in roots if r is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+
+def _tag_backward_with_forward(roots) -> None:
+    """While the backward of `roots` (grad_fns) is traced, each node traced for a grad_fn records
+    that grad_fn's sequence number as its ``seq_nr`` (the one the forward node that made it has),
+    as torch's AOTAutograd does; `_module_stack_from_forward` then gives it its forward's module."""
+    if not fx_traceback.has_preserved_node_meta():
+        return
+    for node in _autograd_nodes(roots):
+        node.register_prehook(lambda grad_output, seq_nr=node._sequence_nr(): fx_traceback.set_grad_fn_seq_nr(seq_nr))
+        node.register_hook(lambda grad_input, grad_output: fx_traceback.reset_grad_fn_seq_nr())
+
+
+def _module_stack_from_forward(gm: torch.fx.GraphModule) -> None:
+    """Backward nodes (seq_nr of a forward node, `_tag_backward_with_forward`) get that forward
+    node's ``nn_module_stack`` (their meta["custom"]["phase"] says they are the backward)."""
+    forward = {}
+    for node in gm.graph.nodes:
+        if "nn_module_stack" in node.meta and node.meta.get("custom", {}).get("phase") != "backward":
+            forward.setdefault(node.meta.get("seq_nr"), node.meta["nn_module_stack"])
+    for node in gm.graph.nodes:
+        if node.meta.get("custom", {}).get("phase") == "backward" and node.meta.get("seq_nr") in forward:
+            node.meta["nn_module_stack"] = forward[node.meta["seq_nr"]]
 
 
 def _defining_op(partial_graph: object, symbols: set) -> str | None:
@@ -301,11 +350,13 @@ class CapturedStep:
     an input so that chat data (a varying count) needs no new graph; step, lr: 0-dim scalar_dtype;
     buffers: buffer_names order (make_fx refuses real tensors closed over, so the RoPE table is an
     input too, never modified); totals: 1-dim, this rank's share of the loss, its share of the
-    balancing loss and its expert loads flattened (an update takes their sum over the step's
+    balancing loss, its share of the multi-token-prediction loss and its expert loads flattened (an
+    update takes their sum over the step's
     micro-batches).
     Outputs of a whole step or of an update: new params, new exp_avg, new exp_avg_sq, loss (0-dim,
     mean per token over all ranks), grad_norm (0-dim, global, before clipping), aux_loss (0-dim,
-    MoE balancing loss, mean over micro-batches and ranks; 0 for dense models), expert_load
+    MoE balancing loss, mean over micro-batches and ranks; 0 for dense models), mtp_loss (0-dim,
+    multi-token prediction's cross-entropy as loss, unweighted; 0 without it), expert_load
     ([L_moe, E] tokens per expert, all ranks; [0, 0] for dense), then the new values of the buffers
     in `updated_buffer_names` (MoE expert biases under auxiliary-loss-free balancing). A
     micro-batch program returns the gradients summed so far and its own totals.
@@ -323,6 +374,7 @@ class CapturedStep:
     scalar_dtype: torch.dtype = torch.float64  # dtype of the step and lr inputs
     updated_buffer_names: list[str] = dataclasses.field(default_factory=list)  # buffers the step moves
     program: str = "train step"  # what the graph is, for summary(): "train step", "micro-batch", "update"
+    has_mtp: bool = False  # the model trains multi-token prediction: mtp_loss is reported
 
     @property
     def num_inputs(self) -> int:
@@ -417,6 +469,7 @@ class _StepParts:
         self.updated_buffers = model.expert_bias_names() if isinstance(model, TrainableModel) else []
         self.num_params = sum(p.numel() for p in named.values())
         self.load_shape: torch.Size | None = None  # the expert loads' shape, known once a forward is traced
+        self.has_mtp = False  # whether the model returned a multi-token-prediction loss, known likewise
 
     def _as_model_tensor(self, name: str, t: Tensor) -> Tensor:
         return self.specs[name].wrap(t) if name in self.specs else t
@@ -436,14 +489,20 @@ class _StepParts:
             aux = out.aux_loss * self.aux_share
             # num_tokens is a graph input, not a traced constant: chat data trains a varying count.
             ce = out.ce_sum / num_tokens
+            mtp = mtp_share(out, num_tokens)
+            objective = ce + aux if mtp is None else ce + aux + out.mtp_weight * mtp
             # Gradients of the local leaves are the local shards of the (reduce-scattered)
             # parameter gradients: DTensor.from_local's backward hands back the local part.
             # The backward region, for the rematerialize pass (activation checkpointing).
             with fx_traceback.annotate({"phase": "backward"}):
+                _tag_backward_with_forward([objective.grad_fn])
                 # Zeros for parameters the loss does not reach, as the eager step does.
-                local_grads = torch.autograd.grad(ce + aux, leaves, allow_unused=True, materialize_grads=True)
+                local_grads = torch.autograd.grad(objective, leaves, allow_unused=True, materialize_grads=True)
         self.load_shape = out.expert_load.shape
-        totals = torch.cat([ce.detach().view(1), aux.detach().view(1), out.expert_load.flatten()])
+        self.has_mtp = mtp is not None
+        mtp = torch.zeros_like(ce) if mtp is None else mtp
+        totals = torch.cat([ce.detach().view(1), aux.detach().view(1), mtp.detach().view(1),
+                            out.expert_load.flatten()])
         return list(local_grads), totals
 
     def update(self, local_params: list[Tensor], local_grads: list[Tensor], exp_avg: list[Tensor],
@@ -467,7 +526,7 @@ class _StepParts:
             if self.dp_size > 1 or self.copies > 1:
                 totals = _world_group_all_reduce_sum(totals)
                 totals = totals / self.copies if self.copies > 1 else totals
-            global_load = totals[2:].view(self.load_shape)
+            global_load = totals[3:].view(self.load_shape)
             updated = self.updated_buffers
             new_buffers = (self.model.updated_expert_biases({n: buffer_values[n] for n in updated}, global_load)
                            if updated else {})
@@ -475,7 +534,7 @@ class _StepParts:
                 total_norm = total_norm.to_local()
         return dict(params=[new_params[k] for k in names], exp_avg=[new_state["exp_avg"][k] for k in names],
                     exp_avg_sq=[new_state["exp_avg_sq"][k] for k in names], loss=[totals[0]],
-                    grad_norm=[total_norm], aux_loss=[totals[1]], expert_load=[global_load],
+                    grad_norm=[total_norm], aux_loss=[totals[1]], mtp_loss=[totals[2]], expert_load=[global_load],
                     buffers=[new_buffers[n] for n in updated])
 
     def local_params(self) -> list[Tensor]:
@@ -497,7 +556,8 @@ class _StepParts:
         return CapturedStep(graph_module=gm, param_names=self.param_names, buffer_names=self.buffer_names,
                             dtensor_specs=self.specs, example_inputs=fake_inputs, dp_size=self.dp_size,
                             capture_seconds=seconds, num_params=self.num_params, layout=layout,
-                            scalar_dtype=scalar_dtype, updated_buffer_names=self.updated_buffers, program=program)
+                            scalar_dtype=scalar_dtype, updated_buffer_names=self.updated_buffers, program=program,
+                            has_mtp=self.has_mtp)
 
 
 def _local_tensor(t: Tensor) -> Tensor:
@@ -532,9 +592,10 @@ def _trace(fn, example: list[Tensor], model: torch.nn.Module) -> tuple[torch.fx.
     with _module_stack(model) as stack:
         try:
             # preserve_node_meta: annotations made while tracing (the backward phase) land in
-            # node.meta["custom"].
+            # node.meta["custom"], the running modules in node.meta["nn_module_stack"].
             with fx_traceback.preserve_node_meta():
                 gm = make_fx(fn, tracing_mode="fake", decomposition_table=TRACE_DECOMPOSITIONS)(*fake_example)
+            _module_stack_from_forward(gm)
         except Exception as e:
             error = _capture_error(e, stack)
             if error is None:

@@ -292,8 +292,10 @@ class GraphStep:
                     torch._foreach_copy_(dst_group, out[group])
         self.optimizer.step_count = step_number
         (loss,), (norm,), (aux,), (load,) = out["loss"], out["grad_norm"], out["aux_loss"], out["expert_load"]
+        (mtp,) = out["mtp_loss"]
         return StepResult(loss=loss.item(), grad_norm=norm.item(), num_tokens=num_tokens,
-                          aux_loss=aux.item(), expert_load=load if load.numel() else None)
+                          aux_loss=aux.item(), expert_load=load if load.numel() else None,
+                          mtp_loss=mtp.item() if self.captured.has_mtp else None)
 
     def _accumulate_and_update(self, batches: list[list[Tensor]], count: Tensor, exp_avg: list[Tensor],
                                exp_avg_sq: list[Tensor], step_t: Tensor, lr_t: Tensor) -> dict[str, list[Tensor]]:

@@ -53,9 +53,15 @@ class JaxLoweringError(ValueError):
 
 def functional_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
     """`gm` traced again without mutations or views, decomposed to core ATen (see the module docstring).
-    example_inputs: the captured step's fake inputs (CapturedStep.example_inputs)."""
-    pure = torch.func.functionalize(gm, remove="mutations_and_views")
-    return make_fx(pure, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(*example_inputs)
+    example_inputs: the captured step's fake inputs (CapturedStep.example_inputs). Run node by node
+    (fx.Interpreter) with node meta preserved, so each new node keeps the meta of the node it
+    came from: its module (``nn_module_stack``, graph/capture.py) for error messages."""
+    import torch.fx.traceback as fx_traceback
+
+    pure = torch.func.functionalize(lambda *inputs: torch.fx.Interpreter(gm).run(*inputs),
+                                    remove="mutations_and_views")
+    with fx_traceback.preserve_node_meta():
+        return make_fx(pure, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(*example_inputs)
 
 
 _DTYPES = {torch.float32: jnp.float32, torch.float64: jnp.float64, torch.bfloat16: jnp.bfloat16,
@@ -490,17 +496,28 @@ def _collective_lowerings(group_axes: dict[str, tuple[str, ...]]) -> dict[object
 # -- the interpreter ------------------------------------------------------------------------------
 
 def _where(node: torch.fx.Node) -> str:
-    """Where a node came from, for error messages: the innermost module of the trace, if recorded."""
+    """Where a node came from, for error messages: the innermost module whose forward made it
+    (or whose forward's backward did), as the capture recorded it (graph/capture.py)."""
     stack = node.meta.get("nn_module_stack")
     if stack:
         name, cls = list(stack.values())[-1]
-        return f"module {name} ({getattr(cls, '__name__', cls)})"
-    return f"graph node {node.name}"
+        what = "the backward of " if node.meta.get("custom", {}).get("phase") == "backward" else ""
+        return f"{what}module {name or 'the model'} ({getattr(cls, '__name__', cls)}), graph node {node.name}"
+    return f"graph node {node.name}, outside any module's forward"
+
+
+def _table(group_axes: dict[str, tuple[str, ...]] | None) -> dict[object, Callable]:
+    """Every op's JAX form: the ATen table, the collectives over the mesh axes of their groups, and
+    the TPU kernels a step captured for JAX holds as ops (kernels/jax_traced.py: each the JAX
+    function TorchTPU's jax_op would be handed, its Pallas kernel a Mosaic custom call on TPU)."""
+    from titan_tpu.kernels.jax_traced import LOWERED
+
+    return {**LOWERINGS, **_collective_lowerings(group_axes or {}), **LOWERED}
 
 
 def check_lowerable(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | None = None) -> None:
     """Raise JaxLoweringError for the first op of `gm` with no JAX lowering (before any tracing)."""
-    table = {**LOWERINGS, **_collective_lowerings(group_axes or {})}
+    table = _table(group_axes)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is _SCAN:
             check_lowerable(_subgraph(gm, node.args[0]), group_axes)  # the body: the same table
@@ -548,7 +565,7 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     check_lowerable(gm, group_axes)
-    table = {**LOWERINGS, **_collective_lowerings(group_axes or {})}
+    table = _table(group_axes)
     nodes = list(gm.graph.nodes)
     per_rank = per_rank or {}
 

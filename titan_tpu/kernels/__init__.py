@@ -13,8 +13,9 @@ the device its tensors are on; `describe()` is what ``titan-tpu kernels`` prints
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from titan_tpu.kernels import tpu as _tpu  # noqa: F401 - registers the TPU variants
@@ -24,7 +25,7 @@ from titan_tpu.kernels.loss import IGNORED_LABELS, LOSS
 from titan_tpu.kernels.registry import Impl, Op
 
 __all__ = ["ATTENTION", "CHUNK_ATTENTION", "GROUPED_MM", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe",
-           "document_ids_from_positions"]
+           "device_type_as", "document_ids_from_positions"]
 
 OPS: dict[str, Op] = {"attention": ATTENTION, "chunk_attention": CHUNK_ATTENTION, "loss": LOSS,
                       "grouped_mm": GROUPED_MM}
@@ -42,6 +43,9 @@ ATTENTION.preference = {
     "cuda+documents": ["flex", "sdpa", "reference"],
     "tpu": ["splash", "splash_sdpa", "reference"],
     "tpu+documents": ["splash", "reference"],
+    # "jax": a step captured on CPU and lowered to JAX for XLA's TPU compiler (`titan-tpu
+    # compile`): the TPU's JAX kernels, else what the CPU runs (traced as its ATen ops).
+    "jax": ["splash", "sdpa", "reference"],
 }
 # Chunk attention (context parallelism): on CUDA flex, whose block mask skips the causally masked
 # blocks without a per-element mask (sdpa would build a [Q, S] mask of each chunk: gigabytes at
@@ -50,16 +54,19 @@ CHUNK_ATTENTION.preference = {
     "cpu": ["sdpa", "reference"],
     "cuda": ["flex", "sdpa", "reference"],
     "tpu": ["splash", "reference"],
+    "jax": ["splash", "sdpa", "reference"],
 }
 GROUPED_MM.preference = {
     "cpu": ["torch", "reference"],
     "cuda": ["torch", "reference"],
     "tpu": ["gmm", "ragged_dot", "reference"],
+    "jax": ["gmm", "torch", "reference"],
 }
 LOSS.preference = {
     "cpu": ["chunked", "reference"],
     "cuda": ["chunked", "reference"],
     "tpu": ["tokamax", "chunked", "reference"],
+    "jax": ["tokamax", "chunked", "reference"],
 }
 
 
@@ -113,8 +120,31 @@ class KernelConfig:
         return functools.partial(impl.fn, chunk_tokens=self.loss_chunk_tokens)
 
 
-@functools.cache
+_DEVICE_TYPE_AS: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def device_type_as(device_type: str, as_type: str) -> Iterator[None]:
+    """Inside the block, model code asking for the kernels of `device_type` (its tensors' device)
+    gets those of `as_type`: a step captured on CPU for the JAX lowering asks for "jax"
+    (kernels/jax_traced.py)."""
+    previous = _DEVICE_TYPE_AS.get(device_type)
+    _DEVICE_TYPE_AS[device_type] = as_type
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _DEVICE_TYPE_AS[device_type]
+        else:
+            _DEVICE_TYPE_AS[device_type] = previous
+
+
 def _resolve(op: Op, choice: str, device_type: str, needs: frozenset[str]) -> Impl:
+    return _resolve_cached(op, choice, _DEVICE_TYPE_AS.get(device_type, device_type), needs)
+
+
+@functools.cache
+def _resolve_cached(op: Op, choice: str, device_type: str, needs: frozenset[str]) -> Impl:
     return op.resolve(choice, device_type, needs)  # cached: model code resolves on every call
 
 

@@ -16,7 +16,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Impl", "Op"]
+__all__ = ["Impl", "KernelShapeError", "Op"]
+
+
+class KernelShapeError(ValueError):
+    """A kernel cannot take the shapes of this call (e.g. splash's blocks of 128). kernel: the
+    implementation's name; `titan-tpu compile` then lowers the op's CPU pick instead and says so."""
+
+    def __init__(self, kernel: str, message: str):
+        super().__init__(message)
+        self.kernel = kernel
 
 
 @dataclass(frozen=True)
@@ -24,6 +33,11 @@ class Impl:
     """One implementation of an op.
 
     devices: device types it runs on ("cpu", "cuda", "tpu").
+    jax_form: for the device type "jax" (a step captured on CPU and lowered to JAX by
+    `titan-tpu compile`, kernels/jax_traced.py): () -> None when the implementation enters the
+    lowered program as its own JAX function (the TPU's Pallas kernels) and can here, else the
+    reason; None for an implementation with no JAX form, which takes part in a JAX-traced step
+    as the ATen ops it runs on CPU, if it runs on CPU.
     unavailable: () -> None when it can run in this process, else the reason (e.g. a package is
     missing); checked lazily, so registering never imports a backend.
     features: what it supports beyond the op's basic form (e.g. {"documents"}).
@@ -35,12 +49,21 @@ class Impl:
     description: str
     features: frozenset[str] = frozenset()
     unavailable: Callable[[], str | None] = lambda: None
+    jax_form: Callable[[], str | None] | None = None
 
     def why_not(self, device_type: str, needs: frozenset[str] = frozenset(), *,
                 installed: bool = False) -> str | None:
         """None when it runs on `device_type` with `needs`; else a short reason. installed: answer
         for a machine of that device type with every package the implementation needs (a TPU VM
         with torch-tpu, jax and tokamax), not for this process."""
+        if device_type == "jax" and self.jax_form is not None:
+            missing = needs - self.features
+            if missing:
+                return f"does not support {', '.join(sorted(missing))}"
+            return None if installed else self.jax_form()
+        if device_type == "jax":  # traced as the ATen ops it runs on CPU
+            reason = self.why_not("cpu", needs, installed=installed)
+            return None if reason is None else f"has no JAX form and {reason}"
         if device_type not in self.devices:
             return f"runs on {'/'.join(self.devices)}, not {device_type}"
         missing = needs - self.features

@@ -45,7 +45,7 @@ from torch import Tensor
 from titan_tpu.kernels.attention import ATTENTION, CHUNK_ATTENTION
 from titan_tpu.kernels.grouped_mm import GROUPED_MM, differentiable_grouped_mm
 from titan_tpu.kernels.loss import LOSS
-from titan_tpu.kernels.registry import Impl
+from titan_tpu.kernels.registry import Impl, KernelShapeError
 from titan_tpu.tracing import is_tracing
 
 __all__ = ["gmm_grouped_mm", "gmm_row_tile", "jax_op_replaced", "ragged_all_to_all", "ragged_dot_grouped_mm",
@@ -63,6 +63,14 @@ def _missing(*modules: str) -> str | None:
     absent = ([] if device._tpu_installed() else ["torch_tpu with libtpu"])
     absent += [m for m in modules if importlib.util.find_spec(m) is None]
     return f"needs {', '.join(absent)} (TorchTPU on a TPU VM)" if absent else None
+
+
+def _jax_missing(*modules: str) -> Callable[[], str | None]:
+    """The JAX form's availability (a step lowered to JAX on any machine: no TorchTPU needed)."""
+    def why_not() -> str | None:
+        absent = [m for m in ("jax", *modules) if importlib.util.find_spec(m) is None]
+        return f"needs {', '.join(absent)} (.venv-tpu)" if absent else None
+    return why_not
 
 
 # -- JAX functions as torch ops ------------------------------------------------------------------
@@ -118,8 +126,9 @@ def splash_block(*lengths: int) -> int:
     for block in (512, 256, 128):
         if all(length % block == 0 for length in lengths):
             return block
-    raise ValueError(f"splash attention needs seq_len divisible by 128 (with --parallelism.cp, seq_len / (2 cp) "
-                     f"too), got {', '.join(map(str, lengths))}; change --training.seq_len or use the reference kernel")
+    raise KernelShapeError("splash", f"splash attention needs seq_len divisible by 128 (with --parallelism.cp, "
+                           f"seq_len / (2 cp) too), got {', '.join(map(str, lengths))}; change --training.seq_len "
+                           "or use the reference kernel")
 
 
 class _SplashAttention(torch.autograd.Function):
@@ -174,13 +183,15 @@ def gmm_row_tile(rows: int, dim: int, ffn_dim: int) -> int:
     backward swaps dim and ffn_dim, so both must be multiples of 128 (found by lowering for TPU
     in tests/tpu/); the rows must split into whole tiles of 8 or more."""
     if dim % 128 or ffn_dim % 128:
-        raise ValueError(f"kernels.grouped_mm = gmm needs the model dim and the expert ffn dim to be multiples of "
-                         f"128, got {dim} and {ffn_dim}; use --kernels.grouped_mm ragged_dot or reference")
+        raise KernelShapeError("gmm", f"kernels.grouped_mm = gmm needs the model dim and the expert ffn dim to be "
+                               f"multiples of 128, got {dim} and {ffn_dim}; use --kernels.grouped_mm ragged_dot or "
+                               "reference")
     for tile in (128, 64, 32, 16, 8):
         if rows % tile == 0:
             return tile
-    raise ValueError(f"kernels.grouped_mm = gmm needs the routed token count (tokens x top-k) divisible by 8, "
-                     f"got {rows}; change the batch or sequence length, or use --kernels.grouped_mm ragged_dot")
+    raise KernelShapeError("gmm", f"kernels.grouped_mm = gmm needs the routed token count (tokens x top-k) "
+                           f"divisible by 8, got {rows}; change the batch or sequence length, or use "
+                           "--kernels.grouped_mm ragged_dot")
 
 
 class _MegabloxGMM(torch.autograd.Function):
@@ -275,17 +286,18 @@ def ragged_all_to_all(operand: Tensor, output: Tensor, input_offsets: Tensor, se
 
 ATTENTION.register(Impl("splash", splash_attention, ("tpu",),
                         "JAX splash attention (Pallas) through torch.tpu.pallas.jax_op; documents as segment ids",
-                        frozenset({"documents"}), unavailable=lambda: _missing("jax")))
+                        frozenset({"documents"}), unavailable=lambda: _missing("jax"), jax_form=_jax_missing()))
 CHUNK_ATTENTION.register(Impl("splash", splash_chunk_attention, ("tpu",),
                               "JAX splash attention (Pallas), its causal mask offset to the chunk's place",
-                              frozenset({"documents"}), unavailable=lambda: _missing("jax")))
+                              frozenset({"documents"}), unavailable=lambda: _missing("jax"),
+                              jax_form=_jax_missing()))
 ATTENTION.register(Impl("splash_sdpa", splash_sdpa_attention, ("tpu",),
                         "TorchTPU's own splash_sdpa op, causal only", unavailable=_missing))
 GROUPED_MM.register(Impl("gmm", gmm_grouped_mm, ("tpu",),
                          "megablox grouped matmul (Pallas) through torch.tpu.pallas.jax_op",
-                         unavailable=lambda: _missing("jax")))
+                         unavailable=lambda: _missing("jax"), jax_form=_jax_missing()))
 GROUPED_MM.register(Impl("ragged_dot", ragged_dot_grouped_mm, ("tpu",),
                          "TorchTPU ragged_dot with ragged_dot_weight_grad", unavailable=_missing))
 LOSS.register(Impl("tokamax", tokamax_linear_cross_entropy, ("tpu",),
                    "tokamax linear-softmax-cross-entropy (Pallas) through torch.tpu.pallas.jax_op",
-                   unavailable=lambda: _missing("jax", "tokamax")))
+                   unavailable=lambda: _missing("jax", "tokamax"), jax_form=_jax_missing("tokamax")))

@@ -7,8 +7,9 @@ routed_scaling_factor, shared experts), its first `first_k_dense_replace` layers
 (model.moe_load_balance = "expert_bias"), HF's `e_score_correction_bias`. RoPE covers only the
 qk_rope_head_dim part of each head (so `head_dim` is that width), with YaRN scaling on 671B.
 
-Multi-token prediction is not part of the native model: the MTP layer of a published checkpoint
-(model.layers.{num_hidden_layers}.*) is skipped on import, as transformers skips it.
+Multi-token prediction (model.mtp_num_layers, models/common/mtp.py) is off unless configured: the
+MTP layer of a published checkpoint (model.layers.{num_hidden_layers}.*) is then skipped on import,
+as transformers skips it, and read when it is on.
 """
 
 from titan_tpu.models.common.mla import MLAArgs
@@ -88,7 +89,7 @@ def config_from_args(args: TransformerArgs) -> dict:
             "scoring_func": "sigmoid", "topk_method": "noaux_tc", "q_lora_rank": a.q_lora_rank or None,
             "kv_lora_rank": a.kv_lora_rank, "qk_nope_head_dim": a.qk_nope_head_dim,
             "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim, "rope_interleave": True,
-            "num_nextn_predict_layers": 0}
+            "num_nextn_predict_layers": args.mtp_num_layers}
 
 
 FAMILY = Family(
@@ -98,4 +99,5 @@ FAMILY = Family(
                  config_from_args=config_from_args),
     moe=True,
     router_bias=True,
+    mtp=True,
 )

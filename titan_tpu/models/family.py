@@ -51,3 +51,6 @@ class Family:
     # HF's router has a per-expert choice bias (DeepSeek-V3's e_score_correction_bias): models
     # trained with moe.load_balance expert_bias export it.
     router_bias: bool = False
+    # Multi-token-prediction layers (models/common/mtp.py), stored in the HF layout as DeepSeek-V3's
+    # model.layers.{num_hidden_layers + k}.*.
+    mtp: bool = False

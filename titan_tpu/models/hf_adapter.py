@@ -15,6 +15,8 @@ Both import; the native model stacks them per expert (`moe.experts.w1/w3` [E, I,
 and export writes the hub layout. The router is `mlp.gate.weight` <-> `moe.router.gate.weight`.
 """
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -152,6 +154,8 @@ def hf_config_from_model_args(
         raise ValueError(f"model {name!r} with qk_norm={args.qk_norm} has no HF equivalent")
     if (args.moe is not None) != family.moe:
         raise ValueError(f"model {name!r} with moe={args.moe} has no HF equivalent")
+    if args.mtp_num_layers and not family.mtp:
+        raise ValueError(f"model {name!r} with mtp_num_layers={args.mtp_num_layers} has no HF equivalent")
     if args.moe is not None and args.moe.load_balance == "expert_bias" and not family.router_bias:
         raise ValueError("a model trained with moe.load_balance expert_bias routes with a per-expert bias that "
                          "Hugging Face's Qwen3-MoE does not have; export models trained with aux_loss or none")
@@ -192,12 +196,15 @@ def hf_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
         shapes[hf_name] = native[native_name][1:]
     for hf_name in _zero_router_biases(args):
         shapes[hf_name] = (args.moe.num_experts,)
+    for hf_name, native_name in _mtp_shared_copies(args):
+        shapes[hf_name] = native[native_name]
     return shapes
 
 
 def hf_fused_expert_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
     """The expert tensors of transformers 5.x's fused layout (what its save_pretrained may write
     instead of one tensor per expert): gate_up_proj [E, 2I, H] and down_proj [E, H, I] per MoE layer."""
+    args = _blocks_args(args)
     shapes = {}
     for i in range(args.n_layers):
         if args.is_moe_layer(i):
@@ -210,6 +217,7 @@ def hf_fused_expert_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
 def fuse_experts(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
     """Hub layout (one tensor per expert) -> transformers 5.x's fused layout; the inverse of
     `_unfuse_experts`."""
+    args = _blocks_args(args)
     out = dict(hf_sd)
     for i in range(args.n_layers):
         if not args.is_moe_layer(i):
@@ -226,6 +234,12 @@ def fuse_experts(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, T
 
 def native_param_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
     """Native state-dict names -> shapes, computed from the args (no model needed)."""
+    if args.mtp_num_layers:
+        d, blocks = args.dim, native_param_shapes(_blocks_args(args))
+        shapes = {_native_block_name(name, args): shape for name, shape in blocks.items()}
+        shapes.update((native, (d, 2 * d) if native.endswith("eh_proj.weight") else (d,))
+                      for _, native in _mtp_pairs(args))
+        return shapes
     d, hd, f = args.dim, args.hd, args.ffn_hidden_dim
     shapes = {"tok_embeddings.weight": (args.vocab_size, d)}
     for i in range(args.n_layers):
@@ -295,7 +309,7 @@ _SHARED_EXPERT_NAMES = [("gate_proj.weight", "w1.weight"), ("up_proj.weight", "w
 def _zero_router_biases(args: TransformerArgs) -> list[str]:
     """HF names of the router biases a sigmoid-routed model without expert_bias exports as zeros
     (transformers' DeepSeek-V3 always has e_score_correction_bias)."""
-    m = args.moe
+    m, args = args.moe, _blocks_args(args)
     if m is None or m.score_func != "sigmoid" or m.load_balance == "expert_bias":
         return []
     return [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in range(args.n_layers) if args.is_moe_layer(i)]
@@ -304,6 +318,9 @@ def _zero_router_biases(args: TransformerArgs) -> list[str]:
 def _name_pairs(args: TransformerArgs) -> list[tuple[str, str]]:
     """(HF name, native name) for every tensor mapped one to one (experts: `_expert_names`); for
     tied models lm_head maps to nothing ("")."""
+    if args.mtp_num_layers:
+        pairs = [(hf, _native_block_name(native, args)) for hf, native in _name_pairs(_blocks_args(args))]
+        return pairs + _mtp_pairs(args)
     pairs = [("model.embed_tokens.weight", "tok_embeddings.weight")]
     for i in range(args.n_layers):
         for hf_suffix, native_suffix in _LAYER_NAMES:
@@ -333,6 +350,8 @@ def _name_pairs(args: TransformerArgs) -> list[tuple[str, str]]:
 
 def _expert_names(args: TransformerArgs) -> list[tuple[str, str, int]]:
     """(HF hub name, native stacked name, expert index) for every expert weight of an MoE model."""
+    if args.mtp_num_layers:
+        return [(hf, _native_block_name(native, args), j) for hf, native, j in _expert_names(_blocks_args(args))]
     out = []
     for i in range(args.n_layers):
         if args.is_moe_layer(i):
@@ -344,6 +363,7 @@ def _expert_names(args: TransformerArgs) -> list[tuple[str, str, int]]:
 
 def _unfuse_experts(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
     """transformers 5.x fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) -> hub layout."""
+    args = _blocks_args(args)
     out = dict(hf_sd)
     for i in range(args.n_layers):
         prefix = f"model.layers.{i}.mlp.experts."
@@ -391,6 +411,8 @@ def from_hf_state_dict(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[
     """
     pairs = _name_pairs(args)
     experts = _expert_names(args)
+    copies = {hf for hf, _ in _mtp_shared_copies(args)}  # the shared embedding and head, read once
+    hf_sd = {k: v for k, v in hf_sd.items() if k not in copies}
     hf_sd = _unfuse_experts(hf_sd, args) if experts else hf_sd
     for name in _zero_router_biases(args):
         bias = hf_sd.get(name)
@@ -450,7 +472,50 @@ def to_hf_state_dict(sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, 
         out[hf_name] = sd[native_name][expert].contiguous()
     for hf_name in _zero_router_biases(args):
         out[hf_name] = torch.zeros(args.moe.num_experts, dtype=torch.float32)
+    for hf_name, native_name in _mtp_shared_copies(args):  # as DeepSeek publishes them
+        out[hf_name] = sd[native_name].clone()  # a tensor of its own: safetensors refuses shared storage
     return out
+
+
+# Multi-token prediction (models/common/mtp.py) in DeepSeek-V3's layout: depth k is HF layer
+# n_layers + k, its block under the usual layer names, beside enorm, hnorm, eh_proj and
+# shared_head.norm, and copies of the shared embedding (embed_tokens) and output (shared_head.head).
+
+
+def _blocks_args(args: TransformerArgs) -> TransformerArgs:
+    """The args with the MTP blocks counted as layers, as the HF layout numbers them."""
+    if not args.mtp_num_layers:
+        return args
+    return dataclasses.replace(args, n_layers=args.n_layers + args.mtp_num_layers, mtp_num_layers=0)
+
+
+def _native_block_name(name: str, args: TransformerArgs) -> str:
+    """`layers.{n_layers + k}.x` (a name of `_blocks_args`) -> `mtp.{k}.block.x`; others unchanged."""
+    if not name.startswith("layers."):
+        return name
+    index, rest = name[len("layers."):].split(".", 1)
+    k = int(index) - args.n_layers
+    return name if k < 0 else f"mtp.{k}.block.{rest}"
+
+
+def _mtp_pairs(args: TransformerArgs) -> list[tuple[str, str]]:
+    """(HF name, native name) of each MTP depth's own tensors besides its block."""
+    pairs = []
+    for k in range(args.mtp_num_layers):
+        hf, native = f"model.layers.{args.n_layers + k}.", f"mtp.{k}."
+        pairs += [(hf + "enorm.weight", native + "enorm.weight"), (hf + "hnorm.weight", native + "hnorm.weight"),
+                  (hf + "eh_proj.weight", native + "eh_proj.weight"),
+                  (hf + "shared_head.norm.weight", native + "norm.weight")]
+    return pairs
+
+
+def _mtp_shared_copies(args: TransformerArgs) -> list[tuple[str, str]]:
+    """(HF name, native name) of the copies of the shared embedding and output projection that
+    DeepSeek's checkpoint stores under each MTP layer: written on export, ignored on import."""
+    output = "tok_embeddings.weight" if args.tie_embeddings else "output.weight"
+    return [pair for k in range(args.mtp_num_layers)
+            for pair in ((f"model.layers.{args.n_layers + k}.embed_tokens.weight", "tok_embeddings.weight"),
+                         (f"model.layers.{args.n_layers + k}.shared_head.head.weight", output))]
 
 
 def adapters_to_hf(adapters: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:

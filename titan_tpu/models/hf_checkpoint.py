@@ -6,6 +6,7 @@ Layout written and read (the one `save_pretrained` produces):
   model-00001-of-0000N.safetensors ... + model.safetensors.index.json   (N > 1 shards)
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -75,7 +76,8 @@ def read_hf_config_json(path: str | Path) -> dict:
     return config
 
 
-def load_hf_checkpoint(hf_dir: str | Path) -> tuple[str, TransformerArgs, dict[str, Tensor]]:
+def load_hf_checkpoint(hf_dir: str | Path, *, mtp_num_layers: int = 0) -> tuple[str, TransformerArgs,
+                                                                              dict[str, Tensor]]:
     """Read an HF checkpoint directory -> (model name, args, NATIVE state dict).
 
     Names and shapes are checked against config.json from the safetensors headers before any
@@ -91,6 +93,8 @@ def load_hf_checkpoint(hf_dir: str | Path) -> tuple[str, TransformerArgs, dict[s
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} is missing; an HF checkpoint needs its config.json")
     name, args = model_args_from_hf_config(read_hf_config_json(config_path))
+    if mtp_num_layers:  # DeepSeek-V3's multi-token-prediction layers, model.layers.{num_hidden_layers + k}
+        args = dataclasses.replace(args, mtp_num_layers=mtp_num_layers)
 
     shard_files = _shard_files(hf_dir)
     for shard in shard_files:
@@ -106,8 +110,8 @@ def load_hf_checkpoint(hf_dir: str | Path) -> tuple[str, TransformerArgs, dict[s
             for key in f.keys():
                 if key.endswith("rotary_emb.inv_freq"):
                     continue  # derived buffer saved by old transformers versions
-                if args.mla is not None and key.startswith(f"model.layers.{args.n_layers}."):
-                    continue  # DeepSeek-V3's multi-token-prediction module: not part of the model here
+                if args.mla is not None and _layer_index(key) >= args.n_layers + args.mtp_num_layers:
+                    continue  # DeepSeek-V3's multi-token-prediction layers not asked for (or all of them)
                 if key not in known:
                     raise ValueError(
                         f"unexpected tensor {key!r} in {shard.name}; it does not belong to the "
@@ -130,8 +134,19 @@ def load_hf_checkpoint(hf_dir: str | Path) -> tuple[str, TransformerArgs, dict[s
     for key in needed:
         # HF drops lm_head.weight from tied checkpoints; untied ones must have it.
         if key not in hf_sd and not (key == "lm_head.weight" and args.tie_embeddings):
+            if _layer_index(key) >= args.n_layers:
+                raise ValueError(f"{hf_dir} has no multi-token-prediction weights ({key} is missing): set "
+                                 "model.mtp_num_layers to 0, or load a checkpoint that has them")
             raise ValueError(f"tensor {key!r} is missing from the checkpoint in {hf_dir}")
     return name, args, from_hf_state_dict(hf_sd, args)
+
+
+def _layer_index(key: str) -> int:
+    """i of an HF name model.layers.{i}.*; -1 for the others."""
+    if not key.startswith("model.layers."):
+        return -1
+    index = key[len("model.layers."):].split(".", 1)[0]
+    return int(index) if index.isdigit() else -1
 
 
 def _shard_files(hf_dir: Path) -> list[Path]:

@@ -60,6 +60,9 @@ class HFSpec(ModelSpec):
         return cls(name="hf", args=args, label=f"hf:{args.hf_config}", hf_config=args.hf_config)
 
     def check(self, cfg: Config) -> None:
+        if cfg.model.mtp_num_layers:
+            raise ValueError("model.mtp_num_layers (multi-token prediction) needs --model.name deepseek_v3; the hf "
+                             "backend runs transformers' model, which has none: set it to 0")
         if cfg.model.scan_layers:
             raise ValueError("model.scan_layers needs a native model (llama3, qwen3, qwen3_moe); an hf model runs "
                              "its own layer loop: set model.scan_layers false")

@@ -70,18 +70,31 @@ def num_params(args: TransformerArgs, *, exclude_embedding: bool = False) -> int
     d = args.dim
     total = d  # final norm
     for layer_id in range(args.n_layers):
-        if args.is_moe_layer(layer_id):
-            moe = args.moe
-            # router + experts + shared experts
-            feed_forward = d * moe.num_experts + (moe.num_experts + moe.num_shared_experts) * 3 * d * moe.hidden_dim
-        else:
-            feed_forward = 3 * d * args.ffn_hidden_dim
-        total += _attention_params(args) + feed_forward + 2 * d  # + attention_norm, ffn_norm
+        total += _block_params(args, layer_id)
+    for layer_id in range(args.n_layers, args.n_layers + args.mtp_num_layers):
+        # Multi-token prediction: enorm, hnorm, eh_proj, its block (the kind of layer n_layers + k), its norm.
+        total += 3 * d + 2 * d * d + _block_params(args, layer_id)
     if not args.tie_embeddings:
         total += d * args.vocab_size  # output
     if not exclude_embedding:
         total += d * args.vocab_size  # tok_embeddings
     return total
+
+
+def _block_params(args: TransformerArgs, layer_id: int) -> int:
+    d = args.dim
+    if args.is_moe_layer(layer_id):
+        moe = args.moe
+        # router + experts + shared experts
+        feed_forward = d * moe.num_experts + (moe.num_experts + moe.num_shared_experts) * 3 * d * moe.hidden_dim
+    else:
+        feed_forward = 3 * d * args.ffn_hidden_dim
+    return _attention_params(args) + feed_forward + 2 * d  # + attention_norm, ffn_norm
+
+
+def num_moe_blocks(args: TransformerArgs) -> int:
+    """MoE blocks, the multi-token-prediction ones included."""
+    return sum(args.is_moe_layer(i) for i in range(args.n_layers + args.mtp_num_layers))
 
 
 def num_active_params(args: TransformerArgs, *, exclude_embedding: bool = False) -> int:
@@ -91,7 +104,7 @@ def num_active_params(args: TransformerArgs, *, exclude_embedding: bool = False)
     moe = args.moe
     if moe is not None:
         unused = (moe.num_experts - moe.top_k) * 3 * args.dim * moe.hidden_dim
-        total -= args.num_moe_layers * unused
+        total -= num_moe_blocks(args) * unused
     return total
 
 
@@ -119,12 +132,17 @@ def flops_per_token(args: TransformerArgs, seq_len: int) -> float:
       of TorchTitan, MaxText and Megatron today. (torch's FlopCounterMode reports the full,
       non-causal 12 * L * H * hd * S; see tests/test_flops.py.)
 
+    Multi-token prediction (mtp_num_layers D) adds its layers' parameters to N, its blocks to L,
+    and the shared output projection once more per depth (D * dim * vocab in N).
+
     Norms, RoPE, softmax, routing bookkeeping and other elementwise work are not counted.
     """
     n = num_active_params(args, exclude_embedding=True)
     if args.tie_embeddings:
         n += args.dim * args.vocab_size
-    return 6.0 * n + 6.0 * args.n_layers * args.n_heads * attention_head_dim(args) * seq_len
+    n += args.mtp_num_layers * args.dim * args.vocab_size  # the output projection, run again per depth
+    blocks = args.n_layers + args.mtp_num_layers
+    return 6.0 * n + 6.0 * blocks * args.n_heads * attention_head_dim(args) * seq_len
 
 
 def attention_head_dim(args: TransformerArgs) -> float:
@@ -139,7 +157,7 @@ def num_expert_params(args: TransformerArgs) -> int:
     """Parameters of the MoE experts (all of them): what expert parallelism spreads over ep ranks."""
     if args.moe is None:
         return 0
-    return args.num_moe_layers * args.moe.num_experts * 3 * args.dim * args.moe.hidden_dim
+    return num_moe_blocks(args) * args.moe.num_experts * 3 * args.dim * args.moe.hidden_dim
 
 
 def largest_param(args: TransformerArgs) -> int:

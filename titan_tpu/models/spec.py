@@ -132,7 +132,7 @@ def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int
 
 def native_spec(model: ModelConfig) -> NativeSpec:
     """The flavor's TransformerArgs with the config's model options applied (MoE balancing)."""
-    from titan_tpu.models.registry import get_model_args
+    from titan_tpu.models.registry import FAMILIES, get_model_args
 
     label = f"{model.name}/{model.flavor}"
     if model.hf_config or model.hf_overrides:
@@ -148,6 +148,13 @@ def native_spec(model: ModelConfig) -> NativeSpec:
         args.moe = dataclasses.replace(args.moe, load_balance=model.moe_load_balance,
                                        aux_loss_coef=model.moe_aux_loss_coef,
                                        bias_update_rate=model.moe_bias_update_rate)
+    if model.mtp_num_layers and not FAMILIES[model.name].mtp:
+        raise ValueError(f"model.mtp_num_layers (multi-token prediction) applies to deepseek_v3; {label} has no "
+                         "MTP layers: set it to 0")
+    if model.mtp_num_layers < 0 or model.mtp_loss_scaling_factor < 0:
+        raise ValueError(f"model.mtp_num_layers ({model.mtp_num_layers}) and model.mtp_loss_scaling_factor "
+                         f"({model.mtp_loss_scaling_factor}) must be >= 0")
+    args.mtp_num_layers, args.mtp_loss_scaling_factor = model.mtp_num_layers, model.mtp_loss_scaling_factor
     return NativeSpec(name=model.name, args=args, label=label)
 
 
@@ -161,9 +168,9 @@ class NativeSpec(ModelSpec):
 
     def check(self, cfg: Config) -> None:
         p = cfg.parallelism
-        if self.args.mla is not None and (p.tp > 1 or p.cp > 1):
-            raise ValueError(f"{self.label} uses multi-head latent attention, which tensor and context parallelism "
-                             "do not split yet: set parallelism.tp and parallelism.cp to 1 (use dp_shard and ep)")
+        if self.args.mtp_num_layers and (p.tp > 1 or p.cp > 1):
+            raise ValueError("model.mtp_num_layers: multi-token prediction reads the next shard's tokens and is not "
+                             "split by tensor or context parallelism: set parallelism.tp and parallelism.cp to 1")
 
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
                       documents: bool) -> Transformer:
@@ -202,7 +209,7 @@ class NativeSpec(ModelSpec):
         from titan_tpu.models.lora import is_adapter_key
         from titan_tpu.tensors import copy_full_
 
-        _, _, weights = load_hf_checkpoint(hf_dir)
+        _, _, weights = load_hf_checkpoint(hf_dir, mtp_num_layers=self.args.mtp_num_layers)
         own = {k: v for k, v in model.state_dict().items() if not is_adapter_key(k)}  # HF holds the base
         for key, value in own.items():
             if key not in weights or weights[key].shape != value.shape:

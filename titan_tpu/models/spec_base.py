@@ -82,9 +82,10 @@ class ModelSpec(ABC):
         (`model.layers.0.self_attn.q_proj.lora_A`), in its layout: what a peft export holds."""
 
 
-def moe_options_changed(model: ModelConfig) -> list[str]:
-    """The model.moe_* options set to other than their defaults. The defaults come from the
-    config's own class, so this layer need not import config.py (which sits above it)."""
+def moe_options_changed(model: ModelConfig, prefix: str = "moe_") -> list[str]:
+    """The model.moe_* options (or those named `prefix`*) set to other than their defaults. The
+    defaults come from the config's own class, so this layer need not import config.py (which
+    sits above it)."""
     defaults = type(model)()
     return [f.name for f in dataclasses.fields(model)
-            if f.name.startswith("moe_") and getattr(model, f.name) != getattr(defaults, f.name)]
+            if f.name.startswith(prefix) and getattr(model, f.name) != getattr(defaults, f.name)]

@@ -221,7 +221,7 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, docume
 
 
 def cp_attention_saved_bytes(*, batch_size: int, seq_len: int, cp: int, q_dim: int, kv_dim: int, dtype_bytes: int,
-                             documents: bool, mask: bool) -> int:
+                             documents: bool, mask: bool, v_dim: int | None = None) -> int:
     """Bytes one block's attention keeps for its backward on a cp rank beyond what one process's
     attention keeps for the rank's own tokens (`attention_saved_per_token`), without activation
     checkpointing:
@@ -231,12 +231,15 @@ def cp_attention_saved_bytes(*, batch_size: int, seq_len: int, cp: int, q_dim: i
       concatenation (one process's projection reads the kernel's output itself);
     - where the kernel takes a per-element mask (`mask`: the sdpa and reference kernels), each
       chunk's [1 or B, c, end] mask in the compute dtype (SDPA's additive form): c (S + c)
-      elements for the two chunks together, c = S / (2 cp), on every rank."""
+      elements for the two chunks together, c = S / (2 cp), on every rank.
+    q_dim, kv_dim: the queries' and the keys' widths per token; v_dim: the values' (and so the
+    output's: H / K of them), kv_dim unless given (multi-head latent attention: wider keys)."""
     q = seq_len // cp
     c = q // 2
+    v_dim = kv_dim if v_dim is None else v_dim
     mask_elements = (batch_size if documents else 1) * c * (seq_len + c) if mask else 0
-    keys = 2 * batch_size * (seq_len - q) * kv_dim
-    return (keys + batch_size * q * q_dim + mask_elements) * dtype_bytes
+    keys = batch_size * (seq_len - q) * (kv_dim + v_dim)
+    return (keys + batch_size * q * (q_dim // kv_dim) * v_dim + mask_elements) * dtype_bytes
 
 
 def cp_size(mesh: DeviceMesh | None) -> int:

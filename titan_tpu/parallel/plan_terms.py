@@ -241,14 +241,16 @@ class Layout:
 
 
 def cp_collectives(*, cp: int, micro_batches: int, n_layers: int, kv_elements: int, compute_bytes: int,
-                   documents_tokens: int, recompute_blocks: bool) -> list[Collective]:
+                   documents_tokens: int, recompute_blocks: bool, v_elements: int | None = None) -> list[Collective]:
     """Context parallelism's per-block collectives (module docstring), bytes each rank sends and
-    calls. kv_elements: keys (or values) of one micro-batch's whole sequences, [B, S, kv dim]
-    (a tp rank's kv heads under cp x tp: kv dim / tp);
+    calls. kv_elements: keys (and values, unless v_elements gives theirs: multi-head latent
+    attention's are narrower) of one micro-batch's whole sequences, [B, S, kv dim] (a tp rank's kv
+    heads under cp x tp: kv dim / tp);
     documents_tokens: B x S with document masks (their ids are gathered too), else 0."""
     share = (cp - 1) / cp
     forwards = 2 if recompute_blocks else 1
-    kv = share * 2 * kv_elements * compute_bytes  # keys and values, one direction
+    v_elements = kv_elements if v_elements is None else v_elements
+    kv = share * (kv_elements + v_elements) * compute_bytes  # keys and values, one direction
     out = [Collective("all_gather+reduce_scatter", "cp", cp, micro_batches * n_layers * (forwards + 1) * kv,
                       "keys and values gathered, their gradients reduce-scattered", micro_batches * n_layers
                       * 2 * (forwards + 1))]

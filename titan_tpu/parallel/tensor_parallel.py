@@ -5,6 +5,8 @@ Parameters (their DTensor placement on the tp axis, `TP_PLACEMENT` on the module
     tok_embeddings          Shard(0)   row-parallel over the vocabulary
     attention.wq/wk/wv      Shard(0)   column-parallel: each rank owns H/tp query and K/tp kv heads
     attention.wo            Shard(1)   row-parallel: partial sums of the block's output
+    MLA wq or wq_b, wkv_b   Shard(0)   column-parallel by heads (multi-head latent attention)
+    MLA wq_a, wkv_a         Replicate  the low-rank down-projections, whole on every rank
     feed_forward.w1/w3      Shard(0)   column-parallel over the hidden dim F
     feed_forward.w2         Shard(1)   row-parallel
     output                  Shard(0)   column-parallel over the vocabulary
@@ -185,9 +187,24 @@ class _VocabParallelKernels:
 # whose partial sums the block's reduce-scatter adds). Paths are relative to a block, or to the
 # model for the vocabulary-parallel embedding and output projection; per layer, SimpleFSDP shifts
 # a stacked weight's placement one dim in (simple_fsdp._module_placements).
+FEED_FORWARD_PLAN: dict[str, Placement] = {
+    "feed_forward.w1": Shard(0), "feed_forward.w3": Shard(0), "feed_forward.w2": Shard(1),
+}
 BLOCK_PLAN: dict[str, Placement] = {
     "attention.wq": Shard(0), "attention.wk": Shard(0), "attention.wv": Shard(0), "attention.wo": Shard(1),
-    "feed_forward.w1": Shard(0), "feed_forward.w3": Shard(0), "feed_forward.w2": Shard(1),
+    **FEED_FORWARD_PLAN,
+}
+# Multi-head latent attention (models/common/mla.py): the per-head projections split by heads
+# (the query, full-rank wq or the low-rank query's up-projection wq_b, and the key-value
+# up-projection wkv_b, column-parallel; wo row-parallel). The down-projections wq_a and wkv_a
+# (with their norms q_norm and kv_norm) stay whole on every rank: their outputs are small (the
+# ranks q_lora_rank and kv_lora_rank, 1536 and 512 on 671B, against 128 heads x 192) and every
+# head reads all of them, so splitting them would only add a gather; wkv_a's decoupled RoPE key
+# is shared by all heads. Their gradients are partial sums over the rank's heads, all-reduced.
+MLA_BLOCK_PLAN: dict[str, Placement] = {
+    "attention.wq": Shard(0), "attention.wq_a": Replicate(), "attention.wq_b": Shard(0),
+    "attention.wkv_a": Replicate(), "attention.wkv_b": Shard(0), "attention.wo": Shard(1),
+    **FEED_FORWARD_PLAN,
 }
 MODEL_PLAN: dict[str, Placement] = {"tok_embeddings": Shard(0), "output": Shard(0)}
 
@@ -207,17 +224,24 @@ def _apply_plan(root: nn.Module, plan: dict[str, Placement]) -> None:
         _set_placement(module, placement)
 
 
-def _place_block_weights(block: nn.Module) -> None:
-    """The tp placements of a block's weights (`BLOCK_PLAN`)."""
-    _apply_plan(block, BLOCK_PLAN)
+def block_plan(args) -> dict[str, Placement]:
+    """The plan of a model's blocks: `MLA_BLOCK_PLAN` with multi-head latent attention, else
+    `BLOCK_PLAN`."""
+    return BLOCK_PLAN if getattr(args, "mla", None) is None else MLA_BLOCK_PLAN
 
 
-def _parallelize_block(block: nn.Module, group, tp: int) -> list:
+def _place_block_weights(block: nn.Module, plan: dict[str, Placement]) -> None:
+    """The tp placements of a block's weights."""
+    _apply_plan(block, plan)
+
+
+def _parallelize_block(block: nn.Module, group, tp: int, plan: dict[str, Placement]) -> list:
     """A block that computes: its weights' placements, local head counts, sequence collectives."""
     attn, ffn = block.attention, block.feed_forward
-    _place_block_weights(block)
+    _place_block_weights(block, plan)
     attn.n_heads //= tp
-    attn.n_kv_heads //= tp
+    if hasattr(attn, "n_kv_heads"):  # MLA has no separate key-value heads
+        attn.n_kv_heads //= tp
     handles = []
     for module in (attn, ffn):
         handles.append(module.register_forward_pre_hook(functools.partial(_gather_input, group)))
@@ -242,16 +266,17 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int | None =
                          f"--kernels.loss chunked (got {model.kernels.loss!r})")
     group = mesh.get_group(TP_AXIS)
     rank = mesh.get_local_rank(TP_AXIS)
+    plan = block_plan(args)
     if model.scan_layers:
-        # The stack (model.layers, a StackedBlocks) only stores the weights; its template block,
+        # Each stack (a StackedBlocks) only stores the weights; its template block,
         # which the scan body runs, computes.
-        for _, stack in model.stacks():
-            _place_block_weights(stack)
+        for _, stack in model.stacks():  # one, or one per run of identical blocks
+            _place_block_weights(stack, plan)
         unrolled = []
     else:
         unrolled = list(model.layers.values())
     for block in [*unrolled, *model.block_templates()]:
-        _parallelize_block(block, group, tp)
+        _parallelize_block(block, group, tp, plan)
     model.tok_embeddings.__class__ = VocabParallelEmbedding
     model.tok_embeddings._tp_group = group
     model.tok_embeddings._tp_start = rank * (args.vocab_size // tp)

@@ -390,6 +390,17 @@ def _check_parallel_support(cfg: Config, args) -> None:
         check_cp_with_ep(cp, cfg.parallelism.ep)
 
 
+def attention_widths(args, tp: int = 1) -> tuple[int, int, int]:
+    """Per token, on one of tp ranks: the widths of the queries, keys and values the attention
+    kernel reads (what context parallelism gathers: keys and values). Multi-head latent attention
+    expands its keys per head to qk_nope_head_dim + qk_rope_head_dim and its values to
+    v_head_dim (models/common/mla.py)."""
+    if args.mla is not None:
+        heads = args.n_heads // tp
+        return heads * args.mla.qk_head_dim, heads * args.mla.qk_head_dim, heads * args.mla.v_head_dim
+    return args.n_heads * args.hd // tp, args.n_kv_heads * args.hd // tp, args.n_kv_heads * args.hd // tp
+
+
 def _activations(s: _Setting) -> ActivationBytes:
     """Activations of one micro-batch on one rank: under context parallelism its 1 / cp of the
     tokens, and attention keeps every rank's keys and values (of its kv heads: 1 / tp of them)."""
@@ -399,10 +410,10 @@ def _activations(s: _Setting) -> ActivationBytes:
     if cp > 1 and s.ac == "none":
         t = cfg.training
         mask = _chunk_attention_impl(cfg.kernels.chunk_attention, s.hardware.name) in ("sdpa", "reference")
+        q_dim, k_dim, v_dim = attention_widths(args, tp)
         extra = cp_attention_saved_bytes(batch_size=t.batch_size, seq_len=t.seq_len, cp=cp,
-                                         dtype_bytes=s.layout.compute_bytes, q_dim=args.n_heads * args.hd // tp,
-                                         kv_dim=args.n_kv_heads * args.hd // tp, documents=cfg.data.document_mask,
-                                         mask=mask)
+                                         dtype_bytes=s.layout.compute_bytes, q_dim=q_dim, kv_dim=k_dim, v_dim=v_dim,
+                                         documents=cfg.data.document_mask, mask=mask)
         acts = dataclasses.replace(acts, saved_per_layer=tuple(saved + extra for saved in acts.saved_per_layer))
     return _with_lora_activations(s, acts) if s.lora else acts
 
@@ -498,7 +509,8 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
         forward_end += scan.at_backward_start - scan.activations - min(gathered, scan.weight_copies)
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
-    per_layer = [s.adapter_params / s.args.n_layers] * s.args.n_layers if s.lora else _layer_params(s.args)
+    blocks = len(acts.saved_per_layer)  # the layers, then the multi-token-prediction blocks
+    per_layer = [s.adapter_params / blocks] * blocks if s.lora else _layer_params(s.args)
     layer_grad = [g * mb / (s.layout.dp_shard * s.layout.tp) for g in per_layer]
     below, above, worst = acts.saved, 0.0, 0.0
     for saved, grad in zip(reversed(acts.saved_per_layer), reversed(layer_grad)):
@@ -554,8 +566,9 @@ def _collectives(s: _Setting) -> list:
                                             gathers=gathers, regathers=regathers, n_layers=args.n_layers,
                                             num_experts=args.moe.num_experts if args.moe else 0)
     if p.cp > 1:
+        _, k_dim, v_dim = attention_widths(args, p.tp)
         collectives += cp_collectives(cp=p.cp, micro_batches=t.grad_accum_steps, n_layers=args.n_layers,
-                                      kv_elements=s.tokens * args.n_kv_heads * args.hd // p.tp, compute_bytes=cb,
+                                      kv_elements=s.tokens * k_dim, v_elements=s.tokens * v_dim, compute_bytes=cb,
                                       documents_tokens=s.tokens if s.cfg.data.document_mask else 0,
                                       recompute_blocks=s.ac != "none")
     return collectives
@@ -676,12 +689,13 @@ def _layer_params(args) -> list[int]:
     from titan_tpu.models.registry import _attention_params
 
     out = []
-    for layer_id in range(args.n_layers):
+    for layer_id in range(args.n_layers + args.mtp_num_layers):  # the layers, then the MTP blocks
         if args.is_moe_layer(layer_id):
             ffn = args.dim * args.moe.num_experts + args.moe.num_experts * 3 * args.dim * args.moe.hidden_dim
         else:
             ffn = 3 * args.dim * args.ffn_hidden_dim
-        out.append(_attention_params(args) + ffn + 2 * args.dim)
+        mtp = 3 * args.dim + 2 * args.dim * args.dim if layer_id >= args.n_layers else 0  # norms, eh_proj
+        out.append(_attention_params(args) + ffn + 2 * args.dim + mtp)
     return out
 
 

@@ -83,24 +83,56 @@ def _collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
-def cpu_kernels(cfg):
-    """(cfg with each kernel the CPU capture can trace, what each op ran as): a recipe's TPU picks
-    (splash, tokamax, megablox's gmm) run through jax_op, which the CPU capture cannot trace; the
-    op's CPU pick takes its place in the lowered step, and the report says so (the FLOPs of the
-    same math; the memory of the TPU kernels' own tiling is not in XLA's numbers)."""
+def jax_kernels(cfg):
+    """(cfg with each op's kernel named, what each op runs as): the recipe's choice (auto: the TPU's
+    pick) for the device type "jax", a step lowered to JAX (kernels/jax_traced.py). Splash, tokamax
+    and megablox's gmm enter the program as their own JAX functions (Mosaic custom calls for the
+    TPU); a choice with no JAX form (TorchTPU's native ops) is replaced by the op's JAX pick, and
+    the report says so."""
     import dataclasses
 
     from titan_tpu.kernels import OPS
+    from titan_tpu.kernels.jax_traced import NOT_AS_ON_TPU
 
     kernels, used = cfg.kernels, {}
     for field, op in OPS.items():
         choice = getattr(kernels, field)
         try:
-            used[field] = op.resolve(choice, "cpu").name
+            used[field] = op.resolve(choice, "jax").name
         except ValueError:
-            used[field] = f"{op.resolve('auto', 'cpu').name} (in place of the recipe's {choice}, not lowered yet)"
-            kernels = dataclasses.replace(kernels, **{field: "auto"})
+            used[field] = f"{op.resolve('auto', 'jax').name} (in place of the recipe's {choice}, which has no JAX form)"
+        name = used[field].split()[0]
+        if name in NOT_AS_ON_TPU:
+            used[field] = f"{name} ({NOT_AS_ON_TPU[name]})"
+        kernels = dataclasses.replace(kernels, **{field: name})
     return dataclasses.replace(cfg, kernels=kernels), used
+
+
+def capture_for_jax(cfg, **capture_args):
+    """(rank's DeviceStep captured with the JAX kernels, cfg as captured, what each op ran as): a
+    kernel that cannot take the shapes (splash's blocks of 128, gmm's tiles) is replaced by the
+    op's CPU pick, traced as ATen ops, and the op's entry says which and why."""
+    import dataclasses
+
+    from titan_tpu.kernels import OPS
+    from titan_tpu.kernels.jax_traced import traced_for_jax
+    from titan_tpu.kernels.registry import KernelShapeError
+    from titan_tpu.tools.device_step import capture_device_step
+
+    cfg, used = jax_kernels(cfg)
+    while True:
+        try:
+            with traced_for_jax():
+                return capture_device_step(cfg, **capture_args), cfg, used
+        except KernelShapeError as e:
+            replaced = {}
+            for field, op in OPS.items():
+                if getattr(cfg.kernels, field) == e.kernel:
+                    replaced[field] = op.resolve("auto", "cpu").name
+                    used[field] = f"{replaced[field]} (in place of {e.kernel}: {str(e).split(';')[0]})"
+            if not replaced:
+                raise
+            cfg = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, **replaced))
 
 
 def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> dict:
@@ -111,15 +143,14 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
     from titan_tpu.graph.jax_lowering import jax_dtype
     from titan_tpu.models.spec import model_spec
     from titan_tpu.plan.hardware import HARDWARE
-    from titan_tpu.tools.device_step import capture_device_step
     from titan_tpu.tools.tpu_compile import jax_mesh, sharded_step
 
     topology = _topology(topology_name)
     devices = topology.devices
-    cfg, kernels_used = cpu_kernels(cfg)
     t = cfg.training
     start = time.perf_counter()
-    step = capture_device_step(cfg, world_size=len(devices), batch_size=t.batch_size, seq_len=t.seq_len)
+    step, cfg, kernels_used = capture_for_jax(cfg, world_size=len(devices), batch_size=t.batch_size,
+                                              seq_len=t.seq_len)
     capture_s = time.perf_counter() - start
     mesh = jax_mesh(step, devices)
     spec = NamedSharding(mesh, PartitionSpec(*mesh.axis_names))
@@ -154,6 +185,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
         "flops_per_chip": cost.get("flops"), "bytes_accessed_per_chip": cost.get("bytes accessed"),
         "formula_flops_per_chip": flops_per_token * _step_tokens(step.captured) / len(devices),
         "collectives": _collectives(text), "collectives_counted_in": collectives_from, "kernels": kernels_used,
+        "tpu_kernels": _tpu_kernels(lowered.as_text()),
         "capture_seconds": capture_s, "compile_seconds": compile_s,
     }
     if dump is not None:
@@ -162,6 +194,20 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
         if collectives_from == "optimized HLO":
             (dump / "step.optimized.hlo").write_text(text)
     return report
+
+
+def _tpu_kernels(stablehlo: str) -> dict[str, int]:
+    """The Pallas kernels in the program (Mosaic custom calls, ``tpu_custom_call``), each named by
+    its kernel name, or by the JAX function that calls it where that name is the generic "kernel"
+    (megablox's gmm and tgmm), with how often each is called in the StableHLO (a kernel called from
+    a loop counts once)."""
+    counts: dict[str, int] = {}
+    for function in stablehlo.split("func.func ")[1:]:
+        caller = re.sub(r"_\d+$", "", (re.match(r"(?:\w+ )?@([\w.]+)", function) or [None, "?"])[1])
+        for name in re.findall(r'custom_call @tpu_custom_call\(.*?kernel_name = "([^"]+)"', function, re.S):
+            name = caller if name == "kernel" else name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _format(report: dict) -> str:
@@ -180,6 +226,8 @@ def _format(report: dict) -> str:
     if report["bytes_accessed_per_chip"] is not None:
         lines.append(f"  bytes accessed {report['bytes_accessed_per_chip'] / GiB:.3f} GiB")
     lines.append("  kernels: " + ", ".join(f"{op} {name}" for op, name in report["kernels"].items()))
+    lines.append("  Pallas kernels in the program (Mosaic custom calls): "
+                 + (", ".join(report["tpu_kernels"]) or "none"))
     lines.append("  collectives: " + (", ".join(f"{k} {v}" for k, v in report["collectives"].items()) or "none")
                  + f" (in the {report['collectives_counted_in']})")
     return "\n".join(lines)

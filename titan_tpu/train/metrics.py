@@ -50,6 +50,7 @@ _CONSOLE_FORMATS = {
     "mfu": lambda v: f"MFU {v:.1f}%",
     "memory_gb": lambda v: f"mem {v:.2f} GB",
     "aux_loss": lambda v: f"aux {v:.4f}",
+    "mtp_loss": lambda v: f"mtp {v:.4f}",
     "expert_load_max": lambda v: f"expert load max/mean {v:.2f}",
     "expert_load_min": lambda v: f"min/mean {v:.2f}",
     "data_s": lambda v: f"data {v * 1e3:.1f} ms",

@@ -14,7 +14,9 @@ has to sum. The model computes the summed cross-entropy itself (``model(inputs, 
 a `LossOutput`), through the loss kernel, so the logits need never be whole. A mixture-of-experts
 model adds its balancing loss (coefficient applied), averaged over the micro-batches and ranks,
 and reports its expert loads, which are summed over them; with auxiliary-loss-free balancing the
-expert biases move after the optimizer update, from the global loads.
+expert biases move after the optimizer update, from the global loads. A model with multi-token
+prediction returns its summed cross-entropy beside the main one: it is divided by the same token
+count and trained with the model's weight (models/common/mtp.py), and reported on its own.
 
 This module sits below both train/trainer.py and graph/: neither imports the other for it.
 """
@@ -44,6 +46,7 @@ class StepResult:
     num_tokens: int  # tokens of the step, on all ranks
     aux_loss: float = 0.0  # MoE balancing loss (coefficient applied), mean over micro-batches and ranks
     expert_load: torch.Tensor | None = None  # MoE: tokens per expert per layer [L, E], all ranks; else None
+    mtp_loss: float | None = None  # multi-token prediction's cross-entropy (unweighted), as `loss`; else None
 
 
 def split_batch(batch: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -58,6 +61,11 @@ def batch_loss(model: torch.nn.Module, batch: tuple[Tensor, ...]):
     """The model's `LossOutput` for one micro-batch (summed cross-entropy, balancing loss, loads)."""
     inputs, labels, positions = split_batch(batch)
     return model(inputs, labels, positions_BS=positions)
+
+
+def mtp_share(out, num_tokens) -> Tensor | None:
+    """A micro-batch's share of the step's multi-token-prediction loss (unweighted; None without MTP)."""
+    return None if out.mtp_ce_sum is None else out.mtp_ce_sum / num_tokens
 
 
 def update_expert_biases_(model: torch.nn.Module, expert_load: Tensor) -> None:
@@ -118,12 +126,15 @@ class EagerStep:
     def __call__(self, micro_batches: list[tuple[Tensor, ...]], lr: float) -> StepResult:
         num_tokens = trained_tokens(micro_batches, self.dp_size)
         aux_share = 1.0 / (len(micro_batches) * self.dp_size)  # the balancing loss is averaged
-        loss_sum = aux_sum = load = None
+        loss_sum = aux_sum = load = mtp_sum = None
         for batch in micro_batches:
             out = batch_loss(self.model, batch)
             ce = out.ce_sum / num_tokens
             aux = out.aux_loss * aux_share
-            (ce + aux).backward()
+            mtp = mtp_share(out, num_tokens)
+            (ce + aux if mtp is None else ce + aux + out.mtp_weight * mtp).backward()
+            if mtp is not None:
+                mtp_sum = mtp.detach() if mtp_sum is None else mtp_sum + mtp.detach()
             loss_sum = ce.detach() if loss_sum is None else loss_sum + ce.detach()
             aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
             load = out.expert_load if load is None else load + out.expert_load
@@ -136,11 +147,13 @@ class EagerStep:
         for p in self.params.values():
             p.grad = None
         # Each rank holds its share of the global means and its own loads: one sum over ranks.
-        totals = all_reduce_sum(torch.cat([loss_sum.view(1), aux_sum.view(1), load.flatten()]))
+        mtp_total = torch.zeros_like(loss_sum) if mtp_sum is None else mtp_sum
+        totals = all_reduce_sum(torch.cat([loss_sum.view(1), aux_sum.view(1), mtp_total.view(1), load.flatten()]))
         copies = model_copies(self.dp_size)
         totals = totals / copies if copies > 1 else totals
-        expert_load = totals[2:].view(load.shape) if load.numel() else None
+        expert_load = totals[3:].view(load.shape) if load.numel() else None
         if expert_load is not None:
             update_expert_biases_(self.model, expert_load)
         return StepResult(loss=totals[0].item(), grad_norm=grad_norm.item(), num_tokens=num_tokens,
-                          aux_loss=totals[1].item(), expert_load=expert_load)
+                          aux_loss=totals[1].item(), expert_load=expert_load,
+                          mtp_loss=None if mtp_sum is None else totals[2].item())

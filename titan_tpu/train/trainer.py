@@ -399,6 +399,8 @@ class Trainer:
                            "data_s": (self.data_seconds - window_start_data) / window_steps,
                            "step_s": window_seconds / window_steps, "time": time.time()}
                     row.update(_moe_metrics(result))
+                    if result.mtp_loss is not None:  # multi-token prediction, unweighted
+                        row["mtp_loss"] = result.mtp_loss
                     row.update(self.train_loader.metrics())  # mixtures: token share and epochs per source
                     row.update(self.backend.memory_stats())
                     row.update(self.compile_stats)

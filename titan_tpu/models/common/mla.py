@@ -122,15 +122,17 @@ def mla_params(*, dim: int, n_heads: int, args: MLAArgs) -> int:
     return query + kv + n_heads * args.v_head_dim * dim
 
 
-def mla_saved_per_token(*, n_heads: int, args: MLAArgs) -> tuple[int, int]:
+def mla_saved_per_token(*, n_heads: int, args: MLAArgs, tp: int = 1) -> tuple[float, float]:
     """What `MLA.forward` keeps for its backward per token, without checkpointing, as
     (compute-dtype elements, fp32 elements), its input counted by the block: the query
     projection's output (RoPE keeps the tensor its rotated part views), wkv_a's output (RoPE and
     kv_norm read views of it), kv_norm's input * rstd and output (wkv_b's input), the expanded
     q and k, the value copy and the kernel's output (wo's input) with its log-sum-exp; with a
     low-rank query, q_norm's input, input * rstd and output. Checked against autograd's saved
-    tensors in tests/test_deepseek_v3.py (a few hundred elements per token are not counted)."""
-    H, qk, v, c = n_heads, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
+    tensors in tests/test_deepseek_v3.py (a few hundred elements per token are not counted).
+    tp: on one of tp ranks (parallel/tensor_parallel.py MLA_BLOCK_PLAN), the per-head tensors of
+    its H / tp heads; the latent ones, computed whole on every rank, whole."""
+    H, qk, v, c = n_heads / tp, args.qk_head_dim, args.v_head_dim, args.kv_lora_rank
     elements = 3 * H * qk + 2 * H * v + (c + args.qk_rope_head_dim) + 2 * c
     fp32 = H + 1
     if args.q_lora_rank:
@@ -139,9 +141,10 @@ def mla_saved_per_token(*, n_heads: int, args: MLAArgs) -> tuple[int, int]:
     return elements, fp32
 
 
-def mla_matmul_outputs_per_token(*, dim: int, n_heads: int, args: MLAArgs) -> tuple[int, int]:
-    """Outputs of MLA's matmuls and of the kernel per token (what selective checkpointing keeps)."""
-    H = n_heads
+def mla_matmul_outputs_per_token(*, dim: int, n_heads: int, args: MLAArgs, tp: int = 1) -> tuple[float, float]:
+    """Outputs of MLA's matmuls and of the kernel per token (what selective checkpointing keeps);
+    tp: on one of tp ranks, its H / tp heads' (the latent projections' and wo's whole)."""
+    H = n_heads / tp
     elements = H * args.qk_head_dim + args.kv_lora_rank + args.qk_rope_head_dim \
         + H * (args.qk_nope_head_dim + args.v_head_dim) + H * args.v_head_dim + dim
     if args.q_lora_rank:

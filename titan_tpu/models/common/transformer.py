@@ -24,6 +24,7 @@ from titan_tpu.models.common.feed_forward import FeedForward
 from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
 from titan_tpu.models.common.mla import MLA, MLAArgs
 from titan_tpu.models.common.moe import ExpertDispatchSlot, MoE, MoEArgs, aux_loss_from_stats, updated_expert_bias
+from titan_tpu.models.common.mtp import MTPLayer, mtp_tokens
 from titan_tpu.models.common.norms import RMSNorm
 from titan_tpu.models.common.rope import (
     RopeScaling,
@@ -44,6 +45,10 @@ class LossOutput(NamedTuple):
     ce_sum: torch.Tensor  # summed next-token cross-entropy (0-dim fp32); the step divides it
     aux_loss: torch.Tensor  # MoE balancing loss, coefficient applied (0-dim fp32; 0 for dense)
     expert_load: torch.Tensor  # tokens routed to each expert per MoE layer [L_moe, E] ([0, 0] for dense)
+    # Multi-token prediction (models/common/mtp.py): its cross-entropy summed over its targets, the
+    # mean over depths (0-dim fp32; None without MTP), and the weight the step trains it with.
+    mtp_ce_sum: torch.Tensor | None = None
+    mtp_weight: float = 0.0
 
 
 @dataclass
@@ -65,6 +70,11 @@ class TransformerArgs:
     # Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention; head_dim is then
     # its RoPE part (qk_rope_head_dim, the RoPE table's width) and n_kv_heads equals n_heads.
     mla: MLAArgs | None = None
+    # Multi-token prediction (DeepSeek-V3, models/common/mtp.py): depths D after the main model, each
+    # one block of the model's kind (the block at layer index n_layers + k - 1: MoE in DeepSeek-V3);
+    # the loss adds mtp_loss_scaling_factor * the mean of their cross-entropies.
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self):
         # Accept plain dicts for the nested args so TOML/JSON configs and checkpoints can spell them.
@@ -98,6 +108,10 @@ class TransformerArgs:
             raise ValueError(f"model head_dim must be a positive integer, got {self.head_dim!r}")
         if self.hd % 2 != 0:
             raise ValueError(f"model head dim ({self.hd}) must be even for RoPE")
+        if not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0:
+            raise ValueError(f"model mtp_num_layers must be an integer >= 0, got {self.mtp_num_layers!r}")
+        if self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"model mtp_loss_scaling_factor must be >= 0, got {self.mtp_loss_scaling_factor}")
         if self.norm_eps <= 0:
             raise ValueError(f"model norm_eps must be positive, got {self.norm_eps}")
         if self.rope_theta <= 0:
@@ -218,9 +232,25 @@ class Transformer(nn.Module):
         self.output = (
             None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         )
+        self.mtp, self._mtp_checkpointed = self._build_mtp(ac_mode, slot)
         # Non-persistent: derived from args, never saved. Under `torch.device("meta")` this is a
         # free meta tensor; init_weights()/init_buffers() recompute it after materialisation.
         self.register_buffer("rope_cache", self._compute_rope_cache(), persistent=False)
+
+    def _build_mtp(self, ac_mode: str, slot: ExpertDispatchSlot) -> tuple[nn.ModuleDict | None, dict]:
+        """The multi-token-prediction depths ("0".."D-1"), each block the kind of layer index
+        n_layers + k, and their checkpointed templates (by "is an MoE block") under ac_mode."""
+        a = self.args
+        if not a.mtp_num_layers:
+            return None, {}
+        kinds = [a.is_moe_layer(a.n_layers + k) for k in range(a.mtp_num_layers)]
+        make = functools.partial(TransformerBlock, a, kernels=self.kernels, dispatch_slot=slot)
+        mtp = nn.ModuleDict({str(k): MTPLayer(a.dim, eps=a.norm_eps, block=make(moe_layer=moe))
+                             for k, moe in enumerate(kinds)})
+        checkpointed = {} if ac_mode == "none" else {
+            moe: CheckpointedBlock(FunctionalBlock(functools.partial(make, moe_layer=moe)), ac_mode)
+            for moe in set(kinds)}
+        return mtp, checkpointed
 
     def block_templates(self) -> list[nn.Module]:
         """The meta-device blocks that checkpointed or scanned layers run as functions of their
@@ -308,6 +338,10 @@ class Transformer(nn.Module):
         plan.append(("norm", self.norm, self.norm.reset_parameters))
         if self.output is not None:
             plan.append(("output", self.output, self._init_output))
+        # Last, so that the main model's weights are drawn as without MTP.
+        for k, layer in (self.mtp or {}).items():
+            plan.append((f"mtp.{k}", layer, functools.partial(_init_mtp_layer, layer,
+                                                              layer_id=self.args.n_layers + int(k))))
         return plan
 
     def _init_tok_embeddings(self) -> None:
@@ -331,22 +365,47 @@ class Transformer(nn.Module):
             return F.linear(h_BSD, w_VD)
         loss_fn = self.kernels.loss_fn(h_BSD.device.type)
         ce_sum = loss_fn(h_BSD.flatten(0, 1), w_VD, labels_BS.flatten())
+        mtp = {}
+        if self.mtp is not None:
+            mtp_ce_sum, stats_L2E = self._mtp_loss(h_BSD, stats_L2E, tokens_BS, labels_BS, w_VD, loss_fn,
+                                                   positions_BS=positions_BS, document_ids_BS=document_ids_BS)
+            mtp = {"mtp_ce_sum": mtp_ce_sum, "mtp_weight": self.args.mtp_loss_scaling_factor}
         moe = self.args.moe
         if moe is None or stats_L2E.shape[0] == 0:  # dense, or MoE args whose layers are all dense
-            return LossOutput(ce_sum, torch.zeros_like(ce_sum), ce_sum.new_zeros(0, 0))
+            return LossOutput(ce_sum, torch.zeros_like(ce_sum), ce_sum.new_zeros(0, 0), **mtp)
         aux = ce_sum.new_zeros(())
         if moe.load_balance == "aux_loss":
             aux = moe.aux_loss_coef * aux_loss_from_stats(stats_L2E, top_k=moe.top_k)
-        return LossOutput(ce_sum, aux, stats_L2E[:, 0].detach())
+        return LossOutput(ce_sum, aux, stats_L2E[:, 0].detach(), **mtp)
+
+    def _mtp_loss(self, h_BSD: torch.Tensor, stats_L2E: torch.Tensor, tokens_BS: torch.Tensor,
+                  labels_BS: torch.Tensor, w_VD: torch.Tensor, loss_fn, *, positions_BS: torch.Tensor | None,
+                  document_ids_BS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MTP depths' summed cross-entropies, their mean over depths; the MoE statistics with
+        the MTP blocks' rows appended), from the main model's final hidden states (models/common/mtp.py)."""
+        rope = rope_rows(self.rope_cache, tokens_BS.shape[1], positions_BS)
+        if document_ids_BS is None and positions_BS is not None:
+            document_ids_BS = document_ids_from_positions(positions_BS)
+        ce_sums, moe_stats = [], [stats_L2E] if stats_L2E.numel() else []
+        for depth, layer in enumerate(self.mtp.values(), start=1):
+            next_BS, targets_BS = mtp_tokens(tokens_BS, labels_BS, positions_BS, depth=depth)
+            x_BSD = layer.block_input(h_BSD, self.tok_embeddings(next_BS))
+            h_BSD, layer_stats = self._run_block(layer.block, x_BSD, rope, document_ids_BS, self._mtp_checkpointed)
+            ce_sums.append(loss_fn(layer.norm(h_BSD).flatten(0, 1), w_VD, targets_BS.flatten()))
+            if layer.block.moe is not None:
+                moe_stats.append(layer_stats.unsqueeze(0))
+        stats_L2E = torch.cat(moe_stats) if moe_stats else stats_L2E
+        return torch.stack(ce_sums).mean(), stats_L2E
 
     def expert_bias_names(self) -> list[str]:
         """Buffers moved by auxiliary-loss-free balancing, in expert_load's layer order."""
         if self.args.moe is None or self.args.moe.load_balance != "expert_bias":
             return []
-        if self.scan_layers:  # stacked [layers of the stack, E]
+        mtp = [f"mtp.{k}.block.moe.expert_bias" for k, layer in (self.mtp or {}).items() if layer.block.moe is not None]
+        if self.scan_layers:  # stacked [layers of the stack, E], then the MTP blocks' [E]
             return [f"{name}.moe.expert_bias" for name, stack in self.stacks()
-                    if stack._block_fn.template.moe is not None]
-        return [f"layers.{i}.moe.expert_bias" for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
+                    if stack._block_fn.template.moe is not None] + mtp
+        return [f"layers.{i}.moe.expert_bias" for i in range(self.args.n_layers) if self.args.is_moe_layer(i)] + mtp
 
     def updated_expert_biases(self, biases: dict[str, torch.Tensor],
                               expert_load_LE: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -354,10 +413,12 @@ class Transformer(nn.Module):
         `expert_load_LE`; pure, so the graph trainer traces it like the optimizer update."""
         rate = self.args.moe.bias_update_rate
         names = self.expert_bias_names()
-        if self.scan_layers:  # each stack's rows of expert_load_LE, in layer order
-            sizes = [biases[name].shape[0] for name in names]
-            return {name: updated_expert_bias(biases[name], load, rate)
-                    for name, load in zip(names, expert_load_LE.split(sizes))}
+        if self.scan_layers:  # each stack's rows of expert_load_LE in layer order, then one row per MTP block
+            stacked = [name for name in names if name.startswith("layers.")]
+            sizes = [biases[name].shape[0] for name in stacked] + [1] * (len(names) - len(stacked))
+            loads = expert_load_LE.split(sizes)
+            return {name: updated_expert_bias(biases[name], load if name in stacked else load[0], rate)
+                    for name, load in zip(names, loads)}
         return {name: updated_expert_bias(biases[name], expert_load_LE[i], rate) for i, name in enumerate(names)}
 
     def output_weight(self) -> torch.Tensor:
@@ -397,10 +458,13 @@ class Transformer(nn.Module):
         return self.norm(h_BSD), stats_L2E
 
     def _run_block(self, layer: TransformerBlock, h_BSD: torch.Tensor, rope: torch.Tensor,
-                   document_ids_BS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   document_ids_BS: torch.Tensor | None,
+                   checkpointed: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One unrolled block: the module itself, or under activation checkpointing its kind's
-        `CheckpointedBlock` (dense or MoE), which runs it as a function of its weights."""
-        checkpointed_block = self._checkpointed_blocks.get(layer.moe is not None)
+        `CheckpointedBlock` (dense or MoE; from `checkpointed`, by default the layers'), which runs
+        it as a function of its weights."""
+        checkpointed = self._checkpointed_blocks if checkpointed is None else checkpointed
+        checkpointed_block = checkpointed.get(layer.moe is not None)
         if checkpointed_block is None:
             return layer(h_BSD, rope, document_ids_BS)
         return checkpointed_block(layer, h_BSD, rope, document_ids_BS)
@@ -457,6 +521,12 @@ def _init_block(layer: TransformerBlock, *, layer_id: int) -> None:
             norm.reset_parameters()
 
 
+@torch.no_grad()
+def _init_mtp_layer(layer: MTPLayer, *, layer_id: int) -> None:
+    layer.init_weights(std=0.02)
+    _init_block(layer.block, layer_id=layer_id)
+
+
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
@@ -507,34 +577,37 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
             return (d + out) / tp, args.n_heads / tp
         return d / tp, 0
     if ac_mode == "selective":
-        if args.mla is not None:
-            from titan_tpu.models.common.mla import mla_matmul_outputs_per_token
-
-            elements, fp32 = mla_matmul_outputs_per_token(dim=d, n_heads=args.n_heads, args=args.mla)
-        else:
-            elements, fp32 = attention_matmul_outputs_per_token(dim=d, n_heads=args.n_heads,
-                                                                n_kv_heads=args.n_kv_heads, head_dim=args.hd)
         if moe_layer:
             e, f = moe_matmul_outputs_per_token(dim=d, args=args.moe)
         else:
             e, f = feed_forward_matmul_outputs_per_token(dim=d, hidden_dim=args.ffn_hidden_dim), 0
+        if args.mla is not None:  # already this rank's share (its latent projections whole)
+            from titan_tpu.models.common.mla import mla_matmul_outputs_per_token
+
+            elements, fp32 = mla_matmul_outputs_per_token(dim=d, n_heads=args.n_heads, args=args.mla, tp=tp)
+            if tp > 1:  # w2's output (d) is whole until reduce-scattered
+                return d / tp + elements + (e - d) / tp + d, fp32 + f / tp
+            return d + elements + e, fp32 + f
+        elements, fp32 = attention_matmul_outputs_per_token(dim=d, n_heads=args.n_heads,
+                                                            n_kv_heads=args.n_kv_heads, head_dim=args.hd)
         if tp > 1:  # wo's and w2's outputs (d each) are whole until reduce-scattered
             return (d + elements + e - 2 * d) / tp + 2 * d, (fp32 + f) / tp
         return d + elements + e, fp32 + f
     norm, norm_fp32 = rms_norm_saved_per_row(d, partitioned=partitioned)
-    if args.mla is not None:  # counted as eagerly (not measured partitioned)
+    if args.mla is not None:  # counted as eagerly (not measured partitioned); this rank's share
         from titan_tpu.models.common.mla import mla_saved_per_token
 
-        elements, fp32 = mla_saved_per_token(n_heads=args.n_heads, args=args.mla)
+        elements, fp32 = mla_saved_per_token(n_heads=args.n_heads, args=args.mla, tp=tp)
     else:
         elements, fp32 = attention_saved_per_token(n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
                                                    head_dim=args.hd, qk_norm=args.qk_norm, partitioned=partitioned)
+        elements, fp32 = elements / tp, fp32 / tp
     if moe_layer:
         e, f = moe_saved_per_token(dim=d, args=args.moe, ep=ep)
     else:
         e, f = feed_forward_saved_per_token(args.ffn_hidden_dim, partitioned=partitioned), 0
     # Two norms: their saved tensors and their outputs (the matmuls' inputs; gathered whole under tp).
-    return (elements + e + 2 * norm) / tp + 2 * d, (fp32 + f + 2 * norm_fp32) / tp
+    return elements + (e + 2 * norm) / tp + 2 * d, fp32 + (f + 2 * norm_fp32) / tp
 
 
 def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_bytes: int, ep: int = 1,
@@ -552,7 +625,7 @@ def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_
         return int(tokens * (counts[0] * dtype_bytes + counts[1] * 4))
 
     saved, recompute = [], 0
-    for layer_id in range(args.n_layers):
+    for layer_id in range(args.n_layers + args.mtp_num_layers):  # the layers, then the MTP blocks
         moe = args.is_moe_layer(layer_id)
         saved.append(nbytes(block_saved_per_token(args, moe_layer=moe, ac_mode=ac_mode, ep=ep, traced=traced,
                                                   partitioned=partitioned, tp=tp)))
@@ -562,6 +635,9 @@ def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_
     norm, norm_fp32 = rms_norm_saved_per_row(args.dim)
     # The final norm (on a rank's 1 / tp of the sequence under tensor parallelism); the token ids.
     head = tokens * ((norm + args.dim) * dtype_bytes + norm_fp32 * 4) // tp + tokens * 8
+    # Multi-token prediction, per depth (models/common/mtp.py): its three norms, the concatenation
+    # eh_proj reads, its norm's output (the loss's input), and its input tokens and targets.
+    head += args.mtp_num_layers * tokens * ((3 * norm + 3 * args.dim) * dtype_bytes + 3 * norm_fp32 * 4 + 16)
     if tp > 1:
         # The loss's input: the final norm's output gathered over the sequence, whole [tokens, dim]
         # (parallel/tensor_parallel.py), live beside the rank's own part while the loss runs.
