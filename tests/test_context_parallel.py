@@ -95,7 +95,8 @@ def train(model, *, documents: bool, dp_rank: int = 0, dp_size: int = 1, step_fn
         out["norms"].append(result.grad_norm)
         out["aux"].append(result.aux_loss)
         out["loads"].append(result.expert_load)
-    out["biases"] = {n: b.clone() for n, b in model.named_buffers() if "expert_bias" in n}
+    # Per layer (the state dict's names), whether the layers are scanned or not.
+    out["biases"] = {n: b.clone() for n, b in model.state_dict().items() if "expert_bias" in n}
     return out
 
 
@@ -204,8 +205,11 @@ def runs_of(name: str) -> list[dict]:
     return cp2_runs(moe=name in MOE_MODELS)
 
 
-def _cp2_scan_worker() -> dict:
+def _cp2_scan_worker(deepseek: bool) -> dict:
     dims = ParallelDims(cp=2, world_size=dist.get_world_size())
+    if deepseek:  # its two stacks: the dense layer, the MoE layers
+        return {"graph-full-docs": _run("deepseek_v3:expert_bias", dims, scan=True, graph=True, ac_mode="full",
+                                        documents=True)}
     return {"eager": _run("llama3", dims, scan=True),
             "eager-docs": _run("llama3", dims, scan=True, documents=True),
             "graph-full": _run("llama3", dims, scan=True, graph=True, ac_mode="full"),
@@ -213,9 +217,10 @@ def _cp2_scan_worker() -> dict:
 
 
 @functools.cache
-def cp2_scan_runs() -> list[dict]:
-    """cp 2 with scanned layers (Llama 3): one 2-rank spawn for the scan tests."""
-    return run_distributed(_cp2_scan_worker, world_size=2, timeout_s=300)
+def cp2_scan_runs(deepseek: bool = False) -> list[dict]:
+    """cp 2 with scanned layers: one 2-rank spawn for Llama 3's scan tests, one for DeepSeek-V3's
+    (apart, a -k selection of either starts only its own)."""
+    return run_distributed(_cp2_scan_worker, world_size=2, args=(deepseek,), timeout_s=300)
 
 
 def _dp2_cp2_worker() -> dict:
@@ -421,6 +426,15 @@ def test_cp2_scanned_layers_match_one_process_scanned(variant, documents):
         assert_matches_reference(run, "llama3", documents, ref=scan_reference(documents))
         if variant == "eager":
             torch.testing.assert_close(run["logits"], scan_reference(documents)["logits"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.multiprocess
+def test_cp2_scanned_deepseek_v3_matches_one_unrolled_process():
+    """DeepSeek-V3 scanned as two stacks (the dense layer, the MoE layers) on cp 2, graph mode with
+    full checkpointing and documents, against the one-process unrolled run: losses, norms, the
+    same expert loads every step, the biases per layer."""
+    for rank_runs in cp2_scan_runs(deepseek=True):
+        assert_matches_reference(rank_runs["graph-full-docs"], "deepseek_v3:expert_bias", True)
 
 
 @pytest.mark.multiprocess

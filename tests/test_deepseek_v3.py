@@ -95,7 +95,7 @@ def test_logits_match_transformers_and_round_trip_through_files(q_lora_rank, rop
 
 
 # ---------------------------------------------------------------------------------------------
-# Training: eager, graph mode, activation checkpointing; balancing bias; scan's refusal
+# Training: eager, graph mode, scanned, activation checkpointing; balancing bias
 # ---------------------------------------------------------------------------------------------
 
 
@@ -104,18 +104,25 @@ def reference():
     return {lb: train(tiny_args(load_balance=lb)) for lb in ("expert_bias", "aux_loss")}
 
 
+def per_layer_biases(biases: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The balancing biases of every MoE layer in layer order, flat (stacked or per layer)."""
+    return torch.cat([b.reshape(-1) for b in biases.values()]) if biases else torch.zeros(0)
+
+
 @pytest.mark.parametrize("load_balance", ["expert_bias", "aux_loss"])
-@pytest.mark.parametrize("mode, ac", [("eager", "full"), ("eager", "selective"), ("aot_eager", "none"),
-                                      ("aot_eager", "full")])
-def test_graph_mode_and_checkpointing_train_like_eager(reference, load_balance, mode, ac):
+@pytest.mark.parametrize("mode, scan, ac", [("eager", False, "full"), ("eager", False, "selective"),
+                                            ("aot_eager", False, "none"), ("aot_eager", False, "full"),
+                                            ("eager", True, "none"), ("eager", True, "full"),
+                                            ("aot_eager", True, "none"), ("aot_eager", True, "full")])
+def test_graph_mode_scan_and_checkpointing_train_like_eager(reference, load_balance, mode, scan, ac):
+    """Scanned: the dense first layer and the MoE layers as two scans (models/common/scan.py)."""
     want, want_biases = reference[load_balance]
-    got, got_biases = train(tiny_args(load_balance=load_balance), mode=mode, ac=ac)
+    got, got_biases = train(tiny_args(load_balance=load_balance), mode=mode, scan=scan, ac=ac)
     for a, b in zip(got, want):
         assert abs(a.loss - b.loss) <= 1e-5 and abs(a.aux_loss - b.aux_loss) <= 1e-6
         assert torch.equal(a.expert_load, b.expert_load)  # the same routing, step by step
-    assert got_biases.keys() == want_biases.keys()
-    for name, bias in got_biases.items():
-        torch.testing.assert_close(bias, want_biases[name], rtol=0, atol=1e-6)
+    assert len(got_biases) == (1 if scan and load_balance == "expert_bias" else len(want_biases))
+    torch.testing.assert_close(per_layer_biases(got_biases), per_layer_biases(want_biases), rtol=0, atol=1e-6)
 
 
 def test_the_bias_moves_and_the_aux_loss_counts(reference):
@@ -126,10 +133,61 @@ def test_the_bias_moves_and_the_aux_loss_counts(reference):
     assert all(r.aux_loss > 0 for r in aux_results)  # sigmoid scores feed the balancing loss too
 
 
-def test_scan_is_refused_for_the_dense_first_layers():
-    with pytest.raises(ValueError, match="mixes dense and MoE layers") as err:
-        build_model(tiny_args(), scan_layers=True)
-    assert "\n" not in str(err.value)
+def test_scanned_runs_have_the_unrolled_weights_gradients_and_checkpoints():
+    """Two stacks (the dense layer 0, the MoE layers 1-2), each initialised, named in state dicts
+    and differentiated like the unrolled layers (fp32, 1e-5); checkpoints load across layouts."""
+    args = tiny_args()
+    unrolled, scanned = build_model(args, seed=0), build_model(args, seed=0, scan_layers=True)
+    assert [name for name, _ in scanned.stacks()] == ["layers.run0", "layers.run1"]
+    assert scanned.layers.run0.attention.wq_a.weight.shape[0] == 1
+    assert scanned.layers.run1.moe.experts.w1.shape[:2] == (2, 8)
+    assert scanned.expert_bias_names() == ["layers.run1.moe.expert_bias"]
+    want, got = unrolled.state_dict(), scanned.state_dict()
+    assert list(got) == list(want)  # the same per-layer names, in the same order
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    tokens = tokens_for(args)
+    for model in (unrolled, scanned):
+        out = model(tokens[:, :-1], tokens[:, 1:])
+        (out.ce_sum + out.aux_loss).backward()
+    grads = scanned.to_per_layer({n: p.grad for n, p in scanned.named_parameters()})
+    assert grads.keys() == {n for n, _ in unrolled.named_parameters()}
+    for name, p in unrolled.named_parameters():
+        assert_close(grads[name], p.grad)
+    # Checkpoints are interchangeable: per-layer views fill the stacks in place, as DCP loads.
+    got["layers.2.moe.experts.w2"].fill_(3.0)
+    assert (scanned.layers.run1.moe.experts.w2[1] == 3.0).all()
+    unrolled.load_state_dict(scanned.state_dict())
+    fresh = build_model(args, seed=1, scan_layers=True)
+    fresh.load_state_dict(unrolled.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fresh(tokens), scanned(tokens))
+        assert_close(unrolled(tokens), scanned(tokens))  # the scanned body's real-arithmetic RoPE
+    # Per-parameter dicts (the optimizer's moments) take the same per-layer names and come back.
+    named = dict(scanned.named_parameters())
+    back = scanned.from_per_layer(scanned.to_per_layer(named))
+    assert back.keys() == named.keys() and all(torch.equal(back[n], t) for n, t in named.items())
+
+
+def _captured_nodes(n_layers: int) -> tuple[int, int]:
+    """(scan ops, nodes in all graphs) of the captured training step of the scanned tiny model."""
+    from titan_tpu.graph import GraphStep
+
+    args = dataclasses.replace(tiny_args(), n_layers=n_layers)
+    model = build_model(args, seed=0, scan_layers=True, ac_mode="full")
+    opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+    tokens = tokens_for(args)
+    step = GraphStep(model, opt, max_norm=1.0, example_batch=(tokens[:, :-1], tokens[:, 1:]), backend="aot_eager")
+    step([(tokens[:, :-1], tokens[:, 1:])], 1e-3)
+    graphs = list(step.captured.graph_module.modules())
+    scans = sum(str(node.target) == "scan" for g in graphs for node in g.graph.nodes)
+    return scans, sum(len(g.graph.nodes) for g in graphs)
+
+
+def test_scanned_step_graph_does_not_grow_with_depth():
+    """One body per stack: 3 and 7 layers (2 and 6 MoE layers) capture the same graphs."""
+    few, many = _captured_nodes(3), _captured_nodes(7)
+    assert few == many and few[0] == 4, (few, many)  # two stacks: a forward and a backward scan each
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,8 +381,10 @@ def test_cpu_attention_pads_narrow_values_and_equals_the_reference():
 
 
 PARALLEL_STEPS = 20
-PARALLEL_CASES = [("eager", 1, "expert_bias"), ("eager", 2, "expert_bias"), ("eager", 2, "aux_loss"),
-                  ("aot_eager", 2, "expert_bias")]  # (mode, ep, moe.load_balance); ep 2 by all_to_all
+PARALLEL_CASES = [("eager", 1, "expert_bias", False), ("eager", 2, "expert_bias", False),
+                  ("eager", 2, "aux_loss", False), ("aot_eager", 2, "expert_bias", False)]
+# (mode, ep, moe.load_balance, scanned: the dense layer and the MoE layers as two stacks); ep 2 by all_to_all
+SCANNED_CASES = [("eager", 2, "expert_bias", True), ("aot_eager", 2, "expert_bias", True)]
 
 
 def _parallel_worker(cases: list[tuple]) -> list[dict]:
@@ -336,14 +396,14 @@ def _parallel_worker(cases: list[tuple]) -> list[dict]:
     from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 
     out = []
-    for mode, ep, load_balance in cases:
+    for mode, ep, load_balance, scan in cases:
         args = tiny_args(load_balance=load_balance)
         world = dist.get_world_size()
         dims = ParallelDims(dp_shard=world, world_size=world, ep=ep)
         mesh, expert_mesh = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
         rank, size = dp_rank_and_size(mesh)
         with torch.device("meta"):
-            model = Transformer(args)
+            model = Transformer(args, scan_layers=scan)
         model = materialize_and_init(model, mesh, mode="fully_shard", mp=MixedPrecision(),
                                      device=torch.device("cpu"), seed=0, expert_mesh=expert_mesh)
         if expert_mesh is not None:
@@ -362,11 +422,15 @@ def _parallel_worker(cases: list[tuple]) -> list[dict]:
             step = GraphStep(model, opt, max_norm=1.0, example_batch=batches[0], backend=mode, dp_size=size)
         results = [step([b], 2e-3) for b in batches]
         out.append({"losses": [(r.loss, r.aux_loss) for r in results], "loads": [r.expert_load for r in results],
-                    "biases": {n: b.clone() for n, b in model.named_buffers() if "expert_bias" in n},
-                    "local_experts": model.layers["1"].moe.experts.w1.to_local().shape[0]
-                    if hasattr(model.layers["1"].moe.experts.w1, "to_local")
-                    else model.layers["1"].moe.experts.w1.shape[0]})
+                    # per layer (the state dict's names) whether scanned or not
+                    "biases": {n: b.clone() for n, b in model.state_dict().items() if "expert_bias" in n},
+                    "local_experts": _local(model.layers.run1.moe.experts.w1).shape[1] if scan
+                    else _local(model.layers["1"].moe.experts.w1).shape[0]})
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @pytest.mark.multiprocess
@@ -374,15 +438,26 @@ def test_simple_fsdp_and_all_to_all_expert_parallel_train_like_one_process():
     """2 ranks, 20 steps: SimpleFSDP alone, and with ep 2 by the all-to-all dispatch (each rank 4
     of the 8 experts; with and without the balancing bias, eager and captured) equal one process
     taking the same rows as 2 micro-batches: losses within 1e-5, the same routing, biases."""
+    _check_parallel_runs(PARALLEL_CASES)
+
+
+@pytest.mark.multiprocess
+def test_scanned_runs_with_simple_fsdp_and_expert_parallel_train_like_one_process():
+    """The same with the layers scanned (two stacks, each sharded per layer and gathered layer by
+    layer, its experts on the expert mesh), eager and captured: equal to one unrolled process."""
+    _check_parallel_runs(SCANNED_CASES)
+
+
+def _check_parallel_runs(cases: list[tuple]) -> None:
     from dist_utils import run_distributed
 
-    results = run_distributed(_parallel_worker, world_size=2, args=(PARALLEL_CASES,), timeout_s=900)
-    for i, (mode, ep, load_balance) in enumerate(PARALLEL_CASES):
+    results = run_distributed(_parallel_worker, world_size=2, args=(cases,), timeout_s=900)
+    for i, (mode, ep, load_balance, scan) in enumerate(cases):
         want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=2, steps=PARALLEL_STEPS)
         for rank_results in results:
             got = rank_results[i]
             for (loss, aux), w in zip(got["losses"], want):
-                assert abs(loss - w.loss) <= 1e-5 and abs(aux - w.aux_loss) <= 1e-5, (mode, ep, load_balance)
+                assert abs(loss - w.loss) <= 1e-5 and abs(aux - w.aux_loss) <= 1e-5, (mode, ep, load_balance, scan)
             for load, w in zip(got["loads"], want):
                 assert torch.equal(load, w.expert_load)
             assert got["biases"].keys() == want_biases.keys()

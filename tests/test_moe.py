@@ -261,9 +261,21 @@ def test_bad_moe_args_are_one_line_errors(change, match):
     assert "\n" not in str(err.value)
 
 
-def test_scan_needs_identical_blocks():
-    with pytest.raises(ValueError, match="scan_layers needs identical blocks"):
-        build_model(tiny_args(mlp_only_layers=(0,)), scan_layers=True)
+@pytest.mark.parametrize("mode", ["eager", "aot_eager"])
+def test_dense_layers_between_moe_layers_scan_as_runs(mode):
+    """mlp_only_layers (1,) of 3 layers: MoE, dense, MoE scanned as three stacks, training like the
+    unrolled model (routing, losses, balancing biases in layer order)."""
+    args = dataclasses.replace(tiny_args(load_balance="expert_bias", mlp_only_layers=(1,)), n_layers=3)
+    assert [n for n, _ in build_model(args, scan_layers=True).stacks()] == [f"layers.run{j}" for j in range(3)]
+    want, want_biases = train(args)
+    got, got_biases = train(args, mode=mode, scan=True, ac="full")
+    for (loss, aux), (w_loss, w_aux) in zip(losses(got), losses(want)):
+        assert abs(loss - w_loss) <= 1e-5 and abs(aux - w_aux) <= 1e-6
+    for a, b in zip(got, want):
+        assert torch.equal(a.expert_load, b.expert_load)
+    assert list(got_biases) == ["layers.run0.moe.expert_bias", "layers.run2.moe.expert_bias"]
+    torch.testing.assert_close(torch.cat([b.reshape(-1) for b in got_biases.values()]),
+                               torch.cat([b.reshape(-1) for b in want_biases.values()]), rtol=0, atol=1e-6)
 
 
 def test_grouped_mm_unavailable_here_is_one_line():

@@ -130,7 +130,8 @@ def _tp2_worker(save_dir: str) -> dict:
 def _tp2_scan_worker() -> dict:
     dims = ParallelDims(tp=2, world_size=dist.get_world_size())
     return {"llama3-eager": _run("llama3", dims, scan=True),
-            "qwen3-graph-full": _run("qwen3", dims, scan=True, graph=True, ac_mode="full")}
+            "qwen3-graph-full": _run("qwen3", dims, scan=True, graph=True, ac_mode="full"),
+            "mla-graph-full": _run("mla", dims, scan=True, graph=True, ac_mode="full")}
 
 
 @functools.cache
@@ -236,18 +237,20 @@ def test_tp2_checkpoint_resumes_on_one_process():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name, run_name", [("llama3", "llama3-eager"), ("qwen3", "qwen3-graph-full")])
+@pytest.mark.parametrize("name, run_name", [("llama3", "llama3-eager"), ("qwen3", "qwen3-graph-full"),
+                                            ("mla", "mla-graph-full")])
 def test_tp2_scanned_layers_match_one_process(name, run_name):
     """Scanned layers on tp 2 (stacked weights sharded one dim in, the template block computing
     with local heads): eager, and graph mode with full activation checkpointing (the backward scan
     differentiates each layer with torch.func.vjp through the sequence collectives), against the
     unrolled one-process run (which a one-process scanned run equals, tests/test_scan_ac.py); the
-    state dict is the unrolled layout of the same global tensors."""
+    state dict is the unrolled layout of the same global tensors. mla: a dense model with
+    multi-head latent attention, its stacked weights placed by MLA_BLOCK_PLAN."""
     args = tiny_args(name)
     for rank_runs in tp2_scan_runs():
         run = rank_runs[run_name]
         assert_matches_reference(run, name)
-        assert run["wq_compute_shape"] == (args.n_layers, args.n_heads * args.hd // 2, args.dim)  # this rank's heads
+        assert run["wq_compute_shape"] == (args.n_layers, *local_query_shape(args))  # this rank's heads
         for key, value in reference(name)["state"].items():
             torch.testing.assert_close(run["state"][key], value, atol=1e-4, rtol=1e-4)
         if "logits" in run:

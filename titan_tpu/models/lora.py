@@ -249,13 +249,14 @@ def _add_stacked_adapters(model: nn.Module, cfg: LoRAConfig, settings: LoRASetti
     (the output projection) adapters are as unrolled."""
     _check_rank(cfg)
     names = target_names(model, cfg.target_modules)
-    stack = model.layers
+    stacks = model.stacks()  # one, or one per run of identical blocks
     for name in names:
         linear = model.get_submodule(name)
         _check_layer_rank(cfg, name, linear)
         if name.startswith("layers."):
+            stack_name, stack = next((n, stack) for n, stack in stacks if name.startswith(n + "."))
             _add_adapter(linear, settings, n_layers=stack.n_layers)
-            _add_adapter(stack._block_fn.template.get_submodule(name[len("layers."):]), settings, mode_of=model)
+            _add_adapter(stack._block_fn.template.get_submodule(name[len(stack_name) + 1:]), settings, mode_of=model)
         else:
             _add_adapter(linear, settings)
     return names

@@ -387,7 +387,7 @@ def _install_gathering_window(model: nn.Module, buckets: list[Bucket], hooks: Re
 def _reshard_pieces(model: nn.Module) -> list[nn.Module]:
     """The pieces whose gathered weights are dropped after the forward: the transformer blocks
     (init_plan pieces named layers.*) but the last one, whose backward comes first (FSDP2 and
-    TorchTitan keep it too), or the scanned stack (gathered per layer). The embedding, final
+    TorchTitan keep it too), or the scanned stacks (gathered per layer). The embedding, final
     norm and output projection stay gathered: their backward follows the forward at once.
     Models without such pieces (the Hugging Face backend's one piece) keep every gather."""
     if not isinstance(model, TrainableModel):
@@ -397,7 +397,8 @@ def _reshard_pieces(model: nn.Module) -> list[nn.Module]:
                for p in model.parameters()):
         return []  # replicate: nothing is gathered, nothing to re-shard
     named = [(name, piece) for name, piece, _ in model.init_plan()]
-    stacked = [piece for name, piece in named if name == "layers" and getattr(piece, STACKED_MARKER, False)]
+    stacked = [piece for name, piece in named  # `layers`, or its runs (`layers.run0`, ...) when the blocks differ
+               if name.split(".")[0] == "layers" and getattr(piece, STACKED_MARKER, False)]
     if stacked:
         # A tensor-parallel stack is read whole (its data-parallel axes gathered before the loop,
         # its tp shard kept, `_replicate_for_compute`): the per-layer gather (LayerGather) gathers

@@ -268,9 +268,10 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int | None =
     rank = mesh.get_local_rank(TP_AXIS)
     plan = block_plan(args)
     if model.scan_layers:
-        # The stack (model.layers, a StackedBlocks) only stores the weights; its template block,
+        # Each stack (a StackedBlocks) only stores the weights; its template block,
         # which the scan body runs, computes.
-        _place_block_weights(model.layers, plan)
+        for _, stack in model.stacks():  # one, or one per run of identical blocks
+            _place_block_weights(stack, plan)
         unrolled = []
     else:
         unrolled = list(model.layers.values())

@@ -50,7 +50,7 @@ from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
 from titan_tpu.tracing import is_tracing
 
-__all__ = ["StackedBlocks", "STACKED_MARKER", "ScanAutogradMemory", "scan_autograd_memory"]
+__all__ = ["StackedBlocks", "StackedRuns", "STACKED_MARKER", "ScanAutogradMemory", "scan_autograd_memory"]
 
 # Attribute set to True on every module holding stacked weights: parallel/simple_fsdp.py imports
 # and reads it to shard those weights on dim 1 (models never import parallel/).
@@ -64,12 +64,15 @@ class StackedBlocks(nn.Module):
     parameters' structure, and on meta for the template). init_layer(block, layer_id): initialises
     one full-size block in place, as the unrolled model does for layer `layer_id`.
     ac_mode: activation checkpointing inside the body ("none" | "full" | "selective").
+    first_layer: the model's layer id of the stack's layer 0 (a run of `StackedRuns`): per-layer
+    names and `init_layer` count from it.
     """
 
     def __init__(self, make_block: Callable[[], nn.Module], n_layers: int, *,
-                 init_layer: Callable[[nn.Module, int], None], ac_mode: str = "none"):
+                 init_layer: Callable[[nn.Module, int], None], ac_mode: str = "none", first_layer: int = 0):
         super().__init__()
         self.n_layers = n_layers
+        self.first_layer = first_layer
         self._init_layer = init_layer
         block = make_block()
         for name, child in block.named_children():
@@ -158,18 +161,23 @@ class StackedBlocks(nn.Module):
         own_state = {**dict(self.named_parameters()), **dict(_persistent_buffers(self))}
         # Parameters the block does not make (LoRA adapters) are initialised by their owner.
         own_state = {name: t for name, t in own_state.items() if name in scratch_state}
-        for layer_id in range(self.n_layers):
-            self._init_layer(scratch, layer_id)
+        for i in range(self.n_layers):
+            self._init_layer(scratch, self.first_layer + i)
             for name, t in own_state.items():
-                t[layer_id].copy_(scratch_state[name])
+                t[i].copy_(scratch_state[name])
 
     # ------------------------------------------------------------------------------------------
     # per-layer <-> stacked names
 
+    @property
+    def layer_ids(self) -> range:
+        """The model's layer ids this stack holds."""
+        return range(self.first_layer, self.first_layer + self.n_layers)
+
     def to_per_layer(self, named: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-        """{prefix + stacked name: [L, ...]} -> {prefix + "i." + name: view of layer i}, layer by
-        layer as the unrolled model orders them, where the first stacked entry was; other entries
-        pass through in order."""
+        """{prefix + stacked name: [L, ...]} -> {prefix + "i." + name: view of layer i} (i counted
+        from `first_layer`), layer by layer as the unrolled model orders them, where the first
+        stacked entry was; other entries pass through in order."""
         stacked = {k[len(prefix):]: v for k, v in named.items()
                    if k.startswith(prefix) and k[len(prefix):] in self.state_names}
         out = {}
@@ -178,7 +186,7 @@ class StackedBlocks(nn.Module):
                 out[key] = value
             elif key[len(prefix):] == next(iter(stacked)):  # at the first stacked entry: all of them
                 for i in range(self.n_layers):
-                    out.update((f"{prefix}{i}.{name}", t[i]) for name, t in stacked.items())
+                    out.update((f"{prefix}{self.first_layer + i}.{name}", t[i]) for name, t in stacked.items())
         return out
 
     def from_per_layer(self, named: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -186,10 +194,98 @@ class StackedBlocks(nn.Module):
         are left as they are, so a strict load reports what is missing."""
         out = dict(named)
         for name in self.state_names:
-            keys = [f"{prefix}{i}.{name}" for i in range(self.n_layers)]
+            keys = [f"{prefix}{i}.{name}" for i in self.layer_ids]
             if all(k in out for k in keys):
                 out[prefix + name] = torch.stack([out.pop(k) for k in keys])
         return out
+
+
+class StackedRuns(nn.Module):
+    """Layers that are not all one block, scanned as runs: each run of consecutive identical blocks
+    is its own `StackedBlocks` (DeepSeek-V3: its dense first layers, then its MoE layers), run
+    one after the other. A compiler sees one body per run, whatever the depth.
+
+    runs: (make_block, number of layers) per run, in layer order. The runs are the children
+    ``run0``, ``run1``, ... (parameters ``run1.attention.wkv_a.weight``, [layers of run 1, ...]);
+    state dicts show the unrolled model's per-layer names (``{i}.attention.wkv_a.weight``, i the
+    model's layer id), so checkpoints stay interchangeable with unrolled and single-stack runs.
+    """
+
+    def __init__(self, runs: Sequence[tuple[Callable[[], nn.Module], int]], *,
+                 init_layer: Callable[[nn.Module, int], None], ac_mode: str = "none"):
+        super().__init__()
+        first = 0
+        for j, (make_block, n_layers) in enumerate(runs):
+            self.add_module(f"run{j}", StackedBlocks(make_block, n_layers, init_layer=init_layer, ac_mode=ac_mode,
+                                                     first_layer=first))
+            first += n_layers
+        self.n_layers = first
+        self._register_state_dict_hook(_runs_split_hook)
+        self._register_load_state_dict_pre_hook(_runs_stack_hook, with_module=True)
+
+    def stacks(self, prefix: str = "") -> list[tuple[str, StackedBlocks]]:
+        """(name, run) of every run, in layer order."""
+        return [(prefix + name, run) for name, run in self.named_children()]
+
+    @property
+    def param_names(self) -> list[str]:
+        return [n for n, _ in self.named_parameters()]
+
+    def forward(self, h: Tensor, rope: Tensor, document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """h through every run -> (h, the statistics of the runs whose blocks return any,
+        concatenated in layer order [L_stats, ...]; the last run's empty ones if none does)."""
+        kept = []
+        for _, run in self.stacks():
+            h, stats = run(h, rope, document_ids)
+            if stats.shape[1:].numel() > 0:  # a dense block's statistics are an empty tensor
+                kept.append(stats)
+        return h, (torch.cat(kept) if kept else stats)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        for _, run in self.stacks():
+            run.init_weights()
+
+    def to_per_layer(self, named: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+        """Stacked entries of every run -> per-layer views named by the model's layer ids
+        (`StackedBlocks.to_per_layer`, the run's name dropped)."""
+        for name, run in self.stacks(prefix):
+            named = {_drop_run(key, name, run): value for key, value in run.to_per_layer(named, name + ".").items()}
+        return named
+
+    def from_per_layer(self, named: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+        """The inverse of `to_per_layer` (stacks copies)."""
+        for name, run in self.stacks(prefix):
+            own = tuple(f"{prefix}{i}." for i in run.layer_ids)
+            named = {(name + "." + key[len(prefix):] if key.startswith(own) else key): value
+                     for key, value in named.items()}
+            named = run.from_per_layer(named, name + ".")
+        return named
+
+
+def _drop_run(key: str, run_name: str, run: StackedBlocks) -> str:
+    """``layers.run1.5.x`` -> ``layers.5.x`` for the per-layer keys of `run`; other keys as they are."""
+    head, _, rest = run_name.rpartition(".")
+    if key.startswith(run_name + ".") and key[len(run_name) + 1:].split(".", 1)[0] in map(str, run.layer_ids):
+        return (head + "." if head else "") + key[len(run_name) + 1:]
+    return key
+
+
+def _runs_split_hook(module: StackedRuns, state_dict: dict, prefix: str, local_metadata) -> None:
+    # After each run's own hook (per-layer views under the run's name): drop the run's name, in place.
+    items = list(state_dict.items())
+    state_dict.clear()
+    for name, run in module.stacks(prefix):
+        items = [(_drop_run(key, name, run), value) for key, value in items]
+    state_dict.update(items)
+
+
+def _runs_stack_hook(module: StackedRuns, state_dict: dict, prefix: str, *args) -> None:
+    # Before the runs' own hooks (which stack their per-layer entries): put each layer under its run.
+    for name, run in module.stacks(prefix):
+        own = tuple(f"{prefix}{i}." for i in run.layer_ids)
+        for key in [k for k in state_dict if k.startswith(own)]:
+            state_dict[name + "." + key[len(prefix):]] = state_dict.pop(key)
 
 
 def _gather_then_run(block_fn: Callable, gather, h: Tensor, rope: Tensor, document_ids: Tensor | None,

@@ -7,6 +7,7 @@ checkpoints are interchangeable with TorchTitan's.
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from titan_tpu.models.common.rope import (
     rope_rows,
     softmax_scale_factor,
 )
-from titan_tpu.models.common.scan import StackedBlocks
+from titan_tpu.models.common.scan import StackedBlocks, StackedRuns
 
 __all__ = ["LossOutput", "MLAArgs", "MoEArgs", "RopeScaling", "TransformerArgs", "TransformerBlock", "Transformer"]
 
@@ -204,13 +205,15 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         moe_layers = [args.is_moe_layer(i) for i in range(args.n_layers)]
         if scan_layers:
-            if len(set(moe_layers)) > 1:
-                raise ValueError("model.scan_layers needs identical blocks, but this model mixes dense and MoE "
-                                 "layers (moe.decoder_sparse_step / moe.mlp_only_layers); set scan_layers false")
-            self.layers = StackedBlocks(functools.partial(TransformerBlock, args, rope_fn=apply_rope_real,
-                                                          kernels=kernels, moe_layer=moe_layers[0],
-                                                          dispatch_slot=slot),
-                                        args.n_layers, init_layer=_init_block_at, ac_mode=ac_mode)
+            # One stack per run of identical blocks (models/common/scan.py): one for most models,
+            # DeepSeek-V3's dense first layers and then its MoE layers as two.
+            runs = [(functools.partial(TransformerBlock, args, rope_fn=apply_rope_real, kernels=kernels,
+                                       moe_layer=moe, dispatch_slot=slot), len(list(group)))
+                    for moe, group in itertools.groupby(moe_layers)]
+            if len(runs) == 1:
+                self.layers = StackedBlocks(runs[0][0], args.n_layers, init_layer=_init_block_at, ac_mode=ac_mode)
+            else:
+                self.layers = StackedRuns(runs, init_layer=_init_block_at, ac_mode=ac_mode)
         else:
             # A ModuleDict keyed "0".."L-1" (as TorchTitan) keeps layer names stable when a
             # pipeline stage deletes the layers it does not own.
@@ -254,7 +257,7 @@ class Transformer(nn.Module):
         weights (functional_block.py), beside the blocks in `layers`: whatever changes how a block
         computes (tensor parallelism's plan) applies to these too."""
         if self.scan_layers:
-            return [self.layers._block_fn.template]
+            return [stack._block_fn.template for _, stack in self.stacks()]
         return [block.block_fn.template for block in self._checkpointed_blocks.values()]
 
     def _compute_rope_cache(self, device: torch.device | None = None) -> torch.Tensor:
@@ -284,6 +287,13 @@ class Transformer(nn.Module):
             self.rope_cache = table
 
     # Per-parameter dicts (optimizer moments) in the checkpoint layout. Identity when unrolled.
+
+    def stacks(self) -> list[tuple[str, StackedBlocks]]:
+        """(name, stack) of the scanned stacks in layer order: `layers` itself, or the runs of
+        `StackedRuns` (`layers.run0`, ...) when the blocks differ; empty unless scan_layers."""
+        if not self.scan_layers:
+            return []
+        return self.layers.stacks("layers.") if isinstance(self.layers, StackedRuns) else [("layers", self.layers)]
 
     def stacked_parameter_names(self) -> set[str]:
         """Names of the parameters that carry a leading layer axis (empty unless scan_layers)."""
@@ -319,8 +329,8 @@ class Transformer(nn.Module):
         process does and gets bitwise the same weights without ever holding the whole model.
         """
         plan = [("tok_embeddings", self.tok_embeddings, self._init_tok_embeddings)]
-        if self.scan_layers:  # all layers in one piece, initialised layer by layer in order
-            plan.append(("layers", self.layers, self.layers.init_weights))
+        if self.scan_layers:  # a piece per stack, each initialised layer by layer in order
+            plan += [(name, stack, stack.init_weights) for name, stack in self.stacks()]
         else:
             for layer_id, (name, layer) in enumerate(self.layers.items()):
                 init = functools.partial(_init_block, layer, layer_id=layer_id)
@@ -392,8 +402,9 @@ class Transformer(nn.Module):
         if self.args.moe is None or self.args.moe.load_balance != "expert_bias":
             return []
         mtp = [f"mtp.{k}.block.moe.expert_bias" for k, layer in (self.mtp or {}).items() if layer.block.moe is not None]
-        if self.scan_layers:
-            return ["layers.moe.expert_bias"] + mtp  # stacked [L, E], then the MTP blocks'
+        if self.scan_layers:  # stacked [layers of the stack, E], then the MTP blocks' [E]
+            return [f"{name}.moe.expert_bias" for name, stack in self.stacks()
+                    if stack._block_fn.template.moe is not None] + mtp
         return [f"layers.{i}.moe.expert_bias" for i in range(self.args.n_layers) if self.args.is_moe_layer(i)] + mtp
 
     def updated_expert_biases(self, biases: dict[str, torch.Tensor],
@@ -402,11 +413,12 @@ class Transformer(nn.Module):
         `expert_load_LE`; pure, so the graph trainer traces it like the optimizer update."""
         rate = self.args.moe.bias_update_rate
         names = self.expert_bias_names()
-        if self.scan_layers:
-            stacked = self.args.num_moe_layers
-            return {names[0]: updated_expert_bias(biases[names[0]], expert_load_LE[:stacked], rate),
-                    **{name: updated_expert_bias(biases[name], expert_load_LE[stacked + i], rate)
-                       for i, name in enumerate(names[1:])}}
+        if self.scan_layers:  # each stack's rows of expert_load_LE in layer order, then one row per MTP block
+            stacked = [name for name in names if name.startswith("layers.")]
+            sizes = [biases[name].shape[0] for name in stacked] + [1] * (len(names) - len(stacked))
+            loads = expert_load_LE.split(sizes)
+            return {name: updated_expert_bias(biases[name], load if name in stacked else load[0], rate)
+                    for name, load in zip(names, loads)}
         return {name: updated_expert_bias(biases[name], expert_load_LE[i], rate) for i, name in enumerate(names)}
 
     def output_weight(self) -> torch.Tensor:
@@ -433,7 +445,7 @@ class Transformer(nn.Module):
         if document_ids_BS is None and positions_BS is not None:
             document_ids_BS = document_ids_from_positions(positions_BS)
         h_BSD = self.tok_embeddings(tokens_BS)
-        if self.scan_layers:  # one scan over the stacked blocks (models/common/scan.py)
+        if self.scan_layers:  # one scan per stack of blocks (models/common/scan.py)
             h_BSD, stats_L2E = self.layers(h_BSD, rope, document_ids_BS)
             stats_L2E = stats_L2E if self.args.moe is not None else stats_L2E.new_zeros(0, 0)
         else:
