@@ -297,8 +297,17 @@ def test_planner_activation_terms_are_close_to_autograd(q_lora_rank):
 
 
 PARALLEL_STEPS = 20
-PARALLEL_CASES = [("eager", 1, "expert_bias"), ("eager", 2, "expert_bias"), ("eager", 2, "aux_loss"),
-                  ("aot_eager", 2, "expert_bias")]  # (mode, ep, moe.load_balance); ep 2 by all_to_all
+# (mode, ep, moe.load_balance, model.mtp_num_layers); ep 2 by all_to_all. With MTP the block after
+# the main model is an MoE layer too: its experts are split over ep and its tokens travel by the
+# same dispatch, and its loss is reported apart from the main one.
+PARALLEL_CASES = [("eager", 1, "expert_bias", 0), ("eager", 2, "expert_bias", 0), ("eager", 2, "aux_loss", 0),
+                  ("aot_eager", 2, "expert_bias", 0), ("eager", 2, "expert_bias", 1), ("aot_eager", 2, "aux_loss", 1)]
+
+
+def parallel_args(load_balance: str, mtp_num_layers: int) -> TransformerArgs:
+    args = tiny_args(load_balance=load_balance)
+    return dataclasses.replace(args, mtp_num_layers=mtp_num_layers, mtp_loss_scaling_factor=0.3) \
+        if mtp_num_layers else args
 
 
 def _parallel_worker(cases: list[tuple]) -> list[dict]:
@@ -310,8 +319,8 @@ def _parallel_worker(cases: list[tuple]) -> list[dict]:
     from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 
     out = []
-    for mode, ep, load_balance in cases:
-        args = tiny_args(load_balance=load_balance)
+    for mode, ep, load_balance, mtp_num_layers in cases:
+        args = parallel_args(load_balance, mtp_num_layers)
         world = dist.get_world_size()
         dims = ParallelDims(dp_shard=world, world_size=world, ep=ep)
         mesh, expert_mesh = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
@@ -335,31 +344,40 @@ def _parallel_worker(cases: list[tuple]) -> list[dict]:
 
             step = GraphStep(model, opt, max_norm=1.0, example_batch=batches[0], backend=mode, dp_size=size)
         results = [step([b], 2e-3) for b in batches]
-        out.append({"losses": [(r.loss, r.aux_loss) for r in results], "loads": [r.expert_load for r in results],
+        moe_blocks = [model.layers["1"]] + [layer.block for layer in (model.mtp or {}).values()]
+        out.append({"losses": [(r.loss, r.aux_loss, r.mtp_loss) for r in results],
+                    "loads": [r.expert_load for r in results],
                     "biases": {n: b.clone() for n, b in model.named_buffers() if "expert_bias" in n},
-                    "local_experts": model.layers["1"].moe.experts.w1.to_local().shape[0]
-                    if hasattr(model.layers["1"].moe.experts.w1, "to_local")
-                    else model.layers["1"].moe.experts.w1.shape[0]})
+                    "local_experts": [_local_rows(block.moe.experts.w1) for block in moe_blocks]})
     return out
+
+
+def _local_rows(w: torch.Tensor) -> int:
+    return w.to_local().shape[0] if hasattr(w, "to_local") else w.shape[0]
 
 
 @pytest.mark.multiprocess
 def test_simple_fsdp_and_all_to_all_expert_parallel_train_like_one_process():
     """2 ranks, 20 steps: SimpleFSDP alone, and with ep 2 by the all-to-all dispatch (each rank 4
-    of the 8 experts; with and without the balancing bias, eager and captured) equal one process
-    taking the same rows as 2 micro-batches: losses within 1e-5, the same routing, biases."""
+    of the 8 experts; with and without the balancing bias, eager and captured; with a multi-token
+    prediction block, whose experts are split too) equal one process taking the same rows as 2
+    micro-batches: losses (main, balancing, MTP) within 1e-5, the same routing, biases."""
     from dist_utils import run_distributed
 
     results = run_distributed(_parallel_worker, world_size=2, args=(PARALLEL_CASES,), timeout_s=900)
-    for i, (mode, ep, load_balance) in enumerate(PARALLEL_CASES):
-        want, want_biases = train(tiny_args(load_balance=load_balance), micro_batches=2, steps=PARALLEL_STEPS)
+    for i, case in enumerate(PARALLEL_CASES):
+        mode, ep, load_balance, mtp_num_layers = case
+        want, want_biases = train(parallel_args(load_balance, mtp_num_layers), micro_batches=2,
+                                  steps=PARALLEL_STEPS)
+        assert (want[0].mtp_loss is not None) == bool(mtp_num_layers)
         for rank_results in results:
             got = rank_results[i]
-            for (loss, aux), w in zip(got["losses"], want):
-                assert abs(loss - w.loss) <= 1e-5 and abs(aux - w.aux_loss) <= 1e-5, (mode, ep, load_balance)
+            for (loss, aux, mtp), w in zip(got["losses"], want, strict=True):
+                assert abs(loss - w.loss) <= 1e-5 and abs(aux - w.aux_loss) <= 1e-5, case
+                assert (mtp is None) if w.mtp_loss is None else abs(mtp - w.mtp_loss) <= 1e-5, case
             for load, w in zip(got["loads"], want):
                 assert torch.equal(load, w.expert_load)
             assert got["biases"].keys() == want_biases.keys()
             for name, bias in got["biases"].items():
                 torch.testing.assert_close(bias, want_biases[name], rtol=0, atol=1e-6)
-            assert got["local_experts"] == 8 // ep or ep == 1
+            assert got["local_experts"] == [8 // ep] * (1 + mtp_num_layers)  # the MTP block's experts split too
