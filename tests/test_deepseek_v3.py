@@ -5,6 +5,7 @@ layers), HF round trips through files, training in eager and graph mode, FLOPs, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -356,6 +357,13 @@ def _local_rows(w: torch.Tensor) -> int:
     return w.to_local().shape[0] if hasattr(w, "to_local") else w.shape[0]
 
 
+@functools.cache
+def parallel_reference(load_balance: str, mtp_num_layers: int) -> tuple[list, dict]:
+    """One process taking both ranks' rows as 2 micro-batches; the cases differing only in mode or
+    ep share it."""
+    return train(parallel_args(load_balance, mtp_num_layers), micro_batches=2, steps=PARALLEL_STEPS)
+
+
 @pytest.mark.multiprocess
 def test_simple_fsdp_and_all_to_all_expert_parallel_train_like_one_process():
     """2 ranks, 20 steps: SimpleFSDP alone, and with ep 2 by the all-to-all dispatch (each rank 4
@@ -367,8 +375,7 @@ def test_simple_fsdp_and_all_to_all_expert_parallel_train_like_one_process():
     results = run_distributed(_parallel_worker, world_size=2, args=(PARALLEL_CASES,), timeout_s=900)
     for i, case in enumerate(PARALLEL_CASES):
         mode, ep, load_balance, mtp_num_layers = case
-        want, want_biases = train(parallel_args(load_balance, mtp_num_layers), micro_batches=2,
-                                  steps=PARALLEL_STEPS)
+        want, want_biases = parallel_reference(load_balance, mtp_num_layers)
         assert (want[0].mtp_loss is not None) == bool(mtp_num_layers)
         for rank_results in results:
             got = rank_results[i]
