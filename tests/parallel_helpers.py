@@ -4,6 +4,8 @@ autograd keeps per block on a rank."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -54,21 +56,47 @@ def global_batches(steps: int) -> torch.Tensor:
     return torch.stack(tokens, dim=-1)
 
 
+class _Saved:
+    """What the saved-tensor hook hands autograd instead of a tensor: alive exactly as long as the
+    graph node that saved it."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def kept_saved_bytes(run: Callable[[], object], exclude: set[int]) -> int:
+    """Bytes of the distinct storages (data pointers not in `exclude`) autograd still keeps for the
+    backward when `run()` has returned, its result held. Tensors saved by nodes that died during the
+    forward (an output used only through its indices, as routing's top-k values) are not counted,
+    whether or not the allocator gave their memory to a later tensor: counting storages as they were
+    saved made the total depend on that reuse."""
+    boxes = []
+
+    def pack(t: torch.Tensor) -> _Saved:
+        box = _Saved(t)
+        boxes.append(weakref.ref(box))
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        result = run()
+    kept = {}
+    for ref in boxes:
+        box = ref()
+        if box is not None and box.tensor.untyped_storage().data_ptr() not in exclude:
+            kept[box.tensor.untyped_storage().data_ptr()] = box.tensor.untyped_storage().nbytes()
+    del result
+    return sum(kept.values())
+
+
 def saved_bytes_per_layer(build: Callable[[int], torch.nn.Module], forward: Callable[[torch.nn.Module], object]) -> int:
     """Bytes autograd keeps for the backward of one block on this rank: what `forward(model)`
-    saves with a 2-layer model (`build(2)`) minus a 1-layer one, parameters' storages left out."""
+    keeps (`kept_saved_bytes`) with a 2-layer model (`build(2)`) minus a 1-layer one, parameters'
+    storages left out."""
     sizes = []
     for n_layers in (1, 2):
         model = build(n_layers)
         own = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
-        seen = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in own:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward(model)
-        sizes.append(sum(seen.values()))
+        sizes.append(kept_saved_bytes(functools.partial(forward, model), own))
     return sizes[1] - sizes[0]

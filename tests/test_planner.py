@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from parallel_helpers import kept_saved_bytes
 
 from titan_tpu.cli import main
 from titan_tpu.config import build_config
@@ -63,20 +64,10 @@ def test_parameter_counts_are_the_models(name, flavor):
     assert num_expert_params(args) == experts
 
 
-def _saved_bytes(model, tokens_BS, *, skip_params=True) -> int:
+def _saved_bytes(model, tokens_BS) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of model(tokens, labels)."""
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens_BS, tokens_BS)
-    return sum(seen.values())
+    return kept_saved_bytes(lambda: model(tokens_BS, tokens_BS), own)
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen3_moe"])
