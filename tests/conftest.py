@@ -75,3 +75,16 @@ def train_overrides(tmp_path, data_cache):
         return args
 
     return make
+
+
+@pytest.fixture
+def one_thread():
+    """Run the test on one intra-op thread. Inductor's CPU kernels accumulate scatter-adds (the
+    embedding's gradient: one row per token, repeated tokens added together) with atomic adds
+    across threads, in no fixed order, so two compiled runs of the same step can differ in the
+    last bit of a repeated token's row; a test that compares two such runs bit for bit needs one
+    order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -36,7 +36,7 @@ def train_inductor(ac: str) -> tuple[list[float], dict[str, torch.Tensor], int]:
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])
-def test_reversed_backward_scan_removes_every_flip_and_changes_no_bit(ac, monkeypatch):
+def test_reversed_backward_scan_removes_every_flip_and_changes_no_bit(ac, monkeypatch, one_thread):
     before = reverse_scan_stats.copy()
     losses, params, flips = train_inductor(ac)
     done = reverse_scan_stats - before

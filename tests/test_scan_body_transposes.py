@@ -30,7 +30,7 @@ def train_inductor(ac: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 # Activation checkpointing none only: with full, the scans are ours (`_ScanRecomputingLayers`), not
 # partitioned by scan's autograd, and the pass finds no copied transposes there.
 @pytest.mark.parametrize("ac", ["none"])
-def test_scan_body_matmuls_read_transposes_in_place_same_numbers(ac, monkeypatch):
+def test_scan_body_matmuls_read_transposes_in_place_same_numbers(ac, monkeypatch, one_thread):
     before = scan_body_transpose_stats.copy()
     losses, params = train_inductor(ac)
     dropped = (scan_body_transpose_stats - before)["copies_dropped"]
