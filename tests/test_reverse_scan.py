@@ -18,7 +18,8 @@ from test_scan_ac import batches, lr, make_step, tiny_args
 from torch._inductor import config as inductor_config
 
 from titan_tpu.graph import compile as graph_compile
-from titan_tpu.graph.reverse_scan import reverse_scan_stats
+from titan_tpu.graph.capture import capture_train_step
+from titan_tpu.graph.reverse_scan import SCAN_REVERSE, mark_reverse_scans, marked_reverse, reverse_scan_stats
 from titan_tpu.models.registry import build_model
 
 STEPS = 6
@@ -76,3 +77,45 @@ def test_a_body_writing_its_stacks_out_of_order_is_refused():
         _check_write_order(gm)
     _check_write_order(make_fx(lambda a, b, x: (a.copy_(x), b.copy_(x)))(torch.zeros(2), torch.zeros(2),
                                                                           torch.ones(2)))
+
+
+class _ReverseAwareInterpreter(torch.fx.Interpreter):
+    """Runs a graph whose scans may be marked to run in reverse (mark_reverse_scans) the way the
+    mark means: a marked scan iterates over its stacks last row first and writes each output row
+    where its input row was. Torch has no reverse scan, so it runs here as the flips the mark
+    replaced: that equality is the contract TorchTPU and the JAX lowering implement."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.higher_order.scan and marked_reverse(args[0]):
+            body, init, xs, additional = args
+            out = target(body, init, [x.flip(0) for x in xs], additional)
+            return [*out[:len(init)], *(y.flip(0) for y in out[len(init):])]
+        return super().call_function(target, args, kwargs)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_tpu_reverse_mark_takes_every_flip_and_keeps_the_step(ac):
+    """The TPU form (mark_reverse_scans, applied by graph/compile.py for TorchTPU and by `titan-tpu
+    compile`): the backward scan takes the stacks unflipped, no flip is left in the step, the scan
+    and every node of its body carry TorchTPU's reverse mark, and run as the mark means the step
+    gives the same outputs, bit for bit."""
+    model = build_model(tiny_args(), seed=0, scan_layers=True, ac_mode=ac)
+    step, _ = make_step(model, mode="eager", example=batches()[0])
+    captured = capture_train_step(model, max_norm=1.0, adamw_hparams=step.optimizer.hparams,
+                                  decay=step.optimizer.decay, example_batch=batches()[0])
+    gm = captured.graph_module
+    flips = lambda: sum(n.target is torch.ops.aten.flip.default for n in gm.graph.nodes)  # noqa: E731
+    torch.manual_seed(0)  # real, positive values of the example inputs' shapes (token ids 1, every count 1)
+    inputs = [0.02 * torch.rand(t.shape, dtype=t.dtype) if t.is_floating_point() else torch.ones(t.shape, dtype=t.dtype)
+              for t in captured.example_inputs]
+    # The step updates its parameters and moments in place: each run gets its own copy.
+    expected = torch.fx.Interpreter(gm).run(*(t.clone() for t in inputs))
+    assert flips() > 0
+    assert mark_reverse_scans(gm) == 1
+    assert flips() == 0
+    scans = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.scan]
+    marked = [n for n in scans if n.meta.get("custom", {}).get(SCAN_REVERSE)]
+    assert len(scans) == 2 and len(marked) == 1 and marked_reverse(getattr(gm, marked[0].args[0].target))
+    got = _ReverseAwareInterpreter(gm).run(*(t.clone() for t in inputs))
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)

@@ -211,6 +211,9 @@ def plan_main(argv: list[str]) -> int:
                         help="with --search: config keys to hold at the config's value, "
                              "comma-separated (e.g. activation_checkpoint.mode,model.scan_layers)")
     parser.add_argument("--top", type=int, default=5, help="with --search: how many ranked configurations to print")
+    parser.add_argument("--certify", type=int, metavar="K", default=0,
+                        help="with --search: compile the K best with XLA's TPU compiler for the slice and keep those "
+                             "XLA accepts and fits, in the planner's order (needs .venv-tpu; minutes per candidate)")
     parser.add_argument("--xla", metavar="JSON",
                         help="a saved `titan-tpu compile --json` report of the same config and slice: XLA's "
                              "per-chip peak and FLOPs printed beside the plan's")
@@ -239,6 +242,10 @@ def plan_main(argv: list[str]) -> int:
         keep = [k.strip() for k in args.keep.split(",") if k.strip()]
         result = search(cfg, hardware, chips=chips, keep=keep)
         print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
+        if args.certify:
+            from titan_tpu.tools.certify import certify, format_certified
+
+            print(format_certified(certify(result, args.config, overrides, top=args.certify)))
         return 0
     plan = plan_config(cfg, hardware, chips=chips, gather=args.gather)
     if args.xla:

@@ -146,3 +146,28 @@ def test_tokamax_lowering_cannot_be_checked_here(real_ops):
 
     with FakeTensorMode(), pytest.raises(NotImplementedError, match="Not supported on cpu"):
         real_ops.lce(_fake(256, 128), _fake(256, dtype=torch.int32), _fake(128, 512), "mosaic_tpu")
+
+
+def test_torch_tpu_reads_our_reverse_scan_mark():
+    """graph/reverse_scan.py marks the scanned backward with TorchTPU's reverse-scan key
+    (torch_tpu/_internal/compile/scan.py, SCAN_REVERSE_ANNOTATION) so that TorchTPU builds it as a
+    reverse loop without the flipped stacks: the key is the package's, and its own reader finds it
+    on a body we marked."""
+    from torch_tpu._internal.compile import scan as tpu_scan
+
+    from titan_tpu.graph.capture import capture_train_step
+    from titan_tpu.graph.reverse_scan import SCAN_REVERSE, mark_reverse_scans
+    from titan_tpu.models.common.transformer import TransformerArgs
+    from titan_tpu.models.registry import build_model
+    from titan_tpu.train.optim import AdamW
+
+    assert tpu_scan.SCAN_REVERSE_ANNOTATION == SCAN_REVERSE
+    args = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden_dim=128, max_seq_len=32)
+    model = build_model(args, seed=0, scan_layers=True, ac_mode="full")
+    opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+    batch = (torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long))
+    gm = capture_train_step(model, max_norm=1.0, adamw_hparams=opt.hparams, decay=opt.decay,
+                            example_batch=batch).graph_module
+    assert mark_reverse_scans(gm) == 1
+    bodies = [getattr(gm, n.args[0].target) for n in gm.graph.nodes if n.target is torch.ops.higher_order.scan]
+    assert [tpu_scan._body_asks_for_reverse(body) for body in bodies] == [False, True]

@@ -83,6 +83,12 @@ def compile_step(captured: CapturedStep, backend: str, *, split: str = "none",
         compiler = lookup_backend(backend)
     start = time.perf_counter()
     gm = captured.graph_module
+    if backend == "tpu":
+        from titan_tpu.graph.reverse_scan import mark_reverse_scans
+
+        # TorchTPU runs a scan marked so as a reverse loop: the scanned backward without the
+        # flipped copies of its stacks (graph/reverse_scan.py; Inductor has its own pass for it).
+        mark_reverse_scans(gm)
     if prefetch is not None:
         gm = schedule_collectives(gm, prefetch=prefetch)
     loss_index = captured.layout.loss_output_index

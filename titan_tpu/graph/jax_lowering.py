@@ -39,6 +39,7 @@ from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import titan_tpu.kernels.grouped_mm  # noqa: F401 - registers the titan_tpu:: custom ops the table names
+from titan_tpu.graph.reverse_scan import marked_reverse
 
 __all__ = ["LOWERINGS", "JaxLoweringError", "functional_graph", "jax_dtype", "rank_constants", "shard_step",
            "to_jax"]
@@ -157,6 +158,16 @@ def _scatter_add(x, dim, index, src):
     grids[dim] = index
     src = src[tuple(slice(0, s) for s in index.shape)]
     return x.at[tuple(grids)].add(src)
+
+
+def _scatter(x, dim, index, src):
+    # aten.scatter (.value: src a number; .src: a tensor read at the index's positions): each
+    # index position names one element of x, which takes the value.
+    grids = list(jnp.indices(index.shape, sparse=True))
+    grids[dim] = index
+    if not isinstance(src, (int, float, bool)):
+        src = src[tuple(slice(0, s) for s in index.shape)]
+    return x.at[tuple(grids)].set(src)
 
 
 def _sort(x, stable=None, dim=-1, descending=False):
@@ -310,6 +321,7 @@ LOWERINGS: dict[object, Callable] = {
     operator.getitem: operator.getitem,
     # elementwise
     aten.abs.default: jnp.abs,
+    aten.sign.default: jnp.sign,
     aten.add.Tensor: lambda x, y, alpha=1: x + y * alpha if alpha != 1 else x + y,
     aten.add.Scalar: lambda x, y, alpha=1: x + y * alpha,
     aten.sub.Tensor: lambda x, y, alpha=1: x - y * alpha if alpha != 1 else x - y,
@@ -365,6 +377,8 @@ LOWERINGS: dict[object, Callable] = {
     aten.sum.dim_IntList: _sum,
     aten.sum.default: lambda x, dtype=None: _sum(x, None, False, dtype),
     aten.mean.dim: _mean,
+    aten.mean.default: lambda x, dtype=None: _mean(x, None, False, dtype),
+    aten.cumsum.default: lambda x, dim, dtype=None: jnp.cumsum(x, axis=dim, dtype=_arg_dtype(dtype)),
     aten.amax.default: lambda x, dim=(), keepdim=False: jnp.max(x, axis=_dims(x, dim), keepdims=keepdim),
     aten.amin.default: lambda x, dim=(), keepdim=False: jnp.min(x, axis=_dims(x, dim), keepdims=keepdim),
     aten.any.dim: lambda x, dim, keepdim=False: jnp.any(x, axis=dim, keepdims=keepdim),
@@ -414,6 +428,8 @@ LOWERINGS: dict[object, Callable] = {
     aten.index_select.default: lambda x, dim, index: jnp.take(x, index, axis=dim),
     aten.gather.default: _gather,
     aten.scatter_add.default: _scatter_add,
+    aten.scatter.value: _scatter,
+    aten.scatter.src: _scatter,
     aten.embedding.default: lambda w, idx, *_: jnp.take(w, idx, axis=0),
     # creation
     aten.full.default: _full,
@@ -504,6 +520,14 @@ def _where(node: torch.fx.Node) -> str:
         what = "the backward of " if node.meta.get("custom", {}).get("phase") == "backward" else ""
         return f"{what}module {name or 'the model'} ({getattr(cls, '__name__', cls)}), graph node {node.name}"
     return f"graph node {node.name}, outside any module's forward"
+
+
+def _scope(node: torch.fx.Node) -> str:
+    """The name scope of a node's JAX ops: the module whose forward made it, "bwd " before it for
+    its backward, "step" outside any module (the loss reduction, clipping, AdamW)."""
+    stack = node.meta.get("nn_module_stack")
+    name = (list(stack.values())[-1][0] or "model") if stack else "step"
+    return f"bwd {name}" if node.meta.get("custom", {}).get("phase") == "backward" else name
 
 
 def _table(group_axes: dict[str, tuple[str, ...]] | None) -> dict[object, Callable]:
@@ -597,7 +621,8 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
                 kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory",
                                                                        "memory_format", "non_blocking")}
                 try:
-                    value = table[node.target](*args, **kwargs)
+                    with jax.named_scope(_scope(node)):  # XLA's op names then say which module (tools/xla_peak.py)
+                        value = table[node.target](*args, **kwargs)
                 except JaxLoweringError:
                     raise
                 except Exception as e:
@@ -641,7 +666,10 @@ def _scan(gm: torch.fx.GraphModule, node: torch.fx.Node, load: Callable, group_a
         out = body(*carry, *layer_xs, *additional)
         return list(out[:n_carry]), list(out[n_carry:])
 
-    carry, ys = jax.lax.scan(step, [jnp.asarray(c) for c in init], [jnp.asarray(x) for x in xs])
+    # A scan marked to run in reverse (graph/reverse_scan.py mark_reverse_scans: its flips taken
+    # away) is XLA's loop reading and writing row L-1-i at step i, as TorchTPU builds it.
+    reverse = marked_reverse(_subgraph(gm, body_gm))
+    carry, ys = jax.lax.scan(step, [jnp.asarray(c) for c in init], [jnp.asarray(x) for x in xs], reverse=reverse)
     return [*carry, *ys]
 
 

@@ -28,7 +28,8 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-__all__ = ["ReverseScanPass", "drop_body_copies", "reverse_scan_stats", "write_matmuls_into_stacks"]
+__all__ = ["SCAN_REVERSE", "ReverseScanPass", "drop_body_copies", "mark_reverse_scans", "marked_reverse",
+           "reverse_scan_stats", "write_matmuls_into_stacks"]
 
 reverse_scan_stats: Counter = Counter()
 
@@ -309,6 +310,50 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
     else:
         reverse_scan_stats["forward_scans"] += 1
     return getattr(gm, loop.args[1].target)
+
+
+# TorchTPU's mark for a scan to run in reverse (torch_tpu/_internal/compile/scan.py,
+# SCAN_REVERSE_ANNOTATION): read from the "custom" meta of the body's nodes, where
+# `torch.fx.traceback.annotate` puts it. Step i of the loop then reads and writes row L-1-i.
+SCAN_REVERSE = "torch_tpu_scan_reverse"
+
+
+def mark_reverse_scans(gm: fx.GraphModule) -> int:
+    """The TPU form of this module's pass, on the captured graph: each ``scan`` whose xs are all
+    flips of dim 0 and whose stacked outputs are read only through flips of dim 0 takes the
+    unflipped stacks, its outputs' flips go, and it is marked to run in reverse (`SCAN_REVERSE`)
+    on the scan node and on every node of its body. TorchTPU builds such a scan as a reverse
+    `stablehlo.while` loop (on a TPU each flip is a full copy of a stack); the JAX lowering reads
+    the same mark (graph/jax_lowering.py). The mark on the scan node is what carries it through a
+    re-trace of the graph (make_fx with preserved node meta gives the body's new nodes the meta of
+    the node being run). Same body, same slices, same order of iterations. Returns how many scans
+    were marked. Only for a backend that reads the mark: any other would run the loop forwards."""
+    marked = 0
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.scan]:
+        body, init, xs, additional = node.args
+        if node.kwargs or not xs or not all(_is_flip_dim0(x) for x in xs):
+            continue
+        output_flips = _stacked_output_users(node, len(init))
+        if output_flips is None:
+            continue
+        node.args = (body, init, [x.args[0] for x in xs], additional)
+        for flips in output_flips:
+            for flip in flips:
+                flip.replace_all_uses_with(flip.args[0])
+                gm.graph.erase_node(flip)
+        node.meta.setdefault("custom", {})[SCAN_REVERSE] = True
+        for body_node in getattr(gm, body.target).graph.nodes:
+            body_node.meta.setdefault("custom", {})[SCAN_REVERSE] = True
+        marked += 1
+    if marked:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return marked
+
+
+def marked_reverse(body: fx.GraphModule) -> bool:
+    """Whether a scan body carries `SCAN_REVERSE` (as TorchTPU reads it)."""
+    return any(n.meta.get("custom", {}).get(SCAN_REVERSE, False) for n in body.graph.nodes)
 
 
 class ReverseScanPass(CustomGraphPass):

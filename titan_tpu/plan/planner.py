@@ -55,7 +55,7 @@ from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
 from titan_tpu.train.optim import update_buffers
 
-__all__ = ["Plan", "TPU_NAMES", "plan_config", "format_plan", "default_hardware", "for_planning"]
+__all__ = ["Plan", "TPU_NAMES", "plan_config", "format_plan", "default_hardware", "for_planning", "reshard_decision"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -337,6 +337,26 @@ def with_reshard_resolved(cfg: Config, hardware: Hardware | None = None, *, chip
     return resolved
 
 
+def reshard_decision(cfg: Config, *, world_size: int, hardware: Hardware | None = None) -> tuple[bool, str]:
+    """(re-shard after the forward?, why) for a run of `cfg` on `world_size` devices, as the trainer
+    decides it (train/trainer.py) and `titan-tpu compile` compiles it: "true"/"false" as given;
+    auto asks `with_reshard_resolved` on the hardware the config names (or `hardware`), and
+    re-shards where the planner has no terms for the run (an hf model, an unnamed GPU)."""
+    value = cfg.parallelism.reshard_after_forward
+    if value != "auto":
+        return value == "true", "set in the config"
+    try:
+        if hardware is None:
+            hardware, _ = default_hardware(cfg, measure=False)
+        chips = max(world_size // hardware.devices_per_chip, 1)
+        resolved = with_reshard_resolved(cfg, hardware, chips=chips, measure=False)
+    except ValueError as e:
+        return True, f"the planner cannot plan this run ({str(e).split(';')[0]})"
+    if resolved.parallelism.reshard_after_forward == "true":
+        return True, "the plan that keeps them does not fit"
+    return False, "the plan that keeps them fits"
+
+
 def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measure: bool, gather: str | None,
              model_args) -> _Setting:
     """The config checked and resolved for planning (see `plan_config` for the arguments)."""
@@ -495,7 +515,7 @@ def _scan_memory(s: _Setting, acts: ActivationBytes, full_grad: float) -> ScanAu
                                    gradient_stack=not full_grad or s.per_layer_stack,
                                    gathered_in_body=s.layout.sharded and s.per_layer_stack,
                                    experts_copied=_grouped_mm_impl(k.grouped_mm, s.hardware.name) != "torch",
-                                   flipped=s.cfg.compile.backend != "inductor")
+                                   flipped=s.cfg.compile.backend not in ("inductor", "tpu"))
 
 
 def _runtime_bytes(s: _Setting) -> float:

@@ -16,6 +16,8 @@ import json
 import math
 import os
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -142,33 +144,112 @@ def capture_for_jax(cfg, **capture_args):
             cfg = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, **replaced))
 
 
-def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> dict:
-    """Compile `cfg`'s step for the topology; returns the report (see the module docstring)."""
+def trainer_documents(cfg) -> bool:
+    """Whether the trainer's batches carry document positions: data.document_mask, or chat data
+    (always packed with document masks; data/build.py uses_document_mask), read from the config
+    alone (no data is opened)."""
+    return bool(cfg.data.document_mask or cfg.data.format == "chat"
+                or any(getattr(source, "format", "text") == "chat" for source in cfg.data.sources))
+
+
+def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_dump: Path | None = None) -> dict:
+    """Compile `cfg`'s step for the topology, as the trainer would run it there; returns the report
+    (see the module docstring). As the trainer: parallelism.reshard_after_forward auto decided by
+    the planner for that slice (planner.reshard_decision), document masking where its data has
+    it, and with gradient accumulation its two programs (micro-batch and update), each compiled;
+    the step's peak is the larger of theirs (between them only their arguments are alive).
+    xla_dump: the directory XLA_FLAGS=--xla_dump_to names (`xla_dump_env`), for the collectives
+    XLA kept and the values alive at its peak; None: both from what can be read without it."""
+    from titan_tpu.models.spec import model_spec
+    from titan_tpu.plan.hardware import HARDWARE
+    from titan_tpu.plan.planner import reshard_decision
+
+    topology = _topology(topology_name)
+    devices = topology.devices
+    generation = topology_name.split(":")[0].replace("tpu7x", "v7")
+    hardware = HARDWARE.get(generation)
+    t = cfg.training
+    reshard, why = reshard_decision(cfg, world_size=len(devices), hardware=hardware)
+    documents = trainer_documents(cfg)
+    start = time.perf_counter()
+    captured, cfg, kernels_used = capture_for_jax(cfg, world_size=len(devices), batch_size=t.batch_size,
+                                                  seq_len=t.seq_len, reshard_after_forward=reshard,
+                                                  documents=documents, grad_accum_steps=t.grad_accum_steps)
+    capture_s = time.perf_counter() - start
+    steps = {"step": captured} if not isinstance(captured, tuple) else dict(zip(("micro-batch", "update"), captured))
+    programs = {name: _compile_program(step, devices, donated_groups=DONATED[name], xla_dump=xla_dump,
+                                       dump=None if dump is None else dump if len(steps) == 1 else dump / name)
+                for name, step in steps.items()}
+    first = next(iter(steps.values()))
+    peak_name = max(programs, key=lambda name: programs[name]["peak"])
+    peak = programs[peak_name]
+    hbm = hardware.memory_bytes if hardware is not None else None
+    flops_per_token, _ = model_spec(cfg.model).flops_per_token(None, t.seq_len)  # native specs read only the args
+    runs = {"step": 1, "micro-batch": t.grad_accum_steps, "update": 1}
+    flops = sum(runs[name] * (p["flops"] or 0.0) for name, p in programs.items()) if peak["flops"] is not None \
+        else None
+    tokens_per_chip = _step_tokens(first.captured) * t.grad_accum_steps / len(devices)
+    report = {
+        "topology": topology_name, "devices": len(devices), "mesh": dict(first.axis_sizes),
+        "reshard_after_forward": reshard, "reshard_why": why, "documents": documents,
+        "grad_accum_steps": t.grad_accum_steps,
+        "memory_per_chip_bytes": peak["memory"], "peak_per_chip_bytes": peak["peak"], "peak_program": peak_name,
+        "programs": {name: {k: v for k, v in p.items() if k not in ("text", "lowered_text")}
+                     for name, p in programs.items()},
+        "hbm_per_chip_bytes": hbm, "fits": None if hbm is None else peak["peak"] <= hbm,
+        "flops_per_chip": flops,
+        "bytes_accessed_per_chip": sum(runs[name] * (p["bytes_accessed"] or 0.0) for name, p in programs.items()),
+        "formula_flops_per_chip": flops_per_token * tokens_per_chip,
+        "formula_as_xla_counts_per_chip": _formula_as_xla_counts(cfg, kernels_used, tokens_per_chip),
+        # XLA's cost analysis counts a while loop's body once, not once per trip (a lax.scan of 8
+        # matmuls reports the FLOPs of 1): with scanned layers its FLOPs are the step outside the
+        # layers plus one layer's forward and backward.
+        "loop_body_counted_once": bool(cfg.model.scan_layers),
+        "collectives": _collectives(peak["text"]), "collectives_counted_in": peak["collectives_from"],
+        "kernels": kernels_used, "tpu_kernels": _tpu_kernels(peak["lowered_text"]), "at_peak": peak["at_peak"],
+        "capture_seconds": capture_s, "lower_seconds": sum(p["lower_seconds"] for p in programs.values()),
+        "compile_seconds": sum(p["compile_seconds"] for p in programs.values()),
+        "operations": sum(p["operations"] for p in programs.values()),
+    }
+    return report
+
+
+# The input groups each program updates in place (the trainer's step writes them back): donated,
+# so XLA aliases each with its updated output and the peak counts them once. graph/capture.py
+# StepLayout names the groups.
+DONATED = {"step": ("params", "exp_avg", "exp_avg_sq"), "micro-batch": ("grads",),
+           "update": ("params", "grads", "exp_avg", "exp_avg_sq")}
+
+
+PEAK_VALUES = 12  # the largest values alive at XLA's peak kept in the report
+
+
+def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Path | None,
+                     xla_dump: Path | None) -> dict:
+    """Lower one captured program to JAX over the devices' mesh and compile it; XLA's numbers.
+    xla_dump: where XLA dumps its programs (XLA_FLAGS=--xla_dump_to, set before JAX started), to
+    read the optimized HLO and the values alive at the peak from; None reads neither."""
+    import dataclasses
+
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     from titan_tpu.graph.jax_lowering import jax_dtype
-    from titan_tpu.models.spec import model_spec
-    from titan_tpu.plan.hardware import HARDWARE
     from titan_tpu.tools.tpu_compile import jax_mesh, sharded_step
+    from titan_tpu.tools.xla_peak import optimized_hlo, peak_values, tpu_programs
 
-    topology = _topology(topology_name)
-    devices = topology.devices
-    t = cfg.training
-    start = time.perf_counter()
-    step, cfg, kernels_used = capture_for_jax(cfg, world_size=len(devices), batch_size=t.batch_size,
-                                              seq_len=t.seq_len)
-    capture_s = time.perf_counter() - start
     mesh = jax_mesh(step, devices)
     spec = NamedSharding(mesh, PartitionSpec(*mesh.axis_names))
     args = [jax.ShapeDtypeStruct(mesh.devices.shape + tuple(x.shape), jax_dtype(x.dtype), sharding=spec)
             for x in step.captured.example_inputs]
-    start = time.perf_counter()
-    # Parameters and moments are donated, as the trainer's step updates them in place: XLA aliases
-    # each with its updated output, and the peak below counts them once.
     slices = step.captured.input_slices()
-    donated = [i for group in ("params", "exp_avg", "exp_avg_sq") for i in range(len(args))[slices[group]]]
+    donated = [i for group in donated_groups for i in range(len(args))[slices[group]]]
+    start = time.perf_counter()
     lowered = jax.jit(sharded_step(step, mesh), donate_argnums=tuple(donated)).lower(*args)
+    lowered_text = lowered.as_text()
+    lower_s = time.perf_counter() - start
+    before = tpu_programs(xla_dump) if xla_dump is not None else set()
+    start = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
@@ -177,36 +258,35 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None) -> d
     kinds = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
              "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
              "code": memory.generated_code_size_in_bytes}
-    peak = kinds["arguments"] + kinds["outputs"] - kinds["aliased"] + kinds["temporaries"] + kinds["code"]
-    generation = topology_name.split(":")[0].replace("tpu7x", "v7")
-    hbm = HARDWARE[generation].memory_bytes if generation in HARDWARE else None
-    flops_per_token, _ = model_spec(cfg.model).flops_per_token(None, t.seq_len)  # native specs read only the args
-    try:
-        text, collectives_from = compiled.as_text(), "optimized HLO"
-    except Exception:  # noqa: BLE001 - libtpu 0.0.52 cannot print some async collectives it made (RET_CHECK)
-        text, collectives_from = lowered.as_text(), "StableHLO, before XLA's passes (the optimized HLO would not print)"
-    report = {
-        "topology": topology_name, "devices": len(devices), "mesh": dict(step.axis_sizes),
-        "memory_per_chip_bytes": kinds, "peak_per_chip_bytes": peak, "hbm_per_chip_bytes": hbm,
-        "fits": None if hbm is None else peak <= hbm,
-        "flops_per_chip": cost.get("flops"), "bytes_accessed_per_chip": cost.get("bytes accessed"),
-        "formula_flops_per_chip": flops_per_token * _step_tokens(step.captured) / len(devices),
-        "formula_as_xla_counts_per_chip": _formula_as_xla_counts(cfg, kernels_used, _step_tokens(step.captured)
-                                                                 / len(devices)),
-        # XLA's cost analysis counts a while loop's body once, not once per trip (a lax.scan of 8
-        # matmuls reports the FLOPs of 1): with scanned layers its FLOPs are the step outside the
-        # layers plus one layer's forward and backward.
-        "loop_body_counted_once": bool(cfg.model.scan_layers),
-        "collectives": _collectives(text), "collectives_counted_in": collectives_from, "kernels": kernels_used,
-        "tpu_kernels": _tpu_kernels(lowered.as_text()),
-        "capture_seconds": capture_s, "compile_seconds": compile_s,
-    }
+    new = sorted(tpu_programs(xla_dump) - before) if xla_dump is not None else []
+    at_peak = []
+    if new:  # XLA dumped the program (XLA_FLAGS=--xla_dump_to): its optimized HLO and what its peak holds
+        text, collectives_from = optimized_hlo(new[-1]), "optimized HLO"
+        at_peak = [dataclasses.asdict(v) for v in peak_values(new[-1])[:PEAK_VALUES]]
+    else:
+        # libtpu 0.0.52 cannot print some async collectives it made (a RET_CHECK, logged at length)
+        text, collectives_from = lowered_text, "StableHLO, before XLA's passes"
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
-        (dump / "step.stablehlo.mlir").write_text(lowered.as_text())
+        (dump / "step.stablehlo.mlir").write_text(lowered_text)
         if collectives_from == "optimized HLO":
             (dump / "step.optimized.hlo").write_text(text)
-    return report
+    return {"memory": kinds,
+            "peak": kinds["arguments"] + kinds["outputs"] - kinds["aliased"] + kinds["temporaries"] + kinds["code"],
+            "flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
+            "lower_seconds": lower_s, "compile_seconds": compile_s,
+            "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),
+            "at_peak": at_peak, "text": text, "lowered_text": lowered_text, "collectives_from": collectives_from}
+
+
+def xla_dump_env(directory: Path | None) -> Path:
+    """Have XLA dump the programs it compiles into `directory` (a new temporary one when None):
+    their optimized HLO and buffer assignment, which the report reads (the collectives XLA kept,
+    the values alive at its peak). Sets XLA_FLAGS, which XLA reads when JAX starts its backends:
+    call before the first compile of the process."""
+    directory = Path(directory or tempfile.mkdtemp(prefix="titan_tpu_xla_"))
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={directory}").strip()
+    return directory
 
 
 def _tpu_kernels(stablehlo: str) -> dict[str, int]:
@@ -227,7 +307,12 @@ def _format(report: dict) -> str:
     kinds = report["memory_per_chip_bytes"]
     lines = [f"compiled for {report['topology']} ({report['devices']} devices, mesh "
              f"{report['mesh'] or 'one device'}) in {report['compile_seconds']:.1f} s "
-             f"(capture {report['capture_seconds']:.1f} s); numbers are XLA's, per chip:",
+             f"(capture {report['capture_seconds']:.1f} s, lowering {report['lower_seconds']:.1f} s, "
+             f"{report['operations']:,} StableHLO operations); numbers are XLA's, per chip:",
+             f"  as the trainer runs it: re-shard after forward {str(report['reshard_after_forward']).lower()} "
+             f"({report['reshard_why']}), documents {'masked' if report['documents'] else 'not masked'}"
+             + (f", {report['grad_accum_steps']} micro-batches: programs micro-batch and update, the peak is the "
+                f"{report['peak_program']}'s" if len(report["programs"]) > 1 else ""),
              "  memory: " + ", ".join(f"{k} {v / GiB:.3f} GiB" for k, v in kinds.items())]
     peak, hbm = report["peak_per_chip_bytes"], report["hbm_per_chip_bytes"]
     verdict = "" if hbm is None else f" of {hbm / GiB:.0f} GiB HBM: {'fits' if report['fits'] else 'does NOT fit'}"
@@ -250,7 +335,11 @@ def _format(report: dict) -> str:
     lines.append("  Pallas kernels in the program (Mosaic custom calls): "
                  + (", ".join(report["tpu_kernels"]) or "none"))
     lines.append("  collectives: " + (", ".join(f"{k} {v}" for k, v in report["collectives"].items()) or "none")
-                 + f" (in the {report['collectives_counted_in']})")
+                 + f" (in the {report['collectives_counted_in']}; one per loop body)")
+    if report.get("at_peak"):
+        lines.append("  the largest values alive at XLA's peak (what made them: our module, or step):")
+        lines += [f"    {v['bytes'] / GiB:7.3f} GiB  {v['shape']:28s} {v['origin'] or v['name']}"
+                  for v in report["at_peak"][:8]]
     return "\n".join(lines)
 
 
@@ -265,9 +354,11 @@ def compile_main(argv: list[str]) -> int:
     parser.add_argument("--topology", help="a libtpu topology name, e.g. v5p:2x2x1 (default: the slice the "
                         "recipe's job.description names, or v5p:2x2x1)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--dump", help="directory for the StableHLO and the optimized HLO")
+    parser.add_argument("--dump", help="directory for the StableHLO, the optimized HLO and XLA's own dump (DIR/xla: "
+                        "buffer assignment, live ranges)")
     args, overrides = parser.parse_known_args(argv)
     _require_jax()
+    xla_dump = xla_dump_env(Path(args.dump) / "xla" if args.dump else None)
     # A compile-only client takes no device: it may load libtpu beside another process's (libtpu's
     # lockfile refuses that unless told); read when libtpu starts, below.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -276,7 +367,11 @@ def compile_main(argv: list[str]) -> int:
 
     cfg = prepare_run(build_config(args.config, overrides)).cfg
     topology = args.topology or (topology_for(args.hardware) if args.hardware else recipe_topology(cfg))
-    report = compile_step_for_tpu(cfg, topology, Path(args.dump) if args.dump else None)
+    try:
+        report = compile_step_for_tpu(cfg, topology, Path(args.dump) if args.dump else None, xla_dump=xla_dump)
+    finally:
+        if not args.dump:
+            shutil.rmtree(xla_dump, ignore_errors=True)
     report["config"] = " ".join([args.config, *overrides])
     print(json.dumps(report, indent=2) if args.json else _format(report))
     if report["fits"] is False:

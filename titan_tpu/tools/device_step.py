@@ -24,6 +24,7 @@ import torch.fx
 
 from titan_tpu.config import Config
 from titan_tpu.graph.capture import CapturedStep, capture_train_step
+from titan_tpu.graph.reverse_scan import mark_reverse_scans
 from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.expert_parallel import EP_AXES
 from titan_tpu.parallel.mesh import ParallelDims
@@ -60,11 +61,14 @@ def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
                         cp=p.cp)
 
 
-def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | None = None, fake_mode=None):
+def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | None = None, fake_mode=None,
+                       reshard_after_forward: bool | None = None, documents: bool = False):
     """(model, AdamW, ParallelDims, mesh) as the trainer builds them on the current rank of a
     (fake) `world_size` group: models/spec.py `build` (tensor/context/expert parallel, sharded,
     rank-local real weights), the trainer's AdamW. dtype: the compute dtype (default the config's
-    model.dtype; "auto" is bfloat16, the TPU's)."""
+    model.dtype; "auto" is bfloat16, the TPU's). reshard_after_forward: what the trainer resolved
+    parallelism.reshard_after_forward auto to (planner.reshard_decision); None takes the config's.
+    documents: attention kept within documents (the trainer's data.document_mask or chat data)."""
     from titan_tpu.models.spec import build
 
     dims = parallel_dims(cfg, world_size)
@@ -75,7 +79,8 @@ def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | Non
     compute = dtype or _DTYPES.get(cfg.model.dtype, torch.bfloat16)
     model = build(model_spec(cfg.model), cfg, device=torch.device("meta" if fake_mode else "cpu"),
                   seed=cfg.training.seed, mesh=mesh, parallel_dims=dims, expert_mesh=expert_mesh,
-                  mp=MixedPrecision(param_dtype=compute, reduce_dtype=compute), documents=False, own_weights=False)
+                  mp=MixedPrecision(param_dtype=compute, reduce_dtype=compute), documents=documents, own_weights=False,
+                  reshard_after_forward=reshard_after_forward)
     if fake_mode is not None:
         _to_fake(model, fake_mode)
     trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
@@ -185,20 +190,39 @@ def _views_as_reshapes(gm: torch.fx.GraphModule) -> int:
 
 
 def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_len: int,
-                        scalar_dtype: torch.dtype = torch.float32, rank: int = 0) -> DeviceStep:
+                        scalar_dtype: torch.dtype = torch.float32, rank: int = 0,
+                        reshard_after_forward: bool | None = None, documents: bool = False,
+                        grad_accum_steps: int = 1) -> DeviceStep | tuple[DeviceStep, DeviceStep]:
     """Rank `rank`'s captured step of a `world_size`-rank run of `cfg`, with per-rank batches of
-    batch_size x seq_len. Inside a fake process group (see the module docstring)."""
+    batch_size x seq_len. Inside a fake process group (see the module docstring).
+    reshard_after_forward: as `build_device_model`. documents: the batch carries positions
+    (document masking, as the trainer's loader gives them). grad_accum_steps > 1: the trainer's
+    two programs (graph/capture.py capture_accumulating_step), (micro-batch, update)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan_tpu.graph.capture import capture_accumulating_step
 
     with fake_world(world_size, rank):
         # No ShapeEnv, as the capture's own fake mode (graph/capture.py): static shapes.
-        model, optimizer, dims, mesh = build_device_model(cfg, world_size,
+        model, optimizer, dims, mesh = build_device_model(cfg, world_size, reshard_after_forward=reshard_after_forward,
+                                                          documents=documents,
                                                           fake_mode=FakeTensorMode(allow_fallback_kernels=True))
         example = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        captured = capture_train_step(model, max_norm=cfg.training.max_norm, adamw_hparams=optimizer.hparams,
-                                      decay=optimizer.decay, example_batch=(example, example.clone()),
-                                      scalar_dtype=scalar_dtype)
-        _views_as_reshapes(captured.graph_module)
+        batch = (example, example.clone(), example.clone()) if documents else (example, example.clone())
+        kwargs = dict(max_norm=cfg.training.max_norm, adamw_hparams=optimizer.hparams, decay=optimizer.decay,
+                      example_batch=batch, scalar_dtype=scalar_dtype)
+        if grad_accum_steps > 1:
+            programs = capture_accumulating_step(model, grad_accum_steps=grad_accum_steps, **kwargs)
+        else:
+            programs = (capture_train_step(model, **kwargs),)
         axis_sizes = _axis_sizes(mesh, dims)
-        return DeviceStep(captured=captured, axis_sizes=axis_sizes,
-                          group_axes=_group_axes(captured.graph_module.graph, axis_sizes) if axis_sizes else {})
+        steps = []
+        for captured in programs:
+            _views_as_reshapes(captured.graph_module)
+            # As the trainer hands a step to TorchTPU (graph/compile.py): the scanned backward marked to
+            # run in reverse, without the flipped copies of its stacks.
+            mark_reverse_scans(captured.graph_module)
+            steps.append(DeviceStep(captured=captured, axis_sizes=axis_sizes,
+                                    group_axes=_group_axes(captured.graph_module.graph, axis_sizes) if axis_sizes
+                                    else {}))
+        return steps[0] if len(steps) == 1 else tuple(steps)

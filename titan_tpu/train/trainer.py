@@ -180,17 +180,9 @@ class Trainer:
             return value == "true"
         decision = [None, None]  # (re-shard, why), filled on rank 0
         if self.is_main:
-            from titan_tpu.plan.planner import default_hardware, with_reshard_resolved
+            from titan_tpu.plan.planner import reshard_decision
 
-            try:
-                hardware, _ = default_hardware(self.cfg, measure=False)
-                chips = max(self.world_size // hardware.devices_per_chip, 1)
-                resolved = with_reshard_resolved(self.cfg, hardware, chips=chips, measure=False)
-                decision = [resolved.parallelism.reshard_after_forward == "true",
-                            "the plan that keeps them does not fit" if resolved.parallelism.reshard_after_forward
-                            == "true" else "the plan that keeps them fits"]
-            except ValueError as e:
-                decision = [True, f"the planner cannot plan this run ({str(e).split(';')[0]})"]
+            decision = list(reshard_decision(self.cfg, world_size=self.world_size))
         if dist.is_initialized():
             dist.broadcast_object_list(decision, src=0)
         reshard, why = decision

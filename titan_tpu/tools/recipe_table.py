@@ -1,0 +1,188 @@
+"""docs/tpu_recipes.md: every TPU recipe, what vouches for it (planned only, compiled by XLA, run on a
+TPU), and XLA's numbers beside the planner's, generated from the compile reports.
+
+The reports (bench/results/xla/<recipe>.json) are written by bench/tpu_compile_table.py, which
+compiles each recipe as the trainer would run it (tools/compile_cmd.py) with libtpu's compile-only
+client; each carries where it was made (`provenance`: date, CPU, libtpu/JAX versions, commit, and
+a hash of the recipe file). This module needs no JAX: it renders the table from the reports and
+today's planner, so `python -m titan_tpu.tools.recipe_table` regenerates the page and the suite
+(tests/test_tpu_recipes.py) checks that the page is what the reports and the planner give today,
+that no recipe changed after its compile, and that the planner stays within its stated distance of
+XLA on every row.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+__all__ = ["REPORTS", "PAGE", "Row", "provenance", "recipe_hash", "render", "rows", "stage_line"]
+
+REPORTS = Path("bench/results/xla")
+PAGE = Path("docs/tpu_recipes.md")
+GiB = 1024**3
+# How close the planner must stay to XLA, on every compiled row (tests/test_tpu_recipes.py).
+PEAK_TOLERANCE = 0.10  # the planner's peak, planned as compiled, against XLA's per-chip peak
+FLOPS_TOLERANCE = 0.03  # our formula counted as XLA counts, against XLA's FLOPs
+
+
+def recipe_hash(path: str | Path) -> str:
+    """The recipe file's content hash: a report whose hash differs compiled another recipe."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def provenance(recipe: str) -> dict:
+    """Where a compile report was made: what a reader needs to trust or redo it."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"date": date.today().isoformat(), "recipe_sha": recipe_hash(recipe), "commit": commit,
+            "cpu": f"{_cpu()}, {os.cpu_count()} cores", "libtpu": _version("libtpu"), "jax": _version("jax"),
+            "python": sys.version.split()[0]}
+
+
+def stage_line(recipe: str, report: dict) -> str:
+    """One line per compiled recipe: the stages' times here, XLA's peak and FLOPs."""
+    return (f"{recipe}: {report['topology']} ({report['devices']} chips): capture {report['capture_seconds']:.0f} s, "
+            f"lowering {report['lower_seconds']:.0f} s ({report['operations']:,} operations), XLA compile "
+            f"{report['compile_seconds']:.0f} s, {report.get('max_rss_bytes', 0) / GiB:.1f} GiB here; XLA peak "
+            f"{report['peak_per_chip_bytes'] / GiB:.1f} GiB per chip, {report['flops_per_chip']:.3e} FLOPs as XLA counts "
+            f"(our formula so: {report['formula_as_xla_counts_per_chip'] / report['flops_per_chip']:.3f}x)")
+
+
+@dataclass
+class Row:
+    recipe: str  # configs/<name>.toml
+    report: dict | None  # the compile report, None when only planned
+    stale: bool  # the recipe changed after its compile
+    plan_peak: float  # the planner's peak per chip, the program a TPU runs
+    plan_peak_compiled: float  # the same, with the compiled forms where they differ (the loss kernel)
+    plan_flops: float  # the planner's executed FLOPs per chip (whole step)
+    topology: str
+
+
+def rows(reports: Path = REPORTS) -> list[Row]:
+    """Every configs/*_tpu.toml, with its report when there is one and today's plan beside it."""
+    from titan_tpu.config import build_config
+    from titan_tpu.plan.planner import default_hardware, plan_config, planning_machine
+    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.tools.compile_cmd import topology_for_chips
+
+    out = []
+    for recipe in sorted(glob.glob("configs/*_tpu.toml")):
+        path = reports / f"{Path(recipe).stem}.json"
+        report = json.loads(path.read_text()) if path.exists() else None
+        with planning_machine():
+            cfg = prepare_run(build_config(recipe, [])).cfg
+        hardware, chips = default_hardware(cfg, measure=False)
+        plan = plan_config(cfg, hardware, chips=chips, measure=False)
+        compiled = plan_config(cfg, hardware, chips=chips, measure=False, as_compiled=True)
+        out.append(Row(recipe=recipe, report=report, stale=report is not None and report.get("recipe_sha") !=
+                       recipe_hash(recipe), plan_peak=plan.peak_bytes, plan_peak_compiled=compiled.peak_bytes,
+                       plan_flops=plan.flops["executed_per_step_per_device"],
+                       topology=topology_for_chips(hardware.name, chips)))
+    return out
+
+
+def _compiled_cells(row: Row) -> list[str]:
+    r = row.report
+    xla_peak, xla_flops, counted = r["peak_per_chip_bytes"], r["flops_per_chip"], r["formula_as_xla_counts_per_chip"]
+    stages = (f"{r['capture_seconds'] + r['lower_seconds'] + r['compile_seconds']:.0f} s "
+              f"({r['capture_seconds']:.0f} + {r['lower_seconds']:.0f} + {r['compile_seconds']:.0f})")
+    return [f"compiled by XLA {r['date']}{' (STALE: the recipe changed since)' if row.stale else ''}",
+            f"{r['topology']} ({r['devices']})", f"{xla_peak / GiB:.1f}",
+            f"{row.plan_peak_compiled / GiB:.1f} ({row.plan_peak_compiled / xla_peak:.2f}x)",
+            f"{row.plan_peak / GiB:.1f}", f"{counted / xla_flops:.3f}x", stages]
+
+
+def render(reports: Path = REPORTS) -> str:
+    """The page docs/tpu_recipes.md."""
+    table = rows(reports)
+    compiled = [r for r in table if r.report is not None]
+    lines = [
+        "# The TPU recipes, certified by the TPU compiler",
+        "",
+        "Generated by `python -m titan_tpu.tools.recipe_table` from the compile reports in `bench/results/xla/` "
+        "(written by `PYTHONPATH=$PWD .venv-tpu/bin/python bench/tpu_compile_table.py`, which compiles every "
+        "`configs/*_tpu.toml` as the trainer would run it on its slice, with libtpu's compile-only client on a "
+        "CPU machine) and today's planner. `tests/test_tpu_recipes.py` fails when this page differs from what "
+        "the reports and the planner give, when a recipe changed after its compile, and when the planner is "
+        f"more than {PEAK_TOLERANCE:.0%} from XLA's peak or our formula more than {FLOPS_TOLERANCE:.0%} from "
+        "XLA's FLOPs on a compiled row.",
+        "",
+        f"{len(compiled)} of {len(table)} recipes compiled by XLA; none has run on a TPU (no TPU was available to "
+        "this project). What each column means is under the table.",
+        "",
+        "| recipe | status | slice (chips) | XLA peak per chip, GiB | planner as compiled, GiB | planner as a TPU "
+        "runs it, GiB | FLOPs: our formula / XLA's | compile here: capture + lowering + XLA |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in table:
+        name = f"`{Path(row.recipe).name}`"
+        if row.report is None:
+            cells = ["planned only", row.topology, "", "", f"{row.plan_peak / GiB:.1f}", "", ""]
+        else:
+            cells = _compiled_cells(row)
+        lines.append("| " + " | ".join([name, *cells]) + " |")
+    lines += ["", "Where each compile ran:", ""]
+    for row in compiled:
+        r = row.report
+        lines.append(f"- `{Path(row.recipe).name}`: {r['date']}, {r['cpu']}, libtpu {r['libtpu']}, JAX {r['jax']}, "
+                     f"commit {r['commit'] or 'unknown'}; peak {r.get('max_rss_bytes', 0) / GiB:.1f} GiB of memory "
+                     f"here; re-shard after forward {str(r.get('reshard_after_forward')).lower()}, "
+                     f"{r.get('grad_accum_steps', 1)} micro-batch(es).")
+    lines += ["", _COLUMNS]
+    return "\n".join(lines) + "\n"
+
+
+_COLUMNS = """Columns:
+- **XLA peak per chip**: arguments + outputs - aliased + temporaries + generated code, from XLA's
+  memory analysis of the compiled program (the larger of the two programs under gradient
+  accumulation).
+- **planner as compiled**: `titan-tpu plan` of the same recipe with the compiled forms where the
+  program XLA compiled here differs from the one a TPU runs: tokamax's loss kernel is compiled in
+  its plain-XLA form (its Mosaic kernel cannot be traced off a TPU), which keeps the logits. The
+  ratio is against XLA's peak.
+- **planner as a TPU runs it**: the plan a user sees (`titan-tpu plan --config ...`): the real kernels.
+- **FLOPs**: our FLOP formula counted as XLA's cost analysis counts (a scanned loop's body once, no work
+  inside a Pallas kernel, checkpointing's rerun) against XLA's count.
+- **compile here**: seconds on the CPU named below the table: capturing the step on fake tensors, lowering
+  it to StableHLO, XLA's compile for the slice."""
+
+
+def main() -> None:
+    PAGE.write_text(render())
+    print(f"wrote {PAGE}")
+
+
+if __name__ == "__main__":
+    main()

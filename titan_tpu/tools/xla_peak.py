@@ -1,0 +1,135 @@
+"""What XLA holds at its memory peak, read from its own dump: the answer to "which term is it?".
+
+XLA's TPU compiler writes, with ``XLA_FLAGS=--xla_dump_to=DIR``, per program: the buffer
+assignment (each value's shape and size), the live ranges with the values alive at the peak
+(``*after_optimizations-live-range.txt``, "Live ranges at N (peak)"), and the optimized HLO
+whose instructions carry the JAX op name that made them (``metadata={op_name="..."}``: the
+lowering's named scopes, graph/jax_lowering.py, put our module path there). `peak_values` joins
+the three: every value alive at the peak, largest first, with its shape and where it came from.
+
+No jax import: the dump is plain text, so `titan-tpu compile --dump` and the planner's tests read
+it alike.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["PeakValue", "format_peak", "optimized_hlo", "peak_values", "tpu_programs"]
+
+
+@dataclass(frozen=True)
+class PeakValue:
+    bytes: int
+    name: str  # the HLO value, e.g. "fusion.648{1}"
+    shape: str  # e.g. "bf16[32,4,8192,4096]"
+    origin: str  # the JAX op name that made it (its named scopes), or "" when unknown
+
+
+def tpu_programs(dump: str | Path) -> set[str]:
+    """The TPU programs XLA has dumped into `dump` so far, as file prefixes (not the CPU-side
+    helpers JAX compiles for staging). Taken before and after a compile, the difference is its
+    program."""
+    return {str(f).removesuffix("-live-range.txt") for f in Path(dump).glob("*after_optimizations-live-range.txt")
+            if ".cpu_" not in f.name}
+
+
+def _program(dump: str | Path) -> str:
+    """A program's file prefix: `dump` itself when it is one, else the largest program in it."""
+    if Path(str(dump) + "-live-range.txt").exists():
+        return str(dump)
+    programs = tpu_programs(dump)
+    if not programs:
+        raise FileNotFoundError(f"{dump}: no XLA live-range dump; compile with XLA_FLAGS=--xla_dump_to={dump}")
+    return max(programs, key=lambda p: Path(p + "-live-range.txt").stat().st_size)
+
+
+def optimized_hlo(program: str | Path) -> str:
+    """The optimized HLO of a dumped program (what XLA will run: its collectives, its fusions)."""
+    return Path(_program(program) + ".txt").read_text()
+
+
+_SHAPE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=\d+,offset=\d+\): (.*)$")
+_LAYOUT = re.compile(r"\{[^{}]*\}")  # tiling/layout annotations: f32[2,3]{1,0:T(8,128)} -> f32[2,3]
+
+
+def _shapes(prefix: str) -> dict[str, str]:
+    shapes = {}
+    for line in Path(prefix + "-buffer-assignment.txt").read_text().splitlines():
+        m = _SHAPE.match(line)
+        if m:
+            shape = m.group(2)
+            while _LAYOUT.search(shape):
+                shape = _LAYOUT.sub("", shape)
+            shapes[m.group(1)] = shape
+    return shapes
+
+
+def _origins(prefix: str) -> dict[str, str]:
+    """Instruction name -> op_name; an instruction without one (a copy XLA added) takes its first
+    operand's."""
+    origin, operand = {}, {}
+    for line in Path(prefix + ".txt").read_text().splitlines():
+        head = line.split(", metadata=")[0]
+        while _LAYOUT.search(head):
+            head = _LAYOUT.sub("", head)
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (?:\(.*?\)|\S+) [\w\-]+\((%[\w.\-]+)?", head)
+        if not m:
+            continue
+        name = m.group(1)
+        op = re.search(r'op_name="((?:[^"\\]|\\.)*)"', line)
+        if op:
+            origin[name] = op.group(1).replace('\\"', '"')
+        elif m.group(2):
+            operand[name] = m.group(2)[1:]
+    for name, source in operand.items():
+        seen = {name}
+        while source not in origin and source in operand and source not in seen:
+            seen.add(source)
+            source = operand[source]
+        origin.setdefault(name, origin.get(source, ""))
+    return origin
+
+
+def peak_values(dump: str | Path) -> list[PeakValue]:
+    """The values alive at XLA's memory peak of a dumped program (a prefix from `tpu_programs`, or a
+    dump directory: its largest program), largest first."""
+    prefix = _program(dump)
+    text = Path(prefix + "-live-range.txt").read_text()
+    start = text.find("(peak):")
+    if start < 0:
+        raise ValueError(f"{prefix}-live-range.txt has no peak section (libtpu changed its dump format)")
+    shapes, origins = _shapes(prefix), _origins(prefix)
+    values = []
+    for line in text[start:].splitlines()[1:]:
+        m = re.match(r"\s+(\S+): (\d+) bytes", line)
+        if not m:
+            break
+        name = m.group(1)
+        instruction = name.split("{")[0]
+        shape = shapes.get(name) or shapes.get(name.removesuffix("{}"), "")
+        values.append(PeakValue(bytes=int(m.group(2)), name=name, shape=shape,
+                                origin=_short(origins.get(instruction, ""))))
+    return sorted(values, key=lambda v: -v.bytes)
+
+
+def _short(op_name: str) -> str:
+    """An op name without the jit/shard_map wrappers and a kernel's JSON arguments."""
+    op_name = re.sub(r"\{\"op\".*\}", "", op_name)
+    return op_name.replace("jit(local)/shard_map/", "")
+
+
+def format_peak(values: list[PeakValue], *, top: int = 15) -> str:
+    total = sum(v.bytes for v in values)
+    lines = [f"XLA's live values at its peak: {total / 2**30:.3f} GiB in {len(values)} values; the largest:"]
+    for v in values[:top]:
+        lines.append(f"  {v.bytes / 2**30:8.3f} GiB  {v.shape:32s} {v.origin or v.name}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(format_peak(peak_values(sys.argv[1]), top=int(sys.argv[2]) if len(sys.argv) > 2 else 30))
