@@ -162,7 +162,8 @@ def test_torch_tpu_reads_our_reverse_scan_mark():
     from titan_tpu.train.optim import AdamW
 
     assert tpu_scan.SCAN_REVERSE_ANNOTATION == SCAN_REVERSE
-    args = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden_dim=128, max_seq_len=32)
+    args = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden_dim=128,
+                           max_seq_len=32)
     model = build_model(args, seed=0, scan_layers=True, ac_mode="full")
     opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
     batch = (torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long))

@@ -75,8 +75,8 @@ def stage_line(recipe: str, report: dict) -> str:
     return (f"{recipe}: {report['topology']} ({report['devices']} chips): capture {report['capture_seconds']:.0f} s, "
             f"lowering {report['lower_seconds']:.0f} s ({report['operations']:,} operations), XLA compile "
             f"{report['compile_seconds']:.0f} s, {report.get('max_rss_bytes', 0) / GiB:.1f} GiB here; XLA peak "
-            f"{report['peak_per_chip_bytes'] / GiB:.1f} GiB per chip, {report['flops_per_chip']:.3e} FLOPs as XLA counts "
-            f"(our formula so: {report['formula_as_xla_counts_per_chip'] / report['flops_per_chip']:.3f}x)")
+            f"{report['peak_per_chip_bytes'] / GiB:.1f} GiB per chip, {report['flops_per_chip']:.3e} FLOPs as XLA "
+            f"counts (our formula so: {report['formula_as_xla_counts_per_chip'] / report['flops_per_chip']:.3f}x)")
 
 
 @dataclass
