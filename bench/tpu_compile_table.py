@@ -48,7 +48,7 @@ def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | No
     from titan_tpu.tools.recipe_table import provenance
 
     # Before JAX starts: the report reads XLA's dump (kept in dumps/<recipe> when asked, for a look at
-    # what XLA holds at its peak: titan_tpu/tools/xla_peak.py).
+    # what XLA holds at its peak: titan_tpu.tools.xla_dump.py).
     kept = os.path.join(dumps, os.path.basename(recipe).removesuffix(".toml")) if dumps else None
     xla_dump = xla_dump_env(kept)
     cfg = prepare_run(build_config(recipe, overrides)).cfg
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--reports", help="directory for the reports (default bench/results/xla; with --topology "
                         "or --override, none unless given)")
     parser.add_argument("--dumps", help="keep XLA's dump of each recipe in DIR/<recipe> (buffer assignment, live "
-                        "ranges: python -m titan_tpu.tools.xla_peak DIR/<recipe> prints its peak's values)")
+                        "ranges: python -m titan_tpu.tools.xla_dump DIR/<recipe> prints its peak's values)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     if args.one:

@@ -236,16 +236,23 @@ def plan_main(argv: list[str]) -> int:
 
     cfg = for_planning(args.config, overrides)
     hardware, chips = resolve_hardware(args.hardware, dtype=cfg.model.dtype) if args.hardware else (None, None)
+    if args.certify and not args.search:
+        raise ValueError("--certify K certifies the search's best K: add --search")
     if args.search:
         from titan_tpu.plan.search import format_search, search, search_json
 
         keep = [k.strip() for k in args.keep.split(",") if k.strip()]
         result = search(cfg, hardware, chips=chips, keep=keep)
-        print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
-        if args.certify:
-            from titan_tpu.tools.certify import certify, format_certified
+        if not args.certify:
+            print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
+            return 0
+        from titan_tpu.tools.certify import certified_json, certify, format_certified
 
-            print(format_certified(certify(result, args.config, overrides, top=args.certify)))
+        if not args.json:
+            print(format_search(result, top=args.top), flush=True)
+        certified = certify(result, args.config, overrides, top=args.certify,
+                            log=(lambda line: None) if args.json else print)
+        print(certified_json(result, certified, top=args.top) if args.json else format_certified(certified))
         return 0
     plan = plan_config(cfg, hardware, chips=chips, gather=args.gather)
     if args.xla:

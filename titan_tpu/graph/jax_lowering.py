@@ -170,6 +170,13 @@ def _scatter(x, dim, index, src):
     return x.at[tuple(grids)].set(src)
 
 
+def _searchsorted(sorted_sequence, values, out_int32=False, right=False, side=None, sorter=None):
+    if sorter is not None or sorted_sequence.ndim != 1:
+        raise JaxLoweringError("aten.searchsorted with a sorter or a batched sequence has no JAX lowering")
+    side = side or ("right" if right else "left")
+    return jnp.searchsorted(sorted_sequence, values, side=side).astype(jnp.int32 if out_int32 else jnp.int64)
+
+
 def _sort(x, stable=None, dim=-1, descending=False):
     indices = jnp.argsort(x, axis=dim, stable=True, descending=descending)
     return jnp.take_along_axis(x, indices, axis=dim), indices
@@ -387,6 +394,7 @@ LOWERINGS: dict[object, Callable] = {
     aten._softmax.default: _softmax,
     aten._log_softmax.default: _log_softmax,
     aten.sort.stable: _sort,
+    aten.searchsorted.Tensor: _searchsorted,
     aten.topk.default: _topk,
     # matmuls
     aten.mm.default: jnp.matmul,
@@ -621,7 +629,7 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
                 kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory",
                                                                        "memory_format", "non_blocking")}
                 try:
-                    with jax.named_scope(_scope(node)):  # XLA's op names then say which module (tools/xla_peak.py)
+                    with jax.named_scope(_scope(node)):  # XLA's op names then say which module (tools/xla_dump.py)
                         value = table[node.target](*args, **kwargs)
                 except JaxLoweringError:
                     raise

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from titan_tpu.plan.search import Candidate, SearchResult
 
-__all__ = ["Certified", "certify", "format_certified"]
+__all__ = ["Certified", "certified_json", "certify", "format_certified"]
 
 GiB = 1024**3
 
@@ -116,3 +116,15 @@ def format_certified(certified: list[Certified]) -> str:
         lines.append(f"memory order by XLA's peak: {by_xla}; by the planner's: {by_plan}"
                      + (" (the same)" if by_xla == by_plan else " (they differ)"))
     return "\n".join(lines)
+
+
+def certified_json(result: SearchResult, certified: list[Certified], *, top: int) -> str:
+    """The search's JSON (plan/search.py search_json) with each compiled candidate's verdict."""
+    from titan_tpu.plan.search import search_json
+
+    out = json.loads(search_json(result, top=top))
+    out["certified"] = [{"search_rank": c.rank, "overrides": c.candidate.changes, "certified": c.fits,
+                         "reason": c.reason, "plan_peak_bytes": c.candidate.plan.peak_bytes,
+                         "xla_peak_bytes": c.report["peak_per_chip_bytes"] if c.report else None,
+                         "tokens_per_s": c.candidate.plan.tokens_per_s} for c in certified]
+    return json.dumps(out, indent=2)

@@ -209,7 +209,13 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
         "kernels": kernels_used, "tpu_kernels": _tpu_kernels(peak["lowered_text"]), "at_peak": peak["at_peak"],
         "capture_seconds": capture_s, "lower_seconds": sum(p["lower_seconds"] for p in programs.values()),
         "compile_seconds": sum(p["compile_seconds"] for p in programs.values()),
+        "lower_compile_cpu_seconds": sum(p["cpu_seconds"] for p in programs.values()),
+        "load_average": os.getloadavg()[0],
         "operations": sum(p["operations"] for p in programs.values()),
+        # XLA's compile split into its HLO passes and the TPU code generation after them (from its dump)
+        "xla_stage_seconds": {stage: sum(p["xla_stages"].get(stage, 0.0) for p in programs.values())
+                              for stage in ("hlo_passes", "codegen")
+                              if any(p["xla_stages"] for p in programs.values())},
     }
     return report
 
@@ -236,7 +242,7 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
 
     from titan_tpu.graph.jax_lowering import jax_dtype
     from titan_tpu.tools.tpu_compile import jax_mesh, sharded_step
-    from titan_tpu.tools.xla_peak import optimized_hlo, peak_values, tpu_programs
+    from titan_tpu.tools.xla_dump import compile_stages, optimized_hlo, peak_values, tpu_programs
 
     mesh = jax_mesh(step, devices)
     spec = NamedSharding(mesh, PartitionSpec(*mesh.axis_names))
@@ -244,14 +250,21 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
             for x in step.captured.example_inputs]
     slices = step.captured.input_slices()
     donated = [i for group in donated_groups for i in range(len(args))[slices[group]]]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     lowered = jax.jit(sharded_step(step, mesh), donate_argnums=tuple(donated)).lower(*args)
     lowered_text = lowered.as_text()
     lower_s = time.perf_counter() - start
     before = tpu_programs(xla_dump) if xla_dump is not None else set()
     start = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:  # XLA refused the program: its own reason, in one line
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ValueError(f"XLA's TPU compiler rejected the step: {reason[:400]}") from None
     compile_s = time.perf_counter() - start
+    # CPU seconds of this process (all threads, XLA's too) for lowering and compile: on a machine
+    # shared with other work they say more than the wall time does.
+    cpu_s = time.process_time() - cpu_start
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -259,10 +272,11 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
              "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
              "code": memory.generated_code_size_in_bytes}
     new = sorted(tpu_programs(xla_dump) - before) if xla_dump is not None else []
-    at_peak = []
-    if new:  # XLA dumped the program (XLA_FLAGS=--xla_dump_to): its optimized HLO and what its peak holds
+    at_peak, stages = [], {}
+    if new:  # XLA dumped the program (XLA_FLAGS=--xla_dump_to): its optimized HLO, what its peak holds
         text, collectives_from = optimized_hlo(new[-1]), "optimized HLO"
         at_peak = [dataclasses.asdict(v) for v in peak_values(new[-1])[:PEAK_VALUES]]
+        stages = compile_stages(new[-1])
     else:
         # libtpu 0.0.52 cannot print some async collectives it made (a RET_CHECK, logged at length)
         text, collectives_from = lowered_text, "StableHLO, before XLA's passes"
@@ -274,9 +288,10 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
     return {"memory": kinds,
             "peak": kinds["arguments"] + kinds["outputs"] - kinds["aliased"] + kinds["temporaries"] + kinds["code"],
             "flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
-            "lower_seconds": lower_s, "compile_seconds": compile_s,
+            "lower_seconds": lower_s, "compile_seconds": compile_s, "cpu_seconds": cpu_s,
             "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),
-            "at_peak": at_peak, "text": text, "lowered_text": lowered_text, "collectives_from": collectives_from}
+            "at_peak": at_peak, "xla_stages": stages, "text": text, "lowered_text": lowered_text,
+            "collectives_from": collectives_from}
 
 
 def xla_dump_env(directory: Path | None) -> Path:
@@ -308,7 +323,10 @@ def _format(report: dict) -> str:
     lines = [f"compiled for {report['topology']} ({report['devices']} devices, mesh "
              f"{report['mesh'] or 'one device'}) in {report['compile_seconds']:.1f} s "
              f"(capture {report['capture_seconds']:.1f} s, lowering {report['lower_seconds']:.1f} s, "
-             f"{report['operations']:,} StableHLO operations); numbers are XLA's, per chip:",
+             f"{report['operations']:,} StableHLO operations"
+             + "".join(f"; XLA's {name.replace('_', ' ')} {seconds:.1f} s"
+                       for name, seconds in report.get("xla_stage_seconds", {}).items())
+             + "); numbers are XLA's, per chip:",
              f"  as the trainer runs it: re-shard after forward {str(report['reshard_after_forward']).lower()} "
              f"({report['reshard_why']}), documents {'masked' if report['documents'] else 'not masked'}"
              + (f", {report['grad_accum_steps']} micro-batches: programs micro-batch and update, the peak is the "

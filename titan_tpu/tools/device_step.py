@@ -77,9 +77,12 @@ def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | Non
                          "which a compiled TPU step cannot; use --parallelism.ep_dispatch all_gather")
     mesh, expert_mesh = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
     compute = dtype or _DTYPES.get(cfg.model.dtype, torch.bfloat16)
+    # Gradients reduced in parallelism.reduce_dtype, as the trainer does (float32 by default); a
+    # caller naming the dtype (a parity test) computes and reduces in it.
+    reduce = compute if dtype is not None else _DTYPES[cfg.parallelism.reduce_dtype]
     model = build(model_spec(cfg.model), cfg, device=torch.device("meta" if fake_mode else "cpu"),
                   seed=cfg.training.seed, mesh=mesh, parallel_dims=dims, expert_mesh=expert_mesh,
-                  mp=MixedPrecision(param_dtype=compute, reduce_dtype=compute), documents=documents, own_weights=False,
+                  mp=MixedPrecision(param_dtype=compute, reduce_dtype=reduce), documents=documents, own_weights=False,
                   reshard_after_forward=reshard_after_forward)
     if fake_mode is not None:
         _to_fake(model, fake_mode)

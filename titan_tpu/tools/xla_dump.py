@@ -1,4 +1,5 @@
-"""What XLA holds at its memory peak, read from its own dump: the answer to "which term is it?".
+"""What XLA's own dump of a compiled program says: what it holds at its memory peak (the answer to
+"which term is it?") and where its compile spent its time.
 
 XLA's TPU compiler writes, with ``XLA_FLAGS=--xla_dump_to=DIR``, per program: the buffer
 assignment (each value's shape and size), the live ranges with the values alive at the peak
@@ -6,6 +7,10 @@ assignment (each value's shape and size), the live ranges with the values alive 
 whose instructions carry the JAX op name that made them (``metadata={op_name="..."}``: the
 lowering's named scopes, graph/jax_lowering.py, put our module path there). `peak_values` joins
 the three: every value alive at the peak, largest first, with its shape and where it came from.
+
+`compile_stages` reads the dump's file times: XLA writes the program before its passes, after them
+(with the buffer assignment), and after generating the TPU code, so the differences are the time of
+its HLO passes and of its code generation.
 
 No jax import: the dump is plain text, so `titan-tpu compile --dump` and the planner's tests read
 it alike.
@@ -17,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PeakValue", "format_peak", "optimized_hlo", "peak_values", "tpu_programs"]
+__all__ = ["PeakValue", "compile_stages", "format_peak", "optimized_hlo", "peak_values", "tpu_programs"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,22 @@ def _origins(prefix: str) -> dict[str, str]:
             source = operand[source]
         origin.setdefault(name, origin.get(source, ""))
     return origin
+
+
+def compile_stages(program: str | Path) -> dict[str, float]:
+    """Seconds XLA spent on a dumped program: "hlo_passes" (its optimizations, to the buffer
+    assignment) and "codegen" (the TPU code generated after them), from the dump files' times."""
+    prefix = _program(program)
+    times = {}
+    for stage, suffix in (("start", ".before_optimizations.txt"),
+                          ("assigned", ".after_optimizations-buffer-assignment.txt"),
+                          ("end", ".after_codegen.txt")):
+        path = Path(prefix.removesuffix(".after_optimizations") + suffix)
+        if path.exists():
+            times[stage] = path.stat().st_mtime
+    if len(times) < 3:
+        return {}
+    return {"hlo_passes": times["assigned"] - times["start"], "codegen": times["end"] - times["assigned"]}
 
 
 def peak_values(dump: str | Path) -> list[PeakValue]:
