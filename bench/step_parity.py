@@ -60,7 +60,7 @@ def common(run_dir: Path, cache: Path) -> list[str]:
 
 def _train(config: str, overrides: list[str]) -> str:
     from titan_tpu.config import build_config
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops.pretrain import Trainer
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

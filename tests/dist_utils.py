@@ -50,7 +50,7 @@ def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), kwargs: 
 
 def _train_rank(config: str, overrides: list[str]) -> str:
     from titan_tpu.config import build_config
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops.pretrain import Trainer
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

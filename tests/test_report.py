@@ -11,8 +11,8 @@ from browser import chromium, visit
 
 from titan_tpu.cli import main
 from titan_tpu.config import build_config
+from titan_tpu.loops.pretrain import Trainer
 from titan_tpu.tools import report
-from titan_tpu.train.trainer import Trainer
 
 LLAMA_DEBUG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
 ARTIFACTS = Path(os.environ.get("TITAN_TPU_ARTIFACTS",

@@ -54,11 +54,11 @@ def train_main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
 
     from titan_tpu.config import build_config
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops import trainer_for
 
     cfg = build_config(args.config, overrides)
     with _process_group_cleanup():
-        Trainer(cfg).train()
+        trainer_for(cfg).train()
     return 0
 
 
@@ -147,12 +147,12 @@ def graph_main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
 
     from titan_tpu.config import build_config
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops import trainer_for
 
     # The trainer captures the step exactly as graph mode does; the "eager" backend compiles nothing.
     cfg = build_config(args.config, overrides + ["--training.mode", "graph", "--compile.backend", "eager"])
     with _process_group_cleanup():
-        trainer = Trainer(cfg)
+        trainer = trainer_for(cfg)
         step = trainer.step_fn
         t = cfg.training
         if trainer.is_main:
@@ -228,10 +228,11 @@ def plan_main(argv: list[str]) -> int:
         return calibrate_main(out_dir=args.out, replay=args.replay, only=args.only)
     if not args.config:
         raise ValueError("titan-tpu plan needs --config (a TOML recipe), or --calibrate")
-    from titan_tpu.plan import format_plan, plan_config, resolve_hardware
-    from titan_tpu.plan.planner import for_planning
+    from titan_tpu.plan import format_plan, resolve_hardware
+    from titan_tpu.plan.planner import plan_run, setup_for_planning
 
-    cfg = for_planning(args.config, overrides)
+    setup = setup_for_planning(args.config, overrides)
+    cfg = setup.cfg
     hardware, chips = resolve_hardware(args.hardware, dtype=cfg.model.dtype) if args.hardware else (None, None)
     if args.search:
         from titan_tpu.plan.search import format_search, search, search_json
@@ -240,7 +241,7 @@ def plan_main(argv: list[str]) -> int:
         result = search(cfg, hardware, chips=chips, keep=keep)
         print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
         return 0
-    plan = plan_config(cfg, hardware, chips=chips, gather=args.gather)
+    plan = plan_run(setup, hardware, chips=chips, gather=args.gather)
     if args.xla:
         from titan_tpu.tools.compile_cmd import xla_beside_plan
 
@@ -265,10 +266,10 @@ def prepare_data_main(argv: list[str]) -> int:
     if args.workers < 1:
         raise ValueError(f"--workers {args.workers} must be >= 1")
 
+    from titan_tpu.components.runtime import default_cache_dir
     from titan_tpu.config import build_config
     from titan_tpu.data.build import prepare_data
     from titan_tpu.run_setup import prepare_run
-    from titan_tpu.train.trainer import default_cache_dir
 
     setup = prepare_run(build_config(args.config, overrides))
     cfg = setup.cfg

@@ -277,7 +277,8 @@ class GraphStep:
         batches = [self._check_batch(b) for b in micro_batches]
         # The objective's denominator, as EagerStep counts it (next-token: labels not IGNORE_INDEX
         # on all ranks): a graph input, so chat data's varying count needs no new graph.
-        num_tokens = self.objective.step_count([as_batch(b) for b in micro_batches], self.captured.dp_size)
+        typed = [as_batch(b) for b in micro_batches]
+        num_tokens = self.objective.step_count(typed, self.captured.dp_size)
         count = torch.tensor(num_tokens, dtype=torch.int32)
         exp_avg, exp_avg_sq = self._state_tensors()
         step_number = self.optimizer.step_count + 1
@@ -302,7 +303,9 @@ class GraphStep:
         (norm,), (totals,) = out["grad_norm"], out["totals"]
         report = self.objective.report(totals)
         values = dict(report.values)
-        return StepResult(loss=values.pop("loss"), grad_norm=norm.item(), num_tokens=num_tokens, terms=values,
+        return StepResult(loss=values.pop("loss"), grad_norm=norm.item(),
+                          num_tokens=self.objective.step_tokens(typed, num_tokens, self.captured.dp_size),
+                          terms=values,
                           expert_load=report.expert_load)
 
     def _accumulate_and_update(self, batches: list[list[Tensor]], count: Tensor, exp_avg: list[Tensor],

@@ -47,15 +47,16 @@ from titan_tpu.models.registry import (
     num_params,
     recomputed_flops_per_token,
 )
-from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.context_parallel import check_context_parallel, cp_attention_saved_bytes
 from titan_tpu.parallel.mesh import check_cp_with_ep
 from titan_tpu.parallel.plan_terms import Layout, collective_calls, cp_collectives
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
+from titan_tpu.run_setup import RunSetup
 from titan_tpu.train.optim import update_buffers
 
-__all__ = ["Plan", "TPU_NAMES", "plan_config", "format_plan", "default_hardware", "for_planning"]
+__all__ = ["Plan", "TPU_NAMES", "plan_config", "plan_run", "format_plan", "default_hardware", "for_planning",
+           "setup_for_planning"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -100,13 +101,18 @@ def planning_machine():
         device._tpu_installed = saved
 
 
-def for_planning(toml_path, overrides: list[str] | None = None) -> Config:
-    """The config as the machine it is written for would load it (`planning_machine`)."""
+def setup_for_planning(toml_path, overrides: list[str] | None = None) -> RunSetup:
+    """The run setup as the machine the config is written for would make it (`planning_machine`)."""
     from titan_tpu.config import build_config
     from titan_tpu.run_setup import prepare_run
 
     with planning_machine():
-        return prepare_run(build_config(toml_path, overrides)).cfg
+        return prepare_run(build_config(toml_path, overrides))
+
+
+def for_planning(toml_path, overrides: list[str] | None = None) -> Config:
+    """The config as the machine it is written for would load it (`planning_machine`)."""
+    return setup_for_planning(toml_path, overrides).cfg
 
 
 def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, int | None]:
@@ -258,7 +264,16 @@ class _Setting:
 
 def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
                 measure: bool = True, gather: str | None = None, model_args=None) -> Plan:
-    """The plan of `cfg` on `hardware` (default: what the config names, see `default_hardware`)
+    """`plan_run` of a config whose model is resolved here (`RunSetup.resolved`): a what-if that
+    changes the config (a search's candidates, calibration, verify) plans through this."""
+    return plan_run(RunSetup.resolved(cfg), hardware, chips=chips, measure=measure, gather=gather,
+                    model_args=model_args)
+
+
+def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | None = None,
+             measure: bool = True, gather: str | None = None, model_args=None) -> Plan:
+    """The plan of a resolved run (run_setup.py: its config and model spec, not resolved again)
+    on `hardware` (default: what the config names, see `default_hardware`)
     with `chips` chips (default: the config's mesh, or the chip count the recipe names).
     gather: None for what the code does with this config (`code_gather`), or "model" / "layer"
     as a what-if (parallel/plan_terms.py Layout.gather). model_args: the model's TransformerArgs when
@@ -267,9 +282,11 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     Composes the terms below, each a pure function of the resolved `_Setting` (and of terms
     computed before it) returning one named quantity. parallelism.reshard_after_forward auto is
     planned as what the trainer resolves it to (`with_reshard_resolved`)."""
-    if cfg.parallelism.reshard_after_forward == "auto":
-        cfg = with_reshard_resolved(cfg, hardware, chips=chips, measure=measure, model_args=model_args)
-    s = _resolve(cfg, hardware, chips=chips, measure=measure, gather=gather, model_args=model_args)
+    if setup.cfg.parallelism.reshard_after_forward == "auto":
+        setup = dataclasses.replace(setup, cfg=with_reshard_resolved(setup, hardware, chips=chips, measure=measure,
+                                                                     model_args=model_args))
+    s = _resolve(setup, hardware, chips=chips, measure=measure, gather=gather, model_args=model_args)
+    cfg = s.cfg
     args, t, layout, mb = s.args, cfg.training, s.layout, s.layout.master_bytes()
     acts = _activations(s)
     loss_kept, loss_peak = _loss_bytes(s)
@@ -322,27 +339,30 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     return plan
 
 
-def with_reshard_resolved(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
+def with_reshard_resolved(setup: RunSetup | Config, hardware: Hardware | None = None, *, chips: int | None = None,
                           measure: bool = True, model_args=None) -> Config:
     """`cfg` with parallelism.reshard_after_forward auto resolved: "false" where the plan that keeps
     the gathered block weights from the forward to the backward fits the device (re-sharding would
     only add an all-gather per block to the backward), else "true". Other values: `cfg` itself.
-    The trainer runs this too (train/trainer.py), so the plan and the run agree."""
+    The run's assembly runs this too (components/build.py), so the plan and the run agree."""
+    setup = setup if isinstance(setup, RunSetup) else RunSetup.resolved(setup)
+    cfg = setup.cfg
     if cfg.parallelism.reshard_after_forward != "auto":
         return cfg
     resolved = copy.copy(cfg)
     resolved.parallelism = dataclasses.replace(cfg.parallelism, reshard_after_forward="false")
-    if not plan_config(resolved, hardware, chips=chips, measure=measure, model_args=model_args).fits:
+    if not plan_run(dataclasses.replace(setup, cfg=resolved), hardware, chips=chips, measure=measure,
+                    model_args=model_args).fits:
         resolved.parallelism = dataclasses.replace(cfg.parallelism, reshard_after_forward="true")
     return resolved
 
 
-def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measure: bool, gather: str | None,
+def _resolve(setup: RunSetup, hardware: Hardware | None, *, chips: int | None, measure: bool, gather: str | None,
              model_args) -> _Setting:
-    """The config checked and resolved for planning (see `plan_config` for the arguments)."""
+    """The run setup resolved for planning (see `plan_run` for the arguments)."""
+    cfg, spec = setup.cfg, setup.spec
     code = code_gather(cfg)
     gather = gather or code
-    spec = model_spec(cfg.model)  # resolved once per plan: a search plans hundreds of candidates
     if not spec.plannable:
         raise ValueError("titan-tpu plan covers the native models (llama3, qwen3, qwen3_moe); an hf model's "
                          "layers are transformers' own code, which the planner has no terms for")

@@ -74,6 +74,10 @@ class Objective(Protocol):
     def step_count(self, micro_batches: list[Batch], dp_size: int) -> int:
         ...
 
+    def step_tokens(self, micro_batches: list[Batch], count: int, dp_size: int) -> int:
+        """Tokens the step's forward reads on all ranks (the throughput in the metrics)."""
+        ...
+
     def micro_batch(self, calls: ModelCalls, batch: Batch, *, count: int | Tensor, share: float) -> MicroBatchLoss:
         ...
 
@@ -112,6 +116,9 @@ class NextTokenObjective:
         or rank. At least 1: a step whose rows train nothing (possible with chat rows) gives loss 0."""
         counts = torch.stack([b.trained_tokens() for b in micro_batches]).sum()
         return max(int(sum_over_data_parallel(counts, dp_size).item()), 1)
+
+    def step_tokens(self, micro_batches: list[Batch], count: int, dp_size: int) -> int:
+        return count  # the trained tokens, as the loss counts them
 
     def micro_batch(self, calls: ModelCalls, batch: TokenBatch, *, count: int | Tensor,
                     share: float) -> MicroBatchLoss:

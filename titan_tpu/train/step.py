@@ -15,7 +15,7 @@ to sum. The step sums the objective's reported totals over micro-batches and ran
 all-reduce), and with auxiliary-loss-free balancing moves the expert biases after the optimizer
 update, from the global loads.
 
-This module sits below both train/trainer.py and graph/: neither imports the other for it.
+This module sits below both loops/pretrain.py and graph/: neither imports the other for it.
 """
 
 from __future__ import annotations
@@ -116,5 +116,6 @@ class EagerStep:
         if report.expert_load is not None:
             update_expert_biases_(self.model, report.expert_load)
         values = dict(report.values)
-        return StepResult(loss=values.pop("loss"), grad_norm=grad_norm.item(), num_tokens=count, terms=values,
+        return StepResult(loss=values.pop("loss"), grad_norm=grad_norm.item(),
+                          num_tokens=self.objective.step_tokens(batches, count, self.dp_size), terms=values,
                           expert_load=report.expert_load)
