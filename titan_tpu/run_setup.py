@@ -90,7 +90,7 @@ def prepare_run(cfg: Config) -> RunSetup:
         # The one loss kernel without an ignore index; a traced step could not even check the labels.
         raise ValueError("kernels.loss = tokamax cannot skip the untrained tokens of format = chat (no ignore index); "
                          "use --kernels.loss chunked")
-    _check_dpo(cfg, sources, tokenizer_path=spec.tokenizer_path(cfg))
+    _check_dpo(cfg, sources)
     if t.device == "cpu":  # with auto, the trainer checks once it knows the device
         check_cpu_compute_dtype(cfg.model.dtype)
     return RunSetup(cfg=cfg, spec=spec, sources=sources, warmup_steps=warmup_steps)
@@ -110,7 +110,7 @@ def _check_lora(cfg: Config) -> None:
                          "dropout); set lora.dropout 0")
 
 
-def _check_dpo(cfg: Config, sources: list[SourceConfig], *, tokenizer_path: str | None) -> None:
+def _check_dpo(cfg: Config, sources: list[SourceConfig]) -> None:
     """What training.objective = dpo needs (docs/dpo.md), and preference data only with it."""
     preference = [s for s in sources if s.format == "preference"]
     if cfg.training.objective != "dpo":
@@ -125,9 +125,6 @@ def _check_dpo(cfg: Config, sources: list[SourceConfig], *, tokenizer_path: str 
     if p.tp > 1 or p.cp > 1 or p.ep > 1:
         raise ValueError(f"training.objective = dpo runs with data parallelism (dp_shard, dp_replicate); got "
                          f"parallelism.tp = {p.tp}, cp = {p.cp}, ep = {p.ep}: set them to 1")
-    if not tokenizer_path:
-        raise ValueError("training.objective = dpo needs the model's tokenizer: set data.tokenizer_path (a "
-                         "tokenizer.json or an HF model directory) or use a model directory that holds one")
     if cfg.kernels.loss == "tokamax":
         raise ValueError("kernels.loss = tokamax cannot skip the prompt tokens of preference pairs (no ignore "
                          "index); use --kernels.loss chunked")

@@ -100,6 +100,9 @@ class Components:
             from titan_tpu.components.dpo import preference_data
 
             self.document_mask = False
+            # Labels are IGNORE_INDEX on the prompt and padding: a loss kernel that skips them.
+            cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.device.type)
+            cfg.kernels.check_device(self.backend.device.type, documents=False)
             with main_process_first():
                 self.tokenizer, self.train_loader, self.val_loader = preference_data(self, log=self.log)
             return

@@ -229,9 +229,22 @@ class _Setting:
         return self.scanned and self.graph and self.ac != "full"
 
     @property
+    def dpo(self) -> bool:
+        return self.cfg.training.objective == "dpo"
+
+    @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch of one data-parallel rank (its tp and cp ranks share them)."""
-        return self.cfg.training.batch_size * self.cfg.training.seq_len
+        """Tokens of one micro-batch of one data-parallel rank (its tp and cp ranks share them);
+        under DPO a micro-batch holds batch_size pairs, a chosen and a rejected row each."""
+        return self.cfg.training.batch_size * self.cfg.training.seq_len * (2 if self.dpo else 1)
+
+    @property
+    def reference_stored(self) -> float:
+        """Parameter elements a device stores for DPO's frozen reference copy (sharded as the
+        model's); none under LoRA, whose reference is the base model with its adapters off, and
+        none without DPO (components/dpo.py)."""
+        copy = self.dpo and not (self.lora and self.cfg.dpo.reference == "initial")
+        return self.layout.stored_elements(num_params(self.args)) if copy else 0.0
 
     @property
     def per_layer_stack(self) -> bool:
@@ -299,6 +312,7 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
     peak = phases[peak_phase]
     memory = {
         "parameters": s.stored * mb, "gradients": s.trained * mb, "optimizer_state": 2 * s.trained * mb,
+        **({"reference": s.reference_stored * mb} if s.dpo else {}),
         "activations": acts.saved + acts.head, "activation_recompute": acts.recompute,
         "gathered_weights": gathered, "full_size_gradient": full_grad,
         # scan's weight copies beyond the gathered weights they are when sharded, and the RoPE copies
@@ -540,7 +554,7 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
     moments_b = 2 * s.trained * mb
     grads_b = s.trained * mb
     accumulating = grads_b if s.cfg.training.grad_accum_steps > 1 else 0.0  # earlier micro-batches' gradients
-    static = params_b + moments_b + _runtime_bytes(s)
+    static = params_b + moments_b + _runtime_bytes(s) + s.reference_stored * mb
     forward_end = static + gathered + acts.saved + acts.head + loss_kept + loss_peak + accumulating
     if scan is not None:
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
@@ -585,6 +599,11 @@ def _flops(s: _Setting) -> dict[str, float]:
     # Full checkpointing reruns the blocks' forward in the backward; the output projection and the
     # loss are outside the checkpointed blocks and run once.
     recomputed = recomputed_flops_per_token(s.args, t.seq_len) if s.ac == "full" else 0.0
+    if s.dpo:  # the reference's forward (no backward) over the same rows: a third of a trained token's
+        reference = fpt / 3
+        return {"per_token": fpt, "reference_per_token": reference,
+                "model_per_step_per_device": (fpt + reference) * tokens_step_rank / (p.tp * p.cp),
+                "executed_per_step_per_device": (fpt + recomputed + reference) * tokens_step_rank / (p.tp * p.cp)}
     return {"per_token": fpt, "model_per_step_per_device": model_flops_rank,
             "executed_per_step_per_device": (fpt + recomputed) * tokens_step_rank / (p.tp * p.cp)}
 
@@ -830,7 +849,7 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
         f"{plan.params['stored_per_device'] / 1e9:.3f} B stored per device",
         "memory per device:",
     ]
-    for key in ("parameters", "gradients", "optimizer_state", "activations", "activation_recompute",
+    for key in ("parameters", "reference", "gradients", "optimizer_state", "activations", "activation_recompute",
                 "gathered_weights", "full_size_gradient", "scan_saved_copies", "scan_flipped", "scan_gradient_stack",
                 "loss_kept", "loss_peak", "optimizer_temporary",
                 "moe_dispatch", "runtime"):
@@ -842,7 +861,10 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
     lines.append(f"  peak {_gb(plan.peak_bytes)} at {plan.peak_phase} (GB by moment: {phases}); "
                  f"device has {plan.capacity_bytes / 1e9:.1f} GB: {verdict}")
     f = plan.flops
-    lines.append(f"FLOPs: {f['per_token'] / 1e6:,.1f} MFLOP/token (the trainer's count); per device per step "
+    reference = f" + {f['reference_per_token'] / 1e6:,.1f} of the DPO reference's forward" \
+        if "reference_per_token" in f else ""
+    lines.append(f"FLOPs: {f['per_token'] / 1e6:,.1f} MFLOP/token (the trainer's count){reference}; per device per "
+                 "step "
                  f"{f['model_per_step_per_device'] / 1e12:,.3f} TFLOP model, "
                  f"{f['executed_per_step_per_device'] / 1e12:,.3f} TFLOP executed")
     if plan.communication:
