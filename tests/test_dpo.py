@@ -277,3 +277,31 @@ def test_planner_counts_the_reference(tmp_path):
     # 2 pairs of 2 rows = the 4 rows of the next-token plan; the reference adds its forward, 1/3 of a token's.
     assert dpo.batch["tokens_per_step"] == plain.batch["tokens_per_step"]
     assert dpo.flops["model_per_step_per_device"] == pytest.approx(plain.flops["model_per_step_per_device"] * 4 / 3)
+
+
+@pytest.mark.multiprocess
+def test_two_sharded_ranks_equal_one_process_with_two_micro_batches(tmp_path):
+    """2 fully_shard ranks, each its own pairs of the global batch, against one process that takes
+    the same pairs as 2 micro-batches: the same losses and rewards, step by step."""
+    from dist_utils import train_on_ranks
+
+    from titan_tpu.loops import trainer_for
+
+    data = write_jsonl(tmp_path / "p.jsonl", pair_rows(16))
+    threads = torch.get_num_threads()  # one thread, as each rank runs
+    torch.set_num_threads(1)
+    try:
+        trainer_for(build_config(LLAMA_DEBUG, dpo_overrides(tmp_path / "one", data, training__grad_accum_steps=2,
+                                                             training__steps=3))).train()
+    finally:
+        torch.set_num_threads(threads)
+    train_on_ranks(LLAMA_DEBUG, dpo_overrides(tmp_path / "two", data, parallelism__dp_shard=2, training__steps=3))
+    one, two = ([r for r in rows_of(tmp_path / name / "run") if "loss" in r] for name in ("one", "two"))
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (key, a, b)
+        # The reported norm of sharded gradients differs from one process's by ~7e-5 relative in
+        # next-token training too (bench/step_parity.py: dp_shard_2 against one process with two
+        # micro-batches, whose losses are bitwise equal); docs/known-issues.md.
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-4 * a["grad_norm"], (a, b)

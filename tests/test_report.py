@@ -93,6 +93,16 @@ def test_plots_only_where_data_exists(tmp_path):
     assert ">n/a<" in out.read_text()  # no throughput rows: the summary says so
 
 
+def test_dpo_rewards_plotted_and_summarised(tmp_path):
+    rows = [{"step": s, "loss": 0.69 - s / 100, "rewards/chosen": s / 10, "rewards/rejected": -s / 10,
+             "rewards/margins": s / 5, "rewards/accuracies": s / 4} for s in range(1, 5)]
+    run = write_run(tmp_path / "dpo", rows, config={}, starts=[])
+    out = report.write_report([run], png_dir=tmp_path / "png")
+    assert {"rewards", "reward_accuracy"} <= {p.stem for p in (tmp_path / "png").glob("*.png")}
+    assert report.summary(report.load_run(run))["final reward accuracy"] == "1.000"
+    assert "final reward margin" in out.read_text()
+
+
 def test_missing_run_is_one_line_error(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err

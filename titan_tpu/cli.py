@@ -95,8 +95,8 @@ def eval_main(argv: list[str]) -> int:
     if args.device:
         overrides += ["--training.device", args.device]
     # training.seq_len does not apply (sequences are as given, windows are --seq-len): keep validation quiet.
-    cfg = prepare_run(build_config(args.config, ["--training.seq_len", "2"] + overrides)).cfg
-    result = run_eval(cfg, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
+    setup = prepare_run(build_config(args.config, ["--training.seq_len", "2"] + overrides))
+    result = run_eval(setup, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
                       seq_len=args.seq_len, max_tokens=args.max_tokens)
     print(json.dumps(result))
     return 0

@@ -45,6 +45,9 @@ class Trainer:
     """The loop over a run's `Components` (built here from the config, or handed in)."""
 
     def __init__(self, cfg: Config, *, components: Components | None = None):
+        if type(self) is Trainer and cfg.training.objective != "next_token":
+            raise ValueError(f"training.objective = {cfg.training.objective} runs its own loop: start it with "
+                             "titan_tpu.loops.trainer_for(cfg) (or titan-tpu train)")
         self.cfg = cfg
         # The config checked across its sections and the spec resolved once; then the run's parts.
         self.components = components or Components(prepare_run(cfg))
