@@ -62,7 +62,7 @@ def _breakdown(p: dict) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    import titan_tpu.train.trainer as trainer_mod
+    import titan_tpu.loops.pretrain as trainer_mod
     from titan_tpu.cli import main as cli_main
 
     reports = []

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from titan_tpu.components.runtime import default_cache_dir
 from titan_tpu.data.loader import TokenLoader
 from titan_tpu.data.shards import prepare_dataset
 from titan_tpu.device import cpu_bf16_support
@@ -30,7 +31,6 @@ from titan_tpu.models.registry import get_model_args
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.train.optim import AdamW, lr_at
 from titan_tpu.train.step import EagerStep
-from titan_tpu.train.trainer import default_cache_dir
 
 
 def build(name: str, seq: int, dtype: torch.dtype):

@@ -1,5 +1,5 @@
 """Where the time of a multi-rank eager training step goes, on rank 0: the trainer's own step
-(titan_tpu.train.trainer.Trainer, so SimpleFSDP, expert parallelism and their collectives are as
+(titan_tpu.loops.pretrain.Trainer, so SimpleFSDP, expert parallelism and their collectives are as
 in a real run) under torch's profiler for three steps after two warm-up steps, self CPU time per
 op grouped by the product's categories (titan_tpu/train/profiling.py), collectives and their waits
 among them. How the planner's collective rate was found wanting for the two-rank expert-parallel
@@ -20,8 +20,8 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 from titan_tpu.config import build_config
+from titan_tpu.loops.pretrain import Trainer
 from titan_tpu.train.profiling import format_table, time_by_category
-from titan_tpu.train.trainer import Trainer
 
 
 def main(argv: list[str]) -> int:

@@ -50,11 +50,11 @@ def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), kwargs: 
 
 def _train_rank(config: str, overrides: list[str]) -> str:
     from titan_tpu.config import build_config
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops import trainer_for
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        Trainer(build_config(config, overrides)).train()
+        trainer_for(build_config(config, overrides)).train()
     return printed.getvalue()
 
 

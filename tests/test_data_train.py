@@ -21,7 +21,7 @@ from dist_utils import require_multiprocess_marker, train_on_ranks
 from test_train_dist import _wait_for
 
 from titan_tpu.config import build_config
-from titan_tpu.train.trainer import Trainer
+from titan_tpu.loops.pretrain import Trainer
 
 RECIPE = """
 [model]

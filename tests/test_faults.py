@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from titan_tpu.cli import main
 from titan_tpu.config import build_config
+from titan_tpu.loops.pretrain import Trainer
 from titan_tpu.train import checkpoint as checkpoint_module
 from titan_tpu.train.checkpoint import Checkpointer, CheckpointSaveError, load_checkpoint
 from titan_tpu.train.run_lock import OutputDirLocked, RunLock
-from titan_tpu.train.trainer import Trainer
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 LLAMA_DEBUG = str(CONFIGS / "llama3_debug.toml")

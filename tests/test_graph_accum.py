@@ -132,7 +132,7 @@ def test_trainer_derives_accumulation_from_global_batch_tokens_in_graph_mode(tra
     from test_train import LLAMA_DEBUG
 
     from titan_tpu.config import build_config
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops.pretrain import Trainer
 
     common = dict(training__steps=3, validation__enabled="false", checkpoint__enabled="false",
                   training__batch_size=2, training__global_batch_tokens=2 * 2 * 128, parallelism__dp_shard=1)

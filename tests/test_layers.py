@@ -17,8 +17,9 @@ import pytest
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "titan_tpu"
 
 # Bottom to top. A module belongs to the layer of its longest matching prefix: titan_tpu.train
-# holds the training parts (optimizer, step contract, checkpoints, metrics) that graph/ builds on,
-# and titan_tpu.train.trainer, which assembles everything, sits far above them. config.py (the
+# holds the training parts (optimizer, step contract, objectives, checkpoints, metrics) that graph/
+# builds on; the run's assembly (components/) sits above everything it builds, and the loops
+# (loops/: pre-training and SFT, DPO) above the assembly they drive. config.py (the
 # schema every layer reads) sits under every component: it reads only the kernel choices, the
 # family names and the data source records; the checks that ask components sit in the run setup.
 LAYERS = (
@@ -35,7 +36,8 @@ LAYERS = (
     ("convert", ("titan_tpu.convert",)),
     ("run setup", ("titan_tpu.run_setup",)),
     ("plan", ("titan_tpu.plan",)),
-    ("trainer", ("titan_tpu.train.trainer", "titan_tpu.train.make_step")),
+    ("components", ("titan_tpu.components",)),
+    ("loops", ("titan_tpu.loops",)),
     ("evaluate", ("titan_tpu.evaluate",)),
     ("calibration", ("titan_tpu.plan.calibrate",)),
     ("tools", ("titan_tpu.tools",)),
@@ -170,6 +172,6 @@ def cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
 def test_lazy_imports_count_and_type_checking_ones_do_not():
     tree = ast.parse("from typing import TYPE_CHECKING\n"
                      "if TYPE_CHECKING:\n    from titan_tpu.config import Config\n"
-                     "def f():\n    from titan_tpu.train.trainer import Trainer\n")
+                     "def f():\n    from titan_tpu.loops.pretrain import Trainer\n")
     found = [(node.lineno, node.module) for node in runtime_imports(tree)]
-    assert found == [(1, "typing"), (5, "titan_tpu.train.trainer")]
+    assert found == [(1, "typing"), (5, "titan_tpu.loops.pretrain")]

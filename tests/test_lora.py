@@ -209,7 +209,7 @@ def test_native_run_freezes_the_base_resumes_exactly_and_matches_under_checkpoin
         tmp_path, train_overrides):
     import shutil
 
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops.pretrain import Trainer
 
     trained = Trainer(_native_cfg(train_overrides, tmp_path / "run"))
     trained.train()
@@ -247,7 +247,7 @@ def test_scanned_layers_carry_stacked_adapters_and_give_the_unrolled_losses(tmp_
     """Scanned layers hold the adapters stacked like their weights ([L, rank, in]): the same
     initial adapters, checkpoint names and losses as the unrolled run, eagerly and captured (with
     scan's own autograd, and under full checkpointing with its reverse scan)."""
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops.pretrain import Trainer
 
     unrolled = Trainer(_native_cfg(train_overrides, tmp_path / "unrolled", checkpoint__enabled="false"))
     initial = {k: v.clone() for k, v in unrolled.model.state_dict().items()}
@@ -334,9 +334,9 @@ def test_exports_to_peft_and_merged_hf_give_the_trained_logits(tmp_path, train_o
     from transformers import AutoModelForCausalLM
 
     from titan_tpu.evaluate import load_eval_model
+    from titan_tpu.loops.pretrain import Trainer
     from titan_tpu.models.spec import checkpoint_spec
     from titan_tpu.train.checkpoint import load_full_state_dict, read_checkpoint_meta
-    from titan_tpu.train.trainer import Trainer
 
     config = tiny_config("llama")
     torch.manual_seed(1)

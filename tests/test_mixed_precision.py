@@ -113,7 +113,7 @@ def test_trainer_keeps_updates_below_bf16_resolution(bf16_cpu, train_overrides):
     """A learning rate of 1e-5 moves the norm weights (1.0 at init) by about 1e-5 a step, far
     below bf16's resolution at 1.0 (2**-8 below, 2**-7 above): stored in bf16 (pure bf16
     training) they never move; fp32 master weights keep every step."""
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops.pretrain import Trainer
 
     lr, steps = 1e-5, 3
     cfg = build_config(LLAMA_DEBUG, train_overrides(
@@ -283,7 +283,7 @@ def test_bf16_on_a_cpu_without_it_is_one_line_that_says_why(monkeypatch, train_o
     assert "\n" not in message
     assert "avx512_bf16" in message and "~100x slower" in message and "use model.dtype = float32" in message
     # training.device auto that becomes the CPU: the trainer refuses it the same way.
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops.pretrain import Trainer
 
     cfg = build_config(LLAMA_DEBUG, train_overrides(model__dtype="bfloat16", training__device="auto"))
     if dev.get_backend("auto").name == "cpu":

@@ -303,8 +303,8 @@ def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_p
     from pathlib import Path
 
     from titan_tpu.config import build_config
+    from titan_tpu.loops.pretrain import Trainer
     from titan_tpu.train.checkpoint import load_full_state_dict
-    from titan_tpu.train.trainer import Trainer
 
     recipe = Path(__file__).resolve().parent.parent / "configs" / "qwen3_moe_debug.toml"
     common = dict(training__deterministic="true", validation__enabled="false", training__steps=12,

@@ -338,8 +338,8 @@ def test_trainer_makes_gloo_groups_single_threaded_before_joining(monkeypatch):
     be in place by then (the multi-process test above checks the class's effect)."""
     import torch.distributed.distributed_c10d as c10d
 
+    from titan_tpu.components.runtime import init_distributed
     from titan_tpu.device import get_backend
-    from titan_tpu.train.trainer import init_distributed
 
     monkeypatch.setattr(c10d, "ProcessGroupGloo", c10d.ProcessGroupGloo)  # restored after the test
     joined = {}

@@ -8,8 +8,8 @@ import pytest
 from dist_utils import require_multiprocess_marker, train_on_ranks
 
 from titan_tpu.config import build_config
+from titan_tpu.loops.pretrain import Trainer
 from titan_tpu.train.profiling import CATEGORIES, category
-from titan_tpu.train.trainer import Trainer
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
 

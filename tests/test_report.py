@@ -11,8 +11,8 @@ from browser import chromium, visit
 
 from titan_tpu.cli import main
 from titan_tpu.config import build_config
+from titan_tpu.loops.pretrain import Trainer
 from titan_tpu.tools import report
-from titan_tpu.train.trainer import Trainer
 
 LLAMA_DEBUG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
 ARTIFACTS = Path(os.environ.get("TITAN_TPU_ARTIFACTS",
@@ -91,6 +91,16 @@ def test_plots_only_where_data_exists(tmp_path):
     assert out == run / "report.html"
     assert sorted(p.stem for p in (tmp_path / "png").glob("*.png")) == ["loss", "lr"]
     assert ">n/a<" in out.read_text()  # no throughput rows: the summary says so
+
+
+def test_dpo_rewards_plotted_and_summarised(tmp_path):
+    rows = [{"step": s, "loss": 0.69 - s / 100, "rewards/chosen": s / 10, "rewards/rejected": -s / 10,
+             "rewards/margins": s / 5, "rewards/accuracies": s / 4} for s in range(1, 5)]
+    run = write_run(tmp_path / "dpo", rows, config={}, starts=[])
+    out = report.write_report([run], png_dir=tmp_path / "png")
+    assert {"rewards", "reward_accuracy"} <= {p.stem for p in (tmp_path / "png").glob("*.png")}
+    assert report.summary(report.load_run(run))["final reward accuracy"] == "1.000"
+    assert "final reward margin" in out.read_text()
 
 
 def test_missing_run_is_one_line_error(tmp_path, capsys):

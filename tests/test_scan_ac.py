@@ -20,13 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_tpu.config import build_config
 from titan_tpu.graph import GraphStep, capture_train_step
+from titan_tpu.loops.pretrain import Trainer
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
 from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
-from titan_tpu.train.trainer import Trainer
 
 SEED = 0
 STEPS = 20

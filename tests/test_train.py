@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from titan_tpu.config import build_config
-from titan_tpu.train.trainer import Trainer
+from titan_tpu.loops.pretrain import Trainer
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 LLAMA_DEBUG = str(CONFIGS / "llama3_debug.toml")

@@ -54,11 +54,11 @@ def train_main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
 
     from titan_tpu.config import build_config
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops import trainer_for
 
     cfg = build_config(args.config, overrides)
     with _process_group_cleanup():
-        Trainer(cfg).train()
+        trainer_for(cfg).train()
     return 0
 
 
@@ -95,8 +95,8 @@ def eval_main(argv: list[str]) -> int:
     if args.device:
         overrides += ["--training.device", args.device]
     # training.seq_len does not apply (sequences are as given, windows are --seq-len): keep validation quiet.
-    cfg = prepare_run(build_config(args.config, ["--training.seq_len", "2"] + overrides)).cfg
-    result = run_eval(cfg, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
+    setup = prepare_run(build_config(args.config, ["--training.seq_len", "2"] + overrides))
+    result = run_eval(setup, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
                       seq_len=args.seq_len, max_tokens=args.max_tokens)
     print(json.dumps(result))
     return 0
@@ -147,12 +147,12 @@ def graph_main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
 
     from titan_tpu.config import build_config
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops import trainer_for
 
     # The trainer captures the step exactly as graph mode does; the "eager" backend compiles nothing.
     cfg = build_config(args.config, overrides + ["--training.mode", "graph", "--compile.backend", "eager"])
     with _process_group_cleanup():
-        trainer = Trainer(cfg)
+        trainer = trainer_for(cfg)
         step = trainer.step_fn
         t = cfg.training
         if trainer.is_main:
@@ -231,10 +231,11 @@ def plan_main(argv: list[str]) -> int:
         return calibrate_main(out_dir=args.out, replay=args.replay, only=args.only)
     if not args.config:
         raise ValueError("titan-tpu plan needs --config (a TOML recipe), or --calibrate")
-    from titan_tpu.plan import format_plan, plan_config, resolve_hardware
-    from titan_tpu.plan.planner import for_planning
+    from titan_tpu.plan import format_plan, resolve_hardware
+    from titan_tpu.plan.planner import plan_run, setup_for_planning
 
-    cfg = for_planning(args.config, overrides)
+    setup = setup_for_planning(args.config, overrides)
+    cfg = setup.cfg
     hardware, chips = resolve_hardware(args.hardware, dtype=cfg.model.dtype) if args.hardware else (None, None)
     if args.certify and not args.search:
         raise ValueError("--certify K certifies the search's best K: add --search")
@@ -254,7 +255,7 @@ def plan_main(argv: list[str]) -> int:
                             log=(lambda line: None) if args.json else print)
         print(certified_json(result, certified, top=args.top) if args.json else format_certified(certified))
         return 0
-    plan = plan_config(cfg, hardware, chips=chips, gather=args.gather)
+    plan = plan_run(setup, hardware, chips=chips, gather=args.gather)
     if args.xla:
         from titan_tpu.tools.compile_cmd import xla_beside_plan
 
@@ -279,10 +280,10 @@ def prepare_data_main(argv: list[str]) -> int:
     if args.workers < 1:
         raise ValueError(f"--workers {args.workers} must be >= 1")
 
+    from titan_tpu.components.runtime import default_cache_dir
     from titan_tpu.config import build_config
     from titan_tpu.data.build import prepare_data
     from titan_tpu.run_setup import prepare_run
-    from titan_tpu.train.trainer import default_cache_dir
 
     setup = prepare_run(build_config(args.config, overrides))
     cfg = setup.cfg

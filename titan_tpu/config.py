@@ -80,6 +80,19 @@ class TrainingConfig:
     # compiled by compile.backend (one program; with grad_accum_steps > 1 a micro-batch program and
     # an update program: docs/graph_mode.md).
     mode: Literal["eager", "graph"] = "eager"
+    # next_token: pre-training and SFT (cross-entropy on the labels). dpo: preference pairs, the
+    # [dpo] section (docs/dpo.md); training.batch_size then counts pairs.
+    objective: Literal["next_token", "dpo"] = "next_token"
+
+
+@dataclass
+class DPOConfig:
+    # Direct preference optimisation (docs/dpo.md), with training.objective = "dpo".
+    beta: float = 0.1  # how far the policy may move from the reference: the rewards are beta x log-ratios
+    loss_type: Literal["sigmoid", "hinge"] = "sigmoid"  # sigmoid: -log sigmoid(beta x margin); hinge: relu(1 - ...)
+    # The frozen reference policy: "initial" is the run's starting weights (a frozen copy, or under
+    # LoRA the base model with the adapters off: no copy); or a checkpoint / HF directory to load.
+    reference: str = "initial"
 
 
 @dataclass
@@ -183,7 +196,9 @@ class DataConfig:
     # files, a glob of them, a datasets.save_to_disk directory or a local HF dataset directory (docs/data.md)
     source: str = "stdlib"
     text_field: str = "text"  # field/column that holds the document (format chat: the messages; "" = "messages")
-    format: Literal["text", "chat"] = "text"  # chat: {role, content} lists, loss on assistant tokens only
+    # chat: {role, content} lists, loss on assistant tokens only; preference: prompt/chosen/rejected
+    # rows for training.objective = dpo (docs/dpo.md)
+    format: Literal["text", "chat", "preference"] = "text"
     # Several sources mixed by weight, in TOML only: [[data.sources]] path, weight, text_field, format, repeat, name.
     sources: list[SourceConfig] = field(default_factory=list)
     val_source: str = ""  # validate on this source (same format) instead of the held-out fraction
@@ -253,6 +268,7 @@ class Config:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)  # attention and loss implementations
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -480,5 +496,7 @@ def check(cfg: Config) -> None:
         if cfg.data.source != "stdlib":
             raise ValueError("data.source and [[data.sources]] are both set; keep one (a single source can be either)")
         normalized_weights(cfg.data.sources)
+    if cfg.dpo.beta <= 0:
+        raise ValueError(f"dpo.beta = {cfg.dpo.beta} must be > 0")
     if cfg.data.max_bytes < 0:
         raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")

@@ -121,10 +121,12 @@ def _from_checkpoint(checkpoint: str | Path, cfg, device: torch.device) -> EvalM
     return EvalModel(spec, model, str(step_dir), tokenizer)
 
 
-def load_eval_model(cfg, *, checkpoint: str | Path | None = None, device: torch.device) -> EvalModel:
+def load_eval_model(cfg, *, checkpoint: str | Path | None = None, device: torch.device,
+                    spec: ModelSpec | None = None) -> EvalModel:
     """The model of a run config (model section as `train` reads it), in fp32 on `device`, with the
     weights of `checkpoint` (a training checkpoint or an HF directory) when given, else the weights
-    its HF directory holds, else a seeded init (training.seed)."""
+    its HF directory holds, else a seeded init (training.seed). spec: the config's model, resolved
+    already (the run setup's); default: resolved here."""
     from titan_tpu.models.spec import model_spec, spec_for_weights
 
     seed = cfg.training.seed
@@ -137,7 +139,7 @@ def load_eval_model(cfg, *, checkpoint: str | Path | None = None, device: torch.
         return EvalModel(spec, model, str(checkpoint), _tokenizer_beside(Path(checkpoint)))
     if checkpoint is not None:
         return _from_checkpoint(checkpoint, cfg, device)
-    spec = model_spec(cfg.model)
+    spec = spec or model_spec(cfg.model)
     model = _eval_build(spec, cfg, device=device, seed=seed)
     own = spec.own_weights_path()
     weights = str(own) if own else f"initialised (seed {seed})"
@@ -183,15 +185,19 @@ def evaluate(loaded: EvalModel, sequences: list[list[int]]) -> dict:
             "per_sequence_loss": losses}
 
 
-def run_eval(cfg, *, checkpoint: str | None, token_file: str | None, text: str | None, seq_len: int,
+def run_eval(setup, *, checkpoint: str | None, token_file: str | None, text: str | None, seq_len: int,
              max_tokens: int) -> dict:
-    """`titan-tpu eval`: the model of `cfg` (and `checkpoint`) over a token file or a text corpus."""
+    """`titan-tpu eval`: the model of a run setup (run_setup.py; `checkpoint`'s weights) over a token
+    file or a text corpus."""
     from titan_tpu.device import get_backend
+
+    cfg = setup.cfg
 
     if (token_file is None) == (text is None):
         raise ValueError("titan-tpu eval needs exactly one of --token-file (JSON lists of token ids) and --text "
                          "(a text file, directory or .jsonl)")
-    loaded = load_eval_model(cfg, checkpoint=checkpoint, device=get_backend(cfg.training.device).device)
+    loaded = load_eval_model(cfg, checkpoint=checkpoint, device=get_backend(cfg.training.device).device,
+                             spec=setup.spec)
     if token_file is not None:
         sequences = load_token_file(token_file, vocab_size=loaded.vocab_size, max_len=loaded.max_len)
     else:

@@ -28,9 +28,10 @@ class TrainableModel(Protocol):
     """A language model the trainer can shard, initialise, step and checkpoint."""
 
     def __call__(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
-                 positions_BS: torch.Tensor | None = None) -> torch.Tensor | LossOutput:
-        """Logits without labels; with labels, the summed cross-entropy, balancing loss and
-        per-layer expert loads (`LossOutput`), so the loss kernel may skip the logits."""
+                 positions_BS: torch.Tensor | None = None, per_sequence: bool = False) -> torch.Tensor | LossOutput:
+        """Logits without labels; with labels, the summed cross-entropy (per row with per_sequence:
+        preference objectives), balancing loss and per-layer expert loads (`LossOutput`), so the
+        loss kernel may skip the logits."""
         ...
 
     # --- initialisation (parallel/simple_fsdp.materialize_and_init) ---------------------------

@@ -31,6 +31,13 @@ class RunSetup:
     sources: list[SourceConfig]  # data_sources(cfg)
     warmup_steps: int  # lr_scheduler.warmup_steps clamped to training.steps
 
+    @classmethod
+    def resolved(cls, cfg: Config) -> RunSetup:
+        """The setup of a config already checked (`prepare_run` ran on it, or on the config it is a
+        variant of: a planner's what-if): its model spec resolved, nothing checked again."""
+        return cls(cfg=cfg, spec=model_spec(cfg.model), sources=data_sources(cfg),
+                   warmup_steps=effective_warmup_steps(cfg))
+
     @property
     def tokenizer_path(self) -> str | None:
         """data.tokenizer_path, else the model's own (an HF directory's tokenizer.json), else None (train a BPE)."""
@@ -83,6 +90,7 @@ def prepare_run(cfg: Config) -> RunSetup:
         # The one loss kernel without an ignore index; a traced step could not even check the labels.
         raise ValueError("kernels.loss = tokamax cannot skip the untrained tokens of format = chat (no ignore index); "
                          "use --kernels.loss chunked")
+    _check_dpo(cfg, sources)
     if t.device == "cpu":  # with auto, the trainer checks once it knows the device
         check_cpu_compute_dtype(cfg.model.dtype)
     return RunSetup(cfg=cfg, spec=spec, sources=sources, warmup_steps=warmup_steps)
@@ -100,3 +108,23 @@ def _check_lora(cfg: Config) -> None:
     if lora.dropout > 0 and cfg.training.mode == "graph":
         raise ValueError(f"lora.dropout = {lora.dropout} needs training.mode = eager (the captured step has no "
                          "dropout); set lora.dropout 0")
+
+
+def _check_dpo(cfg: Config, sources: list[SourceConfig]) -> None:
+    """What training.objective = dpo needs (docs/dpo.md), and preference data only with it."""
+    preference = [s for s in sources if s.format == "preference"]
+    if cfg.training.objective != "dpo":
+        if preference:
+            raise ValueError("data format = preference holds preference pairs for training.objective = dpo; set "
+                             "--training.objective dpo, or use format text or chat")
+        return
+    if len(sources) != 1 or not preference:
+        raise ValueError("training.objective = dpo reads one source of preference pairs: set data.format = "
+                         "preference and data.source to a jsonl/parquet file of prompt, chosen, rejected rows")
+    p = cfg.parallelism
+    if p.tp > 1 or p.cp > 1 or p.ep > 1:
+        raise ValueError(f"training.objective = dpo runs with data parallelism (dp_shard, dp_replicate); got "
+                         f"parallelism.tp = {p.tp}, cp = {p.cp}, ep = {p.ep}: set them to 1")
+    if cfg.kernels.loss == "tokamax":
+        raise ValueError("kernels.loss = tokamax cannot skip the prompt tokens of preference pairs (no ignore "
+                         "index); use --kernels.loss chunked")

@@ -2,12 +2,13 @@
 
 The step is written once as a pure function of plain tensors::
 
-    (params, exp_avg, exp_avg_sq, inputs_BS, labels_BS[, positions_BS], num_tokens, step, lr, buffers)
-        -> (new_params, new_exp_avg, new_exp_avg_sq, loss, grad_norm, aux_loss, expert_load,
-            new expert biases)
+    (params, exp_avg, exp_avg_sq, batch, count, step, lr, buffers)
+        -> (new_params, new_exp_avg, new_exp_avg_sq, loss, grad_norm, totals, new expert biases)
 
 and traced with ``make_fx(tracing_mode="fake")``, which records the aten ops that autograd, the
 pure optimizer functions and DTensor dispatch run. Nothing is executed for real while tracing.
+The loss is the run's objective (train/objective.py), the same code the eager step runs; the batch
+enters as the flat list of its tensors (a typed batch is a pytree, data/batch.py).
 
 With gradient accumulation (`capture_accumulating_step`) the same pieces are traced as two
 programs: the forward and backward of one micro-batch, which adds its gradients to the sums it is
@@ -55,10 +56,12 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
+from titan_tpu.data.batch import Batch, as_batch, flatten, unflatten
 from titan_tpu.graph.passes import recomputed_nodes, rematerialize
 from titan_tpu.model_contract import TrainableModel
+from titan_tpu.train.objective import ModelCalls, NextTokenObjective, Objective
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
-from titan_tpu.train.step import model_copies, mtp_share, split_batch
+from titan_tpu.train.ranks import model_copies
 
 __all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "StepLayout", "capture_accumulating_step",
            "capture_train_step"]
@@ -91,10 +94,11 @@ class StepLayout:
 
     Three programs have a layout (`CapturedStep` says what each group means):
 
-    * `whole_step`, one micro-batch per step: params, exp_avg, exp_avg_sq, batch (inputs_BS,
-      labels_BS and, with document masking, positions_BS), num_tokens, step, lr, buffers ->
-      params, exp_avg, exp_avg_sq, loss, grad_norm, aux_loss, expert_load, buffers (new values of
-      the updated buffers);
+    * `whole_step`, one micro-batch per step: params, exp_avg, exp_avg_sq, batch (the batch's
+      tensors, data/batch.py: inputs_BS, labels_BS and, with document masking, positions_BS for a
+      TokenBatch), num_tokens (the objective's step count), step, lr, buffers -> params, exp_avg,
+      exp_avg_sq, loss, grad_norm, totals (the objective's summed totals, train/objective.py),
+      buffers (new values of the updated buffers);
     * `micro_batch`, the forward and backward of one micro-batch of an accumulating step:
       params, grads (the sums so far), batch, num_tokens, buffers -> grads (the new sums), totals
       (this micro-batch's);
@@ -125,7 +129,7 @@ class StepLayout:
 
     @property
     def batch(self) -> int:
-        """Tensors of one micro-batch the program takes: 2, or 3 with positions; 0 for `update`."""
+        """Tensors of one micro-batch the program takes (a TokenBatch: 2, or 3 with positions); 0 for `update`."""
         return dict(self.inputs).get("batch", 0)
 
     @property
@@ -176,7 +180,7 @@ class StepLayout:
 
 def _update_outputs(params: int, updated_buffers: int) -> tuple[tuple[str, int], ...]:
     return (("params", params), ("exp_avg", params), ("exp_avg_sq", params), ("loss", 1), ("grad_norm", 1),
-            ("aux_loss", 1), ("mtp_loss", 1), ("expert_load", 1), ("buffers", updated_buffers))
+            ("totals", 1), ("buffers", updated_buffers))
 
 
 def _flatten(layout: list[tuple[str, int]], groups: dict) -> list:
@@ -344,20 +348,19 @@ class CapturedStep:
     """One traced program of the step and how to feed it.
 
     Flat inputs and outputs: the groups of `layout` (StepLayout), all plain (local) tensors.
-    params, grads, exp_avg, exp_avg_sq: one tensor per parameter (param_names order); batch:
-    inputs_BS, labels_BS and, with document masking, positions_BS; num_tokens: 0-dim int32, the
-    labels the step trains on (not IGNORE_INDEX) on all data-parallel ranks, the loss denominator,
-    an input so that chat data (a varying count) needs no new graph; step, lr: 0-dim scalar_dtype;
-    buffers: buffer_names order (make_fx refuses real tensors closed over, so the RoPE table is an
-    input too, never modified); totals: 1-dim, this rank's share of the loss, its share of the
-    balancing loss, its share of the multi-token-prediction loss and its expert loads flattened (an
-    update takes their sum over the step's
-    micro-batches).
+    params, grads, exp_avg, exp_avg_sq: one tensor per parameter (param_names order); batch: the
+    micro-batch's tensors (`batch_spec` rebuilds the typed batch from them; a TokenBatch: inputs_BS,
+    labels_BS and, with document masking, positions_BS); num_tokens: 0-dim int32, the objective's
+    count of the step on all data-parallel ranks (next-token: the labels it trains on), the loss
+    denominator, an input so that chat data (a varying count) needs no new graph; step, lr: 0-dim
+    scalar_dtype; buffers: buffer_names order (make_fx refuses real tensors closed over, so the
+    RoPE table is an input too, never modified; frozen parameters and the objective's frozen
+    modules' tensors too); totals: 1-D, the objective's reported terms and statistics
+    (train/objective.py): a micro-batch program returns its own, an update takes their sum over
+    the step's micro-batches.
     Outputs of a whole step or of an update: new params, new exp_avg, new exp_avg_sq, loss (0-dim,
-    mean per token over all ranks), grad_norm (0-dim, global, before clipping), aux_loss (0-dim,
-    MoE balancing loss, mean over micro-batches and ranks; 0 for dense models), mtp_loss (0-dim,
-    multi-token prediction's cross-entropy as loss, unweighted; 0 without it), expert_load
-    ([L_moe, E] tokens per expert, all ranks; [0, 0] for dense), then the new values of the buffers
+    the objective's loss over all ranks), grad_norm (0-dim, global, before clipping), totals (the
+    step's, summed over ranks: `objective.report` names them), then the new values of the buffers
     in `updated_buffer_names` (MoE expert biases under auxiliary-loss-free balancing). A
     micro-batch program returns the gradients summed so far and its own totals.
     """
@@ -374,7 +377,8 @@ class CapturedStep:
     scalar_dtype: torch.dtype = torch.float64  # dtype of the step and lr inputs
     updated_buffer_names: list[str] = dataclasses.field(default_factory=list)  # buffers the step moves
     program: str = "train step"  # what the graph is, for summary(): "train step", "micro-batch", "update"
-    has_mtp: bool = False  # the model trains multi-token prediction: mtp_loss is reported
+    objective: Objective = dataclasses.field(default_factory=NextTokenObjective)  # names the totals
+    batch_spec: object = None  # the pytree spec of the batch group (data/batch.py unflatten); None for `update`
 
     @property
     def num_inputs(self) -> int:
@@ -431,27 +435,40 @@ def _world_group_all_reduce_sum(t: Tensor) -> Tensor:
     return funcol.all_reduce(t, "sum", dist.group.WORLD)
 
 
+def frozen_inputs(model: torch.nn.Module, objective: Objective) -> dict[str, Tensor]:
+    """The live tensors a captured step reads but does not train, by input name, in input order:
+    the model's buffers and frozen parameters (LoRA's base weights) by their own names, then the
+    parameters and buffers of the objective's frozen modules (DPO's reference copy) as
+    "<module>:<name>"."""
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    out = {**dict(model.named_buffers()), **frozen}
+    for key, module in objective.frozen_modules().items():
+        out.update({f"{key}:{n}": t for n, t in (*module.named_parameters(), *module.named_buffers())})
+    return out
+
+
 class _StepParts:
     """The pieces every captured program of a step is written with: the forward and backward of
-    one micro-batch, and the update (clipping, AdamW, the sums over ranks, the expert biases).
-    `capture_train_step` traces both in one program; `capture_accumulating_step` traces them as
-    two, the first run once per micro-batch."""
+    one micro-batch (the objective's), and the update (clipping, AdamW, the sums over ranks, the
+    expert biases). `capture_train_step` traces both in one program; `capture_accumulating_step`
+    traces them as two, the first run once per micro-batch."""
 
     def __init__(self, model: torch.nn.Module, *, max_norm: float, adamw_hparams: dict, decay: dict[str, bool],
-                 dp_size: int | None, micro_batches: int):
+                 dp_size: int | None, micro_batches: int, objective: Objective | None):
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not named:
             raise ValueError("capture_train_step: the model has no parameters")
         self.model = model
+        self.objective = objective or NextTokenObjective()
         self.param_names = list(named)
-        # Frozen parameters (LoRA's base weights) are read like buffers: graph inputs, no gradient, no update.
-        frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
-        self.buffers = {**dict(model.named_buffers()), **frozen}
+        # Frozen tensors (LoRA's base weights, a reference model) are read like buffers: graph
+        # inputs, no gradient, no update.
+        self.buffers = frozen_inputs(model, self.objective)
         self.buffer_names = list(self.buffers)
         self.specs = {n: DTensorSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
                       for n, p in named.items() if isinstance(p, DTensor)}
         self.frozen_specs = {n: DTensorSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
-                             for n, p in frozen.items() if isinstance(p, DTensor)}
+                             for n, p in self.buffers.items() if isinstance(p, DTensor)}
         if self.specs and len(self.specs) != len(named):
             plain = sorted(set(named) - set(self.specs))[:3]
             raise ValueError(f"capture_train_step: mixed plain and DTensor parameters (plain: {plain}); "
@@ -462,54 +479,57 @@ class _StepParts:
             dp_size = dp_rank_and_size(next(iter(self.specs.values())).mesh)[1] if self.specs else 1
         self.dp_size = dp_size
         self.copies = model_copies(dp_size)  # tensor-parallel ranks each hold the whole loss of their batch
-        # The balancing loss is averaged over micro-batches and ranks (the gradient reduction sums
-        # them), with EagerStep's arithmetic.
-        self.aux_share = 1.0 / (micro_batches * dp_size)
+        # A mean term (the balancing loss) is averaged over micro-batches and ranks (the gradient
+        # reduction sums them), with EagerStep's arithmetic.
+        self.share = 1.0 / (micro_batches * dp_size)
         self.max_norm, self.hparams, self.decay = max_norm, dict(adamw_hparams), decay
         self.updated_buffers = model.expert_bias_names() if isinstance(model, TrainableModel) else []
         self.num_params = sum(p.numel() for p in named.values())
-        self.load_shape: torch.Size | None = None  # the expert loads' shape, known once a forward is traced
-        self.has_mtp = False  # whether the model returned a multi-token-prediction loss, known likewise
+        self.batch_spec = None  # the batch's pytree spec, set by the capture functions
 
     def _as_model_tensor(self, name: str, t: Tensor) -> Tensor:
         return self.specs[name].wrap(t) if name in self.specs else t
 
+    def _calls(self, params: dict[str, Tensor], buffer_values: dict[str, Tensor]) -> ModelCalls:
+        """The objective's model calls on the graph's input tensors (functional_call)."""
+        own = {n: t for n, t in buffer_values.items() if ":" not in n}
+
+        def policy(*args, **kwargs):
+            return torch.func.functional_call(self.model, {**params, **own}, args, kwargs)
+
+        def frozen_call(key: str, module: torch.nn.Module):
+            tensors = {n.split(":", 1)[1]: t for n, t in buffer_values.items() if n.startswith(f"{key}:")}
+            return lambda *args, **kwargs: torch.func.functional_call(module, tensors, args, kwargs)
+
+        frozen = {key: frozen_call(key, module) for key, module in self.objective.frozen_modules().items()}
+        return ModelCalls(policy=policy, frozen=frozen)
+
     def forward_backward(self, local_params: list[Tensor], batch: list[Tensor], num_tokens: Tensor,
                          buffer_values: dict[str, Tensor]) -> tuple[list[Tensor], Tensor]:
-        """(local gradient shards, this rank's totals: its share of the loss and of the balancing
-        loss, its expert loads flattened) of one micro-batch."""
-        inputs, labels, positions = split_batch(batch)
+        """(local gradient shards, this rank's totals of the objective: its shares of the reported
+        terms, its statistics) of one micro-batch."""
+        typed = unflatten(batch, self.batch_spec)
         # Differentiate with respect to fresh leaves, not the inputs themselves, so the optimizer
         # reads the parameter inputs unchanged and untracked.
         leaves = [t.detach().requires_grad_(True) for t in local_params]
         with torch.enable_grad():
             params = {name: self._as_model_tensor(name, t) for name, t in zip(self.param_names, leaves)}
-            out = torch.func.functional_call(self.model, {**params, **buffer_values}, (inputs, labels),
-                                             {"positions_BS": positions})
-            aux = out.aux_loss * self.aux_share
-            # num_tokens is a graph input, not a traced constant: chat data trains a varying count.
-            ce = out.ce_sum / num_tokens
-            mtp = mtp_share(out, num_tokens)
-            objective = ce + aux if mtp is None else ce + aux + out.mtp_weight * mtp
+            loss = self.objective.micro_batch(self._calls(params, buffer_values), typed, count=num_tokens,
+                                              share=self.share)
             # Gradients of the local leaves are the local shards of the (reduce-scattered)
             # parameter gradients: DTensor.from_local's backward hands back the local part.
             # The backward region, for the rematerialize pass (activation checkpointing).
             with fx_traceback.annotate({"phase": "backward"}):
-                _tag_backward_with_forward([objective.grad_fn])
+                _tag_backward_with_forward([loss.objective.grad_fn])
                 # Zeros for parameters the loss does not reach, as the eager step does.
-                local_grads = torch.autograd.grad(objective, leaves, allow_unused=True, materialize_grads=True)
-        self.load_shape = out.expert_load.shape
-        self.has_mtp = mtp is not None
-        mtp = torch.zeros_like(ce) if mtp is None else mtp
-        totals = torch.cat([ce.detach().view(1), aux.detach().view(1), mtp.detach().view(1),
-                            out.expert_load.flatten()])
-        return list(local_grads), totals
+                local_grads = torch.autograd.grad(loss.objective, leaves, allow_unused=True, materialize_grads=True)
+        return list(local_grads), loss.totals
 
     def update(self, local_params: list[Tensor], local_grads: list[Tensor], exp_avg: list[Tensor],
                exp_avg_sq: list[Tensor], totals: Tensor, step: Tensor, lr: Tensor,
                buffer_values: dict[str, Tensor]) -> dict[str, list[Tensor]]:
-        """The output groups of an update (StepLayout): clipping, AdamW, the global loss, balancing
-        loss and expert loads, the new expert biases."""
+        """The output groups of an update (StepLayout): clipping, AdamW, the global loss and
+        totals, the new expert biases."""
         names = self.param_names
         with torch.no_grad():
             # Norm and clipping on DTensors: the norm of sharded grads needs a cross-rank sum,
@@ -522,20 +542,19 @@ class _StepParts:
             state = {"exp_avg": dict(zip(names, exp_avg)), "exp_avg_sq": dict(zip(names, exp_avg_sq))}
             new_params, new_state = adamw_update(dict(zip(names, local_params)), local, state,
                                                  step=step, lr=lr, decay=self.decay, **self.hparams)
-            # Each rank holds its share of the global means and its own loads: one sum over ranks.
+            # Each rank holds its share of the global terms and its own loads: one sum over ranks.
             if self.dp_size > 1 or self.copies > 1:
                 totals = _world_group_all_reduce_sum(totals)
                 totals = totals / self.copies if self.copies > 1 else totals
-            global_load = totals[3:].view(self.load_shape)
             updated = self.updated_buffers
-            new_buffers = (self.model.updated_expert_biases({n: buffer_values[n] for n in updated}, global_load)
+            new_buffers = (self.model.updated_expert_biases({n: buffer_values[n] for n in updated},
+                                                            self.objective.expert_load(totals))
                            if updated else {})
             if isinstance(total_norm, DTensor):
                 total_norm = total_norm.to_local()
         return dict(params=[new_params[k] for k in names], exp_avg=[new_state["exp_avg"][k] for k in names],
                     exp_avg_sq=[new_state["exp_avg_sq"][k] for k in names], loss=[totals[0]],
-                    grad_norm=[total_norm], aux_loss=[totals[1]], mtp_loss=[totals[2]], expert_load=[global_load],
-                    buffers=[new_buffers[n] for n in updated])
+                    grad_norm=[total_norm], totals=[totals], buffers=[new_buffers[n] for n in updated])
 
     def local_params(self) -> list[Tensor]:
         # The live local tensors (turned into fake tensors when tracing; nothing is computed on them).
@@ -557,18 +576,19 @@ class _StepParts:
                             dtensor_specs=self.specs, example_inputs=fake_inputs, dp_size=self.dp_size,
                             capture_seconds=seconds, num_params=self.num_params, layout=layout,
                             scalar_dtype=scalar_dtype, updated_buffer_names=self.updated_buffers, program=program,
-                            has_mtp=self.has_mtp)
+                            objective=self.objective, batch_spec=self.batch_spec if layout.batch else None)
 
 
 def _local_tensor(t: Tensor) -> Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
-def _example_batch(example_batch: tuple[Tensor, ...]) -> list[Tensor]:
-    # Clones: make_fx maps one tensor object to one graph input, so a caller passing the same
-    # tensor as inputs and labels would otherwise get a graph where labels alias the inputs.
-    split_batch(example_batch)  # a 2- or 3-tuple, or a clear error
-    return [t.clone() for t in example_batch]
+def _example_batch(parts: _StepParts, example_batch: Batch | tuple[Tensor, ...]) -> list[Tensor]:
+    """The example batch's tensors (its pytree spec kept on `parts`), cloned: make_fx maps one
+    tensor object to one graph input, so a caller passing the same tensor as inputs and labels
+    would otherwise get a graph where labels alias the inputs."""
+    tensors, parts.batch_spec = flatten(as_batch(example_batch))
+    return [t.clone() for t in tensors]
 
 
 def _num_tokens_example() -> Tensor:
@@ -612,19 +632,21 @@ def capture_train_step(
     max_norm: float,
     adamw_hparams: dict,
     decay: dict[str, bool],
-    example_batch: tuple[Tensor, Tensor],
+    example_batch: Batch | tuple[Tensor, ...],
     dp_size: int | None = None,
     scalar_dtype: torch.dtype = torch.float64,
+    objective: Objective | None = None,
 ) -> CapturedStep:
     """Trace one training step of `model` (one micro-batch) into a CapturedStep (see the module
     docstring).
 
-    The loss is the model's own ``model(inputs, labels, positions_BS=...)`` (the summed
-    cross-entropy through the loss kernel; train/step.py), divided by the num_tokens input, the
-    step's trained token count on all ranks, as EagerStep does. adamw_hparams: beta1, beta2, eps,
-    weight_decay (AdamW.hparams). decay: which parameters get weight decay (AdamW.decay).
-    example_batch: (inputs_BS, labels_BS[, positions_BS]) of the shape every step will use (the
-    graph is static-shaped). dp_size: number of data-parallel ranks; default the size of the
+    The loss is the objective's (train/objective.py; default the next-token objective: the model's
+    own ``model(inputs, labels, positions_BS=...)``, its summed cross-entropy through the loss kernel
+    divided by the num_tokens input, the step's trained token count on all ranks), as EagerStep
+    computes it. adamw_hparams: beta1, beta2, eps, weight_decay (AdamW.hparams). decay: which
+    parameters get weight decay (AdamW.decay). example_batch: a batch (data/batch.py; or
+    (inputs_BS, labels_BS[, positions_BS])) of the shape every step will use (the graph is
+    static-shaped). dp_size: number of data-parallel ranks; default the size of the
     data-parallel axes of the parameters' mesh (1 for plain parameters). scalar_dtype: dtype of
     the step and lr inputs; float64 matches the eager path's Python-float arithmetic bit for bit,
     float32 is for TPUs (no fast float64, and XLA may reject it).
@@ -632,8 +654,8 @@ def capture_train_step(
     Raises CaptureError when the step cannot be one static graph (see the module docstring).
     """
     parts = _StepParts(model, max_norm=max_norm, adamw_hparams=adamw_hparams, decay=decay, dp_size=dp_size,
-                       micro_batches=1)
-    batch = _example_batch(example_batch)
+                       micro_batches=1, objective=objective)
+    batch = _example_batch(parts, example_batch)
     layout = StepLayout.whole_step(params=len(parts.param_names), batch=len(batch), buffers=len(parts.buffer_names),
                                    updated_buffers=len(parts.updated_buffers))
 
@@ -662,10 +684,11 @@ def capture_accumulating_step(
     max_norm: float,
     adamw_hparams: dict,
     decay: dict[str, bool],
-    example_batch: tuple[Tensor, Tensor],
+    example_batch: Batch | tuple[Tensor, ...],
     grad_accum_steps: int,
     dp_size: int | None = None,
     scalar_dtype: torch.dtype = torch.float64,
+    objective: Objective | None = None,
 ) -> tuple[CapturedStep, CapturedStep]:
     """A step of `grad_accum_steps` micro-batches as two programs: (the forward and backward of one
     micro-batch, adding its gradients to the sums it is given; the update, once per step). The
@@ -682,8 +705,8 @@ def capture_accumulating_step(
         raise ValueError(f"capture_accumulating_step: grad_accum_steps = {grad_accum_steps}; one micro-batch "
                          "is capture_train_step")
     parts = _StepParts(model, max_norm=max_norm, adamw_hparams=adamw_hparams, decay=decay, dp_size=dp_size,
-                       micro_batches=grad_accum_steps)
-    batch = _example_batch(example_batch)
+                       micro_batches=grad_accum_steps, objective=objective)
+    batch = _example_batch(parts, example_batch)
     n, buffers = len(parts.param_names), parts.local_buffers()
     micro_layout = StepLayout.micro_batch(params=n, batch=len(batch), buffers=len(buffers))
     update_layout = StepLayout.update(params=n, buffers=len(buffers), updated_buffers=len(parts.updated_buffers))
@@ -706,7 +729,7 @@ def capture_accumulating_step(
     example = micro_layout.flatten_inputs(params=params, grads=zeros(), batch=batch,
                                           num_tokens=[_num_tokens_example()], buffers=buffers)
     micro_gm, micro_seconds = _trace(micro_batch, example, model)
-    # The totals' length (the loss, the balancing loss, the expert loads) is known from that trace.
+    # The totals' length (the objective's terms and statistics) is known from that trace.
     totals = _output_values(micro_gm)[micro_layout.output_slices()["totals"].start]
     example = update_layout.flatten_inputs(
         params=params, grads=zeros(), exp_avg=zeros(), exp_avg_sq=zeros(),

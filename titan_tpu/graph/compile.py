@@ -29,11 +29,13 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from titan_tpu.data.batch import Batch, as_batch, flatten
 from titan_tpu.device import tpu_compile_error as _tpu_error
-from titan_tpu.graph.capture import CapturedStep, capture_accumulating_step, capture_train_step
+from titan_tpu.graph.capture import CapturedStep, capture_accumulating_step, capture_train_step, frozen_inputs
 from titan_tpu.graph.passes import compile_submodules, schedule_collectives, split_graph
+from titan_tpu.train.objective import Objective
 from titan_tpu.train.optim import AdamW
-from titan_tpu.train.step import StepResult, split_batch, trained_tokens
+from titan_tpu.train.step import StepResult
 
 __all__ = ["BACKENDS", "GraphStep", "compile_step"]
 
@@ -178,8 +180,9 @@ class GraphStep:
     hold the new values (written with copy_, so nothing keeps a second copy of the model or the
     optimizer state between steps) and `optimizer.step_count` advanced by one.
 
-    Each step takes `grad_accum_steps` micro-batches of the shape of `example_batch` ((inputs,
-    labels) or, with document masking, (inputs, labels, positions)). One micro-batch: one program
+    Each step takes `grad_accum_steps` micro-batches of the kind and shape of `example_batch` (a
+    typed batch, data/batch.py, or (inputs, labels[, positions])); the loss is `objective`'s
+    (train/objective.py; default next-token). One micro-batch: one program
     for the whole step. Several: a micro-batch program run once per micro-batch, summing the
     gradients, then an update program (graph/capture.py, capture_accumulating_step).
 
@@ -189,9 +192,9 @@ class GraphStep:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float,
-                 example_batch: tuple[Tensor, ...], backend: str = "inductor", dp_size: int | None = None,
+                 example_batch: Batch | tuple[Tensor, ...], backend: str = "inductor", dp_size: int | None = None,
                  split: str = "none", scalar_dtype: torch.dtype | None = None, prefetch: int | None = None,
-                 grad_accum_steps: int = 1):
+                 grad_accum_steps: int = 1, objective: Objective | None = None):
         _check_backend(backend)
         if backend == "tpu":
             _tpu_dynamo_backend(None)  # fail before a capture that can take minutes on a large model
@@ -202,8 +205,9 @@ class GraphStep:
         self.model = model
         self.optimizer = optimizer
         self.grad_accum_steps = grad_accum_steps
+        example_batch = as_batch(example_batch)
         kwargs = dict(max_norm=max_norm, adamw_hparams=optimizer.hparams, decay=optimizer.decay,
-                      example_batch=example_batch, dp_size=dp_size, scalar_dtype=scalar_dtype)
+                      example_batch=example_batch, dp_size=dp_size, scalar_dtype=scalar_dtype, objective=objective)
         if grad_accum_steps == 1:
             self.captured = capture_train_step(model, **kwargs)
             self.captured_update = None
@@ -214,16 +218,17 @@ class GraphStep:
         self.compiled = compile_step(self.captured, backend, split=split, prefetch=prefetch)
         self.compiled_update = (None if self.captured_update is None else
                                 compile_step(self.captured_update, backend, split=split))
+        self.objective = self.captured.objective
         names = self.captured.param_names
         params = dict(model.named_parameters())
-        # Frozen parameters (LoRA's base weights) are graph inputs beside the buffers (capture.py).
-        buffers = {**dict(model.named_buffers()), **{n: p for n, p in params.items() if not p.requires_grad}}
+        # Frozen tensors (LoRA's base weights, a reference model) are graph inputs beside the buffers (capture.py).
+        buffers = frozen_inputs(model, self.objective)
         if set(names) != set(optimizer.params):
             raise ValueError("GraphStep: the optimizer does not hold exactly the model's parameters")
         self._params = [_local(params[n]) for n in names]
         self._buffers = [_local(buffers[n]) for n in self.captured.buffer_names]
         self._updated_buffers = [_local(buffers[n]) for n in self.captured.updated_buffer_names]
-        self._batch_shape = tuple(example_batch[1].shape)
+        self._batch_type, self._batch_shape = type(example_batch), example_batch.shape
 
     @property
     def capture_seconds(self) -> float:
@@ -256,26 +261,30 @@ class GraphStep:
         names, state = self.captured.param_names, self.optimizer.state
         return [_local(state["exp_avg"][n]) for n in names], [_local(state["exp_avg_sq"][n]) for n in names]
 
-    def _check_batch(self, batch: tuple[Tensor, ...]) -> list[Tensor]:
-        split_batch(batch)
+    def _check_batch(self, batch: Batch | tuple[Tensor, ...]) -> list[Tensor]:
+        """The batch's tensors as the graph takes them, or a one-line error for a batch of another kind or shape."""
+        batch = as_batch(batch)
+        tensors, _ = flatten(batch)
         expected = self.captured.layout.batch
-        if len(batch) != expected:
-            raise ValueError(f"the captured step was traced for batches of {expected} tensors "
-                             f"(positions {'with' if expected == 3 else 'without'}), got {len(batch)}")
-        if any(tuple(t.shape) != self._batch_shape for t in batch):
+        if type(batch) is not self._batch_type or len(tensors) != expected:
+            raise ValueError(f"the captured step was traced for a {self._batch_type.__name__} of {expected} tensors "
+                             f"(positions {'with' if expected == 3 else 'without'}), got a {type(batch).__name__} of "
+                             f"{len(tensors)}")
+        if batch.shape != self._batch_shape:
             raise ValueError(f"the captured step was traced for batches of shape {self._batch_shape}, "
-                             f"got {tuple(batch[0].shape)}")
+                             f"got {batch.shape}")
         # The graph was traced for contiguous batches; a strided view (e.g. tokens[:, :-1]) is not.
-        return [t.contiguous() for t in batch]
+        return [t.contiguous() for t in tensors]
 
-    def __call__(self, micro_batches: list[tuple[Tensor, ...]], lr: float) -> StepResult:
+    def __call__(self, micro_batches: list[Batch | tuple[Tensor, ...]], lr: float) -> StepResult:
         if len(micro_batches) != self.grad_accum_steps:
             raise ValueError(f"the graph step was captured for {self.grad_accum_steps} micro-batches per step "
                              f"(training.grad_accum_steps), got {len(micro_batches)}")
         batches = [self._check_batch(b) for b in micro_batches]
-        # The loss denominator, as EagerStep counts it (labels not IGNORE_INDEX on all ranks): a
-        # graph input, so chat data's varying count needs no new graph.
-        num_tokens = trained_tokens(micro_batches, self.captured.dp_size)
+        # The objective's denominator, as EagerStep counts it (next-token: labels not IGNORE_INDEX
+        # on all ranks): a graph input, so chat data's varying count needs no new graph.
+        typed = [as_batch(b) for b in micro_batches]
+        num_tokens = self.objective.step_count(typed, self.captured.dp_size)
         count = torch.tensor(num_tokens, dtype=torch.int32)
         exp_avg, exp_avg_sq = self._state_tensors()
         step_number = self.optimizer.step_count + 1
@@ -297,11 +306,13 @@ class GraphStep:
                 if dst_group:
                     torch._foreach_copy_(dst_group, out[group])
         self.optimizer.step_count = step_number
-        (loss,), (norm,), (aux,), (load,) = out["loss"], out["grad_norm"], out["aux_loss"], out["expert_load"]
-        (mtp,) = out["mtp_loss"]
-        return StepResult(loss=loss.item(), grad_norm=norm.item(), num_tokens=num_tokens,
-                          aux_loss=aux.item(), expert_load=load if load.numel() else None,
-                          mtp_loss=mtp.item() if self.captured.has_mtp else None)
+        (norm,), (totals,) = out["grad_norm"], out["totals"]
+        report = self.objective.report(totals)
+        values = dict(report.values)
+        return StepResult(loss=values.pop("loss"), grad_norm=norm.item(),
+                          num_tokens=self.objective.step_tokens(typed, num_tokens, self.captured.dp_size),
+                          terms=values,
+                          expert_load=report.expert_load)
 
     def _accumulate_and_update(self, batches: list[list[Tensor]], count: Tensor, exp_avg: list[Tensor],
                                exp_avg_sq: list[Tensor], step_t: Tensor, lr_t: Tensor) -> dict[str, list[Tensor]]:

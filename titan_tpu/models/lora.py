@@ -21,8 +21,10 @@ same adapters, and the base weights the same values as a run without LoRA.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,7 +37,8 @@ from titan_tpu.tensors import copy_full_
 if TYPE_CHECKING:
     from titan_tpu.config import LoRAConfig
 
-__all__ = ["ADAPTER_NAMES", "DEFAULT_TARGETS", "LoRASettings", "add_adapters", "apply_lora", "freeze_base",
+__all__ = ["ADAPTER_NAMES", "DEFAULT_TARGETS", "LoRASettings", "adapters_disabled", "add_adapters", "apply_lora",
+           "freeze_base",
            "init_lora_", "is_adapter_key", "lora_modules", "merge_lora_state_dict", "target_names"]
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
@@ -47,6 +50,8 @@ _STATE = "_lora"  # the LoRASettings of an adapted linear, in its __dict__
 # In a block template's adapted linear (its __dict__): the model whose train()/eval() mode the
 # adapters' dropout follows, since a template is no submodule and never changes mode itself.
 _MODE_OF = "_lora_mode_of"
+# How many `adapters_disabled` blocks are open: the hook adds nothing while one is.
+_DISABLED = [0]
 
 
 @dataclass(frozen=True)
@@ -144,8 +149,23 @@ def _add_adapter(linear: nn.Linear, settings: LoRASettings, *, n_layers: int | N
         linear.register_forward_hook(_add_low_rank_update)
 
 
+@contextlib.contextmanager
+def adapters_disabled() -> Iterator[None]:
+    """Inside, every adapted linear computes its base layer alone (the adapters are skipped, not
+    multiplied by zero): the base model, without a copy of it, as DPO's reference policy under
+    LoRA. Read when a forward runs (or is traced), so a captured step records the base model for
+    the calls made inside the block and the adapted one elsewhere."""
+    _DISABLED[0] += 1
+    try:
+        yield
+    finally:
+        _DISABLED[0] -= 1
+
+
 def _add_low_rank_update(linear: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    """The hook: out + B(A(dropout(x))) * alpha / rank."""
+    """The hook: out + B(A(dropout(x))) * alpha / rank (out alone inside `adapters_disabled`)."""
+    if _DISABLED[0]:
+        return out
     settings: LoRASettings = linear.__dict__[_STATE]
     x = args[0]
     if settings.dropout > 0:

@@ -37,7 +37,7 @@ from titan_tpu.parallel.gloo import use_single_thread_gloo
 __all__ = ["run_ranks"]
 
 # Imported once by the fork server, so that no rank imports them again.
-RANK_PRELOAD = ("torch", "torch.distributed.tensor", "titan_tpu.train.trainer")
+RANK_PRELOAD = ("torch", "torch.distributed.tensor", "titan_tpu.loops.pretrain")
 
 
 def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple, kwargs: dict,

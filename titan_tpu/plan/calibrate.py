@@ -175,7 +175,7 @@ from titan_tpu.config import build_config
 from titan_tpu.device import get_backend
 from titan_tpu.models.spec import build
 from titan_tpu.run_setup import prepare_run
-from titan_tpu.train.make_step import make_step
+from titan_tpu.components.make_step import make_step
 from titan_tpu.train.optim import AdamW
 cfg = build_config(sys.argv[1], sys.argv[2:])
 t = cfg.training
@@ -337,9 +337,9 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
     if replay:
         data = json.loads(path.read_text())
     else:
+        from titan_tpu.components.runtime import default_cache_dir
         from titan_tpu.device import cpu_peak_flops
         from titan_tpu.plan.hardware import measure_cpu_memory_bandwidth
-        from titan_tpu.train.trainer import default_cache_dir
 
         python = sys.executable
         cases = [c for c in CASES if only is None or any(part in c.name for part in only.split("|"))]

@@ -47,15 +47,16 @@ from titan_tpu.models.registry import (
     num_params,
     recomputed_flops_per_token,
 )
-from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.context_parallel import check_context_parallel, cp_attention_saved_bytes
 from titan_tpu.parallel.mesh import check_cp_with_ep
 from titan_tpu.parallel.plan_terms import Layout, collective_calls, cp_collectives
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
+from titan_tpu.run_setup import RunSetup
 from titan_tpu.train.optim import update_buffers
 
-__all__ = ["Plan", "TPU_NAMES", "plan_config", "format_plan", "default_hardware", "for_planning", "reshard_decision"]
+__all__ = ["Plan", "TPU_NAMES", "plan_config", "plan_run", "format_plan", "default_hardware", "for_planning",
+           "setup_for_planning", "reshard_decision"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -100,13 +101,18 @@ def planning_machine():
         device._tpu_installed = saved
 
 
-def for_planning(toml_path, overrides: list[str] | None = None) -> Config:
-    """The config as the machine it is written for would load it (`planning_machine`)."""
+def setup_for_planning(toml_path, overrides: list[str] | None = None) -> RunSetup:
+    """The run setup as the machine the config is written for would make it (`planning_machine`)."""
     from titan_tpu.config import build_config
     from titan_tpu.run_setup import prepare_run
 
     with planning_machine():
-        return prepare_run(build_config(toml_path, overrides)).cfg
+        return prepare_run(build_config(toml_path, overrides))
+
+
+def for_planning(toml_path, overrides: list[str] | None = None) -> Config:
+    """The config as the machine it is written for would load it (`planning_machine`)."""
+    return setup_for_planning(toml_path, overrides).cfg
 
 
 def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, int | None]:
@@ -223,9 +229,22 @@ class _Setting:
         return self.scanned and self.graph and self.ac != "full"
 
     @property
+    def dpo(self) -> bool:
+        return self.cfg.training.objective == "dpo"
+
+    @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch of one data-parallel rank (its tp and cp ranks share them)."""
-        return self.cfg.training.batch_size * self.cfg.training.seq_len
+        """Tokens of one micro-batch of one data-parallel rank (its tp and cp ranks share them);
+        under DPO a micro-batch holds batch_size pairs, a chosen and a rejected row each."""
+        return self.cfg.training.batch_size * self.cfg.training.seq_len * (2 if self.dpo else 1)
+
+    @property
+    def reference_stored(self) -> float:
+        """Parameter elements a device stores for DPO's frozen reference copy (sharded as the
+        model's); none under LoRA, whose reference is the base model with its adapters off, and
+        none without DPO (components/dpo.py)."""
+        copy = self.dpo and not (self.lora and self.cfg.dpo.reference == "initial")
+        return self.layout.stored_elements(num_params(self.args)) if copy else 0.0
 
     @property
     def per_layer_stack(self) -> bool:
@@ -258,7 +277,16 @@ class _Setting:
 
 def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
                 measure: bool = True, gather: str | None = None, model_args=None) -> Plan:
-    """The plan of `cfg` on `hardware` (default: what the config names, see `default_hardware`)
+    """`plan_run` of a config whose model is resolved here (`RunSetup.resolved`): a what-if that
+    changes the config (a search's candidates, calibration, verify) plans through this."""
+    return plan_run(RunSetup.resolved(cfg), hardware, chips=chips, measure=measure, gather=gather,
+                    model_args=model_args)
+
+
+def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | None = None,
+             measure: bool = True, gather: str | None = None, model_args=None) -> Plan:
+    """The plan of a resolved run (run_setup.py: its config and model spec, not resolved again)
+    on `hardware` (default: what the config names, see `default_hardware`)
     with `chips` chips (default: the config's mesh, or the chip count the recipe names).
     gather: None for what the code does with this config (`code_gather`), or "model" / "layer"
     as a what-if (parallel/plan_terms.py Layout.gather). model_args: the model's TransformerArgs when
@@ -267,9 +295,11 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     Composes the terms below, each a pure function of the resolved `_Setting` (and of terms
     computed before it) returning one named quantity. parallelism.reshard_after_forward auto is
     planned as what the trainer resolves it to (`with_reshard_resolved`)."""
-    if cfg.parallelism.reshard_after_forward == "auto":
-        cfg = with_reshard_resolved(cfg, hardware, chips=chips, measure=measure, model_args=model_args)
-    s = _resolve(cfg, hardware, chips=chips, measure=measure, gather=gather, model_args=model_args)
+    if setup.cfg.parallelism.reshard_after_forward == "auto":
+        setup = dataclasses.replace(setup, cfg=with_reshard_resolved(setup, hardware, chips=chips, measure=measure,
+                                                                     model_args=model_args))
+    s = _resolve(setup, hardware, chips=chips, measure=measure, gather=gather, model_args=model_args)
+    cfg = s.cfg
     args, t, layout, mb = s.args, cfg.training, s.layout, s.layout.master_bytes()
     acts = _activations(s)
     loss_kept, loss_peak = _loss_bytes(s)
@@ -282,6 +312,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     peak = phases[peak_phase]
     memory = {
         "parameters": s.stored * mb, "gradients": s.trained * mb, "optimizer_state": 2 * s.trained * mb,
+        **({"reference": s.reference_stored * mb} if s.dpo else {}),
         "activations": acts.saved + acts.head, "activation_recompute": acts.recompute,
         "gathered_weights": gathered, "full_size_gradient": full_grad,
         # scan's weight copies beyond the gathered weights they are when sharded, and the RoPE copies
@@ -322,26 +353,31 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
     return plan
 
 
-def with_reshard_resolved(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
+def with_reshard_resolved(setup: RunSetup | Config, hardware: Hardware | None = None, *, chips: int | None = None,
                           measure: bool = True, model_args=None) -> Config:
     """`cfg` with parallelism.reshard_after_forward auto resolved: "false" where the plan that keeps
     the gathered block weights from the forward to the backward fits the device (re-sharding would
     only add an all-gather per block to the backward), else "true". Other values: `cfg` itself.
-    The trainer runs this too (train/trainer.py), so the plan and the run agree."""
+    The run's assembly runs this too (components/build.py), so the plan and the run agree."""
+    setup = setup if isinstance(setup, RunSetup) else RunSetup.resolved(setup)
+    cfg = setup.cfg
     if cfg.parallelism.reshard_after_forward != "auto":
         return cfg
     resolved = copy.copy(cfg)
     resolved.parallelism = dataclasses.replace(cfg.parallelism, reshard_after_forward="false")
-    if not plan_config(resolved, hardware, chips=chips, measure=measure, model_args=model_args).fits:
+    if not plan_run(dataclasses.replace(setup, cfg=resolved), hardware, chips=chips, measure=measure,
+                    model_args=model_args).fits:
         resolved.parallelism = dataclasses.replace(cfg.parallelism, reshard_after_forward="true")
     return resolved
 
 
-def reshard_decision(cfg: Config, *, world_size: int, hardware: Hardware | None = None) -> tuple[bool, str]:
-    """(re-shard after the forward?, why) for a run of `cfg` on `world_size` devices, as the trainer
-    decides it (train/trainer.py) and `titan-tpu compile` compiles it: "true"/"false" as given;
+def reshard_decision(setup: RunSetup | Config, *, world_size: int,
+                     hardware: Hardware | None = None) -> tuple[bool, str]:
+    """(re-shard after the forward?, why) for a run on `world_size` devices, as the run's assembly
+    decides it (components/build.py) and `titan-tpu compile` compiles it: "true"/"false" as given;
     auto asks `with_reshard_resolved` on the hardware the config names (or `hardware`), and
     re-shards where the planner has no terms for the run (an hf model, an unnamed GPU)."""
+    cfg = setup.cfg if isinstance(setup, RunSetup) else setup
     value = cfg.parallelism.reshard_after_forward
     if value != "auto":
         return value == "true", "set in the config"
@@ -349,7 +385,7 @@ def reshard_decision(cfg: Config, *, world_size: int, hardware: Hardware | None 
         if hardware is None:
             hardware, _ = default_hardware(cfg, measure=False)
         chips = max(world_size // hardware.devices_per_chip, 1)
-        resolved = with_reshard_resolved(cfg, hardware, chips=chips, measure=False)
+        resolved = with_reshard_resolved(setup, hardware, chips=chips, measure=False)
     except ValueError as e:
         return True, f"the planner cannot plan this run ({str(e).split(';')[0]})"
     if resolved.parallelism.reshard_after_forward == "true":
@@ -357,12 +393,12 @@ def reshard_decision(cfg: Config, *, world_size: int, hardware: Hardware | None 
     return False, "the plan that keeps them fits"
 
 
-def _resolve(cfg: Config, hardware: Hardware | None, *, chips: int | None, measure: bool, gather: str | None,
+def _resolve(setup: RunSetup, hardware: Hardware | None, *, chips: int | None, measure: bool, gather: str | None,
              model_args) -> _Setting:
-    """The config checked and resolved for planning (see `plan_config` for the arguments)."""
+    """The run setup resolved for planning (see `plan_run` for the arguments)."""
+    cfg, spec = setup.cfg, setup.spec
     code = code_gather(cfg)
     gather = gather or code
-    spec = model_spec(cfg.model)  # resolved once per plan: a search plans hundreds of candidates
     if not spec.plannable:
         raise ValueError("titan-tpu plan covers the native models (llama3, qwen3, qwen3_moe); an hf model's "
                          "layers are transformers' own code, which the planner has no terms for")
@@ -540,7 +576,7 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
     moments_b = 2 * s.trained * mb
     grads_b = s.trained * mb
     accumulating = grads_b if s.cfg.training.grad_accum_steps > 1 else 0.0  # earlier micro-batches' gradients
-    static = params_b + moments_b + _runtime_bytes(s)
+    static = params_b + moments_b + _runtime_bytes(s) + s.reference_stored * mb
     forward_end = static + gathered + acts.saved + acts.head + loss_kept + loss_peak + accumulating
     if scan is not None:
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
@@ -585,6 +621,11 @@ def _flops(s: _Setting) -> dict[str, float]:
     # Full checkpointing reruns the blocks' forward in the backward; the output projection and the
     # loss are outside the checkpointed blocks and run once.
     recomputed = recomputed_flops_per_token(s.args, t.seq_len) if s.ac == "full" else 0.0
+    if s.dpo:  # the reference's forward (no backward) over the same rows: a third of a trained token's
+        reference = fpt / 3
+        return {"per_token": fpt, "reference_per_token": reference,
+                "model_per_step_per_device": (fpt + reference) * tokens_step_rank / (p.tp * p.cp),
+                "executed_per_step_per_device": (fpt + recomputed + reference) * tokens_step_rank / (p.tp * p.cp)}
     return {"per_token": fpt, "model_per_step_per_device": model_flops_rank,
             "executed_per_step_per_device": (fpt + recomputed) * tokens_step_rank / (p.tp * p.cp)}
 
@@ -830,7 +871,7 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
         f"{plan.params['stored_per_device'] / 1e9:.3f} B stored per device",
         "memory per device:",
     ]
-    for key in ("parameters", "gradients", "optimizer_state", "activations", "activation_recompute",
+    for key in ("parameters", "reference", "gradients", "optimizer_state", "activations", "activation_recompute",
                 "gathered_weights", "full_size_gradient", "scan_saved_copies", "scan_flipped", "scan_gradient_stack",
                 "loss_kept", "loss_peak", "optimizer_temporary",
                 "moe_dispatch", "runtime"):
@@ -842,7 +883,10 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
     lines.append(f"  peak {_gb(plan.peak_bytes)} at {plan.peak_phase} (GB by moment: {phases}); "
                  f"device has {plan.capacity_bytes / 1e9:.1f} GB: {verdict}")
     f = plan.flops
-    lines.append(f"FLOPs: {f['per_token'] / 1e6:,.1f} MFLOP/token (the trainer's count); per device per step "
+    reference = f" + {f['reference_per_token'] / 1e6:,.1f} of the DPO reference's forward" \
+        if "reference_per_token" in f else ""
+    lines.append(f"FLOPs: {f['per_token'] / 1e6:,.1f} MFLOP/token (the trainer's count){reference}; per device per "
+                 "step "
                  f"{f['model_per_step_per_device'] / 1e12:,.3f} TFLOP model, "
                  f"{f['executed_per_step_per_device'] / 1e12:,.3f} TFLOP executed")
     if plan.communication:

@@ -136,7 +136,7 @@ def summary(run: Run) -> dict[str, str]:
     peak = [v for key in ("max_memory_gb", "memory_gb") for v in run.series(key)[1]]
     wall = wall_seconds(run)
     total = run.config.get("training.steps")
-    return {
+    rows = {
         "steps": f"{steps[-1] if steps else 0}" + (f" / {total}" if total else ""),
         "final loss": _fmt(last("loss"), "{:.4f}"),
         "final val loss": _fmt(last("val_loss"), "{:.4f}"),
@@ -146,6 +146,10 @@ def summary(run: Run) -> dict[str, str]:
         "wall time": _fmt(wall, "{}", transform=format_duration),
         "restarts": str(max(len(run.starts) - 1, 0)) if run.starts else "n/a",
     }
+    if last("rewards/accuracies") is not None:  # a DPO run (docs/dpo.md)
+        rows["final reward accuracy"] = _fmt(last("rewards/accuracies"), "{:.3f}")
+        rows["final reward margin"] = _fmt(last("rewards/margins"), "{:.4f}")
+    return rows
 
 
 def _fmt(value, pattern: str, transform=None) -> str:
@@ -259,6 +263,14 @@ def _simple(key: str, ylabel: str, *, log: bool = False):
     return plot
 
 
+def _plot_rewards(ax, runs, colors) -> bool:
+    drawn = False
+    for key, style in (("rewards/chosen", "-"), ("rewards/rejected", "--"), ("rewards/margins", ":")):
+        drawn |= _line_plot(ax, runs, colors, key, label_suffix=f" {key.split('/')[1]}", style=style)
+    ax.set_ylabel("reward")
+    return drawn
+
+
 # (file name, title, plot function): the report's plots in page order.
 PLOTS = (
     ("loss", "Loss (raw, smoothed) and validation loss", _plot_loss),
@@ -271,6 +283,9 @@ PLOTS = (
     ("compile", "Graph capture and compile time", _plot_compile),
     ("expert_load", "MoE expert load", _plot_experts),
     ("aux_loss", "MoE balancing loss", _simple("aux_loss", "auxiliary loss")),
+    ("rewards", "DPO rewards (beta x log-ratio to the reference, mean over pairs)", _plot_rewards),
+    ("reward_accuracy", "DPO reward accuracy (pairs whose chosen reward is the larger)",
+     _simple("rewards/accuracies", "share of pairs")),
 )
 
 
@@ -330,7 +345,8 @@ def _table(header: list[str], rows: list[list[str]], numeric_from: int = 1) -> s
 def render_html(runs: list[Run], images: list[tuple[str, str, bytes]]) -> str:
     labels = [r.label for r in runs]
     summaries = [summary(r) for r in runs]
-    summary_rows = [[key] + [s[key] for s in summaries] for key in summaries[0]]
+    keys = dict.fromkeys(key for s in summaries for key in s)  # a DPO run's rows after the common ones
+    summary_rows = [[key] + [s.get(key, "n/a") for s in summaries] for key in keys]
     parts = [f"<h1>Training report: {html.escape(', '.join(labels))}</h1>",
              "<h2>Summary</h2>", _table(["run"] + labels, summary_rows),
              f"<p class=note>Medians leave out the first logged row of every process and the first "

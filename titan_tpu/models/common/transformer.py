@@ -354,25 +354,31 @@ class Transformer(nn.Module):
         _trunc_normal(self.output.weight, self.args.dim**-0.5)
 
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
-                positions_BS: torch.Tensor | None = None,
-                document_ids_BS: torch.Tensor | None = None) -> torch.Tensor | LossOutput:
+                positions_BS: torch.Tensor | None = None, document_ids_BS: torch.Tensor | None = None,
+                per_sequence: bool = False) -> torch.Tensor | LossOutput:
         """Logits [B, S, V] in the parameters' dtype; with labels, a `LossOutput`: the summed
         next-token cross-entropy from the loss kernel, the MoE balancing loss and expert loads.
-        positions_BS and document_ids_BS: see `hidden_states`."""
+        positions_BS and document_ids_BS: see `hidden_states`. per_sequence: the cross-entropy
+        summed per row, ce_sum [B] (a sequence's negative log-likelihood: preference objectives),
+        and no multi-token prediction."""
         h_BSD, stats_L2E = self.hidden_states(tokens_BS, positions_BS=positions_BS, document_ids_BS=document_ids_BS)
         w_VD = self.output_weight()
         if labels_BS is None:
             return F.linear(h_BSD, w_VD)
         loss_fn = self.kernels.loss_fn(h_BSD.device.type)
-        ce_sum = loss_fn(h_BSD.flatten(0, 1), w_VD, labels_BS.flatten())
+        if per_sequence:
+            ce_sum = sequence_ce_sums(loss_fn, h_BSD, w_VD, labels_BS)
+        else:
+            ce_sum = loss_fn(h_BSD.flatten(0, 1), w_VD, labels_BS.flatten())
         mtp = {}
-        if self.mtp is not None:
+        if self.mtp is not None and not per_sequence:
             mtp_ce_sum, stats_L2E = self._mtp_loss(h_BSD, stats_L2E, tokens_BS, labels_BS, w_VD, loss_fn,
                                                    positions_BS=positions_BS, document_ids_BS=document_ids_BS)
             mtp = {"mtp_ce_sum": mtp_ce_sum, "mtp_weight": self.args.mtp_loss_scaling_factor}
         moe = self.args.moe
         if moe is None or stats_L2E.shape[0] == 0:  # dense, or MoE args whose layers are all dense
-            return LossOutput(ce_sum, torch.zeros_like(ce_sum), ce_sum.new_zeros(0, 0), **mtp)
+            return LossOutput(ce_sum, ce_sum.new_zeros(()) if per_sequence else torch.zeros_like(ce_sum),
+                              ce_sum.new_zeros(0, 0), **mtp)
         aux = ce_sum.new_zeros(())
         if moe.load_balance == "aux_loss":
             aux = moe.aux_loss_coef * aux_loss_from_stats(stats_L2E, top_k=moe.top_k)
@@ -468,6 +474,12 @@ class Transformer(nn.Module):
         if checkpointed_block is None:
             return layer(h_BSD, rope, document_ids_BS)
         return checkpointed_block(layer, h_BSD, rope, document_ids_BS)
+
+
+def sequence_ce_sums(loss_fn, h_BSD: torch.Tensor, w_VD: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Each row's summed cross-entropy [B], through the loss kernel one row at a time (the kernel
+    sums over the tokens it is given; a row at a time keeps its chunking and never the logits)."""
+    return torch.stack([loss_fn(h_BSD[b], w_VD, labels_BS[b]) for b in range(h_BSD.shape[0])])
 
 
 class CheckpointedBlock:

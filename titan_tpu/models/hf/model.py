@@ -14,7 +14,7 @@ from torch import nn
 
 from titan_tpu.kernels import KernelConfig, document_ids_from_positions
 from titan_tpu.models.common.activation_checkpoint import checkpointed
-from titan_tpu.models.common.transformer import LossOutput
+from titan_tpu.models.common.transformer import LossOutput, sequence_ce_sums
 from titan_tpu.models.hf.config import HFArgs, _logit_transform, _model_class, _moe_shape, text_config
 from titan_tpu.models.hf.hooks import (
     _CALL_CONTEXT,
@@ -154,7 +154,9 @@ class HFCausalLM(nn.Module):
         return kwargs
 
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
-                positions_BS: torch.Tensor | None = None) -> torch.Tensor | LossOutput:
+                positions_BS: torch.Tensor | None = None, per_sequence: bool = False) -> torch.Tensor | LossOutput:
+        """As the native Transformer's forward: logits, or the summed cross-entropy (per row with
+        per_sequence), the balancing loss and no expert loads."""
         document_ids = None if positions_BS is None else document_ids_from_positions(positions_BS)
         token = _CALL_CONTEXT.set((self.kernels, document_ids))
         try:
@@ -166,11 +168,18 @@ class HFCausalLM(nn.Module):
                 h_BSD = out[0]
                 loss_fn = self.kernels.loss_fn(h_BSD.device.type)
                 w_VD = self.hf_model.get_output_embeddings().weight
-                ce_sum = loss_fn(h_BSD.flatten(0, 1), w_VD, labels_BS.flatten())
+                if per_sequence:
+                    ce_sum = sequence_ce_sums(loss_fn, h_BSD, w_VD, labels_BS)
+                else:
+                    ce_sum = loss_fn(h_BSD.flatten(0, 1), w_VD, labels_BS.flatten())
             else:
                 out = self.hf_model(**kwargs)
-                ce_sum = F.cross_entropy(out.logits.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100,
-                                         reduction="sum")
+                if per_sequence:
+                    ce_sum = F.cross_entropy(out.logits.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100,
+                                             reduction="none").view(labels_BS.shape).sum(dim=1)
+                else:
+                    ce_sum = F.cross_entropy(out.logits.flatten(0, 1).float(), labels_BS.flatten(),
+                                             ignore_index=-100, reduction="sum")
             aux = self._aux_loss(out, ce_sum)
             return LossOutput(ce_sum, aux, ce_sum.new_zeros(0, 0))
         finally:

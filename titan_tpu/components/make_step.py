@@ -2,8 +2,8 @@
 `GraphStep` (the step contract: train/step.py). The checks of backend combinations that cannot
 run live here, beside the choice, not in the trainer's loop.
 
-It sits above graph/ (which imports train/step.py and train/optim.py): the trainer asks this
-module for its step and never imports graph/ itself.
+It sits above graph/ (which imports train/step.py and train/optim.py) with the rest of the run's
+assembly (components/): the loops are handed the step and never import graph/ themselves.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from titan_tpu.data.batch import Batch
+from titan_tpu.train.objective import NextTokenObjective, Objective
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep, StepResult
 
@@ -19,25 +21,28 @@ if TYPE_CHECKING:
     from titan_tpu.config import Config
     from titan_tpu.device import Backend
 
-StepFn = Callable[[list[tuple[torch.Tensor, ...]], float], StepResult]
+StepFn = Callable[[list[Batch], float], StepResult]
 
 
 def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend: Backend, world_size: int,
-              dp_size: int, documents: bool, log: Callable[[str], None]) -> tuple[StepFn, dict[str, float]]:
+              dp_size: int, documents: bool, log: Callable[[str], None],
+              objective: Objective | None = None) -> tuple[StepFn, dict[str, float]]:
     """(the step of training.mode, its capture and compile seconds: {} for eager) for the first
-    metrics row. documents: batches carry positions (a document mask)."""
+    metrics row. documents: batches carry positions (a document mask). objective: the run's
+    (train/objective.py; default next-token)."""
     t = cfg.training
+    objective = objective or NextTokenObjective()
     if t.mode != "graph":
-        return EagerStep(model, optimizer, max_norm=t.max_norm, dp_size=dp_size), {}
+        return EagerStep(model, optimizer, max_norm=t.max_norm, dp_size=dp_size, objective=objective), {}
     from titan_tpu.graph.compile import GraphStep  # make_fx and the compilers load only for graph mode
 
     check_graph_backend(cfg, backend=backend, world_size=world_size)
-    example = torch.zeros(t.batch_size, t.seq_len, dtype=torch.long, device=backend.device)
-    example_batch = (example, example) + ((example,) if documents else ())
+    example_batch = objective.example_batch(batch_size=t.batch_size, seq_len=t.seq_len, documents=documents,
+                                            device=backend.device)
     c = cfg.compile
     step = GraphStep(model, optimizer, max_norm=t.max_norm, example_batch=example_batch, backend=c.backend,
                      dp_size=dp_size, split=c.split, prefetch=None if c.prefetch < 0 else c.prefetch,
-                     grad_accum_steps=t.grad_accum_steps)
+                     grad_accum_steps=t.grad_accum_steps, objective=objective)
     log(f"graph mode: step captured in {step.capture_seconds:.1f} s, compiled with {c.backend} in "
         f"{step.compile_seconds:.1f} s")
     return step, {"capture_s": step.capture_seconds, "compile_s": step.compile_seconds}

@@ -1,0 +1,245 @@
+"""`Components`: the parts of one run, built from its `RunSetup` in a fixed order, and the run's
+state (what a checkpoint holds) read from and written into them.
+
+The order matters for reproducibility and is the trainer's of before: the device and the process
+group, the mesh, the output directory's lock, the global seed, the data (rank 0 tokenizes first),
+the model (initialised from the seeded global RNG), the objective (a reference model for DPO),
+the optimizer, the step function. What differs between objectives is asked of the objective's
+own builders (`_data`, `_objective`), not of the loops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titan_tpu.components.make_step import make_step
+from titan_tpu.components.runtime import DTYPES, default_cache_dir, init_distributed, main_process_first
+from titan_tpu.config import Config, grad_accum_from_tokens
+from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
+from titan_tpu.errors import RunError
+from titan_tpu.model_contract import TrainableModel
+from titan_tpu.models.lora import is_adapter_key
+from titan_tpu.models.spec import build
+from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
+from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision
+from titan_tpu.run_setup import RunSetup
+from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_state
+from titan_tpu.train.objective import NextTokenObjective, Objective
+from titan_tpu.train.optim import AdamW
+from titan_tpu.train.run_lock import RunLock
+
+__all__ = ["Components"]
+
+
+class Components:
+    """The assembled run (module docstring). Attributes: cfg, setup, spec, model_args, backend,
+    rank, world_size, is_main, parallel_dims, mesh, expert_mesh, dp_size, run_dir, run_lock,
+    document_mask, tokenizer, train_loader, val_loader, model, objective, optimizer, step_fn,
+    compile_stats, checkpointer, warmup_steps, flops_per_token, flops_note."""
+
+    def __init__(self, setup: RunSetup, *, log: Callable[[str], None] | None = None):
+        cfg = self.cfg = setup.cfg
+        self.setup = setup
+        self._log = log
+        self.run_dir = cfg.run_dir
+        t, p = cfg.training, cfg.parallelism
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.backend: Backend = get_backend(t.device)
+        if self.backend.name == "cpu":  # training.device auto that became the CPU (config checks cpu)
+            check_cpu_compute_dtype(cfg.model.dtype)
+        self.rank, self.world_size = init_distributed(self.backend)
+        self.is_main = self.rank == 0
+        self.parallel_dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
+                                          world_size=self.world_size, ep=p.ep, tp=p.tp, cp=p.cp)
+        self.mesh = self.parallel_dims.build_mesh(self.backend.device.type)
+        self.expert_mesh = self.parallel_dims.build_expert_mesh(self.backend.device.type)
+        self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
+        if t.global_batch_tokens:  # accumulation from the global batch, now that the mesh is known
+            t.grad_accum_steps = grad_accum_from_tokens(t, self.dp_size)
+            self.log(f"training.global_batch_tokens = {t.global_batch_tokens}: {t.grad_accum_steps} micro-batches of "
+                     f"{t.batch_size} x {t.seq_len} tokens per step on each of {self.dp_size} data-parallel ranks")
+        self.run_lock = self._lock_output_dir()
+        torch.manual_seed(t.seed)
+        self.spec = setup.spec  # what the run asks about the model (models/spec.py)
+        self.model_args = self.spec.args
+        self._data()
+        self.model = self.build_model()
+        self.objective = self._objective()
+        # The trained parameters: all of them, or under LoRA the adapters (the base is frozen).
+        trained = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+        self.optimizer = AdamW.from_config(trained, cfg.optimizer, layer_stacked=self.model.stacked_parameter_names())
+        # compile_stats: capture/compile seconds, logged with the first row
+        self.step_fn, self.compile_stats = make_step(cfg, self.model, self.optimizer, backend=self.backend,
+                                                     world_size=self.world_size, dp_size=self.dp_size,
+                                                     documents=self.document_mask, log=self.log,
+                                                     objective=self.objective)
+        self.checkpointer = Checkpointer.from_config(cfg.checkpoint, self.run_dir, log=self.log)
+        self.warmup_steps = setup.warmup_steps
+        self.flops_per_token, self.flops_note = self.spec.flops_per_token(self.model, t.seq_len)
+
+    def log(self, message: str) -> None:
+        if self._log is not None:
+            self._log(message)
+        elif self.is_main:
+            print(message, flush=True)
+
+    # ------------------------------------------------------------------------------------------
+    # the parts
+
+    def _data(self) -> None:
+        """document_mask, tokenizer, train_loader, val_loader: token data (pre-training, SFT) or
+        preference pairs (DPO, components/dpo.py)."""
+        cfg, t = self.cfg, self.cfg.training
+        if t.objective == "dpo":
+            from titan_tpu.components.dpo import preference_data
+
+            self.document_mask = False
+            # Labels are IGNORE_INDEX on the prompt and padding: a loss kernel that skips them.
+            cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.device.type)
+            cfg.kernels.check_device(self.backend.device.type, documents=False)
+            with main_process_first():
+                self.tokenizer, self.train_loader, self.val_loader = preference_data(self, log=self.log)
+            return
+        from titan_tpu.data.build import build_loaders, prepare_data, uses_document_mask
+
+        sources = self.setup.sources
+        self.document_mask = uses_document_mask(cfg.data, sources)
+        # A kernel that cannot run on this device is a one-line error now, not at the first step.
+        if any(s.format == "chat" for s in sources):  # labels IGNORE_INDEX outside the assistant's turns
+            cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.device.type)
+        cfg.kernels.check_device(self.backend.device.type, documents=self.document_mask)
+        # Rank 0 tokenizes (or finds the cache) first; the others then only read the cache.
+        with main_process_first():
+            prepared = prepare_data(cfg.data, sources, vocab_size=self.model_args.vocab_size,
+                                    tokenizer_path=self.setup.tokenizer_path,
+                                    cache_dir=cfg.data.cache_dir or default_cache_dir(), log=self.log)
+        self.tokenizer = prepared.tokenizer
+        self.train_loader, self.val_loader = build_loaders(
+            cfg.data, prepared, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, dp_rank=self.dp_rank,
+            dp_size=self.dp_size, validation=cfg.validation.enabled, log=self.log)
+
+    def _objective(self) -> Objective:
+        if self.cfg.training.objective == "dpo":
+            from titan_tpu.components.dpo import dpo_objective
+
+            return dpo_objective(self)
+        return NextTokenObjective()
+
+    def build_model(self, cfg: Config | None = None) -> TrainableModel:
+        """The spec's model (models/spec.py `build`) as `cfg` (default the run's) asks for it:
+        materialised and initialised piece by piece (sharded when there is a mesh): fp32 master
+        parameters on one device as on many, computed in model.dtype, gradients reduced in
+        parallelism.reduce_dtype when sharded (docs/mixed_precision.md)."""
+        cfg = cfg or self.cfg
+        return build(self.spec, cfg, device=self.backend.device, seed=cfg.training.seed, mesh=self.mesh,
+                     parallel_dims=self.parallel_dims, expert_mesh=self.expert_mesh, mp=self.mixed_precision,
+                     documents=self.document_mask, reshard_after_forward=self._reshard_after_forward(), log=self.log)
+
+    def _lock_output_dir(self) -> RunLock | None:
+        """Rank 0 locks output_dir for the run's life (train/run_lock.py); every rank stops if it is taken."""
+        lock, error = None, None
+        if self.is_main:
+            try:
+                lock = RunLock(self.run_dir, log=self.log).acquire()
+            except RunError as e:
+                error = e
+        if dist.is_initialized():
+            shared = [error]
+            dist.broadcast_object_list(shared, src=0)
+            error = shared[0]
+        if error is not None:
+            raise error
+        return lock
+
+    def _reshard_after_forward(self) -> bool:
+        """parallelism.reshard_after_forward as this run applies it: auto is decided by the planner
+        on rank 0 (planner.reshard_decision, which `titan-tpu compile` asks too: re-shard only where
+        keeping the gathered block weights would not fit) and shared, so every rank runs the same collectives. Where the
+        planner has no terms for the run (an hf model, an unnamed GPU) auto re-shards."""
+        value = self.cfg.parallelism.reshard_after_forward
+        if value != "auto" or self.mesh is None:
+            return value == "true"
+        if getattr(self, "_reshard_decision", None) is not None:  # a second model (DPO's reference) gets the same
+            return self._reshard_decision
+        decision = [None, None]  # (re-shard, why), filled on rank 0
+        if self.is_main:
+            from titan_tpu.plan.planner import reshard_decision
+
+            decision = list(reshard_decision(self.setup, world_size=self.world_size))
+        if dist.is_initialized():
+            dist.broadcast_object_list(decision, src=0)
+        reshard, why = decision
+        self.log(f"parallelism.reshard_after_forward auto: {str(reshard).lower()} ({why})")
+        self._reshard_decision = reshard
+        return reshard
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.cfg.model.dtype == "auto":
+            return default_mixed_precision(self.backend.device.type).param_dtype
+        return DTYPES[self.cfg.model.dtype]
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
+
+    # ------------------------------------------------------------------------------------------
+    # the run's state
+
+    def _optimizer_state_per_layer(self) -> dict:
+        # Moments by parameter name in the checkpoint's per-layer layout (views into the stacked
+        # moments under scan_layers), like model.state_dict(): scanned and unrolled runs resume
+        # from each other's checkpoints.
+        sd = self.optimizer.state_dict()
+        return {**sd, "exp_avg": self.model.to_per_layer(sd["exp_avg"]),
+                "exp_avg_sq": self.model.to_per_layer(sd["exp_avg_sq"])}
+
+    def state_dict(self, *, step: int, trackers: dict) -> dict:
+        return {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self._optimizer_state_per_layer(),
+            "data": self.train_loader.state_dict(),
+            "rng": rng_state(),
+            "model_name": self.spec.name,
+            "model_args": dataclasses.asdict(self.model_args),
+            "trackers": trackers,
+            # What convert needs to export the adapters (peft) or merge them (HF).
+            "lora": dataclasses.asdict(self.cfg.lora) if self.cfg.lora.enabled else None,
+        }
+
+    def load_checkpoint(self, path: Path) -> dict:
+        """Resume everything from a checkpoint, resharding it onto this run's ranks if needed;
+        returns the rest of what it held (step, trackers)."""
+        state = {"model": self.model.state_dict(), "optimizer": self._optimizer_state_per_layer(),
+                 "model_name": self.spec.name, "model_args": dataclasses.asdict(self.model_args)}
+        rest = load(path, state)  # fills the model's and optimizer's tensors in place
+        loaded = state["optimizer"]
+        self.optimizer.load_state_dict({**loaded, "exp_avg": self.model.from_per_layer(loaded["exp_avg"]),
+                                        "exp_avg_sq": self.model.from_per_layer(loaded["exp_avg_sq"])})
+        self.train_loader.load_state_dict(rest["data"])
+        if rest["rng"] is not None:  # None when the checkpoint came from another number of ranks
+            set_rng_state(rest["rng"])
+        return rest
+
+    @torch.no_grad()
+    def load_initial_weights(self, path: str | Path, model: torch.nn.Module | None = None) -> None:
+        """Start from the weights of a checkpoint or a Hugging Face directory (fine-tuning); into
+        `model` (default the trained one: DPO's reference loads the same weights)."""
+        from titan_tpu.convert import resolve_checkpoint
+
+        model = self.model if model is None else model
+        path = Path(path)
+        if (path / "config.json").is_file():  # a Hugging Face directory: the spec knows its layout
+            self.spec.load_hf_weights(model, path)
+        else:  # a training checkpoint: DCP loads (and shards) it
+            # The base weights: a checkpoint of a full run has no adapters (LoRA's start at init).
+            base = {k: v for k, v in model.state_dict().items() if not is_adapter_key(k)}
+            load(resolve_checkpoint(path), {"model": base})
+        self.log(f"initial weights loaded from {path}")

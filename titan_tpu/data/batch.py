@@ -1,0 +1,108 @@
+"""What one micro-batch holds: typed batches, one class per kind of input.
+
+A step (train/step.py) and its captured form (graph/capture.py) never look inside a batch: the
+objective (train/objective.py) reads its fields by name, and the captured step passes a batch
+through the graph boundary as the flat list of its tensors (a registered pytree: `flatten` /
+`unflatten`), so a new kind of input (images beside tokens, a reward per row) is a new class here,
+the loader that fills it and the objective that reads it, and nothing in between changes.
+
+* `TokenBatch`: next-token training (pre-training, SFT): inputs, labels (IGNORE_INDEX where a
+  token is not trained) and, with document masking, each token's position in its document.
+* `PreferenceBatch`: preference pairs (DPO): a chosen and a rejected `TokenBatch` of the same
+  shape, row i of each completing the same prompt; labels mark the completion tokens only.
+
+`as_batch` also takes the plain ``(inputs, labels[, positions])`` tuple that tests and benchmarks
+write by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+__all__ = ["IGNORE_INDEX", "Batch", "PreferenceBatch", "TokenBatch", "as_batch", "flatten", "unflatten"]
+
+IGNORE_INDEX = -100  # a label the loss skips (a prompt, padding, a chat turn that is not the assistant's)
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    inputs_BS: Tensor  # token ids
+    labels_BS: Tensor  # the next token of each position, IGNORE_INDEX where nothing is trained
+    positions_BS: Tensor | None = None  # position within the packed document (restarting at 0); None: one document
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.labels_BS.shape)
+
+    def trained_tokens(self) -> Tensor:
+        """Labels the loss trains on (0-dim)."""
+        return (self.labels_BS != IGNORE_INDEX).sum()
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> TokenBatch:
+        return pytree.tree_map(lambda t: t.to(device, non_blocking=non_blocking), self)
+
+    def contiguous(self) -> TokenBatch:
+        return pytree.tree_map(lambda t: t.contiguous(), self)
+
+
+@dataclass(frozen=True)
+class PreferenceBatch:
+    chosen: TokenBatch  # prompt + chosen completion, labels on the completion only
+    rejected: TokenBatch  # prompt + rejected completion, same shape
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(pairs, sequence length)."""
+        return self.chosen.shape
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PreferenceBatch:
+        return pytree.tree_map(lambda t: t.to(device, non_blocking=non_blocking), self)
+
+    def contiguous(self) -> PreferenceBatch:
+        return pytree.tree_map(lambda t: t.contiguous(), self)
+
+
+Batch = TokenBatch | PreferenceBatch
+
+
+def _register(cls: type) -> None:
+    """A pytree node whose children are the fields that are set (a None field holds no tensor)."""
+    names = [f.name for f in fields(cls)]
+
+    def flatten_fn(b):
+        present = tuple(n for n in names if getattr(b, n) is not None)
+        return [getattr(b, n) for n in present], present
+
+    def unflatten_fn(values, present):
+        return cls(**dict(zip(present, values)))
+
+    pytree.register_pytree_node(cls, flatten_fn, unflatten_fn,
+                                serialized_type_name=f"titan_tpu.data.batch.{cls.__name__}")
+
+
+for _cls in (TokenBatch, PreferenceBatch):
+    _register(_cls)
+
+
+def as_batch(batch: Batch | tuple[Tensor, ...]) -> Batch:
+    """A typed batch; a tuple (inputs, labels[, positions]) becomes a TokenBatch."""
+    if isinstance(batch, (TokenBatch, PreferenceBatch)):
+        return batch
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+        size = f" of {len(batch)} tensors" if isinstance(batch, (tuple, list)) else ""
+        raise ValueError(f"a micro-batch is a TokenBatch, a PreferenceBatch or (inputs, labels[, positions]), got "
+                         f"{type(batch).__name__}{size}")
+    return TokenBatch(*batch)
+
+
+def flatten(batch: Batch) -> tuple[list[Tensor], pytree.TreeSpec]:
+    """(the batch's tensors in field order, what `unflatten` rebuilds it from); None fields hold no tensor."""
+    return pytree.tree_flatten(batch)
+
+
+def unflatten(tensors: list[Tensor], spec: pytree.TreeSpec) -> Batch:
+    return pytree.tree_unflatten(tensors, spec)

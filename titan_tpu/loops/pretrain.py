@@ -1,0 +1,282 @@
+"""The pre-training and SFT loop.
+
+One optimizer step is described once, by the step contract (train/step.py)::
+
+    step_fn(micro_batches, lr) -> StepResult(loss, grad_norm, num_tokens, terms, expert_load)
+
+``EagerStep`` implements it with ordinary autograd; the Graph Trainer (graph/compile.py
+``GraphStep``) provides another implementation of the same contract, and the run's objective
+(train/objective.py) says what the loss is, so the loop around them (data, schedule, validation,
+metrics, checkpoints, signals) is shared. The run's parts are built before the loop by
+components/build.py (`Components`); this module only drives them. Other loops (loops/dpo.py) reuse
+this one and change what differs.
+
+Under ``torchrun`` every rank runs this same loop. Parameters are SimpleFSDP DTensors (see
+``parallel/simple_fsdp.py``), each data-parallel rank reads its own rows of the global batch, and
+loss, token counts and validation are reduced across ranks; only rank 0 logs and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import record_function
+
+from titan_tpu.components.build import Components
+from titan_tpu.config import Config
+from titan_tpu.data.batch import Batch, as_batch
+from titan_tpu.run_setup import prepare_run
+from titan_tpu.train.checkpoint import CheckpointSaveError
+from titan_tpu.train.metrics import MetricsLogger
+from titan_tpu.train.optim import lr_at
+from titan_tpu.train.profiling import DATA_REGION, StepProfiler
+from titan_tpu.train.signals import GracefulShutdown
+from titan_tpu.train.step import IGNORE_INDEX, StepResult, all_reduce_sum, batch_loss
+from titan_tpu.train.trackers import build_trackers
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """The loop over a run's `Components` (built here from the config, or handed in)."""
+
+    def __init__(self, cfg: Config, *, components: Components | None = None):
+        if type(self) is Trainer and cfg.training.objective != "next_token":
+            raise ValueError(f"training.objective = {cfg.training.objective} runs its own loop: start it with "
+                             "titan_tpu.loops.trainer_for(cfg) (or titan-tpu train)")
+        self.cfg = cfg
+        # The config checked across its sections and the spec resolved once; then the run's parts.
+        self.components = components or Components(prepare_run(cfg))
+        self.step = 0
+        self.data_seconds = 0.0  # time spent waiting for batches, all steps of this process
+        self.logger: MetricsLogger | None = None  # rank 0's, while train() runs
+        self.tracker_state: dict[str, str] = {}  # from the checkpoint: the trackers' run ids
+        self.save_failures = 0  # checkpoint saves that failed under checkpoint.on_save_error = warn
+
+    def __getattr__(self, name: str):
+        # The run's parts read as the loop's own (trainer.model, trainer.step_fn, trainer.backend):
+        # what the loop drives is built by Components; this loop only adds its counters.
+        if name == "components":
+            raise AttributeError(name)
+        return getattr(self.components, name)
+
+    def log(self, message: str) -> None:
+        self.components.log(message)
+
+    # ------------------------------------------------------------------------------------------
+    # state
+
+    def state_dict(self) -> dict:
+        trackers = self.logger.state_dict() if self.logger is not None else self.tracker_state
+        return self.components.state_dict(step=self.step, trackers=trackers)
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Resume everything from a checkpoint, resharding it onto this run's ranks if needed."""
+        rest = self.components.load_checkpoint(path)
+        self.step = rest["step"]
+        self.tracker_state = rest.get("trackers") or {}
+
+    def maybe_resume(self) -> None:
+        if not self.cfg.checkpoint.resume:
+            return
+        latest = self.checkpointer.latest()
+        if latest is not None:
+            self.load_checkpoint(latest)
+            self.log(f"resumed from {latest} at step {self.step}")
+        elif self.cfg.checkpoint.initial_load_path:
+            self.load_initial_weights(self.cfg.checkpoint.initial_load_path)
+
+    def save_checkpoint(self) -> Path | None:
+        """Save this step's checkpoint; None if it failed under checkpoint.on_save_error = warn."""
+        return self._checkpoint_io(lambda: self.checkpointer.save(self.step, self.state_dict()))
+
+    def _checkpoint_io(self, fn):
+        """Run a checkpointer call; a failed save stops the run (raises) or, under on_save_error =
+        warn, is logged and training goes on (the next interval tries again)."""
+        try:
+            return fn()
+        except CheckpointSaveError as e:
+            if self.cfg.checkpoint.on_save_error == "stop":
+                raise
+            self.save_failures += 1
+            self.log(f"warning: {e}; training goes on (checkpoint.on_save_error = warn) and the next save is "
+                     f"tried at step {self._next_save_step()}")
+            return None
+
+    def _next_save_step(self) -> int:
+        interval, steps = self.cfg.checkpoint.interval, self.cfg.training.steps
+        return min((self.step // interval + 1) * interval, steps) if self.step < steps else steps
+
+    # ------------------------------------------------------------------------------------------
+    # loop
+
+    def lr(self, step: int) -> float:
+        s, t = self.cfg.lr_scheduler, self.cfg.training
+        return lr_at(step, base_lr=self.cfg.optimizer.lr, warmup_steps=self.warmup_steps, total_steps=t.steps,
+                     decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_ratio=s.min_lr_ratio)
+
+    def _micro_batches(self) -> list[Batch]:
+        device = self.backend.device
+        start = time.perf_counter()
+        with record_function(DATA_REGION):
+            batches = [as_batch(self.train_loader.next_batch()).to(device, non_blocking=True)
+                       for _ in range(self.cfg.training.grad_accum_steps)]
+        self.data_seconds += time.perf_counter() - start
+        return batches
+
+    def objective_metrics(self, result: StepResult) -> dict[str, float]:
+        """What the step's objective adds to a metrics row (loops/dpo.py: the rewards)."""
+        return next_token_metrics(result)
+
+    def train_step(self) -> StepResult:
+        self.step += 1
+        return self.step_fn(self._micro_batches(), self.lr(self.step))
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        assert self.val_loader is not None
+        self.model.eval()
+        # fp32, not fp64: TPUs have no fast fp64, and a few batches' sums fit fp32 well enough.
+        totals = torch.zeros(2, device=self.backend.device)  # loss sum, tokens
+        for batch in self.val_loader.val_batches(self.cfg.validation.steps):
+            batch = as_batch(batch).to(self.backend.device)
+            totals[0] += batch_loss(self.model, batch).ce_sum
+            totals[1] += (batch.labels_BS != IGNORE_INDEX).sum()
+        self.model.train()
+        all_reduce_sum(totals)
+        return (totals[0] / totals[1]).item()
+
+    def _open_logger(self) -> MetricsLogger:
+        """Rank 0's metrics: metrics.jsonl, the console and the trackers, continuing the trackers'
+        runs of the checkpoint this run resumed from (the W&B run id)."""
+        m = self.cfg.metrics
+        names = [name for name in m.trackers if m.tensorboard or name != "tensorboard"]
+        trackers = build_trackers(names, run_dir=self.run_dir, state=self.tracker_state, project=m.wandb_project,
+                                  name=self.cfg.job.name, config=self.cfg.to_dict())
+        return MetricsLogger(output_dir=self.run_dir, tensorboard=False, console=m.console,
+                             total_steps=self.cfg.training.steps, trackers=trackers, resumed_step=self.step)
+
+    def _profiler(self) -> StepProfiler | None:
+        p = self.cfg.profiling
+        if not p.enabled:
+            return None
+        return StepProfiler(start_step=p.start_step, active_steps=p.active_steps,
+                            trace_dir=Path(p.trace_dir) if p.trace_dir else self.run_dir / "profile", rank=self.rank,
+                            device_type=self.backend.device.type, memory_snapshot=p.memory_snapshot, log=self.log)
+
+    def train(self) -> dict:
+        """Run to ``training.steps`` (or until SIGTERM/SIGINT); returns a summary with the paths of
+        the run's outputs."""
+        cfg = self.cfg
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            if self.tokenizer.path is not None:  # travels with the run, e.g. into an HF export
+                shutil.copyfile(self.tokenizer.path, self.run_dir / "tokenizer.json")
+        self.maybe_resume()
+        peak = self.backend.peak_flops(self.compute_dtype)
+        if self.warmup_steps < cfg.lr_scheduler.warmup_steps:
+            self.log(f"note: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than training.steps "
+                     f"= {cfg.training.steps}; warming up over {self.warmup_steps} steps instead")
+        self.log(f"model {self.spec.label}: {_num_params(self.model):,} params, "
+                 f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {cfg.training.seq_len}"
+                 f"{f' ({self.flops_note})' if self.flops_note else ''}; "
+                 f"{self.world_size} rank(s), data parallel: {self.parallel_dims.mode}"
+                 f"{f', expert parallel: {self.parallel_dims.ep}' if self.parallel_dims.ep > 1 else ''}"
+                 f"{f', tensor parallel: {self.parallel_dims.tp}' if self.parallel_dims.tp > 1 else ''}"
+                 f"{f', context parallel: {self.parallel_dims.cp}' if self.parallel_dims.cp > 1 else ''}; "
+                 f"MFU peak per device: {self.backend.peak_description(self.compute_dtype)}")
+
+        last_val, stopped_by = None, None
+        logger = self.logger = self._open_logger() if self.is_main else None
+        profiler = self._profiler()
+        with GracefulShutdown() as shutdown:
+            # Throughput counts only time spent in training steps (each ends in a host sync when its
+            # loss is read), not validation or checkpointing.
+            window_tokens, window_seconds, window_steps, window_start_data = 0, 0.0, 0, self.data_seconds
+            self.backend.reset_peak_memory()
+            while self.step < cfg.training.steps:
+                if profiler is not None:
+                    profiler.before_step(self.step + 1)
+                start = time.perf_counter()
+                result = self.train_step()
+                window_seconds += time.perf_counter() - start
+                window_tokens += result.num_tokens
+                window_steps += 1
+                if profiler is not None:
+                    profiler.after_step(self.step)
+                done = self.step == cfg.training.steps
+                if self.step % cfg.metrics.log_freq == 0 or done or self.step == 1:
+                    tokens_per_s = window_tokens / window_seconds  # all ranks together
+                    flops_per_device = tokens_per_s * self.flops_per_token / self.world_size
+                    row = {"loss": result.loss, "lr": self.lr(self.step), "grad_norm": result.grad_norm,
+                           "tokens_per_s": tokens_per_s, "tflops": flops_per_device / 1e12,
+                           "mfu": 100.0 * flops_per_device / peak,
+                           "data_s": (self.data_seconds - window_start_data) / window_steps,
+                           "step_s": window_seconds / window_steps, "time": time.time()}
+                    row.update(self.objective_metrics(result))
+                    row.update(self.train_loader.metrics())  # mixtures: token share and epochs per source
+                    row.update(self.backend.memory_stats())
+                    row.update(self.compile_stats)
+                    self.compile_stats = {}  # once per process
+                    if logger is not None:
+                        logger.log(self.step, row)
+                    window_tokens, window_seconds, window_steps, window_start_data = 0, 0.0, 0, self.data_seconds
+                if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or done):
+                    last_val = self.validate()
+                    if logger is not None:
+                        logger.log(self.step, {"val_loss": last_val})
+                stop = shutdown.should_stop()  # agreed by all ranks, so all of them save together
+                if cfg.checkpoint.enabled and (self.step % cfg.checkpoint.interval == 0 or done or stop):
+                    if self.cfg.checkpoint.async_save:  # the previous async save's failure, if any, first
+                        self._checkpoint_io(self.checkpointer.wait)
+                    self.save_checkpoint()
+                if stop:
+                    stopped_by = shutdown.signal_name or "a signal on another rank"
+                    break
+        self._checkpoint_io(self.checkpointer.close)  # an async save must land before the process ends
+        if profiler is not None:
+            profiler.close()
+        if logger is not None:
+            logger.close()
+            self.logger = None
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+        latest = self.checkpointer.latest() if cfg.checkpoint.enabled else None
+        summary = {"step": self.step, "metrics": str(self.run_dir / "metrics.jsonl"),
+                   "checkpoint": str(latest) if latest else None, "val_loss": last_val, "stopped_by": stopped_by,
+                   "save_failures": self.save_failures}
+        if stopped_by:
+            self.log(f"stopped by {stopped_by} after step {self.step}; restart the same command to resume")
+        self.log(f"done: step {self.step}; metrics: {summary['metrics']}; checkpoint: {summary['checkpoint']}")
+        return summary
+
+
+def next_token_metrics(result: StepResult) -> dict[str, float]:
+    """The next-token objective's terms in a metrics row: the MoE balancing loss and load spread
+    (MoE models), the multi-token-prediction loss, unweighted (MTP models)."""
+    row = _moe_metrics(result)
+    if result.mtp_loss is not None:
+        row["mtp_loss"] = result.mtp_loss
+    return row
+
+
+def _moe_metrics(result: StepResult) -> dict[str, float]:
+    """Balancing loss and how evenly the experts were loaded in the step: max and min over layers
+    and experts of tokens per expert / the mean (1.0 is perfectly even); {} for dense models."""
+    if result.expert_load is None:
+        return {}
+    load_LE = result.expert_load.float()
+    relative_LE = load_LE / load_LE.mean(dim=1, keepdim=True).clamp(min=1e-9)
+    return {"aux_loss": result.aux_loss, "expert_load_max": relative_LE.max().item(),
+            "expert_load_min": relative_LE.min().item()}
+
+
+def _num_params(model: torch.nn.Module) -> int:
+    """Parameter count of the whole model, also when parameters are sharded DTensors."""
+    return sum(p.numel() for p in model.parameters())
