@@ -168,7 +168,7 @@ def assert_one_line(excinfo, *fragments):
         assert fragment in message, message
 
 
-def test_bad_inputs_are_one_line_and_leave_no_cache(tmp_path, docs, tokenizer, chat_dir):
+def test_bad_inputs_are_one_line_and_leave_no_cache(tmp_path, docs, tokenizer, chat_dir, monkeypatch):
     cache = tmp_path / "cache"
     write_parquet(tmp_path / "a.parquet", docs)
     with pytest.raises(ValueError) as e:  # missing text field: name the fields present
@@ -205,10 +205,17 @@ def test_bad_inputs_are_one_line_and_leave_no_cache(tmp_path, docs, tokenizer, c
         prepare_sources([SourceConfig(path=ok)], max_bytes=None, tokenizer_path=str(tokenizer.path), vocab_size=300,
                         cache_dir=cache, log=lambda m: None)
     assert_one_line(e, "320 tokens", "model vocab is 300")
-    for hub in ("hf://datasets/org/name", "HuggingFaceFW/fineweb"):
-        with pytest.raises(ValueError) as e:  # no network here: a Hub name is refused in one line
-            iter_documents(hub)
-        assert_one_line(e, "Hugging Face Hub", "--local-dir")
+    with pytest.raises(ValueError) as e:  # a Hub address: download it first, in one line
+        iter_documents("hf://datasets/org/name")
+    assert_one_line(e, "Hugging Face Hub dataset", "hf download org/name --repo-type dataset --local-dir")
+    # A relative path that is not there is missing, with the path it resolved to, whatever its shape:
+    # "data/corpus" and "org/name" look alike, and neither is sent to the Hub.
+    monkeypatch.chdir(tmp_path)
+    for missing in ("data/corpus", "HuggingFaceFW/fineweb", "corpus.jsonl"):
+        with pytest.raises(FileNotFoundError) as e:
+            iter_documents(missing)
+        assert_one_line(e, f"data source '{missing}' does not exist", str(tmp_path / missing))
+        assert "Hub" not in str(e.value) and "network" not in str(e.value)
     with pytest.raises(FileNotFoundError) as e:
         iter_documents(str(tmp_path / "nothing" / "*.parquet"))
     assert_one_line(e, "matches no")
