@@ -170,6 +170,34 @@ def test_help_lists_every_command_and_version(capsys):
     assert code == 2 and err.count("\n") == 1 and "unknown command 'trian'; use one of train, config" in err
 
 
+def test_compile_sets_its_environment_before_torch_is_imported():
+    """`titan-tpu compile` needs no environment variables from the user: the command line sets what
+    the compile-only client needs before anything imports torch (in a fresh process, as the console
+    script starts), keeps a value the user set, and sets nothing for the other commands."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    from titan_tpu.cli import COMPILE_ENVIRONMENT
+
+    probe = ("import os, sys; from titan_tpu import cli; "
+             "cli.COMMANDS[sys.argv[1]] = lambda argv: print(repr(('torch' in sys.modules, "
+             "{name: os.environ.get(name) for name in cli.COMPILE_ENVIRONMENT}))) or 0; "
+             "sys.exit(cli.main(sys.argv[1:]))")
+    env = {k: v for k, v in os.environ.items() if k not in COMPILE_ENVIRONMENT}
+
+    def seen(command: str, **extra) -> tuple:
+        out = subprocess.run([sys.executable, "-c", probe, command], env={**env, **extra}, capture_output=True,
+                             text=True, check=True).stdout
+        return ast.literal_eval(out)
+
+    assert seen("compile") == (False, COMPILE_ENVIRONMENT)
+    assert seen("compile", TPU_SKIP_MDS_QUERY="0")[1]["TPU_SKIP_MDS_QUERY"] == "0"
+    assert seen("plan") == (False, dict.fromkeys(COMPILE_ENVIRONMENT))
+    assert COMPILE_ENVIRONMENT["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0"
+
+
 def test_config_lists_every_key_with_its_meaning(capsys):
     """`titan-tpu config` is the schema itself: every key of every section, its type and default, and
     the comment the schema writes for it (a key added without one fails here)."""

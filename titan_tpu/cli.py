@@ -355,8 +355,21 @@ def version() -> str:
     return f"titan-tpu {ours} (torch {torch.__version__}, Python {sys.version.split()[0]})"
 
 
+# `titan-tpu compile` compiles for a TPU slice with libtpu's compile-only client, on any machine: it
+# needs no TPU and must not look for one. Set before torch is first imported (the console script
+# imports nothing heavy before `main`): torch would otherwise load torch-tpu through its backend
+# auto-loading, and libtpu would ask the cloud metadata server which TPU this is (minutes of
+# retries on a machine that is not a TPU VM); a compile-only client may also load libtpu beside
+# another process's. A value the user set is kept.
+COMPILE_ENVIRONMENT = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TPU_SKIP_MDS_QUERY": "1",
+                       "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "compile":
+        for name, value in COMPILE_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
