@@ -113,6 +113,8 @@ def convert_main(argv: list[str]) -> int:
     parser.add_argument("--to-hf", help="output Hugging Face directory (with --checkpoint)")
     parser.add_argument("--to-checkpoint", help="output checkpoints directory (with --hf-dir)")
     parser.add_argument("--to-peft", help="output peft adapter directory of a LoRA run (with --checkpoint)")
+    parser.add_argument("--base-model", help="with --to-peft: the adapters' base model as peft names it (an HF "
+                                             "directory or Hub id; default: the HF directory the run started from)")
     parser.add_argument("--merge-lora", action="store_true",
                         help="with --to-hf: fold a LoRA run's adapters into the weights (a plain HF model)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -120,11 +122,14 @@ def convert_main(argv: list[str]) -> int:
 
     from titan_tpu import convert
 
+    if args.base_model and not args.to_peft:
+        parser.error("--base-model names the base of a --to-peft export; leave it out")
     if args.checkpoint:
         if bool(args.to_hf) == bool(args.to_peft):
             parser.error("--checkpoint needs one of --to-hf OUT_DIR or --to-peft OUT_DIR")
         if args.to_peft:
-            out = convert.checkpoint_to_peft(args.checkpoint, args.to_peft, overwrite=args.overwrite)
+            out = convert.checkpoint_to_peft(args.checkpoint, args.to_peft, overwrite=args.overwrite,
+                                             base_model=args.base_model, log=lambda line: print(line, file=sys.stderr))
         else:
             out = convert.checkpoint_to_hf(args.checkpoint, args.to_hf, overwrite=args.overwrite,
                                            merge_lora=args.merge_lora)

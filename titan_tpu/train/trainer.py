@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from titan_tpu.config import Config, grad_accum_from_tokens
+from titan_tpu.data.tokenizer import tokenizer_files
 from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
 from titan_tpu.errors import RunError
 from titan_tpu.model_contract import TrainableModel
@@ -116,6 +117,7 @@ class Trainer:
         cfg.kernels.check_device(self.backend.device.type, documents=self.document_mask)
 
         self.spec = setup.spec  # what the trainer asks about the model (models/spec.py)
+        self.base_weights = setup.base_weights  # recorded in checkpoints: the base a LoRA export names
         self.model_args = self.spec.args
         # Rank 0 tokenizes (or finds the cache) first; the others then only read the cache.
         with main_process_first():
@@ -234,6 +236,7 @@ class Trainer:
             "trackers": self.logger.state_dict() if self.logger is not None else self.tracker_state,
             # What convert needs to export the adapters (peft) or merge them (HF).
             "lora": dataclasses.asdict(self.cfg.lora) if self.cfg.lora.enabled else None,
+            "base_weights": self.base_weights,
         }
 
     def load_checkpoint(self, path: Path) -> None:
@@ -355,8 +358,11 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            if self.tokenizer.path is not None:  # travels with the run, e.g. into an HF export
-                shutil.copyfile(self.tokenizer.path, self.run_dir / "tokenizer.json")
+            if self.tokenizer.path is not None:  # travels with the run (its chat template too), e.g. into an HF export
+                for source in tokenizer_files(self.tokenizer.path):
+                    target = self.run_dir / ("tokenizer.json" if source == self.tokenizer.path else source.name)
+                    if source.resolve() != target.resolve():
+                        shutil.copyfile(source, target)
         self.maybe_resume()
         peak = self.backend.peak_flops(self.compute_dtype)
         if self.warmup_steps < cfg.lr_scheduler.warmup_steps:
