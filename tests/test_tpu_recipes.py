@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from titan_tpu import device
-from titan_tpu.config import build_config
+from titan_tpu.config import build_config, data_sources
 from titan_tpu.kernels import OPS, tpu as tpu_kernels
 from titan_tpu.models.registry import get_model_args
 from titan_tpu.plan import plan_config
@@ -52,8 +52,11 @@ def test_tpu_recipe(name, monkeypatch):
     args = get_model_args(cfg.model.name, cfg.model.flavor)
     assert args.n_heads % args.n_kv_heads == 0
     needs = frozenset({"documents"}) if cfg.data.document_mask else frozenset()
-    assert k.attention == "splash" and k.loss == "tokamax"
-    for op_name, choice, op_needs in (("attention", k.attention, needs), ("loss", k.loss, frozenset())):
+    # Chat data trains on the assistant's tokens only: its loss skips ignored labels, which tokamax cannot.
+    chat = any(source.format == "chat" for source in data_sources(cfg))
+    loss_needs = frozenset({"ignored labels"}) if chat else frozenset()
+    assert k.attention == "splash" and k.loss == ("chunked" if chat else "tokamax")
+    for op_name, choice, op_needs in (("attention", k.attention, needs), ("loss", k.loss, loss_needs)):
         impl = OPS[op_name].impls[choice]
         assert "tpu" in impl.devices and op_needs <= impl.features, (op_name, choice)
     assert tpu_kernels.splash_block(t.seq_len) >= 128
