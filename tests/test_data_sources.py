@@ -356,6 +356,41 @@ def test_assistant_mask_equals_transformers(tmp_path, chat_dir):
         assert 0 < sum(want_mask) < len(want_mask)
 
 
+# A template that renders the last assistant turn unlike the earlier ones (Qwen3's adds an empty
+# thinking block to it): the prefix rule cannot find the assistant's tokens.
+LAST_TURN_THINKS = CHATML_PLAIN.replace(
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}",
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% if loop.last %}{{ '<think>\n\n</think>\n\n' }}{% endif %}")
+
+
+def test_builtin_chatml_takes_over_a_template_that_rewrites_earlier_turns(tmp_path):
+    """data.chat_template = chatml: the built-in ChatML with generation blocks marks the same tokens
+    as transformers' return_assistant_tokens_mask; a template that rewrites earlier turns is refused
+    in one line that names it."""
+    from titan_tpu.data.chat import CHATML, ChatRenderer, load_chat_template
+
+    assert LAST_TURN_THINKS != CHATML_PLAIN
+    thinking = write_chat_tokenizer_dir(tmp_path / "thinking", template=LAST_TURN_THINKS)
+    tok = load_tokenizer(thinking)
+    rows = conversations(8, seed=3, turns=3)
+    template, special = load_chat_template(thinking)
+    with pytest.raises(ValueError) as e:
+        ChatRenderer(template, tok, special_tokens=special).encode(rows[0]["messages"], where="row 0")
+    assert_one_line(e, "rewrites earlier turns", "--data.chat_template chatml")
+    template, special = load_chat_template(thinking, "chatml")
+    assert template == CHATML
+    reference = write_chat_tokenizer_dir(tmp_path / "chatml", template=CHATML)  # transformers reads it
+    for row in rows:
+        ids, mask = ChatRenderer(template, tok, special_tokens=special).encode(row["messages"], where="row")
+        assert (ids.tolist(), mask.tolist()) == transformers_mask(reference, row["messages"])
+    (tmp_path / "mine.jinja").write_text(CHATML_PLAIN)
+    assert load_chat_template(thinking, str(tmp_path / "mine.jinja"))[0] == CHATML_PLAIN
+    with pytest.raises(FileNotFoundError) as e:
+        load_chat_template(thinking, str(tmp_path / "missing.jinja"))
+    assert_one_line(e, "data.chat_template", "chatml")
+
+
 def test_chat_rows_pack_label_only_assistant_tokens(tmp_path, chat_dir):
     rows = conversations(40, seed=2)
     write_jsonl(tmp_path / "chat.jsonl", rows)

@@ -67,6 +67,10 @@ class Tokenizer:
             self._tok.encode_special_tokens = True
         return enc.ids, enc.offsets
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token spelled `text` (a special token such as <|im_start|>), or None."""
+        return self._tok.token_to_id(text)
+
     def decode(self, ids: Sequence[int] | Iterable[int]) -> str:
         # Keep special tokens so a decoded packed stream shows its document separators.
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
