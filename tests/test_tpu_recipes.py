@@ -95,3 +95,19 @@ def test_the_checks_can_fail(monkeypatch):
     cfg = for_planning(CONFIGS / "llama3_405b_tpu.toml", ["--parallelism.dp_shard", "-1"])
     small = plan_config(cfg, chips=16)
     assert small.devices == 16 and not small.fits
+
+
+def test_the_recipe_table_of_the_tpu_page_is_the_planners():
+    """docs/tpu.md lists every TPU recipe with the planner's peak and MFU, as `titan-tpu plan` prints
+    them today: a planner change that moves a number fails here with the row to write."""
+    page = (CONFIGS.parent / "docs" / "tpu.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+(?:\.\w+)?)\.toml` \|.*$", page, re.MULTILINE)}
+    assert sorted(rows) == RECIPES, "docs/tpu.md's recipe table must list every configs/*_tpu.toml"
+    failures = []
+    for name, row in rows.items():
+        plan = plan_config(for_planning(CONFIGS / f"{name}.toml"), measure=False)
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        want = [f"{plan.peak_bytes / 1e9:.1f} of {plan.capacity_bytes / 1e9:.1f} GB", f"{plan.mfu:.1f}%"]
+        if cells[-2:] != want:
+            failures.append(f"{name}: the page says {' | '.join(cells[-2:])}; the planner says {' | '.join(want)}")
+    assert not failures, "\n".join(failures)
