@@ -109,6 +109,7 @@ def test_convert_round_trip_and_finetune_start(tmp_path, train_overrides, capsys
                            str(tmp_path / "imported"))
     assert code == 0, err
     imported = load_checkpoint(tmp_path / "imported/step-00000000")
+    assert (tmp_path / "imported/tokenizer.json").read_bytes() == (tmp_path / "hf/tokenizer.json").read_bytes()
     for key, value in state["model"].items():
         torch.testing.assert_close(imported["model"][key], value, rtol=0, atol=0)
     for start in (tmp_path / "imported", tmp_path / "hf"):
@@ -127,7 +128,8 @@ def test_train_bad_inputs_are_one_line_errors(tmp_path, train_overrides, capsys)
         (["--data.source", str(tmp_path / "missing")], "does not exist"),
         (["--data.source", str(empty)], "empty"),
         (["--training.steps", "abc"], "training.steps = 'abc' has the wrong type"),
-        (["--checkpoint.initial_load_path", str(tmp_path / "nothing")], "no complete checkpoint found"),
+        (["--checkpoint.initial_load_path", str(tmp_path / "nothing")], "checkpoint.initial_load_path"),
+        (["--checkpoint.initial_load_path", str(empty)], "no complete checkpoint found"),
         (["--kernels.attention", "splash"], "kernels.attention = splash cannot run here (runs on tpu, not cpu); "
                                             "available on cpu: reference, sdpa"),
         (["--kernels.loss", "tokamax"], "kernels.loss = tokamax cannot run here"),

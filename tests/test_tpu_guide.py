@@ -168,3 +168,26 @@ def test_starting_weights_without_a_tokenizer_are_refused_in_one_line(tmp_path):
         with pytest.raises(error) as e:
             prepare_run(cfg).tokenizer_path
         assert words in str(e.value) and "\n" not in str(e.value) and "checkpoint.initial_load_path" in str(e.value)
+
+
+def test_weights_of_another_rope_or_norm_are_refused_by_a_flavor(tmp_path):
+    """Shapes alike, math not: a directory whose config.json has another rope_theta than the flavor
+    would load silently and compute with the wrong rotation; it is refused in one line."""
+    from titan_tpu.config import build_config
+    from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
+    from titan_tpu.models.registry import build_model, get_model_args
+    from titan_tpu.models.spec import build, native_spec
+
+    args = get_model_args("qwen3", "debug")
+    model = build_model(args, seed=0)
+    hf = save_hf_checkpoint(tmp_path / "hf", name="qwen3", args=args, state_dict=model.state_dict())
+    cfg = build_config(ROOT / "configs" / "qwen3_debug.toml", ["--training.device", "cpu"])
+    spec = native_spec(cfg.model)
+    target = build(spec, cfg, device="cpu", seed=1)
+    spec.load_hf_weights(target, hf)  # the same config: loads
+    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), model.state_dict().values()))
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "rope_theta": 10000.0}))
+    with pytest.raises(ValueError) as e:
+        spec.load_hf_weights(target, hf)
+    assert "rope_theta = 10000.0" in str(e.value) and "qwen3/debug" in str(e.value) and "\n" not in str(e.value)

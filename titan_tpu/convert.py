@@ -64,8 +64,13 @@ def hf_to_checkpoint(hf_dir: str | Path, checkpoint_dir: str | Path, *, overwrit
         raise FileExistsError(f"{checkpoint_dir} already holds checkpoints; "
                               "pass --overwrite or choose another directory")
     name, args, state_dict = load_hf_checkpoint(hf_dir)
-    return ckpt.save(0, {"step": 0, "model": state_dict, "model_name": name,
-                         "model_args": dataclasses.asdict(args)})
+    saved = ckpt.save(0, {"step": 0, "model": state_dict, "model_name": name, "model_args": dataclasses.asdict(args),
+                          "base_weights": {"hf_dir": str(Path(hf_dir).absolute())}})
+    tokenizer = Path(hf_dir) / "tokenizer.json"
+    if tokenizer.is_file():  # beside the checkpoints: a run started from them finds it (run_setup.py)
+        for source in tokenizer_files(tokenizer):
+            shutil.copyfile(source, Path(checkpoint_dir) / source.name)
+    return saved
 
 
 def checkpoint_to_peft(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False,

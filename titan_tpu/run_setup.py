@@ -73,6 +73,9 @@ def initial_weights_tokenizer(path: str) -> str | None:
                                 f"{str(start.absolute())!r}); give a Hugging Face directory or a training checkpoint")
     if (start / "config.json").is_file():
         return str(start) if (start / "tokenizer.json").is_file() else None
+    from titan_tpu.convert import resolve_checkpoint
+
+    resolve_checkpoint(start)  # a directory without a checkpoint: its own one-line error, before the tokenizer's
     run_dirs = [start, start.parent if start.name == "checkpoints" else None,
                 start.parent.parent if start.parent.name == "checkpoints" else None]
     return next((str(d) for d in run_dirs if d is not None and (d / "tokenizer.json").is_file()), None)
