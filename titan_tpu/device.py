@@ -72,8 +72,8 @@ _TPU_DEVICES_PER_CHIP = {"v7": 2}
 TPU_FALLBACK_GENERATION = "v6e"
 
 # Matrix size and repetitions for the CPU matmul benchmark: 2048^3 * 2 = 17 GFLOP per matmul,
-# ~0.12 s each at ~140 GFLOP/s, so warmup + 10 timed reps take about 1.3 s; the best rep is
-# taken, which is robust to a neighbour stealing the cores for part of that time.
+# ~0.12 s each at ~140 GFLOP/s, so warmup + 3 rounds of 4 timed reps take about 1.5 s; the best rep
+# is taken, which is robust to a neighbour stealing the cores for part of that time.
 _CPU_BENCH_N = 2048
 _CPU_BENCH_REPS = 4  # matmuls per round
 _CPU_BENCH_ROUNDS = 3  # rounds a few tens of milliseconds apart: a neighbour's burst spoils fewer of them
