@@ -97,17 +97,27 @@ def test_the_checks_can_fail(monkeypatch):
     assert small.devices == 16 and not small.fits
 
 
-def test_the_recipe_table_of_the_tpu_page_is_the_planners():
+ROW = re.compile(r"^\| `(\w+)\.toml` \|.*\| [\d.]+ of [\d.]+ GB \| [\d.]+% \|$", re.MULTILINE)
+
+
+def test_the_recipe_tables_of_the_pages_are_the_planners():
     """docs/tpu.md lists every TPU recipe with the planner's peak and MFU, as `titan-tpu plan` prints
-    them today: a planner change that moves a number fails here with the row to write."""
-    page = (CONFIGS.parent / "docs" / "tpu.md").read_text()
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+(?:\.\w+)?)\.toml` \|.*$", page, re.MULTILINE)}
-    assert sorted(rows) == RECIPES, "docs/tpu.md's recipe table must list every configs/*_tpu.toml"
-    failures = []
-    for name, row in rows.items():
-        plan = plan_config(for_planning(CONFIGS / f"{name}.toml"), measure=False)
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        want = [f"{plan.peak_bytes / 1e9:.1f} of {plan.capacity_bytes / 1e9:.1f} GB", f"{plan.mfu:.1f}%"]
-        if cells[-2:] != want:
-            failures.append(f"{name}: the page says {' | '.join(cells[-2:])}; the planner says {' | '.join(want)}")
+    them today, and so does every other page's recipe row that quotes them (deepseek_v3.md's): a
+    planner change that moves a number fails here with the page and the row to write."""
+    docs = CONFIGS.parent / "docs"
+    tpu_rows = [m.group(1) for m in ROW.finditer((docs / "tpu.md").read_text())]
+    assert sorted(tpu_rows) == RECIPES, "docs/tpu.md's recipe table must list every configs/*_tpu.toml"
+    failures, checked = [], 0
+    for page in sorted(docs.glob("*.md")):
+        if page.name == "log.md":  # history: the numbers of their day
+            continue
+        for m in ROW.finditer(page.read_text()):
+            plan = plan_config(for_planning(CONFIGS / f"{m.group(1)}.toml"), measure=False)
+            cells = [c.strip() for c in m.group(0).strip("|").split("|")]
+            want = [f"{plan.peak_bytes / 1e9:.1f} of {plan.capacity_bytes / 1e9:.1f} GB", f"{plan.mfu:.1f}%"]
+            checked += 1
+            if cells[-2:] != want:
+                failures.append(f"docs/{page.name}, {m.group(1)}: the page says {' | '.join(cells[-2:])}; "
+                                f"the planner says {' | '.join(want)}")
     assert not failures, "\n".join(failures)
+    assert checked > len(RECIPES)  # deepseek_v3.md's rows too
