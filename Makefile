@@ -38,15 +38,16 @@ bench: $(STAMP)
 
 # The TPU path checked against the real torch-tpu package on this CPU (tests/tpu/, docs/tpu.md):
 # API conformance of every torch_tpu call, the jax_op kernels' numerics in Pallas TPU interpret
-# mode, the tpu compile backend as far as a machine without a TPU goes. Its own environment:
-# torch-tpu aborts `import torch` where libtpu is missing, so it never enters .venv.
+# mode, the tpu compile backend as far as a machine without a TPU goes. Its own environment, the
+# one docs/tpu.md installs on a TPU VM plus pytest: torch-tpu aborts `import torch` where libtpu is
+# missing, so it never enters .venv.
 TPU_VENV := .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed-stamp
 
-$(TPU_STAMP): pyproject.toml requirements-tpu.txt constraints-tpu.txt
+$(TPU_STAMP): pyproject.toml constraints-tpu.txt
 	$(PYTHON) -m venv $(TPU_VENV)
 	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TPU_VENV)/bin/python -m pip install -q -c constraints-tpu.txt -r requirements-tpu.txt -e .
+	$(TPU_VENV)/bin/python -m pip install -q -c constraints-tpu.txt -e ".[tpu,hf,wandb,tpu-check]"
 	touch $(TPU_STAMP)
 
 tpu-check: $(TPU_STAMP)

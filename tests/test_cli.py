@@ -109,6 +109,7 @@ def test_convert_round_trip_and_finetune_start(tmp_path, train_overrides, capsys
                            str(tmp_path / "imported"))
     assert code == 0, err
     imported = load_checkpoint(tmp_path / "imported/step-00000000")
+    assert (tmp_path / "imported/tokenizer.json").read_bytes() == (tmp_path / "hf/tokenizer.json").read_bytes()
     for key, value in state["model"].items():
         torch.testing.assert_close(imported["model"][key], value, rtol=0, atol=0)
     for start in (tmp_path / "imported", tmp_path / "hf"):
@@ -127,7 +128,8 @@ def test_train_bad_inputs_are_one_line_errors(tmp_path, train_overrides, capsys)
         (["--data.source", str(tmp_path / "missing")], "does not exist"),
         (["--data.source", str(empty)], "empty"),
         (["--training.steps", "abc"], "training.steps = 'abc' has the wrong type"),
-        (["--checkpoint.initial_load_path", str(tmp_path / "nothing")], "no complete checkpoint found"),
+        (["--checkpoint.initial_load_path", str(tmp_path / "nothing")], "checkpoint.initial_load_path"),
+        (["--checkpoint.initial_load_path", str(empty)], "no complete checkpoint found"),
         (["--kernels.attention", "splash"], "kernels.attention = splash cannot run here (runs on tpu, not cpu); "
                                             "available on cpu: reference, sdpa"),
         (["--kernels.loss", "tokamax"], "kernels.loss = tokamax cannot run here"),
@@ -168,6 +170,34 @@ def test_help_lists_every_command_and_version(capsys):
     assert code == 0 and out.startswith("titan-tpu 0.") and "torch 2." in out
     code, _, err = run_cli(capsys, "trian")
     assert code == 2 and err.count("\n") == 1 and "unknown command 'trian'; use one of train, config" in err
+
+
+def test_compile_sets_its_environment_before_torch_is_imported():
+    """`titan-tpu compile` needs no environment variables from the user: the command line sets what
+    the compile-only client needs before anything imports torch (in a fresh process, as the console
+    script starts), keeps a value the user set, and sets nothing for the other commands."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    from titan_tpu.cli import COMPILE_ENVIRONMENT
+
+    probe = ("import os, sys; from titan_tpu import cli; "
+             "cli.COMMANDS[sys.argv[1]] = lambda argv: print(repr(('torch' in sys.modules, "
+             "{name: os.environ.get(name) for name in cli.COMPILE_ENVIRONMENT}))) or 0; "
+             "sys.exit(cli.main(sys.argv[1:]))")
+    env = {k: v for k, v in os.environ.items() if k not in COMPILE_ENVIRONMENT}
+
+    def seen(command: str, **extra) -> tuple:
+        out = subprocess.run([sys.executable, "-c", probe, command], env={**env, **extra}, capture_output=True,
+                             text=True, check=True).stdout
+        return ast.literal_eval(out)
+
+    assert seen("compile") == (False, COMPILE_ENVIRONMENT)
+    assert seen("compile", TPU_SKIP_MDS_QUERY="0")[1]["TPU_SKIP_MDS_QUERY"] == "0"
+    assert seen("plan") == (False, dict.fromkeys(COMPILE_ENVIRONMENT))
+    assert COMPILE_ENVIRONMENT["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0"
 
 
 def test_config_lists_every_key_with_its_meaning(capsys):

@@ -168,7 +168,7 @@ def assert_one_line(excinfo, *fragments):
         assert fragment in message, message
 
 
-def test_bad_inputs_are_one_line_and_leave_no_cache(tmp_path, docs, tokenizer, chat_dir):
+def test_bad_inputs_are_one_line_and_leave_no_cache(tmp_path, docs, tokenizer, chat_dir, monkeypatch):
     cache = tmp_path / "cache"
     write_parquet(tmp_path / "a.parquet", docs)
     with pytest.raises(ValueError) as e:  # missing text field: name the fields present
@@ -205,10 +205,17 @@ def test_bad_inputs_are_one_line_and_leave_no_cache(tmp_path, docs, tokenizer, c
         prepare_sources([SourceConfig(path=ok)], max_bytes=None, tokenizer_path=str(tokenizer.path), vocab_size=300,
                         cache_dir=cache, log=lambda m: None)
     assert_one_line(e, "320 tokens", "model vocab is 300")
-    for hub in ("hf://datasets/org/name", "HuggingFaceFW/fineweb"):
-        with pytest.raises(ValueError) as e:  # no network here: a Hub name is refused in one line
-            iter_documents(hub)
-        assert_one_line(e, "Hugging Face Hub", "--local-dir")
+    with pytest.raises(ValueError) as e:  # a Hub address: download it first, in one line
+        iter_documents("hf://datasets/org/name")
+    assert_one_line(e, "Hugging Face Hub dataset", "hf download org/name --repo-type dataset --local-dir")
+    # A relative path that is not there is missing, with the path it resolved to, whatever its shape:
+    # "data/corpus" and "org/name" look alike, and neither is sent to the Hub.
+    monkeypatch.chdir(tmp_path)
+    for missing in ("data/corpus", "HuggingFaceFW/fineweb", "corpus.jsonl"):
+        with pytest.raises(FileNotFoundError) as e:
+            iter_documents(missing)
+        assert_one_line(e, f"data source '{missing}' does not exist", str(tmp_path / missing))
+        assert "Hub" not in str(e.value) and "network" not in str(e.value)
     with pytest.raises(FileNotFoundError) as e:
         iter_documents(str(tmp_path / "nothing" / "*.parquet"))
     assert_one_line(e, "matches no")
@@ -347,6 +354,41 @@ def test_assistant_mask_equals_transformers(tmp_path, chat_dir):
             assert ids.tolist() == want_ids
             assert mask.tolist() == want_mask
         assert 0 < sum(want_mask) < len(want_mask)
+
+
+# A template that renders the last assistant turn unlike the earlier ones (Qwen3's adds an empty
+# thinking block to it): the prefix rule cannot find the assistant's tokens.
+LAST_TURN_THINKS = CHATML_PLAIN.replace(
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}",
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% if loop.last %}{{ '<think>\n\n</think>\n\n' }}{% endif %}")
+
+
+def test_builtin_chatml_takes_over_a_template_that_rewrites_earlier_turns(tmp_path):
+    """data.chat_template = chatml: the built-in ChatML with generation blocks marks the same tokens
+    as transformers' return_assistant_tokens_mask; a template that rewrites earlier turns is refused
+    in one line that names it."""
+    from titan_tpu.data.chat import CHATML, ChatRenderer, load_chat_template
+
+    assert LAST_TURN_THINKS != CHATML_PLAIN
+    thinking = write_chat_tokenizer_dir(tmp_path / "thinking", template=LAST_TURN_THINKS)
+    tok = load_tokenizer(thinking)
+    rows = conversations(8, seed=3, turns=3)
+    template, special = load_chat_template(thinking)
+    with pytest.raises(ValueError) as e:
+        ChatRenderer(template, tok, special_tokens=special).encode(rows[0]["messages"], where="row 0")
+    assert_one_line(e, "rewrites earlier turns", "--data.chat_template chatml")
+    template, special = load_chat_template(thinking, "chatml")
+    assert template == CHATML
+    reference = write_chat_tokenizer_dir(tmp_path / "chatml", template=CHATML)  # transformers reads it
+    for row in rows:
+        ids, mask = ChatRenderer(template, tok, special_tokens=special).encode(row["messages"], where="row")
+        assert (ids.tolist(), mask.tolist()) == transformers_mask(reference, row["messages"])
+    (tmp_path / "mine.jinja").write_text(CHATML_PLAIN)
+    assert load_chat_template(thinking, str(tmp_path / "mine.jinja"))[0] == CHATML_PLAIN
+    with pytest.raises(FileNotFoundError) as e:
+        load_chat_template(thinking, str(tmp_path / "missing.jinja"))
+    assert_one_line(e, "data.chat_template", "chatml")
 
 
 def test_chat_rows_pack_label_only_assistant_tokens(tmp_path, chat_dir):

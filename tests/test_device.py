@@ -2,8 +2,10 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,3 +287,85 @@ def test_fake_tpu_backend_inner(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.warns(UserWarning, match="could not tell the TPU generation"):
         assert get_backend("tpu").peak_flops() == tpu_peak_flops(dev.TPU_FALLBACK_GENERATION)
+
+
+# ---------------------------------------------------------------------------------------------
+# MFU never above 100%: a run that beats the measured peak has it measured again, else no MFU
+# ---------------------------------------------------------------------------------------------
+
+
+def _measuring(monkeypatch, rates):
+    """The CPU peak measurement returning `rates` in turn (the last one from then on); the calls."""
+    monkeypatch.delenv("TITAN_TPU_PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(dev, "_cpu_peak_memo", {})
+    calls = []
+
+    def fake_measure(dtype=torch.float32):
+        calls.append(dtype)
+        return rates[min(len(calls), len(rates)) - 1]
+
+    monkeypatch.setattr(dev, "measure_cpu_matmul_flops", fake_measure)
+    return calls
+
+
+def test_a_run_that_beats_the_peak_measured_in_a_busy_moment_has_it_measured_again(monkeypatch):
+    calls = _measuring(monkeypatch, [139e9, 332e9])  # busy at the start, quiet later
+    backend = get_backend("cpu")
+    assert backend.peak_flops() == 139e9
+    mfu, note = backend.mfu(166e9)
+    assert mfu == pytest.approx(100 * 166 / 332) and len(calls) == 2
+    assert note.startswith("MFU peak measured again: the run computes 166 GFLOP/s per device, above the 139 measured")
+    assert "measured 332 GFLOP/s" in backend.peak_description() and "\n" not in note
+    assert backend.mfu(100e9) == (pytest.approx(100 * 100 / 332), "") and len(calls) == 2  # below the peak: as is
+
+
+def test_a_peak_the_run_keeps_beating_is_unreliable_and_no_mfu_is_claimed(monkeypatch):
+    calls = _measuring(monkeypatch, [100e9, 90e9, 110e9, 105e9])
+    backend = get_backend("cpu")
+    mfu, note = backend.mfu(150e9)  # one more measurement per logged row, PEAK_RETRIES in all
+    assert mfu is None and "MFU not reported (MFU n/a)" in note and "unreliable" in note and "\n" not in note
+    assert len(calls) == 2
+    for _ in range(dev.PEAK_RETRIES - 1):
+        mfu, note = backend.mfu(150e9)
+        assert mfu is None and note.startswith("MFU peak measured again") and "not reported" not in note  # said once
+    assert backend.peak_flops() == 110e9 and len(calls) == 1 + dev.PEAK_RETRIES  # the best measurement is kept
+    assert backend.mfu(150e9) == (None, "") and len(calls) == 1 + dev.PEAK_RETRIES  # measured no more
+    assert backend.mfu(55e9) == (pytest.approx(50.0), "")
+
+
+def test_a_datasheet_or_given_peak_is_never_measured_again_and_never_exceeded(monkeypatch):
+    calls = _measuring(monkeypatch, [1e12])
+    monkeypatch.setenv("TITAN_TPU_PEAK_FLOPS", "1e11")
+    backend = get_backend("cpu")
+    mfu, note = backend.mfu(2e11)
+    assert mfu is None and "TITAN_TPU_PEAK_FLOPS" in note and calls == []
+
+
+def test_the_console_says_the_peak_is_unreliable(tmp_path):
+    from titan_tpu.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(output_dir=tmp_path, tensorboard=False, console=False)
+    line = logger.format_line(3, {"loss": 2.0, "mfu": None})
+    assert line.endswith("loss 2.0000 | MFU n/a (peak unreliable)")
+    logger.log(3, {"loss": 2.0, "mfu": None})
+    logger.close()
+    assert '"mfu": null' in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_training_prints_no_mfu_above_100_percent(monkeypatch, train_overrides, tmp_path, capsys):
+    """A run on a CPU whose peak was measured far too low (every measurement 1 MFLOP/s): the log
+    says the peak is unreliable instead of printing an MFU in the thousands of percent."""
+    import json
+
+    from titan_tpu.config import build_config
+    from titan_tpu.train.trainer import Trainer
+
+    calls = _measuring(monkeypatch, [1e6])
+    cfg = build_config(str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml"),
+                       train_overrides(training__steps=3, checkpoint__enabled="false", validation__enabled="false"))
+    Trainer(cfg).train()
+    out = capsys.readouterr().out
+    assert "MFU n/a (peak unreliable)" in out and "MFU not reported" in out
+    assert not re.search(r"MFU \d", out), out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["mfu"] for row in rows] == [None] * 3 and len(calls) == 1 + dev.PEAK_RETRIES

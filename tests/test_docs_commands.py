@@ -56,6 +56,17 @@ class DocCommand:
 # Finding the commands
 
 
+def _trailing_backslashes(line: str) -> int:
+    stripped = line.rstrip()
+    return len(stripped) - len(stripped.rstrip("\\"))
+
+
+def continues(line: str) -> bool:
+    """Whether the shell reads the next line as part of this one: an odd number of trailing
+    backslashes (an even number is escaped backslashes, and the command ends there)."""
+    return _trailing_backslashes(line) % 2 == 1
+
+
 def _code_blocks_and_prose(text: str):
     """Yield (line number, line, in_code_block) with a code block's continued lines (`\\`) joined.
     A ```text block is a picture or output, not commands: its lines are skipped."""
@@ -70,7 +81,7 @@ def _code_blocks_and_prose(text: str):
         if in_code:
             if not pending:
                 start = number
-            if line.rstrip().endswith("\\"):
+            if continues(line):
                 pending += line.rstrip()[:-1] + " "
                 continue
             yield start, pending + line, True
@@ -134,7 +145,7 @@ def _recipe_header_lines(path: Path):
         text = line.lstrip("#").strip().replace("--config THIS", f"--config configs/{path.name}")
         if not pending:
             start = number
-        if command and text.endswith("\\"):
+        if command and continues(text):
             pending += text[:-1] + " "
             continue
         yield start, pending + text, command
@@ -430,3 +441,131 @@ def test_index_lists_every_page():
     linked = {target.partition("#")[0] for target in LINK.findall(index)}
     pages = {path.name for path in DOC_FILES if path.parent.name == "docs" and path.name != "README.md"}
     assert not pages - linked, f"docs/README.md does not link {', '.join(sorted(pages - linked))}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The launchers and installers around titan-tpu: torchrun and pip lines parse as their own tools
+# parse them, and each shown command is one shell command.
+
+
+def _raw_lines(path: Path):
+    """(line number, raw line, is a command line) of a page's code blocks or a recipe's header."""
+    if path.suffix == ".toml":
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.startswith("#"):
+                break
+            yield number, line.lstrip("#"), line.startswith("#  ")
+        return
+    in_code, picture = False, False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if FENCE.match(line.strip()):
+            in_code = not in_code
+            picture = in_code and line.strip()[3:].strip() == "text"
+        elif in_code and not picture:
+            yield number, line, True
+
+
+def test_shown_commands_continue_as_the_shell_reads_them():
+    """A line of a shown command that ends in an even number of backslashes ends the command there
+    (the shell reads `\\\\` as one escaped backslash), so the next line runs as a command of its own;
+    and a recipe's header command continued onto a line that is not indented as a command loses its
+    tail when copied."""
+    failures = []
+    for path in DOC_FILES + RECIPE_FILES:
+        previous_continues = False
+        for number, line, command in _raw_lines(path):
+            where = f"{path.relative_to(ROOT)}:{number}"
+            if command and _trailing_backslashes(line) >= 2 and not continues(line):
+                failures.append(f"{where}: ends in {_trailing_backslashes(line)} backslashes; one continues a command")
+            if previous_continues and not command:
+                failures.append(f"{where}: continues the command above but is not indented as a command line")
+            previous_continues = command and continues(line)
+    assert not failures, "\n".join(failures)
+
+
+def _segments(command_line: str, tool: re.Pattern) -> list[list[str]]:
+    """The tokens after each invocation of `tool` in a shown command line, up to a shell operator."""
+    found = []
+    command_line = re.split(r"(?:^|\s)#", command_line)[0]  # a shell comment is not run
+    for part in re.split(r"\s(?:&&|\|\||;|\|)\s", command_line):
+        if m := tool.search(part):
+            found.append(_tokens(part[m.end():]))
+    return found
+
+
+def _shown(tool: re.Pattern, *, needs: re.Pattern) -> list[tuple[str, list[str]]]:
+    """(file:line, argv after the tool) of every shown `tool` command: code blocks, recipe headers,
+    and inline code that spells a whole command (`needs` matches)."""
+    shown = []
+    for path in DOC_FILES + RECIPE_FILES:
+        lines = (_recipe_header_lines(path) if path.suffix == ".toml" else _code_blocks_and_prose(path.read_text()))
+        for number, line, in_code in lines:
+            spans = [line] if in_code else [s for s in INLINE_CODE.findall(line) if needs.search(s)]
+            for span in spans:
+                shown += [(f"{path.relative_to(ROOT)}:{number}", argv) for argv in _segments(span, tool)]
+    return shown
+
+
+TORCHRUN = re.compile(r"(?:^|[\s/])(?:torchrun|python3? -m torch\.distributed\.run)\s")
+PIP_INSTALL = re.compile(r"(?:^|[\s/])(?:pip3?|python3? -m pip) install\s")
+
+
+def _placeholders_filled(argv: list[str]) -> list[str]:
+    """$HOST0, HOST_INDEX, N: a value a reader would put there (a number fits every torchrun flag)."""
+    return ["1" if token.startswith("$") or PLACEHOLDER.match(token) else token for token in argv]
+
+
+def test_shown_torchrun_commands_parse():
+    """Every torchrun command shown parses with torchrun's own parser and launches an existing
+    module or script of this repository (the training arguments are checked above)."""
+    from torch.distributed.run import get_args_parser
+
+    shown = _shown(TORCHRUN, needs=re.compile(r"\s-m\s|\.py\b"))
+    assert len(shown) >= 20, shown
+    failures = []
+    for where, argv in shown:
+        parser = get_args_parser()
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                args = parser.parse_args(_placeholders_filled(argv))
+        except SystemExit:
+            failures.append(f"{where}: torchrun {' '.join(argv)}: {stderr.getvalue().strip().splitlines()[-1]}")
+            continue
+        target = (ROOT / args.training_script.replace(".", "/")).with_suffix(".py") if args.module else \
+            ROOT / args.training_script
+        package = target.with_suffix("") / "__main__.py"
+        if not (target.is_file() or package.is_file()):
+            failures.append(f"{where}: torchrun launches {args.training_script}, which is not in this repository")
+    assert not failures, "\n".join(failures)
+
+
+def test_shown_pip_installs_parse():
+    """Every `pip install` shown parses with pip's own parser; the requirement and constraint files
+    it names exist, and the extras of `.[...]` are extras of pyproject.toml."""
+    import tomllib
+
+    from pip._internal.commands import create_command
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    shown = _shown(PIP_INSTALL, needs=re.compile(r"install"))
+    assert shown
+    failures = []
+    for where, argv in shown:
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+                options, packages = create_command("install", isolated=True).parse_args(argv)
+        except SystemExit:
+            failures.append(f"{where}: pip install {' '.join(argv)}: {stderr.getvalue().strip().splitlines()[-1]}")
+            continue
+        for name in options.requirements + options.constraints:
+            if not (ROOT / name).is_file():
+                failures.append(f"{where}: pip install names {name}, which is not a file of this repository")
+        for target in options.editables + packages:
+            if m := re.fullmatch(r"\.\[([\w,-]+)\]", target):
+                unknown = set(m.group(1).split(",")) - extras
+                if unknown:
+                    failures.append(f"{where}: extras {', '.join(sorted(unknown))} are not in pyproject.toml "
+                                    f"(it has {', '.join(sorted(extras))})")
+    assert not failures, "\n".join(failures)

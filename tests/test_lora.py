@@ -3,6 +3,7 @@ same loss, adapter gradients and 20 training steps; the captured step gives the 
 trainer freezes the base, checkpoints and resumes the adapters; one-line errors for bad input."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -327,12 +328,15 @@ def _peft_and_merged_logits(base_dir, run_dir, out, tokens):
         return plain, adapted(input_ids=tokens).logits, merged(input_ids=tokens).logits
 
 
-def test_exports_to_peft_and_merged_hf_give_the_trained_logits(tmp_path, train_overrides):
+def test_exports_to_peft_and_merged_hf_give_the_trained_logits(tmp_path, train_overrides, capsys):
     """An HF-backend run started from an HF directory's weights, and a native run (its base written
     as an HF directory): peft's model with the --to-peft export and the --merge-lora export give
-    our trained model's logits."""
+    our trained model's logits. The first export names its base, so peft's AutoPeftModelForCausalLM
+    loads it alone; the native run's base was a random initialisation, and its export says so in
+    one line (with --base-model naming the base it loads alone too)."""
     from transformers import AutoModelForCausalLM
 
+    from titan_tpu.cli import main
     from titan_tpu.evaluate import load_eval_model
     from titan_tpu.loops.pretrain import Trainer
     from titan_tpu.models.spec import checkpoint_spec
@@ -367,3 +371,19 @@ def test_exports_to_peft_and_merged_hf_give_the_trained_logits(tmp_path, train_o
         evaluated = load_eval_model(run.cfg, checkpoint=run_dir, device=torch.device("cpu")).model.eval()
         with torch.no_grad():  # titan-tpu eval of the checkpoint evaluates the adapted model
             torch.testing.assert_close(evaluated(tokens), ours, rtol=TOLERANCE, atol=TOLERANCE)
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]  # not progress bars
+        if run is hf_run:  # the base recorded: peft loads the adapter by itself
+            assert notes == []
+            config = json.loads((tmp_path / run_dir.name / "peft" / "adapter_config.json").read_text())
+            assert config["base_model_name_or_path"] == str((tmp_path / "hf").absolute())
+            alone = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / run_dir.name / "peft"),
+                                                                 dtype=torch.float32).eval()
+            with torch.no_grad():
+                torch.testing.assert_close(alone(input_ids=tokens).logits, ours, rtol=TOLERANCE, atol=TOLERANCE)
+        else:  # a random initialisation: no base to record, said in one line
+            assert len(notes) == 1 and "randomly initialised" in notes[0] and "left empty" in notes[0], notes
+            assert main(["convert", "--checkpoint", str(run_dir), "--to-peft", str(tmp_path / "named"),
+                         "--base-model", str(base_dir)]) == 0
+            alone = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "named"), dtype=torch.float32).eval()
+            with torch.no_grad():
+                torch.testing.assert_close(alone(input_ids=tokens).logits, ours, rtol=TOLERANCE, atol=TOLERANCE)

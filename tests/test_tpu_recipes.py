@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from titan_tpu import device
-from titan_tpu.config import build_config
+from titan_tpu.config import build_config, data_sources
 from titan_tpu.kernels import OPS, tpu as tpu_kernels
 from titan_tpu.models.registry import get_model_args
 from titan_tpu.plan import plan_config
@@ -52,9 +52,12 @@ def test_tpu_recipe(name, monkeypatch):
     args = get_model_args(cfg.model.name, cfg.model.flavor)
     assert args.n_heads % args.n_kv_heads == 0
     needs = frozenset({"documents"}) if cfg.data.document_mask else frozenset()
-    # tokamax's loss has no ignore index; DPO's labels skip the prompt (docs/dpo.md): the chunked loss.
-    assert k.attention == "splash" and k.loss == ("chunked" if t.objective == "dpo" else "tokamax")
-    for op_name, choice, op_needs in (("attention", k.attention, needs), ("loss", k.loss, frozenset())):
+    # Chat data trains on the assistant's tokens only and DPO's labels skip the prompt (docs/dpo.md):
+    # their loss skips ignored labels, which tokamax cannot.
+    ignores = t.objective == "dpo" or any(source.format == "chat" for source in data_sources(cfg))
+    loss_needs = frozenset({"ignored labels"}) if ignores else frozenset()
+    assert k.attention == "splash" and k.loss == ("chunked" if ignores else "tokamax")
+    for op_name, choice, op_needs in (("attention", k.attention, needs), ("loss", k.loss, loss_needs)):
         impl = OPS[op_name].impls[choice]
         assert "tpu" in impl.devices and op_needs <= impl.features, (op_name, choice)
     assert tpu_kernels.splash_block(t.seq_len) >= 128
@@ -93,3 +96,29 @@ def test_the_checks_can_fail(monkeypatch):
     cfg = for_planning(CONFIGS / "llama3_405b_tpu.toml", ["--parallelism.dp_shard", "-1"])
     small = plan_config(cfg, chips=16)
     assert small.devices == 16 and not small.fits
+
+
+ROW = re.compile(r"^\| `(\w+)\.toml` \|.*\| [\d.]+ of [\d.]+ GB \| [\d.]+% \|$", re.MULTILINE)
+
+
+def test_the_recipe_tables_of_the_pages_are_the_planners():
+    """docs/tpu.md lists every TPU recipe with the planner's peak and MFU, as `titan-tpu plan` prints
+    them today, and so does every other page's recipe row that quotes them (deepseek_v3.md's): a
+    planner change that moves a number fails here with the page and the row to write."""
+    docs = CONFIGS.parent / "docs"
+    tpu_rows = [m.group(1) for m in ROW.finditer((docs / "tpu.md").read_text())]
+    assert sorted(tpu_rows) == RECIPES, "docs/tpu.md's recipe table must list every configs/*_tpu.toml"
+    failures, checked = [], 0
+    for page in sorted(docs.glob("*.md")):
+        if page.name == "log.md":  # history: the numbers of their day
+            continue
+        for m in ROW.finditer(page.read_text()):
+            plan = plan_config(for_planning(CONFIGS / f"{m.group(1)}.toml"), measure=False)
+            cells = [c.strip() for c in m.group(0).strip("|").split("|")]
+            want = [f"{plan.peak_bytes / 1e9:.1f} of {plan.capacity_bytes / 1e9:.1f} GB", f"{plan.mfu:.1f}%"]
+            checked += 1
+            if cells[-2:] != want:
+                failures.append(f"docs/{page.name}, {m.group(1)}: the page says {' | '.join(cells[-2:])}; "
+                                f"the planner says {' | '.join(want)}")
+    assert not failures, "\n".join(failures)
+    assert checked > len(RECIPES)  # deepseek_v3.md's rows too

@@ -113,6 +113,8 @@ def convert_main(argv: list[str]) -> int:
     parser.add_argument("--to-hf", help="output Hugging Face directory (with --checkpoint)")
     parser.add_argument("--to-checkpoint", help="output checkpoints directory (with --hf-dir)")
     parser.add_argument("--to-peft", help="output peft adapter directory of a LoRA run (with --checkpoint)")
+    parser.add_argument("--base-model", help="with --to-peft: the adapters' base model as peft names it (an HF "
+                                             "directory or Hub id; default: the HF directory the run started from)")
     parser.add_argument("--merge-lora", action="store_true",
                         help="with --to-hf: fold a LoRA run's adapters into the weights (a plain HF model)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -120,11 +122,14 @@ def convert_main(argv: list[str]) -> int:
 
     from titan_tpu import convert
 
+    if args.base_model and not args.to_peft:
+        parser.error("--base-model names the base of a --to-peft export; leave it out")
     if args.checkpoint:
         if bool(args.to_hf) == bool(args.to_peft):
             parser.error("--checkpoint needs one of --to-hf OUT_DIR or --to-peft OUT_DIR")
         if args.to_peft:
-            out = convert.checkpoint_to_peft(args.checkpoint, args.to_peft, overwrite=args.overwrite)
+            out = convert.checkpoint_to_peft(args.checkpoint, args.to_peft, overwrite=args.overwrite,
+                                             base_model=args.base_model, log=lambda line: print(line, file=sys.stderr))
         else:
             out = convert.checkpoint_to_hf(args.checkpoint, args.to_hf, overwrite=args.overwrite,
                                            merge_lora=args.merge_lora)
@@ -370,8 +375,21 @@ def version() -> str:
     return f"titan-tpu {ours} (torch {torch.__version__}, Python {sys.version.split()[0]})"
 
 
+# `titan-tpu compile` compiles for a TPU slice with libtpu's compile-only client, on any machine: it
+# needs no TPU and must not look for one. Set before torch is first imported (the console script
+# imports nothing heavy before `main`): torch would otherwise load torch-tpu through its backend
+# auto-loading, and libtpu would ask the cloud metadata server which TPU this is (minutes of
+# retries on a machine that is not a TPU VM); a compile-only client may also load libtpu beside
+# another process's. A value the user set is kept.
+COMPILE_ENVIRONMENT = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TPU_SKIP_MDS_QUERY": "1",
+                       "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "compile":
+        for name, value in COMPILE_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0

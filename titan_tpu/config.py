@@ -203,6 +203,11 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     val_source: str = ""  # validate on this source (same format) instead of the held-out fraction
     overlong: Literal["drop", "truncate"] = "drop"  # chat conversations longer than seq_len: drop (counted) or cut
+    # format chat: the template conversations are rendered with. "" = the one beside the tokenizer
+    # (tokenizer_config.json's chat_template or chat_template.jinja); "chatml" = the built-in ChatML with
+    # {% generation %} blocks (Qwen's turn format, without thinking), for templates that rewrite earlier
+    # turns (Qwen3's); or a path to a .jinja file.
+    chat_template: str = ""
     max_bytes: int = 0  # stop reading the corpus after this many bytes; 0 = all of it
     tokenizer_path: str = ""  # a tokenizer.json; empty = train a byte-level BPE of the model's vocab size
     cache_dir: str = ""  # where tokenizers and token shards are cached; empty = ~/.cache/titan_tpu

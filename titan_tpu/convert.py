@@ -6,8 +6,10 @@ import dataclasses
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+from titan_tpu.data.tokenizer import tokenizer_files
 from titan_tpu.train.checkpoint import STATE_FILE, Checkpointer, load_full_state_dict, read_checkpoint_meta
 
 
@@ -47,8 +49,9 @@ def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: b
         state_dict = merge_lora_state_dict(state_dict, scaling=lora["alpha"] / lora["rank"])
     out = spec.save_hf(state_dict, Path(hf_dir), overwrite=overwrite)
     tokenizer = step_dir.parent.parent / "tokenizer.json"  # <run>/checkpoints/step-N -> <run>
-    if tokenizer.is_file():
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    if tokenizer.is_file():  # with its chat template, so a chat fine-tune can start from the export
+        for source in tokenizer_files(tokenizer):
+            shutil.copyfile(source, out / source.name)
     return out
 
 
@@ -61,13 +64,22 @@ def hf_to_checkpoint(hf_dir: str | Path, checkpoint_dir: str | Path, *, overwrit
         raise FileExistsError(f"{checkpoint_dir} already holds checkpoints; "
                               "pass --overwrite or choose another directory")
     name, args, state_dict = load_hf_checkpoint(hf_dir)
-    return ckpt.save(0, {"step": 0, "model": state_dict, "model_name": name,
-                         "model_args": dataclasses.asdict(args)})
+    saved = ckpt.save(0, {"step": 0, "model": state_dict, "model_name": name, "model_args": dataclasses.asdict(args),
+                          "base_weights": {"hf_dir": str(Path(hf_dir).absolute())}})
+    tokenizer = Path(hf_dir) / "tokenizer.json"
+    if tokenizer.is_file():  # beside the checkpoints: a run started from them finds it (run_setup.py)
+        for source in tokenizer_files(tokenizer):
+            shutil.copyfile(source, Path(checkpoint_dir) / source.name)
+    return saved
 
 
-def checkpoint_to_peft(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+def checkpoint_to_peft(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False,
+                       base_model: str | None = None, log: Callable[[str], None] = print) -> Path:
     """Export a LoRA run's adapters as a peft adapter directory (adapter_config.json and
-    adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base model."""
+    adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base model.
+    Its base_model_name_or_path is `base_model` when given, else the Hugging Face directory the run
+    started from (the checkpoint records it), so `peft.AutoPeftModelForCausalLM` loads the adapter
+    by itself; when the run had no such base, one line through `log` says why it is left empty."""
     from safetensors.torch import save_file
 
     from titan_tpu.files import usual_permissions
@@ -90,11 +102,31 @@ def checkpoint_to_peft(checkpoint: str | Path, out_dir: str | Path, *, overwrite
     # peft's names: base_model.model.<module>.lora_A.weight; its target_modules regex names each layer.
     tensors = {f"base_model.model.{name}.weight": t.float().contiguous() for name, t in adapters.items()}
     modules = sorted({name.rpartition(".")[0] for name in adapters})
+    if base_model is None:
+        base_model, why_not = _recorded_base(meta, step_dir)
+        if why_not:
+            log(f"note: {why_not}")
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
               "lora_dropout": lora["dropout"], "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-              "target_modules": "|".join(re.escape(m) for m in modules), "base_model_name_or_path": None}
+              "target_modules": "|".join(re.escape(m) for m in modules), "base_model_name_or_path": base_model}
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     usual_permissions(out_dir)
     return out_dir
+
+
+def _recorded_base(meta: dict, step_dir: Path) -> tuple[str | None, str]:
+    """(the base a LoRA checkpoint's adapters adapt, as peft names it, or None; why it is None)."""
+    if "base_weights" not in meta:  # written before checkpoints recorded their base
+        return None, (f"checkpoint {step_dir} does not record the model its adapters adapt; base_model_name_or_path "
+                      "is left empty: pass --base-model with the Hugging Face directory (or Hub id) of that base")
+    base = meta["base_weights"]
+    if base is None:
+        return None, ("the adapters were trained on a randomly initialised model (the run had no "
+                      "checkpoint.initial_load_path and no Hugging Face weights), so they adapt no pretrained base; "
+                      "base_model_name_or_path is left empty")
+    if "hf_dir" in base:
+        return base["hf_dir"], ""
+    return None, (f"the adapters' base is the training checkpoint {base['checkpoint']}, which peft cannot load: export "
+                  f"it with titan-tpu convert --checkpoint {base['checkpoint']} --to-hf DIR and pass --base-model DIR")

@@ -17,6 +17,7 @@ mistake is still one ValueError that names the key and says what to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from titan_tpu.config import Config, check, data_sources, grad_accum_from_tokens
 from titan_tpu.data.sources import SourceConfig
@@ -40,8 +41,51 @@ class RunSetup:
 
     @property
     def tokenizer_path(self) -> str | None:
-        """data.tokenizer_path, else the model's own (an HF directory's tokenizer.json), else None (train a BPE)."""
-        return self.spec.tokenizer_path(self.cfg)
+        """data.tokenizer_path, else the model's own (an HF directory's tokenizer.json), else the one
+        that came with the weights the run starts from (checkpoint.initial_load_path: an HF directory,
+        with its chat template, or a training run's directory), else None (train a BPE). Pretrained
+        weights without a tokenizer are a one-line error: a BPE trained here would not match them."""
+        own = self.spec.tokenizer_path(self.cfg)
+        start = self.cfg.checkpoint.initial_load_path
+        if own or not start:
+            return own
+        found = initial_weights_tokenizer(start)
+        if found is None:
+            raise ValueError(f"checkpoint.initial_load_path {start} holds no tokenizer.json: set data.tokenizer_path "
+                             "to the tokenizer those weights were trained with (a tokenizer.json or its HF directory)")
+        return found
+
+    @property
+    def base_weights(self) -> dict[str, str] | None:
+        """Where the run's starting weights come from, for its checkpoints (a LoRA export records the
+        base it adapts): {"hf_dir": DIR} for a Hugging Face directory (checkpoint.initial_load_path,
+        or model.hf_config with weights), {"checkpoint": PATH} for a training checkpoint, None for a
+        random initialisation. Absolute paths."""
+        start = self.cfg.checkpoint.initial_load_path
+        if start:
+            path = Path(start).expanduser().absolute()
+            return {"hf_dir": str(path)} if (path / "config.json").is_file() else {"checkpoint": str(path)}
+        own = self.spec.own_weights_path()
+        return {"hf_dir": str(own.absolute())} if own is not None else None
+
+
+def initial_weights_tokenizer(path: str) -> str | None:
+    """The tokenizer that comes with starting weights: an HF directory holding a tokenizer.json (the
+    directory, so its chat template is found too), or the run directory of a training checkpoint
+    (a step, its checkpoints/ or the run directory itself; the trainer keeps the tokenizer there).
+    None when there is none; a path that does not exist is a one-line error."""
+    start = Path(path).expanduser()
+    if not start.exists():
+        raise FileNotFoundError(f"checkpoint.initial_load_path {path} does not exist (looked for "
+                                f"{str(start.absolute())!r}); give a Hugging Face directory or a training checkpoint")
+    if (start / "config.json").is_file():
+        return str(start) if (start / "tokenizer.json").is_file() else None
+    from titan_tpu.convert import resolve_checkpoint
+
+    resolve_checkpoint(start)  # a directory without a checkpoint: its own one-line error, before the tokenizer's
+    run_dirs = [start, start.parent if start.name == "checkpoints" else None,
+                start.parent.parent if start.parent.name == "checkpoints" else None]
+    return next((str(d) for d in run_dirs if d is not None and (d / "tokenizer.json").is_file()), None)
 
 
 def effective_warmup_steps(cfg: Config) -> int:

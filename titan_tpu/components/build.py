@@ -67,6 +67,7 @@ class Components:
         self.run_lock = self._lock_output_dir()
         torch.manual_seed(t.seed)
         self.spec = setup.spec  # what the run asks about the model (models/spec.py)
+        self.base_weights = setup.base_weights  # recorded in checkpoints: the base a LoRA export names
         self.model_args = self.spec.args
         self._data()
         self.model = self.build_model()
@@ -212,6 +213,7 @@ class Components:
             "trackers": trackers,
             # What convert needs to export the adapters (peft) or merge them (HF).
             "lora": dataclasses.asdict(self.cfg.lora) if self.cfg.lora.enabled else None,
+            "base_weights": self.base_weights,
         }
 
     def load_checkpoint(self, path: Path) -> dict:

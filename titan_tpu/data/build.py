@@ -30,12 +30,14 @@ def prepare_data(data_cfg: Any, sources: list[Any], *, vocab_size: int, tokenize
     """Tokenize (or find in the cache) every training source and data.val_source."""
     max_bytes = data_cfg.max_bytes or None
     tokenizer, train = prepare_sources(sources, max_bytes=max_bytes, tokenizer_path=tokenizer_path,
-                                       vocab_size=vocab_size, cache_dir=cache_dir, workers=workers, log=log)
+                                       vocab_size=vocab_size, cache_dir=cache_dir, workers=workers,
+                                       chat_template_choice=data_cfg.chat_template, log=log)
     val: list[PreparedSource] = []
     if data_cfg.val_source:
         spec = replace(sources[0], path=data_cfg.val_source, weight=1.0, name="val")
         _, val = prepare_sources([spec], max_bytes=max_bytes, tokenizer_path=str(tokenizer_path or tokenizer.path),
-                                 vocab_size=vocab_size, cache_dir=cache_dir, workers=workers, log=log)
+                                 vocab_size=vocab_size, cache_dir=cache_dir, workers=workers,
+                                 chat_template_choice=data_cfg.chat_template, log=log)
     return PreparedData(tokenizer, train, val)
 
 

@@ -29,9 +29,26 @@ import numpy as np
 _OPEN, _CLOSE = "\ue000", "\ue001"  # sentinels around {% generation %} output; never in real text
 
 
-def load_chat_template(tokenizer_path: str | Path) -> tuple[str, dict[str, str]]:
+# data.chat_template = "chatml": ChatML turns (<|im_start|>role\n ... <|im_end|>\n, the format Qwen's
+# models read) with {% generation %} blocks around each assistant reply and its end-of-turn token, so
+# the trained tokens are marked by the template itself. Qwen3's own template renders the last
+# assistant turn differently from earlier ones (an empty thinking block), which the prefix rule below
+# cannot follow; this is the same conversation without thinking blocks.
+CHATML = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def load_chat_template(tokenizer_path: str | Path, choice: str = "") -> tuple[str, dict[str, str]]:
     """(chat template, special-token strings it may use: bos_token, eos_token, ...) of the directory
-    holding ``tokenizer_path`` (tokenizer_config.json, or a chat_template.jinja beside it)."""
+    holding ``tokenizer_path`` (tokenizer_config.json, or a chat_template.jinja beside it); `choice`
+    (data.chat_template) "chatml" takes the built-in `CHATML`, a path that .jinja file."""
     path = Path(tokenizer_path).expanduser()
     directory = path if path.is_dir() else path.parent
     config_path = directory / "tokenizer_config.json"
@@ -42,6 +59,14 @@ def load_chat_template(tokenizer_path: str | Path) -> tuple[str, dict[str, str]]
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             special[key] = value
+    if choice == "chatml":
+        return CHATML, special
+    if choice:
+        given = Path(choice).expanduser()
+        if not given.is_file():
+            raise FileNotFoundError(f"data.chat_template {choice} is not a file; give a .jinja chat template, "
+                                    "'chatml' for the built-in one, or leave it empty for the tokenizer's own")
+        return given.read_text(), special
     jinja = directory / "chat_template.jinja"
     template = jinja.read_text() if jinja.is_file() else config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
@@ -112,8 +137,9 @@ class ChatRenderer:
             before = self._render(messages[:i], add_generation_prompt=True)
             through = self._render(messages[: i + 1])
             if not (full.startswith(through) and through.startswith(before)):
-                raise ValueError("the chat template does not render a conversation's prefix as a prefix of the whole; "
-                                 "use a template with {% generation %} blocks")
+                raise ValueError("the chat template does not render a conversation's prefix as a prefix of the whole "
+                                 "(it rewrites earlier turns, as Qwen3's does); use a template with {% generation %} "
+                                 "blocks: --data.chat_template chatml (the built-in ChatML) or a .jinja file")
             # The whitespace a template puts after the end-of-turn token is not generated (decoding
             # stops at that token): trimmed, which is where {% generation %} blocks end too.
             end = len(through.rstrip())

@@ -93,10 +93,7 @@ def _resolve(source: str | None) -> tuple[str, Path]:
     if sources.has_glob(source) and not path.exists():
         return "data", path
     if not path.exists():
-        raise FileNotFoundError(
-            f"corpus directory or file {str(path)!r} does not exist; set --data.source to an "
-            f"existing directory, a .jsonl file, or 'stdlib' for the built-in corpus"
-        )
+        raise sources.missing_source_error(source)
     if path.suffix == ".jsonl":
         return "jsonl", path
     if path.suffix in TEXT_SUFFIXES:

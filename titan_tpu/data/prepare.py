@@ -271,7 +271,7 @@ def _log(message: str) -> None:
 
 
 def prepare_sources(specs: list[Any], *, max_bytes: int | None, tokenizer_path: str | None, vocab_size: int,
-                    cache_dir: str | Path, workers: int = 1,
+                    cache_dir: str | Path, workers: int = 1, chat_template_choice: str = "",
                     log: Callable[[str], None] = _log) -> tuple[Tokenizer, list[PreparedSource]]:
     """Sources -> (tokenizer, prepared sources), cached under ``cache_dir`` by content keys.
 
@@ -321,9 +321,12 @@ def prepare_sources(specs: list[Any], *, max_bytes: int | None, tokenizer_path: 
     tok_hash = _file_sha256(tokenizer.path)
     chat_template = None
     if chat_specs:
-        from titan_tpu.data.chat import load_chat_template
+        from titan_tpu.data.chat import CHATML, CHATML_TOKENS, load_chat_template
 
-        chat_template = load_chat_template(tokenizer_path)
+        chat_template = load_chat_template(tokenizer_path, chat_template_choice)
+        if chat_template[0] == CHATML and any(tokenizer.token_id(t) is None for t in CHATML_TOKENS):
+            raise ValueError(f"data.chat_template = chatml needs the tokens {' and '.join(CHATML_TOKENS)}, which the "
+                             f"tokenizer {tokenizer.path} lacks; use the model's own template or a .jinja file")
     prepared = []
     for spec in specs:
         if spec.format == "text":

@@ -38,8 +38,6 @@ from typing import Any, Iterator
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".arrow")
 _GLOB_CHARS = re.compile(r"[*?\[]")
-# "org/name" with no such local path: what a Hub dataset id looks like.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _ROWS_PER_BATCH = 1024
 
 
@@ -52,16 +50,26 @@ def is_data_file(path: Path) -> bool:
 
 
 def looks_like_hub(source: str) -> bool:
-    """True for ``hf://...`` and for ``org/name`` that is not a local path."""
-    return source.startswith("hf://") or (_HUB_ID.match(source) is not None and not Path(source).exists())
+    """True for a Hub address, ``hf://datasets/org/name``. A bare ``org/name`` is a local path:
+    ``data/corpus`` and ``HuggingFaceFW/fineweb`` have the same shape, and a missing directory must
+    be reported as missing, not as a dataset to download."""
+    return source.startswith("hf://")
 
 
 def hub_error(source: str) -> ValueError:
     name = source.removeprefix("hf://").removeprefix("datasets/")
     return ValueError(
-        f"data source {source!r} is a Hugging Face Hub name; reading the Hub needs the network, which this "
-        f"machine cannot reach: download it where there is network (hf download {name} --repo-type dataset "
-        f"--local-dir DIR) and set the source's path to DIR"
+        f"data source {source!r} is a Hugging Face Hub dataset; training reads local files: download it first "
+        f"(hf download {name} --repo-type dataset --local-dir DIR) and set the source's path to DIR"
+    )
+
+
+def missing_source_error(source: str) -> FileNotFoundError:
+    """The one-line error for a local source that is not there, naming the path it resolved to."""
+    resolved = Path(source).expanduser().absolute()
+    return FileNotFoundError(
+        f"data source {source!r} does not exist (looked for {str(resolved)!r}); set the source's path to an existing "
+        f"file, directory or glob, or 'stdlib' for the built-in corpus"
     )
 
 
@@ -109,8 +117,7 @@ def resolve_files(source: str) -> list[Path]:
                              f"point the source at a directory with data files")
         return files
     if not path.exists():
-        raise FileNotFoundError(f"data source {str(path)!r} does not exist; set the source path to an existing "
-                                f"file, directory or glob")
+        raise missing_source_error(source)
     if not is_data_file(path):
         raise ValueError(f"data source {str(path)!r} has an unsupported type; use one of "
                          f"{', '.join(DATA_SUFFIXES)}, a directory or a glob")

@@ -67,6 +67,10 @@ class Tokenizer:
             self._tok.encode_special_tokens = True
         return enc.ids, enc.offsets
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token spelled `text` (a special token such as <|im_start|>), or None."""
+        return self._tok.token_to_id(text)
+
     def decode(self, ids: Sequence[int] | Iterable[int]) -> str:
         # Keep special tokens so a decoded packed stream shows its document separators.
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -136,3 +140,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             f"it) or of another format: point --data.tokenizer_path at a Hugging Face fast-tokenizer file"
         ) from None
     return Tokenizer(tok, path=path)
+
+
+# What comes with a tokenizer.json in a Hugging Face directory: the chat template and special tokens
+# (data/chat.py reads them beside the tokenizer), and what AutoTokenizer reads.
+TOKENIZER_COMPANIONS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def tokenizer_files(tokenizer_json: str | Path) -> list[Path]:
+    """The tokenizer.json and its companions beside it that exist: what a run directory and an
+    export keep, so a fine-tune started from them finds the same tokenizer and chat template."""
+    path = Path(tokenizer_json)
+    return [path] + [path.parent / name for name in TOKENIZER_COMPANIONS if (path.parent / name).is_file()]

@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from titan_tpu.components.build import Components
 from titan_tpu.config import Config
 from titan_tpu.data.batch import Batch, as_batch
+from titan_tpu.data.tokenizer import tokenizer_files
 from titan_tpu.run_setup import prepare_run
 from titan_tpu.train.checkpoint import CheckpointSaveError
 from titan_tpu.train.metrics import MetricsLogger
@@ -175,10 +176,13 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            if self.tokenizer.path is not None:  # travels with the run, e.g. into an HF export
-                shutil.copyfile(self.tokenizer.path, self.run_dir / "tokenizer.json")
+            if self.tokenizer.path is not None:  # travels with the run (its chat template too), e.g. into an HF export
+                for source in tokenizer_files(self.tokenizer.path):
+                    target = self.run_dir / ("tokenizer.json" if source == self.tokenizer.path else source.name)
+                    if source.resolve() != target.resolve():
+                        shutil.copyfile(source, target)
         self.maybe_resume()
-        peak = self.backend.peak_flops(self.compute_dtype)
+        self.backend.peak_flops(self.compute_dtype)  # measured (CPU) before the loop, named in the line below
         if self.warmup_steps < cfg.lr_scheduler.warmup_steps:
             self.log(f"note: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than training.steps "
                      f"= {cfg.training.steps}; warming up over {self.warmup_steps} steps instead")
@@ -213,9 +217,12 @@ class Trainer:
                 if self.step % cfg.metrics.log_freq == 0 or done or self.step == 1:
                     tokens_per_s = window_tokens / window_seconds  # all ranks together
                     flops_per_device = tokens_per_s * self.flops_per_token / self.world_size
+                    # Rank 0 alone may measure the CPU peak again (device.py Backend.mfu); None: unreliable.
+                    mfu, note = self.backend.mfu(flops_per_device, self.compute_dtype) if self.is_main else (None, "")
+                    if note:
+                        self.log(note)
                     row = {"loss": result.loss, "lr": self.lr(self.step), "grad_norm": result.grad_norm,
-                           "tokens_per_s": tokens_per_s, "tflops": flops_per_device / 1e12,
-                           "mfu": 100.0 * flops_per_device / peak,
+                           "tokens_per_s": tokens_per_s, "tflops": flops_per_device / 1e12, "mfu": mfu,
                            "data_s": (self.data_seconds - window_start_data) / window_steps,
                            "step_s": window_seconds / window_steps, "time": time.time()}
                     row.update(self.objective_metrics(result))

@@ -209,7 +209,13 @@ class NativeSpec(ModelSpec):
         from titan_tpu.models.lora import is_adapter_key
         from titan_tpu.tensors import copy_full_
 
-        _, _, weights = load_hf_checkpoint(hf_dir, mtp_num_layers=self.args.mtp_num_layers)
+        _, hf_args, weights = load_hf_checkpoint(hf_dir, mtp_num_layers=self.args.mtp_num_layers)
+        # What the shapes cannot show: weights computed with another RoPE or norm epsilon run silently wrong.
+        for field in ("rope_theta", "rope_scaling", "norm_eps"):
+            if getattr(hf_args, field) != getattr(self.args, field):
+                raise ValueError(f"checkpoint.initial_load_path {hf_dir} has {field} = {getattr(hf_args, field)}, "
+                                 f"{self.label} has {getattr(self.args, field)}: pick the flavor made for those "
+                                 "weights (or --model.name hf --model.hf_config DIR: the directory's own config)")
         own = {k: v for k, v in model.state_dict().items() if not is_adapter_key(k)}  # HF holds the base
         for key, value in own.items():
             if key not in weights or weights[key].shape != value.shape:

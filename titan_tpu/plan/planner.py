@@ -40,6 +40,7 @@ from titan_tpu.models.common.rope import rope_real_saved_per_position
 from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memory
 from titan_tpu.models.common.transformer import ActivationBytes, activation_bytes
 from titan_tpu.models.registry import (
+    MODEL_NAMES,
     flops_per_token,
     largest_param,
     num_active_params,
@@ -400,7 +401,7 @@ def _resolve(setup: RunSetup, hardware: Hardware | None, *, chips: int | None, m
     code = code_gather(cfg)
     gather = gather or code
     if not spec.plannable:
-        raise ValueError("titan-tpu plan covers the native models (llama3, qwen3, qwen3_moe); an hf model's "
+        raise ValueError(f"titan-tpu plan covers the native models ({', '.join(MODEL_NAMES)}); an hf model's "
                          "layers are transformers' own code, which the planner has no terms for")
     if hardware is None:
         hardware, named_chips = default_hardware(cfg, measure=measure)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from titan_tpu.models.registry import MODEL_NAMES
 from titan_tpu.tools.subject import Subject
 
 # Bands (fp32): per-token KL of the next-token distributions, relative differences of losses,
@@ -555,8 +556,8 @@ def check_plan(subject: Subject, hardware: str) -> Result:
     from titan_tpu.plan.planner import TPU_NAMES, for_planning
 
     if subject.native_name is None:
-        return Result("plan", "SKIP", "titan-tpu plan covers the native models (llama3, qwen3, qwen3_moe); this model "
-                      "runs through the Transformers backend, whose layers the planner has no terms for")
+        return Result("plan", "SKIP", f"titan-tpu plan covers the native models ({', '.join(MODEL_NAMES)}); this "
+                      "model runs through the Transformers backend, whose layers the planner has no terms for")
     args = subject.real_args or subject.native_args()
     hw, chips = resolve_hardware(hardware)
     mode = "graph" if hw.name in TPU_NAMES else "eager"  # a TPU runs the captured step (docs/tpu.md)

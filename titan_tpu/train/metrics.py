@@ -8,7 +8,8 @@ formatted specially on the console (in this order), the rest are printed as "key
     grad_norm              "gnorm 1.234"
     tokens_per_s         "12,345 tok/s"
     tflops                 "0.076 TFLOP/s"     (achieved model TFLOP/s per device)
-    mfu                    "MFU 6.1%"          (already a percentage: 6.1 means 6.1 %)
+    mfu                    "MFU 6.1%"          (already a percentage: 6.1 means 6.1 %; None: "MFU n/a
+                                               (peak unreliable)", the run beat the peak)
     memory_gb              "mem 1.23 GB"       (max_memory_gb, if present, is added as "(max 1.50)")
     data_s                 "data 1.2 ms"       (seconds a step waited for its batches)
 
@@ -186,6 +187,9 @@ class MetricsLogger:
             if key not in metrics:
                 continue
             value = metrics[key]
+            if key == "mfu" and value is None:  # device.py Backend.mfu: the peak is below the run's rate
+                parts.append("MFU n/a (peak unreliable)")
+                continue
             text = fmt(value) if isinstance(value, (int, float)) else f"{key} {value}"
             if key == "memory_gb" and isinstance(metrics.get("max_memory_gb"), (int, float)):
                 text += f" (max {metrics['max_memory_gb']:.2f})"
