@@ -108,8 +108,10 @@ class HFDecoder:
             tokens_BP[b, P - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
             self.mask_BL[b, :P - len(prompt)] = 0
         positions_BP = (self.mask_BL[:, :P].cumsum(-1) - 1).clamp(min=0)
-        config = self.hf_model.config
-        self.cache = StaticCache(config=config, max_cache_len=length) if self.static else DynamicCache(config=config)
+        kind = StaticCache if self.static else DynamicCache
+        settings = {"config": self.hf_model.config, "max_cache_len": length, "max_batch_size": B}
+        accepted = inspect.signature(kind.__init__).parameters  # these differ between transformers releases
+        self.cache = kind(**{key: value for key, value in settings.items() if key in accepted})
         self.filled = P
         logits_BV = self._call(self.hf_model, tokens_BP, positions_BP)
         self.positions_B1 = positions_BP[:, -1:] + 1
