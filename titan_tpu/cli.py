@@ -2,6 +2,7 @@
 
     titan-tpu train --config configs/llama3_debug.toml --training.steps 200 --optimizer.lr 3e-4
     titan-tpu eval --hf-dir DIR --token-file tokens.json     # or --text corpus/, or the model as for train
+    titan-tpu generate --checkpoint outputs/run --prompt "def main"   # or --hf-dir DIR, --prompts-file FILE.jsonl
     titan-tpu convert --checkpoint outputs/run/checkpoints --to-hf hf_out/
     titan-tpu convert --hf-dir hf_in/ --to-checkpoint ckpt_out/
     titan-tpu graph --config configs/llama3_debug.toml      # dump the captured step graph
@@ -81,8 +82,20 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "tpu"])
     args, overrides = parser.parse_known_args(argv)
 
-    from titan_tpu.config import build_config
     from titan_tpu.evaluate import run_eval
+
+    setup = _model_config(args, overrides)
+    result = run_eval(setup, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
+                      seq_len=args.seq_len, max_tokens=args.max_tokens)
+    print(json.dumps(result))
+    return 0
+
+
+def _model_config(args: argparse.Namespace, overrides: list[str]):
+    """The run setup of a command that runs a model as train builds it (eval, generate): --hf-dir DIR
+    is short for an HF directory of any causal-LM type, whose own weights it names (args.checkpoint);
+    --device sets training.device."""
+    from titan_tpu.config import build_config
     from titan_tpu.run_setup import prepare_run
 
     if args.hf_dir:
@@ -94,11 +107,48 @@ def eval_main(argv: list[str]) -> int:
         args.checkpoint = args.hf_dir  # its own weights; a config the native adapter reads runs natively
     if args.device:
         overrides += ["--training.device", args.device]
-    # training.seq_len does not apply (sequences are as given, windows are --seq-len): keep validation quiet.
-    setup = prepare_run(build_config(args.config, ["--training.seq_len", "2"] + overrides))
-    result = run_eval(setup, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
-                      seq_len=args.seq_len, max_tokens=args.max_tokens)
-    print(json.dumps(result))
+    # training.seq_len does not apply (sequences are as given, eval's windows are --seq-len): keep validation quiet.
+    return prepare_run(build_config(args.config, ["--training.seq_len", "2"] + overrides))
+
+
+def generate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu generate",
+        description="Continue prompts with a model: a training checkpoint (a LoRA run's adapters merged), a Hugging "
+                    "Face directory (--hf-dir), or the model as for train (--config, --model.*). Greedy by default; "
+                    "one prompt streams to the terminal (docs/generate.md).")
+    parser.add_argument("--checkpoint", help="a training checkpoint (step, checkpoints/ or run directory) or an HF "
+                                             "directory")
+    parser.add_argument("--hf-dir", help="Hugging Face model directory (config.json, *.safetensors)")
+    parser.add_argument("--config", help="TOML recipe whose model section names the model")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (text); repeat for a batch")
+    parser.add_argument("--prompts-file", help="a .jsonl file: one {\"prompt\": TEXT}, {\"messages\": [...]} or "
+                                               "{\"token_ids\": [...]} per line")
+    parser.add_argument("--chat", action="store_true",
+                        help="render each --prompt as a user message with the tokenizer's chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (64)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampled")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass (1: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (the same seed, the same text)")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument("--tokenizer", help="tokenizer.json (or its directory); default: the one beside the weights")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decode step once (Inductor on CPU and CUDA, TorchTPU on a TPU)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt (prompt, completion, "
+                                                            "tokens, finish)")
+    parser.add_argument("--no-stream", action="store_true", help="print a single prompt's completion at the end")
+    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "tpu"])
+    args, overrides = parser.parse_known_args(argv)
+
+    from titan_tpu.generate.command import run_generate
+    from titan_tpu.generate.sampling import Sampling
+
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    cfg = _model_config(args, overrides).cfg
+    run_generate(cfg, checkpoint=args.checkpoint, prompts=args.prompt, prompts_file=args.prompts_file, chat=args.chat,
+                 tokenizer_path=args.tokenizer, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                 ignore_eos=args.ignore_eos, compile=args.compile, as_json=args.json, stream=not args.no_stream)
     return 0
 
 
@@ -329,8 +379,8 @@ def config_main(argv: list[str]) -> int:
     return reference(argv)
 
 
-COMMANDS = {"train": train_main, "eval": eval_main, "convert": convert_main, "graph": graph_main,
-            "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
+COMMANDS = {"train": train_main, "eval": eval_main, "generate": generate_main, "convert": convert_main,
+            "graph": graph_main, "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
             "prepare-data": prepare_data_main, "report": report_main, "verify": verify_main, "config": config_main,
             "compile": compile_main}
 
@@ -342,6 +392,7 @@ SUMMARIES = {
     "verify": "check a model (native or a Hugging Face directory) end to end before a long run",
     "prepare-data": "tokenize a recipe's data sources once, into the shared token cache",
     "eval": "loss and perplexity of a checkpoint or an HF directory on held-out text",
+    "generate": "continue prompts with a checkpoint or an HF directory: greedy or sampled, streamed",
     "convert": "checkpoint <-> Hugging Face directory",
     "report": "plots of one or more runs in one HTML file",
     "graph": "write the captured training step (graph mode) as text",

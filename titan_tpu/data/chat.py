@@ -118,6 +118,21 @@ class ChatRenderer:
     def _render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
 
+    def prompt_ids(self, messages: Any, *, where: str) -> list[int]:
+        """Token ids of a conversation rendered with the generation prompt (the opening of the
+        assistant's turn), as transformers' apply_chat_template(add_generation_prompt=True,
+        tokenize=True) gives them: what a model continues with its reply (titan-tpu generate)."""
+        from jinja2.exceptions import TemplateError
+
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                     for m in messages):
+            raise ValueError(f"chat {where} is not a list of {{role, content}} messages")
+        try:
+            text = self._render(messages, add_generation_prompt=True).replace(_OPEN, "").replace(_CLOSE, "")
+        except TemplateError as e:
+            raise ValueError(f"chat {where}: the chat template failed ({e}); check the row or the template") from None
+        return self.tokenizer.encode_with_offsets(text)[0]
+
     def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """(text, assistant character spans [start, end))."""
         if self.marks:

@@ -67,9 +67,18 @@ class Tokenizer:
             self._tok.encode_special_tokens = True
         return enc.ids, enc.offsets
 
-    def token_id(self, text: str) -> int | None:
-        """The id of the token spelled `text` (a special token such as <|im_start|>), or None."""
-        return self._tok.token_to_id(text)
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as transformers' tokenizer(text) encodes it: special tokens in the text recognised,
+        and what the tokenizer's post-processor adds (Llama 3's begin-of-text token)."""
+        self._tok.encode_special_tokens = False
+        try:
+            return self._tok.encode(text, add_special_tokens=True).ids
+        finally:
+            self._tok.encode_special_tokens = True
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (e.g. a special token's string), None if it has none."""
+        return self._tok.token_to_id(token)
 
     def decode(self, ids: Sequence[int] | Iterable[int]) -> str:
         # Keep special tokens so a decoded packed stream shows its document separators.

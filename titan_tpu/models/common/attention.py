@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from titan_tpu.kernels import KernelConfig
+from titan_tpu.kernels.attention import masked_sdpa
+from titan_tpu.models.common.kv_cache import LayerCache
 from titan_tpu.models.common.norms import RMSNorm
 from titan_tpu.models.common.rope import apply_rope
 
@@ -46,10 +48,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
+    def cache_entry_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """What a decode cache keeps per token (models/common/kv_cache.py): the key after RoPE, the value."""
+        return (self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim)
+
     def forward(self, x_BSD: torch.Tensor, rope_xSP2: torch.Tensor,
-                document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids_BS: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
         """rope_xSP2: this batch's RoPE rows (rope.rope_rows); document_ids_BS: None for plain
-        causal windows, else one id per token and attention stays within each document."""
+        causal windows, else one id per token and attention stays within each document.
+        cache: decoding (kv_cache.py): the tokens' keys and values are written into it and the
+        queries attend over the cached positions up to their own."""
         B, S, _ = x_BSD.shape
         q_BSHD = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k_BSKD = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
@@ -59,8 +67,12 @@ class Attention(nn.Module):
             k_BSKD = self.k_norm(k_BSKD)
         q_BSHD = self.rope_fn(q_BSHD, rope_xSP2)
         k_BSKD = self.rope_fn(k_BSKD, rope_xSP2)
-        attention = self.kernels.attention_impl(x_BSD.device.type, documents=document_ids_BS is not None).fn
-        o_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, document_ids_BS)
+        if cache is not None:
+            k_BSKD, v_BSKD = cache.write(k_BSKD, v_BSKD)  # now every cached position's
+            o_BSHD = masked_sdpa(q_BSHD, k_BSKD, v_BSKD, cache.visible_BQS)
+        else:
+            attention = self.kernels.attention_impl(x_BSD.device.type, documents=document_ids_BS is not None).fn
+            o_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, document_ids_BS)
         return self.wo(o_BSHD.reshape(B, S, self.n_heads * self.head_dim))
 
 

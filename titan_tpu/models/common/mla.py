@@ -15,7 +15,10 @@ RoPE rotates interleaved pairs, which is DeepSeek's own layout (transformers' ro
 so Hugging Face weights need no permutation. The latent norms use eps 1e-6 as DeepSeek's
 reference code and transformers do. Parameter names follow TorchTitan's DeepSeek-V3 (wq or
 wq_a / q_norm / wq_b, wkv_a, kv_norm, wkv_b, wo). Keys and values are expanded per head before
-the attention kernel (the training form; the latent-absorbed form is an inference trick).
+the attention kernel (the training form; the latent-absorbed form is an inference trick). A decode
+cache keeps the compressed form, the normalised latent and the RoPE key (kv_cache.py), and expands
+the keys and values from it at each step: the training math, at the cost of wkv_b over the cached
+positions per step.
 """
 
 from collections.abc import Callable
@@ -25,6 +28,8 @@ import torch
 from torch import nn
 
 from titan_tpu.kernels import KernelConfig
+from titan_tpu.kernels.attention import masked_sdpa
+from titan_tpu.models.common.kv_cache import LayerCache
 from titan_tpu.models.common.norms import RMSNorm
 from titan_tpu.models.common.rope import apply_rope
 
@@ -81,8 +86,15 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(args.kv_lora_rank, n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * args.v_head_dim, dim, bias=False)
 
+    def cache_entry_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """What a decode cache keeps per token (models/common/kv_cache.py): the compressed form, the
+        normalised latent and the RoPE key shared by the heads, not every head's key and value."""
+        return (self.args.kv_lora_rank,), (1, self.args.qk_rope_head_dim)
+
     def forward(self, x_BSD: torch.Tensor, rope_xSP2: torch.Tensor,
-                document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids_BS: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        """cache: decoding (kv_cache.py): the tokens' latents and RoPE keys are written into it and
+        the keys and values of every cached position are expanded from them."""
         a, H = self.args, self.n_heads
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
@@ -90,14 +102,21 @@ class MLA(nn.Module):
         q_rope_BSHR = self.rope_fn(q_rope_BSHR, rope_xSP2)
         latent_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
         k_rope_BS1R = self.rope_fn(k_rope_BSR.unsqueeze(2), rope_xSP2)
-        kv_BSHX = self.wkv_b(self.kv_norm(latent_BSC)).view(B, S, H, a.qk_nope_head_dim + a.v_head_dim)
+        latent_BSC = self.kv_norm(latent_BSC)
+        if cache is not None:  # from here on, every cached position's (S keys, where the queries are fewer)
+            latent_BSC, k_rope_BS1R = cache.write(latent_BSC, k_rope_BS1R)
+        S_keys = latent_BSC.shape[1]
+        kv_BSHX = self.wkv_b(latent_BSC).view(B, S_keys, H, a.qk_nope_head_dim + a.v_head_dim)
         k_nope_BSHN, v_BSHV = kv_BSHX.split([a.qk_nope_head_dim, a.v_head_dim], -1)
         q_BSHQ = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
         if self.q_scale != 1.0:
             q_BSHQ = q_BSHQ * self.q_scale
-        k_BSHQ = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(B, S, H, a.qk_rope_head_dim)], dim=-1)
-        attention = self.kernels.attention_impl(x_BSD.device.type, documents=document_ids_BS is not None).fn
-        o_BSHV = attention(q_BSHQ, k_BSHQ, v_BSHV.contiguous(), document_ids_BS)
+        k_BSHQ = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(B, S_keys, H, a.qk_rope_head_dim)], dim=-1)
+        if cache is not None:
+            o_BSHV = masked_sdpa(q_BSHQ, k_BSHQ, v_BSHV.contiguous(), cache.visible_BQS)
+        else:
+            attention = self.kernels.attention_impl(x_BSD.device.type, documents=document_ids_BS is not None).fn
+            o_BSHV = attention(q_BSHQ, k_BSHQ, v_BSHV.contiguous(), document_ids_BS)
         return self.wo(o_BSHV.reshape(B, S, H * a.v_head_dim))
 
     @torch.no_grad()

@@ -22,6 +22,7 @@ from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.attention import Attention
 from titan_tpu.models.common.feed_forward import FeedForward
 from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
+from titan_tpu.models.common.kv_cache import KVCache, LayerCache
 from titan_tpu.models.common.mla import MLA, MLAArgs
 from titan_tpu.models.common.moe import ExpertDispatchSlot, MoE, MoEArgs, aux_loss_from_stats, updated_expert_bias
 from titan_tpu.models.common.mtp import MTPLayer, mtp_tokens
@@ -169,9 +170,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x_BSD: torch.Tensor, rope_xSP2: torch.Tensor,
-                document_ids_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_xSP2, document_ids_BS)
+    def forward(self, x_BSD: torch.Tensor, rope_xSP2: torch.Tensor, document_ids_BS: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_xSP2, document_ids_BS, cache)
         if self.moe is None:
             return h_BSD + self.feed_forward(self.ffn_norm(h_BSD)), h_BSD.new_zeros(0)
         out_BSD, stats_2E = self.moe(self.ffn_norm(h_BSD))
@@ -462,6 +463,24 @@ class Transformer(nn.Module):
                     moe_stats.append(layer_stats)
             stats_L2E = torch.stack(moe_stats) if moe_stats else h_BSD.new_zeros(0, 0)
         return self.norm(h_BSD), stats_L2E
+
+    def cached_hidden_states(self, tokens_BS: torch.Tensor, *, positions_BS: torch.Tensor,
+                             cache: KVCache) -> torch.Tensor:
+        """`hidden_states` for decoding: each token at its row's position, its keys and values
+        written into `cache` and its attention over the cached positions up to its own
+        (models/common/kv_cache.py). Unrolled layers without checkpointing, as generation builds them."""
+        assert not self.scan_layers and not self._checkpointed_blocks, "decode with the plain layer loop"
+        rope = rope_rows(self.rope_cache, tokens_BS.shape[1], positions_BS)
+        h_BSD = self.tok_embeddings(tokens_BS)
+        for layer, layer_cache in zip(self.layers.values(), cache.at(positions_BS), strict=True):
+            h_BSD, _ = layer(h_BSD, rope, None, layer_cache)
+        return self.norm(h_BSD)
+
+    def kv_cache(self, *, batch: int, length: int) -> KVCache:
+        """An empty decode cache of `length` positions for `batch` rows, in the weights' dtype."""
+        weight = self.tok_embeddings.weight
+        shapes = [layer.attention.cache_entry_shapes() for layer in self.layers.values()]
+        return KVCache.empty(shapes, batch=batch, length=length, dtype=weight.dtype, device=weight.device)
 
     def _run_block(self, layer: TransformerBlock, h_BSD: torch.Tensor, rope: torch.Tensor,
                    document_ids_BS: torch.Tensor | None,

@@ -24,6 +24,12 @@ _CALL_CONTEXT: contextvars.ContextVar[tuple[KernelConfig, torch.Tensor | None] |
     "titan_tpu_hf_call", default=None)
 
 
+def _call_context() -> tuple[KernelConfig, torch.Tensor | None] | None:
+    """`_CALL_CONTEXT`'s value; None while Dynamo compiles, which cannot trace a ContextVar: the
+    only Dynamo-compiled calls are generation's decode steps (titan_tpu/generate), which set none."""
+    return None if torch.compiler.is_compiling() else _CALL_CONTEXT.get()
+
+
 def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
@@ -34,7 +40,7 @@ def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if kwargs.get("sparse_indices") is not None:
         raise NotImplementedError(f"{type(module).__name__} passes sparse_indices (a sparse-attention indexer); the "
                                   "titan_tpu attention does not apply them; build such a model with sdpa attention")
-    context = _CALL_CONTEXT.get()
+    context = _call_context()
     document_ids = context[1] if context is not None else None
     plain_causal = (
         context is not None and not dropout and getattr(module, "is_causal", True)
@@ -83,7 +89,7 @@ def _grouped_experts(hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_
 
 
 def _grouped_mm() -> Callable:
-    context = _CALL_CONTEXT.get()
+    context = _call_context()
     kernels = context[0] if context is not None else KernelConfig()
     return kernels.grouped_mm_fn
 
@@ -199,7 +205,7 @@ def _titan_mask(*args, attention_mask: torch.Tensor | None = None, local_size: i
     our kernels."""
     from transformers.masking_utils import sdpa_mask
 
-    if attention_mask is None and local_size is None and _CALL_CONTEXT.get() is not None:
+    if attention_mask is None and local_size is None and _call_context() is not None:
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, local_size=local_size, **kwargs)
 
