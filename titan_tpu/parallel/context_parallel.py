@@ -62,7 +62,7 @@ from titan_tpu.kernels import document_ids_from_positions
 from titan_tpu.kernels.registry import Impl
 from titan_tpu.parallel.axes import CP_AXIS
 from titan_tpu.parallel.group_rank import rank_in
-from titan_tpu.parallel.tensor_parallel import _GatherSequence, _wait, tp_size
+from titan_tpu.parallel.tensor_parallel import _GatherAlong, _wait, tp_size
 
 __all__ = ["CP_AXIS", "check_context_parallel", "context_parallel", "cp_attention_saved_bytes", "cp_size",
            "head_tail_attention", "head_tail_positions", "sequence_order"]
@@ -162,8 +162,8 @@ class ContextParallelPlan:
                   document_ids_BQ: Tensor | None) -> Tensor:
         """The attention kernel contract on this rank's queries, against every rank's keys;
         `chunk_attention` is the chosen kernel of that op (kernels/attention.py)."""
-        k_BSKD = sequence_order(_GatherSequence.apply(k_BQKD, self.group), self.cp)
-        v_BSKD = sequence_order(_GatherSequence.apply(v_BQKD, self.group), self.cp)
+        k_BSKD = sequence_order(_GatherAlong.apply(k_BQKD, self.group, 1), self.cp)
+        v_BSKD = sequence_order(_GatherAlong.apply(v_BQKD, self.group, 1), self.cp)
         ids_BS = None
         if self.documents:
             ids_BS = sequence_order(_wait(funcol.all_gather_tensor(document_ids_BQ.contiguous(), 1, self.group)),

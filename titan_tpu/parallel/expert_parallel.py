@@ -59,7 +59,7 @@ from torch.distributed.tensor import Placement, Shard
 from titan_tpu.kernels import kernel_device_type
 from titan_tpu.parallel.axes import EP_AXES, EP_AXIS
 from titan_tpu.parallel.group_rank import rank_in
-from titan_tpu.parallel.tensor_parallel import _wait
+from titan_tpu.parallel.tensor_parallel import _GatherAlong, _ReduceScatterAlong, _wait
 
 __all__ = ["EP_AXES", "EP_DISPATCH", "AllToAllDispatch", "ExpertParallelDispatch", "make_dispatch",
            "expert_placements", "build_expert_mesh"]
@@ -100,14 +100,14 @@ class ExpertParallelDispatch:
     def gather(self, x_TD: Tensor, chosen_TK: Tensor, weights_TK: Tensor,
                num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
         """Every ep rank's tokens, routing choices and routing weights, rank by rank."""
-        x_all = _GatherRows.apply(x_TD, self.group)
+        x_all = _GatherAlong.apply(x_TD, self.group, 0)
         chosen_all = _wait(funcol.all_gather_tensor(chosen_TK, 0, self.group))
-        weights_all = _GatherRows.apply(weights_TK, self.group)
+        weights_all = _GatherAlong.apply(weights_TK, self.group, 0)
         return x_all, chosen_all, weights_all
 
     def combine(self, out_ND: Tensor) -> Tensor:
         """Sum the ranks' partial outputs and hand each rank the rows of its own tokens."""
-        return _ReduceScatterRows.apply(out_ND, self.group)
+        return _ReduceScatterAlong.apply(out_ND, self.group, 0)
 
 
 def make_dispatch(expert_mesh: DeviceMesh, kind: str) -> ExpertParallelDispatch:
@@ -234,39 +234,8 @@ class _RaggedAllToAll(torch.autograd.Function):
         return _ragged_exchange(grad, torch.zeros_like(grad), back_RR, rank, ctx.group_name), None, None, None
 
 
-# The ep collectives with their backward, as Functions torch.func accepts (module docstring).
-
-
-class _GatherRows(torch.autograd.Function):
-    """[T, ...] -> every ep rank's rows [ep * T, ...], rank by rank; backward: reduce-scatter (sum)."""
-
-    @staticmethod
-    def forward(x, group):
-        return _wait(funcol.all_gather_tensor(x.contiguous(), 0, group))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _wait(funcol.reduce_scatter_tensor(grad.contiguous(), "sum", 0, ctx.group)), None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """Partial sums [ep * T, ...] -> this rank's summed rows [T, ...]; backward: all-gather."""
-
-    @staticmethod
-    def forward(x, group):
-        return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _wait(funcol.all_gather_tensor(grad.contiguous(), 0, ctx.group)), None
+# The ep collectives with their backward, as Functions torch.func accepts (module docstring); the
+# all-gather and reduce-scatter are tensor_parallel.py's, along dim 0.
 
 
 class _AllToAllRows(torch.autograd.Function):
