@@ -282,12 +282,14 @@ def test_sequence_order_undoes_the_head_tail_gather():
     assert torch.equal(sequence_order(gathered.unsqueeze(0), cp)[0], torch.arange(S))
 
 
+@pytest.mark.parametrize("rank_as", [int, torch.tensor], ids=["rank-int", "rank-tensor"])
 @pytest.mark.parametrize("kernel", ["reference", "sdpa"])
 @pytest.mark.parametrize("documents", [False, True])
-def test_sharded_attention_equals_full_attention(documents, kernel):
+def test_sharded_attention_equals_full_attention(documents, kernel, rank_as):
     """Simulate cp ranks in one process: each rank's two chunks of queries, each against the keys
     up to its end (chunk_attention), give that rank's rows of full attention, and so do their
-    gradients (with respect to the whole sequence's q, k, v, summed over ranks)."""
+    gradients (with respect to the whole sequence's q, k, v, summed over ranks). A tensor rank is
+    one program's form (the JAX lowering): every chunk against all keys, its start a value."""
     torch.manual_seed(0)
     B, S, H, K, D, cp = 2, 24, 4, 2, 8, 3
     q, k, v = (torch.randn(B, S, n, D, requires_grad=True) for n in (H, K, K))
@@ -296,7 +298,7 @@ def test_sharded_attention_equals_full_attention(documents, kernel):
     grad = torch.randn_like(full)
     want = torch.autograd.grad(full, (q, k, v), grad)
     out = torch.empty_like(full)
-    for rank in range(cp):
+    for rank in map(rank_as, range(cp)):
         mine = head_tail_positions(S, cp, rank)
         out[:, mine] = head_tail_attention(CHUNK_ATTENTION.impls[kernel].fn, q[:, mine], k, v, cp=cp, rank=rank,
                                            document_ids_BQ=None if ids is None else ids[:, mine],

@@ -589,6 +589,29 @@ def test_the_tpu_ragged_path_matches_the_exact_all_to_all_with_the_op_emulated()
             torch.testing.assert_close(ragged, exact, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
+def test_expert_parallel_captures_with_scanned_layers_and_full_checkpointing(dispatch):
+    """Scanned layers with full activation checkpointing recompute each layer under torch.func.vjp
+    in the backward (models/common/scan.py), so the MoE dispatch's collectives must be autograd
+    Functions torch.func accepts; torch's `*_autograd` functional collectives (torch 2.13) are not
+    ("must override the setup_context staticmethod": every ep recipe of the TPU, which all scan
+    with full checkpointing, failed to capture). Rank 0 of 2 under a fake process group, which
+    traces the collectives as a real group does (tools/device_step.py)."""
+    import torch.fx
+
+    from titan_tpu.config import build_config
+    from titan_tpu.tools.device_step import capture_device_step
+
+    cfg = build_config("configs/qwen3_moe_debug.toml", [
+        "--model.dtype=float32", "--model.scan_layers=true", "--activation_checkpoint.mode=full",
+        "--parallelism.dp_shard=2", "--parallelism.ep=2", f"--parallelism.ep_dispatch={dispatch}"])
+    step = capture_device_step(cfg, world_size=2, batch_size=1, seq_len=16)
+    ops = {str(node.target) for module in step.captured.graph_module.modules()
+           if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes}
+    assert ("_c10d_functional.all_to_all_single.default" in ops) == (dispatch == "all_to_all")
+    assert "scan" in ops  # torch.ops.higher_order.scan
+
+
 def test_moe_args_with_every_layer_dense_train_like_the_dense_model():
     """An HF config may list every layer as dense (mlp_only_layers, first_k_dense_replace >= layers):
     no MoE statistics at all, and the same losses as the same model without MoE args."""

@@ -123,9 +123,14 @@ def test_splash_lowers_for_tpu(real_ops):
         q_chunk, ids_chunk = _fake(1, 8, 512, 128), _fake(1, 512, dtype=torch.int32)
         o_chunk = real_ops.splash(q_chunk, k, k, ids_chunk, ids, 512)
         dq_chunk, dk_chunk, _ = real_ops.splash_vjp(q_chunk, k, k, ids_chunk, ids, o_chunk, 512)
+        # One program for every cp rank: the chunk's start a tensor, one kernel per place (lax.switch).
+        start = _fake((), dtype=torch.int32)
+        o_at = real_ops.splash_at(q_chunk, k, k, ids_chunk, ids, start, 0, 512)
+        dq_at, dk_at, _ = real_ops.splash_at_vjp(q_chunk, k, k, ids_chunk, ids, start, o_at, 0, 512)
     assert o.shape == q.shape and dq.shape == q.shape and dk.shape == dv.shape == k.shape
     assert o.dtype == torch.bfloat16
     assert o_chunk.shape == dq_chunk.shape == q_chunk.shape and dk_chunk.shape == k.shape
+    assert o_at.shape == dq_at.shape == q_chunk.shape and dk_at.shape == k.shape
 
 
 def test_gmm_lowers_for_tpu(real_ops):

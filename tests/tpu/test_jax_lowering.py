@@ -27,6 +27,7 @@ from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.mesh import dp_rank_and_size
 from titan_tpu.tools.device_step import build_device_model, capture_device_step, fake_world
 from titan_tpu.tools.tpu_compile import jax_mesh, run_on_devices, sharded_step
+from titan_tpu.tracing import one_program_for_every_rank
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 
@@ -118,16 +119,37 @@ def _shard_of(full: torch.Tensor, spec, rank: int) -> np.ndarray:
     return full
 
 
-LAYOUTS = [("llama3_debug", {}, False), ("qwen3_debug", {}, False), ("qwen3_moe_debug", {}, False),
-           ("llama3_debug", {"dp_shard": 2}, False), ("qwen3_moe_debug", {"dp_shard": 2}, False),
-           ("llama3_debug", {"tp": 2}, False), ("qwen3_moe_debug", {"dp_shard": 2, "ep": 2}, False),
-           ("llama3_debug", {}, True)]
+# (model, layout, scanned layers with full checkpointing, layers: None for the model's own). cp 2
+# and ep 2's all_to_all (here the static worst-case buffer of a graph captured on CPU/CUDA; the
+# TPU's ragged form is in the kernel test below) scanned, as the TPU recipes run, with one layer:
+# its scan body is the code every layer runs, and each layer more only added time.
+LAYOUTS = [("llama3_debug", {}, False, None), ("qwen3_debug", {}, False, None), ("qwen3_moe_debug", {}, False, None),
+           ("llama3_debug", {"dp_shard": 2}, False, None), ("qwen3_moe_debug", {"dp_shard": 2}, False, None),
+           ("llama3_debug", {"tp": 2}, False, None), ("llama3_debug", {"cp": 2}, True, 1),
+           ("qwen3_moe_debug", {"dp_shard": 2, "ep": 2}, False, None),
+           ("qwen3_moe_debug", {"dp_shard": 2, "ep": 2, "ep_dispatch": "all_to_all"}, True, 1),
+           ("llama3_debug", {}, True, None)]
 
 
-@pytest.mark.parametrize("name, layout, scan", LAYOUTS, ids=[
-    f"{n}-{'-'.join(f'{a}{s}' for a, s in lay.items()) or '1dev'}{'-scanned' if scan else ''}"
-    for n, lay, scan in LAYOUTS])
-def test_lowered_step_equals_eager_step(name, layout, scan, monkeypatch):
+def _layout_id(name: str, layout: dict) -> str:
+    return f"{name}-{'-'.join(f'{a}{s}' if isinstance(s, int) else s for a, s in layout.items()) or '1dev'}"
+
+
+def _with_layers(name: str, layers: int | None, monkeypatch) -> None:
+    """The debug model `name` cut to `layers` layers for this test (None: as it is)."""
+    from titan_tpu.models.registry import MODEL_FLAVORS
+
+    if layers is not None:
+        model = _config(name, {}).model
+        family, flavor = model.name, model.flavor
+        monkeypatch.setitem(MODEL_FLAVORS[family], flavor,
+                            dataclasses.replace(MODEL_FLAVORS[family][flavor], n_layers=layers))
+
+
+@pytest.mark.parametrize("name, layout, scan, layers", LAYOUTS,
+                         ids=[f"{_layout_id(n, lay)}{'-scanned' if scan else ''}" for n, lay, scan, _ in LAYOUTS])
+def test_lowered_step_equals_eager_step(name, layout, scan, layers, monkeypatch):
+    _with_layers(name, layers, monkeypatch)
     _check_lowered_step(name, layout, scan, monkeypatch)
 
 
@@ -137,32 +159,26 @@ def test_lowered_step_equals_eager_step(name, layout, scan, monkeypatch):
 # expert parallelism holds all three kernels (interpret mode is slow: one layout, and the debug
 # model cut to one layer, which holds each kernel and its backward: each layer more ran the same
 # kernels again and made the check the slowest of make tpu-check).
-KERNEL_LAYOUTS = [("qwen3_moe_debug", {"dp_shard": 2, "ep": 2})]
+KERNEL_LAYOUTS = [("qwen3_moe_debug", {"dp_shard": 2, "ep": 2, "ep_dispatch": "all_to_all"})]
 KERNEL_LAYERS = 1
 
 
-@pytest.mark.parametrize("name, layout", KERNEL_LAYOUTS, ids=[
-    f"{n}-{'-'.join(f'{a}{s}' for a, s in lay.items()) or '1dev'}" for n, lay in KERNEL_LAYOUTS])
+@pytest.mark.parametrize("name, layout", KERNEL_LAYOUTS, ids=[_layout_id(n, lay) for n, lay in KERNEL_LAYOUTS])
 def test_lowered_step_with_tpu_kernels_equals_eager_step(name, layout, monkeypatch):
     """The step lowered with the TPU kernels as their JAX functions (what `titan-tpu compile` hands
     XLA) equals our eager step with the CPU's kernels (float64), one whole step."""
-    import dataclasses
-
     from jax.experimental.pallas import tpu as pltpu
 
     from titan_tpu.kernels.jax_traced import NAMESPACE, traced_for_jax
-    from titan_tpu.models.registry import MODEL_FLAVORS
 
-    model = _config(name, layout).model
-    family, flavor = model.name, model.flavor
-    monkeypatch.setitem(MODEL_FLAVORS[family], flavor,
-                        dataclasses.replace(MODEL_FLAVORS[family][flavor], n_layers=KERNEL_LAYERS))
+    _with_layers(name, KERNEL_LAYERS, monkeypatch)
     with pltpu.force_tpu_interpret_mode():
         step = _check_lowered_step(name, layout, False, monkeypatch, batch=1, seq=128, capture=traced_for_jax)
     kernels = {n.target.name().split("::")[1] for n in step.captured.graph_module.graph.nodes
                if n.op == "call_function" and getattr(n.target, "namespace", None) == NAMESPACE}
+    # ep all_to_all: TorchTPU's ragged all-to-all (run here by the lowering's all-gather emulation).
     assert kernels == {"splash_attention", "splash_attention_vjp", "tokamax_lce", "tokamax_lce_vjp", "megablox_gmm",
-                       "megablox_gmm_vjp"}, kernels
+                       "megablox_gmm_vjp", "ragged_all_to_all"}, kernels
     layers = {n.split(".")[1] for n in step.captured.param_names if n.startswith("layers.")}
     assert len(layers) == KERNEL_LAYERS, layers
 
@@ -173,12 +189,17 @@ def _check_lowered_step(name, layout, scan, monkeypatch, batch=BATCH, seq=SEQ, c
     rank reads its data-parallel rank's batch (both ranks the same one); the model's own hooks
     split it (cp) or not (tp), as in training. scan: scanned layers, whose scan ops (forward and
     backward) lower to lax.scan (XLA's while loop); the reference is the eager step over the same
-    stacked weights."""
+    stacked weights.
+
+    Captured as `titan-tpu compile` captures, as one program for every rank: cp's and ep's ranks are
+    the mesh axis index in the lowered program, and rank 0's program runs on every device, as a
+    compile for a slice does. tp's vocabulary offset is still a number per rank: under tp every
+    rank's graph is captured and each device reads its own (rank_constants)."""
     cfg = _config(name, layout, scan)
-    ranks = int(np.prod(list(layout.values()) or [1])) // layout.get("ep", 1)
-    with capture():
+    ranks = int(np.prod([size for size in layout.values() if isinstance(size, int)] or [1])) // layout.get("ep", 1)
+    with capture(), one_program_for_every_rank():
         steps = [capture_device_step(cfg, world_size=ranks, batch_size=batch, seq_len=seq, rank=r)
-                 for r in range(ranks)]
+                 for r in range(ranks if layout.get("tp", 1) > 1 else 1)]
     step = steps[0]
     per_device = []
     for rank in range(ranks):
@@ -189,8 +210,10 @@ def _check_lowered_step(name, layout, scan, monkeypatch, batch=BATCH, seq=SEQ, c
             per_device.append(_inputs(step, model, optimizer, batches[dp_rank]))
     outputs = run_on_devices(steps, per_device, jax.devices("cpu"))
     if scan:  # the forward and the backward each one while loop over the layers, not unrolled
-        stacked = [np.stack([np.asarray(x) for x in inputs]) for inputs in zip(*per_device)]
-        text = jax.jit(sharded_step(step, jax_mesh(step, jax.devices("cpu")))).lower(*stacked).as_text()
+        mesh = jax_mesh(step, jax.devices("cpu"))
+        stacked = [np.stack([np.asarray(x) for x in inputs]).reshape(mesh.devices.shape + np.shape(inputs[0]))
+                   for inputs in zip(*per_device)]
+        text = jax.jit(sharded_step(step, mesh)).lower(*stacked).as_text()
         assert text.count("stablehlo.while") == 2, text.count("stablehlo.while")
         # The backward loop runs in reverse over the stacks as they are (graph/reverse_scan.py
         # mark_reverse_scans), as TorchTPU builds it: no reversed copy of any stack.
@@ -223,19 +246,24 @@ def cfg_vocab(cfg) -> int:
     return model_spec(cfg.model).args.vocab_size
 
 
-def test_context_parallel_ranks_are_refused_as_one_program():
-    """cp's head-tail layout gives each rank's chunks keys up to a rank-dependent length: the ranks'
-    graphs differ in shapes, so no one SPMD program runs them all (compiling uses rank 0's graph,
-    whose cost every rank shares); the comparison of the ranks' graphs says so in one line."""
+def test_context_parallel_ranks_are_one_program(monkeypatch):
+    """Captured as one program for every rank, cp's ranks capture the same graph, number for number
+    (their place on the sequence is the group_rank op, the mesh axis index once lowered); captured
+    as the trainer captures, their chunks attend to key prefixes of rank-dependent lengths, and the
+    comparison of the ranks' graphs says in one line that no single SPMD program runs them all."""
     from titan_tpu.graph.jax_lowering import functional_graph, rank_constants
 
+    _with_layers("llama3_debug", 1, monkeypatch)
     cfg = _config("llama3_debug", {"cp": 2})
-    graphs = []
-    for rank in range(2):
-        step = capture_device_step(cfg, world_size=2, batch_size=BATCH, seq_len=SEQ, rank=rank)
-        graphs.append(functional_graph(step.captured.graph_module, step.captured.example_inputs))
+
+    def graphs():
+        steps = [capture_device_step(cfg, world_size=2, batch_size=BATCH, seq_len=SEQ, rank=r) for r in range(2)]
+        return [functional_graph(s.captured.graph_module, s.captured.example_inputs) for s in steps]
+
+    with one_program_for_every_rank():
+        assert rank_constants(graphs()) == {}
     with pytest.raises(JaxLoweringError, match="no single SPMD program runs them all") as error:
-        rank_constants(graphs)
+        rank_constants(graphs())
     assert "\n" not in str(error.value)
 
 

@@ -110,6 +110,26 @@ def test_splash_chunk_attention(documents, dtype):
     _compare(f"chunk_attention splash {Q} of {S}{' documents' if documents else ''} {dtype}", ours, ref, dtype)
 
 
+def test_splash_chunk_attention_at_a_start_known_when_it_runs():
+    """One program for every cp rank: the chunk at positions 128..255 of 384 against all 384 keys,
+    its start a tensor (one splash kernel per possible start, lax.switch picks), equals the
+    reference over the keys up to the chunk's end (the trainer's form); the keys past it get no
+    gradient. GQA 4:2 with documents (one starts inside the chunk), fp32; one sequence (interpret
+    mode is slow)."""
+    B, Q, S, D, heads, kv_heads, start = 1, 128, 384, 64, 4, 2, 128
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Q, heads, D, generator=gen)
+    k, v = (torch.randn(B, S, kv_heads, D, generator=gen) for _ in range(2))
+    grad = torch.randn(B, Q, heads, D, generator=gen)
+    ids = document_ids_from_positions(torch.cat([torch.arange(200), torch.arange(100), torch.arange(84)])[None])
+    q_ids, end = ids[:, start:start + Q], start + Q
+    # Starts from 128 on: kernels for 128 and 256 (q_start_min, as a cp tail chunk's).
+    ours = _run(tpu_kernels.splash_chunk_attention, [q, k, v], grad, q_ids, ids, torch.tensor(start), 128)
+    ref = _run(lambda q, k, v: reference_chunk_attention(q, k[:, :end], v[:, :end], q_ids, ids[:, :end]),
+               [q, k, v], grad)
+    _compare(f"chunk_attention splash {Q} of {S} at start {start} (a tensor) documents", ours, ref, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gmm_grouped_mm(dtype):
     # 8 experts over 512 rows: uneven, two empty groups, 40 rows past the last group (as an expert-

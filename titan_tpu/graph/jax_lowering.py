@@ -13,6 +13,10 @@ Two stages:
    names, where each collective becomes the `jax.lax` collective over the axes of its process
    group (all_gather_into_tensor -> all_gather, reduce_scatter_tensor -> psum_scatter,
    all_reduce -> psum/pmax/pmin, all_to_all_single -> all_to_all; wait_tensor is the identity).
+   Two ops of ours are collectives too: TorchTPU's ragged all-to-all, captured as its stand-in
+   (kernels/jax_traced.py), -> ragged_all_to_all, and ``titan_tpu::group_rank`` (a rank the step
+   reads as a value, parallel/group_rank.py) -> axis_index over the group's axes, so a rank-dependent
+   number of cp or ep is one program's value on every device, not a constant per rank.
 
 Every node's result is cast to the dtype the trace recorded for it, and its shape checked against
 the recorded one: torch and JAX promote mixed dtypes differently (a 0-dim float64 tensor times a
@@ -151,23 +155,22 @@ def _gather(x, dim, index):
     return jnp.take_along_axis(x, index, axis=dim)
 
 
-def _scatter_add(x, dim, index, src):
-    # Every index position names one element of x: build the full index tuple with the given
-    # index on `dim` and the position's own coordinates elsewhere.
+def _scatter_at(x, dim, index):
+    # Every index position names one element of x: the full index tuple with the given index on
+    # `dim` and the position's own coordinates elsewhere.
     grids = list(jnp.indices(index.shape, sparse=True))
     grids[dim] = index
-    src = src[tuple(slice(0, s) for s in index.shape)]
-    return x.at[tuple(grids)].add(src)
+    return x.at[tuple(grids)]
+
+
+def _scatter_add(x, dim, index, src):
+    return _scatter_at(x, dim, index).add(src[tuple(slice(0, s) for s in index.shape)])
 
 
 def _scatter(x, dim, index, src):
-    # aten.scatter (.value: src a number; .src: a tensor read at the index's positions): each
-    # index position names one element of x, which takes the value.
-    grids = list(jnp.indices(index.shape, sparse=True))
-    grids[dim] = index
-    if not isinstance(src, (int, float, bool)):
-        src = src[tuple(slice(0, s) for s in index.shape)]
-    return x.at[tuple(grids)].set(src)
+    # Positions named twice keep one of their values (torch leaves which undefined too).
+    src = src[tuple(slice(0, s) for s in index.shape)] if jnp.ndim(src) else src
+    return _scatter_at(x, dim, index).set(src)
 
 
 def _searchsorted(sorted_sequence, values, out_int32=False, right=False, side=None, sorter=None):
@@ -436,8 +439,8 @@ LOWERINGS: dict[object, Callable] = {
     aten.index_select.default: lambda x, dim, index: jnp.take(x, index, axis=dim),
     aten.gather.default: _gather,
     aten.scatter_add.default: _scatter_add,
-    aten.scatter.value: _scatter,
     aten.scatter.src: _scatter,
+    aten.scatter.value: _scatter,
     aten.embedding.default: lambda w, idx, *_: jnp.take(w, idx, axis=0),
     # creation
     aten.full.default: _full,
@@ -475,8 +478,29 @@ LOWERINGS: dict[object, Callable] = {
 
 # -- collectives ----------------------------------------------------------------------------------
 
-def _collective_lowerings(group_axes: dict[str, tuple[str, ...]]) -> dict[object, Callable]:
-    """The `_c10d_functional` ops as jax.lax collectives over the mesh axes of each process group."""
+def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes):
+    """jax.lax.ragged_all_to_all's contract from all-gathers, for XLA:CPU, which has no
+    ragged-all-to-all (jax 0.10.2: UNIMPLEMENTED): sender s's rows operand_s[input_offsets_s[r] :
+    + send_sizes_s[r]] land in receiver r's output at output_offsets_s[r]; the rest of the output is
+    kept. Same values as the TPU's collective; only the parity tests run it (every row travels)."""
+    me = jax.lax.axis_index(axes)
+    operands = jax.lax.all_gather(operand, axes)  # [senders, N, ...]
+    starts, sizes, offsets = (jax.lax.all_gather(a, axes)[:, me] for a in (input_offsets, send_sizes, output_offsets))
+    rows = jnp.arange(output.shape[0])
+    for sender in range(operands.shape[0]):
+        i = rows - offsets[sender]
+        mine = ((i >= 0) & (i < sizes[sender])).reshape((-1,) + (1,) * (output.ndim - 1))
+        output = jnp.where(mine, operands[sender][jnp.clip(starts[sender] + i, 0, operand.shape[0] - 1)], output)
+    return output
+
+
+def _collective_lowerings(group_axes: dict[str, tuple[str, ...]], on_cpu: bool = False) -> dict[object, Callable]:
+    """The `_c10d_functional` ops, and ours that are collectives (the module docstring), as jax.lax
+    collectives over the mesh axes of each process group. on_cpu: the program runs on XLA:CPU
+    (`_ragged_all_to_all_emulated`)."""
+    import titan_tpu.parallel.group_rank  # noqa: F401 - registers titan_tpu::group_rank
+    from titan_tpu.kernels.jax_traced import RAGGED_ALL_TO_ALL
+
     def axes(group_name: str):
         if group_name not in group_axes:
             raise JaxLoweringError(f"a collective runs on process group {group_name!r}, which is no axis of the mesh "
@@ -507,7 +531,15 @@ def _collective_lowerings(group_axes: dict[str, tuple[str, ...]]) -> dict[object
                 raise JaxLoweringError("_c10d_functional.all_to_all_single with uneven splits has no JAX lowering")
         return jax.lax.all_to_all(x, axes(group_name), split_axis=0, concat_axis=0, tiled=True)
 
+    def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, group_name):
+        sizes = [a.astype(jnp.int32) for a in (input_offsets, send_sizes, output_offsets, recv_sizes)]
+        if on_cpu:
+            return _ragged_all_to_all_emulated(operand, output, *sizes, axes(group_name))
+        return jax.lax.ragged_all_to_all(operand, output, *sizes, axis_name=axes(group_name))
+
     return {
+        RAGGED_ALL_TO_ALL.default: ragged_all_to_all,
+        torch.ops.titan_tpu.group_rank.default: lambda group_name: jax.lax.axis_index(axes(group_name)),
         funcol.all_gather_into_tensor.default:
             lambda x, group_size, group_name: jax.lax.all_gather(x, axes(group_name), axis=0, tiled=True),
         funcol.reduce_scatter_tensor.default: reduce_scatter,
@@ -538,13 +570,13 @@ def _scope(node: torch.fx.Node) -> str:
     return f"bwd {name}" if node.meta.get("custom", {}).get("phase") == "backward" else name
 
 
-def _table(group_axes: dict[str, tuple[str, ...]] | None) -> dict[object, Callable]:
+def _table(group_axes: dict[str, tuple[str, ...]] | None, on_cpu: bool = False) -> dict[object, Callable]:
     """Every op's JAX form: the ATen table, the collectives over the mesh axes of their groups, and
     the TPU kernels a step captured for JAX holds as ops (kernels/jax_traced.py: each the JAX
     function TorchTPU's jax_op would be handed, its Pallas kernel a Mosaic custom call on TPU)."""
     from titan_tpu.kernels.jax_traced import LOWERED
 
-    return {**LOWERINGS, **_collective_lowerings(group_axes or {}), **LOWERED}
+    return {**LOWERINGS, **_collective_lowerings(group_axes or {}, on_cpu), **LOWERED}
 
 
 def check_lowerable(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | None = None) -> None:
@@ -588,16 +620,19 @@ def rank_constants(graphs: list[torch.fx.GraphModule]) -> dict[str, dict[int, li
 
 
 def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | None = None,
-           per_rank: dict[str, dict[int, list]] | None = None, axis_sizes: dict[str, int] | None = None) -> Callable:
+           per_rank: dict[str, dict[int, list]] | None = None, axis_sizes: dict[str, int] | None = None, *,
+           on_cpu: bool = False) -> Callable:
     """A function of JAX arrays (the graph's flat inputs, one device's values) returning the list of
     its flat outputs. gm: a `functional_graph`. group_axes: process group name -> the mesh axis
     names it spans (empty for a one-device step); the function must then run inside shard_map.
     per_rank (`rank_constants`) with the mesh's axis_sizes: numbers read per device, by its rank
-    (row-major over the mesh axes); without it every device uses gm's own (rank 0's) numbers."""
+    (row-major over the mesh axes); without it every device uses gm's own (rank 0's) numbers.
+    on_cpu: the function will run on XLA:CPU (the parity tests), whose missing ragged-all-to-all is
+    emulated (`_ragged_all_to_all_emulated`); False for a TPU program."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     check_lowerable(gm, group_axes)
-    table = _table(group_axes)
+    table = _table(group_axes, on_cpu)
     nodes = list(gm.graph.nodes)
     per_rank = per_rank or {}
 
@@ -616,7 +651,7 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
             if node.op == "placeholder":
                 env[node] = jnp.asarray(next(placeholders))
             elif node.op == "call_function" and node.target is _SCAN:
-                env[node] = _as_traced(_scan(gm, node, load, group_axes), node.meta.get("val"), node)
+                env[node] = _as_traced(_scan(gm, node, load, group_axes, on_cpu), node.meta.get("val"), node)
             elif node.op == "call_function":
                 if node.name in per_rank:  # the node's arguments with its rank-dependent numbers read per device
                     leaves, spec = tree_flatten((node.args, node.kwargs))
@@ -657,7 +692,7 @@ def _subgraph(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.GraphMo
     return getattr(gm, node.target)
 
 
-def _scan(gm: torch.fx.GraphModule, node: torch.fx.Node, load: Callable, group_axes) -> list:
+def _scan(gm: torch.fx.GraphModule, node: torch.fx.Node, load: Callable, group_axes, on_cpu: bool) -> list:
     """torch's scan op (scanned layers, their backward) as `jax.lax.scan`: XLA's while loop over the
     leading dim of the stacked inputs, the body (one layer) lowered once, by this same table.
 
@@ -667,7 +702,7 @@ def _scan(gm: torch.fx.GraphModule, node: torch.fx.Node, load: Callable, group_a
     here as flips of xs and of the outputs, lowered as flips)."""
     body_gm, init, xs, additional = node.args[0], *load(node.args[1:4])
     assert not node.kwargs, node.kwargs
-    body = to_jax(_subgraph(gm, body_gm), group_axes)
+    body = to_jax(_subgraph(gm, body_gm), group_axes, on_cpu=on_cpu)
     n_carry = len(init)
 
     def step(carry, layer_xs):

@@ -25,7 +25,7 @@ from titan_tpu.kernels.loss import IGNORED_LABELS, LOSS
 from titan_tpu.kernels.registry import Impl, Op
 
 __all__ = ["ATTENTION", "CHUNK_ATTENTION", "GROUPED_MM", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe",
-           "device_type_as", "document_ids_from_positions"]
+           "device_type_as", "document_ids_from_positions", "kernel_device_type"]
 
 OPS: dict[str, Op] = {"attention": ATTENTION, "chunk_attention": CHUNK_ATTENTION, "loss": LOSS,
                       "grouped_mm": GROUPED_MM}
@@ -139,8 +139,14 @@ def device_type_as(device_type: str, as_type: str) -> Iterator[None]:
             _DEVICE_TYPE_AS[device_type] = previous
 
 
+def kernel_device_type(device_type: str) -> str:
+    """The device type whose kernels model code on `device_type` gets: "jax" for "cpu" inside
+    `device_type_as("cpu", "jax")` (a step captured for the JAX lowering), else `device_type`."""
+    return _DEVICE_TYPE_AS.get(device_type, device_type)
+
+
 def _resolve(op: Op, choice: str, device_type: str, needs: frozenset[str]) -> Impl:
-    return _resolve_cached(op, choice, _DEVICE_TYPE_AS.get(device_type, device_type), needs)
+    return _resolve_cached(op, choice, kernel_device_type(device_type), needs)
 
 
 @functools.cache

@@ -26,7 +26,8 @@ the chunk's end: context parallelism (parallel/context_parallel.py) computes eac
 sequence chunks with it, against the prefix of the gathered keys each one sees, so no rank builds
 a mask over the whole sequence and every kernel skips the causally masked blocks itself::
 
-    chunk_attention(q_BQHD, k_BSKD, v_BSKD, q_document_ids_BQ=None, k_document_ids_BS=None) -> o_BQHD
+    chunk_attention(q_BQHD, k_BSKD, v_BSKD, q_document_ids_BQ=None, k_document_ids_BS=None,
+                    q_start=None, q_start_min=0) -> o_BQHD
 
 The Q queries are the last Q positions of the S keys: query i sees key j if j <= S - Q + i (the
 causal mask aligned to the lower right; Q == S is plain causal attention) and, with document ids,
@@ -34,6 +35,13 @@ both are in the same document. Implementations: reference and sdpa (a boolean [B
 mask: the CPU choice), flex (a block mask from the same rule, nothing materialised per element: the
 CUDA choice) and splash (TPU: splash's causal mask with an offset and separate query and key
 segment ids).
+
+q_start (a 0-dim integer tensor, a value of the step) places the queries at positions q_start ..
+q_start + Q - 1 of the S keys instead: query i sees key j <= q_start + i, the keys past the chunk
+masked rather than absent. So every cp rank's chunks have the same shapes, whatever their place,
+and one program can run on every rank (the JAX lowering, parallel/context_parallel.py); splash
+needs q_start a multiple of Q (one kernel per place, chosen when the step runs), and makes kernels
+for the places from q_start_min on (a number: the least q_start can be); the others ignore it.
 """
 
 from __future__ import annotations
@@ -64,17 +72,23 @@ def allowed_BSS(S: int, document_ids_BS: Tensor | None, device: torch.device) ->
 
 
 def chunk_allowed_BQS(Q: int, S: int, q_document_ids_BQ: Tensor | None, k_document_ids_BS: Tensor | None,
-                      device: torch.device) -> Tensor:
+                      device: torch.device, q_start: Tensor | None = None) -> Tensor:
     """Boolean [B (or 1), Q, S] mask of chunk attention: the Q queries are the last Q of the S
-    positions, query i sees key j <= S - Q + i of its own document."""
-    causal_QS = torch.ones(Q, S, dtype=torch.bool, device=device).tril(diagonal=S - Q)
+    positions (or start at position q_start), query i sees key j <= S - Q + i (q_start + i) of its
+    own document."""
+    if q_start is None:
+        causal_QS = torch.ones(Q, S, dtype=torch.bool, device=device).tril(diagonal=S - Q)
+    else:
+        query_Q = q_start.to(device) + torch.arange(Q, device=device)
+        causal_QS = torch.arange(S, device=device)[None, :] <= query_Q[:, None]
     if q_document_ids_BQ is None:
         return causal_QS.unsqueeze(0)
     return causal_QS & (q_document_ids_BQ.unsqueeze(2) == k_document_ids_BS.unsqueeze(1))
 
 
 def reference_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
-                              k_document_ids_BS: Tensor | None = None) -> Tensor:
+                              k_document_ids_BS: Tensor | None = None, q_start: Tensor | None = None,
+                              q_start_min: int = 0) -> Tensor:
     """The masked softmax written out in fp32, grouped-query."""
     Q, H, D = q_BQHD.shape[1:]
     group = H // k_BSKD.shape[2]
@@ -82,7 +96,7 @@ def reference_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_
     k_BHSD = k_BSKD.transpose(1, 2).repeat_interleave(group, dim=1).float()
     v_BHSD = v_BSKD.transpose(1, 2).repeat_interleave(group, dim=1).float()
     scores_BHQS = (q_BHQD @ k_BHSD.transpose(-1, -2)) * D**-0.5
-    allowed_BQS = chunk_allowed_BQS(Q, k_BSKD.shape[1], q_document_ids_BQ, k_document_ids_BS, q_BQHD.device)
+    allowed_BQS = chunk_allowed_BQS(Q, k_BSKD.shape[1], q_document_ids_BQ, k_document_ids_BS, q_BQHD.device, q_start)
     probs_BHQS = scores_BHQS.masked_fill(~allowed_BQS.unsqueeze(1), float("-inf")).softmax(dim=-1)
     return (probs_BHQS @ v_BHSD).to(q_BQHD.dtype).transpose(1, 2)
 
@@ -115,11 +129,12 @@ def sdpa_attention(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
 
 
 def sdpa_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
-                         k_document_ids_BS: Tensor | None = None) -> Tensor:
+                         k_document_ids_BS: Tensor | None = None, q_start: Tensor | None = None,
+                         q_start_min: int = 0) -> Tensor:
     """SDPA with the chunk's boolean mask, [1 or B, Q, S] (SDPA's is_causal aligns the mask to the
     upper left, which is wrong when Q < S)."""
     allowed = chunk_allowed_BQS(q_BQHD.shape[1], k_BSKD.shape[1], q_document_ids_BQ, k_document_ids_BS,
-                                q_BQHD.device)
+                                q_BQHD.device, q_start)
     return masked_sdpa(q_BQHD, k_BSKD, v_BSKD, allowed)
 
 
@@ -170,13 +185,14 @@ def _flex_kernel(device_type: str):
 
 
 def flex_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
-                         k_document_ids_BS: Tensor | None = None) -> Tensor:
+                         k_document_ids_BS: Tensor | None = None, q_start: Tensor | None = None,
+                         q_start_min: int = 0) -> Tensor:
     """FlexAttention with a block mask from the chunk rule (Q == S: plain causal attention)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, Q, H, _ = q_BQHD.shape
     S = k_BSKD.shape[1]
-    offset = S - Q
+    offset = S - Q if q_start is None else q_start.to(q_BQHD.device)
     if q_document_ids_BQ is None:
         def mask_mod(b, h, q_idx, kv_idx):
             return q_idx + offset >= kv_idx

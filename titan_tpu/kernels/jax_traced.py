@@ -14,6 +14,12 @@ compiled by XLA's TPU compiler for the slice's topology without a TPU.
 type "jax" where model code asks for "cpu" (kernels/__init__.py), and the jax_op variants run
 through `traceable_jax_op`. The ops have no CPU kernel: they are traced, never run by torch.
 
+TorchTPU's ragged all-to-all (expert parallelism's TPU dispatch, parallel/expert_parallel.py) has
+its stand-in too: ``titan_tpu_jax::ragged_all_to_all``, a collective, which graph/jax_lowering.py
+lowers to `jax.lax.ragged_all_to_all` over the mesh axes of its process group. While
+`traced_for_jax()` is active the parallel plans also read their rank as a value of the program
+(parallel/group_rank.py, tracing.py `one_program_for_every_rank`): one program runs on every device.
+
 Imports jax: only the TPU environment (.venv-tpu) imports this module.
 """
 
@@ -26,7 +32,7 @@ from collections.abc import Callable, Iterator
 import jax
 import torch
 
-__all__ = ["LOWERED", "NOT_AS_ON_TPU", "traceable_jax_op", "traced_for_jax"]
+__all__ = ["LOWERED", "NOT_AS_ON_TPU", "RAGGED_ALL_TO_ALL", "traceable_jax_op", "traced_for_jax"]
 
 NAMESPACE = "titan_tpu_jax"
 
@@ -41,6 +47,14 @@ _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 # the step holds tokamax's own plain-XLA implementation of the same call instead.
 NOT_AS_ON_TPU = {"tokamax": "its plain-XLA implementation: the Mosaic kernel asks for a local TPU chip when "
                             "traced, so it cannot be lowered without one"}
+
+
+# torch.tpu.ops.ragged_all_to_all's call, traceable: the result has the output buffer's shape.
+_LIBRARY.define("ragged_all_to_all(Tensor operand, Tensor output, Tensor input_offsets, Tensor send_sizes, "
+                "Tensor output_offsets, Tensor recv_sizes, str group_name) -> Tensor")
+torch.library.register_fake(f"{NAMESPACE}::ragged_all_to_all", lambda operand, output, *_: torch.empty_like(output),
+                            lib=_LIBRARY)
+RAGGED_ALL_TO_ALL = getattr(torch.ops, NAMESPACE).ragged_all_to_all
 
 
 def _is_array(annotation) -> bool:
@@ -115,10 +129,12 @@ def traced_for_jax() -> Iterator[None]:
     (the TPU's JAX kernels where they have one) and the jax_op variants become traceable ops."""
     from titan_tpu import kernels
     from titan_tpu.kernels import tpu
+    from titan_tpu.tracing import one_program_for_every_rank
 
     previous, tpu.TOKAMAX_IMPLEMENTATION = tpu.TOKAMAX_IMPLEMENTATION, "xla"  # NOT_AS_ON_TPU
     try:
-        with kernels.device_type_as("cpu", "jax"), tpu.jax_op_replaced(traceable_jax_op):
+        with (kernels.device_type_as("cpu", "jax"), one_program_for_every_rank(),
+              tpu.jax_op_replaced(traceable_jax_op, ragged_all_to_all=RAGGED_ALL_TO_ALL)):
             yield
     finally:
         tpu.TOKAMAX_IMPLEMENTATION = previous

@@ -76,6 +76,7 @@ def _jax_missing(*modules: str) -> Callable[[], str | None]:
 # -- JAX functions as torch ops ------------------------------------------------------------------
 
 _jax_op_stand_in: Callable | None = None
+_ragged_all_to_all_stand_in: Callable | None = None
 
 
 def _jax_op() -> Callable:
@@ -87,15 +88,18 @@ def _jax_op() -> Callable:
 
 
 @contextlib.contextmanager
-def jax_op_replaced(stand_in: Callable) -> Iterator[None]:
+def jax_op_replaced(stand_in: Callable, *, ragged_all_to_all: Callable | None = None) -> Iterator[None]:
     """Run the jax_op variants through `stand_in` (same call as jax_op: (name, fn) -> op) instead of
-    TorchTPU's jax_op. For tests/tpu/, which runs the JAX functions on CPU."""
-    global _jax_op_stand_in
-    previous, _jax_op_stand_in = _jax_op_stand_in, stand_in
+    TorchTPU's jax_op, and, when given, `ragged_all_to_all` (same call as TorchTPU's op) in place of
+    torch.tpu.ops.ragged_all_to_all. For tests/tpu/, which runs the JAX functions on CPU, and for a
+    step captured for the JAX lowering (kernels/jax_traced.py)."""
+    global _jax_op_stand_in, _ragged_all_to_all_stand_in
+    previous = _jax_op_stand_in, _ragged_all_to_all_stand_in
+    _jax_op_stand_in, _ragged_all_to_all_stand_in = stand_in, ragged_all_to_all
     try:
         yield
     finally:
-        _jax_op_stand_in = previous
+        _jax_op_stand_in, _ragged_all_to_all_stand_in = previous
 
 
 @functools.cache
@@ -106,6 +110,8 @@ def _ops(jax_op: Callable) -> SimpleNamespace:
     return SimpleNamespace(
         splash=jax_op("titan_tpu::splash_attention", tpu_jax.splash_attention),
         splash_vjp=jax_op("titan_tpu::splash_attention_vjp", tpu_jax.splash_attention_vjp),
+        splash_at=jax_op("titan_tpu::splash_attention_at", tpu_jax.splash_attention_at),
+        splash_at_vjp=jax_op("titan_tpu::splash_attention_at_vjp", tpu_jax.splash_attention_at_vjp),
         gmm=jax_op("titan_tpu::megablox_gmm", tpu_jax.grouped_mm),
         gmm_vjp=jax_op("titan_tpu::megablox_gmm_vjp", tpu_jax.grouped_mm_vjp),
         lce=jax_op("titan_tpu::tokamax_lce", tpu_jax.linear_cross_entropy),
@@ -150,6 +156,28 @@ class _SplashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+class _SplashAttentionAt(torch.autograd.Function):
+    """`_SplashAttention` with the queries' first key position a tensor (q_start: one kernel per
+    place, picked when the step runs; kernels/tpu_jax.py splash_attention_at)."""
+
+    @staticmethod
+    def forward(q_BHQD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, q_ids_BQ: Tensor, kv_ids_BS: Tensor, q_start: Tensor,
+                q_start_min: int, block: int) -> Tensor:
+        return _jax_ops().splash_at(q_BHQD, k_BKSD, v_BKSD, q_ids_BQ, kv_ids_BS, q_start, q_start_min, block)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:6])
+        ctx.q_start_min, ctx.block = inputs[6:]
+
+    @staticmethod
+    def backward(ctx, grad_BHQD):
+        q_BHQD, k_BKSD, v_BKSD, q_ids_BQ, kv_ids_BS, q_start = ctx.saved_tensors
+        dq, dk, dv = _jax_ops().splash_at_vjp(q_BHQD, k_BKSD, v_BKSD, q_ids_BQ, kv_ids_BS, q_start,
+                                              grad_BHQD.contiguous(), ctx.q_start_min, ctx.block)
+        return dq, dk, dv, None, None, None, None, None
+
+
 def _segment_ids(document_ids: Tensor | None, B: int, length: int, device) -> Tensor:
     """Splash's segment ids: the document ids, or one segment for a plain causal window."""
     if document_ids is None:
@@ -158,15 +186,22 @@ def _segment_ids(document_ids: Tensor | None, B: int, length: int, device) -> Te
 
 
 def splash_chunk_attention(q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, q_document_ids_BQ: Tensor | None = None,
-                           k_document_ids_BS: Tensor | None = None) -> Tensor:
-    """The chunk_attention contract (kernels/attention.py): splash's causal mask offset by S - Q."""
+                           k_document_ids_BS: Tensor | None = None, q_start: Tensor | None = None,
+                           q_start_min: int = 0) -> Tensor:
+    """The chunk_attention contract (kernels/attention.py): splash's causal mask offset by S - Q,
+    or by q_start (a multiple of Q, at least q_start_min) when given."""
     B, Q, _, _ = q_BQHD.shape
     S = k_BSKD.shape[1]
     q_ids_BQ = _segment_ids(q_document_ids_BQ, B, Q, q_BQHD.device)
     kv_ids_BS = _segment_ids(k_document_ids_BS, B, S, q_BQHD.device)
     # Contiguous [B, heads, length, D]: what the JAX function's arrays are.
     q_BHQD, k_BKSD, v_BKSD = (t.transpose(1, 2).contiguous() for t in (q_BQHD, k_BSKD, v_BSKD))
-    o_BHQD = _SplashAttention.apply(q_BHQD, k_BKSD, v_BKSD, q_ids_BQ, kv_ids_BS, splash_block(Q, S))
+    if q_start is None:
+        o_BHQD = _SplashAttention.apply(q_BHQD, k_BKSD, v_BKSD, q_ids_BQ, kv_ids_BS, splash_block(Q, S))
+    else:
+        o_BHQD = _SplashAttentionAt.apply(q_BHQD, k_BKSD, v_BKSD, q_ids_BQ, kv_ids_BS,
+                                          q_start.to(device=q_BQHD.device, dtype=torch.int32), q_start_min,
+                                          splash_block(Q, S))
     return o_BHQD.transpose(1, 2)
 
 
@@ -279,9 +314,10 @@ def ragged_dot_grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) ->
 def ragged_all_to_all(operand: Tensor, output: Tensor, input_offsets: Tensor, send_sizes: Tensor,
                       output_offsets: Tensor, recv_sizes: Tensor, group_name: str) -> Tensor:
     """TorchTPU's ragged all-to-all (XLA's RaggedAllToAll): expert parallelism's TPU dispatch
-    (parallel/expert_parallel.py), here so that every torch_tpu call lives in this module."""
-    return torch.tpu.ops.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                           group_name)
+    (parallel/expert_parallel.py), here so that every torch_tpu call lives in this module. In a
+    step captured for the JAX lowering, the stand-in op that becomes jax.lax.ragged_all_to_all."""
+    op = _ragged_all_to_all_stand_in or torch.tpu.ops.ragged_all_to_all
+    return op(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, group_name)
 
 
 ATTENTION.register(Impl("splash", splash_attention, ("tpu",),

@@ -32,13 +32,13 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 
 
 @functools.cache
-def _splash_kernel(heads: int, q_len: int, kv_len: int, block: int):
+def _splash_kernel(heads: int, q_len: int, kv_len: int, block: int, offset: int):
     """A causal splash kernel over `heads` query heads (the key/value heads may be fewer: splash's
-    multi-head form takes grouped-query attention as it is). The q_len queries are the last q_len
-    of the kv_len positions (splash's causal mask with offset kv_len - q_len: query i sees key
-    j <= i + offset; 0 for self-attention). Cached per shape: building the mask's block tables is
-    host work done once."""
-    causal = splash_mask.CausalMask((q_len, kv_len), offset=kv_len - q_len)
+    multi-head form takes grouped-query attention as it is). The q_len queries start at position
+    `offset` of the kv_len keys (splash's causal mask with that offset: query i sees key
+    j <= i + offset; 0 for self-attention, kv_len - q_len for the last q_len). Cached per shape:
+    building the mask's block tables is host work done once; blocks past the diagonal are skipped."""
+    causal = splash_mask.CausalMask((q_len, kv_len), offset=offset)
     mask = splash_mask.MultiHeadMask([causal for _ in range(heads)])
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
@@ -53,8 +53,14 @@ def splash_attention(q_BHQD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array, q_
     (document); grouped-query: query head h reads kv head h // (H / K). The Q queries are the last
     Q of the S key positions (Q == S: self-attention; kernels/attention.py, chunk_attention).
     Returns [B, H, Q, D]."""
+    return _splash_at(q_BHQD, k_BKSD, v_BKSD, q_segment_ids_BQ, kv_segment_ids_BS, offset=k_BKSD.shape[2] -
+                      q_BHQD.shape[2], block=block)
+
+
+def _splash_at(q_BHQD, k_BKSD, v_BKSD, q_segment_ids_BQ, kv_segment_ids_BS, *, offset: int, block: int):
+    """`splash_attention` with the queries starting at key position `offset` (a number)."""
     B, H, Q, D = q_BHQD.shape
-    kernel = _splash_kernel(H, Q, k_BKSD.shape[2], block)
+    kernel = _splash_kernel(H, Q, k_BKSD.shape[2], block, offset)
     q_BHQD = (q_BHQD * D**-0.5).astype(q_BHQD.dtype)  # splash takes no softmax scale
 
     def one_sequence(args):
@@ -74,6 +80,31 @@ def splash_attention_vjp(q_BHQD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array
     """Gradients of `splash_attention` for q, k, v (splash's own backward kernels)."""
     _, vjp = jax.vjp(lambda q, k, v: splash_attention(q, k, v, q_segment_ids_BQ, kv_segment_ids_BS, block),
                      q_BHQD, k_BKSD, v_BKSD)
+    return vjp(grad_BHQD)
+
+
+def splash_attention_at(q_BHQD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array, q_segment_ids_BQ: jax.Array,
+                        kv_segment_ids_BS: jax.Array, q_start: jax.Array, q_start_min: int,
+                        block: int) -> jax.Array:
+    """`splash_attention` with the Q queries at positions q_start .. q_start + Q - 1 of the S keys,
+    q_start a value of the program (a multiple of Q, at least q_start_min; chunk_attention's
+    q_start, kernels/attention.py). A splash kernel's causal offset is built into its block tables
+    when it is made, so there is one kernel per possible start ((S - q_start_min) / Q of them) and
+    `lax.switch` runs the one q_start names: each device runs one kernel, whose skipped blocks are
+    those of its own place."""
+    Q, S = q_BHQD.shape[2], k_BKSD.shape[2]
+    starts = range(q_start_min, S - Q + 1, Q)
+    branches = [functools.partial(_splash_at, offset=start, block=block) for start in starts]
+    return jax.lax.switch((q_start - q_start_min) // Q, branches, q_BHQD, k_BKSD, v_BKSD, q_segment_ids_BQ,
+                          kv_segment_ids_BS)
+
+
+def splash_attention_at_vjp(q_BHQD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array, q_segment_ids_BQ: jax.Array,
+                            kv_segment_ids_BS: jax.Array, q_start: jax.Array, grad_BHQD: jax.Array,
+                            q_start_min: int, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of `splash_attention_at` for q, k, v (a switch over the kernels' backward)."""
+    _, vjp = jax.vjp(lambda q, k, v: splash_attention_at(q, k, v, q_segment_ids_BQ, kv_segment_ids_BS, q_start,
+                                                          q_start_min, block), q_BHQD, k_BKSD, v_BKSD)
     return vjp(grad_BHQD)
 
 

@@ -32,6 +32,14 @@ tokens, a partial sum that SimpleFSDP all-reduces over cp like a data-parallel a
 collectives are functional collectives inside autograd Functions, so a captured step holds them
 as graph nodes.
 
+One program for every rank (a step captured for the JAX lowering, tracing.py
+`one_program_for_every_rank`): the rank is then the group_rank op (parallel/group_rank.py, the mesh
+axis index once lowered), not a number, and no shape may depend on it. The rank's positions are
+computed from it, and each chunk attends to the keys up to the furthest end it has on any rank
+(the first S / 2 for a head chunk, all S for a tail chunk) with its causal offset a value
+(chunk_attention's q_start), the keys past its own end masked rather than cut off: the same shapes
+on every rank. The trainer keeps its per-rank prefixes (the same numbers, fewer keys per chunk).
+
 With tensor parallelism (cp x tp, tp the inner axis; tensor_parallel.py applied first) the two
 plans nest without knowing of each other: the pre-hook above cuts the sequence to the rank's
 S / cp tokens, and tp's sequence parallelism shards those further between blocks and gathers them
@@ -53,7 +61,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_tpu.kernels import document_ids_from_positions
 from titan_tpu.kernels.registry import Impl
 from titan_tpu.parallel.axes import CP_AXIS
-from titan_tpu.parallel.tensor_parallel import _GatherSequence, _wait, tp_size
+from titan_tpu.parallel.group_rank import rank_in
+from titan_tpu.parallel.tensor_parallel import _GatherAlong, _wait, tp_size
 
 __all__ = ["CP_AXIS", "check_context_parallel", "context_parallel", "cp_attention_saved_bytes", "cp_size",
            "head_tail_attention", "head_tail_positions", "sequence_order"]
@@ -72,9 +81,14 @@ def check_context_parallel(cp: int, *, seq_len: int, tp: int = 1) -> None:
                          "divisible by tp (a cp rank's tokens are sharded over tp between blocks); change seq_len")
 
 
-def head_tail_positions(seq_len: int, cp: int, rank: int, device=None) -> Tensor:
-    """Global positions [S / cp] of the tokens cp rank `rank` holds: chunks rank and 2 cp - 1 - rank."""
+def head_tail_positions(seq_len: int, cp: int, rank: int | Tensor, device=None) -> Tensor:
+    """Global positions [S / cp] of the tokens cp rank `rank` holds: chunks rank and 2 cp - 1 - rank.
+    rank: an int, or a 0-dim tensor (one program for every rank)."""
     c = seq_len // (2 * cp)
+    if isinstance(rank, Tensor):
+        offsets = torch.arange(c, device=device)
+        rank = rank.to(device)
+        return torch.cat([rank * c + offsets, (2 * cp - 1 - rank) * c + offsets])
     head = torch.arange(rank * c, (rank + 1) * c, device=device)
     return torch.cat([head, torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)])
 
@@ -102,11 +116,15 @@ class ContextParallelPlan:
     def __init__(self, *, group, cp: int, rank: int, documents: bool):
         self.group, self.cp, self.rank, self.documents = group, cp, rank, documents
 
+    def cp_rank(self) -> int | Tensor:
+        """This rank on cp: an int, or the group_rank op in a step captured as one program."""
+        return rank_in(self.group, self.rank)
+
     def local_positions(self, seq_len: int, device) -> Tensor:
         if seq_len % (2 * self.cp) != 0:
             raise ValueError(f"context parallelism over {self.cp} ranks needs a sequence length divisible by "
                              f"{2 * self.cp}, got {seq_len}")
-        return head_tail_positions(seq_len, self.cp, self.rank, device)
+        return head_tail_positions(seq_len, self.cp, self.cp_rank(), device)
 
     def shard_inputs(self, module, args, kwargs):
         """Forward pre-hook: the rank's tokens, labels, RoPE positions and document ids."""
@@ -144,13 +162,13 @@ class ContextParallelPlan:
                   document_ids_BQ: Tensor | None) -> Tensor:
         """The attention kernel contract on this rank's queries, against every rank's keys;
         `chunk_attention` is the chosen kernel of that op (kernels/attention.py)."""
-        k_BSKD = sequence_order(_GatherSequence.apply(k_BQKD, self.group), self.cp)
-        v_BSKD = sequence_order(_GatherSequence.apply(v_BQKD, self.group), self.cp)
+        k_BSKD = sequence_order(_GatherAlong.apply(k_BQKD, self.group, 1), self.cp)
+        v_BSKD = sequence_order(_GatherAlong.apply(v_BQKD, self.group, 1), self.cp)
         ids_BS = None
         if self.documents:
             ids_BS = sequence_order(_wait(funcol.all_gather_tensor(document_ids_BQ.contiguous(), 1, self.group)),
                                     self.cp)
-        return head_tail_attention(chunk_attention, q_BQHD, k_BSKD, v_BSKD, cp=self.cp, rank=self.rank,
+        return head_tail_attention(chunk_attention, q_BQHD, k_BSKD, v_BSKD, cp=self.cp, rank=self.cp_rank(),
                                    document_ids_BQ=document_ids_BQ if self.documents else None,
                                    document_ids_BS=ids_BS)
 
@@ -163,17 +181,24 @@ def sequence_order(gathered_BS: Tensor, cp: int) -> Tensor:
     return torch.cat([heads.flatten(1, 2), tails.flatten(1, 2)], dim=1)
 
 
-def head_tail_attention(chunk_attention, q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, cp: int, rank: int,
-                        document_ids_BQ: Tensor | None = None, document_ids_BS: Tensor | None = None) -> Tensor:
+def head_tail_attention(chunk_attention, q_BQHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, cp: int,
+                        rank: int | Tensor, document_ids_BQ: Tensor | None = None,
+                        document_ids_BS: Tensor | None = None) -> Tensor:
     """Causal attention of cp rank `rank`'s queries (its head chunk, then its tail chunk) over the
-    whole sequence's keys, in sequence order: each chunk against the keys up to its own end."""
+    whole sequence's keys, in sequence order: each chunk against the keys up to its own end (an
+    int rank), or, for a tensor rank (one program for every rank), against the keys up to the
+    furthest end that chunk has on any rank, the first half of the sequence for a head chunk and
+    all of it for a tail chunk, with the keys past its own end masked (its start a value,
+    chunk_attention's q_start): the shapes are every rank's."""
     c = q_BQHD.shape[1] // 2
     outputs = []
-    for half, chunk in ((slice(None, c), rank), (slice(c, None), 2 * cp - 1 - rank)):
-        end = (chunk + 1) * c
+    for half, chunk, furthest in ((slice(None, c), rank, cp * c), (slice(c, None), 2 * cp - 1 - rank, 2 * cp * c)):
+        end = furthest if isinstance(chunk, Tensor) else (chunk + 1) * c
+        # The least start a head (tail) chunk has: splash makes one kernel per possible start.
+        start = {"q_start": chunk * c, "q_start_min": furthest - cp * c} if isinstance(chunk, Tensor) else {}
         outputs.append(chunk_attention(q_BQHD[:, half], k_BSKD[:, :end], v_BSKD[:, :end],
                                        None if document_ids_BQ is None else document_ids_BQ[:, half],
-                                       None if document_ids_BS is None else document_ids_BS[:, :end]))
+                                       None if document_ids_BS is None else document_ids_BS[:, :end], **start))
     return torch.cat(outputs, dim=1)
 
 

@@ -33,8 +33,19 @@ way and are added to their tokens. Three ways to move the rows, one per situatio
   travels: the same bytes as the all-gather path. CPU/CUDA collectives have no ragged variant.
 * TPU: `torch.tpu.ops.ragged_all_to_all`, the same worst-case buffer of which only the real
   rows travel (sizes and offsets are tensors). Written against torch-tpu 0.2.0's signature,
-  selected only on TPU devices; checked on CPU against an emulation of the op's contract
-  (tests/test_moe.py), not yet run on a TPU.
+  selected on TPU devices and in a step captured for the JAX lowering (`titan-tpu compile`, where
+  it is `jax.lax.ragged_all_to_all`); checked on CPU against an emulation of the op's contract
+  (tests/test_moe.py) and lowered to JAX against our eager step (tests/tpu/), not yet run on a TPU.
+
+The collectives are our own autograd Functions (forward and context apart, `setup_context`),
+not torch's `*_autograd` functional collectives: those are torch.library autograd registrations
+whose generated Function has no setup_context (torch 2.13), which torch.func refuses, and the
+backward of scanned layers with full checkpointing recomputes each layer under torch.func.vjp
+(models/common/scan.py).
+
+The rank on ep (the first local expert, the padding's expert) is `rank_in` (parallel/group_rank.py):
+an int, or in a step captured as one program for every rank the group_rank op (the mesh axis
+index once lowered).
 """
 
 from __future__ import annotations
@@ -45,7 +56,10 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
+from titan_tpu.kernels import kernel_device_type
 from titan_tpu.parallel.axes import EP_AXES, EP_AXIS
+from titan_tpu.parallel.group_rank import rank_in
+from titan_tpu.parallel.tensor_parallel import _GatherAlong, _ReduceScatterAlong, _wait
 
 __all__ = ["EP_AXES", "EP_DISPATCH", "AllToAllDispatch", "ExpertParallelDispatch", "make_dispatch",
            "expert_placements", "build_expert_mesh"]
@@ -76,20 +90,24 @@ class ExpertParallelDispatch:
         self.size = expert_mesh.size(EP_AXES.index(EP_AXIS))
         self.rank = expert_mesh.get_local_rank(EP_AXIS)
 
-    def first_local_expert(self, num_experts: int) -> int:
-        return self.rank * (num_experts // self.size)
+    def ep_rank(self) -> int | Tensor:
+        """This rank on ep: an int, or the group_rank op in a step captured as one program."""
+        return rank_in(self.mesh.get_group(EP_AXIS), self.rank)
+
+    def first_local_expert(self, num_experts: int) -> int | Tensor:
+        return self.ep_rank() * (num_experts // self.size)
 
     def gather(self, x_TD: Tensor, chosen_TK: Tensor, weights_TK: Tensor,
                num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
         """Every ep rank's tokens, routing choices and routing weights, rank by rank."""
-        x_all = funcol.all_gather_tensor_autograd(x_TD, 0, self.group)
-        chosen_all = funcol.all_gather_tensor(chosen_TK, 0, self.group)
-        weights_all = funcol.all_gather_tensor_autograd(weights_TK, 0, self.group)
+        x_all = _GatherAlong.apply(x_TD, self.group, 0)
+        chosen_all = _wait(funcol.all_gather_tensor(chosen_TK, 0, self.group))
+        weights_all = _GatherAlong.apply(weights_TK, self.group, 0)
         return x_all, chosen_all, weights_all
 
     def combine(self, out_ND: Tensor) -> Tensor:
         """Sum the ranks' partial outputs and hand each rank the rows of its own tokens."""
-        return funcol.reduce_scatter_tensor_autograd(out_ND, "sum", 0, self.group)
+        return _ReduceScatterAlong.apply(out_ND, self.group, 0)
 
 
 def make_dispatch(expert_mesh: DeviceMesh, kind: str) -> ExpertParallelDispatch:
@@ -118,8 +136,8 @@ class AllToAllDispatch(ExpertParallelDispatch):
         needed_RT = needed_TR.t()
         # Padding (static buffers) carries an expert of the next rank with weight 0: never local
         # to the receiver, so it runs no expert there and comes back as zeros.
-        if self.ragged if self.ragged is not None else x_TD.device.type == "tpu":
-            return self._ragged_gather(x_TD, chosen_TK, weights_TK, needed_RT, ((self.rank + 1) % ep) * per_rank)
+        if self.ragged if self.ragged is not None else kernel_device_type(x_TD.device.type) in ("tpu", "jax"):
+            return self._ragged_gather(x_TD, chosen_TK, weights_TK, needed_RT, ((self.ep_rank() + 1) % ep) * per_rank)
         if _is_traced(x_TD):
             # Chunk r of the send buffer: the tokens rank r needs first (stable), then the others
             # as padding. T rows per peer whatever the routing.
@@ -138,9 +156,9 @@ class AllToAllDispatch(ExpertParallelDispatch):
             token_S = needed_RT.flatten().nonzero().squeeze(1) % T  # rank-major
             chosen_SK, weights_SK = chosen_TK[token_S], weights_TK[token_S]
         self._pending = (token_S, send, recv, T, None)
-        x_MD = funcol.all_to_all_single_autograd(x_TD[token_S], recv, send, self.group)
-        chosen_MK = funcol.all_to_all_single(chosen_SK, recv, send, self.group)
-        weights_MK = funcol.all_to_all_single_autograd(weights_SK, recv, send, self.group)
+        x_MD = _AllToAllRows.apply(x_TD[token_S], recv, send, self.group)
+        chosen_MK = _wait(funcol.all_to_all_single(chosen_SK, recv, send, self.group))
+        weights_MK = _AllToAllRows.apply(weights_SK, recv, send, self.group)
         return x_MD, chosen_MK, weights_MK
 
     def combine(self, out_MD: Tensor) -> Tensor:
@@ -149,58 +167,94 @@ class AllToAllDispatch(ExpertParallelDispatch):
         self._pending = None
         if ragged is not None:
             counts_RR, group_name = ragged
-            y_SD = _RaggedAllToAll.apply(out_MD, counts_RR.t().contiguous(), self.rank, group_name)
+            y_SD = _RaggedAllToAll.apply(out_MD, counts_RR.t().contiguous(), self.ep_rank(), group_name)
         else:
-            y_SD = funcol.all_to_all_single_autograd(out_MD, send, recv, self.group)
+            y_SD = _AllToAllRows.apply(out_MD, send, recv, self.group)
         # Padding rows came back as zeros (their weight was 0), so adding them changes nothing.
         return torch.zeros(T, out_MD.shape[1], dtype=out_MD.dtype, device=out_MD.device).index_add(0, token_S, y_SD)
 
-    # -- TPU: ragged all-to-all (unrun) ---------------------------------------------------------
+    # -- TPU: ragged all-to-all (unrun on a TPU) ------------------------------------------------
 
-    def _ragged_gather(self, x_TD, chosen_TK, weights_TK, needed_RT, pad_expert: int):
+    def _ragged_gather(self, x_TD, chosen_TK, weights_TK, needed_RT, pad_expert: int | Tensor):
         """Real rows packed by destination at the front of a worst-case buffer [ep * T]; the
         sizes and offsets that ragged_all_to_all takes are tensors, so nothing is read on the host."""
         T, ep = x_TD.shape[0], self.size
         key_S = torch.where(needed_RT.bool(), torch.arange(ep, device=x_TD.device)[:, None], ep).flatten()
         token_S = torch.argsort(key_S, stable=True) % T  # needed rows by destination, then the rest
-        counts_RR = funcol.all_gather_tensor(needed_RT.sum(dim=1)[None], 0, self.group)  # [sender, receiver]
+        counts_RR = _wait(funcol.all_gather_tensor(needed_RT.sum(dim=1)[None], 0, self.group))  # [sender, receiver]
         group_name = self.mesh.get_group(EP_AXIS).group_name
+        rank = self.ep_rank()
         self._pending = (token_S, None, None, T, (counts_RR, group_name))
-        x_MD = _RaggedAllToAll.apply(x_TD[token_S], counts_RR, self.rank, group_name)
+        x_MD = _RaggedAllToAll.apply(x_TD[token_S], counts_RR, rank, group_name)
         chosen_SK = chosen_TK[token_S]
-        chosen_MK = _ragged_exchange(chosen_SK, torch.full_like(chosen_SK, pad_expert),
-                                     counts_RR, self.rank, group_name)
-        weights_MK = _RaggedAllToAll.apply(weights_TK[token_S], counts_RR, self.rank, group_name)
+        chosen_MK = _ragged_exchange(chosen_SK, torch.zeros_like(chosen_SK) + pad_expert, counts_RR, rank, group_name)
+        weights_MK = _RaggedAllToAll.apply(weights_TK[token_S], counts_RR, rank, group_name)
         return x_MD, chosen_MK, weights_MK
 
 
-def _ragged_exchange(operand: Tensor, output: Tensor, counts_RR: Tensor, rank: int, group_name: str) -> Tensor:
+def _ragged_exchange(operand: Tensor, output: Tensor, counts_RR: Tensor, rank: int | Tensor,
+                     group_name: str) -> Tensor:
     """Rank s sends counts_RR[s, r] rows to rank r: its rows packed by destination at the front of
     `operand`, received packed by sender at the front of `output` (the rest of `output` kept)."""
-    send_R, recv_R = counts_RR[rank], counts_RR[:, rank]
+    send_R, recv_R = _pick(counts_RR, rank), _pick(counts_RR.t(), rank)
     in_off_R = torch.cumsum(send_R, 0) - send_R
-    out_off_R = (torch.cumsum(counts_RR, 0) - counts_RR)[rank]  # after the rows of lower senders
+    out_off_R = _pick(torch.cumsum(counts_RR, 0) - counts_RR, rank)  # after the rows of lower senders
     from titan_tpu.kernels.tpu import ragged_all_to_all
 
     return ragged_all_to_all(operand, output, in_off_R, send_R, out_off_R, recv_R, group_name)
 
 
+def _pick(m_RR: Tensor, rank: int | Tensor) -> Tensor:
+    """Row `rank` of m; a tensor rank by index_select (indexing with a 0-dim tensor reads its value
+    into Python, which a capture cannot)."""
+    return m_RR[rank] if isinstance(rank, int) else m_RR.index_select(0, rank.reshape(1)).squeeze(0)
+
+
 class _RaggedAllToAll(torch.autograd.Function):
     """ragged_all_to_all into a zero buffer of the operand's shape; the gradient returns by the
-    same exchange with the traffic matrix transposed (each receiver sends back what it got)."""
+    same exchange with the traffic matrix transposed (each receiver sends back what it got).
+    rank: an int, or a 0-dim tensor (group_rank) in a step captured as one program."""
 
     @staticmethod
-    def forward(ctx, operand, counts_RR, rank, group_name):
-        ctx.save_for_backward(counts_RR)
-        ctx.rank, ctx.group_name = rank, group_name
+    def forward(operand, counts_RR, rank, group_name):
         return _ragged_exchange(operand, torch.zeros_like(operand), counts_RR, rank, group_name)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, counts_RR, rank, ctx.group_name = inputs
+        ctx.save_for_backward(counts_RR, *([rank] if isinstance(rank, Tensor) else []))
+        ctx.rank = None if isinstance(rank, Tensor) else rank
+
+    @staticmethod
     def backward(ctx, grad):
-        (counts_RR,) = ctx.saved_tensors
+        counts_RR, *rank = ctx.saved_tensors
+        rank = rank[0] if rank else ctx.rank
         grad = grad.contiguous()
         back_RR = counts_RR.t().contiguous()
-        return _ragged_exchange(grad, torch.zeros_like(grad), back_RR, ctx.rank, ctx.group_name), None, None, None
+        return _ragged_exchange(grad, torch.zeros_like(grad), back_RR, rank, ctx.group_name), None, None, None
+
+
+# The ep collectives with their backward, as Functions torch.func accepts (module docstring); the
+# all-gather and reduce-scatter are tensor_parallel.py's, along dim 0.
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """all_to_all_single on dim 0 (split sizes None: equal chunks); backward: the same exchange
+    with the two split lists swapped."""
+
+    @staticmethod
+    def forward(x, output_split_sizes, input_split_sizes, group):
+        return _wait(funcol.all_to_all_single(x.contiguous(), output_split_sizes, input_split_sizes, group))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.output_split_sizes, ctx.input_split_sizes, ctx.group = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _wait(funcol.all_to_all_single(grad.contiguous(), ctx.input_split_sizes, ctx.output_split_sizes,
+                                              ctx.group))
+        return grad, None, None, None
 
 
 def _is_traced(x: Tensor) -> bool:

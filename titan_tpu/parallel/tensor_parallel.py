@@ -86,48 +86,50 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 # autograd Functions written that way.
 
 
-class _GatherSequence(torch.autograd.Function):
-    """[B, S/tp, D] -> [B, S, D]; backward: reduce-scatter (sum) of the gradient's partial sums."""
+class _GatherAlong(torch.autograd.Function):
+    """Gather dim `dim` over the group ([B, S/tp, D] -> [B, S, D] with dim 1: the sequence; ep's
+    token rows with dim 0); backward: reduce-scatter (sum) of the gradient's partial sums."""
 
     @staticmethod
-    def forward(x, group):
-        return _wait(funcol.all_gather_tensor(x.contiguous(), 1, group))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _wait(funcol.reduce_scatter_tensor(grad.contiguous(), "sum", 1, ctx.group)), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Partial sums [B, S, D] -> summed [B, S/tp, D]; backward: all-gather of the gradient."""
-
-    @staticmethod
-    def forward(x, group):
-        return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 1, group))
+    def forward(x, group, dim):
+        return _wait(funcol.all_gather_tensor(x.contiguous(), dim, group))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
+        _, ctx.group, ctx.dim = inputs
 
     @staticmethod
     def backward(ctx, grad):
-        return _wait(funcol.all_gather_tensor(grad.contiguous(), 1, ctx.group)), None
+        return _wait(funcol.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.dim, ctx.group)), None, None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    """Partial sums summed over the group and scattered on dim `dim` ([B, S, D] -> [B, S/tp, D] with
+    dim 1); backward: all-gather of the gradient."""
+
+    @staticmethod
+    def forward(x, group, dim):
+        return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _wait(funcol.all_gather_tensor(grad.contiguous(), ctx.dim, ctx.group)), None, None
 
 
 def _gather_input(group, module, args):
-    return (_GatherSequence.apply(args[0], group), *args[1:])
+    return (_GatherAlong.apply(args[0], group, 1), *args[1:])
 
 
 def _reduce_scatter_output(group, module, args, output):
-    return _ReduceScatterSequence.apply(output, group)
+    return _ReduceScatterAlong.apply(output, group, 1)
 
 
 def _gather_output(group, module, args, output):
-    return _GatherSequence.apply(output, group)
+    return _GatherAlong.apply(output, group, 1)
 
 
 def _gather_logits(group, module, args, output):
@@ -155,7 +157,7 @@ class VocabParallelEmbedding(nn.Embedding):
         local_BS = tokens_BS - self._tp_start
         mine_BS = (local_BS >= 0) & (local_BS < w_vD.shape[0])
         h_BSD = F.embedding(torch.where(mine_BS, local_BS, 0), w_vD).masked_fill(~mine_BS.unsqueeze(-1), 0.0)
-        return _ReduceScatterSequence.apply(h_BSD, self._tp_group)
+        return _ReduceScatterAlong.apply(h_BSD, self._tp_group, 1)
 
 
 class _VocabParallelKernels:

@@ -76,11 +76,13 @@ def _topology(name: str):
 
 
 def _collectives(hlo_text: str) -> dict[str, int]:
-    kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+    kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
     counts = {}
     for kind in kinds:
-        # HLO: "= f32[..] all-gather-start(" ; StableHLO: "stablehlo.all_gather"
-        n = len(re.findall(rf"\b{kind}(?:-start)?\(|stablehlo\.{kind.replace('-', '_')}\b", hlo_text))
+        # HLO: "= f32[..] all-gather-start(" ; StableHLO: "stablehlo.all_gather", or a custom call
+        # ("stablehlo.custom_call @ragged_all_to_all("); all-to-all is not the tail of ragged-all-to-all.
+        name = kind.replace('-', '_')
+        n = len(re.findall(rf"(?<![\w-]){kind}(?:-start)?\(|stablehlo\.{name}\b|@{name}\(", hlo_text))
         if n:
             counts[kind] = n
     return counts

@@ -72,9 +72,6 @@ def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | Non
     from titan_tpu.models.spec import build
 
     dims = parallel_dims(cfg, world_size)
-    if dims.ep > 1 and cfg.parallelism.ep_dispatch != "all_gather":
-        raise ValueError("titan-tpu compile: --parallelism.ep_dispatch all_to_all sends sizes read on the host, "
-                         "which a compiled TPU step cannot; use --parallelism.ep_dispatch all_gather")
     mesh, expert_mesh = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
     compute = dtype or _DTYPES.get(cfg.model.dtype, torch.bfloat16)
     # Gradients reduced in parallelism.reduce_dtype, as the trainer does (float32 by default); a
@@ -146,10 +143,11 @@ def _axis_sizes(mesh, dims: ParallelDims) -> dict[str, int]:
     return sizes
 
 
-def _group_axes(graph: torch.fx.Graph, axis_sizes: dict[str, int]) -> dict[str, tuple[str, ...]]:
-    """Process group name -> the mesh axes it spans, for every group the graph's collectives
-    name: the axes along which rank 0's neighbours are exactly the group's ranks, in order
-    (global ranks are row-major over the mesh axes, as init_device_mesh lays them out)."""
+def _group_axes(gm: torch.fx.GraphModule, axis_sizes: dict[str, int]) -> dict[str, tuple[str, ...]]:
+    """Process group name -> the mesh axes it spans, for every group an op of the graph or of its
+    subgraphs (scan bodies) names (the collectives, group_rank): the axes along which rank 0's
+    neighbours are exactly the group's ranks, in order (global ranks are row-major over the mesh
+    axes, as init_device_mesh lays them out)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     names, sizes = list(axis_sizes), list(axis_sizes.values())
@@ -161,10 +159,11 @@ def _group_axes(graph: torch.fx.Graph, axis_sizes: dict[str, int]) -> dict[str, 
                  for coords in itertools.product(*(range(sizes[i]) for i in axes))]
         by_ranks.setdefault(tuple(ranks), tuple(names[i] for i in axes))
     out = {}
-    for node in graph.nodes:
+    nodes = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
+    for node in nodes:
         schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
         where = [i for i, a in enumerate(schema.arguments) if a.name == "group_name"] if schema else []
-        if where and schema.name.startswith("_c10d_functional::"):
+        if where:
             group = node.args[where[0]] if len(node.args) > where[0] else node.kwargs["group_name"]
             ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
             if ranks not in by_ranks:
@@ -226,6 +225,6 @@ def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_le
             # run in reverse, without the flipped copies of its stacks.
             mark_reverse_scans(captured.graph_module)
             steps.append(DeviceStep(captured=captured, axis_sizes=axis_sizes,
-                                    group_axes=_group_axes(captured.graph_module.graph, axis_sizes) if axis_sizes
+                                    group_axes=_group_axes(captured.graph_module, axis_sizes) if axis_sizes
                                     else {}))
         return steps[0] if len(steps) == 1 else tuple(steps)

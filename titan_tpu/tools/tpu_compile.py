@@ -40,7 +40,9 @@ def sharded_step(step: DeviceStep, mesh: Mesh, ranks: Sequence[DeviceStep] = ())
     if len(ranks) > 1:
         per_rank = rank_constants([graph] + [functional_graph(s.captured.graph_module, s.captured.example_inputs)
                                              for s in ranks[1:]])
-    return shard_step(to_jax(graph, step.group_axes, per_rank, step.axis_sizes), mesh, step.captured.num_inputs)
+    on_cpu = mesh.devices.flat[0].platform == "cpu"  # XLA:CPU lacks ragged-all-to-all (jax_lowering.py)
+    return shard_step(to_jax(graph, step.group_axes, per_rank, step.axis_sizes, on_cpu=on_cpu), mesh,
+                      step.captured.num_inputs)
 
 
 def run_on_devices(ranks: Sequence[DeviceStep], per_device_inputs: list[list], devices: Sequence
