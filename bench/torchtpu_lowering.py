@@ -37,22 +37,22 @@ COLUMNS = (("torchtpu_undonated", "TorchTPU, as the trainer calls it"), ("torcht
 
 
 def _rows(report: dict) -> list[tuple[str, list]]:
-    def memory(kind):
-        return [report[k]["memory_per_chip_bytes"][kind] / MiB for k, _ in COLUMNS]
+    def each(read):  # one value per column; None where XLA refused that program or did not say
+        return [None if "refused" in report[k] else read(report[k]) for k, _ in COLUMNS]
 
     def counts(level, key):
-        return [(report[k][level] or {}).get(key) if report[k].get(level) else None for k, _ in COLUMNS]
+        return [(report[k].get(level) or {}).get(key) for k, _ in COLUMNS]
 
-    rows = [(f"{kind} MiB", memory(kind)) for kind in ("arguments", "outputs", "aliased", "temporaries", "code")]
-    rows += [("peak MiB (args + outs - aliased + temps + code)", [report[k]["peak_per_chip_bytes"] / MiB
-                                                                  for k, _ in COLUMNS]),
-             ("FLOPs", [report[k]["flops_per_chip"] for k, _ in COLUMNS]),
-             ("bytes accessed MiB", [report[k]["bytes_accessed_per_chip"] / MiB for k, _ in COLUMNS]),
-             ("compile s (this CPU)", [report[k]["compile_seconds"] for k, _ in COLUMNS])]
+    rows = [(f"{kind} MiB", each(lambda r, kind=kind: r["memory_per_chip_bytes"][kind] / MiB))
+            for kind in ("arguments", "outputs", "aliased", "temporaries", "code")]
+    rows += [("peak MiB (args + outs - aliased + temps + code)", each(lambda r: r["peak_per_chip_bytes"] / MiB)),
+             ("FLOPs", each(lambda r: r["flops_per_chip"])),
+             ("bytes accessed MiB", each(lambda r: r["bytes_accessed_per_chip"] / MiB)),
+             ("compile s (this CPU)", each(lambda r: r["compile_seconds"]))]
     rows += [(f"StableHLO {key}", counts("stablehlo", key)) for key in ("ops", "dot_general", "while", "scatter",
                                                                           "custom_call", "calls")]
     rows += [(f"optimized HLO {key}", counts("hlo", key)) for key in ("instructions_outside_fusions", "fusions",
-                                                                        "copy", "while")]
+                                                                        "copy", "custom-call", "while")]
     return rows
 
 
@@ -70,13 +70,14 @@ def format_report(report: dict) -> str:
              + ", ".join(f"{op} {name}" for op, name in report["kernels"].items()),
              f"TorchTPU: captured in {report['torchtpu_capture_seconds']:.1f} s, lowered in "
              f"{report['torchtpu_lowering_seconds']:.1f} s ({report['scan_bodies']} scan bodies); ours: captured in "
-             f"{report['jax']['capture_seconds']:.1f} s; outputs' shapes "
-             + ("match" if report["outputs_match"] else "DIFFER"),
+             f"{report['jax'].get('capture_seconds', float('nan')):.1f} s; outputs' shapes "
+             + {True: "match", False: "DIFFER", None: "not compared"}[report["outputs_match"]],
              " | ".join(header), " | ".join("---" for _ in header)]
     for name, values in _rows(report):
         donated, ours = values[1], values[2]
         ratio = f"{donated / ours:.3f}" if isinstance(donated, (int, float)) and ours else "-"
         lines.append(" | ".join([name, *(_cell(v) for v in values), ratio]))
+    lines += [f"{name}: XLA refused it: {report[k]['refused']}" for k, name in COLUMNS if "refused" in report[k]]
     return "\n".join(lines)
 
 

@@ -360,28 +360,53 @@ def compare(config: str, overrides: Sequence[str], topology_name: str, work_dir:
     donated = [j for j, i in enumerate(program.argument_order) if i in moved]
     report = {"config": " ".join([config, *overrides]), "topology": topology_name, "kernels": kernels,
               "torchtpu_lowering_seconds": program.seconds, "torchtpu_capture_seconds": meta["capture_seconds"],
-              "scan_bodies": program.scan_bodies, "torchtpu": compile_stablehlo(program.text, topology_name,
-                                                                                donated=donated,
-                                                                                name="torchtpu_donated")}
+              "scan_bodies": program.scan_bodies,
+              "torchtpu": _compiled_or_refused(program.text, topology_name, donated=donated, name="torchtpu_donated")}
     if undonated:
-        report["torchtpu_undonated"] = compile_stablehlo(program.text, topology_name, name="torchtpu_undonated")
+        report["torchtpu_undonated"] = _compiled_or_refused(program.text, topology_name, name="torchtpu_undonated")
     dump = work_dir / "jax"
-    ours = compile_step_for_tpu(cfg, topology_name, dump)
-    arguments, results = stablehlo_signature((dump / "step.stablehlo.mlir").read_text())
-    optimized = dump / "step.optimized.hlo"
-    stablehlo = (dump / "step.stablehlo.mlir").read_text()
-    report["jax"] = {**ours, "stablehlo": stablehlo_counts(stablehlo),
-                     "hlo": hlo_counts(optimized.read_text()) if optimized.exists() else None,
-                     "argument_types": arguments, "result_types": results}
+    try:
+        ours = compile_step_for_tpu(cfg, topology_name, dump)
+    except Exception as e:  # noqa: BLE001 - XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError
+        report["jax"] = {"refused": _refusal(e), "stablehlo": None, "hlo": None, "result_types": None}
+    else:
+        stablehlo = (dump / "step.stablehlo.mlir").read_text()
+        arguments, results = stablehlo_signature(stablehlo)
+        optimized = dump / "step.optimized.hlo"
+        report["jax"] = {**ours, "stablehlo": stablehlo_counts(stablehlo),
+                         "hlo": hlo_counts(optimized.read_text()) if optimized.exists() else None,
+                         "argument_types": arguments, "result_types": results}
     # Ours takes and gives each value stacked over the one-device mesh ([1, ...]).
-    report["outputs_match"] = (_comparable(report["torchtpu"]["result_types"])
-                               == _comparable(results, mesh_dims=1))
+    ours_results = report["jax"]["result_types"]
+    report["outputs_match"] = None if ours_results is None else (
+        _comparable(report["torchtpu"]["result_types"]) == _comparable(ours_results, mesh_dims=1))
     if xla_dump is not None:
         dumped = hlo_counts_from_dump(xla_dump)
         for key in ("torchtpu", "torchtpu_undonated", "jax"):
-            if key in report and report[key]["hlo"] is None:
+            if key in report and report[key]["hlo"] is None and "refused" not in report[key]:
                 report[key]["hlo"] = dumped.get({"torchtpu": "torchtpu_donated"}.get(key, key))
     return report
+
+
+def _compiled_or_refused(text: str, topology_name: str, **options) -> dict:
+    """compile_stablehlo's report, or where XLA refuses the program because it does not fit the
+    chip's HBM (RESOURCE_EXHAUSTED at compile time), {"refused": its message} with the program's
+    StableHLO counts and signature; any other error is raised."""
+    try:
+        return compile_stablehlo(text, topology_name, **options)
+    except Exception as e:  # noqa: BLE001 - XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        arguments, results = stablehlo_signature(text)
+        return {"refused": _refusal(e), "stablehlo": stablehlo_counts(text), "hlo": None,
+                "argument_types": arguments, "result_types": results}
+
+
+def _refusal(error: Exception) -> str:
+    """XLA's out-of-memory message in one line, without its link; the error itself otherwise."""
+    if "RESOURCE_EXHAUSTED" not in str(error):
+        raise error
+    return " ".join(str(error).split("See https://")[0].split())
 
 
 def hlo_counts_from_dump(dump_dir: Path) -> dict[str, dict[str, int]]:
