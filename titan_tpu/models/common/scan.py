@@ -332,12 +332,14 @@ def _scan_layers(block_fn: Callable, h: Tensor, rope: Tensor, document_ids: Tens
         rope_rows, document_ids = _split_shared(layer_weights_and_shared[n_weights:])
         with _LinearsSaveTheirWeight():
             out, stats = block_fn(carry, rope_rows, document_ids, *layer_weights)
-        # The body may not return an alias of its input, hence the clone of the layer input (an
-        # empty tensor when the inputs are not kept: scan wants a fixed set of outputs).
-        return [out, stats, carry.clone() if keep_inputs else out.new_empty(0)]
+        # The body may not return an alias of its input, hence the clone of the layer input. No
+        # placeholder output when the inputs are not kept: TorchTPU's lowering of a scan body
+        # merges its outputs that share storage, and every empty tensor has none (a dense
+        # block's empty `stats` and an empty placeholder made one output where scan expects two).
+        return [out, stats, carry.clone()] if keep_inputs else [out, stats]
 
-    final, stats, per_layer = scan_op(body, [h], stacked, additional_inputs=shared)
-    return final, stats, per_layer if keep_inputs else None
+    final, stats, *per_layer = scan_op(body, [h], stacked, additional_inputs=shared)
+    return final, stats, per_layer[0] if keep_inputs else None
 
 
 class _LinearSavingItsWeight(torch.autograd.Function):
