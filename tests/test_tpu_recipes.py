@@ -39,7 +39,7 @@ def test_tpu_recipe(name, monkeypatch):
     # The Graph Trainer on TorchTPU (graph mode is the TPU path; eager is for debugging), layers
     # scanned so compile time does not grow with depth.
     assert (t.device, t.mode, cfg.compile.backend, cfg.optimizer.name) == ("tpu", "graph", "tpu", "adamw")
-    assert cfg.model.scan_layers and cfg.activation_checkpoint.mode != "none" and cfg.model.dtype == "bfloat16"
+    assert cfg.model.scan_layers and cfg.model.dtype == "bfloat16"  # checkpointing: the planner's pick, below
 
     # The mesh is the chips named in the description.
     generation = device.tpu_generation(cfg.job.description)
