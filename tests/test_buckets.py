@@ -111,7 +111,7 @@ def _scan_body_collectives(gm) -> list[tuple[int, int]]:
 
 
 def _run_variant(*, mode: str, scan: bool, bucket_mb: float, prefetch: int | None, reshard: bool = True,
-                 ac: str = "none") -> dict:
+                 ac: str = "none", per_tensor: bool = False) -> dict:
     from titan_tpu.graph.compile import GraphStep
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import MixedPrecision, fsdp_state, materialize_and_init
@@ -122,7 +122,8 @@ def _run_variant(*, mode: str, scan: bool, bucket_mb: float, prefetch: int | Non
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(tiny_args(), scan_layers=scan, ac_mode=ac)
-    model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(), device=torch.device("cpu"),
+    model = materialize_and_init(model, mesh, mode=dims.mode, mp=MixedPrecision(per_tensor=per_tensor),
+                                 device=torch.device("cpu"),
                                  seed=0, bucket_mb=bucket_mb, reshard_after_forward=reshard)
     optimizer = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
     g = torch.Generator().manual_seed(1 + dist.get_rank())
@@ -187,7 +188,7 @@ def _run_variant(*, mode: str, scan: bool, bucket_mb: float, prefetch: int | Non
 
 
 VARIANTS = {
-    # name: (mode, scan, bucket_mb, prefetch, reshard_after_forward, activation checkpointing)
+    # name: (mode, scan, bucket_mb, prefetch, reshard_after_forward, activation checkpointing[, per_tensor])
     "eager": ("eager", False, 0, None, True, "none"),
     "eager_bucketed": ("eager", False, 256, None, True, "none"),
     "eager_bucketed_kept": ("eager", False, 256, None, False, "none"),
@@ -208,14 +209,20 @@ VARIANTS = {
     "graph_scan_bucketed_prefetch_kept": ("graph", True, 256, 1, False, "none"),
     "graph_scan_full": ("graph", True, 256, 1, True, "full"),
     "graph_scan_full_kept": ("graph", True, 256, 1, False, "full"),
+    # The TPU's form (MixedPrecision.per_tensor): a bucket gathered one collective per tensor.
+    "eager_bucketed_per_tensor": ("eager", False, 256, None, True, "none", True),
+    "graph_scan_bucketed_prefetch_per_tensor": ("graph", True, 256, 1, True, "none", True),
+    "graph_scan_full_per_tensor": ("graph", True, 256, 1, True, "full", True),
 }
 # Re-sharded runs against the same run keeping the gathered weights: bitwise equal.
 RESHARD_PAIRS = [(name, name.replace("_kept", "")) for name in VARIANTS if name.endswith("_kept")]
+# Per-tensor collectives against the flat bucket: the same sums in the same order, bitwise equal.
+PER_TENSOR_PAIRS = [(name.removesuffix("_per_tensor"), name) for name in VARIANTS if name.endswith("_per_tensor")]
 
 
 def _all_variants() -> dict:
-    return {name: _run_variant(mode=m, scan=s, bucket_mb=b, prefetch=p, reshard=r, ac=ac)
-            for name, (m, s, b, p, r, ac) in VARIANTS.items()}
+    return {name: _run_variant(mode=m, scan=s, bucket_mb=b, prefetch=p, reshard=r, ac=ac, per_tensor=t)
+            for name, (m, s, b, p, r, ac, t) in ((n, (*v, False)[:7]) for n, v in VARIANTS.items())}
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +236,7 @@ def test_bucketed_and_reordered_runs_equal_per_parameter_runs_bitwise(runs):
         r = runs[rank]
         for plain, bucketed in [("eager", "eager_bucketed"), ("eager_scan", "eager_scan_bucketed"),
                                 ("graph", "graph_bucketed_prefetch"), ("graph_scan", "graph_scan_bucketed_prefetch"),
-                                *RESHARD_PAIRS]:
+                                *RESHARD_PAIRS, *PER_TENSOR_PAIRS]:
             assert r[plain]["losses"] == r[bucketed]["losses"], (rank, plain, bucketed)
             for name, p in r[plain]["params"].items():
                 assert torch.equal(p, r[bucketed]["params"][name]), (rank, plain, bucketed, name)
@@ -274,6 +281,11 @@ def test_one_all_gather_and_one_reduce_scatter_per_bucket(runs):
     # no re-gather (docs/decisions.md); the gradients are still reduce-scattered per layer.
     assert r["graph_scan_bucketed_prefetch"]["counts"] == {AG: 3 + 3, RS: 3 + 3}
     assert r["graph_scan_bucketed_prefetch"]["scan_bodies"] == [(0, 1), (1, 0)]
+    # Per tensor: a collective for each of a bucket's tensors where the flat form has one (12 =
+    # 3 + 9 stacked weights gathered per layer; 6 + 2 re-gathered unrolled pieces' tensors).
+    assert r["eager_bucketed_per_tensor"]["counts"] == {AG: n_params + 2 * 9, RS: n_params}
+    assert r["graph_scan_bucketed_prefetch_per_tensor"]["counts"] == {AG: 3 + 9 * 3, RS: 3 + 9 * 3}
+    assert r["graph_scan_full_per_tensor"]["scan_bodies"] == [(9, 0), (9, 9)]
 
 
 @pytest.mark.multiprocess

@@ -188,7 +188,9 @@ class Components:
 
     @property
     def mixed_precision(self) -> MixedPrecision:
-        return MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype])
+        # On a TPU one collective per tensor (XLA combines them; MixedPrecision.per_tensor).
+        return MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype],
+                              per_tensor=self.backend.device.type == "tpu")
 
     # ------------------------------------------------------------------------------------------
     # the run's state

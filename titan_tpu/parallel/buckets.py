@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from titan_tpu.model_contract import TrainableModel
 from titan_tpu.parallel.axes import gathered_for_compute
 
-__all__ = ["Bucket", "build_buckets", "bucket_owners", "bucketable", "group_into_buckets", "DEFAULT_BUCKET_MB"]
+__all__ = ["Bucket", "build_buckets", "bucket_owners", "bucketable", "group_into_buckets", "gather_per_tensor",
+           "DEFAULT_BUCKET_MB"]
 
 # Default cap on one bucket's gathered bytes (in the compute dtype). Large enough that a block of
 # any model up to the 8B class is one or a few buckets (one collective per block, FSDP2's unit),
@@ -103,6 +104,10 @@ def gather_flat(params: list[DTensor], mp) -> list[Tensor]:
     axis; their gradients reduce through one collective per mesh axis too."""
     first = params[0]
     mesh, placements = first.device_mesh, tuple(first.placements)
+    if mp.per_tensor:
+        return gather_per_tensor([p.to_local() for p in params], full_shapes=[p.shape for p in params],
+                                 shard_dims=[_shard_axis(p)[1] for p in params], mesh=mesh, placements=placements,
+                                 mp=mp)
     mesh_dim, _ = _shard_axis(first)
     world = mesh.size(mesh_dim) if mesh_dim is not None else 1
     # to_local is differentiable: its gradient becomes the parameter's sharded gradient.
@@ -125,11 +130,78 @@ def gather_flat_local(locals_: list[Tensor], *, full_shapes: list, shard_dims: l
     keep: per mesh axis, True where the shard stays (expert parallelism's ep axis); full_shapes
     are then the shapes computed with (this rank's experts, whole)."""
     keep = keep or (False,) * len(placements)
+    if mp.per_tensor:
+        return gather_per_tensor(locals_, full_shapes=full_shapes, shard_dims=shard_dims, mesh=mesh,
+                                 placements=placements, mp=mp, keep=keep)
     mesh_dim = next((i for i, p in enumerate(placements) if isinstance(p, Shard) and not keep[i]), None)
     world = mesh.size(mesh_dim) if mesh_dim is not None else 1
     flat_local, layout = _flatten_shards(locals_, full_shapes, shard_dims, world, cat=_CatOwnGradients.apply)
     gathered = _FlatAllGather.apply(flat_local, mesh, tuple(placements), tuple(keep), mp)
     return list(_CopyOut.apply(gathered.view(world, flat_local.numel()), layout))
+
+
+def gather_per_tensor(locals_: list[Tensor], *, full_shapes: list, shard_dims: list, mesh, placements, mp,
+                      keep: tuple[bool, ...] | None = None) -> list[Tensor]:
+    """`gather_flat_local`'s result (the full tensors, their gradients reduced as a bucket's) with
+    one all-gather per tensor along its own shard dimension and one reduce-scatter per gradient
+    (MixedPrecision.per_tensor): no flat buffer, so no reshape between it and the parameters."""
+    keep = tuple(keep or (False,) * len(placements))
+    return [_AllGatherAlong.apply(local, tuple(full), dim, mesh, tuple(placements), keep, mp)
+            for local, full, dim in zip(locals_, full_shapes, shard_dims)]
+
+
+class _AllGatherAlong(torch.autograd.Function):
+    """One local shard -> its full tensor in the compute dtype: padded to the even shard size on
+    its shard dim, moved to dim 0 (where an all-gather concatenates), gathered over the Shard mesh
+    axis, cut back to the full size. Backward: the gradient in the reduce dtype, reduce-scattered
+    over that axis and all-reduced over Replicate axes (sums), as `_FlatAllGather` does for a
+    bucket. A tensor with no shard dim (whole on every rank) is only cast, its gradient all-reduced."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        local, full, dim, mesh, placements, keep, mp = inputs
+        ctx.local_shape, ctx.full, ctx.dim, ctx.dtype = tuple(local.shape), full, dim, local.dtype
+        ctx.mesh, ctx.placements, ctx.keep, ctx.mp = mesh, placements, keep, mp
+
+    @staticmethod
+    def forward(local: Tensor, full, dim, mesh, placements, keep, mp) -> Tensor:
+        c10d = torch.ops._c10d_functional
+        x = local.to(mp.param_dtype)
+        if dim is None:
+            return x.clone() if x is local else x
+        axes = [a for a, p in enumerate(placements) if isinstance(p, Shard) and not keep[a]]
+        assert len(axes) == 1, "a parameter sharded on one gathered mesh axis"
+        group = mesh.get_group(axes[0])
+        rows = math.ceil(full[dim] / group.size())
+        x = x.movedim(dim, 0)
+        if x.shape[0] < rows:  # the last ranks of an uneven split
+            x = F.pad(x, [0, 0] * (x.dim() - 1) + [0, rows - x.shape[0]])
+        x = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), group.size(), group.group_name))
+        return x.narrow(0, 0, full[dim]).movedim(0, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        c10d = torch.ops._c10d_functional
+        g = grad.to(ctx.mp.reduce_dtype)
+        dim = ctx.dim
+        if dim is not None:
+            g = g.movedim(dim, 0)
+        for axis in reversed(range(len(ctx.placements))):
+            if ctx.keep[axis]:
+                continue  # the ep shard: each rank's gradient is its own experts' already
+            group = ctx.mesh.get_group(axis)
+            if isinstance(ctx.placements[axis], Shard) and dim is not None:
+                rows = math.ceil(ctx.full[dim] / group.size())
+                if g.shape[0] < rows * group.size():
+                    g = F.pad(g, [0, 0] * (g.dim() - 1) + [0, rows * group.size() - g.shape[0]])
+                g = c10d.wait_tensor(c10d.reduce_scatter_tensor(g.contiguous(), "sum", group.size(),
+                                                                group.group_name))
+                g = g.narrow(0, 0, ctx.local_shape[dim])
+            else:
+                g = c10d.wait_tensor(c10d.all_reduce(g.contiguous(), "sum", group.group_name))
+        if dim is not None:
+            g = g.movedim(0, dim)
+        return g.contiguous().to(ctx.dtype), None, None, None, None, None, None
 
 
 class _FlatAllGather(torch.autograd.Function):

@@ -56,6 +56,12 @@ class MixedPrecision:
 
     param_dtype: torch.dtype = torch.float32  # dtype parameters are all-gathered to and computed in
     reduce_dtype: torch.dtype = torch.float32  # dtype gradients are reduced in
+    # A bucket's parameters gathered (and their gradients reduce-scattered) one collective each in
+    # their own shapes, not through one flat buffer: on a TPU, where XLA combines collectives itself
+    # and the flat buffer's reshapes to and from the parameters' tiled layouts are copies its TPU
+    # backend compiles slowly (DeepSeek-V3 16B: minutes and gigabytes of host memory per expert
+    # stack). parallel/buckets.py gather_per_tensor.
+    per_tensor: bool = False
 
 
 def default_mixed_precision(device_type: str) -> MixedPrecision:

@@ -62,7 +62,8 @@ def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
 
 
 def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | None = None, fake_mode=None,
-                       reshard_after_forward: bool | None = None, documents: bool = False):
+                       reshard_after_forward: bool | None = None, documents: bool = False,
+                       per_tensor: bool | None = None):
     """(model, AdamW, ParallelDims, mesh) as the trainer builds them on the current rank of a
     (fake) `world_size` group: models/spec.py `build` (tensor/context/expert parallel, sharded,
     rank-local real weights), the trainer's AdamW. dtype: the compute dtype (default the config's
@@ -77,9 +78,13 @@ def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | Non
     # Gradients reduced in parallelism.reduce_dtype, as the trainer does (float32 by default); a
     # caller naming the dtype (a parity test) computes and reduces in it.
     reduce = compute if dtype is not None else _DTYPES[cfg.parallelism.reduce_dtype]
+    # Collectives per tensor as the trainer has them on a TPU (components/build.py); per_tensor=False
+    # keeps the flat buckets of a CPU or CUDA run (a parity test of that form).
+    per_tensor = cfg.training.device == "tpu" if per_tensor is None else per_tensor
     model = build(model_spec(cfg.model), cfg, device=torch.device("meta" if fake_mode else "cpu"),
                   seed=cfg.training.seed, mesh=mesh, parallel_dims=dims, expert_mesh=expert_mesh,
-                  mp=MixedPrecision(param_dtype=compute, reduce_dtype=reduce), documents=documents, own_weights=False,
+                  mp=MixedPrecision(param_dtype=compute, reduce_dtype=reduce, per_tensor=per_tensor),
+                  documents=documents, own_weights=False,
                   reshard_after_forward=reshard_after_forward)
     if fake_mode is not None:
         _to_fake(model, fake_mode)
