@@ -171,10 +171,14 @@ def loss_memory_bytes(impl: str, *, tokens: int, vocab_size: int, dim: int, dtyp
     rank's shard): the log-sum-exp over the shards (`_vocab_parallel_terms`) forms the
     max-shifted logits and their exp out of place, two more fp32 [C, V] buffers live beside the
     logits until their sum. tokamax (TPU): a fused kernel that keeps no logits; counted as
-    chunked with the automatic chunk (its own blocks are smaller)."""
+    chunked with the automatic chunk (its own blocks are smaller). tokamax_xla: tokamax's plain-XLA
+    form of the same call (what `titan-tpu compile` lowers, the Mosaic kernel needing a chip): it
+    keeps h and a log-sum-exp per token and, at its peak, the [N, V] logits in the compute dtype."""
     n, v, d = tokens, vocab_size, dim
     if impl == "reference":
         return n * v * 4, 2 * n * v * 4
+    if impl == "tokamax_xla":
+        return n * d * dtype_bytes + n * 4, n * v * dtype_bytes
     chunk = chunk_tokens if chunk_tokens > 0 else auto_chunk_tokens(n, v)
     chunk = min(chunk, n)
     kept = n * d * dtype_bytes + v * d * 4

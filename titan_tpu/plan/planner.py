@@ -196,6 +196,7 @@ class _Setting:
     code_gather: str  # what the code does with this config (`code_gather`)
     adapter_params: int = 0  # LoRA's adapter elements (the trained ones under LoRA); 0 without LoRA
     adapted: tuple[tuple[str, int], ...] = ()  # LoRA's adapted linears: (unrolled name, in_features)
+    as_compiled: bool = False  # plan `titan-tpu compile`'s program (`plan_run`'s as_compiled)
 
     @property
     def ac(self) -> str:
@@ -277,15 +278,15 @@ class _Setting:
 
 
 def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
-                measure: bool = True, gather: str | None = None, model_args=None) -> Plan:
+                measure: bool = True, gather: str | None = None, model_args=None, as_compiled: bool = False) -> Plan:
     """`plan_run` of a config whose model is resolved here (`RunSetup.resolved`): a what-if that
     changes the config (a search's candidates, calibration, verify) plans through this."""
     return plan_run(RunSetup.resolved(cfg), hardware, chips=chips, measure=measure, gather=gather,
-                    model_args=model_args)
+                    model_args=model_args, as_compiled=as_compiled)
 
 
 def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | None = None,
-             measure: bool = True, gather: str | None = None, model_args=None) -> Plan:
+             measure: bool = True, gather: str | None = None, model_args=None, as_compiled: bool = False) -> Plan:
     """The plan of a resolved run (run_setup.py: its config and model spec, not resolved again)
     on `hardware` (default: what the config names, see `default_hardware`)
     with `chips` chips (default: the config's mesh, or the chip count the recipe names).
@@ -295,11 +296,17 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
 
     Composes the terms below, each a pure function of the resolved `_Setting` (and of terms
     computed before it) returning one named quantity. parallelism.reshard_after_forward auto is
-    planned as what the trainer resolves it to (`with_reshard_resolved`)."""
+    planned as what the trainer resolves it to (`with_reshard_resolved`).
+
+    as_compiled: plan the program `titan-tpu compile` hands XLA rather than the one a TPU runs
+    (docs/planner.md "The compiled program"): the parameters and moments donated and updated in
+    place (TorchTPU, as the trainer calls it, writes them out of place), and tokamax's loss in its
+    plain-XLA form (its Mosaic kernel cannot be traced without a chip), which holds the bf16 logits."""
     if setup.cfg.parallelism.reshard_after_forward == "auto":
         setup = dataclasses.replace(setup, cfg=with_reshard_resolved(setup, hardware, chips=chips, measure=measure,
                                                                      model_args=model_args))
     s = _resolve(setup, hardware, chips=chips, measure=measure, gather=gather, model_args=model_args)
+    s = dataclasses.replace(s, as_compiled=as_compiled)
     cfg = s.cfg
     args, t, layout, mb = s.args, cfg.training, s.layout, s.layout.master_bytes()
     acts = _activations(s)
@@ -317,7 +324,7 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
         "activations": acts.saved + acts.head, "activation_recompute": acts.recompute,
         "gathered_weights": gathered, "full_size_gradient": full_grad,
         # scan's weight copies beyond the gathered weights they are when sharded, and the RoPE copies
-        "scan_saved_copies": (scan.weight_copies - min(gathered, scan.weight_copies) + scan.shared if scan else 0.0),
+        "scan_saved_copies": (scan.weight_copies - _copies_gathered(s, gathered, scan) + scan.shared if scan else 0.0),
         "scan_flipped": (scan.flipped if scan else 0.0), "scan_gradient_stack": (scan.gradients if scan else 0.0),
         "loss_kept": loss_kept, "loss_peak": loss_peak, "optimizer_temporary": _optimizer_temporary_bytes(s),
         "runtime": _runtime_bytes(s), "phases": phases,
@@ -338,7 +345,9 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
         batch={"batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum_steps": t.grad_accum_steps,
                "tokens_per_step": tokens_step_rank * s.devices // (tp * cp), "dtype": s.dtype,
                "activation_checkpoint": s.ac, "scan_layers": s.scanned,
-               "loss": _loss_impl(cfg.kernels.loss, s.hardware.name), "mode": t.mode},
+               "loss": _loss_impl(cfg.kernels.loss, s.hardware.name), "mode": t.mode,
+               # the program titan-tpu compile hands XLA: donated update, tokamax's plain-XLA form
+               **({"as_compiled": True} if as_compiled else {})},
         params={"total": num_params(args), "active": num_active_params(args), "experts": num_expert_params(args),
                 "stored_per_device": s.stored},
         memory=memory, peak_bytes=peak, peak_phase=peak_phase, capacity_bytes=s.hardware.memory_bytes,
@@ -519,7 +528,10 @@ def _loss_bytes(s: _Setting) -> tuple[float, float]:
     1 / tp of the vocabulary (the vocabulary-parallel form, with its own temporaries), under
     context parallelism the rank's tokens."""
     k, p = s.cfg.kernels, s.cfg.parallelism
-    return loss_memory_bytes(_loss_impl(k.loss, s.hardware.name), tokens=s.tokens // p.cp,
+    impl = _loss_impl(k.loss, s.hardware.name)
+    if s.as_compiled and impl == "tokamax":
+        impl = "tokamax_xla"
+    return loss_memory_bytes(impl, tokens=s.tokens // p.cp,
                              vocab_size=s.args.vocab_size // p.tp, dim=s.args.dim,
                              dtype_bytes=s.layout.compute_bytes, chunk_tokens=k.loss_chunk_tokens,
                              vocab_parallel=p.tp > 1)
@@ -564,7 +576,10 @@ def _runtime_bytes(s: _Setting) -> float:
 
 def _optimizer_temporary_bytes(s: _Setting) -> float:
     """AdamW's sqrt(v) temporary; the traced step's out-of-place update also writes fresh
-    parameters and moments (train/optim.py update_buffers)."""
+    parameters and moments (train/optim.py update_buffers). The compiled program (as_compiled)
+    updates its donated buffers in place, each in one fusion: nothing parameter-sized beside them."""
+    if s.as_compiled:
+        return 0.0
     return update_buffers(out_of_place=s.graph) * s.trained * s.layout.master_bytes()
 
 
@@ -581,7 +596,7 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
     forward_end = static + gathered + acts.saved + acts.head + loss_kept + loss_peak + accumulating
     if scan is not None:
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
-        forward_end += scan.at_backward_start - scan.activations - min(gathered, scan.weight_copies)
+        forward_end += scan.at_backward_start - scan.activations - _copies_gathered(s, gathered, scan)
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
     blocks = len(acts.saved_per_layer)  # the layers, then the multi-token-prediction blocks
     per_layer = [s.adapter_params / blocks] * blocks if s.lora else _layer_params(s.args)
@@ -603,6 +618,16 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
             full_grad + accumulating
     optimizer = static + grads_b + _optimizer_temporary_bytes(s)
     return {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
+
+
+def _copies_gathered(s: _Setting, gathered: float, scan: ScanAutogradMemory) -> float:
+    """The part of scan's saved weight copies that are the gathered weights themselves, counted
+    once: all of them when each layer is gathered inside the loop (the body's gathered weights are
+    what it saves); none when the whole stack stays gathered, where the copies (MoE experts'
+    transposed views for the grouped matmul) are buffers of their own beside the gathered stack
+    (XLA's buffers for DeepSeek-V3 16B without checkpointing: each expert stack gathered and, beside
+    it, transposed)."""
+    return min(gathered, scan.weight_copies) if s.gather == "layer" else 0.0
 
 
 def _moe_dispatch_bytes(s: _Setting, acts: ActivationBytes) -> float:
