@@ -12,11 +12,13 @@ collectives XLA kept, and the compile time. Needs .venv-tpu (jax + libtpu).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -166,6 +168,10 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     from titan_tpu.plan.hardware import HARDWARE
     from titan_tpu.plan.planner import reshard_decision
 
+    if cfg.training.objective != "next_token":
+        raise ValueError(f"titan-tpu compile captures the next-token objective's step; training.objective = "
+                         f"{cfg.training.objective} (its reference model and pair batches) is not captured for XLA "
+                         "yet: check its fit with titan-tpu plan")
     topology = _topology(topology_name)
     devices = topology.devices
     generation = topology_name.split(":")[0].replace("tpu7x", "v7")
@@ -232,6 +238,52 @@ DONATED = {"step": ("params", "exp_avg", "exp_avg_sq"), "micro-batch": ("grads",
 PEAK_VALUES = 12  # the largest values alive at XLA's peak kept in the report
 
 
+# The host memory XLA's compile may leave free before it is stopped: the kernel's OOM killer would
+# otherwise end the process (or another one) without a word.
+HOST_MEMORY_FLOOR = 1 * 1024**3
+
+
+@contextlib.contextmanager
+def host_memory_guard(floor: int = HOST_MEMORY_FLOOR, interval: float = 0.5):
+    """Watch the machine's available memory while XLA compiles; when it falls below `floor`,
+    print one line saying how much this process held and how much the machine has, and exit the
+    process with status 3 (XLA's compile cannot be interrupted from Python). Linux only: elsewhere
+    nothing is watched."""
+    import threading
+
+    def meminfo() -> dict[str, int]:
+        with open("/proc/meminfo") as f:
+            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+    if not os.path.exists("/proc/meminfo"):
+        yield
+        return
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(interval):
+            info = meminfo()
+            if info["MemAvailable"] < floor:
+                held = rss()
+                print(f"error: XLA's TPU compile of this step needs more host memory than this machine has: it held "
+                      f"{held / 1024**3:.1f} GiB of {info['MemTotal'] / 1024**3:.1f} GiB with "
+                      f"{info['MemAvailable'] / 1024**3:.1f} GiB left; compile it on a machine with more memory "
+                      "(or a recipe with fewer or smaller programs)", file=sys.stderr, flush=True)
+                os._exit(3)
+
+    thread = threading.Thread(target=watch, daemon=True, name="host-memory-guard")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Path | None,
                      xla_dump: Path | None) -> dict:
     """Lower one captured program to JAX over the devices' mesh and compile it; XLA's numbers.
@@ -259,7 +311,8 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
     before = tpu_programs(xla_dump) if xla_dump is not None else set()
     start = time.perf_counter()
     try:
-        compiled = lowered.compile()
+        with host_memory_guard():
+            compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:  # XLA refused the program: its own reason, in one line
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise ValueError(f"XLA's TPU compiler rejected the step: {reason[:400]}") from None
