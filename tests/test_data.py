@@ -74,7 +74,7 @@ def test_jsonl_source(tmp_path):
 
 
 def test_corpus_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"does not exist; set --data.source"):
+    with pytest.raises(FileNotFoundError, match=r"does not exist \(looked for .*nope'\); set the source's path"):
         iter_documents(str(tmp_path / "nope"))  # eager: fails before iteration
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"corpus directory .* is empty"):

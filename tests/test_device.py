@@ -358,7 +358,7 @@ def test_training_prints_no_mfu_above_100_percent(monkeypatch, train_overrides, 
     import json
 
     from titan_tpu.config import build_config
-    from titan_tpu.train.trainer import Trainer
+    from titan_tpu.loops.pretrain import Trainer
 
     calls = _measuring(monkeypatch, [1e6])
     cfg = build_config(str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml"),

@@ -118,7 +118,7 @@ def test_scan_autograd_terms_match_the_captured_graph(name, ac_mode):
                          if n.op == "call_function" and n.target is torch.ops.higher_order.scan]
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     outputs = forward.meta["val"]
-    saved = nbytes(outputs[3:])  # after the final h, the blocks' statistics and scan.py's kept inputs
+    saved = nbytes(outputs[2:])  # after the final h and the blocks' statistics (no kept inputs without full AC)
     flipped = nbytes(x.meta["val"] for x in backward.args[2])  # the backward's xs
     gradients = nbytes(backward.meta["val"][2:])  # after the gradients of h and of the RoPE rows
     assert all(x.target is torch.ops.aten.flip.default for x in backward.args[2])
@@ -140,7 +140,7 @@ def test_scan_autograd_terms_match_the_captured_graph(name, ac_mode):
 
 def _forward_scan_saved(name: str, n_layers: int = 2) -> tuple[list[torch.Tensor], object]:
     """The per-layer values the forward scan of a captured scanned step saves for its backward
-    (after the final h, the blocks' statistics and scan.py's kept inputs), and the model args."""
+    (after the final h and the blocks' statistics; no kept inputs without full AC), and the model args."""
     from titan_tpu.graph.capture import capture_train_step
     from titan_tpu.train.optim import AdamW
 
@@ -153,7 +153,7 @@ def _forward_scan_saved(name: str, n_layers: int = 2) -> tuple[list[torch.Tensor
                                   example_batch=(example, example))
     forward = next(n for n in captured.graph_module.graph.nodes
                    if n.op == "call_function" and n.target is torch.ops.higher_order.scan)
-    return list(forward.meta["val"][3:]), args
+    return list(forward.meta["val"][2:]), args
 
 
 def test_scanned_moe_saves_no_copy_of_the_expert_weights(monkeypatch):

@@ -38,6 +38,8 @@ def tokens_per_step(path: Path) -> tuple[list[int], int] | None:
     if p.dp_shard < 1:  # the mesh is set at launch (-1: every rank that dp_replicate leaves)
         return None
     factors = [p.dp_replicate * p.dp_shard, t.batch_size, t.seq_len]
+    if t.objective == "dpo":  # batch_size counts pairs: a chosen and a rejected row each
+        factors = [p.dp_replicate * p.dp_shard, t.batch_size, 2, t.seq_len]
     if t.grad_accum_steps > 1:
         factors.append(t.grad_accum_steps)
     total = 1
@@ -58,7 +60,7 @@ def check_statements(text: str, expected: tuple[list[int], int] | None) -> list[
             problems.append(f"states {total} tokens per step, but the mesh is set at launch: drop the statement")
         elif factors != expected[0]:
             problems.append(f"states {' x '.join(map(str, factors))}; the recipe's data-parallel ranks x batch_size x "
-                            f"seq_len{' x grad_accum_steps' if len(expected[0]) > 3 else ''} are "
+                            f"seq_len (DPO: x 2 rows per pair after batch_size; x grad_accum_steps when > 1) are "
                             f"{' x '.join(map(str, expected[0]))} = {expected[1]:,}")
     return problems
 
