@@ -32,8 +32,11 @@ def test_plan_prints_xla_beside_its_own(tmp_path, capsys):
     cfg = for_planning("configs/llama3_debug.toml", [])
     hardware, chips = resolve_hardware("v5p-8", dtype=cfg.model.dtype)
     plan = plan_config(cfg, hardware, chips=chips)
+    compiled = plan_config(cfg, hardware, chips=chips, as_compiled=True)  # donated update: less than the plan
+    assert compiled.peak_bytes < plan.peak_bytes
     assert out["xla"]["plan_peak_bytes"] == pytest.approx(plan.peak_bytes)
-    assert out["xla"]["peak_ratio"] == pytest.approx(plan.peak_bytes / 3.0e8)
+    assert out["xla"]["plan_peak_as_compiled_bytes"] == pytest.approx(compiled.peak_bytes)
+    assert out["xla"]["peak_ratio"] == pytest.approx(compiled.peak_bytes / 3.0e8)
     assert out["xla"]["flops_ratio"] == pytest.approx(plan.flops["executed_per_step_per_device"] / 8.0e10)
     assert main(["plan", *CONFIG, "--xla", str(path)]) == 0
     text = capsys.readouterr().out

@@ -314,7 +314,9 @@ def plan_main(argv: list[str]) -> int:
     if args.xla:
         from titan_tpu.tools.compile_cmd import xla_beside_plan
 
-        lines, beside = xla_beside_plan(plan, args.xla)
+        # XLA compiled the program titan-tpu compile hands it: compare the plan of that program.
+        compiled = plan_run(setup, hardware, chips=chips, gather=args.gather, as_compiled=True)
+        lines, beside = xla_beside_plan(plan, args.xla, compiled=compiled)
         print(json.dumps({**json.loads(plan.to_json()), "xla": beside}, indent=2) if args.json
               else format_plan(plan, explain=args.explain) + "\n" + lines)
         return 0

@@ -456,10 +456,12 @@ def compile_main(argv: list[str]) -> int:
     return 0
 
 
-def xla_beside_plan(plan, path: str) -> tuple[str, dict]:
+def xla_beside_plan(plan, path: str, compiled=None) -> tuple[str, dict]:
     """(lines for `titan-tpu plan --xla PATH`, the comparison as a dict): XLA's per-chip numbers
     from a saved `titan-tpu compile --json` report beside the plan's. The report must be of the
-    same number of chips; its config is named in it, so a report of another recipe is visible."""
+    same number of chips; its config is named in it, so a report of another recipe is visible.
+    compiled: the plan of the compiled program (planner `as_compiled`), whose peak is the one
+    compared with XLA's; default: `plan`'s."""
     try:
         report = json.loads(Path(path).read_text())
         xla_peak, xla_flops = report["peak_per_chip_bytes"], report["flops_per_chip"]
@@ -469,13 +471,15 @@ def xla_beside_plan(plan, path: str) -> tuple[str, dict]:
     if report["devices"] != plan.devices:
         raise ValueError(f"--xla {path}: compiled for {report['devices']} chips ({report['topology']}), the plan is "
                          f"for {plan.devices}; compile the same slice (--hardware) or plan its size")
+    compiled = compiled or plan
     plan_flops = plan.flops["executed_per_step_per_device"]
     # XLA counts a scanned loop's body once and no work inside a Pallas kernel: the comparison is
     # with our formula counted the same way (the report's), where the report has it.
     counted = report.get("formula_as_xla_counts_per_chip")
     compared = counted if counted else plan_flops
     beside = {"config": report.get("config"), "topology": report["topology"], "xla_peak_bytes": xla_peak,
-              "plan_peak_bytes": plan.peak_bytes, "peak_ratio": plan.peak_bytes / xla_peak,
+              "plan_peak_bytes": plan.peak_bytes, "plan_peak_as_compiled_bytes": compiled.peak_bytes,
+              "peak_ratio": compiled.peak_bytes / xla_peak,
               "xla_flops": xla_flops, "plan_flops": plan_flops, "formula_as_xla_counts": counted,
               "flops_ratio": compared / xla_flops if xla_flops else None,
               "xla_memory_bytes": report["memory_per_chip_bytes"]}
@@ -483,8 +487,9 @@ def xla_beside_plan(plan, path: str) -> tuple[str, dict]:
     lines = [f"XLA's TPU compiler (compile-only, {report['topology']}, from {path}"
              f"{', config ' + report['config'] if report.get('config') else ''}), per chip beside the plan:",
              f"  peak {xla_peak / 1e9:.3f} GB (arguments {kinds['arguments'] / 1e9:.3f}, temporaries "
-             f"{kinds['temporaries'] / 1e9:.3f}, code {kinds['code'] / 1e9:.3f}); plan {plan.peak_bytes / 1e9:.3f} GB "
-             f"({beside['peak_ratio']:.2f}x XLA's)"]
+             f"{kinds['temporaries'] / 1e9:.3f}, code {kinds['code'] / 1e9:.3f}); plan of the compiled program "
+             f"{compiled.peak_bytes / 1e9:.3f} GB ({beside['peak_ratio']:.2f}x XLA's; as a TPU runs it "
+             f"{plan.peak_bytes / 1e9:.3f} GB)"]
     if xla_flops and counted:
         lines.append(f"  FLOPs per step {xla_flops / 1e12:,.3f} TFLOP as XLA counts them (scanned loop bodies once, no "
                      f"work inside the Pallas kernels); our formula counted so {counted / 1e12:,.3f} TFLOP "
