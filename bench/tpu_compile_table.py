@@ -83,9 +83,13 @@ def main() -> None:
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.recipes[0], args.override, args.topology, args.dumps)))
+        try:
+            print(json.dumps(one(args.recipes[0], args.override, args.topology, args.dumps)))
+        except ValueError as e:  # a refusal or XLA's rejection: one line for the parent
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         return
-    from titan_tpu.tools.recipe_table import REPORTS, stage_line
+    from titan_tpu.tools.recipe_table import REPORTS, provenance, stage_line
 
     reports = args.reports or (None if args.topology or args.override else str(REPORTS))
     for recipe in args.recipes or sorted(glob.glob("configs/*_tpu.toml")):
@@ -95,19 +99,29 @@ def main() -> None:
         try:
             done = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            print(f"{recipe}: stopped after {args.timeout:.0f} s", flush=True)
-            continue
-        if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if "Error:" in line] or done.stderr.splitlines()
-            print(f"{recipe}: failed: {(errors or ['(no output)'])[-1].strip()[:400]}", flush=True)
-            continue
-        report = json.loads(done.stdout.strip().splitlines()[-1])
+            done = None
+        if done is None or done.returncode != 0:
+            reason = f"stopped after {args.timeout:.0f} s" if done is None else _error_line(done.stderr)
+            print(f"{recipe}: failed: {reason}", flush=True)
+            report = {"error": reason, **provenance(recipe)}  # the table says why it has no numbers
+        else:
+            report = json.loads(done.stdout.strip().splitlines()[-1])
         if reports:
             os.makedirs(reports, exist_ok=True)
             name = os.path.basename(recipe).removesuffix(".toml")
             with open(os.path.join(reports, f"{name}.json"), "w") as f:
                 json.dump(report, f, indent=1)
-        print(stage_line(recipe, report), flush=True)
+        if "error" not in report:
+            print(stage_line(recipe, report), flush=True)
+
+
+def _error_line(stderr: str) -> str:
+    """The child's one-line error (ours start with "error:"; titan-tpu compile's refusals and
+    XLA's rejection are such lines), else its last line that is not libtpu's logging."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    ours = [line for line in lines if line.startswith("error:")]
+    rest = [line for line in lines if not line.startswith(("E0000", "W0000", "I0000", "WARNING", "==="))]
+    return ((ours or rest or ["(no output)"])[-1]).removeprefix("error: ")[:400]
 
 
 if __name__ == "__main__":

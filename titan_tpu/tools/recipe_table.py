@@ -127,7 +127,7 @@ def _compiled_cells(row: Row) -> list[str]:
 def render(reports: Path = REPORTS) -> str:
     """The page docs/tpu_recipes.md."""
     table = rows(reports)
-    compiled = [r for r in table if r.report is not None]
+    compiled = [r for r in table if r.report is not None and "error" not in r.report]
     lines = [
         "# The TPU recipes, certified by the TPU compiler",
         "",
@@ -150,6 +150,10 @@ def render(reports: Path = REPORTS) -> str:
         name = f"`{Path(row.recipe).name}`"
         if row.report is None:
             cells = ["planned only", row.topology, "", "", f"{row.plan_peak / GiB:.1f}", "", ""]
+        elif "error" in row.report:
+            stale = " (STALE: the recipe changed since)" if row.stale else ""
+            cells = [f"not compiled {row.report['date']}{stale}: {row.report['error']}", row.topology, "",
+                     f"{row.plan_peak_compiled / GiB:.1f}", f"{row.plan_peak / GiB:.1f}", "", ""]
         else:
             cells = _compiled_cells(row)
         lines.append("| " + " | ".join([name, *cells]) + " |")
