@@ -89,6 +89,7 @@ def main() -> None:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         return
+    from titan_tpu.tools.compile_cmd import child_error_line
     from titan_tpu.tools.recipe_table import REPORTS, provenance, stage_line
 
     reports = args.reports or (None if args.topology or args.override else str(REPORTS))
@@ -101,7 +102,7 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             done = None
         if done is None or done.returncode != 0:
-            reason = f"stopped after {args.timeout:.0f} s" if done is None else _error_line(done.stderr)
+            reason = f"stopped after {args.timeout:.0f} s" if done is None else child_error_line(done.stderr)
             print(f"{recipe}: failed: {reason}", flush=True)
             report = {"error": reason, **provenance(recipe)}  # the table says why it has no numbers
         else:
@@ -113,15 +114,6 @@ def main() -> None:
                 json.dump(report, f, indent=1)
         if "error" not in report:
             print(stage_line(recipe, report), flush=True)
-
-
-def _error_line(stderr: str) -> str:
-    """The child's one-line error (ours start with "error:"; titan-tpu compile's refusals and
-    XLA's rejection are such lines), else its last line that is not libtpu's logging."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    ours = [line for line in lines if line.startswith("error:")]
-    rest = [line for line in lines if not line.startswith(("E0000", "W0000", "I0000", "WARNING", "==="))]
-    return ((ours or rest or ["(no output)"])[-1]).removeprefix("error: ")[:400]
 
 
 if __name__ == "__main__":

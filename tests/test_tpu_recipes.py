@@ -122,3 +122,41 @@ def test_the_recipe_tables_of_the_pages_are_the_planners():
                                 f"the planner says {' | '.join(want)}")
     assert not failures, "\n".join(failures)
     assert checked > len(RECIPES)  # deepseek_v3.md's rows too
+
+
+# The recipe table (docs/tpu_recipes.md), generated from XLA's compile reports (bench/results/xla,
+# written by bench/tpu_compile_table.py) and today's planner by titan_tpu/tools/recipe_table.py.
+
+# Rows where the planner is known to be further than PEAK_TOLERANCE from XLA's peak: each with
+# the ratio measured and what the planner misses. The test fails when a row listed here comes
+# within the tolerance (remove it) and when any other row is outside it.
+PEAK_OFF = {}
+
+
+def test_the_recipe_table_is_what_the_reports_and_the_planner_give():
+    from titan_tpu.tools.recipe_table import PAGE, render
+
+    assert PAGE.read_text() == render(), "docs/tpu_recipes.md is stale: python -m titan_tpu.tools.recipe_table"
+
+
+def test_no_recipe_changed_after_its_compile():
+    from titan_tpu.tools.recipe_table import rows
+
+    stale = [Path(row.recipe).name for row in rows() if row.stale]
+    assert not stale, f"recompile (bench/tpu_compile_table.py) the recipes changed since: {', '.join(stale)}"
+
+
+def test_the_planner_stays_near_xla_on_every_compiled_recipe():
+    from titan_tpu.tools.recipe_table import FLOPS_TOLERANCE, PEAK_TOLERANCE, rows
+
+    compiled = [row for row in rows() if row.report is not None and "error" not in row.report]
+    assert compiled
+    outside = {}
+    for row in compiled:
+        name, r = Path(row.recipe).stem, row.report
+        flops = r["formula_as_xla_counts_per_chip"] / r["flops_per_chip"]
+        assert abs(flops - 1) <= FLOPS_TOLERANCE, (name, flops)
+        peak = row.plan_peak_compiled / r["peak_per_chip_bytes"]
+        if abs(peak - 1) > PEAK_TOLERANCE:
+            outside[name] = round(peak, 2)
+    assert outside == {name: ratio for name, (ratio, _why) in PEAK_OFF.items()}, outside

@@ -104,10 +104,9 @@ def gather_flat(params: list[DTensor], mp) -> list[Tensor]:
     axis; their gradients reduce through one collective per mesh axis too."""
     first = params[0]
     mesh, placements = first.device_mesh, tuple(first.placements)
-    if mp.per_tensor:
+    if mp.per_tensor and all(_shard_axis(p)[1] == 0 for p in params):
         return gather_per_tensor([p.to_local() for p in params], full_shapes=[p.shape for p in params],
-                                 shard_dims=[_shard_axis(p)[1] for p in params], mesh=mesh, placements=placements,
-                                 mp=mp)
+                                 shard_dims=[0] * len(params), mesh=mesh, placements=placements, mp=mp)
     mesh_dim, _ = _shard_axis(first)
     world = mesh.size(mesh_dim) if mesh_dim is not None else 1
     # to_local is differentiable: its gradient becomes the parameter's sharded gradient.
@@ -130,7 +129,7 @@ def gather_flat_local(locals_: list[Tensor], *, full_shapes: list, shard_dims: l
     keep: per mesh axis, True where the shard stays (expert parallelism's ep axis); full_shapes
     are then the shapes computed with (this rank's experts, whole)."""
     keep = keep or (False,) * len(placements)
-    if mp.per_tensor:
+    if mp.per_tensor and all(dim == 0 for dim in shard_dims):
         return gather_per_tensor(locals_, full_shapes=full_shapes, shard_dims=shard_dims, mesh=mesh,
                                  placements=placements, mp=mp, keep=keep)
     mesh_dim = next((i for i, p in enumerate(placements) if isinstance(p, Shard) and not keep[i]), None)
@@ -144,7 +143,12 @@ def gather_per_tensor(locals_: list[Tensor], *, full_shapes: list, shard_dims: l
                       keep: tuple[bool, ...] | None = None) -> list[Tensor]:
     """`gather_flat_local`'s result (the full tensors, their gradients reduced as a bucket's) with
     one all-gather per tensor along its own shard dimension and one reduce-scatter per gradient
-    (MixedPrecision.per_tensor): no flat buffer, so no reshape between it and the parameters."""
+    (MixedPrecision.per_tensor): no flat buffer, so no reshape between it and the parameters.
+    Taken where every tensor of the bucket is sharded on its first dimension (a layer's weights
+    gathered inside the scan, unstacked parameters): a whole stack kept gathered is sharded on its
+    second, and the reduce-scatter of its gradient moved to the front is one libtpu 0.0.52 refuses
+    ("No feasible span count for single input all reduce scatter fusion"), so those keep the flat
+    buffer."""
     keep = tuple(keep or (False,) * len(placements))
     return [_AllGatherAlong.apply(local, tuple(full), dim, mesh, tuple(placements), keep, mp)
             for local, full, dim in zip(locals_, full_shapes, shard_dims)]

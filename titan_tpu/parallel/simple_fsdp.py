@@ -60,7 +60,8 @@ class MixedPrecision:
     # their own shapes, not through one flat buffer: on a TPU, where XLA combines collectives itself
     # and the flat buffer's reshapes to and from the parameters' tiled layouts are copies its TPU
     # backend compiles slowly (DeepSeek-V3 16B: minutes and gigabytes of host memory per expert
-    # stack). parallel/buckets.py gather_per_tensor.
+    # stack). parallel/buckets.py gather_per_tensor; buckets of tensors sharded on another dimension
+    # than their first keep the flat buffer.
     per_tensor: bool = False
 
 

@@ -55,9 +55,9 @@ def _compile(config: str, overrides: list[str], *, timeout: float) -> tuple[dict
         report = json.loads(lines[:lines.rindex("}") + 1])
     if done.returncode == 0 and report is not None:
         return report, ""
-    errors = [line.strip() for line in done.stderr.splitlines() if "Error" in line and ":" in line]
-    reason = errors[-1] if errors else (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return report, reason[:300]
+    from titan_tpu.tools.compile_cmd import child_error_line
+
+    return report, child_error_line(done.stderr)[:300]
 
 
 def certify(result: SearchResult, config: str, overrides: list[str], *, top: int, timeout: float = 3600,

@@ -284,6 +284,16 @@ def host_memory_guard(floor: int = HOST_MEMORY_FLOOR, interval: float = 0.5):
         thread.join()
 
 
+def child_error_line(stderr: str) -> str:
+    """The one-line reason a `titan-tpu compile` child process failed: its "error: ..." line (the
+    command's refusals, XLA's rejection, the host-memory guard), else its last line that is not
+    libtpu's start-up logging."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    ours = [line for line in lines if line.startswith("error:")]
+    rest = [line for line in lines if not line.startswith(("E0000", "W0000", "I0000", "WARNING", "==="))]
+    return (ours or rest or ["(no output)"])[-1].removeprefix("error: ")[:400]
+
+
 def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Path | None,
                      xla_dump: Path | None) -> dict:
     """Lower one captured program to JAX over the devices' mesh and compile it; XLA's numbers.

@@ -13,7 +13,6 @@ XLA on every row.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -26,8 +25,9 @@ from pathlib import Path
 
 __all__ = ["REPORTS", "PAGE", "Row", "provenance", "recipe_hash", "render", "rows", "stage_line"]
 
-REPORTS = Path("bench/results/xla")
-PAGE = Path("docs/tpu_recipes.md")
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+REPORTS = ROOT / "bench/results/xla"
+PAGE = ROOT / "docs/tpu_recipes.md"
 GiB = 1024**3
 # How close the planner must stay to XLA, on every compiled row (tests/test_tpu_recipes.py).
 PEAK_TOLERANCE = 0.10  # the planner's peak, planned as compiled, against XLA's per-chip peak
@@ -98,16 +98,16 @@ def rows(reports: Path = REPORTS) -> list[Row]:
     from titan_tpu.tools.compile_cmd import topology_for_chips
 
     out = []
-    for recipe in sorted(glob.glob("configs/*_tpu.toml")):
+    for recipe in sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("configs/*_tpu.toml")):
         path = reports / f"{Path(recipe).stem}.json"
         report = json.loads(path.read_text()) if path.exists() else None
         with planning_machine():
-            cfg = prepare_run(build_config(recipe, [])).cfg
+            cfg = prepare_run(build_config(ROOT / recipe, [])).cfg
         hardware, chips = default_hardware(cfg, measure=False)
         plan = plan_config(cfg, hardware, chips=chips, measure=False)
         compiled = plan_config(cfg, hardware, chips=chips, measure=False, as_compiled=True)
         out.append(Row(recipe=recipe, report=report, stale=report is not None and report.get("recipe_sha") !=
-                       recipe_hash(recipe), plan_peak=plan.peak_bytes, plan_peak_compiled=compiled.peak_bytes,
+                       recipe_hash(ROOT / recipe), plan_peak=plan.peak_bytes, plan_peak_compiled=compiled.peak_bytes,
                        plan_flops=plan.flops["executed_per_step_per_device"],
                        topology=topology_for_chips(hardware.name, chips)))
     return out
