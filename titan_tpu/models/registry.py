@@ -170,8 +170,10 @@ def recomputed_flops_per_token(args: TransformerArgs, seq_len: int) -> float:
 def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers_counted: int, recompute: bool,
                                   attention: str, experts_in_kernel: bool) -> float:
     """The executed FLOPs per token that XLA's cost analysis reports for a compiled step, from
-    the same terms as `flops_per_token`: XLA counts a scanned stack's loop body once
-    (layers_counted 1, else n_layers + mtp_num_layers) and no work inside a custom call.
+    the same terms as `flops_per_token`: XLA counts a scanned stack's loop body once (layers_counted
+    1: one body per kind of layer, a model whose first layers are dense scanning them apart from
+    its MoE layers, as DeepSeek-V3 does; else n_layers + mtp_num_layers, every block) and no work
+    inside a custom call.
     attention: "kernel" (splash, a Mosaic custom call: not counted), "full" (plain softmax
     attention compiled by XLA: the whole S x S score matrix, masked half included) or "causal"
     (the formula's half). experts_in_kernel: the routed experts' matmuls run in megablox's gmm and
@@ -183,19 +185,30 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
     block_matmuls = (6.0 * num_active_params(args, exclude_embedding=True)
                      + 6.0 * args.dim * args.vocab_size * (args.tie_embeddings + args.mtp_num_layers)
                      - head - 6.0 * args.dim) / blocks  # per block: no final norm, no output projection
-    if experts_in_kernel and args.moe is not None:
-        block_matmuls -= 6.0 * num_moe_blocks(args) * args.moe.top_k * 3 * args.dim * args.moe.hidden_dim / blocks
     causal = 6.0 * args.n_heads * attention_head_dim(args) * seq_len
     block_attention = {"kernel": 0.0, "full": 2 * causal, "causal": causal}[attention]
-    per_block = block_matmuls + block_attention
-    rerun = 0.0
-    if recompute:  # the block's forward again, without its down projection (recomputed_flops_per_token)
-        down = 2.0 * args.dim * args.ffn_hidden_dim
-        if args.moe is not None and args.is_moe_layer(0):
-            down = 2.0 * args.dim * args.moe.hidden_dim * (args.moe.num_shared_experts
-                                                           + (0 if experts_in_kernel else args.moe.top_k))
-        rerun = per_block / 3 - down
-    return head + layers_counted * (per_block + rerun)
+
+    def feed_forward(moe_layer: bool) -> tuple[float, float]:
+        """(the layer kind's feed-forward FLOPs per token as XLA counts them, its down projection's)."""
+        if not moe_layer:
+            return 6.0 * 3 * args.dim * args.ffn_hidden_dim, 2.0 * args.dim * args.ffn_hidden_dim
+        moe = args.moe
+        experts = moe.num_shared_experts + (0 if experts_in_kernel else moe.top_k)
+        active = args.dim * moe.num_experts + (moe.num_shared_experts + moe.top_k) * 3 * args.dim * moe.hidden_dim
+        return (6.0 * active - (6.0 * moe.top_k * 3 * args.dim * moe.hidden_dim if experts_in_kernel else 0.0),
+                2.0 * args.dim * moe.hidden_dim * experts)
+
+    kinds = [args.is_moe_layer(i) for i in range(blocks)]
+    shared = block_matmuls - sum(feed_forward(k)[0] for k in kinds) / blocks  # attention and the rest
+    counted = kinds if layers_counted >= blocks else sorted(set(kinds[:args.n_layers]))  # a loop body per kind
+
+    def block(moe_layer: bool) -> float:
+        ffn, down = feed_forward(moe_layer)
+        per_block = shared + ffn + block_attention
+        # full checkpointing reruns the block's forward, without its down projection (recomputed_flops_per_token)
+        return per_block + (per_block / 3 - down if recompute else 0.0)
+
+    return head + sum(block(k) for k in counted)
 
 
 def attention_head_dim(args: TransformerArgs) -> float:
