@@ -168,7 +168,7 @@ def recomputed_flops_per_token(args: TransformerArgs, seq_len: int) -> float:
 
 
 def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers_counted: int, recompute: bool,
-                                  attention: str, experts_in_kernel: bool) -> float:
+                                  attention: str, experts_in_kernel: bool, frozen_base: bool = False) -> float:
     """The executed FLOPs per token that XLA's cost analysis reports for a compiled step, from
     the same terms as `flops_per_token`: XLA counts a scanned stack's loop body once (layers_counted
     1: one body per kind of layer, a model whose first layers are dense scanning them apart from
@@ -178,8 +178,9 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
     attention compiled by XLA: the whole S x S score matrix, masked half included) or "causal"
     (the formula's half). experts_in_kernel: the routed experts' matmuls run in megablox's gmm and
     tgmm (custom calls: not counted); the router and shared experts are XLA's. recompute: full
-    checkpointing's rerun of each block's forward. Norms, softmax, SiLU, the optimizer are not
-    counted (as in flops_per_token)."""
+    checkpointing's rerun of each block's forward. frozen_base: LoRA, whose frozen weights get no
+    gradient (4 of the 6 FLOPs per weight and token; the small adapters are left out). Norms,
+    softmax, SiLU, the optimizer are not counted (as in flops_per_token)."""
     blocks = args.n_layers + args.mtp_num_layers
     head = head_flops_per_token(args)
     block_matmuls = (6.0 * num_active_params(args, exclude_embedding=True)
@@ -202,13 +203,15 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
     shared = block_matmuls - sum(feed_forward(k)[0] for k in kinds) / blocks  # attention and the rest
     counted = kinds if layers_counted >= blocks else sorted(set(kinds[:args.n_layers]))  # a loop body per kind
 
+    weights = 4.0 / 6.0 if frozen_base else 1.0  # no weight gradients for a frozen base
+
     def block(moe_layer: bool) -> float:
         ffn, down = feed_forward(moe_layer)
         per_block = shared + ffn + block_attention
         # full checkpointing reruns the block's forward, without its down projection (recomputed_flops_per_token)
-        return per_block + (per_block / 3 - down if recompute else 0.0)
+        return (shared + ffn) * weights + block_attention + (per_block / 3 - down if recompute else 0.0)
 
-    return head + sum(block(k) for k in counted)
+    return head * weights + sum(block(k) for k in counted)
 
 
 def attention_head_dim(args: TransformerArgs) -> float:

@@ -207,8 +207,9 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
         "hbm_per_chip_bytes": hbm, "fits": None if hbm is None else peak["peak"] <= hbm,
         "flops_per_chip": flops,
         "bytes_accessed_per_chip": sum(runs[name] * (p["bytes_accessed"] or 0.0) for name, p in programs.items()),
+        "tokens_per_chip": tokens_per_chip,
         "formula_flops_per_chip": flops_per_token * tokens_per_chip,
-        "formula_as_xla_counts_per_chip": _formula_as_xla_counts(cfg, kernels_used, tokens_per_chip),
+        "formula_as_xla_counts_per_chip": formula_as_xla_counts(cfg, kernels_used, tokens_per_chip),
         # XLA's cost analysis counts a while loop's body once, not once per trip (a lax.scan of 8
         # matmuls reports the FLOPs of 1): with scanned layers its FLOPs are the step outside the
         # layers plus one layer's forward and backward.
@@ -523,7 +524,7 @@ def recipe_topology(cfg) -> str:
     return topology_for_chips(hardware.name, chips)
 
 
-def _formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float) -> float | None:
+def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float) -> float | None:
     """Our FLOP formula counted as XLA's cost analysis counts the compiled step (models/registry.py
     flops_per_token_as_xla_counts): a scanned stack's loop body once, nothing inside the Mosaic
     custom calls (splash attention, megablox's gmm and tgmm), full checkpointing's rerun of the
@@ -539,7 +540,7 @@ def _formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float) -> f
     per_token = flops_per_token_as_xla_counts(
         args, cfg.training.seq_len, layers_counted=1 if cfg.model.scan_layers else args.n_layers + args.mtp_num_layers,
         recompute=cfg.activation_checkpoint.mode == "full", attention=mode,
-        experts_in_kernel=kernels_used.get("grouped_mm", "").startswith("gmm"))
+        experts_in_kernel=kernels_used.get("grouped_mm", "").startswith("gmm"), frozen_base=cfg.lora.enabled)
     return per_token * tokens_per_chip
 
 

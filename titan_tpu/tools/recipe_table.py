@@ -88,11 +88,13 @@ class Row:
     plan_peak_compiled: float  # the same, with the compiled forms where they differ (the loss kernel)
     plan_flops: float  # the planner's executed FLOPs per chip (whole step)
     topology: str
+    counted: float | None = None  # today's FLOP formula counted as XLA counts, for the report's step
 
 
 def rows(reports: Path = REPORTS) -> list[Row]:
     """Every configs/*_tpu.toml, with its report when there is one and today's plan beside it."""
     from titan_tpu.config import build_config
+    from titan_tpu.models.spec import model_spec
     from titan_tpu.plan.planner import default_hardware, plan_config, planning_machine
     from titan_tpu.run_setup import prepare_run
     from titan_tpu.tools.compile_cmd import topology_for_chips
@@ -105,17 +107,24 @@ def rows(reports: Path = REPORTS) -> list[Row]:
             cfg = prepare_run(build_config(ROOT / recipe, [])).cfg
         hardware, chips = default_hardware(cfg, measure=False)
         plan = plan_config(cfg, hardware, chips=chips, measure=False)
+        counted = None
+        if report is not None and "error" not in report:  # today's formula, on the compiled step's tokens
+            from titan_tpu.tools.compile_cmd import formula_as_xla_counts
+
+            tokens = report.get("tokens_per_chip") or report["formula_flops_per_chip"] / \
+                model_spec(cfg.model).flops_per_token(None, cfg.training.seq_len)[0]
+            counted = formula_as_xla_counts(cfg, report["kernels"], tokens)
         compiled = plan_config(cfg, hardware, chips=chips, measure=False, as_compiled=True)
         out.append(Row(recipe=recipe, report=report, stale=report is not None and report.get("recipe_sha") !=
                        recipe_hash(ROOT / recipe), plan_peak=plan.peak_bytes, plan_peak_compiled=compiled.peak_bytes,
                        plan_flops=plan.flops["executed_per_step_per_device"],
-                       topology=topology_for_chips(hardware.name, chips)))
+                       topology=topology_for_chips(hardware.name, chips), counted=counted))
     return out
 
 
 def _compiled_cells(row: Row) -> list[str]:
     r = row.report
-    xla_peak, xla_flops, counted = r["peak_per_chip_bytes"], r["flops_per_chip"], r["formula_as_xla_counts_per_chip"]
+    xla_peak, xla_flops, counted = r["peak_per_chip_bytes"], r["flops_per_chip"], row.counted
     stages = (f"{r['capture_seconds'] + r['lower_seconds'] + r['compile_seconds']:.0f} s "
               f"({r['capture_seconds']:.0f} + {r['lower_seconds']:.0f} + {r['compile_seconds']:.0f})")
     return [f"compiled by XLA {r['date']}{' (STALE: the recipe changed since)' if row.stale else ''}",
