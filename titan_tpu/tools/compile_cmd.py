@@ -290,9 +290,12 @@ def child_error_line(stderr: str) -> str:
     command's refusals, XLA's rejection, the host-memory guard), else its last line that is not
     libtpu's start-up logging."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    ours = [line for line in lines if line.startswith("error:")]
+    ours = [line.removeprefix("error: ") for line in lines if line.startswith("error:")]
+    # libtpu's own abort: a glog fatal line, "F1204 20:55:12.25 ... file.cc:123] Check failed: ..."
+    aborted = [f"libtpu aborted the compile: {line.split('] ', 1)[-1]}" for line in lines
+               if re.match(r"F\d{4} ", line)]
     rest = [line for line in lines if not line.startswith(("E0000", "W0000", "I0000", "WARNING", "==="))]
-    return (ours or rest or ["(no output)"])[-1].removeprefix("error: ")[:400]
+    return (ours or aborted or rest or ["(no output)"])[-1][:400]
 
 
 def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Path | None,

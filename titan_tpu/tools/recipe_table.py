@@ -144,9 +144,9 @@ def render(reports: Path = REPORTS) -> str:
         "(written by `PYTHONPATH=$PWD .venv-tpu/bin/python bench/tpu_compile_table.py`, which compiles every "
         "`configs/*_tpu.toml` as the trainer would run it on its slice, with libtpu's compile-only client on a "
         "CPU machine) and today's planner. `tests/test_tpu_recipes.py` fails when this page differs from what "
-        "the reports and the planner give, when a recipe changed after its compile, and when the planner is "
-        f"more than {PEAK_TOLERANCE:.0%} from XLA's peak or our formula more than {FLOPS_TOLERANCE:.0%} from "
-        "XLA's FLOPs on a compiled row.",
+        "the reports and the planner give, when a recipe changed after its compile, and when a compiled row's "
+        f"planner peak moves outside {PEAK_TOLERANCE:.0%} of XLA's (or our formula outside {FLOPS_TOLERANCE:.0%} of "
+        "XLA's FLOPs) other than the rows it lists, with what the planner misses there, as the planner's open work.",
         "",
         f"{len(compiled)} of {len(table)} recipes compiled by XLA; none has run on a TPU (no TPU was available to "
         "this project). What each column means is under the table.",
@@ -169,8 +169,7 @@ def render(reports: Path = REPORTS) -> str:
     lines += ["", "Where each compile ran:", ""]
     for row in compiled:
         r = row.report
-        lines.append(f"- `{Path(row.recipe).name}`: {r['date']}, {r['cpu']}, libtpu {r['libtpu']}, JAX {r['jax']}, "
-                     f"commit {r['commit'] or 'unknown'}; peak {r.get('max_rss_bytes', 0) / GiB:.1f} GiB of memory "
+        lines.append(f"- `{Path(row.recipe).name}`: {r['date']}, {r['cpu']}, libtpu {r['libtpu']}, JAX {r['jax']}; peak {r.get('max_rss_bytes', 0) / GiB:.1f} GiB of memory "
                      f"here; re-shard after forward {str(r.get('reshard_after_forward')).lower()}, "
                      f"{r.get('grad_accum_steps', 1)} micro-batch(es).")
     lines += ["", _COLUMNS]
