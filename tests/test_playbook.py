@@ -63,6 +63,8 @@ def test_every_command_parses(command, capsys):
         args, rest = parser.parse_known_args(argv[2:])
         assert all(r.startswith("--") and "." in r for r in rest[::2])  # only config overrides left over
         return
+    if argv[0] == ".venv-tpu/bin/titan-tpu":  # the same command from the TPU environment (--certify compiles)
+        argv[0] = "titan-tpu"
     assert argv[0] == "titan-tpu"
     assert argv[1] in COMMANDS
     if "--config" not in argv:  # a command named with some of its options: each is one of its options
@@ -77,6 +79,9 @@ def test_every_command_parses(command, capsys):
         argv += ["--training.mode", "graph"]
     argv = [str(ROOT / a) if a.startswith("configs/") else a for a in argv]
     if argv[0] == "plan":
+        if "--certify" in argv:  # the search runs here; certifying compiles its top K (minutes, .venv-tpu)
+            i = argv.index("--certify")
+            argv = argv[:i] + argv[i + 2:]
         assert main(argv) == 0, capsys.readouterr().err
     else:
         config = argv[argv.index("--config") + 1]

@@ -169,7 +169,8 @@ def render(reports: Path = REPORTS) -> str:
     lines += ["", "Where each compile ran:", ""]
     for row in compiled:
         r = row.report
-        lines.append(f"- `{Path(row.recipe).name}`: {r['date']}, {r['cpu']}, libtpu {r['libtpu']}, JAX {r['jax']}; peak {r.get('max_rss_bytes', 0) / GiB:.1f} GiB of memory "
+        lines.append(f"- `{Path(row.recipe).name}`: {r['date']}, {r['cpu']}, libtpu {r['libtpu']}, JAX {r['jax']}; "
+                     f"peak {r.get('max_rss_bytes', 0) / GiB:.1f} GiB of memory "
                      f"here; re-shard after forward {str(r.get('reshard_after_forward')).lower()}, "
                      f"{r.get('grad_accum_steps', 1)} micro-batch(es).")
     lines += ["", _COLUMNS]
