@@ -285,6 +285,17 @@ def host_memory_guard(floor: int = HOST_MEMORY_FLOOR, interval: float = 0.5):
         thread.join()
 
 
+def xla_numbers(memory, cost) -> tuple[dict[str, int], int, dict]:
+    """(memory per kind, peak, cost analysis) of a compiled program from XLA's memory stats and cost
+    analysis (JAX's or a PJRT executable's): the peak is arguments + outputs - aliased +
+    temporaries + generated code, per chip."""
+    kinds = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+             "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
+             "code": memory.generated_code_size_in_bytes}
+    peak = kinds["arguments"] + kinds["outputs"] - kinds["aliased"] + kinds["temporaries"] + kinds["code"]
+    return kinds, peak, cost[0] if isinstance(cost, (list, tuple)) else cost
+
+
 def child_error_line(stderr: str) -> str:
     """The one-line reason a `titan-tpu compile` child process failed: its "error: ..." line (the
     command's refusals, XLA's rejection, the host-memory guard), else its last line that is not
@@ -334,12 +345,7 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
     # CPU seconds of this process (all threads, XLA's too) for lowering and compile: on a machine
     # shared with other work they say more than the wall time does.
     cpu_s = time.process_time() - cpu_start
-    memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    kinds = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
-             "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
-             "code": memory.generated_code_size_in_bytes}
+    kinds, peak, cost = xla_numbers(compiled.memory_analysis(), compiled.cost_analysis())
     new = sorted(tpu_programs(xla_dump) - before) if xla_dump is not None else []
     at_peak, stages = [], {}
     if new:  # XLA dumped the program (XLA_FLAGS=--xla_dump_to): its optimized HLO, what its peak holds
@@ -355,7 +361,7 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
         if collectives_from == "optimized HLO":
             (dump / "step.optimized.hlo").write_text(text)
     return {"memory": kinds,
-            "peak": kinds["arguments"] + kinds["outputs"] - kinds["aliased"] + kinds["temporaries"] + kinds["code"],
+            "peak": peak,
             "flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
             "lower_seconds": lower_s, "compile_seconds": compile_s, "cpu_seconds": cpu_s,
             "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),

@@ -16,12 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
+
+from titan_tpu.device import _cpu_model
 
 __all__ = ["REPORTS", "PAGE", "Row", "provenance", "recipe_hash", "render", "rows", "stage_line"]
 
@@ -37,16 +38,6 @@ FLOPS_TOLERANCE = 0.03  # our formula counted as XLA counts, against XLA's FLOPs
 def recipe_hash(path: str | Path) -> str:
     """The recipe file's content hash: a report whose hash differs compiled another recipe."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _version(package: str) -> str:
@@ -66,7 +57,7 @@ def provenance(recipe: str) -> dict:
     except OSError:
         commit = ""
     return {"date": date.today().isoformat(), "recipe_sha": recipe_hash(recipe), "commit": commit,
-            "cpu": f"{_cpu()}, {os.cpu_count()} cores", "libtpu": _version("libtpu"), "jax": _version("jax"),
+            "cpu": f"{_cpu_model()}, {os.cpu_count()} cores", "libtpu": _version("libtpu"), "jax": _version("jax"),
             "python": sys.version.split()[0]}
 
 

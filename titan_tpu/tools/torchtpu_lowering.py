@@ -243,7 +243,7 @@ def compile_stablehlo(text: str, topology_name: str, *, donated: Sequence[int] =
     from jax._src.lib import xla_client
     from jax._src.lib.mlir import ir
 
-    from titan_tpu.tools.compile_cmd import _topology
+    from titan_tpu.tools.compile_cmd import _topology, xla_numbers
 
     device = _topology(topology_name).devices[0]
     with mlir.make_ir_context():
@@ -264,15 +264,8 @@ def compile_stablehlo(text: str, topology_name: str, *, donated: Sequence[int] =
         seconds = time.perf_counter() - start
         arguments = [str(t) for t in signature.inputs]
         results = [str(t) for t in signature.results]
-    stats = executable.get_compiled_memory_stats()
-    cost = executable.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    kinds = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
-             "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes,
-             "code": stats.generated_code_size_in_bytes}
-    return {"topology": topology_name, "memory_per_chip_bytes": kinds,
-            "peak_per_chip_bytes": kinds["arguments"] + kinds["outputs"] - kinds["aliased"] + kinds["temporaries"]
-            + kinds["code"],
+    kinds, peak, cost = xla_numbers(executable.get_compiled_memory_stats(), executable.cost_analysis())
+    return {"topology": topology_name, "memory_per_chip_bytes": kinds, "peak_per_chip_bytes": peak,
             "flops_per_chip": cost.get("flops"), "bytes_accessed_per_chip": cost.get("bytes accessed"),
             "stablehlo": stablehlo_counts(text), "hlo": _optimized_counts(executable), "compile_seconds": seconds,
             "argument_types": arguments, "result_types": results}
