@@ -78,11 +78,22 @@ def test_tpu_recipe(name, monkeypatch):
     assert plan.fits, (f"{plan.peak_bytes / 1e9:.1f} GB per device at {plan.peak_phase}, "
                        f"{plan.capacity_bytes / 1e9:.1f} GB")
 
-    # Activation checkpointing is the planner's first choice for the rest of the recipe. Layers stay
-    # scanned whatever the planner says: it does not model compile time, which scan keeps flat.
+    # Activation checkpointing is the planner's first choice for the rest of the recipe, unless XLA's
+    # compile of that choice overruled it (XLA_OVERRULED). Layers stay scanned whatever the planner
+    # says: it does not model compile time, which scan keeps flat.
     keep = [key for key in KNOBS if key != "activation_checkpoint.mode"]
     best = search(for_planning(CONFIGS / f"{name}.toml"), keep=keep).fitting[0]
-    assert best.values["activation_checkpoint.mode"] == cfg.activation_checkpoint.mode, best.values
+    planner_pick, xla_pick = XLA_OVERRULED.get(name, (cfg.activation_checkpoint.mode,) * 2)[:2]
+    assert best.values["activation_checkpoint.mode"] == planner_pick, best.values
+    assert cfg.activation_checkpoint.mode == xla_pick
+
+
+# Recipes whose checkpointing is not the planner's first pick because XLA's compile of that pick
+# did not fit: (the planner's pick, the recipe's, what XLA said). The planner's open work.
+XLA_OVERRULED = {
+    "qwen3_8b_dpo_tpu": ("none", "full", "none: 143 GiB per chip of 95 (XLA's temporaries 112 GiB beside the "
+                                         "reference's and the policy's weights); full: 79.1 GiB"),
+}
 
 
 def test_the_checks_can_fail(monkeypatch):
@@ -134,7 +145,8 @@ def test_the_recipe_tables_of_the_pages_are_the_planners():
 _BACKWARD_END = "XLA's peak is the backward's end: three fp32 [vocab, dim] matrices at once (the output " \
                 "projection's full gradient, the embedding's scatter-add gradient and its cast); the planner counts one"
 PEAK_OFF = {
-    "qwen3_8b_tpu": (0.87, _BACKWARD_END),
+    "qwen3_8b_tpu": (0.87, "XLA's layout of its temporaries: its live-range dump has 73.8 GiB alive at the peak (the "
+                           "forward loop's activation stacks), under the planner's 78.6; XLA allocates 90.7"),
     "qwen3_8b_graph_tpu": (0.82, _BACKWARD_END),
     "qwen3_8b_lora_chat_tpu": (0.85, _BACKWARD_END),
     "qwen3_32b_tpu": (0.87, _BACKWARD_END),

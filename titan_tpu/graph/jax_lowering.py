@@ -347,6 +347,7 @@ LOWERINGS: dict[object, Callable] = {
     aten.neg.default: jnp.negative,
     aten.exp.default: jnp.exp,
     aten.log.default: jnp.log,
+    aten.log1p.default: jnp.log1p,
     aten.sqrt.default: jnp.sqrt,
     aten.rsqrt.default: jax.lax.rsqrt,
     aten.reciprocal.default: jnp.reciprocal,

@@ -168,7 +168,8 @@ def recomputed_flops_per_token(args: TransformerArgs, seq_len: int) -> float:
 
 
 def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers_counted: int, recompute: bool,
-                                  attention: str, experts_in_kernel: bool, frozen_base: bool = False) -> float:
+                                  attention: str, experts_in_kernel: bool, frozen_base: bool = False,
+                                  reference_forward: bool = False, logits_recomputed: bool = False) -> float:
     """The executed FLOPs per token that XLA's cost analysis reports for a compiled step, from
     the same terms as `flops_per_token`: XLA counts a scanned stack's loop body once (layers_counted
     1: one body per kind of layer, a model whose first layers are dense scanning them apart from
@@ -179,7 +180,11 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
     (the formula's half). experts_in_kernel: the routed experts' matmuls run in megablox's gmm and
     tgmm (custom calls: not counted); the router and shared experts are XLA's. recompute: full
     checkpointing's rerun of each block's forward. frozen_base: LoRA, whose frozen weights get no
-    gradient (4 of the 6 FLOPs per weight and token; the small adapters are left out). Norms,
+    gradient (4 of the 6 FLOPs per weight and token; the small adapters are left out).
+    reference_forward: DPO's frozen reference runs its own forward (its own loop), a third of a
+    trained token's work. logits_recomputed: the compiled program computes the output projection's
+    logits twice (XLA's tpu7x compile rematerializes them for the backward of the plain-XLA loss:
+    two [tokens, vocab] products in its HLO where v5p and v6e have one). Norms,
     softmax, SiLU, the optimizer are not counted (as in flops_per_token)."""
     blocks = args.n_layers + args.mtp_num_layers
     head = head_flops_per_token(args)
@@ -211,7 +216,9 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
         # full checkpointing reruns the block's forward, without its down projection (recomputed_flops_per_token)
         return (shared + ffn) * weights + block_attention + (per_block / 3 - down if recompute else 0.0)
 
-    return head * weights + sum(block(k) for k in counted)
+    reference = (head + sum(shared + feed_forward(k)[0] + block_attention for k in counted)) / 3
+    return head * weights + sum(block(k) for k in counted) + (reference if reference_forward else 0.0) + \
+        (head / 3 if logits_recomputed else 0.0)
 
 
 def attention_head_dim(args: TransformerArgs) -> float:

@@ -168,10 +168,6 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     from titan_tpu.plan.hardware import HARDWARE
     from titan_tpu.plan.planner import reshard_decision
 
-    if cfg.training.objective != "next_token":
-        raise ValueError(f"titan-tpu compile captures the next-token objective's step; training.objective = "
-                         f"{cfg.training.objective} (its reference model and pair batches) is not captured for XLA "
-                         "yet: check its fit with titan-tpu plan")
     topology = _topology(topology_name)
     devices = topology.devices
     generation = topology_name.split(":")[0].replace("tpu7x", "v7")
@@ -193,6 +189,8 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     peak = programs[peak_name]
     hbm = hardware.memory_bytes if hardware is not None else None
     flops_per_token, _ = model_spec(cfg.model).flops_per_token(None, t.seq_len)  # native specs read only the args
+    if t.objective == "dpo":
+        flops_per_token *= 4 / 3  # the frozen reference's forward too (loops/dpo.py)
     runs = {"step": 1, "micro-batch": t.grad_accum_steps, "update": 1}
     flops = sum(runs[name] * (p["flops"] or 0.0) for name, p in programs.items()) if peak["flops"] is not None \
         else None
@@ -209,7 +207,8 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
         "bytes_accessed_per_chip": sum(runs[name] * (p["bytes_accessed"] or 0.0) for name, p in programs.items()),
         "tokens_per_chip": tokens_per_chip,
         "formula_flops_per_chip": flops_per_token * tokens_per_chip,
-        "formula_as_xla_counts_per_chip": formula_as_xla_counts(cfg, kernels_used, tokens_per_chip),
+        "formula_as_xla_counts_per_chip": formula_as_xla_counts(cfg, kernels_used, tokens_per_chip,
+                                                                topology=topology_name),
         # XLA's cost analysis counts a while loop's body once, not once per trip (a lax.scan of 8
         # matmuls reports the FLOPs of 1): with scanned layers its FLOPs are the step outside the
         # layers plus one layer's forward and backward.
@@ -533,11 +532,13 @@ def recipe_topology(cfg) -> str:
     return topology_for_chips(hardware.name, chips)
 
 
-def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float) -> float | None:
+def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float, *, topology: str) -> float | None:
     """Our FLOP formula counted as XLA's cost analysis counts the compiled step (models/registry.py
     flops_per_token_as_xla_counts): a scanned stack's loop body once, nothing inside the Mosaic
     custom calls (splash attention, megablox's gmm and tgmm), full checkpointing's rerun of the
-    forward. None for a model without native args (an HF directory)."""
+    forward, DPO's reference forward, and on tpu7x the logits of tokamax's plain-XLA loss computed
+    twice (XLA rematerializes them there). topology: the slice compiled for, e.g. "v5p:2x2x1".
+    None for a model without native args (an HF directory)."""
     from titan_tpu.models.registry import flops_per_token_as_xla_counts
     from titan_tpu.models.spec import model_spec
 
@@ -549,11 +550,17 @@ def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float) -> fl
     per_token = flops_per_token_as_xla_counts(
         args, cfg.training.seq_len, layers_counted=1 if cfg.model.scan_layers else args.n_layers + args.mtp_num_layers,
         recompute=cfg.activation_checkpoint.mode == "full", attention=mode,
-        experts_in_kernel=kernels_used.get("grouped_mm", "").startswith("gmm"), frozen_base=cfg.lora.enabled)
+        experts_in_kernel=kernels_used.get("grouped_mm", "").startswith("gmm"), frozen_base=cfg.lora.enabled,
+        reference_forward=cfg.training.objective == "dpo",
+        logits_recomputed=topology.startswith("tpu7x") and kernels_used.get("loss", "").startswith("tokamax"))
     return per_token * tokens_per_chip
 
 
 def _step_tokens(captured) -> int:
-    """Tokens of one step on all devices: this device's labels times the data-parallel ranks."""
-    labels = captured.layout.unflatten_inputs(captured.example_inputs)["batch"][1]
-    return labels.numel() * captured.dp_size
+    """Tokens of one step on all devices: this device's trained rows (a DPO pair is two) times their
+    length, times the data-parallel ranks."""
+    from titan_tpu.data.batch import PreferenceBatch, unflatten
+
+    batch = unflatten(captured.layout.unflatten_inputs(captured.example_inputs)["batch"], captured.batch_spec)
+    rows = [batch.chosen, batch.rejected] if isinstance(batch, PreferenceBatch) else [batch]
+    return sum(row.labels_BS.numel() for row in rows) * captured.dp_size

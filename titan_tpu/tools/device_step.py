@@ -13,10 +13,10 @@ sizes) and, per process group the graph's collectives name, the axes it spans.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -118,7 +118,7 @@ def _to_fake(model: torch.nn.Module, fake_mode) -> None:
                 module._buffers[name] = _fake_like(b, fake_mode)
 
 
-@dataclass
+@dataclasses.dataclass
 class DeviceStep:
     """One device's step: the captured step, its mesh and the mesh axes of its process groups."""
 
@@ -196,6 +196,29 @@ def _views_as_reshapes(gm: torch.fx.GraphModule) -> int:
     return count
 
 
+def _objective(cfg: Config, world_size: int, *, reshard_after_forward: bool | None, documents: bool):
+    """The run's objective as the trainer assembles it (components/dpo.py), on fake tensors: None
+    for next-token prediction (the capture's default); DPO with its frozen reference built and
+    sharded as the trained model (no reference model with LoRA and the initial reference: the
+    trained model with its adapters off is it)."""
+    if cfg.training.objective == "next_token":
+        return None
+    if cfg.training.objective != "dpo":
+        raise ValueError(f"training.objective = {cfg.training.objective} is not captured for XLA yet")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan_tpu.train.dpo import DPOObjective
+
+    reference = None
+    if not (cfg.lora.enabled and cfg.dpo.reference == "initial"):
+        view = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False))
+        reference, *_ = build_device_model(view, world_size, reshard_after_forward=reshard_after_forward,
+                                           documents=documents, fake_mode=FakeTensorMode(allow_fallback_kernels=True))
+        reference.requires_grad_(False)
+        reference.eval()
+    return DPOObjective(beta=cfg.dpo.beta, loss_type=cfg.dpo.loss_type, reference=reference)
+
+
 def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_len: int,
                         scalar_dtype: torch.dtype = torch.float32, rank: int = 0,
                         reshard_after_forward: bool | None = None, documents: bool = False,
@@ -214,10 +237,15 @@ def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_le
         model, optimizer, dims, mesh = build_device_model(cfg, world_size, reshard_after_forward=reshard_after_forward,
                                                           documents=documents,
                                                           fake_mode=FakeTensorMode(allow_fallback_kernels=True))
-        example = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        batch = (example, example.clone(), example.clone()) if documents else (example, example.clone())
+        objective = _objective(cfg, world_size, reshard_after_forward=reshard_after_forward, documents=documents)
+        if objective is None:
+            example = torch.zeros(batch_size, seq_len, dtype=torch.long)
+            batch = (example, example.clone(), example.clone()) if documents else (example, example.clone())
+        else:
+            batch = objective.example_batch(batch_size=batch_size, seq_len=seq_len, documents=documents,
+                                            device=torch.device("cpu"))
         kwargs = dict(max_norm=cfg.training.max_norm, adamw_hparams=optimizer.hparams, decay=optimizer.decay,
-                      example_batch=batch, scalar_dtype=scalar_dtype)
+                      example_batch=batch, scalar_dtype=scalar_dtype, objective=objective)
         if grad_accum_steps > 1:
             programs = capture_accumulating_step(model, grad_accum_steps=grad_accum_steps, **kwargs)
         else:

@@ -104,7 +104,7 @@ def rows(reports: Path = REPORTS) -> list[Row]:
 
             tokens = report.get("tokens_per_chip") or report["formula_flops_per_chip"] / \
                 model_spec(cfg.model).flops_per_token(None, cfg.training.seq_len)[0]
-            counted = formula_as_xla_counts(cfg, report["kernels"], tokens)
+            counted = formula_as_xla_counts(cfg, report["kernels"], tokens, topology=report["topology"])
         compiled = plan_config(cfg, hardware, chips=chips, measure=False, as_compiled=True)
         out.append(Row(recipe=recipe, report=report, stale=report is not None and report.get("recipe_sha") !=
                        recipe_hash(ROOT / recipe), plan_peak=plan.peak_bytes, plan_peak_compiled=compiled.peak_bytes,
