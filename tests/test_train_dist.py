@@ -27,6 +27,8 @@ import pytest
 import torch
 from dist_utils import require_multiprocess_marker, train_on_ranks
 
+from titan_tpu.train.goodput import read_processes, totals
+
 # Every test here starts training processes (torchrun ranks, kill -9, SIGTERM): tests/stress.py runs them.
 pytestmark = pytest.mark.multiprocess
 
@@ -216,16 +218,27 @@ def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache, model):
     run = tmp_path / "killed"
     proc = subprocess.Popen(command(1, overrides(run, cache, **args)), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=thread_env())
-    # Kill at an arbitrary moment after the first checkpoint: mid-step or mid-save alike.
-    _wait_for(lambda: (run / "checkpoints" / "latest").exists(), 120, proc)
+    # Kill at an arbitrary moment after the first checkpoint and a step past it: mid-step or mid-save alike.
+    _wait_for(lambda: (run / "checkpoints" / "latest").exists() and max(losses(run)) > 5, 120, proc)
     time.sleep(random.uniform(0.0, 1.5))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    train(1, overrides(run, cache, **args))
+    reached = read_processes(run)[-1]["step_last"]  # the killed process's last goodput record
+    resumed_at = int((run / "checkpoints" / "latest").read_text().strip().split("-")[1])
+    done = train(1, overrides(run, cache, **args))
     want, got = losses(straight), losses(run)
     assert sorted(got) == list(range(1, 21))
     for step in range(1, 21):
         assert got[step] == want[step], (step, got[step], want[step])  # bitwise
+
+    # Goodput reports the steps the kill cost: those the killed process took past its checkpoint.
+    total = totals(read_processes(run))
+    assert reached > 5 and total["restarts"] == 1
+    assert total["recomputed_steps"] == reached - resumed_at, (reached, resumed_at, total)
+    assert f"(1 restart, {reached - resumed_at} steps recomputed)" in done.stdout
+    assert total["seconds"]["restart"] > 0 and total["seconds"]["productive"] > 0
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["goodput_recomputed_steps"] == reached - resumed_at and 0 < last["goodput_percent"] < 100
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, cache):

@@ -56,7 +56,9 @@ def train_main(argv: list[str]) -> int:
 
     from titan_tpu.config import build_config
     from titan_tpu.loops import trainer_for
+    from titan_tpu.train.goodput import mark_launch
 
+    mark_launch()  # goodput counts this process's start-up from its start
     cfg = build_config(args.config, overrides)
     with _process_group_cleanup():
         trainer_for(cfg).train()

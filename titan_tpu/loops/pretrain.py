@@ -32,6 +32,7 @@ from titan_tpu.data.batch import Batch, as_batch
 from titan_tpu.data.tokenizer import tokenizer_files
 from titan_tpu.run_setup import prepare_run
 from titan_tpu.train.checkpoint import CheckpointSaveError
+from titan_tpu.train.goodput import GoodputLedger, describe, start_time
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import lr_at
 from titan_tpu.train.profiling import DATA_REGION, StepProfiler
@@ -50,6 +51,7 @@ class Trainer:
             raise ValueError(f"training.objective = {cfg.training.objective} runs its own loop: start it with "
                              "titan_tpu.loops.trainer_for(cfg) (or titan-tpu train)")
         self.cfg = cfg
+        self.created_at = time.time()  # goodput: where this run's start-up begins (train/goodput.py)
         # The config checked across its sections and the spec resolved once; then the run's parts.
         self.components = components or Components(prepare_run(cfg))
         self.step = 0
@@ -57,6 +59,7 @@ class Trainer:
         self.logger: MetricsLogger | None = None  # rank 0's, while train() runs
         self.tracker_state: dict[str, str] = {}  # from the checkpoint: the trackers' run ids
         self.save_failures = 0  # checkpoint saves that failed under checkpoint.on_save_error = warn
+        self.goodput: GoodputLedger | None = None  # rank 0's, while train() runs
 
     def __getattr__(self, name: str):
         # The run's parts read as the loop's own (trainer.model, trainer.step_fn, trainer.backend):
@@ -94,6 +97,15 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         """Save this step's checkpoint; None if it failed under checkpoint.on_save_error = warn."""
         return self._checkpoint_io(lambda: self.checkpointer.save(self.step, self.state_dict()))
+
+    def _timed(self, bucket: str, fn):
+        """fn(), its seconds counted in goodput's `bucket` (rank 0)."""
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            if self.goodput is not None:
+                self.goodput.add(bucket, time.perf_counter() - start)
 
     def _checkpoint_io(self, fn):
         """Run a checkpointer call; a failed save stops the run (raises) or, under on_save_error =
@@ -181,7 +193,13 @@ class Trainer:
                     target = self.run_dir / ("tokenizer.json" if source == self.tokenizer.path else source.name)
                     if source.resolve() != target.resolve():
                         shutil.copyfile(source, target)
+        load_start = time.perf_counter()
         self.maybe_resume()
+        load_seconds = time.perf_counter() - load_start
+        if self.is_main:
+            self.goodput = GoodputLedger(self.run_dir, step=self.step, start=start_time(self.created_at))
+            self.goodput.add("checkpoint_load", load_seconds)
+            self.goodput.add("compile", sum(self.compile_stats.values()))
         self.backend.peak_flops(self.compute_dtype)  # measured (CPU) before the loop, named in the line below
         if self.warmup_steps < cfg.lr_scheduler.warmup_steps:
             self.log(f"note: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than training.steps "
@@ -203,12 +221,17 @@ class Trainer:
             # loss is read), not validation or checkpointing.
             window_tokens, window_seconds, window_steps, window_start_data = 0, 0.0, 0, self.data_seconds
             self.backend.reset_peak_memory()
+            if self.goodput is not None:
+                self.goodput.begin_loop()
             while self.step < cfg.training.steps:
                 if profiler is not None:
                     profiler.before_step(self.step + 1)
-                start = time.perf_counter()
+                start, data_before = time.perf_counter(), self.data_seconds
                 result = self.train_step()
-                window_seconds += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                window_seconds += seconds
+                if self.goodput is not None:
+                    self.goodput.step(self.step, seconds=seconds, data_seconds=self.data_seconds - data_before)
                 window_tokens += result.num_tokens
                 window_steps += 1
                 if profiler is not None:
@@ -230,25 +253,35 @@ class Trainer:
                     row.update(self.backend.memory_stats())
                     row.update(self.compile_stats)
                     self.compile_stats = {}  # once per process
+                    if self.goodput is not None:  # the ledger first: a kill between the two loses no step
+                        self.goodput.flush()
+                        row["goodput"] = self.goodput.totals()["goodput"]
                     if logger is not None:
                         logger.log(self.step, row)
                     window_tokens, window_seconds, window_steps, window_start_data = 0, 0.0, 0, self.data_seconds
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or done):
-                    last_val = self.validate()
+                    last_val = self._timed("validation", self.validate)
                     if logger is not None:
                         logger.log(self.step, {"val_loss": last_val})
                 stop = shutdown.should_stop()  # agreed by all ranks, so all of them save together
                 if cfg.checkpoint.enabled and (self.step % cfg.checkpoint.interval == 0 or done or stop):
                     if self.cfg.checkpoint.async_save:  # the previous async save's failure, if any, first
-                        self._checkpoint_io(self.checkpointer.wait)
-                    self.save_checkpoint()
+                        self._timed("checkpoint_save", lambda: self._checkpoint_io(self.checkpointer.wait))
+                    self._timed("checkpoint_save", self.save_checkpoint)
                 if stop:
                     stopped_by = shutdown.signal_name or "a signal on another rank"
                     break
-        self._checkpoint_io(self.checkpointer.close)  # an async save must land before the process ends
+        # An async save must land before the process ends.
+        self._timed("checkpoint_save", lambda: self._checkpoint_io(self.checkpointer.close))
         if profiler is not None:
             profiler.close()
+        goodput = None
+        if self.goodput is not None:
+            self.goodput.flush()
+            goodput = self.goodput.totals()
+            self.goodput = None
         if logger is not None:
+            logger.log(self.step, goodput_row(goodput))
             logger.close()
             self.logger = None
         if self.run_lock is not None:
@@ -257,11 +290,21 @@ class Trainer:
         latest = self.checkpointer.latest() if cfg.checkpoint.enabled else None
         summary = {"step": self.step, "metrics": str(self.run_dir / "metrics.jsonl"),
                    "checkpoint": str(latest) if latest else None, "val_loss": last_val, "stopped_by": stopped_by,
-                   "save_failures": self.save_failures}
+                   "save_failures": self.save_failures, "goodput": goodput}
         if stopped_by:
             self.log(f"stopped by {stopped_by} after step {self.step}; restart the same command to resume")
+        if goodput is not None:
+            self.log(describe(goodput))
         self.log(f"done: step {self.step}; metrics: {summary['metrics']}; checkpoint: {summary['checkpoint']}")
         return summary
+
+
+def goodput_row(totals: dict) -> dict[str, float]:
+    """The run's goodput so far as a metrics row (train/goodput.py): the share and each bucket's seconds."""
+    row = {"goodput_percent": totals["goodput"], "goodput_wall_s": totals["wall"],
+           "goodput_recomputed_steps": totals["recomputed_steps"], "goodput_restarts": totals["restarts"]}
+    row.update({f"goodput_{bucket}_s": seconds for bucket, seconds in totals["seconds"].items()})
+    return row
 
 
 def next_token_metrics(result: StepResult) -> dict[str, float]:
