@@ -33,8 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_tpu.train.checkpoint import _flatten as flatten  # "section.key" names
-from titan_tpu.train.goodput import BUCKETS, read_processes
-from titan_tpu.train.goodput import totals as goodput_totals
+from titan_tpu.train.goodput import BUCKETS, read_processes, totals as goodput_totals
 from titan_tpu.train.metrics import format_duration
 
 SMOOTHING = 0.9  # weight of the exponential moving average of the smoothed loss (TensorBoard's slider)

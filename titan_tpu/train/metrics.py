@@ -16,8 +16,9 @@ formatted specially on the console (in this order), the rest are printed as "key
 
 `time` (the wall clock, for the report) and the `goodput_*` keys (each bucket's seconds, in the
 last row of each process: train/goodput.py) go to metrics.jsonl only; a row of them alone is not
-printed. With ``total_steps`` the line starts with a progress bar and, from the second row of a process on, an ETA: the remaining steps at
-this process's average wall time per step so far (validation and checkpoints included).
+printed. With ``total_steps`` the line starts with a progress bar and, from the second row of a
+process on, an ETA: the remaining steps at this process's average wall time per step so far
+(validation and checkpoints included).
 
 metrics.jsonl gets one JSON object per call, {"step": step, **metrics}, flushed immediately so a
 killed run keeps every row written so far. JSON has no NaN or Infinity, and Python's json module
