@@ -243,7 +243,10 @@ def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache, model):
 
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, cache):
     run = tmp_path / "run"
-    proc = subprocess.Popen(command(1, overrides(run, cache, training__steps=200, checkpoint__interval=1000)),
+    # With a grace budget: the local tier first, then (no save timed yet, so it is tried) the persistent one.
+    proc = subprocess.Popen(command(1, overrides(run, cache, training__steps=200, checkpoint__interval=1000,
+                                                 checkpoint__grace_seconds=60,
+                                                 checkpoint__local_dir=tmp_path / "local")),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=thread_env())
     _wait_for(lambda: (run / "metrics.jsonl").exists() and len(losses(run)) >= 3, 120, proc)
     proc.send_signal(signal.SIGTERM)  # what a preempted TPU VM receives
@@ -252,6 +255,8 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, cache):
     assert "stopped by SIGTERM" in out
     stopped_at = max(losses(run))
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{stopped_at:08d}"
+    assert f"emergency save at step {stopped_at}: " in out and "of the 60 s grace budget (within)" in out, out
+    assert (tmp_path / "local" / f"step-{stopped_at:08d}" / "rank-0-of-1.pt").is_file()
 
 
 def test_inductor_graph_mode_on_several_cpu_processes_is_refused(tmp_path, cache):

@@ -19,11 +19,13 @@ loss, token counts and validation are reduced across ranks; only rank 0 logs and
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
 from titan_tpu.components.build import Components
@@ -60,6 +62,7 @@ class Trainer:
         self.tracker_state: dict[str, str] = {}  # from the checkpoint: the trackers' run ids
         self.save_failures = 0  # checkpoint saves that failed under checkpoint.on_save_error = warn
         self.goodput: GoodputLedger | None = None  # rank 0's, while train() runs
+        self.last_save_seconds: float | None = None  # the last persistent save's time in this process
 
     def __getattr__(self, name: str):
         # The run's parts read as the loop's own (trainer.model, trainer.step_fn, trainer.backend):
@@ -78,25 +81,86 @@ class Trainer:
         trackers = self.logger.state_dict() if self.logger is not None else self.tracker_state
         return self.components.state_dict(step=self.step, trackers=trackers)
 
-    def load_checkpoint(self, path: Path) -> None:
-        """Resume everything from a checkpoint, resharding it onto this run's ranks if needed."""
-        rest = self.components.load_checkpoint(path)
+    def load_checkpoint(self, path: Path, *, local: bool = False) -> None:
+        """Resume everything from a checkpoint (local: a local tier), resharding it onto this run's
+        ranks if needed."""
+        rest = self.components.load_checkpoint(path, local=local)
         self.step = rest["step"]
         self.tracker_state = rest.get("trackers") or {}
+        changed = _what_changed(rest.get("global_batch"), self.global_batch())
+        if changed:
+            self.log(changed)
 
-    def maybe_resume(self) -> None:
+    def maybe_resume(self) -> bool:
+        """Load the newest complete tier (local or persistent); True when it was the local one, which
+        the caller then writes to the persistent tier."""
         if not self.cfg.checkpoint.resume:
-            return
+            return False
         latest = self.checkpointer.latest()
+        local = self.local_tier.newest() if self.local_tier is not None else None  # collective
+        persistent_step = int(latest.name.split("-")[1]) if latest is not None else 0
+        if local is not None and local[0] > persistent_step:
+            self.load_checkpoint(local[1], local=True)
+            self.log(f"resumed from the local tier {local[1]} at step {self.step}, newer than the persistent "
+                     f"checkpoint ({latest.name if latest else 'none'}); writing it to the persistent tier now")
+            return True
         if latest is not None:
             self.load_checkpoint(latest)
             self.log(f"resumed from {latest} at step {self.step}")
         elif self.cfg.checkpoint.initial_load_path:
             self.load_initial_weights(self.cfg.checkpoint.initial_load_path)
+        return False
 
     def save_checkpoint(self) -> Path | None:
         """Save this step's checkpoint; None if it failed under checkpoint.on_save_error = warn."""
         return self._checkpoint_io(lambda: self.checkpointer.save(self.step, self.state_dict()))
+
+    def save_local_tier(self) -> float:
+        """Write this step's local tier (every rank); returns its seconds (the slowest rank's)."""
+        seconds = self.local_tier.save(self.step, self.state_dict())
+        if self.goodput is not None:
+            self.goodput.add("checkpoint_save", seconds)
+        return seconds
+
+    def _check_grace_budget(self) -> None:
+        """Write the local tier once at the start, timed: a budget shorter than that is refused."""
+        grace = self.cfg.checkpoint.grace_seconds
+        seconds = self.save_local_tier()
+        if seconds > grace:
+            raise ValueError(f"checkpoint.grace_seconds = {grace:g} is too short for even the local tier: writing it "
+                             f"takes {seconds:.2f} s here ({self.local_tier.dir}), before the step in flight ends; "
+                             f"set it to at least {math.ceil(2 * seconds + 1)} or point checkpoint.local_dir at faster "
+                             "storage")
+        self.log(f"grace budget {grace:g} s: the local tier takes {seconds:.2f} s ({self.local_tier.dir})")
+
+    def emergency_save(self, since_signal: float) -> None:
+        """SIGTERM under checkpoint.grace_seconds: the local tier, then the persistent checkpoint if
+        what is left of the budget holds the last one's time (or none was timed yet), else it is
+        written at the next start. One line says where the budget went."""
+        grace = self.cfg.checkpoint.grace_seconds
+        waited = _agreed_max(since_signal)  # the step in flight, on the slowest rank
+        local = self.save_local_tier()
+        left = grace - waited - local
+        previous = self.last_save_seconds
+        if previous is not None and previous > left:
+            persistent = (f"persistent checkpoint deferred to the next start (the last one took {previous:.1f} s, "
+                          f"{max(left, 0):.1f} s were left)")
+            total = waited + local
+        else:
+            start = time.perf_counter()
+            self._timed("checkpoint_save", self._save_persistent_now)
+            seconds = time.perf_counter() - start
+            persistent = f"persistent checkpoint in {seconds:.1f} s"
+            total = waited + local + seconds
+        verdict = "within" if total <= grace else "OVER"
+        self.log(f"emergency save at step {self.step}: {total:.1f} s of the {grace:g} s grace budget ({verdict}): the "
+                 f"step in flight {waited:.1f} s, local tier {local:.2f} s, {persistent}")
+
+    def _save_persistent_now(self) -> None:
+        """A persistent checkpoint of this step, written through (an async one included)."""
+        self._checkpoint_io(self.checkpointer.wait)
+        self.save_checkpoint()
+        self._checkpoint_io(self.checkpointer.wait)
 
     def _timed(self, bucket: str, fn):
         """fn(), its seconds counted in goodput's `bucket` (rank 0)."""
@@ -194,12 +258,16 @@ class Trainer:
                     if source.resolve() != target.resolve():
                         shutil.copyfile(source, target)
         load_start = time.perf_counter()
-        self.maybe_resume()
+        from_local_tier = self.maybe_resume()
         load_seconds = time.perf_counter() - load_start
         if self.is_main:
             self.goodput = GoodputLedger(self.run_dir, step=self.step, start=start_time(self.created_at))
             self.goodput.add("checkpoint_load", load_seconds)
             self.goodput.add("compile", sum(self.compile_stats.values()))
+        if from_local_tier:  # the persistent tier catches up before training goes on
+            self._timed("checkpoint_save", self.save_checkpoint)
+        if self.local_tier is not None and cfg.checkpoint.grace_seconds > 0:
+            self._check_grace_budget()
         self.backend.peak_flops(self.compute_dtype)  # measured (CPU) before the loop, named in the line below
         if self.warmup_steps < cfg.lr_scheduler.warmup_steps:
             self.log(f"note: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than training.steps "
@@ -264,15 +332,24 @@ class Trainer:
                     if logger is not None:
                         logger.log(self.step, {"val_loss": last_val})
                 stop = shutdown.should_stop()  # agreed by all ranks, so all of them save together
-                if cfg.checkpoint.enabled and (self.step % cfg.checkpoint.interval == 0 or done or stop):
-                    if self.cfg.checkpoint.async_save:  # the previous async save's failure, if any, first
+                c = cfg.checkpoint
+                if stop and self.local_tier is not None and c.grace_seconds > 0:
+                    self.emergency_save(shutdown.seconds_since_signal())
+                elif c.enabled and (self.step % c.interval == 0 or done or stop):
+                    if c.async_save:  # the previous async save's failure, if any, first
                         self._timed("checkpoint_save", lambda: self._checkpoint_io(self.checkpointer.wait))
+                    save_start = time.perf_counter()
                     self._timed("checkpoint_save", self.save_checkpoint)
+                    self.last_save_seconds = None if c.async_save else time.perf_counter() - save_start
+                elif c.local_interval and self.step % c.local_interval == 0:
+                    self.save_local_tier()
                 if stop:
                     stopped_by = shutdown.signal_name or "a signal on another rank"
                     break
         # An async save must land before the process ends.
         self._timed("checkpoint_save", lambda: self._checkpoint_io(self.checkpointer.close))
+        if self.local_tier is not None and stopped_by is None:  # finished: the persistent tier holds the end
+            self.local_tier.clear()
         if profiler is not None:
             profiler.close()
         goodput = None
@@ -297,6 +374,29 @@ class Trainer:
             self.log(describe(goodput))
         self.log(f"done: step {self.step}; metrics: {summary['metrics']}; checkpoint: {summary['checkpoint']}")
         return summary
+
+
+def _what_changed(saved: dict | None, now: dict) -> str:
+    """One line on a resume on another mesh: ranks, accumulation, the global batch (kept or not)."""
+    if not saved or (saved["world_size"], saved["dp_size"], saved["grad_accum_steps"], saved["batch_size"]) == \
+            (now["world_size"], now["dp_size"], now["grad_accum_steps"], now["batch_size"]):
+        return ""
+    kept = (f"the global batch stays {now['tokens']:,} tokens per step" if saved["tokens"] == now["tokens"] else
+            f"warning: the global batch changes from {saved['tokens']:,} to {now['tokens']:,} tokens per step (set "
+            f"training.global_batch_tokens = {saved['tokens']} to keep it)")
+    return (f"resumed on another mesh: {saved['world_size']} -> {now['world_size']} ranks, data-parallel "
+            f"{saved['dp_size']} -> {now['dp_size']}, micro-batches per step {saved['grad_accum_steps']} -> "
+            f"{now['grad_accum_steps']} of {now['batch_size']} sequences; {kept}; the data position and the "
+            "learning-rate schedule continue from the checkpoint's step")
+
+
+def _agreed_max(value: float) -> float:
+    """The largest `value` of all ranks."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def goodput_row(totals: dict) -> dict[str, float]:
