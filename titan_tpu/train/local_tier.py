@@ -126,13 +126,14 @@ class LocalTier:
         os.replace(tmp, final)
         _fsync_dir(step_dir)
         seconds = _agreed_max(time.perf_counter() - start)  # every rank has written: older tiers may go
-        self._prune(keep=step_dir.name)
+        self._prune(below=step)
         return seconds
 
-    def _prune(self, *, keep: str) -> None:
-        """This rank's files of every other step (and any torn temporary file); empty step directories."""
+    def _prune(self, *, below: int | None) -> None:
+        """This rank's files of the steps before `below` (all: None) and their torn temporary files;
+        emptied step directories. Never a later step's: another rank may be writing it already."""
         for step_dir in self.dir.glob("step-*"):
-            if step_dir.name == keep:
+            if below is not None and int(step_dir.name.split("-")[1]) >= below:
                 continue
             for file in step_dir.glob(f"rank-{self.rank}-of-*.pt"):
                 file.unlink(missing_ok=True)
@@ -145,7 +146,7 @@ class LocalTier:
 
     def clear(self) -> None:
         """Remove this rank's files (a finished run); the last rank out removes the directories."""
-        self._prune(keep="")
+        self._prune(below=None)
         if self.rank == 0:
             _barrier()
             shutil.rmtree(self.dir, ignore_errors=True)
