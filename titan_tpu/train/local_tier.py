@@ -78,6 +78,12 @@ def _box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...
     return t, tuple(t.shape), (0,) * t.dim()
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy where it is a view into a larger storage (a layer of stacked scan weights):
+    torch.save writes a tensor's whole storage."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
 def _overlap(dst_offset, dst_shape, src_offset, src_shape) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
     """The slices of the destination and of the source piece that cover the same global elements."""
     dst, src = [], []
@@ -109,7 +115,7 @@ class LocalTier:
             for path, leaf in _leaves(state.get(key) or {}, (key,)):
                 if isinstance(leaf, torch.Tensor):
                     local, shape, offset = _box(leaf)
-                    pieces[path] = (local.detach().cpu(), shape, offset)
+                    pieces[path] = (_own_storage(local.detach().cpu()), shape, offset)
                 else:
                     rest[path] = leaf
         meta = _json_normalized({k: v for k, v in state.items() if k not in TENSOR_KEYS and k != RNG_KEY})
