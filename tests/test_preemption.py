@@ -20,7 +20,7 @@ from dist_utils import require_multiprocess_marker
 from titan_tpu.config import build_config
 from titan_tpu.loops.pretrain import Trainer
 from titan_tpu.train.checkpoint import rng_state
-from titan_tpu.train.local_tier import LocalTier
+from titan_tpu.train.local_tier import LocalTier, LocalTierError
 
 LLAMA_DEBUG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
 REPO = Path(__file__).resolve().parent.parent
@@ -46,7 +46,8 @@ def test_a_failed_local_tier_write_leaves_the_previous_one(tmp_path, monkeypatch
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", torn)
-    with pytest.raises(OSError):
+    with pytest.raises(LocalTierError, match=r"the local tier of step 2 could not be written in .* \(OSError: "
+                                             r"\[Errno 28\] No space left on device\); the previous tier is intact"):
         tier.save(2, state(2))
     monkeypatch.undo()
     step, path = tier.newest()
@@ -64,7 +65,7 @@ def test_a_failed_local_tier_write_leaves_the_previous_one(tmp_path, monkeypatch
 WRITER = """
 import sys, torch
 sys.path.insert(0, sys.argv[2])
-from titan_tpu.train.local_tier import LocalTier
+from titan_tpu.train.local_tier import LocalTier, LocalTierError
 tier = LocalTier(sys.argv[1], log=print)
 for step in range(1, 1000):
     tier.save(step, {"step": step, "model": {"w": torch.full((4_000_000,), float(step))}, "optimizer": {}})

@@ -35,6 +35,7 @@ from titan_tpu.data.tokenizer import tokenizer_files
 from titan_tpu.run_setup import prepare_run
 from titan_tpu.train.checkpoint import CheckpointSaveError
 from titan_tpu.train.goodput import GoodputLedger, describe, start_time
+from titan_tpu.train.local_tier import LocalTierError
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import lr_at
 from titan_tpu.train.profiling import DATA_REGION, StepProfiler
@@ -115,17 +116,25 @@ class Trainer:
         """Save this step's checkpoint; None if it failed under checkpoint.on_save_error = warn."""
         return self._checkpoint_io(lambda: self.checkpointer.save(self.step, self.state_dict()))
 
-    def save_local_tier(self) -> float:
-        """Write this step's local tier (every rank); returns its seconds (the slowest rank's)."""
-        seconds = self.local_tier.save(self.step, self.state_dict())
-        if self.goodput is not None:
-            self.goodput.add("checkpoint_save", seconds)
-        return seconds
+    def save_local_tier(self, *, or_warn: bool = True) -> float | None:
+        """Write this step's local tier (every rank); returns its seconds (the slowest rank's), or
+        None when it failed, which is a warning (the persistent tier still works) unless not or_warn."""
+        start = time.perf_counter()
+        try:
+            return self.local_tier.save(self.step, self.state_dict())
+        except LocalTierError as e:
+            if not or_warn:
+                raise
+            self.log(f"warning: {e}; training goes on")
+            return None
+        finally:
+            if self.goodput is not None:
+                self.goodput.add("checkpoint_save", time.perf_counter() - start)
 
     def _check_grace_budget(self) -> None:
         """Write the local tier once at the start, timed: a budget shorter than that is refused."""
         grace = self.cfg.checkpoint.grace_seconds
-        seconds = self.save_local_tier()
+        seconds = self.save_local_tier(or_warn=False)
         if seconds > grace:
             raise ValueError(f"checkpoint.grace_seconds = {grace:g} is too short for even the local tier: writing it "
                              f"takes {seconds:.2f} s here ({self.local_tier.dir}), before the step in flight ends; "
@@ -139,14 +148,15 @@ class Trainer:
         written at the next start. One line says where the budget went."""
         grace = self.cfg.checkpoint.grace_seconds
         waited = _agreed_max(since_signal)  # the step in flight, on the slowest rank
-        local = self.save_local_tier()
-        left = grace - waited - local
+        local = self.save_local_tier()  # None: it failed (a warning); the persistent save is then tried
+        left = grace - waited - (local or 0.0)
         previous = self.last_save_seconds
-        if previous is not None and previous > left:
+        if local is not None and previous is not None and previous > left:
             persistent = (f"persistent checkpoint deferred to the next start (the last one took {previous:.1f} s, "
                           f"{max(left, 0):.1f} s were left)")
             total = waited + local
         else:
+            local = local or 0.0
             start = time.perf_counter()
             self._timed("checkpoint_save", self._save_persistent_now)
             seconds = time.perf_counter() - start

@@ -24,6 +24,7 @@ local tier.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -35,10 +36,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titan_tpu.errors import RunError
 from titan_tpu.train import checkpoint
 from titan_tpu.train.checkpoint import RNG_KEY, TENSOR_KEYS, _fsync_dir, _json_normalized
 
 FORMAT = 1
+
+
+class LocalTierError(RunError):
+    """The local tier could not be written (on some rank); raised on every rank alike, one line."""
 _FILE = re.compile(r"rank-(\d+)-of-(\d+)\.pt")
 
 
@@ -122,16 +128,24 @@ class LocalTier:
         payload = {"format": FORMAT, "step": step, "rank": self.rank, "world_size": self.world_size, "pieces": pieces,
                    "leaves": rest, "meta": meta, "rng": state.get(RNG_KEY)}
         step_dir = self.dir / f"step-{step:08d}"
-        step_dir.mkdir(parents=True, exist_ok=True)
-        final = step_dir / f"rank-{self.rank}-of-{self.world_size}.pt"
-        tmp = step_dir / f".{final.name}.tmp-{os.getpid()}"
-        with tmp.open("wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(step_dir)
-        seconds = _agreed_max(time.perf_counter() - start)  # every rank has written: older tiers may go
+        error = None
+        try:
+            step_dir.mkdir(parents=True, exist_ok=True)
+            final = step_dir / f"rank-{self.rank}-of-{self.world_size}.pt"
+            tmp = step_dir / f".{final.name}.tmp-{os.getpid()}"
+            with tmp.open("wb") as f:
+                torch.save(payload, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(step_dir)
+        except OSError as e:  # no space, no permission: every rank hears of it (none waits alone)
+            error = f"{type(e).__name__}: {e}"
+        # Every rank has written (or one failed, which all learn): only then may older tiers go.
+        seconds = _agreed_max(time.perf_counter() - start if error is None else math.inf)
+        if math.isinf(seconds):
+            raise LocalTierError(f"the local tier of step {step} could not be written in {self.dir}"
+                                 f"{f' ({error})' if error else ' (on another rank)'}; the previous tier is intact")
         self._prune(below=step)
         return seconds
 
