@@ -151,6 +151,21 @@ def gone(proc: subprocess.Popen, pids: list[int]) -> None:
         time.sleep(0.05)
 
 
+def cost_per_kind(kinds: list[str], report: list[str], records: list[dict]) -> str:
+    """Steps lost (reached - resumed) and the seconds from the fault to the next start's first step
+    (the job down, then its start-up and load: goodput's restart and checkpoint_load), per fault kind."""
+    lost: dict[str, list[int]] = {}
+    down: dict[str, list[float]] = {}
+    for i, (kind, line) in enumerate(zip(kinds, report)):
+        reached, tier = int(line.split("@")[1].split()[0]), int(line.rsplit("-> ", 1)[1])
+        after = records[i + 1]
+        lost.setdefault(kind, []).append(reached - max(tier, 0))
+        down.setdefault(kind, []).append(after["seconds"]["restart"] + after["seconds"]["checkpoint_load"]
+                                         + max(0.0, after["start"] - records[i]["last"]))
+    return "; ".join(f"{kind} x{len(lost[kind])}: {sum(lost[kind]) / len(lost[kind]):.1f} steps lost, "
+                     f"{sum(down[kind]) / len(down[kind]):.1f} s to the next step" for kind in sorted(lost))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -210,6 +225,7 @@ def main() -> int:
         if starts != tiers:  # each start resumed from the newest complete tier the fault left
             raise SystemExit(f"resumed at steps {starts}, the newest complete tiers were {tiers}")
         print(f"seed {args.seed}: {len(report)} faults ({', '.join(report)})", flush=True)
+        print(f"seed {args.seed}: per fault kind: {cost_per_kind(kinds, report, records)}", flush=True)
         print(f"seed {args.seed}: {args.steps} steps in {seconds:.0f} s; every resume from a complete tier: yes; "
               f"losses bitwise up to the first resize (step {resized_at}): {'yes' if bitwise else 'NO'}; "
               f"largest loss difference {worst:.2e}, final {final:+.2e}; {describe(t)}", flush=True)
