@@ -108,7 +108,9 @@ def newest_tier(run_dir: Path) -> int:
     """The newest complete tier's step (persistent or local); -1 if there is none."""
     latest = Checkpointer(run_dir / "checkpoints", log=lambda message: None).latest()
     persistent = int(latest.name.split("-")[1]) if latest else -1
-    local = LocalTier(run_dir / "local", log=print).newest() if (run_dir / "local").is_dir() else None
+    run_id = (run_dir / "run_id").read_text().strip() if (run_dir / "run_id").is_file() else ""
+    tier_dir = run_dir / "local" / run_id
+    local = LocalTier(tier_dir, log=print).newest() if run_id and tier_dir.is_dir() else None
     return max(persistent, local[0] if local else -1)
 
 

@@ -256,7 +256,8 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, cache):
     stopped_at = max(losses(run))
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{stopped_at:08d}"
     assert f"emergency save at step {stopped_at}: " in out and "of the 60 s grace budget (within)" in out, out
-    assert (tmp_path / "local" / f"step-{stopped_at:08d}" / "rank-0-of-1.pt").is_file()
+    run_id = (run / "run_id").read_text().strip()  # the tier sits under the run's id
+    assert (tmp_path / "local" / run_id / f"step-{stopped_at:08d}" / "rank-0-of-1.pt").is_file()
 
 
 def test_inductor_graph_mode_on_several_cpu_processes_is_refused(tmp_path, cache):

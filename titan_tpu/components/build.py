@@ -11,6 +11,7 @@ own builders (`_data`, `_objective`), not of the loops.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,13 +29,22 @@ from titan_tpu.models.spec import build
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision
 from titan_tpu.run_setup import RunSetup
-from titan_tpu.train.checkpoint import Checkpointer, check_model_identity, load, rng_state, set_rng_state
+from titan_tpu.train.checkpoint import (
+    Checkpointer,
+    _atomic_write_text,
+    check_model_identity,
+    load,
+    rng_state,
+    set_rng_state,
+)
 from titan_tpu.train.local_tier import LocalTier, default_local_dir
 from titan_tpu.train.objective import NextTokenObjective, Objective
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.run_lock import RunLock
 
 __all__ = ["Components"]
+
+RUN_ID_FILE = "run_id"  # in output_dir: the run's id, which keys its local checkpoint tier
 
 
 class Components:
@@ -87,8 +97,9 @@ class Components:
         c = cfg.checkpoint
         self.local_tier = None
         if c.enabled and (c.grace_seconds > 0 or c.local_interval > 0):
-            self.local_tier = LocalTier(Path(c.local_dir) if c.local_dir else default_local_dir(self.run_dir),
-                                        log=self.log)
+            # Under the run's id: a run started afresh in the same output_dir never takes another's tier.
+            local_dir = Path(c.local_dir) if c.local_dir else default_local_dir(self.run_dir)
+            self.local_tier = LocalTier(local_dir / self._run_id(), log=self.log)
         self.warmup_steps = setup.warmup_steps
         self.flops_per_token, self.flops_note = self.spec.flops_per_token(self.model, t.seq_len)
 
@@ -165,6 +176,20 @@ class Components:
         if error is not None:
             raise error
         return lock
+
+    def _run_id(self) -> str:
+        """The id of the run in output_dir (<output_dir>/run_id, made by its first start), the same on
+        every rank."""
+        shared = [None]
+        if self.is_main:
+            path = self.run_dir / RUN_ID_FILE
+            if not path.is_file():
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                _atomic_write_text(path, uuid.uuid4().hex[:16] + "\n")
+            shared[0] = path.read_text().strip()
+        if dist.is_initialized():
+            dist.broadcast_object_list(shared, src=0)
+        return shared[0]
 
     def _reshard_after_forward(self) -> bool:
         """parallelism.reshard_after_forward as this run applies it: auto is decided by the planner
