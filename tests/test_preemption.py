@@ -62,6 +62,21 @@ def test_a_failed_local_tier_write_leaves_the_previous_one(tmp_path, monkeypatch
     assert [p.name for p in (tmp_path / "step-00000003").iterdir()] == ["rank-0-of-1.pt"]
 
 
+def test_pruning_survives_another_rank_removing_the_directory(tmp_path, monkeypatch):
+    """Two ranks prune an old step's directory at once: the one that lists it after the other removed
+    it goes on (seen in bench/chaos.py as a crash right after a successful save)."""
+    tier = LocalTier(tmp_path, log=print)
+    tier.save(1, state(1))
+    gone = tmp_path / "step-00000000"  # listed, then removed by the other rank before this one looks inside
+    glob, is_dir = Path.glob, Path.is_dir
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: [*glob(self, pattern), gone] if self == tmp_path
+                        else glob(self, pattern))
+    monkeypatch.setattr(Path, "is_dir", lambda self: True if self == gone else is_dir(self))
+    tier.save(2, state(2))  # prunes step 1 and the vanished step 0 without an error
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000002"]
+
+
 WRITER = """
 import sys, torch
 sys.path.insert(0, sys.argv[2])

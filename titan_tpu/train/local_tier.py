@@ -152,16 +152,16 @@ class LocalTier:
     def _prune(self, *, below: int | None) -> None:
         """This rank's files of the steps before `below` (all: None) and their torn temporary files;
         emptied step directories. Never a later step's: another rank may be writing it already."""
-        for step_dir in self.dir.glob("step-*"):
+        mine = (f"rank-{self.rank}-of-", f".rank-{self.rank}-of-")  # complete files, torn temporary ones
+        for step_dir in list(self.dir.glob("step-*")):
             if below is not None and int(step_dir.name.split("-")[1]) >= below:
                 continue
-            for file in step_dir.glob(f"rank-{self.rank}-of-*.pt"):
-                file.unlink(missing_ok=True)
-            for file in step_dir.glob(f".rank-{self.rank}-of-*.tmp-*"):
-                file.unlink(missing_ok=True)
             try:
+                for file in list(step_dir.iterdir()):
+                    if file.name.startswith(mine):
+                        file.unlink(missing_ok=True)
                 step_dir.rmdir()
-            except OSError:  # another rank's files are still there (it prunes its own)
+            except OSError:  # another rank's files are still there, or it removed the directory meanwhile
                 pass
 
     def clear(self) -> None:
@@ -181,8 +181,12 @@ class LocalTier:
         usable = {}
         for step_dir in self.dir.glob("step-*"):
             found: dict[int, set[int]] = {}
-            for file in step_dir.iterdir():
-                m = _FILE.fullmatch(file.name)
+            try:
+                names = [file.name for file in step_dir.iterdir()]
+            except OSError:  # removed meanwhile
+                continue
+            for name in names:
+                m = _FILE.fullmatch(name)
                 if m:
                     found.setdefault(int(m[2]), set()).add(int(m[1]))
             for world, ranks in found.items():
