@@ -1,4 +1,5 @@
-"""Sharded checkpoints on 2 gloo ranks: save/load DTensors, resharding 2 <-> 1, async save.
+"""Sharded checkpoints on 2 gloo ranks: save/load DTensors, resharding 2 <-> 1, async save; the
+local tier (train/local_tier.py) the same ways.
 
 One spawned 2-rank job runs every multi-rank scenario (starting processes costs more than the tests);
 the single-process halves run in the pytest process itself.
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from titan_tpu.train.checkpoint import Checkpointer, load, load_full_state_dict, rng_state
+from titan_tpu.train.local_tier import LocalTier
 from titan_tpu.train.signals import GracefulShutdown
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.multiprocess]
@@ -115,6 +117,22 @@ def _worker(root: str) -> None:
     load(ckpt.latest(), target)
     assert_state_equal(target, full_state(4))
 
+    # The local tier: 1 -> 2 (each rank cuts its shard out of the one file), 2 -> 2 (each rank reads
+    # its own file), and below 2 -> 1.
+    tier = LocalTier(os.path.join(root, "local_one"), log=print)
+    assert tier.newest()[0] == 5
+    target = zeros_target(5)
+    rest = tier.load(tier.newest()[1], target)
+    assert_state_equal(target, full_state(5))
+    assert rest["step"] == 5 and rest["world_size"] == 1 and rest["rng"] is None
+    tier = LocalTier(os.path.join(root, "local_two"), log=print)
+    state = {**sharded(full_state(6)), "rng": rng_state()}
+    tier.save(6, state)
+    target = zeros_target(6)
+    rest = tier.load(tier.newest()[1], target)
+    assert_state_equal(target, full_state(6))
+    assert torch.equal(rest["rng"]["torch"], state["rng"]["torch"]) and rest["data"] == {"samples_consumed": 24}
+
     # A signal on one rank stops every rank at the same step.
     with GracefulShutdown() as shutdown:
         assert not shutdown.should_stop()
@@ -126,6 +144,7 @@ def _worker(root: str) -> None:
 def test_sharded_save_load_reshard_and_async(tmp_path):
     # 1 process saves plain tensors; the 2 ranks load them sharded (1 -> 2) and save their own.
     Checkpointer(tmp_path / "one").save(1, full_state(1))
+    LocalTier(tmp_path / "local_one", log=print).save(5, full_state(5))
     run_distributed(_worker, world_size=WORLD, args=(str(tmp_path),))
 
     # 2 -> 1: the 2-rank checkpoints load into plain tensors here, without a process group.
@@ -136,6 +155,11 @@ def test_sharded_save_load_reshard_and_async(tmp_path):
     full = load_full_state_dict(tmp_path / "two" / "step-00000002")
     for name, value in full_state(2)["model"].items():
         torch.testing.assert_close(full[name], value, rtol=0, atol=0)
+    tier = LocalTier(tmp_path / "local_two", log=print)
+    target = map_tensors(full_state(6), torch.zeros_like)
+    rest = tier.load(tier.newest()[1], target)
+    assert_state_equal(target, full_state(6))
+    assert rest["world_size"] == 2 and rest["rng"] is None
     async_latest = Checkpointer(tmp_path / "async").latest()
     torch.testing.assert_close(load_full_state_dict(async_latest)["tok_embeddings.weight"],
                                full_state(4)["model"]["tok_embeddings.weight"], rtol=0, atol=0)

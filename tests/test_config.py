@@ -118,6 +118,9 @@ def test_global_batch_tokens_sets_accumulation_from_the_data_parallel_ranks():
     cfg = build_config(None, ["--training.global_batch_tokens", "1024", "--training.batch_size", "2",
                               "--training.seq_len", "64"])
     assert grad_accum_from_tokens(cfg.training, 1) == 8 and grad_accum_from_tokens(cfg.training, 4) == 2
-    with pytest.raises(ValueError, match="2 x 64 x 16 = 2048"):  # the mesh is known at launch (dp_shard -1)
+    with pytest.raises(ValueError, match=r"2 x 64 x 16 = 2048 \(the nearest world sizes that keep it: 8 ranks\)"):
         grad_accum_from_tokens(cfg.training, 16)
     assert grad_accum_from_tokens(build_config(None, ["--training.grad_accum_steps", "3"]).training, 8) == 3
+    # A restart on 3 ranks (of 2 tensor-parallel ranks each) cannot keep 8 sequences: 2 or 4 data-parallel ranks can.
+    with pytest.raises(ValueError, match=r"the nearest world sizes that keep it: 4 ranks or 8 ranks"):
+        grad_accum_from_tokens(cfg.training, 3, ranks_per_dp=2)

@@ -146,3 +146,32 @@ def test_resumed_run_logs_no_step_twice(tmp_path, capsys):
     with MetricsLogger(output_dir=tmp_path, tensorboard=False, console=False) as log:
         log.log(1, {"loss": 3.0})
     assert read_rows(tmp_path)[-1] == {"step": 1, "loss": 3.0}
+
+
+def test_goodput_ledger_adds_restarts_and_recomputed_steps(tmp_path):
+    from titan_tpu.train.goodput import GoodputLedger, describe, read_processes, totals
+
+    now = [100.0]
+    first = GoodputLedger(tmp_path, step=0, start=90.0, clock=lambda: now[0])
+    first.add("compile", 4.0)
+    first.begin_loop()  # 10 s since the start, 4 of them compiling: 6 s start-up
+    for step in range(1, 9):
+        first.step(step, seconds=1.0, data_seconds=0.25)
+        now[0] += 1.0
+    first.flush()  # reached step 8 at t = 108; the process is then killed
+    now[0] = 120.0
+    second = GoodputLedger(tmp_path, step=5, start=115.0, clock=lambda: now[0])  # resumed from step 5
+    second.add("checkpoint_load", 2.0)
+    second.begin_loop()  # 5 s since its start, 2 of them loading: 3 s of restart, plus 7 s down
+    for step in range(6, 11):
+        second.step(step, seconds=1.0, data_seconds=0.0)
+        now[0] += 1.0
+    second.flush()
+    t = totals(read_processes(tmp_path))
+    assert t["recomputed_steps"] == 3 and t["restarts"] == 1 and t["wall"] == 125.0 - 90.0
+    s = t["seconds"]
+    assert (s["productive"], s["recomputed"], s["data"]) == (8 * 0.75 + 2.0, 3.0, 2.0)
+    assert (s["startup"], s["restart"], s["compile"], s["checkpoint_load"]) == (6.0, 3.0 + 7.0, 4.0, 2.0)
+    assert s["other"] == pytest.approx(35.0 - sum(v for k, v in s.items() if k != "other"))
+    assert t["goodput"] == pytest.approx(100 * 8.0 / 35.0)
+    assert describe(t).startswith("goodput 22.9% of 35s wall (1 restart, 3 steps recomputed): productive 8.0s")

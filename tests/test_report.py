@@ -76,8 +76,9 @@ def test_report_is_self_contained(tmp_path):
     runs = [moe_run(tmp_path / "a"), moe_run(tmp_path / "b", lr=3e-4)]
     assert main(["report", *map(str, runs), "--out", str(tmp_path / "r.html"), "--png", str(tmp_path / "png")]) == 0
     page = (tmp_path / "r.html").read_text()
-    # Every plot a pre-training MoE run has data for (DPO's rewards are another objective's).
-    names = [name for name, _, _ in report.PLOTS if name not in ("rewards", "reward_accuracy")]
+    # Every plot a pre-training MoE run has data for (DPO's rewards are another objective's; goodput
+    # needs goodput.json: test_goodput_summarised_and_drawn_as_a_stacked_bar).
+    names = [name for name, _, _ in report.PLOTS if name not in ("rewards", "reward_accuracy", "goodput")]
     assert sorted(p.stem for p in (tmp_path / "png").glob("*.png")) == sorted(names)  # all data is present
     assert page.count("<img ") == len(names)
     assert not re.search(r"<script|<link|@import|url\(|https?://", page, re.IGNORECASE)
@@ -123,7 +124,7 @@ def test_report_of_real_runs_in_headless_chromium(tmp_path, train_overrides):
     page = visit(str(out))
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / "report_screenshot.png").write_bytes(page.screenshot_png)
-    assert len(page.images) == 7  # loss, lr, grad norm, throughput, MFU, memory, data wait
+    assert len(page.images) == 8  # loss, lr, grad norm, throughput, MFU, memory, data wait, goodput
     for image in page.images:
         assert image["complete"] and image["width"] > 0 and image["height"] > 0, image
     assert page.requests and page.requests[0].startswith("file://")  # the document itself was seen
@@ -131,3 +132,17 @@ def test_report_of_real_runs_in_headless_chromium(tmp_path, train_overrides):
     assert [u for u in page.resources if not u.startswith("data:")] == []
     assert page.scripts == 0
     assert page.screenshot_png.startswith(b"\x89PNG")
+
+
+def test_goodput_summarised_and_drawn_as_a_stacked_bar(tmp_path):
+    run = moe_run(tmp_path / "a")
+    seconds = {"productive": 15.0, "recomputed": 1.0, "startup": 3.0, "checkpoint_save": 1.0}
+    processes = [{"start": 0.0, "last": 12.0, "step_start": 0, "step_last": 11, "seconds": seconds,
+                  "recomputed_steps": 0},
+                 {"start": 14.0, "last": 20.0, "step_start": 10, "step_last": 20, "seconds": {"recomputed": 1.0},
+                  "recomputed_steps": 1}]
+    (run / "goodput.json").write_text(json.dumps({"version": 1, "processes": processes}))
+    rows = report.summary(report.load_run(run))
+    assert rows["goodput"] == "75.0 %" and rows["steps recomputed after failures"] == "1"
+    report.write_report([run], png_dir=tmp_path / "png")
+    assert (tmp_path / "png" / "goodput.png").is_file()

@@ -27,6 +27,8 @@ import pytest
 import torch
 from dist_utils import require_multiprocess_marker, train_on_ranks
 
+from titan_tpu.train.goodput import read_processes, totals
+
 # Every test here starts training processes (torchrun ranks, kill -9, SIGTERM): tests/stress.py runs them.
 pytestmark = pytest.mark.multiprocess
 
@@ -216,21 +218,35 @@ def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache, model):
     run = tmp_path / "killed"
     proc = subprocess.Popen(command(1, overrides(run, cache, **args)), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=thread_env())
-    # Kill at an arbitrary moment after the first checkpoint: mid-step or mid-save alike.
-    _wait_for(lambda: (run / "checkpoints" / "latest").exists(), 120, proc)
+    # Kill at an arbitrary moment after the first checkpoint and a step past it: mid-step or mid-save alike.
+    _wait_for(lambda: (run / "checkpoints" / "latest").exists() and max(losses(run)) > 5, 120, proc)
     time.sleep(random.uniform(0.0, 1.5))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    train(1, overrides(run, cache, **args))
+    reached = read_processes(run)[-1]["step_last"]  # the killed process's last goodput record
+    resumed_at = int((run / "checkpoints" / "latest").read_text().strip().split("-")[1])
+    done = train(1, overrides(run, cache, **args))
     want, got = losses(straight), losses(run)
     assert sorted(got) == list(range(1, 21))
     for step in range(1, 21):
         assert got[step] == want[step], (step, got[step], want[step])  # bitwise
 
+    # Goodput reports the steps the kill cost: those the killed process took past its checkpoint.
+    total = totals(read_processes(run))
+    assert reached > 5 and total["restarts"] == 1
+    assert total["recomputed_steps"] == reached - resumed_at, (reached, resumed_at, total)
+    assert f"(1 restart, {reached - resumed_at} steps recomputed)" in done.stdout
+    assert total["seconds"]["restart"] > 0 and total["seconds"]["productive"] > 0
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["goodput_recomputed_steps"] == reached - resumed_at and 0 < last["goodput_percent"] < 100
+
 
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, cache):
     run = tmp_path / "run"
-    proc = subprocess.Popen(command(1, overrides(run, cache, training__steps=200, checkpoint__interval=1000)),
+    # With a grace budget: the local tier first, then (no save timed yet, so it is tried) the persistent one.
+    proc = subprocess.Popen(command(1, overrides(run, cache, training__steps=200, checkpoint__interval=1000,
+                                                 checkpoint__grace_seconds=60,
+                                                 checkpoint__local_dir=tmp_path / "local")),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=thread_env())
     _wait_for(lambda: (run / "metrics.jsonl").exists() and len(losses(run)) >= 3, 120, proc)
     proc.send_signal(signal.SIGTERM)  # what a preempted TPU VM receives
@@ -239,6 +255,9 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, cache):
     assert "stopped by SIGTERM" in out
     stopped_at = max(losses(run))
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{stopped_at:08d}"
+    assert f"emergency save at step {stopped_at}: " in out and "of the 60 s grace budget (within)" in out, out
+    run_id = (run / "run_id").read_text().strip()  # the tier sits under the run's id
+    assert (tmp_path / "local" / run_id / f"step-{stopped_at:08d}" / "rank-0-of-1.pt").is_file()
 
 
 def test_inductor_graph_mode_on_several_cpu_processes_is_refused(tmp_path, cache):

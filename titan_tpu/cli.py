@@ -56,7 +56,9 @@ def train_main(argv: list[str]) -> int:
 
     from titan_tpu.config import build_config
     from titan_tpu.loops import trainer_for
+    from titan_tpu.train.goodput import mark_launch
 
+    mark_launch()  # goodput counts this process's start-up from its start
     cfg = build_config(args.config, overrides)
     with _process_group_cleanup():
         trainer_for(cfg).train()
@@ -272,6 +274,11 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--xla", metavar="JSON",
                         help="a saved `titan-tpu compile --json` report of the same config and slice: XLA's "
                              "per-chip peak and FLOPs printed beside the plan's")
+    parser.add_argument("--storage-gbps", type=float, default=1.0,
+                        help="write bandwidth of the checkpoint storage, GB/s for the whole job (default 1.0): the "
+                             "persistent checkpoint's time, against checkpoint.grace_seconds")
+    parser.add_argument("--local-gbps", type=float, default=5.0,
+                        help="write bandwidth of each device's local checkpoint tier, GB/s (default 5.0)")
     parser.add_argument("--calibrate", action="store_true",
                         help="run real CPU configurations and print predicted vs measured (minutes; run alone)")
     parser.add_argument("--replay", action="store_true", help="with --calibrate: recompute from the saved results")
@@ -310,7 +317,10 @@ def plan_main(argv: list[str]) -> int:
                             log=(lambda line: None) if args.json else print)
         print(certified_json(result, certified, top=args.top) if args.json else format_certified(certified))
         return 0
-    plan = plan_run(setup, hardware, chips=chips, gather=args.gather)
+    if args.storage_gbps <= 0 or args.local_gbps <= 0:
+        raise ValueError(f"--storage-gbps {args.storage_gbps:g} and --local-gbps {args.local_gbps:g} must be > 0")
+    plan = plan_run(setup, hardware, chips=chips, gather=args.gather, storage_gbps=args.storage_gbps,
+                    local_gbps=args.local_gbps)
     if args.xla:
         from titan_tpu.tools.compile_cmd import xla_beside_plan
 

@@ -261,6 +261,17 @@ class CheckpointConfig:
     # Weights to start from when there is nothing to resume: a checkpoint (step, checkpoints/ or run
     # directory) or a Hugging Face model directory. Only the model weights are taken.
     initial_load_path: str = ""
+    # Seconds between SIGTERM and the kill (a preemption notice, e.g. 30). > 0: SIGTERM writes the
+    # local tier first (each rank's shards to checkpoint.local_dir, in seconds), then the persistent
+    # checkpoint if the budget still holds it, else at the next start (docs/fault_tolerance.md).
+    # 0: SIGTERM writes the persistent checkpoint only.
+    grace_seconds: float = 0.0
+    # The local tier's directory: fast storage of this host. "" = /dev/shm (host memory) where there
+    # is one, else <output_dir>/checkpoints-local.
+    local_dir: str = ""
+    # Also write the local tier every this many steps (0: only on SIGTERM, with grace_seconds > 0):
+    # a kill -9 then loses at most this many steps.
+    local_interval: int = 0
 
 
 @dataclass
@@ -439,17 +450,23 @@ def data_sources(cfg: Config) -> list[SourceConfig]:
     return [SourceConfig(path=d.source, text_field=field, format=d.format)]
 
 
-def grad_accum_from_tokens(t: TrainingConfig, dp_ranks: int) -> int:
+def grad_accum_from_tokens(t: TrainingConfig, dp_ranks: int, *, ranks_per_dp: int = 1) -> int:
     """The micro-batches per step that give training.global_batch_tokens on `dp_ranks` data-parallel
-    ranks (tensor- and context-parallel ranks share their rank's batch), as TorchTitan derives its
-    accumulation from the global batch; training.grad_accum_steps when global_batch_tokens is 0."""
+    ranks (tensor- and context-parallel ranks share their rank's batch: `ranks_per_dp` of them), as
+    TorchTitan derives its accumulation from the global batch; training.grad_accum_steps when
+    global_batch_tokens is 0. A mesh that cannot keep the global batch (a restart on other ranks)
+    is refused naming the nearest data-parallel sizes that can."""
     if not t.global_batch_tokens:
         return t.grad_accum_steps
     per_micro_batch = t.batch_size * t.seq_len * dp_ranks
     if t.global_batch_tokens % per_micro_batch:
+        fits = [d for d in range(1, 2 * dp_ranks + 2) if t.global_batch_tokens % (t.batch_size * t.seq_len * d) == 0]
+        below, above = [d for d in fits if d < dp_ranks][-1:], [d for d in fits if d > dp_ranks][:1]
+        nearest = " or ".join(f"{d * ranks_per_dp} ranks" for d in below + above)
+        keep = f"the nearest world sizes that keep it: {nearest}" if nearest else "no number of ranks keeps it"
         raise ValueError(f"training.global_batch_tokens = {t.global_batch_tokens} is not a multiple of batch_size x "
                          f"seq_len x data-parallel ranks = {t.batch_size} x {t.seq_len} x {dp_ranks} = "
-                         f"{per_micro_batch}; pick a multiple or change training.batch_size")
+                         f"{per_micro_batch} ({keep}); pick a multiple or change training.batch_size")
     return t.global_batch_tokens // per_micro_batch
 
 
@@ -493,6 +510,9 @@ def check(cfg: Config) -> None:
     if prof.start_step < 1 or prof.active_steps < 1:
         raise ValueError(f"profiling.start_step = {prof.start_step} and profiling.active_steps = {prof.active_steps} "
                          "must be >= 1")
+    if cfg.checkpoint.grace_seconds < 0 or cfg.checkpoint.local_interval < 0:
+        raise ValueError(f"checkpoint.grace_seconds = {cfg.checkpoint.grace_seconds} and checkpoint.local_interval = "
+                         f"{cfg.checkpoint.local_interval} must be >= 0 (0: off)")
     if cfg.checkpoint.keep_latest_k < 0:
         raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
     if cfg.optimizer.lr <= 0:

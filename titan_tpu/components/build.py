@@ -11,6 +11,7 @@ own builders (`_data`, `_objective`), not of the loops.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,19 +29,30 @@ from titan_tpu.models.spec import build
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision
 from titan_tpu.run_setup import RunSetup
-from titan_tpu.train.checkpoint import Checkpointer, load, rng_state, set_rng_state
+from titan_tpu.train.checkpoint import (
+    Checkpointer,
+    _atomic_write_text,
+    check_model_identity,
+    load,
+    rng_state,
+    set_rng_state,
+)
+from titan_tpu.train.local_tier import LocalTier, default_local_dir
 from titan_tpu.train.objective import NextTokenObjective, Objective
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.run_lock import RunLock
 
 __all__ = ["Components"]
 
+RUN_ID_FILE = "run_id"  # in output_dir: the run's id, which keys its local checkpoint tier
+
 
 class Components:
     """The assembled run (module docstring). Attributes: cfg, setup, spec, model_args, backend,
     rank, world_size, is_main, parallel_dims, mesh, expert_mesh, dp_size, run_dir, run_lock,
     document_mask, tokenizer, train_loader, val_loader, model, objective, optimizer, step_fn,
-    compile_stats, checkpointer, warmup_steps, flops_per_token, flops_note."""
+    compile_stats, checkpointer, local_tier (None unless checkpoint.grace_seconds or local_interval),
+    warmup_steps, flops_per_token, flops_note."""
 
     def __init__(self, setup: RunSetup, *, log: Callable[[str], None] | None = None):
         cfg = self.cfg = setup.cfg
@@ -61,7 +73,8 @@ class Components:
         self.expert_mesh = self.parallel_dims.build_expert_mesh(self.backend.device.type)
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
         if t.global_batch_tokens:  # accumulation from the global batch, now that the mesh is known
-            t.grad_accum_steps = grad_accum_from_tokens(t, self.dp_size)
+            t.grad_accum_steps = grad_accum_from_tokens(t, self.dp_size,
+                                                        ranks_per_dp=self.world_size // self.dp_size)
             self.log(f"training.global_batch_tokens = {t.global_batch_tokens}: {t.grad_accum_steps} micro-batches of "
                      f"{t.batch_size} x {t.seq_len} tokens per step on each of {self.dp_size} data-parallel ranks")
         self.run_lock = self._lock_output_dir()
@@ -81,6 +94,12 @@ class Components:
                                                      documents=self.document_mask, log=self.log,
                                                      objective=self.objective)
         self.checkpointer = Checkpointer.from_config(cfg.checkpoint, self.run_dir, log=self.log)
+        c = cfg.checkpoint
+        self.local_tier = None
+        if c.enabled and (c.grace_seconds > 0 or c.local_interval > 0):
+            # Under the run's id: a run started afresh in the same output_dir never takes another's tier.
+            local_dir = Path(c.local_dir) if c.local_dir else default_local_dir(self.run_dir)
+            self.local_tier = LocalTier(local_dir / self._run_id(), log=self.log)
         self.warmup_steps = setup.warmup_steps
         self.flops_per_token, self.flops_note = self.spec.flops_per_token(self.model, t.seq_len)
 
@@ -158,6 +177,20 @@ class Components:
             raise error
         return lock
 
+    def _run_id(self) -> str:
+        """The id of the run in output_dir (<output_dir>/run_id, made by its first start), the same on
+        every rank."""
+        shared = [None]
+        if self.is_main:
+            path = self.run_dir / RUN_ID_FILE
+            if not path.is_file():
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                _atomic_write_text(path, uuid.uuid4().hex[:16] + "\n")
+            shared[0] = path.read_text().strip()
+        if dist.is_initialized():
+            dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+
     def _reshard_after_forward(self) -> bool:
         """parallelism.reshard_after_forward as this run applies it: auto is decided by the planner
         on rank 0 (planner.reshard_decision, which `titan-tpu compile` asks too: re-shard only where
@@ -216,14 +249,25 @@ class Components:
             # What convert needs to export the adapters (peft) or merge them (HF).
             "lora": dataclasses.asdict(self.cfg.lora) if self.cfg.lora.enabled else None,
             "base_weights": self.base_weights,
+            "global_batch": self.global_batch(),
         }
 
-    def load_checkpoint(self, path: Path) -> dict:
-        """Resume everything from a checkpoint, resharding it onto this run's ranks if needed;
-        returns the rest of what it held (step, trackers)."""
+    def global_batch(self) -> dict:
+        """What one optimizer step takes, recorded in checkpoints: a resume on another mesh says what changed."""
+        t = self.cfg.training
+        return {"tokens": t.batch_size * t.seq_len * self.dp_size * t.grad_accum_steps, "world_size": self.world_size,
+                "dp_size": self.dp_size, "grad_accum_steps": t.grad_accum_steps, "batch_size": t.batch_size}
+
+    def load_checkpoint(self, path: Path, *, local: bool = False) -> dict:
+        """Resume everything from a checkpoint (local: a tier of train/local_tier.py), resharding it
+        onto this run's ranks if needed; returns the rest of what it held (step, trackers)."""
         state = {"model": self.model.state_dict(), "optimizer": self._optimizer_state_per_layer(),
                  "model_name": self.spec.name, "model_args": dataclasses.asdict(self.model_args)}
-        rest = load(path, state)  # fills the model's and optimizer's tensors in place
+        if local:
+            rest = self.local_tier.load(path, state)
+            check_model_identity(path, rest, model_name=self.spec.name, model_args=dataclasses.asdict(self.model_args))
+        else:
+            rest = load(path, state)  # fills the model's and optimizer's tensors in place
         loaded = state["optimizer"]
         self.optimizer.load_state_dict({**loaded, "exp_avg": self.model.from_per_layer(loaded["exp_avg"]),
                                         "exp_avg_sq": self.model.from_per_layer(loaded["exp_avg_sq"])})

@@ -19,11 +19,13 @@ loss, token counts and validation are reduced across ranks; only rank 0 logs and
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
 from titan_tpu.components.build import Components
@@ -32,6 +34,8 @@ from titan_tpu.data.batch import Batch, as_batch
 from titan_tpu.data.tokenizer import tokenizer_files
 from titan_tpu.run_setup import prepare_run
 from titan_tpu.train.checkpoint import CheckpointSaveError
+from titan_tpu.train.goodput import GoodputLedger, describe, start_time
+from titan_tpu.train.local_tier import LocalTierError
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import lr_at
 from titan_tpu.train.profiling import DATA_REGION, StepProfiler
@@ -50,6 +54,7 @@ class Trainer:
             raise ValueError(f"training.objective = {cfg.training.objective} runs its own loop: start it with "
                              "titan_tpu.loops.trainer_for(cfg) (or titan-tpu train)")
         self.cfg = cfg
+        self.created_at = time.time()  # goodput: where this run's start-up begins (train/goodput.py)
         # The config checked across its sections and the spec resolved once; then the run's parts.
         self.components = components or Components(prepare_run(cfg))
         self.step = 0
@@ -57,6 +62,8 @@ class Trainer:
         self.logger: MetricsLogger | None = None  # rank 0's, while train() runs
         self.tracker_state: dict[str, str] = {}  # from the checkpoint: the trackers' run ids
         self.save_failures = 0  # checkpoint saves that failed under checkpoint.on_save_error = warn
+        self.goodput: GoodputLedger | None = None  # rank 0's, while train() runs
+        self.last_save_seconds: float | None = None  # the last persistent save's time in this process
 
     def __getattr__(self, name: str):
         # The run's parts read as the loop's own (trainer.model, trainer.step_fn, trainer.backend):
@@ -75,25 +82,104 @@ class Trainer:
         trackers = self.logger.state_dict() if self.logger is not None else self.tracker_state
         return self.components.state_dict(step=self.step, trackers=trackers)
 
-    def load_checkpoint(self, path: Path) -> None:
-        """Resume everything from a checkpoint, resharding it onto this run's ranks if needed."""
-        rest = self.components.load_checkpoint(path)
+    def load_checkpoint(self, path: Path, *, local: bool = False) -> None:
+        """Resume everything from a checkpoint (local: a local tier), resharding it onto this run's
+        ranks if needed."""
+        rest = self.components.load_checkpoint(path, local=local)
         self.step = rest["step"]
         self.tracker_state = rest.get("trackers") or {}
+        changed = _what_changed(rest.get("global_batch"), self.global_batch())
+        if changed:
+            self.log(changed)
 
-    def maybe_resume(self) -> None:
+    def maybe_resume(self) -> bool:
+        """Load the newest complete tier (local or persistent); True when it was the local one, which
+        the caller then writes to the persistent tier."""
         if not self.cfg.checkpoint.resume:
-            return
+            return False
         latest = self.checkpointer.latest()
+        local = self.local_tier.newest() if self.local_tier is not None else None  # collective
+        persistent_step = int(latest.name.split("-")[1]) if latest is not None else 0
+        if local is not None and local[0] > persistent_step:
+            self.load_checkpoint(local[1], local=True)
+            self.log(f"resumed from the local tier {local[1]} at step {self.step}, newer than the persistent "
+                     f"checkpoint ({latest.name if latest else 'none'}); writing it to the persistent tier now")
+            return True
         if latest is not None:
             self.load_checkpoint(latest)
             self.log(f"resumed from {latest} at step {self.step}")
         elif self.cfg.checkpoint.initial_load_path:
             self.load_initial_weights(self.cfg.checkpoint.initial_load_path)
+        return False
 
     def save_checkpoint(self) -> Path | None:
         """Save this step's checkpoint; None if it failed under checkpoint.on_save_error = warn."""
         return self._checkpoint_io(lambda: self.checkpointer.save(self.step, self.state_dict()))
+
+    def save_local_tier(self, *, or_warn: bool = True) -> float | None:
+        """Write this step's local tier (every rank); returns its seconds (the slowest rank's), or
+        None when it failed, which is a warning (the persistent tier still works) unless not or_warn."""
+        start = time.perf_counter()
+        try:
+            return self.local_tier.save(self.step, self.state_dict())
+        except LocalTierError as e:
+            if not or_warn:
+                raise
+            self.log(f"warning: {e}; training goes on")
+            return None
+        finally:
+            if self.goodput is not None:
+                self.goodput.add("checkpoint_save", time.perf_counter() - start)
+
+    def _check_grace_budget(self) -> None:
+        """Write the local tier once at the start, timed: a budget shorter than that is refused."""
+        grace = self.cfg.checkpoint.grace_seconds
+        seconds = self.save_local_tier(or_warn=False)
+        if seconds > grace:
+            raise ValueError(f"checkpoint.grace_seconds = {grace:g} is too short for even the local tier: writing it "
+                             f"takes {seconds:.2f} s here ({self.local_tier.dir}), before the step in flight ends; "
+                             f"set it to at least {math.ceil(2 * seconds + 1)} or point checkpoint.local_dir at faster "
+                             "storage")
+        self.log(f"grace budget {grace:g} s: the local tier takes {seconds:.2f} s ({self.local_tier.dir})")
+
+    def emergency_save(self, since_signal: float) -> None:
+        """SIGTERM under checkpoint.grace_seconds: the local tier, then the persistent checkpoint if
+        what is left of the budget holds the last one's time (or none was timed yet), else it is
+        written at the next start. One line says where the budget went."""
+        grace = self.cfg.checkpoint.grace_seconds
+        waited = _agreed_max(since_signal)  # the step in flight, on the slowest rank
+        local = self.save_local_tier()  # None: it failed (a warning); the persistent save is then tried
+        left = grace - waited - (local or 0.0)
+        previous = self.last_save_seconds
+        if local is not None and previous is not None and previous > left:
+            persistent = (f"persistent checkpoint deferred to the next start (the last one took {previous:.1f} s, "
+                          f"{max(left, 0):.1f} s were left)")
+            total = waited + local
+        else:
+            local = local or 0.0
+            start = time.perf_counter()
+            self._timed("checkpoint_save", self._save_persistent_now)
+            seconds = time.perf_counter() - start
+            persistent = f"persistent checkpoint in {seconds:.1f} s"
+            total = waited + local + seconds
+        verdict = "within" if total <= grace else "OVER"
+        self.log(f"emergency save at step {self.step}: {total:.1f} s of the {grace:g} s grace budget ({verdict}): the "
+                 f"step in flight {waited:.1f} s, local tier {local:.2f} s, {persistent}")
+
+    def _save_persistent_now(self) -> None:
+        """A persistent checkpoint of this step, written through (an async one included)."""
+        self._checkpoint_io(self.checkpointer.wait)
+        self.save_checkpoint()
+        self._checkpoint_io(self.checkpointer.wait)
+
+    def _timed(self, bucket: str, fn):
+        """fn(), its seconds counted in goodput's `bucket` (rank 0)."""
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            if self.goodput is not None:
+                self.goodput.add(bucket, time.perf_counter() - start)
 
     def _checkpoint_io(self, fn):
         """Run a checkpointer call; a failed save stops the run (raises) or, under on_save_error =
@@ -181,7 +267,17 @@ class Trainer:
                     target = self.run_dir / ("tokenizer.json" if source == self.tokenizer.path else source.name)
                     if source.resolve() != target.resolve():
                         shutil.copyfile(source, target)
-        self.maybe_resume()
+        load_start = time.perf_counter()
+        from_local_tier = self.maybe_resume()
+        load_seconds = time.perf_counter() - load_start
+        if self.is_main:
+            self.goodput = GoodputLedger(self.run_dir, step=self.step, start=start_time(self.created_at))
+            self.goodput.add("checkpoint_load", load_seconds)
+            self.goodput.add("compile", sum(self.compile_stats.values()))
+        if from_local_tier:  # the persistent tier catches up before training goes on
+            self._timed("checkpoint_save", self.save_checkpoint)
+        if self.local_tier is not None and cfg.checkpoint.grace_seconds > 0:
+            self._check_grace_budget()
         self.backend.peak_flops(self.compute_dtype)  # measured (CPU) before the loop, named in the line below
         if self.warmup_steps < cfg.lr_scheduler.warmup_steps:
             self.log(f"note: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than training.steps "
@@ -203,12 +299,17 @@ class Trainer:
             # loss is read), not validation or checkpointing.
             window_tokens, window_seconds, window_steps, window_start_data = 0, 0.0, 0, self.data_seconds
             self.backend.reset_peak_memory()
+            if self.goodput is not None:
+                self.goodput.begin_loop()
             while self.step < cfg.training.steps:
                 if profiler is not None:
                     profiler.before_step(self.step + 1)
-                start = time.perf_counter()
+                start, data_before = time.perf_counter(), self.data_seconds
                 result = self.train_step()
-                window_seconds += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                window_seconds += seconds
+                if self.goodput is not None:
+                    self.goodput.step(self.step, seconds=seconds, data_seconds=self.data_seconds - data_before)
                 window_tokens += result.num_tokens
                 window_steps += 1
                 if profiler is not None:
@@ -230,25 +331,44 @@ class Trainer:
                     row.update(self.backend.memory_stats())
                     row.update(self.compile_stats)
                     self.compile_stats = {}  # once per process
+                    if self.goodput is not None:  # the ledger first: a kill between the two loses no step
+                        self.goodput.flush()
+                        row["goodput"] = self.goodput.totals()["goodput"]
                     if logger is not None:
                         logger.log(self.step, row)
                     window_tokens, window_seconds, window_steps, window_start_data = 0, 0.0, 0, self.data_seconds
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or done):
-                    last_val = self.validate()
+                    last_val = self._timed("validation", self.validate)
                     if logger is not None:
                         logger.log(self.step, {"val_loss": last_val})
                 stop = shutdown.should_stop()  # agreed by all ranks, so all of them save together
-                if cfg.checkpoint.enabled and (self.step % cfg.checkpoint.interval == 0 or done or stop):
-                    if self.cfg.checkpoint.async_save:  # the previous async save's failure, if any, first
-                        self._checkpoint_io(self.checkpointer.wait)
-                    self.save_checkpoint()
+                c = cfg.checkpoint
+                if stop and self.local_tier is not None and c.grace_seconds > 0:
+                    self.emergency_save(shutdown.seconds_since_signal())
+                elif c.enabled and (self.step % c.interval == 0 or done or stop):
+                    if c.async_save:  # the previous async save's failure, if any, first
+                        self._timed("checkpoint_save", lambda: self._checkpoint_io(self.checkpointer.wait))
+                    save_start = time.perf_counter()
+                    self._timed("checkpoint_save", self.save_checkpoint)
+                    self.last_save_seconds = None if c.async_save else time.perf_counter() - save_start
+                elif c.local_interval and self.step % c.local_interval == 0:
+                    self.save_local_tier()
                 if stop:
                     stopped_by = shutdown.signal_name or "a signal on another rank"
                     break
-        self._checkpoint_io(self.checkpointer.close)  # an async save must land before the process ends
+        # An async save must land before the process ends.
+        self._timed("checkpoint_save", lambda: self._checkpoint_io(self.checkpointer.close))
+        if self.local_tier is not None and stopped_by is None:  # finished: the persistent tier holds the end
+            self.local_tier.clear()
         if profiler is not None:
             profiler.close()
+        goodput = None
+        if self.goodput is not None:
+            self.goodput.flush()
+            goodput = self.goodput.totals()
+            self.goodput = None
         if logger is not None:
+            logger.log(self.step, goodput_row(goodput))
             logger.close()
             self.logger = None
         if self.run_lock is not None:
@@ -257,11 +377,44 @@ class Trainer:
         latest = self.checkpointer.latest() if cfg.checkpoint.enabled else None
         summary = {"step": self.step, "metrics": str(self.run_dir / "metrics.jsonl"),
                    "checkpoint": str(latest) if latest else None, "val_loss": last_val, "stopped_by": stopped_by,
-                   "save_failures": self.save_failures}
+                   "save_failures": self.save_failures, "goodput": goodput}
         if stopped_by:
             self.log(f"stopped by {stopped_by} after step {self.step}; restart the same command to resume")
+        if goodput is not None:
+            self.log(describe(goodput))
         self.log(f"done: step {self.step}; metrics: {summary['metrics']}; checkpoint: {summary['checkpoint']}")
         return summary
+
+
+def _what_changed(saved: dict | None, now: dict) -> str:
+    """One line on a resume on another mesh: ranks, accumulation, the global batch (kept or not)."""
+    if not saved or (saved["world_size"], saved["dp_size"], saved["grad_accum_steps"], saved["batch_size"]) == \
+            (now["world_size"], now["dp_size"], now["grad_accum_steps"], now["batch_size"]):
+        return ""
+    kept = (f"the global batch stays {now['tokens']:,} tokens per step" if saved["tokens"] == now["tokens"] else
+            f"warning: the global batch changes from {saved['tokens']:,} to {now['tokens']:,} tokens per step (set "
+            f"training.global_batch_tokens = {saved['tokens']} to keep it)")
+    return (f"resumed on another mesh: {saved['world_size']} -> {now['world_size']} ranks, data-parallel "
+            f"{saved['dp_size']} -> {now['dp_size']}, micro-batches per step {saved['grad_accum_steps']} -> "
+            f"{now['grad_accum_steps']} of {now['batch_size']} sequences; {kept}; the data position and the "
+            "learning-rate schedule continue from the checkpoint's step")
+
+
+def _agreed_max(value: float) -> float:
+    """The largest `value` of all ranks."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def goodput_row(totals: dict) -> dict[str, float]:
+    """The run's goodput so far as a metrics row (train/goodput.py): the share and each bucket's seconds."""
+    row = {"goodput_percent": totals["goodput"], "goodput_wall_s": totals["wall"],
+           "goodput_recomputed_steps": totals["recomputed_steps"], "goodput_restarts": totals["restarts"]}
+    row.update({f"goodput_{bucket}_s": seconds for bucket, seconds in totals["seconds"].items()})
+    return row
 
 
 def next_token_metrics(result: StepResult) -> dict[str, float]:

@@ -60,6 +60,10 @@ __all__ = ["Plan", "TPU_NAMES", "plan_config", "plan_run", "format_plan", "defau
            "setup_for_planning", "reshard_decision"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# Stated defaults for the checkpoint times: a job's aggregate write rate to object storage or a
+# network filesystem, and one device's copy to host memory (the local tier). Pass measured ones.
+STORAGE_GBPS = 1.0
+LOCAL_GBPS = 5.0
 
 
 @dataclass
@@ -82,6 +86,7 @@ class Plan:
     mfu: float | None  # percent, model FLOPs over peak, as the trainer logs it; None as tokens_per_s
     speed_basis: str | None = None  # what the step time rests on; None: no basis (eager mode on a TPU)
     advice: list = field(default_factory=list)
+    checkpoint: dict = field(default_factory=dict)  # `_checkpoint_time`: save times and the grace budget
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -286,13 +291,16 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
 
 
 def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | None = None,
-             measure: bool = True, gather: str | None = None, model_args=None, as_compiled: bool = False) -> Plan:
+             measure: bool = True, gather: str | None = None, model_args=None, as_compiled: bool = False,
+             storage_gbps: float = STORAGE_GBPS, local_gbps: float = LOCAL_GBPS) -> Plan:
     """The plan of a resolved run (run_setup.py: its config and model spec, not resolved again)
     on `hardware` (default: what the config names, see `default_hardware`)
     with `chips` chips (default: the config's mesh, or the chip count the recipe names).
     gather: None for what the code does with this config (`code_gather`), or "model" / "layer"
     as a what-if (parallel/plan_terms.py Layout.gather). model_args: the model's TransformerArgs when
     they are not a flavor of the table (titan-tpu verify of an HF directory); default: the config's.
+    storage_gbps, local_gbps: write bandwidths (GB/s) of the checkpoint storage (the whole job) and
+    of each device's local tier, for the checkpoint times (`_checkpoint_time`).
 
     Composes the terms below, each a pure function of the resolved `_Setting` (and of terms
     computed before it) returning one named quantity. parallelism.reshard_after_forward auto is
@@ -360,7 +368,38 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
     # which full checkpointing removes (the scanned full mode keeps only the layer inputs).
     scan_held = scan.at_backward_start - scan.activations if scan else 0.0
     plan.advice = _advice(plan, cfg, acts_share=(acts.saved + loss_peak + scan_held) / peak if peak else 0.0)
+    plan.checkpoint = _checkpoint_time(s, step_s=step_s if basis else None, storage_gbps=storage_gbps,
+                                       local_gbps=local_gbps)
     return plan
+
+
+def _checkpoint_time(s: _Setting, *, step_s: float | None, storage_gbps: float, local_gbps: float) -> dict:
+    """How long a save takes and whether checkpoint.grace_seconds holds it (train/local_tier.py).
+
+    The persistent checkpoint holds every parameter once (DCP writes one copy of replicated shards)
+    and the AdamW moments of the trained ones, at master precision, through the storage's aggregate
+    bandwidth; the local tier is each device's own shards, all devices writing at once. On SIGTERM
+    the step in flight ends first, so the budget must hold a step and the local tier."""
+    mb = s.layout.master_bytes()
+    stored = num_params(s.args) + s.adapter_params
+    trained = s.adapter_params if s.lora else stored
+    total = (stored + 2 * trained) * mb
+    per_device = (s.stored + 2 * s.trained) * mb
+    persistent_s, local_s = total / (storage_gbps * 1e9), per_device / (local_gbps * 1e9)
+    grace, step = s.cfg.checkpoint.grace_seconds, step_s or 0.0
+    if not grace:
+        verdict = "no grace budget set (checkpoint.grace_seconds): SIGTERM writes the persistent checkpoint"
+    elif step + persistent_s <= grace:
+        verdict = f"the {grace:g} s grace budget holds a full save"
+    elif step + local_s <= grace:
+        verdict = (f"the {grace:g} s grace budget needs the local tier (a step and the local tier take "
+                   f"{step + local_s:.3g} s; the persistent checkpoint follows at the next start)")
+    else:
+        verdict = (f"the {grace:g} s grace budget is too short even for the local tier (a step and the local tier "
+                   f"take {step + local_s:.3g} s)")
+    return {"bytes_total": total, "bytes_per_device": per_device, "storage_gbps": storage_gbps,
+            "local_gbps": local_gbps, "persistent_s": persistent_s, "local_s": local_s, "grace_seconds": grace,
+            "verdict": verdict}
 
 
 def with_reshard_resolved(setup: RunSetup | Config, hardware: Hardware | None = None, *, chips: int | None = None,
@@ -934,6 +973,11 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
                      f"{plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1f}%; speed basis: {plan.speed_basis}")
     for a in plan.advice:
         lines.append(f"to fit: {a}")
+    c = plan.checkpoint
+    if c:
+        lines.append(f"checkpoint: {c['bytes_total'] / 1e9:,.2f} GB in {c['persistent_s']:.3g} s at "
+                     f"{c['storage_gbps']:g} GB/s to storage; local tier {c['bytes_per_device'] / 1e9:,.2f} GB per "
+                     f"device in {c['local_s']:.3g} s at {c['local_gbps']:g} GB/s; {c['verdict']}")
     lines.append(f"hardware source: {hw['source']}")
     if explain:
         lines.append("terms (bytes per device):")

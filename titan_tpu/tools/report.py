@@ -7,6 +7,7 @@ What a run directory holds and the report reads (train/metrics.py writes them):
                     first row of a process; aux_loss and expert_load_* for MoE models
     config.json     the full config of the run (the config table compares these)
     events.jsonl    one line per process start (restarts = starts - 1)
+    goodput.json    where the run's wall time went, per process (train/goodput.py): the goodput plot
 
 The HTML is self-contained: every plot is a PNG inside the page as a data: URI, the style sheet is
 inline, and there is no script, font or link to fetch, so it opens the same from a laptop, a mail
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_tpu.train.checkpoint import _flatten as flatten  # "section.key" names
+from titan_tpu.train.goodput import BUCKETS, read_processes, totals as goodput_totals
 from titan_tpu.train.metrics import format_duration
 
 SMOOTHING = 0.9  # weight of the exponential moving average of the smoothed loss (TensorBoard's slider)
@@ -45,6 +47,7 @@ class Run:
     rows: list[dict[str, Any]]  # every row of metrics.jsonl, in file order
     config: dict[str, Any]  # flattened: "training.steps" -> 200
     starts: list[dict[str, Any]] = field(default_factory=list)  # events.jsonl "start" lines
+    goodput: dict[str, Any] | None = None  # train/goodput.py totals of goodput.json, if the run has one
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of the rows that have a number for ``key``."""
@@ -74,7 +77,9 @@ def load_run(path: str | Path) -> Run:
     config_file = path / "config.json"
     config = flatten(json.loads(config_file.read_text())) if config_file.is_file() else {}
     starts = [e for e in _read_jsonl(path / "events.jsonl") if e.get("event") == "start"]
-    return Run(path=path, label=path.name, rows=_read_jsonl(path / "metrics.jsonl"), config=config, starts=starts)
+    processes = read_processes(path)
+    return Run(path=path, label=path.name, rows=_read_jsonl(path / "metrics.jsonl"), config=config, starts=starts,
+               goodput=goodput_totals(processes) if processes else None)
 
 
 def _unique_labels(runs: list[Run]) -> None:
@@ -146,6 +151,9 @@ def summary(run: Run) -> dict[str, str]:
         "wall time": _fmt(wall, "{}", transform=format_duration),
         "restarts": str(max(len(run.starts) - 1, 0)) if run.starts else "n/a",
     }
+    if run.goodput is not None:
+        rows["goodput"] = f"{run.goodput['goodput']:.1f} %"
+        rows["steps recomputed after failures"] = str(run.goodput["recomputed_steps"])
     if last("rewards/accuracies") is not None:  # a DPO run (docs/dpo.md)
         rows["final reward accuracy"] = _fmt(last("rewards/accuracies"), "{:.3f}")
         rows["final reward margin"] = _fmt(last("rewards/margins"), "{:.4f}")
@@ -238,6 +246,24 @@ def _plot_compile(ax, runs, colors) -> bool:
     return True
 
 
+def _plot_goodput(ax, runs, colors) -> bool:
+    """One horizontal bar per run, stacked by where its wall time went (train/goodput.py buckets)."""
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in runs if r.goodput is not None]
+    if not measured:
+        return False
+    palette = plt.get_cmap("tab10")
+    for j, bucket in enumerate(BUCKETS):
+        widths = [r.goodput["seconds"][bucket] for r in measured]
+        lefts = [sum(r.goodput["seconds"][b] for b in BUCKETS[:j]) for r in measured]
+        if any(widths):
+            ax.barh([r.label for r in measured], widths, left=lefts, color=palette(j % 10),
+                    label=bucket.replace("_", " "))
+    ax.set_xlabel("seconds of wall time (all processes of the run, and the time between them)")
+    return True
+
+
 def _plot_memory(ax, runs, colors) -> bool:
     drawn = _line_plot(ax, runs, colors, "memory_gb")
     drawn |= _line_plot(ax, runs, colors, "max_memory_gb", label_suffix=" (peak)", style="--")
@@ -281,6 +307,7 @@ PLOTS = (
     ("memory", "Memory", _plot_memory),
     ("data_wait", "Share of each step spent waiting for data", _plot_share),
     ("compile", "Graph capture and compile time", _plot_compile),
+    ("goodput", "Where the wall time went (goodput: the productive share)", _plot_goodput),
     ("expert_load", "MoE expert load", _plot_experts),
     ("aux_loss", "MoE balancing loss", _simple("aux_loss", "auxiliary loss")),
     ("rewards", "DPO rewards (beta x log-ratio to the reference, mean over pairs)", _plot_rewards),
@@ -304,7 +331,7 @@ def render_plots(runs: list[Run]) -> list[tuple[str, str, bytes]]:
             if not plot(ax, runs, colors):
                 continue
             ax.set_title(title, fontsize=11)
-            if name != "compile":
+            if name not in ("compile", "goodput"):
                 ax.set_xlabel("step")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8, loc="best")

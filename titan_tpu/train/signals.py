@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import FrameType
 
 import torch
@@ -30,6 +31,7 @@ class GracefulShutdown:
     def __init__(self) -> None:
         self._requested = False
         self._signal: int | None = None
+        self._signal_time: float | None = None  # time.monotonic() when the first signal arrived
         self._previous: dict[int, object] = {}
 
     @property
@@ -40,6 +42,10 @@ class GracefulShutdown:
     @property
     def signal_name(self) -> str | None:
         return signal.Signals(self._signal).name if self._signal is not None else None
+
+    def seconds_since_signal(self) -> float:
+        """Seconds since this process got the signal (0 if it got none: another rank did)."""
+        return time.monotonic() - self._signal_time if self._signal_time is not None else 0.0
 
     def should_stop(self) -> bool:
         """``requested`` agreed across ranks: True on every rank if any rank got a signal.
@@ -58,6 +64,8 @@ class GracefulShutdown:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self._requested = True
         self._signal = signum
+        if self._signal_time is None:
+            self._signal_time = time.monotonic()
         if signum == signal.SIGINT:
             # The next Ctrl-C kills the process the ordinary way (no KeyboardInterrupt to catch).
             signal.signal(signal.SIGINT, signal.SIG_DFL)
