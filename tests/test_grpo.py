@@ -146,3 +146,159 @@ def test_group_advantages_are_trls():
     torch.testing.assert_close(group_advantages(rewards, group_size=4, scale="batch"), batch.flatten())
     none = groups - groups.mean(1, keepdim=True)
     torch.testing.assert_close(group_advantages(rewards, group_size=4, scale="none"), none.flatten())
+
+
+# ------------------------------------------------------------------------------------------------
+# sampling and training see the same weights
+
+
+def test_sampler_logprobs_equal_the_training_forward():
+    """The log-probabilities `generate` reports for its samples (at the sampling temperature, the
+    old policy's of the ratio) equal the training forward's on the same rows, within 1e-5 in fp32:
+    the sampler runs the weights the step trains, through the cache, and the objective reads them."""
+    from titan_tpu.generate import Sampling, generate
+    from titan_tpu.loops.grpo import rollout_batch
+    from titan_tpu.models.common.transformer import Transformer
+    from titan_tpu.models.llama3 import LLAMA3_FLAVORS
+    from titan_tpu.train.grpo import token_logps
+
+    import dataclasses
+
+    torch.manual_seed(0)
+    args = dataclasses.replace(LLAMA3_FLAVORS["debug"], n_layers=2, vocab_size=128, max_seq_len=64)
+    model = Transformer(args)
+    model.init_weights()
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [3]] * 2  # two samples of each, right-padded in the cache
+    out = generate(model, prompts, max_new_tokens=10, sampling=Sampling(temperature=0.7, top_k=50), seed=3,
+                   stop_ids={1, 2}, logprob_temperature=0.7)
+    completions = [out.completion(i) for i in range(len(prompts))]
+    batch = rollout_batch(prompts, completions, out.logprobs_BN.tolist(), advantages_N=torch.zeros(len(prompts)),
+                          pad_id=0)
+    with torch.no_grad():
+        forward_BS = token_logps(model(batch.inputs_BS), batch.labels_BS, temperature=0.7)
+    trained = batch.labels_BS != IGNORE_INDEX
+    assert trained.sum() == sum(len(c) for c in completions) > 0
+    assert (forward_BS - batch.old_logps_BS).abs().max() < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# rewards
+
+
+def test_builtin_rewards_and_a_function_from_a_file(tmp_path):
+    from titan_tpu.train.rewards import Rewards, final_answer
+
+    assert final_answer("so it is 4 #### 42 ") == "42" and final_answer("x \\boxed{a{b}} y") == "a{b}"
+    assert final_answer("  7\n") == "7"
+    chat = [[{"role": "assistant", "content": " 12"}], [{"role": "assistant", "content": "13"}]]
+    ids = [[1, 2, 3], [4]]
+    both = Rewards(["exact_match", "length"], [1.0, 0.5], max_completion_length=4)
+    totals, means = both.score(["q", "q"], chat, {"answer": ["12", 12], "completion_ids": ids})
+    assert totals == [1.0 - 0.5 * 3 / 4, 0.0 - 0.5 * 1 / 4] and means == {"exact_match": 0.5, "length": -0.5}
+    regex = Rewards(["regex"], [], pattern=r"^\d+$")
+    assert regex.score(["q"] * 2, ["123", "12a"], {"completion_ids": ids})[0] == [1.0, 0.0]
+    module = tmp_path / "my_reward.py"
+    module.write_text("def longer(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    assert Rewards([f"{module}:longer"], []).score(["q"], ["abc"], {"completion_ids": [[1]]})[0] == [3.0]
+
+
+@pytest.mark.parametrize("source, message", [
+    ("no_such_module_xyz:f", r"grpo.reward = 'no_such_module_xyz:f': cannot import no_such_module_xyz "
+                             r"\(ModuleNotFoundError"),
+    ("json:no_such_function", r"json has no function 'no_such_function'"),
+    ("missing.py:f", r"cannot import missing.py \(FileNotFoundError"),
+    ("nonsense", r"neither a built-in \(exact_match, regex, length\) nor module:function"),
+    ("regex", r"grpo.reward regex needs grpo.reward_pattern"),
+])
+def test_reward_that_cannot_be_loaded_is_one_line(source, message):
+    from titan_tpu.train.rewards import Rewards
+
+    with pytest.raises(ValueError, match=message) as e:
+        Rewards([source], [])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("return [1 / (len(c) - 3) for c in completions]",
+     r"grpo.reward .*:f raised ZeroDivisionError: division by zero on prompt 'q2' and sample 'bad'"),
+    ("return 1.0", r"returned float; return a list of one number per completion \(3\)"),
+    ("return [1.0, 2.0]", r"returned 2 values for 3 completions"),
+    ("return [1.0, None, 0.0]", r"returned None for completion 1 \(prompt 'q1', sample 'okay'\); return finite numbers"),
+    ("return [1.0, 'x', 0.0]", r"returned 'x' for completion 1"),
+])
+def test_reward_that_raises_or_returns_the_wrong_thing_is_one_line(tmp_path, body, message):
+    from titan_tpu.train.rewards import Rewards
+
+    (tmp_path / "r.py").write_text(f"def f(prompts, completions, **kw):\n    {body}\n")
+    rewards = Rewards([f"{tmp_path / 'r.py'}:f"], [])
+    with pytest.raises(ValueError, match=message) as e:
+        rewards.score(["q0", "q1", "q2"], ["good", "okay", "bad"], {"completion_ids": [[1], [2], [3]]})
+    assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# prompts and the config
+
+
+def test_prompts_read_jsonl_parquet_and_chat_and_the_loader_resumes(tmp_path, tokenizer_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from titan_tpu.data.chat import load_chat_template
+    from titan_tpu.data.prompts import PromptLoader, load_prompts
+    from titan_tpu.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    rows = [{"prompt": f"alpha {i} beta", "answer": str(i)} for i in range(6)]
+    plain = load_prompts(str(write_jsonl(tmp_path / "p.jsonl", rows)), tokenizer=tok, max_prompt_len=16)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    again = load_prompts(str(tmp_path / "p.parquet"), tokenizer=tok, max_prompt_len=16)
+    assert [r.ids for r in plain] == [r.ids for r in again] == [tok.encode_prompt(r["prompt"]) for r in rows]
+    assert plain[2].columns == {"answer": "2"} and plain[2].prompt == "alpha 2 beta"
+    chat = [{"prompt": [{"role": "user", "content": "alpha"}], "answer": "1"}]
+    row = load_prompts(str(write_jsonl(tmp_path / "c.jsonl", chat)), tokenizer=tok, max_prompt_len=32,
+                       chat_template=load_chat_template(tokenizer_dir))[0]
+    assert row.chat and tok.decode(row.ids).endswith("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match=r"p.jsonl row 1: the prompt is \d+ tokens, longer than training.seq_len - "
+                                         r"grpo.max_completion_length = 2"):
+        load_prompts(str(tmp_path / "p.jsonl"), tokenizer=tok, max_prompt_len=2)
+    one = PromptLoader(plain, batch_size=2, seed=1)
+    ranks = [PromptLoader(plain, batch_size=1, seed=1, dp_rank=r, dp_world_size=2) for r in range(2)]
+    for _ in range(4):  # across an epoch's end
+        assert [r.prompt for r in one.next_batch()] == [r.next_batch()[0].prompt for r in ranks]
+    resumed = PromptLoader(plain, batch_size=2, seed=1)
+    resumed.load_state_dict(one.state_dict())
+    assert [r.prompt for r in resumed.next_batch()] == [r.prompt for r in one.next_batch()]
+
+
+def grpo_overrides(tmp_path: Path, data: Path, reward: str, **extra) -> list[str]:
+    values = {"output_dir": tmp_path / "run", "data.cache_dir": tmp_path / "cache", "training.device": "cpu",
+              "training.objective": "grpo", "data.format": "prompts", "data.source": data,
+              "training.batch_size": 2, "training.seq_len": 16, "training.steps": 2, "metrics.log_freq": 1,
+              "metrics.tensorboard": "false", "validation.enabled": "false", "checkpoint.enabled": "false",
+              "lr_scheduler.warmup_steps": 0, "lr_scheduler.decay_ratio": 0.0, "grpo.num_generations": 4,
+              "grpo.max_completion_length": 6, "grpo.reward": reward, "optimizer.lr": 1e-3}
+    values.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+
+
+def digit_rows(n: int) -> list[dict]:
+    return [{"prompt": f"say {i % 10}:", "answer": str(i % 10)} for i in range(n)]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"grpo__num_generations": 1}, r"grpo.num_generations = 1 must be >= 2"),
+    ({"data__format": "text"}, r"training.objective = grpo reads one source of prompt rows: set data.format = prompts"),
+    ({"training__objective": "next_token"}, r"data format = prompts holds prompt rows for training.objective = grpo"),
+    ({"training__mode": "graph"}, r"training.objective = grpo runs in training.mode = eager"),
+    ({"grpo__max_completion_length": 16}, r"grpo.max_completion_length = 16 leaves no room for a prompt"),
+    ({"training__grad_accum_steps": 3}, r"training.grad_accum_steps = 3 must divide the 8 samples"),
+    ({"grpo__reward_weights": "1,2"}, r"grpo.reward_weights has 2 numbers for 1 rewards"),
+])
+def test_bad_config_is_one_line(tmp_path, extra, message):
+    from titan_tpu.run_setup import prepare_run
+
+    data = write_jsonl(tmp_path / "p.jsonl", digit_rows(8))
+    with pytest.raises(ValueError, match=message) as e:
+        prepare_run(build_config(LLAMA_DEBUG, grpo_overrides(tmp_path, data, "exact_match", **extra)))
+    assert "\n" not in str(e.value)

@@ -57,18 +57,23 @@ __all__ = ["GRPOObjective", "LOSS_TYPES", "group_advantages", "token_logps"]
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 
 
-def group_advantages(rewards_N: Tensor, *, group_size: int, scale: str = "group") -> Tensor:
+def group_advantages(rewards_N: Tensor, *, group_size: int, scale: str = "group",
+                     batch_std: Tensor | None = None) -> Tensor:
     """Each sample's advantage [N] from the rewards [N] of consecutive groups of `group_size`
     samples of one prompt: reward - the group's mean, divided by std + 1e-4 where std is the
-    group's (scale "group"), the whole batch's ("batch") or not at all ("none"); the standard
-    deviation is Bessel-corrected, as TRL's `nanstd`. A group whose rewards are all equal has
-    advantage 0: it teaches nothing."""
+    group's (scale "group"), the whole batch's ("batch": `batch_std`, the step's on all ranks, by
+    default that of `rewards_N`) or not at all ("none"); the standard deviation is
+    Bessel-corrected, as TRL's `nanstd`. A group whose rewards are all equal has advantage 0: it
+    teaches nothing."""
     assert rewards_N.numel() % group_size == 0, (rewards_N.shape, group_size)
     rewards_GK = rewards_N.float().view(-1, group_size)
     centred_GK = rewards_GK - rewards_GK.mean(dim=1, keepdim=True)
     if scale == "none":
         return centred_GK.flatten()
-    std = rewards_GK.std(dim=1, keepdim=True) if scale == "group" else rewards_N.float().std()
+    if scale == "group":
+        std = rewards_GK.std(dim=1, keepdim=True)
+    else:
+        std = rewards_N.float().std() if batch_std is None else batch_std
     return (centred_GK / (std + 1e-4)).flatten()
 
 
