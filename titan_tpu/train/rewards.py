@@ -132,17 +132,19 @@ class Rewards:
     def __init__(self, names: list[str], weights: list[float], *, answer_column: str = "answer", pattern: str = "",
                  max_completion_length: int = 1):
         self.names = list(names)
+        self.labels = [n.rpartition(":")[2] for n in names]  # metric names: a function's own name
         self.weights = [float(w) for w in weights] if weights else [1.0] * len(names)
         self.functions = [load_reward(n, answer_column=answer_column, pattern=pattern,
                                       max_completion_length=max_completion_length) for n in names]
 
     def score(self, prompts: list, completions: list, columns: dict[str, list]) -> tuple[list[float], dict[str, float]]:
-        """(the weighted sum per completion, each reward's mean over them)."""
+        """(the weighted sum per completion, each reward's mean over them, by its label: a
+        built-in's name, a function's own name)."""
         totals, means = [0.0] * len(completions), {}
-        for name, weight, fn in zip(self.names, self.weights, self.functions):
+        for name, label, weight, fn in zip(self.names, self.labels, self.weights, self.functions):
             values = self._call(name, fn, prompts, completions, columns)
             totals = [t + weight * v for t, v in zip(totals, values)]
-            means[name] = sum(values) / len(values)
+            means[label] = sum(values) / len(values)
         return totals, means
 
     def _call(self, name: str, fn: Callable, prompts: list, completions: list, columns: dict[str, list]) -> list[float]:
