@@ -12,6 +12,11 @@ prompts of the global batch).
     python bench/grpo_learning.py --steps 300 --window 20
     python bench/grpo_learning.py --ranks 2             # two fully_shard ranks
     python bench/grpo_learning.py --set grpo.beta=0.04  # any config key
+    python bench/grpo_learning.py --steps 12 --kill-at 7  # kill -9 after step 7, restart: same numbers?
+
+With --kill-at K the run is made twice: straight through, and killed with SIGKILL once step K's
+checkpoint is written (checkpoint.interval 1), then restarted with the same command; it prints
+whether every step's loss, reward, KL and gradient norm are identical between the two.
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(a: argparse.Namespace, run_dir: Path) -> list[dict]:
+def command(a: argparse.Namespace, run_dir: Path, *, checkpoints: bool = False) -> tuple[list[str], dict]:
     values = {"output_dir": str(run_dir), "training.device": "cpu", "training.steps": a.steps,
-              "training.seed": a.seed, "checkpoint.enabled": "false", "metrics.log_freq": 1,
-              "metrics.tensorboard": "false"}
+              "training.seed": a.seed, "checkpoint.enabled": str(checkpoints).lower(), "checkpoint.interval": 1,
+              "checkpoint.keep_latest_k": 2, "metrics.log_freq": 1, "metrics.tensorboard": "false"}
     if a.ranks > 1:
         # The recipe's 8 prompts per step split over the ranks: the same global batch.
         values.update({"parallelism.dp_shard": a.ranks, "training.batch_size": 8 // a.ranks})
@@ -47,9 +52,43 @@ def run(a: argparse.Namespace, run_dir: Path) -> list[dict]:
                "-m", "titan_tpu.train", *args]
     else:
         cmd = [sys.executable, "-m", "titan_tpu.train", *args]
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL if a.quiet else None)
+    return cmd, env
+
+
+def rows_of(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "reward" in r]
+
+
+def run(a: argparse.Namespace, run_dir: Path) -> list[dict]:
+    cmd, env = command(a, run_dir)
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL if a.quiet else None)
+    return rows_of(run_dir)
+
+
+def kill_and_resume(a: argparse.Namespace, tmp: Path) -> None:
+    """The run straight through, and killed with SIGKILL after step --kill-at's checkpoint then
+    restarted: are the logged numbers identical?"""
+    cmd, env = command(a, tmp / "straight", checkpoints=True)
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    cmd, env = command(a, tmp / "killed", checkpoints=True)
+    latest = tmp / "killed" / "checkpoints" / "latest"
+    child = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
+    target = f"step-{a.kill_at:08d}"
+    while not (latest.is_file() and latest.read_text().strip() >= target):
+        if child.poll() is not None:
+            raise SystemExit(f"the run ended before step {a.kill_at}'s checkpoint")
+        time.sleep(0.05)
+    os.killpg(child.pid, 9)  # the trainer and anything it started, at once
+    child.wait()
+    killed_at = max(r["step"] for r in rows_of(tmp / "killed"))
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    keys = ("loss", "reward", "reward_std", "kl", "grad_norm", "completions/mean_length")
+    straight, resumed = rows_of(tmp / "straight"), rows_of(tmp / "killed")
+    same = [r["step"] for r in straight] == [r["step"] for r in resumed] and all(
+        {k: x.get(k) for k in keys} == {k: y.get(k) for k in keys} for x, y in zip(straight, resumed))
+    print(f"kill -9 after step {a.kill_at}'s checkpoint (last step logged before the kill: {killed_at}), restarted "
+          f"to step {a.steps}: {len(resumed)} rows, identical to the uninterrupted run in {', '.join(keys)}: {same}")
 
 
 def main() -> None:
@@ -60,7 +99,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE: a config override (repeatable)")
     p.add_argument("--quiet", action="store_true", help="hide the trainer's own lines")
+    p.add_argument("--kill-at", type=int, default=0, help="kill -9 after this step's checkpoint and resume")
     a = p.parse_args()
+    if a.kill_at:
+        with tempfile.TemporaryDirectory() as tmp:
+            kill_and_resume(a, Path(tmp))
+        return
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         rows = run(a, Path(tmp) / "run")

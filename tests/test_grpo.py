@@ -104,12 +104,13 @@ def test_loss_gradients_kl_and_clipping_equal_trl(tmp_path, tokenizer_dir, loss_
     own_BC = own_BS[:, P - 1:]
     old_BC = own_BC + 0.3 * torch.randn(B, C, generator=g)
     ref_BC = own_BC + 0.2 * torch.randn(B, C, generator=g)
-    trl_inputs = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
+    trl_inputs = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
+                  "completion_ids": completion_ids,
                   "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old_BC,
                   "ref_per_token_logps": ref_BC, "num_items_in_batch": completion_mask.sum()}
-    trl_loss, trl_grads, trl_metrics = _trl_loss(tmp_path, tokenizer_dir, policy, trl_inputs, loss_type=loss_type, beta=beta,
-                                                 temperature=temperature, epsilon_high=epsilon_high,
-                                                 use_bias_correction_kl=kl_correction)
+    trl_loss, trl_grads, trl_metrics = _trl_loss(
+        tmp_path, tokenizer_dir, policy, trl_inputs, loss_type=loss_type, beta=beta, temperature=temperature,
+        epsilon_high=epsilon_high, use_bias_correction_kl=kl_correction)
 
     def spread(x_BC):  # completion-aligned [B, C] -> label-aligned [B, S], 0 on the prompt
         return torch.cat([torch.zeros(B, P - 1), x_BC * completion_mask], dim=1)
@@ -156,13 +157,13 @@ def test_sampler_logprobs_equal_the_training_forward():
     """The log-probabilities `generate` reports for its samples (at the sampling temperature, the
     old policy's of the ratio) equal the training forward's on the same rows, within 1e-5 in fp32:
     the sampler runs the weights the step trains, through the cache, and the objective reads them."""
+    import dataclasses
+
     from titan_tpu.generate import Sampling, generate
     from titan_tpu.loops.grpo import rollout_batch
     from titan_tpu.models.common.transformer import Transformer
     from titan_tpu.models.llama3 import LLAMA3_FLAVORS
     from titan_tpu.train.grpo import token_logps
-
-    import dataclasses
 
     torch.manual_seed(0)
     args = dataclasses.replace(LLAMA3_FLAVORS["debug"], n_layers=2, vocab_size=128, max_seq_len=64)
@@ -223,7 +224,8 @@ def test_reward_that_cannot_be_loaded_is_one_line(source, message):
      r"grpo.reward .*:f raised ZeroDivisionError: division by zero on prompt 'q2' and sample 'bad'"),
     ("return 1.0", r"returned float; return a list of one number per completion \(3\)"),
     ("return [1.0, 2.0]", r"returned 2 values for 3 completions"),
-    ("return [1.0, None, 0.0]", r"returned None for completion 1 \(prompt 'q1', sample 'okay'\); return finite numbers"),
+    ("return [1.0, None, 0.0]",
+     r"returned None for completion 1 \(prompt 'q1', sample 'okay'\); return finite numbers"),
     ("return [1.0, 'x', 0.0]", r"returned 'x' for completion 1"),
 ])
 def test_reward_that_raises_or_returns_the_wrong_thing_is_one_line(tmp_path, body, message):
@@ -313,7 +315,8 @@ def rows_of(run_dir: Path) -> list[dict]:
 
 
 # A reward that varies between samples from the first step (a random policy's token ids).
-ID_REWARD = "def f(prompts, completions, completion_ids, **kw):\n    return [float(sum(i) % 7) for i in completion_ids]\n"
+ID_REWARD = ("def f(prompts, completions, completion_ids, **kw):\n"
+             "    return [float(sum(i) % 7) for i in completion_ids]\n")
 
 
 def test_run_logs_trl_metrics_and_resumes_exactly(tmp_path):
@@ -328,7 +331,8 @@ def test_run_logs_trl_metrics_and_resumes_exactly(tmp_path):
     (tmp_path / "r.py").write_text(ID_REWARD)
     overrides = grpo_overrides(tmp_path, data, f"{tmp_path / 'r.py'}:f", training__steps=3, grpo__passes=2,
                                grpo__beta=0.04, checkpoint__enabled="true", checkpoint__interval=2,
-                               checkpoint__keep_latest_k=0, training__grad_accum_steps=2)
+                               checkpoint__keep_latest_k=0, training__grad_accum_steps=2, grpo__num_generations=2,
+                               grpo__max_completion_length=4)
     trainer_for(build_config(LLAMA_DEBUG, overrides)).train()
     straight = [r for r in rows_of(tmp_path / "run") if "loss" in r]
     checkpoints = tmp_path / "run" / "checkpoints"

@@ -109,7 +109,8 @@ class GRPOTrainer(Trainer):
                  for ids, stop in zip(completion_ids, stopped)]
         prompts = [row.prompt for row in repeated]
         completions = [[{"role": "assistant", "content": t}] if row.chat else t for row, t in zip(repeated, texts)]
-        columns = {key: [row.columns.get(key) for row in repeated] for key in sorted({k for r in rows for k in r.columns})}
+        names = sorted({key for row in rows for key in row.columns})
+        columns = {key: [row.columns.get(key) for row in repeated] for key in names}
         columns["completion_ids"] = [ids[:-1] if stop else ids for ids, stop in zip(completion_ids, stopped)]
         rewards, per_reward = self.rewards.score(prompts, completions, columns)
         rewards_N = torch.tensor(rewards, dtype=torch.float32)
@@ -177,5 +178,5 @@ class GRPOTrainer(Trainer):
 
 
 def _rows(batch: RolloutBatch, rows: slice) -> RolloutBatch:
-    return RolloutBatch(*(None if t is None else t[rows].contiguous() for t in
-                          (batch.inputs_BS, batch.labels_BS, batch.advantages_B, batch.old_logps_BS, batch.ref_logps_BS)))
+    fields = (batch.inputs_BS, batch.labels_BS, batch.advantages_B, batch.old_logps_BS, batch.ref_logps_BS)
+    return RolloutBatch(*(None if t is None else t[rows].contiguous() for t in fields))

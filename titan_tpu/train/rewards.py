@@ -88,7 +88,8 @@ def load_reward(name: str, *, answer_column: str = "answer", pattern: str = "",
     if name in BUILTINS:
         if name == "regex":
             if not pattern:
-                raise RewardError("grpo.reward regex needs grpo.reward_pattern, the pattern a rewarded completion matches")
+                raise RewardError("grpo.reward regex needs grpo.reward_pattern, the pattern a rewarded completion "
+                                  "matches")
             try:
                 re.compile(pattern)
             except re.error as e:
@@ -153,8 +154,8 @@ class Rewards:
         except RewardError:
             raise
         except Exception as e:
-            raise RewardError(f"grpo.reward {name} raised {type(e).__name__}: {e} {self._culprit(fn, prompts, completions, columns)}"
-                              ) from None
+            culprit = self._culprit(fn, prompts, completions, columns)
+            raise RewardError(f"grpo.reward {name} raised {type(e).__name__}: {e} {culprit}") from None
         if hasattr(values, "tolist"):  # a tensor or an array
             values = values.tolist()
         if not isinstance(values, (list, tuple)):
