@@ -30,12 +30,17 @@ __all__ = ["grpo_objective", "grpo_reference", "prompt_data"]
 
 
 def prompt_data(c: Components, *, log: Callable[[str], None]):
-    """(tokenizer, train loader of prompt rows, None: no validation set)."""
+    """(tokenizer, train loader of prompt rows, None: no validation set); sets c.rewards (loaded
+    here, before any model is built, so that a reward that cannot be imported fails at once) and
+    c.stop_ids."""
     from titan_tpu.data.chat import load_chat_template
     from titan_tpu.data.prompts import PromptLoader, load_prompts
     from titan_tpu.data.tokenizer import load_tokenizer
+    from titan_tpu.train.rewards import Rewards
 
-    cfg, t = c.cfg, c.cfg.training
+    cfg, t, g = c.cfg, c.cfg.training, c.cfg.grpo
+    c.rewards = Rewards(g.reward, g.reward_weights, answer_column=g.answer_column, pattern=g.reward_pattern,
+                        max_completion_length=g.max_completion_length)
     source = c.setup.sources[0]
     path = c.setup.tokenizer_path
     template = None

@@ -39,7 +39,6 @@ from titan_tpu.data.prompts import PromptRow
 from titan_tpu.generate import Sampling, generate
 from titan_tpu.loops.pretrain import Trainer
 from titan_tpu.train.grpo import group_advantages, token_logps
-from titan_tpu.train.rewards import Rewards
 from titan_tpu.train.step import StepResult, all_reduce_sum
 
 __all__ = ["GRPOTrainer", "rollout_batch"]
@@ -67,8 +66,6 @@ class GRPOTrainer(Trainer):
     def __init__(self, cfg, *, components=None):
         super().__init__(cfg, components=components)
         g = cfg.grpo
-        self.rewards = Rewards(g.reward, g.reward_weights, answer_column=g.answer_column, pattern=g.reward_pattern,
-                               max_completion_length=g.max_completion_length)
         self.sampling = Sampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
         self._window: dict[str, list[float]] = defaultdict(list)  # rollout metrics since the last metrics row
 
