@@ -352,3 +352,26 @@ def test_run_logs_trl_metrics_and_resumes_exactly(tmp_path):
                 "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "sampling_s", "training_s"):
         assert key in first, key
     assert first["reward_std"] > 0 and second["kl"] > 0  # the policy moved away from the reference
+
+
+def test_lora_reference_is_the_base_model_without_a_copy(tmp_path):
+    """LoRA-GRPO with a KL penalty: no second model; the reference's log-probabilities are the
+    trained model's with its adapters off (the base), which the adapters' training leaves alone."""
+    from titan_tpu.loops import trainer_for
+    from titan_tpu.loops.grpo import rollout_batch
+    from titan_tpu.train.grpo import token_logps
+
+    data = write_jsonl(tmp_path / "p.jsonl", digit_rows(8))
+    trainer = trainer_for(build_config(LLAMA_DEBUG, grpo_overrides(tmp_path, data, "length", grpo__beta=0.04,
+                                                                   lora__enabled="true")))
+    assert trainer.reference is None and trainer.objective.frozen_modules() == {}
+    batch = rollout_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], [[0.0] * 2, [0.0] * 3],
+                          advantages_N=torch.zeros(2), pad_id=0)
+    reference = trainer._reference_logps(batch)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.1)  # the adapters move, as training moves them
+        policy = token_logps(trainer.model(batch.inputs_BS), batch.labels_BS)
+    assert torch.equal(trainer._reference_logps(batch), reference)  # the base, untouched
+    assert not torch.allclose(policy, reference)
