@@ -115,7 +115,8 @@ class GRPOConfig:
     # How token losses add up: dapo (TRL's default): over all completion tokens of the step; grpo
     # (DeepSeekMath): a mean per sample, then over samples; dr_grpo: the sum over samples x max_completion_length.
     loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"  # advantages divided by the group's std (or none)
+    # Advantages divided by the std of the group's rewards (TRL's default), of the step's, or not at all (Dr. GRPO).
+    scale_rewards: Literal["group", "batch", "none"] = "group"
     # The reward: a built-in (exact_match, regex, length) or your function as "module:function" or
     # "path/to/file.py:function", called as f(prompts, completions, **columns) -> list of floats
     # (TRL's signature); several are summed with reward_weights.

@@ -40,7 +40,8 @@ class Components:
     """The assembled run (module docstring). Attributes: cfg, setup, spec, model_args, backend,
     rank, world_size, is_main, parallel_dims, mesh, expert_mesh, dp_size, run_dir, run_lock,
     document_mask, tokenizer, train_loader, val_loader, model, objective, optimizer, step_fn,
-    compile_stats, checkpointer, warmup_steps, flops_per_token, flops_note."""
+    compile_stats, checkpointer, warmup_steps, flops_per_token, flops_note; GRPO adds rewards,
+    stop_ids and reference (components/grpo.py)."""
 
     def __init__(self, setup: RunSetup, *, log: Callable[[str], None] | None = None):
         cfg = self.cfg = setup.cfg

@@ -82,12 +82,15 @@ class PromptLoader:
                              f"(training.batch_size {batch_size} x {dp_world_size} data-parallel ranks); use more "
                              "prompts or a smaller training.batch_size")
         self.epoch, self.consumed = 0, 0
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, its permutation of the rows)
 
     def next_batch(self) -> list[PromptRow]:
         global_batch = self.batch_size * self.dp_world_size
         if self.consumed + global_batch > len(self.rows):  # the partial global batch at an epoch's end is skipped
             self.epoch, self.consumed = self.epoch + 1, 0
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows)))
+        order = self._order[1]
         start = self.consumed + self.dp_rank * self.batch_size
         self.consumed += global_batch
         return [self.rows[i] for i in order[start:start + self.batch_size]]
