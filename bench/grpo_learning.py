@@ -8,8 +8,8 @@ scores, per character, 0.25 for any digit and 0.75 more for the prompt's digit
 one process or, with --ranks 2, on two SimpleFSDP ranks under torchrun (each samples its own
 prompts of the global batch).
 
-    python bench/grpo_learning.py                       # 200 steps, one process
-    python bench/grpo_learning.py --steps 300 --window 20
+    python bench/grpo_learning.py                       # 300 steps, one process
+    python bench/grpo_learning.py --steps 100 --window 10
     python bench/grpo_learning.py --ranks 2             # two fully_shard ranks
     python bench/grpo_learning.py --set grpo.beta=0.04  # any config key
     python bench/grpo_learning.py --steps 12 --kill-at 7  # kill -9 after step 7, restart: same numbers?
@@ -93,7 +93,7 @@ def kill_and_resume(a: argparse.Namespace, tmp: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--window", type=int, default=20, help="steps per printed point")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
