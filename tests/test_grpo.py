@@ -375,3 +375,22 @@ def test_lora_reference_is_the_base_model_without_a_copy(tmp_path):
         policy = token_logps(trainer.model(batch.inputs_BS), batch.labels_BS)
     assert torch.equal(trainer._reference_logps(batch), reference)  # the base, untouched
     assert not torch.allclose(policy, reference)
+
+
+@pytest.mark.multiprocess
+def test_two_sharded_ranks_sample_their_own_prompts_and_step_together(tmp_path):
+    """2 fully_shard ranks, one prompt each: each samples through the sharded model (its weights
+    all-gathered in every decode step, the ranks decoding in step to max_completion_length), the
+    rollout metrics are summed over both ranks' samples, and the update is the sharded step."""
+    from dist_utils import train_on_ranks
+
+    data = write_jsonl(tmp_path / "p.jsonl", digit_rows(8))
+    (tmp_path / "r.py").write_text(ID_REWARD)
+    train_on_ranks(LLAMA_DEBUG, grpo_overrides(tmp_path, data, f"{tmp_path / 'r.py'}:f", parallelism__dp_shard=2,
+                                               training__batch_size=1, grpo__beta=0.04, grpo__passes=2))
+    rows = [r for r in rows_of(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert 1 <= row["completions/min_length"] <= row["completions/mean_length"] <= 6
+        assert row["reward_std"] > 0 and row["grad_norm"] > 0
+    assert rows[1]["kl"] > 0  # the sharded update moved the policy away from the (sharded) reference
