@@ -76,9 +76,10 @@ def test_report_is_self_contained(tmp_path):
     runs = [moe_run(tmp_path / "a"), moe_run(tmp_path / "b", lr=3e-4)]
     assert main(["report", *map(str, runs), "--out", str(tmp_path / "r.html"), "--png", str(tmp_path / "png")]) == 0
     page = (tmp_path / "r.html").read_text()
-    # Every plot a pre-training MoE run has data for (DPO's rewards are another objective's; goodput
-    # needs goodput.json: test_goodput_summarised_and_drawn_as_a_stacked_bar).
-    names = [name for name, _, _ in report.PLOTS if name not in ("rewards", "reward_accuracy", "goodput")]
+    # Every plot a pre-training MoE run has data for (DPO's rewards and GRPO's are other objectives';
+    # goodput needs goodput.json: test_goodput_summarised_and_drawn_as_a_stacked_bar).
+    names = [name for name, _, _ in report.PLOTS
+             if name not in ("rewards", "reward_accuracy", "goodput", *report.GRPO_PLOTS)]
     assert sorted(p.stem for p in (tmp_path / "png").glob("*.png")) == sorted(names)  # all data is present
     assert page.count("<img ") == len(names)
     assert not re.search(r"<script|<link|@import|url\(|https?://", page, re.IGNORECASE)
@@ -103,6 +104,17 @@ def test_dpo_rewards_plotted_and_summarised(tmp_path):
     assert {"rewards", "reward_accuracy"} <= {p.stem for p in (tmp_path / "png").glob("*.png")}
     assert report.summary(report.load_run(run))["final reward accuracy"] == "1.000"
     assert "final reward margin" in out.read_text()
+
+
+def test_grpo_metrics_plotted_and_summarised(tmp_path):
+    rows = [{"step": s, "loss": 0.01, "reward": s / 10, "reward_std": 0.3, "kl": s / 100, "clip_ratio/region_mean": 0.1,
+             "completions/mean_length": 5.0, "completions/min_length": 2.0, "completions/max_length": 8.0,
+             "sampling_s": 0.5, "training_s": 0.7} for s in range(1, 5)]
+    run = write_run(tmp_path / "grpo", rows, config={}, starts=[])
+    report.write_report([run], png_dir=tmp_path / "png")
+    assert set(report.GRPO_PLOTS) <= {p.stem for p in (tmp_path / "png").glob("*.png")}
+    summary = report.summary(report.load_run(run))
+    assert summary["first reward"] == "0.100" and summary["final reward"] == "0.400"
 
 
 def test_missing_run_is_one_line_error(tmp_path, capsys):

@@ -81,8 +81,10 @@ class TrainingConfig:
     # an update program: docs/graph_mode.md).
     mode: Literal["eager", "graph"] = "eager"
     # next_token: pre-training and SFT (cross-entropy on the labels). dpo: preference pairs, the
-    # [dpo] section (docs/dpo.md); training.batch_size then counts pairs.
-    objective: Literal["next_token", "dpo"] = "next_token"
+    # [dpo] section (docs/dpo.md); training.batch_size then counts pairs. grpo: online RL from
+    # prompts and a reward, the [grpo] section (docs/grpo.md); training.batch_size then counts
+    # prompts per rank and a step is one round of sampling and grpo.passes optimizer updates.
+    objective: Literal["next_token", "dpo", "grpo"] = "next_token"
 
 
 @dataclass
@@ -92,6 +94,38 @@ class DPOConfig:
     loss_type: Literal["sigmoid", "hinge"] = "sigmoid"  # sigmoid: -log sigmoid(beta x margin); hinge: relu(1 - ...)
     # The frozen reference policy: "initial" is the run's starting weights (a frozen copy, or under
     # LoRA the base model with the adapters off: no copy); or a checkpoint / HF directory to load.
+    reference: str = "initial"
+
+
+@dataclass
+class GRPOConfig:
+    # Group relative policy optimisation (docs/grpo.md), with training.objective = "grpo": each
+    # prompt is sampled num_generations times from the current policy, a reward scores every sample,
+    # and the policy learns from the reward's advantage within its prompt's group.
+    num_generations: int = 8  # G: samples per prompt (>= 2: the advantage compares samples of one prompt)
+    max_completion_length: int = 32  # new tokens per sample at most
+    temperature: float = 1.0  # sampling temperature (> 0); the log-probabilities are taken at it, as TRL does
+    top_k: int = 0  # sample among the k most likely tokens; 0: all
+    top_p: float = 1.0  # nucleus sampling; 1: off
+    passes: int = 1  # optimizer updates per batch of samples (TRL's num_iterations, the paper's mu)
+    epsilon: float = 0.2  # the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float = 0.0  # 0: epsilon (symmetric clipping); DAPO's clip-higher uses 0.28
+    beta: float = 0.0  # weight of the KL penalty to a frozen reference (k3 estimator); 0: no reference
+    kl_correction: bool = True  # k3 times the policy ratio (TRL's use_bias_correction_kl); false: plain k3
+    # How token losses add up: dapo (TRL's default): over all completion tokens of the step; grpo
+    # (DeepSeekMath): a mean per sample, then over samples; dr_grpo: the sum over samples x max_completion_length.
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
+    # Advantages divided by the std of the group's rewards (TRL's default), of the step's, or not at all (Dr. GRPO).
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    # The reward: a built-in (exact_match, regex, length) or your function as "module:function" or
+    # "path/to/file.py:function", called as f(prompts, completions, **columns) -> list of floats
+    # (TRL's signature); several are summed with reward_weights.
+    reward: list[str] = field(default_factory=lambda: ["exact_match"])
+    reward_weights: list[float] = field(default_factory=list)  # one number per reward; empty: all 1
+    answer_column: str = "answer"  # exact_match: the column holding each prompt's expected answer
+    reward_pattern: str = ""  # regex: reward 1 when the completion matches this pattern (re.search)
+    # The frozen reference of the KL penalty: "initial" (the starting weights; under LoRA the base
+    # model with the adapters off) or a checkpoint / HF directory.
     reference: str = "initial"
 
 
@@ -197,8 +231,9 @@ class DataConfig:
     source: str = "stdlib"
     text_field: str = "text"  # field/column that holds the document (format chat: the messages; "" = "messages")
     # chat: {role, content} lists, loss on assistant tokens only; preference: prompt/chosen/rejected
-    # rows for training.objective = dpo (docs/dpo.md)
-    format: Literal["text", "chat", "preference"] = "text"
+    # rows for training.objective = dpo (docs/dpo.md); prompts: prompt rows (and the reward's
+    # columns) for training.objective = grpo (docs/grpo.md)
+    format: Literal["text", "chat", "preference", "prompts"] = "text"
     # Several sources mixed by weight, in TOML only: [[data.sources]] path, weight, text_field, format, repeat, name.
     sources: list[SourceConfig] = field(default_factory=list)
     val_source: str = ""  # validate on this source (same format) instead of the held-out fraction
@@ -285,6 +320,7 @@ class Config:
     kernels: KernelConfig = field(default_factory=KernelConfig)  # attention and loss implementations
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -326,6 +362,15 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         raise AssertionError(f"unions are not supported in the config schema ({key})")
     from_cli = isinstance(value, str)
+    if origin is list and typing.get_args(annotation) == (float,):  # a TOML array of numbers, or "1,0.5"
+        items = [v.strip() for v in value.split(",") if v.strip()] if from_cli else value
+        try:
+            if isinstance(items, list) and not any(isinstance(v, bool) for v in items):
+                return [float(v) for v in items]
+        except (TypeError, ValueError):
+            pass
+        raise ValueError(f"{key} = {value!r} has the wrong type; expected a list of numbers, e.g. [1.0, 0.5] "
+                         "(1,0.5 on the command line)")
     if origin is list:  # list[str]: a TOML array, or "a,b" on the command line
         items = [v.strip() for v in value.split(",") if v.strip()] if from_cli else value
         if isinstance(items, list) and all(isinstance(v, str) for v in items):
@@ -523,5 +568,28 @@ def check(cfg: Config) -> None:
         normalized_weights(cfg.data.sources)
     if cfg.dpo.beta <= 0:
         raise ValueError(f"dpo.beta = {cfg.dpo.beta} must be > 0")
+    _check_grpo(cfg.grpo)
     if cfg.data.max_bytes < 0:
         raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
+
+
+def _check_grpo(g: GRPOConfig) -> None:
+    """The [grpo] keys' own ranges (what they need of other sections: run_setup.py)."""
+    if g.num_generations < 2:
+        raise ValueError(f"grpo.num_generations = {g.num_generations} must be >= 2: the advantage compares the "
+                         "samples of one prompt with each other")
+    if g.max_completion_length < 1:
+        raise ValueError(f"grpo.max_completion_length = {g.max_completion_length} must be >= 1")
+    if not g.temperature > 0:
+        raise ValueError(f"grpo.temperature = {g.temperature} must be > 0 (GRPO samples; 1.0 is TRL's default)")
+    if g.passes < 1:
+        raise ValueError(f"grpo.passes = {g.passes} must be >= 1")
+    if g.epsilon <= 0 or g.epsilon_high < 0:
+        raise ValueError(f"grpo.epsilon = {g.epsilon} must be > 0 and grpo.epsilon_high = {g.epsilon_high} >= 0")
+    if g.beta < 0:
+        raise ValueError(f"grpo.beta = {g.beta} must be >= 0 (0: no KL penalty)")
+    if not g.reward:
+        raise ValueError("grpo.reward is empty; name a built-in (exact_match, regex, length) or module:function")
+    if g.reward_weights and len(g.reward_weights) != len(g.reward):
+        raise ValueError(f"grpo.reward_weights has {len(g.reward_weights)} numbers for {len(g.reward)} rewards; "
+                         "give one per reward")

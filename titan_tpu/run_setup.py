@@ -135,6 +135,7 @@ def prepare_run(cfg: Config) -> RunSetup:
         raise ValueError("kernels.loss = tokamax cannot skip the untrained tokens of format = chat (no ignore index); "
                          "use --kernels.loss chunked")
     _check_dpo(cfg, sources)
+    _check_grpo(cfg, sources)
     if t.device == "cpu":  # with auto, the trainer checks once it knows the device
         check_cpu_compute_dtype(cfg.model.dtype)
     return RunSetup(cfg=cfg, spec=spec, sources=sources, warmup_steps=warmup_steps)
@@ -172,3 +173,36 @@ def _check_dpo(cfg: Config, sources: list[SourceConfig]) -> None:
     if cfg.kernels.loss == "tokamax":
         raise ValueError("kernels.loss = tokamax cannot skip the prompt tokens of preference pairs (no ignore "
                          "index); use --kernels.loss chunked")
+
+
+def _check_grpo(cfg: Config, sources: list[SourceConfig]) -> None:
+    """What training.objective = grpo needs (docs/grpo.md), and prompt rows only with it."""
+    prompts = [s for s in sources if s.format == "prompts"]
+    t, g, p = cfg.training, cfg.grpo, cfg.parallelism
+    if t.objective != "grpo":
+        if prompts:
+            raise ValueError("data format = prompts holds prompt rows for training.objective = grpo; set "
+                             "--training.objective grpo, or use format text or chat")
+        return
+    if len(sources) != 1 or not prompts:
+        raise ValueError("training.objective = grpo reads one source of prompt rows: set data.format = prompts and "
+                         "data.source to a jsonl/parquet file with a prompt column")
+    if p.tp > 1 or p.cp > 1 or p.ep > 1:
+        raise ValueError(f"training.objective = grpo runs with data parallelism (dp_shard, dp_replicate); got "
+                         f"parallelism.tp = {p.tp}, cp = {p.cp}, ep = {p.ep}: set them to 1")
+    if t.mode != "eager":
+        raise ValueError("training.objective = grpo runs in training.mode = eager (its batches' lengths follow the "
+                         "samples); set --training.mode eager")
+    if cfg.model.scan_layers or cfg.activation_checkpoint.mode != "none":
+        raise ValueError("training.objective = grpo samples with the plain layer loop: set model.scan_layers = false "
+                         "and activation_checkpoint.mode = none")
+    if t.global_batch_tokens:
+        raise ValueError("training.global_batch_tokens does not apply to grpo (a step's tokens follow the samples); "
+                         "set training.batch_size (prompts per rank) and training.grad_accum_steps")
+    samples = t.batch_size * g.num_generations
+    if samples % t.grad_accum_steps:
+        raise ValueError(f"training.grad_accum_steps = {t.grad_accum_steps} must divide the {samples} samples of a "
+                         f"rank's step (training.batch_size {t.batch_size} x grpo.num_generations {g.num_generations})")
+    if g.max_completion_length >= t.seq_len:
+        raise ValueError(f"grpo.max_completion_length = {g.max_completion_length} leaves no room for a prompt in "
+                         f"training.seq_len = {t.seq_len}; raise training.seq_len (prompt + completion tokens)")

@@ -52,7 +52,8 @@ class Components:
     rank, world_size, is_main, parallel_dims, mesh, expert_mesh, dp_size, run_dir, run_lock,
     document_mask, tokenizer, train_loader, val_loader, model, objective, optimizer, step_fn,
     compile_stats, checkpointer, local_tier (None unless checkpoint.grace_seconds or local_interval),
-    warmup_steps, flops_per_token, flops_note."""
+    warmup_steps, flops_per_token, flops_note; GRPO adds rewards, stop_ids and reference
+    (components/grpo.py)."""
 
     def __init__(self, setup: RunSetup, *, log: Callable[[str], None] | None = None):
         cfg = self.cfg = setup.cfg
@@ -113,8 +114,8 @@ class Components:
     # the parts
 
     def _data(self) -> None:
-        """document_mask, tokenizer, train_loader, val_loader: token data (pre-training, SFT) or
-        preference pairs (DPO, components/dpo.py)."""
+        """document_mask, tokenizer, train_loader, val_loader: token data (pre-training, SFT),
+        preference pairs (DPO, components/dpo.py) or prompt rows (GRPO, components/grpo.py)."""
         cfg, t = self.cfg, self.cfg.training
         if t.objective == "dpo":
             from titan_tpu.components.dpo import preference_data
@@ -125,6 +126,13 @@ class Components:
             cfg.kernels.check_device(self.backend.device.type, documents=False)
             with main_process_first():
                 self.tokenizer, self.train_loader, self.val_loader = preference_data(self, log=self.log)
+            return
+        if t.objective == "grpo":
+            from titan_tpu.components.grpo import prompt_data
+
+            self.document_mask = False
+            with main_process_first():
+                self.tokenizer, self.train_loader, self.val_loader = prompt_data(self, log=self.log)
             return
         from titan_tpu.data.build import build_loaders, prepare_data, uses_document_mask
 
@@ -149,6 +157,11 @@ class Components:
             from titan_tpu.components.dpo import dpo_objective
 
             return dpo_objective(self)
+        if self.cfg.training.objective == "grpo":
+            from titan_tpu.components.grpo import grpo_objective, grpo_reference
+
+            self.reference = grpo_reference(self)  # scored once per batch of samples by the loop (loops/grpo.py)
+            return grpo_objective(self)
         return NextTokenObjective()
 
     def build_model(self, cfg: Config | None = None) -> TrainableModel:

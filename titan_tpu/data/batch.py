@@ -10,6 +10,9 @@ the loader that fills it and the objective that reads it, and nothing in between
   token is not trained) and, with document masking, each token's position in its document.
 * `PreferenceBatch`: preference pairs (DPO): a chosen and a rejected `TokenBatch` of the same
   shape, row i of each completing the same prompt; labels mark the completion tokens only.
+* `RolloutBatch`: sampled completions (GRPO): prompt + completion rows, targets on the completion
+  tokens only, each row's advantage, and the log-probabilities the sampler (old policy) and the
+  frozen reference gave each target token.
 
 `as_batch` also takes the plain ``(inputs, labels[, positions])`` tuple that tests and benchmarks
 write by hand.
@@ -23,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-__all__ = ["IGNORE_INDEX", "Batch", "PreferenceBatch", "TokenBatch", "as_batch", "flatten", "unflatten"]
+__all__ = ["IGNORE_INDEX", "Batch", "PreferenceBatch", "RolloutBatch", "TokenBatch", "as_batch", "flatten", "unflatten"]
 
 IGNORE_INDEX = -100  # a label the loss skips (a prompt, padding, a chat turn that is not the assistant's)
 
@@ -66,7 +69,29 @@ class PreferenceBatch:
         return pytree.tree_map(lambda t: t.contiguous(), self)
 
 
-Batch = TokenBatch | PreferenceBatch
+@dataclass(frozen=True)
+class RolloutBatch:
+    inputs_BS: Tensor  # prompt + completion token ids, right-padded
+    labels_BS: Tensor  # the next token where it is a completion token (trained), else IGNORE_INDEX
+    advantages_B: Tensor  # fp32: each row's reward, normalised within its prompt's group
+    old_logps_BS: Tensor  # fp32: log-probability of each label under the policy that sampled it (0 elsewhere)
+    ref_logps_BS: Tensor | None = None  # fp32: the same under the frozen reference; None without a KL penalty
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.labels_BS.shape)
+
+    def trained_tokens(self) -> Tensor:
+        return (self.labels_BS != IGNORE_INDEX).sum()
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> RolloutBatch:
+        return pytree.tree_map(lambda t: t.to(device, non_blocking=non_blocking), self)
+
+    def contiguous(self) -> RolloutBatch:
+        return pytree.tree_map(lambda t: t.contiguous(), self)
+
+
+Batch = TokenBatch | PreferenceBatch | RolloutBatch
 
 
 def _register(cls: type) -> None:
@@ -84,13 +109,13 @@ def _register(cls: type) -> None:
                                 serialized_type_name=f"titan_tpu.data.batch.{cls.__name__}")
 
 
-for _cls in (TokenBatch, PreferenceBatch):
+for _cls in (TokenBatch, PreferenceBatch, RolloutBatch):
     _register(_cls)
 
 
 def as_batch(batch: Batch | tuple[Tensor, ...]) -> Batch:
     """A typed batch; a tuple (inputs, labels[, positions]) becomes a TokenBatch."""
-    if isinstance(batch, (TokenBatch, PreferenceBatch)):
+    if isinstance(batch, (TokenBatch, PreferenceBatch, RolloutBatch)):
         return batch
     if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
         size = f" of {len(batch)} tensors" if isinstance(batch, (tuple, list)) else ""

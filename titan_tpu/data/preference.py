@@ -40,7 +40,8 @@ import torch
 from titan_tpu.data.batch import IGNORE_INDEX, PreferenceBatch, TokenBatch
 from titan_tpu.data.sources import resolve_files
 
-__all__ = ["COLUMNS", "PreferenceLoader", "PreferencePairs", "load_preference_pairs", "read_preference_rows"]
+__all__ = ["COLUMNS", "PreferenceLoader", "PreferencePairs", "load_preference_pairs", "read_preference_rows",
+           "read_rows"]
 
 COLUMNS = ("prompt", "chosen", "rejected")
 _STATE_VERSION = 1
@@ -49,29 +50,36 @@ _STATE_VERSION = 1
 def read_preference_rows(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, row) for every row of the source's files, in order; `where` names the file and row.
     A row lacking a column is a one-line ValueError naming the file, the row and the column."""
+    return read_rows(source, columns=COLUMNS, what="preference data")
+
+
+def read_rows(source: str, *, columns: tuple[str, ...], what: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, row) for every row of the jsonl / parquet / arrow files of `source`, each holding
+    `columns` (a one-line error naming the file, the row and the column otherwise); `what` names
+    the data in errors (GRPO's prompts read their rows here too)."""
     for path in resolve_files(source):
         if path.name.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst")):
-            rows = _jsonl_rows(path)
+            rows = _jsonl_rows(path, what)
         else:
             rows = _table_rows(path)
         for index, row in enumerate(rows, start=1):
             where = f"{path} row {index}"
-            missing = [c for c in COLUMNS if c not in row or row[c] is None]
+            missing = [c for c in columns if c not in row or row[c] is None]
             if missing:
-                raise ValueError(f"preference data {where} has no column {missing[0]!r} (columns present: "
+                raise ValueError(f"{what} {where} has no column {missing[0]!r} (columns present: "
                                  f"{', '.join(k for k, v in row.items() if v is not None) or 'none'}); every row "
-                                 f"needs {', '.join(COLUMNS)}")
+                                 f"needs {', '.join(columns)}")
             yield where, row
 
 
-def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
-    for line, record in enumerate(_iter_jsonl_records(path), start=1):
+def _jsonl_rows(path: Path, what: str) -> Iterator[dict[str, Any]]:
+    for line, record in enumerate(_iter_jsonl_records(path, what), start=1):
         if not isinstance(record, dict):
-            raise ValueError(f"preference data {path} row {line} is not a JSON object; write one object per line")
+            raise ValueError(f"{what} {path} row {line} is not a JSON object; write one object per line")
         yield record
 
 
-def _iter_jsonl_records(path: Path) -> Iterator[Any]:
+def _iter_jsonl_records(path: Path, what: str) -> Iterator[Any]:
     """Whole records of a jsonl file (data/sources.py reads one field; here every column)."""
     import gzip
     import io
@@ -91,7 +99,7 @@ def _iter_jsonl_records(path: Path) -> Iterator[Any]:
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"preference data {path} line {lineno} is not valid JSON ({e.msg}); fix or remove "
+                raise ValueError(f"{what} {path} line {lineno} is not valid JSON ({e.msg}); fix or remove "
                                  "that line") from None
 
 

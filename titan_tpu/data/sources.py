@@ -259,8 +259,9 @@ def source_from_table(table: Any, *, key: str) -> SourceConfig:
 def check_source(spec: SourceConfig, *, key: str) -> None:
     if not spec.path:
         raise ValueError(f"{key}.path is missing; set it to a file, directory or glob")
-    if spec.format not in ("text", "chat", "preference"):
-        raise ValueError(f"{key}.format = {spec.format!r} is not a valid choice; use one of text, chat, preference")
+    if spec.format not in ("text", "chat", "preference", "prompts"):
+        raise ValueError(f"{key}.format = {spec.format!r} is not a valid choice; use one of text, chat, preference, "
+                         "prompts")
     if spec.weight < 0 or spec.weight != spec.weight:
         raise ValueError(f"{key}.weight = {spec.weight} must be >= 0")
 

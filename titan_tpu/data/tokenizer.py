@@ -80,9 +80,10 @@ class Tokenizer:
         """The id of a token of the vocabulary (e.g. a special token's string), None if it has none."""
         return self._tok.token_to_id(token)
 
-    def decode(self, ids: Sequence[int] | Iterable[int]) -> str:
-        # Keep special tokens so a decoded packed stream shows its document separators.
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Sequence[int] | Iterable[int], *, skip_special_tokens: bool = False) -> str:
+        # Special tokens kept by default, so a decoded packed stream shows its document separators;
+        # skipped for a sampled completion's text, as TRL's GRPO decodes it.
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def save(self, path: str | Path) -> None:
         """Write ``tokenizer.json`` atomically (a crash never leaves a half-written file)."""

@@ -49,13 +49,18 @@ def check_prompts(prompts: list[list[int]], *, vocab_size: int) -> None:
 def generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
              sampling: Sampling = Sampling(), stop_ids: Collection[int] = (), seed: int = 0, pad_id: int = 0,
              compile_backend: str | None = None,
-             on_step: Callable[[Tensor, Tensor], None] | None = None) -> Generation:
+             on_step: Callable[[Tensor, Tensor], None] | None = None, logprob_temperature: float = 1.0,
+             until_all_stop: bool = True) -> Generation:
     """Up to `max_new_tokens` new tokens for each prompt (lists of token ids, of any lengths).
 
     sampling: greedy by default; a sampled run draws from a generator seeded with `seed`, so the
     same seed gives the same tokens. compile_backend: compile the decode step (e.g. "inductor"; see
     decoders.py). on_step(tokens_B, live_B): called after every step with its tokens and which rows
-    were still generating (for streaming). The model runs in eval mode and is left as it was."""
+    were still generating (for streaming). The model runs in eval mode and is left as it was.
+    logprob_temperature: the reported log-probabilities are those of softmax(logits / it) (GRPO
+    scores its samples at the sampling temperature, as TRL does); 1: the model's own distribution.
+    until_all_stop=False: run all `max_new_tokens` steps even when every row stopped (ranks of a
+    sharded model gather its weights in every forward, so they take the same number of steps)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens} must be >= 1")
     decoder = decoder_for(model, compile_backend=compile_backend)
@@ -78,14 +83,14 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens
         logits_BV = decoder.prefill(prompts, length=length)
         for n in range(max_new_tokens):
             token_B = torch.where(live_B, next_tokens(logits_BV, sampling, generator), pad_id)
-            logprob_B1 = logits_BV.float().log_softmax(dim=-1).gather(-1, token_B.unsqueeze(1))
+            logprob_B1 = (logits_BV.float() / logprob_temperature).log_softmax(dim=-1).gather(-1, token_B.unsqueeze(1))
             tokens_BN[:, n] = token_B
             logprobs_BN[:, n] = torch.where(live_B, logprob_B1.squeeze(1), 0.0)
             lengths_B += live_B
             if on_step is not None:
                 on_step(token_B, live_B.clone())
             live_B &= ~torch.isin(token_B, stops)
-            if n + 1 == max_new_tokens or not live_B.any():
+            if n + 1 == max_new_tokens or (until_all_stop and not live_B.any()):
                 break
             logits_BV = decoder.step(token_B)
     finally:

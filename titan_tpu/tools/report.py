@@ -157,6 +157,9 @@ def summary(run: Run) -> dict[str, str]:
     if last("rewards/accuracies") is not None:  # a DPO run (docs/dpo.md)
         rows["final reward accuracy"] = _fmt(last("rewards/accuracies"), "{:.3f}")
         rows["final reward margin"] = _fmt(last("rewards/margins"), "{:.4f}")
+    if last("reward") is not None:  # a GRPO run (docs/grpo.md)
+        rows["final reward"] = _fmt(last("reward"), "{:.3f}")
+        rows["first reward"] = _fmt(run.series("reward")[1][0], "{:.3f}")
     return rows
 
 
@@ -297,6 +300,32 @@ def _plot_rewards(ax, runs, colors) -> bool:
     return drawn
 
 
+def _plot_grpo_reward(ax, runs, colors) -> bool:
+    drawn = _line_plot(ax, runs, colors, "reward", label_suffix=" mean")
+    drawn |= _line_plot(ax, runs, colors, "reward_std", label_suffix=" std within groups", style="--")
+    ax.set_ylabel("reward")
+    return drawn
+
+
+def _plot_grpo_lengths(ax, runs, colors) -> bool:
+    drawn = False
+    for key, style in (("completions/mean_length", "-"), ("completions/min_length", ":"),
+                       ("completions/max_length", "--")):
+        drawn |= _line_plot(ax, runs, colors, key, label_suffix=f" {key.split('/')[1].split('_')[0]}", style=style)
+    ax.set_ylabel("tokens per completion")
+    return drawn
+
+
+def _plot_grpo_time(ax, runs, colors) -> bool:
+    drawn = _line_plot(ax, runs, colors, "sampling_s", label_suffix=" sampling")
+    drawn |= _line_plot(ax, runs, colors, "training_s", label_suffix=" training", style="--")
+    ax.set_ylabel("seconds per step")
+    return drawn
+
+
+# The plots of a GRPO run (docs/grpo.md): absent from other runs.
+GRPO_PLOTS = ("grpo_reward", "grpo_kl", "grpo_clip", "grpo_lengths", "grpo_time")
+
 # (file name, title, plot function): the report's plots in page order.
 PLOTS = (
     ("loss", "Loss (raw, smoothed) and validation loss", _plot_loss),
@@ -313,6 +342,12 @@ PLOTS = (
     ("rewards", "DPO rewards (beta x log-ratio to the reference, mean over pairs)", _plot_rewards),
     ("reward_accuracy", "DPO reward accuracy (pairs whose chosen reward is the larger)",
      _simple("rewards/accuracies", "share of pairs")),
+    ("grpo_reward", "GRPO reward (mean over samples; standard deviation within a prompt's group)", _plot_grpo_reward),
+    ("grpo_kl", "GRPO KL to the reference (mean per completion token)", _simple("kl", "KL")),
+    ("grpo_clip", "GRPO clipped share (completion tokens whose ratio was clipped)",
+     _simple("clip_ratio/region_mean", "share of tokens")),
+    ("grpo_lengths", "GRPO completion lengths", _plot_grpo_lengths),
+    ("grpo_time", "GRPO time per step: sampling and training", _plot_grpo_time),
 )
 
 
