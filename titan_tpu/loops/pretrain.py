@@ -368,7 +368,6 @@ class Trainer:
             goodput = self.goodput.totals()
             self.goodput = None
         if logger is not None:
-            logger.log(self.step, goodput_row(goodput))
             logger.close()
             self.logger = None
         if self.run_lock is not None:
@@ -407,14 +406,6 @@ def _agreed_max(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
-
-
-def goodput_row(totals: dict) -> dict[str, float]:
-    """The run's goodput so far as a metrics row (train/goodput.py): the share and each bucket's seconds."""
-    row = {"goodput_percent": totals["goodput"], "goodput_wall_s": totals["wall"],
-           "goodput_recomputed_steps": totals["recomputed_steps"], "goodput_restarts": totals["restarts"]}
-    row.update({f"goodput_{bucket}_s": seconds for bucket, seconds in totals["seconds"].items()})
-    return row
 
 
 def next_token_metrics(result: StepResult) -> dict[str, float]:

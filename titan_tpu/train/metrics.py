@@ -14,11 +14,9 @@ formatted specially on the console (in this order), the rest are printed as "key
     data_s                 "data 1.2 ms"       (seconds a step waited for its batches)
     goodput                "goodput 93.1%"     (productive share of the run's wall time, across restarts)
 
-`time` (the wall clock, for the report) and the `goodput_*` keys (each bucket's seconds, in the
-last row of each process: train/goodput.py) go to metrics.jsonl only; a row of them alone is not
-printed. With ``total_steps`` the line starts with a progress bar and, from the second row of a
-process on, an ETA: the remaining steps at this process's average wall time per step so far
-(validation and checkpoints included).
+`time` (the wall clock, for the report) goes to metrics.jsonl only. With ``total_steps`` the line
+starts with a progress bar and, from the second row of a process on, an ETA: the remaining steps at
+this process's average wall time per step so far (validation and checkpoints included).
 
 metrics.jsonl gets one JSON object per call, {"step": step, **metrics}, flushed immediately so a
 killed run keeps every row written so far. JSON has no NaN or Infinity, and Python's json module
@@ -61,7 +59,6 @@ _CONSOLE_FORMATS = {
     "goodput": lambda v: f"goodput {v:.1f}%",
 }
 _FILE_ONLY = {"time", "step_s"}  # in metrics.jsonl for the report, not on the console
-_FILE_ONLY_PREFIX = "goodput_"  # the run's goodput buckets (train/goodput.py), in the last row of a process
 _BAR_WIDTH = 20
 
 
@@ -89,10 +86,6 @@ def _last_step(path: Path) -> int:
             except (ValueError, KeyError, TypeError):
                 continue
     return last
-
-
-def _file_only(key: str) -> bool:
-    return key in _FILE_ONLY or key.startswith(_FILE_ONLY_PREFIX)
 
 
 def format_duration(seconds: float) -> str:
@@ -159,7 +152,7 @@ class MetricsLogger:
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "time"}
         for tracker in self.trackers:
             tracker.log(int(step), scalars)
-        if self.console and any(not _file_only(k) for k in values):
+        if self.console:
             print(self.format_line(step, values), file=sys.stdout, flush=True)
 
     def state_dict(self) -> dict:
@@ -205,7 +198,7 @@ class MetricsLogger:
             parts.append(text)
         for key, value in metrics.items():
             shown_with_memory = key == "max_memory_gb" and "memory_gb" in metrics
-            if key not in _CONSOLE_FORMATS and not _file_only(key) and not shown_with_memory:
+            if key not in _CONSOLE_FORMATS and key not in _FILE_ONLY and not shown_with_memory:
                 parts.append(_fmt_generic(key, value))
         return f"{head} {' | '.join(parts)}" if parts else head
 
