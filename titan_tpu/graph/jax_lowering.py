@@ -71,7 +71,10 @@ def functional_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor
 
 _DTYPES = {torch.float32: jnp.float32, torch.float64: jnp.float64, torch.bfloat16: jnp.bfloat16,
            torch.float16: jnp.float16, torch.int64: jnp.int64, torch.int32: jnp.int32, torch.int16: jnp.int16,
-           torch.int8: jnp.int8, torch.uint8: jnp.uint8, torch.bool: jnp.bool_}
+           torch.int8: jnp.int8, torch.uint8: jnp.uint8, torch.bool: jnp.bool_,
+           # fp8 (kernels/fp8.py): XLA casts round to nearest even, as torch's do; both give NaN past
+           # the largest finite value, which is why the quantisation clamps first.
+           torch.float8_e4m3fn: jnp.float8_e4m3fn, torch.float8_e5m2: jnp.float8_e5m2}
 
 
 def jax_dtype(dtype: torch.dtype):
@@ -264,6 +267,21 @@ def _foreach(fn: Callable) -> Callable:
     return run
 
 
+def _scaled_mm(a_MK, b_KN, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    """aten._scaled_mm: out = (a * scale_a) @ (b * scale_b) (+ bias), with dequantisation scales in fp32:
+    0-dim (tensorwise) or [M, 1] and [1, N] (rowwise). The dot stays on the float8 operands with an fp32
+    accumulator (XLA's f8 dot, the TPU's fp8 MXU path on chips that have one); the scales multiply its
+    output, which is the same product because each scale is constant along the contracted dimension."""
+    if scale_result is not None:
+        raise JaxLoweringError("aten._scaled_mm with scale_result (an fp8 output) has no JAX lowering; "
+                               "give the fp8 matmul a bf16 or fp32 out_dtype")
+    out_MN = jax.lax.dot_general(a_MK, b_KN, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    out_MN = out_MN * scale_a.astype(jnp.float32) * scale_b.astype(jnp.float32)
+    if bias is not None:
+        out_MN = out_MN + bias.astype(jnp.float32)
+    return out_MN.astype(_arg_dtype(out_dtype) or a_MK.dtype)
+
+
 def _full(size, value, dtype=None, **_):
     return jnp.full(size, value, dtype=_arg_dtype(dtype or torch.float32))
 
@@ -404,6 +422,7 @@ LOWERINGS: dict[object, Callable] = {
     aten.mm.default: jnp.matmul,
     aten.bmm.default: jnp.matmul,
     aten.addmm.default: lambda bias, a, b, beta=1, alpha=1: beta * bias + alpha * (a @ b),
+    aten._scaled_mm.default: _scaled_mm,
     # shapes and indexing
     aten.view.default: jnp.reshape,
     aten.view_copy.default: jnp.reshape,

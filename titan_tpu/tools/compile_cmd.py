@@ -214,6 +214,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
         # layers plus one layer's forward and backward.
         "loop_body_counted_once": bool(cfg.model.scan_layers),
         "collectives": _collectives(peak["text"]), "collectives_counted_in": peak["collectives_from"],
+        "f8_dots": sum(p["f8_dots"] for p in programs.values()),
         "kernels": kernels_used, "tpu_kernels": _tpu_kernels(peak["lowered_text"]), "at_peak": peak["at_peak"],
         "capture_seconds": capture_s, "lower_seconds": sum(p["lower_seconds"] for p in programs.values()),
         "compile_seconds": sum(p["compile_seconds"] for p in programs.values()),
@@ -320,7 +321,7 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
 
     from titan_tpu.graph.jax_lowering import jax_dtype
     from titan_tpu.tools.tpu_compile import jax_mesh, sharded_step
-    from titan_tpu.tools.xla_dump import compile_stages, optimized_hlo, peak_values, tpu_programs
+    from titan_tpu.tools.xla_dump import compile_stages, f8_dots, optimized_hlo, peak_values, tpu_programs
 
     mesh = jax_mesh(step, devices)
     spec = NamedSharding(mesh, PartitionSpec(*mesh.axis_names))
@@ -364,6 +365,7 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
             "flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
             "lower_seconds": lower_s, "compile_seconds": compile_s, "cpu_seconds": cpu_s,
             "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),
+            "f8_dots": f8_dots(text),  # matmuls on float8 operands (fp8 recipes), loop bodies once
             "at_peak": at_peak, "xla_stages": stages, "text": text, "lowered_text": lowered_text,
             "collectives_from": collectives_from}
 
@@ -426,6 +428,8 @@ def _format(report: dict) -> str:
     lines.append("  kernels: " + ", ".join(f"{op} {name}" for op, name in report["kernels"].items()))
     lines.append("  Pallas kernels in the program (Mosaic custom calls): "
                  + (", ".join(report["tpu_kernels"]) or "none"))
+    if report.get("f8_dots"):
+        lines.append(f"  fp8 matmuls (dots on float8 operands, a loop body's once): {report['f8_dots']}")
     lines.append("  collectives: " + (", ".join(f"{k} {v}" for k, v in report["collectives"].items()) or "none")
                  + f" (in the {report['collectives_counted_in']}; one per loop body)")
     if report.get("at_peak"):

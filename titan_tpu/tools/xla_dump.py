@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PeakValue", "compile_stages", "format_peak", "optimized_hlo", "peak_values", "tpu_programs"]
+__all__ = ["PeakValue", "compile_stages", "f8_dots", "format_peak", "optimized_hlo", "peak_values", "tpu_programs"]
 
 
 @dataclass(frozen=True)
@@ -154,3 +154,26 @@ if __name__ == "__main__":
     import sys
 
     print(format_peak(peak_values(sys.argv[1]), top=int(sys.argv[2]) if len(sys.argv) > 2 else 30))
+
+
+_HLO_VALUE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (\w+)\[", re.M)
+_HLO_MATMUL = re.compile(r"= \w+\[[^\]]*\][^=]*? (?:dot|convolution)\(([^)]*)\)")
+_HLO_OPERAND = re.compile(r"(?:(\w+)\[[^\]]*\](?:\{[^}]*\})?\s+)?%([\w.\-]+)")
+_STABLEHLO_MATMUL = re.compile(r"stablehlo\.(?:dot_general|convolution)\b[^\n]*?:\s*\(tensor<(?:[\d?]+x)*(\w+)>, "
+                               r"tensor<(?:[\d?]+x)*(\w+)>\)")
+
+
+def f8_dots(text: str) -> int:
+    """How many matmuls of a program take float8 operands (both of them): `dot` or `convolution` (XLA's
+    TPU passes turn a dot into a convolution) in HLO text, whose operands are named values looked up by
+    the type their definition gave them (or typed inline); or `stablehlo.dot_general` in StableHLO.
+    A matmul inside a loop body counts once, as XLA's cost analysis counts it."""
+    if "stablehlo." in text and "HloModule" not in text:
+        return sum(a.startswith("f8") and b.startswith("f8") for a, b in _STABLEHLO_MATMUL.findall(text))
+    types = {name: dtype for name, dtype in _HLO_VALUE.findall(text)}
+    count = 0
+    for operands in _HLO_MATMUL.findall(text):
+        # each operand "%name", or typed inline "f8e4m3fn[16,32]{1,0} %name"
+        dtypes = [typed or types.get(name, "") for typed, name in _HLO_OPERAND.findall(operands)][:2]
+        count += len(dtypes) == 2 and all(d.startswith("f8") for d in dtypes)
+    return count
