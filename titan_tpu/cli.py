@@ -268,6 +268,10 @@ def plan_main(argv: list[str]) -> int:
                         help="with --search: config keys to hold at the config's value, "
                              "comma-separated (e.g. activation_checkpoint.mode,model.scan_layers)")
     parser.add_argument("--top", type=int, default=5, help="with --search: how many ranked configurations to print")
+    parser.add_argument("--allow-fp8", action="store_true",
+                        help="with --search: plan each candidate with fp8 matmuls too ([fp8] enabled: they change the "
+                             "numbers the run computes, so never without this flag), on hardware with an fp8 peak "
+                             "(tpu7x, h100, h200, b200)")
     parser.add_argument("--certify", type=int, metavar="K", default=0,
                         help="with --search: compile the K best with XLA's TPU compiler for the slice and keep those "
                              "XLA accepts and fits, in the planner's order (needs .venv-tpu; minutes per candidate)")
@@ -305,7 +309,7 @@ def plan_main(argv: list[str]) -> int:
         from titan_tpu.plan.search import format_search, search, search_json
 
         keep = [k.strip() for k in args.keep.split(",") if k.strip()]
-        result = search(cfg, hardware, chips=chips, keep=keep)
+        result = search(cfg, hardware, chips=chips, keep=keep, allow_fp8=args.allow_fp8)
         if not args.certify:
             print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
             return 0
@@ -330,7 +334,19 @@ def plan_main(argv: list[str]) -> int:
         print(json.dumps({**json.loads(plan.to_json()), "xla": beside}, indent=2) if args.json
               else format_plan(plan, explain=args.explain) + "\n" + lines)
         return 0
-    print(plan.to_json() if args.json else format_plan(plan, explain=args.explain))
+    from titan_tpu.plan.hardware import Hardware
+    from titan_tpu.plan.planner import fp8_beside
+
+    beside = ""
+    if plan.hardware["fp8_peak_flops"] or "fp8" in plan.batch:  # where fp8 can pay, or the recipe asks for it
+        # the same hardware (this CPU is not measured again) and chips, the other precision
+        other = plan_run(setup, Hardware(**plan.hardware), chips=plan.devices // plan.hardware["devices_per_chip"],
+                         gather=args.gather, fp8="fp8" not in plan.batch)
+        beside, compared = fp8_beside(plan, other)
+    if args.json:
+        print(json.dumps({**json.loads(plan.to_json()), **({"fp8_vs_bf16": compared} if beside else {})}, indent=2))
+    else:
+        print(format_plan(plan, explain=args.explain) + (f"\n{beside}" if beside else ""))
     return 0
 
 

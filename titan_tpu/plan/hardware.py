@@ -53,6 +53,11 @@ class Hardware:
     # Seconds each collective call costs beside its bytes (launch, synchronisation). Accelerators: 0,
     # not modelled (no measurement here); the CPU: CPU_COLLECTIVE_LATENCY.
     collective_latency: float = 0.0
+    # Dense fp8 matmul FLOP/s per device where the chip has an fp8 rate above its bf16 one (tpu7x,
+    # H100/H200, B200); None where it has none (v4, v5e, v5p, v6e: Google's tpu7x comparison table
+    # gives their fp8 peak as their bf16 one, and XLA runs an f8 dot there at the bf16 rate) and on
+    # this CPU. The planner's fp8 terms (planner.py `_fp8_terms`) read it.
+    fp8_peak_flops: float | None = None
 
     def mode_constants(self, *, graph: bool) -> tuple[float, float, float]:
         """(matmul efficiency, elementwise efficiency, runtime bytes) of an eager or a graph-mode
@@ -76,6 +81,11 @@ ACCELERATOR_EFFICIENCY = 0.7
 # whose page gives no per-chip figure, the send bandwidth is the page's "all-reduce bandwidth per
 # Pod" (1.1 PB/s) over its 4,096 chips, which for v5e and v6e gives exactly half their stated
 # bidirectional figure, the same rule as the others.
+# fp8 peaks checked 2026-12-05: the tpu7x page's comparison table ("Peak compute per chip (FP8)": v5p
+# 459, v6e 918, TPU7x 4,614 TFLOP/s, so only tpu7x gains) and its performance guide
+# (cloud.google.com/tpu/docs/ironwood-performance: "peak theoretical performance of 4614 TFLOPS per
+# chip"); NVIDIA's H100 and H200 pages (FP8 Tensor Core 3,958 TFLOP/s with sparsity, 1,979 dense)
+# and the HGX page (B200 FP8/FP6 Tensor Core 9 PFLOP/s per GPU with sparsity, 4.5 dense).
 HARDWARE: dict[str, Hardware] = {
     "v4": Hardware("v4", device.tpu_peak_flops("v4"), 32 * GiB, 1200e9, 1.1e15 / 4096,
                    source=f"{_GOOGLE}v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s; all-reduce bandwidth "
@@ -91,18 +101,18 @@ HARDWARE: dict[str, Hardware] = {
                            "at 1,638 GB/s, bidirectional ICI 800 GB/s per chip"),
     # v7 (Ironwood, TPU7x): two devices per chip; per-device numbers are half the chip's.
     "v7": Hardware("v7", device.tpu_peak_flops("v7"), 192 * GiB / 2, 7380e9 / 2, 1200e9 / 2 / 2,
-                   devices_per_chip=device.tpu_devices_per_chip("v7"),
-                   source=f"{_GOOGLE}tpu7x: 2,307 TFLOP/s bf16, 192 GiB HBM at 7,380 GB/s, bidirectional ICI "
-                          "1,200 GB/s per chip; two devices per chip (halved here)"),
-    "h100": Hardware("h100", device.cuda_peak_flops("H100 SXM"), 80e9, 3.35e12, 900e9 / 2,
+                   devices_per_chip=device.tpu_devices_per_chip("v7"), fp8_peak_flops=4614e12 / 2,
+                   source=f"{_GOOGLE}tpu7x: 2,307 TFLOP/s bf16 (4,614 fp8), 192 GiB HBM at 7,380 GB/s, bidirectional "
+                          "ICI 1,200 GB/s per chip; two devices per chip (halved here)"),
+    "h100": Hardware("h100", device.cuda_peak_flops("H100 SXM"), 80e9, 3.35e12, 900e9 / 2, fp8_peak_flops=1979e12,
                      source="https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s bf16 dense "
-                            "(1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional"),
-    "h200": Hardware("h200", device.cuda_peak_flops("H200"), 141e9, 4.8e12, 900e9 / 2,
+                            "(1,979 with sparsity), fp8 1,979 dense (3,958 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional"),
+    "h200": Hardware("h200", device.cuda_peak_flops("H200"), 141e9, 4.8e12, 900e9 / 2, fp8_peak_flops=1979e12,
                      source="https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s bf16 dense "
-                            "(1,979 with sparsity), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional"),
-    "b200": Hardware("b200", device.cuda_peak_flops("B200"), 180e9, 8e12, 1800e9 / 2,
+                            "(1,979 with sparsity), fp8 1,979 dense (3,958 with sparsity), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional"),
+    "b200": Hardware("b200", device.cuda_peak_flops("B200"), 180e9, 8e12, 1800e9 / 2, fp8_peak_flops=4500e12,
                      source="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU): 2.25 PFLOP/s "
-                            "bf16 dense (4.5 with sparsity), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional"),
+                            "bf16 dense (4.5 with sparsity), fp8 4.5 dense (9 with sparsity), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional"),
 }
 
 # This CPU: constants measured by `titan-tpu plan --calibrate` (docs/planner.md has the runs).

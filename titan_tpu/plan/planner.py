@@ -57,7 +57,7 @@ from titan_tpu.run_setup import RunSetup
 from titan_tpu.train.optim import update_buffers
 
 __all__ = ["Plan", "TPU_NAMES", "plan_config", "plan_run", "format_plan", "default_hardware", "for_planning",
-           "setup_for_planning", "reshard_decision"]
+           "setup_for_planning", "reshard_decision", "fp8_beside", "fp8_linear_params", "fp8_note", "fp8_setting"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Stated defaults for the checkpoint times: a job's aggregate write rate to object storage or a
@@ -202,6 +202,8 @@ class _Setting:
     adapter_params: int = 0  # LoRA's adapter elements (the trained ones under LoRA); 0 without LoRA
     adapted: tuple[tuple[str, int], ...] = ()  # LoRA's adapted linears: (unrolled name, in_features)
     as_compiled: bool = False  # plan `titan-tpu compile`'s program (`plan_run`'s as_compiled)
+    fp8: bool = False  # the blocks' linears as fp8 matmuls (the config's [fp8], or `plan_run`'s fp8 what-if)
+    fp8_scaling: str = "tensorwise"  # tensorwise | rowwise (kernels/fp8.py)
 
     @property
     def ac(self) -> str:
@@ -283,16 +285,17 @@ class _Setting:
 
 
 def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
-                measure: bool = True, gather: str | None = None, model_args=None, as_compiled: bool = False) -> Plan:
+                measure: bool = True, gather: str | None = None, model_args=None, as_compiled: bool = False,
+                fp8: bool | None = None) -> Plan:
     """`plan_run` of a config whose model is resolved here (`RunSetup.resolved`): a what-if that
     changes the config (a search's candidates, calibration, verify) plans through this."""
     return plan_run(RunSetup.resolved(cfg), hardware, chips=chips, measure=measure, gather=gather,
-                    model_args=model_args, as_compiled=as_compiled)
+                    model_args=model_args, as_compiled=as_compiled, fp8=fp8)
 
 
 def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | None = None,
              measure: bool = True, gather: str | None = None, model_args=None, as_compiled: bool = False,
-             storage_gbps: float = STORAGE_GBPS, local_gbps: float = LOCAL_GBPS) -> Plan:
+             storage_gbps: float = STORAGE_GBPS, local_gbps: float = LOCAL_GBPS, fp8: bool | None = None) -> Plan:
     """The plan of a resolved run (run_setup.py: its config and model spec, not resolved again)
     on `hardware` (default: what the config names, see `default_hardware`)
     with `chips` chips (default: the config's mesh, or the chip count the recipe names).
@@ -309,12 +312,16 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
     as_compiled: plan the program `titan-tpu compile` hands XLA rather than the one a TPU runs
     (docs/planner.md "The compiled program"): the parameters and moments donated and updated in
     place (TorchTPU, as the trainer calls it, writes them out of place), and tokamax's loss in its
-    plain-XLA form (its Mosaic kernel cannot be traced without a chip), which holds the bf16 logits."""
+    plain-XLA form (its Mosaic kernel cannot be traced without a chip), which holds the bf16 logits.
+
+    fp8: plan the blocks' linears as fp8 matmuls (True) or in the compute dtype (False), a what-if;
+    None: as the config's [fp8] section says (`fp8_setting`). See `_fp8_terms`."""
     if setup.cfg.parallelism.reshard_after_forward == "auto":
         setup = dataclasses.replace(setup, cfg=with_reshard_resolved(setup, hardware, chips=chips, measure=measure,
                                                                      model_args=model_args))
     s = _resolve(setup, hardware, chips=chips, measure=measure, gather=gather, model_args=model_args)
-    s = dataclasses.replace(s, as_compiled=as_compiled)
+    enabled, scaling = fp8_setting(s.cfg)
+    s = dataclasses.replace(s, as_compiled=as_compiled, fp8=enabled if fp8 is None else fp8, fp8_scaling=scaling)
     cfg = s.cfg
     args, t, layout, mb = s.args, cfg.training, s.layout, s.layout.master_bytes()
     acts = _activations(s)
@@ -340,8 +347,19 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
     if args.moe is not None:
         memory["moe_dispatch"] = _moe_dispatch_bytes(s, acts)
     flops = _flops(s)
+    fp8_terms = _fp8_terms(s)
+    if s.fp8:
+        flops["fp8_executed_per_step_per_device"] = fp8_terms["flops"]
+        memory["fp8_copies"] = fp8_terms["copies_bytes"]
+        memory["fp8_scales"] = fp8_terms["scales_bytes"]
+        # transient within a layer's matmuls: added to the moments they occur in (forward and backward)
+        for phase in ("forward_end", "backward"):
+            phases[phase] += fp8_terms["copies_bytes"] + fp8_terms["scales_bytes"]
+        peak_phase = max(phases, key=phases.get)
+        peak = phases[peak_phase]
     collectives = _collectives(s)
-    step_time = _step_time(s, executed_rank=flops["executed_per_step_per_device"], collectives=collectives)
+    step_time = _step_time(s, executed_rank=flops["executed_per_step_per_device"], collectives=collectives,
+                           fp8=fp8_terms if s.fp8 else None)
     tokens_step_rank = s.tokens * t.grad_accum_steps
     tp, cp = cfg.parallelism.tp, cfg.parallelism.cp
     step_s = step_time["step_s"]
@@ -354,6 +372,7 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
                "tokens_per_step": tokens_step_rank * s.devices // (tp * cp), "dtype": s.dtype,
                "activation_checkpoint": s.ac, "scan_layers": s.scanned,
                "loss": _loss_impl(cfg.kernels.loss, s.hardware.name), "mode": t.mode,
+               **({"fp8": s.fp8_scaling} if s.fp8 else {}),
                # the program titan-tpu compile hands XLA: donated update, tokamax's plain-XLA form
                **({"as_compiled": True} if as_compiled else {})},
         params={"total": num_params(args), "active": num_active_params(args), "experts": num_expert_params(args),
@@ -695,6 +714,105 @@ def _flops(s: _Setting) -> dict[str, float]:
             "executed_per_step_per_device": (fpt + recomputed) * tokens_step_rank / (p.tp * p.cp)}
 
 
+def fp8_setting(cfg: Config) -> tuple[bool, str]:
+    """(fp8 on, its scaling) as the config's [fp8] section says; off for a config without one."""
+    section = getattr(cfg, "fp8", None)
+    return bool(getattr(section, "enabled", False)), str(getattr(section, "scaling", "tensorwise"))
+
+
+def fp8_linear_params(args) -> tuple[int, int]:
+    """(weight elements of the linears an fp8 recipe converts, of those the feed-forward down
+    projections): every block's attention projections and dense feed-forward (w1 w2 w3). Not
+    converted: the output projection (kept in bf16, as torchao and TorchTitan keep it), the
+    embedding, norms, the MoE router and its experts (grouped matmuls, not linears)."""
+    from titan_tpu.models.registry import _attention_params
+
+    attention = _attention_params(args) - (2 * args.hd if args.qk_norm and args.mla is None else 0)
+    dense = [not args.is_moe_layer(i) for i in range(args.n_layers + args.mtp_num_layers)]
+    return (len(dense) * attention + sum(dense) * 3 * args.dim * args.ffn_hidden_dim,
+            sum(dense) * args.dim * args.ffn_hidden_dim)
+
+
+# Bytes the casts to fp8 move per element quantised: read it to find its amax (2 bytes in bf16),
+# read it again to scale and convert (2), write the fp8 copy (1). An estimate: XLA may fuse the amax
+# into the producer of the value, or the convert into the dot's operand fusion.
+FP8_CAST_BYTES_PER_ELEMENT = 5
+
+
+def _fp8_terms(s: _Setting) -> dict[str, float]:
+    """What running the blocks' linears as fp8 matmuls changes, per device per step.
+
+    flops: the converted matmuls' executed FLOPs (forward, the two backward matmuls, and the
+    forward's rerun under full checkpointing, less the down projection it skips), which run at the
+    fp8 peak: `hardware.fp8_peak_flops`, or the compute dtype's peak on a chip without one (XLA runs
+    an f8 dot there at the bf16 rate: no gain, only the casts). cast_bytes: the quantisation, each
+    quantised operand (activation, weight, output gradient) read twice and written once in fp8
+    (FP8_CAST_BYTES_PER_ELEMENT), a rowwise recipe quantising the activation and the gradient a
+    second time along the other dimension for the weight gradient. copies_bytes: one layer's fp8
+    weights and its largest fp8 activation, alive while its matmuls run. scales_bytes: the fp32
+    scales of one layer's matmuls (0-dim tensorwise; a row and a column per matmul rowwise)."""
+    t, p = s.cfg.training, s.cfg.parallelism
+    converted, down = fp8_linear_params(s.args)
+    tokens = s.tokens / p.cp
+    layers = s.args.n_layers + s.args.mtp_num_layers
+    rerun = s.ac == "full"
+    flops = (6 * converted + (2 * (converted - down) if rerun else 0)) * tokens / p.tp * t.grad_accum_steps
+    rowwise = s.fp8_scaling == "rowwise"
+    # activations and output gradients of all converted linears, per token (inputs: dim wide for the
+    # attention and w1/w3, ffn_hidden for w2; outputs likewise)
+    width_in = _fp8_io_width(s.args, side="in") / p.tp
+    width_out = _fp8_io_width(s.args, side="out") / p.tp
+    forwards = 2 if rerun else 1
+    # activations: each forward and the weight gradient (rowwise: along the other dimension once more);
+    # output gradients: the input gradient and the weight gradient (rowwise: again); the gathered
+    # weights: each forward and the input gradient
+    elements = tokens * (width_in * (forwards + 1 + rowwise) + width_out * (2 + rowwise)) \
+        + converted / p.tp * (forwards + 1)
+    cast_bytes = FP8_CAST_BYTES_PER_ELEMENT * elements * t.grad_accum_steps
+    layer_weights = converted / layers / p.tp
+    largest_in = max(s.args.dim, s.args.ffn_hidden_dim) / p.tp
+    linears = 7 if s.args.mla is None else 9  # one block's converted linears, three matmuls each
+    scales = 4 * 3 * linears * ((tokens + max(s.args.dim, s.args.ffn_hidden_dim)) if rowwise else 2)
+    peak = s.hardware.fp8_peak_flops or s.hardware.peak_flops
+    return {"flops": flops, "peak_flops": peak, "cast_bytes": cast_bytes,
+            "copies_bytes": layer_weights + tokens * largest_in, "scales_bytes": float(scales)}
+
+
+def _fp8_io_width(args, *, side: str) -> float:
+    """Summed input (side "in") or output ("out") width of one token's converted linears over all
+    blocks: what the casts of its activations (inputs) and output gradients (outputs) touch."""
+    hd, heads, kv = args.hd, args.n_heads, args.n_kv_heads
+    attention = (3 * args.dim + heads * hd) if side == "in" else (heads * hd + 2 * kv * hd + args.dim)
+    ffn = (2 * args.dim + args.ffn_hidden_dim) if side == "in" else (2 * args.ffn_hidden_dim + args.dim)
+    blocks = range(args.n_layers + args.mtp_num_layers)
+    return sum(attention + (0 if args.is_moe_layer(i) else ffn) for i in blocks)
+
+
+def fp8_note(hardware: Hardware) -> str | None:
+    """One line for an fp8 plan on a chip without an fp8 peak (None where it has one)."""
+    if hardware.fp8_peak_flops:
+        return None
+    return (f"{hardware.name} has no fp8 peak above its bf16 one: XLA (or the CPU) runs the f8 dots at the bf16 rate, "
+            "so fp8 gains no speed here and adds its casts; fp8 pays on tpu7x, H100/H200 and B200")
+
+
+def fp8_beside(plan: Plan, other: Plan) -> tuple[str, dict]:
+    """(one line, a dict) comparing a plan with its fp8 (or bf16) twin (`plan_run`'s fp8 what-if)."""
+    fp8, bf16 = (plan, other) if "fp8" in plan.batch else (other, plan)
+    if fp8.tokens_per_s is None or bf16.tokens_per_s is None:
+        return "", {}
+    gain = fp8.tokens_per_s / bf16.tokens_per_s
+    beside = {"bf16_step_s": bf16.time["step_s"], "fp8_step_s": fp8.time["step_s"],
+              "bf16_tokens_per_s": bf16.tokens_per_s, "fp8_tokens_per_s": fp8.tokens_per_s, "speedup": gain,
+              "fp8_peak_bytes": fp8.peak_bytes, "bf16_peak_bytes": bf16.peak_bytes, "fp8_fits": fp8.fits}
+    line = (f"fp8 vs bf16 (the blocks' linears as fp8 matmuls, {fp8.batch['fp8']}): bf16 {bf16.time['step_s']:.4g} "
+            f"s/step, {bf16.tokens_per_s:,.0f} tokens/s; fp8 {fp8.time['step_s']:.4g} s/step, "
+            f"{fp8.tokens_per_s:,.0f} tokens/s ({gain:.2f}x); peak {fp8.peak_bytes / 1e9:.2f} GB vs "
+            f"{bf16.peak_bytes / 1e9:.2f} GB{'' if fp8.fits else ' (fp8 does NOT fit)'}")
+    note = fp8_note(Hardware(**fp8.hardware))
+    return line + (f"; {note}" if note else ""), beside
+
+
 def _collectives(s: _Setting) -> list:
     """The collectives of one step (parallel/plan_terms.py)."""
     args, t, p = s.args, s.cfg.training, s.cfg.parallelism
@@ -735,19 +853,23 @@ def _cpu_share(s: _Setting) -> int:
     return s.devices if s.hardware.name == "cpu" else 1
 
 
-def _step_time(s: _Setting, *, executed_rank: float, collectives: list) -> dict:
-    """Seconds per step: compute, elementwise work and collectives (the module docstring)."""
+def _step_time(s: _Setting, *, executed_rank: float, collectives: list, fp8: dict | None = None) -> dict:
+    """Seconds per step: compute, elementwise work and collectives (the module docstring). fp8:
+    `_fp8_terms` when the blocks' linears run as fp8 matmuls: their FLOPs at the fp8 peak, their
+    casts as elementwise traffic."""
     hardware, t, p = s.hardware, s.cfg.training, s.cfg.parallelism
     efficiency, elementwise_efficiency, _ = hardware.mode_constants(graph=s.graph)
     share = _cpu_share(s)
     peak_flops = hardware.peak_flops / share
-    compute_s = executed_rank / (peak_flops * efficiency)
+    fp8_flops = fp8["flops"] if fp8 else 0.0
+    compute_s = (executed_rank - fp8_flops) / (peak_flops * efficiency) + \
+        (fp8_flops / (fp8["peak_flops"] / share * efficiency) if fp8 else 0.0)
     none_acts = activation_bytes(s.args, tokens=s.tokens // p.cp, ac_mode="none", dtype_bytes=s.layout.compute_bytes,
                                  ep=p.ep, tp=p.tp, padded_values=s.padded_values)
     # Every intermediate is written in the forward and read and written in the backward (again when
     # recomputed); AdamW and clipping stream parameters, gradients and moments about twelve times.
     elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if s.ac != "none" else 0)) * t.grad_accum_steps \
-        + 12 * s.stored * s.layout.master_bytes()
+        + 12 * s.stored * s.layout.master_bytes() + (fp8["cast_bytes"] if fp8 else 0.0)
     elementwise_s = elementwise_bytes / (hardware.memory_bandwidth / share * elementwise_efficiency)
     comm_s = sum(c.bytes_per_step for c in collectives) / hardware.interconnect_bandwidth + \
         sum(c.calls for c in collectives) * hardware.collective_latency
@@ -757,7 +879,8 @@ def _step_time(s: _Setting, *, executed_rank: float, collectives: list) -> dict:
     return {"compute_s": compute_s, "elementwise_s": elementwise_s, "collectives_s": comm_s,
             "step_s_no_overlap": no_overlap, "step_s_overlap": overlap,
             "step_s": overlap if s.graph else no_overlap, "overlap_assumed": s.graph, "efficiency": efficiency,
-            "elementwise_efficiency": elementwise_efficiency}
+            "elementwise_efficiency": elementwise_efficiency,
+            **({"fp8_peak_flops": fp8["peak_flops"], "fp8_cast_bytes": fp8["cast_bytes"]} if fp8 else {})}
 
 
 def scanned_autograd_memory(args, *, layout: Layout, acts: ActivationBytes, seq_len: int,
@@ -890,6 +1013,10 @@ def _gb(x: float) -> str:
 
 # What each memory term of a plan is, for `titan-tpu plan --explain` (bytes per device).
 TERMS = {
+    "fp8_copies": "fp8 recipes: one layer's gathered weights and its largest activation in fp8, alive while its "
+                  "matmuls run (forward and backward moments)",
+    "fp8_scales": "fp8 recipes: the fp32 scales of one layer's fp8 matmuls (tensorwise 0-dim; rowwise a row and a "
+                  "column each)",
     "parameters": "the fp32 master weights this device stores (its shard under dp_shard, its slice under tp/ep)",
     "gradients": "their fp32 gradients, reduced and sharded like the parameters",
     "optimizer_state": "AdamW's two fp32 moments per stored parameter",
@@ -939,7 +1066,7 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
     for key in ("parameters", "reference", "gradients", "optimizer_state", "activations", "activation_recompute",
                 "gathered_weights", "full_size_gradient", "scan_saved_copies", "scan_flipped", "scan_gradient_stack",
                 "loss_kept", "loss_peak", "optimizer_temporary",
-                "moe_dispatch", "runtime"):
+                "moe_dispatch", "fp8_copies", "fp8_scales", "runtime"):
         if key in m and m[key]:
             note = "  (ep dispatch buffers, within activations)" if key == "moe_dispatch" else ""
             lines.append(f"  {key:22s}{_gb(m[key])}{note}")
@@ -954,6 +1081,13 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
                  "step "
                  f"{f['model_per_step_per_device'] / 1e12:,.3f} TFLOP model, "
                  f"{f['executed_per_step_per_device'] / 1e12:,.3f} TFLOP executed")
+    if "fp8_executed_per_step_per_device" in f:
+        lines.append(f"  fp8 ({b['fp8']}): {f['fp8_executed_per_step_per_device'] / 1e12:,.3f} TFLOP of it in the blocks' "
+                     f"linears as fp8 matmuls at {plan.time['fp8_peak_flops'] / 1e12:.4g} TFLOP/s; their casts "
+                     f"{plan.time['fp8_cast_bytes'] / 1e9:,.1f} GB of elementwise traffic")
+        note = fp8_note(Hardware(**hw))
+        if note:
+            lines.append(f"  note: {note}")
     if plan.communication:
         lines.append("communication per device per step:")
         for c in plan.communication:
@@ -970,7 +1104,8 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
                      f"{t['step_s_overlap']:.4g} s with")
         lines.append(f"predicted: {t['step_s']:.4g} s/step "
                      f"({'overlapped' if t['overlap_assumed'] else 'no overlap'}), "
-                     f"{plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1f}%; speed basis: {plan.speed_basis}")
+                     f"{plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1f}%"
+                     f"{' (of the bf16 peak)' if 'fp8' in b else ''}; speed basis: {plan.speed_basis}")
     for a in plan.advice:
         lines.append(f"to fit: {a}")
     c = plan.checkpoint

@@ -24,6 +24,12 @@ overhead per micro-batch, compile time, scan's steady-state cost): candidates wi
 best rate are ordered by fewer micro-batches, then fewer changes to the config, then lower peak
 memory.
 
+fp8 (the blocks' linears as fp8 matmuls, `[fp8]`) changes the numbers a run computes, so the search
+never turns it on by itself: with `allow_fp8` (`plan --search --allow-fp8`) every candidate is also
+planned with fp8.enabled true, on hardware with an fp8 peak (tpu7x, H100/H200, B200); elsewhere the
+search says in one line that fp8 gains nothing there and plans without it. A config with fp8 on is
+searched with it on.
+
 LoRA changes what a run trains (the base frozen, a low-rank update learned), so the search never
 trades full fine-tuning for it on speed: a config with lora.enabled is searched as LoRA, and one
 without it is searched as full fine-tuning. Only when no full fine-tuning candidate fits does the
@@ -43,7 +49,8 @@ from dataclasses import dataclass, field
 from titan_tpu.config import Config
 from titan_tpu.models.spec import model_spec
 from titan_tpu.plan.hardware import Hardware
-from titan_tpu.plan.planner import TPU_NAMES, Plan, default_hardware, plan_config, planning_machine
+from titan_tpu.plan.planner import (TPU_NAMES, Plan, default_hardware, fp8_note, fp8_setting, plan_config,
+                                    planning_machine)
 from titan_tpu.run_setup import prepare_run
 
 __all__ = ["KNOBS", "Candidate", "SearchResult", "search", "format_search"]
@@ -55,7 +62,7 @@ KNOBS = ("activation_checkpoint.mode", "model.scan_layers", "parallelism.reshard
 # dp_replicate, grad_accum_steps with batch_size.
 _SET = ("activation_checkpoint.mode", "model.scan_layers", "training.batch_size", "training.grad_accum_steps",
         "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.ep", "parallelism.reshard_after_forward",
-        "parallelism.bucket_mb", "lora.enabled")
+        "parallelism.bucket_mb", "lora.enabled", "fp8.enabled")
 BUCKETS_MB = (0.0, 25.0, 256.0)
 TIE = 0.005  # predicted rates this close (relative) are a tie: the planner cannot tell them apart
 
@@ -71,7 +78,7 @@ class Candidate:
 
     def describe(self) -> str:
         v = self.values
-        text = (f"{'LoRA, ' if v['lora.enabled'] else ''}AC {v['activation_checkpoint.mode']}, "
+        text = (f"{'fp8, ' if v.get('fp8.enabled') else ''}{'LoRA, ' if v['lora.enabled'] else ''}AC {v['activation_checkpoint.mode']}, "
                 f"{'scanned' if v['model.scan_layers'] else 'unrolled'}, "
                 f"micro-batch {v['training.batch_size']} x accum {v['training.grad_accum_steps']}")
         r, s = v["parallelism.dp_replicate"], v["parallelism.dp_shard"]
@@ -99,6 +106,7 @@ class SearchResult:
     lora_rank: int = 0  # the config's lora.rank, which the fallback plans with
     fitting: list = field(default_factory=list)  # Candidates, best first
     rejected: dict = field(default_factory=dict)  # reason -> [Candidate]
+    fp8_note: str = ""  # why fp8 was not searched although allowed ("" where it was, or was not asked for)
 
     @property
     def total(self) -> int:
@@ -114,6 +122,8 @@ def _fmt(value) -> str:
 
 
 def _get(cfg: Config, key: str):
+    if key == "fp8.enabled":
+        return fp8_setting(cfg)[0]
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
 
@@ -122,7 +132,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _space(cfg: Config, devices: int, keep: set[str]) -> list[dict]:
+def _space(cfg: Config, devices: int, keep: set[str], fp8: tuple[bool, ...] = (False,)) -> list[dict]:
     """Every combination of knob values (a dict per candidate, each key of _SET)."""
     args = model_spec(cfg.model).args
     t, p = cfg.training, cfg.parallelism
@@ -161,7 +171,7 @@ def _space(cfg: Config, devices: int, keep: set[str]) -> list[dict]:
                         "training.batch_size": b, "training.grad_accum_steps": max(per_device // b, 1),
                         "parallelism.dp_replicate": r, "parallelism.dp_shard": s, "parallelism.ep": ep,
                         "lora.enabled": cfg.lora.enabled})
-    return out
+    return [{**values, "fp8.enabled": on} for values in out for on in fp8]
 
 
 def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardware, chips: int | None) -> Candidate:
@@ -181,11 +191,12 @@ def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardwar
         c.reason, c.detail = "divisibility: ep", f"ep {ep} does not divide dp_shard {shard}"
         return c
     # The sections a candidate sets are copied; the rest is shared with the config, read only.
+    # fp8 is planned as a what-if (plan_config's fp8): the config's own [fp8] is left as it is.
     cfg = copy.copy(base)
-    for section in {key.split(".")[0] for key in values}:
+    for section in {key.split(".")[0] for key in values if key != "fp8.enabled"}:
         setattr(cfg, section, copy.copy(getattr(base, section)))
     for key, value in values.items():
-        if key == "parallelism.dp_shard" and base.parallelism.dp_shard == -1:
+        if key == "fp8.enabled" or (key == "parallelism.dp_shard" and base.parallelism.dp_shard == -1):
             continue
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, value)
@@ -197,7 +208,7 @@ def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardwar
         c.reason = f"config: {message.split(';')[0]}"
         c.detail = message
         return c
-    c.plan = plan_config(cfg, hardware, chips=chips)
+    c.plan = plan_config(cfg, hardware, chips=chips, fp8=values["fp8.enabled"])
     if not c.plan.fits:
         c.reason = "memory"
         c.detail = (f"peak {c.plan.peak_bytes / 1e9:.1f} GB at {c.plan.peak_phase} > {c.plan.capacity_bytes / 1e9:.1f} "
@@ -206,9 +217,10 @@ def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardwar
 
 
 def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None, keep=(),
-           measure: bool = True) -> SearchResult:
+           measure: bool = True, allow_fp8: bool = False) -> SearchResult:
     """Plan every candidate of the space around `cfg` (module docstring) on `hardware` (default:
-    what the config names) and rank those that fit. Raises ValueError (one line) when none fits."""
+    what the config names) and rank those that fit. Raises ValueError (one line) when none fits.
+    allow_fp8: plan every candidate with fp8 on too, where the hardware has an fp8 peak (module docstring)."""
     if not model_spec(cfg.model).plannable:
         raise ValueError("titan-tpu plan --search covers the native models (llama3, qwen3, qwen3_moe, deepseek_v3)")
     unknown = sorted(set(keep) - set(KNOBS))
@@ -229,7 +241,11 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
     per_device = cfg.training.batch_size * cfg.training.grad_accum_steps
     result = SearchResult(hardware=hardware, devices=devices, sequences_per_device=per_device,
                           seq_len=cfg.training.seq_len, tp=p.tp)
-    for values in _space(cfg, devices, set(keep)):
+    fp8 = (fp8_setting(cfg)[0],)
+    if allow_fp8 and not fp8[0]:
+        result.fp8_note = fp8_note(hardware) or ""
+        fp8 = (False,) if result.fp8_note else (False, True)
+    for values in _space(cfg, devices, set(keep), fp8):
         c = _candidate(cfg, values, per_device=per_device, hardware=hardware, chips=chips)
         if c.reason:
             result.rejected.setdefault(c.reason, []).append(c)
@@ -237,7 +253,7 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
             result.fitting.append(c)
     if not result.fitting and not cfg.lora.enabled and "lora.enabled" not in keep:
         # Full fine-tuning fits nowhere: the same space with LoRA (module docstring).
-        for values in _space(cfg, devices, set(keep)):
+        for values in _space(cfg, devices, set(keep), fp8):
             c = _candidate(cfg, {**values, "lora.enabled": True}, per_device=per_device, hardware=hardware,
                            chips=chips)
             if not c.reason:
@@ -296,6 +312,8 @@ def format_search(result: SearchResult, *, top: int = 5) -> str:
              f"sequence{'s' if result.sequences_per_device != 1 else ''} of "
              f"{result.seq_len} per {'data-parallel rank' if result.tp > 1 else 'device'} per step; "
              f"{result.total} candidates, {len(result.fitting)} fit"]
+    if result.fp8_note:
+        lines.append(f"fp8 not searched: {result.fp8_note}")
     if result.lora_fallback:
         lines.append(f"full fine-tuning fits in none of them; with LoRA (lora.rank {result.lora_rank}, "
                      "the base frozen) these fit, ranked: LoRA trains an update, not every weight (docs/lora.md)")
@@ -327,6 +345,7 @@ def search_json(result: SearchResult, *, top: int = 5) -> str:
         "hardware": dataclasses.asdict(result.hardware), "devices": result.devices,
         "sequences_per_device": result.sequences_per_device, "seq_len": result.seq_len, "tp": result.tp,
         "candidates": result.total, "fitting": len(result.fitting), "lora_fallback": result.lora_fallback,
+        "fp8_note": result.fp8_note,
         "best": [row(c) for c in result.fitting[:top]],
         "rejected": {reason: {"count": len(cands), "example": cands[0].describe(), "detail": cands[0].detail}
                      for reason, cands in result.rejected.items()},
