@@ -69,7 +69,7 @@ TIE = 0.005  # predicted rates this close (relative) are a tie: the planner cann
 
 @dataclass
 class Candidate:
-    values: dict  # config key -> value, for every key in _SET
+    values: dict  # config key -> value, for every key in _SET (fp8.enabled where fp8 is searched)
     changes: list  # ["--key", "value", ...]: what differs from the config
     plan: Plan | None = None
     reason: str = ""  # why rejected ("" when it fits)
@@ -78,7 +78,8 @@ class Candidate:
 
     def describe(self) -> str:
         v = self.values
-        text = (f"{'fp8, ' if v.get('fp8.enabled') else ''}{'LoRA, ' if v['lora.enabled'] else ''}AC {v['activation_checkpoint.mode']}, "
+        text = (f"{'fp8, ' if v.get('fp8.enabled') else ''}{'LoRA, ' if v['lora.enabled'] else ''}"
+                f"AC {v['activation_checkpoint.mode']}, "
                 f"{'scanned' if v['model.scan_layers'] else 'unrolled'}, "
                 f"micro-batch {v['training.batch_size']} x accum {v['training.grad_accum_steps']}")
         r, s = v["parallelism.dp_replicate"], v["parallelism.dp_shard"]
@@ -171,12 +172,13 @@ def _space(cfg: Config, devices: int, keep: set[str], fp8: tuple[bool, ...] = (F
                         "training.batch_size": b, "training.grad_accum_steps": max(per_device // b, 1),
                         "parallelism.dp_replicate": r, "parallelism.dp_shard": s, "parallelism.ep": ep,
                         "lora.enabled": cfg.lora.enabled})
-    return [{**values, "fp8.enabled": on} for values in out for on in fp8]
+    # fp8.enabled is a key of the candidates only where the search plans fp8 (search's allow_fp8)
+    return out if fp8 == (False,) else [{**values, "fp8.enabled": on} for values in out for on in fp8]
 
 
 def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardware, chips: int | None) -> Candidate:
     changes = []
-    for key in _SET:
+    for key in (key for key in _SET if key in values):
         # dp_shard -1 resolves to the devices dp_replicate leaves, whatever dp_replicate is.
         if key == "parallelism.dp_shard" and base.parallelism.dp_shard == -1:
             continue
@@ -208,7 +210,7 @@ def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardwar
         c.reason = f"config: {message.split(';')[0]}"
         c.detail = message
         return c
-    c.plan = plan_config(cfg, hardware, chips=chips, fp8=values["fp8.enabled"])
+    c.plan = plan_config(cfg, hardware, chips=chips, fp8=values.get("fp8.enabled"))
     if not c.plan.fits:
         c.reason = "memory"
         c.detail = (f"peak {c.plan.peak_bytes / 1e9:.1f} GB at {c.plan.peak_phase} > {c.plan.capacity_bytes / 1e9:.1f} "
