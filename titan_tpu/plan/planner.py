@@ -352,9 +352,9 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
         flops["fp8_executed_per_step_per_device"] = fp8_terms["flops"]
         memory["fp8_copies"] = fp8_terms["copies_bytes"]
         memory["fp8_scales"] = fp8_terms["scales_bytes"]
-        # transient within a layer's matmuls: added to the moments they occur in (forward and backward)
-        for phase in ("forward_end", "backward"):
-            phases[phase] += fp8_terms["copies_bytes"] + fp8_terms["scales_bytes"]
+        # transient within a layer's matmuls: alive in the backward moment (a layer's backward), not at
+        # the forward's end (the loss, outside the layers)
+        phases["backward"] += fp8_terms["copies_bytes"] + fp8_terms["scales_bytes"]
         peak_phase = max(phases, key=phases.get)
         peak = phases[peak_phase]
     collectives = _collectives(s)
@@ -1014,7 +1014,7 @@ def _gb(x: float) -> str:
 # What each memory term of a plan is, for `titan-tpu plan --explain` (bytes per device).
 TERMS = {
     "fp8_copies": "fp8 recipes: one layer's gathered weights and its largest activation in fp8, alive while its "
-                  "matmuls run (forward and backward moments)",
+                  "matmuls run (added to the backward moment)",
     "fp8_scales": "fp8 recipes: the fp32 scales of one layer's fp8 matmuls (tensorwise 0-dim; rowwise a row and a "
                   "column each)",
     "parameters": "the fp32 master weights this device stores (its shard under dp_shard, its slice under tp/ep)",

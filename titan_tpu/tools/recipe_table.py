@@ -67,7 +67,8 @@ def stage_line(recipe: str, report: dict) -> str:
             f"lowering {report['lower_seconds']:.0f} s ({report['operations']:,} operations), XLA compile "
             f"{report['compile_seconds']:.0f} s, {report.get('max_rss_bytes', 0) / GiB:.1f} GiB here; XLA peak "
             f"{report['peak_per_chip_bytes'] / GiB:.1f} GiB per chip, {report['flops_per_chip']:.3e} FLOPs as XLA "
-            f"counts (our formula so: {report['formula_as_xla_counts_per_chip'] / report['flops_per_chip']:.3f}x)")
+            f"counts (our formula so: {report['formula_as_xla_counts_per_chip'] / report['flops_per_chip']:.3f}x)"
+            + (f"; {report['f8_dots']} f8 dots (a loop body's once)" if report.get("f8_dots") else ""))
 
 
 @dataclass
@@ -163,7 +164,9 @@ def render(reports: Path = REPORTS) -> str:
         lines.append(f"- `{Path(row.recipe).name}`: {r['date']}, {r['cpu']}, libtpu {r['libtpu']}, JAX {r['jax']}; "
                      f"peak {r.get('max_rss_bytes', 0) / GiB:.1f} GiB of memory "
                      f"here; re-shard after forward {str(r.get('reshard_after_forward')).lower()}, "
-                     f"{r.get('grad_accum_steps', 1)} micro-batch(es).")
+                     f"{r.get('grad_accum_steps', 1)} micro-batch(es)"
+                     + (f"; {r['f8_dots']} matmuls on float8 operands in XLA's optimized program (a loop body's "
+                        "once)" if r.get("f8_dots") else "") + ".")
     lines += ["", _COLUMNS]
     return "\n".join(lines) + "\n"
 
