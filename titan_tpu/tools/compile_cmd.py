@@ -340,7 +340,8 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
     start = time.perf_counter()
     try:
         with host_memory_guard():
-            compiled = lowered.compile()
+            # the dump named per compile too: XLA_FLAGS is read once, when JAX starts its backends
+            compiled = lowered.compile(None if xla_dump is None else {"xla_dump_to": str(xla_dump)})
     except jax.errors.JaxRuntimeError as e:  # XLA refused the program: its own reason, in one line
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise ValueError(f"XLA's TPU compiler rejected the step: {reason[:400]}") from None
