@@ -322,13 +322,14 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from titan_tpu.graph.jax_lowering import jax_dtype
+    from titan_tpu.graph.jax_lowering import global_shape, jax_dtype
     from titan_tpu.tools.tpu_compile import jax_mesh, sharded_step
     from titan_tpu.tools.xla_dump import compile_stages, matmul_flops, optimized_hlo, peak_values, tpu_programs
 
     mesh = jax_mesh(step, devices)
-    spec = NamedSharding(mesh, PartitionSpec(*mesh.axis_names))
-    args = [jax.ShapeDtypeStruct(mesh.devices.shape + tuple(x.shape), jax_dtype(x.dtype), sharding=spec)
+    axes = tuple(mesh.axis_names)
+    args = [jax.ShapeDtypeStruct(global_shape(mesh, tuple(x.shape)), jax_dtype(x.dtype),
+                                 sharding=NamedSharding(mesh, PartitionSpec(axes) if x.dim() else PartitionSpec(*axes)))
             for x in step.captured.example_inputs]
     slices = step.captured.input_slices()
     donated = [i for group in donated_groups for i in range(len(args))[slices[group]]]
