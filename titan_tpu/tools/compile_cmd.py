@@ -200,9 +200,6 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
         "reshard_after_forward": reshard, "reshard_why": why, "documents": documents,
         "grad_accum_steps": t.grad_accum_steps,
         "memory_per_chip_bytes": peak["memory"], "peak_per_chip_bytes": peak["peak"], "peak_program": peak_name,
-        # the bytes alive at XLA's peak (its live ranges): the peak less what its packing of the
-        # temporaries into one allocation adds
-        "live_peak_per_chip_bytes": peak["live_peak"],
         "programs": {name: {k: v for k, v in p.items() if k not in ("text", "lowered_text")}
                      for name, p in programs.items()},
         "hbm_per_chip_bytes": hbm, "fits": None if hbm is None else peak["peak"] <= hbm,
@@ -355,11 +352,10 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
     cpu_s = time.process_time() - cpu_start
     kinds, peak, cost = xla_numbers(compiled.memory_analysis(), compiled.cost_analysis())
     new = sorted(tpu_programs(xla_dump) - before) if xla_dump is not None else []
-    at_peak, stages, matmuls, live = [], {}, None, None
+    at_peak, stages, matmuls = [], {}, None
     if new:  # XLA dumped the program (XLA_FLAGS=--xla_dump_to): its optimized HLO, what its peak holds
         text, collectives_from = optimized_hlo(new[-1]), "optimized HLO"
-        values = peak_values(new[-1])
-        at_peak, live = [dataclasses.asdict(v) for v in values[:PEAK_VALUES]], sum(v.bytes for v in values)
+        at_peak = [dataclasses.asdict(v) for v in peak_values(new[-1])[:PEAK_VALUES]]
         stages = compile_stages(new[-1])
         matmuls = matmul_flops(new[-1])
     else:
@@ -371,7 +367,7 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
         if collectives_from == "optimized HLO":
             (dump / "step.optimized.hlo").write_text(text)
     return {"memory": kinds,
-            "peak": peak, "live_peak": live,
+            "peak": peak,
             "flops": cost.get("flops"), "matmul_flops": matmuls, "bytes_accessed": cost.get("bytes accessed"),
             "lower_seconds": lower_s, "compile_seconds": compile_s, "cpu_seconds": cpu_s,
             "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),
@@ -420,9 +416,6 @@ def _format(report: dict) -> str:
     peak, hbm = report["peak_per_chip_bytes"], report["hbm_per_chip_bytes"]
     verdict = "" if hbm is None else f" of {hbm / GiB:.0f} GiB HBM: {'fits' if report['fits'] else 'does NOT fit'}"
     lines.append(f"  peak {peak / GiB:.3f} GiB (arguments + outputs - aliased + temporaries + code){verdict}")
-    if report.get("live_peak_per_chip_bytes"):
-        lines.append(f"  alive at that peak {report['live_peak_per_chip_bytes'] / GiB:.3f} GiB (XLA's live ranges; the "
-                     "rest is its packing of the temporaries)")
     flops = report["flops_per_chip"]
     lines.append(f"  FLOPs per step {flops:.3e} by XLA's cost analysis" if flops is not None
                  else "  FLOPs: not reported")
