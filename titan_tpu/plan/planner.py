@@ -642,6 +642,9 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
     per_layer = [s.adapter_params / blocks] * blocks if s.lora else _layer_params(s.args)
     layer_grad = [g * mb / (s.layout.dp_shard * s.layout.tp) for g in per_layer]
     below, above, worst = acts.saved, 0.0, 0.0
+    if _xla_scan_gradients_whole(s):  # the loop's gradient stack is allocated before its first trip
+        above = sum(layer_grad)
+        layer_grad = [0.0] * len(layer_grad)
     for saved, grad in zip(reversed(acts.saved_per_layer), reversed(layer_grad)):
         worst = max(worst, below + above + grad)
         below -= saved
@@ -661,6 +664,12 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
     if _xla_backward_end(s):
         phases["backward_end"] = static + grads_b + _xla_backward_end(s)
     return phases
+
+
+def _xla_scan_gradients_whole(s: _Setting) -> bool:
+    """Whether the backward loop's gradient stack is alive whole from its first trip: scanned
+    layers compiled by XLA, whose while loop carries the stack it writes."""
+    return s.cfg.compile.backend == "tpu" and s.graph and s.scanned
 
 
 def _xla_backward_end(s: _Setting) -> float:
