@@ -578,9 +578,17 @@ def _loss_bytes(s: _Setting) -> tuple[float, float]:
 
 
 def _gathered_bytes(s: _Setting) -> float:
-    """Gathered block weights alive at once (parallel/plan_terms.py)."""
-    return s.layout.gathered_bytes(block_params=s.block_params, expert_params=num_expert_params(s.args),
-                                   n_layers=s.args.n_layers)
+    """Gathered block weights alive at once (parallel/plan_terms.py); with the weights kept
+    gathered (gather "model") the embedding's and the output projection's gathered copies too,
+    kept from the forward to the backward like the blocks' (XLA's live ranges of
+    qwen3_8b_lora_chat_tpu: the gathered bf16 [vocab, dim] beside the gathered stacks)."""
+    blocks = s.layout.gathered_bytes(block_params=s.block_params, expert_params=num_expert_params(s.args),
+                                     n_layers=s.args.n_layers)
+    if s.gather != "model" or not s.layout.sharded:
+        return blocks
+    args = s.args
+    head = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) / s.cfg.parallelism.tp
+    return blocks + head * s.layout.compute_bytes
 
 
 def _full_gradient_bytes(s: _Setting) -> float:
