@@ -148,3 +148,33 @@ def test_fp8_runs_eager_captured_and_scanned_alike_and_learn_like_bf16(tmp_path,
         # Close, not bitwise: where the captured step's fp32 arithmetic differs in the last bit, a
         # value on an fp8 rounding boundary rounds the other way (measured: 3.4e-5 by step 5).
         assert run(name, fp8__enabled="true", fp8__scaling="rowwise", **extra) == pytest.approx(eager, rel=3e-4), name
+
+
+def test_a_transformers_backend_model_converts_and_trains_a_step():
+    """The HF backend (any architecture through transformers): its q_proj ... down_proj become
+    Float8 linears, lm_head stays; a step's loss is close to the plain model's and every converted
+    weight gets a gradient."""
+    pytest.importorskip("transformers")
+    from titan_tpu.models.hf.config import hf_args_from_config
+    from titan_tpu.models.hf.model import build_hf_model
+    from titan_tpu.parallel.simple_fsdp import materialize_and_init
+    from titan_tpu.tools.hf_sweep import sweep_batch, tiny_config
+
+    def model(fp8: bool):
+        m = build_hf_model(hf_args_from_config(tiny_config("llama")))
+        if fp8:
+            convert_to_float8(m, scaling="tensorwise", target_modules=[])
+        return materialize_and_init(m, None, mode="none", mp=None, device="cpu", seed=0)
+
+    plain, converted = model(False), model(True)
+    names = float8_modules(converted)
+    assert names and {n.rsplit(".", 1)[1] for n in names} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                 "up_proj", "down_proj"}
+    inputs, labels = sweep_batch()
+    losses = []
+    for m in (plain, converted):
+        loss = torch.nn.functional.cross_entropy(m(inputs).flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=0.01) and losses[1] != losses[0]
+    assert all(linear.weight.grad is not None and linear.weight.grad.abs().sum() > 0 for linear in names.values())
