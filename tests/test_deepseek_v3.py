@@ -384,7 +384,7 @@ def test_cpu_attention_pads_narrow_values_and_equals_the_reference():
 # ---------------------------------------------------------------------------------------------
 
 
-PARALLEL_STEPS = 20
+PARALLEL_STEPS = 10
 # (mode, ep, moe.load_balance, model.mtp_num_layers, scanned: the dense layer and the MoE layers as
 # two stacks); ep 2 by all_to_all. With MTP the block after the main model is an MoE layer too: its
 # experts are split over ep and its tokens travel by the same dispatch, and its loss is reported
@@ -459,7 +459,7 @@ def parallel_reference(load_balance: str, mtp_num_layers: int) -> tuple[list, di
 
 @pytest.mark.multiprocess
 def test_simple_fsdp_and_all_to_all_expert_parallel_train_like_one_process():
-    """2 ranks, 20 steps: SimpleFSDP alone, and with ep 2 by the all-to-all dispatch (each rank 4
+    """2 ranks, 10 steps: SimpleFSDP alone, and with ep 2 by the all-to-all dispatch (each rank 4
     of the 8 experts; with and without the balancing bias, eager and captured; with a multi-token
     prediction block, whose experts are split too) equal one process taking the same rows as 2
     micro-batches: losses (main, balancing, MTP) within 1e-5, the same routing, biases."""

@@ -63,3 +63,46 @@ def test_plan_refuses_a_report_of_another_slice_or_no_report(tmp_path, capsys):
     assert main(["plan", *CONFIG, "--xla", str(bad)]) != 0
     err = capsys.readouterr().err.strip()
     assert "not a report of `titan-tpu compile --json`" in err and "\n" not in err
+
+
+def test_plan_compares_with_the_matmuls_of_xla_program_where_the_report_has_them(tmp_path, capsys):
+    """Our formula counts matmuls only: with the matmul FLOPs of XLA's optimized program in the
+    report, the ratio is against them, not cost analysis's total (elementwise work included)."""
+    path = _report(tmp_path, formula_as_xla_counts_per_chip=7.6e10, xla_matmul_flops_per_chip=7.6e10)
+    assert main(["plan", *CONFIG, "--xla", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["xla"]["flops_ratio"] == pytest.approx(1.0)
+
+
+# Two programs in XLA's optimized-HLO text form: a dot, and a convolution whose padded window
+# reaches outside its input (the form XLA gives batched and outer products); a while loop's body
+# holds the dot, counted once as XLA's cost analysis counts it.
+_HLO = """\
+HloModule m
+
+%fused_computation.1 (param_0.1: bf16[8,64], param_1.1: bf16[64,32]) -> bf16[8,32] {
+  %param_0.1 = bf16[8,64]{1,0:T(8,128)(2,1)} parameter(0)
+  %param_1.1 = bf16[64,32]{1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %dot.1 = bf16[8,32]{1,0:T(8,128)(2,1)} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(local)/while/body/dot_general"}
+}
+
+%fused_computation.2 (param_0.2: bf16[2,16,40,30], param_1.2: bf16[32,16,7,4]) -> bf16[2,32,42,29] {
+  %param_0.2 = bf16[2,16,40,30]{3,2,1,0} parameter(0)
+  %param_1.2 = bf16[32,16,7,4]{3,2,1,0} parameter(1)
+  ROOT %convolution.2 = bf16[2,32,42,29]{3,2,1,0} convolution(%param_0.2, %param_1.2), window={size=7x4 pad=3_5x2_0}, dim_labels=bf01_oi01->bf01
+}
+"""
+
+
+def test_matmul_flops_counts_dots_and_the_taps_inside_a_convolution_input(tmp_path):
+    from titan_tpu.tools.xla_dump import matmul_flops
+
+    (tmp_path / "p.txt").write_text(_HLO)
+    (tmp_path / "p-live-range.txt").write_text("")
+
+    def taps(n, k, low, out):  # (output position, tap) pairs reading inside the input, by brute force
+        return sum(1 for t in range(k) for p in range(out) if 0 <= p + t - low < n)
+
+    dot = 2 * 8 * 32 * 64
+    convolution = 2 * 2 * 32 * 16 * taps(40, 7, 3, 42) * taps(30, 4, 2, 29)
+    assert convolution < 2 * 2 * 32 * 42 * 29 * 16 * 7 * 4  # the padding's taps are not counted
+    assert matmul_flops(tmp_path / "p") == dot + convolution

@@ -155,21 +155,31 @@ def _check_lora(cfg: Config) -> None:
                          "dropout); set lora.dropout 0")
 
 
-def _check_dpo(cfg: Config, sources: list[SourceConfig]) -> None:
-    """What training.objective = dpo needs (docs/dpo.md), and preference data only with it."""
-    preference = [s for s in sources if s.format == "preference"]
-    if cfg.training.objective != "dpo":
-        if preference:
-            raise ValueError("data format = preference holds preference pairs for training.objective = dpo; set "
-                             "--training.objective dpo, or use format text or chat")
-        return
-    if len(sources) != 1 or not preference:
-        raise ValueError("training.objective = dpo reads one source of preference pairs: set data.format = "
-                         "preference and data.source to a jsonl/parquet file of prompt, chosen, rejected rows")
+def _objective_data(cfg: Config, sources: list[SourceConfig], *, objective: str, fmt: str, rows: str,
+                    columns: str) -> bool:
+    """The checks DPO and GRPO share: their data format only with their objective, one source of
+    it, data parallelism alone. Whether `objective` is the run's."""
+    matching = [s for s in sources if s.format == fmt]
+    if cfg.training.objective != objective:
+        if matching:
+            raise ValueError(f"data format = {fmt} holds {rows} for training.objective = {objective}; set "
+                             f"--training.objective {objective}, or use format text or chat")
+        return False
+    if len(sources) != 1 or not matching:
+        raise ValueError(f"training.objective = {objective} reads one source of {rows}: set data.format = {fmt} "
+                         f"and data.source to a jsonl/parquet file {columns}")
     p = cfg.parallelism
     if p.tp > 1 or p.cp > 1 or p.ep > 1:
-        raise ValueError(f"training.objective = dpo runs with data parallelism (dp_shard, dp_replicate); got "
-                         f"parallelism.tp = {p.tp}, cp = {p.cp}, ep = {p.ep}: set them to 1")
+        raise ValueError(f"training.objective = {objective} runs with data parallelism (dp_shard, dp_replicate); "
+                         f"got parallelism.tp = {p.tp}, cp = {p.cp}, ep = {p.ep}: set them to 1")
+    return True
+
+
+def _check_dpo(cfg: Config, sources: list[SourceConfig]) -> None:
+    """What training.objective = dpo needs (docs/dpo.md), and preference data only with it."""
+    if not _objective_data(cfg, sources, objective="dpo", fmt="preference", rows="preference pairs",
+                           columns="of prompt, chosen, rejected rows"):
+        return
     if cfg.kernels.loss == "tokamax":
         raise ValueError("kernels.loss = tokamax cannot skip the prompt tokens of preference pairs (no ignore "
                          "index); use --kernels.loss chunked")
@@ -177,19 +187,10 @@ def _check_dpo(cfg: Config, sources: list[SourceConfig]) -> None:
 
 def _check_grpo(cfg: Config, sources: list[SourceConfig]) -> None:
     """What training.objective = grpo needs (docs/grpo.md), and prompt rows only with it."""
-    prompts = [s for s in sources if s.format == "prompts"]
-    t, g, p = cfg.training, cfg.grpo, cfg.parallelism
-    if t.objective != "grpo":
-        if prompts:
-            raise ValueError("data format = prompts holds prompt rows for training.objective = grpo; set "
-                             "--training.objective grpo, or use format text or chat")
+    if not _objective_data(cfg, sources, objective="grpo", fmt="prompts", rows="prompt rows",
+                           columns="with a prompt column"):
         return
-    if len(sources) != 1 or not prompts:
-        raise ValueError("training.objective = grpo reads one source of prompt rows: set data.format = prompts and "
-                         "data.source to a jsonl/parquet file with a prompt column")
-    if p.tp > 1 or p.cp > 1 or p.ep > 1:
-        raise ValueError(f"training.objective = grpo runs with data parallelism (dp_shard, dp_replicate); got "
-                         f"parallelism.tp = {p.tp}, cp = {p.cp}, ep = {p.ep}: set them to 1")
+    t, g = cfg.training, cfg.grpo
     if t.mode != "eager":
         raise ValueError("training.objective = grpo runs in training.mode = eager (its batches' lengths follow the "
                          "samples); set --training.mode eager")

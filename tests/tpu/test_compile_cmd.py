@@ -21,7 +21,7 @@ def _summary(name: str, report: dict) -> None:
                             f"MiB/chip, aliased {report['memory_per_chip_bytes']['aliased'] / 2**20:.1f} MiB")
 
 
-def test_compile_moe_with_expert_parallelism_for_v5p():
+def test_compile_moe_with_expert_parallelism_for_v5p(tmp_path):
     """qwen3_moe debug on 4 v5p chips, dp_shard 4 with ep 2 and ep_dispatch all_to_all: the expert
     mesh's two axes become JAX mesh axes, tokens reach their experts by XLA's ragged all-to-all
     over ep (TorchTPU's ragged_all_to_all, as the trainer sends them on a TPU). The TPU's
@@ -31,8 +31,12 @@ def test_compile_moe_with_expert_parallelism_for_v5p():
     cfg = build_config("configs/qwen3_moe_debug.toml", ["--training.batch_size=1", "--training.seq_len=128",
                                                         "--parallelism.dp_shard=4", "--parallelism.ep=2",
                                                         "--parallelism.ep_dispatch=all_to_all"])
-    report = compile_step_for_tpu(cfg, "v5p:2x2x1")
+    report = compile_step_for_tpu(cfg, "v5p:2x2x1", xla_dump=tmp_path)
     assert report["mesh"] == {"dp_shard_mod_ep": 2, "ep": 2}
+    # Our formula (matmuls only, the routed experts inside gmm and tgmm left out) against the dots
+    # and convolutions of XLA's optimized program; cost analysis's total adds the elementwise work.
+    counted, matmuls = report["formula_as_xla_counts_per_chip"], report["xla_matmul_flops_per_chip"]
+    assert abs(counted / matmuls - 1) < 0.03 and matmuls < report["flops_per_chip"], (counted, matmuls)
     assert report["fits"] and report["memory_per_chip_bytes"]["aliased"] > 0
     # Per MoE layer: tokens, routing and weights out, outputs back, and the backward's two.
     assert {"all-gather", "reduce-scatter", "ragged-all-to-all"} <= set(report["collectives"])

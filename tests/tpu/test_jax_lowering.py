@@ -26,7 +26,7 @@ from titan_tpu.graph.jax_lowering import LOWERINGS, JaxLoweringError, check_lowe
 from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.mesh import dp_rank_and_size
 from titan_tpu.tools.device_step import build_device_model, capture_device_step, fake_world
-from titan_tpu.tools.tpu_compile import jax_mesh, run_on_devices, sharded_step
+from titan_tpu.tools.tpu_compile import global_inputs, jax_mesh, run_on_devices, sharded_step
 from titan_tpu.tracing import one_program_for_every_rank
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
@@ -211,9 +211,7 @@ def _check_lowered_step(name, layout, scan, monkeypatch, batch=BATCH, seq=SEQ, c
     outputs = run_on_devices(steps, per_device, jax.devices("cpu"))
     if scan:  # the forward and the backward each one while loop over the layers, not unrolled
         mesh = jax_mesh(step, jax.devices("cpu"))
-        stacked = [np.stack([np.asarray(x) for x in inputs]).reshape(mesh.devices.shape + np.shape(inputs[0]))
-                   for inputs in zip(*per_device)]
-        text = jax.jit(sharded_step(step, mesh)).lower(*stacked).as_text()
+        text = jax.jit(sharded_step(step, mesh)).lower(*global_inputs(mesh, per_device)).as_text()
         assert text.count("stablehlo.while") == 2, text.count("stablehlo.while")
         # The backward loop runs in reverse over the stacks as they are (graph/reverse_scan.py
         # mark_reverse_scans), as TorchTPU builds it: no reversed copy of any stack. (Context

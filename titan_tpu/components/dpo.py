@@ -56,26 +56,14 @@ def preference_data(c: Components, *, log: Callable[[str], None]):
 
 
 def _pair_tokenizer(source: str, *, vocab_size: int, cache_dir: str, log: Callable[[str], None]):
-    """A byte-level BPE of the model's vocabulary trained on the plain-text rows of `source`,
-    cached by the files' fingerprint (a run and its resume read the same tokenizer)."""
-    import hashlib
-    import json
-    from pathlib import Path
-
-    from titan_tpu.components.runtime import default_cache_dir
+    """A BPE of the model's vocabulary trained on the plain-text columns of the preference pairs."""
+    from titan_tpu.components.runtime import cached_bpe_tokenizer
     from titan_tpu.data.preference import COLUMNS, read_preference_rows
-    from titan_tpu.data.sources import files_fingerprint, resolve_files
-    from titan_tpu.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
-    key = hashlib.sha256(json.dumps([files_fingerprint(resolve_files(source)), vocab_size]).encode()).hexdigest()[:16]
-    path = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"preference-{key}.json"
-    if path.is_file():
-        return load_tokenizer(path)
-    texts = [row[c] for _, row in read_preference_rows(source) for c in COLUMNS if isinstance(row[c], str)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"data: training a {vocab_size}-token BPE on the preference pairs (no data.tokenizer_path)")
-    tokenizer = train_bpe_tokenizer(texts, vocab_size=vocab_size, save_path=path)
-    return load_tokenizer(path) if tokenizer.path is None else tokenizer
+    def texts() -> list[str]:
+        return [row[c] for _, row in read_preference_rows(source) for c in COLUMNS if isinstance(row[c], str)]
+
+    return cached_bpe_tokenizer(source, texts, kind="preference", vocab_size=vocab_size, cache_dir=cache_dir, log=log)
 
 
 def dpo_objective(c: Components) -> DPOObjective:

@@ -72,27 +72,16 @@ def _stop_ids(tokenizer, template) -> set[int]:
 
 
 def _prompt_tokenizer(source: str, *, vocab_size: int, cache_dir: str, log: Callable[[str], None]):
-    """A byte-level BPE of the model's vocabulary trained on the text of the prompt rows (prompts
-    and string columns), cached by the files' fingerprint (a run and its resume read the same one)."""
-    import hashlib
-    import json
-    from pathlib import Path
-
-    from titan_tpu.components.runtime import default_cache_dir
+    """A BPE of the model's vocabulary trained on the text of the prompt rows (prompts and string
+    columns)."""
+    from titan_tpu.components.runtime import cached_bpe_tokenizer
     from titan_tpu.data.preference import read_rows
-    from titan_tpu.data.sources import files_fingerprint, resolve_files
-    from titan_tpu.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
-    key = hashlib.sha256(json.dumps([files_fingerprint(resolve_files(source)), vocab_size]).encode()).hexdigest()[:16]
-    path = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"prompts-{key}.json"
-    if path.is_file():
-        return load_tokenizer(path)
-    texts = [v for _, row in read_rows(source, columns=("prompt",), what="prompt data") for v in row.values()
-             if isinstance(v, str)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"data: training a {vocab_size}-token BPE on the prompt rows (no data.tokenizer_path)")
-    tokenizer = train_bpe_tokenizer(texts, vocab_size=vocab_size, save_path=path)
-    return load_tokenizer(path) if tokenizer.path is None else tokenizer
+    def texts() -> list[str]:
+        return [v for _, row in read_rows(source, columns=("prompt",), what="prompt data") for v in row.values()
+                if isinstance(v, str)]
+
+    return cached_bpe_tokenizer(source, texts, kind="prompt", vocab_size=vocab_size, cache_dir=cache_dir, log=log)
 
 
 def grpo_objective(c: Components) -> GRPOObjective:

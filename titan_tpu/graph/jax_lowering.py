@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +45,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import titan_tpu.kernels.grouped_mm  # noqa: F401 - registers the titan_tpu:: custom ops the table names
 from titan_tpu.graph.reverse_scan import marked_reverse
 
-__all__ = ["LOWERINGS", "JaxLoweringError", "functional_graph", "jax_dtype", "rank_constants", "shard_step",
-           "to_jax"]
+__all__ = ["LOWERINGS", "JaxLoweringError", "functional_graph", "global_shape", "jax_dtype", "rank_constants",
+           "shard_step", "to_jax"]
 
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
@@ -749,20 +749,34 @@ def _as_traced(value, val, node):
     return value
 
 
-def shard_step(fn: Callable, mesh: jax.sharding.Mesh, num_inputs: int) -> Callable:
+def shard_step(fn: Callable, mesh: jax.sharding.Mesh, input_ndims: Sequence[int],
+               output_ndims: Sequence[int]) -> Callable:
     """`fn` (one device's step, from `to_jax`) over every device of `mesh`, with shard_map.
 
-    Every input and output is given as the stack of its per-device values: shape
-    [*mesh.devices.shape, *local shape], device (i, j, ...) holding entry [i, j, ...]. Uniform for
-    sharded parameters, replicated scalars and per-rank batches alike, and exactly the per-device
-    bytes the trainer holds (what memory_analysis then reports per chip)."""
+    Every input and output is given as its per-device values laid end to end (`global_shape`):
+    a value of one or more dimensions concatenated along its first, device (i, j, ...) holding the
+    row-major (i, j, ...)th block; a scalar stacked, [*mesh.devices.shape]. Uniform for sharded
+    parameters, replicated values and per-rank batches alike, exactly the per-device bytes the
+    trainer holds (what memory_analysis then reports per chip), and each device's block is its
+    tensor with no extra axes: a stacked form ([1, 1, *local]) leaves size-1 axes that XLA's
+    layouts can pad (a gathered bf16 [1, vocab, dim] took twice its bytes)."""
     from jax.sharding import PartitionSpec
 
-    spec = PartitionSpec(*mesh.axis_names)
-    lead = len(mesh.axis_names)
+    axes = tuple(mesh.axis_names)
 
-    def local(*stacked):
-        outputs = fn(*(x.reshape(x.shape[lead:]) for x in stacked))
-        return [jnp.reshape(y, (1,) * lead + tuple(jnp.shape(y))) for y in outputs]
+    def spec(ndim: int) -> PartitionSpec:
+        return PartitionSpec(axes) if ndim else PartitionSpec(*axes)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * num_inputs, out_specs=spec, check_vma=False)
+    def local(*inputs):
+        outputs = fn(*(x if ndim else x.reshape(()) for x, ndim in zip(inputs, input_ndims)))
+        return [y if ndim else jnp.reshape(y, (1,) * len(axes)) for y, ndim in zip(outputs, output_ndims)]
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec(n) for n in input_ndims),
+                         out_specs=[spec(n) for n in output_ndims], check_vma=False)
+
+
+def global_shape(mesh: jax.sharding.Mesh, local_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape `shard_step` takes a value of `local_shape` on every device in."""
+    if not local_shape:
+        return tuple(mesh.devices.shape)
+    return (mesh.devices.size * local_shape[0], *local_shape[1:])

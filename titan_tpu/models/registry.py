@@ -184,7 +184,10 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
     reference_forward: DPO's frozen reference runs its own forward (its own loop), a third of a
     trained token's work. logits_recomputed: the compiled program computes the output projection's
     logits twice (XLA's tpu7x compile rematerializes them for the backward of the plain-XLA loss:
-    two [tokens, vocab] products in its HLO where v5p and v6e have one). Norms,
+    two [tokens, vocab] products in its HLO where v5p and v6e have one). A scanned stack of one
+    layer (the 16B DeepSeek's single dense layer) is a loop of one trip: XLA inlines it and merges
+    checkpointing's rerun with the forward it repeats, so its optimized HLO has no rerun to count.
+    Norms,
     softmax, SiLU, the optimizer are not counted (as in flops_per_token)."""
     blocks = args.n_layers + args.mtp_num_layers
     head = head_flops_per_token(args)
@@ -194,15 +197,18 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
     causal = 6.0 * args.n_heads * attention_head_dim(args) * seq_len
     block_attention = {"kernel": 0.0, "full": 2 * causal, "causal": causal}[attention]
 
-    def feed_forward(moe_layer: bool) -> tuple[float, float]:
-        """(the layer kind's feed-forward FLOPs per token as XLA counts them, its down projection's)."""
+    def feed_forward(moe_layer: bool) -> tuple[float, float, float]:
+        """(the layer kind's feed-forward FLOPs per token, the part of them XLA counts (not the
+        routed experts' inside gmm and tgmm), its down projection's as XLA counts them)."""
         if not moe_layer:
-            return 6.0 * 3 * args.dim * args.ffn_hidden_dim, 2.0 * args.dim * args.ffn_hidden_dim
+            dense = 6.0 * 3 * args.dim * args.ffn_hidden_dim
+            return dense, dense, 2.0 * args.dim * args.ffn_hidden_dim
         moe = args.moe
         experts = moe.num_shared_experts + (0 if experts_in_kernel else moe.top_k)
-        active = args.dim * moe.num_experts + (moe.num_shared_experts + moe.top_k) * 3 * args.dim * moe.hidden_dim
-        return (6.0 * active - (6.0 * moe.top_k * 3 * args.dim * moe.hidden_dim if experts_in_kernel else 0.0),
-                2.0 * args.dim * moe.hidden_dim * experts)
+        active = 6.0 * (args.dim * moe.num_experts
+                        + (moe.num_shared_experts + moe.top_k) * 3 * args.dim * moe.hidden_dim)
+        in_kernel = 6.0 * moe.top_k * 3 * args.dim * moe.hidden_dim if experts_in_kernel else 0.0
+        return active, active - in_kernel, 2.0 * args.dim * moe.hidden_dim * experts
 
     kinds = [args.is_moe_layer(i) for i in range(blocks)]
     shared = block_matmuls - sum(feed_forward(k)[0] for k in kinds) / blocks  # attention and the rest
@@ -211,12 +217,14 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
     weights = 4.0 / 6.0 if frozen_base else 1.0  # no weight gradients for a frozen base
 
     def block(moe_layer: bool) -> float:
-        ffn, down = feed_forward(moe_layer)
+        _, ffn, down = feed_forward(moe_layer)
         per_block = shared + ffn + block_attention
+        one_trip_loop = layers_counted < blocks and kinds[:args.n_layers].count(moe_layer) == 1
+        rerun = recompute and not one_trip_loop
         # full checkpointing reruns the block's forward, without its down projection (recomputed_flops_per_token)
-        return (shared + ffn) * weights + block_attention + (per_block / 3 - down if recompute else 0.0)
+        return (shared + ffn) * weights + block_attention + (per_block / 3 - down if rerun else 0.0)
 
-    reference = (head + sum(shared + feed_forward(k)[0] + block_attention for k in counted)) / 3
+    reference = (head + sum(shared + feed_forward(k)[1] + block_attention for k in counted)) / 3
     return head * weights + sum(block(k) for k in counted) + (reference if reference_forward else 0.0) + \
         (head / 3 if logits_recomputed else 0.0)
 

@@ -12,10 +12,11 @@ tokens/s and MFU. It adds up terms that live beside the code they describe:
 * AdamW: two moments like each parameter, and one temporary like the parameters during its update
   (train/optim.py: the foreach sqrt of the second moment).
 
-Memory is the largest of three moments of a step (rank 0's view; every rank is alike):
+Memory is the largest of the moments of a step (rank 0's view; every rank is alike):
 forward end (all activations kept, the loss kernel at its peak), backward (activations of the
 layers below and gradients of the layers above, plus one recomputed layer and the largest
-full-size gradient) and the optimizer update (gradients and the AdamW temporary).
+full-size gradient), under XLA the backward's end (`_xla_backward_end`) and the optimizer update
+(gradients and the AdamW temporary).
 
 Time: compute = executed FLOPs (the model's, plus the recomputed forward under full activation
 checkpointing) / (peak x efficiency); elementwise work = memory traffic of the activations and of
@@ -596,9 +597,17 @@ def _loss_bytes(s: _Setting) -> tuple[float, float]:
 
 
 def _gathered_bytes(s: _Setting) -> float:
-    """Gathered block weights alive at once (parallel/plan_terms.py)."""
-    return s.layout.gathered_bytes(block_params=s.block_params, expert_params=num_expert_params(s.args),
-                                   n_layers=s.args.n_layers)
+    """Gathered block weights alive at once (parallel/plan_terms.py); with the weights kept
+    gathered (gather "model") the embedding's and the output projection's gathered copies too,
+    kept from the forward to the backward like the blocks' (XLA's live ranges of
+    qwen3_8b_lora_chat_tpu: the gathered bf16 [vocab, dim] beside the gathered stacks)."""
+    blocks = s.layout.gathered_bytes(block_params=s.block_params, expert_params=num_expert_params(s.args),
+                                     n_layers=s.args.n_layers)
+    if s.gather != "model" or not s.layout.sharded:
+        return blocks
+    args = s.args
+    head = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) / s.cfg.parallelism.tp
+    return blocks + head * s.layout.compute_bytes
 
 
 def _full_gradient_bytes(s: _Setting) -> float:
@@ -660,6 +669,9 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
     per_layer = [s.adapter_params / blocks] * blocks if s.lora else _layer_params(s.args)
     layer_grad = [g * mb / (s.layout.dp_shard * s.layout.tp) for g in per_layer]
     below, above, worst = acts.saved, 0.0, 0.0
+    if _xla_scan_gradients_whole(s):  # the loop's gradient stack is allocated before its first trip
+        above = sum(layer_grad)
+        layer_grad = [0.0] * len(layer_grad)
     for saved, grad in zip(reversed(acts.saved_per_layer), reversed(layer_grad)):
         worst = max(worst, below + above + grad)
         below -= saved
@@ -675,7 +687,26 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
         backward = static + acts.head + loss_kept + scan.flipped + scan.gradients + max(acts.saved_per_layer) + \
             full_grad + accumulating
     optimizer = static + grads_b + _optimizer_temporary_bytes(s)
-    return {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
+    phases = {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
+    if _xla_backward_end(s):
+        phases["backward_end"] = static + grads_b + _xla_backward_end(s)
+    return phases
+
+
+def _xla_scan_gradients_whole(s: _Setting) -> bool:
+    """Whether the backward loop's gradient stack is alive whole from its first trip: scanned
+    layers compiled by XLA, whose while loop carries the stack it writes."""
+    return s.cfg.compile.backend == "tpu" and s.graph and s.scanned
+
+
+def _xla_backward_end(s: _Setting) -> float:
+    """What XLA's TPU program holds at the backward's end beside every gradient shard: three fp32
+    [vocab, dim] matrices at once, the output projection's full-size gradient (computed first,
+    its reduce-scatter scheduled late), the embedding's scatter-add gradient and its cast (XLA's
+    live ranges of qwen3_8b_graph_tpu at its peak). Sharded, trained embeddings under XLA only."""
+    if s.cfg.compile.backend != "tpu" or not s.graph or s.lora or s.layout.dp_shard * s.layout.dp_replicate == 1:
+        return 0.0
+    return 3.0 * s.args.vocab_size * s.args.dim * s.layout.master_bytes() / s.cfg.parallelism.tp
 
 
 def _copies_gathered(s: _Setting, gathered: float, scan: ScanAutogradMemory) -> float:

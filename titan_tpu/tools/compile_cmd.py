@@ -204,6 +204,10 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
                      for name, p in programs.items()},
         "hbm_per_chip_bytes": hbm, "fits": None if hbm is None else peak["peak"] <= hbm,
         "flops_per_chip": flops,
+        # the dots and convolutions of XLA's optimized program (tools/xla_dump.py matmul_flops): what our
+        # formula counts; cost analysis's total also counts every elementwise op
+        "xla_matmul_flops_per_chip": sum(runs[name] * p["matmul_flops"] for name, p in programs.items())
+        if all(p["matmul_flops"] is not None for p in programs.values()) else None,
         "bytes_accessed_per_chip": sum(runs[name] * (p["bytes_accessed"] or 0.0) for name, p in programs.items()),
         "tokens_per_chip": tokens_per_chip,
         "formula_flops_per_chip": flops_per_token * tokens_per_chip,
@@ -319,13 +323,15 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from titan_tpu.graph.jax_lowering import jax_dtype
+    from titan_tpu.graph.jax_lowering import global_shape, jax_dtype
     from titan_tpu.tools.tpu_compile import jax_mesh, sharded_step
-    from titan_tpu.tools.xla_dump import compile_stages, f8_dots, optimized_hlo, peak_values, tpu_programs
+    from titan_tpu.tools.xla_dump import (compile_stages, f8_dots, matmul_flops, optimized_hlo, peak_values,
+                                          tpu_programs)
 
     mesh = jax_mesh(step, devices)
-    spec = NamedSharding(mesh, PartitionSpec(*mesh.axis_names))
-    args = [jax.ShapeDtypeStruct(mesh.devices.shape + tuple(x.shape), jax_dtype(x.dtype), sharding=spec)
+    axes = tuple(mesh.axis_names)
+    args = [jax.ShapeDtypeStruct(global_shape(mesh, tuple(x.shape)), jax_dtype(x.dtype),
+                                 sharding=NamedSharding(mesh, PartitionSpec(axes) if x.dim() else PartitionSpec(*axes)))
             for x in step.captured.example_inputs]
     slices = step.captured.input_slices()
     donated = [i for group in donated_groups for i in range(len(args))[slices[group]]]
@@ -337,7 +343,8 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
     start = time.perf_counter()
     try:
         with host_memory_guard():
-            compiled = lowered.compile()
+            # the dump named per compile too: XLA_FLAGS is read once, when JAX starts its backends
+            compiled = lowered.compile(None if xla_dump is None else {"xla_dump_to": str(xla_dump)})
     except jax.errors.JaxRuntimeError as e:  # XLA refused the program: its own reason, in one line
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise ValueError(f"XLA's TPU compiler rejected the step: {reason[:400]}") from None
@@ -347,11 +354,12 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
     cpu_s = time.process_time() - cpu_start
     kinds, peak, cost = xla_numbers(compiled.memory_analysis(), compiled.cost_analysis())
     new = sorted(tpu_programs(xla_dump) - before) if xla_dump is not None else []
-    at_peak, stages = [], {}
+    at_peak, stages, matmuls = [], {}, None
     if new:  # XLA dumped the program (XLA_FLAGS=--xla_dump_to): its optimized HLO, what its peak holds
         text, collectives_from = optimized_hlo(new[-1]), "optimized HLO"
         at_peak = [dataclasses.asdict(v) for v in peak_values(new[-1])[:PEAK_VALUES]]
         stages = compile_stages(new[-1])
+        matmuls = matmul_flops(new[-1])
     else:
         # libtpu 0.0.52 cannot print some async collectives it made (a RET_CHECK, logged at length)
         text, collectives_from = lowered_text, "StableHLO, before XLA's passes"
@@ -362,7 +370,7 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
             (dump / "step.optimized.hlo").write_text(text)
     return {"memory": kinds,
             "peak": peak,
-            "flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
+            "flops": cost.get("flops"), "matmul_flops": matmuls, "bytes_accessed": cost.get("bytes accessed"),
             "lower_seconds": lower_s, "compile_seconds": compile_s, "cpu_seconds": cpu_s,
             "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),
             "f8_dots": f8_dots(text),  # matmuls on float8 operands (fp8 recipes), loop bodies once
@@ -412,14 +420,20 @@ def _format(report: dict) -> str:
     verdict = "" if hbm is None else f" of {hbm / GiB:.0f} GiB HBM: {'fits' if report['fits'] else 'does NOT fit'}"
     lines.append(f"  peak {peak / GiB:.3f} GiB (arguments + outputs - aliased + temporaries + code){verdict}")
     flops = report["flops_per_chip"]
-    lines.append(f"  FLOPs per step {flops:.3e}" if flops is not None else "  FLOPs: not reported")
+    lines.append(f"  FLOPs per step {flops:.3e} by XLA's cost analysis" if flops is not None
+                 else "  FLOPs: not reported")
     if report["formula_flops_per_chip"]:
         lines[-1] += f" (our formula {report['formula_flops_per_chip']:.3e})"
+    matmuls = report.get("xla_matmul_flops_per_chip")
+    if matmuls:
+        lines.append(f"  of them in the dots and convolutions of XLA's optimized program {matmuls:.3e} (the rest, "
+                     f"{1 - matmuls / flops:.1%}, elementwise work)")
     if report.get("formula_as_xla_counts_per_chip"):
         counted = report["formula_as_xla_counts_per_chip"]
         lines.append(f"  our formula counted as XLA counts (scanned loop bodies once, no work inside the Pallas "
                      f"kernels, checkpointing's rerun): {counted:.3e}"
-                     + (f" ({counted / flops:.3f}x XLA's)" if flops else ""))
+                     + (f" ({counted / compared_flops(report):.3f}x XLA's {'matmuls' if matmuls else 'FLOPs'})"
+                        if flops else ""))
     if report.get("loop_body_counted_once"):
         lines.append("  (scanned layers: XLA counts each while loop's body once, so its FLOPs are the step outside "
                      "the layers plus one layer's forward and backward)")
@@ -479,6 +493,13 @@ def compile_main(argv: list[str]) -> int:
     return 0
 
 
+def compared_flops(report: dict) -> float | None:
+    """The XLA count our formula is compared with: the matmul FLOPs of XLA's optimized program where
+    the report has them (our formula counts matmuls only; under expert parallelism XLA's cost
+    analysis adds much elementwise work on the dispatch buffers), else its cost analysis's total."""
+    return report.get("xla_matmul_flops_per_chip") or report["flops_per_chip"]
+
+
 def xla_beside_plan(plan, path: str, compiled=None) -> tuple[str, dict]:
     """(lines for `titan-tpu plan --xla PATH`, the comparison as a dict): XLA's per-chip numbers
     from a saved `titan-tpu compile --json` report beside the plan's. The report must be of the
@@ -487,7 +508,7 @@ def xla_beside_plan(plan, path: str, compiled=None) -> tuple[str, dict]:
     compared with XLA's; default: `plan`'s."""
     try:
         report = json.loads(Path(path).read_text())
-        xla_peak, xla_flops = report["peak_per_chip_bytes"], report["flops_per_chip"]
+        xla_peak, xla_flops = report["peak_per_chip_bytes"], compared_flops(report)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--xla {path}: not a report of `titan-tpu compile --json` ({type(e).__name__}: {e}); "
                          "save one with titan-tpu compile --config ... --json > xla.json") from e
@@ -514,7 +535,9 @@ def xla_beside_plan(plan, path: str, compiled=None) -> tuple[str, dict]:
              f"{compiled.peak_bytes / 1e9:.3f} GB ({beside['peak_ratio']:.2f}x XLA's; as a TPU runs it "
              f"{plan.peak_bytes / 1e9:.3f} GB)"]
     if xla_flops and counted:
-        lines.append(f"  FLOPs per step {xla_flops / 1e12:,.3f} TFLOP as XLA counts them (scanned loop bodies once, no "
+        counted_in = ("in the dots and convolutions of its program" if report.get("xla_matmul_flops_per_chip")
+                      else "by its cost analysis")
+        lines.append(f"  FLOPs per step {xla_flops / 1e12:,.3f} TFLOP {counted_in} (scanned loop bodies once, no "
                      f"work inside the Pallas kernels); our formula counted so {counted / 1e12:,.3f} TFLOP "
                      f"({beside['flops_ratio']:.3f}x XLA's); the plan's whole step {plan_flops / 1e12:,.3f} TFLOP")
     elif xla_flops:

@@ -292,35 +292,23 @@ def _simple(key: str, ylabel: str, *, log: bool = False):
     return plot
 
 
-def _plot_rewards(ax, runs, colors) -> bool:
-    drawn = False
-    for key, style in (("rewards/chosen", "-"), ("rewards/rejected", "--"), ("rewards/margins", ":")):
-        drawn |= _line_plot(ax, runs, colors, key, label_suffix=f" {key.split('/')[1]}", style=style)
-    ax.set_ylabel("reward")
-    return drawn
+def _lines(ylabel: str, *series: tuple[str, str, str]):
+    """A plot of several metrics on one axis: (metric key, label suffix, line style) each."""
+    def plot(ax, runs, colors) -> bool:
+        drawn = False
+        for key, suffix, style in series:
+            drawn |= _line_plot(ax, runs, colors, key, label_suffix=suffix, style=style)
+        ax.set_ylabel(ylabel)
+        return drawn
+    return plot
 
 
-def _plot_grpo_reward(ax, runs, colors) -> bool:
-    drawn = _line_plot(ax, runs, colors, "reward", label_suffix=" mean")
-    drawn |= _line_plot(ax, runs, colors, "reward_std", label_suffix=" std within groups", style="--")
-    ax.set_ylabel("reward")
-    return drawn
-
-
-def _plot_grpo_lengths(ax, runs, colors) -> bool:
-    drawn = False
-    for key, style in (("completions/mean_length", "-"), ("completions/min_length", ":"),
-                       ("completions/max_length", "--")):
-        drawn |= _line_plot(ax, runs, colors, key, label_suffix=f" {key.split('/')[1].split('_')[0]}", style=style)
-    ax.set_ylabel("tokens per completion")
-    return drawn
-
-
-def _plot_grpo_time(ax, runs, colors) -> bool:
-    drawn = _line_plot(ax, runs, colors, "sampling_s", label_suffix=" sampling")
-    drawn |= _line_plot(ax, runs, colors, "training_s", label_suffix=" training", style="--")
-    ax.set_ylabel("seconds per step")
-    return drawn
+_plot_rewards = _lines("reward", ("rewards/chosen", " chosen", "-"), ("rewards/rejected", " rejected", "--"),
+                       ("rewards/margins", " margins", ":"))
+_plot_grpo_reward = _lines("reward", ("reward", " mean", "-"), ("reward_std", " std within groups", "--"))
+_plot_grpo_lengths = _lines("tokens per completion", ("completions/mean_length", " mean", "-"),
+                            ("completions/min_length", " min", ":"), ("completions/max_length", " max", "--"))
+_plot_grpo_time = _lines("seconds per step", ("sampling_s", " sampling", "-"), ("training_s", " training", "--"))
 
 
 # The plots of a GRPO run (docs/grpo.md): absent from other runs.

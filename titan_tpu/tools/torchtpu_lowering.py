@@ -369,10 +369,10 @@ def compare(config: str, overrides: Sequence[str], topology_name: str, work_dir:
         report["jax"] = {**ours, "stablehlo": stablehlo_counts(stablehlo),
                          "hlo": hlo_counts(optimized.read_text()) if optimized.exists() else None,
                          "argument_types": arguments, "result_types": results}
-    # Ours takes and gives each value stacked over the one-device mesh ([1, ...]).
+    # On the one-device mesh ours gives each value as it is, but a scalar stacked over the mesh ([1]).
     ours_results = report["jax"]["result_types"]
-    report["outputs_match"] = None if ours_results is None else (
-        _comparable(report["torchtpu"]["result_types"]) == _comparable(ours_results, mesh_dims=1))
+    report["outputs_match"] = None if ours_results is None else _same_results(report["torchtpu"]["result_types"],
+                                                                               ours_results)
     if xla_dump is not None:
         dumped = hlo_counts_from_dump(xla_dump)
         for key in ("torchtpu", "torchtpu_undonated", "jax"):
@@ -464,16 +464,23 @@ def _tensor_types(text: str) -> list[str]:
     return re.findall(r"tensor<[^<>]*>", text)
 
 
-def _comparable(types: Sequence[str], *, mesh_dims: int = 0) -> list[tuple[str, str]]:
-    """(shape, element type) of each tensor type, without the leading mesh dimensions; 64-bit
-    integers as 32-bit (JAX without x64 holds them so)."""
+def _comparable(types: Sequence[str]) -> list[tuple[str, str]]:
+    """(shape, element type) of each tensor type; 64-bit integers as 32-bit (JAX without x64 holds
+    them so)."""
     out = []
     for t in types:
         match = re.fullmatch(r"tensor<((?:\d+x)*)(\w+)>", t)
         assert match is not None, t
-        dims = match[1].split("x")[:-1][mesh_dims:]
-        out.append(("x".join(dims), {"i64": "i32", "ui64": "ui32"}.get(match[2], match[2])))
+        out.append((match[1].removesuffix("x"), {"i64": "i32", "ui64": "ui32"}.get(match[2], match[2])))
     return out
+
+
+def _same_results(torchtpu: Sequence[str], ours: Sequence[str]) -> bool:
+    """Whether TorchTPU's results are ours on a one-device mesh: the same shapes and types, a
+    scalar of TorchTPU's being ours stacked over the mesh ([1])."""
+    theirs, mine = _comparable(torchtpu), _comparable(ours)
+    return len(theirs) == len(mine) and all(
+        t == m or (t[0] == "" and m == ("1", t[1])) for t, m in zip(theirs, mine))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ whose instructions carry the JAX op name that made them (``metadata={op_name="..
 lowering's named scopes, graph/jax_lowering.py, put our module path there). `peak_values` joins
 the three: every value alive at the peak, largest first, with its shape and where it came from.
 
+`matmul_flops` counts the multiply-adds of the optimized program's dots and convolutions (XLA's
+TPU compiler turns most dots into convolutions), each instruction once, as XLA's cost analysis counts
+a loop body once: the matmul work XLA will run, beside cost analysis's total, which also counts
+every elementwise op (under expert parallelism mostly the worst-case dispatch buffers' elementwise
+work, which our formula, matmuls only, leaves out).
+
 `compile_stages` reads the dump's file times: XLA writes the program before its passes, after them
 (with the buffer assignment), and after generating the TPU code, so the differences are the time of
 its HLO passes and of its code generation.
@@ -18,11 +24,13 @@ it alike.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PeakValue", "compile_stages", "f8_dots", "format_peak", "optimized_hlo", "peak_values", "tpu_programs"]
+__all__ = ["PeakValue", "compile_stages", "f8_dots", "format_peak", "matmul_flops", "optimized_hlo", "peak_values",
+           "tpu_programs"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,75 @@ def compile_stages(program: str | Path) -> dict[str, float]:
     if len(times) < 3:
         return {}
     return {"hlo_passes": times["assigned"] - times["start"], "codegen": times["end"] - times["assigned"]}
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* (\w[\w\-]*)\(([^)]*)\)(.*)$")
+
+
+def matmul_flops(program: str | Path) -> float:
+    """2 x the multiply-adds of every dot and convolution in a dumped program's optimized HLO (a
+    prefix from `tpu_programs`, or a dump directory: its largest program): a dot's output elements
+    times its contracted size; a convolution's only over the window taps that fall inside its
+    input (XLA expresses batched and outer products as convolutions with padded windows, whose
+    padding multiplies nothing). Each instruction once: a loop body counts once, as in XLA's cost
+    analysis; nothing inside a custom call (a Pallas kernel)."""
+    shapes, matmuls = {}, []
+    for line in optimized_hlo(program).splitlines():
+        m = _INSTRUCTION.match(line.split(", metadata=")[0])
+        if not m:
+            continue
+        name, _dtype, dims, op, operands, attributes = m.groups()
+        shapes[name] = [int(d) for d in dims.split(",") if d]
+        if op in ("dot", "convolution"):
+            matmuls.append((shapes[name], op, re.findall(r"%([\w.\-]+)", operands), attributes))
+    total = 0.0
+    for out, op, (lhs, rhs), attributes in matmuls:
+        if op == "dot":
+            contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attributes).group(1)
+            size = math.prod(shapes[lhs][int(d)] for d in contracted.split(",") if d)
+            total += 2.0 * math.prod(out) * size
+        else:
+            total += 2.0 * _convolution_macs(out, shapes[lhs], shapes[rhs], attributes)
+    return total
+
+
+def _convolution_macs(out: list[int], lhs: list[int], rhs: list[int], attributes: str) -> int:
+    """Multiply-adds of one HLO convolution: output batch x output features x input features per
+    group x, per spatial dimension, the (output position, window tap) pairs whose input index is
+    inside the input (not in its padding, and on a dilated input's real elements)."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", attributes).groups()
+    lhs_l, rhs_l, out_l = labels
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+    window = _window(re.search(r"window=\{([^}]*)\}", attributes), len(spatial))
+    macs = out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")]
+    for axis, d in enumerate(spatial):
+        n, k, o = lhs[lhs_l.index(d)], rhs[rhs_l.index(d)], out[out_l.index(d)]
+        stride, (low, _high), lhs_dilate, rhs_dilate = (window[key][axis] for key in ("stride", "pad", "lhs_dilate",
+                                                                                         "rhs_dilate"))
+        dilated = (n - 1) * lhs_dilate + 1
+        pairs = 0
+        for tap in range(k):
+            first = tap * rhs_dilate - low  # the input index output position 0 reads at this tap
+            if lhs_dilate == 1:  # positions p with 0 <= first + p * stride <= n - 1
+                pairs += max(0, min(o - 1, (dilated - 1 - first) // stride) - max(0, -(first // stride)) + 1)
+            else:  # and on one of a dilated input's real elements
+                pairs += sum(1 for p in range(o) if 0 <= first + p * stride < dilated
+                             and (first + p * stride) % lhs_dilate == 0)
+        macs *= pairs
+    return macs
+
+
+def _window(match, rank: int) -> dict[str, list]:
+    """An HLO convolution's window attributes per spatial dimension, with XLA's defaults."""
+    fields = dict(item.split("=", 1) for item in match.group(1).split()) if match else {}
+
+    def numbers(key: str, default: int) -> list[int]:
+        return [int(x) for x in fields[key].split("x")] if key in fields else [default] * rank
+
+    pads = [tuple(int(x) for x in p.split("_")) for p in fields["pad"].split("x")] if "pad" in fields else \
+        [(0, 0)] * rank
+    return {"stride": numbers("stride", 1), "pad": pads, "lhs_dilate": numbers("lhs_dilate", 1),
+            "rhs_dilate": numbers("rhs_dilate", 1)}
 
 
 def peak_values(dump: str | Path) -> list[PeakValue]:

@@ -23,6 +23,7 @@ local tier.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -90,6 +91,21 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
+@contextlib.contextmanager
+def _no_record_checksums():
+    """torch.save without its CRC32 of every record: on host memory computing them took twice as
+    long as the write (a 3.2 GB tier: 1.1 against 2.8 GB/s). The file needs none: it is renamed
+    into place only once written and fsynced, and read back on the same host."""
+    from torch.serialization import get_crc32_options, set_crc32_options
+
+    before = get_crc32_options()
+    set_crc32_options(False)
+    try:
+        yield
+    finally:
+        set_crc32_options(before)
+
+
 def _overlap(dst_offset, dst_shape, src_offset, src_shape) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
     """The slices of the destination and of the source piece that cover the same global elements."""
     dst, src = [], []
@@ -133,7 +149,7 @@ class LocalTier:
             step_dir.mkdir(parents=True, exist_ok=True)
             final = step_dir / f"rank-{self.rank}-of-{self.world_size}.pt"
             tmp = step_dir / f".{final.name}.tmp-{os.getpid()}"
-            with tmp.open("wb") as f:
+            with tmp.open("wb") as f, _no_record_checksums():
                 torch.save(payload, f)
                 f.flush()
                 os.fsync(f.fileno())
