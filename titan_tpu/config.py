@@ -207,6 +207,18 @@ class LoRAConfig:
 
 
 @dataclass
+class Fp8Config:
+    # fp8 training (docs/fp8.md): the targeted linear layers' forward and backward matmuls in
+    # float8 with dynamic scales; master weights and every other op unchanged.
+    enabled: bool = False
+    scaling: Literal["tensorwise", "rowwise"] = "tensorwise"  # amax per tensor, or per row
+    # Linear layers by name, as lora.target_modules. Empty: the attention and MLP projections
+    # (not the output projection nor an MoE router).
+    target_modules: list[str] = field(default_factory=list)
+    emulate: bool = False  # dequantise and multiply in fp32 on any device (always so on the CPU)
+
+
+@dataclass
 class OptimizerConfig:
     name: Literal["adamw"] = "adamw"  # AdamW with decoupled weight decay, fp32 moments (train/optim.py)
     lr: float = 8e-4  # peak learning rate, reached after lr_scheduler.warmup_steps
@@ -319,6 +331,7 @@ class Config:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)  # attention and loss implementations
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

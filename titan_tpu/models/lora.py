@@ -80,19 +80,19 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
-def target_names(model: nn.Module, patterns: list[str]) -> list[str]:
+def target_names(model: nn.Module, patterns: list[str], *, section: str = "lora") -> list[str]:
     """The names of `model`'s linear layers that `patterns` select (empty: DEFAULT_TARGETS).
 
     Raises a one-line ValueError naming a user pattern that selects nothing, with the linear
-    layers there are."""
+    layers there are. `section` names the config section in the message (lora, fp8)."""
     linears = _linears(model)
     chosen = [n for n in linears if any(_matches(n, p) for p in patterns or DEFAULT_TARGETS)]
     for pattern in patterns:
         if not any(_matches(n, pattern) for n in linears):
-            raise ValueError(f"lora.target_modules: {pattern!r} matches no linear layer; the model's are "
+            raise ValueError(f"{section}.target_modules: {pattern!r} matches no linear layer; the model's are "
                              f"{_summary(linears)}")
     if not chosen:
-        raise ValueError(f"lora.target_modules: the default patterns match no linear layer of this model; name "
+        raise ValueError(f"{section}.target_modules: the default patterns match no linear layer of this model; name "
                          f"some of {_summary(linears)}")
     return chosen
 

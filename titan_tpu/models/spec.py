@@ -98,19 +98,20 @@ def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int
     HF directory's own weights unless `own_weights` is False; the chunked-loss check).
 
     The execution options come from `cfg`: model.scan_layers, activation_checkpoint.mode,
-    kernels, lora (adapters on the matching linears, the base frozen: models/lora.py),
+    kernels, the model converters (models/converters.py: lora, then fp8),
     training.seq_len (a native model's RoPE table length) and parallelism.bucket_mb /
     reshard_after_forward (the trainer passes what it resolved auto to; None takes the config's
     value, with auto as true). Without a mesh the model is plain, on one device."""
-    from titan_tpu.models.lora import add_adapters, freeze_base, init_lora_
+    from titan_tpu.models.converters import enabled_converters
     from titan_tpu.parallel.expert_parallel import make_dispatch
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import materialize_and_init
 
     dims = parallel_dims or ParallelDims(world_size=1)
     model = spec.build_on_meta(cfg, mesh=mesh, parallel_dims=dims, documents=documents)
-    if cfg.lora.enabled:  # adapters before sharding, so they are sharded like the rest
-        add_adapters(model, cfg.lora)
+    converters = enabled_converters(cfg)
+    for converter in converters:  # before sharding, so what they add is sharded like the rest
+        converter.convert(model, cfg)
     p = cfg.parallelism
     model = materialize_and_init(model, mesh, mode=dims.mode if mesh is not None else "none", mp=mp, device=device,
                                  seed=seed, expert_mesh=expert_mesh, bucket_mb=p.bucket_mb,
@@ -118,9 +119,8 @@ def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int
                                                         if reshard_after_forward is None else reshard_after_forward))
     if expert_mesh is not None:  # how tokens reach their experts (parallelism.ep_dispatch)
         model.expert_dispatch.dispatch = make_dispatch(expert_mesh, p.ep_dispatch)
-    if cfg.lora.enabled:  # initialised in the stored (maybe sharded) parameters; the base frozen
-        init_lora_(model, seed=seed)
-        freeze_base(model)
+    for converter in converters:
+        converter.after_init(model, cfg, seed=seed)
     spec.finish(model, log=log, own_weights=own_weights)
     return model
 

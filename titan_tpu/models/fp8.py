@@ -1,0 +1,142 @@
+"""Float8 linears (docs/fp8.md): a targeted ``nn.Linear`` computes its three matmuls in float8.
+
+Forward out = x W^T, backward grad_input = g W and grad_weight = g^T x, each operand quantised
+with a dynamic scale (kernels/fp8.py: amax per tensor under tensorwise scaling, per row of the
+left operand and per column of the right, along the contracted dimension, under rowwise) and the
+product dequantised in the input's dtype. Weights and activations are e4m3; the output's
+gradient is e5m2 under tensorwise scaling (its range matters more than its precision) and e4m3
+under rowwise (per-row scales give it the range; `torch._scaled_mm`'s rowwise path takes e4m3).
+The bias is added in the compute dtype; the master weights stay fp32 (or whatever the model
+keeps); every other op is unchanged.
+
+A converted linear keeps its parameters and names: its class is swapped for `Float8Linear` (a
+subclass of nn.Linear), so state dicts, checkpoints, the HF adapter and SimpleFSDP's
+parametrization (a subclass of the module's class) see the same module. The matmuls are one
+autograd.Function calling `kernels.fp8.scaled_mm`, so a captured step (make_fx, graph mode)
+records `aten._scaled_mm.default` (or, emulated, its fp32 dequantise-matmul) with the quantisation
+as plain aten ops. The backward quantises the saved high-precision x and W again (no float8
+copies kept between forward and backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_tpu.kernels.fp8 import E4M3, E5M2, quantize, scaled_mm
+
+__all__ = ["Float8Linear", "Float8Settings", "convert_to_float8", "float8_modules"]
+
+_STATE = "_fp8"  # a Float8Linear's Float8Settings, in its __dict__
+MULTIPLE = 16  # float8 matmuls take in/out features that are multiples of 16
+
+
+@dataclass(frozen=True)
+class Float8Settings:
+    rowwise: bool
+    emulate: bool = False
+
+    @property
+    def grad_fp8(self) -> torch.dtype:
+        return E4M3 if self.rowwise else E5M2
+
+
+class _Float8MM(torch.autograd.Function):
+    """x [M, K] @ w[N, K]^T in float8, both backward matmuls in float8 too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, settings: Float8Settings) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.settings = settings
+        return _mm(x, w.t(), E4M3, settings, x.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        s = ctx.settings
+        grad_x = _mm(g, w, s.grad_fp8, s, x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = _mm(g.t(), x, s.grad_fp8, s, w.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, a_fp8: torch.dtype, s: Float8Settings,
+        out_dtype: torch.dtype) -> torch.Tensor:
+    qa, sa = quantize(a, a_fp8, 1 if s.rowwise else None)
+    qb, sb = quantize(b, E4M3, 0 if s.rowwise else None)
+    return scaled_mm(qa, qb, sa, sb, out_dtype, emulate=s.emulate)
+
+
+class Float8Linear(nn.Linear):
+    """nn.Linear whose matmuls run in float8 (module docstring); made by class swap."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        settings: Float8Settings = self.__dict__[_STATE]
+        w = self.weight
+        out = _Float8MM.apply(x.reshape(-1, x.shape[-1]), w.to(x.dtype), settings)
+        out = out.reshape(*x.shape[:-1], w.shape[0])
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+def float8_modules(model: nn.Module) -> dict[str, nn.Linear]:
+    """The Float8 linear layers of `model` by name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+
+
+def _check_dims(name: str, weight: torch.Tensor) -> None:
+    out_f, in_f = weight.shape[-2], weight.shape[-1]
+    if in_f % MULTIPLE or out_f % MULTIPLE:
+        raise ValueError(f"fp8: layer {name} ({in_f} -> {out_f}) has a side that is not a multiple of {MULTIPLE}; "
+                         f"leave it out of fp8.target_modules or change the model's dims")
+
+
+def _swap(linear: nn.Module, settings: Float8Settings) -> None:
+    assert type(linear) is nn.Linear, f"fp8 converts plain nn.Linear layers, not {type(linear).__name__}"
+    linear.__class__ = Float8Linear
+    linear.__dict__[_STATE] = settings
+
+
+def convert_to_float8(model: nn.Module, *, scaling: str, target_modules: list[str],
+                      emulate: bool = False) -> list[str]:
+    """Make the linear layers of `model` that `target_modules` selects (models/lora.py's patterns;
+    empty: the attention and MLP projections, not the output projection nor an MoE router) Float8
+    linears, in place (any device, the meta device too), and the same layers of the block
+    templates that activation checkpointing and scan-over-layers run; returns their names."""
+    from titan_tpu.models.common.transformer import Transformer
+    from titan_tpu.models.lora import lora_modules, target_names
+
+    if scaling not in ("tensorwise", "rowwise"):
+        raise ValueError(f"fp8.scaling = {scaling!r}: use tensorwise or rowwise")
+    settings = Float8Settings(rowwise=scaling == "rowwise", emulate=emulate)
+    names = target_names(model, target_modules, section="fp8")
+    adapted = lora_modules(model)
+    for name in names:
+        if name in adapted:
+            raise ValueError(f"fp8: layer {name} carries LoRA adapters; keep it out of fp8.target_modules or "
+                             "lora.target_modules (e.g. --fp8.target_modules w1,w2,w3 with LoRA on wq,wv)")
+        _check_dims(name, model.get_submodule(name).weight)
+    scanned = isinstance(model, Transformer) and model.scan_layers
+    stacks = model.stacks() if scanned else []
+    for name in names:
+        stack = next(((n, s) for n, s in stacks if name.startswith(n + ".")), None)
+        if stack is None:
+            _swap(model.get_submodule(name), settings)
+        else:  # a scanned stack only stores [L, out, in] weights: its block template computes
+            _swap(stack[1]._block_fn.template.get_submodule(name[len(stack[0]) + 1:]), settings)
+    templates = model.block_templates() if isinstance(model, Transformer) and not scanned else []
+    if templates:
+        per_block: dict[str, set[str]] = {}
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "layers" and len(parts) > 2:
+                per_block.setdefault(parts[1], set()).add(".".join(parts[2:]))
+        relative = per_block.get("0", set())
+        if any(per_block.get(str(i), set()) != relative for i in range(len(model.layers))):
+            raise ValueError("fp8.target_modules must select the same layers in every block under activation "
+                             "checkpointing; widen the patterns or set activation_checkpoint.mode none")
+        for template in templates:
+            for rel in sorted(relative):
+                _swap(template.get_submodule(rel), settings)
+    return names
