@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_tpu.kernels.fp8 import E4M3, E5M2, quantize, scaled_mm
