@@ -47,10 +47,14 @@ class _Float8MM(torch.autograd.Function):
     """x [M, K] @ w[N, K]^T in float8, both backward matmuls in float8 too."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, settings: Float8Settings) -> torch.Tensor:
+    def forward(x: torch.Tensor, w: torch.Tensor, settings: Float8Settings) -> torch.Tensor:
+        return _mm(x, w.t(), E4M3, settings, x.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # separate from forward: functorch transforms need it
+        x, w, settings = inputs
         ctx.save_for_backward(x, w)
         ctx.settings = settings
-        return _mm(x, w.t(), E4M3, settings, x.dtype)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
