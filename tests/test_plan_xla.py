@@ -76,21 +76,23 @@ def test_plan_compares_with_the_matmuls_of_xla_program_where_the_report_has_them
 # Two programs in XLA's optimized-HLO text form: a dot, and a convolution whose padded window
 # reaches outside its input (the form XLA gives batched and outer products); a while loop's body
 # holds the dot, counted once as XLA's cost analysis counts it.
-_HLO = """\
-HloModule m
-
-%fused_computation.1 (param_0.1: bf16[8,64], param_1.1: bf16[64,32]) -> bf16[8,32] {
-  %param_0.1 = bf16[8,64]{1,0:T(8,128)(2,1)} parameter(0)
-  %param_1.1 = bf16[64,32]{1,0:T(8,128)(2,1)} parameter(1)
-  ROOT %dot.1 = bf16[8,32]{1,0:T(8,128)(2,1)} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(local)/while/body/dot_general"}
-}
-
-%fused_computation.2 (param_0.2: bf16[2,16,40,30], param_1.2: bf16[32,16,7,4]) -> bf16[2,32,42,29] {
-  %param_0.2 = bf16[2,16,40,30]{3,2,1,0} parameter(0)
-  %param_1.2 = bf16[32,16,7,4]{3,2,1,0} parameter(1)
-  ROOT %convolution.2 = bf16[2,32,42,29]{3,2,1,0} convolution(%param_0.2, %param_1.2), window={size=7x4 pad=3_5x2_0}, dim_labels=bf01_oi01->bf01
-}
-"""
+_HLO = "\n".join([
+    "HloModule m",
+    "",
+    "%fused_computation.1 (param_0.1: bf16[8,64], param_1.1: bf16[64,32]) -> bf16[8,32] {",
+    "  %param_0.1 = bf16[8,64]{1,0:T(8,128)(2,1)} parameter(0)",
+    "  %param_1.1 = bf16[64,32]{1,0:T(8,128)(2,1)} parameter(1)",
+    "  ROOT %dot.1 = bf16[8,32]{1,0:T(8,128)(2,1)} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}, "
+    'rhs_contracting_dims={0}, metadata={op_name="jit(local)/while/body/dot_general"}',
+    "}",
+    "",
+    "%fused_computation.2 (param_0.2: bf16[2,16,40,30], param_1.2: bf16[32,16,7,4]) -> bf16[2,32,42,29] {",
+    "  %param_0.2 = bf16[2,16,40,30]{3,2,1,0} parameter(0)",
+    "  %param_1.2 = bf16[32,16,7,4]{3,2,1,0} parameter(1)",
+    "  ROOT %convolution.2 = bf16[2,32,42,29]{3,2,1,0} convolution(%param_0.2, %param_1.2), "
+    "window={size=7x4 pad=3_5x2_0}, dim_labels=bf01_oi01->bf01",
+    "}",
+    ""])
 
 
 def test_matmul_flops_counts_dots_and_the_taps_inside_a_convolution_input(tmp_path):

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_tpu.kernels.fp8 import E4M3, E5M2, quantize, scaled_mm
@@ -54,7 +53,7 @@ class _Float8MM(torch.autograd.Function):
         return _mm(x, w.t(), E4M3, settings, x.dtype)
 
     @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
+    def setup_context(ctx, inputs, output) -> None:  # separate from forward: functorch transforms need it
         x, w, settings = inputs
         ctx.save_for_backward(x, w)
         ctx.settings = settings

@@ -106,13 +106,16 @@ HARDWARE: dict[str, Hardware] = {
                           "ICI 1,200 GB/s per chip; two devices per chip (halved here)"),
     "h100": Hardware("h100", device.cuda_peak_flops("H100 SXM"), 80e9, 3.35e12, 900e9 / 2, fp8_peak_flops=1979e12,
                      source="https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s bf16 dense "
-                            "(1,979 with sparsity), fp8 1,979 dense (3,958 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional"),
+                            "(1,979 with sparsity), fp8 1,979 dense (3,958 with sparsity), 80 GB HBM3 at 3.35 TB/s, "
+                            "NVLink 900 GB/s bidirectional"),
     "h200": Hardware("h200", device.cuda_peak_flops("H200"), 141e9, 4.8e12, 900e9 / 2, fp8_peak_flops=1979e12,
                      source="https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s bf16 dense "
-                            "(1,979 with sparsity), fp8 1,979 dense (3,958 with sparsity), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional"),
+                            "(1,979 with sparsity), fp8 1,979 dense (3,958 with sparsity), 141 GB HBM3e at 4.8 TB/s, "
+                            "NVLink 900 GB/s bidirectional"),
     "b200": Hardware("b200", device.cuda_peak_flops("B200"), 180e9, 8e12, 1800e9 / 2, fp8_peak_flops=4500e12,
                      source="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU): 2.25 PFLOP/s "
-                            "bf16 dense (4.5 with sparsity), fp8 4.5 dense (9 with sparsity), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s bidirectional"),
+                            "bf16 dense (4.5 with sparsity), fp8 4.5 dense (9 with sparsity), 180 GB HBM3e at 8 TB/s, "
+                            "NVLink 5 1.8 TB/s bidirectional"),
 }
 
 # This CPU: constants measured by `titan-tpu plan --calibrate` (docs/planner.md has the runs).

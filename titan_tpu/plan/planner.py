@@ -1113,8 +1113,8 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
                  f"{f['model_per_step_per_device'] / 1e12:,.3f} TFLOP model, "
                  f"{f['executed_per_step_per_device'] / 1e12:,.3f} TFLOP executed")
     if "fp8_executed_per_step_per_device" in f:
-        lines.append(f"  fp8 ({b['fp8']}): {f['fp8_executed_per_step_per_device'] / 1e12:,.3f} TFLOP of it in the blocks' "
-                     f"linears as fp8 matmuls at {plan.time['fp8_peak_flops'] / 1e12:.4g} TFLOP/s; their casts "
+        lines.append(f"  fp8 ({b['fp8']}): {f['fp8_executed_per_step_per_device'] / 1e12:,.3f} TFLOP of it in the "
+                     f"blocks' linears as fp8 matmuls at {plan.time['fp8_peak_flops'] / 1e12:.4g} TFLOP/s; their casts "
                      f"{plan.time['fp8_cast_bytes'] / 1e9:,.1f} GB of elementwise traffic")
         note = fp8_note(Hardware(**hw))
         if note:

@@ -325,8 +325,7 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
 
     from titan_tpu.graph.jax_lowering import global_shape, jax_dtype
     from titan_tpu.tools.tpu_compile import jax_mesh, sharded_step
-    from titan_tpu.tools.xla_dump import (compile_stages, f8_dots, matmul_flops, optimized_hlo, peak_values,
-                                          tpu_programs)
+    from titan_tpu.tools.xla_dump import compile_stages, f8_dots, matmul_flops, optimized_hlo, peak_values, tpu_programs
 
     mesh = jax_mesh(step, devices)
     axes = tuple(mesh.axis_names)
