@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -67,8 +68,11 @@ class Lighthouse:
     def run(self, stop: threading.Event | None = None, poll: float = 0.02) -> None:
         last_seen: dict[int, tuple[int, float]] = {}  # replica -> (heartbeat count, when it last moved)
         members: list[list[int]] = []
-        qid = 0
+        qid, retries = 0, 0
         while stop is None or not stop.is_set():
+            asked = self.store.add("retry", 0)  # a group that could not build the quorum's process group
+            if asked != retries:
+                retries, members = asked, []  # publish the live set again under a new id
             now = time.monotonic()
             for r in range(self.max_replicas):
                 if self.store.check([f"hb/{r}"]):
@@ -82,6 +86,7 @@ class Lighthouse:
                 members, qid = live, qid + 1
                 self.store.set(f"quorum/{qid}", json.dumps(members))
                 self.store.set("quorum", str(qid))
+                print(f"lighthouse: quorum {qid} {members}", file=sys.stderr, flush=True)
             time.sleep(poll)
 
 
@@ -154,8 +159,8 @@ class ReplicaFT:
                     q = self._wait_for_quorum(q.qid)
                 self._join(q)
                 return
-            except RuntimeError:
-                self._lost_peer()
+            except RuntimeError as e:
+                self._lost_peer(e)
 
     def _max_qid(self) -> int:
         opts = dist.AllreduceOptions()
@@ -167,9 +172,14 @@ class ReplicaFT:
     def _join(self, q: Quorum) -> None:
         rank = q.rank_of(self.replica_id, self.incarnation)
         prefix = dist.PrefixStore(f"pg/{q.qid}", self.store)
-        self.pg = dist.ProcessGroupGloo(prefix, rank, len(q.members), self.timeout)
         self.quorum = q
+        try:
+            self.pg = dist.ProcessGroupGloo(prefix, rank, len(q.members), self.timeout)
+        except RuntimeError:  # a member never came (it died, or took another quorum): ask for a new one
+            self.store.add("retry", 1)
+            raise
         self.stats.quorum_changes += 1
+        print(f"replica {self.replica_id}: quorum {q.qid} {q.members} at step {self.step}", file=sys.stderr, flush=True)
         steps = torch.zeros(len(q.members), dtype=torch.int64)
         steps[rank] = self.step
         self.pg.allreduce([steps]).wait()
@@ -192,14 +202,18 @@ class ReplicaFT:
             self.load_fn(state)
             self.step = int(steps[src])
             self.stats.recovered_from.append(q.members[src][0])
+            print(f"replica {self.replica_id}: took step {self.step} from replica {q.members[src][0]}",
+                  file=sys.stderr, flush=True)
 
     def _broadcast(self, t: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         self.pg.broadcast([t], opts).wait()
 
-    def _lost_peer(self) -> None:
+    def _lost_peer(self, error: Exception) -> None:
         """A collective failed: wait for the lighthouse to publish the next quorum, join it."""
+        print(f"replica {self.replica_id}: quorum {self.quorum.qid} failed at step {self.step}: "
+              f"{str(error).splitlines()[0][:200]}", file=sys.stderr, flush=True)
         self.stats.failed_steps += 1
         self.pg = None
 
@@ -211,8 +225,8 @@ class ReplicaFT:
         flat = torch.cat([g.reshape(-1) for g in grads])
         try:
             self.pg.allreduce([flat]).wait()
-        except RuntimeError:
-            self._lost_peer()
+        except RuntimeError as e:
+            self._lost_peer(e)
             return False
         flat /= self.members
         offset = 0
