@@ -53,6 +53,7 @@ def worker(port: int, replica: int, steps: int, out: str, step_sleep: float, tim
         opt.load_state_dict(s["opt"])
 
     ft = ReplicaFT("127.0.0.1", port, replica, state, load, timeout=timeout)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     log = open(out + ".jsonl", "a", buffering=1)
     while ft.step < steps:
         ft.start_step()
