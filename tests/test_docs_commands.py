@@ -38,7 +38,7 @@ FENCE = re.compile(r"^(```|~~~)")
 INLINE_CODE = re.compile(r"`([^`\n]+)`")
 COMMAND_START = re.compile(r"(?:^|[\s/])titan-tpu\s+([a-z].*)$")
 SHELL_OPERATOR = re.compile(r"\s(?:&&|\|\||;|\||>)\s")
-MODULE_TRAIN = re.compile(r"-m\s+titan_tpu\.train\b(.*)$")
+MODULE_TRAIN = re.compile(r"-m\s+titan_tpu\.train(?![.\w])(.*)$")  # not titan_tpu.train.<module>
 MAKE_TRAIN = re.compile(r"make train ARGS=\"([^\"]*)\"")
 
 
