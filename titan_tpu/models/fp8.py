@@ -110,7 +110,7 @@ def convert_to_float8(model: nn.Module, *, scaling: str, target_modules: list[st
     linears, in place (any device, the meta device too), and the same layers of the block
     templates that activation checkpointing and scan-over-layers run; returns their names."""
     from titan_tpu.models.common.transformer import Transformer
-    from titan_tpu.models.lora import lora_modules, target_names
+    from titan_tpu.models.lora import layers_in_every_block, lora_modules, target_names
 
     if scaling not in ("tensorwise", "rowwise"):
         raise ValueError(f"fp8.scaling = {scaling!r}: use tensorwise or rowwise")
@@ -131,17 +131,8 @@ def convert_to_float8(model: nn.Module, *, scaling: str, target_modules: list[st
         else:  # a scanned stack only stores [L, out, in] weights: its block template computes
             _swap(stack[1]._block_fn.template.get_submodule(name[len(stack[0]) + 1:]), settings)
     templates = model.block_templates() if isinstance(model, Transformer) and not scanned else []
-    if templates:
-        per_block: dict[str, set[str]] = {}
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "layers" and len(parts) > 2:
-                per_block.setdefault(parts[1], set()).add(".".join(parts[2:]))
-        relative = per_block.get("0", set())
-        if any(per_block.get(str(i), set()) != relative for i in range(len(model.layers))):
-            raise ValueError("fp8.target_modules must select the same layers in every block under activation "
-                             "checkpointing; widen the patterns or set activation_checkpoint.mode none")
-        for template in templates:
-            for rel in sorted(relative):
-                _swap(template.get_submodule(rel), settings)
+    relative = layers_in_every_block(model, names, section="fp8") if templates else []
+    for template in templates:
+        for rel in relative:
+            _swap(template.get_submodule(rel), settings)
     return names

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ADAPTER_NAMES", "DEFAULT_TARGETS", "LoRASettings", "adapters_disabled", "add_adapters", "apply_lora",
            "freeze_base",
-           "init_lora_", "is_adapter_key", "lora_modules", "merge_lora_state_dict", "target_names"]
+           "init_lora_", "is_adapter_key", "layers_in_every_block", "lora_modules", "merge_lora_state_dict",
+           "target_names"]
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
 # The attention and MLP projections of the native models (wq..w3) and of transformers' usual
@@ -247,6 +248,17 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     templates = model.block_templates() if isinstance(model, Transformer) else []
     if not templates:
         return names
+    relative = layers_in_every_block(model, names, section="lora")
+    for template in templates:
+        for rel in relative:
+            _add_adapter(template.get_submodule(rel), settings, mode_of=model)
+    return names
+
+
+def layers_in_every_block(model: nn.Module, names: list[str], *, section: str) -> list[str]:
+    """The selected layers' names within a block (`attention.wq`), which must be the same in every
+    block: the block templates of activation-checkpointed blocks compute for all of them (LoRA's
+    adapters, fp8's linears). Raises a one-line ValueError naming `section` when they differ."""
     per_block: dict[str, set[str]] = {}
     for name in names:
         parts = name.split(".")
@@ -254,12 +266,9 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig) -> list[str]:
             per_block.setdefault(parts[1], set()).add(".".join(parts[2:]))
     relative = per_block.get("0", set())
     if any(per_block.get(str(i), set()) != relative for i in range(len(model.layers))):
-        raise ValueError("lora.target_modules must select the same layers in every block under activation "
+        raise ValueError(f"{section}.target_modules must select the same layers in every block under activation "
                          "checkpointing; widen the patterns or set activation_checkpoint.mode none")
-    for template in templates:
-        for rel in sorted(relative):
-            _add_adapter(template.get_submodule(rel), settings, mode_of=model)
-    return names
+    return sorted(relative)
 
 
 def _add_stacked_adapters(model: nn.Module, cfg: LoRAConfig, settings: LoRASettings) -> list[str]:
