@@ -12,30 +12,16 @@ lowering routes the float8 matmul by replacing this one function.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
-__all__ = ["E4M3", "E5M2", "FP8_MAX", "fp8_matmul", "native_on_cpu", "quantize", "scaled_mm"]
+from titan_tpu.kernels import kernel_device_type
+
+__all__ = ["E4M3", "E5M2", "FP8_MAX", "fp8_matmul", "quantize", "scaled_mm"]
 
 E4M3 = torch.float8_e4m3fn  # weights and activations (and gradients under rowwise scaling)
 E5M2 = torch.float8_e5m2  # gradients under tensorwise scaling (wider range, one mantissa bit fewer)
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 _EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale
-_NATIVE_ON_CPU = [False]  # set by `native_on_cpu`
-
-
-@contextlib.contextmanager
-def native_on_cpu() -> Iterator[None]:
-    """`aten._scaled_mm` on CPU tensors too: a step captured on this CPU for the TPU compiler
-    (kernels/jax_traced.py traced_for_jax), whose JAX lowering makes it XLA's f8 dot
-    (graph/jax_lowering.py). torch's CPU `_scaled_mm` traces on fake tensors."""
-    previous, _NATIVE_ON_CPU[0] = _NATIVE_ON_CPU[0], True
-    try:
-        yield
-    finally:
-        _NATIVE_ON_CPU[0] = previous
 
 
 def quantize(x: torch.Tensor, fp8: torch.dtype, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +39,9 @@ def scaled_mm(a_f8: torch.Tensor, b_f8: torch.Tensor, scale_a: torch.Tensor, sca
               out_dtype: torch.dtype, *, emulate: bool = False) -> torch.Tensor:
     """(a_f8 * scale_a) @ (b_f8 * scale_b) in out_dtype: `torch._scaled_mm`, or its fp32 emulation
     on the CPU or when `emulate`."""
-    if emulate or (a_f8.device.type == "cpu" and not _NATIVE_ON_CPU[0]):
+    # A step captured on the CPU for the JAX lowering (kernels.device_type_as("cpu", "jax")) keeps
+    # aten._scaled_mm itself, which the lowering makes XLA's f8 dot; torch's CPU op traces on fake tensors.
+    if emulate or kernel_device_type(a_f8.device.type) == "cpu":
         return ((a_f8.float() * scale_a) @ (b_f8.float() * scale_b)).to(out_dtype)
     # _scaled_mm takes b column-major.
     return torch._scaled_mm(a_f8, b_f8.t().contiguous().t(), scale_a, scale_b, out_dtype=out_dtype)

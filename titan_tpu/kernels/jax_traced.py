@@ -129,13 +129,12 @@ def traced_for_jax() -> Iterator[None]:
     (the TPU's JAX kernels where they have one) and the jax_op variants become traceable ops."""
     from titan_tpu import kernels
     from titan_tpu.kernels import tpu
-    from titan_tpu.kernels.fp8 import native_on_cpu
     from titan_tpu.tracing import one_program_for_every_rank
 
     previous, tpu.TOKAMAX_IMPLEMENTATION = tpu.TOKAMAX_IMPLEMENTATION, "xla"  # NOT_AS_ON_TPU
     try:
         with (kernels.device_type_as("cpu", "jax"), one_program_for_every_rank(),
-              tpu.jax_op_replaced(traceable_jax_op, ragged_all_to_all=RAGGED_ALL_TO_ALL), native_on_cpu()):
+              tpu.jax_op_replaced(traceable_jax_op, ragged_all_to_all=RAGGED_ALL_TO_ALL)):
             yield
     finally:
         tpu.TOKAMAX_IMPLEMENTATION = previous
