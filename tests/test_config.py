@@ -69,6 +69,16 @@ def test_every_recipe_validates(path, monkeypatch, tmp_path):
      "training.global_batch_tokens = 1000 is not a multiple of batch_size x seq_len x data-parallel ranks = "
      "2 x 64 x 1 = 128"),
     (["--training.global_batch_tokens", "256", "--training.grad_accum_steps", "2"], "remove one of them"),
+    (["--fault_tolerance.enabled", "true", "--fault_tolerance.replica_id", "2"],
+     "fault_tolerance.replica_id = 2 must be in [0, fault_tolerance.replicas = 2)"),
+    (["--fault_tolerance.enabled", "true", "--fault_tolerance.lighthouse", "29510"],
+     "fault_tolerance.lighthouse = '29510' must be host:port"),
+    (["--fault_tolerance.enabled", "true", "--training.mode", "graph"], "set --training.mode eager"),
+    (["--fault_tolerance.enabled", "true", "--parallelism.dp_replicate", "2"], "set parallelism.dp_replicate 1"),
+    (["--fault_tolerance.enabled", "true", "--training.global_batch_tokens", "512", "--training.batch_size", "2",
+      "--training.seq_len", "64", "--parallelism.dp_shard", "1", "--fault_tolerance.replicas", "3"],
+     "training.global_batch_tokens = 512 is not a multiple of batch_size x seq_len x data-parallel ranks = "
+     "2 x 64 x 3 = 384"),
 ])
 def test_bad_config_is_one_clear_error(overrides, message):
     """Read (config.py: keys, types, each section's own checks) and set up (run_setup.py: across

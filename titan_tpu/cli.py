@@ -15,6 +15,7 @@
     titan-tpu verify MODEL [--tiny] [--hardware v5p-256] [--checks a,b] [--report DIR]   # docs/verify.md
     titan-tpu config [SECTION]                              # every config key: type, default, meaning
     titan-tpu compile --config configs/llama3_debug.toml --hardware v5p-8   # XLA's TPU verdict (.venv-tpu)
+    titan-tpu lighthouse --port 29510 --replicas 2          # then each replica group: train --fault_tolerance.*
     titan-tpu --help | --version
 
 User mistakes end the process with one line on stderr and exit status 2, not a traceback; faults of
@@ -401,6 +402,13 @@ def verify_main(argv: list[str]) -> int:
     return verify(argv)
 
 
+def lighthouse_main(argv: list[str]) -> int:
+    from titan_tpu.train.replica_ft import main as lighthouse
+
+    lighthouse(argv)  # until killed
+    return 0
+
+
 def config_main(argv: list[str]) -> int:
     from titan_tpu.tools.config_reference import main as reference
 
@@ -410,7 +418,7 @@ def config_main(argv: list[str]) -> int:
 COMMANDS = {"train": train_main, "eval": eval_main, "generate": generate_main, "convert": convert_main,
             "graph": graph_main, "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
             "prepare-data": prepare_data_main, "report": report_main, "verify": verify_main, "config": config_main,
-            "compile": compile_main}
+            "compile": compile_main, "lighthouse": lighthouse_main}
 
 # One line per command for `titan-tpu --help`, in the order a new user meets them.
 SUMMARIES = {
@@ -423,6 +431,7 @@ SUMMARIES = {
     "generate": "continue prompts with a checkpoint or an HF directory: greedy or sampled, streamed",
     "convert": "checkpoint <-> Hugging Face directory",
     "report": "plots of one or more runs in one HTML file",
+    "lighthouse": "the meeting point of replica groups that survive each other's faults (fault_tolerance)",
     "graph": "write the captured training step (graph mode) as text",
     "compile": "XLA's TPU compiler's per-chip memory and FLOPs for the captured step, on a CPU (needs .venv-tpu)",
     "kernels": "kernel implementations per op, which run here, and what auto picks",

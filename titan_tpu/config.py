@@ -322,6 +322,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    # Replica fault tolerance (docs/fault_tolerance.md): this process is replica group `replica_id` of
+    # `replicas`, each a `titan-tpu train` of its own; every step they average gradients through the
+    # lighthouse (`titan-tpu lighthouse`). A group that dies is left out of the average until it
+    # restarts and takes the current weights from a peer; the others keep stepping.
+    enabled: bool = False
+    replica_id: int = 0  # this group, in [0, replicas): it reads its 1/replicas share of each global batch
+    replicas: int = 2  # the replica groups the global batch is split over
+    lighthouse: str = "127.0.0.1:29510"  # host:port of `titan-tpu lighthouse`
+    # A collective whose peer is alive but silent (not dead: a dead peer fails it at once) fails after
+    # this long, and the group's step is taken again in a new quorum.
+    timeout_seconds: float = 30.0
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -341,11 +356,14 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    output_dir: str = ""  # empty = outputs/<job.name>
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    output_dir: str = ""  # empty = outputs/<job.name>; replica groups: <output_dir>/replica_<id>
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir or Path("outputs") / self.job.name)
+        base = Path(self.output_dir or Path("outputs") / self.job.name)
+        # Each replica group keeps its own checkpoints, metrics and lock (they hold the same weights).
+        return base / f"replica_{self.fault_tolerance.replica_id}" if self.fault_tolerance.enabled else base
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -584,6 +602,22 @@ def check(cfg: Config) -> None:
     _check_grpo(cfg.grpo)
     if cfg.data.max_bytes < 0:
         raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
+    _check_fault_tolerance(cfg.fault_tolerance)
+
+
+def _check_fault_tolerance(ft: FaultToleranceConfig) -> None:
+    """The [fault_tolerance] keys' own ranges (what they need of other sections: run_setup.py)."""
+    if not ft.enabled:
+        return
+    if ft.replicas < 1 or not 0 <= ft.replica_id < ft.replicas:
+        raise ValueError(f"fault_tolerance.replica_id = {ft.replica_id} must be in [0, fault_tolerance.replicas = "
+                         f"{ft.replicas})")
+    host, _, port = ft.lighthouse.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"fault_tolerance.lighthouse = {ft.lighthouse!r} must be host:port, e.g. 127.0.0.1:29510 "
+                         "(where `titan-tpu lighthouse --port 29510` runs)")
+    if ft.timeout_seconds <= 0:
+        raise ValueError(f"fault_tolerance.timeout_seconds = {ft.timeout_seconds} must be > 0")
 
 
 def _check_grpo(g: GRPOConfig) -> None:

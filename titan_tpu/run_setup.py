@@ -112,7 +112,8 @@ def prepare_run(cfg: Config) -> RunSetup:
                          f"{spec.label}")
     spec.check(cfg)
     if t.global_batch_tokens and p.dp_shard != -1:  # with -1 the ranks are known at launch
-        grad_accum_from_tokens(t, p.dp_replicate * p.dp_shard)
+        groups = cfg.fault_tolerance.replicas if cfg.fault_tolerance.enabled else 1  # each with its share
+        grad_accum_from_tokens(t, p.dp_replicate * p.dp_shard * groups)
     if cfg.compile.backend == "tpu":
         check_tpu_compile_backend(t.device)
     _check_lora(cfg)
@@ -136,6 +137,7 @@ def prepare_run(cfg: Config) -> RunSetup:
                          "use --kernels.loss chunked")
     _check_dpo(cfg, sources)
     _check_grpo(cfg, sources)
+    _check_fault_tolerance(cfg)
     if t.device == "cpu":  # with auto, the trainer checks once it knows the device
         check_cpu_compute_dtype(cfg.model.dtype)
     return RunSetup(cfg=cfg, spec=spec, sources=sources, warmup_steps=warmup_steps)
@@ -153,6 +155,22 @@ def _check_lora(cfg: Config) -> None:
     if lora.dropout > 0 and cfg.training.mode == "graph":
         raise ValueError(f"lora.dropout = {lora.dropout} needs training.mode = eager (the captured step has no "
                          "dropout); set lora.dropout 0")
+
+
+def _check_fault_tolerance(cfg: Config) -> None:
+    """What replica groups need (docs/fault_tolerance.md; the ranks of a group: components/build.py)."""
+    if not cfg.fault_tolerance.enabled:
+        return
+    if cfg.training.mode != "eager":
+        raise ValueError("fault_tolerance.enabled averages gradients between backward and the optimizer, outside the "
+                         "captured step: set --training.mode eager")
+    if cfg.training.objective != "next_token":
+        raise ValueError(f"fault_tolerance.enabled runs the next-token loop (pre-training, SFT); training.objective = "
+                         f"{cfg.training.objective} is not built for replica groups yet: set it to next_token")
+    if cfg.parallelism.dp_replicate > 1:
+        raise ValueError(f"parallelism.dp_replicate = {cfg.parallelism.dp_replicate} replicates inside one job; with "
+                         "fault_tolerance.enabled the replica groups are separate jobs (fault_tolerance.replicas): set "
+                         "parallelism.dp_replicate 1")
 
 
 def _objective_data(cfg: Config, sources: list[SourceConfig], *, objective: str, fmt: str, rows: str,

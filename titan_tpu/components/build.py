@@ -49,7 +49,8 @@ RUN_ID_FILE = "run_id"  # in output_dir: the run's id, which keys its local chec
 
 class Components:
     """The assembled run (module docstring). Attributes: cfg, setup, spec, model_args, backend,
-    rank, world_size, is_main, parallel_dims, mesh, expert_mesh, dp_size, run_dir, run_lock,
+    rank, world_size, is_main, parallel_dims, mesh, expert_mesh, dp_size, data_rank and data_size
+    (the global batch's split: the data-parallel ranks, or the replica groups), run_dir, run_lock,
     document_mask, tokenizer, train_loader, val_loader, model, objective, optimizer, step_fn,
     compile_stats, checkpointer, local_tier (None unless checkpoint.grace_seconds or local_interval),
     warmup_steps, flops_per_token, flops_note; GRPO adds rewards, stop_ids and reference
@@ -73,11 +74,19 @@ class Components:
         self.mesh = self.parallel_dims.build_mesh(self.backend.device.type)
         self.expert_mesh = self.parallel_dims.build_expert_mesh(self.backend.device.type)
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
+        # Who reads which rows of the global batch: the data-parallel ranks, or with replica groups
+        # (fault_tolerance) the groups, each one process (train/replica_ft.py says why).
+        ft = cfg.fault_tolerance
+        if ft.enabled and self.world_size > 1:
+            raise ValueError(f"fault_tolerance.enabled runs one process per replica group; this group has "
+                             f"{self.world_size} ranks: start each group with one process (titan-tpu train, not "
+                             "torchrun) and fault_tolerance.replicas groups")
+        self.data_rank, self.data_size = (ft.replica_id, ft.replicas) if ft.enabled else (self.dp_rank, self.dp_size)
         if t.global_batch_tokens:  # accumulation from the global batch, now that the mesh is known
-            t.grad_accum_steps = grad_accum_from_tokens(t, self.dp_size,
+            t.grad_accum_steps = grad_accum_from_tokens(t, self.data_size,
                                                         ranks_per_dp=self.world_size // self.dp_size)
             self.log(f"training.global_batch_tokens = {t.global_batch_tokens}: {t.grad_accum_steps} micro-batches of "
-                     f"{t.batch_size} x {t.seq_len} tokens per step on each of {self.dp_size} data-parallel ranks")
+                     f"{t.batch_size} x {t.seq_len} tokens per step on each of {self.data_size} data-parallel ranks")
         self.run_lock = self._lock_output_dir()
         torch.manual_seed(t.seed)
         self.spec = setup.spec  # what the run asks about the model (models/spec.py)
@@ -149,8 +158,8 @@ class Components:
                                     cache_dir=cfg.data.cache_dir or default_cache_dir(), log=self.log)
         self.tokenizer = prepared.tokenizer
         self.train_loader, self.val_loader = build_loaders(
-            cfg.data, prepared, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, dp_rank=self.dp_rank,
-            dp_size=self.dp_size, validation=cfg.validation.enabled, log=self.log)
+            cfg.data, prepared, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, dp_rank=self.data_rank,
+            dp_size=self.data_size, validation=cfg.validation.enabled, log=self.log)
 
     def _objective(self) -> Objective:
         if self.cfg.training.objective == "dpo":
@@ -268,8 +277,8 @@ class Components:
     def global_batch(self) -> dict:
         """What one optimizer step takes, recorded in checkpoints: a resume on another mesh says what changed."""
         t = self.cfg.training
-        return {"tokens": t.batch_size * t.seq_len * self.dp_size * t.grad_accum_steps, "world_size": self.world_size,
-                "dp_size": self.dp_size, "grad_accum_steps": t.grad_accum_steps, "batch_size": t.batch_size}
+        return {"tokens": t.batch_size * t.seq_len * self.data_size * t.grad_accum_steps, "world_size": self.world_size,
+                "dp_size": self.data_size, "grad_accum_steps": t.grad_accum_steps, "batch_size": t.batch_size}
 
     def load_checkpoint(self, path: Path, *, local: bool = False) -> dict:
         """Resume everything from a checkpoint (local: a tier of train/local_tier.py), resharding it
@@ -281,13 +290,24 @@ class Components:
             check_model_identity(path, rest, model_name=self.spec.name, model_args=dataclasses.asdict(self.model_args))
         else:
             rest = load(path, state)  # fills the model's and optimizer's tensors in place
-        loaded = state["optimizer"]
-        self.optimizer.load_state_dict({**loaded, "exp_avg": self.model.from_per_layer(loaded["exp_avg"]),
-                                        "exp_avg_sq": self.model.from_per_layer(loaded["exp_avg_sq"])})
+        self._load_optimizer_per_layer(state["optimizer"])
         self.train_loader.load_state_dict(rest["data"])
         if rest["rng"] is not None:  # None when the checkpoint came from another number of ranks
             set_rng_state(rest["rng"])
         return rest
+
+    def _load_optimizer_per_layer(self, loaded: dict) -> None:
+        self.optimizer.load_state_dict({**loaded, "exp_avg": self.model.from_per_layer(loaded["exp_avg"]),
+                                        "exp_avg_sq": self.model.from_per_layer(loaded["exp_avg_sq"])})
+
+    @torch.no_grad()
+    def install_state(self, state: dict) -> None:
+        """A peer's `state_dict` in memory (replica fault tolerance's recovery; one process, no
+        resharding): model, optimizer, data position and RNG; the caller takes its step."""
+        self.model.load_state_dict(state["model"])
+        self._load_optimizer_per_layer(state["optimizer"])
+        self.train_loader.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
 
     @torch.no_grad()
     def load_initial_weights(self, path: str | Path, model: torch.nn.Module | None = None) -> None:

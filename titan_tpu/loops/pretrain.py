@@ -172,6 +172,52 @@ class Trainer:
         self.save_checkpoint()
         self._checkpoint_io(self.checkpointer.wait)
 
+    # ------------------------------------------------------------------------------------------
+    # replica groups (fault_tolerance; train/replica_ft.py)
+
+    def _start_replica_ft(self):
+        """Join the replica groups' lighthouse (None without fault_tolerance): from here on this
+        group heartbeats, so it is called right before the loop, once the model is resumed and built."""
+        f = self.cfg.fault_tolerance
+        if not f.enabled:
+            return None
+        from titan_tpu.train.replica_ft import ReplicaFT, check_lighthouse
+
+        host, port = f.lighthouse.rsplit(":", 1)
+        check_lighthouse(host, int(port), f.timeout_seconds, replicas=f.replicas)
+        ft = ReplicaFT(host, int(port), f.replica_id, state_fn=lambda: self.state_dict(),
+                       load_fn=self._take_peer_state, timeout=f.timeout_seconds, connect_timeout=f.timeout_seconds)
+        self.step_fn.grad_sync = ft.average
+        self.log(f"replica group {f.replica_id} of {f.replicas} (lighthouse {f.lighthouse}): gradients averaged over "
+                 f"the live groups each step; this group reads its 1/{f.replicas} share of each global batch")
+        return ft
+
+    def _take_peer_state(self, state: dict) -> None:
+        """Recovery: a healthy peer's state (this group was behind it) replaces this group's."""
+        self.components.install_state(state)
+        self.step = state["step"]
+
+    def _replica_quorum(self, ft) -> None:
+        """Before a step: agree on the quorum with the live groups; a group behind them takes their
+        state. Time spent on a quorum change counts as restart in goodput (start-up for the first
+        process's first quorum)."""
+        ft.step = self.step
+        changes, start = ft.stats.quorum_changes, time.perf_counter()
+        ft.start_step()
+        if ft.stats.quorum_changes != changes and self.goodput is not None:
+            first = changes == 0 and not self.goodput.earlier
+            self.goodput.add("startup" if first else "restart", time.perf_counter() - start)
+        self._data_before_step = self.train_loader.state_dict()
+
+    def _drop_step(self, seconds: float) -> None:
+        """A step whose gradient average failed (a peer died mid-step): nothing was applied, so the
+        step and its batch are taken again in the next quorum."""
+        self.train_loader.load_state_dict(self._data_before_step)
+        self.step -= 1
+        if self.goodput is not None:
+            self.goodput.lost_step(seconds)
+        self.log(f"step {self.step + 1} not applied: a replica group left during it; taken again in the next quorum")
+
     def _timed(self, bucket: str, fn):
         """fn(), its seconds counted in goodput's `bucket` (rank 0)."""
         start = time.perf_counter()
@@ -294,6 +340,7 @@ class Trainer:
         last_val, stopped_by = None, None
         logger = self.logger = self._open_logger() if self.is_main else None
         profiler = self._profiler()
+        replica_ft = self._start_replica_ft()
         with GracefulShutdown() as shutdown:
             # Throughput counts only time spent in training steps (each ends in a host sync when its
             # loss is read), not validation or checkpointing.
@@ -302,11 +349,16 @@ class Trainer:
             if self.goodput is not None:
                 self.goodput.begin_loop()
             while self.step < cfg.training.steps:
+                if replica_ft is not None:
+                    self._replica_quorum(replica_ft)
                 if profiler is not None:
                     profiler.before_step(self.step + 1)
                 start, data_before = time.perf_counter(), self.data_seconds
                 result = self.train_step()
                 seconds = time.perf_counter() - start
+                if not result.committed:
+                    self._drop_step(seconds)
+                    continue
                 window_seconds += seconds
                 if self.goodput is not None:
                     self.goodput.step(self.step, seconds=seconds, data_seconds=self.data_seconds - data_before)
@@ -330,6 +382,8 @@ class Trainer:
                     row.update(self.train_loader.metrics())  # mixtures: token share and epochs per source
                     row.update(self.backend.memory_stats())
                     row.update(self.compile_stats)
+                    if replica_ft is not None:  # the replica groups in the gradient average of this step
+                        row["replica_groups"] = replica_ft.members
                     self.compile_stats = {}  # once per process
                     if self.goodput is not None:  # the ledger first: a kill between the two loses no step
                         self.goodput.flush()
@@ -356,6 +410,8 @@ class Trainer:
                 if stop:
                     stopped_by = shutdown.signal_name or "a signal on another rank"
                     break
+        if replica_ft is not None:
+            replica_ft.close()
         # An async save must land before the process ends.
         self._timed("checkpoint_save", lambda: self._checkpoint_io(self.checkpointer.close))
         if self.local_tier is not None and stopped_by is None:  # finished: the persistent tier holds the end

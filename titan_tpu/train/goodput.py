@@ -5,7 +5,8 @@ in ``<output_dir>/goodput.json`` so that a restarted run adds to it instead of s
 
     productive        training steps that advanced the run (their data waits excluded)
     recomputed        steps taken again after a failure: every step at or below the highest step any
-                      earlier process of the run reached (the work since its last checkpoint was lost)
+                      earlier process of the run reached (the work since its last checkpoint was lost),
+                      and a replica group's step thrown away because a peer died during it
     data              waiting for batches
     compile           graph capture and compilation
     checkpoint_save   checkpoint saves (the step's and the emergency save's; an async save's staging)
@@ -13,7 +14,8 @@ in ``<output_dir>/goodput.json`` so that a restarted run adds to it instead of s
     validation        validation passes
     startup           the first process, from its start to its first step (imports, building the run)
     restart           a later process's start-up, plus the time between the previous process's last
-                      record and this start (the job down, and any work done after that record)
+                      record and this start (the job down, and any work done after that record); a
+                      replica group's waits for a new quorum and its recovery from a peer
     other             what none of the above covers (logging, metrics): wall time minus their sum
 
 Wall time is from the first process's start to the latest record of the latest process. Rank 0
@@ -122,6 +124,11 @@ class GoodputLedger:
         (checkpoint load, compile), was start-up (the first process) or restart (a later one)."""
         spent = self._clock() - self.record["start"] - sum(self.record["seconds"].values())
         self.add("restart" if self.earlier else "startup", spent)
+
+    def lost_step(self, seconds: float) -> None:
+        """A step computed and thrown away (replica fault tolerance: a peer died during it); it is taken again."""
+        self.add("recomputed", seconds)
+        self.record["recomputed_steps"] += 1
 
     def step(self, step: int, *, seconds: float, data_seconds: float) -> None:
         """A training step of `seconds`, of which `data_seconds` waited for batches."""

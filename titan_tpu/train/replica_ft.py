@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import socket
 import sys
 import threading
 import time
@@ -68,12 +69,18 @@ class Lighthouse:
     def run(self, stop: threading.Event | None = None, poll: float = 0.02) -> None:
         last_seen: dict[int, tuple[int, float]] = {}  # replica -> (heartbeat count, when it last moved)
         members: list[list[int]] = []
-        qid, retries = 0, 0
+        qid, retries, retry_since = 0, 0, None
         while stop is None or not stop.is_set():
-            asked = self.store.add("retry", 0)  # a group that could not build the quorum's process group
-            if asked != retries:
-                retries, members = asked, []  # publish the live set again under a new id
             now = time.monotonic()
+            # A group asks for a new quorum when it could not build the quorum's process group or a
+            # collective failed. The live set is published again under a new id, but only after a
+            # heartbeat timeout, so that a member that died meanwhile is out of it; a member that is
+            # only slow (a longer checkpoint save) stays in, and the groups meet in the new quorum.
+            asked = self.store.add("retry", 0)
+            if asked != retries:
+                retries, retry_since = asked, retry_since or now
+            if retry_since is not None and now - retry_since >= self.timeout:
+                members, retry_since = [], None
             for r in range(self.max_replicas):
                 if self.store.check([f"hb/{r}"]):
                     count = int(self.store.get(f"hb/{r}"))
@@ -83,11 +90,23 @@ class Lighthouse:
                     if now - t < self.timeout]
             needed = self.initial_replicas if qid == 0 else self.min_replicas
             if live != members and len(live) >= needed:
-                members, qid = live, qid + 1
+                members, qid, retry_since = live, qid + 1, None  # a new quorum answers any retry asked before it
                 self.store.set(f"quorum/{qid}", json.dumps(members))
                 self.store.set("quorum", str(qid))
                 print(f"lighthouse: quorum {qid} {members}", file=sys.stderr, flush=True)
             time.sleep(poll)
+
+
+def check_lighthouse(host: str, port: int, timeout: float, *, replicas: int) -> None:
+    """A one-line error when nothing listens at host:port (rather than the store client's retries and
+    C++ traces)."""
+    from titan_tpu.errors import RunError
+
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        raise RunError(f"fault_tolerance.lighthouse {host}:{port} does not answer ({e.strerror or e}): start it first "
+                       f"with titan-tpu lighthouse --port {port} --replicas {replicas}") from e
 
 
 @dataclass
@@ -106,10 +125,10 @@ class ReplicaFT:
     """
 
     def __init__(self, host: str, port: int, replica_id: int, state_fn, load_fn,
-                 timeout: float = 5.0, heartbeat_every: float = 0.05):
+                 timeout: float = 5.0, heartbeat_every: float = 0.05, connect_timeout: float = 60.0):
         self.replica_id, self.state_fn, self.load_fn = replica_id, state_fn, load_fn
         self.timeout = timedelta(seconds=timeout)
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_timeout))
         self.incarnation = self.store.add(f"inc/{replica_id}", 1)
         self.stats = FTStats()
         self.pg, self.quorum, self.step = None, Quorum(-1, []), 0
@@ -124,8 +143,11 @@ class ReplicaFT:
             time.sleep(every)
 
     def close(self) -> None:
+        """Stop heartbeating (the lighthouse drops this group) and release the quorum's process group
+        now, while the interpreter is whole (gloo's threads must not be torn down at exit)."""
         self._stop.set()
         self._hb.join()
+        self.pg = None
 
     @property
     def members(self) -> int:
@@ -216,12 +238,17 @@ class ReplicaFT:
               f"{str(error).splitlines()[0][:200]}", file=sys.stderr, flush=True)
         self.stats.failed_steps += 1
         self.pg = None
+        self.store.add("retry", 1)  # a peer that only timed out is still alive: the quorum must change anyway
 
     def allreduce_grads(self, params) -> bool:
-        """Average the gradients over the quorum; False (do not commit) when a peer died mid-step."""
+        """Average the parameters' gradients over the quorum; False (do not commit) when a peer died mid-step."""
+        return self.average([p.grad for p in params if p.grad is not None])
+
+    def average(self, grads: list[torch.Tensor]) -> bool:
+        """Average `grads` in place over the quorum (one flat all-reduce); False (do not commit) when
+        a peer died mid-step."""
         if self.members <= 1:
             return True
-        grads = [p.grad for p in params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         try:
             self.pg.allreduce([flat]).wait()
@@ -237,14 +264,23 @@ class ReplicaFT:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="The replica fault-tolerance lighthouse")
-    parser.add_argument("--port", type=int, default=29510)
-    parser.add_argument("--max-replicas", type=int, default=8)
-    parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
-    parser.add_argument("--min-replicas", type=int, default=1)
-    parser.add_argument("--initial-replicas", type=int, default=1, help="groups the first quorum waits for")
+    """`titan-tpu lighthouse` (or python -m titan_tpu.train.replica_ft): runs until killed."""
+    parser = argparse.ArgumentParser(
+        prog="titan-tpu lighthouse",
+        description="The replica groups' lighthouse: decides which groups average gradients each step "
+                    "(docs/fault_tolerance.md). Start it first, then each group with --fault_tolerance.enabled true.")
+    parser.add_argument("--port", type=int, default=29510, help="the port the groups' fault_tolerance.lighthouse names")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="groups the first quorum waits for (a common start; later quorums take the live ones)")
+    parser.add_argument("--max-replicas", type=int, default=8, help="the highest replica id + 1 it looks for")
+    parser.add_argument("--heartbeat-timeout", type=float, default=1.0,
+                        help="seconds without a heartbeat after which a group is dead (above any step's jitter)")
+    parser.add_argument("--min-replicas", type=int, default=1, help="the fewest groups a quorum may have")
     args = parser.parse_args(argv)
-    lh = Lighthouse(args.port, args.max_replicas, args.heartbeat_timeout, args.min_replicas, args.initial_replicas)
+    if not 1 <= args.replicas <= args.max_replicas:
+        raise ValueError(f"--replicas {args.replicas} must be in [1, --max-replicas {args.max_replicas}]")
+    lh = Lighthouse(args.port, max(args.max_replicas, args.replicas), args.heartbeat_timeout, args.min_replicas,
+                    args.replicas)
     print(f"lighthouse on port {lh.port}", flush=True)
     lh.run()
 

@@ -20,6 +20,7 @@ This module sits below both loops/pretrain.py and graph/: neither imports the ot
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,9 @@ class StepResult:
     num_tokens: int  # tokens of the step, on all ranks
     terms: dict[str, float] = field(default_factory=dict)  # the objective's other reported terms (Objective.terms)
     expert_load: torch.Tensor | None = None  # MoE: tokens per expert per layer [L, E], all ranks; else None
+    # False: the step's gradients were not applied (replica fault tolerance: a peer died mid-step), the
+    # model and optimizer are as before it, and the loop takes the step again.
+    committed: bool = True
 
     @property
     def aux_loss(self) -> float:
@@ -79,7 +83,13 @@ class EagerStep:
     The in-place forms of clipping and AdamW run the same arithmetic as the pure functions the
     graph trainer traces, without allocating a second copy of gradients, weights and moments.
     With SimpleFSDP the parameters and gradients are DTensors; the code is the same.
+
+    `grad_sync` (replica fault tolerance, set by the loop: train/replica_ft.py `ReplicaFT.average`)
+    averages the gradients across replica groups after backward, before clipping; when it returns
+    False (a peer died mid-step) nothing is applied and the result says so (`committed`).
     """
+
+    grad_sync: Callable[[list[Tensor]], bool] | None = None
 
     def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float, dp_size: int = 1,
                  objective: Objective | None = None):
@@ -103,6 +113,10 @@ class EagerStep:
         # A parameter the loss does not reach (a module of the model unused by this forward) gets a
         # zero gradient, as in the captured step, rather than no entry.
         grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.params.items()}
+        if self.grad_sync is not None and not self.grad_sync(list(grads.values())):
+            for p in self.params.values():
+                p.grad = None
+            return StepResult(loss=float("nan"), grad_norm=float("nan"), num_tokens=0, committed=False)
         with record_function(OPTIMIZER_REGION):  # a region of its own in profiles (train/profiling.py)
             grad_norm = clip_grad_norm_(grads, self.max_norm)
             self.optimizer.step(grads, lr=lr)
