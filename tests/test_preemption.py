@@ -7,6 +7,7 @@ with every kind of fault is bench/chaos.py.
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,6 +143,14 @@ def test_sigterm_writes_the_local_tier_within_the_budget_and_it_resumes_bitwise(
     assert (tmp_path / "run" / "checkpoints" / "step-00000002").is_dir()  # written at the start
     resumed = losses(tmp_path / "run")
     assert resumed == straight  # bitwise, every step
+
+    # After its second step a process checks that the budget also holds the step in flight.
+    second._check_step_in_flight(0.0)
+    assert "may not hold" not in capsys.readouterr().out
+    second._check_step_in_flight(70.0)
+    assert re.search(r"warning: checkpoint.grace_seconds = 60 may not hold an emergency save: a SIGTERM waits for the "
+                     r"step in flight \(70.00 s here\), then writes the local tier \(\d+\.\d\d s\); set it to at "
+                     r"least 14\d", capsys.readouterr().out)
 
     second.cfg.checkpoint.grace_seconds = 1e-6  # what train() checks at its start
     with pytest.raises(ValueError, match=r"checkpoint.grace_seconds = 1e-06 is too short for even the local tier: "

@@ -64,6 +64,7 @@ class Trainer:
         self.save_failures = 0  # checkpoint saves that failed under checkpoint.on_save_error = warn
         self.goodput: GoodputLedger | None = None  # rank 0's, while train() runs
         self.last_save_seconds: float | None = None  # the last persistent save's time in this process
+        self.local_tier_seconds: float | None = None  # the grace budget's check at the start: one local-tier write
 
     def __getattr__(self, name: str):
         # The run's parts read as the loop's own (trainer.model, trainer.step_fn, trainer.backend):
@@ -141,6 +142,17 @@ class Trainer:
                              f"set it to at least {math.ceil(2 * seconds + 1)} or point checkpoint.local_dir at faster "
                              "storage")
         self.log(f"grace budget {grace:g} s: the local tier takes {seconds:.2f} s ({self.local_tier.dir})")
+        self.local_tier_seconds = seconds
+
+    def _check_step_in_flight(self, step_seconds: float) -> None:
+        """After this process's second step (the first one's warm-up aside): a SIGTERM waits for the
+        step in flight before the local tier, so the budget must hold both; a warning, not a refusal
+        (a step's time varies)."""
+        grace, need = self.cfg.checkpoint.grace_seconds, step_seconds + self.local_tier_seconds
+        if need > grace:
+            self.log(f"warning: checkpoint.grace_seconds = {grace:g} may not hold an emergency save: a SIGTERM waits "
+                     f"for the step in flight ({step_seconds:.2f} s here), then writes the local tier "
+                     f"({self.local_tier_seconds:.2f} s); set it to at least {math.ceil(2 * need + 1)}")
 
     def emergency_save(self, since_signal: float) -> None:
         """SIGTERM under checkpoint.grace_seconds: the local tier, then the persistent checkpoint if
@@ -345,6 +357,7 @@ class Trainer:
             # Throughput counts only time spent in training steps (each ends in a host sync when its
             # loss is read), not validation or checkpointing.
             window_tokens, window_seconds, window_steps, window_start_data = 0, 0.0, 0, self.data_seconds
+            steps_here = 0  # steps taken by this process
             self.backend.reset_peak_memory()
             if self.goodput is not None:
                 self.goodput.begin_loop()
@@ -359,6 +372,9 @@ class Trainer:
                 if not result.committed:
                     self._drop_step(seconds)
                     continue
+                steps_here += 1
+                if steps_here == 2 and self.local_tier_seconds is not None:
+                    self._check_step_in_flight(seconds)
                 window_seconds += seconds
                 if self.goodput is not None:
                     self.goodput.step(self.step, seconds=seconds, data_seconds=self.data_seconds - data_before)
