@@ -350,9 +350,9 @@ class Trainer:
                  f"MFU peak per device: {self.backend.peak_description(self.compute_dtype)}")
 
         last_val, stopped_by = None, None
+        replica_ft = self._start_replica_ft()  # first: a lighthouse that does not answer leaves nothing open
         logger = self.logger = self._open_logger() if self.is_main else None
         profiler = self._profiler()
-        replica_ft = self._start_replica_ft()
         with GracefulShutdown() as shutdown:
             # Throughput counts only time spent in training steps (each ends in a host sync when its
             # loss is read), not validation or checkpointing.
