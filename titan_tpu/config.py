@@ -335,6 +335,11 @@ class FaultToleranceConfig:
     # this long, and the group's step is taken again in a new quorum.
     timeout_seconds: float = 30.0
 
+    def lighthouse_address(self) -> tuple[str, int | None]:
+        """(host, port) of `lighthouse`; port None when it is not a number (checked by `check`)."""
+        host, _, port = self.lighthouse.rpartition(":")
+        return host, int(port) if port.isdigit() else None
+
 
 @dataclass
 class Config:
@@ -612,8 +617,8 @@ def _check_fault_tolerance(ft: FaultToleranceConfig) -> None:
     if ft.replicas < 1 or not 0 <= ft.replica_id < ft.replicas:
         raise ValueError(f"fault_tolerance.replica_id = {ft.replica_id} must be in [0, fault_tolerance.replicas = "
                          f"{ft.replicas})")
-    host, _, port = ft.lighthouse.rpartition(":")
-    if not host or not port.isdigit():
+    host, port = ft.lighthouse_address()
+    if not host or port is None:
         raise ValueError(f"fault_tolerance.lighthouse = {ft.lighthouse!r} must be host:port, e.g. 127.0.0.1:29510 "
                          "(where `titan-tpu lighthouse --port 29510` runs)")
     if ft.timeout_seconds <= 0:

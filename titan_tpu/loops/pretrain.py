@@ -195,9 +195,9 @@ class Trainer:
             return None
         from titan_tpu.train.replica_ft import ReplicaFT, check_lighthouse
 
-        host, port = f.lighthouse.rsplit(":", 1)
-        check_lighthouse(host, int(port), f.timeout_seconds, replicas=f.replicas)
-        ft = ReplicaFT(host, int(port), f.replica_id, state_fn=lambda: self.state_dict(),
+        host, port = f.lighthouse_address()
+        check_lighthouse(host, port, f.timeout_seconds, replicas=f.replicas)
+        ft = ReplicaFT(host, port, f.replica_id, state_fn=lambda: self.state_dict(),
                        load_fn=self._take_peer_state, timeout=f.timeout_seconds, connect_timeout=f.timeout_seconds)
         self.step_fn.grad_sync = ft.average
         self.log(f"replica group {f.replica_id} of {f.replicas} (lighthouse {f.lighthouse}): gradients averaged over "
