@@ -3,7 +3,8 @@
     python bench/replica_ft.py --steps 400 --faults 4 --seed 0
 
 Runs a lighthouse (a thread here), an uninterrupted reference run of 2 groups and a run whose
-group 1 is killed `--faults` times at random steps and restarted at once; reports per fault the
+group 1 is killed `--faults` times at random steps and restarted once the survivor stepped
+`--down-steps` alone; reports per fault the
 survivor's stall (its step across the fault), the steps the survivor took alone, the time from the
 kill to the restarted group's first committed step, and the final loss of both runs.
 `worker` is also what tests/test_replica_ft.py runs.
@@ -36,7 +37,11 @@ def _batch(step: int, replica: int, n: int = 64):
     return x, y
 
 
-def worker(port: int, replica: int, steps: int, out: str, step_sleep: float, timeout: float) -> None:
+def worker(port: int, replica: int, steps: int, out: str, step_sleep: float, timeout: float,
+           together_last: int = 10, name: str | None = None) -> None:
+    """Trains until `steps`; the last `together_last` steps are taken only with a peer (a group alone
+    waits there): how long a killed group takes to start again varies with the machine's load, and a
+    survivor that finished the run meanwhile would leave its peer nobody to rejoin."""
     import torch
 
     from titan_tpu.train.replica_ft import ReplicaFT
@@ -52,11 +57,14 @@ def worker(port: int, replica: int, steps: int, out: str, step_sleep: float, tim
         model.load_state_dict(s["model"])
         opt.load_state_dict(s["opt"])
 
-    ft = ReplicaFT("127.0.0.1", port, replica, state, load, timeout=timeout)
+    ft = ReplicaFT("127.0.0.1", port, replica, state, load, timeout=timeout, name=name)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     log = open(out + ".jsonl", "a", buffering=1)
     while ft.step < steps:
         ft.start_step()
+        if ft.members == 1 and ft.step >= steps - together_last:  # alone near the end: wait for the peer
+            time.sleep(0.02)
+            continue
         x, y = _batch(ft.step, replica)
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
@@ -78,19 +86,19 @@ def worker(port: int, replica: int, steps: int, out: str, step_sleep: float, tim
     os._exit(0)  # skip the interpreter's teardown of gloo's threads (it can abort: "terminate called ...")
 
 
-def start_lighthouse(heartbeat_timeout: float):
+def start_lighthouse(heartbeat_timeout: float, name: str = "lighthouse"):
     from titan_tpu.train.replica_ft import Lighthouse
-    lh = Lighthouse(0, max_replicas=4, heartbeat_timeout=heartbeat_timeout, initial_replicas=2)
+    lh = Lighthouse(0, max_replicas=4, heartbeat_timeout=heartbeat_timeout, initial_replicas=2, name=name)
     stop = threading.Event()
     threading.Thread(target=lh.run, args=(stop,), daemon=True).start()
     return lh, stop
 
 
-def spawn(port: int, replica: int, steps: int, out: Path, step_sleep: float, timeout: float = 5.0):
+def spawn(port: int, replica: int, steps: int, out: Path, step_sleep: float, name: str, timeout: float = 5.0):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(ROOT / "bench" / "replica_ft.py"), "--worker", "--port", str(port),
            "--replica", str(replica), "--steps", str(steps), "--out", str(out),
-           "--step-sleep", str(step_sleep), "--timeout", str(timeout)]
+           "--step-sleep", str(step_sleep), "--timeout", str(timeout), "--name", name]
     return subprocess.Popen(cmd, env=env)
 
 
@@ -117,9 +125,9 @@ def wait_until(cond, timeout: float, poll: float = 0.02) -> None:
 def run_pair(work: Path, name: str, steps: int, kill_steps: list[int], step_sleep: float,
              down_steps: int, heartbeat_timeout: float = 0.5) -> dict:
     """Two groups; group 1 is killed at each of `kill_steps` and restarted once group 0 stepped `down_steps` alone."""
-    lh, stop = start_lighthouse(heartbeat_timeout)
+    lh, stop = start_lighthouse(heartbeat_timeout, name=f"{name} lighthouse")
     out0, out1 = work / f"{name}-r0", work / f"{name}-r1"
-    p0, p1 = spawn(lh.port, 0, steps, out0, step_sleep), spawn(lh.port, 1, steps, out1, step_sleep)
+    p0, p1 = (spawn(lh.port, r, steps, out, step_sleep, f"{name} replica {r}") for r, out in ((0, out0), (1, out1)))
     faults = []
     for k in kill_steps:
         wait_until(lambda: last_step(out1) >= k, 120)
@@ -129,7 +137,7 @@ def run_pair(work: Path, name: str, steps: int, kill_steps: list[int], step_slee
         survivor_at = last_step(out0)
         wait_until(lambda: last_step(out0) >= survivor_at + down_steps, 120)
         alone = last_step(out0) - survivor_at
-        p1, t_restart = spawn(lh.port, 1, steps, out1, step_sleep), time.time()
+        p1, t_restart = spawn(lh.port, 1, steps, out1, step_sleep, f"{name} replica 1"), time.time()
         wait_until(lambda: any(r["pid"] == p1.pid for r in records(out1)), 120)
         first = next(r for r in records(out1) if r["pid"] == p1.pid)
         faults.append({"killed_at": killed_at, "survivor_steps_while_down": alone,
@@ -158,13 +166,17 @@ def main(argv=None) -> None:
     parser.add_argument("--out")
     parser.add_argument("--step-sleep", type=float, default=0.04)
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--together-last", type=int, default=10,
+                        help="(worker) the last steps a group takes only with its peer")
+    parser.add_argument("--name", help="(worker) what its log lines start with")
     parser.add_argument("--faults", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--down-steps", type=int, default=10)
     parser.add_argument("--work", default="/tmp/replica_ft_bench")
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.port, args.replica, args.steps, args.out, args.step_sleep, args.timeout)
+        return worker(args.port, args.replica, args.steps, args.out, args.step_sleep, args.timeout,
+                      args.together_last, args.name)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     for f in work.glob("*"):

@@ -46,7 +46,10 @@ def test_a_killed_replica_group_rejoins_with_the_survivors_weights(tmp_path):
     runs = {}
 
     def run(name, kills):
-        runs[name] = bench.run_pair(tmp_path, name, steps, kills, step_sleep=0.04, down_steps=down)
+        # a heartbeat timeout of 2 s: on a loaded 2-core machine a live group's heartbeat thread can
+        # wait half a second for a core, and the lighthouse would drop it
+        runs[name] = bench.run_pair(tmp_path, name, steps, kills, step_sleep=0.04, down_steps=down,
+                                    heartbeat_timeout=2.0)
 
     reference = threading.Thread(target=run, args=("ref", []))  # the uninterrupted run, alongside
     reference.start()
@@ -108,7 +111,7 @@ def _wait(cond, procs: dict, timeout: float = 120) -> None:
 @pytest.mark.multiprocess
 def test_titan_tpu_train_groups_survive_a_killed_group(tmp_path, data_cache):
     require_multiprocess_marker()
-    lighthouse = Lighthouse(0, max_replicas=2, heartbeat_timeout=0.5, initial_replicas=2)
+    lighthouse = Lighthouse(0, max_replicas=2, heartbeat_timeout=2.0, initial_replicas=2)  # 2 s: see above
     stop = threading.Event()
     threading.Thread(target=lighthouse.run, args=(stop,), daemon=True).start()
     run = tmp_path / "run"

@@ -57,7 +57,8 @@ class Lighthouse:
     """Hosts the store; publishes a new quorum whenever the set of live (replica, incarnation) changes."""
 
     def __init__(self, port: int, max_replicas: int = 8, heartbeat_timeout: float = 1.0, min_replicas: int = 1,
-                 initial_replicas: int = 1):
+                 initial_replicas: int = 1, name: str = "lighthouse"):
+        self.name = name  # what its log lines start with (two lighthouses may print into one stderr)
         self.store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=30))
         self.port = self.store.port
@@ -93,7 +94,7 @@ class Lighthouse:
                 members, qid, retry_since = live, qid + 1, None  # a new quorum answers any retry asked before it
                 self.store.set(f"quorum/{qid}", json.dumps(members))
                 self.store.set("quorum", str(qid))
-                print(f"lighthouse: quorum {qid} {members}", file=sys.stderr, flush=True)
+                print(f"{self.name}: quorum {qid} {members}", file=sys.stderr, flush=True)
             time.sleep(poll)
 
 
@@ -125,8 +126,10 @@ class ReplicaFT:
     """
 
     def __init__(self, host: str, port: int, replica_id: int, state_fn, load_fn,
-                 timeout: float = 5.0, heartbeat_every: float = 0.05, connect_timeout: float = 60.0):
+                 timeout: float = 5.0, heartbeat_every: float = 0.05, connect_timeout: float = 60.0,
+                 name: str | None = None):
         self.replica_id, self.state_fn, self.load_fn = replica_id, state_fn, load_fn
+        self.name = name or f"replica {replica_id}"  # what its log lines start with
         self.timeout = timedelta(seconds=timeout)
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_timeout))
         self.incarnation = self.store.add(f"inc/{replica_id}", 1)
@@ -201,7 +204,7 @@ class ReplicaFT:
             self.store.add("retry", 1)
             raise
         self.stats.quorum_changes += 1
-        print(f"replica {self.replica_id}: quorum {q.qid} {q.members} at step {self.step}", file=sys.stderr, flush=True)
+        print(f"{self.name}: quorum {q.qid} {q.members} at step {self.step}", file=sys.stderr, flush=True)
         steps = torch.zeros(len(q.members), dtype=torch.int64)
         steps[rank] = self.step
         self.pg.allreduce([steps]).wait()
@@ -224,7 +227,7 @@ class ReplicaFT:
             self.load_fn(state)
             self.step = int(steps[src])
             self.stats.recovered_from.append(q.members[src][0])
-            print(f"replica {self.replica_id}: took step {self.step} from replica {q.members[src][0]}",
+            print(f"{self.name}: took step {self.step} from replica {q.members[src][0]}",
                   file=sys.stderr, flush=True)
 
     def _broadcast(self, t: torch.Tensor, src: int) -> None:
@@ -234,7 +237,7 @@ class ReplicaFT:
 
     def _lost_peer(self, error: Exception) -> None:
         """A collective failed: wait for the lighthouse to publish the next quorum, join it."""
-        print(f"replica {self.replica_id}: quorum {self.quorum.qid} failed at step {self.step}: "
+        print(f"{self.name}: quorum {self.quorum.qid} failed at step {self.step}: "
               f"{str(error).splitlines()[0][:200]}", file=sys.stderr, flush=True)
         self.stats.failed_steps += 1
         self.pg = None
