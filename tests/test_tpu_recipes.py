@@ -144,9 +144,6 @@ def test_the_recipe_tables_of_the_pages_are_the_planners():
 # outside it: the list is the planner's open work, not a way around the check.
 _PACKING = "the planner's backward end ({} GiB) is what XLA's live ranges hold at their peak ({} GiB); XLA " \
            "packs its temporaries into an allocation {} GiB larger, which the planner does not model"
-_KEPT = "weights kept gathered: XLA's peak comes after the backward loop, the stack's full-size fp32 gradients " \
-        "(and one stack's cast) with the gathered weights and activations dead; the planner holds all of them at " \
-        "once, and the loop's gradient stack is bf16 in XLA's program"
 PEAK_OFF = {
     "qwen3_8b_tpu": (0.89, "XLA's packing of its temporaries (the forward loop's activation stacks, no "
                            "checkpointing): not modelled"),
@@ -155,8 +152,6 @@ PEAK_OFF = {
     "deepseek_v3_16b_tpu": (0.88, "XLA's peak is the backward loop's end, the loss's [tokens, vocab] gradient still "
                                   "alive (the output projection's weight gradient waits for the loop) and a bf16 copy "
                                   "of the local expert stacks beside the gradient stacks: neither planned"),
-    "llama3_8b_tpu": (1.21, _KEPT),
-    "llama3_8b_128k_cp_tpu": (1.24, _KEPT + "; with context parallelism's keys and values"),
     "llama3_70b_v7_fp8_tpu": (1.16, "XLA's fp8 program peaks 1.8 GiB under the bf16 recipe's (its temporaries at the "
                                      "loss 22.7 GB against 24.7 in a throwaway compile's dump); the planner keeps the "
                                      "bf16 terms and adds the fp8 copies to the backward"),

@@ -680,7 +680,8 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
     # fresh gradients counted in `worst`); the captured micro-batch program writes new sums and
     # reads the old ones to its end (graph/capture.py, capture_accumulating_step).
     held_sums = accumulating if s.graph else max(accumulating - above, 0.0)
-    backward = static + gathered + acts.head + loss_kept + worst + acts.recompute + full_grad + held_sums
+    loop_grad = _xla_loop_gradient_stack(s, full_grad)  # the full-size gradient as the backward holds it
+    backward = static + gathered + acts.head + loss_kept + worst + acts.recompute + loop_grad + held_sums
     if scan is not None:
         # The backward loop reads every flipped stack until it ends and writes the gradient stack;
         # one layer's intermediates are alive at a time.
@@ -697,6 +698,25 @@ def _xla_scan_gradients_whole(s: _Setting) -> bool:
     """Whether the backward loop's gradient stack is alive whole from its first trip: scanned
     layers compiled by XLA, whose while loop carries the stack it writes."""
     return s.cfg.compile.backend == "tpu" and s.graph and s.scanned
+
+
+def _xla_loop_gradient_stack(s: _Setting, full_grad: float) -> float:
+    """The full-size gradient the backward holds, as XLA's loop holds it: a scanned stack kept
+    gathered whole (re-sharding off) under full checkpointing writes its gradient stack in the
+    compute dtype inside the backward loop and casts it to the reduce dtype only after the loop,
+    when the gathered weights and the activations are dead (XLA's live ranges of
+    llama3_8b_128k_cp_tpu at its peak, inside the backward loop: the bf16 [layers, ...] gradient
+    stacks of w1, w2, w3 beside the gathered stacks, no fp32 stack; llama3_8b_tpu's peak is after
+    the loop, the fp32 stacks alive and the gathered ones dead). Dense stacks only: no kept MoE
+    stack has been read, and the one compiled holds more than even the fp32 count (deepseek_v3_16b_tpu
+    with the weights kept gathered: XLA asked for 98.2 GB of temporaries against 95.7 GB of HBM in a
+    throwaway compile, where the planner with this term would have said 75.4 GiB and flipped
+    auto to keep them), so there the fp32 count stays, and with it re-sharding on for that recipe.
+    Elsewhere `full_grad` as it is."""
+    if not (_xla_scan_gradients_whole(s) and s.ac == "full" and s.layout.sharded and not s.per_layer_stack) \
+            or s.args.moe is not None:
+        return full_grad
+    return full_grad * s.layout.compute_bytes / s.layout.reduce_bytes
 
 
 def _xla_backward_end(s: _Setting) -> float:
