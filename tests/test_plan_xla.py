@@ -108,3 +108,28 @@ def test_matmul_flops_counts_dots_and_the_taps_inside_a_convolution_input(tmp_pa
     convolution = 2 * 2 * 32 * 16 * taps(40, 7, 3, 42) * taps(30, 4, 2, 29)
     assert convolution < 2 * 2 * 32 * 42 * 29 * 16 * 7 * 4  # the padding's taps are not counted
     assert matmul_flops(tmp_path / "p") == dot + convolution
+
+
+def test_placed_values_read_the_temporaries_allocation_with_offsets_and_live_ranges(tmp_path):
+    """The largest preallocated-temp allocation's values, highest end first, each with its live range;
+    a loop carry without one in the live-range file is still placed (the peak section leaves it out)."""
+    from titan_tpu.tools.xla_dump import live_in_allocation, placed_values
+
+    (tmp_path / "p-buffer-assignment.txt").write_text(
+        "allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}:\n"
+        " value: <1 param.0 @0> (size=64,offset=0): f32[16]{0}\n"
+        "allocation 1: size 96, page 0, preallocated-temp:\n"
+        " value: <2 fusion.1 @0> (size=32,offset=0): bf16[16]{0:T(128)}\n"
+        " value: <3 fusion.2{1} @0> (size=48,offset=48): f32[12]{0}\n"
+        " value: <4 while.3{2} @0> (size=16,offset=32): f32[4]{0}\n"
+        "allocation 2: size 8, page 0, preallocated-temp:\n"
+        " value: <5 fusion.4 @0> (size=8,offset=0): f32[2]{0}\n")
+    (tmp_path / "p-live-range.txt").write_text(
+        "HloLiveRange (max 9):\n  BufferLiveRange:\n    fusion.1{}:1-4\n    fusion.2{1}:3-6\n    param.0{}:0-9\n")
+    values = placed_values(tmp_path / "p")
+    assert [(v.name, v.offset, v.bytes, v.shape, v.live) for v in values] == [
+        ("fusion.2{1}", 48, 48, "f32[12]", (3, 6)), ("while.3{2}", 32, 16, "f32[4]", None),
+        ("fusion.1", 0, 32, "bf16[16]", (1, 4))]
+    at, alive = live_in_allocation(values)
+    assert at == 3 and [v.name for v in alive] == ["fusion.2{1}", "fusion.1"]
+    assert [v.name for v in live_in_allocation(values, at=5)[1]] == ["fusion.2{1}"]

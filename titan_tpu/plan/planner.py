@@ -660,6 +660,15 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
     grads_b = s.trained * mb
     accumulating = grads_b if s.cfg.training.grad_accum_steps > 1 else 0.0  # earlier micro-batches' gradients
     static = params_b + moments_b + _runtime_bytes(s) + s.reference_stored * mb
+    # Under gradient accumulation `titan-tpu compile` compiles the micro-batch program apart from the
+    # update (graph/capture.py capture_accumulating_step): its arguments are the parameters and the
+    # gradient sums, not the AdamW moments (llama3_70b_v7_tpu's report: 4.4 GB of arguments in the
+    # micro-batch program, 8.8 GB in the update's). As compiled, that program's moments of the step
+    # (forward end, backward, backward end) count none; on a TPU they sit beside it all the same.
+    if s.as_compiled and s.cfg.training.grad_accum_steps > 1:
+        static, update_static = static - moments_b, static
+    else:
+        update_static = static
     forward_end = static + gathered + acts.saved + acts.head + loss_kept + loss_peak + accumulating
     if scan is not None:
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
@@ -680,13 +689,15 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
     # fresh gradients counted in `worst`); the captured micro-batch program writes new sums and
     # reads the old ones to its end (graph/capture.py, capture_accumulating_step).
     held_sums = accumulating if s.graph else max(accumulating - above, 0.0)
-    backward = static + gathered + acts.head + loss_kept + worst + acts.recompute + full_grad + held_sums
+    # the full-size gradients as XLA's backward loop holds them (elsewhere `full_grad`)
+    loop_grad = _xla_layer_loop(s) if _xla_per_layer_loop(s) else _xla_loop_gradient_stack(s, full_grad)
+    backward = static + gathered + acts.head + loss_kept + worst + acts.recompute + loop_grad + held_sums
     if scan is not None:
         # The backward loop reads every flipped stack until it ends and writes the gradient stack;
         # one layer's intermediates are alive at a time.
         backward = static + acts.head + loss_kept + scan.flipped + scan.gradients + max(acts.saved_per_layer) + \
             full_grad + accumulating
-    optimizer = static + grads_b + _optimizer_temporary_bytes(s)
+    optimizer = update_static + grads_b + _optimizer_temporary_bytes(s)
     phases = {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
     if _xla_backward_end(s):
         phases["backward_end"] = static + grads_b + _xla_backward_end(s)
@@ -697,6 +708,56 @@ def _xla_scan_gradients_whole(s: _Setting) -> bool:
     """Whether the backward loop's gradient stack is alive whole from its first trip: scanned
     layers compiled by XLA, whose while loop carries the stack it writes."""
     return s.cfg.compile.backend == "tpu" and s.graph and s.scanned
+
+
+def _xla_loop_gradient_stack(s: _Setting, full_grad: float) -> float:
+    """The full-size gradient the backward holds, as XLA's loop holds it: a scanned stack kept
+    gathered whole (re-sharding off) under full checkpointing writes its gradient stack in the
+    compute dtype inside the backward loop and casts it to the reduce dtype only after the loop,
+    when the gathered weights and the activations are dead (XLA's live ranges of
+    llama3_8b_128k_cp_tpu at its peak, inside the backward loop: the bf16 [layers, ...] gradient
+    stacks of w1, w2, w3 beside the gathered stacks, no fp32 stack; llama3_8b_tpu's peak is after
+    the loop, the fp32 stacks alive and the gathered ones dead). Dense stacks only: no kept MoE
+    stack has been read, and the one compiled holds more than even the fp32 count (deepseek_v3_16b_tpu
+    with the weights kept gathered: XLA asked for 98.2 GB of temporaries against 95.7 GB of HBM in a
+    throwaway compile, where the planner with this term would have said 75.4 GiB and flipped
+    auto to keep them), so there the fp32 count stays, and with it re-sharding on for that recipe.
+    Elsewhere `full_grad` as it is."""
+    if not (_xla_scan_gradients_whole(s) and s.ac == "full" and s.layout.sharded and not s.per_layer_stack) \
+            or s.args.moe is not None:
+        return full_grad
+    return full_grad * s.layout.compute_bytes / s.layout.reduce_bytes
+
+
+def _xla_per_layer_loop(s: _Setting) -> bool:
+    """Scanned layers compiled by XLA, gathered and reduce-scattered per layer inside the loop (re-sharding
+    on), under full checkpointing, every weight trained (not LoRA's frozen base): where `_xla_layer_loop`
+    is the backward's full-size gradient."""
+    return _xla_scan_gradients_whole(s) and s.ac == "full" and s.layout.sharded and s.per_layer_stack \
+        and not s.lora
+
+
+def _xla_layer_loop(s: _Setting) -> float:
+    """The full-size gradients XLA's backward loop holds over a stack gathered per layer: one weight
+    matrix's fp32 gradient at a time (each cast and reduce-scattered on its own, not the whole layer's),
+    and beside it, through the loop, the output projection's: its fp32 [vocab, dim] weight gradient or
+    the loss's bf16 [tokens, vocab] gradient, whichever XLA keeps, counted as the larger of the two (an
+    upper bound). Read from XLA's buffer assignment (2026-12-05 dumps): llama3_405b_tpu's backward loop
+    holds one f32[53248, 16384] gradient at a time (3.25 GiB; the three of a feed-forward at disjoint
+    times) and the output projection's f32[129024, 16384] gradient (7.9 GiB) from before the loop to
+    after it; llama3_8b_v6e_tpu's one f32[14336, 4096] at a time and the f32 [vocab, dim] gradient
+    through the loop, the logits' gradient freed before it (there the bound counts 1.96 GiB more than
+    the loop holds); deepseek_v3_16b_tpu's loop ends with the logits' gradient alive, the weight
+    gradient after the loop (an earlier dump, as the recipe test's note on that row read it). An MoE
+    layer's largest matrix is its local expert stack."""
+    args, layout = s.args, s.layout
+    matrix = args.dim * args.ffn_hidden_dim
+    if args.moe is not None:
+        matrix = max(matrix, args.moe.num_experts * args.dim * args.moe.hidden_dim / layout.ep)
+    tp = s.cfg.parallelism.tp
+    output = max(s.tokens // s.cfg.parallelism.cp * args.vocab_size * layout.compute_bytes,
+                 args.vocab_size * args.dim * layout.master_bytes()) / tp
+    return matrix / tp * layout.reduce_bytes + output
 
 
 def _xla_backward_end(s: _Setting) -> float:

@@ -7,6 +7,9 @@ assignment (each value's shape and size), the live ranges with the values alive 
 whose instructions carry the JAX op name that made them (``metadata={op_name="..."}``: the
 lowering's named scopes, graph/jax_lowering.py, put our module path there). `peak_values` joins
 the three: every value alive at the peak, largest first, with its shape and where it came from.
+That peak section leaves out what a while loop carries (a scanned model's layer-input stack);
+`placed_values` reads the temporaries' allocation itself (each value's offset, size and live
+range, the loop carries too) and `live_in_allocation` the values alive at one moment of it.
 
 `matmul_flops` counts the multiply-adds of the optimized program's dots and convolutions (XLA's
 TPU compiler turns most dots into convolutions), each instruction once, as XLA's cost analysis counts
@@ -29,8 +32,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PeakValue", "compile_stages", "f8_dots", "format_peak", "matmul_flops", "optimized_hlo", "peak_values",
-           "tpu_programs"]
+__all__ = ["PeakValue", "PlacedValue", "compile_stages", "f8_dots", "format_peak", "live_in_allocation",
+           "matmul_flops", "optimized_hlo", "peak_values", "placed_values", "tpu_programs"]
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,66 @@ def peak_values(dump: str | Path) -> list[PeakValue]:
         values.append(PeakValue(bytes=int(m.group(2)), name=name, shape=shape,
                                 origin=_short(origins.get(instruction, ""))))
     return sorted(values, key=lambda v: -v.bytes)
+
+
+@dataclass(frozen=True)
+class PlacedValue:
+    name: str  # the HLO value, e.g. "fusion.256{1}"
+    bytes: int
+    offset: int  # where XLA placed it in its temporaries' allocation
+    shape: str
+    live: tuple[int, int] | None  # its live range in the program's instruction order; None where the
+    # live-range file has none
+
+
+_PLACED = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
+_ALLOCATION = re.compile(r"^allocation (\d+): size (\d+),.*preallocated-temp")
+
+
+def placed_values(dump: str | Path) -> list[PlacedValue]:
+    """The values XLA placed in its temporaries (the largest preallocated-temp allocation of the
+    buffer assignment: what the compile report calls temporaries), with their offsets and live
+    ranges, highest end first. The peak section of the live-range file lists the values alive at one
+    moment of the entry computation and leaves out what a while loop carries (the layer-input
+    stack of a scanned model): the allocation holds those too, so its top shows what sets its size."""
+    prefix = _program(dump)
+    live = {}
+    for line in Path(prefix + "-live-range.txt").read_text().splitlines():
+        m = re.match(r"\s+(\S+):(\d+)-(\d+)$", line)
+        if m:
+            live[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    allocations: dict[int, list] = {}
+    sizes, current = {}, None
+    for line in Path(prefix + "-buffer-assignment.txt").read_text().splitlines():
+        if line.startswith("allocation "):
+            m = _ALLOCATION.match(line)
+            current = int(m.group(1)) if m else None
+            if m:
+                sizes[current], allocations[current] = int(m.group(2)), []
+            continue
+        m = _PLACED.match(line)
+        if m and current is not None:
+            name, shape = m.group(1), m.group(4)
+            while _LAYOUT.search(shape):
+                shape = _LAYOUT.sub("", shape)
+            key = name if "{" in name else name + "{}"
+            allocations[current].append(PlacedValue(name=name, bytes=int(m.group(2)), offset=int(m.group(3)),
+                                                    shape=shape, live=live.get(key) or live.get(name)))
+    if not sizes:
+        return []
+    largest = max(sizes, key=sizes.get)
+    return sorted(allocations[largest], key=lambda v: -(v.offset + v.bytes))
+
+
+def live_in_allocation(values: list[PlacedValue], at: int | None = None) -> tuple[int, list[PlacedValue]]:
+    """(moment, the placed values alive then, largest first): at `at`, or at the moment with the most
+    bytes alive among those with a live range."""
+    ranged = [v for v in values if v.live is not None]
+    if at is None:
+        moments = sorted({t for v in ranged for t in v.live})
+        at = max(moments, key=lambda t: sum(v.bytes for v in ranged if v.live[0] <= t <= v.live[1]), default=0)
+    alive = [v for v in ranged if v.live[0] <= at <= v.live[1]]
+    return at, sorted(alive, key=lambda v: -v.bytes)
 
 
 def _short(op_name: str) -> str:
