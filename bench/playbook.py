@@ -6,6 +6,7 @@ the planner's predicted effect of the same change on the TPU recipes (v5p, v6e).
     python bench/playbook.py --short         # the rows marked short (about 10 runs)
     python bench/playbook.py --predict-only  # only the planner's columns (no training, seconds)
     python bench/playbook.py --only "AC|bucket"   # rows whose knob matches
+    python bench/playbook.py --refresh-planner   # today's planner columns into the page, its CPU columns kept
 
 Each run trains six steps in a fresh process (torchrun for two ranks) as `titan-tpu plan
 --calibrate` does (plan/calibrate.py: validation and checkpoints off; tokens/s the best of steps
@@ -187,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--short", action="store_true", help="only the rows marked short")
     parser.add_argument("--only", help="rows whose knob or change matches this regular expression")
     parser.add_argument("--predict-only", action="store_true", help="the planner's columns only, no runs")
+    parser.add_argument("--refresh-planner", action="store_true",
+                        help="rewrite only the planner's columns of --write (seconds): the planner changes more "
+                             "often than the CPU measurements need redoing")
     parser.add_argument("--rounds", type=int, default=1,
                         help="pairs of runs (baseline beside variant) per row; each ratio is their median")
     parser.add_argument("--out", default="outputs/playbook")
@@ -194,8 +198,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_REFRESHED = re.compile(r" Planner columns refreshed .*? the run above's\.")
+
+
+def refresh_planner(page: Path) -> str:
+    """The page with every row's planner cells recomputed and its CPU cells as they were (a row
+    matched by knob and change; a row the page lacks shows "not run"), the date of the refresh in
+    its header."""
+    lines = page.read_text().splitlines()
+    header_end = next(i for i, line in enumerate(lines) if line.startswith("| knob |"))
+    measured = {}
+    for line in lines[header_end + 2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 5:
+            measured[(cells[0], cells[1])] = cells[2:5]
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    header = "\n".join(lines[:header_end]).rstrip()
+    header = _REFRESHED.sub("", header) + (f" Planner columns refreshed {date} with that day's planner "
+                                           "(`python bench/playbook.py --refresh-planner`); the CPU columns are "
+                                           "the run above's.")
+    out = [header, "", lines[header_end], lines[header_end + 1]]
+    for row in ROWS:
+        cpu = measured.get((row.knob, row.variant), ["not run", "", ""])
+        predicted = predict(row)
+        out.append(f"| {row.knob} | {row.variant} | {' | '.join(cpu)} | "
+                   + " | ".join(_cell(predicted[f"{hw} {n}"]) for hw, n in RECIPES) + " |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> int:
     args = build_parser().parse_args()
+    if args.refresh_planner:
+        Path(args.write).write_text(refresh_planner(Path(args.write)))
+        print(f"wrote {args.write}: the planner's columns")
+        return 0
     rows = [r for r in ROWS if (not args.short or r.short)
             and (not args.only or re.search(args.only, f"{r.knob} {r.variant}"))]
     out = Path(args.out)

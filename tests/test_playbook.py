@@ -113,3 +113,17 @@ def test_playbook_bench_measures_each_baseline_beside_its_variant(monkeypatch):
     assert all(o == (("--c.d", "2", "--a.b", "1") if tag == "var" else ("--c.d", "2")) for tag, o in calls)
     assert got["ratio"] == {"tokens_per_s": 2.0, "peak_gb": 2.0, "compile_s": None}
     assert len(got["pairs"]) == 3
+
+
+def test_playbook_tables_planner_columns_are_todays_planner(monkeypatch):
+    """docs/playbook_tables.md's planner columns are what the planner says today (the CPU columns
+    come from a 12-minute run and are kept as measured): `python bench/playbook.py --refresh-planner`
+    rewrites them, and the refresh changes nothing but its date on a page that is current."""
+    spec = importlib.util.spec_from_file_location("playbook_bench", ROOT / "bench" / "playbook.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "playbook_bench", bench)
+    spec.loader.exec_module(bench)
+    page = ROOT / "docs" / "playbook_tables.md"
+    undated = lambda text: re.sub(r"refreshed \d{4}-\d\d-\d\d \d\d:\d\d UTC", "refreshed DATE", text)  # noqa: E731
+    assert undated(bench.refresh_planner(page)) == undated(page.read_text()), \
+        "docs/playbook_tables.md's planner columns are stale: python bench/playbook.py --refresh-planner"
