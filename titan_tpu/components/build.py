@@ -183,6 +183,26 @@ class Components:
                      parallel_dims=self.parallel_dims, expert_mesh=self.expert_mesh, mp=self.mixed_precision,
                      documents=self.document_mask, reshard_after_forward=self._reshard_after_forward(), log=self.log)
 
+    @torch.no_grad()
+    def frozen_reference(self, reference: str, *, role: str) -> torch.nn.Module | None:
+        """The frozen reference model DPO and GRPO score against: `reference` "initial" (the run's
+        starting weights) or a checkpoint or Hugging Face directory. None where the trained model with
+        its adapters off is it (LoRA from the starting weights): no second copy is built. `role`
+        names it in the log line ("dpo: reference policy", "grpo: KL reference")."""
+        cfg = self.cfg
+        initial = reference == "initial"
+        if initial and cfg.lora.enabled:
+            return None
+        start = cfg.checkpoint.initial_load_path if initial else reference
+        # The full model, as the run builds its own (without adapters: a reference is never trained).
+        model = self.build_model(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False)))
+        if start:
+            self.load_initial_weights(start, model=model)
+        model.requires_grad_(False)
+        model.eval()
+        self.log(f"{role} {'the starting weights' if initial else start}, a frozen copy")
+        return model
+
     def _lock_output_dir(self) -> RunLock | None:
         """Rank 0 locks output_dir for the run's life (train/run_lock.py); every rank stops if it is taken."""
         lock, error = None, None

@@ -14,11 +14,8 @@ The reference policy (dpo.reference):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-import torch
 
 from titan_tpu.train.dpo import DPOObjective
 
@@ -68,26 +65,5 @@ def _pair_tokenizer(source: str, *, vocab_size: int, cache_dir: str, log: Callab
 
 def dpo_objective(c: Components) -> DPOObjective:
     d = c.cfg.dpo
-    return DPOObjective(beta=d.beta, loss_type=d.loss_type, reference=_reference(c))
-
-
-@torch.no_grad()
-def _reference(c: Components) -> torch.nn.Module | None:
-    """The frozen reference model, or None where the trained model with its adapters off is it."""
-    cfg = c.cfg
-    initial = cfg.dpo.reference == "initial"
-    if initial:
-        if cfg.lora.enabled:
-            return None
-        start = cfg.checkpoint.initial_load_path
-    else:
-        start = cfg.dpo.reference
-    # The full model, as the run builds its own (without adapters: a reference is never trained).
-    view = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False))
-    reference = c.build_model(view)
-    if start:
-        c.load_initial_weights(start, model=reference)
-    reference.requires_grad_(False)
-    reference.eval()
-    c.log(f"dpo: reference policy {'the starting weights' if initial else start}, a frozen copy")
-    return reference
+    reference = c.frozen_reference(d.reference, role="dpo: reference policy")
+    return DPOObjective(beta=d.beta, loss_type=d.loss_type, reference=reference)

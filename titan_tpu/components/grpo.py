@@ -15,7 +15,6 @@ batch of samples with it once (no gradients), and every pass over the batch read
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -91,22 +90,9 @@ def grpo_objective(c: Components) -> GRPOObjective:
                          kl_correction=g.kl_correction)
 
 
-@torch.no_grad()
 def grpo_reference(c: Components) -> torch.nn.Module | None:
     """The frozen reference of the KL penalty; None without one (beta 0) or where the trained model
     with its adapters off is it (LoRA, reference "initial")."""
-    cfg = c.cfg
-    if cfg.grpo.beta == 0:
+    if c.cfg.grpo.beta == 0:
         return None
-    initial = cfg.grpo.reference == "initial"
-    if initial and cfg.lora.enabled:
-        return None
-    start = cfg.checkpoint.initial_load_path if initial else cfg.grpo.reference
-    view = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False))
-    reference = c.build_model(view)
-    if start:
-        c.load_initial_weights(start, model=reference)
-    reference.requires_grad_(False)
-    reference.eval()
-    c.log(f"grpo: KL reference {'the starting weights' if initial else start}, a frozen copy")
-    return reference
+    return c.frozen_reference(c.cfg.grpo.reference, role="grpo: KL reference")
