@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from titan_tpu.data.shards import INDEX_FILE, TokenShards, _token_dtype
+from titan_tpu.data.shards import INDEX_FILE, TokenShards, _token_dtype, chunks
 from titan_tpu.data.tokenizer import Tokenizer, load_tokenizer
 
 # A chunk is one worker task and one shard file. Small enough that the workers finish together
@@ -47,16 +47,7 @@ _CHAT_FORMAT = "titan_tpu.chat_shards"
 
 def chunk_documents(values: Iterator[Any], *, size: Callable[[Any], int]) -> Iterator[list[Any]]:
     """Consecutive chunks of ``values``: a deterministic function of the stream."""
-    chunk: list[Any] = []
-    nbytes = 0
-    for value in values:
-        chunk.append(value)
-        nbytes += size(value)
-        if len(chunk) >= _CHUNK_DOCS or nbytes >= _CHUNK_BYTES:
-            yield chunk
-            chunk, nbytes = [], 0
-    if chunk:
-        yield chunk
+    return chunks(values, size=size, max_items=_CHUNK_DOCS, max_size=_CHUNK_BYTES)
 
 
 # -- one chunk, in a worker or in this process ---------------------------------------------------

@@ -26,7 +26,7 @@ import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
@@ -41,25 +41,33 @@ _VERSION = 1
 _ENCODE_BATCH_DOCS = 512
 _ENCODE_BATCH_BYTES = 32 << 20
 
+T = TypeVar("T")
+
 
 def _token_dtype(vocab_size: int) -> np.dtype:
     # uint16 holds ids 0..65535, i.e. any vocab of at most 2**16 tokens; it halves disk and RAM.
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
 
+def chunks(values: Iterable[T], *, size: Callable[[T], int], max_items: int, max_size: int) -> Iterator[list[T]]:
+    """Consecutive chunks of ``values``, each closed at ``max_items`` values or ``max_size`` in
+    ``size`` units, whichever comes first: a deterministic function of the stream."""
+    chunk: list[T] = []
+    total = 0
+    for value in values:
+        chunk.append(value)
+        total += size(value)
+        if len(chunk) >= max_items or total >= max_size:
+            yield chunk
+            chunk, total = [], 0
+    if chunk:
+        yield chunk
+
+
 def _doc_batches(documents: Iterable[str]) -> Iterator[list[str]]:
-    batch: list[str] = []
-    size = 0
-    for doc in documents:
-        if not doc:
-            continue  # an empty document would only add a lone separator
-        batch.append(doc)
-        size += len(doc)
-        if len(batch) >= _ENCODE_BATCH_DOCS or size >= _ENCODE_BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+    # An empty document would only add a lone separator.
+    return chunks((doc for doc in documents if doc), size=len, max_items=_ENCODE_BATCH_DOCS,
+                  max_size=_ENCODE_BATCH_BYTES)
 
 
 class _ShardWriter:
