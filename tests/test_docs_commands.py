@@ -212,6 +212,16 @@ def _capture_parser(subcommand: str) -> tuple[argparse.ArgumentParser, bool]:
     raise AssertionError(f"titan-tpu {subcommand} returned without parsing its arguments")
 
 
+@pytest.fixture(autouse=True)
+def cpu_with_bf16(monkeypatch):
+    """The docs show bf16 commands for CPUs with bf16 instructions (docs/mixed_precision.md): check
+    them as on such a CPU, whichever CPU runs the suite (its refusal elsewhere has its own test in
+    tests/test_mixed_precision.py)."""
+    from titan_tpu import device
+
+    monkeypatch.setattr(device, "cpu_bf16_support", lambda: (True, "the docs' CPU with bf16 instructions"))
+
+
 @pytest.fixture(scope="module")
 def parsers():
     return {name: _capture_parser(name) for name in cli.COMMANDS}
