@@ -4,6 +4,7 @@ report beside the plan's (the compile itself needs .venv-tpu; tests/tpu compiles
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -71,6 +72,28 @@ def test_plan_compares_with_the_matmuls_of_xla_program_where_the_report_has_them
     path = _report(tmp_path, formula_as_xla_counts_per_chip=7.6e10, xla_matmul_flops_per_chip=7.6e10)
     assert main(["plan", *CONFIG, "--xla", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["xla"]["flops_ratio"] == pytest.approx(1.0)
+
+
+def test_plan_of_a_shipped_tpu_recipe_shows_its_compile(tmp_path, capsys):
+    """`titan-tpu plan` of a TPU recipe XLA compiled as it stands prints XLA's numbers from the
+    recipe's report (bench/results/xla) with no flag; an override, or a recipe changed since its
+    compile, plans a program XLA never saw, and prints none."""
+    from titan_tpu.tools.recipe_table import REPORTS
+
+    recipe = "configs/qwen3_8b_tpu.toml"
+    report = json.loads((REPORTS / "qwen3_8b_tpu.json").read_text())
+    assert main(["plan", "--config", recipe, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["xla"]["xla_peak_bytes"] == report["peak_per_chip_bytes"]
+    assert out["xla"]["topology"] == report["topology"]
+    assert main(["plan", "--config", recipe]) == 0
+    assert f"XLA's TPU compiler (compile-only, {report['topology']}, {report['date']}" in capsys.readouterr().out
+    assert main(["plan", "--config", recipe, "--training.batch_size", "1", "--json"]) == 0
+    assert "xla" not in json.loads(capsys.readouterr().out)
+    changed = tmp_path / "qwen3_8b_tpu.toml"
+    changed.write_text(Path(recipe).read_text() + "# changed since its compile\n")
+    assert main(["plan", "--config", str(changed), "--json"]) == 0
+    assert "xla" not in json.loads(capsys.readouterr().out)
 
 
 # Two programs in XLA's optimized-HLO text form: a dot, and a convolution whose padded window

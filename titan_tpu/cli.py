@@ -326,28 +326,36 @@ def plan_main(argv: list[str]) -> int:
         raise ValueError(f"--storage-gbps {args.storage_gbps:g} and --local-gbps {args.local_gbps:g} must be > 0")
     plan = plan_run(setup, hardware, chips=chips, gather=args.gather, storage_gbps=args.storage_gbps,
                     local_gbps=args.local_gbps)
-    if args.xla:
+    extra, lines = {}, []
+    # XLA's numbers beside the plan: the report given, or a shipped recipe's own compile report when
+    # the plan is of the recipe as it stands (no override, its own slice), which XLA compiled.
+    xla = args.xla
+    if not xla and not overrides and not args.hardware and not args.gather:
+        from titan_tpu.tools.recipe_table import saved_report
+
+        xla = saved_report(args.config)
+        xla = xla and os.path.relpath(xla)
+    if xla:
         from titan_tpu.tools.compile_cmd import xla_beside_plan
 
         # XLA compiled the program titan-tpu compile hands it: compare the plan of that program.
         compiled = plan_run(setup, hardware, chips=chips, gather=args.gather, as_compiled=True)
-        lines, beside = xla_beside_plan(plan, args.xla, compiled=compiled)
-        print(json.dumps({**json.loads(plan.to_json()), "xla": beside}, indent=2) if args.json
-              else format_plan(plan, explain=args.explain) + "\n" + lines)
-        return 0
-    from titan_tpu.plan.hardware import Hardware
-    from titan_tpu.plan.planner import fp8_beside
+        xla_lines, extra["xla"] = xla_beside_plan(plan, xla, compiled=compiled)
+        lines.append(xla_lines)
+    if plan.hardware["fp8_peak_flops"] or "fp8" in plan.batch:
+        # Where fp8 can pay, or the recipe asks for it: the same hardware (this CPU is not measured
+        # again) and chips, the other precision.
+        from titan_tpu.plan.hardware import Hardware
+        from titan_tpu.plan.planner import fp8_beside
 
-    beside = ""
-    if plan.hardware["fp8_peak_flops"] or "fp8" in plan.batch:  # where fp8 can pay, or the recipe asks for it
-        # the same hardware (this CPU is not measured again) and chips, the other precision
         other = plan_run(setup, Hardware(**plan.hardware), chips=plan.devices // plan.hardware["devices_per_chip"],
                          gather=args.gather, fp8="fp8" not in plan.batch)
-        beside, compared = fp8_beside(plan, other)
+        fp8_lines, extra["fp8_vs_bf16"] = fp8_beside(plan, other)
+        lines.insert(0, fp8_lines)
     if args.json:
-        print(json.dumps({**json.loads(plan.to_json()), **({"fp8_vs_bf16": compared} if beside else {})}, indent=2))
+        print(json.dumps({**json.loads(plan.to_json()), **extra}, indent=2))
     else:
-        print(format_plan(plan, explain=args.explain) + (f"\n{beside}" if beside else ""))
+        print("\n".join([format_plan(plan, explain=args.explain), *lines]))
     return 0
 
 

@@ -527,7 +527,8 @@ def xla_beside_plan(plan, path: str, compiled=None) -> tuple[str, dict]:
               "flops_ratio": compared / xla_flops if xla_flops else None,
               "xla_memory_bytes": report["memory_per_chip_bytes"]}
     kinds = report["memory_per_chip_bytes"]
-    lines = [f"XLA's TPU compiler (compile-only, {report['topology']}, from {path}"
+    made = f", {report['date']}" if report.get("date") else ""
+    lines = [f"XLA's TPU compiler (compile-only, {report['topology']}{made}, from {path}"
              f"{', config ' + report['config'] if report.get('config') else ''}), per chip beside the plan:",
              f"  peak {xla_peak / 1e9:.3f} GB (arguments {kinds['arguments'] / 1e9:.3f}, temporaries "
              f"{kinds['temporaries'] / 1e9:.3f}, code {kinds['code'] / 1e9:.3f}); plan of the compiled program "

@@ -25,7 +25,7 @@ from pathlib import Path
 from titan_tpu.device import _cpu_model
 from titan_tpu.tools.compile_cmd import compared_flops
 
-__all__ = ["REPORTS", "PAGE", "Row", "provenance", "recipe_hash", "render", "rows", "stage_line"]
+__all__ = ["REPORTS", "PAGE", "Row", "provenance", "recipe_hash", "render", "rows", "saved_report", "stage_line"]
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 REPORTS = ROOT / "bench/results/xla"
@@ -39,6 +39,17 @@ FLOPS_TOLERANCE = 0.03  # our formula counted as XLA counts, against XLA's matmu
 def recipe_hash(path: str | Path) -> str:
     """The recipe file's content hash: a report whose hash differs compiled another recipe."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def saved_report(config: str | Path) -> Path | None:
+    """The compile report of this recipe file (bench/results/xla/<recipe>.json) when XLA compiled
+    it as it stands: a report that compiled, of a recipe whose content has not changed since; else
+    None. `titan-tpu plan` of a shipped TPU recipe prints XLA's numbers from it."""
+    path = REPORTS / f"{Path(config).stem}.json"
+    if not Path(config).is_file() or not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    return path if "error" not in report and report.get("recipe_sha") == recipe_hash(config) else None
 
 
 def _version(package: str) -> str:
