@@ -24,8 +24,10 @@ SMALL_CORPUS_BYTES = 1_500_000
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "multiprocess: spawns ranks or training processes; "
-                                       "tests/stress.py runs these many times in a row")
+    config.addinivalue_line("markers", "multiprocess(ranks=True): spawns ranks or training processes; "
+                                       "tests/stress.py runs these many times in a row; ranks=False: one "
+                                       "process at a time and no ranks, scheduled with its file "
+                                       "(tests/xdist_groups.py)")
     if config.pluginmanager.hasplugin("xdist"):  # `make test`: how two workers share the suite
         import xdist_groups
 

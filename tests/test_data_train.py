@@ -114,7 +114,7 @@ def test_mixture_with_chat_trains_logs_shares_and_resumes_twice_bitwise(tmp_path
         assert got[step] == want[step], (step, got[step], want[step])  # bitwise
 
 
-@pytest.mark.multiprocess
+@pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 def test_kill_9_twice_with_a_chat_mixture_gives_identical_losses(tmp_path, recipe):
     require_multiprocess_marker()
     import os

@@ -33,6 +33,7 @@ def test_two_fully_shard_ranks_match_one_process_with_two_micro_batches(tmp_path
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step
 
 
+@pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache):
     args = dict(LORA, training__deterministic="true", training__batch_size=2)
     train(1, overrides(tmp_path / "straight", cache, **args))

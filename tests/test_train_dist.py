@@ -205,6 +205,7 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 @pytest.mark.parametrize("model", [
     {},
     # A mixture of experts with auxiliary-loss-free balancing: the expert biases are state too.
@@ -241,6 +242,7 @@ def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache, model):
     assert last["step"] == 20 and "loss" in last and 0 < last["goodput"] < 100  # every row a step's
 
 
+@pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, cache):
     run = tmp_path / "run"
     # With a grace budget: the local tier first, then (no save timed yet, so it is tried) the persistent one.
