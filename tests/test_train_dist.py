@@ -81,7 +81,7 @@ def train(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     return done
 
 
-def train_here(args: list[str]) -> str:
+def train_here(args: list[str], *, config: str | Path = CONFIG) -> str:
     """`titan-tpu train --config CONFIG ARGS` in this process, on one intra-op thread as `train`'s
     subprocesses run (OMP_NUM_THREADS=1): what it printed."""
     from titan_tpu.config import build_config
@@ -92,7 +92,7 @@ def train_here(args: list[str]) -> str:
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            trainer_for(build_config(CONFIG, args)).train()
+            trainer_for(build_config(config, args)).train()
     finally:
         torch.set_num_threads(threads)
     return printed.getvalue()
