@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import os
 
-import dist_utils
-import pytest
-import torch
+# Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning (libgomp's default spins
+# for a while after each parallel region), so that a test's idle threads do not take the core the
+# other pytest-xdist worker, or a rank, is computing on. Inherited by the ranks and subprocesses.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import dist_utils  # noqa: E402 (imports torch)
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # tests/tpu/ needs torch-tpu and jax (their own environment, `make tpu-check`): never collected here.
 collect_ignore = [] if os.environ.get("TITAN_TPU_CHECK") == "1" else ["tpu"]
@@ -19,8 +24,10 @@ SMALL_CORPUS_BYTES = 1_500_000
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "multiprocess: spawns ranks or training processes; "
-                                       "tests/stress.py runs these many times in a row")
+    config.addinivalue_line("markers", "multiprocess(ranks=True): spawns ranks or training processes; "
+                                       "tests/stress.py runs these many times in a row; ranks=False: one "
+                                       "process at a time and no ranks, scheduled with its file "
+                                       "(tests/xdist_groups.py)")
     if config.pluginmanager.hasplugin("xdist"):  # `make test`: how two workers share the suite
         import xdist_groups
 

@@ -218,7 +218,7 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.multiprocess
+@pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 def test_kill_9_mid_save_leaves_latest_complete(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -250,7 +250,7 @@ def test_graceful_shutdown_sets_flag_and_restores_handlers():
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
-@pytest.mark.multiprocess
+@pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 def test_second_sigint_kills_the_process():
     script = textwrap.dedent("""
         import os, signal, time

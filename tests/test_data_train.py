@@ -18,7 +18,7 @@ import pytest
 import torch
 from data_fixtures import conversations, make_docs, write_chat_tokenizer_dir, write_jsonl, write_parquet
 from dist_utils import require_multiprocess_marker, train_on_ranks
-from test_train_dist import _wait_for
+from test_train_dist import _wait_for, train_here
 
 from titan_tpu.config import build_config
 from titan_tpu.loops.pretrain import Trainer
@@ -114,7 +114,7 @@ def test_mixture_with_chat_trains_logs_shares_and_resumes_twice_bitwise(tmp_path
         assert got[step] == want[step], (step, got[step], want[step])  # bitwise
 
 
-@pytest.mark.multiprocess
+@pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 def test_kill_9_twice_with_a_chat_mixture_gives_identical_losses(tmp_path, recipe):
     require_multiprocess_marker()
     import os
@@ -149,18 +149,13 @@ def test_two_ranks_equal_one_and_reshard_with_a_chat_mixture(tmp_path, recipe):
     the loss is the mean over the trained tokens of both ranks, so the runs agree; and a 2-rank
     checkpoint resumes on 1 rank at the same place in the data."""
     require_multiprocess_marker()
-    import os
-
-    env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def run(nproc: int, out: Path, *extra: str) -> None:
         args = ["--output_dir", str(out), "--training.deterministic", "false", *extra]
         if nproc > 1:  # the same trainer on ranks forked from the fork server (torchrun is not the point here)
             train_on_ranks(recipe, args, world_size=nproc)
             return
-        launch = [sys.executable, "-m", "titan_tpu.train", "--config", str(recipe)]
-        done = subprocess.run(launch + args, capture_output=True, text=True, timeout=300, env=env)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        train_here(args, config=recipe)  # one process: this one (neither is the launcher the point)
 
     one = tmp_path / "one"
     run(1, one)

@@ -1,6 +1,6 @@
 """LoRA as users run it: 2 fully_shard ranks (base weights and adapters sharded) against one
 process, and kill -9 then restart, as real training processes (tests/test_train_dist.py; the
-2-rank run on ranks forked from the fork server)."""
+2-rank run on ranks forked from the fork server, the one-process reference in the test's process)."""
 
 import random
 import signal
@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from test_train_dist import _wait_for, command, losses, overrides, thread_env, train, train_forked
+from test_train_dist import _wait_for, command, losses, overrides, thread_env, train, train_forked, train_here
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,7 +22,7 @@ def cache(tmp_path_factory):
 
 def test_two_fully_shard_ranks_match_one_process_with_two_micro_batches(tmp_path, cache):
     # The same global batch: 2 ranks x 2 sequences = 1 process x 2 micro-batches of 2.
-    train(1, overrides(tmp_path / "one", cache, training__batch_size=2, training__grad_accum_steps=2, **LORA))
+    train_here(overrides(tmp_path / "one", cache, training__batch_size=2, training__grad_accum_steps=2, **LORA))
     # Two ranks forked from the fork server (the launcher is not the point: test_train_dist runs torchrun).
     stdout = train_forked(2, overrides(tmp_path / "two", cache, training__batch_size=2, parallelism__dp_shard=2,
                                        **LORA))
@@ -33,6 +33,7 @@ def test_two_fully_shard_ranks_match_one_process_with_two_micro_batches(tmp_path
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step
 
 
+@pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache):
     args = dict(LORA, training__deterministic="true", training__batch_size=2)
     train(1, overrides(tmp_path / "straight", cache, **args))

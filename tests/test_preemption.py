@@ -89,7 +89,7 @@ for step in range(1, 1000):
 """
 
 
-@pytest.mark.multiprocess
+@pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 def test_kill_9_while_the_local_tier_is_written_leaves_the_previous_one(tmp_path):
     require_multiprocess_marker()
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(REPO)], stdout=subprocess.PIPE,

@@ -6,6 +6,13 @@ and the stacked weights in and the gradients out; `_ScanRecomputingLayers` does 
 every weight gradient's matmul write into its slice of the gradient stack, and change no number:
 the same body runs on the same slices in the same order with the same kernels, so losses and
 weights are bitwise those of the flipped, copying form.
+
+Also graph/scan_body_transposes.py, the pass Inductor runs just before it: a scan body's matmuls
+read transposed weights as views. Scan's autograd functionalises the body, turning `W.t()` into a
+contiguous copy before each matmul; the pass lets the matmul read the view instead. Same values in
+a different memory layout: the run is compared with the same step compiled without that pass
+(bitwise here). Both passes' tests compare against the same run with both passes, compiled once
+(`with_passes`): an Inductor compile of the scanned step is most of what each test costs.
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ import torch
 from test_scan_ac import batches, lr, make_step, tiny_args
 from torch._inductor import config as inductor_config
 
-from titan_tpu.graph import compile as graph_compile
+from titan_tpu.graph import compile as graph_compile, scan_body_transposes
 from titan_tpu.graph.capture import capture_train_step
 from titan_tpu.graph.reverse_scan import SCAN_REVERSE, mark_reverse_scans, marked_reverse, reverse_scan_stats
+from titan_tpu.graph.scan_body_transposes import scan_body_transpose_stats
 from titan_tpu.models.registry import build_model
 
 STEPS = 6
@@ -36,11 +44,33 @@ def train_inductor(ac: str) -> tuple[list[float], dict[str, torch.Tensor], int]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, flips
 
 
+@pytest.fixture(scope="module")
+def with_passes():
+    """`with_passes(ac)`: the scanned Inductor run with both passes (losses, parameters, flips) and
+    what each pass counted during its compile; computed once per ac for the tests below. One
+    intra-op thread, as `one_thread` (tests/conftest.py): the runs are compared bit for bit."""
+    runs = {}
+
+    def run(ac: str) -> dict:
+        if ac not in runs:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                before, before_transposes = reverse_scan_stats.copy(), scan_body_transpose_stats.copy()
+                losses, params, flips = train_inductor(ac)
+                runs[ac] = {"losses": losses, "params": params, "flips": flips, "done": reverse_scan_stats - before,
+                            "transposes": scan_body_transpose_stats - before_transposes}
+            finally:
+                torch.set_num_threads(threads)
+        return runs[ac]
+
+    return run
+
+
 @pytest.mark.parametrize("ac", ["none", "full"])
-def test_reversed_backward_scan_removes_every_flip_and_changes_no_bit(ac, monkeypatch, one_thread):
-    before = reverse_scan_stats.copy()
-    losses, params, flips = train_inductor(ac)
-    done = reverse_scan_stats - before
+def test_reversed_backward_scan_removes_every_flip_and_changes_no_bit(ac, with_passes, monkeypatch, one_thread):
+    run = with_passes(ac)
+    flips, done = run["flips"], run["done"].copy()
     # One backward scan; every flip of the step gone (AC none, llama3-like block: 29 flipped
     # inputs, the saved stacks and stacked weights, and 9 flipped gradient stacks). Both loops
     # lowered by the pass; at least the block's 7 weight gradients written in place.
@@ -52,13 +82,32 @@ def test_reversed_backward_scan_removes_every_flip_and_changes_no_bit(ac, monkey
     assert copies >= 4 or ac == "full"
 
     monkeypatch.setattr(graph_compile, "_backend_passes", lambda backend: contextlib.nullcontext())
+    before = reverse_scan_stats.copy()
     flipped_losses, flipped_params, _ = train_inductor(ac)
-    # the second run: without the pass
-    assert reverse_scan_stats - before == done | {"matmuls_into_stacks": in_place} | (
-        {"copies_dropped": copies} if copies else {})
-    assert losses == flipped_losses
-    for name, p in params.items():
+    assert reverse_scan_stats - before == {}  # the second run: without the pass
+    assert run["losses"] == flipped_losses
+    for name, p in run["params"].items():
         assert torch.equal(p, flipped_params[name]), name
+
+
+# Activation checkpointing none only: with full, the scans are ours (`_ScanRecomputingLayers`), not
+# partitioned by scan's autograd, and the pass finds no copied transposes there.
+@pytest.mark.parametrize("ac", ["none"])
+def test_scan_body_matmuls_read_transposes_in_place_same_numbers(ac, with_passes, monkeypatch, one_thread):
+    run = with_passes(ac)
+    dropped = run["transposes"]["copies_dropped"]
+    # Every dense matmul weight of the block (llama3-like: wq, wk, wv, wo, w1, w2, w3) at least
+    # once in the forward body.
+    assert dropped >= 7
+
+    monkeypatch.setattr(scan_body_transposes, "drop_transpose_copies", lambda gm: 0)
+    before = scan_body_transpose_stats.copy()
+    copied_losses, copied_params, _ = train_inductor(ac)
+    assert scan_body_transpose_stats - before == {}  # compiled without the pass
+    # The matmuls take the transposed operand as a view; on this CPU every number is bitwise the same.
+    assert run["losses"] == copied_losses
+    for name, p in run["params"].items():
+        assert torch.equal(p, copied_params[name]), name
 
 
 def test_a_body_writing_its_stacks_out_of_order_is_refused():

@@ -13,7 +13,8 @@ import pytest
 from dist_utils import require_multiprocess_marker
 from wandb_history import history
 
-pytestmark = pytest.mark.multiprocess  # starts training processes and kills them
+# Starts training processes one at a time and kills them, no ranks: scheduled with its file (tests/xdist_groups.py).
+pytestmark = pytest.mark.multiprocess(ranks=False)
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
 

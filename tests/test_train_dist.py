@@ -1,10 +1,13 @@
 """The trainer as users launch it: torchrun ranks, resharded resumes, SIGTERM and kill -9.
 
-One-process runs are real subprocesses (``python -m titan_tpu.train``) on a tiny slice of the
-embedded corpus. Several ranks run under torchrun where the launcher is part of the claim (the
-default data-parallel layout); the other multi-rank runs are the same trainer on ranks forked from
-the fork server (dist_utils.train_on_ranks), which computes the same steps without starting Python
-and torch again in each of three processes. The LR schedule is constant so that a run stopped and
+Runs take a tiny slice of the embedded corpus. One-process runs that are killed or signalled are
+real subprocesses (``python -m titan_tpu.train``); the others (the reference, the one-process side
+of a resume) are the same trainer in the test's own process on one thread (`train_here`), which
+computes the same steps without starting Python and torch again and measuring the CPU's matmul peak
+(about 6 s of a 9 s run here). Several ranks run under torchrun where the launcher is part of the
+claim (the default data-parallel layout); the other multi-rank runs are the same trainer on ranks
+forked from the fork server (dist_utils.train_on_ranks), which computes the same steps without
+starting Python and torch again in each of three processes. The LR schedule is constant so that a run stopped and
 resumed takes the same steps as one run.
 
 Runs compared with the one-process reference take 10 steps, resumed runs stop at the checkpoint of
@@ -14,6 +17,8 @@ time (a 2-rank step costs more than a one-process one). The kill -9 tests keep 2
 must land mid-run, after the first checkpoint.
 """
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -76,10 +81,28 @@ def train(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     return done
 
 
+def train_here(args: list[str], *, config: str | Path = CONFIG) -> str:
+    """`titan-tpu train --config CONFIG ARGS` in this process, on one intra-op thread as `train`'s
+    subprocesses run (OMP_NUM_THREADS=1): what it printed."""
+    from titan_tpu.config import build_config
+    from titan_tpu.loops import trainer_for
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            trainer_for(build_config(config, args)).train()
+    finally:
+        torch.set_num_threads(threads)
+    return printed.getvalue()
+
+
 def train_forked(nproc: int, args: list[str]) -> str:
-    """What rank 0 prints: one process as a subprocess, several as ranks forked from the fork server."""
+    """What rank 0 prints: one process in this one (`train_here`), several as ranks forked from the
+    fork server."""
     if nproc == 1:
-        return train(1, args).stdout
+        return train_here(args)
     return train_on_ranks(CONFIG, args, world_size=nproc)[0]
 
 
@@ -101,7 +124,7 @@ def cache(tmp_path_factory):
 def reference(tmp_path_factory, cache):
     """10 steps on one process: the run every other layout must reproduce."""
     run = tmp_path_factory.mktemp("reference") / "run"
-    train(1, overrides(run, cache))
+    train_here(overrides(run, cache))
     return losses(run)
 
 
@@ -184,13 +207,13 @@ def test_hf_backend_resumes_on_fewer_ranks(tmp_path, cache):
     and the losses are those of one process all along."""
     pytest.importorskip("transformers")
     one = tmp_path / "one"
-    train(1, overrides(one, cache, **HF_MODEL))
+    train_here(overrides(one, cache, **HF_MODEL))
     reference = losses(one)
     run = tmp_path / "run"
     train_forked(2, overrides(run, cache, training__steps=5, training__batch_size=2, parallelism__dp_shard=2,
                               **HF_MODEL))
-    done = train(1, overrides(run, cache, **HF_MODEL))
-    assert "resumed from" in done.stdout and "step-00000005" in done.stdout
+    stdout = train_here(overrides(run, cache, **HF_MODEL))
+    assert "resumed from" in stdout and "step-00000005" in stdout
     got = losses(run)
     assert sorted(got) == sorted(reference) == list(range(1, 11))
     for step in reference:
@@ -205,6 +228,7 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 @pytest.mark.parametrize("model", [
     {},
     # A mixture of experts with auxiliary-loss-free balancing: the expert biases are state too.
@@ -241,6 +265,7 @@ def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache, model):
     assert last["step"] == 20 and "loss" in last and 0 < last["goodput"] < 100  # every row a step's
 
 
+@pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, cache):
     run = tmp_path / "run"
     # With a grace budget: the local tier first, then (no save timed yet, so it is tried) the persistent one.

@@ -3,7 +3,10 @@
 Every test marked `multiprocess` goes to one worker, one after another in suite order, as a round of
 tests/stress.py runs them: two rank spawns at once would halve each rank's cores under a timeout and
 start the fork server twice. Every other test goes with the rest of its file, so a module-scoped
-fixture or a cached reference run is computed once. The multiprocess group, the longest piece, is
+fixture or a cached reference run is computed once. So does a test marked
+`multiprocess(ranks=False)`: it starts processes one at a time and no ranks (a training process it
+kills, signals or restarts, on one thread), so it takes no more of the cores than a one-process
+test, starts no fork server and binds no port; stress.py still runs it. The multiprocess group, the longest piece, is
 handed out first so that it does not start last. A plain `pytest` (no -n, or -n 0) uses none of this.
 
 The scheduler runs in the controlling process, which sees test ids only, never markers; and xdist's
@@ -52,6 +55,13 @@ class FileOrGroupScheduling(LoadGroupScheduling):
         super()._assign_work_unit(node)
 
 
+def in_group(item) -> bool:
+    """Marked `multiprocess`, and not `multiprocess(ranks=False)` (the closest mark decides: a test's
+    own mark over its module's `pytestmark`)."""
+    marker = item.get_closest_marker(MARKER)
+    return marker is not None and marker.kwargs.get("ranks", True)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") == "loadgroup":
@@ -74,6 +84,6 @@ def pytest_unconfigure(config):
 def pytest_collection_finish(session):
     groups_dir = getattr(session.config, "workerinput", {}).get("titan_tpu_groups_dir")
     if groups_dir:
-        marked = [item.nodeid for item in session.items if item.get_closest_marker(MARKER)]
+        marked = [item.nodeid for item in session.items if in_group(item)]
         worker = session.config.workerinput["workerid"]
         (Path(groups_dir) / f"{worker}.txt").write_text("".join(f"{nodeid}\n" for nodeid in marked))

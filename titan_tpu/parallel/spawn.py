@@ -21,6 +21,7 @@ one did.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -42,6 +43,9 @@ RANK_PRELOAD = ("torch", "torch.distributed.tensor", "titan_tpu.loops.pretrain")
 
 def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple, kwargs: dict,
             num_threads: int, environ: dict[str, str]) -> None:
+    # Everything the fork server imported (torch, titan_tpu, the caller's module) lives as long as
+    # the rank: move it out of the collector's generations, so that no collection walks it again.
+    gc.freeze()
     # The fork server's environment is the caller's as it was when the server started: take the
     # caller's of now (multiprocessing passes the working directory and sys.path itself).
     os.environ.clear()
