@@ -173,8 +173,10 @@ class ParallelismConfig:
 class CompileConfig:
     # Backend for --training.mode graph: eager runs the captured FX graph as is (debugging),
     # aot_eager adds AOTAutograd without code generation, inductor generates C++/Triton code,
-    # tpu hands the graph to TorchTPU (XLA; needs torch_tpu and training.device tpu or auto).
-    backend: Literal["eager", "aot_eager", "inductor", "tpu"] = "inductor"
+    # tpu hands the graph to TorchTPU (XLA; needs torch_tpu and training.device tpu or auto); jax
+    # lowers it to one SPMD program that JAX's runtime runs on the TPU chips or this CPU's XLA
+    # (graph/jax_step.py: the program `titan-tpu compile` certifies; one process per device).
+    backend: Literal["eager", "aot_eager", "inductor", "tpu", "jax"] = "inductor"
     # Compile the step as several programs: fwd_bwd (forward + loss, then backward + update) or
     # collectives (every collective wait in a program of its own), for backends slow to compile one
     # large program.

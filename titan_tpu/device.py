@@ -272,6 +272,12 @@ class _CPU:
     """The CPU: a measured peak, the process's RSS, nothing to synchronise."""
 
     datasheet_peak = False  # the peak is measured in the compute dtype itself
+    compute_device_type = kernel_device_type = "cpu"  # where the math runs; whose kernels model code takes
+    collective_per_tensor = False  # SimpleFSDP's flat buckets (MixedPrecision.per_tensor)
+    jax_platform = None  # JAX's platform, for compile.backend jax only (`_JAX`)
+
+    def start(self, rank: int, world_size: int) -> None:
+        """Start the device's runtime once the process group is up (nothing to do here)."""
 
     def look_up_peak(self, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
         flops = cpu_peak_flops(dtype)
@@ -300,6 +306,12 @@ class _CUDA:
     """A CUDA GPU: the datasheet's dense bf16 peak by device name, the caching allocator's stats."""
 
     datasheet_peak = True
+    compute_device_type = kernel_device_type = "cuda"
+    collective_per_tensor = False
+    jax_platform = None  # the torch backends run no JAX
+
+    def start(self, rank: int, world_size: int) -> None:
+        pass
 
     def look_up_peak(self, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
         dev_name = torch.cuda.get_device_name(device)
@@ -331,6 +343,12 @@ class _TPU:
     """A TPU through TorchTPU: the datasheet's dense bf16 peak by generation, per device."""
 
     datasheet_peak = True
+    compute_device_type = kernel_device_type = "tpu"
+    collective_per_tensor = True  # one collective per tensor: XLA combines them
+    jax_platform = None  # the torch backends run no JAX
+
+    def start(self, rank: int, world_size: int) -> None:
+        pass
 
     def look_up_peak(self, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
         kind = _detect_tpu_kind(device)
@@ -367,6 +385,60 @@ class _TPU:
         torch.tpu.synchronize(device.index)
 
 
+class _JAX:
+    """XLA through JAX's runtime (compile.backend jax, graph/jax_step.py): the step runs on this
+    process's JAX device (a TPU chip, or one XLA host device on a CPU); the torch side of the run (the
+    master copy of the model, data, checkpoints) lives on the host CPU. One process per device, as
+    torchrun starts them: rank r of the torch process group is JAX process r, holding device r of
+    the mesh (docs/architecture.md, "The JAX path").
+
+    platform: "tpu" or "cpu", JAX's platform. Peak: a TPU's datasheet number by generation (JAX's
+    device kind), or on a CPU the measured matmul rate of `_CPU`."""
+
+    collective_per_tensor = True  # the program's collectives are XLA's to combine, as on TorchTPU
+
+    def __init__(self, platform: str):
+        self.jax_platform = platform
+        self.datasheet_peak = platform == "tpu"
+        self.compute_device_type = platform
+        # On a TPU model code is captured with the TPU's JAX kernels (kernels/jax_traced.py).
+        self.kernel_device_type = "jax" if platform == "tpu" else "cpu"
+
+    def start(self, rank: int, world_size: int) -> None:
+        start_jax(self.jax_platform, rank=rank, world_size=world_size)
+
+    def look_up_peak(self, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+        if self.jax_platform == "cpu":
+            flops, description = _CPU().look_up_peak(device, dtype)
+            return flops, f"{description} (XLA:CPU runs the step)"
+        import jax
+
+        kind = jax.local_devices()[0].device_kind
+        gen = tpu_generation(kind) or TPU_FALLBACK_GENERATION
+        flops = tpu_peak_flops(gen)
+        return flops, f"tpu {gen} ({kind}, through JAX): bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s"
+
+    def measure_peak_again(self, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+        cpu_peak_flops(dtype, again=True)
+        return self.look_up_peak(device, dtype)
+
+    def memory_stats(self, device: torch.device) -> dict[str, float]:
+        import jax
+
+        stats = jax.local_devices()[0].memory_stats()  # None on XLA:CPU
+        if not stats:
+            return _cpu_memory_stats()
+        return {"memory_gb": stats.get("bytes_in_use", 0) / 1e9,
+                "max_memory_gb": stats.get("peak_bytes_in_use", 0) / 1e9}
+
+    def reset_peak_memory(self, device: torch.device) -> None:
+        if self.jax_platform == "cpu":
+            _CPU().reset_peak_memory(device)
+
+    def synchronize(self, device: torch.device) -> None:
+        pass  # each step reads its loss, which waits for the program
+
+
 # How often a run that beats the measured CPU peak has it measured again (each ~1.5 s), per process.
 PEAK_RETRIES = 3
 
@@ -382,17 +454,44 @@ class Backend:
     accelerators. What differs per device lives in its class (`_CPU`, `_CUDA`, `_TPU`).
     """
 
-    name: str  # "cpu" | "cuda" | "tpu"
-    device: torch.device
+    name: str  # "cpu" | "cuda" | "tpu" | "jax"
+    device: torch.device  # where the run's torch tensors live (the host CPU for "jax")
     process_group_backend: str  # "gloo" | "nccl" | "tpu_dist"
-    compile_backend: str  # "inductor" (cpu, cuda) | "tpu" (TorchTPU's Dynamo backend)
+    compile_backend: str  # "inductor" (cpu, cuda) | "tpu" (TorchTPU's Dynamo backend) | "jax"
+    kind: object = None  # what differs per device (`_CPU`, `_CUDA`, `_TPU`, `_JAX`); default by name
     _peaks: dict = field(default_factory=dict, repr=False, compare=False)  # by compute dtype
     _peak_retries: dict = field(default_factory=dict, repr=False, compare=False)  # re-measurements, by dtype
     _unreliable: set = field(default_factory=set, repr=False, compare=False)  # dtypes already said so
 
     @property
     def _kind(self):
-        return _DEVICE_KINDS[self.name]
+        return self.kind if self.kind is not None else _DEVICE_KINDS[self.name]
+
+    @property
+    def compute_device_type(self) -> str:
+        """Where the step's math runs: "cpu", "cuda" or "tpu" (a TPU through JAX too)."""
+        return self._kind.compute_device_type
+
+    @property
+    def kernel_device_type(self) -> str:
+        """The device type whose kernels the model is built with (kernels/): the torch device's, or
+        "jax" for a TPU through JAX (the TPU's JAX kernels, kernels/jax_traced.py)."""
+        return self._kind.kernel_device_type
+
+    @property
+    def collective_per_tensor(self) -> bool:
+        """SimpleFSDP's collectives one per tensor (XLA combines them) rather than in flat buckets."""
+        return self._kind.collective_per_tensor
+
+    @property
+    def jax_platform(self) -> str | None:
+        """JAX's platform ("tpu", "cpu") for compile.backend jax; None for the torch backends."""
+        return self._kind.jax_platform
+
+    def start(self, rank: int, world_size: int) -> None:
+        """Start the device's runtime, once the process group is up (JAX's distributed client for
+        compile.backend jax; nothing for the torch backends)."""
+        self._kind.start(rank, world_size)
 
     # -- peak FLOP/s ---------------------------------------------------------------------------
 
@@ -565,6 +664,102 @@ def _tpu_backend() -> Backend:
     return Backend(
         name="tpu", device=torch.device("tpu", index), process_group_backend="tpu_dist", compile_backend="tpu"
     )
+
+
+def jax_backend(training_device: str) -> Backend:
+    """The backend of compile.backend jax: JAX's platform from training.device (tpu, cpu, or auto:
+    tpu where JAX would find one, else cpu); the torch side on the host CPU, its process group
+    gloo. JAX itself starts with `Backend.start`, once the process group is up."""
+    if training_device not in ("tpu", "cpu", "auto"):
+        raise ValueError(f"compile.backend jax runs the step on a TPU or this CPU; training.device is "
+                         f"{training_device}: set it to tpu or cpu, or use --compile.backend inductor on a GPU")
+    if importlib.util.find_spec("jax") is None:
+        raise ValueError("compile.backend jax needs JAX: pip install -e '.[jax]' (on a TPU VM the .[tpu] install of "
+                         "docs/tpu.md has it)")
+    platform = training_device
+    if platform == "auto":
+        platform = "tpu" if importlib.util.find_spec("libtpu") is not None and _tpu_vm() else "cpu"
+    return Backend(name="jax", device=torch.device("cpu"), process_group_backend="gloo", compile_backend="jax",
+                   kind=_JAX(platform))
+
+
+def _tpu_vm() -> bool:
+    """A TPU VM: its accelerator devices (/dev/accel*, /dev/vfio) are present."""
+    return bool(list(Path("/dev").glob("accel*"))) or Path("/dev/vfio").is_dir() and any(Path("/dev/vfio").iterdir())
+
+
+# A host's chips as libtpu's process bounds when each process takes one chip (TPU_PROCESS_BOUNDS):
+# a 4-chip host (v4, v5p) is 2x2x1, an 8-chip host (v5e, v6e) 2x4x1.
+_HOST_PROCESS_BOUNDS = {1: "1,1,1", 4: "2,2,1", 8: "2,4,1"}
+_TPU_PROCESS_PORT = 8476  # libtpu's first per-process port; process i of a host listens on 8476 + i
+
+
+def start_jax(platform: str, *, rank: int, world_size: int) -> None:
+    """JAX's runtime for this process, on `platform` alone; with several processes its distributed
+    client too, as JAX process `rank` of `world_size` (the coordinator on rank 0's host, found through
+    the torch process group), so that jax.devices() lists every process's device. Each process
+    must hold exactly one JAX device: device r of the run is rank r's (a one-line error otherwise,
+    with what to change)."""
+    os.environ["JAX_PLATFORMS"] = platform
+    if platform == "tpu" and world_size > 1:
+        _tpu_one_chip_per_process(rank, world_size)
+    import jax
+
+    if world_size > 1:
+        if platform == "cpu":  # XLA:CPU's collectives across processes
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=_jax_coordinator(rank), num_processes=world_size,
+                                   process_id=rank)
+    local, total = len(jax.local_devices()), jax.device_count()
+    if local != 1:
+        raise ValueError(f"compile.backend jax runs one process per device; this process sees {local} {platform} "
+                         f"devices: start {local} processes for it (torchrun --nproc_per_node = devices per host)")
+    if total != world_size:
+        raise ValueError(f"compile.backend jax: the run has {world_size} processes, JAX sees {total} {platform} "
+                         "devices; start one process per device")
+
+
+def _jax_coordinator(rank: int) -> str:
+    """host:port of JAX's coordinator: a free port on rank 0's host (MASTER_ADDR, where torchrun's
+    ranks reach rank 0), chosen by rank 0 and shared through the torch process group."""
+    import socket
+
+    import torch.distributed as dist
+
+    address = [None]
+    if rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            address[0] = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{probe.getsockname()[1]}"
+    dist.broadcast_object_list(address, src=0)
+    return address[0]
+
+
+def _tpu_one_chip_per_process(rank: int, world_size: int) -> None:
+    """libtpu's settings for one chip per process (set unless the environment has them): this
+    process's chip (LOCAL_RANK), its port, every process's address (gathered through the torch
+    process group) and the processes' grid. On one host the grid is the host's chips; across hosts
+    it is the slice's and must be given (TPU_PROCESS_BOUNDS). Written against libtpu's documented
+    variables; not yet run on a TPU."""
+    import socket
+
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if "TPU_PROCESS_BOUNDS" not in os.environ:
+        if per_host != world_size or per_host not in _HOST_PROCESS_BOUNDS:
+            raise ValueError(f"compile.backend jax on {world_size // per_host} TPU hosts of {per_host} chips: set "
+                             "TPU_PROCESS_BOUNDS to the slice's chips as x,y,z (e.g. 2,2,2 for a v5p-16)")
+        os.environ["TPU_PROCESS_BOUNDS"] = _HOST_PROCESS_BOUNDS[per_host]
+    port = _TPU_PROCESS_PORT + local_rank
+    addresses = [None] * world_size
+    dist.all_gather_object(addresses, f"{socket.gethostbyname(socket.gethostname())}:{port}")
+    os.environ.setdefault("TPU_CHIPS_PER_PROCESS_BOUNDS", "1,1,1")
+    os.environ.setdefault("TPU_VISIBLE_CHIPS", str(local_rank))
+    os.environ.setdefault("TPU_PROCESS_PORT", str(port))
+    os.environ.setdefault("TPU_PROCESS_ADDRESSES", ",".join(addresses))
+    os.environ.setdefault("CLOUD_TPU_TASK_ID", str(rank))
 
 
 def _tpu_present() -> bool:

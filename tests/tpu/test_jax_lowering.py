@@ -23,10 +23,10 @@ import torch
 
 from titan_tpu.config import build_config
 from titan_tpu.graph.jax_lowering import LOWERINGS, JaxLoweringError, check_lowerable
+from titan_tpu.graph.jax_program import global_inputs, jax_mesh, run_on_devices, sharded_step
 from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.mesh import dp_rank_and_size
 from titan_tpu.tools.device_step import build_device_model, capture_device_step, fake_world
-from titan_tpu.tools.tpu_compile import global_inputs, jax_mesh, run_on_devices, sharded_step
 from titan_tpu.tracing import one_program_for_every_rank
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from titan_tpu.components.make_step import make_step
 from titan_tpu.components.runtime import DTYPES, default_cache_dir, init_distributed, main_process_first
 from titan_tpu.config import Config, grad_accum_from_tokens
-from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend
+from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend, jax_backend
 from titan_tpu.errors import RunError
+from titan_tpu.graph.spmd import mesh_axis_sizes
 from titan_tpu.model_contract import TrainableModel
 from titan_tpu.models.lora import is_adapter_key
 from titan_tpu.models.spec import build
@@ -64,8 +65,9 @@ class Components:
         t, p = cfg.training, cfg.parallelism
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.backend: Backend = get_backend(t.device)
-        if self.backend.name == "cpu":  # training.device auto that became the CPU (config checks cpu)
+        # compile.backend jax: JAX's runtime runs the step, the torch side lives on the host CPU.
+        self.backend: Backend = jax_backend(t.device) if cfg.compile.backend == "jax" else get_backend(t.device)
+        if self.backend.compute_device_type == "cpu":  # training.device auto that became the CPU (config checks cpu)
             check_cpu_compute_dtype(cfg.model.dtype)
         self.rank, self.world_size = init_distributed(self.backend)
         self.is_main = self.rank == 0
@@ -92,6 +94,7 @@ class Components:
         self.spec = setup.spec  # what the run asks about the model (models/spec.py)
         self.base_weights = setup.base_weights  # recorded in checkpoints: the base a LoRA export names
         self.model_args = self.spec.args
+        self.step_fn = None  # made once the model, objective and optimizer exist
         self._data()
         self.model = self.build_model()
         self.objective = self._objective()
@@ -102,7 +105,8 @@ class Components:
         self.step_fn, self.compile_stats = make_step(cfg, self.model, self.optimizer, backend=self.backend,
                                                      world_size=self.world_size, dp_size=self.dp_size,
                                                      documents=self.document_mask, log=self.log,
-                                                     objective=self.objective)
+                                                     objective=self.objective,
+                                                     mesh_axes=mesh_axis_sizes(self.mesh, self.parallel_dims))
         self.checkpointer = Checkpointer.from_config(cfg.checkpoint, self.run_dir, log=self.log)
         c = cfg.checkpoint
         self.local_tier = None
@@ -131,8 +135,8 @@ class Components:
 
             self.document_mask = False
             # Labels are IGNORE_INDEX on the prompt and padding: a loss kernel that skips them.
-            cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.device.type)
-            cfg.kernels.check_device(self.backend.device.type, documents=False)
+            cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.kernel_device_type)
+            cfg.kernels.check_device(self.backend.kernel_device_type, documents=False)
             with main_process_first():
                 self.tokenizer, self.train_loader, self.val_loader = preference_data(self, log=self.log)
             return
@@ -149,8 +153,8 @@ class Components:
         self.document_mask = uses_document_mask(cfg.data, sources)
         # A kernel that cannot run on this device is a one-line error now, not at the first step.
         if any(s.format == "chat" for s in sources):  # labels IGNORE_INDEX outside the assistant's turns
-            cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.device.type)
-        cfg.kernels.check_device(self.backend.device.type, documents=self.document_mask)
+            cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.kernel_device_type)
+        cfg.kernels.check_device(self.backend.kernel_device_type, documents=self.document_mask)
         # Rank 0 tokenizes (or finds the cache) first; the others then only read the cache.
         with main_process_first():
             prepared = prepare_data(cfg.data, sources, vocab_size=self.model_args.vocab_size,
@@ -258,14 +262,14 @@ class Components:
     @property
     def compute_dtype(self) -> torch.dtype:
         if self.cfg.model.dtype == "auto":
-            return default_mixed_precision(self.backend.device.type).param_dtype
+            return default_mixed_precision(self.backend.compute_device_type).param_dtype
         return DTYPES[self.cfg.model.dtype]
 
     @property
     def mixed_precision(self) -> MixedPrecision:
-        # On a TPU one collective per tensor (XLA combines them; MixedPrecision.per_tensor).
+        # Under XLA (a TPU, the JAX path) one collective per tensor: XLA combines them (MixedPrecision.per_tensor).
         return MixedPrecision(param_dtype=self.compute_dtype, reduce_dtype=DTYPES[self.cfg.parallelism.reduce_dtype],
-                              per_tensor=self.backend.device.type == "tpu")
+                              per_tensor=self.backend.collective_per_tensor)
 
     # ------------------------------------------------------------------------------------------
     # the run's state
@@ -279,6 +283,7 @@ class Components:
                 "exp_avg_sq": self.model.to_per_layer(sd["exp_avg_sq"])}
 
     def state_dict(self, *, step: int, trackers: dict) -> dict:
+        self.step_fn.state_to_host()  # a step that keeps the state on its device writes it back first
         return {
             "step": step,
             "model": self.model.state_dict(),
@@ -311,6 +316,7 @@ class Components:
         else:
             rest = load(path, state)  # fills the model's and optimizer's tensors in place
         self._load_optimizer_per_layer(state["optimizer"])
+        self.step_fn.state_from_host()
         self.train_loader.load_state_dict(rest["data"])
         if rest["rng"] is not None:  # None when the checkpoint came from another number of ranks
             set_rng_state(rest["rng"])
@@ -326,6 +332,7 @@ class Components:
         resharding): model, optimizer, data position and RNG; the caller takes its step."""
         self.model.load_state_dict(state["model"])
         self._load_optimizer_per_layer(state["optimizer"])
+        self.step_fn.state_from_host()
         self.train_loader.load_state_dict(state["data"])
         set_rng_state(state["rng"])
 
@@ -343,4 +350,6 @@ class Components:
             # The base weights: a checkpoint of a full run has no adapters (LoRA's start at init).
             base = {k: v for k, v in model.state_dict().items() if not is_adapter_key(k)}
             load(resolve_checkpoint(path), {"model": base})
+        if self.step_fn is not None:  # a DPO reference is loaded before the step exists
+            self.step_fn.state_from_host()
         self.log(f"initial weights loaded from {path}")

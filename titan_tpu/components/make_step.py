@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from titan_tpu.config import CompileConfig
 from titan_tpu.data.batch import Batch
 from titan_tpu.train.objective import NextTokenObjective, Objective
 from titan_tpu.train.optim import AdamW
@@ -25,15 +26,19 @@ StepFn = Callable[[list[Batch], float], StepResult]
 
 
 def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend: Backend, world_size: int,
-              dp_size: int, documents: bool, log: Callable[[str], None],
-              objective: Objective | None = None) -> tuple[StepFn, dict[str, float]]:
+              dp_size: int, documents: bool, log: Callable[[str], None], objective: Objective | None = None,
+              mesh_axes: dict[str, int] | None = None) -> tuple[StepFn, dict[str, float]]:
     """(the step of training.mode, its capture and compile seconds: {} for eager) for the first
     metrics row. documents: batches carry positions (a document mask). objective: the run's
-    (train/objective.py; default next-token)."""
+    (train/objective.py; default next-token). mesh_axes: the mesh's axes as the JAX path lays them
+    out (graph/spmd.py mesh_axis_sizes), for compile.backend jax."""
     t = cfg.training
     objective = objective or NextTokenObjective()
     if t.mode != "graph":
         return EagerStep(model, optimizer, max_norm=t.max_norm, dp_size=dp_size, objective=objective), {}
+    if backend.jax_platform is not None:
+        return _jax_step(cfg, model, optimizer, backend=backend, dp_size=dp_size, documents=documents, log=log,
+                         objective=objective, mesh_axes=mesh_axes or {})
     from titan_tpu.graph.compile import GraphStep  # make_fx and the compilers load only for graph mode
 
     check_graph_backend(cfg, backend=backend, world_size=world_size)
@@ -45,6 +50,30 @@ def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend:
                      grad_accum_steps=t.grad_accum_steps, objective=objective)
     log(f"graph mode: step captured in {step.capture_seconds:.1f} s, compiled with {c.backend} in "
         f"{step.compile_seconds:.1f} s")
+    return step, {"capture_s": step.capture_seconds, "compile_s": step.compile_seconds}
+
+
+def _jax_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend: Backend, dp_size: int,
+              documents: bool, log: Callable[[str], None], objective: Objective,
+              mesh_axes: dict[str, int]) -> tuple[StepFn, dict[str, float]]:
+    """compile.backend jax: the step as one program run by JAX's runtime (graph/jax_step.py), and
+    one line for each setting it does not apply."""
+    from titan_tpu.graph.jax_step import JaxStep  # jax loads only for this backend
+
+    t, c = cfg.training, cfg.compile
+    if c.prefetch != CompileConfig.prefetch:
+        log(f"note: compile.prefetch = {c.prefetch} orders the collectives of a torch-compiled step; on the JAX path "
+            "XLA schedules them")
+    if cfg.profiling.enabled:
+        log("note: profiling records torch's operators; the JAX path's step is one XLA program, which torch's "
+            "profiler does not see (use jax.profiler for it)")
+    example_batch = objective.example_batch(batch_size=t.batch_size, seq_len=t.seq_len, documents=documents,
+                                            device=backend.device)
+    step = JaxStep(model, optimizer, max_norm=t.max_norm, example_batch=example_batch, dp_size=dp_size,
+                   grad_accum_steps=t.grad_accum_steps, objective=objective, axis_sizes=mesh_axes,
+                   platform=backend.jax_platform, log=log)
+    log(f"graph mode: step captured in {step.capture_seconds:.1f} s, lowered and compiled by XLA through JAX "
+        f"({backend.jax_platform}) in {step.compile_seconds:.1f} s")
     return step, {"capture_s": step.capture_seconds, "compile_s": step.compile_seconds}
 
 

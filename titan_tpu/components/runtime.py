@@ -45,13 +45,14 @@ def cached_bpe_tokenizer(source: str, texts: Callable[[], list[str]], *, kind: s
 
 
 def init_distributed(backend: Backend) -> tuple[int, int]:
-    """(rank, world size); joins the process group when launched by torchrun with WORLD_SIZE > 1."""
+    """(rank, world size); joins the process group when launched by torchrun with WORLD_SIZE > 1,
+    then starts the device's runtime (JAX's, for compile.backend jax)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         use_single_thread_gloo()  # every gloo group, this one or later ones (docs/known-issues.md, 1d)
         dist.init_process_group(backend=backend.process_group_backend)
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    backend.start(rank, world_size)
+    return rank, world_size
 
 
 @contextmanager

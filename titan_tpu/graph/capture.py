@@ -64,7 +64,7 @@ from titan_tpu.train.optim import adamw_update, clip_grad_norm
 from titan_tpu.train.ranks import model_copies
 
 __all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "StepLayout", "capture_accumulating_step",
-           "capture_train_step"]
+           "capture_eval_step", "capture_train_step"]
 
 # Ops traced as their decompositions because their fake (meta) kernel gives an output a layout that
 # the real kernel does not, and a view the graph then records on that output fails when the graph
@@ -103,7 +103,9 @@ class StepLayout:
       params, grads (the sums so far), batch, num_tokens, buffers -> grads (the new sums), totals
       (this micro-batch's);
     * `update`, once per accumulating step: params, grads, exp_avg, exp_avg_sq, totals, step, lr,
-      buffers -> what `whole_step` returns.
+      buffers -> what `whole_step` returns;
+    * `evaluation`, the forward of one batch for validation: params, batch, buffers -> totals (the
+      objective's, with a count of 1: its summed loss first).
     """
 
     inputs: tuple[tuple[str, int], ...]
@@ -120,6 +122,10 @@ class StepLayout:
         return cls(inputs=(("params", params), ("grads", params), ("batch", batch), ("num_tokens", 1),
                            ("buffers", buffers)),
                    outputs=(("grads", params), ("totals", 1)))
+
+    @classmethod
+    def evaluation(cls, *, params: int, batch: int, buffers: int) -> StepLayout:
+        return cls(inputs=(("params", params), ("batch", batch), ("buffers", buffers)), outputs=(("totals", 1),))
 
     @classmethod
     def update(cls, *, params: int, buffers: int, updated_buffers: int) -> StepLayout:
@@ -376,7 +382,7 @@ class CapturedStep:
     layout: StepLayout  # the order and size of the flat inputs and outputs
     scalar_dtype: torch.dtype = torch.float64  # dtype of the step and lr inputs
     updated_buffer_names: list[str] = dataclasses.field(default_factory=list)  # buffers the step moves
-    program: str = "train step"  # what the graph is, for summary(): "train step", "micro-batch", "update"
+    program: str = "train step"  # what the graph is, for summary(): "train step", "micro-batch", "update", "eval"
     objective: Objective = dataclasses.field(default_factory=NextTokenObjective)  # names the totals
     batch_spec: object = None  # the pytree spec of the batch group (data/batch.py unflatten); None for `update`
 
@@ -676,6 +682,36 @@ def capture_train_step(
         lr=[torch.ones((), dtype=scalar_dtype)], buffers=parts.local_buffers())
     gm, seconds = _trace(train_step, example, model)
     return parts.captured(gm, seconds, layout, scalar_dtype, "train step")
+
+
+def capture_eval_step(model: torch.nn.Module, *, example_batch: Batch | tuple[Tensor, ...],
+                      objective: Objective | None = None) -> CapturedStep:
+    """Trace the forward of one validation batch (StepLayout.evaluation): the objective's totals
+    with a count of 1 (next-token: the summed cross-entropy first), no gradient, the model in eval
+    mode while traced, as the loops' validation runs it eagerly (train/step.py evaluate_eagerly)."""
+    # The update's settings are never read: the program ends at the forward.
+    parts = _StepParts(model, max_norm=0.0, adamw_hparams={}, decay={}, dp_size=None, micro_batches=1,
+                       objective=objective)
+    batch = _example_batch(parts, example_batch)
+    layout = StepLayout.evaluation(params=len(parts.param_names), batch=len(batch), buffers=len(parts.buffer_names))
+
+    def evaluate(*flat: Tensor) -> list[Tensor]:
+        g = layout.unflatten_inputs(flat)
+        buffer_values = parts.buffer_values(g["buffers"])
+        params = {name: parts._as_model_tensor(name, t) for name, t in zip(parts.param_names, g["params"])}
+        typed = unflatten(g["batch"], parts.batch_spec)
+        with torch.no_grad():
+            loss = parts.objective.micro_batch(parts._calls(params, buffer_values), typed, count=1, share=0.0)
+        return layout.flatten_outputs(totals=[loss.totals])
+
+    example = layout.flatten_inputs(params=parts.local_params(), batch=batch, buffers=parts.local_buffers())
+    was_training = model.training
+    model.eval()
+    try:
+        gm, seconds = _trace(evaluate, example, model)
+    finally:
+        model.train(was_training)
+    return parts.captured(gm, seconds, layout, torch.float32, "eval")
 
 
 def capture_accumulating_step(

@@ -35,7 +35,7 @@ from titan_tpu.graph.capture import CapturedStep, capture_accumulating_step, cap
 from titan_tpu.graph.passes import compile_submodules, schedule_collectives, split_graph
 from titan_tpu.train.objective import Objective
 from titan_tpu.train.optim import AdamW
-from titan_tpu.train.step import StepResult
+from titan_tpu.train.step import StepFunction, StepResult
 
 __all__ = ["BACKENDS", "GraphStep", "compile_step"]
 
@@ -172,7 +172,7 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class GraphStep:
+class GraphStep(StepFunction):
     """The step contract, `step(micro_batches, lr) -> StepResult`, run by compiled graphs.
 
     Takes the parameters from `model` and the moments and step count from `optimizer` (the eager

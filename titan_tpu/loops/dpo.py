@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from titan_tpu.loops.pretrain import Trainer, _moe_metrics
-from titan_tpu.train.objective import ModelCalls
 from titan_tpu.train.step import StepResult, all_reduce_sum
 
 __all__ = ["DPOTrainer"]
@@ -37,14 +36,10 @@ class DPOTrainer(Trainer):
     def validate(self) -> float:
         """The mean DPO loss over the held-out pairs on all ranks."""
         assert self.val_loader is not None
-        self.model.eval()
-        objective = self.objective
-        calls = ModelCalls(policy=self.model, frozen=objective.frozen_modules())
         totals = torch.zeros(2, device=self.backend.device)  # summed pair losses, pairs
         for batch in self.val_loader.val_batches(self.cfg.validation.steps):
             batch = batch.to(self.backend.device)
-            totals[0] += objective.micro_batch(calls, batch, count=1, share=0.0).totals[0]
+            totals[0] += self.step_fn.evaluate(batch)[0]  # the pairs' summed loss (a count of 1)
             totals[1] += batch.shape[0]
-        self.model.train()
         all_reduce_sum(totals)
         return (totals[0] / totals[1].clamp(min=1)).item()

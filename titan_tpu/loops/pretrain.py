@@ -40,7 +40,7 @@ from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import lr_at
 from titan_tpu.train.profiling import DATA_REGION, StepProfiler
 from titan_tpu.train.signals import GracefulShutdown
-from titan_tpu.train.step import IGNORE_INDEX, StepResult, all_reduce_sum, batch_loss
+from titan_tpu.train.step import IGNORE_INDEX, StepResult, all_reduce_sum
 from titan_tpu.train.trackers import build_trackers
 
 __all__ = ["Trainer"]
@@ -283,15 +283,14 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
+        """The mean cross-entropy per trained token over the held-out batches on all ranks."""
         assert self.val_loader is not None
-        self.model.eval()
         # fp32, not fp64: TPUs have no fast fp64, and a few batches' sums fit fp32 well enough.
         totals = torch.zeros(2, device=self.backend.device)  # loss sum, tokens
         for batch in self.val_loader.val_batches(self.cfg.validation.steps):
             batch = as_batch(batch).to(self.backend.device)
-            totals[0] += batch_loss(self.model, batch).ce_sum
+            totals[0] += self.step_fn.evaluate(batch)[0]  # the summed cross-entropy (a count of 1)
             totals[1] += (batch.labels_BS != IGNORE_INDEX).sum()
-        self.model.train()
         all_reduce_sum(totals)
         return (totals[0] / totals[1]).item()
 

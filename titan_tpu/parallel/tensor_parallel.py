@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from titan_tpu.parallel.axes import TP_AXIS
+from titan_tpu.parallel.group_rank import rank_in
 
 __all__ = ["TP_AXIS", "TP_PLACEMENT", "check_tensor_parallel", "tensor_parallel", "tp_placement"]
 
@@ -145,37 +146,44 @@ def _gather_logits(group, module, args, output):
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """nn.Embedding whose weight (as read) holds rows [start, start + V/tp) of the vocabulary:
-    tokens outside them look up zeros, and the partial sums are reduce-scattered onto the
-    sequence shards."""
+    """nn.Embedding whose weight (as read) holds rows [start, start + V/tp) of the vocabulary, start
+    = the rank on tp times V/tp: tokens outside them look up zeros, and the partial sums are
+    reduce-scattered onto the sequence shards."""
 
     _tp_group: object
-    _tp_start: int
+    _tp_rank: int
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         w_vD = self.weight
-        local_BS = tokens_BS - self._tp_start
+        local_BS = tokens_BS - _vocab_start(self._tp_group, self._tp_rank, w_vD.shape[0])
         mine_BS = (local_BS >= 0) & (local_BS < w_vD.shape[0])
         h_BSD = F.embedding(torch.where(mine_BS, local_BS, 0), w_vD).masked_fill(~mine_BS.unsqueeze(-1), 0.0)
         return _ReduceScatterAlong.apply(h_BSD, self._tp_group, 1)
 
 
+def _vocab_start(group, rank: int, shard_rows: int) -> int | torch.Tensor:
+    """The first vocabulary row of this rank's shard: an int, or in a step captured as one program
+    for every rank the rank's group_rank op times the shard's rows (parallel/group_rank.py)."""
+    return rank_in(group, rank) * shard_rows
+
+
 class _VocabParallelKernels:
     """The model's KernelConfig, with the loss kernel bound to this rank's vocabulary shard."""
 
-    def __init__(self, kernels, *, start: int, group):
-        self._kernels, self._start, self._group = kernels, start, group
+    def __init__(self, kernels, *, rank: int, shard_rows: int, group):
+        self._kernels, self._rank, self._shard_rows, self._group = kernels, rank, shard_rows, group
 
     def __getattr__(self, name):
-        if name.startswith("__") or name in ("_kernels", "_start", "_group"):
+        if name.startswith("__") or name in ("_kernels", "_rank", "_shard_rows", "_group"):
             raise AttributeError(name)  # copy/pickle probe these before __init__ has run
         return getattr(self._kernels, name)
 
     def loss_fn(self, device_type: str):
         from titan_tpu.kernels.loss import chunked_linear_cross_entropy
 
+        start = _vocab_start(self._group, self._rank, self._shard_rows)
         return functools.partial(chunked_linear_cross_entropy, chunk_tokens=self._kernels.loss_chunk_tokens,
-                                 vocab_shard=(self._start, self._group))
+                                 vocab_shard=(start, self._group))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,11 +289,11 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int | None =
         _parallelize_block(block, group, tp, plan)
     model.tok_embeddings.__class__ = VocabParallelEmbedding
     model.tok_embeddings._tp_group = group
-    model.tok_embeddings._tp_start = rank * (args.vocab_size // tp)
+    model.tok_embeddings._tp_rank = rank
     _apply_plan(model, MODEL_PLAN)
     model.norm.register_forward_hook(functools.partial(_gather_output, group))
     model.register_forward_hook(functools.partial(_gather_logits, group))
-    model.kernels = _VocabParallelKernels(model.kernels, start=rank * (args.vocab_size // tp), group=group)
+    model.kernels = _VocabParallelKernels(model.kernels, rank=rank, shard_rows=args.vocab_size // tp, group=group)
     return model
 
 

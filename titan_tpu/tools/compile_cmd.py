@@ -77,6 +77,29 @@ def _topology(name: str):
                          f"{', '.join(KNOWN_TOPOLOGIES)}") from e
 
 
+def _force_cpu_devices(target: str) -> None:
+    """XLA_FLAGS for the N host devices of a target "cpu:N", before JAX starts its CPU client."""
+    count = target.split(":", 1)[1]
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--topology {target}: a CPU target is cpu:N with N devices, e.g. cpu:8")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def cpu_devices(target: str) -> list:
+    """The N XLA host devices of a target "cpu:N" (the program the JAX path runs on a CPU):
+    XLA_FLAGS must have made them before JAX started (`compile_main` does)."""
+    import jax
+
+    count = int(target.split(":", 1)[1])
+    devices = jax.devices("cpu")
+    if len(devices) < count:
+        raise ValueError(f"--topology {target}: JAX has {len(devices)} CPU devices in this process; start it with "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={count} (titan-tpu compile sets it)")
+    return devices[:count]
+
+
 def _collectives(hlo_text: str) -> dict[str, int]:
     kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
     counts = {}
@@ -90,52 +113,29 @@ def _collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
-def jax_kernels(cfg):
-    """(cfg with each op's kernel named, what each op runs as): the recipe's choice (auto: the TPU's
-    pick) for the device type "jax", a step lowered to JAX (kernels/jax_traced.py). Splash, tokamax
-    and megablox's gmm enter the program as their own JAX functions (Mosaic custom calls for the
-    TPU); a choice with no JAX form (TorchTPU's native ops) is replaced by the op's JAX pick, and
-    the report says so."""
+def jax_kernels(cfg, platform: str = "tpu"):
+    """graph/jax_program.py's `jax_kernels`, imported when called (this module loads without jax)."""
+    from titan_tpu.graph.jax_program import jax_kernels as resolve
+
+    return resolve(cfg, platform)
+
+
+def capture_for_jax(cfg, platform: str = "tpu", **capture_args):
+    """(rank's DeviceStep captured as the JAX path captures it on `platform`, cfg as captured, what
+    each op ran as; graph/jax_program.py): a kernel that cannot take the shapes (splash's blocks of
+    128, gmm's tiles) is replaced by the op's CPU pick, traced as ATen ops, and the op's entry says
+    which and why."""
     import dataclasses
 
+    from titan_tpu.graph.jax_program import capture_context, jax_kernels
     from titan_tpu.kernels import OPS
-    from titan_tpu.kernels.jax_traced import NOT_AS_ON_TPU
-
-    kernels, used = cfg.kernels, {}
-    for field, op in OPS.items():
-        choice = getattr(kernels, field)
-        if field == "loss" and cfg.parallelism.tp > 1 and choice in ("auto", "chunked"):
-            # Under tensor parallelism the loss is the chunked kernel's vocabulary-parallel form, on
-            # a TPU too (parallel/tensor_parallel.py); tokamax has none.
-            used[field] = "chunked (vocabulary-parallel under tp)"
-            kernels = dataclasses.replace(kernels, loss="chunked")
-            continue
-        try:
-            used[field] = op.resolve(choice, "jax").name
-        except ValueError:
-            used[field] = f"{op.resolve('auto', 'jax').name} (in place of the recipe's {choice}, which has no JAX form)"
-        name = used[field].split()[0]
-        if name in NOT_AS_ON_TPU:
-            used[field] = f"{name} ({NOT_AS_ON_TPU[name]})"
-        kernels = dataclasses.replace(kernels, **{field: name})
-    return dataclasses.replace(cfg, kernels=kernels), used
-
-
-def capture_for_jax(cfg, **capture_args):
-    """(rank's DeviceStep captured with the JAX kernels, cfg as captured, what each op ran as): a
-    kernel that cannot take the shapes (splash's blocks of 128, gmm's tiles) is replaced by the
-    op's CPU pick, traced as ATen ops, and the op's entry says which and why."""
-    import dataclasses
-
-    from titan_tpu.kernels import OPS
-    from titan_tpu.kernels.jax_traced import traced_for_jax
     from titan_tpu.kernels.registry import KernelShapeError
     from titan_tpu.tools.device_step import capture_device_step
 
-    cfg, used = jax_kernels(cfg)
+    cfg, used = jax_kernels(cfg, platform)
     while True:
         try:
-            with traced_for_jax():
+            with capture_context(platform):
                 return capture_device_step(cfg, **capture_args), cfg, used
         except KernelShapeError as e:
             replaced = {}
@@ -168,20 +168,21 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     from titan_tpu.plan.hardware import HARDWARE
     from titan_tpu.plan.planner import reshard_decision
 
-    topology = _topology(topology_name)
-    devices = topology.devices
+    platform = "cpu" if topology_name.startswith("cpu:") else "tpu"
+    devices = cpu_devices(topology_name) if platform == "cpu" else _topology(topology_name).devices
     generation = topology_name.split(":")[0].replace("tpu7x", "v7")
-    hardware = HARDWARE.get(generation)
+    # A CPU target plans on the hardware the config names, as the run on this CPU does.
+    hardware = HARDWARE.get(generation) if platform == "tpu" else None
     t = cfg.training
     reshard, why = reshard_decision(cfg, world_size=len(devices), hardware=hardware)
     documents = trainer_documents(cfg)
     start = time.perf_counter()
-    captured, cfg, kernels_used = capture_for_jax(cfg, world_size=len(devices), batch_size=t.batch_size,
+    captured, cfg, kernels_used = capture_for_jax(cfg, platform, world_size=len(devices), batch_size=t.batch_size,
                                                   seq_len=t.seq_len, reshard_after_forward=reshard,
                                                   documents=documents, grad_accum_steps=t.grad_accum_steps)
     capture_s = time.perf_counter() - start
     steps = {"step": captured} if not isinstance(captured, tuple) else dict(zip(("micro-batch", "update"), captured))
-    programs = {name: _compile_program(step, devices, donated_groups=DONATED[name], xla_dump=xla_dump,
+    programs = {name: _compile_program(step, devices, program=name, xla_dump=xla_dump,
                                        dump=None if dump is None else dump if len(steps) == 1 else dump / name)
                 for name, step in steps.items()}
     first = next(iter(steps.values()))
@@ -196,7 +197,9 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
         else None
     tokens_per_chip = _step_tokens(first.captured) * t.grad_accum_steps / len(devices)
     report = {
-        "topology": topology_name, "devices": len(devices), "mesh": dict(first.axis_sizes),
+        "topology": topology_name, "platform": platform, "devices": len(devices), "mesh": dict(first.axis_sizes),
+        # what a run of the JAX path on this target logs for each program it hands XLA (graph/fingerprint.py)
+        "fingerprints": {name: p["fingerprint"] for name, p in programs.items()},
         "reshard_after_forward": reshard, "reshard_why": why, "documents": documents,
         "grad_accum_steps": t.grad_accum_steps,
         "memory_per_chip_bytes": peak["memory"], "peak_per_chip_bytes": peak["peak"], "peak_program": peak_name,
@@ -231,13 +234,6 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
                               if any(p["xla_stages"] for p in programs.values())},
     }
     return report
-
-
-# The input groups each program updates in place (the trainer's step writes them back): donated,
-# so XLA aliases each with its updated output and the peak counts them once. graph/capture.py
-# StepLayout names the groups.
-DONATED = {"step": ("params", "exp_avg", "exp_avg_sq"), "micro-batch": ("grads",),
-           "update": ("params", "grads", "exp_avg", "exp_avg_sq")}
 
 
 PEAK_VALUES = 12  # the largest values alive at XLA's peak kept in the report
@@ -313,37 +309,27 @@ def child_error_line(stderr: str) -> str:
     return (ours or aborted or rest or ["(no output)"])[-1][:400]
 
 
-def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Path | None,
-                     xla_dump: Path | None) -> dict:
+def _compile_program(step, devices, *, program: str, dump: Path | None, xla_dump: Path | None) -> dict:
     """Lower one captured program to JAX over the devices' mesh and compile it; XLA's numbers.
     xla_dump: where XLA dumps its programs (XLA_FLAGS=--xla_dump_to, set before JAX started), to
     read the optimized HLO and the values alive at the peak from; None reads neither."""
     import dataclasses
 
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from titan_tpu.graph.jax_lowering import global_shape, jax_dtype
-    from titan_tpu.tools.tpu_compile import jax_mesh, sharded_step
+    from titan_tpu.graph.jax_program import jax_mesh, lower_step
     from titan_tpu.tools.xla_dump import compile_stages, f8_dots, matmul_flops, optimized_hlo, peak_values, tpu_programs
 
     mesh = jax_mesh(step, devices)
-    axes = tuple(mesh.axis_names)
-    args = [jax.ShapeDtypeStruct(global_shape(mesh, tuple(x.shape)), jax_dtype(x.dtype),
-                                 sharding=NamedSharding(mesh, PartitionSpec(axes) if x.dim() else PartitionSpec(*axes)))
-            for x in step.captured.example_inputs]
-    slices = step.captured.input_slices()
-    donated = [i for group in donated_groups for i in range(len(args))[slices[group]]]
-    start, cpu_start = time.perf_counter(), time.process_time()
-    lowered = jax.jit(sharded_step(step, mesh), donate_argnums=tuple(donated)).lower(*args)
-    lowered_text = lowered.as_text()
-    lower_s = time.perf_counter() - start
+    cpu_start = time.process_time()
+    lowered = lower_step(step, mesh, program)
+    lowered_text, lower_s = lowered.text, lowered.lower_seconds
     before = tpu_programs(xla_dump) if xla_dump is not None else set()
     start = time.perf_counter()
     try:
         with host_memory_guard():
             # the dump named per compile too: XLA_FLAGS is read once, when JAX starts its backends
-            compiled = lowered.compile(None if xla_dump is None else {"xla_dump_to": str(xla_dump)})
+            compiled = lowered.lowered.compile(None if xla_dump is None else {"xla_dump_to": str(xla_dump)})
     except jax.errors.JaxRuntimeError as e:  # XLA refused the program: its own reason, in one line
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise ValueError(f"XLA's TPU compiler rejected the step: {reason[:400]}") from None
@@ -368,7 +354,7 @@ def _compile_program(step, devices, *, donated_groups: tuple[str, ...], dump: Pa
         if collectives_from == "optimized HLO":
             (dump / "step.optimized.hlo").write_text(text)
     return {"memory": kinds,
-            "peak": peak,
+            "peak": peak, "fingerprint": lowered.fingerprint,
             "flops": cost.get("flops"), "matmul_flops": matmuls, "bytes_accessed": cost.get("bytes accessed"),
             "lower_seconds": lower_s, "compile_seconds": compile_s, "cpu_seconds": cpu_s,
             "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),
@@ -410,6 +396,8 @@ def _format(report: dict) -> str:
              + "".join(f"; XLA's {name.replace('_', ' ')} {seconds:.1f} s"
                        for name, seconds in report.get("xla_stage_seconds", {}).items())
              + "); numbers are XLA's, per chip:",
+             "  fingerprint " + ", ".join(f"{name} {fp}" for name, fp in report["fingerprints"].items())
+             + " (what a run of --compile.backend jax on these devices logs for each program it hands XLA)",
              f"  as the trainer runs it: re-shard after forward {str(report['reshard_after_forward']).lower()} "
              f"({report['reshard_why']}), documents {'masked' if report['documents'] else 'not masked'}"
              + (f", {report['grad_accum_steps']} micro-batches: programs micro-batch and update, the peak is the "
@@ -461,12 +449,15 @@ def compile_main(argv: list[str]) -> int:
     parser.add_argument("--config", required=True, help="TOML recipe, e.g. configs/llama3_8b_tpu.toml")
     parser.add_argument("--hardware", help="a TPU slice as Google names it, e.g. v5p-8 (4 chips)")
     parser.add_argument("--topology", help="a libtpu topology name, e.g. v5p:2x2x1 (default: the slice the "
-                        "recipe's job.description names, or v5p:2x2x1)")
+                        "recipe's job.description names, or v5p:2x2x1); cpu:N for N XLA host devices (the program "
+                        "--compile.backend jax runs on this CPU)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--dump", help="directory for the StableHLO, the optimized HLO and XLA's own dump (DIR/xla: "
                         "buffer assignment, live ranges)")
     args, overrides = parser.parse_known_args(argv)
     _require_jax()
+    if args.topology and args.topology.startswith("cpu:"):
+        _force_cpu_devices(args.topology)
     xla_dump = xla_dump_env(Path(args.dump) / "xla" if args.dump else None)
     # A compile-only client takes no device: it may load libtpu beside another process's (libtpu's
     # lockfile refuses that unless told); read when libtpu starts, below.

@@ -6,27 +6,23 @@ gives a process group of any size whose collectives do nothing: DTensor and the 
 collectives trace on it exactly as on a real group (the graph holds the same `_c10d_functional`
 nodes), and `materialize_and_init` gives rank r's real local shards without communication.
 
-`DeviceStep` carries what the JAX lowering needs besides the graph: the mesh axes (our names and
-sizes) and, per process group the graph's collectives name, the axes it spans.
+`DeviceStep` (graph/spmd.py) carries what the JAX lowering needs besides the graph: the mesh axes
+(our names and sizes) and, per process group the graph's collectives name, the axes it spans.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
-import math
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.fx
 
 from titan_tpu.config import Config
-from titan_tpu.graph.capture import CapturedStep, capture_train_step
-from titan_tpu.graph.reverse_scan import mark_reverse_scans
+from titan_tpu.graph.capture import capture_train_step
+from titan_tpu.graph.spmd import DeviceStep, device_step, mesh_axis_sizes
 from titan_tpu.models.spec import model_spec
-from titan_tpu.parallel.expert_parallel import EP_AXES
 from titan_tpu.parallel.mesh import ParallelDims
 from titan_tpu.parallel.simple_fsdp import MixedPrecision
 from titan_tpu.train.optim import AdamW
@@ -118,84 +114,6 @@ def _to_fake(model: torch.nn.Module, fake_mode) -> None:
                 module._buffers[name] = _fake_like(b, fake_mode)
 
 
-@dataclasses.dataclass
-class DeviceStep:
-    """One device's step: the captured step, its mesh and the mesh axes of its process groups."""
-
-    captured: CapturedStep
-    axis_sizes: dict[str, int]  # mesh axis name -> size, in mesh order ({} on one device)
-    group_axes: dict[str, tuple[str, ...]]  # process group name -> the mesh axes it spans
-
-    @property
-    def num_devices(self) -> int:
-        n = 1
-        for size in self.axis_sizes.values():
-            n *= size
-        return n
-
-
-def _axis_sizes(mesh, dims: ParallelDims) -> dict[str, int]:
-    """The JAX mesh's axes: the device mesh's, with dp_shard split into the expert mesh's
-    (dp_shard / ep, ep) under expert parallelism (its ranks are dp_shard's, row-major)."""
-    if mesh is None:
-        return {}
-    sizes = {}
-    for name, size in zip(mesh.mesh_dim_names, mesh.shape):
-        if name == "dp_shard" and dims.ep > 1:
-            sizes.update({EP_AXES[0]: size // dims.ep, EP_AXES[1]: dims.ep})
-        else:
-            sizes[name] = size
-    return sizes
-
-
-def _group_axes(gm: torch.fx.GraphModule, axis_sizes: dict[str, int]) -> dict[str, tuple[str, ...]]:
-    """Process group name -> the mesh axes it spans, for every group an op of the graph or of its
-    subgraphs (scan bodies) names (the collectives, group_rank): the axes along which rank 0's
-    neighbours are exactly the group's ranks, in order (global ranks are row-major over the mesh
-    axes, as init_device_mesh lays them out)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    names, sizes = list(axis_sizes), list(axis_sizes.values())
-    strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
-    by_ranks = {}
-    for subset in itertools.product((False, True), repeat=len(names)):
-        axes = [i for i, used in enumerate(subset) if used]
-        ranks = [sum(c * strides[i] for c, i in zip(coords, axes))
-                 for coords in itertools.product(*(range(sizes[i]) for i in axes))]
-        by_ranks.setdefault(tuple(ranks), tuple(names[i] for i in axes))
-    out = {}
-    nodes = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
-    for node in nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        where = [i for i, a in enumerate(schema.arguments) if a.name == "group_name"] if schema else []
-        if where:
-            group = node.args[where[0]] if len(node.args) > where[0] else node.kwargs["group_name"]
-            ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
-            if ranks not in by_ranks:
-                raise ValueError(f"process group {group} (ranks {list(ranks)}) is no set of axes of the mesh "
-                                 f"{axis_sizes}")
-            out[group] = by_ranks[ranks]
-    return out
-
-
-def _views_as_reshapes(gm: torch.fx.GraphModule) -> int:
-    """Every aten.view in the graph and its subgraphs (scan bodies) made an aten.reshape, in
-    place; returns how many. The JAX lowering re-traces the graph (functionalised, decomposed),
-    and there a scan body recomputed for activation checkpointing can receive a layer input with
-    other strides than the first trace gave it, which a view refuses; JAX arrays have no strides,
-    so a reshape is the same program."""
-    count = 0
-    for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        for node in module.graph.nodes:
-            if node.op == "call_function" and node.target is torch.ops.aten.view.default:
-                node.target = torch.ops.aten.reshape.default
-                count += 1
-        module.recompile()
-    return count
-
-
 def _objective(cfg: Config, world_size: int, *, reshard_after_forward: bool | None, documents: bool):
     """The run's objective as the trainer assembles it (components/dpo.py), on fake tensors: None
     for next-token prediction (the capture's default); DPO with its frozen reference built and
@@ -250,14 +168,6 @@ def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_le
             programs = capture_accumulating_step(model, grad_accum_steps=grad_accum_steps, **kwargs)
         else:
             programs = (capture_train_step(model, **kwargs),)
-        axis_sizes = _axis_sizes(mesh, dims)
-        steps = []
-        for captured in programs:
-            _views_as_reshapes(captured.graph_module)
-            # As the trainer hands a step to TorchTPU (graph/compile.py): the scanned backward marked to
-            # run in reverse, without the flipped copies of its stacks.
-            mark_reverse_scans(captured.graph_module)
-            steps.append(DeviceStep(captured=captured, axis_sizes=axis_sizes,
-                                    group_axes=_group_axes(captured.graph_module, axis_sizes) if axis_sizes
-                                    else {}))
+        axis_sizes = mesh_axis_sizes(mesh, dims)
+        steps = [device_step(captured, axis_sizes) for captured in programs]
         return steps[0] if len(steps) == 1 else tuple(steps)

@@ -4,7 +4,11 @@
 
 It consumes ``training.grad_accum_steps`` micro-batches (typed batches, data/batch.py; a plain
 ``(inputs, labels[, positions])`` tuple is read as a `TokenBatch`); afterwards the model parameters
-and the optimizer state hold their updated values.
+and the optimizer state hold their updated values, or, for a step that keeps them on its device
+(the JAX path, graph/jax_step.py), do once `state_to_host()` is called. The rest of the contract
+(`StepFunction`): `evaluate(batch)`, a validation batch's totals, and `state_to_host()` /
+`state_from_host()`, called before anything reads the model's and optimizer's tensors (a
+checkpoint) and after anything writes them (a resume).
 
 What a micro-batch's loss is and how the micro-batches' losses add up is the run's objective
 (train/objective.py), written once for this eager step and the captured one (graph/capture.py):
@@ -34,7 +38,8 @@ from titan_tpu.train.optim import AdamW, clip_grad_norm_
 from titan_tpu.train.profiling import OPTIMIZER_REGION
 from titan_tpu.train.ranks import all_reduce_sum, model_copies
 
-__all__ = ["IGNORE_INDEX", "EagerStep", "StepResult", "all_reduce_sum", "batch_loss", "model_copies"]
+__all__ = ["IGNORE_INDEX", "EagerStep", "StepFunction", "StepResult", "all_reduce_sum", "batch_loss",
+           "evaluate_eagerly", "model_copies"]
 
 
 @dataclass
@@ -65,6 +70,39 @@ def batch_loss(model: torch.nn.Module, batch: Batch | tuple[Tensor, ...]):
     return model(batch.inputs_BS, batch.labels_BS, positions_BS=batch.positions_BS)
 
 
+@torch.no_grad()
+def evaluate_eagerly(model: torch.nn.Module, objective: Objective, batch: Batch | tuple[Tensor, ...]) -> Tensor:
+    """One validation batch's totals of `objective` with a count of 1 (its summed loss first), the
+    model in eval mode and without gradients."""
+    was_training = model.training
+    model.eval()
+    try:
+        calls = ModelCalls(policy=model, frozen=objective.frozen_modules())
+        return objective.micro_batch(calls, as_batch(batch), count=1, share=0.0).totals
+    finally:
+        model.train(was_training)
+
+
+class StepFunction:
+    """The step contract besides the step itself (module docstring), with the behaviour of a step
+    that updates the model's and the optimizer's own tensors in place (EagerStep, GraphStep)."""
+
+    def __call__(self, micro_batches: list[Batch | tuple[Tensor, ...]], lr: float) -> StepResult:
+        raise NotImplementedError
+
+    def evaluate(self, batch: Batch | tuple[Tensor, ...]) -> Tensor:
+        """One validation batch's totals of the run's objective with a count of 1 (the summed loss first)."""
+        return evaluate_eagerly(self.model, self.objective, batch)
+
+    def state_to_host(self) -> None:
+        """Write the newest parameters, optimizer state and updated buffers into the model's and the
+        optimizer's tensors (nothing to do when the step updates them in place)."""
+
+    def state_from_host(self) -> None:
+        """Take the model's and the optimizer's tensors as the state of the next step (after a resume
+        wrote them; nothing to do when the step reads them in place)."""
+
+
 def update_expert_biases_(model: torch.nn.Module, expert_load: Tensor) -> None:
     """Auxiliary-loss-free balancing, in place: move the model's expert biases by the step's global
     expert loads (a no-op for models without them)."""
@@ -77,7 +115,7 @@ def update_expert_biases_(model: torch.nn.Module, expert_load: Tensor) -> None:
             buffers[name].copy_(value)
 
 
-class EagerStep:
+class EagerStep(StepFunction):
     """The step contract with plain autograd: accumulate, clip, AdamW, all in place.
 
     The in-place forms of clipping and AdamW run the same arithmetic as the pure functions the
