@@ -10,9 +10,11 @@ import sys
 
 from tpu_call_sites import ROOT, find_sites
 
-# The TPU backend (device selection, the compile backend's import), the TPU kernel variants, and
-# TorchTPU's own lowering of a captured step compiled on a CPU (bench/torchtpu_lowering.py).
-TPU_MODULES = {"titan_tpu/device.py", "titan_tpu/kernels/tpu.py", "titan_tpu/tools/torchtpu_lowering.py"}
+# The TPU backend (device selection), the compile backend (TorchTPU's compilers), the TPU kernel
+# variants, and TorchTPU's own lowering of a captured step compiled on a CPU
+# (bench/torchtpu_lowering.py).
+TPU_MODULES = {"titan_tpu/device.py", "titan_tpu/graph/torchtpu.py", "titan_tpu/kernels/tpu.py",
+               "titan_tpu/tools/torchtpu_lowering.py"}
 # Imported only by the kernels that run on a TPU (and tests/tpu/): JAX, never at import time.
 JAX_MODULES = {"titan_tpu/kernels/tpu_jax.py"}
 

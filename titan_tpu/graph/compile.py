@@ -5,10 +5,11 @@
 * "eager": run the FX graph as it is (no compiler; for debugging);
 * "aot_eager": AOTAutograd (functionalisation, decompositions) without code generation;
 * "inductor": AOTAutograd + Inductor code generation (C++/OpenMP on CPU, Triton on CUDA);
-* "tpu": TorchTPU's Dynamo backend (XLA), registered under that name when torch_tpu is imported.
-  Written against the torch_tpu 0.2.0 API and never run here (no TPU): it is guarded so that
-  anywhere else it fails at once with a one-line error, and the step/lr scalars of a step
-  captured for it are float32 (TPUs have no fast float64).
+* "tpu": TorchTPU (XLA) through its own compilers, not its Dynamo backend (graph/torchtpu.py): the
+  step as one program with its collectives inside, the parameters and moments donated, and its
+  StableHLO fingerprinted (`run.fingerprints`). Written against the torch_tpu 0.2.0 API and never
+  run here (no TPU): it is guarded so that anywhere else it fails at once with a one-line error,
+  and the step/lr scalars of a step captured for it are float32 (TPUs have no fast float64).
 
 The backend is called directly on the GraphModule (as Dynamo would after tracing), not through
 `torch.compile`: the graph is already a flat aten graph, so Dynamo has nothing left to find.
@@ -33,6 +34,7 @@ from titan_tpu.data.batch import Batch, as_batch, flatten
 from titan_tpu.device import tpu_compile_error as _tpu_error
 from titan_tpu.graph.capture import CapturedStep, capture_accumulating_step, capture_train_step, frozen_inputs
 from titan_tpu.graph.passes import compile_submodules, schedule_collectives, split_graph
+from titan_tpu.graph.torchtpu import owner, rebind
 from titan_tpu.train.objective import Objective
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import StepFunction, StepResult
@@ -43,12 +45,12 @@ BACKENDS = ("eager", "aot_eager", "inductor", "tpu")
 
 
 
-def _tpu_dynamo_backend(captured: CapturedStep | None) -> Callable:
-    """TorchTPU's Dynamo backend, after checking that it can run: torch_tpu imports, sees a TPU,
-    and the captured step's tensors live on it. Raises the one-line ValueError otherwise."""
-    from torch._dynamo import lookup_backend
-
+def _torchtpu_compiler(captured: CapturedStep | None) -> Callable:
+    """TorchTPU's compile of a captured program (graph/torchtpu.py `compile_for_torchtpu`), after
+    checking that it can run: torch_tpu imports, sees a TPU, and the captured step's tensors live
+    on it. Raises the one-line ValueError otherwise."""
     from titan_tpu import device
+    from titan_tpu.graph.torchtpu import compile_for_torchtpu
 
     device.import_torch_tpu_with_a_device()  # the one-line error where TorchTPU or a TPU is missing
     if captured is not None:
@@ -56,10 +58,7 @@ def _tpu_dynamo_backend(captured: CapturedStep | None) -> Callable:
         if devices != {"tpu"}:
             raise _tpu_error(f"the captured step's tensors are on {', '.join(sorted(devices))}, not tpu "
                              "(set training.device = tpu)")
-    try:
-        return lookup_backend("tpu")
-    except Exception as e:  # noqa: BLE001 - torch raises its own InvalidBackend type
-        raise _tpu_error(f"torch_tpu did not register the Dynamo backend 'tpu' ({type(e).__name__})") from e
+    return compile_for_torchtpu
 
 
 def _check_backend(backend: str) -> None:
@@ -78,7 +77,7 @@ def compile_step(captured: CapturedStep, backend: str, *, split: str = "none",
     "tpu" where TorchTPU or a TPU is missing."""
     _check_backend(backend)
     if backend == "tpu":
-        compiler = _tpu_dynamo_backend(captured)  # before splitting: fail fast, with the clear error
+        compiler = _torchtpu_compiler(captured)  # before splitting: fail fast, with the clear error
     elif backend != "eager":
         from torch._dynamo import lookup_backend
 
@@ -97,13 +96,15 @@ def compile_step(captured: CapturedStep, backend: str, *, split: str = "none",
     if loss_index is None and split == "fwd_bwd":
         split = "none"  # the update program has no forward to cut off
     gm = split_graph(gm, split, loss_output_index=loss_index)
+    fingerprints, donated = [], False
     if backend == "eager":
         compiled = gm
+    elif backend == "tpu":
+        compiled, fingerprints, donated = _compile_for_torchtpu(gm, captured, compiler, split=split)
     else:
         # The fake example inputs made while tracing carry the shapes, dtypes and strides the
-        # compiler specialises on (the graph is static-shaped). For "tpu" this is the call Dynamo
-        # itself would make, backend(graph_module, example_inputs); no compiler options are
-        # passed (torch.tpu.compiler.custom_compiler_options exists but its keys are undocumented).
+        # compiler specialises on (the graph is static-shaped): the call Dynamo itself would make,
+        # backend(graph_module, example_inputs).
         example_inputs = _fake_inputs_with_shape_env(captured.example_inputs)
         with torch.no_grad(), _backend_passes(backend):
             if split == "none":
@@ -120,7 +121,26 @@ def compile_step(captured: CapturedStep, backend: str, *, split: str = "none",
     run.compile_seconds = seconds
     run.backend = backend
     run.module = gm  # the (possibly split) graph that was compiled
+    run.fingerprints = fingerprints  # of each program handed to XLA where the backend shows it (graph/fingerprint.py)
+    run.donated = donated  # the inputs of DONATED_GROUPS are gone after a call (graph/torchtpu.py)
     return run
+
+
+def _compile_for_torchtpu(gm, captured: CapturedStep, compiler, *, split: str) -> tuple:
+    """(TorchTPU's executable of `gm`, the fingerprints of the programs it handed XLA, whether it
+    donates): one program, its DONATED_GROUPS donated; split into programs (split != "none"),
+    nothing donated, as an input donated to one program would be gone for the next."""
+    from titan_tpu.graph.fingerprint import program_fingerprint
+    from titan_tpu.graph.torchtpu import donated_inputs, program_texts
+
+    example_inputs = _fake_inputs_with_shape_env(captured.example_inputs)
+    with torch.no_grad():
+        if split != "none":
+            compiled = compile_submodules(gm, example_inputs, compiler)
+            return compiled, [], False
+        donated = donated_inputs(captured.layout)
+        compiled = compiler(gm, example_inputs, donated=donated)
+    return compiled, [program_fingerprint(text) for text in program_texts(compiled)], bool(donated)
 
 
 def _backend_passes(backend: str):
@@ -197,7 +217,7 @@ class GraphStep(StepFunction):
                  grad_accum_steps: int = 1, objective: Objective | None = None):
         _check_backend(backend)
         if backend == "tpu":
-            _tpu_dynamo_backend(None)  # fail before a capture that can take minutes on a large model
+            _torchtpu_compiler(None)  # fail before a capture that can take minutes on a large model
         if grad_accum_steps < 1:
             raise ValueError(f"training.grad_accum_steps = {grad_accum_steps} must be >= 1")
         if scalar_dtype is None:
@@ -218,6 +238,11 @@ class GraphStep(StepFunction):
         self.compiled = compile_step(self.captured, backend, split=split, prefetch=prefetch)
         self.compiled_update = (None if self.captured_update is None else
                                 compile_step(self.captured_update, backend, split=split))
+        # A program that donates the parameters and moments (TorchTPU's, graph/torchtpu.py) leaves
+        # their old buffers gone: it takes, and after each call re-points, the very tensors the
+        # model and the optimizer hold, not detached aliases of them.
+        self._donates = (self.compiled_update or self.compiled).donated
+        self._held = owner if self._donates else _local
         self.objective = self.captured.objective
         names = self.captured.param_names
         params = dict(model.named_parameters())
@@ -225,7 +250,7 @@ class GraphStep(StepFunction):
         buffers = frozen_inputs(model, self.objective)
         if set(names) != set(optimizer.params):
             raise ValueError("GraphStep: the optimizer does not hold exactly the model's parameters")
-        self._params = [_local(params[n]) for n in names]
+        self._params = [self._held(params[n]) for n in names]
         self._buffers = [_local(buffers[n]) for n in self.captured.buffer_names]
         self._updated_buffers = [_local(buffers[n]) for n in self.captured.updated_buffer_names]
         self._batch_type, self._batch_shape = type(example_batch), example_batch.shape
@@ -259,7 +284,7 @@ class GraphStep(StepFunction):
     def _state_tensors(self) -> tuple[list[Tensor], list[Tensor]]:
         # Read the optimizer state each call: load_state_dict replaces the dicts' tensors.
         names, state = self.captured.param_names, self.optimizer.state
-        return [_local(state["exp_avg"][n]) for n in names], [_local(state["exp_avg_sq"][n]) for n in names]
+        return [self._held(state["exp_avg"][n]) for n in names], [self._held(state["exp_avg_sq"][n]) for n in names]
 
     def _check_batch(self, batch: Batch | tuple[Tensor, ...]) -> list[Tensor]:
         """The batch's tensors as the graph takes them, or a one-line error for a batch of another kind or shape."""
@@ -303,7 +328,9 @@ class GraphStep(StepFunction):
         with torch.no_grad():
             for dst_group, group in ((self._params, "params"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq"),
                                      (self._updated_buffers, "buffers")):
-                if dst_group:
+                if dst_group and self._donates and group != "buffers":
+                    rebind(dst_group, out[group])  # donated: no old buffer to copy into
+                elif dst_group:
                     torch._foreach_copy_(dst_group, out[group])
         self.optimizer.step_count = step_number
         (norm,), (totals,) = out["grad_norm"], out["totals"]
