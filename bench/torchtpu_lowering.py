@@ -1,19 +1,26 @@
 """TorchTPU's own lowering of the captured step against ours, both compiled by XLA's TPU compiler.
 
-One device's step of a config (world size 1) is captured twice on fake tensors, the same way: once
-lowered by TorchTPU (its Dynamo backend "tpu", as the trainer calls it on a TPU, in a child process
-with torch-tpu loaded: tools/torchtpu_lowering.py) and once by our FX -> JAX table (`titan-tpu
-compile`'s core). Both programs are compiled with libtpu's compile-only client for one chip of the
-topology, on this CPU. Printed side by side: XLA's memory by kind and peak, FLOPs and bytes
-accessed, the compile time here, and op counts (StableHLO before XLA's passes; the optimized HLO
-where libtpu can print it). TorchTPU's program twice: as the trainer compiles it (nothing donated)
-and with the donation ours has (parameters and moments), whose ratio to ours compares the
-lowerings alone. Kernels: both lowerings must trace the same ATen ops (e.g. --kernels.attention
-reference --kernels.loss chunked); the Pallas kernels reach TorchTPU through jax_op, which needs a
-TPU. Needs .venv-tpu (torch-tpu, jax, libtpu):
+The step of a config for a TPU slice (rank 0 of one rank per chip, as `titan-tpu compile` captures
+it) is lowered by TorchTPU in a child process with torch-tpu loaded (tools/torchtpu_lowering.py),
+the two ways TorchTPU can run it:
+
+* split: torch-tpu 0.2.0's Dynamo backend as it is: a program for each piece between two
+  collectives and one for each collective, nothing donated;
+* one program: as the trainer calls TorchTPU (graph/torchtpu.py): every node SPMD-safe, the
+  collectives inside, the parameters and moments donated;
+
+and by our FX -> JAX table (`titan-tpu compile`'s core). TorchTPU's programs are compiled with
+libtpu's compile-only client for one chip of the topology (each process of a TPU run compiles its
+own), ours for the slice, on this CPU. The collectives in TorchTPU's programs are stand-ins of the
+same shapes (a TPU process group cannot start without a chip; the module docstring of
+tools/torchtpu_lowering.py). Printed side by side: programs per step, donated arguments, XLA's
+memory by kind and peak (split: the peak program's, with what the chip holds outside it), FLOPs
+and bytes accessed per chip, the compile time here, op counts, and the fingerprint of what each
+hands XLA. Kernels: both lowerings must trace the same ATen ops (e.g. --kernels.attention
+reference --kernels.loss chunked). Needs .venv-tpu (torch-tpu, jax, libtpu):
 
     PYTHONPATH=$PWD .venv-tpu/bin/python bench/torchtpu_lowering.py --config configs/llama3_debug.toml \
-        --kernels.attention reference --kernels.loss chunked
+        --topology v5p:2x2x1 --parallelism.dp_shard 4 --kernels.attention reference --kernels.loss chunked
 """
 
 from __future__ import annotations
@@ -32,27 +39,41 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 MiB = 1024**2
-COLUMNS = (("torchtpu_undonated", "TorchTPU, as the trainer calls it"), ("torchtpu", "TorchTPU, donated as ours"),
-           ("jax", "ours (JAX)"))
+COLUMNS = (("split", "TorchTPU split (0.2.0's Dynamo backend)"),
+           ("one_program", "TorchTPU one program (the trainer's call)"), ("jax", "ours (JAX)"))
+
+
+def _columns(report: dict) -> list[tuple[str, str, dict | None]]:
+    runtimes = report["runtimes"]
+    return [(key, name, report["jax"] if key == "jax" else runtimes.get(key)) for key, name in COLUMNS]
 
 
 def _rows(report: dict) -> list[tuple[str, list]]:
-    def each(read):  # one value per column; None where XLA refused that program or did not say
-        return [None if "refused" in report[k] else read(report[k]) for k, _ in COLUMNS]
+    columns = _columns(report)
+
+    def each(read):  # one value per column; None where a runtime was not lowered or XLA refused it
+        return [None if r is None or "refused" in r else read(r) for _, _, r in columns]
 
     def counts(level, key):
-        return [(report[k].get(level) or {}).get(key) for k, _ in COLUMNS]
+        return [((r or {}).get(level) or {}).get(key) for _, _, r in columns]
 
-    rows = [(f"{kind} MiB", each(lambda r, kind=kind: r["memory_per_chip_bytes"][kind] / MiB))
-            for kind in ("arguments", "outputs", "aliased", "temporaries", "code")]
-    rows += [("peak MiB (args + outs - aliased + temps + code)", each(lambda r: r["peak_per_chip_bytes"] / MiB)),
+    def programs(r):  # ours: one program per step, or two under gradient accumulation ("programs" names them)
+        return len(r["programs"]) if isinstance(r.get("programs"), dict) else r.get("programs")
+
+    rows = [("programs per step", [programs(r) if r else None for _, _, r in columns]),
+            ("of them a collective's", [r.get("collective_programs") if r else None for _, _, r in columns]),
+            ("donated arguments", [r.get("donated_arguments") if r else None for _, _, r in columns])]
+    rows += [(f"{kind} MiB", each(lambda r, kind=kind: r["memory_per_chip_bytes"][kind] / MiB))
+             for kind in ("arguments", "outputs", "aliased", "temporaries", "code")]
+    rows += [("held outside the program MiB", each(lambda r: r.get("held_outside_bytes", 0) / MiB)),
+             ("peak MiB", each(lambda r: r["peak_per_chip_bytes"] / MiB)),
              ("FLOPs", each(lambda r: r["flops_per_chip"])),
              ("bytes accessed MiB", each(lambda r: r["bytes_accessed_per_chip"] / MiB)),
              ("compile s (this CPU)", each(lambda r: r["compile_seconds"]))]
-    rows += [(f"StableHLO {key}", counts("stablehlo", key)) for key in ("ops", "dot_general", "while", "scatter",
-                                                                          "custom_call", "calls")]
+    rows += [(f"StableHLO {key}", counts("stablehlo", key)) for key in ("ops", "dot_general", "while",
+                                                                          "optimization_barrier")]
     rows += [(f"optimized HLO {key}", counts("hlo", key)) for key in ("instructions_outside_fusions", "fusions",
-                                                                        "copy", "custom-call", "while")]
+                                                                        "copy", "while")]
     return rows
 
 
@@ -65,26 +86,43 @@ def _cell(value) -> str:
 
 
 def format_report(report: dict) -> str:
-    header = ["", *(name for _, name in COLUMNS), "TorchTPU donated / ours"]
-    lines = [f"{report['config']} on one chip of {report['topology']}; kernels "
+    header = ["", *(name for _, name in COLUMNS), "one program / ours"]
+    split = report["runtimes"].get("split")
+    lines = [f"{report['config']} for {report['topology']} ({report['devices']} chips, rank 0's program; "
+             f"re-shard after forward {str(report['reshard_after_forward']).lower()}); kernels "
              + ", ".join(f"{op} {name}" for op, name in report["kernels"].items()),
-             f"TorchTPU: captured in {report['torchtpu_capture_seconds']:.1f} s, lowered in "
-             f"{report['torchtpu_lowering_seconds']:.1f} s ({report['scan_bodies']} scan bodies); ours: captured in "
-             f"{report['jax'].get('capture_seconds', float('nan')):.1f} s; outputs' shapes "
-             + {True: "match", False: "DIFFER", None: "not compared"}[report["outputs_match"]],
+             "step's collectives: " + (", ".join(f"{op.split('.')[1]} {n}" for op, n in report["collectives"].items()
+                                                 if "wait_tensor" not in op) or "none"),
              " | ".join(header), " | ".join("---" for _ in header)]
     for name, values in _rows(report):
-        donated, ours = values[1], values[2]
-        ratio = f"{donated / ours:.3f}" if isinstance(donated, (int, float)) and ours else "-"
+        one, ours = values[1], values[2]
+        ratio = f"{one / ours:.3f}" if isinstance(one, (int, float)) and isinstance(ours, (int, float)) and ours \
+            else "-"
         lines.append(" | ".join([name, *(_cell(v) for v in values), ratio]))
-    lines += [f"{name}: XLA refused it: {report[k]['refused']}" for k, name in COLUMNS if "refused" in report[k]]
+    for key, name, r in _columns(report):
+        if r and "refused" in r:
+            lines.append(f"{name}: XLA refused it: {r['refused']}")
+    if split and "refused" not in split and split["programs"] > 1:
+        lines.append(f"split: the peak is program {split['peak_program']}'s plus what the chip holds outside it; the "
+                     f"{split['programs']} programs' code is {split['code_all_programs_bytes'] / MiB:,.1f} MiB if all "
+                     "stay loaded")
+    for key, name, r in _columns(report):
+        if r and key != "jax":
+            fingerprints = r["fingerprints"]
+            shown = ", ".join(fingerprints[:3]) + (f", ... ({len(fingerprints)})" if len(fingerprints) > 3 else "")
+            lines.append(f"{name}: lowered in {r['lowering_seconds']:.1f} s; fingerprint {shown}")
+    fingerprints = report["jax"].get("fingerprints") or {}
+    if fingerprints:
+        lines.append("ours: fingerprint " + ", ".join(f"{k} {v}" for k, v in fingerprints.items()))
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
-    parser.add_argument("--topology", default="v5p:1x1x1", help="libtpu topology; its first chip is compiled for")
+    parser.add_argument("--topology", default="v5p:1x1x1",
+                        help="libtpu topology: one rank per chip; TorchTPU's programs compile for its first chip")
+    parser.add_argument("--runtimes", default="split,one_program", help="TorchTPU's runtimes to lower, comma-separated")
     parser.add_argument("--json", help="also write the report here")
     args, overrides = parser.parse_known_args()
     with tempfile.TemporaryDirectory() as work:
@@ -94,10 +132,11 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
         from titan_tpu.tools.torchtpu_lowering import compare
 
-        report = compare(args.config, overrides, args.topology, Path(work), xla_dump=dump)
+        report = compare(args.config, overrides, args.topology, Path(work), runtimes=args.runtimes.split(","),
+                         xla_dump=dump)
     print(format_report(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -1,38 +1,52 @@
 """TorchTPU's own lowering of the captured step, compiled by XLA's TPU compiler on a CPU beside ours.
 
 `titan-tpu compile` lowers the captured step with our own FX -> JAX table (graph/jax_lowering.py).
-A TPU does not run that program: the trainer hands the captured graph to TorchTPU's Dynamo backend
-"tpu" (graph/compile.py), which lowers it to StableHLO with TorchTPU's FX-tracing mode and
-compiles it with libtpu. This module makes that StableHLO on a machine without a TPU and compiles
-it with libtpu's compile-only client for a TPU topology, as `titan-tpu compile` does ours, so the
-two programs' memory and FLOPs can be compared (bench/torchtpu_lowering.py).
+A TPU run through `compile.backend tpu` does not run that program: the trainer hands the captured
+graph to TorchTPU (graph/torchtpu.py), which lowers it to StableHLO with its FX-tracing mode and
+compiles it with libtpu. This module makes TorchTPU's StableHLO on a machine without a TPU and
+compiles it with libtpu's compile-only client for a TPU topology, as `titan-tpu compile` does
+ours, so the programs' memory and FLOPs can be compared (bench/torchtpu_lowering.py). Two ways
+TorchTPU can run the step, each a `runtime`:
 
-How, in a process where torch-tpu is loaded (`import torch` auto-loads it; a child process, since
-`titan-tpu compile` turns that off):
+* "one_program": as the trainer calls it now (graph/torchtpu.py `compile_for_torchtpu`): every
+  node SPMD-safe, so TorchTPU's SplitCompiler keeps the collectives in one program, and the
+  parameters and moments donated through its StaticCompiler;
+* "split": torch-tpu 0.2.0's Dynamo backend as it is (`TpuBackend()(graph, inputs)`): AOTAutograd,
+  then a program for each piece between two collectives and one for each collective, nothing
+  donated.
+
+How, in a child process where torch-tpu is loaded (`import torch` auto-loads it; `titan-tpu
+compile` turns that off):
 * `torch_tpu._loader._init_device("tpu")` registers the device without a PJRT client; the captured
   graph's factory calls that name the CPU are pointed at it.
-* The trainer's own call: `TpuBackend()(graph, example_inputs)` on fake "tpu" tensors (AOTAutograd,
-  TorchTPU's passes, its split at collectives, its placeholders, `EagerLikeFxInterpreter` under
-  `EagerMode._INTERNAL_COMPILE_FX_GRAPH`, scan bodies through `create_scan_op`).
-* One piece replaced: `fx_to_mlir`. TorchTPU's reads `torch.tpu.default_generators`, which needs
-  the PJRT client ("failed to retrieve the PjRt client"), to thread the RNG state through the
-  program, then compiles on the chip. Ours runs the same interpreter, output de-duplication and
-  `tpu_torch_compile.build_mlir`, and stops at the module: no RNG state (the captured step draws
-  no random numbers) and no executable.
-The options: `serializable` off (the AOTAutograd cache would serialize an executable there is
-none of); nothing else differs from the trainer's call. The trainer passes no `donated_inputs`, so
-TorchTPU's program donates nothing: the new parameters and moments are written beside the old and
-copied back by the trainer (train/step.py). `compile_stablehlo(..., donated=...)` compiles it also
-with our JAX program's donation (`jax.buffer_donor` on the parameters and moments), to separate
-the lowering from that choice.
+* The step is captured as `titan-tpu compile` captures rank 0 of the run (tools/device_step.py,
+  under a fake process group). Lowering a collective needs the process group's backend for the
+  TPU device: TorchTPU's is `tpu_distributed.create_process_group`, which needs a PJRT client
+  ("failed to retrieve the PjRt client: TPU initialization failed: No jellyfish device found"),
+  and the fake group has none ("No backend type associated with device type tpu"). So every
+  process group the graph names is registered again as a stand-in (`StandInGroup`): its
+  collectives write outputs of the real shapes with local ops (an all-gather concatenates its
+  input with itself, a reduce-scatter sums the input's chunks, an all-reduce keeps its input),
+  each input and output behind an optimization barrier so that XLA holds them as buffers, as it
+  holds a collective's. The programs are TorchTPU's lowering of everything but the collectives
+  themselves; XLA's numbers for them leave out what a collective costs beyond its buffers (and
+  its scheduling: XLA cannot move a stand-in earlier, as its latency-hiding scheduler moves an
+  all-gather).
+* TorchTPU's `fx_to_mlir` is replaced by its core: `EagerLikeFxInterpreter` under
+  `set_eager_mode(EagerMode._INTERNAL_COMPILE_FX_GRAPH)`, `_process_fx_outputs`,
+  `tpu_torch_compile.build_mlir`. TorchTPU's own reads `torch.tpu.default_generators` and then
+  compiles on the chip; both need the PJRT client. `traverse_and_compile`, which would build the
+  module with its donations, aborts the process without one ("Check failed: context.ok() Failed
+  to create default compilation context"). So donated arguments are marked here as TorchTPU
+  marks them (`jax.buffer_donor`, the attribute its AnnotateBufferDonations writes), and the
+  module is parsed back with `tpu_torch_compile.parse_mlir_text`, which StaticCompiler then
+  serializes (`serialize_mlir_text`) as on a TPU: the text `program_texts` reads, fingerprinted
+  by graph/fingerprint.py.
 
-Where it stops: a step with collectives (more than one device). TorchTPU's compiler splits the
-graph at each collective (`SplitCompiler`) and compiles the parts between them one by one; each
-collective runs between them through the process group, in TorchTPU's `tpu_dist` backend, which
-is registered only where a TPU is present. On the fake process group of our capture, the part
-before the first collective lowers and the first `all_gather_into_tensor` stops it: "RuntimeError:
-No backend type associated with device type tpu". So this module lowers one-device steps, and
-`compare` refuses a config with parallelism in one line.
+The parent compiles each program for one chip of the topology with `topology.devices[0].client
+.compile(module, ...)`, as JAX does for a compile-only client, and reads XLA's memory and cost.
+One program per chip is what TorchTPU runs: each process compiles its own. For the split runtime
+the step's peak is modelled from the programs' (`split_step_peak`).
 """
 
 from __future__ import annotations
@@ -46,61 +60,197 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["TorchTpuProgram", "compile_stablehlo", "lower_with_torchtpu", "main", "torchtpu_program"]
+__all__ = ["RUNTIMES", "Lowering", "Program", "compare", "compile_stablehlo", "lower_step",
+           "lower_with_torchtpu", "main", "split_step_peak", "stand_in_group", "stand_in_groups"]
 
 GiB = 1024**3
-PROGRAM_FILE, META_FILE = "torchtpu.stablehlo.mlir", "torchtpu.json"
+META_FILE = "torchtpu.json"
+RUNTIMES = ("one_program", "split")
 
 
 @dataclass
-class TorchTpuProgram:
-    """TorchTPU's StableHLO of a captured step, and how its arguments map to the step's.
+class Program:
+    """One program TorchTPU hands XLA for a step.
 
-    text: the module (`func.func @main`). argument_order[j]: the captured step's flat input index
-    of the program's argument j (TorchTPU's split pass orders them by first use). seconds: the
-    lowering's time (the backend call, AOTAutograd's re-trace included). scan_bodies: modules made
-    for scan bodies, inlined into the program's while loops.
-    """
+    text: its StableHLO as StaticCompiler serializes it (donated arguments marked). arguments and
+    outputs: the names of the values it takes and returns in the graph that calls the programs (a
+    step input's placeholder name, or a value between two programs of the split runtime), with
+    their sizes in bytes. donated:
+    argument positions marked `jax.buffer_donor`. collective: it holds one of the step's
+    collectives (a stand-in here; the split runtime's programs of one collective each)."""
 
     text: str
-    argument_order: list[int]
+    arguments: list[str]
+    argument_bytes: list[int]
+    outputs: list[str]
+    output_bytes: list[int]
+    donated: list[int]
+    collective: bool
+    fingerprint: str
+
+
+@dataclass
+class Lowering:
+    """A step as one runtime of TorchTPU runs it: its programs in the order they run. step_inputs:
+    the names the programs give the captured step's inputs, in its flat input order; step_outputs:
+    the names of the values the step returns (held by the trainer once made). seconds: the
+    lowering's time. scan_bodies: modules made for scan bodies (inlined into while loops).
+    texts_match: the texts `graph/torchtpu.py program_texts` reads from the executable (what a run
+    fingerprints) are the programs' texts (None where not read: the split runtime)."""
+
+    runtime: str
+    programs: list[Program]
+    step_inputs: list[str]
+    step_outputs: list[str]
     seconds: float
     scan_bodies: int
+    texts_match: bool | None = None
 
 
 # -- in the process with torch-tpu ------------------------------------------------------------
 
-def torchtpu_program(gm, example_inputs: Sequence) -> TorchTpuProgram:
-    """TorchTPU's StableHLO for a captured one-device step: `gm` (CapturedStep.graph_module, not
-    changed) and its fake CPU example inputs. Needs torch-tpu loaded (see the module docstring)."""
+def stand_in_group(size: int):
+    """A torch ProcessGroup of `size` ranks whose collectives are local TorchTPU ops of the real
+    shapes (see the module docstring), for TorchTPU to trace where its `tpu_dist` backend cannot
+    start; this process is its rank 0. The class is made here: its base is torch.distributed's."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _create_work_from_future
+    from torch.futures import Future
+
+    def done(tensors):
+        future = Future()
+        future.set_result(tensors)
+        return _create_work_from_future(future)
+
+    def held(t):
+        (t,) = torch.tpu.ops.optimization_barrier([t])
+        return t
+
+    class StandInGroup(dist.ProcessGroup):
+        """A process group of `size` ranks that runs each collective as local ops of the same shapes,
+        for TorchTPU to trace on a machine without its `tpu_dist` backend (this process is rank 0)."""
+
+        def __init__(self, size: int):
+            super().__init__(0, size)
+            self._size = size
+
+        def size(self) -> int:
+            return self._size
+
+        def getBackendName(self) -> str:  # noqa: N802 - torch's name
+            return "stand-in"
+
+        def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+            for out, x in zip(outputs, inputs):
+                out.copy_(held(torch.cat([held(x)] * self._size)))
+            return done(outputs)
+
+        def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+            for out, x in zip(outputs, inputs):
+                # The chunks added as slices of the input, in its own layout: a reshape to
+                # [ranks, ...] would have XLA re-tile a flat bucket, which a reduce-scatter does not.
+                x, rows = held(x), out.shape[0]
+                out.copy_(held(sum(x.narrow(0, i * rows, rows) for i in range(self._size))))
+            return done(outputs)
+
+        def allreduce(self, tensors, opts=None):
+            for t in tensors:
+                t.copy_(held(t))
+            return done(tensors)
+
+        def all_to_all_single(self, output, x, output_split_sizes, input_split_sizes, opts=None):
+            output.copy_(held(x))
+            return done([output])
+
+        def broadcast(self, tensors, opts=None):
+            return done(tensors)
+
+        def barrier(self, opts=None):
+            return done([])
+
+    return StandInGroup(size)
+
+
+@contextlib.contextmanager
+def stand_in_groups(step) -> Iterator[dict[str, int]]:
+    """Every process group `step` (a DeviceStep) names registered under its name as a
+    `stand_in_group` of its size while active (the fake groups of the capture are gone by then); yields {name: size}."""
+    import math
+
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    sizes = {name: math.prod(step.axis_sizes[a] for a in axes) for name, axes in step.group_axes.items()}
+    groups = {name: stand_in_group(size) for name, size in sizes.items()}  # kept alive while registered
+    for name, group in groups.items():
+        _register_process_group(name, group)
+    try:
+        yield sizes
+    finally:
+        for name in groups:
+            _unregister_process_group(name)
+
+
+def lower_step(step, runtime: str) -> Lowering:
+    """TorchTPU's programs for a captured step (a DeviceStep of tools/device_step.py, not changed)
+    as `runtime` runs it. Needs torch-tpu loaded (see the module docstring)."""
     import copy
 
     import torch
+    import torch.utils._pytree as pytree
     import torch_tpu._loader
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch_tpu._internal.compile import TpuBackend, tpu_torch_compile
 
+    from titan_tpu.graph.torchtpu import compile_for_torchtpu, donated_inputs, program_texts
+
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
+    captured = step.captured
     tpu = torch_tpu._loader._init_device("tpu")
-    gm = copy.deepcopy(gm)
+    gm = copy.deepcopy(captured.graph_module)
     _point_factories_at(gm, tpu)
     with FakeTensorMode():
-        inputs = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=tpu) for x in example_inputs]
+        inputs = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=tpu) for x in captured.example_inputs]
     start = time.perf_counter()
-    with _module_builder() as built, torch.no_grad():
-        TpuBackend()(gm, inputs, options={"serializable": False})
-    seconds = time.perf_counter() - start
-    programs = built["programs"]
-    if len(programs) != 1:
-        raise ValueError(f"TorchTPU split the step into {len(programs)} programs (it compiles the parts between "
-                         "collectives separately and runs each collective through its tpu_dist process group, "
-                         "which needs a TPU); lower a one-device step (parallelism all 1)")
-    module, names = programs[0]
-    order = _argument_order(names, len(example_inputs))
-    return TorchTpuProgram(text=tpu_torch_compile.serialize_mlir_text(module), argument_order=order,
-                           seconds=seconds, scan_bodies=len(built["scan_bodies"]))
+    texts_match = None
+    with stand_in_groups(step), _module_builder() as built, torch.no_grad():
+        if runtime == "one_program":
+            step_inputs = [node.name for node in gm.graph.find_nodes(op="placeholder")]
+            executable = compile_for_torchtpu(gm, inputs, donated=donated_inputs(captured.layout))
+            texts_match = program_texts(executable) == [p.text for p in built["programs"]]
+        else:
+            from torch_tpu._internal.compile import TpuBackend
+
+            # AOTAutograd names the flat inputs arg<i>_1, which the split keeps.
+            step_inputs = [f"arg{i}_1" for i in range(len(inputs))]
+            TpuBackend()(gm, inputs, options={"serializable": False})
+    (split,) = built["split_graphs"]
+    _name_values(built["programs"], split)
+    (output,) = split.graph.find_nodes(op="output")
+    step_outputs = sorted({node.name for node in pytree.tree_leaves(output.args) if isinstance(node, torch.fx.Node)})
+    return Lowering(runtime=runtime, programs=built["programs"], step_inputs=step_inputs, step_outputs=step_outputs,
+                    seconds=time.perf_counter() - start, scan_bodies=len(built["scan_bodies"]),
+                    texts_match=texts_match)
+
+
+def _name_values(programs: list[Program], split) -> None:
+    """Each program's arguments and outputs named as the graph that calls the programs names them
+    (a program's own placeholders carry the names of the nodes they stood for before the split);
+    in place. The programs were compiled in the order that graph calls them."""
+    import operator
+
+    calls = [node for node in split.graph.nodes if node.op == "call_module"]
+    assert len(calls) == len(programs), (len(calls), len(programs))
+    for call, program in zip(calls, programs):
+        assert len(call.args) == len(program.arguments), (call.name, len(call.args), len(program.arguments))
+        program.arguments = [arg.name for arg in call.args]
+        items = {user.args[1]: user.name for user in call.users
+                 if user.op == "call_function" and user.target is operator.getitem}
+        program.outputs = ([items.get(i, f"{call.name}.{i}") for i in range(len(program.outputs))]
+                           if items else [call.name] * len(program.outputs))
 
 
 def _point_factories_at(gm, device) -> None:
@@ -122,30 +272,44 @@ def _point_factories_at(gm, device) -> None:
 def _module_builder() -> Iterator[dict]:
     """TorchTPU's `fx_to_mlir` replaced by `_fx_to_module` while active: in the compiler
     (`torch_tpu._internal.export.fx_to_mlir`, the programs) and in the scan op
-    (`torch_tpu._internal.export.export.fx_to_mlir`, the loop bodies). Yields what was built:
-    {"programs": [(module, placeholder names)], "scan_bodies": [module]}."""
+    (`torch_tpu._internal.export.export.fx_to_mlir`, the loop bodies); SplitCompiler's
+    `split_module` recorded. Yields what was built: {"programs": [Program], "scan_bodies": [module],
+    "split_graphs": [the graph calling the programs]}."""
     import torch_tpu._internal.export
     import torch_tpu._internal.export.export
+    from torch_tpu._internal.compile import split_compiler
 
-    built = {"programs": [], "scan_bodies": []}
+    built = {"programs": [], "scan_bodies": [], "split_graphs": []}
     package, module = torch_tpu._internal.export, torch_tpu._internal.export.export
-    saved = package.fx_to_mlir, module.fx_to_mlir
-    package.fx_to_mlir = lambda gm, args, **options: _fx_to_module(gm, args, built["programs"], options)
-    module.fx_to_mlir = lambda gm, args, **options: _fx_to_module(gm, args, built["scan_bodies"], options)
+    saved = package.fx_to_mlir, module.fx_to_mlir, split_compiler.split_module
+
+    def split_module(*args, **kwargs):  # the graph that calls the programs, kept to name their values
+        split = saved[2](*args, **kwargs)
+        built["split_graphs"].append(split)
+        return split
+
+    package.fx_to_mlir = lambda gm, args, **options: _fx_to_module(gm, args, options, programs=built["programs"])
+    module.fx_to_mlir = lambda gm, args, **options: _fx_to_module(gm, args, options, bodies=built["scan_bodies"])
+    split_compiler.split_module = split_module
     try:
         yield built
     finally:
-        package.fx_to_mlir, module.fx_to_mlir = saved
+        package.fx_to_mlir, module.fx_to_mlir, split_compiler.split_module = saved
 
 
-def _fx_to_module(gm, args: Sequence, built: list, options: dict):
+def _fx_to_module(gm, args: Sequence, options: dict, *, programs: list | None = None, bodies: list | None = None):
     """`fx_to_mlir` without the RNG generators and without compiling: TorchTPU's interpreter in
-    its FX-compile mode, its de-duplication of the outputs, `build_mlir`; returns its
-    `ExportedMlir` with the module and no executable, and appends the module to `built`."""
+    its FX-compile mode, its de-duplication of the outputs, `build_mlir`, the donated arguments
+    marked; returns its `ExportedMlir` with the module and no executable. Appends the `Program` to
+    `programs`, or a scan body's module to `bodies`."""
     import torch
+    import torch.utils._pytree as pytree
     from torch_tpu._internal import execution_mode
     from torch_tpu._internal.compile import tpu_torch_compile
+    from torch_tpu._internal.distributed import collective_ops
     from torch_tpu._internal.export import export
+
+    from titan_tpu.graph.fingerprint import program_fingerprint
 
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     with execution_mode.set_eager_mode(execution_mode.EagerMode._INTERNAL_COMPILE_FX_GRAPH):
@@ -155,32 +319,55 @@ def _fx_to_module(gm, args: Sequence, built: list, options: dict):
         results, rebuild, dynamic, unique = export._process_fx_outputs(gm, outputs,
                                                                        dynamic_outputs=options.get("dynamic_outputs"))
         module = tpu_torch_compile.build_mlir(result_tensors=results, argument_tensors=tensors)
-    built.append((module, [node.name for node in gm.graph.nodes if node.op == "placeholder"]))
+    donated = list(options.get("donated_inputs") or [])
+    if donated:
+        module = tpu_torch_compile.parse_mlir_text(mark_donated(tpu_torch_compile.serialize_mlir_text(module),
+                                                                donated))
+    if bodies is not None:
+        bodies.append(module)
+    else:
+        text = tpu_torch_compile.serialize_mlir_text(module, enable_debug_info=True)  # as StaticCompiler in debug
+        placeholders = [node.name for node in gm.graph.find_nodes(op="placeholder")]
+        values = pytree.tree_leaves(outputs)  # named by `_name_values` from the graph that calls the program
+        programs.append(Program(
+            text=text, arguments=placeholders, argument_bytes=[_nbytes(a) for a in args],
+            outputs=[f"output{i}" for i in range(len(values))], output_bytes=[_nbytes(v) for v in values],
+            donated=donated,
+            collective=any(collective_ops.is_collective_op(node.target) for node in gm.graph.nodes
+                           if node.op == "call_function"),
+            fingerprint=program_fingerprint(text)))
     return export.ExportedMlir(module=module, executable=None, mlir_result_tensors=results,
                                reconstruct_fx_outputs_fn=rebuild, updates_default_generator_state=False,
                                dynamic_outputs=dynamic, unique_output_indices=unique)
 
 
-def _argument_order(names: list[str], count: int) -> list[int]:
-    """The captured step's input index of each program argument, from the placeholder names
-    AOTAutograd gives the flat inputs (arg<i>_1), which TorchTPU's split keeps."""
-    order = []
-    for name in names:
-        match = re.fullmatch(r"arg(\d+)_1", name)
-        if match is None:
-            raise ValueError(f"TorchTPU's program has an argument {name!r} that is no input of the captured step")
-        order.append(int(match[1]))
-    if sorted(order) != list(range(count)):
-        raise ValueError(f"TorchTPU's program takes {len(order)} arguments, the captured step {count} inputs")
-    return order
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if hasattr(t, "element_size") else 0
+
+
+def mark_donated(text: str, donated: Sequence[int]) -> str:
+    """A StableHLO module's text with the @main arguments at positions `donated` marked
+    `{jax.buffer_donor = true}` (XLA may write an output of the same shape into the buffer)."""
+    header = re.search(r"func\.func (?:public )?@main\((.*?)\)\s*->", text, re.S)
+    if header is None:
+        raise ValueError("the StableHLO module has no function @main")
+    arguments = header.group(1)
+    for j in sorted(set(donated), reverse=True):
+        match = re.search(rf"%arg{j}: tensor<[^<>]*>( \{{[^{{}}]*\}})?", arguments)
+        assert match is not None and match.group(1) is None, (j, arguments[:200])
+        arguments = arguments[:match.end()] + " {jax.buffer_donor = true}" + arguments[match.end():]
+    return text[:header.start(1)] + arguments + text[header.end(1):]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The child process: capture a config's one-device step, lower it with TorchTPU, write the
-    StableHLO and what maps it to the step (PROGRAM_FILE, META_FILE) to --out."""
+    """The child process: capture a config's step as rank 0 of `--world` ranks does, lower it with
+    TorchTPU in each runtime, and write each program's StableHLO and META_FILE to --out."""
     parser = argparse.ArgumentParser(prog="python -m titan_tpu.tools.torchtpu_lowering")
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--runtimes", default=",".join(RUNTIMES))
+    parser.add_argument("--documents", action="store_true")
     args, overrides = parser.parse_known_args(argv)
     try:
         from titan_tpu.config import build_config
@@ -188,36 +375,45 @@ def main(argv: list[str] | None = None) -> int:
         from titan_tpu.tools.device_step import capture_device_step
 
         cfg = prepare_run(build_config(args.config, overrides)).cfg
+        reshard = cfg.parallelism.reshard_after_forward
         start = time.perf_counter()
-        step = capture_device_step(cfg, world_size=1, batch_size=cfg.training.batch_size,
-                                   seq_len=cfg.training.seq_len)
+        step = capture_device_step(cfg, world_size=args.world, batch_size=cfg.training.batch_size,
+                                   seq_len=cfg.training.seq_len, documents=args.documents,
+                                   reshard_after_forward=None if reshard == "auto" else reshard == "true")
         capture_seconds = time.perf_counter() - start
-        program = torchtpu_program(step.captured.graph_module, step.captured.example_inputs)
+        lowerings = [lower_step(step, runtime) for runtime in args.runtimes.split(",")]
     except (ValueError, RuntimeError) as e:
         print(f"error: {type(e).__name__}: {' '.join(str(e).split())[:600]}", file=sys.stderr)
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / PROGRAM_FILE).write_text(program.text)
-    slices = step.captured.input_slices()
-    meta = {"argument_order": program.argument_order, "lowering_seconds": program.seconds,
-            "capture_seconds": capture_seconds, "scan_bodies": program.scan_bodies,
-            "input_groups": {name: [s.start, s.stop] for name, s in slices.items()},
-            "graph_nodes": len(step.captured.graph_module.graph.nodes)}
+    meta = {"capture_seconds": capture_seconds, "graph_nodes": len(step.captured.graph_module.graph.nodes),
+            "input_groups": {name: [s.start, s.stop] for name, s in step.captured.input_slices().items()},
+            "collectives": dict(step.captured.collective_counts()), "lowerings": []}
+    for lowering in lowerings:
+        record = asdict(lowering)
+        for k, program in enumerate(record["programs"]):
+            path = out / f"{lowering.runtime}.{k:03d}.stablehlo.mlir"
+            path.write_text(program.pop("text"))
+            program["file"] = path.name
+        meta["lowerings"].append(record)
     (out / META_FILE).write_text(json.dumps(meta, indent=1))
     return 0
 
 
 # -- in the JAX process ----------------------------------------------------------------------
 
-def lower_with_torchtpu(config: str, overrides: Sequence[str], out_dir: Path, *,
-                        timeout: float | None = None) -> tuple[TorchTpuProgram, dict]:
-    """TorchTPU's program for `config` with `overrides` (one device), made in a child process
-    where torch-tpu loads (this one may have turned that off); returns it and its META_FILE."""
+def lower_with_torchtpu(config: str, overrides: Sequence[str], out_dir: Path, *, world: int = 1,
+                        runtimes: Sequence[str] = RUNTIMES, documents: bool = False,
+                        timeout: float | None = None) -> tuple[dict[str, Lowering], dict]:
+    """TorchTPU's programs for `config` with `overrides` as rank 0 of `world` ranks captures it, in
+    each runtime, made in a child process where torch-tpu loads (this one may have turned that
+    off); returns {runtime: Lowering} and the child's META_FILE."""
     env = {**os.environ, "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
            "PYTHONWARNINGS": "ignore:<TorchTpu/Performance/TcMalloc/"}
     env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)  # TorchTPU's lowering needs torch-tpu loaded
     command = [sys.executable, "-m", "titan_tpu.tools.torchtpu_lowering", "--config", config, "--out", str(out_dir),
+               "--world", str(world), "--runtimes", ",".join(runtimes), *(["--documents"] if documents else []),
                *overrides]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
@@ -226,9 +422,11 @@ def lower_with_torchtpu(config: str, overrides: Sequence[str], out_dir: Path, *,
         raise ValueError("TorchTPU's lowering failed: " + (said[-1][len("error: "):] if said else
                                                            f"exit {result.returncode}: {(lines or ['?'])[-1]}"))
     meta = json.loads((out_dir / META_FILE).read_text())
-    program = TorchTpuProgram(text=(out_dir / PROGRAM_FILE).read_text(), argument_order=meta["argument_order"],
-                              seconds=meta["lowering_seconds"], scan_bodies=meta["scan_bodies"])
-    return program, meta
+    lowerings = {}
+    for record in meta["lowerings"]:
+        programs = [Program(text=(out_dir / p.pop("file")).read_text(), **p) for p in record.pop("programs")]
+        lowerings[record["runtime"]] = Lowering(programs=programs, **record)
+    return lowerings, meta
 
 
 def compile_stablehlo(text: str, topology_name: str, *, donated: Sequence[int] = (), name: str | None = None) -> dict:
@@ -236,8 +434,8 @@ def compile_stablehlo(text: str, topology_name: str, *, donated: Sequence[int] =
     compile-only client, as JAX compiles for one (jax._src.compiler.backend_compile_and_load):
     XLA's memory by kind (the keys of `titan-tpu compile`'s report), its peak, FLOPs, bytes
     accessed, the optimized program's instruction counts and the main function's signature.
-    donated: argument indices marked `jax.buffer_donor` (XLA may then write an output of the same
-    shape into the argument's buffer). name: the module's name (XLA's dump files carry it)."""
+    donated: argument indices to mark `jax.buffer_donor` besides those the text marks. name: the
+    module's name (XLA's dump files carry it)."""
     from jax._src import compiler
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client
@@ -246,38 +444,23 @@ def compile_stablehlo(text: str, topology_name: str, *, donated: Sequence[int] =
     from titan_tpu.tools.compile_cmd import _topology, xla_numbers
 
     device = _topology(topology_name).devices[0]
+    if donated:
+        text = mark_donated(text, donated)
     with mlir.make_ir_context():
         module = ir.Module.parse(text)
         if name is not None:
             module.operation.attributes["sym_name"] = ir.StringAttr.get(name)
-        main = _main_function(module)
-        signature = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
-        if donated:
-            marked = set(donated)
-            main.attributes["arg_attrs"] = ir.ArrayAttr.get([
-                ir.DictAttr.get({"jax.buffer_donor": ir.BoolAttr.get(True)} if i in marked else {})
-                for i in range(len(signature.inputs))])
         options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=[device])
         start = time.perf_counter()
         executable = device.client.compile(module, executable_devices=xla_client.DeviceList((device,)),
                                            compile_options=options)
         seconds = time.perf_counter() - start
-        arguments = [str(t) for t in signature.inputs]
-        results = [str(t) for t in signature.results]
+    arguments, results = stablehlo_signature(text)
     kinds, peak, cost = xla_numbers(executable.get_compiled_memory_stats(), executable.cost_analysis())
     return {"topology": topology_name, "memory_per_chip_bytes": kinds, "peak_per_chip_bytes": peak,
             "flops_per_chip": cost.get("flops"), "bytes_accessed_per_chip": cost.get("bytes accessed"),
             "stablehlo": stablehlo_counts(text), "hlo": _optimized_counts(executable), "compile_seconds": seconds,
             "argument_types": arguments, "result_types": results}
-
-
-def _main_function(module):
-    from jax._src.lib.mlir import ir
-
-    for op in module.body.operations:
-        if ir.StringAttr(op.attributes["sym_name"]).value == "main":
-            return op
-    raise ValueError("the StableHLO module has no function @main")
 
 
 def _optimized_counts(executable) -> dict[str, int] | None:
@@ -297,7 +480,7 @@ def stablehlo_counts(text: str) -> dict[str, int]:
     counts = {"ops": len(ops), "functions": len(re.findall(r"\bfunc\.func\b", text)),
               "calls": len(re.findall(r"\b(?:func\.)?call @", text))}
     for name in ("dot_general", "while", "custom_call", "scatter", "gather", "convert", "transpose", "reshape",
-                 "broadcast_in_dim"):
+                 "broadcast_in_dim", "optimization_barrier"):
         counts[name] = ops.count(name)
     return counts
 
@@ -323,61 +506,130 @@ def hlo_counts(hlo_text: str) -> dict[str, int]:
             "dot": anywhere.get("dot", 0) + anywhere.get("convolution", 0)}
 
 
+def split_step_peak(lowering: Lowering, compiled: Sequence[dict]) -> tuple[float, int, float]:
+    """(the step's peak bytes per chip, the program it is reached in, what is held outside that
+    program) when TorchTPU runs the step as `lowering`'s programs one after another, each compiled
+    as `compiled` (compile_stablehlo's reports, in order).
+
+    While program k runs, the chip holds its XLA peak (arguments, outputs, temporaries, its code)
+    and every value alive outside it: the step's inputs (the trainer holds them for the whole
+    step), values an earlier program made that a later one reads, and the step's outputs an
+    earlier program made (held by the trainer). Programs run one at a time, nothing of one overlaps
+    another. Not counted: the other programs' code, which stays on the chip if their executables
+    stay loaded (`_runtime_report` gives its sum)."""
+    programs = lowering.programs
+    size, made, last_read = {}, {}, {}
+    for k, program in enumerate(programs):
+        for name, nbytes in zip(program.arguments, program.argument_bytes):
+            size.setdefault(name, nbytes)
+            last_read[name] = k
+        for name, nbytes in zip(program.outputs, program.output_bytes):
+            size.setdefault(name, nbytes)
+            made.setdefault(name, k)
+    inputs, outputs = set(lowering.step_inputs), set(lowering.step_outputs)
+    best = (0.0, 0, 0.0)
+    for k, (program, report) in enumerate(zip(programs, compiled)):
+        if "refused" in report:
+            continue
+        own = set(program.arguments) | set(program.outputs)
+        outside = sum(nbytes for name, nbytes in size.items() if name not in own and (
+            name in inputs or made.get(name, k) < k and (last_read.get(name, -1) > k or name in outputs)))
+        total = report["peak_per_chip_bytes"] + outside
+        if total > best[0]:
+            best = (total, k, outside)
+    return best
+
+
+def _runtime_report(lowering: Lowering, topology_name: str) -> dict:
+    """Each of a runtime's programs compiled for one chip; the step's numbers (the split runtime:
+    summed over its programs, its peak by `split_step_peak`)."""
+    compiled = [_compiled_or_refused(p.text, topology_name, name=f"torchtpu_{lowering.runtime}_{k}")
+                for k, p in enumerate(lowering.programs)]
+    refused = [c["refused"] for c in compiled if "refused" in c]
+    report = {"programs": len(lowering.programs), "collective_programs": sum(p.collective for p in lowering.programs),
+              "donated_arguments": sum(len(p.donated) for p in lowering.programs),
+              "lowering_seconds": lowering.seconds, "scan_bodies": lowering.scan_bodies,
+              "texts_match": lowering.texts_match,
+              "fingerprints": [p.fingerprint for p in lowering.programs],
+              "compile_seconds": sum(c.get("compile_seconds", 0.0) for c in compiled)}
+    if refused:
+        return {**report, "refused": refused[0], "stablehlo": compiled[0]["stablehlo"], "hlo": None,
+                "result_types": compiled[0]["result_types"]}
+    if len(compiled) == 1:
+        return {**report, **compiled[0]}
+    peak, at, outside = split_step_peak(lowering, compiled)
+    return {**report, "peak_per_chip_bytes": peak, "peak_program": at, "held_outside_bytes": outside,
+            "code_all_programs_bytes": sum(c["memory_per_chip_bytes"]["code"] for c in compiled),
+            "memory_per_chip_bytes": compiled[at]["memory_per_chip_bytes"],
+            "flops_per_chip": sum(c["flops_per_chip"] or 0.0 for c in compiled),
+            "bytes_accessed_per_chip": sum(c["bytes_accessed_per_chip"] or 0.0 for c in compiled),
+            "stablehlo": {key: sum(c["stablehlo"][key] for c in compiled) for key in compiled[0]["stablehlo"]},
+            "hlo": None, "result_types": None}
+
+
 def compare(config: str, overrides: Sequence[str], topology_name: str, work_dir: Path, *,
-            undonated: bool = True, xla_dump: Path | None = None) -> dict:
-    """The captured one-device step of `config` compiled for one chip of `topology_name` twice:
-    through TorchTPU's lowering (child process) and through ours (`titan-tpu compile`'s core).
-    Returns {"torchtpu": TorchTPU's program with our donation, "torchtpu_undonated": as the
-    trainer compiles it (no donation; left out with undonated=False), "jax": ours, "kernels",
-    "outputs_match", ...}; the compile reports as `compile_stablehlo`'s. xla_dump: the directory
-    XLA_FLAGS=--xla_dump_to names in this process (set before JAX started), from whose optimized
-    HLO the instruction counts come where libtpu cannot print the compiled program."""
+            runtimes: Sequence[str] = RUNTIMES, xla_dump: Path | None = None) -> dict:
+    """The step of `config` for a slice of `topology_name` (as rank 0 of one rank per chip
+    captures it) through TorchTPU's lowering in each runtime (child process) and through ours
+    (`titan-tpu compile`'s core); TorchTPU's programs compiled for one chip of the topology, ours
+    for the slice. Returns {"runtimes": {runtime: its report}, "jax": ours, "kernels", "devices",
+    "outputs_match" (one chip only), ...}; the compile reports as `compile_stablehlo`'s. xla_dump:
+    the directory XLA_FLAGS=--xla_dump_to names in this process (set before JAX started), from
+    whose optimized HLO the instruction counts come where libtpu cannot print the compiled program."""
     from titan_tpu.config import build_config
+    from titan_tpu.plan.hardware import HARDWARE
+    from titan_tpu.plan.planner import reshard_decision
     from titan_tpu.run_setup import prepare_run
-    from titan_tpu.tools.compile_cmd import compile_step_for_tpu
+    from titan_tpu.tools.compile_cmd import _topology, compile_step_for_tpu, trainer_documents
 
     cfg = prepare_run(build_config(config, list(overrides))).cfg
     p = cfg.parallelism
-    split = {key: getattr(p, key) for key in ("dp_replicate", "dp_shard", "tp", "cp", "ep") if getattr(p, key) > 1}
-    if split:
-        raise ValueError(f"TorchTPU's lowering is compared on one device, {config} has parallelism "
-                         + ", ".join(f"{k} {v}" for k, v in split.items()) + "; add "
-                         + " ".join(f"--parallelism.{k} 1" for k in split)
-                         + " (TorchTPU runs collectives between separately compiled programs, through tpu_dist)")
+    unsupported = {key: getattr(p, key) for key in ("cp", "ep") if getattr(p, key) > 1}
+    if unsupported:
+        raise ValueError(f"TorchTPU's lowering is compared for data and tensor parallelism, {config} has "
+                         + ", ".join(f"{k} {v}" for k, v in unsupported.items()) + "; add "
+                         + " ".join(f"--parallelism.{k} 1" for k in unsupported))
+    if cfg.training.grad_accum_steps > 1:
+        raise ValueError("TorchTPU's lowering is compared for one program per step; add --training.grad_accum_steps 1")
+    devices = len(_topology(topology_name).devices)
     kernels = _aten_kernels(cfg)
-    # The child captures with the kernels our capture for JAX resolved to, named explicitly.
-    named = [f"--kernels.{op}={name}" for op, name in kernels.items()]
-    program, meta = lower_with_torchtpu(config, [*overrides, *named], work_dir / "torchtpu")
-    groups = meta["input_groups"]
-    moved = {i for group in ("params", "exp_avg", "exp_avg_sq") for i in range(*groups[group])}
-    donated = [j for j, i in enumerate(program.argument_order) if i in moved]
-    report = {"config": " ".join([config, *overrides]), "topology": topology_name, "kernels": kernels,
-              "torchtpu_lowering_seconds": program.seconds, "torchtpu_capture_seconds": meta["capture_seconds"],
-              "scan_bodies": program.scan_bodies,
-              "torchtpu": _compiled_or_refused(program.text, topology_name, donated=donated, name="torchtpu_donated")}
-    if undonated:
-        report["torchtpu_undonated"] = _compiled_or_refused(program.text, topology_name, name="torchtpu_undonated")
+    reshard, _ = reshard_decision(cfg, world_size=devices, hardware=HARDWARE.get(topology_name.split(":")[0]))
+    # Both captures with what our capture for JAX resolved, named: the kernels and the re-sharding.
+    named = [*(f"--kernels.{op}={name}" for op, name in kernels.items()),
+             f"--parallelism.reshard_after_forward={str(reshard).lower()}"]
+    documents = trainer_documents(cfg)
+    lowerings, meta = lower_with_torchtpu(config, [*overrides, *named], work_dir / "torchtpu", world=devices,
+                                          runtimes=runtimes, documents=documents)
+    report = {"config": " ".join([config, *overrides]), "topology": topology_name, "devices": devices,
+              "kernels": kernels, "reshard_after_forward": reshard, "documents": documents,
+              "collectives": meta["collectives"], "torchtpu_capture_seconds": meta["capture_seconds"],
+              "runtimes": {runtime: _runtime_report(lowering, topology_name)
+                           for runtime, lowering in lowerings.items()}}
     dump = work_dir / "jax"
+    cfg = prepare_run(build_config(config, [*overrides, *named])).cfg
     try:
         ours = compile_step_for_tpu(cfg, topology_name, dump)
     except Exception as e:  # noqa: BLE001 - XLA's RESOURCE_EXHAUSTED is a JaxRuntimeError
         report["jax"] = {"refused": _refusal(e), "stablehlo": None, "hlo": None, "result_types": None}
     else:
         stablehlo = (dump / "step.stablehlo.mlir").read_text()
-        arguments, results = stablehlo_signature(stablehlo)
+        _, results = stablehlo_signature(stablehlo)
         optimized = dump / "step.optimized.hlo"
         report["jax"] = {**ours, "stablehlo": stablehlo_counts(stablehlo),
                          "hlo": hlo_counts(optimized.read_text()) if optimized.exists() else None,
-                         "argument_types": arguments, "result_types": results}
-    # On the one-device mesh ours gives each value as it is, but a scalar stacked over the mesh ([1]).
-    ours_results = report["jax"]["result_types"]
-    report["outputs_match"] = None if ours_results is None else _same_results(report["torchtpu"]["result_types"],
-                                                                               ours_results)
+                         "result_types": results}
+    # On one chip ours gives each value as it is, but a scalar stacked over the mesh ([1]); on
+    # several, ours are the global arrays and TorchTPU's one rank's.
+    one = report["runtimes"].get("one_program", {}).get("result_types")
+    report["outputs_match"] = (None if devices > 1 or one is None or report["jax"]["result_types"] is None
+                               else _same_results(one, report["jax"]["result_types"]))
     if xla_dump is not None:
         dumped = hlo_counts_from_dump(xla_dump)
-        for key in ("torchtpu", "torchtpu_undonated", "jax"):
-            if key in report and report[key]["hlo"] is None and "refused" not in report[key]:
-                report[key]["hlo"] = dumped.get({"torchtpu": "torchtpu_donated"}.get(key, key))
+        for runtime, r in report["runtimes"].items():
+            if r.get("hlo") is None and "refused" not in r and r["programs"] == 1:
+                r["hlo"] = dumped.get(f"torchtpu_{runtime}_0")
+        if report["jax"]["hlo"] is None and "refused" not in report["jax"]:
+            report["jax"]["hlo"] = dumped.get("jax")
     return report
 
 
@@ -437,7 +689,7 @@ def _aten_kernels(cfg) -> dict[str, str]:
     kernels = {}
     for field, chosen in used.items():
         if field == "chunk_attention" or field == "grouped_mm" and not moe:
-            continue  # context parallelism's attention and the experts' matmul: not in a dense one-device step
+            continue  # context parallelism's attention and the experts' matmul: not in a dense step without cp
         name = chosen.split()[0]
         impl = OPS[field].impls[name]
         if impl.jax_form is not None or not {"cpu", "tpu"} <= set(impl.devices):
