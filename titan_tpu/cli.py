@@ -54,6 +54,10 @@ def train_main(argv: list[str]) -> int:
                "command resumes from the newest checkpoint in the output directory.")
     parser.add_argument("--config", help="TOML recipe, e.g. configs/llama3_debug.toml")
     args, overrides = parser.parse_known_args(argv)
+    if _compile_backend(args.config, overrides) == "jax":
+        # The JAX path: JAX's runtime takes the TPU chips, so torch-tpu (which `import torch` loads in
+        # an environment that has it) must not; read before torch is imported, below.
+        os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
     from titan_tpu.config import build_config
     from titan_tpu.loops import trainer_for
@@ -64,6 +68,23 @@ def train_main(argv: list[str]) -> int:
     with _process_group_cleanup():
         trainer_for(cfg).train()
     return 0
+
+
+def _compile_backend(config: str | None, overrides: list[str]) -> str | None:
+    """compile.backend as the command line sets it (an override, else the recipe's [compile]
+    section), read without importing torch; None where neither names one or the recipe cannot be
+    read (build_config then says why)."""
+    import tomllib
+
+    for i, arg in enumerate(overrides):
+        if arg.startswith("--compile.backend="):
+            return arg.split("=", 1)[1]
+        if arg == "--compile.backend" and i + 1 < len(overrides):
+            return overrides[i + 1]
+    try:
+        return tomllib.loads(Path(config).read_text()).get("compile", {}).get("backend") if config else None
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
 
 
 def eval_main(argv: list[str]) -> int:
@@ -279,6 +300,9 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--xla", metavar="JSON",
                         help="a saved `titan-tpu compile --json` report of the same config and slice: XLA's "
                              "per-chip peak and FLOPs printed beside the plan's")
+    parser.add_argument("--torchtpu", action="store_true",
+                        help="after the plan, the step as TorchTPU runs it: one program (the trainer's call) and "
+                             "split at every collective (torch-tpu's Dynamo backend as it is); plan/torchtpu.py")
     parser.add_argument("--storage-gbps", type=float, default=1.0,
                         help="write bandwidth of the checkpoint storage, GB/s for the whole job (default 1.0): the "
                              "persistent checkpoint's time, against checkpoint.grace_seconds")
@@ -342,6 +366,11 @@ def plan_main(argv: list[str]) -> int:
         compiled = plan_run(setup, hardware, chips=chips, gather=args.gather, as_compiled=True)
         xla_lines, extra["xla"] = xla_beside_plan(plan, xla, compiled=compiled)
         lines.append(xla_lines)
+    if args.torchtpu:
+        from titan_tpu.plan.torchtpu import torchtpu_lines
+
+        torchtpu, extra["torchtpu"] = torchtpu_lines(plan)
+        lines.append(torchtpu)
     if plan.hardware["fp8_peak_flops"] or "fp8" in plan.batch:
         # Where fp8 can pay, or the recipe asks for it: the same hardware (this CPU is not measured
         # again) and chips, the other precision.

@@ -312,7 +312,8 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
 
     as_compiled: plan the program `titan-tpu compile` hands XLA rather than the one a TPU runs
     (docs/planner.md "The compiled program"): the parameters and moments donated and updated in
-    place (TorchTPU, as the trainer calls it, writes them out of place), and tokamax's loss in its
+    place (planned out of place otherwise, as torch-tpu's Dynamo backend writes them, until a TPU
+    run shows the trainer's donation taking effect: plan/torchtpu.py), and tokamax's loss in its
     plain-XLA form (its Mosaic kernel cannot be traced without a chip), which holds the bf16 logits.
 
     fp8: plan the blocks' linears as fp8 matmuls (True) or in the compute dtype (False), a what-if;
