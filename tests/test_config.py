@@ -75,6 +75,11 @@ def test_every_recipe_validates(path, monkeypatch, tmp_path):
      "fault_tolerance.lighthouse = '29510' must be host:port"),
     (["--fault_tolerance.enabled", "true", "--training.mode", "graph"], "set --training.mode eager"),
     (["--fault_tolerance.enabled", "true", "--parallelism.dp_replicate", "2"], "set parallelism.dp_replicate 1"),
+    (["--compile.backend", "jax"], "compile.backend jax runs the captured step: set --training.mode graph"),
+    (["--compile.backend", "jax", "--training.mode", "graph", "--training.device", "cuda"],
+     "compile.backend jax runs on a TPU or this CPU; training.device is cuda"),
+    (["--compile.backend", "jax", "--training.mode", "graph", "--compile.split", "collectives"],
+     "compile.split = collectives: compile.backend jax hands XLA the whole step as one program"),
     (["--fault_tolerance.enabled", "true", "--training.global_batch_tokens", "512", "--training.batch_size", "2",
       "--training.seq_len", "64", "--parallelism.dp_shard", "1", "--fault_tolerance.replicas", "3"],
      "training.global_batch_tokens = 512 is not a multiple of batch_size x seq_len x data-parallel ranks = "

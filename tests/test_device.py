@@ -369,3 +369,49 @@ def test_training_prints_no_mfu_above_100_percent(monkeypatch, train_overrides, 
     assert not re.search(r"MFU \d", out), out
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["mfu"] for row in rows] == [None] * 3 and len(calls) == 1 + dev.PEAK_RETRIES
+
+
+# -- compile.backend jax: the refusals a machine without JAX, or a launch JAX does not take, gets --------------
+
+
+def test_jax_path_without_jax_names_the_install(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jax" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"compile.backend jax needs JAX: pip install -e '\.\[jax\]'") as error:
+        dev.jax_backend("cpu")
+    assert "\n" not in str(error.value)
+
+
+def test_jax_path_on_a_gpu_is_refused():
+    with pytest.raises(ValueError, match="runs the step on a TPU or this CPU; training.device is cuda"):
+        dev.jax_backend("cuda")
+
+
+@pytest.mark.parametrize("local, total, world_size, match", [
+    (4, 4, 1, r"one process per device; this process sees 4 cpu devices: start 4 processes for it"),
+    (1, 8, 4, r"the run has 4 processes, JAX sees 8 cpu devices; start one process per device"),
+])
+def test_jax_path_launch_that_does_not_match_the_devices(local, total, world_size, match):
+    with pytest.raises(ValueError, match=match) as error:
+        dev.check_jax_devices("cpu", local=local, total=total, world_size=world_size)
+    assert "\n" not in str(error.value)
+    dev.check_jax_devices("cpu", local=1, total=world_size, world_size=world_size)  # what it takes
+
+
+def test_jax_backend_keeps_the_torch_side_on_the_host(monkeypatch):
+    """The step's math on the TPU (its kernels the TPU's JAX ones, one collective per tensor for XLA
+    to combine), the run's torch tensors and process group on the host CPU."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "jax" else find_spec(name, *a))
+    backend = dev.jax_backend("tpu")
+    assert (backend.device.type, backend.process_group_backend, backend.jax_platform) == ("cpu", "gloo", "tpu")
+    assert (backend.compute_device_type, backend.kernel_device_type, backend.collective_per_tensor) == \
+        ("tpu", "jax", True)
+    cpu = dev.jax_backend("cpu")
+    assert (cpu.compute_device_type, cpu.kernel_device_type, cpu.collective_per_tensor) == ("cpu", "cpu", False)
+    assert dev.get_backend("cpu").jax_platform is None

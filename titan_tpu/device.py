@@ -395,10 +395,11 @@ class _JAX:
     platform: "tpu" or "cpu", JAX's platform. Peak: a TPU's datasheet number by generation (JAX's
     device kind), or on a CPU the measured matmul rate of `_CPU`."""
 
-    collective_per_tensor = True  # the program's collectives are XLA's to combine, as on TorchTPU
-
     def __init__(self, platform: str):
         self.jax_platform = platform
+        # A TPU's XLA combines one collective per tensor (as TorchTPU's); XLA:CPU runs each through
+        # gloo, so there SimpleFSDP's flat buckets make fewer of them, as on the torch CPU path.
+        self.collective_per_tensor = platform == "tpu"
         self.datasheet_peak = platform == "tpu"
         self.compute_device_type = platform
         # On a TPU model code is captured with the TPU's JAX kernels (kernels/jax_traced.py).
@@ -700,6 +701,10 @@ def start_jax(platform: str, *, rank: int, world_size: int) -> None:
     the torch process group), so that jax.devices() lists every process's device. Each process
     must hold exactly one JAX device: device r of the run is rank r's (a one-line error otherwise,
     with what to change)."""
+    if platform == "tpu" and "torch_tpu" in sys.modules:
+        raise ValueError("compile.backend jax runs the step on the TPU chips through JAX, but torch-tpu is loaded in "
+                         "this process and may hold them: start it with TORCH_DEVICE_BACKEND_AUTOLOAD=0 (titan-tpu "
+                         "train sets it when the recipe names compile.backend jax)")
     os.environ["JAX_PLATFORMS"] = platform
     if platform == "tpu" and world_size > 1:
         _tpu_one_chip_per_process(rank, world_size)
@@ -710,7 +715,11 @@ def start_jax(platform: str, *, rank: int, world_size: int) -> None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=_jax_coordinator(rank), num_processes=world_size,
                                    process_id=rank)
-    local, total = len(jax.local_devices()), jax.device_count()
+    check_jax_devices(platform, local=len(jax.local_devices()), total=jax.device_count(), world_size=world_size)
+
+
+def check_jax_devices(platform: str, *, local: int, total: int, world_size: int) -> None:
+    """The launch the JAX path takes: one process per JAX device, every device of the run a process's."""
     if local != 1:
         raise ValueError(f"compile.backend jax runs one process per device; this process sees {local} {platform} "
                          f"devices: start {local} processes for it (torchrun --nproc_per_node = devices per host)")

@@ -268,8 +268,9 @@ def test_context_parallel_ranks_are_one_program(monkeypatch):
 
 
 def test_unknown_operator_names_its_module_in_one_line():
-    """An op with no JAX lowering: one line naming the op and the module whose forward made it
-    (for a backward op, the module whose forward's backward made it), as the capture recorded."""
+    """An op with no JAX lowering: one line naming the op, the module whose forward made it (for a
+    backward op, the module whose forward's backward made it), as the capture recorded, and the
+    backends that run it instead of the JAX path."""
     step = capture_device_step(_config("llama3_debug", {}), world_size=1, batch_size=BATCH, seq_len=SEQ)
     from titan_tpu.graph.jax_lowering import functional_graph
 
@@ -284,6 +285,8 @@ def test_unknown_operator_names_its_module_in_one_line():
             with pytest.raises(JaxLoweringError, match=str(missing).replace(".", r"\.") + r" \(" + module) as error:
                 check_lowerable(graph)
             assert "\n" not in str(error.value)
+            # which backends run it instead
+            assert "compile.backend jax" in str(error.value) and "--compile.backend inductor" in str(error.value)
         finally:
             LOWERINGS[missing] = saved
 

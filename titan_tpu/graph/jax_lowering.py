@@ -606,8 +606,10 @@ def check_lowerable(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, .
         if node.op == "call_function" and node.target is _SCAN:
             check_lowerable(_subgraph(gm, node.args[0]), group_axes)  # the body: the same table
         elif node.op == "call_function" and node.target not in table:
-            raise JaxLoweringError(f"operator {node.target} (from {_where(node)}) has no JAX lowering; add it to "
-                                   "LOWERINGS in titan_tpu/graph/jax_lowering.py or run the step in eager mode")
+            raise JaxLoweringError(f"operator {node.target} (from {_where(node)}) has no JAX lowering, so neither "
+                                   "compile.backend jax nor titan-tpu compile can run this step; torch runs it: "
+                                   "--compile.backend inductor (CPU, GPU), tpu (TorchTPU) or --training.mode eager; "
+                                   "or add it to LOWERINGS in titan_tpu/graph/jax_lowering.py")
 
 
 def rank_constants(graphs: list[torch.fx.GraphModule]) -> dict[str, dict[int, list]]:

@@ -56,10 +56,10 @@ def topology_for_chips(generation: str, chips: int) -> str:
     return f"{generation}:{'x'.join(str(d) for d in dims)}"
 
 
-def _require_jax() -> None:
+def _require_jax(*, libtpu: bool = True) -> None:
     import importlib.util
 
-    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("libtpu") is None:
+    if importlib.util.find_spec("jax") is None or libtpu and importlib.util.find_spec("libtpu") is None:
         raise ValueError("titan-tpu compile needs JAX and libtpu: `make tpu-check` builds .venv-tpu; "
                          "run .venv-tpu/bin/titan-tpu compile")
 
@@ -78,10 +78,12 @@ def _topology(name: str):
 
 
 def _force_cpu_devices(target: str) -> None:
-    """XLA_FLAGS for the N host devices of a target "cpu:N", before JAX starts its CPU client."""
+    """XLA_FLAGS for the N host devices of a target "cpu:N", before JAX starts its CPU client (and
+    only that client: libtpu is not asked for a TPU)."""
     count = target.split(":", 1)[1]
     if not count.isdigit() or int(count) < 1:
         raise ValueError(f"--topology {target}: a CPU target is cpu:N with N devices, e.g. cpu:8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
@@ -332,7 +334,7 @@ def _compile_program(step, devices, *, program: str, dump: Path | None, xla_dump
             compiled = lowered.lowered.compile(None if xla_dump is None else {"xla_dump_to": str(xla_dump)})
     except jax.errors.JaxRuntimeError as e:  # XLA refused the program: its own reason, in one line
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ValueError(f"XLA's TPU compiler rejected the step: {reason[:400]}") from None
+        raise ValueError(f"XLA's {step_platform(devices)} compiler rejected the step: {reason[:400]}") from None
     compile_s = time.perf_counter() - start
     # CPU seconds of this process (all threads, XLA's too) for lowering and compile: on a machine
     # shared with other work they say more than the wall time does.
@@ -361,6 +363,11 @@ def _compile_program(step, devices, *, program: str, dump: Path | None, xla_dump
             "f8_dots": f8_dots(text),  # matmuls on float8 operands (fp8 recipes), loop bodies once
             "at_peak": at_peak, "xla_stages": stages, "text": text, "lowered_text": lowered_text,
             "collectives_from": collectives_from}
+
+
+def step_platform(devices) -> str:
+    """"TPU" or "CPU": whose XLA compiles for these devices."""
+    return devices[0].platform.upper()
 
 
 def xla_dump_env(directory: Path | None) -> Path:
@@ -455,8 +462,9 @@ def compile_main(argv: list[str]) -> int:
     parser.add_argument("--dump", help="directory for the StableHLO, the optimized HLO and XLA's own dump (DIR/xla: "
                         "buffer assignment, live ranges)")
     args, overrides = parser.parse_known_args(argv)
-    _require_jax()
-    if args.topology and args.topology.startswith("cpu:"):
+    on_cpu = bool(args.topology and args.topology.startswith("cpu:"))
+    _require_jax(libtpu=not on_cpu)
+    if on_cpu:
         _force_cpu_devices(args.topology)
     xla_dump = xla_dump_env(Path(args.dump) / "xla" if args.dump else None)
     # A compile-only client takes no device: it may load libtpu beside another process's (libtpu's
