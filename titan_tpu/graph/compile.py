@@ -275,6 +275,15 @@ class GraphStep(StepFunction):
             counts.update(self.captured_update.collective_counts())
         return counts
 
+    def fingerprints(self) -> dict[str, str]:
+        """The fingerprint of each program handed to XLA (graph/fingerprint.py), where the backend
+        shows its programs (TorchTPU): {"step": ...} or {"micro-batch": ..., "update": ...}, a
+        program split in several numbered (".1", ...); empty for the other backends."""
+        compiled = {"step": self.compiled} if self.compiled_update is None else \
+            {"micro-batch": self.compiled, "update": self.compiled_update}
+        return {name if len(run.fingerprints) == 1 else f"{name}.{k}": fingerprint
+                for name, run in compiled.items() for k, fingerprint in enumerate(run.fingerprints)}
+
     def summary(self) -> str:
         text = self.captured.summary()
         if self.captured_update is not None:
