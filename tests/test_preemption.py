@@ -120,14 +120,14 @@ def test_sigterm_writes_the_local_tier_within_the_budget_and_it_resumes_bitwise(
     args = train_overrides(**common)
     first = Trainer(build_config(LLAMA_DEBUG, args))
     first.last_save_seconds = 1e9  # a persistent save that cannot fit: it waits for the next start
-    step_fn = first.components.step_fn
+    train_step = first.train_step
 
-    def preempted_during_step_2(batches, lr):
-        if first.step == 2:
+    def preempted_during_step_2():
+        if first.step + 1 == 2:
             os.kill(os.getpid(), signal.SIGTERM)  # the flag is set; the step still runs to its end
-        return step_fn(batches, lr)
+        return train_step()
 
-    first.components.step_fn = preempted_during_step_2
+    first.train_step = preempted_during_step_2
     summary = first.train()
     out = capsys.readouterr().out
     assert summary["stopped_by"] == "SIGTERM" and summary["step"] == 2 and summary["checkpoint"] is None

@@ -50,6 +50,8 @@ def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend:
                      grad_accum_steps=t.grad_accum_steps, objective=objective)
     log(f"graph mode: step captured in {step.capture_seconds:.1f} s, compiled with {c.backend} in "
         f"{step.compile_seconds:.1f} s")
+    for name, fingerprint in step.fingerprints().items():  # TorchTPU's programs (graph/torchtpu.py)
+        log(f"{c.backend}: program {name} fingerprint {fingerprint} handed to XLA")
     return step, {"capture_s": step.capture_seconds, "compile_s": step.compile_seconds}
 
 
