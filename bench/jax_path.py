@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# name -> (recipe, processes, overrides): the meshes of 8 devices the JAX path is checked on.
+# name -> (recipe, processes, overrides): the meshes the JAX path is checked on (8 devices, and bf16 on 2).
 CASES: dict[str, tuple[str, int, list[str]]] = {
     "dense_dp4_tp2": ("llama3_debug", 8, ["--parallelism.dp_shard", "4", "--parallelism.tp", "2"]),
     "dense_dp2_cp2_tp2_scanned": ("llama3_debug", 8, [
@@ -38,6 +38,8 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
     "moe_dp8_ep2_all_to_all": ("qwen3_moe_debug", 8, [
         "--parallelism.dp_shard", "8", "--parallelism.ep", "2", "--parallelism.ep_dispatch", "all_to_all"]),
     "dense_dp8_accum2": ("llama3_debug", 8, ["--parallelism.dp_shard", "8", "--training.grad_accum_steps", "2"]),
+    # bf16 compute (fp32 masters and reductions), on 2 devices: XLA and torch round bf16 matmuls differently.
+    "dense_dp2_bf16": ("llama3_debug", 2, ["--parallelism.dp_shard", "2", "--model.dtype", "bfloat16"]),
 }
 
 MODES = {"eager": ["--training.mode", "eager"], "jax": ["--training.mode", "graph", "--compile.backend", "jax"]}
@@ -94,10 +96,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--keep", help="keep the runs (metrics, logs) in this directory")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="jax_path_") as tmp:
-        tmp = Path(tmp)
+        tmp = Path(args.keep) if args.keep else Path(tmp)
         for name in args.cases.split(","):
             recipe, processes, overrides = CASES[name]
             seconds = {}

@@ -75,7 +75,6 @@ def test_every_recipe_validates(path, monkeypatch, tmp_path):
      "fault_tolerance.lighthouse = '29510' must be host:port"),
     (["--fault_tolerance.enabled", "true", "--training.mode", "graph"], "set --training.mode eager"),
     (["--fault_tolerance.enabled", "true", "--parallelism.dp_replicate", "2"], "set parallelism.dp_replicate 1"),
-    (["--compile.backend", "jax"], "compile.backend jax runs the captured step: set --training.mode graph"),
     (["--compile.backend", "jax", "--training.mode", "graph", "--training.device", "cuda"],
      "compile.backend jax runs on a TPU or this CPU; training.device is cuda"),
     (["--compile.backend", "jax", "--training.mode", "graph", "--compile.split", "collectives"],

@@ -9,9 +9,10 @@ import pytest
 from titan_tpu.plan.planner import for_planning, plan_config
 from titan_tpu.plan.torchtpu import torchtpu_lines, torchtpu_step
 
-# A TPU recipe with the chunked loss: `as_compiled` then differs from a TPU's plan by the donated
-# update alone (tokamax's loss it also swaps for its plain-XLA form).
-RECIPE = ("configs/qwen3_8b_tpu.toml", ["--kernels.loss", "chunked"])
+# A TPU recipe with the chunked loss, on TorchTPU (the recipe runs the JAX path, whose plan is always
+# `as_compiled`): `as_compiled` then differs from a TPU's plan by the donated update alone (tokamax's
+# loss it also swaps for its plain-XLA form).
+RECIPE = ("configs/qwen3_8b_tpu.toml", ["--kernels.loss", "chunked", "--compile.backend", "tpu"])
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +58,6 @@ def test_titan_tpu_plan_prints_both_runtimes(plans, capsys):
     out = capsys.readouterr().out
     lines, _ = torchtpu_lines(plan)
     assert lines in out
+    # The recipe as it stands runs the JAX path: --torchtpu shows the same step on TorchTPU.
+    main(["plan", "--config", RECIPE[0], *RECIPE[1][:2], "--torchtpu"])
+    assert lines in capsys.readouterr().out

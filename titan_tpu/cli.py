@@ -54,7 +54,8 @@ def train_main(argv: list[str]) -> int:
                "command resumes from the newest checkpoint in the output directory.")
     parser.add_argument("--config", help="TOML recipe, e.g. configs/llama3_debug.toml")
     args, overrides = parser.parse_known_args(argv)
-    if _compile_backend(args.config, overrides) == "jax":
+    if _setting(args.config, overrides, "compile", "backend") == "jax" and \
+            _setting(args.config, overrides, "training", "mode") == "graph":
         # The JAX path: JAX's runtime takes the TPU chips, so torch-tpu (which `import torch` loads in
         # an environment that has it) must not; read before torch is imported, below.
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -70,19 +71,20 @@ def train_main(argv: list[str]) -> int:
     return 0
 
 
-def _compile_backend(config: str | None, overrides: list[str]) -> str | None:
-    """compile.backend as the command line sets it (an override, else the recipe's [compile]
-    section), read without importing torch; None where neither names one or the recipe cannot be
-    read (build_config then says why)."""
+def _setting(config: str | None, overrides: list[str], section: str, key: str) -> str | None:
+    """A config key as the command line sets it (an override, else the recipe's section), read
+    without importing torch; None where neither names it or the recipe cannot be read (build_config
+    then says why)."""
     import tomllib
 
+    flag = f"--{section}.{key}"
     for i, arg in enumerate(overrides):
-        if arg.startswith("--compile.backend="):
+        if arg.startswith(flag + "="):
             return arg.split("=", 1)[1]
-        if arg == "--compile.backend" and i + 1 < len(overrides):
+        if arg == flag and i + 1 < len(overrides):
             return overrides[i + 1]
     try:
-        return tomllib.loads(Path(config).read_text()).get("compile", {}).get("backend") if config else None
+        return tomllib.loads(Path(config).read_text()).get(section, {}).get(key) if config else None
     except (OSError, tomllib.TOMLDecodeError):
         return None
 
@@ -367,9 +369,16 @@ def plan_main(argv: list[str]) -> int:
         xla_lines, extra["xla"] = xla_beside_plan(plan, xla, compiled=compiled)
         lines.append(xla_lines)
     if args.torchtpu:
+        import dataclasses
+
         from titan_tpu.plan.torchtpu import torchtpu_lines
 
-        torchtpu, extra["torchtpu"] = torchtpu_lines(plan)
+        # The step as TorchTPU would run it, also for a recipe that runs the JAX path.
+        on_torchtpu = plan if cfg.compile.backend == "tpu" else plan_run(
+            dataclasses.replace(setup, cfg=dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile,
+                                                                                                backend="tpu"))),
+            hardware, chips=chips, gather=args.gather, storage_gbps=args.storage_gbps, local_gbps=args.local_gbps)
+        torchtpu, extra["torchtpu"] = torchtpu_lines(on_torchtpu)
         lines.append(torchtpu)
     if plan.hardware["fp8_peak_flops"] or "fp8" in plan.batch:
         # Where fp8 can pay, or the recipe asks for it: the same hardware (this CPU is not measured

@@ -116,7 +116,7 @@ def prepare_run(cfg: Config) -> RunSetup:
         grad_accum_from_tokens(t, p.dp_replicate * p.dp_shard * groups)
     if cfg.compile.backend == "tpu":
         check_tpu_compile_backend(t.device)
-    if cfg.compile.backend == "jax":
+    if cfg.compile.backend == "jax" and t.mode == "graph":  # eager mode runs torch's ops on training.device
         _check_jax_path(cfg)
     _check_lora(cfg)
     check_tracker_names(cfg.metrics.trackers)
@@ -146,12 +146,9 @@ def prepare_run(cfg: Config) -> RunSetup:
 
 
 def _check_jax_path(cfg: Config) -> None:
-    """What compile.backend jax runs (graph/jax_step.py): the captured step as one program, on a TPU
-    or this CPU; JAX itself is checked when the run starts (device.py jax_backend)."""
+    """What compile.backend jax runs in graph mode (graph/jax_step.py): the captured step as one
+    program, on a TPU or this CPU; JAX itself is checked when the run starts (device.py jax_backend)."""
     t = cfg.training
-    if t.mode != "graph":
-        raise ValueError("compile.backend jax runs the captured step: set --training.mode graph (eager mode runs "
-                         "torch's own ops, no compile backend)")
     if t.device not in ("tpu", "cpu", "auto"):
         raise ValueError(f"compile.backend jax runs on a TPU or this CPU; training.device is {t.device}: set it to tpu "
                          "or cpu, or use --compile.backend inductor on a GPU")

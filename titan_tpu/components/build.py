@@ -65,8 +65,9 @@ class Components:
         t, p = cfg.training, cfg.parallelism
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
-        # compile.backend jax: JAX's runtime runs the step, the torch side lives on the host CPU.
-        self.backend: Backend = jax_backend(t.device) if cfg.compile.backend == "jax" else get_backend(t.device)
+        # compile.backend jax in graph mode: JAX's runtime runs the step, the torch side lives on the host CPU.
+        jax_path = cfg.compile.backend == "jax" and t.mode == "graph"
+        self.backend: Backend = jax_backend(t.device) if jax_path else get_backend(t.device)
         if self.backend.compute_device_type == "cpu":  # training.device auto that became the CPU (config checks cpu)
             check_cpu_compute_dtype(cfg.model.dtype)
         self.rank, self.world_size = init_distributed(self.backend)

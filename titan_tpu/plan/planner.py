@@ -310,11 +310,12 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
     computed before it) returning one named quantity. parallelism.reshard_after_forward auto is
     planned as what the trainer resolves it to (`with_reshard_resolved`).
 
-    as_compiled: plan the program `titan-tpu compile` hands XLA rather than the one a TPU runs
-    (docs/planner.md "The compiled program"): the parameters and moments donated and updated in
-    place (planned out of place otherwise, as torch-tpu's Dynamo backend writes them, until a TPU
-    run shows the trainer's donation taking effect: plan/torchtpu.py), and tokamax's loss in its
-    plain-XLA form (its Mosaic kernel cannot be traced without a chip), which holds the bf16 logits.
+    as_compiled: plan the program `titan-tpu compile` hands XLA rather than the one TorchTPU runs
+    (docs/planner.md "The compiled program"; always for compile.backend jax, which runs it): the
+    parameters and moments donated and updated in place (planned out of place otherwise, as
+    torch-tpu's Dynamo backend writes them, until a TPU run shows the trainer's donation taking
+    effect: plan/torchtpu.py), and tokamax's loss in its plain-XLA form (its Mosaic kernel cannot be
+    traced without a chip), which holds the bf16 logits.
 
     fp8: plan the blocks' linears as fp8 matmuls (True) or in the compute dtype (False), a what-if;
     None: as the config's [fp8] section says (`fp8_setting`). See `_fp8_terms`."""
@@ -323,6 +324,8 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
                                                                      model_args=model_args))
     s = _resolve(setup, hardware, chips=chips, measure=measure, gather=gather, model_args=model_args)
     enabled, scaling = fp8_setting(s.cfg)
+    # The JAX path runs the program titan-tpu compile hands XLA: its plan is always that program's.
+    as_compiled = as_compiled or setup.cfg.compile.backend == "jax" and setup.cfg.training.mode == "graph"
     s = dataclasses.replace(s, as_compiled=as_compiled, fp8=enabled if fp8 is None else fp8, fp8_scaling=scaling)
     cfg = s.cfg
     args, t, layout, mb = s.args, cfg.training, s.layout, s.layout.master_bytes()
@@ -632,7 +635,7 @@ def _scan_memory(s: _Setting, acts: ActivationBytes, full_grad: float) -> ScanAu
                                    gradient_stack=not full_grad or s.per_layer_stack,
                                    gathered_in_body=s.layout.sharded and s.per_layer_stack,
                                    experts_copied=_grouped_mm_impl(k.grouped_mm, s.hardware.name) != "torch",
-                                   flipped=s.cfg.compile.backend not in ("inductor", "tpu"))
+                                   flipped=s.cfg.compile.backend not in ("inductor", *XLA_BACKENDS))
 
 
 def _runtime_bytes(s: _Setting) -> float:
@@ -705,10 +708,14 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
     return phases
 
 
+# The compile backends whose step XLA compiles: TorchTPU's, and the JAX path's (our lowering).
+XLA_BACKENDS = ("tpu", "jax")
+
+
 def _xla_scan_gradients_whole(s: _Setting) -> bool:
     """Whether the backward loop's gradient stack is alive whole from its first trip: scanned
     layers compiled by XLA, whose while loop carries the stack it writes."""
-    return s.cfg.compile.backend == "tpu" and s.graph and s.scanned
+    return s.cfg.compile.backend in XLA_BACKENDS and s.graph and s.scanned
 
 
 def _xla_loop_gradient_stack(s: _Setting, full_grad: float) -> float:
@@ -766,7 +773,8 @@ def _xla_backward_end(s: _Setting) -> float:
     [vocab, dim] matrices at once, the output projection's full-size gradient (computed first,
     its reduce-scatter scheduled late), the embedding's scatter-add gradient and its cast (XLA's
     live ranges of qwen3_8b_graph_tpu at its peak). Sharded, trained embeddings under XLA only."""
-    if s.cfg.compile.backend != "tpu" or not s.graph or s.lora or s.layout.dp_shard * s.layout.dp_replicate == 1:
+    if s.cfg.compile.backend not in XLA_BACKENDS or not s.graph or s.lora or \
+            s.layout.dp_shard * s.layout.dp_replicate == 1:
         return 0.0
     return 3.0 * s.args.vocab_size * s.args.dim * s.layout.master_bytes() / s.cfg.parallelism.tp
 

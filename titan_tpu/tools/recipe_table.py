@@ -92,6 +92,7 @@ class Row:
     plan_peak_compiled: float  # the same, with the compiled forms where they differ (the loss kernel)
     plan_flops: float  # the planner's executed FLOPs per chip (whole step)
     topology: str
+    backend: str  # the recipe's compile.backend: "jax" runs the program the report certifies
     counted: float | None = None  # today's FLOP formula counted as XLA counts, for the report's step
 
 
@@ -122,7 +123,8 @@ def rows(reports: Path = REPORTS) -> list[Row]:
         out.append(Row(recipe=recipe, report=report, stale=report is not None and report.get("recipe_sha") !=
                        recipe_hash(ROOT / recipe), plan_peak=plan.peak_bytes, plan_peak_compiled=compiled.peak_bytes,
                        plan_flops=plan.flops["executed_per_step_per_device"],
-                       topology=topology_for_chips(hardware.name, chips), counted=counted))
+                       topology=topology_for_chips(hardware.name, chips), backend=cfg.compile.backend,
+                       counted=counted))
     return out
 
 
@@ -132,10 +134,19 @@ def _compiled_cells(row: Row) -> list[str]:
     stages = (f"{r['capture_seconds'] + r['lower_seconds'] + r['compile_seconds']:.0f} s "
               f"({r['capture_seconds']:.0f} + {r['lower_seconds']:.0f} + {r['compile_seconds']:.0f})")
     return [f"compiled by XLA {r['date']}{' (STALE: the recipe changed since)' if row.stale else ''}",
-            f"{r['topology']} ({r['devices']})", f"{xla_peak / GiB:.1f}",
+            _certificate(row), f"{r['topology']} ({r['devices']})", f"{xla_peak / GiB:.1f}",
             f"{row.plan_peak_compiled / GiB:.1f} ({row.plan_peak_compiled / xla_peak:.2f}x)",
             f"{row.plan_peak / GiB:.1f}", f"{counted / xla_flops:.3f}x",
             f"{1 - xla_flops / r['flops_per_chip']:.0%}", stages]
+
+
+def _certificate(row: Row) -> str:
+    """Which runtime runs the compiled program, with each program's fingerprint (what a run of the
+    recipe logs handing it to XLA): the JAX path runs our lowering; another backend runs another."""
+    prints = ", ".join(f"{name} `{fp}`" for name, fp in row.report.get("fingerprints", {}).items()) or "none recorded"
+    if row.backend == "jax":
+        return f"compile.backend jax: {prints}"
+    return f"our lowering ({prints}); the recipe runs compile.backend {row.backend}, another program"
 
 
 def render(reports: Path = REPORTS) -> str:
@@ -157,18 +168,18 @@ def render(reports: Path = REPORTS) -> str:
         f"{len(compiled)} of {len(table)} recipes compiled by XLA; none has run on a TPU (no TPU was available to "
         "this project). What each column means is under the table.",
         "",
-        "| recipe | status | slice (chips) | XLA peak per chip, GiB | planner as compiled, GiB | planner as a TPU "
-        "runs it, GiB | FLOPs: our formula / XLA's matmuls | XLA's cost analysis beyond its matmuls | compile here: "
-        "capture + lowering + XLA |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| recipe | status | certified for: backend, program fingerprints | slice (chips) | XLA peak per chip, GiB "
+        "| planner as compiled, GiB | planner as a TPU runs it, GiB | FLOPs: our formula / XLA's matmuls | XLA's "
+        "cost analysis beyond its matmuls | compile here: capture + lowering + XLA |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in table:
         name = f"`{Path(row.recipe).name}`"
         if row.report is None:
-            cells = ["planned only", row.topology, "", "", f"{row.plan_peak / GiB:.1f}", "", "", ""]
+            cells = ["planned only", "", row.topology, "", "", f"{row.plan_peak / GiB:.1f}", "", "", ""]
         elif "error" in row.report:
             stale = " (STALE: the recipe changed since)" if row.stale else ""
-            cells = [f"not compiled {row.report['date']}{stale}: {row.report['error']}", row.topology, "",
+            cells = [f"not compiled {row.report['date']}{stale}: {row.report['error']}", "", row.topology, "",
                      f"{row.plan_peak_compiled / GiB:.1f}", f"{row.plan_peak / GiB:.1f}", "", "", ""]
         else:
             cells = _compiled_cells(row)
@@ -187,6 +198,10 @@ def render(reports: Path = REPORTS) -> str:
 
 
 _COLUMNS = """Columns:
+- **certified for**: the compile is of our lowering of the step (graph/jax_lowering.py), the one
+  program `--compile.backend jax` hands XLA on the recipe's slice; each program's fingerprint
+  (graph/fingerprint.py) is what a run of the recipe logs when it hands XLA that program, so a run
+  can be matched to its certificate. A recipe on another backend runs another program.
 - **XLA peak per chip**: arguments + outputs - aliased + temporaries + generated code, from XLA's
   memory analysis of the compiled program (the larger of the two programs under gradient
   accumulation).
