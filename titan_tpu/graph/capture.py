@@ -59,6 +59,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, f
 from titan_tpu.data.batch import Batch, as_batch, flatten, unflatten
 from titan_tpu.graph.passes import recomputed_nodes, rematerialize
 from titan_tpu.model_contract import TrainableModel
+from titan_tpu.tensors import local_tensor
 from titan_tpu.train.objective import ModelCalls, NextTokenObjective, Objective
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
 from titan_tpu.train.ranks import model_copies
@@ -565,10 +566,10 @@ class _StepParts:
     def local_params(self) -> list[Tensor]:
         # The live local tensors (turned into fake tensors when tracing; nothing is computed on them).
         named = dict(self.model.named_parameters())
-        return [_local_tensor(named[n]) for n in self.param_names]
+        return [local_tensor(named[n]) for n in self.param_names]
 
     def local_buffers(self) -> list[Tensor]:
-        return [_local_tensor(b) for b in self.buffers.values()]
+        return [local_tensor(b) for b in self.buffers.values()]
 
     def buffer_values(self, tensors: list[Tensor]) -> dict[str, Tensor]:
         """Buffer name -> the graph input, a frozen sharded parameter wrapped back into its DTensor."""
@@ -583,10 +584,6 @@ class _StepParts:
                             capture_seconds=seconds, num_params=self.num_params, layout=layout,
                             scalar_dtype=scalar_dtype, updated_buffer_names=self.updated_buffers, program=program,
                             objective=self.objective, batch_spec=self.batch_spec if layout.batch else None)
-
-
-def _local_tensor(t: Tensor) -> Tensor:
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
 def _example_batch(parts: _StepParts, example_batch: Batch | tuple[Tensor, ...]) -> list[Tensor]:

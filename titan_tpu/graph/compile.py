@@ -28,13 +28,13 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from titan_tpu.data.batch import Batch, as_batch, flatten
 from titan_tpu.device import tpu_compile_error as _tpu_error
 from titan_tpu.graph.capture import CapturedStep, capture_accumulating_step, capture_train_step, frozen_inputs
 from titan_tpu.graph.passes import compile_submodules, schedule_collectives, split_graph
 from titan_tpu.graph.torchtpu import owner, rebind
+from titan_tpu.tensors import local_tensor
 from titan_tpu.train.objective import Objective
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import StepFunction, StepResult
@@ -186,12 +186,6 @@ def _fake_inputs_with_shape_env(inputs: list[Tensor]) -> list[Tensor]:
         return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in inputs]
 
 
-def _local(t: Tensor) -> Tensor:
-    """The tensor holding this rank's values (what the graph reads and what we write back into)."""
-    t = t.detach()
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class GraphStep(StepFunction):
     """The step contract, `step(micro_batches, lr) -> StepResult`, run by compiled graphs.
 
@@ -242,7 +236,7 @@ class GraphStep(StepFunction):
         # their old buffers gone: it takes, and after each call re-points, the very tensors the
         # model and the optimizer hold, not detached aliases of them.
         self._donates = (self.compiled_update or self.compiled).donated
-        self._held = owner if self._donates else _local
+        self._held = owner if self._donates else local_tensor
         self.objective = self.captured.objective
         names = self.captured.param_names
         params = dict(model.named_parameters())
@@ -251,8 +245,8 @@ class GraphStep(StepFunction):
         if set(names) != set(optimizer.params):
             raise ValueError("GraphStep: the optimizer does not hold exactly the model's parameters")
         self._params = [self._held(params[n]) for n in names]
-        self._buffers = [_local(buffers[n]) for n in self.captured.buffer_names]
-        self._updated_buffers = [_local(buffers[n]) for n in self.captured.updated_buffer_names]
+        self._buffers = [local_tensor(buffers[n]) for n in self.captured.buffer_names]
+        self._updated_buffers = [local_tensor(buffers[n]) for n in self.captured.updated_buffer_names]
         self._batch_type, self._batch_shape = type(example_batch), example_batch.shape
 
     @property

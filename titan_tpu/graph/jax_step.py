@@ -38,10 +38,10 @@ from titan_tpu.graph.capture import (
     capture_train_step,
     frozen_inputs,
 )
-from titan_tpu.graph.compile import _local
 from titan_tpu.graph.jax_lowering import global_shape, jax_dtype
 from titan_tpu.graph.jax_program import capture_context, input_shardings, jax_mesh, lower_step
 from titan_tpu.graph.spmd import DeviceStep, device_step
+from titan_tpu.tensors import local_tensor
 from titan_tpu.train.objective import NextTokenObjective, Objective
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import StepFunction, StepResult
@@ -111,8 +111,8 @@ class JaxStep(StepFunction):
         names = first.param_names
         params = dict(model.named_parameters())
         frozen = frozen_inputs(model, self.objective)
-        self._host = {"params": [_local(params[n]) for n in names],
-                      "buffers": [_local(frozen[n]) for n in first.buffer_names]}
+        self._host = {"params": [local_tensor(params[n]) for n in names],
+                      "buffers": [local_tensor(frozen[n]) for n in first.buffer_names]}
         self._updated = [first.buffer_names.index(n) for n in first.updated_buffer_names]
         self._batch_type, self._batch_shape = type(example_batch), example_batch.shape
         self._device: dict[str, list] | None = None  # the state on the device; None: read it from the host
@@ -135,8 +135,8 @@ class JaxStep(StepFunction):
     def _host_tensors(self) -> dict[str, list[Tensor]]:
         # The moments are read each time: the optimizer's load_state_dict replaces its tensors.
         names, state = self.captured.param_names, self.optimizer.state
-        return {**self._host, "exp_avg": [_local(state["exp_avg"][n]) for n in names],
-                "exp_avg_sq": [_local(state["exp_avg_sq"][n]) for n in names]}
+        return {**self._host, "exp_avg": [local_tensor(state["exp_avg"][n]) for n in names],
+                "exp_avg_sq": [local_tensor(state["exp_avg_sq"][n]) for n in names]}
 
     def state_from_host(self) -> None:
         """The host tensors (the model's, the optimizer's) as the device's state."""
