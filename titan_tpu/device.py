@@ -26,6 +26,7 @@ Peak FLOP/s, for the compute dtype (model.dtype; docs/mixed_precision.md):
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -410,8 +411,9 @@ class _JAX:
 
     def look_up_peak(self, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
         if self.jax_platform == "cpu":
-            flops, description = _CPU().look_up_peak(device, dtype)
-            return flops, f"{description} (XLA:CPU runs the step)"
+            with _torch_threads(_xla_cpu_threads()):  # measured on the cores XLA:CPU's thread pool takes
+                flops, description = _CPU().look_up_peak(device, dtype)
+            return flops, f"{description} (XLA:CPU's threads; XLA:CPU runs the step)"
         import jax
 
         kind = jax.local_devices()[0].device_kind
@@ -420,7 +422,8 @@ class _JAX:
         return flops, f"tpu {gen} ({kind}, through JAX): bf16 dense datasheet peak {flops / 1e12:.0f} TFLOP/s"
 
     def measure_peak_again(self, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-        cpu_peak_flops(dtype, again=True)
+        with _torch_threads(_xla_cpu_threads()):
+            cpu_peak_flops(dtype, again=True)
         return self.look_up_peak(device, dtype)
 
     def memory_stats(self, device: torch.device) -> dict[str, float]:
@@ -438,6 +441,22 @@ class _JAX:
 
     def synchronize(self, device: torch.device) -> None:
         pass  # each step reads its loss, which waits for the program
+
+
+def _xla_cpu_threads() -> int:
+    """The threads XLA:CPU computes with: one per core this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int):
+    """torch's intra-op thread count set to `count` inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # How often a run that beats the measured CPU peak has it measured again (each ~1.5 s), per process.
