@@ -115,13 +115,6 @@ def _collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
-def jax_kernels(cfg, platform: str = "tpu"):
-    """graph/jax_program.py's `jax_kernels`, imported when called (this module loads without jax)."""
-    from titan_tpu.graph.jax_program import jax_kernels as resolve
-
-    return resolve(cfg, platform)
-
-
 def capture_for_jax(cfg, platform: str = "tpu", **capture_args):
     """(rank's DeviceStep captured as the JAX path captures it on `platform`, cfg as captured, what
     each op ran as; graph/jax_program.py): a kernel that cannot take the shapes (splash's blocks of

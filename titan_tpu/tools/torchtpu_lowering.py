@@ -674,15 +674,15 @@ def hlo_counts_from_dump(dump_dir: Path) -> dict[str, dict[str, int]]:
 
 
 def _aten_kernels(cfg) -> dict[str, str]:
-    """Each op's kernel in our capture for JAX (compile_cmd.jax_kernels), which must be one both
+    """Each op's kernel in our capture for JAX (graph/jax_program.py jax_kernels), which must be one both
     lowerings trace alike: ATen ops that also run on a TPU (reference attention, chunked loss).
     Otherwise a one-line error naming the choices: a Pallas kernel (splash, gmm, tokamax) and
     TorchTPU's own splash_sdpa trace in TorchTPU's FX mode, but `build_mlir` then asks for the
     PJRT client ("TPU initialization failed: No jellyfish device found"); sdpa is captured here as
     the CPU's flash kernel, which TorchTPU does not implement."""
+    from titan_tpu.graph.jax_program import jax_kernels
     from titan_tpu.kernels import OPS
     from titan_tpu.models.spec import model_spec
-    from titan_tpu.tools.compile_cmd import jax_kernels
 
     _, used = jax_kernels(cfg)
     moe = getattr(model_spec(cfg.model).args, "moe", None) is not None
