@@ -397,7 +397,10 @@ def _format(report: dict) -> str:
                        for name, seconds in report.get("xla_stage_seconds", {}).items())
              + "); numbers are XLA's, per chip:",
              "  fingerprint " + ", ".join(f"{name} {fp}" for name, fp in report["fingerprints"].items())
-             + " (what a run of --compile.backend jax on these devices logs for each program it hands XLA)",
+             + " (what a run of --compile.backend jax on these devices logs for each program it hands XLA)"
+             + ("" if report.get("compile_backend") in (None, "jax") else
+                f"; this config runs compile.backend {report['compile_backend']}, another program (TorchTPU's "
+                "lowering beside ours: bench/torchtpu_lowering.py)"),
              f"  as the trainer runs it: re-shard after forward {str(report['reshard_after_forward']).lower()} "
              f"({report['reshard_why']}), documents {'masked' if report['documents'] else 'not masked'}"
              + (f", {report['grad_accum_steps']} micro-batches: programs micro-batch and update, the peak is the "
@@ -474,6 +477,7 @@ def compile_main(argv: list[str]) -> int:
         if not args.dump:
             shutil.rmtree(xla_dump, ignore_errors=True)
     report["config"] = " ".join([args.config, *overrides])
+    report["compile_backend"] = cfg.compile.backend  # the runtime a run of this config hands its step to
     print(json.dumps(report, indent=2) if args.json else _format(report))
     if report["fits"] is False:
         kinds = report["memory_per_chip_bytes"]
