@@ -3,10 +3,10 @@
 import json
 
 import pytest
-import safetensors.torch
 import torch
 from safetensors.torch import load_file, save_file
 
+from titan_tpu.models import hf_checkpoint
 from titan_tpu.models.common import TransformerArgs
 from titan_tpu.models.hf_checkpoint import (
     load_hf_checkpoint,
@@ -177,19 +177,19 @@ def test_failed_save_leaves_existing_checkpoint_intact(tmp_path, monkeypatch, ov
         _save(target)
     before = {p.name: p.read_bytes() for p in target.iterdir()} if overwrite else None
 
-    # hf_checkpoint imports save_file lazily, so patching the safetensors module reaches it.
-    real_save_file = safetensors.torch.save_file
+    # The streaming writer writes one shard file at a time: fail in the middle of the second.
+    real_write = hf_checkpoint._write_safetensors
     calls = []
 
-    def failing_save_file(tensors, filename, metadata=None):
-        calls.append(filename)
+    def failing_write(path, tensors, dtype):
+        calls.append(path)
         if len(calls) == 2:  # crash in the middle of writing the second shard
-            with open(filename, "wb") as f:
+            with open(path, "wb") as f:
                 f.write(b"partial")
             raise OSError("disk full")
-        real_save_file(tensors, filename, metadata=metadata)
+        real_write(path, tensors, dtype)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", failing_save_file)
+    monkeypatch.setattr(hf_checkpoint, "_write_safetensors", failing_write)
     with pytest.raises(OSError, match="disk full"):
         _save(target, max_shard_bytes=20_000, overwrite=overwrite)
     assert len(calls) == 2 and calls[0] != calls[1]

@@ -100,15 +100,17 @@ def test_two_ranks_and_the_rest_of_the_training_checks_pass(tmp_path):
 def test_an_injected_conversion_bug_fails(monkeypatch):
     """Our weight import permutes the rows of one attention projection: it still trains, verify FAILs."""
     from titan_tpu.models import hf_checkpoint
+    from titan_tpu.models.hf_sources import InMemory, full_index
 
-    real = hf_checkpoint.from_hf_state_dict
+    real = hf_checkpoint.native_sources_from_hf
 
-    def permuting(hf_sd, args):
-        out = real(hf_sd, args)
-        out["layers.0.attention.wk.weight"] = out["layers.0.attention.wk.weight"].roll(1, dims=0)
+    def permuting(sources, args):
+        out = real(sources, args)
+        wk = out["layers.0.attention.wk.weight"]
+        out["layers.0.attention.wk.weight"] = InMemory(wk.read(full_index(wk.shape)).roll(1, dims=0))
         return out
 
-    monkeypatch.setattr(hf_checkpoint, "from_hf_state_dict", permuting)
+    monkeypatch.setattr(hf_checkpoint, "native_sources_from_hf", permuting)
     report, lines = _verify("llama3/debug", NUMERICS + ("train",), tiny=True)
     # The round trip names the tensor; the model that transformers' reference disagrees with FAILs
     # numerics (KL ~4e-3 over the 1e-3 band); training alone would not have noticed.

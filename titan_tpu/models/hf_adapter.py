@@ -22,6 +22,15 @@ from torch import Tensor
 
 from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
 from titan_tpu.models.family import Family
+from titan_tpu.models.hf_sources import (
+    InMemory,
+    Narrowed,
+    RowsPermuted,
+    Selected,
+    Stacked,
+    TensorSource,
+    full_index,
+)
 from titan_tpu.models.registry import FAMILIES
 
 # (hub name under mlp.experts.{j}., native stacked name under moe.experts.)
@@ -216,7 +225,7 @@ def hf_fused_expert_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
 
 def fuse_experts(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
     """Hub layout (one tensor per expert) -> transformers 5.x's fused layout; the inverse of
-    `_unfuse_experts`."""
+    reading (`_fused_expert_sources`)."""
     args = _blocks_args(args)
     out = dict(hf_sd)
     for i in range(args.n_layers):
@@ -361,20 +370,27 @@ def _expert_names(args: TransformerArgs) -> list[tuple[str, str, int]]:
     return out
 
 
-def _unfuse_experts(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
-    """transformers 5.x fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) -> hub layout."""
-    args = _blocks_args(args)
-    out = dict(hf_sd)
-    for i in range(args.n_layers):
-        prefix = f"model.layers.{i}.mlp.experts."
-        if prefix + "gate_up_proj" not in out:
+def _fused_expert_sources(sources: dict[str, TensorSource], args: TransformerArgs) -> dict[str, TensorSource]:
+    """The native stacked experts of every layer stored in transformers 5.x's fused layout
+    (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]), by native name; their HF
+    tensors are taken out of `sources`. The native w1 / w3 are the two halves of gate_up_proj, w2 is
+    down_proj as it is."""
+    natives: dict[str, dict[str, str]] = {}  # layer prefix -> hub suffix -> native name
+    for hf, native, _ in _expert_names(args):
+        prefix, _, rest = hf.partition(".mlp.experts.")
+        natives.setdefault(prefix + ".mlp.experts.", {})[rest.split(".", 1)[1]] = native
+    out = {}
+    for prefix, by_hub in natives.items():
+        if prefix + "gate_up_proj" not in sources:
             continue
-        gate_EIH, up_EIH = out.pop(prefix + "gate_up_proj").chunk(2, dim=1)
-        down_EHI = out.pop(prefix + "down_proj")
-        for j in range(gate_EIH.shape[0]):
-            out[f"{prefix}{j}.gate_proj.weight"] = gate_EIH[j]
-            out[f"{prefix}{j}.up_proj.weight"] = up_EIH[j]
-            out[f"{prefix}{j}.down_proj.weight"] = down_EHI[j]
+        gate_up = sources.pop(prefix + "gate_up_proj")
+        down = sources.pop(prefix + "down_proj", None)
+        if down is None:
+            raise ValueError(f"tensor {prefix + 'down_proj'!r} is missing from the HF state dict")
+        hidden = gate_up.shape[1] // 2
+        out[by_hub["gate_proj.weight"]] = Narrowed(gate_up, dim=1, start=0, length=hidden)
+        out[by_hub["up_proj.weight"]] = Narrowed(gate_up, dim=1, start=hidden, length=hidden)
+        out[by_hub["down_proj.weight"]] = down
     return out
 
 
@@ -403,77 +419,96 @@ def _permute(native_name: str, args: TransformerArgs):
 
 
 def from_hf_state_dict(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
-    """HF names/layout -> native. Raises ValueError on a missing or unexpected tensor.
+    """HF names/layout -> native, every tensor in memory: `native_sources_from_hf` read whole.
+    Raises ValueError on a missing or unexpected tensor."""
+    sources = native_sources_from_hf({k: InMemory(v) for k, v in hf_sd.items()}, args)
+    return {name: source.read(full_index(source.shape)) for name, source in sources.items()}
 
-    Tied models: lm_head.weight may be present (it is the embedding) and is dropped.
-    Legacy `rotary_emb.inv_freq` buffers found in old checkpoints are ignored. MoE experts are
-    read in the hub layout (one tensor per expert) or transformers 5.x's fused one.
-    """
+
+def native_sources_from_hf(sources: dict[str, TensorSource], args: TransformerArgs) -> dict[str, TensorSource]:
+    """HF name -> source, to native name -> source (models/hf_sources.py): the names mapped, wq and
+    wk's rows (and the q/k norms) put in the native RoPE layout, the experts stacked. Nothing is read
+    but the routers' zero biases. Raises ValueError on a missing or unexpected tensor.
+
+    Tied models: lm_head.weight may be present (it is the embedding) and is dropped. Legacy
+    `rotary_emb.inv_freq` buffers found in old checkpoints are ignored. MoE experts are read in
+    the hub layout (one tensor per expert) or transformers 5.x's fused one."""
     pairs = _name_pairs(args)
     experts = _expert_names(args)
     copies = {hf for hf, _ in _mtp_shared_copies(args)}  # the shared embedding and head, read once
-    hf_sd = {k: v for k, v in hf_sd.items() if k not in copies}
-    hf_sd = _unfuse_experts(hf_sd, args) if experts else hf_sd
+    sources = {k: v for k, v in sources.items() if k not in copies and not k.endswith("rotary_emb.inv_freq")}
     for name in _zero_router_biases(args):
-        bias = hf_sd.get(name)
-        if bias is not None and bool(bias.any()):
+        bias = sources.pop(name, None)
+        if bias is not None and bool(bias.read(full_index(bias.shape)).any()):
             raise ValueError(f"{name} is not zero: the model routes with it; set model.moe_load_balance = "
                              "\"expert_bias\" to keep it")
-        hf_sd = {k: v for k, v in hf_sd.items() if k != name}
+    fused = _fused_expert_sources(sources, args) if experts else {}
     known = {hf for hf, _ in pairs} | {hf for hf, _, _ in experts}
-    unexpected = [k for k in hf_sd if k not in known and not k.endswith("rotary_emb.inv_freq")]
+    unexpected = [k for k in sources if k not in known]
     if unexpected:
         raise ValueError(
             f"unexpected tensor {unexpected[0]!r} in HF state dict ({len(unexpected)} in all); "
             "the checkpoint does not match its config.json"
         )
-    out = {}
+    out: dict[str, TensorSource] = {}
     for hf_name, native_name in pairs:
         if not native_name:
             continue  # tied lm_head
-        if hf_name not in hf_sd:
+        if hf_name not in sources:
             raise ValueError(f"tensor {hf_name!r} is missing from the HF state dict")
-        w = hf_sd[hf_name]
         heads = _permute(native_name, args)
-        out[native_name] = w if heads is None else _rotate_half_to_interleaved(w, heads)
-    per_expert: dict[str, list[Tensor]] = {}
+        out[native_name] = sources[hf_name] if heads is None else RowsPermuted(sources[hf_name], heads)
+    per_expert: dict[str, list[TensorSource]] = {}
     for hf_name, native_name, _ in experts:  # in expert order
-        if hf_name not in hf_sd:
+        if native_name in fused:
+            continue
+        if hf_name not in sources:
             raise ValueError(f"tensor {hf_name!r} is missing from the HF state dict")
-        per_expert.setdefault(native_name, []).append(hf_sd[hf_name])
-    out.update((name, torch.stack(tensors)) for name, tensors in per_expert.items())
+        per_expert.setdefault(native_name, []).append(sources[hf_name])
+    out.update((name, Stacked(parts)) for name, parts in per_expert.items())
+    out.update(fused)
     return out
 
 
 def to_hf_state_dict(sd: dict[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
-    """Native names/layout -> HF. Tied models get no lm_head.weight (as HF saves them).
-    Raises ValueError on a missing or unexpected tensor."""
+    """Native names/layout -> HF, every tensor in memory: `hf_sources_from_native` read whole.
+    Tied models get no lm_head.weight (as HF saves them). Raises ValueError on a missing or
+    unexpected tensor."""
+    sources = hf_sources_from_native({k: InMemory(v) for k, v in sd.items()}, args)
+    # contiguous copies: safetensors refuses tensors sharing storage (DeepSeek's MTP copies of the head)
+    return {name: source.read(full_index(source.shape)).clone() for name, source in sources.items()}
+
+
+def hf_sources_from_native(sources: dict[str, TensorSource], args: TransformerArgs) -> dict[str, TensorSource]:
+    """Native name -> source, to HF name -> source (the inverse of `native_sources_from_hf`): wq
+    and wk's rows back in HF's rotate-half layout, each expert of a stack its own tensor (the hub
+    layout), the routers' zero biases, DeepSeek's MTP copies of the embedding and head. Tied
+    models get no lm_head.weight. Raises ValueError on a missing or unexpected tensor."""
     pairs = _name_pairs(args)
     experts = _expert_names(args)
     known = {native for _, native in pairs if native} | {native for _, native, _ in experts}
-    unexpected = [k for k in sd if k not in known]
+    unexpected = [k for k in sources if k not in known]
     if unexpected:
         raise ValueError(
             f"unexpected tensor {unexpected[0]!r} in the native state dict "
             f"({len(unexpected)} in all); it does not match the model args"
         )
-    out = {}
+    missing = sorted(known - set(sources))
+    if missing:
+        raise ValueError(f"tensor {missing[0]!r} is missing from the native state dict")
+    out: dict[str, TensorSource] = {}
     for hf_name, native_name in pairs:
         if not native_name:
             continue
-        if native_name not in sd:
-            raise ValueError(f"tensor {native_name!r} is missing from the native state dict")
-        w = sd[native_name]
         heads = _permute(native_name, args)
-        out[hf_name] = w if heads is None else _interleaved_to_rotate_half(w, heads)
+        source = sources[native_name]
+        out[hf_name] = source if heads is None else RowsPermuted(source, heads, to_native=False)
     for hf_name, native_name, expert in experts:
-        if native_name not in sd:
-            raise ValueError(f"tensor {native_name!r} is missing from the native state dict")
-        out[hf_name] = sd[native_name][expert].contiguous()
+        out[hf_name] = Selected(sources[native_name], expert)
     for hf_name in _zero_router_biases(args):
-        out[hf_name] = torch.zeros(args.moe.num_experts, dtype=torch.float32)
+        out[hf_name] = InMemory(torch.zeros(args.moe.num_experts, dtype=torch.float32))
     for hf_name, native_name in _mtp_shared_copies(args):  # as DeepSeek publishes them
-        out[hf_name] = sd[native_name].clone()  # a tensor of its own: safetensors refuses shared storage
+        out[hf_name] = sources[native_name]
     return out
 
 

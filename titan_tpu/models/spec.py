@@ -203,13 +203,15 @@ class NativeSpec(ModelSpec):
 
     @torch.no_grad()
     def load_hf_weights(self, model: TrainableModel, hf_dir: Path) -> None:
-        """Through the native <-> HF adapter (names, fused experts, RoPE layout); every tensor's
-        name and shape is checked before any is copied."""
-        from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
+        """Through the native <-> HF adapter (names, fused experts, RoPE layout, fp8 dequantised);
+        every tensor's name and shape is checked before any is read, and each process reads only
+        the blocks of the weights it holds."""
+        from titan_tpu.models.hf_checkpoint import hf_native_sources
+        from titan_tpu.models.hf_sources import read_block_
         from titan_tpu.models.lora import is_adapter_key
-        from titan_tpu.tensors import copy_full_
 
-        _, hf_args, weights = load_hf_checkpoint(hf_dir, mtp_num_layers=self.args.mtp_num_layers)
+        # Lazily: each process reads the blocks of the weights it holds, nothing else (models/hf_sources.py).
+        _, hf_args, weights = hf_native_sources(hf_dir, mtp_num_layers=self.args.mtp_num_layers)
         # What the shapes cannot show: weights computed with another RoPE or norm epsilon run silently wrong.
         for field in ("rope_theta", "rope_scaling", "norm_eps"):
             if getattr(hf_args, field) != getattr(self.args, field):
@@ -229,7 +231,7 @@ class NativeSpec(ModelSpec):
         if extra:
             raise ValueError(f"checkpoint.initial_load_path {hf_dir} has tensors the model lacks, e.g. {extra[0]}")
         for key, value in own.items():
-            copy_full_(value, weights[key])  # every rank read the file: each keeps its shard
+            read_block_(value, weights[key])
 
     def save_hf(self, state_dict: dict[str, torch.Tensor], hf_dir: Path, *, overwrite: bool) -> Path:
         """Through the native <-> HF adapter, in safetensors shards (models/hf_checkpoint.py)."""
