@@ -41,11 +41,12 @@ def require_multiprocess_marker() -> None:
 
 
 def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), kwargs: dict | None = None,
-                    timeout_s: float = 120.0, num_threads: int = 1) -> list:
-    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results."""
+                    timeout_s: float = 120.0, num_threads: int = 1, pg_timeout_s: float | None = None) -> list:
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results.
+    `pg_timeout_s`: the process group's collective timeout (default: torch's)."""
     require_multiprocess_marker()
     return run_ranks(fn, world_size=world_size, args=args, kwargs=kwargs, timeout_s=timeout_s,
-                     num_threads=num_threads)
+                     num_threads=num_threads, pg_timeout_s=pg_timeout_s)
 
 
 def _train_rank(config: str, overrides: list[str]) -> str:

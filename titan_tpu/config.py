@@ -167,6 +167,13 @@ class ParallelismConfig:
     # dense models, composes with tp (cp x tp) and the data-parallel axes. seq_len divisible by
     # 2 x cp, and seq_len / cp by tp.
     cp: int = 1
+    # TPU slices the run spans (MaxText's num_slices; docs/multi_host.md): the slices talk over the
+    # data-center network (DCN), so dp_replicate is laid across them, the outermost mesh axis
+    # (MaxText's dcn_data_parallelism = slices) and everything else stays inside each slice over ICI
+    # (ici_data_parallelism = dp_replicate / slices, ici_fsdp = dp_shard, ici_sequence = cp,
+    # ici_tensor = tp). dp_replicate must be a multiple of it. `titan-tpu plan` times dp_replicate's
+    # all-reduce at the DCN's rate; `titan-tpu compile` compiles for that many slices.
+    slices: int = 1
 
 
 @dataclass
@@ -260,6 +267,10 @@ class DataConfig:
     max_bytes: int = 0  # stop reading the corpus after this many bytes; 0 = all of it
     tokenizer_path: str = ""  # a tokenizer.json; empty = train a byte-level BPE of the model's vocab size
     cache_dir: str = ""  # where tokenizers and token shards are cached; empty = ~/.cache/titan_tpu
+    # The most a run tokenizes itself, in MB of source on disk (data.max_bytes caps it): a source not
+    # yet in the cache above it (or a BPE to train on one) is refused in one line naming `titan-tpu
+    # prepare-data`, which tokenizes ahead in parallel processes; 0 = no limit (docs/data.md).
+    tokenize_limit_mb: float = 1000.0
     val_fraction: float = 0.01  # share of the token stream held out for validation
     # Packed windows hold several documents: true keeps attention within each document and restarts
     # RoPE positions at each one (the loader emits per-token positions); false attends across them.
@@ -321,6 +332,14 @@ class CheckpointConfig:
     # Also write the local tier every this many steps (0: only on SIGTERM, with grace_seconds > 0):
     # a kill -9 then loses at most this many steps.
     local_interval: int = 0
+    # Where the persistent checkpoints go: "" = <output_dir>/checkpoints; a relative path is under
+    # output_dir; e.g. a gcsfuse mount of a bucket (docs/fault_tolerance.md, checkpoints on object storage).
+    folder: str = ""
+    # How a checkpoint is committed (train/checkpoint.py): rename (written into a hidden directory,
+    # renamed into place: atomic on local disks and NFS), marker (written in place; complete once its
+    # checkpoint.json, written last, exists: object-store mounts, where renaming a directory copies it
+    # object by object), auto (marker on a gcsfuse / s3fs / mountpoint-s3 mount, else rename).
+    commit: Literal["auto", "rename", "marker"] = "auto"
 
 
 @dataclass
@@ -567,6 +586,10 @@ def check(cfg: Config) -> None:
     if cfg.parallelism.dp_replicate < 1 or (cfg.parallelism.dp_shard < 1 and cfg.parallelism.dp_shard != -1):
         raise ValueError(f"parallelism.dp_replicate = {cfg.parallelism.dp_replicate} and parallelism.dp_shard = "
                          f"{cfg.parallelism.dp_shard} must be >= 1 (dp_shard may be -1: the remaining ranks)")
+    if cfg.parallelism.slices < 1 or cfg.parallelism.dp_replicate % cfg.parallelism.slices:
+        raise ValueError(f"parallelism.slices = {cfg.parallelism.slices} lays dp_replicate across the slices "
+                         f"(MaxText's dcn_data_parallelism): set parallelism.dp_replicate to a multiple of it (now "
+                         f"{cfg.parallelism.dp_replicate}), or slices to 1")
     if cfg.compile.prefetch < -1:
         raise ValueError(f"compile.prefetch = {cfg.compile.prefetch} must be >= -1 (-1: keep the trace order)")
     if cfg.parallelism.bucket_mb < 0:
@@ -609,6 +632,8 @@ def check(cfg: Config) -> None:
     _check_grpo(cfg.grpo)
     if cfg.data.max_bytes < 0:
         raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
+    if cfg.data.tokenize_limit_mb < 0:
+        raise ValueError(f"data.tokenize_limit_mb = {cfg.data.tokenize_limit_mb:g} must be >= 0 (0: no limit)")
     _check_fault_tolerance(cfg.fault_tolerance)
 
 

@@ -2,10 +2,11 @@
 state (what a checkpoint holds) read from and written into them.
 
 The order matters for reproducibility and is the trainer's of before: the device and the process
-group, the mesh, the output directory's lock, the global seed, the data (rank 0 tokenizes first),
-the model (initialised from the seeded global RNG), the objective (a reference model for DPO),
-the optimizer, the step function. What differs between objectives is asked of the objective's
-own builders (`_data`, `_objective`), not of the loops.
+group, the mesh, the output directory's lock, the global seed, the data (rank 0 tokenizes first,
+the others wait on the store, without a timeout), the model (initialised from the seeded global
+RNG), the objective (a reference model for DPO), the optimizer, the step function. What differs
+between objectives is asked of the objective's own builders (`_data`, `_objective`), not of the
+loops.
 """
 
 from __future__ import annotations
@@ -156,11 +157,14 @@ class Components:
         if any(s.format == "chat" for s in sources):  # labels IGNORE_INDEX outside the assistant's turns
             cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.kernel_device_type)
         cfg.kernels.check_device(self.backend.kernel_device_type, documents=self.document_mask)
-        # Rank 0 tokenizes (or finds the cache) first; the others then only read the cache.
-        with main_process_first():
+        # Rank 0 tokenizes (or finds the cache) first; the others then read the cache (or fill their
+        # host's own). A source above data.tokenize_limit_mb not yet in the cache is refused in one line
+        # that names prepare-data; the ranks wait on the store meanwhile, with no timeout (runtime.py).
+        with main_process_first(log=self.log, what="the other ranks to open (or tokenize) the data"):
             prepared = prepare_data(cfg.data, sources, vocab_size=self.model_args.vocab_size,
                                     tokenizer_path=self.setup.tokenizer_path,
-                                    cache_dir=cfg.data.cache_dir or default_cache_dir(), log=self.log)
+                                    cache_dir=cfg.data.cache_dir or default_cache_dir(), log=self.log,
+                                    tokenize_limit_mb=cfg.data.tokenize_limit_mb)
         self.tokenizer = prepared.tokenizer
         self.train_loader, self.val_loader = build_loaders(
             cfg.data, prepared, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, dp_rank=self.data_rank,

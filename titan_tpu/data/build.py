@@ -26,18 +26,19 @@ class PreparedData:
 
 
 def prepare_data(data_cfg: Any, sources: list[Any], *, vocab_size: int, tokenizer_path: str | None,
-                 cache_dir: str | Path, workers: int = 1, log: Callable[[str], None] = print) -> PreparedData:
-    """Tokenize (or find in the cache) every training source and data.val_source."""
+                 cache_dir: str | Path, workers: int = 1, log: Callable[[str], None] = print,
+                 tokenize_limit_mb: float = 0.0) -> PreparedData:
+    """Tokenize (or find in the cache) every training source and data.val_source. A training run
+    passes data.tokenize_limit_mb (a source above it that is not in the cache is refused, naming
+    prepare-data); prepare-data itself has no limit (0)."""
     max_bytes = data_cfg.max_bytes or None
-    tokenizer, train = prepare_sources(sources, max_bytes=max_bytes, tokenizer_path=tokenizer_path,
-                                       vocab_size=vocab_size, cache_dir=cache_dir, workers=workers,
-                                       chat_template_choice=data_cfg.chat_template, log=log)
+    common = dict(max_bytes=max_bytes, vocab_size=vocab_size, cache_dir=cache_dir, workers=workers,
+                  chat_template_choice=data_cfg.chat_template, log=log, tokenize_limit_mb=tokenize_limit_mb)
+    tokenizer, train = prepare_sources(sources, tokenizer_path=tokenizer_path, **common)
     val: list[PreparedSource] = []
     if data_cfg.val_source:
         spec = replace(sources[0], path=data_cfg.val_source, weight=1.0, name="val")
-        _, val = prepare_sources([spec], max_bytes=max_bytes, tokenizer_path=str(tokenizer_path or tokenizer.path),
-                                 vocab_size=vocab_size, cache_dir=cache_dir, workers=workers,
-                                 chat_template_choice=data_cfg.chat_template, log=log)
+        _, val = prepare_sources([spec], tokenizer_path=str(tokenizer_path or tokenizer.path), **common)
     return PreparedData(tokenizer, train, val)
 
 

@@ -263,12 +263,16 @@ def _log(message: str) -> None:
 
 def prepare_sources(specs: list[Any], *, max_bytes: int | None, tokenizer_path: str | None, vocab_size: int,
                     cache_dir: str | Path, workers: int = 1, chat_template_choice: str = "",
-                    log: Callable[[str], None] = _log) -> tuple[Tokenizer, list[PreparedSource]]:
+                    log: Callable[[str], None] = _log,
+                    tokenize_limit_mb: float = 0.0) -> tuple[Tokenizer, list[PreparedSource]]:
     """Sources -> (tokenizer, prepared sources), cached under ``cache_dir`` by content keys.
 
     ``vocab_size`` is the model's. Without ``tokenizer_path`` a byte-level BPE of that size is
     trained on the text sources (a single source keeps the cache key ``prepare_dataset`` uses);
     chat sources need ``tokenizer_path`` (an HF model directory with a chat template).
+    ``tokenize_limit_mb`` > 0 (a training run's data.tokenize_limit_mb): a source that is not in the
+    cache and holds more than this many MB on disk, or a BPE to train on such sources, is refused in
+    one line naming ``titan-tpu prepare-data`` (which passes 0: no limit).
     """
     from titan_tpu.data.corpus import corpus_fingerprint, iter_documents
     from titan_tpu.data.sources import check_source, normalized_weights
@@ -301,13 +305,16 @@ def prepare_sources(specs: list[Any], *, max_bytes: int | None, tokenizer_path: 
         prints = list(text_prints.values())
         key = prints[0] if len(prints) == 1 else _sha("|".join(prints))
         tok_file = cache_dir / "tokenizers" / f"bpe-{key[:16]}-v{vocab_size}" / "tokenizer.json"
-        if tok_file.is_file():
-            tokenizer = load_tokenizer(tok_file)
-        else:
-            t0 = time.perf_counter()
-            docs = (d for s in specs for d in texts(s))
-            tokenizer = train_bpe_tokenizer(docs, vocab_size=vocab_size, save_path=tok_file)
-            log(f"data: trained BPE (vocab {vocab_size}) in {time.perf_counter() - t0:.1f}s -> {tok_file}")
+        with _build_lock(tok_file.parent):  # one process per cache trains it; the others then load it
+            if tok_file.is_file():
+                tokenizer = load_tokenizer(tok_file)
+            else:
+                _check_run_may_tokenize([s for s in specs if s.format == "text"], max_bytes=max_bytes,
+                                        limit_mb=tokenize_limit_mb, doing="training a BPE tokenizer on")
+                t0 = time.perf_counter()
+                docs = (d for s in specs for d in texts(s))
+                tokenizer = train_bpe_tokenizer(docs, vocab_size=vocab_size, save_path=tok_file)
+                log(f"data: trained BPE (vocab {vocab_size}) in {time.perf_counter() - t0:.1f}s -> {tok_file}")
     assert tokenizer.path is not None
     tok_hash = _file_sha256(tokenizer.path)
     chat_template = None
@@ -339,6 +346,7 @@ def prepare_sources(specs: list[Any], *, max_bytes: int | None, tokenizer_path: 
         with _build_lock(directory):  # one build per cache entry at a time; the others then open it
             opened = _open(spec, directory, log)
             if opened is None:
+                _check_run_may_tokenize([spec], max_bytes=max_bytes, limit_mb=tokenize_limit_mb, doing="tokenizing")
                 t0 = time.perf_counter()
                 build_shards(values(), tokenizer, directory, workers=workers,
                              chat=chat_template if spec.format == "chat" else None, label=spec.label,
@@ -367,6 +375,25 @@ def _open(spec: Any, directory: Path, log: Callable[[str], None]) -> PreparedSou
     log(f"data: {spec.label}: {chat.num_conversations:,} conversations, {chat.tokens.num_tokens:,} tokens, "
         f"{chat.num_trained:,} trained")
     return PreparedSource(spec, chat=chat)
+
+
+def _check_run_may_tokenize(specs: list[Any], *, max_bytes: int | None, limit_mb: float, doing: str) -> None:
+    """Refuse (one line naming prepare-data) to tokenize in a training run more than ``limit_mb`` MB of
+    source on disk (capped by data.max_bytes): a run tokenizes in one process while the other ranks
+    wait, at a few MB/s; prepare-data tokenizes ahead in one process per core. 0: no limit. A source
+    whose size is not known on disk (the built-in stdlib corpus) is not counted."""
+    if not limit_mb:
+        return
+    sizes = {s.label: _source_bytes(s.path) for s in specs if s.path != "stdlib"}
+    sizes = {label: min(b, max_bytes) if max_bytes else b for label, b in sizes.items() if b}
+    total = sum(sizes.values())
+    if total <= limit_mb * 1e6:
+        return
+    names = ", ".join(repr(label) for label in sizes)
+    raise ValueError(f"data: {doing} {names} ({total / 1e6:,.1f} MB on disk) is more than a run does itself "
+                     f"(data.tokenize_limit_mb = {limit_mb:g}): tokenize it ahead with `titan-tpu prepare-data` and "
+                     "the run's --config and data overrides (--workers N: N processes; on every host, or with a "
+                     "data.cache_dir all hosts share), or raise data.tokenize_limit_mb (0: no limit)")
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ RANK_PRELOAD = ("torch", "torch.distributed.tensor", "titan_tpu.loops.pretrain")
 
 
 def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, args: tuple, kwargs: dict,
-            num_threads: int, environ: dict[str, str]) -> None:
+            num_threads: int, environ: dict[str, str], pg_timeout_s: float | None = None) -> None:
     # Everything the fork server imported (torch, titan_tpu, the caller's module) lives as long as
     # the rank: move it out of the collector's generations, so that no collection walks it again.
     gc.freeze()
@@ -56,7 +57,8 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)  # a client of the parent's server
     use_single_thread_gloo()  # gloo's transport is not safe with two collectives of a group at once
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    timeout = None if pg_timeout_s is None else timedelta(seconds=pg_timeout_s)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(*args, **kwargs)
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
@@ -72,15 +74,17 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str
 
 
 def run_ranks(fn: Callable, *, world_size: int, args: tuple = (), kwargs: dict | None = None,
-              timeout_s: float = 120.0, num_threads: int = 1) -> list:
-    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results."""
+              timeout_s: float = 120.0, num_threads: int = 1, pg_timeout_s: float | None = None) -> list:
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the per-rank results.
+    `pg_timeout_s`: the process group's collective timeout (default: torch's, 30 minutes for gloo)."""
     # The store server: port 0 lets the OS pick a free port as it binds; ranks connect as clients.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     _preload_fork_server(fn)
     with tempfile.TemporaryDirectory(prefix="titan_tpu_dist_") as result_dir:
         context = mp.start_processes(
             _worker,
-            args=(fn, world_size, store.port, result_dir, args, kwargs or {}, num_threads, dict(os.environ)),
+            args=(fn, world_size, store.port, result_dir, args, kwargs or {}, num_threads, dict(os.environ),
+                  pg_timeout_s),
             nprocs=world_size,
             join=False,
             start_method="forkserver",
