@@ -8,7 +8,7 @@ import torch
 
 from titan_tpu.cli import main
 from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
-from titan_tpu.models.hf_checkpoint import load_model_from_hf, save_hf_checkpoint
+from titan_tpu.models.hf_checkpoint import load_hf_checkpoint, load_model_from_hf, save_hf_checkpoint
 from titan_tpu.models.registry import build_model
 from titan_tpu.train.checkpoint import load_checkpoint
 
@@ -85,7 +85,8 @@ def test_convert_round_trip_and_finetune_start(tmp_path, train_overrides, capsys
                              *train_overrides(training__steps=2, validation__enabled="false"))
     assert code == 0, err
     assert "checkpoint: " in out and "step-00000002" in out
-    code, _, err = run_cli(capsys, "convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf"))
+    code, _, err = run_cli(capsys, "convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf"),
+                           "--dtype", "float32")
     assert code == 0, err
     # The run's tokenizer goes along, so the export is usable on its own.
     assert (tmp_path / "hf/tokenizer.json").read_bytes() == (tmp_path / "run/tokenizer.json").read_bytes()
@@ -97,6 +98,14 @@ def test_convert_round_trip_and_finetune_start(tmp_path, train_overrides, capsys
     trained.load_state_dict(state["model"])
     tokens = torch.randint(0, args.vocab_size, (1, 32))
     torch.testing.assert_close(exported(tokens), trained(tokens), rtol=0, atol=0)
+
+    # By default the export is in bfloat16, as models are served: the trained weights rounded once.
+    code, _, err = run_cli(capsys, "convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "bf16"))
+    assert code == 0, err
+    _, _, served = load_hf_checkpoint(tmp_path / "bf16")
+    assert {t.dtype for t in served.values()} == {torch.bfloat16}
+    for key, value in state["model"].items():
+        assert torch.equal(served[key], value.to(torch.bfloat16)), key
 
     # Converting onto an existing export without --overwrite refuses and leaves it whole.
     before = sorted(p.name for p in (tmp_path / "hf").iterdir())

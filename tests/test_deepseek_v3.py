@@ -311,7 +311,8 @@ def test_eval_hf_dir_runs_natively_training_starts_from_it_and_exports_back(tmp_
     assert code == 0, err
     assert f"initial weights loaded from {tmp_path / 'hf'}" in out
 
-    assert main(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "export")]) == 0
+    assert main(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "export"),
+                 "--dtype", "float32"]) == 0
     state = load_checkpoint(tmp_path / "run/checkpoints/step-00000002")
     trained = build_model(debug)
     trained.load_state_dict(state["model"])

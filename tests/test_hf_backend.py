@@ -275,7 +275,8 @@ def test_directory_round_trip_train_resume_export(tmp_path):
     resumed = _train(tmp_path / "resumed", cache, str(hf_dir))
     assert [r["loss"] for r in resumed if "loss" in r] == [r["loss"] for r in straight if "loss" in r][10:]
 
-    assert main(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "export")]) == 0
+    assert main(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "export"),
+                 "--dtype", "float32"]) == 0
     assert (tmp_path / "export" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
     trained = load_full_state_dict(tmp_path / "run" / "checkpoints" / "step-00000020")

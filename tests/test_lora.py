@@ -318,7 +318,8 @@ def _peft_and_merged_logits(base_dir, run_dir, out, tokens):
     from titan_tpu.cli import main
 
     assert main(["convert", "--checkpoint", str(run_dir), "--to-peft", str(out / "peft")]) == 0
-    assert main(["convert", "--checkpoint", str(run_dir), "--to-hf", str(out / "merged"), "--merge-lora"]) == 0
+    assert main(["convert", "--checkpoint", str(run_dir), "--to-hf", str(out / "merged"), "--merge-lora",
+                 "--dtype", "float32"]) == 0
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     adapted = peft.PeftModel.from_pretrained(base, str(out / "peft")).eval()
     merged = AutoModelForCausalLM.from_pretrained(str(out / "merged"), dtype=torch.float32).eval()

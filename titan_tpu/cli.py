@@ -193,6 +193,9 @@ def convert_main(argv: list[str]) -> int:
                                              "directory or Hub id; default: the HF directory the run started from)")
     parser.add_argument("--merge-lora", action="store_true",
                         help="with --to-hf: fold a LoRA run's adapters into the weights (a plain HF model)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                        help="with --to-hf: the dtype of the exported weights (default bfloat16, as models are "
+                             "served; float32 keeps the checkpoint's master weights exactly)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     args = parser.parse_args(argv)
 
@@ -208,7 +211,7 @@ def convert_main(argv: list[str]) -> int:
                                              base_model=args.base_model, log=lambda line: print(line, file=sys.stderr))
         else:
             out = convert.checkpoint_to_hf(args.checkpoint, args.to_hf, overwrite=args.overwrite,
-                                           merge_lora=args.merge_lora)
+                                           merge_lora=args.merge_lora, dtype=convert.EXPORT_DTYPES[args.dtype])
     else:
         if not args.to_checkpoint:
             parser.error("--hf-dir needs --to-checkpoint OUT_DIR")

@@ -9,8 +9,13 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from titan_tpu.data.tokenizer import tokenizer_files
 from titan_tpu.train.checkpoint import STATE_FILE, Checkpointer, load_full_state_dict, read_checkpoint_meta
+
+# What `convert --to-hf --dtype` writes.
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -27,11 +32,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: bool = False,
-                     merge_lora: bool = False) -> Path:
-    """Export the model weights (and the run's tokenizer.json, when there is one) as an HF directory.
-    A LoRA run's adapters are folded into the weights they adapt (merge_lora), the plain model."""
-    from titan_tpu.models.lora import merge_lora_state_dict
+                     merge_lora: bool = False, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Export the model weights in `dtype` (bfloat16 by default, as models are served), and the run's
+    tokenizer.json when there is one, as an HF directory. A LoRA run's adapters are folded into the
+    weights they adapt (merge_lora), the plain model. The weights are read from the checkpoint
+    block by block as they are written (train/checkpoint_sources.py): a native model's export
+    holds one tensor at a time, never the model (a Transformers-backend model is written by
+    transformers, from memory)."""
+    from titan_tpu.models.lora import merge_lora_sources
     from titan_tpu.models.spec import checkpoint_spec
+    from titan_tpu.train.checkpoint_sources import CheckpointTensors
 
     step_dir = resolve_checkpoint(checkpoint)
     meta = read_checkpoint_meta(step_dir)
@@ -43,11 +53,16 @@ def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: b
     if merge_lora and not lora:
         raise ValueError(f"--merge-lora: checkpoint {step_dir} holds no LoRA adapters (trained without "
                          "lora.enabled); leave --merge-lora out")
-    # Only the model's tensors: the optimizer moments (twice the model's size) are not needed here.
-    state_dict = load_full_state_dict(step_dir)
+    if dtype not in EXPORT_DTYPES.values():
+        raise ValueError(f"an export in {dtype} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
+    # Only the model's tensors: the optimizer moments (twice the model's size) are not read.
+    try:
+        sources = CheckpointTensors(step_dir).sources()
+    except Exception as e:
+        raise ValueError(f"checkpoint {step_dir} cannot be read ({e}); it is damaged: export an earlier one") from None
     if lora:
-        state_dict = merge_lora_state_dict(state_dict, scaling=lora["alpha"] / lora["rank"])
-    out = spec.save_hf(state_dict, Path(hf_dir), overwrite=overwrite)
+        sources = merge_lora_sources(sources, scaling=lora["alpha"] / lora["rank"])
+    out = spec.export_hf(sources, Path(hf_dir), dtype=dtype, overwrite=overwrite)
     tokenizer = step_dir.parent.parent / "tokenizer.json"  # <run>/checkpoints/step-N -> <run>
     if tokenizer.is_file():  # with its chat template, so a chat fine-tune can start from the export
         for source in tokenizer_files(tokenizer):

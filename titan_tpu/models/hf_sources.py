@@ -18,6 +18,7 @@ read before every name and shape is checked):
   one of them again (an export).
 * `Narrowed`: a range of one dimension of a source (the gate half of transformers 5.x's fused
   `gate_up_proj`).
+* `MergedLoRA`: a base weight with its LoRA pair folded in (an export of a LoRA run).
 * `BlockDequantized`: an fp8 weight times its per-block scale, `weight_scale_inv` (DeepSeek-V3's
   released checkpoints: e4m3 weights in 128 x 128 blocks), dequantised to float32 on the way in.
 
@@ -35,8 +36,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["BlockDequantized", "FileTensor", "InMemory", "Narrowed", "RowsPermuted", "Selected", "ShardFiles",
-           "Stacked", "TensorSource", "full_index", "read_block_"]
+__all__ = ["BlockDequantized", "FileTensor", "InMemory", "MergedLoRA", "Narrowed", "RowsPermuted", "Selected",
+           "ShardFiles", "Stacked", "TensorSource", "full_index", "read_block_"]
 
 
 class TensorSource(Protocol):
@@ -190,6 +191,29 @@ class BlockDequantized:
         scale = scale.float().repeat_interleave(b0, dim=0).repeat_interleave(b1, dim=1)
         scale = scale[rows.start - r0 * b0: rows.stop - r0 * b0, cols.start - c0 * b1: cols.stop - c0 * b1]
         return self.weight.read(index).float() * scale
+
+
+@dataclasses.dataclass
+class MergedLoRA:
+    """A base weight [out, in] with its LoRA pair folded in, W + (B @ A) * scaling, block by block:
+    rows of B, columns of A."""
+
+    weight: TensorSource
+    lora_a: TensorSource  # [rank, in]
+    lora_b: TensorSource  # [out, rank]
+    scaling: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.weight.shape
+
+    def read(self, index: tuple[slice, ...]) -> Tensor:
+        rows, cols = index
+        rank = self.lora_a.shape[0]
+        a = self.lora_a.read((slice(0, rank), cols)).float()
+        b = self.lora_b.read((rows, slice(0, rank))).float()
+        weight = self.weight.read(index)
+        return (weight.float() + (b @ a) * self.scaling).to(weight.dtype)
 
 
 def read_block_(target: Tensor, source: TensorSource) -> None:

@@ -36,10 +36,12 @@ from titan_tpu.tensors import copy_full_
 
 if TYPE_CHECKING:
     from titan_tpu.config import LoRAConfig
+    from titan_tpu.models.hf_sources import TensorSource
 
 __all__ = ["ADAPTER_NAMES", "DEFAULT_TARGETS", "LoRASettings", "adapters_disabled", "add_adapters", "apply_lora",
            "freeze_base",
-           "init_lora_", "is_adapter_key", "layers_in_every_block", "lora_modules", "merge_lora_state_dict",
+           "init_lora_", "is_adapter_key", "layers_in_every_block", "lora_modules", "merge_lora_sources",
+           "merge_lora_state_dict",
            "target_names"]
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
@@ -232,6 +234,20 @@ def merge_lora_state_dict(state_dict: dict[str, torch.Tensor], *, scaling: float
             a, b = state_dict[key].float(), state_dict[prefix + "lora_B"].float()
             weight = merged[prefix + "weight"]
             merged[prefix + "weight"] = (weight.float() + (b @ a) * scaling).to(weight.dtype)
+    return merged
+
+
+def merge_lora_sources(sources: dict[str, TensorSource], *, scaling: float) -> dict[str, TensorSource]:
+    """`merge_lora_state_dict` of weights given as sources (models/hf_sources.py): each adapted
+    weight read with its pair folded in, block by block, when an export asks for it."""
+    from titan_tpu.models.hf_sources import MergedLoRA
+
+    merged = {k: v for k, v in sources.items() if not is_adapter_key(k)}
+    for key in sources:
+        if key.endswith(".lora_A"):
+            prefix = key[: -len("lora_A")]
+            merged[prefix + "weight"] = MergedLoRA(merged[prefix + "weight"], sources[key], sources[prefix + "lora_B"],
+                                                   scaling)
     return merged
 
 

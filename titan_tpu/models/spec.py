@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from titan_tpu.config import Config, ModelConfig
     from titan_tpu.model_contract import TrainableModel
+    from titan_tpu.models.hf_sources import TensorSource
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import MixedPrecision
 
@@ -238,6 +239,13 @@ class NativeSpec(ModelSpec):
         from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
 
         return save_hf_checkpoint(hf_dir, name=self.name, args=self.args, state_dict=state_dict, overwrite=overwrite)
+
+    def export_hf(self, sources: dict[str, TensorSource], hf_dir: Path, *, dtype: torch.dtype, overwrite: bool) -> Path:
+        """Streamed: one tensor in memory at a time (models/hf_checkpoint.py `save_hf_sources`)."""
+        from titan_tpu.models.hf_checkpoint import save_hf_sources
+
+        return save_hf_sources(hf_dir, name=self.name, args=self.args, sources=sources, dtype=dtype,
+                               overwrite=overwrite)
 
     def hf_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Through the native <-> HF adapter: HF names, B's rows in HF's RoPE layout."""

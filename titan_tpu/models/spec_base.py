@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from titan_tpu.config import Config, ModelConfig
     from titan_tpu.model_contract import TrainableModel
+    from titan_tpu.models.hf_sources import TensorSource
     from titan_tpu.parallel.mesh import ParallelDims
 
 Log = Callable[[str], None]
@@ -74,6 +75,15 @@ class ModelSpec(ABC):
     @abstractmethod
     def save_hf(self, state_dict: dict[str, torch.Tensor], hf_dir: Path, *, overwrite: bool) -> Path:
         """Write a full state dict (our names) as a Hugging Face directory that from_pretrained loads."""
+
+    def export_hf(self, sources: dict[str, TensorSource], hf_dir: Path, *, dtype: torch.dtype, overwrite: bool) -> Path:
+        """`save_hf` of weights given as sources (a checkpoint read lazily, models/hf_sources.py), in
+        `dtype`. Here every weight is read into memory first; a spec that can write tensor by tensor
+        (the native one) streams them instead."""
+        from titan_tpu.models.hf_sources import full_index
+
+        state_dict = {key: source.read(full_index(source.shape)).to(dtype) for key, source in sources.items()}
+        return self.save_hf(state_dict, hf_dir, overwrite=overwrite)
 
 
     @abstractmethod

@@ -1,0 +1,101 @@
+"""A training checkpoint's model weights read lazily, block by block, for an export that never
+holds the whole model: each weight is a `TensorSource` (models/hf_sources.py) whose `read(index)`
+asks DCP for just that block of the tensor.
+
+Why not `load_full_state_dict`: it holds every weight at once in fp32 (1.6 TB for 405B). Here one
+block is in memory at a time, plus the one chunk DCP deserialises to serve it (a chunk is what one
+rank saved of that tensor, so a checkpoint of many ranks has small chunks), plus a small cache of
+whole tensors for the exports that read one tensor in many pieces (one expert at a time of a
+stacked expert weight).
+
+The block read is DCP's own resharding load, planned for one block: `_BlockLoadPlanner` asks
+`create_read_items_for_chunk_list` (the function DCP plans a rank's shard with) for the reads that
+cover the block, and DCP's reader does the rest (file layout, transforms, versions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+__all__ = ["CheckpointTensors", "SavedTensor"]
+
+# Whole tensors kept for reads of one piece at a time (experts exported one by one from their
+# stack): at most this many bytes; larger tensors are read block by block, uncached.
+CACHE_BYTES = 2 * 2**30
+
+
+class _BlockLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner for one block (`offsets`, `sizes`) of one saved tensor `fqn`."""
+
+    def __init__(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.block = (fqn, ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+
+    def create_local_plan(self) -> LoadPlan:
+        fqn, chunk = self.block
+        return LoadPlan(create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk]))
+
+
+class CheckpointTensors:
+    """The tensors a checkpoint saved under `key` ("model"), by their names there, as sources."""
+
+    def __init__(self, step_dir: str | Path, *, key: str = "model", cache_bytes: int = CACHE_BYTES):
+        self.path = Path(step_dir)
+        self.prefix = key + "."
+        saved = FileSystemReader(self.path).read_metadata().state_dict_metadata
+        self.tensors = {fqn[len(self.prefix):]: md for fqn, md in saved.items()
+                        if fqn.startswith(self.prefix) and isinstance(md, TensorStorageMetadata)}
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[str, Tensor] = OrderedDict()
+
+    def sources(self) -> dict[str, SavedTensor]:
+        return {name: SavedTensor(self, name, tuple(md.size), md.properties.dtype) for name, md in self.tensors.items()}
+
+    def read(self, name: str, index: tuple[slice, ...]) -> Tensor:
+        md = self.tensors[name]
+        shape = tuple(md.size)
+        whole = all(s.start == 0 and s.stop == n for s, n in zip(index, shape))
+        nbytes = math.prod(shape) * md.properties.dtype.itemsize
+        if whole or nbytes > self.cache_bytes:
+            self._cache.clear()  # one large read at a time: the cache does not stack on it
+            return self._load(name, index)
+        if name not in self._cache:
+            while self._cache and sum(t.nbytes for t in self._cache.values()) + nbytes > self.cache_bytes:
+                self._cache.popitem(last=False)
+            self._cache[name] = self._load(name, tuple(slice(0, n) for n in shape))
+        self._cache.move_to_end(name)
+        return self._cache[name][index]
+
+    def _load(self, name: str, index: tuple[slice, ...]) -> Tensor:
+        md = self.tensors[name]
+        offsets = tuple(s.start for s in index)
+        sizes = tuple(s.stop - s.start for s in index)
+        block = torch.empty(sizes, dtype=md.properties.dtype)
+        if block.numel():
+            fqn = self.prefix + name
+            dcp.load({fqn: block}, storage_reader=FileSystemReader(self.path),
+                     planner=_BlockLoadPlanner(fqn, offsets, sizes), no_dist=True)
+        return block
+
+
+@dataclasses.dataclass
+class SavedTensor:
+    checkpoint: CheckpointTensors
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def read(self, index: tuple[slice, ...]) -> Tensor:
+        return self.checkpoint.read(self.name, index)
