@@ -33,7 +33,7 @@ from titan_tpu.config import Config
 from titan_tpu.data.batch import Batch, as_batch
 from titan_tpu.data.tokenizer import tokenizer_files
 from titan_tpu.run_setup import prepare_run
-from titan_tpu.train.checkpoint import CheckpointSaveError
+from titan_tpu.train.checkpoint import CheckpointSaveError, checkpoint_step
 from titan_tpu.train.goodput import GoodputLedger, describe, start_time
 from titan_tpu.train.local_tier import LocalTierError
 from titan_tpu.train.metrics import MetricsLogger
@@ -98,9 +98,9 @@ class Trainer:
         the caller then writes to the persistent tier."""
         if not self.cfg.checkpoint.resume:
             return False
-        latest = self.checkpointer.latest()
+        latest = self.checkpointer.agreed_latest()  # collective: rank 0's view of the checkpoint directory
         local = self.local_tier.newest() if self.local_tier is not None else None  # collective
-        persistent_step = int(latest.name.split("-")[1]) if latest is not None else 0
+        persistent_step = checkpoint_step(latest) if latest is not None else 0
         if local is not None and local[0] > persistent_step:
             self.load_checkpoint(local[1], local=True)
             self.log(f"resumed from the local tier {local[1]} at step {self.step}, newer than the persistent "

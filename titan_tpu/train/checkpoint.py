@@ -10,10 +10,26 @@ Layout under ``<run>/checkpoints/``::
                               size and the size of every file above; written last: the completion marker
     latest                    text file naming the newest *complete* checkpoint ("step-00000100")
 
-Every rank writes into the hidden directory ``.step-XXXXXXXX.tmp``. Once all ranks have finished,
-rank 0 writes ``checkpoint.json``, fsyncs, renames the directory to ``step-XXXXXXXX``, moves
-``latest`` (itself replaced atomically) and prunes old checkpoints. A process killed at any moment
-therefore leaves ``latest`` on a complete checkpoint, and no partial directory is ever visible.
+Two commit protocols (``checkpoint.commit``), chosen per checkpoint directory:
+
+- **rename** (local disks, NFS, Lustre): every rank writes into the hidden directory
+  ``.step-XXXXXXXX.tmp``. Once all ranks have finished, rank 0 writes ``checkpoint.json``, fsyncs,
+  renames the directory to ``step-XXXXXXXX``, moves ``latest`` (itself replaced atomically) and
+  prunes old checkpoints. No partial directory is ever visible under a ``step-*`` name.
+- **marker** (object-store mounts: gcsfuse, s3fs, mountpoint-s3, where renaming a directory copies
+  every object one by one and is not atomic): every rank writes straight into the step's own
+  directory, a name never written before (``step-XXXXXXXX``, or ``step-XXXXXXXX-K`` when an earlier
+  attempt of the same step left that name: an object store's caches never see one name hold two
+  objects), and rank 0 writes ``checkpoint.json`` last, once every rank's files are whole: a
+  single object, which an object store creates whole or not at all. A directory is a checkpoint
+  exactly when that marker is in it; one without it is an attempt that died, ignored by
+  ``latest()`` and removed after the next commit. No directory is ever renamed; a checkpoint is
+  removed marker first, so a kill halfway through removing it leaves no "complete" directory
+  with missing shards. ``auto`` (the default) takes marker where /proc/self/mounts says the
+  directory is on such a mount.
+
+Either way a process killed at any moment leaves ``latest`` on a complete checkpoint, and the
+previous checkpoints untouched.
 
 A save that fails (no space, no permission, an I/O error) on any rank fails on every rank, as one
 ``CheckpointSaveError`` whose line names the checkpoint, the directory, the cause (with the bytes it
@@ -27,11 +43,13 @@ Works with or without an initialized process group.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
 import os
 import random
+import re
 import shutil
 import threading
 import warnings
@@ -59,6 +77,13 @@ STATE_FILE = "checkpoint.json"  # global state + completion marker
 DCP_METADATA = ".metadata"  # DCP's own index file
 LATEST = "latest"
 FORMAT_VERSION = 1
+COMMIT_MODES = ("auto", "rename", "marker")
+# Mounts of an object store, by their type in /proc/self/mounts (mountpoint-s3 mounts as plain "fuse"
+# with the source "mountpoint-s3"): there a directory rename is a copy of every object, not atomic.
+OBJECT_STORE_FILESYSTEMS = frozenset({"fuse.gcsfuse", "fuse.s3fs", "fuse.goofys", "fuse.blobfuse", "fuse.blobfuse2",
+                                      "fuse.rclone", "fuse.geesefs", "fuse.mountpoint-s3"})
+OBJECT_STORE_SOURCES = frozenset({"mountpoint-s3", "gcsfuse"})
+_STEP_DIR = re.compile(r"step-(\d+)(?:-(\d+))?")
 
 # Keys of the state dict whose tensors go through DCP (sharded, resharded on load). Non-tensor leaves
 # inside them (the optimizer's step count) are stored by DCP as pickled bytes and loaded back in place.
@@ -74,6 +99,64 @@ def step_dir_name(step: int) -> str:
 
 def rng_file_name(rank: int) -> str:
     return f"rng-rank{rank}.pt"
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step of a checkpoint directory (``step-00000120``, or ``step-00000120-1``: a marker-commit
+    save of a step an earlier attempt had started)."""
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    assert match is not None, path
+    return int(match.group(1))
+
+
+def _order(path: Path) -> tuple[int, int]:
+    """Checkpoints of one directory in the order they were written: by step, then attempt."""
+    match = _STEP_DIR.fullmatch(path.name)
+    return (int(match.group(1)), int(match.group(2) or 0)) if match else (-1, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# where a checkpoint directory lives: a filesystem, or an object store mounted as one
+
+
+def _unescape_mount_field(field: str) -> str:
+    """/proc/self/mounts writes a space, tab, newline and backslash in a path as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_of(path: str | Path, *, mounts: str | Path = "/proc/self/mounts") -> tuple[str, str, str] | None:
+    """(mount point, filesystem type, source) of the mount holding ``path`` (or its nearest existing
+    parent), from ``mounts``; None where that cannot be read (not Linux)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    path = path.resolve()
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    best = None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        source, point, fstype = _unescape_mount_field(fields[0]), _unescape_mount_field(fields[1]), fields[2]
+        if (path == Path(point) or Path(point) in path.parents) and (best is None or len(point) >= len(best[0])):
+            best = (point, fstype, source)
+    return best
+
+
+def commit_mode(directory: str | Path, requested: str = "auto", *, mounts: str | Path = "/proc/self/mounts") -> str:
+    """The commit protocol for checkpoints under ``directory`` (module docstring): ``requested``
+    unless it is ``auto``, which takes ``marker`` on an object-store mount, else ``rename``."""
+    if requested not in COMMIT_MODES:
+        raise ValueError(f"checkpoint.commit = {requested!r}: use one of {', '.join(COMMIT_MODES)}")
+    if requested != "auto":
+        return requested
+    mount = mount_of(directory, mounts=mounts)
+    on_object_store = mount is not None and (mount[1] in OBJECT_STORE_FILESYSTEMS or
+                                             (mount[1] == "fuse" and mount[2] in OBJECT_STORE_SOURCES))
+    return "marker" if on_object_store else "rename"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,10 +309,11 @@ class Checkpointer:
     """
 
     def __init__(self, checkpoint_dir: str | Path, *, keep_latest_k: int = 0, async_save: bool = False,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, commit: str = "auto"):
         self.dir = Path(checkpoint_dir)
         self.keep_latest_k = keep_latest_k
         self.async_save = async_save
+        self.commit = commit_mode(self.dir, commit)  # "rename" or "marker" (module docstring)
         self.log = log or (lambda message: print(message, flush=True) if _rank() == 0 else None)
         self._pending: _PendingSave | None = None
         self._async_group = None
@@ -243,9 +327,10 @@ class Checkpointer:
     @classmethod
     def from_config(cls, checkpoint: CheckpointConfig, run_dir: str | Path, *,
                     log: Callable[[str], None] | None = None) -> Checkpointer:
-        """The [checkpoint] section's checkpointer, writing under <run_dir>/checkpoints."""
-        return cls(Path(run_dir) / "checkpoints", keep_latest_k=checkpoint.keep_latest_k,
-                   async_save=checkpoint.async_save, log=log)
+        """The [checkpoint] section's checkpointer, writing under checkpoint.folder (default
+        <run_dir>/checkpoints; a relative folder is under run_dir)."""
+        return cls(Path(run_dir) / (checkpoint.folder or "checkpoints"), keep_latest_k=checkpoint.keep_latest_k,
+                   async_save=checkpoint.async_save, log=log, commit=checkpoint.commit)
 
     # -- public API --------------------------------------------------------------------------
 
@@ -258,14 +343,19 @@ class Checkpointer:
         """
         self.wait()  # one save in flight at a time; the previous one must be complete first
         tensors, rng, meta = _split_state(state)
-        final = self.dir / step_dir_name(step)
-        tmp = self.dir / f".{final.name}.tmp"
         rank = _rank()
         needed = _tensor_bytes(tensors)
+        name = step_dir_name(step)
         if rank == 0:
-            self._warn_if_short_of_space(final.name, needed)
-        error = self._attempt(lambda: self._make_staging_dir(tmp) if rank == 0 else None, final.name, needed)
-        self._raise_agreed(error, tmp)  # the directory exists before any rank writes into it
+            self._warn_if_short_of_space(name, needed)
+        # Rank 0 makes the directory every rank writes into (the staging directory, or under marker
+        # commits the step's own, a fresh name) and names it to the others.
+        made: list[Path | None] = [None]
+        error = self._attempt(lambda: made.__setitem__(0, self._make_write_dir(name)) if rank == 0 else None,
+                              name, needed)
+        self._raise_agreed(error, None)  # the directory exists before any rank writes into it
+        tmp = Path(_from_rank_0(str(made[0]) if made[0] else None))
+        final = tmp if self.commit == "marker" else self.dir / name
         meta = {**meta, "format": FORMAT_VERSION, "world_size": _world_size()}
         # Without a process group DCP must not attempt collectives (it would infer this too, noisily).
         no_dist = not _distributed()
@@ -312,8 +402,16 @@ class Checkpointer:
         """Complete checkpoint directories, oldest first (hidden temporary ones are ignored)."""
         if not self.dir.is_dir():
             return []
-        found = [p for p in self.dir.glob("step-*") if _is_complete(p)]
-        return sorted(found, key=lambda p: p.name)
+        found = [p for p in self.dir.glob("step-*") if _STEP_DIR.fullmatch(p.name) and _is_complete(p)]
+        return sorted(found, key=_order)
+
+    def agreed_latest(self) -> Path | None:
+        """``latest()`` as rank 0 sees it, on every rank (collective: every rank calls it). Hosts whose
+        view of shared storage lags (NFS attribute caches, gcsfuse's stat cache) then still resume
+        from the checkpoint rank 0 chose."""
+        found = self.latest() if _rank() == 0 else None
+        chosen = _from_rank_0(str(found) if found is not None else None)
+        return Path(chosen) if chosen is not None else None
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint: the one ``latest`` names, else the newest on disk.
@@ -339,11 +437,21 @@ class Checkpointer:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _make_staging_dir(self, tmp: Path) -> None:
+    def _make_write_dir(self, name: str) -> Path:
+        """Rank 0: the directory this save's ranks write into. rename: the hidden staging directory
+        (debris of a save that died there is removed first). marker: the step's own directory under
+        a name no earlier attempt used (``name``, else ``name-K``): debris stays until the next commit."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.commit == "marker":
+            taken = [p for p in self.dir.glob(f"{name}*") if _STEP_DIR.fullmatch(p.name)]
+            target = self.dir / (f"{name}-{max(_order(p)[1] for p in taken) + 1}" if taken else name)
+            target.mkdir()
+            return target
+        tmp = self.dir / f".{name}.tmp"
         if tmp.exists():  # debris of a save that died
             shutil.rmtree(tmp)
         tmp.mkdir()
+        return tmp
 
     def _warn_if_short_of_space(self, name: str, needed: int) -> None:
         free = _free_bytes(self.dir)
@@ -374,22 +482,28 @@ class Checkpointer:
                   if previous else "no earlier checkpoint exists")
         return f"checkpoint {name} could not be saved in {self.dir}: {why}; {intact}"
 
-    def _raise_agreed(self, local: str | None, tmp: Path) -> None:
+    def _raise_agreed(self, local: str | None, tmp: Path | None) -> None:
         """Every rank learns whether any rank failed; then all raise the first failure (rank 0
-        removing the staging directory first), or all go on together."""
+        removing the directory they wrote into first: the staging directory, or the uncommitted
+        step directory of a marker commit), or all go on together."""
         error = _first_error(local)
         if error is None:
             return
-        if _rank() == 0:
+        if _rank() == 0 and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(error)
 
     def _finalize(self, tmp: Path, final: Path, meta: dict) -> None:
-        """Rank 0, after every rank's files are written: marker, fsync, rename, pointer, prune."""
+        """Rank 0, after every rank's files are written: marker, fsync, rename (rename commits),
+        pointer, prune."""
         # Record every file's size, so a truncated or missing shard is caught before DCP reads it.
         meta = {**meta, "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}}
-        _write_durably(tmp / STATE_FILE, (json.dumps(meta, indent=1) + "\n").encode())
+        _write_durably(tmp / STATE_FILE, (json.dumps(meta, indent=1) + "\n").encode())  # marker: the commit
         _fsync_dir(tmp)
+        if self.commit == "marker":
+            _atomic_write_text(self.dir / LATEST, final.name + "\n")  # a file's rename: one object, copied whole
+            self._prune(committed=final)
+            return
         old = final.with_name(f".{final.name}.old")
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
             # Moved aside in one rename, not deleted in place: a kill halfway through deleting it
@@ -401,14 +515,20 @@ class Checkpointer:
         _atomic_write_text(self.dir / LATEST, final.name + "\n")
         self._prune()
 
-    def _prune(self) -> None:
+    def _prune(self, *, committed: Path | None = None) -> None:
         # Hidden directories of saves that died (only one save is ever in flight, and it just finished).
         for stale in [*self.dir.glob(".step-*.tmp"), *self.dir.glob(".step-*.old")]:
             shutil.rmtree(stale, ignore_errors=True)
+        if committed is not None:  # marker commits: attempts that died, and older saves of this step
+            step = checkpoint_step(committed)
+            for stale in self.dir.glob("step-*"):
+                if stale != committed and _STEP_DIR.fullmatch(stale.name) and (
+                        not _is_complete(stale) or checkpoint_step(stale) == step):
+                    _remove_checkpoint(stale)
         if self.keep_latest_k <= 0:
             return
         for old in self.complete_checkpoints()[: -self.keep_latest_k]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_checkpoint(old)
 
 
 class _PendingSave:
@@ -442,6 +562,23 @@ class _PendingSave:
             raise self.error
 
 
+def _remove_checkpoint(path: Path) -> None:
+    """Remove a checkpoint directory marker first: a kill halfway through leaves an incomplete
+    directory (ignored, removed later), never a "complete" one with missing shards."""
+    with contextlib.suppress(OSError):
+        (path / STATE_FILE).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _from_rank_0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (collective); ``value`` itself without a process group."""
+    if not _distributed():
+        return value
+    gathered: list[Any] = [None] * _world_size()
+    dist.all_gather_object(gathered, value)  # the collective _first_error uses: no device to choose
+    return gathered[0]
+
+
 def _torch_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -458,7 +595,7 @@ def _is_complete(path: Path) -> bool:
 
 def _fallback(path: Path) -> str:
     """What to do about the damaged checkpoint ``path``: the next older complete one, and how to use it."""
-    older = [p for p in Checkpointer(path.parent).complete_checkpoints() if p.name < path.name]
+    older = [p for p in Checkpointer(path.parent, commit="rename").complete_checkpoints() if _order(p) < _order(path)]
     if not older:
         return "there is no older complete checkpoint beside it: move it away to start from step 0"
     return (f"the next older complete checkpoint is {older[-1].name}: move {path.name} out of {path.parent} (or "
