@@ -4,11 +4,12 @@ directory of the debug flavor (its weights, a tokenizer.json with ChatML tokens 
 template), a folder of text and a file of conversations; `torchrun ... -m titan_tpu.train` runs as
 `titan-tpu train` in this process with overrides appended that shrink it to the CPU (the debug
 flavor, one rank, two eager steps, the CPU's kernels, TensorBoard alone: W&B is tests/test_trackers.py's).
-What it shows: the recipes start from an HF directory with its tokenizer, the continued-pretraining
-run exports with its tokenizer files, the LoRA chat run starts from that export, and the peft
-adapter it exports loads by itself (`AutoPeftModelForCausalLM`) with our model's logits. The
-commands a CPU cannot run (installing, the TPU check, downloads, logging in) are named, so a new
-kind of command on the page needs a decision here."""
+What it shows: the corpus is tokenized ahead by `prepare-data` and the run then tokenizes nothing,
+the recipes start from an HF directory with its tokenizer, the continued-pretraining run (its
+directory on the page's attached disk) exports with its tokenizer files, the LoRA chat run starts
+from that export, and the peft adapter it exports loads by itself (`AutoPeftModelForCausalLM`)
+with our model's logits. The commands a CPU cannot run (installing, the TPU check, downloads,
+logging in) are named, so a new kind of command on the page needs a decision here."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def world(tmp_path, data_cache, monkeypatch):
     write_jsonl(tmp_path / "data" / "chats.jsonl", conversations(60, turns=3))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TITAN_TPU_CACHE", str(data_cache))
-    return {"~/models/": f"{tmp_path}/models/", "~/data/": f"{tmp_path}/data/", "configs/": f"{ROOT}/configs/"}
+    return {"~/models/": f"{tmp_path}/models/", "~/data/": f"{tmp_path}/data/", "configs/": f"{ROOT}/configs/",
+            "/mnt/disks/persist/": f"{tmp_path}/persist/"}
 
 
 def _run(command: str, paths: dict[str, str]) -> list[str]:
@@ -111,8 +113,8 @@ def test_the_tpu_guide_runs_on_a_cpu(world, tmp_path, capsys):
     from titan_tpu.train.checkpoint import read_checkpoint_meta
 
     blocks = guide_blocks()
-    assert [language for language, _ in blocks] == ["bash", "bash", "bash", "bash", "python"]
-    ran, skipped = [], []
+    assert [language for language, _ in blocks] == ["bash", "bash", "bash", "bash", "bash", "python"]
+    ran, skipped, outs = [], [], []
     for language, block in blocks:
         if language != "bash":
             continue
@@ -120,15 +122,21 @@ def test_the_tpu_guide_runs_on_a_cpu(world, tmp_path, capsys):
             first = command.split()[0]
             if first in ("torchrun", "titan-tpu"):
                 ran.append(_run(command, world))
+                outs.append(capsys.readouterr().out)
             else:
                 assert first in NOT_ON_A_CPU, f"docs/tpu.md's guide shows {command!r}: run it here or name it"
                 skipped.append(first)
-    assert [argv[0] for argv in ran] == ["plan", "train", "convert", "train", "convert"]
+    assert [argv[0] for argv in ran] == ["plan", "prepare-data", "train", "convert", "train", "convert"]
     assert {"pip", "hf", "wandb"} <= set(skipped)
-    out = capsys.readouterr().out
+    out = "".join(outs)
 
+    # The corpus was tokenized ahead, and the continued-pretraining run opened those tokens.
+    assert "checkpoint:" in outs[0]  # the plan says how large a checkpoint is
+    assert "data: tokenized" in outs[1], outs[1]
+    assert "data: corpus: " in outs[2], "the run logs its data on stdout"
+    assert "data: tokenized" not in outs[2], "the run tokenized again what prepare-data had tokenized"
     base, cpt = tmp_path / "models" / "Qwen3-8B-Base", tmp_path / "models" / "qwen3-8b-cpt"
-    cpt_run, lora_run = tmp_path / "outputs" / "qwen3_8b_tpu", tmp_path / "outputs" / "qwen3_8b_lora_chat_tpu"
+    cpt_run, lora_run = tmp_path / "persist" / "qwen3_8b_tpu", tmp_path / "persist" / "qwen3_8b_lora_chat_tpu"
     # Continued pretraining took the directory's weights and its tokenizer, and its export carries them on.
     assert f"initial weights loaded from {base}" in out
     for name in ("tokenizer.json", "tokenizer_config.json"):
