@@ -273,3 +273,58 @@ def test_streamed_export_writes_the_dtype_asked_in_indexed_shards_safetensors_re
     _, _, back = load_hf_checkpoint(out)
     for key, value in model.state_dict().items():
         assert torch.equal(back[key], value.to(dtype)), key
+
+
+def test_checkpoint_blocks_read_through_dcp_equal_the_whole_tensors(tmp_path):
+    """The export's reads of a training checkpoint (train/checkpoint_sources.py): any block, read
+    alone or through the cache of whole tensors, equals that block of the tensor loaded whole."""
+    from titan_tpu.models.hf_sources import InMemory, MergedLoRA
+    from titan_tpu.train.checkpoint import Checkpointer, load_full_state_dict
+    from titan_tpu.train.checkpoint_sources import CheckpointTensors
+
+    _, spec = _spec("qwen3_moe_debug.toml")
+    state = build_model(spec.args, seed=2).state_dict()
+    step_dir = Checkpointer(tmp_path / "ckpt").save(1, {"step": 1, "model": state})
+    whole = load_full_state_dict(step_dir)
+    rng = random.Random(2)
+    for cache_bytes in (0, 2**30):  # every read from the files; whole tensors cached for partial reads
+        checkpoint = CheckpointTensors(step_dir, cache_bytes=cache_bytes)
+        sources = checkpoint.sources()
+        assert sources.keys() == whole.keys()
+        for key, source in sources.items():
+            assert source.shape == tuple(whole[key].shape) and source.dtype == whole[key].dtype
+            assert torch.equal(source.read(full_index(source.shape)), whole[key]), key
+            for _ in range(3):
+                index = _random_block(source.shape, rng)
+                assert torch.equal(source.read(index), whole[key][index]), (key, index)
+
+    # A LoRA pair folded in block by block: W + B @ A * scaling, as merge_lora_state_dict does it.
+    w, a, b = torch.randn(12, 10), torch.randn(3, 10), torch.randn(12, 3)
+    merged = MergedLoRA(InMemory(w), InMemory(a), InMemory(b), scaling=0.5)
+    torch.testing.assert_close(merged.read((slice(2, 9), slice(4, 10))), (w + b @ a * 0.5)[2:9, 4:10],
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_import_streams_each_tensor_into_the_checkpoint_and_the_export_gives_the_files_back(tmp_path):
+    """convert --hf-dir --to-checkpoint writes what a whole-dict save wrote (DCP plans from meta
+    placeholders, each tensor read when written), fp8 dequantised; --to-hf gives it back."""
+    pytest.importorskip("transformers")
+    from tests.test_deepseek_v3 import random_hf_model, tiny_args
+    from titan_tpu.convert import checkpoint_to_hf, hf_to_checkpoint
+    from titan_tpu.train.checkpoint import load_full_state_dict, read_checkpoint_meta
+
+    random_hf_model(tiny_args()).save_pretrained(tmp_path / "bf16")
+    _fp8_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
+    _, _, dequantised = load_hf_checkpoint(tmp_path / "fp8")
+    step_dir = hf_to_checkpoint(tmp_path / "fp8", tmp_path / "ckpt")
+    assert read_checkpoint_meta(step_dir)["model_name"] == "deepseek_v3"
+    saved = load_full_state_dict(step_dir)
+    assert saved.keys() == dequantised.keys()
+    for key, value in dequantised.items():
+        assert saved[key].dtype == value.dtype and torch.equal(saved[key], value), key
+    assert {saved[k].dtype for k in saved} == {torch.float32, torch.bfloat16}  # dequantised ones, stored ones
+
+    out = checkpoint_to_hf(step_dir, tmp_path / "export", dtype=torch.float32)
+    _, _, exported = load_hf_checkpoint(out)
+    for key, value in dequantised.items():
+        assert torch.equal(exported[key], value.float()), key

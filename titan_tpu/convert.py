@@ -71,16 +71,22 @@ def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: b
 
 
 def hf_to_checkpoint(hf_dir: str | Path, checkpoint_dir: str | Path, *, overwrite: bool = False) -> Path:
-    """Write a weights-only step-0 checkpoint, usable as --checkpoint.initial_load_path."""
-    from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
+    """Write a weights-only step-0 checkpoint, usable as --checkpoint.initial_load_path, in the
+    directory's dtype (fp8 weights dequantised to float32). Streamed: DCP plans the files from the
+    shapes, and each tensor is read from the safetensors files when its turn comes to be written
+    (train/checkpoint_sources.py), so one tensor is in memory at a time."""
+    from titan_tpu.models.hf_checkpoint import hf_native_sources
+    from titan_tpu.train.checkpoint_sources import SourcesSavePlanner, placeholder
 
     ckpt = Checkpointer(checkpoint_dir)
     if ckpt.latest() is not None and not overwrite:
         raise FileExistsError(f"{checkpoint_dir} already holds checkpoints; "
                               "pass --overwrite or choose another directory")
-    name, args, state_dict = load_hf_checkpoint(hf_dir)
-    saved = ckpt.save(0, {"step": 0, "model": state_dict, "model_name": name, "model_args": dataclasses.asdict(args),
-                          "base_weights": {"hf_dir": str(Path(hf_dir).absolute())}})
+    name, args, sources = hf_native_sources(hf_dir)
+    placeholders = {key: placeholder(source) for key, source in sources.items()}
+    planner = SourcesSavePlanner({f"model.{key}": source for key, source in sources.items()})
+    saved = ckpt.save(0, {"step": 0, "model": placeholders, "model_name": name, "model_args": dataclasses.asdict(args),
+                          "base_weights": {"hf_dir": str(Path(hf_dir).absolute())}}, planner=planner)
     tokenizer = Path(hf_dir) / "tokenizer.json"
     if tokenizer.is_file():  # beside the checkpoints: a run started from them finds it (run_setup.py)
         for source in tokenizer_files(tokenizer):

@@ -64,6 +64,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from titan_tpu.errors import RunError
 
@@ -334,8 +335,10 @@ class Checkpointer:
 
     # -- public API --------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write ``state`` as the checkpoint of ``step``; returns its (final) directory.
+    def save(self, step: int, state: dict[str, Any], *, planner: SavePlanner | None = None) -> Path:
+        """Write ``state`` as the checkpoint of ``step``; returns its (final) directory. ``planner``:
+        DCP's save planner, for one that reads the tensors as they are written (a conversion's
+        placeholders, train/checkpoint_sources.py); synchronous saves only.
 
         Synchronous saves return once the directory is complete and ``latest`` names it; async
         saves return once the tensors are staged, and the directory appears later (see ``wait``).
@@ -362,7 +365,8 @@ class Checkpointer:
         writer = FileSystemWriter(tmp)  # sync_files=True: every shard is fsynced
         if not self.async_save:
             # DCP gathers every rank's write errors and raises them on all ranks alike.
-            error = self._attempt(lambda: dcp.save(tensors, storage_writer=writer, no_dist=no_dist), final.name, needed)
+            error = self._attempt(lambda: dcp.save(tensors, storage_writer=writer, no_dist=no_dist, planner=planner),
+                                  final.name, needed)
             if error is None and rng is not None:
                 error = self._attempt(lambda: _write_durably(tmp / rng_file_name(rank), _torch_bytes(rng)),
                                       final.name, needed)
@@ -371,6 +375,7 @@ class Checkpointer:
                 error = self._attempt(lambda: self._finalize(tmp, final, meta), final.name, needed)
             self._raise_agreed(error, tmp)  # no rank races ahead (e.g. reads ``latest``) before the rename
             return final
+        assert planner is None, "a save planner is for synchronous saves"
         error = None
         if rng is not None:  # small: written now, from the main thread
             error = self._attempt(lambda: _write_durably(tmp / rng_file_name(rank), _torch_bytes(rng)),

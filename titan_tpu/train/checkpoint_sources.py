@@ -1,6 +1,7 @@
 """A training checkpoint's model weights read lazily, block by block, for an export that never
-holds the whole model: each weight is a `TensorSource` (models/hf_sources.py) whose `read(index)`
-asks DCP for just that block of the tensor.
+holds the whole model (`CheckpointTensors`), and written lazily, tensor by tensor, for an import
+(`SourcesSavePlanner`). Each weight is a `TensorSource` (models/hf_sources.py) whose
+`read(index)` asks DCP for just that block of the tensor.
 
 Why not `load_full_state_dict`: it holds every weight at once in fp32 (1.6 TB for 405B). Here one
 block is in memory at a time, plus the one chunk DCP deserialises to serve it (a chunk is what one
@@ -16,6 +17,7 @@ cover the block, and DCP's reader does the rest (file layout, transforms, versio
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 from collections import OrderedDict
 from pathlib import Path
@@ -24,12 +26,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import LoadPlan, WriteItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-__all__ = ["CheckpointTensors", "SavedTensor"]
+from titan_tpu.models.hf_sources import TensorSource, full_index
+
+__all__ = ["CheckpointTensors", "SavedTensor", "SourcesSavePlanner", "placeholder"]
 
 # Whole tensors kept for reads of one piece at a time (experts exported one by one from their
 # stack): at most this many bytes; larger tensors are read block by block, uncached.
@@ -46,6 +50,10 @@ class _BlockLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         fqn, chunk = self.block
         return LoadPlan(create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk]))
+
+    def lookup_tensor(self, index) -> Tensor:
+        # The block's buffer, whatever offset DCP names it by (a plain tensor has no shards to look up).
+        return self.state_dict[index.fqn]
 
 
 class CheckpointTensors:
@@ -99,3 +107,28 @@ class SavedTensor:
 
     def read(self, index: tuple[slice, ...]) -> Tensor:
         return self.checkpoint.read(self.name, index)
+
+
+class SourcesSavePlanner(DefaultSavePlanner):
+    """DCP's save planner for a state whose tensors are placeholders on the meta device (their
+    shapes and dtypes plan the files): each is read from its source (`sources`, by DCP's flattened
+    name, "model.<name>") when the writer comes to it, so one tensor is in memory at a time."""
+
+    def __init__(self, sources: dict[str, TensorSource]):
+        super().__init__()
+        self.sources = sources
+
+    def resolve_data(self, write_item: WriteItem) -> Tensor | io.BytesIO:
+        fqn = write_item.index.fqn
+        if fqn not in self.sources:
+            return super().resolve_data(write_item)
+        placeholder = self.lookup_object(write_item.index)
+        source = self.sources[fqn]
+        return source.read(full_index(source.shape)).to(placeholder.dtype)
+
+
+def placeholder(source: TensorSource) -> Tensor:
+    """A meta tensor of the source's shape and dtype (that of a one-element read) for
+    `SourcesSavePlanner` to plan with."""
+    corner = source.read(tuple(slice(0, min(n, 1)) for n in source.shape))
+    return torch.empty(source.shape, dtype=corner.dtype, device="meta")
