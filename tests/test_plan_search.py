@@ -141,8 +141,9 @@ def test_search_holds_tp_and_factorises_the_rest():
     assert layouts == {(1, 2), (2, 1)}
     assert not any(c.values["model.scan_layers"] for c in result.fitting)
     assert all(c.plan.mesh["tp"] == 2 for c in result.fitting)
-    recipe = search(for_planning(CONFIGS / "llama3_70b_h100_tp.toml", []), measure=False)
-    assert recipe.devices == 32 and recipe.fitting
+    recipe = search(for_planning(CONFIGS / "llama3_70b_h100_tp.toml", []), measure=False,
+                    keep=["parallelism.tp"])
+    assert recipe.devices == 32 and recipe.fitting and not recipe.tps
     assert {c.values["parallelism.dp_replicate"] * c.values["parallelism.dp_shard"] for c in recipe.fitting} == {4}
 
 

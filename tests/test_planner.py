@@ -343,7 +343,7 @@ def test_json_output(capsys):
     assert main(["plan", "--config", str(CONFIGS / "qwen3_235b_a22b_tpu.toml"), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["devices"] == 512 and plan["mesh"] == {"dp_replicate": 1, "dp_shard": 512, "ep": 8, "tp": 1, "cp": 1,
-                                                       "mode": "fully_shard", "gather": "layer",
+                                                       "slices": 1, "mode": "fully_shard", "gather": "layer",
                                                        "code_gather": "layer"}
     assert plan["hardware"]["name"] == "v5p" and plan["hardware"]["source"].startswith("https://")
     for key in ("parameters", "gradients", "optimizer_state", "activations", "gathered_weights", "moe_dispatch"):
@@ -410,7 +410,7 @@ def test_recipes_fit_once_weights_are_regathered_per_layer(recipe):
     assert off.mesh["code_gather"] == "model" and not off.fits
     assert kept.flops == today.flops
     # The backward's re-gathers are on the bill: one more all-gather of the block weights.
-    gathers = [c for c in today.communication if c["kind"] == "all_gather"]
+    gathers = [c for c in today.communication if c["kind"] == "all_gather" and c["axis"] == "dp_shard"]
     assert len(gathers) == 2 and gathers[1]["purpose"].startswith("block weights again")
 
 

@@ -280,7 +280,8 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML recipe, e.g. configs/qwen3_235b_a22b_tpu.toml")
     parser.add_argument("--hardware", help="v4, v5e, v5p, v6e, v7, h100, h200, b200 or cpu, with a size as "
                                            "Google names slices (v5p-1024: 512 chips) or a device count (h100-8); "
-                                           "default: what the config names")
+                                           "with parallelism.slices N, one of the N slices; default: what the "
+                                           "config names")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--explain", action="store_true", help="after the plan, what each of its terms means")
     parser.add_argument("--gather", default=None, choices=["model", "layer"],
@@ -333,6 +334,8 @@ def plan_main(argv: list[str]) -> int:
     setup = setup_for_planning(args.config, overrides)
     cfg = setup.cfg
     hardware, chips = resolve_hardware(args.hardware, dtype=cfg.model.dtype) if args.hardware else (None, None)
+    if chips is not None and hardware.name != "cpu" and not hardware.devices_per_node:
+        chips *= cfg.parallelism.slices  # a TPU slice name is one of parallelism.slices (MaxText's compile_topology)
     if args.certify and not args.search:
         raise ValueError("--certify K certifies the search's best K: add --search")
     if args.search:

@@ -53,6 +53,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from titan_tpu.parallel.axes import EP_OUTER_AXIS
+
 __all__ = ["Layout", "Collective", "cp_collectives", "ep_dispatch_bytes"]
 
 # Collective calls of one MoE layer's dispatch per pass: all_gather gathers tokens, choices and
@@ -82,7 +84,7 @@ def ep_dispatch_bytes(kind: str, *, tokens: int, dim: int, top_k: int, num_exper
 @dataclass(frozen=True)
 class Collective:
     kind: str  # all_gather | reduce_scatter | all_reduce
-    axis: str  # dp_shard | dp_replicate | ep | tp
+    axis: str  # dp_shard | dp_shard_mod_ep | dp_replicate | ep | tp | cp
     group_size: int
     bytes_per_step: float  # bytes each rank sends per optimizer step
     purpose: str
@@ -185,18 +187,26 @@ class Layout:
         total_params, expert_params = total_params / self.tp, expert_params / self.tp
         regathered_params = regathered_params / self.tp
         if n > 1:
-            shard_axis_experts = expert_params / ep  # experts gather over dp_shard / ep ranks only
-            dense = total_params - expert_params
+            # Dense weights gather over dp_shard; under ep the experts over the dp_shard / ep ranks that
+            # hold the same experts (dp_shard_mod_ep, a wider stride: parallel/fabric_terms.py), each
+            # its own entry so each is timed on the fabric its axis crosses. The experts' calls are
+            # counted in dp_shard's (the same buckets).
             m = n // ep
-            ag = micro_batches * (dense * (n - 1) / n + shard_axis_experts * (m - 1) / m) * self.compute_bytes
-            rs = micro_batches * (dense * (n - 1) / n + shard_axis_experts * (m - 1) / m) * self.reduce_bytes
-            out.append(Collective("all_gather", "dp_shard", n, ag, "weights, forward", micro_batches * gathers))
-            if regathered_params:
-                share = regathered_params / max(total_params, 1)
-                out.append(Collective("all_gather", "dp_shard", n, ag * share,
-                                      "block weights again, backward (re-shard after forward)",
-                                      micro_batches * regathers))
-            out.append(Collective("reduce_scatter", "dp_shard", n, rs, "gradients, backward", micro_batches * gathers))
+            share = regathered_params / max(total_params, 1)
+            for axis, size, elements, what in (("dp_shard", n, total_params - expert_params, ""),
+                                               (EP_OUTER_AXIS, m, expert_params / ep, "expert ")):
+                if size == 1 or not elements:
+                    continue
+                moved = micro_batches * elements * (size - 1) / size
+                calls = micro_batches if axis == "dp_shard" else 0
+                out.append(Collective("all_gather", axis, size, moved * self.compute_bytes, f"{what}weights, forward",
+                                      calls * gathers))
+                if regathered_params:
+                    out.append(Collective("all_gather", axis, size, moved * self.compute_bytes * share,
+                                          f"{what or 'block '}weights again, backward (re-shard after forward)",
+                                          calls * regathers))
+                out.append(Collective("reduce_scatter", axis, size, moved * self.reduce_bytes,
+                                      f"{what}gradients, backward", calls * gathers))
         if r > 1:
             shard = total_params / n
             out.append(Collective("all_reduce", "dp_replicate", r, 2 * (r - 1) / r * shard * self.reduce_bytes,

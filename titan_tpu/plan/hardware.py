@@ -14,6 +14,12 @@ TPUs the vendor pages give the bidirectional ICI bandwidth per chip; a ring on o
 torus uses one link pair, but SimpleFSDP's dp_shard ring spans the whole slice, so the planner
 takes half the bidirectional per-chip number (the send direction) as the ring bandwidth, an
 optimistic bound that ignores topology. GPUs: NVLink per GPU, half of the bidirectional figure.
+
+Beyond a node or a slice: `network_bandwidth`, bytes per second one device sends into a ring that
+leaves its NVLink node (its InfiniBand/RoCE NIC: DGX H100/H200/B200 nodes have eight GPUs and eight
+400 Gb/s ConnectX-7 ports) or its TPU slice (its share of the host's data-center network, DCN),
+and `devices_per_node` (GPUs: 8; TPUs: None, the slice is the domain, as many chips as the run
+has over `parallelism.slices`). Which axis crosses what: parallel/fabric_terms.py.
 """
 
 from __future__ import annotations
@@ -58,6 +64,14 @@ class Hardware:
     # gives their fp8 peak as their bf16 one, and XLA runs an f8 dot there at the bf16 rate) and on
     # this CPU. The planner's fp8 terms (planner.py `_fp8_terms`) read it.
     fp8_peak_flops: float | None = None
+    # Bytes/s a device sends into a ring that leaves its node (GPUs: its NIC) or its slice (TPUs: its
+    # share of the host's DCN); None where no vendor figure is published (v4) and on this CPU (one
+    # machine). The planner times an axis that crosses nodes or slices at it (parallel/fabric_terms.py).
+    network_bandwidth: float | None = None
+    network_source: str = ""  # where network_bandwidth is stated (the inside fabric's figure is in `source`)
+    # Devices that share the fast interconnect (NVLink) in one node; None: TPUs, whose ICI spans the
+    # whole slice (the slice is the domain: the run's devices over parallelism.slices), and this CPU.
+    devices_per_node: int | None = None
 
     def mode_constants(self, *, graph: bool) -> tuple[float, float, float]:
         """(matmul efficiency, elementwise efficiency, runtime bytes) of an eager or a graph-mode
@@ -86,33 +100,61 @@ ACCELERATOR_EFFICIENCY = 0.7
 # (cloud.google.com/tpu/docs/ironwood-performance: "peak theoretical performance of 4614 TFLOPS per
 # chip"); NVIDIA's H100 and H200 pages (FP8 Tensor Core 3,958 TFLOP/s with sparsity, 1,979 dense)
 # and the HGX page (B200 FP8/FP6 Tensor Core 9 PFLOP/s per GPU with sparsity, 4.5 dense).
+# The network beyond a node or a slice (`network_bandwidth`, one direction, per device), checked
+# 2026-12-06. TPUs: Google's tpu7x page's comparison table, "Data center network (DCN) bandwidth per
+# chip (Gb/s)": v5p 50, v6e 100, TPU7x 100 (the v5p page gives the same 50); v5e: the v6e page's
+# comparison table, "Per-host NIC configuration 2 x 100 Gbps NIC" with 8 chips per host (25 Gb/s a
+# chip; the v5e page's "Data center network bandwidth per Pod 6.4 Tbps" over its 256 chips gives the
+# same); v4: no figure on Google's pages, so None (a multi-slice v4 plan is refused). A TPU7x chip is
+# two devices: half each. Google states neither direction; a NIC's rate is per direction, so the
+# figure is taken as what a chip sends. GPUs: NVIDIA's DGX BasePOD reference architecture
+# (docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-foundation-enterprise-ai/latest/
+# core-components.html): DGX H100 and H200, "eight single-port NVIDIA ConnectX-7 VPI, up to 400 Gb/s
+# InfiniBand/Ethernet" for eight GPUs; DGX B200, "8x single-port NVIDIA ConnectX-7 VPI, Up to 400Gb/s":
+# one 400 Gb/s NIC (50 GB/s each way) per GPU, eight GPUs on one NVLink domain per node.
+_DCN = "Data center network (DCN) bandwidth per chip"
+NIC_SOURCE = ("https://docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-foundation-enterprise-ai/"
+              "latest/core-components.html: eight single-port 400 Gb/s ConnectX-7 (InfiniBand) per 8-GPU DGX node, "
+              "one per GPU")
+GPU_NIC = 400e9 / 8  # bytes/s: one 400 Gb/s ConnectX-7 port per GPU
+GPUS_PER_NODE = 8
+
 HARDWARE: dict[str, Hardware] = {
     "v4": Hardware("v4", device.tpu_peak_flops("v4"), 32 * GiB, 1200e9, 1.1e15 / 4096,
                    source=f"{_GOOGLE}v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s; all-reduce bandwidth "
                           "1.1 PB/s per 4,096-chip pod (no per-chip ICI figure on the page)"),
-    "v5e": Hardware("v5e", device.tpu_peak_flops("v5e"), 16e9, 819e9, 400e9 / 2,
+    "v5e": Hardware("v5e", device.tpu_peak_flops("v5e"), 16e9, 819e9, 400e9 / 2, network_bandwidth=25e9 / 8,
+                    network_source=f"{_GOOGLE}v6e (comparison table): per-host NIC 2 x 100 Gb/s, 8 v5e chips per "
+                                   "host: 25 Gb/s per chip",
                     source=f"{_GOOGLE}v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, bidirectional ICI "
                            "400 GB/s per chip"),
-    "v5p": Hardware("v5p", device.tpu_peak_flops("v5p"), 95 * GiB, 2765e9, 1200e9 / 2,
+    "v5p": Hardware("v5p", device.tpu_peak_flops("v5p"), 95 * GiB, 2765e9, 1200e9 / 2, network_bandwidth=50e9 / 8,
+                    network_source=f"{_GOOGLE}v5p: {_DCN} 50 Gb/s",
                     source=f"{_GOOGLE}v5p-training: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s, "
                            "bidirectional ICI 1,200 GB/s per chip"),
-    "v6e": Hardware("v6e", device.tpu_peak_flops("v6e"), 32 * GiB, 1638e9, 800e9 / 2,
+    "v6e": Hardware("v6e", device.tpu_peak_flops("v6e"), 32 * GiB, 1638e9, 800e9 / 2, network_bandwidth=100e9 / 8,
+                    network_source=f"{_GOOGLE}tpu7x (comparison table): {_DCN}, v6e 100 Gb/s",
                     source=f"{_GOOGLE}v6e and {_GOOGLE}tpu7x (comparison table): 918 TFLOP/s bf16, 32 GiB HBM "
                            "at 1,638 GB/s, bidirectional ICI 800 GB/s per chip"),
     # v7 (Ironwood, TPU7x): two devices per chip; per-device numbers are half the chip's.
     "v7": Hardware("v7", device.tpu_peak_flops("v7"), 192 * GiB / 2, 7380e9 / 2, 1200e9 / 2 / 2,
                    devices_per_chip=device.tpu_devices_per_chip("v7"), fp8_peak_flops=4614e12 / 2,
+                   network_bandwidth=100e9 / 8 / 2,
+                   network_source=f"{_GOOGLE}tpu7x (comparison table): {_DCN}, TPU7x 100 Gb/s (halved: two devices)",
                    source=f"{_GOOGLE}tpu7x: 2,307 TFLOP/s bf16 (4,614 fp8), 192 GiB HBM at 7,380 GB/s, bidirectional "
                           "ICI 1,200 GB/s per chip; two devices per chip (halved here)"),
     "h100": Hardware("h100", device.cuda_peak_flops("H100 SXM"), 80e9, 3.35e12, 900e9 / 2, fp8_peak_flops=1979e12,
+                     network_bandwidth=GPU_NIC, network_source=NIC_SOURCE, devices_per_node=GPUS_PER_NODE,
                      source="https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s bf16 dense "
                             "(1,979 with sparsity), fp8 1,979 dense (3,958 with sparsity), 80 GB HBM3 at 3.35 TB/s, "
                             "NVLink 900 GB/s bidirectional"),
     "h200": Hardware("h200", device.cuda_peak_flops("H200"), 141e9, 4.8e12, 900e9 / 2, fp8_peak_flops=1979e12,
+                     network_bandwidth=GPU_NIC, network_source=NIC_SOURCE, devices_per_node=GPUS_PER_NODE,
                      source="https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s bf16 dense "
                             "(1,979 with sparsity), fp8 1,979 dense (3,958 with sparsity), 141 GB HBM3e at 4.8 TB/s, "
                             "NVLink 900 GB/s bidirectional"),
     "b200": Hardware("b200", device.cuda_peak_flops("B200"), 180e9, 8e12, 1800e9 / 2, fp8_peak_flops=4500e12,
+                     network_bandwidth=GPU_NIC, network_source=NIC_SOURCE, devices_per_node=GPUS_PER_NODE,
                      source="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU): 2.25 PFLOP/s "
                             "bf16 dense (4.5 with sparsity), fp8 4.5 dense (9 with sparsity), 180 GB HBM3e at 8 TB/s, "
                             "NVLink 5 1.8 TB/s bidirectional"),

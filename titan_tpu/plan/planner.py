@@ -21,7 +21,8 @@ full-size gradient), under XLA the backward's end (`_xla_backward_end`) and the 
 Time: compute = executed FLOPs (the model's, plus the recomputed forward under full activation
 checkpointing) / (peak x efficiency); elementwise work = memory traffic of the activations and of
 the optimizer / (memory bandwidth x elementwise efficiency, fitted on the CPU's eager runs);
-collectives = bytes / interconnect bandwidth. Step time without overlap sums them; with overlap,
+collectives = bytes / the rate of the fabric each one's mesh axis crosses (plan/fabric.py: NVLink or
+ICI inside a node or slice, InfiniBand or DCN between them). Step time without overlap sums them; with overlap,
 collectives hide behind compute and only the excess shows.
 Eager runs (no scheduler to overlap) use the first, graph mode the second.
 """
@@ -53,6 +54,7 @@ from titan_tpu.parallel.context_parallel import check_context_parallel, cp_atten
 from titan_tpu.parallel.mesh import check_cp_with_ep
 from titan_tpu.parallel.plan_terms import Layout, collective_calls, cp_collectives
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
+from titan_tpu.plan.fabric import axis_rates
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
 from titan_tpu.run_setup import RunSetup
 from titan_tpu.train.optim import update_buffers
@@ -363,8 +365,9 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
         peak_phase = max(phases, key=phases.get)
         peak = phases[peak_phase]
     collectives = _collectives(s)
+    rates = axis_rates(s.hardware, layout, slices=cfg.parallelism.slices)
     step_time = _step_time(s, executed_rank=flops["executed_per_step_per_device"], collectives=collectives,
-                           fp8=fp8_terms if s.fp8 else None)
+                           rates=rates, fp8=fp8_terms if s.fp8 else None)
     tokens_step_rank = s.tokens * t.grad_accum_steps
     tp, cp = cfg.parallelism.tp, cfg.parallelism.cp
     step_s = step_time["step_s"]
@@ -372,7 +375,8 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
     plan = Plan(
         model=s.label, hardware=s.hardware.as_dict(), devices=s.devices,
         mesh={"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "ep": cfg.parallelism.ep, "tp": tp,
-              "cp": cp, "mode": _mode(layout), "gather": s.gather, "code_gather": s.code_gather},
+              "cp": cp, "slices": cfg.parallelism.slices, "mode": _mode(layout), "gather": s.gather,
+              "code_gather": s.code_gather},
         batch={"batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum_steps": t.grad_accum_steps,
                "tokens_per_step": tokens_step_rank * s.devices // (tp * cp), "dtype": s.dtype,
                "activation_checkpoint": s.ac, "scan_layers": s.scanned,
@@ -384,7 +388,7 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
                 "stored_per_device": s.stored},
         memory=memory, peak_bytes=peak, peak_phase=peak_phase, capacity_bytes=s.hardware.memory_bytes,
         fits=peak <= s.hardware.memory_bytes, flops=flops,
-        communication=[dataclasses.asdict(c) for c in collectives], time=step_time,
+        communication=[{**dataclasses.asdict(c), **rates[c.axis].as_dict()} for c in collectives], time=step_time,
         tokens_per_s=tokens_step_rank * s.devices / (tp * cp) / step_s if basis else None,
         mfu=100.0 * flops["model_per_step_per_device"] / step_s / (s.hardware.peak_flops / _cpu_share(s))
         if basis else None, speed_basis=basis)
@@ -954,8 +958,9 @@ def _cpu_share(s: _Setting) -> int:
     return s.devices if s.hardware.name == "cpu" else 1
 
 
-def _step_time(s: _Setting, *, executed_rank: float, collectives: list, fp8: dict | None = None) -> dict:
-    """Seconds per step: compute, elementwise work and collectives (the module docstring). fp8:
+def _step_time(s: _Setting, *, executed_rank: float, collectives: list, rates: dict, fp8: dict | None = None) -> dict:
+    """Seconds per step: compute, elementwise work and collectives (the module docstring), each
+    collective at the rate of the fabric its axis crosses (`rates`, plan/fabric.py). fp8:
     `_fp8_terms` when the blocks' linears run as fp8 matmuls: their FLOPs at the fp8 peak, their
     casts as elementwise traffic."""
     hardware, t, p = s.hardware, s.cfg.training, s.cfg.parallelism
@@ -972,7 +977,7 @@ def _step_time(s: _Setting, *, executed_rank: float, collectives: list, fp8: dic
     elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if s.ac != "none" else 0)) * t.grad_accum_steps \
         + 12 * s.stored * s.layout.master_bytes() + (fp8["cast_bytes"] if fp8 else 0.0)
     elementwise_s = elementwise_bytes / (hardware.memory_bandwidth / share * elementwise_efficiency)
-    comm_s = sum(c.bytes_per_step for c in collectives) / hardware.interconnect_bandwidth + \
+    comm_s = sum(c.bytes_per_step / rates[c.axis].bandwidth for c in collectives) + \
         sum(c.calls for c in collectives) * hardware.collective_latency
     no_overlap = compute_s + elementwise_s + comm_s
     overlap = compute_s + elementwise_s + max(0.0, comm_s - compute_s)
@@ -1154,7 +1159,9 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
         f"(mesh dp_replicate {plan.mesh['dp_replicate']} x dp_shard {plan.mesh['dp_shard']}"
         f"{', ep ' + str(plan.mesh['ep']) if plan.mesh['ep'] > 1 else ''}"
         f"{' x cp ' + str(plan.mesh.get('cp', 1)) if plan.mesh.get('cp', 1) > 1 else ''}"
-        f"{' x tp ' + str(plan.mesh.get('tp', 1)) if plan.mesh.get('tp', 1) > 1 else ''}; {plan.mesh['mode']}"
+        f"{' x tp ' + str(plan.mesh.get('tp', 1)) if plan.mesh.get('tp', 1) > 1 else ''}"
+        f"{'; dp_replicate across ' + str(plan.mesh['slices']) + ' slices' if plan.mesh.get('slices', 1) > 1 else ''}"
+        f"; {plan.mesh['mode']}"
         f"; gathered weights: {gathered}{what_if})",
         f"  batch {b['batch_size']} x seq {b['seq_len']} x accum {b['grad_accum_steps']} per "
         f"{_batch_unit(plan.mesh)}, {b['tokens_per_step']:,} tokens/step; {b['dtype']}; "
@@ -1192,8 +1199,12 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
     if plan.communication:
         lines.append("communication per device per step:")
         for c in plan.communication:
-            lines.append(f"  {c['kind']:26s} over {c['axis']:12s} ({c['group_size']:>4}): "
-                         f"{c['bytes_per_step'] / 1e9:9.3f} GB in {c['calls']:>5} calls  {c['purpose']}")
+            lines.append(f"  {c['kind']:26s} over {c['axis']:15s} ({c['group_size']:>4}): "
+                         f"{c['bytes_per_step'] / 1e9:9.3f} GB in {c['calls']:>5} calls at "
+                         f"{c['bandwidth'] / 1e9:6.4g} GB/s ({c['fabric']}): "
+                         f"{c['bytes_per_step'] / c['bandwidth'] * 1e3:8.1f} ms  {c['purpose']}")
+        sources = {c["fabric"]: c["source"] for c in plan.communication}
+        lines += [f"  {fabric}: {source}" for fabric, source in sources.items()]
     t = plan.time
     if plan.speed_basis is None:
         lines.append("predicted: no step time: eager mode on a TPU runs op by op for debugging and has never been "

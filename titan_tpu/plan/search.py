@@ -8,10 +8,13 @@ The space (each knob at the values below; `keep` holds a knob at the config's va
     model.scan_layers                 false, true
     parallelism.reshard_after_forward true, false        (sharded layouts only; auto plans as one of them)
     parallelism.bucket_mb             0, 25, 256 and the config's (sharded or replicated layouts only)
-    training.batch_size x grad_accum  every split of the sequences per device (the global batch,
-                                      batch_size x grad_accum_steps x devices, is the config's)
-    parallelism.dp_replicate x dp_shard  every factorisation of the devices (of devices / (tp x cp):
-                                      parallelism.tp and cp are held at the config's values)
+    training.batch_size x grad_accum  every split of the sequences per data-parallel rank (the global
+                                      batch, batch_size x grad_accum_steps x data-parallel ranks, is
+                                      the config's, whatever tp a candidate has)
+    parallelism.dp_replicate x dp_shard  every factorisation of the devices / (tp x cp) (cp is held)
+    parallelism.tp                    on GPUs, every divisor of a node's GPUs (tp stays inside the
+                                      NVLink node: parallel/fabric_terms.py), with unrolled blocks;
+                                      elsewhere held at the config's value
     parallelism.ep                    divisors of the experts (MoE models)
     lora.enabled                      true, only where no full fine-tuning candidate fits (below)
 
@@ -64,11 +67,13 @@ __all__ = ["KNOBS", "Candidate", "SearchResult", "search", "format_search"]
 
 # The searched config keys (what `keep` accepts).
 KNOBS = ("activation_checkpoint.mode", "model.scan_layers", "parallelism.reshard_after_forward",
-         "parallelism.bucket_mb", "training.batch_size", "parallelism.dp_replicate", "parallelism.ep", "lora.enabled")
+         "parallelism.bucket_mb", "training.batch_size", "parallelism.dp_replicate", "parallelism.tp", "parallelism.ep",
+         "lora.enabled")
 # Every key a candidate sets, in the order its overrides are printed: dp_shard goes with
 # dp_replicate, grad_accum_steps with batch_size.
 _SET = ("activation_checkpoint.mode", "model.scan_layers", "training.batch_size", "training.grad_accum_steps",
-        "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.ep", "parallelism.reshard_after_forward",
+        "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.ep",
+        "parallelism.reshard_after_forward",
         "parallelism.bucket_mb", "lora.enabled", "fp8.enabled")
 BUCKETS_MB = (0.0, 25.0, 256.0)
 TIE = 0.005  # predicted rates this close (relative) are a tie: the planner cannot tell them apart
@@ -89,7 +94,9 @@ class Candidate:
                 f"AC {v['activation_checkpoint.mode']}, "
                 f"{'scanned' if v['model.scan_layers'] else 'unrolled'}, "
                 f"micro-batch {v['training.batch_size']} x accum {v['training.grad_accum_steps']}")
-        r, s = v["parallelism.dp_replicate"], v["parallelism.dp_shard"]
+        r, s, tp = v["parallelism.dp_replicate"], v["parallelism.dp_shard"], v.get("parallelism.tp", 1)
+        if tp > 1:
+            text += f", tp {tp}"
         if r * s > 1:  # the layout's knobs act only on several devices
             ep = f", ep {v['parallelism.ep']}" if v["parallelism.ep"] > 1 else ""
             text += f", dp_replicate {r} x dp_shard {s}{ep}"
@@ -107,9 +114,11 @@ class Candidate:
 class SearchResult:
     hardware: Hardware
     devices: int
-    sequences_per_device: int
+    sequences_per_device: int  # the config's, per data-parallel rank
     seq_len: int
-    tp: int = 1  # held at the config's value; sequences_per_device are then per data-parallel rank
+    tp: int = 1  # the config's value: held, unless the search varies it (tps)
+    tps: tuple = ()  # the tp values searched where more than the config's (GPUs: divisors of a node's GPUs)
+    sequences: int = 0  # the global batch in sequences, every candidate's
     lora_fallback: bool = False  # no full fine-tuning candidate fit: `fitting` are LoRA's (module docstring)
     lora_rank: int = 0  # the config's lora.rank, which the fallback plans with
     fitting: list = field(default_factory=list)  # Candidates, best first
@@ -140,15 +149,48 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _space(cfg: Config, devices: int, keep: set[str], fp8: tuple[bool, ...] = (False,)) -> list[dict]:
-    """Every combination of knob values (a dict per candidate, each key of _SET)."""
+def _tp_values(cfg: Config, devices: int, keep: set[str], hardware: Hardware) -> list[int]:
+    """tp values to search: on a GPU node every divisor of its GPUs whose data-parallel ranks split
+    the config's global batch evenly (tp inside the NVLink node, the fastest-varying axis:
+    parallel/fabric_terms.py); elsewhere, or held, the config's."""
+    p = cfg.parallelism
+    if "parallelism.tp" in keep or not hardware.devices_per_node or model_spec(cfg.model).args.moe is not None:
+        return [p.tp]  # MoE models parallelise experts over ep, not tp
+    sequences = _global_sequences(cfg, devices)
+    return [tp for tp in _divisors(hardware.devices_per_node)
+            if devices % (tp * p.cp) == 0 and sequences % (devices // (tp * p.cp)) == 0]
+
+
+def _space(cfg: Config, devices: int, keep: set[str], fp8: tuple[bool, ...] = (False,),
+           tps: tuple[int, ...] | None = None) -> list[dict]:
+    """Every combination of knob values (a dict per candidate, each key of _SET). tps: the tp
+    values (default: the config's); the global batch in sequences stays the config's, each tp's
+    data-parallel ranks splitting it."""
     args = model_spec(cfg.model).args
+    p = cfg.parallelism
+    sequences = _global_sequences(cfg, devices)
+    out = []
+    for tp in tps or (p.tp,):
+        dp_devices = devices // (tp * p.cp)  # context parallelism is held at the config's value
+        if sequences % dp_devices:
+            continue  # this tp's data-parallel ranks cannot split the global batch evenly
+        per_rank = sequences // dp_devices
+        out += _layout_space(cfg, args, keep, tp=tp, dp_devices=dp_devices, per_rank=per_rank)
+    # fp8.enabled is a key of the candidates only where the search plans fp8 (search's allow_fp8)
+    return out if fp8 == (False,) else [{**values, "fp8.enabled": on} for values in out for on in fp8]
+
+
+def _global_sequences(cfg: Config, devices: int) -> int:
+    """The config's sequences per step: batch_size x grad_accum_steps per data-parallel rank."""
+    p = cfg.parallelism
+    return cfg.training.batch_size * cfg.training.grad_accum_steps * (devices // (p.tp * p.cp))
+
+
+def _layout_space(cfg: Config, args, keep: set[str], *, tp: int, dp_devices: int, per_rank: int) -> list[dict]:
     t, p = cfg.training, cfg.parallelism
-    per_device = t.batch_size * t.grad_accum_steps
-    micro = sorted(set(_divisors(per_device)) | {2**i for i in range(per_device.bit_length()) if 2**i <= per_device})
+    micro = sorted(set(_divisors(per_rank)) | {2**i for i in range(per_rank.bit_length()) if 2**i <= per_rank})
     if "training.batch_size" in keep:
         micro = [t.batch_size]
-    dp_devices = devices // (p.tp * p.cp)  # tensor and context parallelism are held at the config's values
     layouts = [(r, dp_devices // r) for r in _divisors(dp_devices)]
     if "parallelism.dp_replicate" in keep:
         r = p.dp_replicate if dp_devices % p.dp_replicate == 0 else 1
@@ -156,7 +198,7 @@ def _space(cfg: Config, devices: int, keep: set[str], fp8: tuple[bool, ...] = (F
     eps = _divisors(args.moe.num_experts) if args.moe is not None and "parallelism.ep" not in keep else [p.ep]
     acs = [cfg.activation_checkpoint.mode] if "activation_checkpoint.mode" in keep else ["none", "selective", "full"]
     scans = [cfg.model.scan_layers] if "model.scan_layers" in keep else [False, True]
-    if p.tp > 1:
+    if tp > 1:
         # Tensor parallelism runs scanned blocks too, but under dp_shard their stack is gathered
         # whole before the loop (docs/tensor_parallel.md, Limitations): the search keeps tp unrolled.
         scans = [False]
@@ -176,14 +218,14 @@ def _space(cfg: Config, devices: int, keep: set[str], fp8: tuple[bool, ...] = (F
                 continue
             out.append({"activation_checkpoint.mode": ac, "model.scan_layers": scan,
                         "parallelism.reshard_after_forward": reshard, "parallelism.bucket_mb": bucket,
-                        "training.batch_size": b, "training.grad_accum_steps": max(per_device // b, 1),
-                        "parallelism.dp_replicate": r, "parallelism.dp_shard": s, "parallelism.ep": ep,
-                        "lora.enabled": cfg.lora.enabled})
-    # fp8.enabled is a key of the candidates only where the search plans fp8 (search's allow_fp8)
-    return out if fp8 == (False,) else [{**values, "fp8.enabled": on} for values in out for on in fp8]
+                        "training.batch_size": b, "training.grad_accum_steps": max(per_rank // b, 1),
+                        "parallelism.dp_replicate": r, "parallelism.dp_shard": s, "parallelism.tp": tp,
+                        "parallelism.ep": ep, "lora.enabled": cfg.lora.enabled})
+    return out
 
 
-def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardware, chips: int | None) -> Candidate:
+def _candidate(base: Config, values: dict, *, sequences: int, devices: int, hardware: Hardware,
+               chips: int | None) -> Candidate:
     changes = []
     for key in (key for key in _SET if key in values):
         # dp_shard -1 resolves to the devices dp_replicate leaves, whatever dp_replicate is.
@@ -193,8 +235,9 @@ def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardwar
             changes += [f"--{key}", _fmt(values[key])]
     c = Candidate(values=values, changes=changes)
     b, ep, shard = values["training.batch_size"], values["parallelism.ep"], values["parallelism.dp_shard"]
-    if per_device % b:
-        c.reason, c.detail = "divisibility: micro-batch", f"micro-batch {b} does not divide {per_device} sequences"
+    per_rank = sequences * values["parallelism.tp"] * base.parallelism.cp // devices
+    if per_rank % b:
+        c.reason, c.detail = "divisibility: micro-batch", f"micro-batch {b} does not divide {per_rank} sequences"
         return c
     if shard % ep:
         c.reason, c.detail = "divisibility: ep", f"ep {ep} does not divide dp_shard {shard}"
@@ -212,12 +255,13 @@ def _candidate(base: Config, values: dict, *, per_device: int, hardware: Hardwar
     try:
         with planning_machine():
             prepare_run(cfg)
+        # the planner's own refusals (the tp and cp layouts the code runs) reject a candidate the same way
+        c.plan = plan_config(cfg, hardware, chips=chips, fp8=values.get("fp8.enabled"))
     except ValueError as e:
         message = str(e)
         c.reason = f"config: {message.split(';')[0]}"
         c.detail = message
         return c
-    c.plan = plan_config(cfg, hardware, chips=chips, fp8=values.get("fp8.enabled"))
     if not c.plan.fits:
         c.reason = "memory"
         c.detail = (f"peak {c.plan.peak_bytes / 1e9:.1f} GB at {c.plan.peak_phase} > {c.plan.capacity_bytes / 1e9:.1f} "
@@ -248,23 +292,26 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
         raise ValueError(f"--parallelism.tp x cp ({p.tp * p.cp}) must divide the {devices} devices searched; "
                          "choose divisors")
     per_device = cfg.training.batch_size * cfg.training.grad_accum_steps
+    tps = _tp_values(cfg, devices, set(keep), hardware)
     result = SearchResult(hardware=hardware, devices=devices, sequences_per_device=per_device,
-                          seq_len=cfg.training.seq_len, tp=p.tp)
+                          seq_len=cfg.training.seq_len, tp=p.tp, tps=tuple(tps) if tps != [p.tp] else (),
+                          sequences=_global_sequences(cfg, devices))
+    sequences = result.sequences
     fp8 = (fp8_setting(cfg)[0],)
     if allow_fp8 and not fp8[0]:
         result.fp8_note = fp8_note(hardware) or ""
         fp8 = (False,) if result.fp8_note else (False, True)
-    for values in _space(cfg, devices, set(keep), fp8):
-        c = _candidate(cfg, values, per_device=per_device, hardware=hardware, chips=chips)
+    for values in _space(cfg, devices, set(keep), fp8, tuple(tps)):
+        c = _candidate(cfg, values, sequences=sequences, devices=devices, hardware=hardware, chips=chips)
         if c.reason:
             result.rejected.setdefault(c.reason, []).append(c)
         else:
             result.fitting.append(c)
     if not result.fitting and not cfg.lora.enabled and "lora.enabled" not in keep:
         # Full fine-tuning fits nowhere: the same space with LoRA (module docstring).
-        for values in _space(cfg, devices, set(keep), fp8):
-            c = _candidate(cfg, {**values, "lora.enabled": True}, per_device=per_device, hardware=hardware,
-                           chips=chips)
+        for values in _space(cfg, devices, set(keep), fp8, tuple(tps)):
+            c = _candidate(cfg, {**values, "lora.enabled": True}, sequences=sequences, devices=devices,
+                           hardware=hardware, chips=chips)
             if not c.reason:
                 result.fitting.append(c)
         result.lora_fallback, result.lora_rank = bool(result.fitting), cfg.lora.rank
@@ -316,10 +363,12 @@ def _nothing_fits(result: SearchResult) -> str:
 
 def format_search(result: SearchResult, *, top: int = 5) -> str:
     hw = result.hardware
+    tps = f"tp {', '.join(map(str, result.tps))} searched (inside a node), " if result.tps else \
+        f"tp {result.tp} held, " if result.tp > 1 else ""
+    n, unit = (result.sequences, "step (the config's global batch)") if result.tps else \
+        (result.sequences_per_device, f"{'data-parallel rank' if result.tp > 1 else 'device'} per step")
     lines = [f"search on {result.devices} x {hw.name} ({hw.memory_bytes / 1e9:.1f} GB per device): "
-             f"{f'tp {result.tp} held, ' if result.tp > 1 else ''}{result.sequences_per_device} "
-             f"sequence{'s' if result.sequences_per_device != 1 else ''} of "
-             f"{result.seq_len} per {'data-parallel rank' if result.tp > 1 else 'device'} per step; "
+             f"{tps}{n} sequence{'s' if n != 1 else ''} of {result.seq_len} per {unit}; "
              f"{result.total} candidates, {len(result.fitting)} fit"]
     if result.fp8_note:
         lines.append(f"fp8 not searched: {result.fp8_note}")
@@ -353,6 +402,7 @@ def search_json(result: SearchResult, *, top: int = 5) -> str:
     return json.dumps({
         "hardware": dataclasses.asdict(result.hardware), "devices": result.devices,
         "sequences_per_device": result.sequences_per_device, "seq_len": result.seq_len, "tp": result.tp,
+        "tps_searched": list(result.tps),
         "candidates": result.total, "fitting": len(result.fitting), "lora_fallback": result.lora_fallback,
         "fp8_note": result.fp8_note,
         "best": [row(c) for c in result.fitting[:top]],
