@@ -42,9 +42,8 @@ def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | No
     import time
 
     from titan_tpu.config import build_config
-    from titan_tpu.plan.planner import default_hardware
     from titan_tpu.run_setup import prepare_run
-    from titan_tpu.tools.compile_cmd import compile_step_for_tpu, topology_for_chips, xla_dump_env
+    from titan_tpu.tools.compile_cmd import compile_step_for_tpu, recipe_topology, xla_dump_env
     from titan_tpu.tools.recipe_table import provenance
 
     # Before JAX starts: the report reads XLA's dump (kept in dumps/<recipe> when asked, for a look at
@@ -52,9 +51,8 @@ def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | No
     kept = os.path.join(dumps, os.path.basename(recipe).removesuffix(".toml")) if dumps else None
     xla_dump = xla_dump_env(kept)
     cfg = prepare_run(build_config(recipe, overrides)).cfg
-    if topology is None:
-        hardware, chips = default_hardware(cfg, measure=False)
-        topology = topology_for_chips(hardware.name, chips)
+    if topology is None:  # the slice the recipe names (one of its parallelism.slices)
+        topology = recipe_topology(cfg)
     start = time.perf_counter()
     try:
         report = compile_step_for_tpu(cfg, topology, xla_dump=xla_dump)

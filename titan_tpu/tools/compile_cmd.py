@@ -64,11 +64,14 @@ def _require_jax(*, libtpu: bool = True) -> None:
                          "run .venv-tpu/bin/titan-tpu compile")
 
 
-def _topology(name: str):
+def _topology(name: str, slices: int = 1):
+    """libtpu's compile-only description of `slices` slices of topology `name` (one slice: no
+    num_slices, as before multi-slice)."""
     from jax.experimental import topologies
 
     try:
-        return topologies.get_topology_desc(topology_name=name, platform="tpu")
+        return topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                            **({"num_slices": slices} if slices > 1 else {}))
     except Exception as e:  # noqa: BLE001 - libtpu raises its own error types
         if "lockfile" in str(e):
             raise ValueError("libtpu is in use by another process on this machine (/tmp/libtpu_lockfile); set "
@@ -164,7 +167,11 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     from titan_tpu.plan.planner import reshard_decision
 
     platform = "cpu" if topology_name.startswith("cpu:") else "tpu"
-    devices = cpu_devices(topology_name) if platform == "cpu" else _topology(topology_name).devices
+    slices = cfg.parallelism.slices
+    if slices > 1 and platform == "cpu":
+        raise ValueError(f"parallelism.slices = {slices} compiles for TPU slices; --topology cpu:N is one machine: "
+                         "give a TPU topology, or set --parallelism.slices 1")
+    devices = cpu_devices(topology_name) if platform == "cpu" else slice_major(_topology(topology_name, slices).devices)
     generation = topology_name.split(":")[0].replace("tpu7x", "v7")
     # A CPU target plans on the hardware the config names, as the run on this CPU does.
     hardware = HARDWARE.get(generation) if platform == "tpu" else None
@@ -193,6 +200,8 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     tokens_per_chip = _step_tokens(first.captured) * t.grad_accum_steps / len(devices)
     report = {
         "topology": topology_name, "platform": platform, "devices": len(devices), "mesh": dict(first.axis_sizes),
+        # several slices: `topology` is each one's; the slice of each dp_replicate index (slices_of_replicas)
+        **({"slices": slices, "slice_of_dp_replicate": slices_of_replicas(first, devices)} if slices > 1 else {}),
         # what a run of the JAX path on this target logs for each program it hands XLA (graph/fingerprint.py)
         "fingerprints": {name: p["fingerprint"] for name, p in programs.items()},
         "reshard_after_forward": reshard, "reshard_why": why, "documents": documents,
@@ -229,6 +238,37 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
                               if any(p["xla_stages"] for p in programs.values())},
     }
     return report
+
+
+def slice_major(devices) -> list:
+    """The devices of a multi-slice topology slice by slice (each slice's in libtpu's order), so that
+    rank r on device r puts the outermost mesh axis, dp_replicate, across the slices and the rest
+    inside each (parallel/fabric_terms.py): what MaxText's hybrid mesh does with dcn_data_parallelism.
+    One slice's devices (no slice_index) stay as they are."""
+    order = {id(d): i for i, d in enumerate(devices)}
+    return sorted(devices, key=lambda d: (getattr(d, "slice_index", 0) or 0, order[id(d)]))
+
+
+def slices_of_replicas(step, devices) -> list[int]:
+    """The slice each dp_replicate index of the step's JAX mesh lies in (graph/jax_program.py
+    jax_mesh over `devices`); a one-line error where one index spans two slices, which would send
+    the inner axes' collectives over the data-center network."""
+    import numpy as np
+
+    from titan_tpu.graph.jax_program import jax_mesh
+
+    mesh = jax_mesh(step, devices)
+    names = list(mesh.axis_names)
+    grid = np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0)(mesh.devices)
+    grid = np.moveaxis(grid, names.index("dp_replicate"), 0) if "dp_replicate" in names else grid[None]
+    out = []
+    for i, block in enumerate(grid):
+        spanned = sorted(map(int, set(block.flat)))
+        if len(spanned) != 1:
+            raise ValueError(f"dp_replicate index {i} spans slices {spanned}: the mesh must put only dp_replicate "
+                             "across slices; set parallelism.dp_replicate to a multiple of parallelism.slices")
+        out.append(int(block.flat[0]))
+    return out
 
 
 PEAK_VALUES = 12  # the largest values alive at XLA's peak kept in the report
@@ -389,13 +429,16 @@ def _tpu_kernels(stablehlo: str) -> dict[str, int]:
 
 def _format(report: dict) -> str:
     kinds = report["memory_per_chip_bytes"]
-    lines = [f"compiled for {report['topology']} ({report['devices']} devices, mesh "
+    slices = f"{report['slices']} x " if report.get("slices", 1) > 1 else ""
+    lines = [f"compiled for {slices}{report['topology']} ({report['devices']} devices, mesh "
              f"{report['mesh'] or 'one device'}) in {report['compile_seconds']:.1f} s "
              f"(capture {report['capture_seconds']:.1f} s, lowering {report['lower_seconds']:.1f} s, "
              f"{report['operations']:,} StableHLO operations"
              + "".join(f"; XLA's {name.replace('_', ' ')} {seconds:.1f} s"
                        for name, seconds in report.get("xla_stage_seconds", {}).items())
-             + "); numbers are XLA's, per chip:",
+             + "); numbers are XLA's, per chip:"
+             + (f"\n  dp_replicate across the slices over DCN: its indices in slices {report['slice_of_dp_replicate']}"
+                if slices else ""),
              "  fingerprint " + ", ".join(f"{name} {fp}" for name, fp in report["fingerprints"].items())
              + " (what a run of --compile.backend jax on these devices logs for each program it hands XLA)"
              + ("" if report.get("compile_backend") in (None, "jax") else
@@ -453,7 +496,9 @@ def compile_main(argv: list[str]) -> int:
     parser.add_argument("--hardware", help="a TPU slice as Google names it, e.g. v5p-8 (4 chips)")
     parser.add_argument("--topology", help="a libtpu topology name, e.g. v5p:2x2x1 (default: the slice the "
                         "recipe's job.description names, or v5p:2x2x1); cpu:N for N XLA host devices (the program "
-                        "--compile.backend jax runs on this CPU)")
+                        "--compile.backend jax runs on this CPU). With --parallelism.slices N (or a recipe's), the "
+                        "topology (or --hardware) names one slice and N of them are compiled, as MaxText's "
+                        "compile_topology with compile_topology_num_slices")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--dump", help="directory for the StableHLO, the optimized HLO and XLA's own dump (DIR/xla: "
                         "buffer assignment, live ranges)")
@@ -545,14 +590,15 @@ def xla_beside_plan(plan, path: str, compiled=None) -> tuple[str, dict]:
 
 
 def recipe_topology(cfg) -> str:
-    """The slice a TPU recipe's job.description names ("TPU v5p-128: 64 chips"); v5p:2x2x1 for
-    any other recipe (a debug recipe compiled for the smallest v5p slice)."""
+    """The slice a TPU recipe's job.description names ("TPU v5p-128: 64 chips"; with
+    parallelism.slices, one of them: "TPU 2 x v5p-128: 128 chips" is v5p:4x4x4); v5p:2x2x1 for any
+    other recipe (a debug recipe compiled for the smallest v5p slice)."""
     if cfg.training.device != "tpu":
         return "v5p:2x2x1"
     from titan_tpu.plan.planner import default_hardware
 
     hardware, chips = default_hardware(cfg, measure=False)
-    return topology_for_chips(hardware.name, chips)
+    return topology_for_chips(hardware.name, chips // cfg.parallelism.slices)
 
 
 def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float, *, topology: str) -> float | None:

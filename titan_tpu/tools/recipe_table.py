@@ -73,9 +73,15 @@ def provenance(recipe: str) -> dict:
             "python": sys.version.split()[0]}
 
 
+def _slices(report: dict) -> str:
+    """"2 x " before the topology of a multi-slice compile (parallelism.slices), "" for one slice."""
+    return f"{report['slices']} x " if report.get("slices", 1) > 1 else ""
+
+
 def stage_line(recipe: str, report: dict) -> str:
     """One line per compiled recipe: the stages' times here, XLA's peak and FLOPs."""
-    return (f"{recipe}: {report['topology']} ({report['devices']} chips): capture {report['capture_seconds']:.0f} s, "
+    return (f"{recipe}: {_slices(report)}{report['topology']} ({report['devices']} chips): capture "
+            f"{report['capture_seconds']:.0f} s, "
             f"lowering {report['lower_seconds']:.0f} s ({report['operations']:,} operations), XLA compile "
             f"{report['compile_seconds']:.0f} s, {report.get('max_rss_bytes', 0) / GiB:.1f} GiB here; XLA peak "
             f"{report['peak_per_chip_bytes'] / GiB:.1f} GiB per chip, {compared_flops(report):.3e} FLOPs in XLA's "
@@ -123,7 +129,9 @@ def rows(reports: Path = REPORTS) -> list[Row]:
         out.append(Row(recipe=recipe, report=report, stale=report is not None and report.get("recipe_sha") !=
                        recipe_hash(ROOT / recipe), plan_peak=plan.peak_bytes, plan_peak_compiled=compiled.peak_bytes,
                        plan_flops=plan.flops["executed_per_step_per_device"],
-                       topology=topology_for_chips(hardware.name, chips), backend=cfg.compile.backend,
+                       topology=_slices({"slices": cfg.parallelism.slices})
+                       + topology_for_chips(hardware.name, chips // cfg.parallelism.slices),
+                       backend=cfg.compile.backend,
                        counted=counted))
     return out
 
@@ -134,7 +142,7 @@ def _compiled_cells(row: Row) -> list[str]:
     stages = (f"{r['capture_seconds'] + r['lower_seconds'] + r['compile_seconds']:.0f} s "
               f"({r['capture_seconds']:.0f} + {r['lower_seconds']:.0f} + {r['compile_seconds']:.0f})")
     return [f"compiled by XLA {r['date']}{' (STALE: the recipe changed since)' if row.stale else ''}",
-            _certificate(row), f"{r['topology']} ({r['devices']})", f"{xla_peak / GiB:.1f}",
+            _certificate(row), f"{_slices(r)}{r['topology']} ({r['devices']})", f"{xla_peak / GiB:.1f}",
             f"{row.plan_peak_compiled / GiB:.1f} ({row.plan_peak_compiled / xla_peak:.2f}x)",
             f"{row.plan_peak / GiB:.1f}", f"{counted / xla_flops:.3f}x",
             f"{1 - xla_flops / r['flops_per_chip']:.0%}", stages]
