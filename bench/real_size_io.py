@@ -3,7 +3,7 @@
 1. `make`: a synthetic Hugging Face directory of Llama 3 8B (random bf16, seeded per tensor,
    16 GB in four shard files with an index, as the Hub shards it).
 2. `load`: each of 4 ranks of a dp_shard 4 run builds its shard of the model (fp32 master weights,
-   as a run holds them) and loads the directory (`checkpoint.initial_load_path`'s path,
+   as a run holds them; no optimizer) and loads the directory (`checkpoint.initial_load_path`'s path,
    models/spec.py `load_hf_weights`), one fresh process per rank, one after another (four at
    once would not fit this 24 GiB machine beside their own shares; each process is one rank of a
    fake 4-rank world, tools/device_step.py `fake_world`). Printed per rank: its share (the bytes
@@ -26,6 +26,7 @@ baseline + 4 GB.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import resource
 import subprocess
@@ -49,7 +50,34 @@ def rss_now() -> int:
 
 
 def peak_rss() -> int:
+    """This process's peak RSS since it started, or since the last `reset_peak_rss`."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets the peak (VmHWM) to the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def build_rank_model(cfg, world: int):
+    """The model of this rank as a run builds it (models/spec.py `build`: sharded, float32 master
+    weights, initialised piece by piece), without the optimizer: its moments are the run's, not the
+    load's."""
+    import torch
+
+    from titan_tpu.models.spec import build, model_spec
+    from titan_tpu.parallel.simple_fsdp import MixedPrecision
+    from titan_tpu.tools.device_step import parallel_dims
+
+    dims = parallel_dims(cfg, world)
+    return build(model_spec(cfg.model), cfg, device=torch.device("cpu"), seed=0, mesh=dims.build_mesh("cpu"),
+                 parallel_dims=dims, expert_mesh=dims.build_expert_mesh("cpu"),
+                 mp=MixedPrecision(param_dtype=torch.bfloat16), own_weights=False)
 
 
 def _config(world: int):
@@ -103,16 +131,20 @@ def load_rank(directory: Path, rank: int) -> dict:
     from titan_tpu.models.hf_checkpoint import hf_native_sources
     from titan_tpu.models.hf_sources import full_index
     from titan_tpu.models.spec import model_spec
-    from titan_tpu.tools.device_step import build_device_model, fake_world
+    from titan_tpu.tools.device_step import fake_world
 
     cfg = _config(WORLD)
     spec = model_spec(cfg.model)
     with fake_world(WORLD, rank):
         baseline = rss_now()
-        model, _, _, _ = build_device_model(cfg, WORLD)
+        model = build_rank_model(cfg, WORLD)
+        init_peak = peak_rss()  # initialising holds one piece (the embedding) at full size
         state = model.state_dict()
         share = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in state.values())
+        # What initialising freed but the C allocator kept is given back first: not the load's.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         built = rss_now()
+        reset_peak_rss()
         start = time.perf_counter()
         spec.load_hf_weights(model, directory / "hf")
         seconds = time.perf_counter() - start
@@ -128,7 +160,8 @@ def load_rank(directory: Path, rank: int) -> dict:
             if not torch.equal(local, expected):
                 mismatched.append(key)
     return {"rank": rank, "share_gb": share / GB, "baseline_gb": baseline / GB, "built_gb": built / GB,
-            "peak_gb": peak / GB, "load_s": seconds, "tensors": len(state), "mismatched": mismatched}
+            "init_peak_gb": init_peak / GB, "peak_gb": peak / GB, "load_s": seconds, "tensors": len(state),
+            "mismatched": mismatched}
 
 
 def convert(directory: Path, which: str) -> dict:
@@ -217,7 +250,8 @@ def main() -> int:
             over = r["peak_gb"] - r["share_gb"]
             good = over <= 2.0 and not r["mismatched"]
             ok &= good
-            print(f"load rank {rank}/{WORLD}: share {r['share_gb']:.2f} GB, peak RSS {r['peak_gb']:.2f} GB "
+            print(f"load rank {rank}/{WORLD}: share {r['share_gb']:.2f} GB, RSS {r['built_gb']:.2f} GB before the load "
+                  f"(initialising peaked at {r['init_peak_gb']:.2f}), peak RSS while loading {r['peak_gb']:.2f} GB "
                   f"(share + {over:.2f} GB; goal <= share + 2), load {r['load_s']:.0f} s, "
                   f"{r['tensors'] - len(r['mismatched'])}/{r['tensors']} tensors bitwise equal to a whole-tensor "
                   f"load: {'ok' if good else 'FAIL'}", flush=True)

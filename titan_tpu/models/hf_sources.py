@@ -22,8 +22,8 @@ read before every name and shape is checked):
 * `BlockDequantized`: an fp8 weight times its per-block scale, `weight_scale_inv` (DeepSeek-V3's
   released checkpoints: e4m3 weights in 128 x 128 blocks), dequantised to float32 on the way in.
 
-Files are opened one at a time and closed when a read needs another, so the pages a process
-touched of one file are released before the next is mapped.
+Files are opened one at a time and closed when a read needs another or a few hundred MB have
+been read through one (`ShardFiles`), so the pages a process touched of a file are released.
 """
 
 from __future__ import annotations
@@ -53,11 +53,16 @@ def full_index(shape: tuple[int, ...]) -> tuple[slice, ...]:
 
 
 class ShardFiles:
-    """The checkpoint's safetensors files, at most one open at a time."""
+    """The checkpoint's safetensors files, at most one open at a time, and reopened once
+    `MAPPED_BYTES` have been read through it: a file is read through a memory map, and the pages a
+    read touched stay in this process's resident set until the map is dropped."""
+
+    MAPPED_BYTES = 256 * 2**20
 
     def __init__(self):
         self._path: Path | None = None
         self._handle = None
+        self._read = 0
 
     def slice(self, path: Path, key: str, index: tuple[slice, ...]) -> Tensor:
         if path != self._path:
@@ -65,10 +70,14 @@ class ShardFiles:
 
             self.close()
             self._handle, self._path = safe_open(str(path), framework="pt"), path
-        return self._handle.get_slice(key)[index]
+        block = self._handle.get_slice(key)[index]
+        self._read += block.nbytes
+        if self._read >= self.MAPPED_BYTES:
+            self.close()
+        return block
 
     def close(self) -> None:
-        self._handle, self._path = None, None  # dropping the handle unmaps the file
+        self._handle, self._path, self._read = None, None, 0  # dropping the handle unmaps the file
 
 
 @dataclasses.dataclass
