@@ -193,6 +193,14 @@ class CompileConfig:
     # while the current block computes) and gradient reduce-scatters are waited for only where
     # clipping reads them. 0: reduce-scatters moved, all-gathers not; -1: trace order.
     prefetch: int = 1
+    # Keep compiled programs across restarts (graph/compile_cache.py): Inductor's FX-graph and
+    # AOTAutograd caches, JAX's persistent compilation cache, TorchTPU's tier-3 cache, each in a
+    # subdirectory of cache_dir; a restart then loads its step instead of compiling it (docs/graph_mode.md).
+    cache: bool = True
+    # "" = ~/.cache/titan_tpu/compile (beside the data cache, shared by runs: entries are keyed by the
+    # graph, shapes, compiler settings and versions), unless TORCHINDUCTOR_CACHE_DIR / JAX_COMPILATION_CACHE_DIR
+    # is set. On hosts that are recreated, point it at a disk that outlives them.
+    cache_dir: str = ""
 
 
 @dataclass

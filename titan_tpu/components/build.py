@@ -24,6 +24,7 @@ from titan_tpu.components.runtime import DTYPES, default_cache_dir, init_distrib
 from titan_tpu.config import Config, grad_accum_from_tokens
 from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend, jax_backend
 from titan_tpu.errors import RunError
+from titan_tpu.graph.compile_cache import use_compile_cache
 from titan_tpu.graph.spmd import mesh_axis_sizes
 from titan_tpu.model_contract import TrainableModel
 from titan_tpu.models.lora import is_adapter_key
@@ -71,6 +72,9 @@ class Components:
         self.backend: Backend = jax_backend(t.device) if jax_path else get_backend(t.device)
         if self.backend.compute_device_type == "cpu":  # training.device auto that became the CPU (config checks cpu)
             check_cpu_compute_dtype(cfg.model.dtype)
+        # Before the device starts: the compilers read their persistent cache's directory as they start.
+        self.compile_cache = (use_compile_cache(cfg.compile.cache_dir, backend=cfg.compile.backend,
+                                                enabled=cfg.compile.cache) if t.mode == "graph" else None)
         self.rank, self.world_size = init_distributed(self.backend)
         self.is_main = self.rank == 0
         self.parallel_dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
@@ -108,7 +112,8 @@ class Components:
                                                      world_size=self.world_size, dp_size=self.dp_size,
                                                      documents=self.document_mask, log=self.log,
                                                      objective=self.objective,
-                                                     mesh_axes=mesh_axis_sizes(self.mesh, self.parallel_dims))
+                                                     mesh_axes=mesh_axis_sizes(self.mesh, self.parallel_dims),
+                                                     compile_cache=self.compile_cache)
         self.checkpointer = Checkpointer.from_config(cfg.checkpoint, self.run_dir, log=self.log)
         c = cfg.checkpoint
         self.local_tier = None

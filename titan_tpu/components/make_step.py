@@ -21,24 +21,34 @@ from titan_tpu.train.step import EagerStep, StepResult
 if TYPE_CHECKING:
     from titan_tpu.config import Config
     from titan_tpu.device import Backend
+    from titan_tpu.graph.compile_cache import CompileCache
 
 StepFn = Callable[[list[Batch], float], StepResult]
 
 
 def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend: Backend, world_size: int,
               dp_size: int, documents: bool, log: Callable[[str], None], objective: Objective | None = None,
-              mesh_axes: dict[str, int] | None = None) -> tuple[StepFn, dict[str, float]]:
+              mesh_axes: dict[str, int] | None = None,
+              compile_cache: CompileCache | None = None) -> tuple[StepFn, dict[str, float]]:
     """(the step of training.mode, its capture and compile seconds: {} for eager) for the first
     metrics row. documents: batches carry positions (a document mask). objective: the run's
     (train/objective.py; default next-token). mesh_axes: the mesh's axes as the JAX path lays them
-    out (graph/spmd.py mesh_axis_sizes), for compile.backend jax."""
+    out (graph/spmd.py mesh_axis_sizes), for compile.backend jax. compile_cache: where the compiler
+    keeps its programs (graph/compile_cache.py, set up before the device started); its hits and
+    misses are logged with the compile time."""
     t = cfg.training
     objective = objective or NextTokenObjective()
     if t.mode != "graph":
         return EagerStep(model, optimizer, max_norm=t.max_norm, dp_size=dp_size, objective=objective), {}
+    if compile_cache is not None:
+        log(compile_cache.where())
+        compile_cache.watch()
     if backend.jax_platform is not None:
-        return _jax_step(cfg, model, optimizer, backend=backend, dp_size=dp_size, documents=documents, log=log,
-                         objective=objective, mesh_axes=mesh_axes or {})
+        step, stats = _jax_step(cfg, model, optimizer, backend=backend, dp_size=dp_size, documents=documents,
+                                log=log, objective=objective, mesh_axes=mesh_axes or {})
+        if compile_cache is not None:
+            log(f"compile.backend jax: {compile_cache.describe()}")
+        return step, stats
     from titan_tpu.graph.compile import GraphStep  # make_fx and the compilers load only for graph mode
 
     check_graph_backend(cfg, backend=backend, world_size=world_size)
@@ -49,7 +59,7 @@ def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend:
                      dp_size=dp_size, split=c.split, prefetch=None if c.prefetch < 0 else c.prefetch,
                      grad_accum_steps=t.grad_accum_steps, objective=objective)
     log(f"graph mode: step captured in {step.capture_seconds:.1f} s, compiled with {c.backend} in "
-        f"{step.compile_seconds:.1f} s")
+        f"{step.compile_seconds:.1f} s" + (f"; {compile_cache.describe()}" if compile_cache else ""))
     for name, fingerprint in step.fingerprints().items():  # TorchTPU's programs (graph/torchtpu.py)
         log(f"{c.backend}: program {name} fingerprint {fingerprint} handed to XLA")
     return step, {"capture_s": step.capture_seconds, "compile_s": step.compile_seconds}
