@@ -30,6 +30,7 @@ from titan_tpu.models.hf_sources import (
     Stacked,
     TensorSource,
     full_index,
+    interleaved_to_rotate_half,
 )
 from titan_tpu.models.registry import FAMILIES
 
@@ -394,16 +395,6 @@ def _fused_expert_sources(sources: dict[str, TensorSource], args: TransformerArg
     return out
 
 
-def _rotate_half_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
-    # Rows of each head are [first halves of pairs | second halves]; interleave them.
-    # Works for 2-D projection weights [n_heads * hd, dim] and 1-D norm weights [hd].
-    return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).reshape(w.shape).contiguous()
-
-
-def _interleaved_to_rotate_half(w: Tensor, n_heads: int) -> Tensor:
-    return w.unflatten(0, (n_heads, -1, 2)).transpose(1, 2).reshape(w.shape).contiguous()
-
-
 def _permute(native_name: str, args: TransformerArgs):
     """(heads to permute over) for tensors whose rows follow RoPE's layout, else None. MLA's
     RoPE parts are interleaved in DeepSeek's layout too (transformers' rope_interleave): none."""
@@ -565,5 +556,5 @@ def adapters_to_hf(adapters: dict[str, Tensor], args: TransformerArgs) -> dict[s
             raise ValueError(f"LoRA adapter {name!r} sits on a layer the HF layout has no one-to-one tensor for")
         heads = _permute(f"{module}.weight", args)
         out[f"{hf_of[module + '.']}{leaf}"] = t if heads is None or leaf == "lora_A" else \
-            _interleaved_to_rotate_half(t, heads)
+            interleaved_to_rotate_half(t, heads)
     return out

@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["BlockDequantized", "FileTensor", "InMemory", "MergedLoRA", "Narrowed", "RowsPermuted", "Selected",
-           "ShardFiles", "Stacked", "TensorSource", "full_index", "read_block_"]
+           "ShardFiles", "Stacked", "TensorSource", "full_index", "interleaved_to_rotate_half", "read_block_",
+           "rotate_half_to_interleaved"]
 
 
 class TensorSource(Protocol):
@@ -107,6 +108,18 @@ class InMemory:
         return self.tensor[index]
 
 
+def rotate_half_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
+    """HF's RoPE row order within each head, [first halves of pairs | second halves], made the
+    native interleaved one; for 2-D projection weights [n_heads * hd, dim] and 1-D norm weights [hd]
+    (models/hf_adapter.py says why the layouts differ)."""
+    return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def interleaved_to_rotate_half(w: Tensor, n_heads: int) -> Tensor:
+    """The inverse of `rotate_half_to_interleaved` (an export)."""
+    return w.unflatten(0, (n_heads, -1, 2)).transpose(1, 2).reshape(w.shape).contiguous()
+
+
 @dataclasses.dataclass
 class RowsPermuted:
     """Rows of each of `n_heads` heads in HF's rotate-half order, read in the native interleaved
@@ -122,13 +135,11 @@ class RowsPermuted:
         return self.source.shape
 
     def read(self, index: tuple[slice, ...]) -> Tensor:
-        from titan_tpu.models.hf_adapter import _interleaved_to_rotate_half, _rotate_half_to_interleaved
-
         rows = index[0]
         head_rows = self.shape[0] // self.n_heads
         first, last = rows.start // head_rows, math.ceil(rows.stop / head_rows)
         covered = self.source.read((slice(first * head_rows, last * head_rows), *index[1:]))
-        permute = _rotate_half_to_interleaved if self.to_native else _interleaved_to_rotate_half
+        permute = rotate_half_to_interleaved if self.to_native else interleaved_to_rotate_half
         return permute(covered, last - first)[rows.start - first * head_rows: rows.stop - first * head_rows]
 
 
