@@ -82,7 +82,9 @@ def test_multi_slice_plan_of_a_v5p_recipe_times_its_all_reduce_on_dcn():
     one = plan_config(for_planning(recipe, ["--parallelism.slices", "1"]))
     assert [c["bytes_per_step"] for c in one.communication] == [c["bytes_per_step"] for c in plan.communication]
     assert one.time["collectives_s"] < plan.time["collectives_s"]
-    assert one.peak_bytes == plan.peak_bytes  # slices move no memory
+    # Slices move one term: XLA's schedule for two slices holds the logits and their gradient through
+    # the backward loop, behind the DCN all-reduce (planner._xla_loss_held_over_dcn).
+    assert plan.peak_bytes - one.peak_bytes == pytest.approx(2 * plan.memory["loss_peak"])
 
 
 def test_plan_prints_each_terms_fabric_and_its_source(capsys):

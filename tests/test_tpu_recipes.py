@@ -157,12 +157,6 @@ PEAK_OFF = {
                               "planner counts two gathered layers (11.9) and a layer's recomputation (5.3); counting "
                               "one layer brings this row to 1.01 and llama3_70b_v7_tpu to 0.87, whose program holds "
                               "more at once (docs/log.md)"),
-    "llama3_8b_multislice_tpu": (0.75, "XLA's schedule for two slices (libtpu's num_slices): its peak is in the "
-                                       "loss's backward, two [32768, 128256] bf16 buffers (15.7 GiB) beside the "
-                                       "gathered MLP weight stacks three times (the loop's inputs, transposed "
-                                       "copies and broadcasts: 31.5 GiB), where the planner counts one loss buffer "
-                                       "and one gathered copy; the same mesh on one v5p:4x4x8 slice peaks at 42.2 "
-                                       "GiB (planner 1.05x), on 2 x v5p-8 (dp_shard 4, batch 1) at 67.4 (0.90x)"),
 }
 # Our formula against the matmuls of XLA's optimized program: every row within the tolerance.
 FLOPS_OFF: dict[str, tuple[float, str]] = {}

@@ -705,6 +705,7 @@ def _memory_phases(s: _Setting, *, acts: ActivationBytes, loss_kept: float, loss
         # one layer's intermediates are alive at a time.
         backward = static + acts.head + loss_kept + scan.flipped + scan.gradients + max(acts.saved_per_layer) + \
             full_grad + accumulating
+    backward += _xla_loss_held_over_dcn(s, loss_peak)
     optimizer = update_static + grads_b + _optimizer_temporary_bytes(s)
     phases = {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
     if _xla_backward_end(s):
@@ -720,6 +721,29 @@ def _xla_scan_gradients_whole(s: _Setting) -> bool:
     """Whether the backward loop's gradient stack is alive whole from its first trip: scanned
     layers compiled by XLA, whose while loop carries the stack it writes."""
     return s.cfg.compile.backend in XLA_BACKENDS and s.graph and s.scanned
+
+
+def _xla_loss_held_over_dcn(s: _Setting, loss_peak: float) -> float:
+    """The loss's [tokens, vocab] logits and their gradient, alive through the backward loop of a
+    program over several slices: XLA's latency-hiding scheduler (libtpu 0.0.52) moves the loss's two
+    consumers that feed nothing in the loop, its value (a reduction over the logits, whose total is
+    all-reduced across the slices) and the output projection's weight gradient (a matmul over the
+    logits' gradient), to after the loop, between the start and the end of the gradients' DCN
+    all-reduces, to hide those transfers behind them. One slice's program has no DCN transfers to
+    hide and computes both right after the loss, before the loop. XLA's buffer assignment of
+    llama3_8b_multislice_tpu (2 x v5p:4x4x4, 2026-12-06): the logits (fusion.256, bf16[32768, 128256],
+    7.83 GiB) alive from the loss to its value's reduction after the loop, their gradient
+    (fusion.211, 7.83 GiB) to the weight gradient's matmul after it; the same mesh on one v5p:4x4x8
+    slice frees both before the loop (its peak 16.7 GiB lower). With the latency-hiding scheduler off
+    (LIBTPU_INIT_ARGS=--xla_tpu_enable_latency_hiding_scheduler=false) both come before the loop again
+    (peak 45.6 GiB, docs/planner.md). Where the loss holds its logits whole (tokamax's plain-XLA form,
+    `loss_peak` is them) under scanned layers compiled by XLA."""
+    k = s.cfg.kernels
+    whole_logits = s.as_compiled and _loss_impl(k.loss, s.hardware.name) == "tokamax"
+    if s.cfg.parallelism.slices <= 1 or s.cfg.parallelism.tp > 1 or not whole_logits or \
+            not _xla_scan_gradients_whole(s):
+        return 0.0
+    return 2.0 * loss_peak
 
 
 def _xla_loop_gradient_stack(s: _Setting, full_grad: float) -> float:
