@@ -56,3 +56,20 @@ def test_the_config_offers_every_family_and_hf():
     for name in (*MODEL_NAMES, "hf"):
         assert build_config(None, ["--model.name", name, "--model.hf_config", "llama"] if name == "hf"
                             else ["--model.name", name]).model.name == name
+
+
+@pytest.mark.parametrize("shape,std,dtype", [((1000, 37), 0.02, torch.float32), ((4096, 64), 0.5, torch.float32),
+                                             ((333,), 1.0, torch.bfloat16), ((128, 128), 0.02, torch.float16)])
+def test_the_lean_truncated_normal_draws_torchs_values(shape, std, dtype):
+    """Our truncated normal (one temporary, not four) takes the generator's values in torch's
+    order: the same weights, and the generator left where torch leaves it."""
+    from titan_tpu.models.common.transformer import _trunc_normal
+
+    ours, theirs = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+    torch.manual_seed(3)
+    torch.nn.init.trunc_normal_(theirs, mean=0.0, std=std, a=-3 * std, b=3 * std)
+    after_theirs = torch.rand(3)
+    torch.manual_seed(3)
+    _trunc_normal(ours, std)
+    assert torch.equal(ours, theirs) and torch.equal(torch.rand(3), after_theirs)
+    assert ours.abs().max() <= 3 * std
