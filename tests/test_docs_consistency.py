@@ -21,10 +21,6 @@ HISTORY = {"log.md", "planner_log.md"}
 PAGES = [ROOT / "README.md", *(p for p in sorted(DOCS.glob("*.md")) if p.name not in HISTORY)]
 TPU_RECIPES = sorted(p.stem for p in (ROOT / "configs").glob("*_tpu.toml"))
 
-# A page owned by another piece of work that still states an old count, with the exact words: the
-# test tolerates these words only. Remove the entry when the page is fixed.
-PENDING_COUNTS = {"planner.md": "all 16 recipes"}
-
 
 def _lines(page: Path) -> list[tuple[int, str]]:
     return list(enumerate(page.read_text().splitlines(), 1))
@@ -54,9 +50,8 @@ def test_every_page_counts_the_tpu_recipes_as_there_are_files():
     configs/*_tpu.toml (the GPU and CPU recipes are never counted this way on a page)."""
     failures = []
     for page in PAGES:
-        pending = PENDING_COUNTS.get(page.name)
         for line, count, words in recipe_counts(page.read_text()):
-            if count != len(TPU_RECIPES) and not (pending and pending.endswith(words)):
+            if count != len(TPU_RECIPES):
                 failures.append(f"{page.relative_to(ROOT)}:{line}: {words!r}, but configs/ holds "
                                 f"{len(TPU_RECIPES)} TPU recipes")
     assert not failures, "\n".join(failures)
