@@ -162,3 +162,17 @@ def test_search_from_a_tpu_recipe_finds_full_training_on_512_h100(capsys):
     again = plan_config(for_planning(CONFIGS / "llama3_405b_tpu.toml", best.changes), hardware, chips=chips)
     assert again.fits and again.tokens_per_s == pytest.approx(best.plan.tokens_per_s)
     assert {t["fabric"] for t in again.communication} <= {"NVLink", "InfiniBand"}
+
+
+def test_training_across_slices_is_refused_in_one_line(tmp_path):
+    """Planned and compiled, not launched: a run with slices > 1 says so before it starts anything."""
+    from titan_tpu.config import build_config
+    from titan_tpu.loops import trainer_for
+
+    cfg = build_config(CONFIGS / "llama3_debug.toml",
+                       ["--parallelism.slices", "2", "--parallelism.dp_replicate", "2", "--training.device", "cpu",
+                        "--output_dir", str(tmp_path / "run")])
+    with pytest.raises(ValueError) as refused:
+        trainer_for(cfg)
+    assert "\n" not in str(refused.value) and "does not start a multi-slice run" in str(refused.value)
+    assert not (tmp_path / "run").exists()

@@ -65,6 +65,10 @@ class Components:
         self._log = log
         self.run_dir = cfg.run_dir
         t, p = cfg.training, cfg.parallelism
+        if p.slices > 1:  # planned and compiled (titan-tpu plan / compile), not launched
+            raise ValueError(f"parallelism.slices = {p.slices}: the trainer does not start a multi-slice run yet "
+                             "(libtpu's multislice runtime is not wired into the launch); plan and compile it with "
+                             "titan-tpu plan / compile, or train on one slice with parallelism.slices 1")
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         # compile.backend jax in graph mode: JAX's runtime runs the step, the torch side lives on the host CPU.
