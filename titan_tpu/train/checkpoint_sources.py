@@ -117,14 +117,25 @@ class SourcesSavePlanner(DefaultSavePlanner):
     def __init__(self, sources: dict[str, TensorSource]):
         super().__init__()
         self.sources = sources
+        self._written: Tensor | None = None
 
     def resolve_data(self, write_item: WriteItem) -> Tensor | io.BytesIO:
         fqn = write_item.index.fqn
         if fqn not in self.sources:
             return super().resolve_data(write_item)
+        # DCP's file writer (torch 2.13, filesystem.py) keeps every tensor it wrote to a file in a
+        # dict until the file is closed (for its safetensors format only): a training save holds
+        # the live model anyway, but here each tensor was read for this write alone. The writer
+        # asks for the next tensor only once the previous one is in the file, so its storage is
+        # released here, and one tensor is in memory at a time.
+        if self._written is not None:
+            self._written.untyped_storage().resize_(0)
         placeholder = self.lookup_object(write_item.index)
         source = self.sources[fqn]
-        return source.read(full_index(source.shape)).to(placeholder.dtype)
+        block = source.read(full_index(source.shape))
+        self._written = torch.empty(block.shape, dtype=placeholder.dtype)  # a storage of its own: resizable
+        self._written.copy_(block)
+        return self._written
 
 
 def placeholder(source: TensorSource) -> Tensor:
