@@ -29,7 +29,15 @@ from titan_tpu.models.hf_adapter import (
     native_param_shapes,
     native_sources_from_hf,
 )
-from titan_tpu.models.hf_sources import BlockDequantized, FileTensor, InMemory, ShardFiles, TensorSource, full_index
+from titan_tpu.models.hf_sources import (
+    BlockDequantized,
+    FileTensor,
+    InMemory,
+    ShardFiles,
+    TensorSource,
+    full_index,
+    row_blocks,
+)
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -321,27 +329,11 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, TensorSource]], dtyp
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for key, source in tensors:
-            for index in _row_blocks(source.shape):
+            for index in row_blocks(source.shape):
                 block = source.read(index).to(dtype).contiguous()
                 f.write(block.reshape(-1).view(torch.uint8).numpy().data)
         f.flush()
         os.fsync(f.fileno())
-
-
-# The most one read of an export asks for (in float32): an embedding of 128k x 4096 goes in a few
-# blocks of rows, so neither its float32 copy nor the conversion to the export's dtype is whole.
-READ_BYTES = 512 * 2**20
-
-
-def _row_blocks(shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
-    """The blocks of consecutive rows (first dimension) a tensor of `shape` is read in: whole when
-    it is at most READ_BYTES in float32; rows laid end to end, so their bytes are the tensor's."""
-    if len(shape) == 0:
-        return [()]
-    row_bytes = max(1, math.prod(shape[1:]) * 4)
-    rows = max(1, READ_BYTES // row_bytes)
-    rest = tuple(slice(0, n) for n in shape[1:])
-    return [(slice(start, min(start + rows, shape[0])), *rest) for start in range(0, max(shape[0], 1), rows)]
 
 
 def _swap_into_place(tmp: Path, hf_dir: Path) -> None:

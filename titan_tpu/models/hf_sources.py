@@ -38,7 +38,7 @@ from torch import Tensor
 
 __all__ = ["BlockDequantized", "FileTensor", "InMemory", "MergedLoRA", "Narrowed", "RowsPermuted", "Selected",
            "ShardFiles", "Stacked", "TensorSource", "full_index", "interleaved_to_rotate_half", "read_block_",
-           "rotate_half_to_interleaved"]
+           "rotate_half_to_interleaved", "row_blocks"]
 
 
 class TensorSource(Protocol):
@@ -234,6 +234,22 @@ class MergedLoRA:
         b = self.lora_b.read((rows, slice(0, rank))).float()
         weight = self.weight.read(index)
         return (weight.float() + (b @ a) * self.scaling).to(weight.dtype)
+
+
+# The most one read of an export or an import asks for (in float32): an embedding of 128k x 4096 goes in a few
+# blocks of rows, so neither its float32 copy nor the conversion to the export's dtype is whole.
+READ_BYTES = 512 * 2**20
+
+
+def row_blocks(shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
+    """The blocks of consecutive rows (first dimension) a tensor of `shape` is read in: whole when
+    it is at most READ_BYTES in float32; rows laid end to end, so their bytes are the tensor's."""
+    if len(shape) == 0:
+        return [()]
+    row_bytes = max(1, math.prod(shape[1:]) * 4)
+    rows = max(1, READ_BYTES // row_bytes)
+    rest = tuple(slice(0, n) for n in shape[1:])
+    return [(slice(start, min(start + rows, shape[0])), *rest) for start in range(0, max(shape[0], 1), rows)]
 
 
 def read_block_(target: Tensor, source: TensorSource) -> None:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan, WriteItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from titan_tpu.models.hf_sources import TensorSource, full_index
+from titan_tpu.models.hf_sources import TensorSource, row_blocks
 
 __all__ = ["CheckpointTensors", "SavedTensor", "SourcesSavePlanner", "placeholder"]
 
@@ -132,9 +132,9 @@ class SourcesSavePlanner(DefaultSavePlanner):
             self._written.untyped_storage().resize_(0)
         placeholder = self.lookup_object(write_item.index)
         source = self.sources[fqn]
-        block = source.read(full_index(source.shape))
-        self._written = torch.empty(block.shape, dtype=placeholder.dtype)  # a storage of its own: resizable
-        self._written.copy_(block)
+        self._written = torch.empty(source.shape, dtype=placeholder.dtype)  # a storage of its own: resizable
+        for index in row_blocks(source.shape):  # the source's copy (another dtype) a block at a time
+            self._written[index] = source.read(index)
         return self._written
 
 
