@@ -37,7 +37,7 @@ __all__ = ["CheckpointTensors", "SavedTensor", "SourcesSavePlanner", "placeholde
 
 # Whole tensors kept for reads of one piece at a time (experts exported one by one from their
 # stack): at most this many bytes; larger tensors are read block by block, uncached.
-CACHE_BYTES = 2 * 2**30
+CACHE_BYTES = 2**30
 
 
 class _BlockLoadPlanner(DefaultLoadPlanner):
