@@ -4,16 +4,15 @@ Multi-process (sharded, resharding, async) tests live in test_checkpoint_dist.py
 """
 
 import os
-import random
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_fixtures import assert_one_whole_save, kill_during_saves
 
 from titan_tpu.train.checkpoint import (
     Checkpointer,
@@ -204,39 +203,14 @@ def test_async_snapshot_is_taken_at_save(tmp_path):
     torch.testing.assert_close(load_full_state_dict(path)["layers.0.w"], torch.full((5,), 1.0))
 
 
-KILL_SCRIPT = textwrap.dedent("""
-    import sys, torch
-    from titan_tpu.train.checkpoint import Checkpointer
-    ckpt = Checkpointer(sys.argv[1], keep_latest_k=2)
-    step = 0
-    while True:
-        step += 1
-        # ~48 MB, every value equal to the step, so a mix of two saves would show.
-        model = {f"w{i}": torch.full((3_000_000,), float(step)) for i in range(4)}
-        ckpt.save(step, {"step": step, "model": model, "model_name": "m", "model_args": {}})
-        print(step, flush=True)
-""")
-
-
 @pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 def test_kill_9_mid_save_leaves_latest_complete(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    try:
-        assert proc.stdout.readline().strip() == "1", "the first save did not complete"
-        time.sleep(random.uniform(0.0, 1.5))  # somewhere inside a later save (each takes ~0.3-1 s)
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_during_saves(tmp_path, commit="rename")
     ckpt = Checkpointer(tmp_path)
     latest = ckpt.latest()
     # Whatever the moment of the kill, no incomplete directory is visible under a step-* name.
     assert sorted(tmp_path.glob("step-*")) == ckpt.complete_checkpoints()
-    state = load_checkpoint(latest)
-    step = state["step"]
-    assert latest.name == f"step-{step:08d}" and step >= 1
-    for w in state["model"].values():
-        assert w.shape == (3_000_000,) and bool((w == step).all())
+    assert_one_whole_save(latest)
 
 
 def test_graceful_shutdown_sets_flag_and_restores_handlers():

@@ -6,16 +6,12 @@ path is in tests/test_train.py's style, here with a checkpoint folder outside th
 """
 
 import os
-import random
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_fixtures import assert_one_whole_save, kill_during_saves
 from dist_utils import run_distributed
 
 from titan_tpu.config import build_config
@@ -179,30 +175,9 @@ def test_a_checkpoint_removed_halfway_is_not_complete(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003"]
 
 
-KILL_SCRIPT = textwrap.dedent("""
-    import sys, torch
-    from titan_tpu.train.checkpoint import Checkpointer
-    ckpt = Checkpointer(sys.argv[1], keep_latest_k=2, commit="marker")
-    step = 0
-    while True:
-        step += 1
-        # ~48 MB, every value equal to the step, so a mix of two saves would show.
-        model = {f"w{i}": torch.full((3_000_000,), float(step)) for i in range(4)}
-        ckpt.save(step, {"step": step, "model": model, "model_name": "m", "model_args": {}})
-        print(step, flush=True)
-""")
-
-
 @pytest.mark.multiprocess(ranks=False)  # one process at a time, no ranks: scheduled with its file
 def test_kill_9_mid_marker_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    try:
-        assert proc.stdout.readline().strip() == "1", "the first save did not complete"
-        time.sleep(random.uniform(0.0, 1.5))  # somewhere inside a later save (each takes ~0.3-1 s)
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_during_saves(tmp_path, commit="marker")
     ckpt = Checkpointer(tmp_path, commit="marker")
     complete = ckpt.complete_checkpoints()
     latest = ckpt.latest()
@@ -210,11 +185,7 @@ def test_kill_9_mid_marker_save_leaves_the_previous_checkpoint_loadable(tmp_path
     # At most one directory is not a checkpoint: the save the kill interrupted, or one being pruned.
     assert len(set(tmp_path.glob("step-*")) - set(complete)) <= 1
     for path in complete:
-        state = load_checkpoint(path)
-        step = state["step"]
-        assert path.name == f"step-{step:08d}" and step >= 1
-        for w in state["model"].values():
-            assert w.shape == (3_000_000,) and bool((w == step).all())
+        assert_one_whole_save(path)
     # A restart writes on (the debris goes with its next commit).
     ckpt.save(99, {"step": 99, "model": {"w": torch.ones(2)}, "model_name": "m", "model_args": {}})
     assert ckpt.latest().name == "step-00000099"
