@@ -272,6 +272,38 @@ def kernels_main(argv: list[str]) -> int:
 
 
 def plan_main(argv: list[str]) -> int:
+    args, overrides = _plan_parser().parse_known_args(argv)
+    if args.calibrate:
+        from titan_tpu.plan.calibrate import calibrate_main
+
+        return calibrate_main(out_dir=args.out, replay=args.replay, only=args.only)
+    if not args.config:
+        raise ValueError("titan-tpu plan needs --config (a TOML recipe), or --calibrate")
+    from titan_tpu.plan import format_plan, resolve_hardware
+    from titan_tpu.plan.planner import plan_run, setup_for_planning
+
+    setup = setup_for_planning(args.config, overrides)
+    cfg = setup.cfg
+    hardware, chips = resolve_hardware(args.hardware, dtype=cfg.model.dtype) if args.hardware else (None, None)
+    if chips is not None and hardware.name != "cpu" and not hardware.devices_per_node:
+        chips *= cfg.parallelism.slices  # a TPU slice name is one of parallelism.slices (MaxText's compile_topology)
+    if args.certify and not args.search:
+        raise ValueError("--certify K certifies the search's best K: add --search")
+    if args.search:
+        return _plan_search(args, overrides, cfg, hardware, chips)
+    if args.storage_gbps <= 0 or args.local_gbps <= 0:
+        raise ValueError(f"--storage-gbps {args.storage_gbps:g} and --local-gbps {args.local_gbps:g} must be > 0")
+    plan = plan_run(setup, hardware, chips=chips, gather=args.gather, storage_gbps=args.storage_gbps,
+                    local_gbps=args.local_gbps)
+    extra, lines = _plan_beside(args, overrides, setup, plan, hardware, chips)
+    if args.json:
+        print(json.dumps({**json.loads(plan.to_json()), **extra}, indent=2))
+    else:
+        print("\n".join([format_plan(plan, explain=args.explain), *lines]))
+    return 0
+
+
+def _plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="titan-tpu plan",
         description="Predict per-device memory, FLOPs, communication, step time, tokens/s and MFU of a run "
@@ -321,43 +353,35 @@ def plan_main(argv: list[str]) -> int:
                                        "(several: a|b)")
     parser.add_argument("--out", default="outputs/plan_calibration", help="with --calibrate: where runs and "
                                                                              "results go")
-    args, overrides = parser.parse_known_args(argv)
-    if args.calibrate:
-        from titan_tpu.plan.calibrate import calibrate_main
+    return parser
 
-        return calibrate_main(out_dir=args.out, replay=args.replay, only=args.only)
-    if not args.config:
-        raise ValueError("titan-tpu plan needs --config (a TOML recipe), or --calibrate")
-    from titan_tpu.plan import format_plan, resolve_hardware
-    from titan_tpu.plan.planner import plan_run, setup_for_planning
 
-    setup = setup_for_planning(args.config, overrides)
-    cfg = setup.cfg
-    hardware, chips = resolve_hardware(args.hardware, dtype=cfg.model.dtype) if args.hardware else (None, None)
-    if chips is not None and hardware.name != "cpu" and not hardware.devices_per_node:
-        chips *= cfg.parallelism.slices  # a TPU slice name is one of parallelism.slices (MaxText's compile_topology)
-    if args.certify and not args.search:
-        raise ValueError("--certify K certifies the search's best K: add --search")
-    if args.search:
-        from titan_tpu.plan.search import format_search, search, search_json
+def _plan_search(args: argparse.Namespace, overrides: list[str], cfg, hardware, chips: int | None) -> int:
+    """`plan --search` (and `--certify K`): rank the layouts that fit, print the best."""
+    from titan_tpu.plan.search import format_search, search, search_json
 
-        keep = [k.strip() for k in args.keep.split(",") if k.strip()]
-        result = search(cfg, hardware, chips=chips, keep=keep, allow_fp8=args.allow_fp8)
-        if not args.certify:
-            print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
-            return 0
-        from titan_tpu.tools.certify import certified_json, certify, format_certified
-
-        if not args.json:
-            print(format_search(result, top=args.top), flush=True)
-        certified = certify(result, args.config, overrides, top=args.certify,
-                            log=(lambda line: None) if args.json else print)
-        print(certified_json(result, certified, top=args.top) if args.json else format_certified(certified))
+    keep = [k.strip() for k in args.keep.split(",") if k.strip()]
+    result = search(cfg, hardware, chips=chips, keep=keep, allow_fp8=args.allow_fp8)
+    if not args.certify:
+        print(search_json(result, top=args.top) if args.json else format_search(result, top=args.top))
         return 0
-    if args.storage_gbps <= 0 or args.local_gbps <= 0:
-        raise ValueError(f"--storage-gbps {args.storage_gbps:g} and --local-gbps {args.local_gbps:g} must be > 0")
-    plan = plan_run(setup, hardware, chips=chips, gather=args.gather, storage_gbps=args.storage_gbps,
-                    local_gbps=args.local_gbps)
+    from titan_tpu.tools.certify import certified_json, certify, format_certified
+
+    if not args.json:
+        print(format_search(result, top=args.top), flush=True)
+    certified = certify(result, args.config, overrides, top=args.certify,
+                        log=(lambda line: None) if args.json else print)
+    print(certified_json(result, certified, top=args.top) if args.json else format_certified(certified))
+    return 0
+
+
+def _plan_beside(args: argparse.Namespace, overrides: list[str], setup, plan, hardware,
+                 chips: int | None) -> tuple[dict, list[str]]:
+    """What `plan` prints after the plan, and adds to its JSON: XLA's numbers for the same
+    program, the step as TorchTPU runs it, the other precision where fp8 can pay."""
+    from titan_tpu.plan.planner import plan_run
+
+    cfg = setup.cfg
     extra, lines = {}, []
     # XLA's numbers beside the plan: the report given, or a shipped recipe's own compile report when
     # the plan is of the recipe as it stands (no override, its own slice), which XLA compiled.
@@ -396,11 +420,7 @@ def plan_main(argv: list[str]) -> int:
                          gather=args.gather, fp8="fp8" not in plan.batch)
         fp8_lines, extra["fp8_vs_bf16"] = fp8_beside(plan, other)
         lines.insert(0, fp8_lines)
-    if args.json:
-        print(json.dumps({**json.loads(plan.to_json()), **extra}, indent=2))
-    else:
-        print("\n".join([format_plan(plan, explain=args.explain), *lines]))
-    return 0
+    return extra, lines
 
 
 def prepare_data_main(argv: list[str]) -> int:
