@@ -84,7 +84,8 @@ class TrainingConfig:
     # [dpo] section (docs/dpo.md); training.batch_size then counts pairs. grpo: online RL from
     # prompts and a reward, the [grpo] section (docs/grpo.md); training.batch_size then counts
     # prompts per rank and a step is one round of sampling and grpo.passes optimizer updates.
-    objective: Literal["next_token", "dpo", "grpo"] = "next_token"
+    # orpo: preference pairs without a reference model, the [orpo] section; batch_size counts pairs.
+    objective: Literal["next_token", "dpo", "grpo", "orpo"] = "next_token"
 
 
 @dataclass
@@ -95,6 +96,16 @@ class DPOConfig:
     # The frozen reference policy: "initial" is the run's starting weights (a frozen copy, or under
     # LoRA the base model with the adapters off: no copy); or a checkpoint / HF directory to load.
     reference: str = "initial"
+
+
+@dataclass
+class ORPOConfig:
+    # Odds ratio preference optimisation (train/orpo.py), with training.objective = "orpo": the
+    # chosen rows' NLL minus beta x log sigmoid of the log odds ratio, no reference model.
+    beta: float = 0.1  # weight of the odds-ratio term (TRL's ORPOConfig.beta, the paper's lambda)
+    # The NLL over the chosen row's prompt and completion tokens, as TRL (a second forward of the
+    # chosen rows); false: over the completion only, as the paper writes it.
+    nll_includes_prompt: bool = True
 
 
 @dataclass
@@ -382,6 +393,7 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    orpo: ORPOConfig = field(default_factory=ORPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
@@ -637,6 +649,8 @@ def check(cfg: Config) -> None:
         normalized_weights(cfg.data.sources)
     if cfg.dpo.beta <= 0:
         raise ValueError(f"dpo.beta = {cfg.dpo.beta} must be > 0")
+    if cfg.orpo.beta <= 0:
+        raise ValueError(f"orpo.beta = {cfg.orpo.beta} must be > 0")
     _check_grpo(cfg.grpo)
     if cfg.data.max_bytes < 0:
         raise ValueError(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 reads the whole corpus)")
