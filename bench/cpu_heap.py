@@ -62,11 +62,11 @@ def _breakdown(p: dict) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    import titan_tpu.loops.pretrain as trainer_mod
     from titan_tpu.cli import main as cli_main
+    from titan_tpu.loops.base import Loop
 
     reports = []
-    original = trainer_mod.Trainer.train_step
+    original = Loop.train_step
 
     def sampled_step(self):
         before = {"rss": resident_bytes(), **malloc_state()}
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
         reports.append({"step": self.step, "before": before, "peak": sampler.peak, "max_in_use": sampler.max_in_use})
         return result
 
-    trainer_mod.Trainer.train_step = sampled_step
+    Loop.train_step = sampled_step
     defaults = ["--training.steps", "4", "--validation.enabled", "false", "--checkpoint.enabled", "false",
                 "--metrics.tensorboard", "false", "--checkpoint.resume", "false", "--training.device", "cpu",
                 "--lr_scheduler.warmup_steps", "1"]

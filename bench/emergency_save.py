@@ -28,10 +28,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from titan_tpu.config import build_config  # noqa: E402
-from titan_tpu.loops.pretrain import Trainer  # noqa: E402
+from titan_tpu.loops import Loop, assemble  # noqa: E402
 
 
-def trainer(work: Path, args, local_dir: Path) -> Trainer:
+def trainer(work: Path, args, local_dir: Path) -> Loop:
     overrides = {
         "output_dir": work / "run", "data.cache_dir": work / "cache", "data.max_bytes": 300_000,
         "training.device": "cpu", "training.deterministic": "true", "training.batch_size": 1, "training.seq_len": 64,
@@ -42,10 +42,10 @@ def trainer(work: Path, args, local_dir: Path) -> Trainer:
         "metrics.console": "false", "metrics.tensorboard": "false", "validation.enabled": "false",
         "checkpoint.local_dir": local_dir, "checkpoint.local_interval": 1,
     }
-    return Trainer(build_config(None, [x for k, v in overrides.items() for x in (f"--{k}", str(v))]))
+    return assemble(build_config(None, [x for k, v in overrides.items() for x in (f"--{k}", str(v))]))
 
 
-def state_tensors(t: Trainer) -> dict[str, torch.Tensor]:
+def state_tensors(t: Loop) -> dict[str, torch.Tensor]:
     sd = t.state_dict()
     out = {f"model.{k}": v for k, v in sd["model"].items()}
     for group in ("exp_avg", "exp_avg_sq"):
@@ -66,12 +66,12 @@ def main() -> int:
         first = trainer(work, args, local_dir)
         first.maybe_resume()
         first.train_step()
-        params = sum(p.numel() for p in first.model.parameters())
+        params = sum(p.numel() for p in first.components.model.parameters())
         start = time.perf_counter()
-        first.save_local_tier()
+        first.saving.save_local_tier()
         local = time.perf_counter() - start
         start = time.perf_counter()
-        first.save_checkpoint()
+        first.saving.save_checkpoint()
         persistent = time.perf_counter() - start
         size = sum(f.stat().st_size for f in (work / "run" / "checkpoints").rglob("*") if f.is_file())
         local_size = sum(f.stat().st_size for f in local_dir.rglob("*") if f.is_file())

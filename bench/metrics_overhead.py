@@ -29,8 +29,10 @@ from pathlib import Path
 
 from torch.profiler import record_function
 
+import titan_tpu.loops.base as loop_mod
 from titan_tpu.config import build_config
-from titan_tpu.train import metrics as metrics_mod, trainer as trainer_mod
+from titan_tpu.loops import assemble
+from titan_tpu.train import metrics as metrics_mod
 from titan_tpu.train.profiling import DATA_REGION
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
@@ -64,9 +66,9 @@ def main(argv: list[str]) -> int:
         cfg = build_config(CONFIG, ["--output_dir", out, "--training.steps", str(args.steps), "--metrics.log_freq", "1",
                                     "--metrics.trackers", "tensorboard,wandb", "--validation.enabled", "false",
                                     "--checkpoint.enabled", "false", "--lr_scheduler.warmup_steps", "1", *overrides])
-        trainer_mod.MetricsLogger = TimedLogger
-        trainer = trainer_mod.Trainer(cfg)
-        memory_stats = trainer.backend.memory_stats
+        loop_mod.MetricsLogger = TimedLogger
+        trainer = assemble(cfg)
+        memory_stats = trainer.components.backend.memory_stats
 
         def timed_memory_stats():
             t0 = time.perf_counter()
@@ -74,7 +76,7 @@ def main(argv: list[str]) -> int:
             spent["memory"].append(time.perf_counter() - t0)
             return stats
 
-        trainer.backend.memory_stats = timed_memory_stats
+        trainer.components.backend.memory_stats = timed_memory_stats
         t0 = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - t0

@@ -60,11 +60,11 @@ def common(run_dir: Path, cache: Path) -> list[str]:
 
 def _train(config: str, overrides: list[str]) -> str:
     from titan_tpu.config import build_config
-    from titan_tpu.loops.pretrain import Trainer
+    from titan_tpu.loops import assemble
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        Trainer(build_config(config, overrides)).train()
+        assemble(build_config(config, overrides)).train()
     return printed.getvalue()
 
 

@@ -1,5 +1,5 @@
 """Where the time of a multi-rank eager training step goes, on rank 0: the trainer's own step
-(titan_tpu.loops.pretrain.Trainer, so SimpleFSDP, expert parallelism and their collectives are as
+(titan_tpu.loops: the assembled run and its loop, so SimpleFSDP, expert parallelism and their collectives are as
 in a real run) under torch's profiler for three steps after two warm-up steps, self CPU time per
 op grouped by the product's categories (titan_tpu/train/profiling.py), collectives and their waits
 among them. How the planner's collective rate was found wanting for the two-rank expert-parallel
@@ -20,12 +20,12 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 from titan_tpu.config import build_config
-from titan_tpu.loops.pretrain import Trainer
+from titan_tpu.loops import assemble
 from titan_tpu.train.profiling import format_table, time_by_category
 
 
 def main(argv: list[str]) -> int:
-    trainer = Trainer(build_config(argv[0], argv[1:]))
+    trainer = assemble(build_config(argv[0], argv[1:]))
     for _ in range(2):
         trainer.train_step()
     steps = 3
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
         for _ in range(steps):
             trainer.train_step()
         wall_ms = (time.perf_counter() - start) / steps * 1e3
-    if trainer.rank != 0:
+    if trainer.components.rank != 0:
         return 0
     rows = [(e.key, e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()]
     total = sum(ms for _, ms, _ in rows)

@@ -51,11 +51,11 @@ def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), kwargs: 
 
 def _train_rank(config: str, overrides: list[str]) -> str:
     from titan_tpu.config import build_config
-    from titan_tpu.loops import trainer_for
+    from titan_tpu.loops import assemble
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        trainer_for(build_config(config, overrides)).train()
+        assemble(build_config(config, overrides)).train()
     return printed.getvalue()
 
 

@@ -15,7 +15,7 @@ from checkpoint_fixtures import assert_one_whole_save, kill_during_saves
 from dist_utils import run_distributed
 
 from titan_tpu.config import build_config
-from titan_tpu.loops.pretrain import Trainer
+from titan_tpu.loops import assemble
 from titan_tpu.train.checkpoint import (
     Checkpointer,
     checkpoint_step,
@@ -249,21 +249,21 @@ def test_two_ranks_save_with_markers_and_agree_on_the_latest(tmp_path):
 def test_resume_from_a_marker_checkpoint_in_another_folder_is_bitwise(tmp_path, train_overrides, renames):
     overrides = train_overrides(training__deterministic="true", validation__enabled="false", training__steps=6,
                                 checkpoint__interval=3)
-    Trainer(build_config(LLAMA_DEBUG, overrides + ["--checkpoint.enabled", "false"])).train()
+    assemble(build_config(LLAMA_DEBUG, overrides + ["--checkpoint.enabled", "false"])).train()
     straight = _losses(tmp_path / "run")
 
     bucket = tmp_path / "bucket" / "checkpoints"  # stands in for a gcsfuse mount's directory
     interrupted = overrides + ["--output_dir", str(tmp_path / "resumed"), "--checkpoint.folder", str(bucket),
                                "--checkpoint.commit", "marker"]
-    first = Trainer(build_config(LLAMA_DEBUG, interrupted))
+    first = assemble(build_config(LLAMA_DEBUG, interrupted))
     for _ in range(3):
         first.train_step()
-    first.save_checkpoint()
+    first.saving.save_checkpoint()
     del first
     assert (bucket / "step-00000003" / "checkpoint.json").is_file()
     assert not (tmp_path / "resumed" / "checkpoints").exists()
     torch.manual_seed(1234)  # a resumed process starts with unrelated global RNG state
-    second = Trainer(build_config(LLAMA_DEBUG, interrupted))
+    second = assemble(build_config(LLAMA_DEBUG, interrupted))
     second.train()
     assert second.step == 6
     resumed = _losses(tmp_path / "resumed")

@@ -21,7 +21,7 @@ from dist_utils import require_multiprocess_marker, train_on_ranks
 from test_train_dist import _wait_for, train_here
 
 from titan_tpu.config import build_config
-from titan_tpu.loops.pretrain import Trainer
+from titan_tpu.loops import assemble
 
 RECIPE = """
 [model]
@@ -91,7 +91,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def test_mixture_with_chat_trains_logs_shares_and_resumes_twice_bitwise(tmp_path, recipe):
     straight = tmp_path / "straight"
-    summary = Trainer(build_config(recipe, ["--output_dir", str(straight)])).train()
+    summary = assemble(build_config(recipe, ["--output_dir", str(straight)])).train()
     want = losses(straight)
     assert sorted(want) == list(range(1, 13)) and all(v == v for v in want.values())
     assert summary["val_loss"] is not None
@@ -100,14 +100,14 @@ def test_mixture_with_chat_trains_logs_shares_and_resumes_twice_bitwise(tmp_path
     # Interrupted after step 4 and after step 8 (checkpoints on disk), restarted each time.
     run = tmp_path / "resumed"
     for stop in (4, 8):
-        trainer = Trainer(build_config(recipe, ["--output_dir", str(run)]))
+        trainer = assemble(build_config(recipe, ["--output_dir", str(run)]))
         trainer.maybe_resume()
         while trainer.step < stop:
             trainer.train_step()
-        trainer.save_checkpoint()
+        trainer.saving.save_checkpoint()
         del trainer
         torch.manual_seed(1234)  # a new process starts from unrelated global RNG state
-    Trainer(build_config(recipe, ["--output_dir", str(run)])).train()
+    assemble(build_config(recipe, ["--output_dir", str(run)])).train()
     got = losses(run)
     assert sorted(got) == list(range(9, 13))
     for step in range(9, 13):
@@ -189,7 +189,7 @@ def test_chat_recipe_fine_tunes_an_hf_model_directory(tmp_path):
                                 "--training.grad_accum_steps", "2", "--metrics.log_freq", "1",
                                 "--metrics.tensorboard", "false", "--validation.freq", "4", "--validation.steps", "1",
                                 "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "1e-3"])
-    summary = Trainer(cfg).train()
+    summary = assemble(cfg).train()
     got = rows(tmp_path / "run")
     first = [r for r in got if "loss" in r][0]
     assert first["data/chat/share"] == 1.0 and first["loss"] == first["loss"]

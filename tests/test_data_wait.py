@@ -81,7 +81,7 @@ def _train_with_a_slow_tokenizer(config: str, overrides: list[str]) -> dict:
     import torch.distributed as dist
 
     import titan_tpu.data.prepare as prepare
-    from titan_tpu.loops import trainer_for
+    from titan_tpu.loops import assemble
 
     real_build = prepare.build_shards
 
@@ -94,7 +94,7 @@ def _train_with_a_slow_tokenizer(config: str, overrides: list[str]) -> dict:
     printed = io.StringIO()
     start = time.monotonic()
     with contextlib.redirect_stdout(printed):
-        summary = trainer_for(build_config(config, overrides)).train()
+        summary = assemble(build_config(config, overrides)).train()
     seconds = time.monotonic() - start
     barrier_failed = None
     if dist.get_rank() == 1:  # the old wait: rank 0 does not come (busy); the barrier gives up after the timeout

@@ -358,12 +358,12 @@ def test_training_prints_no_mfu_above_100_percent(monkeypatch, train_overrides, 
     import json
 
     from titan_tpu.config import build_config
-    from titan_tpu.loops.pretrain import Trainer
+    from titan_tpu.loops import assemble
 
     calls = _measuring(monkeypatch, [1e6])
     cfg = build_config(str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml"),
                        train_overrides(training__steps=3, checkpoint__enabled="false", validation__enabled="false"))
-    Trainer(cfg).train()
+    assemble(cfg).train()
     out = capsys.readouterr().out
     assert "MFU n/a (peak unreliable)" in out and "MFU not reported" in out
     assert not re.search(r"MFU \d", out), out

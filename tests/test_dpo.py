@@ -198,11 +198,11 @@ def rows_of(run_dir: Path) -> list[dict]:
 
 
 def test_first_step_is_ln2_with_trl_metrics_and_graph_equals_eager(tmp_path):
-    from titan_tpu.loops import trainer_for
+    from titan_tpu.loops import assemble
 
     data = write_jsonl(tmp_path / "p.jsonl", pair_rows(16))
     eager = tmp_path / "eager"
-    trainer_for(build_config(LLAMA_DEBUG, dpo_overrides(eager, data))).train()
+    assemble(build_config(LLAMA_DEBUG, dpo_overrides(eager, data))).train()
     first, second = [r for r in rows_of(eager / "run") if "loss" in r]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-7)  # policy = reference: every margin 0
     assert first["rewards/margins"] == 0 and first["rewards/accuracies"] == 0
@@ -211,25 +211,25 @@ def test_first_step_is_ln2_with_trl_metrics_and_graph_equals_eager(tmp_path):
                  ["--training.mode", "graph", "--compile.backend", "aot_eager", "--model.scan_layers", "true",
                   "--activation_checkpoint.mode", "full"]):
         run = tmp_path / mode[-1]
-        trainer_for(build_config(LLAMA_DEBUG, dpo_overrides(run, data) + mode)).train()
+        assemble(build_config(LLAMA_DEBUG, dpo_overrides(run, data) + mode)).train()
         graph = [r for r in rows_of(run / "run") if "loss" in r]
         for a, b in zip(graph, [first, second]):
             assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["rewards/margins"] - b["rewards/margins"]) < 1e-6
 
 
 def test_lora_reference_is_the_base_model_without_a_copy(tmp_path):
-    from titan_tpu.loops import trainer_for
+    from titan_tpu.loops import assemble
     from titan_tpu.models.common.transformer import Transformer
     from titan_tpu.train.objective import ModelCalls
 
     data = write_jsonl(tmp_path / "p.jsonl", pair_rows(16))
     cfg = build_config(LLAMA_DEBUG, dpo_overrides(tmp_path, data, lora__enabled="true", optimizer__lr=1e-2))
-    trainer = trainer_for(cfg)
+    trainer = assemble(cfg)
     trainer.train_step()
     trainer.train_step()
-    objective, model = trainer.objective, trainer.model
+    objective, model = trainer.components.objective, trainer.components.model
     assert objective.frozen_modules() == {}
-    batch = trainer.train_loader.next_batch()
+    batch = trainer.components.train_loader.next_batch()
     tokens = torch.cat([batch.chosen.inputs_BS, batch.rejected.inputs_BS])
     labels = torch.cat([batch.chosen.labels_BS, batch.rejected.labels_BS])
     calls = ModelCalls(model)
@@ -285,13 +285,13 @@ def test_two_sharded_ranks_equal_one_process_with_two_micro_batches(tmp_path):
     the same pairs as 2 micro-batches: the same losses and rewards, step by step."""
     from dist_utils import train_on_ranks
 
-    from titan_tpu.loops import trainer_for
+    from titan_tpu.loops import assemble
 
     data = write_jsonl(tmp_path / "p.jsonl", pair_rows(16))
     threads = torch.get_num_threads()  # one thread, as each rank runs
     torch.set_num_threads(1)
     try:
-        trainer_for(build_config(LLAMA_DEBUG, dpo_overrides(tmp_path / "one", data, training__grad_accum_steps=2,
+        assemble(build_config(LLAMA_DEBUG, dpo_overrides(tmp_path / "one", data, training__grad_accum_steps=2,
                                                              training__steps=3))).train()
     finally:
         torch.set_num_threads(threads)

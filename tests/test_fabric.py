@@ -167,12 +167,12 @@ def test_search_from_a_tpu_recipe_finds_full_training_on_512_h100(capsys):
 def test_training_across_slices_is_refused_in_one_line(tmp_path):
     """Planned and compiled, not launched: a run with slices > 1 says so before it starts anything."""
     from titan_tpu.config import build_config
-    from titan_tpu.loops import trainer_for
+    from titan_tpu.loops import assemble
 
     cfg = build_config(CONFIGS / "llama3_debug.toml",
                        ["--parallelism.slices", "2", "--parallelism.dp_replicate", "2", "--training.device", "cpu",
                         "--output_dir", str(tmp_path / "run")])
     with pytest.raises(ValueError) as refused:
-        trainer_for(cfg)
+        assemble(cfg)
     assert "\n" not in str(refused.value) and "does not start a multi-slice run" in str(refused.value)
     assert not (tmp_path / "run").exists()

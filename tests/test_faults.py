@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from titan_tpu.cli import main
 from titan_tpu.config import build_config
-from titan_tpu.loops.pretrain import Trainer
+from titan_tpu.loops import assemble
 from titan_tpu.train import checkpoint as checkpoint_module
 from titan_tpu.train.checkpoint import Checkpointer, CheckpointSaveError, load_checkpoint
 from titan_tpu.train.run_lock import OutputDirLocked, RunLock
@@ -118,13 +118,13 @@ def test_on_save_error_warn_trains_on_and_retries_stop_exits_non_zero(tmp_path, 
     overrides = train_overrides(training__steps=6, checkpoint__interval=2, validation__enabled="false",
                                 training__deterministic="true", checkpoint__async_save=async_save)
     straight = tmp_path / "straight"
-    Trainer(build_config(LLAMA_DEBUG, overrides + ["--output_dir", str(straight)])).train()
+    assemble(build_config(LLAMA_DEBUG, overrides + ["--output_dir", str(straight)])).train()
 
     # warn: the step-2 save fails (one file refused), training goes on, step 4 and 6 are saved.
     run = tmp_path / "warned"
     cfg = build_config(LLAMA_DEBUG, overrides + ["--output_dir", str(run), "--checkpoint.on_save_error", "warn"])
     with failing_writes(errno.ENOSPC, times=1):
-        summary = Trainer(cfg).train()
+        summary = assemble(cfg).train()
     out = capsys.readouterr().out
     assert summary["save_failures"] == 1 and summary["checkpoint"].endswith("step-00000006")
     assert ("warning: checkpoint step-00000002 could not be saved in" in out
@@ -468,7 +468,7 @@ def test_warmup_longer_than_the_run_is_clamped_with_a_note(tmp_path, train_overr
     overrides = train_overrides(training__steps=2, validation__enabled="false", checkpoint__enabled="false")
     cfg = build_config(LLAMA_DEBUG, overrides + ["--lr_scheduler.warmup_steps", "10"])
     assert cfg.lr_scheduler.warmup_steps == 10  # the config keeps what was asked
-    trainer = Trainer(cfg)
+    trainer = assemble(cfg)
     assert trainer.lr(1) == pytest.approx(cfg.optimizer.lr / 2)  # warmup over the 2 steps there are
     trainer.train()
     assert ("note: lr_scheduler.warmup_steps = 10 is longer than training.steps = 2; warming up over 2 steps "

@@ -128,7 +128,7 @@ def test_fp8_runs_eager_captured_and_scanned_alike_and_learn_like_bf16(tmp_path,
     """The debug model, 6 steps, emulated on the CPU: fp8 (rowwise) eager, captured and scanned
     under full checkpointing give the same losses; they differ from the plain run's but stay
     close to them (bench/fp8_learning.py runs the 300-step comparison)."""
-    from titan_tpu.loops.pretrain import Trainer
+    from titan_tpu.loops import assemble
 
     def run(name, **extra):
         values = dict(output_dir=str(tmp_path / name), training__steps=6, training__seq_len=32,
@@ -136,7 +136,7 @@ def test_fp8_runs_eager_captured_and_scanned_alike_and_learn_like_bf16(tmp_path,
                       checkpoint__enabled="false", optimizer__lr=3e-3, **extra)
         from tests.test_train import LLAMA_DEBUG
 
-        Trainer(build_config(LLAMA_DEBUG, train_overrides(**values))).train()
+        assemble(build_config(LLAMA_DEBUG, train_overrides(**values))).train()
         return _losses(tmp_path / name)
 
     plain = run("plain")

@@ -327,13 +327,13 @@ def test_generate_command_on_a_lora_run_equals_peft(tmp_path, train_overrides, c
     with peft's model of the same base and the --to-peft export."""
     peft = pytest.importorskip("peft")
     from tests.test_lora import _native_cfg
-    from titan_tpu.loops.pretrain import Trainer
+    from titan_tpu.loops import assemble
     from titan_tpu.models.lora import is_adapter_key
     from titan_tpu.models.spec import checkpoint_spec
     from titan_tpu.train.checkpoint import load_full_state_dict, read_checkpoint_meta
 
     run_dir = tmp_path / "run"
-    Trainer(_native_cfg(train_overrides, run_dir, training__steps=3)).train()
+    assemble(_native_cfg(train_overrides, run_dir, training__steps=3)).train()
     step_dir = run_dir / "checkpoints" / "step-00000003"
     meta = read_checkpoint_meta(step_dir)
     base = {k: v for k, v in load_full_state_dict(step_dir).items() if not is_adapter_key(k)}

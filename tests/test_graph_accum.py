@@ -132,15 +132,15 @@ def test_trainer_derives_accumulation_from_global_batch_tokens_in_graph_mode(tra
     from test_train import LLAMA_DEBUG
 
     from titan_tpu.config import build_config
-    from titan_tpu.loops.pretrain import Trainer
+    from titan_tpu.loops import assemble
 
     common = dict(training__steps=3, validation__enabled="false", checkpoint__enabled="false",
                   training__batch_size=2, training__global_batch_tokens=2 * 2 * 128, parallelism__dp_shard=1)
-    eager = Trainer(build_config(LLAMA_DEBUG, train_overrides(**common)))
-    graph = Trainer(build_config(LLAMA_DEBUG, train_overrides(training__mode="graph", compile__backend="eager",
+    eager = assemble(build_config(LLAMA_DEBUG, train_overrides(**common)))
+    graph = assemble(build_config(LLAMA_DEBUG, train_overrides(training__mode="graph", compile__backend="eager",
                                                               **common)))
     assert eager.cfg.training.grad_accum_steps == graph.cfg.training.grad_accum_steps == 2
-    assert graph.step_fn.grad_accum_steps == 2
+    assert graph.components.step_fn.grad_accum_steps == 2
     for _ in range(3):
         a, b = eager.train_step(), graph.train_step()
         assert a.num_tokens == b.num_tokens == 2 * 2 * 128

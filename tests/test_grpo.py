@@ -325,7 +325,7 @@ def test_run_logs_trl_metrics_and_resumes_exactly(tmp_path):
     sampler's seeds follow the step, the prompts the loader's position) and logs the same numbers."""
     import shutil
 
-    from titan_tpu.loops import trainer_for
+    from titan_tpu.loops import assemble
 
     data = write_jsonl(tmp_path / "p.jsonl", digit_rows(16))
     (tmp_path / "r.py").write_text(ID_REWARD)
@@ -333,7 +333,7 @@ def test_run_logs_trl_metrics_and_resumes_exactly(tmp_path):
                                grpo__beta=0.04, checkpoint__enabled="true", checkpoint__interval=2,
                                checkpoint__keep_latest_k=0, training__grad_accum_steps=2, grpo__num_generations=2,
                                grpo__max_completion_length=4)
-    trainer_for(build_config(LLAMA_DEBUG, overrides)).train()
+    assemble(build_config(LLAMA_DEBUG, overrides)).train()
     straight = [r for r in rows_of(tmp_path / "run") if "loss" in r]
     checkpoints = tmp_path / "run" / "checkpoints"
     shutil.rmtree(checkpoints / "step-00000003")  # as if the run had died after step 2's checkpoint
@@ -341,7 +341,7 @@ def test_run_logs_trl_metrics_and_resumes_exactly(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
                                if json.loads(line).get("step", 0) <= 2))
-    trainer_for(build_config(LLAMA_DEBUG, overrides)).train()
+    assemble(build_config(LLAMA_DEBUG, overrides)).train()
     resumed = [r for r in rows_of(tmp_path / "run") if "loss" in r]
     assert [r["step"] for r in straight] == [r["step"] for r in resumed] == [1, 2, 3]
     keys = ("loss", "reward", "reward_std", "kl", "clip_ratio/region_mean", "completions/mean_length", "grad_norm")
@@ -357,22 +357,22 @@ def test_run_logs_trl_metrics_and_resumes_exactly(tmp_path):
 def test_lora_reference_is_the_base_model_without_a_copy(tmp_path):
     """LoRA-GRPO with a KL penalty: no second model; the reference's log-probabilities are the
     trained model's with its adapters off (the base), which the adapters' training leaves alone."""
-    from titan_tpu.loops import trainer_for
+    from titan_tpu.loops import assemble
     from titan_tpu.loops.grpo import rollout_batch
     from titan_tpu.train.grpo import token_logps
 
     data = write_jsonl(tmp_path / "p.jsonl", digit_rows(8))
-    trainer = trainer_for(build_config(LLAMA_DEBUG, grpo_overrides(tmp_path, data, "length", grpo__beta=0.04,
+    trainer = assemble(build_config(LLAMA_DEBUG, grpo_overrides(tmp_path, data, "length", grpo__beta=0.04,
                                                                    lora__enabled="true")))
-    assert trainer.reference is None and trainer.objective.frozen_modules() == {}
+    assert trainer.components.reference is None and trainer.components.objective.frozen_modules() == {}
     batch = rollout_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], [[0.0] * 2, [0.0] * 3],
                           advantages_N=torch.zeros(2), pad_id=0)
     reference = trainer._reference_logps(batch)
     with torch.no_grad():
-        for name, p in trainer.model.named_parameters():
+        for name, p in trainer.components.model.named_parameters():
             if "lora_" in name:
                 p.add_(0.1)  # the adapters move, as training moves them
-        policy = token_logps(trainer.model(batch.inputs_BS), batch.labels_BS)
+        policy = token_logps(trainer.components.model(batch.inputs_BS), batch.labels_BS)
     assert torch.equal(trainer._reference_logps(batch), reference)  # the base, untouched
     assert not torch.allclose(policy, reference)
 

@@ -18,8 +18,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "titan_tpu"
 
 # Bottom to top. A module belongs to the layer of its longest matching prefix: titan_tpu.train
 # holds the training parts (optimizer, step contract, objectives, checkpoints, metrics) that graph/
-# builds on; the run's assembly (components/) sits above everything it builds, and the loops
-# (loops/: pre-training and SFT, DPO) above the assembly they drive. config.py (the
+# builds on; the kinds of training (kinds/: each kind's record, data and objective builders) sit
+# above the data and objectives they build and below the run setup that checks a config against
+# them; the run's assembly (components/) sits above everything it builds, and the loops (loops/:
+# pre-training and SFT, preference pairs, GRPO) above the assembly they drive. config.py (the
 # schema every layer reads) sits under every component: it reads only the kernel choices, the
 # family names and the data source records; the checks that ask components sit in the run setup.
 LAYERS = (
@@ -35,6 +37,7 @@ LAYERS = (
     ("train", ("titan_tpu.train",)),
     ("graph", ("titan_tpu.graph",)),
     ("convert", ("titan_tpu.convert",)),
+    ("kinds", ("titan_tpu.kinds",)),
     ("run setup", ("titan_tpu.run_setup",)),
     ("plan", ("titan_tpu.plan",)),
     ("components", ("titan_tpu.components",)),

@@ -210,37 +210,37 @@ def test_native_run_freezes_the_base_resumes_exactly_and_matches_under_checkpoin
         tmp_path, train_overrides):
     import shutil
 
-    from titan_tpu.loops.pretrain import Trainer
+    from titan_tpu.loops import assemble
 
-    trained = Trainer(_native_cfg(train_overrides, tmp_path / "run"))
+    trained = assemble(_native_cfg(train_overrides, tmp_path / "run"))
     trained.train()
     straight = _losses(tmp_path / "run")
-    assert set(trained.optimizer.state["exp_avg"]) == {n for n, _ in trained.model.named_parameters()
-                                                       if is_adapter_key(n)}
+    parts = trained.components
+    assert set(parts.optimizer.state["exp_avg"]) == {n for n, _ in parts.model.named_parameters() if is_adapter_key(n)}
     # The planner counts what the run holds: moments for the adapters only, the base stored beside them.
     from titan_tpu.plan.planner import plan_config
 
     plan = plan_config(trained.cfg, measure=False)
     moments = sum(t.numel() * t.element_size() for key in ("exp_avg", "exp_avg_sq")
-                  for t in trained.optimizer.state[key].values())
+                  for t in trained.components.optimizer.state[key].values())
     assert plan.memory["optimizer_state"] == moments
-    assert plan.memory["parameters"] == sum(p.numel() * p.element_size() for p in trained.model.parameters())
+    assert plan.memory["parameters"] == sum(p.numel() * p.element_size() for p in trained.components.model.parameters())
 
     # Resume from step 3 in another directory: steps 4..6 again, bitwise; its fresh base equals
     # the trained run's base (frozen), its restored adapters differ from a fresh init's.
     shutil.copytree(tmp_path / "run" / "checkpoints" / "step-00000003",
                     tmp_path / "resumed" / "checkpoints" / "step-00000003")
-    resumed = Trainer(_native_cfg(train_overrides, tmp_path / "resumed"))
-    for name, p in resumed.model.named_parameters():
+    resumed = assemble(_native_cfg(train_overrides, tmp_path / "resumed"))
+    for name, p in resumed.components.model.named_parameters():
         if not is_adapter_key(name):
-            assert torch.equal(p, dict(trained.model.named_parameters())[name]), name
+            assert torch.equal(p, dict(trained.components.model.named_parameters())[name]), name
     resumed.train()
     assert _losses(tmp_path / "resumed") == straight[3:]
 
     for extra in (dict(activation_checkpoint__mode="full"),
                   dict(training__mode="graph", compile__backend="aot_eager")):
         run_dir = tmp_path / next(iter(extra.values()))
-        Trainer(_native_cfg(train_overrides, run_dir, checkpoint__enabled="false", **extra)).train()
+        assemble(_native_cfg(train_overrides, run_dir, checkpoint__enabled="false", **extra)).train()
         assert _losses(run_dir) == pytest.approx(straight, rel=TOLERANCE, abs=TOLERANCE), extra
 
 
@@ -248,26 +248,27 @@ def test_scanned_layers_carry_stacked_adapters_and_give_the_unrolled_losses(tmp_
     """Scanned layers hold the adapters stacked like their weights ([L, rank, in]): the same
     initial adapters, checkpoint names and losses as the unrolled run, eagerly and captured (with
     scan's own autograd, and under full checkpointing with its reverse scan)."""
-    from titan_tpu.loops.pretrain import Trainer
+    from titan_tpu.loops import assemble
 
-    unrolled = Trainer(_native_cfg(train_overrides, tmp_path / "unrolled", checkpoint__enabled="false"))
-    initial = {k: v.clone() for k, v in unrolled.model.state_dict().items()}
+    unrolled = assemble(_native_cfg(train_overrides, tmp_path / "unrolled", checkpoint__enabled="false"))
+    initial = {k: v.clone() for k, v in unrolled.components.model.state_dict().items()}
     unrolled.train()
     straight = _losses(tmp_path / "unrolled")
     for extra in (dict(), dict(training__mode="graph", compile__backend="aot_eager"),
                   dict(training__mode="graph", compile__backend="aot_eager", activation_checkpoint__mode="full")):
         run_dir = tmp_path / "-".join(["scan", *map(str, extra.values())])
-        scanned = Trainer(_native_cfg(train_overrides, run_dir, checkpoint__enabled="false", model__scan_layers="true",
+        scanned = assemble(_native_cfg(train_overrides, run_dir, checkpoint__enabled="false", model__scan_layers="true",
                                       **extra))
-        stacked = dict(scanned.model.named_parameters())["layers.attention.wq.lora_A"]
+        stacked = dict(scanned.components.model.named_parameters())["layers.attention.wq.lora_A"]
         assert stacked.shape == (6, 4, 256) and stacked.requires_grad
-        state = scanned.model.state_dict()
+        state = scanned.components.model.state_dict()
         assert state.keys() == initial.keys()
         assert all(torch.equal(state[k], initial[k]) for k in initial)
         scanned.train()
         assert _losses(run_dir) == pytest.approx(straight, rel=TOLERANCE, abs=TOLERANCE), extra
-        assert set(scanned.optimizer.state["exp_avg"]) == {n for n, p in scanned.model.named_parameters()
-                                                           if p.requires_grad}
+        parts = scanned.components
+        trained_names = {n for n, p in parts.model.named_parameters() if p.requires_grad}
+        assert set(parts.optimizer.state["exp_avg"]) == trained_names
 
 
 def _saved_activation_bytes(model, tokens) -> int:
@@ -305,9 +306,9 @@ def test_planner_counts_the_activations_lora_keeps(extra):
 
 
 def _trained_logits(trainer, tokens):
-    trainer.model.eval()
+    trainer.components.model.eval()
     with torch.no_grad():
-        return trainer.model(tokens)
+        return trainer.components.model(tokens)
 
 
 def _peft_and_merged_logits(base_dir, run_dir, out, tokens):
@@ -339,22 +340,22 @@ def test_exports_to_peft_and_merged_hf_give_the_trained_logits(tmp_path, train_o
 
     from titan_tpu.cli import main
     from titan_tpu.evaluate import load_eval_model
-    from titan_tpu.loops.pretrain import Trainer
+    from titan_tpu.loops import assemble
     from titan_tpu.models.spec import checkpoint_spec
     from titan_tpu.train.checkpoint import load_full_state_dict, read_checkpoint_meta
 
     config = tiny_config("llama")
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "hf"))
-    hf_run = Trainer(_native_cfg(train_overrides, tmp_path / "hf_run", model__name="hf",
+    hf_run = assemble(_native_cfg(train_overrides, tmp_path / "hf_run", model__name="hf",
                                  model__hf_config=str(tmp_path / "hf"), model__flavor="debug", training__steps=3))
     hf_run.train()
     base = dict(AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).named_parameters())
-    for name, p in hf_run.model.named_parameters():  # started from the directory's weights, kept them
+    for name, p in hf_run.components.model.named_parameters():  # started from the directory's weights, kept them
         if not is_adapter_key(name):
             assert torch.equal(p, base[name[len(PREFIX):]]), name
 
-    native_run = Trainer(_native_cfg(train_overrides, tmp_path / "native_run", training__steps=3))
+    native_run = assemble(_native_cfg(train_overrides, tmp_path / "native_run", training__steps=3))
     native_run.train()
     step_dir = tmp_path / "native_run" / "checkpoints" / "step-00000003"
     meta = read_checkpoint_meta(step_dir)

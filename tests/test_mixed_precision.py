@@ -113,24 +113,24 @@ def test_trainer_keeps_updates_below_bf16_resolution(bf16_cpu, train_overrides):
     """A learning rate of 1e-5 moves the norm weights (1.0 at init) by about 1e-5 a step, far
     below bf16's resolution at 1.0 (2**-8 below, 2**-7 above): stored in bf16 (pure bf16
     training) they never move; fp32 master weights keep every step."""
-    from titan_tpu.loops.pretrain import Trainer
+    from titan_tpu.loops import assemble
 
     lr, steps = 1e-5, 3
     cfg = build_config(LLAMA_DEBUG, train_overrides(
         model__dtype="bfloat16", training__steps=steps, training__batch_size=1, training__seq_len=8,
         optimizer__lr=lr, lr_scheduler__warmup_steps=0, lr_scheduler__decay_ratio=0.0,
         validation__enabled="false", checkpoint__enabled="false"))
-    trainer = Trainer(cfg)
-    assert trainer.compute_dtype == torch.bfloat16
-    assert trainer.model.norm.weight.dtype == torch.bfloat16  # computed in bf16
-    stored = trainer.model.norm._parameters["weight"]
+    trainer = assemble(cfg)
+    assert trainer.components.compute_dtype == torch.bfloat16
+    assert trainer.components.model.norm.weight.dtype == torch.bfloat16  # computed in bf16
+    stored = trainer.components.model.norm._parameters["weight"]
     for _ in range(steps):
         trainer.train_step()
     moved = (stored.float() - 1.0).abs()
     assert (moved > 0).float().mean() > 0.9, "updates below bf16's resolution were lost"
     assert moved.max() <= steps * lr * 1.01  # Adam's step is at most lr per step (no decay on norms)
     assert stored.dtype == torch.float32
-    assert {t.dtype for t in trainer.optimizer.state["exp_avg_sq"].values()} == {torch.float32}
+    assert {t.dtype for t in trainer.components.optimizer.state["exp_avg_sq"].values()} == {torch.float32}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,12 +283,12 @@ def test_bf16_on_a_cpu_without_it_is_one_line_that_says_why(monkeypatch, train_o
     assert "\n" not in message
     assert "avx512_bf16" in message and "~100x slower" in message and "use model.dtype = float32" in message
     # training.device auto that becomes the CPU: the trainer refuses it the same way.
-    from titan_tpu.loops.pretrain import Trainer
+    from titan_tpu.loops import assemble
 
     cfg = build_config(LLAMA_DEBUG, train_overrides(model__dtype="bfloat16", training__device="auto"))
     if dev.get_backend("auto").name == "cpu":
         with pytest.raises(ValueError, match="bf16 matmul instructions"):
-            Trainer(cfg)
+            assemble(cfg)
 
 
 def test_bf16_is_allowed_on_a_cpu_with_it(monkeypatch, train_overrides):

@@ -303,7 +303,7 @@ def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_p
     from pathlib import Path
 
     from titan_tpu.config import build_config
-    from titan_tpu.loops.pretrain import Trainer
+    from titan_tpu.loops import assemble
     from titan_tpu.train.checkpoint import load_full_state_dict
 
     recipe = Path(__file__).resolve().parent.parent / "configs" / "qwen3_moe_debug.toml"
@@ -311,7 +311,7 @@ def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_p
                   checkpoint__interval=6, model__moe_load_balance="expert_bias",
                   lr_scheduler__decay_ratio=0.0)  # a constant rate: 6 + 6 steps take the steps of 12
     straight = train_overrides(output_dir=str(tmp_path / "straight"), **common)
-    Trainer(build_config(recipe, straight)).train()
+    assemble(build_config(recipe, straight)).train()
     rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["expert_load_max"] >= 1.0 >= r["expert_load_min"] >= 0.0 for r in rows)
     saved = load_full_state_dict(tmp_path / "straight" / "checkpoints" / "step-00000012")
@@ -320,8 +320,8 @@ def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_p
 
     # The same run in two halves: stop at 6, resume to 12; every loss bitwise equal.
     halves = train_overrides(output_dir=str(tmp_path / "halves"), **common)
-    Trainer(build_config(recipe, halves + ["--training.steps", "6"])).train()
-    Trainer(build_config(recipe, halves)).train()
+    assemble(build_config(recipe, halves + ["--training.steps", "6"])).train()
+    assemble(build_config(recipe, halves)).train()
     got = {json.loads(line)["step"]: json.loads(line)["loss"]
            for line in (tmp_path / "halves" / "metrics.jsonl").read_text().splitlines()}
     assert got == {r["step"]: r["loss"] for r in rows}

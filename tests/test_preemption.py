@@ -19,7 +19,7 @@ import torch
 from dist_utils import require_multiprocess_marker
 
 from titan_tpu.config import build_config
-from titan_tpu.loops.pretrain import Trainer
+from titan_tpu.loops import assemble
 from titan_tpu.train.checkpoint import rng_state
 from titan_tpu.train.local_tier import LocalTier, LocalTierError
 
@@ -113,13 +113,13 @@ def test_sigterm_writes_the_local_tier_within_the_budget_and_it_resumes_bitwise(
     common = dict(training__deterministic="true", validation__enabled="false", training__steps=4,
                   training__batch_size=2, training__seq_len=64, checkpoint__interval=100,
                   checkpoint__grace_seconds=60, checkpoint__local_dir=tmp_path / "local")
-    Trainer(build_config(LLAMA_DEBUG, train_overrides(output_dir=tmp_path / "straight", **common))).train()
+    assemble(build_config(LLAMA_DEBUG, train_overrides(output_dir=tmp_path / "straight", **common))).train()
     straight = losses(tmp_path / "straight")
     assert not list((tmp_path / "local").rglob("*.pt"))  # a finished run removes its local tier
 
     args = train_overrides(**common)
-    first = Trainer(build_config(LLAMA_DEBUG, args))
-    first.last_save_seconds = 1e9  # a persistent save that cannot fit: it waits for the next start
+    first = assemble(build_config(LLAMA_DEBUG, args))
+    first.saving.last_save_seconds = 1e9  # a persistent save that cannot fit: it waits for the next start
     train_step = first.train_step
 
     def preempted_during_step_2():
@@ -136,7 +136,7 @@ def test_sigterm_writes_the_local_tier_within_the_budget_and_it_resumes_bitwise(
     assert "persistent checkpoint deferred to the next start (the last one took 1000000000.0 s" in out
 
     torch.manual_seed(1234)  # a new process starts with unrelated global RNG state
-    second = Trainer(build_config(LLAMA_DEBUG, args))
+    second = assemble(build_config(LLAMA_DEBUG, args))
     second.train()
     out = capsys.readouterr().out
     assert "resumed from the local tier" in out and "at step 2" in out and "writing it to the persistent tier" in out
@@ -155,7 +155,7 @@ def test_sigterm_writes_the_local_tier_within_the_budget_and_it_resumes_bitwise(
     second.cfg.checkpoint.grace_seconds = 1e-6  # what train() checks at its start
     with pytest.raises(ValueError, match=r"checkpoint.grace_seconds = 1e-06 is too short for even the local tier: "
                                          r"writing it takes \d+\.\d\d s here .*; set it to at least \d+"):
-        second._check_grace_budget()
+        second.saving.check_grace_budget()
 
 
 def losses(run: Path) -> dict[int, float]:

@@ -8,7 +8,7 @@ import pytest
 from dist_utils import require_multiprocess_marker, train_on_ranks
 
 from titan_tpu.config import build_config
-from titan_tpu.loops.pretrain import Trainer
+from titan_tpu.loops import assemble
 from titan_tpu.train.profiling import CATEGORIES, category
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
@@ -36,7 +36,7 @@ def test_one_process_run_profiles_its_window(tmp_path, train_overrides, capsys):
     cfg = build_config(CONFIG, train_overrides(training__steps=4, profiling__enabled="true", profiling__start_step=2,
                                                profiling__active_steps=2, checkpoint__enabled="false",
                                                validation__enabled="false"))
-    Trainer(cfg).train()
+    assemble(cfg).train()
     profile = tmp_path / "run" / "profile"
     assert sorted(p.name for p in profile.iterdir()) == ["rank0.json.gz", "summary_rank0.json"]
     names = trace_names(profile / "rank0.json.gz")
@@ -51,7 +51,7 @@ def test_one_process_run_profiles_its_window(tmp_path, train_overrides, capsys):
 def test_memory_snapshot_needs_cuda(tmp_path, train_overrides):
     cfg = build_config(CONFIG, train_overrides(profiling__enabled="true", profiling__memory_snapshot="true"))
     with pytest.raises(ValueError, match="profiling.memory_snapshot records the CUDA allocator"):
-        Trainer(cfg).train()
+        assemble(cfg).train()
 
 
 @pytest.mark.multiprocess

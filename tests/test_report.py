@@ -11,7 +11,7 @@ from browser import chromium, visit
 
 from titan_tpu.cli import main
 from titan_tpu.config import build_config
-from titan_tpu.loops.pretrain import Trainer
+from titan_tpu.loops import assemble
 from titan_tpu.tools import report
 
 LLAMA_DEBUG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
@@ -128,8 +128,8 @@ def test_report_of_real_runs_in_headless_chromium(tmp_path, train_overrides):
     decodes, the page makes no request but its own, and a screenshot is kept."""
     common = dict(training__steps=6, training__batch_size=2, training__seq_len=64, validation__freq=3,
                   checkpoint__enabled="false")
-    Trainer(build_config(LLAMA_DEBUG, train_overrides(**common))).train()
-    Trainer(build_config(LLAMA_DEBUG, train_overrides(optimizer__lr=3e-4, output_dir=tmp_path / "run_lr3e-4",
+    assemble(build_config(LLAMA_DEBUG, train_overrides(**common))).train()
+    assemble(build_config(LLAMA_DEBUG, train_overrides(optimizer__lr=3e-4, output_dir=tmp_path / "run_lr3e-4",
                                                       **common))).train()
     out = report.write_report([tmp_path / "run", tmp_path / "run_lr3e-4"], out=tmp_path / "report.html")
 

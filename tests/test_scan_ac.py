@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_tpu.config import build_config
 from titan_tpu.graph import GraphStep, capture_train_step
-from titan_tpu.loops.pretrain import Trainer
+from titan_tpu.loops import assemble
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
 from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
@@ -274,7 +274,7 @@ def test_two_rank_fully_shard_scan_and_checkpointing_match_unrolled(mode):
 def test_scanned_run_resumes_an_unrolled_checkpoint(tmp_path, train_overrides):
     overrides = train_overrides(training__steps=8, training__deterministic="true", checkpoint__interval=4,
                                 training__batch_size=2, training__seq_len=64, validation__enabled="false")
-    Trainer(build_config(LLAMA_DEBUG, overrides)).train()
+    assemble(build_config(LLAMA_DEBUG, overrides)).train()
     straight = train_losses(tmp_path / "run")
     # The same run, unrolled for 4 steps and checkpointed, then continued with scanned layers and
     # full activation checkpointing (and the other way round).
@@ -282,12 +282,12 @@ def test_scanned_run_resumes_an_unrolled_checkpoint(tmp_path, train_overrides):
                           (["--model.scan_layers", "true"], [])]:
         run_dir = tmp_path / f"split{len(first)}"
         base = overrides + ["--output_dir", str(run_dir)]
-        trainer = Trainer(build_config(LLAMA_DEBUG, base + first))
+        trainer = assemble(build_config(LLAMA_DEBUG, base + first))
         for _ in range(4):
             trainer.train_step()
-        trainer.save_checkpoint()
+        trainer.saving.save_checkpoint()
         del trainer
-        resumed = Trainer(build_config(LLAMA_DEBUG, base + second))
+        resumed = assemble(build_config(LLAMA_DEBUG, base + second))
         resumed.train()
         got = train_losses(run_dir)
         assert sorted(got) == list(range(5, 9))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from titan_tpu.config import build_config
-from titan_tpu.loops.pretrain import Trainer
+from titan_tpu.loops import assemble
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 LLAMA_DEBUG = str(CONFIGS / "llama3_debug.toml")
@@ -25,7 +25,7 @@ def train_losses(run_dir):
 def test_loss_falls_and_outputs_are_written(tmp_path, train_overrides):
     cfg = build_config(LLAMA_DEBUG,
                        train_overrides(training__steps=50, metrics__tensorboard="true", checkpoint__interval=25))
-    summary = Trainer(cfg).train()
+    summary = assemble(cfg).train()
     run = tmp_path / "run"
     rows = read_rows(run)
     train_rows = [r for r in rows if "loss" in r]
@@ -46,18 +46,18 @@ def test_resume_is_bitwise_identical(tmp_path, train_overrides):
     # position, RNG, the LR schedule's step) changes the first step after it, bit for bit; more
     # steps only cost time.
     overrides = train_overrides(training__deterministic="true", validation__enabled="false", training__steps=8)
-    Trainer(build_config(LLAMA_DEBUG, overrides)).train()
+    assemble(build_config(LLAMA_DEBUG, overrides)).train()
     straight = train_losses(tmp_path / "run")
 
     # The same 8-step run, interrupted after step 4 (its checkpoint is on disk), then restarted.
     interrupted = overrides + ["--output_dir", str(tmp_path / "resumed")]
-    first = Trainer(build_config(LLAMA_DEBUG, interrupted))
+    first = assemble(build_config(LLAMA_DEBUG, interrupted))
     for _ in range(4):
         first.train_step()
-    first.save_checkpoint()
+    first.saving.save_checkpoint()
     del first
     torch.manual_seed(1234)  # a resumed process starts with unrelated global RNG state
-    second = Trainer(build_config(LLAMA_DEBUG, interrupted))
+    second = assemble(build_config(LLAMA_DEBUG, interrupted))
     second.train()
     assert second.step == 8
     resumed = train_losses(tmp_path / "resumed")
@@ -69,31 +69,31 @@ def test_resume_is_bitwise_identical(tmp_path, train_overrides):
 def test_gradient_accumulation_matches_larger_batch(tmp_path, train_overrides):
     common = dict(training__steps=3, validation__enabled="false", checkpoint__enabled="false",
                   lr_scheduler__warmup_steps=0, lr_scheduler__decay_ratio=0.0)
-    big = Trainer(build_config(LLAMA_DEBUG, train_overrides(training__batch_size=4, **common)))
-    small = Trainer(build_config(LLAMA_DEBUG,
+    big = assemble(build_config(LLAMA_DEBUG, train_overrides(training__batch_size=4, **common)))
+    small = assemble(build_config(LLAMA_DEBUG,
                                  train_overrides(training__batch_size=2, training__grad_accum_steps=2, **common)))
     for _ in range(3):
         a, b = big.train_step(), small.train_step()
         assert a.num_tokens == b.num_tokens
         assert a.loss == pytest.approx(b.loss, rel=1e-5)
         assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
-    for (name, p), q in zip(big.model.named_parameters(), small.model.parameters()):
+    for (name, p), q in zip(big.components.model.named_parameters(), small.components.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, train_overrides):
-    Trainer(build_config(LLAMA_DEBUG, train_overrides(training__steps=1))).train()
+    assemble(build_config(LLAMA_DEBUG, train_overrides(training__steps=1))).train()
     other = build_config(QWEN_DEBUG, train_overrides(training__steps=2))
     with pytest.raises(ValueError, match="use another --output_dir or the matching --model.name"):
-        Trainer(other).train()
+        assemble(other).train()
 
 
 def test_auto_dtype_is_float32_on_cpu_and_bf16_on_accelerators(train_overrides):
     from titan_tpu.parallel.simple_fsdp import default_mixed_precision
 
-    trainer = Trainer(build_config(LLAMA_DEBUG, train_overrides(model__dtype="auto", training__steps=1)))
-    assert trainer.compute_dtype == torch.float32
-    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    trainer = assemble(build_config(LLAMA_DEBUG, train_overrides(model__dtype="auto", training__steps=1)))
+    assert trainer.components.compute_dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in trainer.components.model.parameters())
     assert default_mixed_precision("cuda").param_dtype == torch.bfloat16
     assert default_mixed_precision("tpu").reduce_dtype == torch.float32
 
@@ -114,13 +114,13 @@ def test_document_mask_trains_in_eager_and_graph_mode_alike(tmp_path, train_over
     common = dict(training__steps=6, validation__enabled="false", checkpoint__enabled="false",
                   data__document_mask="true", data__source=str(short_documents(tmp_path / "docs")),
                   data__cache_dir=str(tmp_path / "cache"), training__seq_len=128)
-    eager = Trainer(build_config(LLAMA_DEBUG, train_overrides(**common)))
-    graph = Trainer(build_config(LLAMA_DEBUG, train_overrides(training__mode="graph", compile__backend="aot_eager",
+    eager = assemble(build_config(LLAMA_DEBUG, train_overrides(**common)))
+    graph = assemble(build_config(LLAMA_DEBUG, train_overrides(training__mode="graph", compile__backend="aot_eager",
                                                               output_dir=str(tmp_path / "graph"), **common)))
-    plain = Trainer(build_config(LLAMA_DEBUG, train_overrides(**{**common, "data__document_mask": "false"})))
-    inputs, _, positions = eager.train_loader.next_batch()
+    plain = assemble(build_config(LLAMA_DEBUG, train_overrides(**{**common, "data__document_mask": "false"})))
+    inputs, _, positions = eager.components.train_loader.next_batch()
     assert ((positions == 0).sum(dim=1) > 1).all()  # every window holds several documents
-    eager.train_loader.load_state_dict(plain.train_loader.state_dict())  # rewind to the start
+    eager.components.train_loader.load_state_dict(plain.components.train_loader.state_dict())  # rewind to the start
     eager_losses = [eager.train_step().loss for _ in range(6)]
     graph_losses = [graph.train_step().loss for _ in range(6)]
     plain_losses = [plain.train_step().loss for _ in range(6)]
@@ -133,10 +133,10 @@ def test_graph_mode_matches_eager(tmp_path, train_overrides):
     # 8 steps: the losses then already depend on the captured step's updates of every parameter and
     # optimizer moment (a wrong update shows from step 2 on).
     common = dict(training__steps=8, validation__enabled="false", checkpoint__enabled="false")
-    eager = Trainer(build_config(LLAMA_DEBUG, train_overrides(**common)))
-    graph = Trainer(build_config(LLAMA_DEBUG, train_overrides(training__mode="graph", compile__backend="aot_eager",
+    eager = assemble(build_config(LLAMA_DEBUG, train_overrides(**common)))
+    graph = assemble(build_config(LLAMA_DEBUG, train_overrides(training__mode="graph", compile__backend="aot_eager",
                                                               output_dir=str(tmp_path / "graph"), **common)))
-    assert type(graph.step_fn).__name__ == "GraphStep"
+    assert type(graph.components.step_fn).__name__ == "GraphStep"
     graph.train()
     rows = [json.loads(line) for line in (tmp_path / "graph" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["capture_s"] > 0 and rows[0]["compile_s"] > 0

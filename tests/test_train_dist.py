@@ -85,14 +85,14 @@ def train_here(args: list[str], *, config: str | Path = CONFIG) -> str:
     """`titan-tpu train --config CONFIG ARGS` in this process, on one intra-op thread as `train`'s
     subprocesses run (OMP_NUM_THREADS=1): what it printed."""
     from titan_tpu.config import build_config
-    from titan_tpu.loops import trainer_for
+    from titan_tpu.loops import assemble
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            trainer_for(build_config(config, args)).train()
+            assemble(build_config(config, args)).train()
     finally:
         torch.set_num_threads(threads)
     return printed.getvalue()

@@ -61,13 +61,13 @@ def train_main(argv: list[str]) -> int:
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
     from titan_tpu.config import build_config
-    from titan_tpu.loops import trainer_for
+    from titan_tpu.loops import assemble
     from titan_tpu.train.goodput import mark_launch
 
     mark_launch()  # goodput counts this process's start-up from its start
     cfg = build_config(args.config, overrides)
     with _process_group_cleanup():
-        trainer_for(cfg).train()
+        assemble(cfg).train()  # the setup, the parts, the kind's loop over them
     return 0
 
 
@@ -230,25 +230,28 @@ def graph_main(argv: list[str]) -> int:
     parser.add_argument("--out", help="where to write the graph (default: <output_dir>/graph/train_step.txt)")
     args, overrides = parser.parse_known_args(argv)
 
+    from titan_tpu.components.build import Components
     from titan_tpu.config import build_config
-    from titan_tpu.loops import trainer_for
+    from titan_tpu.kinds import kind_of
+    from titan_tpu.run_setup import prepare_run
 
     # The trainer captures the step exactly as graph mode does; the "eager" backend compiles nothing.
     cfg = build_config(args.config, overrides + ["--training.mode", "graph", "--compile.backend", "eager"])
     with _process_group_cleanup():
-        trainer = trainer_for(cfg)
-        step = trainer.step_fn
+        parts = Components(prepare_run(cfg), kind_of(cfg))
+        step = parts.step_fn
         t = cfg.training
-        if trainer.is_main:
-            out = Path(args.out) if args.out else trainer.run_dir / "graph" / "train_step.txt"
+        if parts.is_main:
+            out = Path(args.out) if args.out else parts.run_dir / "graph" / "train_step.txt"
             out.parent.mkdir(parents=True, exist_ok=True)
             # With accumulation: the micro-batch program, then the update program.
             programs = [c for c in (step.captured, step.captured_update) if c is not None]
             out.write_text("\n".join(c.graph_module.print_readable(print_output=False) for c in programs))
-            tokens = t.batch_size * t.seq_len * trainer.dp_size * t.grad_accum_steps
+            rows = t.batch_size * parts.kind.rows_per_sample(cfg)  # a DPO pair is two rows
+            tokens = rows * t.seq_len * parts.dp_size * t.grad_accum_steps
             print(step.summary())
-            print(f"  estimated model FLOPs per step: {trainer.flops_per_token * tokens / 1e9:.1f} GFLOP "
-                  f"({tokens:,} tokens x {trainer.flops_per_token / 1e6:.1f} MFLOP/token)")
+            print(f"  estimated model FLOPs per step: {parts.flops_per_token * tokens / 1e9:.1f} GFLOP "
+                  f"({tokens:,} tokens x {parts.flops_per_token / 1e6:.1f} MFLOP/token)")
             print(f"graph written to {out}")
     return 0
 

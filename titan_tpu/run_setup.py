@@ -21,6 +21,7 @@ from pathlib import Path
 
 from titan_tpu.config import Config, check, data_sources, grad_accum_from_tokens
 from titan_tpu.data.sources import SourceConfig
+from titan_tpu.kinds import check_kind
 from titan_tpu.models.spec import model_spec
 from titan_tpu.models.spec_base import ModelSpec
 
@@ -137,8 +138,7 @@ def prepare_run(cfg: Config) -> RunSetup:
         # The one loss kernel without an ignore index; a traced step could not even check the labels.
         raise ValueError("kernels.loss = tokamax cannot skip the untrained tokens of format = chat (no ignore index); "
                          "use --kernels.loss chunked")
-    _check_dpo(cfg, sources)
-    _check_grpo(cfg, sources)
+    check_kind(cfg, sources)  # what the kind of training needs (kinds/)
     _check_fault_tolerance(cfg)
     if t.device == "cpu":  # with auto, the trainer checks once it knows the device
         check_cpu_compute_dtype(cfg.model.dtype)
@@ -178,64 +178,7 @@ def _check_fault_tolerance(cfg: Config) -> None:
     if cfg.training.mode != "eager":
         raise ValueError("fault_tolerance.enabled averages gradients between backward and the optimizer, outside the "
                          "captured step: set --training.mode eager")
-    if cfg.training.objective != "next_token":
-        raise ValueError(f"fault_tolerance.enabled runs the next-token loop (pre-training, SFT); training.objective = "
-                         f"{cfg.training.objective} is not built for replica groups yet: set it to next_token")
     if cfg.parallelism.dp_replicate > 1:
         raise ValueError(f"parallelism.dp_replicate = {cfg.parallelism.dp_replicate} replicates inside one job; with "
                          "fault_tolerance.enabled the replica groups are separate jobs (fault_tolerance.replicas): set "
                          "parallelism.dp_replicate 1")
-
-
-def _objective_data(cfg: Config, sources: list[SourceConfig], *, objective: str, fmt: str, rows: str,
-                    columns: str) -> bool:
-    """The checks DPO and GRPO share: their data format only with their objective, one source of
-    it, data parallelism alone. Whether `objective` is the run's."""
-    matching = [s for s in sources if s.format == fmt]
-    if cfg.training.objective != objective:
-        if matching:
-            raise ValueError(f"data format = {fmt} holds {rows} for training.objective = {objective}; set "
-                             f"--training.objective {objective}, or use format text or chat")
-        return False
-    if len(sources) != 1 or not matching:
-        raise ValueError(f"training.objective = {objective} reads one source of {rows}: set data.format = {fmt} "
-                         f"and data.source to a jsonl/parquet file {columns}")
-    p = cfg.parallelism
-    if p.tp > 1 or p.cp > 1 or p.ep > 1:
-        raise ValueError(f"training.objective = {objective} runs with data parallelism (dp_shard, dp_replicate); "
-                         f"got parallelism.tp = {p.tp}, cp = {p.cp}, ep = {p.ep}: set them to 1")
-    return True
-
-
-def _check_dpo(cfg: Config, sources: list[SourceConfig]) -> None:
-    """What training.objective = dpo needs (docs/dpo.md), and preference data only with it."""
-    if not _objective_data(cfg, sources, objective="dpo", fmt="preference", rows="preference pairs",
-                           columns="of prompt, chosen, rejected rows"):
-        return
-    if cfg.kernels.loss == "tokamax":
-        raise ValueError("kernels.loss = tokamax cannot skip the prompt tokens of preference pairs (no ignore "
-                         "index); use --kernels.loss chunked")
-
-
-def _check_grpo(cfg: Config, sources: list[SourceConfig]) -> None:
-    """What training.objective = grpo needs (docs/grpo.md), and prompt rows only with it."""
-    if not _objective_data(cfg, sources, objective="grpo", fmt="prompts", rows="prompt rows",
-                           columns="with a prompt column"):
-        return
-    t, g = cfg.training, cfg.grpo
-    if t.mode != "eager":
-        raise ValueError("training.objective = grpo runs in training.mode = eager (its batches' lengths follow the "
-                         "samples); set --training.mode eager")
-    if cfg.model.scan_layers or cfg.activation_checkpoint.mode != "none":
-        raise ValueError("training.objective = grpo samples with the plain layer loop: set model.scan_layers = false "
-                         "and activation_checkpoint.mode = none")
-    if t.global_batch_tokens:
-        raise ValueError("training.global_batch_tokens does not apply to grpo (a step's tokens follow the samples); "
-                         "set training.batch_size (prompts per rank) and training.grad_accum_steps")
-    samples = t.batch_size * g.num_generations
-    if samples % t.grad_accum_steps:
-        raise ValueError(f"training.grad_accum_steps = {t.grad_accum_steps} must divide the {samples} samples of a "
-                         f"rank's step (training.batch_size {t.batch_size} x grpo.num_generations {g.num_generations})")
-    if g.max_completion_length >= t.seq_len:
-        raise ValueError(f"grpo.max_completion_length = {g.max_completion_length} leaves no room for a prompt in "
-                         f"training.seq_len = {t.seq_len}; raise training.seq_len (prompt + completion tokens)")

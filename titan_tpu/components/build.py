@@ -4,14 +4,15 @@ state (what a checkpoint holds) read from and written into them.
 The order matters for reproducibility and is the trainer's of before: the device and the process
 group, the mesh, the output directory's lock, the global seed, the data (rank 0 tokenizes first,
 the others wait on the store, without a timeout), the model (initialised from the seeded global
-RNG), the objective (a reference model for DPO), the optimizer, the step function. What differs
-between objectives is asked of the objective's own builders (`_data`, `_objective`), not of the
-loops.
+RNG), the frozen reference (DPO's, GRPO's), the objective, the optimizer, the step function. What
+differs between kinds of training is read from the kind's record (kinds/record.py): its data and
+objective builders, its reference, its share of the FLOPs; nothing here tests a kind's name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend, jax_
 from titan_tpu.errors import RunError
 from titan_tpu.graph.compile_cache import use_compile_cache
 from titan_tpu.graph.spmd import mesh_axis_sizes
+from titan_tpu.kinds.record import DataRequest, TrainingKind, builds_reference_copy, reference_flops_share
 from titan_tpu.model_contract import TrainableModel
 from titan_tpu.models.lora import is_adapter_key
 from titan_tpu.models.spec import build
@@ -41,7 +43,6 @@ from titan_tpu.train.checkpoint import (
     set_rng_state,
 )
 from titan_tpu.train.local_tier import LocalTier, default_local_dir
-from titan_tpu.train.objective import NextTokenObjective, Objective
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.run_lock import RunLock
 
@@ -56,12 +57,15 @@ class Components:
     (the global batch's split: the data-parallel ranks, or the replica groups), run_dir, run_lock,
     document_mask, tokenizer, train_loader, val_loader, model, objective, optimizer, step_fn,
     compile_stats, checkpointer, local_tier (None unless checkpoint.grace_seconds or local_interval),
-    warmup_steps, flops_per_token, flops_note; GRPO adds rewards, stop_ids and reference
-    (components/grpo.py)."""
+    warmup_steps, flops_per_token (the policy's and its reference's), flops_note, kind (the record),
+    reference (the frozen reference model, None without one or under LoRA's adapters-off base),
+    extras (what the kind's own loop needs: kinds/record.py DataParts.extras)."""
 
-    def __init__(self, setup: RunSetup, *, log: Callable[[str], None] | None = None):
+    def __init__(self, setup: RunSetup, kind: TrainingKind, *, log: Callable[[str], None] | None = None):
+        self.created_at = time.time()  # goodput: where this run's start-up begins (train/goodput.py)
         cfg = self.cfg = setup.cfg
         self.setup = setup
+        self.kind = kind
         self._log = log
         self.run_dir = cfg.run_dir
         t, p = cfg.training, cfg.parallelism
@@ -107,7 +111,8 @@ class Components:
         self.step_fn = None  # made once the model, objective and optimizer exist
         self._data()
         self.model = self.build_model()
-        self.objective = self._objective()
+        self.reference = self._frozen_reference()
+        self.objective = kind.objective(cfg, self.reference)
         # The trained parameters: all of them, or under LoRA the adapters (the base is frozen).
         trained = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = AdamW.from_config(trained, cfg.optimizer, layer_stacked=self.model.stacked_parameter_names())
@@ -126,7 +131,9 @@ class Components:
             local_dir = Path(c.local_dir) if c.local_dir else default_local_dir(self.run_dir)
             self.local_tier = LocalTier(local_dir / self._run_id(), log=self.log)
         self.warmup_steps = setup.warmup_steps
-        self.flops_per_token, self.flops_note = self.spec.flops_per_token(self.model, t.seq_len)
+        policy_flops, self.flops_note = self.spec.flops_per_token(self.model, t.seq_len)
+        # MFU counts the work done per second: the frozen reference's forwards too (DPO's, GRPO's).
+        self.flops_per_token = policy_flops * (1 + reference_flops_share(kind, cfg))
 
     def log(self, message: str) -> None:
         if self._log is not None:
@@ -138,58 +145,21 @@ class Components:
     # the parts
 
     def _data(self) -> None:
-        """document_mask, tokenizer, train_loader, val_loader: token data (pre-training, SFT),
-        preference pairs (DPO, components/dpo.py) or prompt rows (GRPO, components/grpo.py)."""
-        cfg, t = self.cfg, self.cfg.training
-        if t.objective == "dpo":
-            from titan_tpu.components.dpo import preference_data
-
-            self.document_mask = False
-            # Labels are IGNORE_INDEX on the prompt and padding: a loss kernel that skips them.
-            cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.kernel_device_type)
-            cfg.kernels.check_device(self.backend.kernel_device_type, documents=False)
-            with main_process_first():
-                self.tokenizer, self.train_loader, self.val_loader = preference_data(self, log=self.log)
-            return
-        if t.objective == "grpo":
-            from titan_tpu.components.grpo import prompt_data
-
-            self.document_mask = False
-            with main_process_first():
-                self.tokenizer, self.train_loader, self.val_loader = prompt_data(self, log=self.log)
-            return
-        from titan_tpu.data.build import build_loaders, prepare_data, uses_document_mask
-
-        sources = self.setup.sources
-        self.document_mask = uses_document_mask(cfg.data, sources)
-        # A kernel that cannot run on this device is a one-line error now, not at the first step.
-        if any(s.format == "chat" for s in sources):  # labels IGNORE_INDEX outside the assistant's turns
-            cfg.kernels = cfg.kernels.for_ignored_labels(self.backend.kernel_device_type)
-        cfg.kernels.check_device(self.backend.kernel_device_type, documents=self.document_mask)
-        # Rank 0 tokenizes (or finds the cache) first; the others then read the cache (or fill their
-        # host's own). A source above data.tokenize_limit_mb not yet in the cache is refused in one line
-        # that names prepare-data; the ranks wait on the store meanwhile, with no timeout (runtime.py).
+        """document_mask, tokenizer, train_loader, val_loader, extras: the kind's data (kinds/), with
+        the loss kernel its labels need. Rank 0 tokenizes (or finds the cache) first; the others then
+        read the cache (or fill their host's own), waiting on the store meanwhile, with no timeout
+        (runtime.py)."""
+        cfg = self.cfg
+        request = DataRequest(cfg=cfg, sources=self.setup.sources, tokenizer_path=self.setup.tokenizer_path,
+                              vocab_size=self.model_args.vocab_size,
+                              cache_dir=Path(cfg.data.cache_dir or default_cache_dir()), data_rank=self.data_rank,
+                              data_size=self.data_size, kernel_device=self.backend.kernel_device_type, log=self.log)
         with main_process_first(log=self.log, what="the other ranks to open (or tokenize) the data"):
-            prepared = prepare_data(cfg.data, sources, vocab_size=self.model_args.vocab_size,
-                                    tokenizer_path=self.setup.tokenizer_path,
-                                    cache_dir=cfg.data.cache_dir or default_cache_dir(), log=self.log,
-                                    tokenize_limit_mb=cfg.data.tokenize_limit_mb)
-        self.tokenizer = prepared.tokenizer
-        self.train_loader, self.val_loader = build_loaders(
-            cfg.data, prepared, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, dp_rank=self.data_rank,
-            dp_size=self.data_size, validation=cfg.validation.enabled, log=self.log)
-
-    def _objective(self) -> Objective:
-        if self.cfg.training.objective == "dpo":
-            from titan_tpu.components.dpo import dpo_objective
-
-            return dpo_objective(self)
-        if self.cfg.training.objective == "grpo":
-            from titan_tpu.components.grpo import grpo_objective, grpo_reference
-
-            self.reference = grpo_reference(self)  # scored once per batch of samples by the loop (loops/grpo.py)
-            return grpo_objective(self)
-        return NextTokenObjective()
+            parts = self.kind.data(request)
+        cfg.kernels = parts.kernels
+        self.document_mask = parts.document_mask
+        self.tokenizer, self.train_loader, self.val_loader = parts.tokenizer, parts.train_loader, parts.val_loader
+        self.extras = parts.extras
 
     def build_model(self, cfg: Config | None = None) -> TrainableModel:
         """The spec's model (models/spec.py `build`) as `cfg` (default the run's) asks for it:
@@ -202,15 +172,15 @@ class Components:
                      documents=self.document_mask, reshard_after_forward=self._reshard_after_forward(), log=self.log)
 
     @torch.no_grad()
-    def frozen_reference(self, reference: str, *, role: str) -> torch.nn.Module | None:
-        """The frozen reference model DPO and GRPO score against: `reference` "initial" (the run's
-        starting weights) or a checkpoint or Hugging Face directory. None where the trained model with
-        its adapters off is it (LoRA from the starting weights): no second copy is built. `role`
-        names it in the log line ("dpo: reference policy", "grpo: KL reference")."""
-        cfg = self.cfg
-        initial = reference == "initial"
-        if initial and cfg.lora.enabled:
+    def _frozen_reference(self) -> torch.nn.Module | None:
+        """The frozen reference the kind scores against (kinds/record.py `reference`): the run's
+        starting weights ("initial") or a checkpoint or Hugging Face directory. None without one, or
+        where the trained model with its adapters off is it (LoRA from the starting weights): no
+        second copy is built."""
+        cfg, reference = self.cfg, self.kind.reference(self.cfg)
+        if not builds_reference_copy(self.kind, cfg):
             return None
+        initial = reference == "initial"
         start = cfg.checkpoint.initial_load_path if initial else reference
         # The full model, as the run builds its own (without adapters: a reference is never trained).
         model = self.build_model(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False)))
@@ -218,7 +188,7 @@ class Components:
             self.load_initial_weights(start, model=model)
         model.requires_grad_(False)
         model.eval()
-        self.log(f"{role} {'the starting weights' if initial else start}, a frozen copy")
+        self.log(f"{self.kind.reference_role} {'the starting weights' if initial else start}, a frozen copy")
         return model
 
     def _lock_output_dir(self) -> RunLock | None:

@@ -22,29 +22,6 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TITAN_TPU_CACHE") or Path.home() / ".cache" / "titan_tpu")
 
 
-def cached_bpe_tokenizer(source: str, texts: Callable[[], list[str]], *, kind: str, vocab_size: int, cache_dir: str,
-                         log: Callable[[str], None]):
-    """A byte-level BPE of the model's vocabulary trained on `texts()` (the text of `source`'s
-    rows), cached under `cache_dir` by the source files' fingerprint, so a run and its resume read
-    the same tokenizer. kind names the rows in the cache file and the log line ("preference",
-    "prompt")."""
-    import hashlib
-    import json
-
-    from titan_tpu.data.sources import files_fingerprint, resolve_files
-    from titan_tpu.data.tokenizer import load_tokenizer, train_bpe_tokenizer
-
-    key = hashlib.sha256(json.dumps([files_fingerprint(resolve_files(source)), vocab_size]).encode()).hexdigest()[:16]
-    path = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"{kind}-{key}.json"
-    if path.is_file():
-        return load_tokenizer(path)
-    rows = texts()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"data: training a {vocab_size}-token BPE on the {kind} rows (no data.tokenizer_path)")
-    tokenizer = train_bpe_tokenizer(rows, vocab_size=vocab_size, save_path=path)
-    return load_tokenizer(path) if tokenizer.path is None else tokenizer
-
-
 def init_distributed(backend: Backend) -> tuple[int, int]:
     """(rank, world size); joins the process group when launched by torchrun with WORLD_SIZE > 1,
     then starts the device's runtime (JAX's, for compile.backend jax)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -162,3 +162,25 @@ def tokenizer_files(tokenizer_json: str | Path) -> list[Path]:
     export keep, so a fine-tune started from them finds the same tokenizer and chat template."""
     path = Path(tokenizer_json)
     return [path] + [path.parent / name for name in TOKENIZER_COMPANIONS if (path.parent / name).is_file()]
+
+
+def cached_bpe_tokenizer(source: str, texts: Callable[[], list[str]], *, kind: str, vocab_size: int,
+                         cache_dir: str | Path, log: Callable[[str], None]) -> Tokenizer:
+    """A byte-level BPE of the model's vocabulary trained on `texts()` (the text of `source`'s
+    rows), cached under `cache_dir` by the source files' fingerprint, so a run and its resume read
+    the same tokenizer. kind names the rows in the cache file and the log line ("preference",
+    "prompt")."""
+    import hashlib
+    import json
+
+    from titan_tpu.data.sources import files_fingerprint, resolve_files
+
+    key = hashlib.sha256(json.dumps([files_fingerprint(resolve_files(source)), vocab_size]).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / "tokenizers" / f"{kind}-{key}.json"
+    if path.is_file():
+        return load_tokenizer(path)
+    rows = texts()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log(f"data: training a {vocab_size}-token BPE on the {kind} rows (no data.tokenizer_path)")
+    tokenizer = train_bpe_tokenizer(rows, vocab_size=vocab_size, save_path=path)
+    return load_tokenizer(path) if tokenizer.path is None else tokenizer

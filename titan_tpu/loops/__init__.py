@@ -1,35 +1,44 @@
-"""The run's loops, one per kind of training, each driving the parts components/ built:
+"""The run's loops, and the one direction a run is assembled in:
 
-* loops/pretrain.py `Trainer`: pre-training and SFT (the next-token objective);
-* loops/dpo.py `DPOTrainer`: preference pairs against a frozen reference (the DPO objective);
-* loops/grpo.py `GRPOTrainer`: online RL: samples of the current policy, scored by a reward, the
-  GRPO objective.
+    command line -> RunSetup (run_setup.py: the config checked once, the model spec and the mesh
+    resolved) -> Components (components/build.py: the parts, built from the setup and the kind's
+    record, kinds/) -> the kind's loop (here), which drives them.
 
-`trainer_for(cfg)` picks the loop of training.objective. A new kind of training is a loop here
-beside these, with its objective in train/ and its parts in components/.
+The loops, each a `Loop` (loops/base.py) beside the others:
+
+* loops/pretrain.py `PretrainLoop`: pre-training and SFT (the next-token objective);
+* loops/preference.py `PreferenceLoop`: preference pairs (DPO, ORPO);
+* loops/grpo.py `GRPOLoop`: online RL: samples of the current policy, scored by a reward, the GRPO
+  objective.
+
+A kind's record names its loop (kinds/record.py `TrainingKind.loop`); a new kind whose metrics or
+step differ adds its loop here, one line in `LOOPS`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from titan_tpu.components.build import Components
+from titan_tpu.kinds import kind_of
+from titan_tpu.loops.base import Loop
+from titan_tpu.loops.grpo import GRPOLoop
+from titan_tpu.loops.preference import PreferenceLoop
+from titan_tpu.loops.pretrain import PretrainLoop
+from titan_tpu.run_setup import prepare_run
+
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from titan_tpu.config import Config
-    from titan_tpu.loops.pretrain import Trainer
 
-__all__ = ["trainer_for"]
+__all__ = ["LOOPS", "Loop", "assemble"]
+
+LOOPS: dict[str, type[Loop]] = {"pretrain": PretrainLoop, "preference": PreferenceLoop, "grpo": GRPOLoop}
 
 
-def trainer_for(cfg: Config) -> Trainer:
-    """The loop of training.objective, its parts built."""
-    if cfg.training.objective == "grpo":
-        from titan_tpu.loops.grpo import GRPOTrainer
-
-        return GRPOTrainer(cfg)
-    if cfg.training.objective == "dpo":
-        from titan_tpu.loops.dpo import DPOTrainer
-
-        return DPOTrainer(cfg)
-    from titan_tpu.loops.pretrain import Trainer
-
-    return Trainer(cfg)
+def assemble(cfg: Config, *, log: Callable[[str], None] | None = None) -> Loop:
+    """The run of `cfg`, assembled in order: its setup, its parts, its kind's loop over them."""
+    setup = prepare_run(cfg)
+    kind = kind_of(cfg)
+    return LOOPS[kind.loop](Components(setup, kind, log=log))

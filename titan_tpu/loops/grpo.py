@@ -1,4 +1,4 @@
-"""The GRPO loop: the pre-training loop (loops/pretrain.py) where a step samples its own batch.
+"""The GRPO loop: the shared loop (loops/base.py) where a step samples its own batch.
 
 One step of this loop, on every data-parallel rank:
 
@@ -37,11 +37,11 @@ import torch
 from titan_tpu.data.batch import IGNORE_INDEX, RolloutBatch
 from titan_tpu.data.prompts import PromptRow
 from titan_tpu.generate import Sampling, generate
-from titan_tpu.loops.pretrain import Trainer
+from titan_tpu.loops.base import Loop
 from titan_tpu.train.grpo import group_advantages, token_logps
 from titan_tpu.train.step import StepResult, all_reduce_sum
 
-__all__ = ["GRPOTrainer", "rollout_batch"]
+__all__ = ["GRPOLoop", "rollout_batch"]
 
 
 def rollout_batch(prompts: list[list[int]], completions: list[list[int]], old_logps: list[list[float]], *,
@@ -62,17 +62,18 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], old_lo
     return RolloutBatch(tokens_NT[:, :-1].contiguous(), labels_NS, advantages_N.float(), old_NS)
 
 
-class GRPOTrainer(Trainer):
-    def __init__(self, cfg, *, components=None):
-        super().__init__(cfg, components=components)
-        g = cfg.grpo
+class GRPOLoop(Loop):
+    def __init__(self, components):
+        super().__init__(components)
+        g = self.cfg.grpo
+        self.sampling_parts = components.extras  # the rewards and stop ids (kinds/grpo.py SamplingParts)
         self.sampling = Sampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
         self._window: dict[str, list[float]] = defaultdict(list)  # rollout metrics since the last metrics row
 
     def sampler_seed(self, step: int) -> int:
         """The seed of step `step`'s sampling on this rank: a function of the run's seed, the step and
         the data-parallel rank, so a resumed run draws what the uninterrupted one drew."""
-        return int(np.random.SeedSequence([self.cfg.training.seed, step, self.dp_rank]).generate_state(1)[0])
+        return int(np.random.SeedSequence([self.cfg.training.seed, step, self.components.dp_rank]).generate_state(1)[0])
 
     # ------------------------------------------------------------------------------------------
     # one step: sample, score, train
@@ -83,7 +84,7 @@ class GRPOTrainer(Trainer):
         micro_batches = self.rollout()
         sampled = time.perf_counter()
         lr = self.lr(self.step)
-        results = [self.step_fn(micro_batches, lr) for _ in range(self.cfg.grpo.passes)]
+        results = [self.components.step_fn(micro_batches, lr) for _ in range(self.cfg.grpo.passes)]
         self._window["sampling_s"].append(sampled - start)
         self._window["training_s"].append(time.perf_counter() - sampled)
         terms = {k: sum(r.terms[k] for r in results) / len(results) for k in results[0].terms}
@@ -92,30 +93,31 @@ class GRPOTrainer(Trainer):
 
     def rollout(self) -> list[RolloutBatch]:
         """This rank's samples of the step, scored, as training.grad_accum_steps micro-batches."""
-        g, device = self.cfg.grpo, self.backend.device
-        rows: list[PromptRow] = self.train_loader.next_batch()
+        parts, g = self.components, self.cfg.grpo
+        tokenizer, device = parts.tokenizer, parts.backend.device
+        rows: list[PromptRow] = parts.train_loader.next_batch()
         G = g.num_generations
         repeated = [row for row in rows for _ in range(G)]
-        out = generate(self.model, [row.ids for row in repeated], max_new_tokens=g.max_completion_length,
-                       sampling=self.sampling, stop_ids=self.stop_ids, seed=self.sampler_seed(self.step),
-                       pad_id=self.tokenizer.eos_id, logprob_temperature=g.temperature,
-                       until_all_stop=self.world_size == 1)
+        out = generate(parts.model, [row.ids for row in repeated], max_new_tokens=g.max_completion_length,
+                       sampling=self.sampling, stop_ids=self.sampling_parts.stop_ids,
+                       seed=self.sampler_seed(self.step), pad_id=tokenizer.eos_id, logprob_temperature=g.temperature,
+                       until_all_stop=parts.world_size == 1)
         completion_ids = [out.completion(i) for i in range(len(repeated))]
         stopped = out.stopped_B.tolist()
-        texts = [self.tokenizer.decode(ids[:-1] if stop else ids, skip_special_tokens=True)
+        texts = [tokenizer.decode(ids[:-1] if stop else ids, skip_special_tokens=True)
                  for ids, stop in zip(completion_ids, stopped)]
         prompts = [row.prompt for row in repeated]
         completions = [[{"role": "assistant", "content": t}] if row.chat else t for row, t in zip(repeated, texts)]
         names = sorted({key for row in rows for key in row.columns})
         columns = {key: [row.columns.get(key) for row in repeated] for key in names}
         columns["completion_ids"] = [ids[:-1] if stop else ids for ids, stop in zip(completion_ids, stopped)]
-        rewards, per_reward = self.rewards.score(prompts, completions, columns)
+        rewards, per_reward = self.sampling_parts.rewards.score(prompts, completions, columns)
         rewards_N = torch.tensor(rewards, dtype=torch.float32)
         advantages_N = group_advantages(rewards_N, group_size=G, scale=g.scale_rewards,
                                         batch_std=self._global_std(rewards_N) if g.scale_rewards == "batch" else None)
         logps = out.logprobs_BN.tolist()
         batch = rollout_batch([row.ids for row in repeated], completion_ids, logps, advantages_N=advantages_N,
-                              pad_id=self.tokenizer.eos_id).to(device)
+                              pad_id=tokenizer.eos_id).to(device)
         if g.beta:
             batch = RolloutBatch(batch.inputs_BS, batch.labels_BS, batch.advantages_B, batch.old_logps_BS,
                                  self._reference_logps(batch))
@@ -126,13 +128,13 @@ class GRPOTrainer(Trainer):
 
     @torch.no_grad()
     def _reference_logps(self, batch: RolloutBatch) -> torch.Tensor:
-        t = self.cfg.grpo.temperature
-        if self.reference is None:  # LoRA: the policy's base model, its adapters skipped
+        t, parts = self.cfg.grpo.temperature, self.components
+        if parts.reference is None:  # LoRA: the policy's base model, its adapters skipped
             from titan_tpu.models.lora import adapters_disabled
 
             with adapters_disabled():
-                return token_logps(self.model(batch.inputs_BS), batch.labels_BS, temperature=t)
-        return token_logps(self.reference(batch.inputs_BS), batch.labels_BS, temperature=t)
+                return token_logps(parts.model(batch.inputs_BS), batch.labels_BS, temperature=t)
+        return token_logps(parts.reference(batch.inputs_BS), batch.labels_BS, temperature=t)
 
     def _global_std(self, rewards_N: torch.Tensor) -> torch.Tensor:
         """The standard deviation (Bessel-corrected) of the step's rewards on all data-parallel ranks."""
@@ -150,7 +152,7 @@ class GRPOTrainer(Trainer):
                              torch.tensor(float(len(group_std))), *[torch.tensor(v * len(rewards_N))
                                                                    for v in per_reward.values()]]).double()
         extremes = torch.stack([-lengths_N.min(), lengths_N.max()]).double()
-        if self.world_size > 1:
+        if self.components.world_size > 1:
             import torch.distributed as dist
 
             all_reduce_sum(local)

@@ -20,8 +20,11 @@ import torch
 import torch.distributed as dist
 
 from titan_tpu.config import Config
+from titan_tpu.data.batch import TokenBatch
 from titan_tpu.graph.capture import capture_train_step
 from titan_tpu.graph.spmd import DeviceStep, device_step, mesh_axis_sizes
+from titan_tpu.kinds import kind_of
+from titan_tpu.kinds.record import builds_reference_copy
 from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.mesh import ParallelDims
 from titan_tpu.parallel.simple_fsdp import MixedPrecision
@@ -115,26 +118,26 @@ def _to_fake(model: torch.nn.Module, fake_mode) -> None:
 
 
 def _objective(cfg: Config, world_size: int, *, reshard_after_forward: bool | None, documents: bool):
-    """The run's objective as the trainer assembles it (components/dpo.py), on fake tensors: None
-    for next-token prediction (the capture's default); DPO with its frozen reference built and
-    sharded as the trained model (no reference model with LoRA and the initial reference: the
-    trained model with its adapters off is it)."""
-    if cfg.training.objective == "next_token":
+    """The run's objective as the trainer assembles it (components/build.py, from the kind's record),
+    on fake tensors: None for a kind of token rows (the capture's default: next-token); a kind with a frozen
+    reference copy gets it built and sharded as the trained model (none with LoRA and the initial
+    reference: the trained model with its adapters off is it)."""
+    kind = kind_of(cfg)
+    if "graph" not in kind.modes:
+        raise ValueError(f"training.objective = {kind.name} runs in training.mode = {' or '.join(kind.modes)}: it is "
+                         "not captured for XLA")
+    if kind.batch is TokenBatch:  # token rows: the capture's default objective and example batch
         return None
-    if cfg.training.objective != "dpo":
-        raise ValueError(f"training.objective = {cfg.training.objective} is not captured for XLA yet")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from titan_tpu.train.dpo import DPOObjective
-
     reference = None
-    if not (cfg.lora.enabled and cfg.dpo.reference == "initial"):
+    if builds_reference_copy(kind, cfg):
         view = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False))
         reference, *_ = build_device_model(view, world_size, reshard_after_forward=reshard_after_forward,
                                            documents=documents, fake_mode=FakeTensorMode(allow_fallback_kernels=True))
         reference.requires_grad_(False)
         reference.eval()
-    return DPOObjective(beta=cfg.dpo.beta, loss_type=cfg.dpo.loss_type, reference=reference)
+    return kind.objective(cfg, reference)
 
 
 def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_len: int,
