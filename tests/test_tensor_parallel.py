@@ -300,9 +300,11 @@ def test_tp_errors_for_seq_len_and_moe():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(dp_shard=2, tp=2, world_size=8), r"dp_replicate \(1\) \* --parallelism.dp_shard \(2\) \* cp \(1\) \* "
-                                           r"tp \(2\) must equal the world size \(8\)"),
-    (dict(tp=3, world_size=4), r"\* cp \(1\) \* tp \(3\) must divide the world size \(4\)"),
+    (dict(dp_shard=2, tp=2, world_size=8), r"dp_replicate \(1\) \* --parallelism.dp_shard \(2\) \* "
+                                           r"--parallelism.cp \(1\) \* --parallelism.tp \(2\) must equal the world "
+                                           r"size \(8\)"),
+    (dict(tp=3, world_size=4), r"\* --parallelism.cp \(1\) \* --parallelism.tp \(3\) must divide the world size "
+                               r"\(4\)"),
     (dict(tp=0, world_size=4), r"--parallelism.tp must be >= 1"),
     (dict(tp=2, ep=2, world_size=8), r"MoE models use ep only"),
 ])

@@ -24,6 +24,7 @@ from titan_tpu.data.sources import SourceConfig
 from titan_tpu.kinds import check_kind
 from titan_tpu.models.spec import model_spec
 from titan_tpu.models.spec_base import ModelSpec
+from titan_tpu.parallel.mesh import ParallelDims
 
 
 @dataclass
@@ -113,8 +114,10 @@ def prepare_run(cfg: Config) -> RunSetup:
                          f"{spec.label}")
     spec.check(cfg)
     if t.global_batch_tokens and p.dp_shard != -1:  # with -1 the ranks are known at launch
-        groups = cfg.fault_tolerance.replicas if cfg.fault_tolerance.enabled else 1  # each with its share
-        grad_accum_from_tokens(t, p.dp_replicate * p.dp_shard * groups)
+        split = ParallelDims.from_config(p, world_size=None, runnable=False).batch_split()
+        ft = cfg.fault_tolerance
+        split = split.across_groups(group=ft.replica_id, groups=ft.replicas) if ft.enabled else split
+        grad_accum_from_tokens(t, split.dp_size, ranks_per_dp=split.ranks_per_dp)
     if cfg.compile.backend == "tpu":
         check_tpu_compile_backend(t.device)
     if cfg.compile.backend == "jax" and t.mode == "graph":  # eager mode runs torch's ops on training.device

@@ -31,7 +31,7 @@ from titan_tpu.kinds.record import DataRequest, TrainingKind, builds_reference_c
 from titan_tpu.model_contract import TrainableModel
 from titan_tpu.models.lora import is_adapter_key
 from titan_tpu.models.spec import build
-from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
+from titan_tpu.parallel.mesh import ParallelDims
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision
 from titan_tpu.run_setup import RunSetup
 from titan_tpu.train.checkpoint import (
@@ -85,11 +85,12 @@ class Components:
                                                 enabled=cfg.compile.cache) if t.mode == "graph" else None)
         self.rank, self.world_size = init_distributed(self.backend)
         self.is_main = self.rank == 0
-        self.parallel_dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
-                                          world_size=self.world_size, ep=p.ep, tp=p.tp, cp=p.cp)
+        self.parallel_dims = ParallelDims.from_config(p, world_size=self.world_size)
         self.mesh = self.parallel_dims.build_mesh(self.backend.device.type)
         self.expert_mesh = self.parallel_dims.build_expert_mesh(self.backend.device.type)
-        self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh)
+        # The ranks this job's collectives (the loss's sums, the gradients) span.
+        self.batch_split = self.parallel_dims.batch_split(self.rank)
+        self.dp_rank, self.dp_size = self.batch_split.dp_rank, self.batch_split.dp_size
         # Who reads which rows of the global batch: the data-parallel ranks, or with replica groups
         # (fault_tolerance) the groups, each one process (train/replica_ft.py says why).
         ft = cfg.fault_tolerance
@@ -97,10 +98,11 @@ class Components:
             raise ValueError(f"fault_tolerance.enabled runs one process per replica group; this group has "
                              f"{self.world_size} ranks: start each group with one process (titan-tpu train, not "
                              "torchrun) and fault_tolerance.replicas groups")
-        self.data_rank, self.data_size = (ft.replica_id, ft.replicas) if ft.enabled else (self.dp_rank, self.dp_size)
+        self.data_split = (self.batch_split.across_groups(group=ft.replica_id, groups=ft.replicas) if ft.enabled
+                           else self.batch_split)
+        self.data_rank, self.data_size = self.data_split.dp_rank, self.data_split.dp_size
         if t.global_batch_tokens:  # accumulation from the global batch, now that the mesh is known
-            t.grad_accum_steps = grad_accum_from_tokens(t, self.data_size,
-                                                        ranks_per_dp=self.world_size // self.dp_size)
+            t.grad_accum_steps = grad_accum_from_tokens(t, self.data_size, ranks_per_dp=self.data_split.ranks_per_dp)
             self.log(f"training.global_batch_tokens = {t.global_batch_tokens}: {t.grad_accum_steps} micro-batches of "
                      f"{t.batch_size} x {t.seq_len} tokens per step on each of {self.data_size} data-parallel ranks")
         self.run_lock = self._lock_output_dir()

@@ -24,19 +24,23 @@ it); dp_replicate across 2 TPU slices, one chip of each group per slice, at one 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
-from titan_tpu.parallel.axes import CP_AXIS, DP_REPLICATE, DP_SHARD, EP_AXIS, EP_OUTER_AXIS, TP_AXIS
+from titan_tpu.parallel.axes import DP_SHARD, EP_AXIS, EP_OUTER_AXIS, MESH_AXES
 
 __all__ = ["axis_strides", "fewest_members_in_a_domain", "ring_bandwidth"]
 
 
-def axis_strides(*, dp_replicate: int, dp_shard: int, cp: int, tp: int, ep: int = 1) -> dict[str, int]:
-    """How many ranks apart the members of each axis's group are (module docstring): tp 1, cp tp,
-    dp_shard cp x tp, dp_replicate dp_shard x cp x tp; ep, the inner part of dp_shard, cp x tp, and
-    dp_shard_mod_ep ep x cp x tp."""
-    inner = cp * tp
-    return {TP_AXIS: 1, CP_AXIS: tp, DP_SHARD: inner, DP_REPLICATE: dp_shard * inner, EP_AXIS: inner,
-            EP_OUTER_AXIS: ep * inner}
+def axis_strides(mesh_sizes: Mapping[str, int], *, ep: int = 1) -> dict[str, int]:
+    """How many ranks apart the members of each axis's group are (module docstring): a dense axis's
+    stride is the product of the sizes inside it (`mesh_sizes` over `MESH_AXES`: tp 1, cp tp,
+    dp_shard cp x tp, dp_replicate dp_shard x cp x tp); ep, the inner part of dp_shard, dp_shard's
+    stride, and dp_shard_mod_ep ep times it."""
+    strides, inner = {}, 1
+    for axis in reversed(MESH_AXES):
+        strides[axis] = inner
+        inner *= mesh_sizes[axis]
+    return {**strides, EP_AXIS: strides[DP_SHARD], EP_OUTER_AXIS: ep * strides[DP_SHARD]}
 
 
 @functools.lru_cache(maxsize=4096)

@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from titan_tpu.parallel.axes import EP_OUTER_AXIS
+from titan_tpu.parallel.axes import AXES, EP_OUTER_AXIS, MESH_AXES
 
 __all__ = ["Layout", "Collective", "cp_collectives", "ep_dispatch_bytes"]
 
@@ -113,7 +113,7 @@ class Layout:
     ep_padded: bool = False
 
     def __post_init__(self):
-        for name in ("dp_replicate", "dp_shard", "ep", "tp", "cp"):
+        for name in dict.fromkeys(axis.size_key for axis in AXES.values()):  # each axis's size, once
             if getattr(self, name) < 1:
                 raise ValueError(f"parallelism.{name} = {getattr(self, name)} must be >= 1")
         if self.gather not in ("model", "layer"):
@@ -121,9 +121,13 @@ class Layout:
         if self.ep > 1 and self.dp_shard % self.ep != 0:
             raise ValueError(f"parallelism.ep ({self.ep}) must divide parallelism.dp_shard ({self.dp_shard})")
 
+    def mesh_sizes(self) -> dict[str, int]:
+        """Each axis of the dense mesh -> its size, outermost first (parallel/axes.py MESH_AXES)."""
+        return {axis: getattr(self, AXES[axis].size_key) for axis in MESH_AXES}
+
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return math.prod(self.mesh_sizes().values())
 
     @property
     def sharded(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from titan_tpu.parallel.axes import EP_AXIS, EP_OUTER_AXIS
 from titan_tpu.parallel.fabric_terms import axis_strides, ring_bandwidth
 from titan_tpu.parallel.plan_terms import Layout
 from titan_tpu.plan.hardware import Hardware
@@ -55,10 +56,9 @@ def axis_rates(hardware: Hardware, layout: Layout, *, slices: int = 1) -> dict[s
     fabric it crosses (module docstring)."""
     domain = domain_devices(hardware, devices=layout.world, slices=slices)
     inside, across = fabric_names(hardware)
-    sizes = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "cp": layout.cp, "tp": layout.tp,
-             "ep": layout.ep, "dp_shard_mod_ep": layout.dp_shard // layout.ep}
-    strides = axis_strides(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=layout.cp, tp=layout.tp,
-                           ep=layout.ep)
+    mesh_sizes = layout.mesh_sizes()  # the dense axes, then the expert mesh's carved out of dp_shard
+    sizes = {**mesh_sizes, EP_AXIS: layout.ep, EP_OUTER_AXIS: layout.dp_shard // layout.ep}
+    strides = axis_strides(mesh_sizes, ep=layout.ep)
     out = {}
     for axis, size in sizes.items():
         try:

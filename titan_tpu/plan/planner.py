@@ -51,7 +51,7 @@ from titan_tpu.models.registry import (
     recomputed_flops_per_token,
 )
 from titan_tpu.parallel.context_parallel import check_context_parallel, cp_attention_saved_bytes
-from titan_tpu.parallel.mesh import check_cp_with_ep
+from titan_tpu.parallel.mesh import ParallelDims, check_cp_with_ep
 from titan_tpu.parallel.plan_terms import Layout, collective_calls, cp_collectives
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.fabric import axis_rates
@@ -149,23 +149,10 @@ def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, in
                      "'H100: 32 GPUs' into job.description")
 
 
-def _mesh(cfg: Config, devices: int | None) -> tuple[int, int, int]:
-    """(dp_replicate, dp_shard, devices) with dp_shard = -1 resolved, or a one-line error."""
-    p = cfg.parallelism
-    others = p.dp_replicate * p.cp * p.tp
-    if devices is None:  # a CPU run: the mesh says how many ranks
-        devices = others * (p.dp_shard if p.dp_shard > 0 else 1)
-    if p.dp_shard == -1:
-        if devices % others:
-            raise ValueError(f"parallelism.dp_replicate x cp x tp = {others} does not divide the {devices} devices; "
-                             "choose a divisor")
-        return p.dp_replicate, devices // others, devices
-    if others * p.dp_shard != devices:
-        raise ValueError(f"the mesh dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard}"
-                         f"{f' x cp {p.cp}' if p.cp > 1 else ''}{f' x tp {p.tp}' if p.tp > 1 else ''} = "
-                         f"{others * p.dp_shard} devices does not match the {devices} devices of the "
-                         "hardware; change the mesh (or dp_shard = -1) or the slice")
-    return p.dp_replicate, p.dp_shard, devices
+def _mesh(cfg: Config, devices: int | None) -> ParallelDims:
+    """The mesh on `devices` (None: a CPU run, the ranks the mesh names) with dp_shard = -1 resolved, or a
+    one-line error. It plans the combinations the trainer does not run yet (runnable False)."""
+    return ParallelDims.from_config(cfg.parallelism, world_size=devices, runnable=False)
 
 
 def code_gather(cfg: Config) -> str:
@@ -483,18 +470,18 @@ def _resolve(setup: RunSetup, hardware: Hardware | None, *, chips: int | None, m
         hardware, named_chips = default_hardware(cfg, measure=measure)
         chips = chips if chips is not None else named_chips
     devices = chips * hardware.devices_per_chip if chips is not None else None
-    dp_replicate, dp_shard, devices = _mesh(cfg, devices)
+    dims = _mesh(cfg, devices)
+    devices, split = dims.world_size, dims.batch_split()
     if cfg.training.global_batch_tokens:  # the accumulation the trainer derives on this mesh
-        training = dataclasses.replace(cfg.training, global_batch_tokens=0,
-                                       grad_accum_steps=grad_accum_from_tokens(cfg.training, dp_replicate * dp_shard))
+        accum = grad_accum_from_tokens(cfg.training, split.dp_size, ranks_per_dp=split.ranks_per_dp)
+        training = dataclasses.replace(cfg.training, global_batch_tokens=0, grad_accum_steps=accum)
         cfg = dataclasses.replace(cfg, training=training)
     args = model_args if model_args is not None else spec.args
     _check_parallel_support(cfg, args)
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
     p = cfg.parallelism
-    layout = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=p.ep, tp=p.tp, cp=p.cp,
-                    compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype], gather=gather,
-                    ep_dispatch=p.ep_dispatch,
+    layout = Layout(**dims.config_sizes(), compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype],
+                    gather=gather, ep_dispatch=p.ep_dispatch,
                     # captured CPU/CUDA steps send the all-to-all's static buffer whole; TPU's is ragged
                     ep_padded=cfg.training.mode == "graph" and hardware.name not in TPU_NAMES)
     return _Setting(cfg=cfg, label=spec.label, args=args, hardware=hardware, devices=devices, layout=layout,

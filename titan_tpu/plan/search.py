@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from titan_tpu.config import Config
 from titan_tpu.models.spec import model_spec
+from titan_tpu.parallel.mesh import ParallelDims
 from titan_tpu.plan.hardware import Hardware
 from titan_tpu.plan.planner import (
     TPU_NAMES,
@@ -287,7 +288,7 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
                          "search with --training.mode graph (the TPU path)")
     p = cfg.parallelism
     devices = chips * hardware.devices_per_chip if chips is not None else \
-        p.dp_replicate * p.tp * p.cp * (p.dp_shard if p.dp_shard > 0 else 1)
+        ParallelDims.from_config(p, world_size=None, runnable=False).world_size  # a CPU run: the ranks the mesh names
     if devices % (p.tp * p.cp):
         raise ValueError(f"--parallelism.tp x cp ({p.tp * p.cp}) must divide the {devices} devices searched; "
                          "choose divisors")

@@ -55,9 +55,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
-    p = cfg.parallelism
-    return ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, world_size=world_size, ep=p.ep, tp=p.tp,
-                        cp=p.cp)
+    return ParallelDims.from_config(cfg.parallelism, world_size=world_size)
 
 
 def build_device_model(cfg: Config, world_size: int, *, dtype: torch.dtype | None = None, fake_mode=None,
