@@ -53,8 +53,10 @@ RUN_ID_FILE = "run_id"  # in output_dir: the run's id, which keys its local chec
 
 class Components:
     """The assembled run (module docstring). Attributes: cfg, setup, spec, model_args, backend,
-    rank, world_size, is_main, parallel_dims, mesh, expert_mesh, dp_size, data_rank and data_size
-    (the global batch's split: the data-parallel ranks, or the replica groups), run_dir, run_lock,
+    rank, world_size, is_main, parallel_dims (the mesh's sizes, resolved once: parallel/mesh.py), mesh,
+    expert_mesh, batch_split (the ranks that share a batch in this job; dp_rank, dp_size) and
+    data_split (the global batch's rows: the data-parallel ranks, or the replica groups; data_rank,
+    data_size), run_dir, run_lock,
     document_mask, tokenizer, train_loader, val_loader, model, objective, optimizer, step_fn,
     compile_stats, checkpointer, local_tier (None unless checkpoint.grace_seconds or local_interval),
     warmup_steps, flops_per_token (the policy's and its reference's), flops_note, kind (the record),

@@ -3,12 +3,13 @@
 A step (train/step.py) and its captured form (graph/capture.py) never look inside a batch: the
 objective (train/objective.py) reads its fields by name, and the captured step passes a batch
 through the graph boundary as the flat list of its tensors (a registered pytree: `flatten` /
-`unflatten`), so a new kind of input (images beside tokens, a reward per row) is a new class here,
-the loader that fills it and the objective that reads it, and nothing in between changes.
+`unflatten`, set up by `batch_class`), so a new kind of input (images beside tokens, a reward per
+row) is a new class here, the loader that fills it and the objective that reads it, and nothing in
+between changes.
 
 * `TokenBatch`: next-token training (pre-training, SFT): inputs, labels (IGNORE_INDEX where a
   token is not trained) and, with document masking, each token's position in its document.
-* `PreferenceBatch`: preference pairs (DPO): a chosen and a rejected `TokenBatch` of the same
+* `PreferenceBatch`: preference pairs (DPO, ORPO): a chosen and a rejected `TokenBatch` of the same
   shape, row i of each completing the same prompt; labels mark the completion tokens only.
 * `RolloutBatch`: sampled completions (GRPO): prompt + completion rows, targets on the completion
   tokens only, each row's advantage, and the log-probabilities the sampler (old policy) and the
@@ -26,11 +27,35 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-__all__ = ["IGNORE_INDEX", "Batch", "PreferenceBatch", "RolloutBatch", "TokenBatch", "as_batch", "flatten", "unflatten"]
+__all__ = ["BATCH_CLASSES", "IGNORE_INDEX", "Batch", "PreferenceBatch", "RolloutBatch", "TokenBatch", "as_batch",
+           "batch_class", "flatten", "unflatten"]
 
 IGNORE_INDEX = -100  # a label the loss skips (a prompt, padding, a chat turn that is not the assistant's)
 
 
+BATCH_CLASSES: tuple[type, ...] = ()  # every batch class, registered by `batch_class`
+
+
+def batch_class(cls: type) -> type:
+    """A batch class: a dataclass that is a pytree node whose children are the fields that are set
+    (a None field holds no tensor), so the captured step passes it through the graph boundary."""
+    global BATCH_CLASSES
+    names = [f.name for f in fields(cls)]
+
+    def flatten_fn(b):
+        present = tuple(n for n in names if getattr(b, n) is not None)
+        return [getattr(b, n) for n in present], present
+
+    def unflatten_fn(values, present):
+        return cls(**dict(zip(present, values)))
+
+    pytree.register_pytree_node(cls, flatten_fn, unflatten_fn,
+                                serialized_type_name=f"titan_tpu.data.batch.{cls.__name__}")
+    BATCH_CLASSES += (cls,)
+    return cls
+
+
+@batch_class
 @dataclass(frozen=True)
 class TokenBatch:
     inputs_BS: Tensor  # token ids
@@ -52,6 +77,7 @@ class TokenBatch:
         return pytree.tree_map(lambda t: t.contiguous(), self)
 
 
+@batch_class
 @dataclass(frozen=True)
 class PreferenceBatch:
     chosen: TokenBatch  # prompt + chosen completion, labels on the completion only
@@ -69,6 +95,7 @@ class PreferenceBatch:
         return pytree.tree_map(lambda t: t.contiguous(), self)
 
 
+@batch_class
 @dataclass(frozen=True)
 class RolloutBatch:
     inputs_BS: Tensor  # prompt + completion token ids, right-padded
@@ -94,32 +121,14 @@ class RolloutBatch:
 Batch = TokenBatch | PreferenceBatch | RolloutBatch
 
 
-def _register(cls: type) -> None:
-    """A pytree node whose children are the fields that are set (a None field holds no tensor)."""
-    names = [f.name for f in fields(cls)]
-
-    def flatten_fn(b):
-        present = tuple(n for n in names if getattr(b, n) is not None)
-        return [getattr(b, n) for n in present], present
-
-    def unflatten_fn(values, present):
-        return cls(**dict(zip(present, values)))
-
-    pytree.register_pytree_node(cls, flatten_fn, unflatten_fn,
-                                serialized_type_name=f"titan_tpu.data.batch.{cls.__name__}")
-
-
-for _cls in (TokenBatch, PreferenceBatch, RolloutBatch):
-    _register(_cls)
-
-
 def as_batch(batch: Batch | tuple[Tensor, ...]) -> Batch:
     """A typed batch; a tuple (inputs, labels[, positions]) becomes a TokenBatch."""
-    if isinstance(batch, (TokenBatch, PreferenceBatch, RolloutBatch)):
+    if isinstance(batch, BATCH_CLASSES):
         return batch
     if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
         size = f" of {len(batch)} tensors" if isinstance(batch, (tuple, list)) else ""
-        raise ValueError(f"a micro-batch is a TokenBatch, a PreferenceBatch or (inputs, labels[, positions]), got "
+        kinds = ", ".join(c.__name__ for c in BATCH_CLASSES)
+        raise ValueError(f"a micro-batch is one of {kinds} or (inputs, labels[, positions]), got "
                          f"{type(batch).__name__}{size}")
     return TokenBatch(*batch)
 
