@@ -29,7 +29,8 @@ from parallel_helpers import (
 
 from titan_tpu.graph.compile import GraphStep
 from titan_tpu.kernels.attention import CHUNK_ATTENTION, document_ids_from_positions, reference_attention
-from titan_tpu.models.common.transformer import Transformer, activation_bytes
+from titan_tpu.models.common.activation_memory import activation_bytes
+from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model
 from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.context_parallel import (

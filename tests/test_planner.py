@@ -19,7 +19,8 @@ from titan_tpu.cli import main
 from titan_tpu.config import build_config
 from titan_tpu.kernels import KernelConfig
 from titan_tpu.kernels.loss import loss_memory_bytes
-from titan_tpu.models.common.transformer import Transformer, activation_bytes
+from titan_tpu.models.common.activation_memory import activation_bytes
+from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import (
     MODEL_FLAVORS,
     build_model,

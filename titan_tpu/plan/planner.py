@@ -3,7 +3,7 @@ tokens/s and MFU. It adds up terms that live beside the code they describe:
 
 * the model: parameter counts and FLOPs per token (models/registry.py, the same `flops_per_token`
   the trainer logs MFU with), activations per layer per activation-checkpointing mode
-  (models/common/transformer.py `activation_bytes` and the per-module functions it calls);
+  (models/common/activation_memory.py `activation_bytes` and the per-module functions it calls);
 * scanned layers in graph mode without full checkpointing: what scan's own autograd holds (the
   modules' partitioned counts, models/common/scan.py `scan_autograd_memory`);
 * the loss kernel: what it keeps and its peak (kernels/loss.py `loss_memory_bytes`);
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 from titan_tpu.config import Config, grad_accum_from_tokens
 from titan_tpu.kernels.loss import loss_memory_bytes
+from titan_tpu.models.common.activation_memory import ActivationBytes, activation_bytes
 from titan_tpu.models.common.rope import rope_real_saved_per_position
 from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memory
-from titan_tpu.models.common.transformer import ActivationBytes, activation_bytes
 from titan_tpu.models.registry import (
     MODEL_NAMES,
     flops_per_token,
