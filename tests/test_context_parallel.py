@@ -46,7 +46,7 @@ from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.parallel.tensor_parallel import tensor_parallel
 from titan_tpu.plan import plan_config
 from titan_tpu.plan.hardware import resolve_hardware
-from titan_tpu.plan.planner import attention_widths, for_planning
+from titan_tpu.plan.setting import attention_widths, for_planning
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 

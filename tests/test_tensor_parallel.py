@@ -34,7 +34,7 @@ from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel, tensor_parallel
 from titan_tpu.plan import plan_config
-from titan_tpu.plan.planner import for_planning
+from titan_tpu.plan.setting import for_planning
 from titan_tpu.train.checkpoint import Checkpointer
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep

@@ -17,8 +17,8 @@ from titan_tpu.config import build_config, data_sources
 from titan_tpu.kernels import OPS, tpu as tpu_kernels
 from titan_tpu.models.registry import get_model_args
 from titan_tpu.plan import plan_config
-from titan_tpu.plan.planner import for_planning
 from titan_tpu.plan.search import KNOBS, search
+from titan_tpu.plan.setting import for_planning
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = sorted(path.stem for path in CONFIGS.glob("*_tpu.toml"))  # every TPU recipe of the repo

@@ -280,7 +280,8 @@ def plan_main(argv: list[str]) -> int:
     if not args.config:
         raise ValueError("titan-tpu plan needs --config (a TOML recipe), or --calibrate")
     from titan_tpu.plan import format_plan, resolve_hardware
-    from titan_tpu.plan.planner import plan_run, setup_for_planning
+    from titan_tpu.plan.planner import plan_run
+    from titan_tpu.plan.setting import setup_for_planning
 
     setup = setup_for_planning(args.config, overrides)
     cfg = setup.cfg
@@ -413,8 +414,8 @@ def _plan_beside(args: argparse.Namespace, overrides: list[str], setup, plan, ha
     if plan.hardware["fp8_peak_flops"] or "fp8" in plan.batch:
         # Where fp8 can pay, or the recipe asks for it: the same hardware (this CPU is not measured
         # again) and chips, the other precision.
+        from titan_tpu.plan.fp8 import fp8_beside
         from titan_tpu.plan.hardware import Hardware
-        from titan_tpu.plan.planner import fp8_beside
 
         other = plan_run(setup, Hardware(**plan.hardware), chips=plan.devices // plan.hardware["devices_per_chip"],
                          gather=args.gather, fp8="fp8" not in plan.batch)

@@ -595,7 +595,7 @@ def recipe_topology(cfg) -> str:
     other recipe (a debug recipe compiled for the smallest v5p slice)."""
     if cfg.training.device != "tpu":
         return "v5p:2x2x1"
-    from titan_tpu.plan.planner import default_hardware
+    from titan_tpu.plan.setting import default_hardware
 
     hardware, chips = default_hardware(cfg, measure=False)
     return topology_for_chips(hardware.name, chips // cfg.parallelism.slices)

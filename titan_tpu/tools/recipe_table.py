@@ -106,7 +106,8 @@ def rows(reports: Path = REPORTS) -> list[Row]:
     """Every configs/*_tpu.toml, with its report when there is one and today's plan beside it."""
     from titan_tpu.config import build_config
     from titan_tpu.models.spec import model_spec
-    from titan_tpu.plan.planner import default_hardware, plan_config, planning_machine
+    from titan_tpu.plan.planner import plan_config
+    from titan_tpu.plan.setting import default_hardware, planning_machine
     from titan_tpu.run_setup import prepare_run
     from titan_tpu.tools.compile_cmd import topology_for_chips
 
