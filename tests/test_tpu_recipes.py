@@ -176,7 +176,7 @@ def test_no_recipe_changed_after_its_compile():
 
 
 def test_the_planner_stays_near_xla_on_every_compiled_recipe():
-    from titan_tpu.tools.compile_cmd import compared_flops
+    from titan_tpu.plan.xla_compare import compared_flops
     from titan_tpu.tools.recipe_table import FLOPS_TOLERANCE, PEAK_TOLERANCE, rows
 
     compiled = [row for row in rows() if row.report is not None and "error" not in row.report]

@@ -135,7 +135,7 @@ def _beside(args: argparse.Namespace, overrides: list[str], setup, plan, hardwar
         xla = saved_report(args.config)
         xla = xla and os.path.relpath(xla)
     if xla:
-        from titan_tpu.tools.compile_cmd import xla_beside_plan
+        from titan_tpu.plan.xla_compare import xla_beside_plan
 
         # XLA compiled the program titan-tpu compile hands it: compare the plan of that program.
         compiled = plan_run(setup, hardware, chips=chips, gather=args.gather, as_compiled=True)
