@@ -130,7 +130,8 @@ def code_gather(cfg: Config) -> str:
 
 @dataclass(frozen=True)
 class Setting:
-    """A config resolved for planning: what every term below reads. Built once by `resolve_setting`."""
+    """A config resolved for planning: what every term reads (memory.py, step_time.py,
+    fp8.py). Built once by `resolve_setting`."""
 
     cfg: Config
     label: str  # how the plan names the model (the spec's label, e.g. llama3/8B)
