@@ -59,7 +59,7 @@ def main() -> int:
                 best[fp8] = max(best[fp8], train(a, Path(work) / f"{round_}-{fp8}", fp8))
     from titan_tpu.config import build_config
     from titan_tpu.models.spec import model_spec
-    from titan_tpu.plan.planner import default_hardware
+    from titan_tpu.plan.setting import default_hardware
 
     cfg = build_config(ROOT / "configs" / "llama3_debug.toml", ["--model.flavor", a.flavor, "--model.dtype",
                                                                 "bfloat16", "--training.device", a.device])

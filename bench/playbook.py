@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_tpu.plan.calibrate import Case, _run_case
-from titan_tpu.plan.planner import for_planning, plan_config
+from titan_tpu.plan.planner import plan_config
+from titan_tpu.plan.setting import for_planning
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA, MOE = "configs/llama3_debug.toml", "configs/qwen3_moe_debug.toml"

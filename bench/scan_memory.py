@@ -141,7 +141,7 @@ def main() -> None:
         return
     a.batch, a.seq = a.batch or 4, a.seq or 256
 
-    from titan_tpu.models.common.transformer import activation_bytes
+    from titan_tpu.models.common.activation_memory import activation_bytes
     from titan_tpu.models.registry import get_model_args
     from titan_tpu.parallel.spawn import run_ranks
 

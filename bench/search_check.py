@@ -24,8 +24,8 @@ from pathlib import Path
 
 from titan_tpu.plan import resolve_hardware
 from titan_tpu.plan.calibrate import Case, _run_case
-from titan_tpu.plan.planner import for_planning
 from titan_tpu.plan.search import search
+from titan_tpu.plan.setting import for_planning
 
 
 def picks(fitting: list, top: int = 3, others: int = 3) -> list[tuple[str, object]]:

@@ -42,9 +42,11 @@ def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | No
     import time
 
     from titan_tpu.config import build_config
+    from titan_tpu.plan.topology import recipe_topology
     from titan_tpu.run_setup import prepare_run
-    from titan_tpu.tools.compile_cmd import compile_step_for_tpu, recipe_topology, xla_dump_env
+    from titan_tpu.tools.compile_cmd import compile_step_for_tpu
     from titan_tpu.tools.recipe_table import provenance
+    from titan_tpu.tools.xla_numbers import xla_dump_env
 
     # Before JAX starts: the report reads XLA's dump (kept in dumps/<recipe> when asked, for a look at
     # what XLA holds at its peak: titan_tpu.tools.xla_dump.py).

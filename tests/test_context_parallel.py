@@ -29,7 +29,8 @@ from parallel_helpers import (
 
 from titan_tpu.graph.compile import GraphStep
 from titan_tpu.kernels.attention import CHUNK_ATTENTION, document_ids_from_positions, reference_attention
-from titan_tpu.models.common.transformer import Transformer, activation_bytes
+from titan_tpu.models.common.activation_memory import activation_bytes
+from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model
 from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.context_parallel import (
@@ -45,7 +46,7 @@ from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.parallel.tensor_parallel import tensor_parallel
 from titan_tpu.plan import plan_config
 from titan_tpu.plan.hardware import resolve_hardware
-from titan_tpu.plan.planner import attention_widths, for_planning
+from titan_tpu.plan.setting import attention_widths, for_planning
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 

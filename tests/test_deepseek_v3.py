@@ -337,7 +337,7 @@ def test_planner_activation_terms_are_close_to_autograd(q_lora_rank):
     from test_planner import _saved_bytes
 
     from titan_tpu.kernels import KernelConfig
-    from titan_tpu.models.common.transformer import activation_bytes
+    from titan_tpu.models.common.activation_memory import activation_bytes
 
     B = 2
     base = get_model_args("deepseek_v3", "debug")

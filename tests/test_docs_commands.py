@@ -292,7 +292,7 @@ def test_help(subcommand, capsys):
 
 def test_every_shown_command_parses(parsers, monkeypatch):
     monkeypatch.chdir(ROOT)
-    from titan_tpu.plan.planner import for_planning
+    from titan_tpu.plan.setting import for_planning
 
     failures = []
     for command in COMMANDS:
@@ -351,8 +351,8 @@ def test_shown_accelerator_commands_fit(parsers, monkeypatch):
     the exception, and they must say so next to the command ("does not fit")."""
     monkeypatch.chdir(ROOT)
     from titan_tpu.plan import plan_config, resolve_hardware
-    from titan_tpu.plan.planner import default_hardware, for_planning
     from titan_tpu.plan.search import search
+    from titan_tpu.plan.setting import default_hardware, for_planning
 
     checked, failures = [], []
     for command in COMMANDS:

@@ -171,7 +171,7 @@ def test_the_tpu_recipes_without_full_checkpointing_are_named(page, starts):
 
 def _gb(name: str) -> str:
     from titan_tpu.plan import plan_config
-    from titan_tpu.plan.planner import for_planning
+    from titan_tpu.plan.setting import for_planning
 
     plan = plan_config(for_planning(ROOT / "configs" / f"{name}.toml"), measure=False)
     return f"{round(plan.checkpoint['bytes_total'] / 1e9):,} GB"

@@ -15,8 +15,8 @@ from titan_tpu.parallel.plan_terms import Layout
 from titan_tpu.plan import plan_config, resolve_hardware
 from titan_tpu.plan.fabric import axis_rates
 from titan_tpu.plan.hardware import HARDWARE
-from titan_tpu.plan.planner import for_planning
 from titan_tpu.plan.search import search
+from titan_tpu.plan.setting import for_planning
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 H100, V5P = HARDWARE["h100"], HARDWARE["v5p"]
@@ -83,7 +83,7 @@ def test_multi_slice_plan_of_a_v5p_recipe_times_its_all_reduce_on_dcn():
     assert [c["bytes_per_step"] for c in one.communication] == [c["bytes_per_step"] for c in plan.communication]
     assert one.time["collectives_s"] < plan.time["collectives_s"]
     # Slices move one term: XLA's schedule for two slices holds the logits and their gradient through
-    # the backward loop, behind the DCN all-reduce (planner._xla_loss_held_over_dcn).
+    # the backward loop, behind the DCN all-reduce (plan/memory.py _xla_loss_held_over_dcn).
     assert plan.peak_bytes - one.peak_bytes == pytest.approx(2 * plan.memory["loss_peak"])
 
 

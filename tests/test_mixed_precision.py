@@ -349,7 +349,7 @@ def test_accelerator_peak_is_the_bf16_table_and_says_so_for_fp32(monkeypatch):
 
 def test_plan_counts_fp32_masters_and_bf16_copies_on_one_device(bf16_cpu, monkeypatch):
     from titan_tpu.plan import hardware, plan_config
-    from titan_tpu.plan.planner import for_planning
+    from titan_tpu.plan.setting import for_planning
 
     def plan(dtype: str):
         return plan_config(for_planning(LLAMA_DEBUG, ["--training.device", "cpu", "--model.dtype", dtype]),

@@ -76,7 +76,7 @@ def test_hf_spec_resolves_and_its_model_satisfies_the_contract():
     assert model.expert_bias_names() == [] and model.updated_expert_biases({}, torch.zeros(0, 0)) == {}
     from titan_tpu.models.registry import MODEL_NAMES
     from titan_tpu.plan import plan_config
-    from titan_tpu.plan.planner import for_planning
+    from titan_tpu.plan.setting import for_planning
 
     with pytest.raises(ValueError, match="covers the native models") as refused:  # it names every native family
         plan_config(for_planning(None, overrides + ["--training.device", "cpu"]), measure=False)

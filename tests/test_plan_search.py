@@ -13,8 +13,8 @@ import pytest
 from titan_tpu.cli import main
 from titan_tpu.config import build_config
 from titan_tpu.plan import plan_config, resolve_hardware
-from titan_tpu.plan.planner import for_planning
 from titan_tpu.plan.search import search
+from titan_tpu.plan.setting import for_planning
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CPU = resolve_hardware("cpu", measure=False)[0]

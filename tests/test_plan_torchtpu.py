@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from titan_tpu.plan.planner import for_planning, plan_config
+from titan_tpu.plan.planner import plan_config
+from titan_tpu.plan.setting import for_planning
 from titan_tpu.plan.torchtpu import torchtpu_lines, torchtpu_step
 
 # A TPU recipe with the chunked loss, on TorchTPU (the recipe runs the JAX path, whose plan is always

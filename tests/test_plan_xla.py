@@ -10,7 +10,8 @@ import pytest
 
 from titan_tpu.cli import main
 from titan_tpu.plan import resolve_hardware
-from titan_tpu.plan.planner import for_planning, plan_config
+from titan_tpu.plan.planner import plan_config
+from titan_tpu.plan.setting import for_planning
 
 CONFIG = ["--config", "configs/llama3_debug.toml", "--hardware", "v5p-8"]
 

@@ -19,7 +19,8 @@ from titan_tpu.cli import main
 from titan_tpu.config import build_config
 from titan_tpu.kernels import KernelConfig
 from titan_tpu.kernels.loss import loss_memory_bytes
-from titan_tpu.models.common.transformer import Transformer, activation_bytes
+from titan_tpu.models.common.activation_memory import activation_bytes
+from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import (
     MODEL_FLAVORS,
     build_model,
@@ -29,7 +30,7 @@ from titan_tpu.models.registry import (
 )
 from titan_tpu.models.spec import model_spec
 from titan_tpu.plan import plan_config, resolve_hardware
-from titan_tpu.plan.planner import for_planning
+from titan_tpu.plan.setting import for_planning
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CPU = resolve_hardware("cpu", measure=False)[0]
@@ -104,7 +105,7 @@ def test_scan_autograd_terms_match_the_captured_graph(name, ac_mode):
     (models/common/scan.py scan_autograd_memory)."""
     from titan_tpu.graph.capture import capture_train_step
     from titan_tpu.parallel.plan_terms import Layout
-    from titan_tpu.plan.planner import scanned_autograd_memory
+    from titan_tpu.plan.memory import scanned_autograd_memory
     from titan_tpu.train.optim import AdamW
 
     B, S = 2, 64
@@ -162,7 +163,7 @@ def test_scanned_moe_saves_no_copy_of_the_expert_weights(monkeypatch):
     transposed copy of each of w1, w2, w3 before). The difference is the planner's expert term."""
     from titan_tpu.models.common import moe
     from titan_tpu.parallel.plan_terms import Layout
-    from titan_tpu.plan.planner import scanned_autograd_memory
+    from titan_tpu.plan.memory import scanned_autograd_memory
 
     def expert_copies(saved, args):
         E, D, F = args.moe.num_experts, args.dim, args.moe.hidden_dim
@@ -357,7 +358,7 @@ def test_json_output(capsys):
 def test_explain_names_every_term(capsys):
     """Every memory term a plan can print has a meaning for --explain (a new term needs one), and a cp
     recipe's batch is said to be split over its cp devices, not held per device."""
-    from titan_tpu.plan.planner import TERMS
+    from titan_tpu.plan.text import TERMS
 
     recipe = str(CONFIGS / "llama3_8b_128k_cp_tpu.toml")
     plan = plan_config(for_planning(recipe))

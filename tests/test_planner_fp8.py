@@ -1,4 +1,4 @@
-"""The planner's fp8 terms (plan/planner.py `_fp8_terms`): the chip table's fp8 peaks, the converted
+"""The planner's fp8 terms (plan/fp8.py `fp8_terms`): the chip table's fp8 peaks, the converted
 matmuls' FLOPs at that peak, the casts as elementwise traffic, the fp8 copies and scales in memory,
 `plan`'s fp8 vs bf16 line, and `plan --search --allow-fp8`. All planning, no model: well under a
 second each. The compiled side (XLA's f8 dots) is tests/tpu/test_fp8_lowering.py."""
@@ -11,9 +11,11 @@ import pytest
 
 from titan_tpu.cli import main
 from titan_tpu.models.spec import model_spec
+from titan_tpu.plan.fp8 import fp8_linear_params
 from titan_tpu.plan.hardware import HARDWARE, resolve_hardware
-from titan_tpu.plan.planner import fp8_linear_params, plan_run, setup_for_planning
+from titan_tpu.plan.planner import plan_run
 from titan_tpu.plan.search import search
+from titan_tpu.plan.setting import setup_for_planning
 from titan_tpu.tools.xla_dump import f8_dots
 
 RECIPE = "configs/llama3_70b_v7_tpu.toml"

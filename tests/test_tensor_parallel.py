@@ -26,14 +26,15 @@ from parallel_helpers import (
 )
 
 from titan_tpu.graph.compile import GraphStep
-from titan_tpu.models.common.transformer import Transformer, activation_bytes
+from titan_tpu.models.common.activation_memory import activation_bytes
+from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model, get_model_args
 from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel, tensor_parallel
 from titan_tpu.plan import plan_config
-from titan_tpu.plan.planner import for_planning
+from titan_tpu.plan.setting import for_planning
 from titan_tpu.train.checkpoint import Checkpointer
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
@@ -324,7 +325,7 @@ def test_parallel_dims_tp_leaves_dp_shard():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["llama3", "qwen3", "mla", "mla_wq"])
 def test_tp2_planner_activation_terms_match_autograd(name):
-    """The planner's per-block activation term with tp 2 (models/common/transformer.py
+    """The planner's per-block activation term with tp 2 (models/common/activation_memory.py
     block_saved_per_token) is what autograd keeps on each rank; MLA with its latent tensors whole on
     every rank and its values padded by the CPU attention kernel (kernels/attention.py)."""
     predicted = activation_bytes(tiny_args(name), tokens=BATCH * SEQ, ac_mode="none", dtype_bytes=4,

@@ -17,8 +17,8 @@ from titan_tpu.config import build_config, data_sources
 from titan_tpu.kernels import OPS, tpu as tpu_kernels
 from titan_tpu.models.registry import get_model_args
 from titan_tpu.plan import plan_config
-from titan_tpu.plan.planner import for_planning
 from titan_tpu.plan.search import KNOBS, search
+from titan_tpu.plan.setting import for_planning
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = sorted(path.stem for path in CONFIGS.glob("*_tpu.toml"))  # every TPU recipe of the repo
@@ -176,7 +176,7 @@ def test_no_recipe_changed_after_its_compile():
 
 
 def test_the_planner_stays_near_xla_on_every_compiled_recipe():
-    from titan_tpu.tools.compile_cmd import compared_flops
+    from titan_tpu.plan.xla_compare import compared_flops
     from titan_tpu.tools.recipe_table import FLOPS_TOLERANCE, PEAK_TOLERANCE, rows
 
     compiled = [row for row in rows() if row.report is not None and "error" not in row.report]

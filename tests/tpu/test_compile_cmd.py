@@ -9,7 +9,7 @@ import conftest
 import pytest
 
 from titan_tpu.config import build_config
-from titan_tpu.tools import compile_cmd
+from titan_tpu.graph import jax_devices
 from titan_tpu.tools.compile_cmd import compile_main, compile_step_for_tpu
 
 SMALL = ["--training.batch_size=2", "--training.seq_len=64"]
@@ -68,7 +68,7 @@ def test_compile_with_tensor_parallelism_and_a_recipe_that_does_not_fit(monkeypa
 
 def test_unknown_topology_lists_known_ones():
     with pytest.raises(ValueError, match="unknown TPU topology 'v9:3x3'.*known ones include v5p:2x2x1") as error:
-        compile_cmd._topology("v9:3x3")
+        jax_devices.tpu_topology("v9:3x3")
     assert "\n" not in str(error.value)
 
 

@@ -12,16 +12,17 @@ import conftest
 import pytest
 
 from titan_tpu.config import build_config
-from titan_tpu.tools.compile_cmd import _topology, compile_step_for_tpu, slice_major, slices_of_replicas
+from titan_tpu.graph.jax_devices import slice_major, slices_of_replicas, tpu_topology
+from titan_tpu.tools.compile_cmd import compile_step_for_tpu
 
 SLICES = ["--training.batch_size=2", "--training.seq_len=64", "--parallelism.slices=2",
           "--parallelism.dp_replicate=2", "--parallelism.dp_shard=4"]
 
 
 def test_two_slices_of_v5p_describe_eight_devices_slice_by_slice():
-    devices = slice_major(_topology("v5p:2x2x1", 2).devices)
+    devices = slice_major(tpu_topology("v5p:2x2x1", 2).devices)
     assert len(devices) == 8 and [d.slice_index for d in devices] == [0] * 4 + [1] * 4
-    assert len(_topology("v5p:2x2x1").devices) == 4  # one slice: as before slices
+    assert len(tpu_topology("v5p:2x2x1").devices) == 4  # one slice: as before slices
 
 
 def test_compile_llama_debug_across_two_slices():
@@ -37,7 +38,7 @@ def test_compile_llama_debug_across_two_slices():
 
 def test_a_replica_spanning_two_slices_is_one_line():
     """Devices interleaved across slices put each dp_replicate index in both: refused, naming the fix."""
-    devices = slice_major(_topology("v5p:2x2x1", 2).devices)
+    devices = slice_major(tpu_topology("v5p:2x2x1", 2).devices)
     interleaved = [d for pair in zip(devices[:4], devices[4:]) for d in pair]
     step = SimpleNamespace(axis_sizes={"dp_replicate": 2, "dp_shard": 4})
     assert slices_of_replicas(step, devices) == [0, 1]

@@ -42,7 +42,7 @@ the calibration in docs/planner.md):
   ([tokens, kv dim] of the whole sequence, compute dtype) in the forward (again when recomputed)
   and reduce-scatters their gradients in the backward; with document masks also the int32
   document ids. The loss's all-reduce over cp (one value) is left out. Its activations are the
-  planner's (titan_tpu/plan/planner.py: the rank's tokens, plus `cp_attention_saved_bytes`).
+  planner's (titan_tpu/plan/memory.py: the rank's tokens, plus `cp_attention_saved_bytes`).
 * cp x tp: tensor parallelism works on a cp rank's tokens (its collectives and the loss's
   all-reduces move 1 / cp of the micro-batch's tokens), and cp gathers the keys and values of a
   tp rank's kv heads (1 / tp of the kv dim; the document ids whole).

@@ -62,7 +62,7 @@ class Hardware:
     # Dense fp8 matmul FLOP/s per device where the chip has an fp8 rate above its bf16 one (tpu7x,
     # H100/H200, B200); None where it has none (v4, v5e, v5p, v6e: Google's tpu7x comparison table
     # gives their fp8 peak as their bf16 one, and XLA runs an f8 dot there at the bf16 rate) and on
-    # this CPU. The planner's fp8 terms (planner.py `_fp8_terms`) read it.
+    # this CPU. The planner's fp8 terms (fp8.py `fp8_terms`) read it.
     fp8_peak_flops: float | None = None
     # Bytes/s a device sends into a ring that leaves its node (GPUs: its NIC) or its slice (TPUs: its
     # share of the host's DCN); None where no vendor figure is published (v4) and on this CPU (one

@@ -71,8 +71,8 @@ def certify(result: SearchResult, config: str, overrides: list[str], *, top: int
                          "it): .venv-tpu/bin/titan-tpu plan --search --certify K ...")
     if top < 1:
         raise ValueError(f"--certify {top}: give how many of the search's best to compile (1 or more)")
-    from titan_tpu.plan.planner import TPU_NAMES
-    from titan_tpu.tools.compile_cmd import topology_for_chips
+    from titan_tpu.plan.setting import TPU_NAMES
+    from titan_tpu.plan.topology import topology_for_chips
 
     if result.hardware.name not in TPU_NAMES:
         raise ValueError(f"--certify compiles for a TPU slice; the search planned {result.hardware.name}: give a TPU "

@@ -23,7 +23,7 @@ from datetime import date
 from pathlib import Path
 
 from titan_tpu.device import _cpu_model
-from titan_tpu.tools.compile_cmd import compared_flops
+from titan_tpu.plan.xla_compare import compared_flops
 
 __all__ = ["REPORTS", "PAGE", "Row", "provenance", "recipe_hash", "render", "rows", "saved_report", "stage_line"]
 
@@ -106,9 +106,10 @@ def rows(reports: Path = REPORTS) -> list[Row]:
     """Every configs/*_tpu.toml, with its report when there is one and today's plan beside it."""
     from titan_tpu.config import build_config
     from titan_tpu.models.spec import model_spec
-    from titan_tpu.plan.planner import default_hardware, plan_config, planning_machine
+    from titan_tpu.plan.planner import plan_config
+    from titan_tpu.plan.setting import default_hardware, planning_machine
+    from titan_tpu.plan.topology import topology_for_chips
     from titan_tpu.run_setup import prepare_run
-    from titan_tpu.tools.compile_cmd import topology_for_chips
 
     out = []
     for recipe in sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("configs/*_tpu.toml")):
@@ -120,7 +121,7 @@ def rows(reports: Path = REPORTS) -> list[Row]:
         plan = plan_config(cfg, hardware, chips=chips, measure=False)
         counted = None
         if report is not None and "error" not in report:  # today's formula, on the compiled step's tokens
-            from titan_tpu.tools.compile_cmd import formula_as_xla_counts
+            from titan_tpu.plan.xla_compare import formula_as_xla_counts
 
             tokens = report.get("tokens_per_chip") or report["formula_flops_per_chip"] / \
                 model_spec(cfg.model).flops_per_token(None, cfg.training.seq_len)[0]

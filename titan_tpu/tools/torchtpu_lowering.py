@@ -441,9 +441,10 @@ def compile_stablehlo(text: str, topology_name: str, *, donated: Sequence[int] =
     from jax._src.lib import xla_client
     from jax._src.lib.mlir import ir
 
-    from titan_tpu.tools.compile_cmd import _topology, xla_numbers
+    from titan_tpu.graph.jax_devices import tpu_topology
+    from titan_tpu.tools.xla_numbers import xla_numbers
 
-    device = _topology(topology_name).devices[0]
+    device = tpu_topology(topology_name).devices[0]
     if donated:
         text = mark_donated(text, donated)
     with mlir.make_ir_context():
@@ -577,10 +578,12 @@ def compare(config: str, overrides: Sequence[str], topology_name: str, work_dir:
     the directory XLA_FLAGS=--xla_dump_to names in this process (set before JAX started), from
     whose optimized HLO the instruction counts come where libtpu cannot print the compiled program."""
     from titan_tpu.config import build_config
+    from titan_tpu.graph.jax_devices import tpu_topology
     from titan_tpu.plan.hardware import HARDWARE
     from titan_tpu.plan.planner import reshard_decision
     from titan_tpu.run_setup import prepare_run
-    from titan_tpu.tools.compile_cmd import _topology, compile_step_for_tpu, trainer_documents
+    from titan_tpu.tools.compile_cmd import compile_step_for_tpu
+    from titan_tpu.tools.jax_capture import trainer_documents
 
     cfg = prepare_run(build_config(config, list(overrides))).cfg
     p = cfg.parallelism
@@ -591,7 +594,7 @@ def compare(config: str, overrides: Sequence[str], topology_name: str, work_dir:
                          + " ".join(f"--parallelism.{k} 1" for k in unsupported))
     if cfg.training.grad_accum_steps > 1:
         raise ValueError("TorchTPU's lowering is compared for one program per step; add --training.grad_accum_steps 1")
-    devices = len(_topology(topology_name).devices)
+    devices = len(tpu_topology(topology_name).devices)
     kernels = _aten_kernels(cfg)
     reshard, _ = reshard_decision(cfg, world_size=devices, hardware=HARDWARE.get(topology_name.split(":")[0]))
     # Both captures with what our capture for JAX resolved, named: the kernels and the re-sharding.

@@ -553,7 +553,7 @@ def check_fsdp(subject: Subject) -> Result:
 
 def check_plan(subject: Subject, hardware: str) -> Result:
     from titan_tpu.plan import plan_config, resolve_hardware
-    from titan_tpu.plan.planner import TPU_NAMES, for_planning
+    from titan_tpu.plan.setting import TPU_NAMES, for_planning
 
     if subject.native_name is None:
         return Result("plan", "SKIP", f"titan-tpu plan covers the native models ({', '.join(MODEL_NAMES)}); this "

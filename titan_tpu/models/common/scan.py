@@ -469,7 +469,7 @@ def scan_autograd_memory(*, activations_per_layer: Sequence[int], layer_weight_b
     """What `StackedBlocks` in graph mode without full checkpointing keeps through scan's autograd.
 
     activations_per_layer: the bytes each layer's saved activations take (the block's own count
-    with partitioned=True, transformer.py `block_saved_per_token`). layer_weight_bytes: one layer's
+    with partitioned=True, activation_memory.py `block_saved_per_token`). layer_weight_bytes: one layer's
     weights that the body computes before multiplying by them and the backward reads again: the
     partitioner saves those as outputs of the body (copies, not views) and never recomputes the
     all-gather that produced them (gathered per layer when sharded: all matmul weights, in the

@@ -1,0 +1,331 @@
+"""A config resolved for planning (`Setting`): what every term of a plan reads (memory.py,
+step_time.py, fp8.py), built once by `resolve_setting`.
+
+* the config and run setup as the machine it is written for would make them (`planning_machine`,
+  `setup_for_planning`, `for_planning`) and the hardware it names (`default_hardware`);
+* the mesh, how long the code keeps gathered block weights (`code_gather`), LoRA's adapters, and
+  the kernels `auto` picks by device kind (`loss_impl`, `chunk_attention_impl`, `grouped_mm_impl`);
+* the model's per-layer counts more than one term reads (`layer_params`, `attention_widths`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from titan_tpu.config import Config, grad_accum_from_tokens
+from titan_tpu.models.registry import MODEL_NAMES, num_params
+from titan_tpu.parallel.context_parallel import check_context_parallel
+from titan_tpu.parallel.mesh import ParallelDims, check_cp_with_ep
+from titan_tpu.parallel.plan_terms import Layout
+from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
+from titan_tpu.plan.hardware import Hardware, resolve_hardware
+from titan_tpu.run_setup import RunSetup
+
+__all__ = ["Setting", "TPU_NAMES", "attention_widths", "chunk_attention_impl", "code_gather", "default_hardware",
+           "for_planning", "grouped_mm_impl", "layer_params", "loss_impl", "planning_machine", "resolve_setting",
+           "setup_for_planning"]
+
+# Hardware names (hardware.py) of TPU generations: where `auto` picks the TPU kernels.
+TPU_NAMES = ("v4", "v5e", "v5p", "v6e", "v7")
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@contextlib.contextmanager
+def planning_machine():
+    """Config checks as the machine a config is written for would run them. Planning runs
+    nothing, so the one check that needs that machine's software (compile.backend tpu wants
+    TorchTPU installed) is answered yes; every other check runs as usual."""
+    from titan_tpu import device
+
+    saved = device._tpu_installed
+    device._tpu_installed = lambda: True
+    try:
+        yield
+    finally:
+        device._tpu_installed = saved
+
+
+def setup_for_planning(toml_path, overrides: list[str] | None = None) -> RunSetup:
+    """The run setup as the machine the config is written for would make it (`planning_machine`)."""
+    from titan_tpu.config import build_config
+    from titan_tpu.run_setup import prepare_run
+
+    with planning_machine():
+        return prepare_run(build_config(toml_path, overrides))
+
+
+def for_planning(toml_path, overrides: list[str] | None = None) -> Config:
+    """The config as the machine it is written for would load it (`planning_machine`)."""
+    return setup_for_planning(toml_path, overrides).cfg
+
+
+def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, int | None]:
+    """The hardware a config names: training.device cpu (or auto here) is this machine; a TPU
+    recipe names its slice in job.description ("TPU v5p-2048: 1,024 chips")."""
+    t = cfg.training.device
+    if t in ("cpu", "auto"):
+        return resolve_hardware("cpu", measure=measure, dtype=cfg.model.dtype)
+    if t == "tpu":
+        from titan_tpu.device import tpu_generation
+
+        gen = tpu_generation(cfg.job.description)
+        chips = re.search(r"([\d,]+) chips", cfg.job.description)
+        if gen is None or chips is None:
+            raise ValueError("training.device = tpu: name the hardware with --hardware (e.g. v5p-1024) or write "
+                             "'TPU v5p-1024: 512 chips' into job.description")
+        hw, _ = resolve_hardware(gen, measure=measure)
+        return hw, int(chips.group(1).replace(",", ""))
+    gpu = re.search(r"\b(h100|h200|b200)\b", cfg.job.description, re.IGNORECASE)
+    gpus = re.search(r"([\d,]+) GPUs", cfg.job.description)
+    if t == "cuda" and gpu is not None and gpus is not None:  # a GPU recipe: "... 32 H100 ...: 32 GPUs"
+        hw, _ = resolve_hardware(gpu.group(1).lower(), measure=measure)
+        return hw, int(gpus.group(1).replace(",", ""))
+    raise ValueError(f"training.device = {t}: name the GPU with --hardware (one of h100, h200, b200) or write "
+                     "'H100: 32 GPUs' into job.description")
+
+
+def _mesh(cfg: Config, devices: int | None) -> ParallelDims:
+    """The mesh on `devices` (None: a CPU run, the ranks the mesh names) with dp_shard = -1 resolved, or a
+    one-line error. It plans the combinations the trainer does not run yet (runnable False)."""
+    return ParallelDims.from_config(cfg.parallelism, world_size=devices, runnable=False)
+
+
+def code_gather(cfg: Config) -> str:
+    """How long the code keeps gathered block weights with this config (parallel/plan_terms.py,
+    Layout.gather): "layer" when re-sharded after the forward, "model" when kept: re-sharding off,
+    per-parameter collectives (bucket_mb 0), or scanned layers in graph mode without full
+    checkpointing (scan's partitioner saves each layer's gathered weights), or tensor parallelism
+    without activation checkpointing (parameters gathered one by one) or with scanned layers."""
+    p = cfg.parallelism
+    assert p.reshard_after_forward != "auto", "plan_config resolves auto first (with_reshard_resolved)"
+    if p.reshard_after_forward == "false" or p.bucket_mb <= 0:
+        return "model"
+    if p.tp > 1 and cfg.activation_checkpoint.mode == "none":
+        # Tensor-parallel weights are gathered per parameter, outside buckets: autograd keeps them,
+        # unless a checkpointed block gathers them again in its recomputation.
+        return "model"
+    if cfg.model.scan_layers and cfg.training.mode == "graph" and cfg.activation_checkpoint.mode != "full":
+        return "model"
+    if cfg.model.scan_layers and p.tp > 1:
+        return "model"  # a tensor-parallel stack is gathered whole before the loop (simple_fsdp._reshard_pieces)
+    return "layer"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A config resolved for planning: what every term reads (memory.py, step_time.py,
+    fp8.py). Built once by `resolve_setting`."""
+
+    cfg: Config
+    label: str  # how the plan names the model (the spec's label, e.g. llama3/8B)
+    args: object  # the model's TransformerArgs
+    hardware: Hardware
+    devices: int
+    layout: Layout
+    dtype: str  # the compute dtype's name (model.dtype with auto resolved for the hardware)
+    gather: str  # "model" or "layer": what the plan assumes (parallel/plan_terms.py Layout.gather)
+    code_gather: str  # what the code does with this config (`code_gather`)
+    adapter_params: int = 0  # LoRA's adapter elements (the trained ones under LoRA); 0 without LoRA
+    adapted: tuple[tuple[str, int], ...] = ()  # LoRA's adapted linears: (unrolled name, in_features)
+    as_compiled: bool = False  # plan `titan-tpu compile`'s program (`plan_run`'s as_compiled)
+    fp8: bool = False  # the blocks' linears as fp8 matmuls (the config's [fp8], or `plan_run`'s fp8 what-if)
+    fp8_scaling: str = "tensorwise"  # tensorwise | rowwise (kernels/fp8.py)
+
+    @property
+    def ac(self) -> str:
+        return self.cfg.activation_checkpoint.mode
+
+    @property
+    def scanned(self) -> bool:
+        return self.cfg.model.scan_layers
+
+    @property
+    def graph(self) -> bool:
+        return self.cfg.training.mode == "graph"
+
+    @property
+    def padded_values(self) -> bool:
+        """Multi-head latent attention's values padded by the CPU attention kernel (kernels/attention.py)."""
+        from titan_tpu.kernels.attention import pads_values
+
+        mla = self.args.mla
+        return (mla is not None and self.hardware.name == "cpu" and self.cfg.kernels.attention in ("auto", "sdpa")
+                and pads_values("cpu", mla.qk_head_dim, mla.v_head_dim))
+
+    @property
+    def traced(self) -> bool:
+        # Traced checkpointed blocks keep the attention output too (activation_checkpoint.py); the
+        # scanned full mode is its own autograd function that keeps only the layer inputs.
+        return self.graph and not (self.scanned and self.ac == "full")
+
+    @property
+    def partitioned(self) -> bool:
+        # Scanned layers in graph mode without full checkpointing: scan's own autograd (scan.py).
+        return self.scanned and self.graph and self.ac != "full"
+
+    @property
+    def dpo(self) -> bool:
+        return self.cfg.training.objective == "dpo"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch of one data-parallel rank (its tp and cp ranks share them);
+        under DPO a micro-batch holds batch_size pairs, a chosen and a rejected row each."""
+        return self.cfg.training.batch_size * self.cfg.training.seq_len * (2 if self.dpo else 1)
+
+    @property
+    def reference_stored(self) -> float:
+        """Parameter elements a device stores for DPO's frozen reference copy (sharded as the
+        model's); none under LoRA, whose reference is the base model with its adapters off, and
+        none without DPO (components/dpo.py)."""
+        copy = self.dpo and not (self.lora and self.cfg.dpo.reference == "initial")
+        return self.layout.stored_elements(num_params(self.args)) if copy else 0.0
+
+    @property
+    def per_layer_stack(self) -> bool:
+        """A scanned stack gathered per layer (re-sharding on, bucketed) reduce-scatters per layer
+        too; a what-if other than the code's stands for re-sharding on (layer) or off (model)."""
+        if self.gather != self.code_gather:
+            return self.gather == "layer"
+        return self.cfg.parallelism.reshard_after_forward == "true" and self.cfg.parallelism.bucket_mb > 0
+
+    @property
+    def block_params(self) -> int:
+        args = self.args
+        return num_params(args) - (args.dim + args.vocab_size * args.dim * (1 if args.tie_embeddings else 2))
+
+    @property
+    def stored(self) -> float:
+        """Parameter elements a device stores (LoRA's adapters beside the base weights)."""
+        return self.layout.stored_elements(num_params(self.args) + self.adapter_params)
+
+    @property
+    def lora(self) -> bool:
+        return self.cfg.lora.enabled
+
+    @property
+    def trained(self) -> float:
+        """Parameter elements a device keeps gradients and AdamW moments for: all it stores, or
+        under LoRA the adapters only (the base is frozen)."""
+        return self.layout.stored_elements(self.adapter_params) if self.lora else self.stored
+
+
+def resolve_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int | None, measure: bool,
+                    gather: str | None, model_args) -> Setting:
+    """The run setup resolved for planning (see `plan_run` for the arguments)."""
+    cfg, spec = setup.cfg, setup.spec
+    code = code_gather(cfg)
+    gather = gather or code
+    if not spec.plannable:
+        raise ValueError(f"titan-tpu plan covers the native models ({', '.join(MODEL_NAMES)}); an hf model's "
+                         "layers are transformers' own code, which the planner has no terms for")
+    if hardware is None:
+        hardware, named_chips = default_hardware(cfg, measure=measure)
+        chips = chips if chips is not None else named_chips
+    devices = chips * hardware.devices_per_chip if chips is not None else None
+    dims = _mesh(cfg, devices)
+    devices, split = dims.world_size, dims.batch_split()
+    if cfg.training.global_batch_tokens:  # the accumulation the trainer derives on this mesh
+        accum = grad_accum_from_tokens(cfg.training, split.dp_size, ranks_per_dp=split.ranks_per_dp)
+        training = dataclasses.replace(cfg.training, global_batch_tokens=0, grad_accum_steps=accum)
+        cfg = dataclasses.replace(cfg, training=training)
+    args = model_args if model_args is not None else spec.args
+    _check_parallel_support(cfg, args)
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
+    p = cfg.parallelism
+    layout = Layout(**dims.config_sizes(), compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype],
+                    gather=gather, ep_dispatch=p.ep_dispatch,
+                    # captured CPU/CUDA steps send the all-to-all's static buffer whole; TPU's is ragged
+                    ep_padded=cfg.training.mode == "graph" and hardware.name not in TPU_NAMES)
+    return Setting(cfg=cfg, label=spec.label, args=args, hardware=hardware, devices=devices, layout=layout,
+                   dtype=dtype, gather=gather, code_gather=code, **_adapters(cfg, args))
+
+
+def _adapters(cfg: Config, args) -> dict:
+    """LoRA's adapter elements and adapted linears, read off the unrolled model built on the meta
+    device (no memory); nothing without LoRA."""
+    if not cfg.lora.enabled:
+        return {}
+    # A search plans the same model and adapters for every candidate: build the meta model once.
+    key = (repr(args), repr(cfg.lora))
+    if key not in _ADAPTERS:
+        _ADAPTERS[key] = _count_adapters(cfg, args)
+    return _ADAPTERS[key]
+
+
+_ADAPTERS: dict[tuple[str, str], dict] = {}
+
+
+def _count_adapters(cfg: Config, args) -> dict:
+    import torch
+
+    from titan_tpu.models.common.transformer import Transformer
+    from titan_tpu.models.lora import apply_lora, is_adapter_key, lora_modules
+
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(args, max_seq_len=cfg.training.seq_len))
+        apply_lora(model, cfg.lora)
+    return {"adapter_params": sum(p.numel() for n, p in model.named_parameters() if is_adapter_key(n)),
+            "adapted": tuple((name, m.in_features) for name, m in lora_modules(model).items())}
+
+
+def _check_parallel_support(cfg: Config, args) -> None:
+    """The tensor- and context-parallel combinations the code runs, or a one-line error."""
+    tp, cp = cfg.parallelism.tp, cfg.parallelism.cp
+    if tp > 1:
+        check_tensor_parallel(args, tp, seq_len=cfg.training.seq_len)
+    if cp > 1:
+        check_context_parallel(cp, seq_len=cfg.training.seq_len, tp=tp)
+        check_cp_with_ep(cp, cfg.parallelism.ep)
+
+
+def loss_impl(choice: str, hardware_name: str) -> str:
+    """The loss kernel `auto` picks (kernels/__init__.py preference order), by device kind."""
+    if choice != "auto":
+        return choice
+    return "tokamax" if hardware_name in TPU_NAMES else "chunked"
+
+
+def chunk_attention_impl(choice: str, hardware_name: str) -> str:
+    """The chunk_attention kernel (context parallelism) `auto` picks, by device kind."""
+    if choice != "auto":
+        return choice
+    if hardware_name in TPU_NAMES:
+        return "splash"
+    return "sdpa" if hardware_name == "cpu" else "flex"
+
+
+def grouped_mm_impl(choice: str, hardware_name: str) -> str:
+    """The grouped_mm kernel `auto` picks (kernels/__init__.py preference order), by device kind."""
+    if choice != "auto":
+        return choice
+    return "gmm" if hardware_name in TPU_NAMES else "torch"
+
+
+def layer_params(args) -> list[int]:
+    from titan_tpu.models.registry import _attention_params
+
+    out = []
+    for layer_id in range(args.n_layers + args.mtp_num_layers):  # the layers, then the MTP blocks
+        if args.is_moe_layer(layer_id):
+            ffn = args.dim * args.moe.num_experts + args.moe.num_experts * 3 * args.dim * args.moe.hidden_dim
+        else:
+            ffn = 3 * args.dim * args.ffn_hidden_dim
+        mtp = 3 * args.dim + 2 * args.dim * args.dim if layer_id >= args.n_layers else 0  # norms, eh_proj
+        out.append(_attention_params(args) + ffn + 2 * args.dim + mtp)
+    return out
+
+
+def attention_widths(args, tp: int = 1) -> tuple[int, int, int]:
+    """Per token, on one of tp ranks: the widths of the queries, keys and values the attention
+    kernel reads (what context parallelism gathers: keys and values). Multi-head latent attention
+    expands its keys per head to qk_nope_head_dim + qk_rope_head_dim and its values to
+    v_head_dim (models/common/mla.py)."""
+    if args.mla is not None:
+        heads = args.n_heads // tp
+        return heads * args.mla.qk_head_dim, heads * args.mla.qk_head_dim, heads * args.mla.v_head_dim
+    return args.n_heads * args.hd // tp, args.n_kv_heads * args.hd // tp, args.n_kv_heads * args.hd // tp
