@@ -43,7 +43,7 @@ LAYERS = (
     ("generate command", ("titan_tpu.generate.command",)),
     ("calibration", ("titan_tpu.plan.calibrate",)),
     ("tools", ("titan_tpu.tools",)),
-    ("entry points", ("titan_tpu.cli", "titan_tpu.train.__main__")),
+    ("entry points", ("titan_tpu.cli", "titan_tpu.__main__")),
 )
 
 LAYER_OF_PREFIX = {prefix: (rank, name) for rank, (name, prefixes) in enumerate(LAYERS) for prefix in prefixes}
