@@ -1,5 +1,5 @@
-"""The process a run lives in: its rank in the process group, the cache directory, the order in
-which ranks fill a shared cache (and how they wait for each other meanwhile, without a timeout)."""
+"""The process a run lives in: its rank in the process group, the order in which ranks fill a
+shared cache (and how they wait for each other meanwhile, without a timeout)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,10 @@ import torch
 import torch.distributed as dist
 
 from titan_tpu.device import Backend
+from titan_tpu.files import default_cache_dir
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("TITAN_TPU_CACHE") or Path.home() / ".cache" / "titan_tpu")
 
 
 def cached_bpe_tokenizer(source: str, texts: Callable[[], list[str]], *, kind: str, vocab_size: int, cache_dir: str,
