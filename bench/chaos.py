@@ -62,9 +62,9 @@ def train_args(run_dir: Path, cache: Path, steps: int) -> list[str]:
 
 
 def start(ranks: int, args: list[str], log) -> subprocess.Popen:
-    head = [sys.executable, "-m", "titan_tpu.train"] if ranks == 1 else \
+    head = [sys.executable, "-m", "titan_tpu", "train"] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m",
-         "titan_tpu.train"]
+         "titan_tpu", "train"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
     return subprocess.Popen(head + args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)

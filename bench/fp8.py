@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def train(a: argparse.Namespace, run_dir: Path, fp8: bool) -> float:
-    cmd = [sys.executable, "-m", "titan_tpu.train", "--config", str(ROOT / "configs" / "llama3_debug.toml"),
+    cmd = [sys.executable, "-m", "titan_tpu", "train", "--config", str(ROOT / "configs" / "llama3_debug.toml"),
            "--output_dir", str(run_dir), "--model.flavor", a.flavor, "--model.dtype", "bfloat16",
            "--training.device", a.device, "--training.steps", str(a.steps), "--training.batch_size",
            str(a.batch_size), "--training.seq_len", str(a.seq_len), "--training.mode", a.mode,

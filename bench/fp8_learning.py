@@ -29,7 +29,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def train(run_dir: Path, steps: int, fp8: bool, scaling: str) -> list[float]:
-    cmd = [sys.executable, "-m", "titan_tpu.train", "--config", str(CONFIG), "--output_dir", str(run_dir),
+    cmd = [sys.executable, "-m", "titan_tpu", "train", "--config", str(CONFIG), "--output_dir", str(run_dir),
            "--training.steps", str(steps), "--fp8.enabled", str(fp8).lower(), "--fp8.scaling", scaling,
            "--checkpoint.enabled", "false", "--validation.enabled", "false", "--metrics.log_freq", "1"]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -94,7 +94,7 @@ def memory(name: str, args) -> dict:
         run = ["--training.steps", str(args.steps), "--metrics.log_freq", "1", "--validation.enabled", "false",
                "--checkpoint.enabled", "false", "--metrics.tensorboard", "false", "--lr_scheduler.warmup_steps", "1",
                "--output_dir", out]
-        proc = subprocess.run([sys.executable, "-m", "titan_tpu.train", "--config", str(CONFIG), *overrides, *run],
+        proc = subprocess.run([sys.executable, "-m", "titan_tpu", "train", "--config", str(CONFIG), *overrides, *run],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")

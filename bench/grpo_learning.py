@@ -49,9 +49,9 @@ def command(a: argparse.Namespace, run_dir: Path, *, checkpoints: bool = False) 
     if a.ranks > 1:
         env["OMP_NUM_THREADS"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(a.ranks),
-               "-m", "titan_tpu.train", *args]
+               "-m", "titan_tpu", "train", *args]
     else:
-        cmd = [sys.executable, "-m", "titan_tpu.train", *args]
+        cmd = [sys.executable, "-m", "titan_tpu", "train", *args]
     return cmd, env
 
 

@@ -55,7 +55,7 @@ def environment() -> dict[str, str]:
 def train(run_dir: Path, recipe: str, processes: int, overrides: list[str], *, steps: int, cache: Path) -> float:
     """One run under torchrun; its wall seconds. Raises with the log's tail when it fails."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               "-m", "titan_tpu.train", "--config", f"configs/{recipe}.toml", "--output_dir", str(run_dir),
+               "-m", "titan_tpu", "train", "--config", f"configs/{recipe}.toml", "--output_dir", str(run_dir),
                "--training.device", "cpu", "--training.steps", str(steps), "--training.batch_size", "2",
                "--training.seq_len", "128", "--metrics.log_freq", "1", "--metrics.tensorboard", "false",
                "--validation.freq", str(max(steps // 2, 1)), "--validation.steps", "2",

@@ -37,7 +37,7 @@ def overrides(a: argparse.Namespace, run_dir: Path, lora: bool) -> list[str]:
 
 def train(a: argparse.Namespace, run_dir: Path, lora: bool) -> dict:
     config = str(ROOT / "configs" / "llama3_debug.toml")
-    cmd = [sys.executable, "-m", "titan_tpu.train", "--config", config, *overrides(a, run_dir, lora)]
+    cmd = [sys.executable, "-m", "titan_tpu", "train", "--config", config, *overrides(a, run_dir, lora)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])

@@ -122,7 +122,7 @@ def test_kill_9_twice_with_a_chat_mixture_gives_identical_losses(tmp_path, recip
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def command(run: Path) -> list[str]:
-        return [sys.executable, "-m", "titan_tpu.train", "--config", str(recipe), "--output_dir", str(run)]
+        return [sys.executable, "-m", "titan_tpu", "train", "--config", str(recipe), "--output_dir", str(run)]
 
     straight = tmp_path / "straight"
     done = subprocess.run(command(straight), capture_output=True, text=True, timeout=300, env=env)

@@ -1,12 +1,12 @@
 """The docs cannot drift from the command line: every ``titan-tpu ...`` command that README.md and
-docs/*.md show (in code blocks and inline code, ``python -m titan_tpu.train`` and ``make train
-ARGS=...`` counted as ``titan-tpu train``) is parsed by the real parser of its subcommand, its config
-overrides are checked against the config schema, and commands on a recipe of this repo build their
-whole config as the machine they are written for would (validation included). The launch commands
-in the recipes' header comments count too. Nothing trains: a command is parsed, not run, except
-``titan-tpu plan``, which is cheap and runs for real, and every TPU or GPU run shown must fit its
-hardware by the planner. Every relative link in those files must point to an existing file (and
-heading, for a Markdown anchor).
+docs/*.md show (in code blocks and inline code, ``python -m titan_tpu ...`` counted as
+``titan-tpu ...`` and ``make train ARGS=...`` as ``titan-tpu train``) is parsed by the real parser
+of its subcommand, its config overrides are checked against the config schema, and commands on a
+recipe of this repo build their whole config as the machine they are written for would (validation
+included). The launch commands in the recipes' header comments count too. Nothing trains: a command
+is parsed, not run, except ``titan-tpu plan``, which is cheap and runs for real, and every TPU or
+GPU run shown must fit its hardware by the planner. Every relative link in those files must point
+to an existing file (and heading, for a Markdown anchor).
 
 Code blocks fenced as ```text (pictures, output) are not read for commands. Placeholders in the docs
 are read as a reader would: ``[--flag X]`` is an optional flag (checked),
@@ -38,7 +38,7 @@ FENCE = re.compile(r"^(```|~~~)")
 INLINE_CODE = re.compile(r"`([^`\n]+)`")
 COMMAND_START = re.compile(r"(?:^|[\s/])titan-tpu\s+([a-z].*)$")
 SHELL_OPERATOR = re.compile(r"\s(?:&&|\|\||;|\||>)\s")
-MODULE_TRAIN = re.compile(r"-m\s+titan_tpu\.train(?![.\w])(.*)$")  # not titan_tpu.train.<module>
+MODULE_COMMAND = re.compile(r"-m\s+titan_tpu\s+([a-z].*)$")  # python -m titan_tpu train ... (not titan_tpu.x)
 MAKE_TRAIN = re.compile(r"make train ARGS=\"([^\"]*)\"")
 
 
@@ -116,8 +116,8 @@ def _commands_in_line(line: str, in_code: bool) -> list[str]:
     for span in spans:
         if m := COMMAND_START.search(span):
             found.append(SHELL_OPERATOR.split(m.group(1))[0])
-        elif m := MODULE_TRAIN.search(span):
-            found.append("train" + m.group(1))
+        elif m := MODULE_COMMAND.search(span):
+            found.append(m.group(1))
         elif m := MAKE_TRAIN.search(span):
             found.append(f"train --config {MAKE_TRAIN_CONFIG} {m.group(1)}")
     return found
@@ -174,7 +174,7 @@ def inline_config_keys() -> list[tuple[str, str]]:
             if in_code:
                 continue
             for span in INLINE_CODE.findall(line):
-                if COMMAND_START.search(span) or MODULE_TRAIN.search(span):
+                if COMMAND_START.search(span) or MODULE_COMMAND.search(span):
                     continue
                 for key in re.findall(r"(?:^|\s)--([a-z_]+\.[a-z_0-9]+)", span):
                     if key.split(".")[0] in SECTIONS:

@@ -245,7 +245,8 @@ def _run_args(argv: list[str]) -> dict[str, str]:
 
 
 def _is_launch(argv: list[str]) -> bool:
-    return argv[:2] == ["titan-tpu", "train"] or ("-m" in argv and "titan_tpu.train" in argv)
+    module_launch = any(argv[i:i + 3] == ["-m", "titan_tpu", "train"] for i in range(len(argv)))
+    return argv[:2] == ["titan-tpu", "train"] or module_launch
 
 
 @pytest.mark.parametrize("page", ["tpu.md", "gpu.md"])

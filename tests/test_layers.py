@@ -47,7 +47,7 @@ LAYERS = (
     ("calibration", ("titan_tpu.plan.calibrate",)),
     ("tools", ("titan_tpu.tools",)),
     ("plan command", ("titan_tpu.plan.command",)),
-    ("entry points", ("titan_tpu.cli", "titan_tpu.train.__main__")),
+    ("entry points", ("titan_tpu.cli", "titan_tpu.__main__")),
 )
 
 LAYER_OF_PREFIX = {prefix: (rank, name) for rank, (name, prefixes) in enumerate(LAYERS) for prefix in prefixes}

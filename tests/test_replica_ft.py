@@ -127,7 +127,7 @@ def test_titan_tpu_train_groups_survive_a_killed_group(tmp_path, data_cache):
                 "fault_tolerance.replica_id": replica, "fault_tolerance.lighthouse": f"127.0.0.1:{lighthouse.port}",
                 "fault_tolerance.timeout_seconds": 10}
         argv = [item for key, value in args.items() for item in (f"--{key}", str(value))]
-        return subprocess.Popen([sys.executable, "-m", "titan_tpu.train", "--config",
+        return subprocess.Popen([sys.executable, "-m", "titan_tpu", "train", "--config",
                                  str(ROOT / "configs" / "llama3_debug.toml"), *argv],
                                 stdout=logs[replica].open("a"), stderr=subprocess.STDOUT,
                                 env=dict(os.environ, OMP_NUM_THREADS="1"))

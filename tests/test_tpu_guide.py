@@ -1,7 +1,7 @@
 """docs/tpu.md's guide, walked on this CPU: every command of its first section that a CPU can run
 runs here, as written, at debug size. The page's paths become a Qwen3-shaped Hugging Face
 directory of the debug flavor (its weights, a tokenizer.json with ChatML tokens and a chat
-template), a folder of text and a file of conversations; `torchrun ... -m titan_tpu.train` runs as
+template), a folder of text and a file of conversations; `torchrun ... -m titan_tpu train` runs as
 `titan-tpu train` in this process with overrides appended that shrink it to the CPU (the debug
 flavor, one rank, two eager steps, the CPU's kernels, TensorBoard alone: W&B is tests/test_trackers.py's).
 What it shows: the corpus is tokenized ahead by `prepare-data` and the run then tokenizes nothing,
@@ -99,8 +99,8 @@ def _run(command: str, paths: dict[str, str]) -> list[str]:
     argv = shlex.split(command)
     if argv[0] == "torchrun":
         module = argv.index("-m")
-        assert argv[module + 1] == "titan_tpu.train", command
-        argv = ["train", *argv[module + 2:], *CPU]
+        assert argv[module + 1:module + 3] == ["titan_tpu", "train"], command
+        argv = ["train", *argv[module + 3:], *CPU]
     else:
         assert argv[0] == "titan-tpu", command
         argv = argv[1:]

@@ -24,7 +24,7 @@ def command(run: Path, cache: Path) -> list[str]:
     values = {"output_dir": run, "data.cache_dir": cache, "data.max_bytes": 1_500_000, "training.device": "cpu",
               "training.batch_size": 2, "training.seq_len": 64, "training.steps": 40, "metrics.log_freq": 1,
               "metrics.trackers": "tensorboard,wandb", "validation.enabled": "false", "checkpoint.interval": 5}
-    return [sys.executable, "-m", "titan_tpu.train", "--config", CONFIG,
+    return [sys.executable, "-m", "titan_tpu", "train", "--config", CONFIG,
             *[item for key, value in values.items() for item in (f"--{key}", str(value))]]
 
 

@@ -1,7 +1,7 @@
 """The trainer as users launch it: torchrun ranks, resharded resumes, SIGTERM and kill -9.
 
 Runs take a tiny slice of the embedded corpus. One-process runs that are killed or signalled are
-real subprocesses (``python -m titan_tpu.train``); the others (the reference, the one-process side
+real subprocesses (``python -m titan_tpu train``); the others (the reference, the one-process side
 of a resume) are the same trainer in the test's own process on one thread (`train_here`), which
 computes the same steps without starting Python and torch again and measuring the CPU's matmul peak
 (about 6 s of a 9 s run here). Several ranks run under torchrun where the launcher is part of the
@@ -63,9 +63,9 @@ def overrides(run_dir: Path, cache: Path, **extra) -> list[str]:
 def command(nproc: int, args: list[str]) -> list[str]:
     require_multiprocess_marker()
     if nproc == 1:
-        return [sys.executable, "-m", "titan_tpu.train", "--config", CONFIG, *args]
+        return [sys.executable, "-m", "titan_tpu", "train", "--config", CONFIG, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "titan_tpu.train", "--config", CONFIG, *args]
+            "-m", "titan_tpu", "train", "--config", CONFIG, *args]
 
 
 def thread_env() -> dict[str, str]:

@@ -293,9 +293,9 @@ def prepare_data_main(argv: list[str]) -> int:
     if args.workers < 1:
         raise ValueError(f"--workers {args.workers} must be >= 1")
 
-    from titan_tpu.components.runtime import default_cache_dir
     from titan_tpu.config import build_config
     from titan_tpu.data.build import prepare_data
+    from titan_tpu.files import default_cache_dir
     from titan_tpu.run_setup import prepare_run
 
     setup = prepare_run(build_config(args.config, overrides))

@@ -1,4 +1,5 @@
-"""Small file helpers shared by every layer: usual permissions, and JSON files read with one-line errors."""
+"""Small file helpers shared by every layer: usual permissions, JSON files read with one-line errors,
+and where the data cache lives."""
 
 from __future__ import annotations
 
@@ -6,6 +7,12 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+
+def default_cache_dir() -> Path:
+    """Where tokenizers and token shards are cached when `data.cache_dir` is empty: $TITAN_TPU_CACHE,
+    else ~/.cache/titan_tpu."""
+    return Path(os.environ.get("TITAN_TPU_CACHE") or Path.home() / ".cache" / "titan_tpu")
 
 
 def _umask() -> int:

@@ -1,10 +1,15 @@
 """The model contract: what the trainer, SimpleFSDP, graph capture and checkpoints need from a model.
 
 Two classes satisfy it today: the native `Transformer` (models/common/transformer.py: llama3,
-qwen3, qwen3_moe) and `HFCausalLM` (models/hf/model.py: any transformers causal LM).
-Everything else they read is `nn.Module`'s own (named_parameters, state_dict, train/eval).
+qwen3, qwen3_moe, deepseek_v3) and `HFCausalLM` (models/hf/model.py: any transformers causal LM).
+Besides `TrainableModel`'s methods and the `LossOutput` that `model(tokens, labels)` returns, the
+contract holds the attributes a model sets on its modules and SimpleFSDP (parallel/simple_fsdp.py)
+reads, or SimpleFSDP sets and the model reads: `EXPERT_MARKER`, `STACKED_MARKER`,
+`PER_LAYER_GATHER` (with `stored_weights`, what a gather is handed). Both sides import them from
+here, so SimpleFSDP, generic over models, imports nothing of models/. Everything else they read is
+`nn.Module`'s own (named_parameters, state_dict, train/eval).
 
-Code below the models (parallel/, graph/, train/) asks ``isinstance(model, TrainableModel)``
+Code that works on any module (parallel/, graph/, train/) asks ``isinstance(model, TrainableModel)``
 where it works for plain modules too (a test's two-layer MLP under SimpleFSDP): a plain module
 has no init plan and no expert biases. This file imports nothing of the project, so any layer
 may read it.
@@ -12,13 +17,53 @@ may read it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+from typing import Callable, NamedTuple, Protocol, runtime_checkable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from titan_tpu.models.common.transformer import LossOutput
+__all__ = ["EXPERT_MARKER", "PER_LAYER_GATHER", "STACKED_MARKER", "InitPiece", "LossOutput", "TrainableModel",
+           "stored_weights"]
+
+# Attribute set to True on modules holding expert weights (models/common/moe.py): SimpleFSDP reads
+# it to lay them out for expert parallelism.
+EXPERT_MARKER = "_expert_weights"
+
+# Attribute set to True on every module holding stacked weights (models/common/scan.py): SimpleFSDP
+# reads it to shard those weights on dim 1.
+STACKED_MARKER = "_layer_stacked"
+
+# Attribute a data-parallel wrapper (parallel/simple_fsdp.py) sets on a block, or on a scanned
+# stack, whose weights it wants gathered inside the block's own computation rather than when read
+# as attributes: an object with `local(stored) -> tensors` (once per forward; for a stack, the
+# local shards [L, ...] the loop slices) and `gather(tensors) -> compute tensors` (one block's or
+# one layer's). The model calls the block as a function of `gather(...)` inside the checkpointed
+# region or the loop body, so a recomputation or each iteration gathers what it uses.
+PER_LAYER_GATHER = "per_layer_gather"
+
+
+def stored_weights(module: nn.Module, names: list[str]) -> list[Tensor]:
+    """`module`'s parameters (and persistent buffers) `names` as stored, not as read: under data
+    parallelism the sharded parameters themselves, which `PER_LAYER_GATHER` gathers."""
+    out = []
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner)
+        out.append(sub._parameters[leaf] if leaf in sub._parameters else sub._buffers[leaf])
+    return out
+
+
+class LossOutput(NamedTuple):
+    """What `model(tokens, labels)` returns: the step's loss pieces, computed beside each other."""
+
+    ce_sum: torch.Tensor  # summed next-token cross-entropy (0-dim fp32); the step divides it
+    aux_loss: torch.Tensor  # MoE balancing loss, coefficient applied (0-dim fp32; 0 for dense)
+    expert_load: torch.Tensor  # tokens routed to each expert per MoE layer [L_moe, E] ([0, 0] for dense)
+    # Multi-token prediction (models/common/mtp.py): its cross-entropy summed over its targets, the
+    # mean over depths (0-dim fp32; None without MTP), and the weight the step trains it with.
+    mtp_ce_sum: torch.Tensor | None = None
+    mtp_weight: float = 0.0
+
 
 InitPiece = tuple[str, nn.Module, Callable[[], None]]
 

@@ -24,7 +24,7 @@ def train(run_dir: Path, data: Path, cache: Path) -> str:
             "metrics.tensorboard": "false", "validation.enabled": "false", "checkpoint.enabled": "false"}
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, "-m", "titan_tpu.train", "--config", "configs/llama3_debug.toml",
+    done = subprocess.run([sys.executable, "-m", "titan_tpu", "train", "--config", "configs/llama3_debug.toml",
                            *[item for key, value in args.items() for item in (f"--{key}", str(value))]],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

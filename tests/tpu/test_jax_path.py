@@ -57,9 +57,9 @@ def environment() -> dict[str, str]:
 
 
 def command(nproc: int, config: str, args: list[str]) -> list[str]:
-    launch = ([sys.executable, "-m", "titan_tpu.train"] if nproc == 1 else
+    launch = ([sys.executable, "-m", "titan_tpu", "train"] if nproc == 1 else
               [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "titan_tpu.train"])
+               "-m", "titan_tpu", "train"])
     return [*launch, "--config", f"configs/{config}.toml", *args]
 
 

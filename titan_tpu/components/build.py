@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from titan_tpu.components.make_step import make_step
-from titan_tpu.components.runtime import DTYPES, default_cache_dir, init_distributed, main_process_first
+from titan_tpu.components.runtime import DTYPES, init_distributed, main_process_first
 from titan_tpu.config import Config, grad_accum_from_tokens
 from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend, jax_backend
 from titan_tpu.errors import RunError
+from titan_tpu.files import default_cache_dir
 from titan_tpu.graph.compile_cache import use_compile_cache
 from titan_tpu.graph.spmd import mesh_axis_sizes
 from titan_tpu.kinds.record import DataRequest, TrainingKind, builds_reference_copy, reference_flops_share

@@ -1,5 +1,5 @@
-"""The process a run lives in: its rank in the process group, the cache directory, the order in
-which ranks fill a shared cache (and how they wait for each other meanwhile, without a timeout)."""
+"""The process a run lives in: its rank in the process group, the order in which ranks fill a
+shared cache (and how they wait for each other meanwhile, without a timeout)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,10 +15,6 @@ from titan_tpu.device import Backend
 from titan_tpu.parallel.gloo import use_single_thread_gloo
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("TITAN_TPU_CACHE") or Path.home() / ".cache" / "titan_tpu")
 
 
 def init_distributed(backend: Backend) -> tuple[int, int]:

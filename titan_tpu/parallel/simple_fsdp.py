@@ -25,10 +25,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-from titan_tpu.model_contract import TrainableModel
-from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, stored_weights
-from titan_tpu.models.common.moe import EXPERT_MARKER  # set on modules holding MoE expert weights
-from titan_tpu.models.common.scan import STACKED_MARKER  # set on modules holding stacked layers
+from titan_tpu.model_contract import (
+    EXPERT_MARKER,  # set on modules holding MoE expert weights
+    PER_LAYER_GATHER,
+    STACKED_MARKER,  # set on modules holding stacked layers
+    TrainableModel,
+    stored_weights,
+)
 from titan_tpu.parallel.axes import CP_AXIS, TP_AXIS, gathered_for_compute
 from titan_tpu.parallel.buckets import (
     DEFAULT_BUCKET_MB,

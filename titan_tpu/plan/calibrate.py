@@ -2,7 +2,7 @@
 beside what the trainer measured, for peak memory and tokens/s.
 
 Each configuration trains six steps (three for the 0.6B model) in a fresh process (`python -m
-titan_tpu.train`, torchrun for two ranks) with validation and checkpoints off, logging every step;
+titan_tpu train`, torchrun for two ranks) with validation and checkpoints off, logging every step;
 the measurements are the trainer's own metrics rows: `max_memory_gb` of the last row, the
 process's peak resident memory (VmHWM) since the training loop began, rank 0's, and the best
 `tokens_per_s` of the steps after the first. For one-process runs the peak of live tensors in a
@@ -240,10 +240,10 @@ def _run_case(case: Case, out_dir: Path, tokenizer: str, python: str) -> dict:
     if "0.6b" in case.config:
         args += ["--data.source", "stdlib", "--data.tokenizer_path", tokenizer]
     if case.ranks == 1:
-        cmd = [python, "-m", "titan_tpu.train", *args]
+        cmd = [python, "-m", "titan_tpu", "train", *args]
     else:
         torchrun = str(Path(python).with_name("torchrun"))
-        cmd = [torchrun, "--standalone", f"--nproc_per_node={case.ranks}", "-m", "titan_tpu.train", *args]
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={case.ranks}", "-m", "titan_tpu", "train", *args]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **dict(case.env)})
     if proc.returncode != 0:
@@ -337,8 +337,8 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
     if replay:
         data = json.loads(path.read_text())
     else:
-        from titan_tpu.components.runtime import default_cache_dir
         from titan_tpu.device import cpu_peak_flops
+        from titan_tpu.files import default_cache_dir
         from titan_tpu.plan.hardware import measure_cpu_memory_bandwidth
 
         python = sys.executable

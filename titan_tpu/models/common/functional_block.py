@@ -15,15 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FunctionalBlock", "PER_LAYER_GATHER", "read_weights", "stored_weights"]
-
-# Attribute a data-parallel wrapper (parallel/simple_fsdp.py) sets on a block, or on a scanned
-# stack, whose weights it wants gathered inside the block's own computation rather than when read
-# as attributes: an object with `local(stored) -> tensors` (once per forward; for a stack, the
-# local shards [L, ...] the loop slices) and `gather(tensors) -> compute tensors` (one block's or
-# one layer's). The model calls the block as a function of `gather(...)` inside the checkpointed
-# region or the loop body, so a recomputation or each iteration gathers what it uses.
-PER_LAYER_GATHER = "per_layer_gather"
+__all__ = ["FunctionalBlock", "read_weights"]
 
 
 class FunctionalBlock:
@@ -54,15 +46,4 @@ def read_weights(module: nn.Module, names: list[str]) -> list[Tensor]:
     for name in names:
         owner, _, leaf = name.rpartition(".")
         out.append(getattr(module.get_submodule(owner), leaf))
-    return out
-
-
-def stored_weights(module: nn.Module, names: list[str]) -> list[Tensor]:
-    """`module`'s parameters (and persistent buffers) `names` as stored, not as read: under data
-    parallelism the sharded parameters themselves, which `PER_LAYER_GATHER` gathers."""
-    out = []
-    for name in names:
-        owner, _, leaf = name.rpartition(".")
-        sub = module.get_submodule(owner)
-        out.append(sub._parameters[leaf] if leaf in sub._parameters else sub._buffers[leaf])
     return out

@@ -40,18 +40,15 @@ from torch import Tensor, nn
 
 from titan_tpu.kernels import KernelConfig
 from titan_tpu.kernels.grouped_mm import with_linear_layout
+from titan_tpu.model_contract import EXPERT_MARKER  # SimpleFSDP lays these weights out for expert parallelism
 from titan_tpu.models.common.feed_forward import (
     FeedForward,
     feed_forward_matmul_outputs_per_token,
     feed_forward_saved_per_token,
 )
 
-__all__ = ["EXPERT_MARKER", "LOAD_BALANCE", "ExpertDispatch", "ExpertDispatchSlot", "MoE", "MoEArgs",
+__all__ = ["LOAD_BALANCE", "ExpertDispatch", "ExpertDispatchSlot", "MoE", "MoEArgs",
            "aux_loss_from_stats", "updated_expert_bias"]
-
-# Attribute set to True on modules holding expert weights: parallel/simple_fsdp.py reads it to lay
-# them out for expert parallelism (models never import parallel/).
-EXPERT_MARKER = "_expert_weights"
 
 LOAD_BALANCE = ("aux_loss", "expert_bias", "none")
 

@@ -46,15 +46,12 @@ from torch import Tensor, nn
 from torch._higher_order_ops.scan import scan_op
 from torch.overrides import TorchFunctionMode
 
+from titan_tpu.model_contract import PER_LAYER_GATHER, STACKED_MARKER, stored_weights
 from titan_tpu.models.common.activation_checkpoint import checkpointed
-from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
+from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
 from titan_tpu.tracing import is_tracing
 
-__all__ = ["StackedBlocks", "StackedRuns", "STACKED_MARKER", "ScanAutogradMemory", "scan_autograd_memory"]
-
-# Attribute set to True on every module holding stacked weights: parallel/simple_fsdp.py imports
-# and reads it to shard those weights on dim 1 (models never import parallel/).
-STACKED_MARKER = "_layer_stacked"
+__all__ = ["StackedBlocks", "StackedRuns", "ScanAutogradMemory", "scan_autograd_memory"]
 
 
 class StackedBlocks(nn.Module):

@@ -11,17 +11,17 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from titan_tpu.kernels import KernelConfig, document_ids_from_positions
+from titan_tpu.model_contract import PER_LAYER_GATHER, LossOutput, stored_weights
 from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.attention import Attention
 from titan_tpu.models.common.feed_forward import FeedForward
-from titan_tpu.models.common.functional_block import PER_LAYER_GATHER, FunctionalBlock, read_weights, stored_weights
+from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
 from titan_tpu.models.common.kv_cache import KVCache, LayerCache
 from titan_tpu.models.common.mla import MLA, MLAArgs
 from titan_tpu.models.common.moe import ExpertDispatchSlot, MoE, MoEArgs, aux_loss_from_stats, updated_expert_bias
@@ -37,19 +37,7 @@ from titan_tpu.models.common.rope import (
 )
 from titan_tpu.models.common.scan import StackedBlocks, StackedRuns
 
-__all__ = ["LossOutput", "MLAArgs", "MoEArgs", "RopeScaling", "TransformerArgs", "TransformerBlock", "Transformer"]
-
-
-class LossOutput(NamedTuple):
-    """What `model(tokens, labels)` returns: the step's loss pieces, computed beside each other."""
-
-    ce_sum: torch.Tensor  # summed next-token cross-entropy (0-dim fp32); the step divides it
-    aux_loss: torch.Tensor  # MoE balancing loss, coefficient applied (0-dim fp32; 0 for dense)
-    expert_load: torch.Tensor  # tokens routed to each expert per MoE layer [L_moe, E] ([0, 0] for dense)
-    # Multi-token prediction (models/common/mtp.py): its cross-entropy summed over its targets, the
-    # mean over depths (0-dim fp32; None without MTP), and the weight the step trains it with.
-    mtp_ce_sum: torch.Tensor | None = None
-    mtp_weight: float = 0.0
+__all__ = ["MLAArgs", "MoEArgs", "RopeScaling", "TransformerArgs", "TransformerBlock", "Transformer"]
 
 
 @dataclass

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_tpu.kernels import KernelConfig, document_ids_from_positions
+from titan_tpu.model_contract import LossOutput
 from titan_tpu.models.common.activation_checkpoint import checkpointed
-from titan_tpu.models.common.transformer import LossOutput, sequence_ce_sums
+from titan_tpu.models.common.transformer import sequence_ce_sums
 from titan_tpu.models.hf.config import HFArgs, _logit_transform, _model_class, _moe_shape, text_config
 from titan_tpu.models.hf.hooks import (
     _CALL_CONTEXT,
