@@ -12,8 +12,9 @@ in any bit.
 
 The matrix: eager; graph (Inductor); scanned layers with full activation checkpointing in graph mode
 with two micro-batches; a transformers model; DeepSeek-V3 debug (MTP, expert biases); two-rank
-dp_shard, tp, cp, and ep (Qwen3-MoE) runs. One intra-op thread per process, so that every run's
-reductions take the same order.
+dp_shard, tp, cp, and ep (Qwen3-MoE) runs; LoRA; fp8 (emulated on the CPU); DPO (eager, and LoRA's
+adapters-off reference in graph mode); GRPO (sampling, rewards, a KL reference). One intra-op
+thread per process, so that every run's reductions take the same order.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ MATRIX: dict[str, tuple[str, int, list[str]]] = {  # name -> (recipe, ranks, ove
     "tp_2": ("llama3_debug", 2, ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"]),
     "cp_2": ("llama3_debug", 2, ["--parallelism.cp", "2", "--parallelism.dp_shard", "1"]),
     "ep_2": ("qwen3_moe_debug", 2, ["--parallelism.ep", "2", "--parallelism.dp_shard", "2"]),
+    "lora": ("llama3_debug", 1, ["--lora.enabled", "true"]),
+    "fp8": ("llama3_fp8_debug", 1, []),
+    "dpo": ("llama3_debug_dpo", 1, ["--training.seq_len", "32"]),
+    "dpo_lora_graph": ("llama3_debug_dpo", 1, ["--training.seq_len", "32", "--lora.enabled", "true",
+                                               "--training.mode", "graph", "--compile.backend", "aot_eager"]),
+    "grpo": ("llama3_debug_grpo", 1, ["--training.seq_len", "24", "--training.batch_size", "2"]),
 }
 
 KEYS = ("loss", "grad_norm", "aux_loss", "mtp_loss")

@@ -28,7 +28,7 @@ from titan_tpu.errors import RunError
 from titan_tpu.files import default_cache_dir
 from titan_tpu.graph.compile_cache import use_compile_cache
 from titan_tpu.graph.spmd import mesh_axis_sizes
-from titan_tpu.kinds.record import DataRequest, TrainingKind, builds_reference_copy, reference_flops_share
+from titan_tpu.kinds.record import DataRequest, TrainingKind, builds_reference_copy, reference_flops
 from titan_tpu.model_contract import TrainableModel
 from titan_tpu.models.lora import is_adapter_key
 from titan_tpu.models.spec import build
@@ -138,7 +138,7 @@ class Components:
         self.warmup_steps = setup.warmup_steps
         policy_flops, self.flops_note = self.spec.flops_per_token(self.model, t.seq_len)
         # MFU counts the work done per second: the frozen reference's forwards too (DPO's, GRPO's).
-        self.flops_per_token = policy_flops * (1 + reference_flops_share(kind, cfg))
+        self.flops_per_token = policy_flops + reference_flops(kind, cfg, policy_flops)
 
     def log(self, message: str) -> None:
         if self._log is not None:

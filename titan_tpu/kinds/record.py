@@ -29,12 +29,12 @@ if TYPE_CHECKING:
     from titan_tpu.kernels import KernelConfig
     from titan_tpu.train.objective import Objective
 
-__all__ = ["DATA_PARALLEL_ONLY", "FORWARD_SHARE", "DataParts", "DataRequest", "TrainingKind", "builds_reference_copy",
-           "reference_flops_share", "reference_holder"]
+__all__ = ["DATA_PARALLEL_ONLY", "FORWARD_COST", "DataParts", "DataRequest", "TrainingKind", "builds_reference_copy",
+           "reference_flops", "reference_holder"]
 
-# A forward without a backward is a third of a trained token's forward + backward (the backward
-# costs two forwards): what a frozen reference's scoring adds per trained token and forward.
-FORWARD_SHARE = 1 / 3
+# A trained token's forward and backward cost three forwards (the backward two): a frozen
+# reference's forward over the same rows is a third of a trained token's FLOPs.
+FORWARD_COST = 3
 
 # The axes of a kind that runs with data parallelism alone (parallel/axes.py).
 DATA_PARALLEL_ONLY = DP_AXES
@@ -120,6 +120,6 @@ def builds_reference_copy(kind: TrainingKind, cfg: Config) -> bool:
     return reference_holder(kind, cfg) == "copy"
 
 
-def reference_flops_share(kind: TrainingKind, cfg: Config) -> float:
-    """The reference's FLOPs per trained token, as a share of the policy's (trained) FLOPs per token."""
-    return FORWARD_SHARE * kind.reference_forwards(cfg)
+def reference_flops(kind: TrainingKind, cfg: Config, trained_flops: float) -> float:
+    """The reference's FLOPs per trained token, from the policy's FLOPs per trained token."""
+    return trained_flops * kind.reference_forwards(cfg) / FORWARD_COST

@@ -169,7 +169,7 @@ def recomputed_flops_per_token(args: TransformerArgs, seq_len: int) -> float:
 
 def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers_counted: int, recompute: bool,
                                   attention: str, experts_in_kernel: bool, frozen_base: bool = False,
-                                  reference_forward: bool = False, logits_recomputed: bool = False) -> float:
+                                  reference_forwards: float = 0.0, logits_recomputed: bool = False) -> float:
     """The executed FLOPs per token that XLA's cost analysis reports for a compiled step, from
     the same terms as `flops_per_token`: XLA counts a scanned stack's loop body once (layers_counted
     1: one body per kind of layer, a model whose first layers are dense scanning them apart from
@@ -181,8 +181,9 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
     tgmm (custom calls: not counted); the router and shared experts are XLA's. recompute: full
     checkpointing's rerun of each block's forward. frozen_base: LoRA, whose frozen weights get no
     gradient (4 of the 6 FLOPs per weight and token; the small adapters are left out).
-    reference_forward: DPO's frozen reference runs its own forward (its own loop), a third of a
-    trained token's work. logits_recomputed: the compiled program computes the output projection's
+    reference_forwards: the forwards a frozen reference runs per trained forward and backward (DPO:
+    one over the same rows, a third of a trained token's work each).
+    logits_recomputed: the compiled program computes the output projection's
     logits twice (XLA's tpu7x compile rematerializes them for the backward of the plain-XLA loss:
     two [tokens, vocab] products in its HLO where v5p and v6e have one). A scanned stack of one
     layer (the 16B DeepSeek's single dense layer) is a loop of one trip: XLA inlines it and merges
@@ -225,7 +226,7 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
         return (shared + ffn) * weights + block_attention + (per_block / 3 - down if rerun else 0.0)
 
     reference = (head + sum(shared + feed_forward(k)[1] + block_attention for k in counted)) / 3
-    return head * weights + sum(block(k) for k in counted) + (reference if reference_forward else 0.0) + \
+    return head * weights + sum(block(k) for k in counted) + reference * reference_forwards + \
         (head / 3 if logits_recomputed else 0.0)
 
 

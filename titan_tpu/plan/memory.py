@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titan_tpu.kernels.loss import loss_memory_bytes
+from titan_tpu.kinds.record import reference_holder
 from titan_tpu.models.common.activation_memory import ActivationBytes, activation_bytes
 from titan_tpu.models.common.rope import rope_real_saved_per_position
 from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memory
@@ -74,7 +75,7 @@ def step_memory(s: Setting) -> StepMemory:
                            full_grad=full_grad, scan=scan)
     terms = {
         "parameters": s.stored * mb, "gradients": s.trained * mb, "optimizer_state": 2 * s.trained * mb,
-        **({"reference": s.reference_stored * mb} if s.dpo else {}),
+        **({"reference": s.reference_stored * mb} if reference_holder(s.kind, s.cfg) != "none" else {}),
         "activations": acts.saved + acts.head, "activation_recompute": acts.recompute,
         "gathered_weights": gathered, "full_size_gradient": full_grad,
         # scan's weight copies beyond the gathered weights they are when sharded, and the RoPE copies

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 
 from titan_tpu.config import Config, grad_accum_from_tokens
+from titan_tpu.kinds import TrainingKind, kind_of
+from titan_tpu.kinds.record import builds_reference_copy
 from titan_tpu.models.registry import MODEL_NAMES, num_params
 from titan_tpu.parallel.context_parallel import check_context_parallel
 from titan_tpu.parallel.mesh import ParallelDims, check_cp_with_ep
@@ -168,21 +170,23 @@ class Setting:
         return self.scanned and self.graph and self.ac != "full"
 
     @property
-    def dpo(self) -> bool:
-        return self.cfg.training.objective == "dpo"
+    def kind(self) -> TrainingKind:
+        """The kind of training (kinds/): its rows per sample and its reference."""
+        return kind_of(self.cfg)
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch of one data-parallel rank (its tp and cp ranks share them);
-        under DPO a micro-batch holds batch_size pairs, a chosen and a rejected row each."""
-        return self.cfg.training.batch_size * self.cfg.training.seq_len * (2 if self.dpo else 1)
+        """Tokens of one micro-batch of one data-parallel rank (its tp and cp ranks share them): a
+        kind's sample may be several rows (a DPO pair is a chosen and a rejected row)."""
+        t = self.cfg.training
+        return t.batch_size * t.seq_len * self.kind.rows_per_sample(self.cfg)
 
     @property
     def reference_stored(self) -> float:
-        """Parameter elements a device stores for DPO's frozen reference copy (sharded as the
+        """Parameter elements a device stores for the kind's frozen reference copy (sharded as the
         model's); none under LoRA, whose reference is the base model with its adapters off, and
-        none without DPO (components/dpo.py)."""
-        copy = self.dpo and not (self.lora and self.cfg.dpo.reference == "initial")
+        none for a kind without a reference (kinds/record.py `reference_holder`)."""
+        copy = builds_reference_copy(self.kind, self.cfg)
         return self.layout.stored_elements(num_params(self.args)) if copy else 0.0
 
     @property

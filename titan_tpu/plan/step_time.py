@@ -13,6 +13,7 @@ the excess shows. Eager runs (no scheduler to overlap) use the first, graph mode
 
 from __future__ import annotations
 
+from titan_tpu.kinds.record import reference_flops
 from titan_tpu.models.common.activation_memory import activation_bytes
 from titan_tpu.models.registry import flops_per_token, num_expert_params, num_params, recomputed_flops_per_token
 from titan_tpu.parallel.plan_terms import collective_calls, cp_collectives
@@ -36,8 +37,8 @@ def step_flops(s: Setting) -> dict[str, float]:
     # Full checkpointing reruns the blocks' forward in the backward; the output projection and the
     # loss are outside the checkpointed blocks and run once.
     recomputed = recomputed_flops_per_token(s.args, t.seq_len) if s.ac == "full" else 0.0
-    if s.dpo:  # the reference's forward (no backward) over the same rows: a third of a trained token's
-        reference = fpt / 3
+    reference = reference_flops(s.kind, s.cfg, fpt)  # a frozen reference's forwards (no backward)
+    if reference:
         return {"per_token": fpt, "reference_per_token": reference,
                 "model_per_step_per_device": (fpt + reference) * tokens_step_rank / (p.tp * p.cp),
                 "executed_per_step_per_device": (fpt + recomputed + reference) * tokens_step_rank / (p.tp * p.cp)}

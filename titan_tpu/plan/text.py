@@ -119,7 +119,7 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
     lines.append(f"  peak {_gb(plan.peak_bytes)} at {plan.peak_phase} (GB by moment: {phases}); "
                  f"device has {plan.capacity_bytes / 1e9:.1f} GB: {verdict}")
     f = plan.flops
-    reference = f" + {f['reference_per_token'] / 1e6:,.1f} of the DPO reference's forward" \
+    reference = f" + {f['reference_per_token'] / 1e6:,.1f} of the frozen reference's forward" \
         if "reference_per_token" in f else ""
     lines.append(f"FLOPs: {f['per_token'] / 1e6:,.1f} MFLOP/token (the trainer's count){reference}; per device per "
                  "step "

@@ -72,9 +72,10 @@ def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float, *, to
     """Our FLOP formula counted as XLA's cost analysis counts the compiled step (models/registry.py
     flops_per_token_as_xla_counts): a scanned stack's loop body once, nothing inside the Mosaic
     custom calls (splash attention, megablox's gmm and tgmm), full checkpointing's rerun of the
-    forward, DPO's reference forward, and on tpu7x the logits of tokamax's plain-XLA loss computed
+    forward, a frozen reference's forwards (DPO's), and on tpu7x the logits of tokamax's plain-XLA loss computed
     twice (XLA rematerializes them there). topology: the slice compiled for, e.g. "v5p:2x2x1".
     None for a model without native args (an HF directory)."""
+    from titan_tpu.kinds import kind_of
     from titan_tpu.models.registry import flops_per_token_as_xla_counts
     from titan_tpu.models.spec import model_spec
 
@@ -87,6 +88,6 @@ def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float, *, to
         args, cfg.training.seq_len, layers_counted=1 if cfg.model.scan_layers else args.n_layers + args.mtp_num_layers,
         recompute=cfg.activation_checkpoint.mode == "full", attention=mode,
         experts_in_kernel=kernels_used.get("grouped_mm", "").startswith("gmm"), frozen_base=cfg.lora.enabled,
-        reference_forward=cfg.training.objective == "dpo",
+        reference_forwards=kind_of(cfg).reference_forwards(cfg),
         logits_recomputed=topology.startswith("tpu7x") and kernels_used.get("loss", "").startswith("tokamax"))
     return per_token * tokens_per_chip

@@ -108,6 +108,8 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     xla_dump: the directory XLA_FLAGS=--xla_dump_to names (`xla_dump_env`), for the collectives
     XLA kept and the values alive at its peak; None: both from what can be read without it."""
     from titan_tpu.graph.jax_devices import cpu_devices, slice_major, slices_of_replicas, tpu_topology
+    from titan_tpu.kinds import kind_of
+    from titan_tpu.kinds.record import FORWARD_COST
     from titan_tpu.models.spec import model_spec
     from titan_tpu.plan.hardware import HARDWARE
     from titan_tpu.plan.planner import reshard_decision
@@ -142,8 +144,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     peak = programs[peak_name]
     hbm = hardware.memory_bytes if hardware is not None else None
     flops_per_token, _ = model_spec(cfg.model).flops_per_token(None, t.seq_len)  # native specs read only the args
-    if t.objective == "dpo":
-        flops_per_token *= 4 / 3  # the frozen reference's forward too (loops/dpo.py)
+    flops_per_token *= 1 + kind_of(cfg).reference_forwards(cfg) / FORWARD_COST  # a frozen reference's forwards too
     runs = {"step": 1, "micro-batch": t.grad_accum_steps, "update": 1}
     flops = sum(runs[name] * (p["flops"] or 0.0) for name, p in programs.items()) if peak["flops"] is not None \
         else None

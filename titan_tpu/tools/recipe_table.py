@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -37,8 +38,10 @@ FLOPS_TOLERANCE = 0.03  # our formula counted as XLA counts, against XLA's matmu
 
 
 def recipe_hash(path: str | Path) -> str:
-    """The recipe file's content hash: a report whose hash differs compiled another recipe."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    """The hash of the recipe's settings (its TOML parsed, comments and layout left out): a report
+    whose hash differs compiled another recipe; a recipe whose comments changed compiles the same."""
+    settings = tomllib.loads(Path(path).read_text())
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def saved_report(config: str | Path) -> Path | None:
