@@ -46,7 +46,6 @@ LAYERS = (
     ("generate command", ("titan_tpu.generate.command",)),
     ("calibration", ("titan_tpu.plan.calibrate",)),
     ("tools", ("titan_tpu.tools",)),
-    ("plan command", ("titan_tpu.plan.command",)),
     ("entry points", ("titan_tpu.cli", "titan_tpu.__main__")),
 )
 

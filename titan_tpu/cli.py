@@ -275,7 +275,7 @@ def kernels_main(argv: list[str]) -> int:
 
 
 def plan_main(argv: list[str]) -> int:
-    from titan_tpu.plan.command import main as plan
+    from titan_tpu.tools.plan_cmd import main as plan
 
     return plan(argv)
 

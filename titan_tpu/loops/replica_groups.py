@@ -8,21 +8,21 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from titan_tpu.loops.base import Loop
     from titan_tpu.train.replica_ft import ReplicaFT
 
 __all__ = ["ReplicaGroups"]
 
 
 class ReplicaGroups:
-    """This process's replica group in the run's quorum, driven by `loop`."""
+    """This process's replica group in the run's quorum, driven by `loop` (a loops/base.py `Loop`,
+    which owns it: this module names no loop, so the two import in one direction)."""
 
-    def __init__(self, loop: Loop, ft: ReplicaFT):
+    def __init__(self, loop, ft: ReplicaFT | None):
         self.loop, self.ft = loop, ft
         self._data_before_step: dict | None = None
 
     @classmethod
-    def join(cls, loop: Loop) -> ReplicaGroups | None:
+    def join(cls, loop) -> ReplicaGroups | None:
         """Join the replica groups' lighthouse (None without fault_tolerance): from here on this
         group heartbeats, so it is called right before the loop, once the model is resumed and built."""
         f = loop.cfg.fault_tolerance

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,16 +18,15 @@ import torch.distributed as dist
 from titan_tpu.train.checkpoint import CheckpointSaveError, checkpoint_step
 from titan_tpu.train.local_tier import LocalTierError
 
-if TYPE_CHECKING:
-    from titan_tpu.loops.base import Loop
-
 __all__ = ["Saving"]
 
 
 class Saving:
-    """The checkpoint side of `loop`: it reads the loop's step and state and times into its goodput."""
+    """The checkpoint side of `loop` (a loops/base.py `Loop`, which owns it: this module names no
+    loop, so the two import in one direction): it reads the loop's step and state and times into
+    its goodput."""
 
-    def __init__(self, loop: Loop):
+    def __init__(self, loop):
         self.loop = loop
         self.cfg, self.log = loop.cfg, loop.log
         self.checkpointer, self.local_tier = loop.components.checkpointer, loop.components.local_tier

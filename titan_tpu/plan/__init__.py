@@ -3,7 +3,8 @@ run, from its config alone (planner.py and the rooms of its terms), on a hardwar
 sources (hardware.py), checked against real CPU runs (calibrate.py, docs/planner.md)."""
 
 from titan_tpu.plan.hardware import HARDWARE, Hardware, resolve_hardware
-from titan_tpu.plan.planner import Plan, plan_config
+from titan_tpu.plan.planner import plan_config
+from titan_tpu.plan.result import Plan
 from titan_tpu.plan.text import format_plan
 
 __all__ = ["HARDWARE", "Hardware", "Plan", "format_plan", "plan_config", "resolve_hardware"]

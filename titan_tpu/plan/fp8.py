@@ -13,7 +13,7 @@ from titan_tpu.plan.hardware import Hardware
 from titan_tpu.plan.setting import Setting
 
 if TYPE_CHECKING:
-    from titan_tpu.plan.planner import Plan
+    from titan_tpu.plan.result import Plan
 
 __all__ = ["FP8_CAST_BYTES_PER_ELEMENT", "fp8_beside", "fp8_linear_params", "fp8_note", "fp8_setting", "fp8_terms"]
 

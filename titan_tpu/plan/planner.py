@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-from dataclasses import dataclass, field
 
 from titan_tpu.config import Config
 from titan_tpu.models.registry import num_active_params, num_expert_params, num_params
@@ -28,6 +26,7 @@ from titan_tpu.plan.fabric import axis_rates
 from titan_tpu.plan.fp8 import fp8_setting, fp8_terms
 from titan_tpu.plan.hardware import Hardware
 from titan_tpu.plan.memory import step_memory
+from titan_tpu.plan.result import Plan
 from titan_tpu.plan.setting import Setting, default_hardware, loss_impl, resolve_setting
 from titan_tpu.plan.step_time import (
     LOCAL_GBPS,
@@ -42,33 +41,7 @@ from titan_tpu.plan.step_time import (
 from titan_tpu.plan.text import advice
 from titan_tpu.run_setup import RunSetup
 
-__all__ = ["Plan", "plan_config", "plan_run", "reshard_decision", "with_reshard_resolved"]
-
-
-@dataclass
-class Plan:
-    model: str
-    hardware: dict
-    devices: int
-    mesh: dict
-    batch: dict
-    params: dict
-    memory: dict  # bytes per device, by term
-    peak_bytes: float
-    peak_phase: str
-    capacity_bytes: float
-    fits: bool
-    flops: dict
-    communication: list
-    time: dict
-    tokens_per_s: float | None  # None where nothing grounds a step time (`speed_basis`)
-    mfu: float | None  # percent, model FLOPs over peak, as the trainer logs it; None as tokens_per_s
-    speed_basis: str | None = None  # what the step time rests on; None: no basis (eager mode on a TPU)
-    advice: list = field(default_factory=list)
-    checkpoint: dict = field(default_factory=dict)  # `checkpoint_time`: save times and the grace budget
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
+__all__ = ["plan_config", "plan_run", "reshard_decision", "with_reshard_resolved"]
 
 
 def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,

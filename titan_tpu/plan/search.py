@@ -54,7 +54,8 @@ from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.mesh import ParallelDims
 from titan_tpu.plan.fp8 import fp8_note, fp8_setting
 from titan_tpu.plan.hardware import Hardware
-from titan_tpu.plan.planner import Plan, plan_config
+from titan_tpu.plan.planner import plan_config
+from titan_tpu.plan.result import Plan
 from titan_tpu.plan.setting import TPU_NAMES, default_hardware, planning_machine
 from titan_tpu.run_setup import prepare_run
 

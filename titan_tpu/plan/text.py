@@ -11,7 +11,7 @@ from titan_tpu.plan.fp8 import fp8_note
 from titan_tpu.plan.hardware import Hardware
 
 if TYPE_CHECKING:
-    from titan_tpu.plan.planner import Plan
+    from titan_tpu.plan.result import Plan
 
 __all__ = ["TERMS", "advice", "format_plan"]
 

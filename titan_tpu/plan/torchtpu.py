@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from titan_tpu.plan.planner import Plan
+from titan_tpu.plan.result import Plan
 
 __all__ = ["RUNTIMES", "TorchTpuStep", "torchtpu_lines", "torchtpu_step"]
 

@@ -2,7 +2,7 @@
 certification by XLA), or one plan printed with what goes beside it (`_beside`: XLA's numbers for
 the same program, the step as TorchTPU runs it, the other precision).
 
-Above tools/ in the layer order: it prints what tools/ compiles and certifies beside the plan.
+A tool beside compile_cmd.py: it prints what tools/ compiles and certifies beside the plan.
 """
 
 from __future__ import annotations
