@@ -64,7 +64,7 @@ def main() -> int:
     local_dir = Path(tempfile.mkdtemp(prefix="emergency_save_", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
         first = trainer(work, args, local_dir)
-        first.maybe_resume()
+        first.saving.maybe_resume()
         first.train_step()
         params = sum(p.numel() for p in first.components.model.parameters())
         start = time.perf_counter()
@@ -79,7 +79,7 @@ def main() -> int:
         del first
         shutil.move(work / "run" / "checkpoints", work / "aside")  # only the local tier is left
         second = trainer(work, args, local_dir)
-        from_local = second.maybe_resume()
+        from_local = second.saving.maybe_resume()
         got = state_tensors(second)
         bitwise = from_local and second.step == 1 and all(torch.equal(got[k], v) for k, v in want.items())
         print(f"{params / 1e6:.0f} M parameters, checkpoint {size / 1e9:.2f} GB (local tier "

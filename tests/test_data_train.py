@@ -101,7 +101,7 @@ def test_mixture_with_chat_trains_logs_shares_and_resumes_twice_bitwise(tmp_path
     run = tmp_path / "resumed"
     for stop in (4, 8):
         trainer = assemble(build_config(recipe, ["--output_dir", str(run)]))
-        trainer.maybe_resume()
+        trainer.saving.maybe_resume()
         while trainer.step < stop:
             trainer.train_step()
         trainer.saving.save_checkpoint()

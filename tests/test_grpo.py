@@ -394,3 +394,29 @@ def test_two_sharded_ranks_sample_their_own_prompts_and_step_together(tmp_path):
         assert 1 <= row["completions/min_length"] <= row["completions/mean_length"] <= 6
         assert row["reward_std"] > 0 and row["grad_norm"] > 0
     assert rows[1]["kl"] > 0  # the sharded update moved the policy away from the (sharded) reference
+
+
+def test_plan_counts_the_samples_and_the_kl_reference(tmp_path):
+    """The planner reads the kind's record: a step's rows are its prompts' samples, and a KL
+    penalty stores a frozen reference copy (none under LoRA: the base with its adapters off) whose
+    forward runs once per batch of samples, which grpo.passes updates train on."""
+    from titan_tpu.plan.hardware import resolve_hardware
+    from titan_tpu.plan.planner import plan_config
+
+    data = write_jsonl(tmp_path / "p.jsonl", digit_rows(8))
+    hardware, _ = resolve_hardware("v5p-8")
+    overrides = grpo_overrides(tmp_path, data, "length", training__device="tpu", parallelism__dp_shard=4)
+
+    def plan(*extra: str):
+        return plan_config(build_config(LLAMA_DEBUG, overrides + list(extra)), hardware, chips=4, measure=False)
+
+    kl, no_kl, lora, two_passes = (plan("--grpo.beta", "0.04"), plan("--grpo.beta", "0"),
+                                   plan("--grpo.beta", "0.04", "--lora.enabled", "true"),
+                                   plan("--grpo.beta", "0.04", "--grpo.passes", "2"))
+    t = kl.batch["tokens_per_step"]
+    assert t == 2 * 4 * 16 * 4  # 2 prompts x 4 samples x 16 positions on each of 4 data-parallel ranks
+    assert kl.memory["reference"] == kl.memory["parameters"] > 0 and lora.memory["reference"] == 0
+    assert "reference" not in no_kl.memory
+    per_token = no_kl.flops["per_token"]
+    assert kl.flops["reference_per_token"] == pytest.approx(per_token / 3)
+    assert two_passes.flops["reference_per_token"] == pytest.approx(per_token / 6)

@@ -251,3 +251,24 @@ def test_bad_config_is_one_line(tmp_path):
         prepare_run(build_config(LLAMA_DEBUG, orpo_overrides(tmp_path / "run", data, training__objective="next_token")))
     with pytest.raises(ValueError, match="set them to 1"):
         prepare_run(build_config(LLAMA_DEBUG, orpo_overrides(tmp_path / "run", data, parallelism__tp=2)))
+
+
+def test_plan_counts_three_rows_per_pair_and_no_reference(tmp_path):
+    """The planner reads the kind's record: an ORPO pair is its chosen and rejected rows and the
+    chosen again for the prompt's NLL (two rows without it), and there is no reference to store."""
+    from titan_tpu.plan.hardware import resolve_hardware
+    from titan_tpu.plan.planner import plan_config
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(4))
+    hardware, _ = resolve_hardware("v5p-8")
+    overrides = orpo_overrides(tmp_path / "run", data, training__device="tpu", parallelism__dp_shard=4)
+
+    def plan(*extra: str):
+        return plan_config(build_config(LLAMA_DEBUG, overrides + list(extra)), hardware, chips=4, measure=False)
+
+    orpo, completion_only, dpo = plan(), plan("--orpo.nll_includes_prompt", "false"), plan("--training.objective",
+                                                                                           "dpo")
+    assert "reference" not in orpo.memory and "reference_per_token" not in orpo.flops
+    assert orpo.batch["tokens_per_step"] == 3 * completion_only.batch["tokens_per_step"] // 2
+    assert completion_only.batch["tokens_per_step"] == dpo.batch["tokens_per_step"]
+    assert dpo.memory["reference"] > 0

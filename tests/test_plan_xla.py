@@ -91,8 +91,15 @@ def test_plan_of_a_shipped_tpu_recipe_shows_its_compile(tmp_path, capsys):
     assert f"XLA's TPU compiler (compile-only, {report['topology']}, {report['date']}" in capsys.readouterr().out
     assert main(["plan", "--config", recipe, "--training.batch_size", "1", "--json"]) == 0
     assert "xla" not in json.loads(capsys.readouterr().out)
-    changed = tmp_path / "qwen3_8b_tpu.toml"
-    changed.write_text(Path(recipe).read_text() + "# changed since its compile\n")
+    commented = tmp_path / "commented" / "qwen3_8b_tpu.toml"  # a comment changes nothing XLA compiled
+    commented.parent.mkdir()
+    commented.write_text(Path(recipe).read_text() + "# a note added since its compile\n")
+    assert main(["plan", "--config", str(commented), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["xla"]["xla_peak_bytes"] == report["peak_per_chip_bytes"]
+    changed = tmp_path / "qwen3_8b_tpu.toml"  # a setting changed since its compile: not that program
+    text = Path(recipe).read_text()
+    assert "\nsteps = 1000\n" in text
+    changed.write_text(text.replace("\nsteps = 1000\n", "\nsteps = 999\n"))
     assert main(["plan", "--config", str(changed), "--json"]) == 0
     assert "xla" not in json.loads(capsys.readouterr().out)
 

@@ -145,9 +145,9 @@ def test_sigterm_writes_the_local_tier_within_the_budget_and_it_resumes_bitwise(
     assert resumed == straight  # bitwise, every step
 
     # After its second step a process checks that the budget also holds the step in flight.
-    second._check_step_in_flight(0.0)
+    second.saving.check_step_in_flight(0.0)
     assert "may not hold" not in capsys.readouterr().out
-    second._check_step_in_flight(70.0)
+    second.saving.check_step_in_flight(70.0)
     assert re.search(r"warning: checkpoint.grace_seconds = 60 may not hold an emergency save: a SIGTERM waits for the "
                      r"step in flight \(70.00 s here\), then writes the local tier \(\d+\.\d\d s\); set it to at "
                      r"least 14\d", capsys.readouterr().out)
