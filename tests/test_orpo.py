@@ -165,6 +165,12 @@ def test_validation_batch_reports_sums(pairs, model):
     for name in ("rewards/chosen", "rewards/margins", "log_odds_ratio", "log_odds_chosen"):
         assert summed[name] == pytest.approx(mean[name] * 4, rel=1e-6), name
     assert summed["loss"] == pytest.approx(summed["nll_loss"] - BETA * summed["log_odds_ratio"], rel=1e-6)
+    # Validation's loss from those sums (two held-out batches summed) is the step's loss over both.
+    first, second = pair_batch(pairs, [0, 1]), pair_batch(pairs, [2, 3])
+    with torch.no_grad():
+        sums = sum(objective.validation_sums(b, objective.micro_batch(ModelCalls(model), b, count=1, share=0.0).totals)
+                   for b in (first, second))
+    assert objective.validation_loss(sums).item() == pytest.approx(mean["loss"], rel=1e-6)
 
 
 def test_config_section():

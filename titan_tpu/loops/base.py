@@ -11,8 +11,8 @@ components/build.py (`Components`), and handed to it (loops/__init__.py `assembl
 drives them: the data, the schedule, validation, metrics rows (loops/metrics_row.py), checkpoints
 (loops/saving.py), replica groups (loops/replica_groups.py) and signals.
 
-A kind's loop (loops/pretrain.py, preference.py, grpo.py) says what differs: its validation, its
-metrics terms and, for GRPO, how a step gets its batch.
+A kind's loop (loops/pretrain.py, preference.py, grpo.py) says what differs: its metrics terms and,
+for GRPO, how a step gets its batch; validation is the objective's (`validation_sums`).
 
 Under ``torchrun`` every rank runs the same loop. Parameters are SimpleFSDP DTensors (see
 ``parallel/simple_fsdp.py``), each data-parallel rank reads its own rows of the global batch, and
@@ -26,6 +26,7 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
 from torch.profiler import record_function
 
 from titan_tpu.components.build import Components
@@ -39,7 +40,7 @@ from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import lr_at
 from titan_tpu.train.profiling import DATA_REGION, StepProfiler
 from titan_tpu.train.signals import GracefulShutdown
-from titan_tpu.train.step import StepResult
+from titan_tpu.train.step import StepResult, all_reduce_sum
 from titan_tpu.train.trackers import build_trackers
 
 __all__ = ["Loop"]
@@ -69,9 +70,21 @@ class Loop:
         """What the step's objective adds to a metrics row."""
         raise NotImplementedError
 
+    @torch.no_grad()
     def validate(self) -> float:
-        """The objective's validation loss over the held-out batches on all ranks."""
-        raise NotImplementedError
+        """The objective's validation loss over the held-out batches on all ranks, defined as its step
+        loss is (train/objective.py `validation_sums`, `validation_loss`)."""
+        parts = self.components
+        assert parts.val_loader is not None
+        objective, device = parts.objective, parts.backend.device
+        # fp32, not fp64: TPUs have no fast fp64, and a few batches' sums fit fp32 well enough.
+        sums = torch.zeros(0, device=device)
+        for batch in parts.val_loader.val_batches(self.cfg.validation.steps):
+            batch = as_batch(batch).to(device)
+            part = objective.validation_sums(batch, parts.step_fn.evaluate(batch)).to(device)
+            sums = part if not sums.numel() else sums + part
+        all_reduce_sum(sums)
+        return objective.validation_loss(sums).item()
 
     def train_step(self) -> StepResult:
         self.step += 1

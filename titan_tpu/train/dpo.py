@@ -100,6 +100,14 @@ class DPOObjective:
         load = self.expert_load(totals)
         return StepTerms(values, load if load.numel() else None)
 
+    def validation_sums(self, batch: PreferenceBatch, totals: Tensor) -> Tensor:
+        """The pairs' summed loss and their number."""
+        return torch.stack([totals[0], torch.tensor(float(batch.shape[0]), device=totals.device)])
+
+    def validation_loss(self, sums: Tensor) -> Tensor:
+        """The mean loss per pair."""
+        return sums[0] / sums[1].clamp(min=1)
+
     def example_batch(self, *, batch_size: int, seq_len: int, documents: bool, device: torch.device) -> PreferenceBatch:
         def rows() -> TokenBatch:
             return TokenBatch(torch.zeros(batch_size, seq_len, dtype=torch.long, device=device),

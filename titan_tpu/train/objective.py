@@ -13,7 +13,10 @@ objective answers:
   loads of an MoE model). The step sums `totals` over micro-batches and ranks, so a term is
   reported as a share: a sum divided by the step's count, or a mean term times `share` = 1 /
   (micro-batches x data-parallel ranks);
-* `report(totals)`: the summed totals as the step's named terms (`loss` first) and statistics.
+* `report(totals)`: the summed totals as the step's named terms (`loss` first) and statistics;
+* `validation_sums(batch, totals)` and `validation_loss(sums)`: a held-out batch's share of the
+  validation loss (from its totals with a count of 1), summed by the loop over batches and ranks,
+  and the loss from those sums, defined as the step's loss is.
 
 `calls` (`ModelCalls`) is how an objective reaches the models: `calls.policy(...)` is the trained
 model's forward, `calls.frozen[name](...)` that of a frozen module the objective holds
@@ -92,6 +95,15 @@ class Objective(Protocol):
         """A batch of the shape every step will take (what the captured step is traced with)."""
         ...
 
+    def validation_sums(self, batch: Batch, totals: Tensor) -> Tensor:
+        """What one validation batch adds to the validation loss, from its totals (a count of 1): a
+        1-D tensor the loop sums over the held-out batches and the ranks."""
+        ...
+
+    def validation_loss(self, sums: Tensor) -> Tensor:
+        """The validation loss from the summed `validation_sums`, as the step's loss is defined."""
+        ...
+
 
 class NextTokenObjective:
     """Pre-training and SFT: the summed token cross-entropy of the step's micro-batches over its
@@ -147,3 +159,11 @@ class NextTokenObjective:
     def example_batch(self, *, batch_size: int, seq_len: int, documents: bool, device: torch.device) -> TokenBatch:
         example = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
         return TokenBatch(example, example.clone(), example.clone() if documents else None)
+
+    def validation_sums(self, batch: TokenBatch, totals: Tensor) -> Tensor:
+        """The summed cross-entropy and the trained tokens."""
+        return torch.stack([totals[0], batch.trained_tokens().to(totals.dtype)])
+
+    def validation_loss(self, sums: Tensor) -> Tensor:
+        """The mean cross-entropy per trained token."""
+        return sums[0] / sums[1]

@@ -131,6 +131,17 @@ class ORPOObjective:
         load = self.expert_load(totals)
         return StepTerms(values, load if load.numel() else None)
 
+    def validation_sums(self, batch: PreferenceBatch, totals: Tensor) -> Tensor:
+        """The summed NLL and its tokens, the summed log sigmoid of the log odds and the pairs (a
+        count of 1 and share 0 sum every term)."""
+        nll, ratio = totals[self.terms.index("nll_loss")], totals[self.terms.index("log_odds_ratio")]
+        return torch.stack([nll, self.nll_tokens(batch).to(totals.dtype), ratio,
+                            torch.tensor(float(batch.shape[0]), device=totals.device)])
+
+    def validation_loss(self, sums: Tensor) -> Tensor:
+        """As the step's loss: the NLL's token mean minus beta x the pairs' mean log sigmoid of the log odds."""
+        return sums[0] / sums[1].clamp(min=1) - self.beta * sums[2] / sums[3].clamp(min=1)
+
     def example_batch(self, *, batch_size: int, seq_len: int, documents: bool, device: torch.device) -> PreferenceBatch:
         def rows() -> TokenBatch:
             return TokenBatch(torch.zeros(batch_size, seq_len, dtype=torch.long, device=device),
