@@ -177,6 +177,6 @@ def cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
 def test_lazy_imports_count_and_type_checking_ones_do_not():
     tree = ast.parse("from typing import TYPE_CHECKING\n"
                      "if TYPE_CHECKING:\n    from titan_tpu.config import Config\n"
-                     "def f():\n    from titan_tpu.loops.pretrain import Trainer\n")
+                     "def f():\n    from titan_tpu.loops.pretrain import PretrainLoop\n")
     found = [(node.lineno, node.module) for node in runtime_imports(tree)]
     assert found == [(1, "typing"), (5, "titan_tpu.loops.pretrain")]
