@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_tpu.data.batch import Batch, PreferenceBatch, TokenBatch
-from titan_tpu.train.objective import MicroBatchLoss, ModelCalls, StepTerms
+from titan_tpu.train.objective import MicroBatchLoss, ModelCalls, StepTerms, terms_then_loads
 
 __all__ = ["DPOObjective", "LOSS_TYPES"]
 
@@ -96,9 +96,7 @@ class DPOObjective:
         return totals[len(self.terms):].view(self.load_shape)
 
     def report(self, totals: Tensor) -> StepTerms:
-        values = dict(zip(self.terms, totals[:len(self.terms)].tolist()))
-        load = self.expert_load(totals)
-        return StepTerms(values, load if load.numel() else None)
+        return terms_then_loads(self.terms, totals, self.load_shape)
 
     def validation_sums(self, batch: PreferenceBatch, totals: Tensor) -> Tensor:
         """The pairs' summed loss and their number."""

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from titan_tpu.data.batch import Batch, TokenBatch
 from titan_tpu.train.ranks import sum_over_data_parallel
 
-__all__ = ["MicroBatchLoss", "ModelCalls", "NextTokenObjective", "Objective", "StepTerms"]
+__all__ = ["MicroBatchLoss", "ModelCalls", "NextTokenObjective", "Objective", "StepTerms", "terms_then_loads"]
 
 
 @dataclass
@@ -64,6 +64,13 @@ class StepTerms:
 
     values: dict[str, float]  # Objective.terms -> value ("loss" first); a term the model did not make is absent
     expert_load: Tensor | None  # MoE: tokens per expert per layer [L, E] on all ranks; else None
+
+
+def terms_then_loads(terms: tuple[str, ...], totals: Tensor, load_shape: torch.Size) -> StepTerms:
+    """`totals` laid out as `terms` in order, then the expert loads (`load_shape`, [L, E]; none for
+    a dense model), named."""
+    load = totals[len(terms):].view(load_shape)
+    return StepTerms(dict(zip(terms, totals[:len(terms)].tolist())), load if load.numel() else None)
 
 
 class Objective(Protocol):

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan_tpu.data.batch import IGNORE_INDEX, Batch, PreferenceBatch, TokenBatch
-from titan_tpu.train.objective import MicroBatchLoss, ModelCalls, StepTerms
+from titan_tpu.train.objective import MicroBatchLoss, ModelCalls, StepTerms, terms_then_loads
 from titan_tpu.train.ranks import sum_over_data_parallel
 
 __all__ = ["ORPOObjective", "log1mexp", "prompt_labels"]
@@ -127,9 +127,7 @@ class ORPOObjective:
         return totals[len(self.terms):].view(self.load_shape)
 
     def report(self, totals: Tensor) -> StepTerms:
-        values = dict(zip(self.terms, totals[:len(self.terms)].tolist()))
-        load = self.expert_load(totals)
-        return StepTerms(values, load if load.numel() else None)
+        return terms_then_loads(self.terms, totals, self.load_shape)
 
     def validation_sums(self, batch: PreferenceBatch, totals: Tensor) -> Tensor:
         """The summed NLL and its tokens, the summed log sigmoid of the log odds and the pairs (a
