@@ -42,7 +42,7 @@ LAYERS = (
     ("plan", ("titan_tpu.plan",)),
     ("components", ("titan_tpu.components",)),
     ("loops", ("titan_tpu.loops",)),
-    ("evaluate", ("titan_tpu.evaluate",)),
+    ("evaluate", ("titan_tpu.evaluate", "titan_tpu.harness", "titan_tpu.evaluate_tasks")),
     ("generate command", ("titan_tpu.generate.command",)),
     ("calibration", ("titan_tpu.plan.calibrate",)),
     ("tools", ("titan_tpu.tools",)),

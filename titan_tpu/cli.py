@@ -2,6 +2,7 @@
 
     titan-tpu train --config configs/llama3_debug.toml --training.steps 200 --optimizer.lr 3e-4
     titan-tpu eval --hf-dir DIR --token-file tokens.json     # or --text corpus/, or the model as for train
+    titan-tpu eval --checkpoint outputs/run --tasks hellaswag,arc_easy   # lm-eval benchmarks (the eval extra)
     titan-tpu generate --checkpoint outputs/run --prompt "def main"   # or --hf-dir DIR, --prompts-file FILE.jsonl
     titan-tpu convert --checkpoint outputs/run/checkpoints --to-hf hf_out/
     titan-tpu convert --hf-dir hf_in/ --to-checkpoint ckpt_out/
@@ -106,7 +107,19 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--seq-len", type=int, default=512, help="with --text: tokens per window (512)")
     parser.add_argument("--max-tokens", type=int, default=65536, help="with --text: tokens evaluated at most (65536)")
     parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "tpu"])
+    tasks = parser.add_argument_group("benchmarks (lm-evaluation-harness, the eval extra)")
+    tasks.add_argument("--tasks", help="comma-separated lm-eval tasks (hellaswag,arc_easy): their scores instead of "
+                                       "the loss; a table, and the results JSON beside the weights")
+    tasks.add_argument("--num-fewshot", type=int, default=None, help="examples in each prompt (default: the task's)")
+    tasks.add_argument("--limit", type=float, default=None,
+                       help="documents per task at most (a number below 1: that fraction of each task)")
+    tasks.add_argument("--batch-size", type=int, default=8, help="rows per forward (8)")
+    tasks.add_argument("--include-path", help="a folder of task YAMLs of one's own (e.g. local data_files)")
+    tasks.add_argument("--output", help="the results JSON (default: beside the weights, DIR.lm_eval.json)")
     args, overrides = parser.parse_known_args(argv)
+
+    if args.tasks:
+        return _eval_tasks(args, overrides)
 
     from titan_tpu.evaluate import run_eval
 
@@ -114,6 +127,20 @@ def eval_main(argv: list[str]) -> int:
     result = run_eval(setup, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
                       seq_len=args.seq_len, max_tokens=args.max_tokens)
     print(json.dumps(result))
+    return 0
+
+
+def _eval_tasks(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`titan-tpu eval --tasks`: benchmark scores (evaluate_tasks.py) instead of the loss."""
+    from titan_tpu.evaluate_tasks import require_lm_eval, run_tasks
+
+    if args.token_file or args.text:
+        raise ValueError("--tasks scores lm-eval tasks, not --token-file or --text; drop one of them")
+    require_lm_eval()  # before the model loads
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    run_tasks(_model_config(args, overrides), checkpoint=args.checkpoint, tasks=tasks, num_fewshot=args.num_fewshot,
+              limit=limit, batch_size=args.batch_size, include_path=args.include_path, output=args.output)
     return 0
 
 
@@ -356,7 +383,7 @@ SUMMARIES = {
     "plan": "predict memory, FLOPs, communication and speed before touching hardware; --search for the best knobs",
     "verify": "check a model (native or a Hugging Face directory) end to end before a long run",
     "prepare-data": "tokenize a recipe's data sources once, into the shared token cache",
-    "eval": "loss and perplexity of a checkpoint or an HF directory on held-out text",
+    "eval": "loss and perplexity of a checkpoint or an HF directory on held-out text; --tasks: lm-eval benchmarks",
     "generate": "continue prompts with a checkpoint or an HF directory: greedy or sampled, streamed",
     "convert": "checkpoint <-> Hugging Face directory",
     "report": "plots of one or more runs in one HTML file",

@@ -1,0 +1,181 @@
+"""lm-eval benchmarks of our models (`titan-tpu eval --tasks`, harness.py) against lm-eval's own Hugging
+Face backend (HFLM) on the same weights: a tiny transformers Llama saved as an HF directory, run
+natively by us. Three offline tasks from local files (multiple choice by log-likelihood, rolling
+perplexity, generation with exact match and `until`): the same metrics, and per request the same
+log-likelihoods (fp32, 1e-4), greedy flags and generated text."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("lm_eval")
+
+from data_fixtures import write_chat_tokenizer_dir  # noqa: E402
+
+from titan_tpu.cli import main  # noqa: E402
+
+WORDS = "the cat sat on a mat and dog ran to big red house with blue door".split()
+TASKS = ["tiny_choice", "tiny_rolling", "tiny_generate"]
+
+
+def _sentence(rng, n: int) -> str:
+    return " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (n,), generator=rng))
+
+
+def _write_tasks(root, cache) -> None:
+    """Three task YAMLs over JSON-lines files of their own, under `root`."""
+    rng = torch.Generator().manual_seed(0)
+    rows = {
+        "choice": [{"question": _sentence(rng, 6), "choices": [_sentence(rng, k) for k in (1, 2, 3, 4)],
+                    "label": i % 4} for i in range(6)],
+        "rolling": [{"text": _sentence(rng, n)} for n in (5, 40, 90)],  # 90 words: several 64-token windows
+        "generate": [{"question": _sentence(rng, 4), "answer": w} for w in ("cat", "mat", "dog", "the")],
+    }
+    common = {"dataset_path": "json", "test_split": "test"}
+    specs = {
+        "choice": {"output_type": "multiple_choice", "doc_to_text": "Question: {{question}}\nAnswer:",
+                   "doc_to_choice": "choices", "doc_to_target": "label",
+                   "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]},
+        "rolling": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
+                    "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")]},
+        "generate": {"output_type": "generate_until", "doc_to_text": "{{question}} =", "doc_to_target": "{{answer}}",
+                     "generation_kwargs": {"until": ["\n", " on"], "do_sample": False, "max_gen_toks": 6},
+                     "metric_list": [{"metric": "exact_match"}]},
+    }
+    for name, spec in specs.items():
+        data = root / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows[name]))
+        task = {"task": f"tiny_{name}", **common, **spec,
+                "dataset_kwargs": {"data_files": {"test": str(data)}, "cache_dir": str(cache)}}
+        (root / f"tiny_{name}.yaml").write_text(json.dumps(task))  # JSON is YAML
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(HF directory with tokenizer, task folder, the transformers model, its tokenizer)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("harness")
+    hf_dir = write_chat_tokenizer_dir(root / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=400, max_position_embeddings=64, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(str(hf_dir))
+    hf = LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    (root / "tasks").mkdir()
+    _write_tasks(root / "tasks", root / "datasets")
+    return hf_dir, root / "tasks", hf, tokenizer
+
+
+@pytest.fixture(scope="module")
+def hflm(setup):
+    from lm_eval.models.huggingface import HFLM
+
+    _, _, hf, tokenizer = setup
+    return HFLM(pretrained=hf, tokenizer=tokenizer, batch_size=3)
+
+
+@pytest.fixture(scope="module")
+def ours(setup):
+    from titan_tpu.data.tokenizer import load_tokenizer
+    from titan_tpu.harness import HarnessLM
+    from titan_tpu.models.common.transformer import Transformer
+    from titan_tpu.models.hf_adapter import from_hf_state_dict, model_args_from_hf_config
+
+    hf_dir, _, hf, _ = setup
+    _, args = model_args_from_hf_config(hf.config.to_dict())
+    native = Transformer(args)
+    native.load_state_dict(from_hf_state_dict(hf.state_dict(), args), strict=False)
+    native.init_buffers()
+    return HarnessLM(native, load_tokenizer(hf_dir), max_length=64, batch_size=4)
+
+
+def _instances(request_type: str, arguments: list[tuple]):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=request_type, doc={}, arguments=args, idx=i) for i, args in enumerate(arguments)]
+
+
+def test_loglikelihoods_equal_hflm(ours, hflm):
+    rng = torch.Generator().manual_seed(1)
+    long_context = _sentence(rng, 80)  # past the 64-token window: cut on the left
+    pairs = [("the cat sat", " on"), ("the cat sat ", "on a mat"), ("", "the dog"), ("red house", " with blue door"),
+             ("a<|im_end|>b", " c"), ("", "<|im_end|> a"), (long_context, " ran to the big red house"), ("dog", "s"),
+             ("the cat sat", " on"), ("the cat sat", " in")]
+    assert (ours.prefix_token_id, ours.eot_token_id) == (hflm.prefix_token_id, hflm.eot_token_id)
+    expected = hflm.loglikelihood(_instances("loglikelihood", pairs))
+    got = ours.loglikelihood(_instances("loglikelihood", pairs))
+    assert [g for _, g in got] == [g for _, g in expected]
+    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in expected], abs=1e-4)
+
+    documents = [(_sentence(rng, n),) for n in (3, 50, 130)]
+    expected = hflm.loglikelihood_rolling(_instances("loglikelihood_rolling", documents))
+    assert ours.loglikelihood_rolling(_instances("loglikelihood_rolling", documents)) == pytest.approx(
+        expected, abs=1e-4)
+
+
+def test_generations_equal_hflm(ours, hflm):
+    contexts = ["the cat sat on", "red", "a big dog ran to the house with"]
+    whole = hflm.generate_until(_instances("generate_until", [(c, {"until": [], "max_gen_toks": 7}) for c in contexts]))
+    stop = whole[0][len(whole[0]) // 2:][:2]  # a string HFLM's first continuation holds: there it stops
+    greedy = {"until": [stop], "do_sample": False, "max_gen_toks": 7}
+    requests = [(c, greedy) for c in contexts] + [("blue door", {"until": ["\n", " the"], "max_gen_toks": 5})]
+    expected = hflm.generate_until(_instances("generate_until", requests))
+    assert stop.strip() and len(expected[0]) < len(whole[0])  # cut at `until`
+    assert ours.generate_until(_instances("generate_until", requests)) == expected
+
+
+def test_eval_tasks_command_equals_hflm(setup, hflm, tmp_path, capsys):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    hf_dir, tasks_dir, _, _ = setup
+    code = main(["eval", "--hf-dir", str(hf_dir), "--tasks", ",".join(TASKS), "--include-path", str(tasks_dir),
+                 "--batch-size", "4", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert all(task in out for task in TASKS)  # lm-eval's table
+    written = hf_dir.with_name(hf_dir.name + ".lm_eval.json")  # beside the weights
+    ours = json.loads(written.read_text())["results"]
+
+    expected = lm_eval.simple_evaluate(model=hflm, tasks=TASKS, task_manager=TaskManager(include_path=str(tasks_dir)),
+                                       log_samples=False)["results"]
+    for task in TASKS:
+        metrics = {k: v for k, v in expected[task].items() if isinstance(v, float) and "stderr" not in k}
+        assert metrics, task
+        assert {k: ours[task][k] for k in metrics} == pytest.approx(metrics, rel=1e-5), task
+
+
+def test_eval_tasks_with_output_limit_and_fewshot(setup, tmp_path, capsys):
+    hf_dir, tasks_dir, _, _ = setup
+    output = tmp_path / "scores.json"
+    code = main(["eval", "--hf-dir", str(hf_dir), "--tasks", "tiny_choice", "--include-path", str(tasks_dir),
+                 "--limit", "2", "--num-fewshot", "1", "--output", str(output), "--device", "cpu"])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(output.read_text())
+    assert result["n-samples"]["tiny_choice"]["effective"] == 2 and result["n-shot"]["tiny_choice"] == 1
+
+
+def test_unknown_task_names_the_closest(setup, capsys):
+    hf_dir, tasks_dir, _, _ = setup
+    code = main(["eval", "--hf-dir", str(hf_dir), "--tasks", "tiny_choise", "--include-path", str(tasks_dir),
+                 "--device", "cpu"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "unknown lm-eval task tiny_choise (closest: tiny_choice" in err and err.count("\n") == 1
+
+
+def test_without_lm_eval_is_one_line_with_the_install(setup, monkeypatch, capsys):
+    hf_dir, _, _, _ = setup
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
+    code = main(["eval", "--hf-dir", str(hf_dir), "--tasks", "hellaswag", "--device", "cpu"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "pip install 'lm-eval>=0.4,<0.5'" in err and err.count("\n") == 1
