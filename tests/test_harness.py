@@ -75,6 +75,36 @@ def setup(tmp_path_factory):
     return hf_dir, root / "tasks", hf, tokenizer
 
 
+def _bos_tokenizer_dir(hf_dir, directory):
+    """The tokenizer of `hf_dir` with a post-processor that starts every text with its BOS, as Llama 3's."""
+    import shutil
+
+    import tokenizers
+    from tokenizers.processors import TemplateProcessing
+
+    directory.mkdir()
+    shutil.copy(hf_dir / "tokenizer_config.json", directory)
+    tok = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    bos = json.loads((hf_dir / "tokenizer_config.json").read_text())["bos_token"]
+    tok.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def native(setup):
+    """Our Llama holding the transformers model's weights."""
+    from titan_tpu.models.common.transformer import Transformer
+    from titan_tpu.models.hf_adapter import from_hf_state_dict, model_args_from_hf_config
+
+    _, _, hf, _ = setup
+    _, args = model_args_from_hf_config(hf.config.to_dict())
+    model = Transformer(args)
+    model.load_state_dict(from_hf_state_dict(hf.state_dict(), args), strict=False)
+    model.init_buffers()
+    return model
+
+
 @pytest.fixture(scope="module")
 def hflm(setup):
     from lm_eval.models.huggingface import HFLM
@@ -83,19 +113,29 @@ def hflm(setup):
     return HFLM(pretrained=hf, tokenizer=tokenizer, batch_size=3)
 
 
-@pytest.fixture(scope="module")
-def ours(setup):
+@pytest.fixture(scope="module", params=["plain", "bos"])
+def pair(request, setup, native, hflm, tmp_path_factory):
+    """(ours, HFLM) on the same weights and tokenizer; "bos": a tokenizer that adds a BOS to every text."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
     from titan_tpu.data.tokenizer import load_tokenizer
     from titan_tpu.harness import HarnessLM
-    from titan_tpu.models.common.transformer import Transformer
-    from titan_tpu.models.hf_adapter import from_hf_state_dict, model_args_from_hf_config
 
     hf_dir, _, hf, _ = setup
-    _, args = model_args_from_hf_config(hf.config.to_dict())
-    native = Transformer(args)
-    native.load_state_dict(from_hf_state_dict(hf.state_dict(), args), strict=False)
-    native.init_buffers()
-    return HarnessLM(native, load_tokenizer(hf_dir), max_length=64, batch_size=4)
+    if request.param == "plain":
+        return HarnessLM(native, load_tokenizer(hf_dir), max_length=64, batch_size=4), hflm
+    tok_dir = _bos_tokenizer_dir(hf_dir, tmp_path_factory.mktemp("bos") / "tok")
+    reference = HFLM(pretrained=hf, tokenizer=AutoTokenizer.from_pretrained(str(tok_dir)), batch_size=3)
+    assert reference.tok_encode("the")[0] == reference.prefix_token_id  # the BOS is there to match
+    return HarnessLM(native, load_tokenizer(tok_dir), max_length=64, batch_size=4), reference
+
+
+def _our_tasks(tasks_dir):
+    """The three tasks alone (lm-eval's own, some 15,000, take seconds to index)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(tasks_dir), include_defaults=False)
 
 
 def _instances(request_type: str, arguments: list[tuple]):
@@ -104,12 +144,13 @@ def _instances(request_type: str, arguments: list[tuple]):
     return [Instance(request_type=request_type, doc={}, arguments=args, idx=i) for i, args in enumerate(arguments)]
 
 
-def test_loglikelihoods_equal_hflm(ours, hflm):
+def test_loglikelihoods_equal_hflm(pair):
+    ours, hflm = pair
     rng = torch.Generator().manual_seed(1)
     long_context = _sentence(rng, 80)  # past the 64-token window: cut on the left
     pairs = [("the cat sat", " on"), ("the cat sat ", "on a mat"), ("", "the dog"), ("red house", " with blue door"),
-             ("a<|im_end|>b", " c"), ("", "<|im_end|> a"), (long_context, " ran to the big red house"), ("dog", "s"),
-             ("the cat sat", " on"), ("the cat sat", " in")]
+             ("a<|im_end|>b", " c"), ("", "<|im_end|> a"), ("<|endoftext|>the cat", " sat"),
+             (long_context, " ran to the big red house"), ("dog", "s"), ("the cat sat", " on"), ("the cat sat", " in")]
     assert (ours.prefix_token_id, ours.eot_token_id) == (hflm.prefix_token_id, hflm.eot_token_id)
     expected = hflm.loglikelihood(_instances("loglikelihood", pairs))
     got = ours.loglikelihood(_instances("loglikelihood", pairs))
@@ -122,7 +163,8 @@ def test_loglikelihoods_equal_hflm(ours, hflm):
         expected, abs=1e-4)
 
 
-def test_generations_equal_hflm(ours, hflm):
+def test_generations_equal_hflm(pair):
+    ours, hflm = pair
     contexts = ["the cat sat on", "red", "a big dog ran to the house with"]
     whole = hflm.generate_until(_instances("generate_until", [(c, {"until": [], "max_gen_toks": 7}) for c in contexts]))
     stop = whole[0][len(whole[0]) // 2:][:2]  # a string HFLM's first continuation holds: there it stops
@@ -135,7 +177,6 @@ def test_generations_equal_hflm(ours, hflm):
 
 def test_eval_tasks_command_equals_hflm(setup, hflm, tmp_path, capsys):
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     hf_dir, tasks_dir, _, _ = setup
     code = main(["eval", "--hf-dir", str(hf_dir), "--tasks", ",".join(TASKS), "--include-path", str(tasks_dir),
@@ -146,7 +187,7 @@ def test_eval_tasks_command_equals_hflm(setup, hflm, tmp_path, capsys):
     written = hf_dir.with_name(hf_dir.name + ".lm_eval.json")  # beside the weights
     ours = json.loads(written.read_text())["results"]
 
-    expected = lm_eval.simple_evaluate(model=hflm, tasks=TASKS, task_manager=TaskManager(include_path=str(tasks_dir)),
+    expected = lm_eval.simple_evaluate(model=hflm, tasks=TASKS, task_manager=_our_tasks(tasks_dir),
                                        log_samples=False)["results"]
     for task in TASKS:
         metrics = {k: v for k, v in expected[task].items() if isinstance(v, float) and "stderr" not in k}
@@ -179,3 +220,21 @@ def test_without_lm_eval_is_one_line_with_the_install(setup, monkeypatch, capsys
     code = main(["eval", "--hf-dir", str(hf_dir), "--tasks", "hellaswag", "--device", "cpu"])
     _, err = capsys.readouterr()
     assert code == 2 and "pip install 'lm-eval>=0.4,<0.5'" in err and err.count("\n") == 1
+
+
+def test_eval_tasks_of_a_training_checkpoint(setup, hflm, tmp_path, capsys):
+    """A training checkpoint (here imported from the HF directory): the same scores, the JSON beside its step."""
+    import lm_eval
+
+    hf_dir, tasks_dir, _, _ = setup
+    assert main(["convert", "--hf-dir", str(hf_dir), "--to-checkpoint", str(tmp_path / "ckpt")]) == 0
+    code = main(["eval", "--model.name", "llama3", "--model.flavor", "debug", "--checkpoint", str(tmp_path / "ckpt"),
+                 "--data.tokenizer_path", str(hf_dir / "tokenizer.json"), "--tasks", "tiny_choice",
+                 "--include-path", str(tasks_dir), "--device", "cpu"])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    [written] = (tmp_path / "ckpt").rglob("step-*.lm_eval.json")
+    ours = json.loads(written.read_text())["results"]["tiny_choice"]
+    expected = lm_eval.simple_evaluate(model=hflm, tasks=["tiny_choice"], log_samples=False,
+                                       task_manager=_our_tasks(tasks_dir))["results"]["tiny_choice"]
+    assert (ours["acc,none"], ours["acc_norm,none"]) == pytest.approx((expected["acc,none"], expected["acc_norm,none"]))

@@ -9,6 +9,7 @@ lm-eval is optional (the `eval` extra): imported only here, after a check that n
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import sys
 from pathlib import Path
@@ -24,8 +25,10 @@ def require_lm_eval() -> None:
                          f"{LM_EVAL_INSTALL}") from None
 
 
+@functools.lru_cache(maxsize=4)
 def task_manager(include_path: str | None):
-    """lm-eval's tasks and those under include_path (a folder of task YAMLs)."""
+    """lm-eval's tasks and those under include_path (a folder of task YAMLs). Kept for the process:
+    indexing lm-eval's own (some 15,000 names) takes seconds."""
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not Path(include_path).is_dir():

@@ -122,12 +122,12 @@ class HarnessLM(TemplateLM):
         return self.tok.encode(string, add_special_tokens=add_special_tokens)
 
     @torch.no_grad()
-    def _log_probs(self, rows: list[list[int]]) -> torch.Tensor:
-        """fp32 log-softmax of the model's logits over right-padded rows: logprobs_BSV."""
+    def _logits(self, rows: list[list[int]]) -> torch.Tensor:
+        """The model's logits over right-padded rows: logits_BSV."""
         tokens_BS = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
         for b, row in enumerate(rows):
             tokens_BS[b, :len(row)] = torch.tensor(row, dtype=torch.long)
-        return F.log_softmax(self.model(tokens_BS.to(self.device)).float(), dim=-1)
+        return self.model(tokens_BS.to(self.device))
 
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
@@ -142,9 +142,10 @@ class HarnessLM(TemplateLM):
         for chunk in ordered.get_batched(n=self.batch_size):
             # The last max_length + 1 tokens of context + continuation; the model reads all but the last.
             inputs = [(context + continuation)[-(self.max_length + 1):][:-1] for _, context, continuation in chunk]
-            logprobs_BSV = self._log_probs(inputs)
-            for (request, context, continuation), row, logprobs_SV in zip(chunk, inputs, logprobs_BSV):
-                scored_1CV = logprobs_SV[len(row) - len(continuation):len(row)].unsqueeze(0)
+            logits_BSV = self._logits(inputs)
+            for (request, context, continuation), row, logits_SV in zip(chunk, inputs, logits_BSV):
+                # fp32 log-softmax at the continuation's positions only (a batch's whole is rows x vocab large)
+                scored_1CV = F.log_softmax(logits_SV[len(row) - len(continuation):len(row)].float(), dim=-1)[None]
                 greedy_1C = scored_1CV.argmax(dim=-1)
                 for request, cont, scored in ordered.get_cache(req_str=request, cxt_toks=context,
                                                                cont_toks=continuation, logits=scored_1CV):
