@@ -238,3 +238,9 @@ def test_eval_tasks_of_a_training_checkpoint(setup, hflm, tmp_path, capsys):
     expected = lm_eval.simple_evaluate(model=hflm, tasks=["tiny_choice"], log_samples=False,
                                        task_manager=_our_tasks(tasks_dir))["results"]["tiny_choice"]
     assert (ours["acc,none"], ours["acc_norm,none"]) == pytest.approx((expected["acc,none"], expected["acc_norm,none"]))
+
+
+def test_tasks_with_a_token_file_is_one_line(capsys):
+    code = main(["eval", "--model.name", "llama3", "--tasks", "hellaswag", "--text", "corpus.txt"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "--tasks scores lm-eval tasks, not --token-file or --text" in err and err.count("\n") == 1
