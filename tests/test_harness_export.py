@@ -163,6 +163,7 @@ def test_transformers_backend_equals_hflm(tmp_path, tasks_dir, capsys):
     cfg = build_config(None, ["--model.name", "hf", "--model.hf_config", "qwen2", "--model.hf_overrides", overrides,
                               "--data.tokenizer_path", str(tok_dir / "tokenizer.json"), "--training.device", "cpu"])
     loaded = load_eval_model(cfg, device=torch.device("cpu"))
+    assert loaded.spec.kind == "hf" and loaded.spec.args.transformers_config().model_type == "qwen2"
     hf_dir = loaded.spec.save_hf(loaded.model.state_dict(), tmp_path / "hf", overwrite=False)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tok_dir / name, hf_dir / name)
@@ -172,3 +173,21 @@ def test_transformers_backend_equals_hflm(tmp_path, tasks_dir, capsys):
 
     ours = HarnessLM(loaded.model, load_tokenizer(tok_dir), max_length=loaded.max_len, batch_size=4)
     _assert_requests_equal(ours, HFLM(pretrained=str(hf_dir), batch_size=3, device="cpu"))
+
+
+def test_a_chat_tokenizers_end_of_turn_stops_generation_with_its_end_of_text(tmp_path):
+    """A run on a chat model's tokenizer (eos_token <|im_end|>, its own template): the export keeps both,
+    and generate stops at either."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from titan_tpu.export_files import write_export_files
+
+    tok_dir = write_chat_tokenizer_dir(tmp_path / "tok")
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
+    write_export_files(tmp_path / "export", tokenizer_json=tok_dir / "tokenizer.json")
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+    assert tokenizer.chat_template == json.loads((tok_dir / "tokenizer_config.json").read_text())["chat_template"]
+    ids = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["eos_token_id"] == ids[1]
+    assert GenerationConfig.from_pretrained(str(tmp_path / "export")).eos_token_id == sorted(ids)
