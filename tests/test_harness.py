@@ -16,43 +16,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
 from data_fixtures import write_chat_tokenizer_dir  # noqa: E402
+from harness_fixtures import TASKS, instances, loglikelihood_requests, our_tasks, write_tasks  # noqa: E402
 
 from titan_tpu.cli import main  # noqa: E402
-
-WORDS = "the cat sat on a mat and dog ran to big red house with blue door".split()
-TASKS = ["tiny_choice", "tiny_rolling", "tiny_generate"]
-
-
-def _sentence(rng, n: int) -> str:
-    return " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (n,), generator=rng))
-
-
-def _write_tasks(root, cache) -> None:
-    """Three task YAMLs over JSON-lines files of their own, under `root`."""
-    rng = torch.Generator().manual_seed(0)
-    rows = {
-        "choice": [{"question": _sentence(rng, 6), "choices": [_sentence(rng, k) for k in (1, 2, 3, 4)],
-                    "label": i % 4} for i in range(6)],
-        "rolling": [{"text": _sentence(rng, n)} for n in (5, 40, 90)],  # 90 words: several 64-token windows
-        "generate": [{"question": _sentence(rng, 4), "answer": w} for w in ("cat", "mat", "dog", "the")],
-    }
-    common = {"dataset_path": "json", "test_split": "test"}
-    specs = {
-        "choice": {"output_type": "multiple_choice", "doc_to_text": "Question: {{question}}\nAnswer:",
-                   "doc_to_choice": "choices", "doc_to_target": "label",
-                   "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]},
-        "rolling": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
-                    "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")]},
-        "generate": {"output_type": "generate_until", "doc_to_text": "{{question}} =", "doc_to_target": "{{answer}}",
-                     "generation_kwargs": {"until": ["\n", " on"], "do_sample": False, "max_gen_toks": 6},
-                     "metric_list": [{"metric": "exact_match"}]},
-    }
-    for name, spec in specs.items():
-        data = root / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(row) + "\n" for row in rows[name]))
-        task = {"task": f"tiny_{name}", **common, **spec,
-                "dataset_kwargs": {"data_files": {"test": str(data)}, "cache_dir": str(cache)}}
-        (root / f"tiny_{name}.yaml").write_text(json.dumps(task))  # JSON is YAML
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +37,7 @@ def setup(tmp_path_factory):
     LlamaForCausalLM(config).save_pretrained(str(hf_dir))
     hf = LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     (root / "tasks").mkdir()
-    _write_tasks(root / "tasks", root / "datasets")
+    write_tasks(root / "tasks", root / "datasets")
     return hf_dir, root / "tasks", hf, tokenizer
 
 
@@ -131,48 +97,30 @@ def pair(request, setup, native, hflm, tmp_path_factory):
     return HarnessLM(native, load_tokenizer(tok_dir), max_length=64, batch_size=4), reference
 
 
-def _our_tasks(tasks_dir):
-    """The three tasks alone (lm-eval's own, some 15,000, take seconds to index)."""
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_path=str(tasks_dir), include_defaults=False)
-
-
-def _instances(request_type: str, arguments: list[tuple]):
-    from lm_eval.api.instance import Instance
-
-    return [Instance(request_type=request_type, doc={}, arguments=args, idx=i) for i, args in enumerate(arguments)]
-
-
 def test_loglikelihoods_equal_hflm(pair):
     ours, hflm = pair
-    rng = torch.Generator().manual_seed(1)
-    long_context = _sentence(rng, 80)  # past the 64-token window: cut on the left
-    pairs = [("the cat sat", " on"), ("the cat sat ", "on a mat"), ("", "the dog"), ("red house", " with blue door"),
-             ("a<|im_end|>b", " c"), ("", "<|im_end|> a"), ("<|endoftext|>the cat", " sat"),
-             (long_context, " ran to the big red house"), ("dog", "s"), ("the cat sat", " on"), ("the cat sat", " in")]
+    pairs, documents = loglikelihood_requests()
     assert (ours.prefix_token_id, ours.eot_token_id) == (hflm.prefix_token_id, hflm.eot_token_id)
-    expected = hflm.loglikelihood(_instances("loglikelihood", pairs))
-    got = ours.loglikelihood(_instances("loglikelihood", pairs))
+    expected = hflm.loglikelihood(instances("loglikelihood", pairs))
+    got = ours.loglikelihood(instances("loglikelihood", pairs))
     assert [g for _, g in got] == [g for _, g in expected]
     assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in expected], abs=1e-4)
 
-    documents = [(_sentence(rng, n),) for n in (3, 50, 130)]
-    expected = hflm.loglikelihood_rolling(_instances("loglikelihood_rolling", documents))
-    assert ours.loglikelihood_rolling(_instances("loglikelihood_rolling", documents)) == pytest.approx(
+    expected = hflm.loglikelihood_rolling(instances("loglikelihood_rolling", documents))
+    assert ours.loglikelihood_rolling(instances("loglikelihood_rolling", documents)) == pytest.approx(
         expected, abs=1e-4)
 
 
 def test_generations_equal_hflm(pair):
     ours, hflm = pair
     contexts = ["the cat sat on", "red", "a big dog ran to the house with"]
-    whole = hflm.generate_until(_instances("generate_until", [(c, {"until": [], "max_gen_toks": 7}) for c in contexts]))
+    whole = hflm.generate_until(instances("generate_until", [(c, {"until": [], "max_gen_toks": 7}) for c in contexts]))
     stop = whole[0][len(whole[0]) // 2:][:2]  # a string HFLM's first continuation holds: there it stops
     greedy = {"until": [stop], "do_sample": False, "max_gen_toks": 7}
     requests = [(c, greedy) for c in contexts] + [("blue door", {"until": ["\n", " the"], "max_gen_toks": 5})]
-    expected = hflm.generate_until(_instances("generate_until", requests))
+    expected = hflm.generate_until(instances("generate_until", requests))
     assert stop.strip() and len(expected[0]) < len(whole[0])  # cut at `until`
-    assert ours.generate_until(_instances("generate_until", requests)) == expected
+    assert ours.generate_until(instances("generate_until", requests)) == expected
 
 
 def test_eval_tasks_command_equals_hflm(setup, hflm, tmp_path, capsys):
@@ -187,7 +135,7 @@ def test_eval_tasks_command_equals_hflm(setup, hflm, tmp_path, capsys):
     written = hf_dir.with_name(hf_dir.name + ".lm_eval.json")  # beside the weights
     ours = json.loads(written.read_text())["results"]
 
-    expected = lm_eval.simple_evaluate(model=hflm, tasks=TASKS, task_manager=_our_tasks(tasks_dir),
+    expected = lm_eval.simple_evaluate(model=hflm, tasks=TASKS, task_manager=our_tasks(tasks_dir),
                                        log_samples=False)["results"]
     for task in TASKS:
         metrics = {k: v for k, v in expected[task].items() if isinstance(v, float) and "stderr" not in k}
@@ -236,7 +184,7 @@ def test_eval_tasks_of_a_training_checkpoint(setup, hflm, tmp_path, capsys):
     [written] = (tmp_path / "ckpt").rglob("step-*.lm_eval.json")
     ours = json.loads(written.read_text())["results"]["tiny_choice"]
     expected = lm_eval.simple_evaluate(model=hflm, tasks=["tiny_choice"], log_samples=False,
-                                       task_manager=_our_tasks(tasks_dir))["results"]["tiny_choice"]
+                                       task_manager=our_tasks(tasks_dir))["results"]["tiny_choice"]
     assert (ours["acc,none"], ours["acc_norm,none"]) == pytest.approx((expected["acc,none"], expected["acc_norm,none"]))
 
 

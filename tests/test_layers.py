@@ -36,7 +36,7 @@ LAYERS = (
     ("generate", ("titan_tpu.generate",)),
     ("train", ("titan_tpu.train",)),
     ("graph", ("titan_tpu.graph",)),
-    ("convert", ("titan_tpu.convert",)),
+    ("convert", ("titan_tpu.convert", "titan_tpu.export_files")),
     ("kinds", ("titan_tpu.kinds",)),
     ("run setup", ("titan_tpu.run_setup",)),
     ("plan", ("titan_tpu.plan",)),

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from titan_tpu.data.tokenizer import tokenizer_files
+from titan_tpu.export_files import write_export_files
 from titan_tpu.train.checkpoint import STATE_FILE, Checkpointer, load_full_state_dict, read_checkpoint_meta
 
 # What `convert --to-hf --dtype` writes.
@@ -34,7 +35,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: bool = False,
                      merge_lora: bool = False, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Export the model weights in `dtype` (bfloat16 by default, as models are served), and the run's
-    tokenizer.json when there is one, as an HF directory. A LoRA run's adapters are folded into the
+    tokenizer when there is one with the special-token ids and generation defaults serving reads
+    (export_files.py), as an HF directory. A LoRA run's adapters are folded into the
     weights they adapt (merge_lora), the plain model. The weights are read from the checkpoint
     block by block as they are written (train/checkpoint_sources.py): a native model's export
     holds one tensor at a time, never the model (a Transformers-backend model is written by
@@ -63,11 +65,20 @@ def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: b
     if lora:
         sources = merge_lora_sources(sources, scaling=lora["alpha"] / lora["rank"])
     out = spec.export_hf(sources, Path(hf_dir), dtype=dtype, overwrite=overwrite)
-    tokenizer = step_dir.parent.parent / "tokenizer.json"  # <run>/checkpoints/step-N -> <run>
-    if tokenizer.is_file():  # with its chat template, so a chat fine-tune can start from the export
-        for source in tokenizer_files(tokenizer):
-            shutil.copyfile(source, out / source.name)
+    run_dir = step_dir.parent.parent  # <run>/checkpoints/step-N -> <run>
+    if (run_dir / "tokenizer.json").is_file():  # what AutoTokenizer, lm-eval's HF backend and vLLM read
+        write_export_files(out, tokenizer_json=run_dir / "tokenizer.json",
+                           chat_template_choice=_run_chat_template(run_dir))
     return out
+
+
+def _run_chat_template(run_dir: Path) -> str:
+    """The run's data.chat_template (its config.json in the run directory), "" when it names none."""
+    path = run_dir / "config.json"
+    try:
+        return str(json.loads(path.read_text()).get("data", {}).get("chat_template") or "")
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def hf_to_checkpoint(hf_dir: str | Path, checkpoint_dir: str | Path, *, overwrite: bool = False) -> Path:
