@@ -65,3 +65,17 @@ def loglikelihood_requests(seed: int = 1) -> tuple[list[tuple[str, str]], list[t
              (sentence(rng, 80), " ran to the big red house"), ("dog", "s"), ("the cat sat", " on"),
              ("the cat sat", " in")]
     return pairs, [(sentence(rng, n),) for n in (3, 50, 130)]
+
+
+def assert_requests_equal(ours, hflm, pairs: list[tuple[str, str]], documents: list[tuple[str]]) -> None:
+    """Our model class and lm-eval's HF backend answer the same log-likelihood and rolling requests:
+    the same greedy flags, log-probabilities within 1e-4."""
+    import pytest
+
+    expected = hflm.loglikelihood(instances("loglikelihood", pairs))
+    got = ours.loglikelihood(instances("loglikelihood", pairs))
+    assert [g for _, g in got] == [g for _, g in expected]
+    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in expected], abs=1e-4)
+    expected = hflm.loglikelihood_rolling(instances("loglikelihood_rolling", documents))
+    assert ours.loglikelihood_rolling(instances("loglikelihood_rolling", documents)) == pytest.approx(
+        expected, abs=1e-4)

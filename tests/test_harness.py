@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
 from data_fixtures import write_chat_tokenizer_dir  # noqa: E402
-from harness_fixtures import TASKS, instances, loglikelihood_requests, our_tasks, write_tasks  # noqa: E402
+from harness_fixtures import TASKS, assert_requests_equal, instances, loglikelihood_requests, our_tasks, write_tasks  # noqa: E402
 
 from titan_tpu.cli import main  # noqa: E402
 
@@ -101,14 +101,7 @@ def test_loglikelihoods_equal_hflm(pair):
     ours, hflm = pair
     pairs, documents = loglikelihood_requests()
     assert (ours.prefix_token_id, ours.eot_token_id) == (hflm.prefix_token_id, hflm.eot_token_id)
-    expected = hflm.loglikelihood(instances("loglikelihood", pairs))
-    got = ours.loglikelihood(instances("loglikelihood", pairs))
-    assert [g for _, g in got] == [g for _, g in expected]
-    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in expected], abs=1e-4)
-
-    expected = hflm.loglikelihood_rolling(instances("loglikelihood_rolling", documents))
-    assert ours.loglikelihood_rolling(instances("loglikelihood_rolling", documents)) == pytest.approx(
-        expected, abs=1e-4)
+    assert_requests_equal(ours, hflm, pairs, documents)
 
 
 def test_generations_equal_hflm(pair):

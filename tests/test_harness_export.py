@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
 from data_fixtures import write_chat_tokenizer_dir  # noqa: E402
-from harness_fixtures import TASKS, instances, loglikelihood_requests, our_tasks, write_tasks  # noqa: E402
+from harness_fixtures import TASKS, assert_requests_equal, instances, loglikelihood_requests, our_tasks, write_tasks  # noqa: E402
 
 from titan_tpu.cli import main  # noqa: E402
 from titan_tpu.config import build_config  # noqa: E402
@@ -58,13 +58,7 @@ def _assert_requests_equal(ours, hflm) -> None:
     pairs, documents = loglikelihood_requests()
     # a pair this tokenizer merges across the boundary ("dog" + "s") leaves no continuation to score
     pairs = [pair for pair in pairs if not pair[0] or ours._encode_pair(*pair)[1]]
-    expected = hflm.loglikelihood(instances("loglikelihood", pairs))
-    got = ours.loglikelihood(instances("loglikelihood", pairs))
-    assert [g for _, g in got] == [g for _, g in expected]
-    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in expected], abs=1e-4)
-    expected = hflm.loglikelihood_rolling(instances("loglikelihood_rolling", documents))
-    assert ours.loglikelihood_rolling(instances("loglikelihood_rolling", documents)) == pytest.approx(
-        expected, abs=1e-4)
+    assert_requests_equal(ours, hflm, pairs, documents)
     requests = [(context, {"until": ["\n"], "max_gen_toks": 6}) for context in ("the cat sat on", "red", "a dog")]
     assert ours.generate_until(instances("generate_until", requests)) == hflm.generate_until(
         instances("generate_until", requests))
