@@ -2,10 +2,11 @@
 AutoTokenizer / generate, lm-eval's HF backend (`lm_eval --model hf`) and vLLM read the model as we
 run it:
 
-* tokenizer.json and its companions (the run's), and a tokenizer_config.json that names the
-  tokenizer's class, its bos_token and eos_token (a BPE trained for the run has only its end-of-text
-  token: both are that, as GPT-2's) and keeps decoded text as ours decodes it (no clean-up of spaces);
-  the run's chat template (its tokenizer's, or the one data.chat_template chose) when it had one;
+* tokenizer.json and its companions (the run's; a model's own tokenizer_config.json unchanged), and
+  where the run trained its tokenizer a tokenizer_config.json that names the tokenizer's class, its
+  bos_token and eos_token (a BPE trained for the run has only its end-of-text token: both are that,
+  as GPT-2's) and keeps decoded text as ours decodes it (no clean-up of spaces); the chat template
+  data.chat_template chose, when the run chose one;
 * config.json's bos_token_id / eos_token_id / pad_token_id those of the tokenizer (a Llama config
   left without them means ids 1 and 2, whatever the vocabulary);
 * generation_config.json: the same ids, and greedy decoding as the default.
@@ -25,8 +26,12 @@ def write_export_files(out: Path, *, tokenizer_json: Path, chat_template_choice:
     chat_template_choice: the run's data.chat_template ("" the tokenizer's own, "chatml", a .jinja)."""
     for source in tokenizer_files(tokenizer_json):  # with its chat template, so a chat fine-tune can start here
         shutil.copyfile(source, out / source.name)
+    own = (out / "tokenizer_config.json").is_file()
     tokenizer_config = _tokenizer_config(out, chat_template_choice)
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    # A model's own tokenizer_config.json travels as it is (byte for byte, as the weights' tokenizer
+    # came); one is written where the run trained its tokenizer, or chose a chat template of its own.
+    if not own or chat_template_choice:
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
     tokenizer = load_tokenizer(out / "tokenizer.json")
     ids = {f"{key}_id": tokenizer.token_id(tokenizer_config[key]) for key in ("bos_token", "eos_token", "pad_token")
