@@ -275,7 +275,7 @@ def graph_main(argv: list[str]) -> int:
             programs = [c for c in (step.captured, step.captured_update) if c is not None]
             out.write_text("\n".join(c.graph_module.print_readable(print_output=False) for c in programs))
             rows = t.batch_size * parts.kind.rows_per_sample(cfg)  # a DPO pair is two rows
-            tokens = rows * t.seq_len * parts.dp_size * t.grad_accum_steps
+            tokens = rows * t.seq_len * parts.batch_split.dp_size * t.grad_accum_steps
             print(step.summary())
             print(f"  estimated model FLOPs per step: {parts.flops_per_token * tokens / 1e9:.1f} GFLOP "
                   f"({tokens:,} tokens x {parts.flops_per_token / 1e6:.1f} MFLOP/token)")

@@ -55,9 +55,8 @@ RUN_ID_FILE = "run_id"  # in output_dir: the run's id, which keys its local chec
 class Components:
     """The assembled run (module docstring). Attributes: cfg, setup, spec, model_args, backend,
     rank, world_size, is_main, parallel_dims (the mesh's sizes, resolved once: parallel/mesh.py), mesh,
-    expert_mesh, batch_split (the ranks that share a batch in this job; dp_rank, dp_size) and
-    data_split (the global batch's rows: the data-parallel ranks, or the replica groups; data_rank,
-    data_size), run_dir, run_lock,
+    expert_mesh, batch_split (the ranks that share a batch in this job) and data_split (the global
+    batch's rows: the data-parallel ranks, or the replica groups), run_dir, run_lock,
     document_mask, tokenizer, train_loader, val_loader, model, objective, optimizer, step_fn,
     compile_stats, checkpointer, local_tier (None unless checkpoint.grace_seconds or local_interval),
     warmup_steps, flops_per_token (the policy's and its reference's), flops_note, kind (the record),
@@ -93,7 +92,6 @@ class Components:
         self.expert_mesh = self.parallel_dims.build_expert_mesh(self.backend.device.type)
         # The ranks this job's collectives (the loss's sums, the gradients) span.
         self.batch_split = self.parallel_dims.batch_split(self.rank)
-        self.dp_rank, self.dp_size = self.batch_split.dp_rank, self.batch_split.dp_size
         # Who reads which rows of the global batch: the data-parallel ranks, or with replica groups
         # (fault_tolerance) the groups, each one process (train/replica_ft.py says why).
         ft = cfg.fault_tolerance
@@ -103,11 +101,11 @@ class Components:
                              "torchrun) and fault_tolerance.replicas groups")
         self.data_split = (self.batch_split.across_groups(group=ft.replica_id, groups=ft.replicas) if ft.enabled
                            else self.batch_split)
-        self.data_rank, self.data_size = self.data_split.dp_rank, self.data_split.dp_size
         if t.global_batch_tokens:  # accumulation from the global batch, now that the mesh is known
-            t.grad_accum_steps = grad_accum_from_tokens(t, self.data_size, ranks_per_dp=self.data_split.ranks_per_dp)
+            split = self.data_split
+            t.grad_accum_steps = grad_accum_from_tokens(t, split.dp_size, ranks_per_dp=split.ranks_per_dp)
             self.log(f"training.global_batch_tokens = {t.global_batch_tokens}: {t.grad_accum_steps} micro-batches of "
-                     f"{t.batch_size} x {t.seq_len} tokens per step on each of {self.data_size} data-parallel ranks")
+                     f"{t.batch_size} x {t.seq_len} tokens per step on each of {split.dp_size} data-parallel ranks")
         self.run_lock = self._lock_output_dir()
         torch.manual_seed(t.seed)
         self.spec = setup.spec  # what the run asks about the model (models/spec.py)
@@ -123,7 +121,7 @@ class Components:
         self.optimizer = AdamW.from_config(trained, cfg.optimizer, layer_stacked=self.model.stacked_parameter_names())
         # compile_stats: capture/compile seconds, logged with the first row
         self.step_fn, self.compile_stats = make_step(cfg, self.model, self.optimizer, backend=self.backend,
-                                                     world_size=self.world_size, dp_size=self.dp_size,
+                                                     world_size=self.world_size, dp_size=self.batch_split.dp_size,
                                                      documents=self.document_mask, log=self.log,
                                                      objective=self.objective,
                                                      mesh_axes=mesh_axis_sizes(self.mesh, self.parallel_dims),
@@ -155,10 +153,11 @@ class Components:
         read the cache (or fill their host's own), waiting on the store meanwhile, with no timeout
         (runtime.py)."""
         cfg = self.cfg
+        split = self.data_split
         request = DataRequest(cfg=cfg, sources=self.setup.sources, tokenizer_path=self.setup.tokenizer_path,
                               vocab_size=self.model_args.vocab_size,
-                              cache_dir=Path(cfg.data.cache_dir or default_cache_dir()), data_rank=self.data_rank,
-                              data_size=self.data_size, kernel_device=self.backend.kernel_device_type, log=self.log)
+                              cache_dir=Path(cfg.data.cache_dir or default_cache_dir()), data_rank=split.dp_rank,
+                              data_size=split.dp_size, kernel_device=self.backend.kernel_device_type, log=self.log)
         with main_process_first(log=self.log, what="the other ranks to open (or tokenize) the data"):
             parts = self.kind.data(request)
         cfg.kernels = parts.kernels
@@ -291,8 +290,9 @@ class Components:
     def global_batch(self) -> dict:
         """What one optimizer step takes, recorded in checkpoints: a resume on another mesh says what changed."""
         t = self.cfg.training
-        return {"tokens": t.batch_size * t.seq_len * self.data_size * t.grad_accum_steps, "world_size": self.world_size,
-                "dp_size": self.data_size, "grad_accum_steps": t.grad_accum_steps, "batch_size": t.batch_size}
+        dp_size = self.data_split.dp_size
+        return {"tokens": t.batch_size * t.seq_len * dp_size * t.grad_accum_steps, "world_size": self.world_size,
+                "dp_size": dp_size, "grad_accum_steps": t.grad_accum_steps, "batch_size": t.batch_size}
 
     def load_checkpoint(self, path: Path, *, local: bool = False) -> dict:
         """Resume everything from a checkpoint (local: a tier of train/local_tier.py), resharding it

@@ -73,7 +73,8 @@ class GRPOLoop(Loop):
     def sampler_seed(self, step: int) -> int:
         """The seed of step `step`'s sampling on this rank: a function of the run's seed, the step and
         the data-parallel rank, so a resumed run draws what the uninterrupted one drew."""
-        return int(np.random.SeedSequence([self.cfg.training.seed, step, self.components.dp_rank]).generate_state(1)[0])
+        dp_rank = self.components.batch_split.dp_rank
+        return int(np.random.SeedSequence([self.cfg.training.seed, step, dp_rank]).generate_state(1)[0])
 
     # ------------------------------------------------------------------------------------------
     # one step: sample, score, train
