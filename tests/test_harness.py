@@ -185,3 +185,91 @@ def test_tasks_with_a_token_file_is_one_line(capsys):
     code = main(["eval", "--model.name", "llama3", "--tasks", "hellaswag", "--text", "corpus.txt"])
     _, err = capsys.readouterr()
     assert code == 2 and "--tasks scores lm-eval tasks, not --token-file or --text" in err and err.count("\n") == 1
+
+
+CHATS = [[{"role": "user", "content": "the cat sat on"}],
+         [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "red house"}],
+         [{"role": "user", "content": "a dog ran"}, {"role": "assistant", "content": "to the  "}]]
+
+
+def test_chat_template_renders_as_hflm(setup, native, hflm):
+    """lm-eval's apply_chat_template: ours from the tokenizer's template as transformers renders it,
+    with the generation prompt and continuing the last message (a prefilled answer)."""
+    from titan_tpu.data.tokenizer import load_tokenizer
+    from titan_tpu.evaluate_tasks import chat_renderer
+    from titan_tpu.harness import HarnessLM
+
+    hf_dir, _, _, _ = setup
+    ours = HarnessLM(native, load_tokenizer(hf_dir), max_length=64, chat=chat_renderer(hf_dir / "tokenizer.json"))
+    for chat in CHATS:
+        for opened in (True, False):
+            assert ours.apply_chat_template(chat, add_generation_prompt=opened) == hflm.apply_chat_template(
+                chat, add_generation_prompt=opened), (chat, opened)
+    assert ours.chat_template(True) == hflm.tokenizer.chat_template
+
+
+def test_eval_tasks_with_chat_template_equals_hflm(setup, hflm, tmp_path, capsys):
+    """--apply-chat-template with few-shot examples as turns: the scores HFLM gives under lm-eval's
+    apply_chat_template."""
+    import lm_eval
+
+    hf_dir, tasks_dir, _, _ = setup
+    output = tmp_path / "chat.json"
+    code = main(["eval", "--hf-dir", str(hf_dir), "--tasks", ",".join(TASKS), "--include-path", str(tasks_dir),
+                 "--apply-chat-template", "--system-instruction", "Be brief.", "--num-fewshot", "1",
+                 "--output", str(output), "--device", "cpu"])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    ours = json.loads(output.read_text())["results"]
+    expected = lm_eval.simple_evaluate(model=hflm, tasks=TASKS, task_manager=our_tasks(tasks_dir), num_fewshot=1,
+                                       apply_chat_template=True, system_instruction="Be brief.",
+                                       log_samples=False)["results"]
+    for task in TASKS:
+        metrics = {k: v for k, v in expected[task].items() if isinstance(v, float) and "stderr" not in k}
+        assert {k: ours[task][k] for k in metrics} == pytest.approx(metrics, rel=1e-5), task
+
+
+def test_chat_template_missing_is_one_line(setup, tmp_path, capsys):
+    import shutil
+
+    hf_dir, tasks_dir, _, _ = setup
+    plain = tmp_path / "plain"
+    shutil.copytree(hf_dir, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    code = main(["eval", "--hf-dir", str(plain), "--tasks", "tiny_generate", "--include-path", str(tasks_dir),
+                 "--apply-chat-template", "--device", "cpu"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert "has none; drop --apply-chat-template, or give one with --data.chat_template chatml" in err
+
+
+def _task_yaml(directory, name: str, source: dict) -> None:
+    directory.mkdir(exist_ok=True)
+    task = {"task": name, **source, "test_split": "test", "output_type": "multiple_choice",
+            "doc_to_text": "{{q}}", "doc_to_choice": "choices", "doc_to_target": "label"}
+    (directory / f"{name}.yaml").write_text(json.dumps(task))
+
+
+def test_task_data_missing_is_one_line_with_the_fetch(setup, tmp_path, monkeypatch, capsys):
+    """Offline (as clusters often are): a Hub dataset not in the cache names the fetch command; a task's
+    local data_files that are not there name the YAML's key."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network here either way: fail at once
+    hf_dir = setup[0]
+    _task_yaml(tmp_path / "tasks", "remote_task", {"dataset_path": "someorg/never_fetched", "dataset_name": "sub"})
+    _task_yaml(tmp_path / "tasks", "local_task", {"dataset_path": "json",
+                                                  "dataset_kwargs": {"data_files": {"test": "/no/such.jsonl"}}})
+    code = main(["eval", "--hf-dir", str(hf_dir), "--tasks", "remote_task", "--include-path", str(tmp_path / "tasks"),
+                 "--device", "cpu"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert "lm-eval task remote_task: its data someorg/never_fetched (sub) is not in the datasets cache" in err
+    assert "TaskManager().load(['remote_task'])" in err
+    code = main(["eval", "--hf-dir", str(hf_dir), "--tasks", "local_task", "--include-path", str(tmp_path / "tasks"),
+                 "--device", "cpu"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert "lm-eval task local_task: its data files {'test': '/no/such.jsonl'} are missing" in err

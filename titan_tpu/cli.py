@@ -115,6 +115,9 @@ def eval_main(argv: list[str]) -> int:
                        help="documents per task at most (a number below 1: that fraction of each task)")
     tasks.add_argument("--batch-size", type=int, default=8, help="rows per forward (8)")
     tasks.add_argument("--include-path", help="a folder of task YAMLs of one's own (e.g. local data_files)")
+    tasks.add_argument("--apply-chat-template", action="store_true",
+                       help="render prompts with the tokenizer's chat template (or --data.chat_template's)")
+    tasks.add_argument("--system-instruction", help="a system message before each prompt (with the chat template)")
     tasks.add_argument("--output", help="the results JSON (default: beside the weights, DIR.lm_eval.json)")
     args, overrides = parser.parse_known_args(argv)
 
@@ -132,15 +135,18 @@ def eval_main(argv: list[str]) -> int:
 
 def _eval_tasks(args: argparse.Namespace, overrides: list[str]) -> int:
     """`titan-tpu eval --tasks`: benchmark scores (evaluate_tasks.py) instead of the loss."""
-    from titan_tpu.evaluate_tasks import require_lm_eval, run_tasks
+    from titan_tpu.evaluate_tasks import TaskSettings, require_lm_eval, run_tasks
 
     if args.token_file or args.text:
         raise ValueError("--tasks scores lm-eval tasks, not --token-file or --text; drop one of them")
     require_lm_eval()  # before the model loads
-    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
-    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-    run_tasks(_model_config(args, overrides), checkpoint=args.checkpoint, tasks=tasks, num_fewshot=args.num_fewshot,
-              limit=limit, batch_size=args.batch_size, include_path=args.include_path, output=args.output)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} must be >= 1")
+    settings = TaskSettings(tuple(task.strip() for task in args.tasks.split(",") if task.strip()),
+                            num_fewshot=args.num_fewshot, limit=args.limit, batch_size=args.batch_size,
+                            include_path=args.include_path, apply_chat_template=args.apply_chat_template,
+                            system_instruction=args.system_instruction)
+    run_tasks(_model_config(args, overrides), checkpoint=args.checkpoint, settings=settings, output=args.output)
     return 0
 
 

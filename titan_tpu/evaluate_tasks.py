@@ -1,28 +1,55 @@
-"""`titan-tpu eval --tasks`: lm-evaluation-harness benchmarks (hellaswag, arc_easy, ... or task YAMLs
-of one's own under --include-path) of any model `titan-tpu eval` loads, through `HarnessLM`
-(harness.py). Prints lm-eval's table and writes its results JSON beside the weights (a checkpoint
-step-N -> step-N.lm_eval.json, an HF directory DIR -> DIR.lm_eval.json) or to --output.
+"""lm-evaluation-harness benchmarks (hellaswag, arc_easy, ... or task YAMLs of one's own under an
+include path) of a model, through `HarnessLM` (harness.py): `titan-tpu eval --tasks` on any model
+`titan-tpu eval` loads (`run_tasks`: prints lm-eval's table and writes its results JSON beside the
+weights, a checkpoint step-N -> step-N.lm_eval.json, an HF directory DIR -> DIR.lm_eval.json, or to
+--output), and the [evaluation] section's scores during training (loops/evaluation.py).
+
+`TaskSettings` is what both ask of lm-eval; `load_tasks` reads the tasks and their data once, with a
+one-line error for a name lm-eval does not know and for data neither cached nor reachable;
+`score` runs lm-eval over loaded tasks without touching the caller's random state.
 
 lm-eval is optional (the `eval` extra): imported only here, after a check that names the install line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import json
+import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
 
 LM_EVAL_INSTALL = "pip install 'lm-eval>=0.4,<0.5' (or the eval extra: pip install -e '.[eval]')"
 
+# Builders of datasets from local files (lm-eval's dataset_path with data_files), not Hub names.
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 
-def require_lm_eval() -> None:
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """What a run asks of lm-eval: the tasks, and how (as lm-eval's command line names them)."""
+
+    tasks: tuple[str, ...]
+    num_fewshot: int | None = None  # None: each task's own
+    limit: float | None = None  # documents per task at most; below 1: that fraction
+    batch_size: int = 8
+    include_path: str | None = None  # a folder of task YAMLs of one's own
+    apply_chat_template: bool = False  # render prompts with the tokenizer's chat template
+    system_instruction: str | None = None
+
+
+def require_lm_eval(what: str = "titan-tpu eval --tasks") -> None:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        raise ValueError(f"titan-tpu eval --tasks needs lm-evaluation-harness, which is not installed: "
-                         f"{LM_EVAL_INSTALL}") from None
+        raise ValueError(f"{what} needs lm-evaluation-harness, which is not installed: {LM_EVAL_INSTALL}") from None
 
 
 @functools.lru_cache(maxsize=4)
@@ -36,7 +63,7 @@ def task_manager(include_path: str | None):
     return TaskManager(include_path=include_path)
 
 
-def check_task_names(tasks: list[str], known: list[str]) -> None:
+def check_task_names(tasks: list[str] | tuple[str, ...], known: list[str]) -> None:
     """One line naming the closest known names for each task lm-eval does not have."""
     unknown = [task for task in tasks if task not in known]
     if not unknown:
@@ -47,6 +74,119 @@ def check_task_names(tasks: list[str], known: list[str]) -> None:
                      "folder of task YAMLs with --include-path")
 
 
+def load_tasks(settings: TaskSettings) -> list:
+    """lm-eval's Task and Group objects of `settings.tasks`, their data read (from the datasets cache,
+    a task's local data_files, or the Hub when it is reachable)."""
+    manager = task_manager(settings.include_path)
+    check_task_names(settings.tasks, manager.all_tasks)
+    loaded = []
+    for name in settings.tasks:
+        try:
+            built = manager.load([name])
+        except (ConnectionError, FileNotFoundError) as error:
+            raise ValueError(_missing_data(name, error)) from None
+        # a group scores as one (its subtasks' aggregate); a tag is its tasks
+        if name in built["groups"]:
+            loaded.append(built["groups"][name])
+        else:
+            loaded.extend([built["tasks"][name]] if name in built["tasks"] else built["tasks"].values())
+    return loaded
+
+
+def _missing_data(name: str, error: Exception) -> str:
+    """One line on a task whose data could not be read: which dataset, and how to fetch it."""
+    config = _failing_task_config(error)
+    subtask = getattr(config, "task", None) or name
+    path = getattr(config, "dataset_path", None)
+    if path in LOCAL_BUILDERS:
+        files = (getattr(config, "dataset_kwargs", None) or {}).get("data_files")
+        return (f"lm-eval task {subtask}: its data files {files} are missing ({error}); fix data_files in the task's "
+                "YAML")
+    dataset = f"{path}{f' ({config.dataset_name})' if getattr(config, 'dataset_name', None) else ''}" if path else ""
+    import datasets
+
+    return (f"lm-eval task {subtask}: its data {dataset or ''} is not in the datasets cache "
+            f"({datasets.config.HF_DATASETS_CACHE}) and cannot be downloaded here; fetch it on a machine with network "
+            f"with `python -c \"from lm_eval.tasks import TaskManager; TaskManager().load(['{name}'])\"` and copy "
+            "that cache here (or point HF_HOME at a shared one)")
+
+
+def _failing_task_config(error: Exception) -> Any:
+    """The config of the lm-eval task whose data loading raised `error` (its frames hold the task)."""
+    from lm_eval.api.task import Task
+
+    traceback, config = error.__traceback__, None
+    while traceback is not None:
+        owner = traceback.tb_frame.f_locals.get("self")
+        if isinstance(owner, Task):
+            config = owner.config
+        traceback = traceback.tb_next
+    return config
+
+
+def chat_renderer(tokenizer_path: str | Path, choice: str = ""):
+    """The chat template lm-eval's apply_chat_template renders with: data.chat_template's choice, else
+    the tokenizer's own; a one-line error when there is none."""
+    from titan_tpu.data.chat import ChatRenderer, load_chat_template
+
+    try:
+        template, special = load_chat_template(tokenizer_path, choice)
+    except ValueError:
+        raise ValueError(f"--apply-chat-template renders prompts with the tokenizer's chat template, and "
+                         f"{str(tokenizer_path)!r} has none; drop --apply-chat-template, or give one with "
+                         "--data.chat_template chatml (or a .jinja file)") from None
+    return ChatRenderer(template, tokenizer=None, special_tokens=special)
+
+
+@contextlib.contextmanager
+def _own_random_state():
+    """lm-eval seeds Python's, NumPy's and torch's generators; a training run's draws go on after it
+    as if it had not run."""
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
+
+
+def score(lm, tasks: list, settings: TaskSettings, *, bootstrap_iters: int = 100000,
+          verbosity: str | None = None) -> dict | None:
+    """lm-eval's results of `lm` on loaded `tasks` (None on every process but the first)."""
+    import lm_eval
+
+    limit = settings.limit
+    limit = int(limit) if limit is not None and limit >= 1 else limit
+    with _own_random_state():
+        return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=settings.num_fewshot, limit=limit,
+                                       task_manager=task_manager(settings.include_path), log_samples=False,
+                                       apply_chat_template=settings.apply_chat_template,
+                                       system_instruction=settings.system_instruction,
+                                       bootstrap_iters=bootstrap_iters, verbosity=verbosity)
+
+
+def task_metrics(results: dict) -> dict[str, float]:
+    """The scores of lm-eval's results as metrics-row keys: eval/<task>/<metric>, the filter named
+    when it is not lm-eval's "none" (eval/gsm8k/exact_match/strict-match); no standard errors."""
+    row = {}
+    for section in ("results", "groups"):
+        for task, values in (results.get(section) or {}).items():
+            for key, value in values.items():
+                metric, _, kind = key.partition(",")
+                if not kind or "_stderr" in metric or not isinstance(value, (int, float)) or isinstance(value, bool):
+                    continue
+                row[f"eval/{task}/{metric}{'' if kind == 'none' else '/' + kind}"] = float(value)
+    return row
+
+
+def write_results(results: dict, path: Path) -> None:
+    from lm_eval.utils import handle_non_serializable
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
+
+
 def default_results_path(weights: str) -> Path | None:
     """Beside the weights: a checkpoint step directory or an HF directory DIR -> DIR.lm_eval.json; a
     seeded init has no such place (None)."""
@@ -54,12 +194,11 @@ def default_results_path(weights: str) -> Path | None:
     return path.with_name(path.name + ".lm_eval.json") if path.is_dir() else None
 
 
-def run_tasks(setup, *, checkpoint: str | None, tasks: list[str], num_fewshot: int | None, limit: float | None,
-              batch_size: int, include_path: str | None, output: str | None) -> dict:
-    """lm-eval's results (its dict) of the run setup's model (`checkpoint`'s weights) on `tasks`."""
+def run_tasks(setup, *, checkpoint: str | None, settings: TaskSettings, output: str | None) -> dict:
+    """`titan-tpu eval --tasks`: lm-eval's results (its dict) of the run setup's model (`checkpoint`'s
+    weights), its table printed and its JSON written."""
     require_lm_eval()
-    import lm_eval
-    from lm_eval.utils import handle_non_serializable, make_table
+    from lm_eval.utils import make_table
 
     from titan_tpu.data.tokenizer import load_tokenizer
     from titan_tpu.device import get_backend
@@ -67,18 +206,17 @@ def run_tasks(setup, *, checkpoint: str | None, tasks: list[str], num_fewshot: i
     from titan_tpu.harness import HarnessLM
 
     cfg = setup.cfg
-    manager = task_manager(include_path)
-    check_task_names(tasks, manager.all_tasks)
+    tasks = load_tasks(settings)
     loaded = load_eval_model(cfg, checkpoint=checkpoint, device=get_backend(cfg.training.device).device,
                              spec=setup.spec)
     tokenizer_path = cfg.data.tokenizer_path or loaded.tokenizer
     if not tokenizer_path:
         raise ValueError("eval --tasks needs the model's tokenizer: pass --data.tokenizer_path TOKENIZER_JSON, or a "
                          "model directory or checkpoint run that holds tokenizer.json")
-    model = HarnessLM(loaded.model, load_tokenizer(tokenizer_path), max_length=loaded.max_len, batch_size=batch_size,
-                      seed=cfg.training.seed)
-    results = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                      task_manager=manager, log_samples=False)
+    chat = chat_renderer(tokenizer_path, cfg.data.chat_template) if settings.apply_chat_template else None
+    model = HarnessLM(loaded.model, load_tokenizer(tokenizer_path), max_length=loaded.max_len,
+                      batch_size=settings.batch_size, seed=cfg.training.seed, chat=chat)
+    results = score(model, tasks, settings)
     results["config"]["model"] = loaded.spec.label
     results["config"]["weights"] = loaded.weights
     print(make_table(results))
@@ -86,7 +224,6 @@ def run_tasks(setup, *, checkpoint: str | None, tasks: list[str], num_fewshot: i
         print(make_table(results, "groups"))
     path = Path(output) if output else default_results_path(loaded.weights)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
+        write_results(results, path)
         print(f"results: {path}", file=sys.stderr)
     return results

@@ -21,6 +21,16 @@ the text starts with the BOS already; special tokens in the text recognised. The
 end-of-text tokens are those tokenizer_config.json beside tokenizer.json names, as transformers
 reads them; without one, the tokenizer's end-of-text token serves for both.
 
+Chat templates (lm-eval's --apply_chat_template): `apply_chat_template` renders a task's messages
+with the tokenizer's template as transformers' `apply_chat_template(tokenize=False)` does for HFLM
+(the generation prompt opened, or the last message continued where a task prefills the answer).
+
+Several processes (in-training evaluation on the training mesh, `ScoringRanks`): lm-eval hands every
+process all the requests, as to one process, so few-shot draws and metrics are those of one process;
+each scoring rank answers its share (every `size`-th request) and the answers are gathered, so every
+process returns all of them. A sharded model gathers its weights in every forward, so all processes
+run the same number of forwards: a rank with fewer batches runs short dummy ones.
+
 lm_eval is imported at the top: import this module only where lm-eval is wanted
 (evaluate_tasks.py checks it is installed first).
 """
@@ -28,7 +38,8 @@ lm_eval is imported at the top: import this module only where lm-eval is wanted
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +58,7 @@ from titan_tpu.generate import Sampling, generate
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
 
+    from titan_tpu.data.chat import ChatRenderer
     from titan_tpu.data.tokenizer import Tokenizer
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's, when a task names none
@@ -88,14 +100,50 @@ def _special_tokens_named(tokenizer: Tokenizer) -> dict[str, int]:
     return named
 
 
+@dataclass(frozen=True)
+class ScoringRanks:
+    """This process's share of the requests: scoring rank `index` of `size` (the data-parallel ranks;
+    processes of one scoring rank, tensor-parallel ones, score the same requests). Collectives run
+    over all processes of the default process group."""
+
+    index: int = 0
+    size: int = 1
+
+    def mine(self, count: int) -> list[int]:
+        """The indices of `count` requests this rank answers."""
+        return list(range(self.index, count, self.size))
+
+    def most(self, values: list[int]) -> list[int]:
+        """Element-wise maximum of every process's `values` (a shorter list counts as 0s)."""
+        every = self._all(values)
+        width = max(map(len, every))
+        return [max(v[i] if i < len(v) else 0 for v in every) for i in range(width)]
+
+    def gather(self, answers: dict[int, Any], count: int) -> list[Any]:
+        """All `count` answers, from every rank's {request index: answer}."""
+        merged: dict[int, Any] = {}
+        for part in self._all(answers):
+            merged.update(part)
+        return [merged[i] for i in range(count)]
+
+    @staticmethod
+    def _all(value: Any) -> list[Any]:
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, value)
+        return every
+
+
 class HarnessLM(TemplateLM):
     """A built model (eval mode, on its device) and its tokenizer, as an lm-eval model.
 
     max_length: tokens the model reads at most (its position tables' length). batch_size: rows per
-    forward. seed: of the sampler, for tasks that sample (do_sample)."""
+    forward. seed: of the sampler, for tasks that sample (do_sample). chat: the tokenizer's chat
+    template, for tasks run with lm-eval's apply_chat_template. ranks: this process's share when
+    several score together (module docstring); None: one process scores everything."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, *, max_length: int, batch_size: int = 8,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, seed: int = 0):
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, seed: int = 0, chat: ChatRenderer | None = None,
+                 ranks: ScoringRanks | None = None):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"--batch-size {batch_size} must be >= 1")
@@ -105,6 +153,9 @@ class HarnessLM(TemplateLM):
         self.batch_size = batch_size
         self.max_gen_toks = max_gen_toks
         self.seed = seed
+        self.chat = chat
+        self.ranks = ranks
+        self.tokenizer_path = str(tokenizer.path) if tokenizer.path is not None else ""
 
     @property
     def device(self) -> torch.device:
@@ -129,6 +180,25 @@ class HarnessLM(TemplateLM):
             tokens_BS[b, :len(row)] = torch.tensor(row, dtype=torch.long)
         return self.model(tokens_BS.to(self.device))
 
+    # ------------------------------------------------------------------------------------------
+    # the requests: each rank its share (module docstring)
+
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return self._shared(requests, super().loglikelihood)
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        return self._shared(requests, self._loglikelihood_rolling)
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        return self._shared(requests, self._generate_until)
+
+    def _shared(self, requests: list[Instance], answer) -> list:
+        if self.ranks is None:
+            return answer(requests)
+        mine = self.ranks.mine(len(requests))
+        answers = answer([requests[i] for i in mine])  # also with none: the forwards are counted together
+        return self.ranks.gather(dict(zip(mine, answers)), len(requests))
+
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(log-probability, greedy) of each continuation after its context (token lists)."""
@@ -138,8 +208,9 @@ class HarnessLM(TemplateLM):
 
         ordered = Collator(requests, sort_fn=longest_first, group_by="contexts",
                            group_fn=lambda request: request[1] + request[2][:-1])
+        batches = list(ordered.get_batched(n=self.batch_size))
         results = []
-        for chunk in ordered.get_batched(n=self.batch_size):
+        for chunk in batches:
             # The last max_length + 1 tokens of context + continuation; the model reads all but the last.
             inputs = [(context + continuation)[-(self.max_length + 1):][:-1] for _, context, continuation in chunk]
             logits_BSV = self._logits(inputs)
@@ -155,9 +226,13 @@ class HarnessLM(TemplateLM):
                     results.append(answer)
                     if request is not None:
                         self.cache_hook.add_partial("loglikelihood", request, answer)
+        if self.ranks is not None:  # as many forwards as the rank with the most batches
+            [most] = self.ranks.most([len(batches)])
+            for _ in range(most - len(batches)):
+                self._logits([[self.prefix_token_id]])
         return ordered.get_original(results)
 
-    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+    def _loglikelihood_rolling(self, requests: list[Instance]) -> list[float]:
         """Each document's log-likelihood, every token predicted once, in windows of max_length."""
         windows, owners = [], []
         for i, (text,) in enumerate(request.args for request in requests):
@@ -174,12 +249,12 @@ class HarnessLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
-    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+    def _generate_until(self, requests: list[Instance]) -> list[str]:
         """Each context's continuation, up to the first of its `until` strings (and end-of-text)."""
         ordered = Collator([request.args for request in requests], sort_fn=lambda args: (
             -len(self.tok_encode(args[0])), args[0]), group_by="gen_kwargs", group_fn=lambda args: args[1])
         eot = self.tok.decode([self.eot_token_id], skip_special_tokens=False)
-        results = []
+        batches = []  # (chunk, prompts, until, max_gen_toks, sampling)
         for chunk in ordered.get_batched(n=self.batch_size):
             contexts, all_kwargs = zip(*chunk)
             kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)  # one group: the same kwargs
@@ -189,13 +264,51 @@ class HarnessLM(TemplateLM):
                 raise ValueError(f"a task asks for {max_gen_toks} new tokens but the model reads at most "
                                  f"{self.max_length}; lower the task's max_gen_toks")
             prompts = [self.tok_encode(context)[-(self.max_length - max_gen_toks):] for context in contexts]
-            generated = generate(self.model, prompts, max_new_tokens=max_gen_toks, sampling=_sampling(kwargs),
-                                 stop_ids={self.eot_token_id}, seed=self.seed)
+            batches.append((chunk, prompts, until, max_gen_toks, _sampling(kwargs)))
+        # Several ranks: batch i takes as many forwards on every rank (the most new tokens any asks).
+        steps = [b[3] for b in batches] if self.ranks is None else self.ranks.most([b[3] for b in batches])
+        results = []
+        for i, new_tokens in enumerate(steps):
+            if i >= len(batches):
+                generate(self.model, [[self.prefix_token_id]], max_new_tokens=new_tokens, until_all_stop=False)
+                continue
+            chunk, prompts, until, max_gen_toks, sampling = batches[i]
+            generated = generate(self.model, prompts, max_new_tokens=max_gen_toks, sampling=sampling,
+                                 stop_ids={self.eot_token_id}, seed=self.seed, until_all_stop=self.ranks is None)
+            if new_tokens > max_gen_toks:
+                generate(self.model, [[self.prefix_token_id]], max_new_tokens=new_tokens - max_gen_toks,
+                         until_all_stop=False)
             for row, (context, gen_kwargs) in enumerate(chunk):
                 text = postprocess_generated_text(self.tok.decode(generated.completion(row)), until, None)
                 results.append(text)
                 self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
         return ordered.get_original(results)
+
+    # ------------------------------------------------------------------------------------------
+    # chat templates (lm-eval's apply_chat_template)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer_path.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.chat.source if self.chat is not None and chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The messages as the tokenizer's chat template renders them for transformers'
+        apply_chat_template(tokenize=False): with the assistant's turn opened, or (a task that
+        prefills the answer) continuing the last message. A template that refuses a system message
+        gets the messages without it, as HFLM retries."""
+        from jinja2.exceptions import TemplateError
+
+        if self.chat is None:
+            raise ValueError("a task asks for the chat template and this model's tokenizer has none; drop "
+                             "--apply-chat-template or give one (--data.chat_template chatml or a .jinja file)")
+        try:
+            return self.chat.text(chat_history, add_generation_prompt=add_generation_prompt)
+        except TemplateError:
+            without_system = [message for message in chat_history if message["role"] != "system"]
+            return self.chat.text(without_system, add_generation_prompt=add_generation_prompt)
 
     def get_model_info(self) -> dict:
         return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # sentinels around {% generation %} output; never in real text
+_CONTINUE = "CONTINUE_FINAL_MESSAGE_TAG "  # after a message to continue; transformers' own marker
 
 
 # data.chat_template = "chatml": ChatML turns (<|im_start|>role\n ... <|im_end|>\n, the format Qwen's
@@ -110,6 +111,7 @@ class ChatRenderer:
     """Renders conversations with one template to (token ids, trained flags)."""
 
     def __init__(self, template: str, tokenizer: Any, *, special_tokens: dict[str, str] | None = None):
+        self.source = template
         self.template = _environment().from_string(template)
         self.marks = "generation" in template and "endgeneration" in template
         self.tokenizer = tokenizer  # titan_tpu Tokenizer
@@ -117,6 +119,24 @@ class ChatRenderer:
 
     def _render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+
+    def text(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
+        """The conversation as text, as transformers' apply_chat_template(tokenize=False) gives it: with
+        the assistant's turn opened (add_generation_prompt), else continuing the last message
+        (continue_final_message: rendered with a marker after its text, cut at the marker, so its
+        end-of-turn and what follows are gone)."""
+        if add_generation_prompt or not messages:
+            return self._plain(messages, add_generation_prompt=add_generation_prompt)
+        marked = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE}]
+        text = self._plain(marked, add_generation_prompt=False)
+        if _CONTINUE.strip() not in text:
+            raise ValueError("the chat template drops the last message's text, so it cannot be continued")
+        cut = text.rindex(_CONTINUE.strip())
+        return text[:cut] if text[cut:cut + len(_CONTINUE)] == _CONTINUE else text[:cut].rstrip()
+
+    def _plain(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
+        text = self._render(messages, add_generation_prompt=add_generation_prompt)
+        return text.replace(_OPEN, "").replace(_CLOSE, "")
 
     def prompt_ids(self, messages: Any, *, where: str) -> list[int]:
         """Token ids of a conversation rendered with the generation prompt (the opening of the
