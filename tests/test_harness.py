@@ -85,8 +85,8 @@ def pair(request, setup, native, hflm, tmp_path_factory):
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer
 
+    from titan_tpu.benchmarks.harness import HarnessLM
     from titan_tpu.data.tokenizer import load_tokenizer
-    from titan_tpu.harness import HarnessLM
 
     hf_dir, _, hf, _ = setup
     if request.param == "plain":
@@ -195,9 +195,9 @@ CHATS = [[{"role": "user", "content": "the cat sat on"}],
 def test_chat_template_renders_as_hflm(setup, native, hflm):
     """lm-eval's apply_chat_template: ours from the tokenizer's template as transformers renders it,
     with the generation prompt and continuing the last message (a prefilled answer)."""
+    from titan_tpu.benchmarks.harness import HarnessLM
+    from titan_tpu.benchmarks.tasks import chat_renderer
     from titan_tpu.data.tokenizer import load_tokenizer
-    from titan_tpu.evaluate_tasks import chat_renderer
-    from titan_tpu.harness import HarnessLM
 
     hf_dir, _, _, _ = setup
     ours = HarnessLM(native, load_tokenizer(hf_dir), max_length=64, chat=chat_renderer(hf_dir / "tokenizer.json"))

@@ -43,9 +43,9 @@ def _train(run_dir, cache, *extra: str) -> None:
 
 def _harness(cfg, weights):
     """HarnessLM of what `titan-tpu eval --tasks` loads from `weights` (a checkpoint run or HF directory)."""
+    from titan_tpu.benchmarks.harness import HarnessLM
     from titan_tpu.data.tokenizer import load_tokenizer
     from titan_tpu.evaluate import load_eval_model
-    from titan_tpu.harness import HarnessLM
 
     loaded = load_eval_model(cfg, checkpoint=weights, device=torch.device("cpu"))
     tokenizer = cfg.data.tokenizer_path or loaded.tokenizer
@@ -162,8 +162,8 @@ def test_transformers_backend_equals_hflm(tmp_path, tasks_dir, capsys):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tok_dir / name, hf_dir / name)
 
+    from titan_tpu.benchmarks.harness import HarnessLM
     from titan_tpu.data.tokenizer import load_tokenizer
-    from titan_tpu.harness import HarnessLM
 
     ours = HarnessLM(loaded.model, load_tokenizer(tok_dir), max_length=loaded.max_len, batch_size=4)
     _assert_requests_equal(ours, HFLM(pretrained=str(hf_dir), batch_size=3, device="cpu"))

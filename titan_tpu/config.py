@@ -304,6 +304,21 @@ class ValidationConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    # lm-evaluation-harness benchmarks (the eval extra) scored during training on the training mesh:
+    # every data-parallel rank scores its share of the requests, rank 0 logs eval/<task>/<metric>
+    # (metrics.jsonl, the trackers, the report) and writes lm-eval's JSON to lm_eval/step-N.json.
+    # Task names as `titan-tpu eval --tasks` takes them (loops/evaluation.py). Empty: none.
+    tasks: list[str] = field(default_factory=list)
+    freq: int = 500  # every freq steps (and after the last step)
+    limit: float = 0.0  # documents per task at most (below 1: that fraction of each task); 0: all
+    num_fewshot: int = -1  # examples in each prompt; -1: each task's own
+    batch_size: int = 8  # rows per forward
+    include_path: str = ""  # a folder of task YAMLs of one's own (local data_files)
+    apply_chat_template: bool = False  # render prompts with the tokenizer's (or data.chat_template's) template
+
+
+@dataclass
 class MetricsConfig:
     log_freq: int = 10  # a metrics row (loss, tokens/s, MFU, memory) every log_freq steps
     # Where each row goes besides metrics.jsonl and the console: tensorboard, wandb (an optional
@@ -399,6 +414,7 @@ class Config:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -600,7 +616,8 @@ def check(cfg: Config) -> None:
     for key, value in (("training.steps", t.steps), ("training.batch_size", t.batch_size),
                        ("training.seq_len", t.seq_len), ("training.grad_accum_steps", t.grad_accum_steps),
                        ("metrics.log_freq", cfg.metrics.log_freq), ("validation.freq", cfg.validation.freq),
-                       ("validation.steps", cfg.validation.steps), ("checkpoint.interval", cfg.checkpoint.interval)):
+                       ("validation.steps", cfg.validation.steps), ("checkpoint.interval", cfg.checkpoint.interval),
+                       ("evaluation.freq", cfg.evaluation.freq), ("evaluation.batch_size", cfg.evaluation.batch_size)):
         if value < 1:
             raise ValueError(f"{key} = {value} must be >= 1")
     if cfg.parallelism.dp_replicate < 1 or (cfg.parallelism.dp_shard < 1 and cfg.parallelism.dp_shard != -1):
@@ -657,6 +674,9 @@ def check(cfg: Config) -> None:
     if cfg.data.tokenize_limit_mb < 0:
         raise ValueError(f"data.tokenize_limit_mb = {cfg.data.tokenize_limit_mb:g} must be >= 0 (0: no limit)")
     _check_fault_tolerance(cfg.fault_tolerance)
+    if cfg.evaluation.limit < 0 or cfg.evaluation.num_fewshot < -1:
+        raise ValueError(f"evaluation.limit = {cfg.evaluation.limit:g} must be >= 0 (0: all documents) and "
+                         f"evaluation.num_fewshot = {cfg.evaluation.num_fewshot} >= -1 (-1: each task's own)")
 
 
 def _check_fault_tolerance(ft: FaultToleranceConfig) -> None:

@@ -143,6 +143,7 @@ def prepare_run(cfg: Config) -> RunSetup:
                          "use --kernels.loss chunked")
     check_kind(cfg, sources)  # what the kind of training needs (kinds/)
     _check_fault_tolerance(cfg)
+    _check_evaluation(cfg)
     if t.device == "cpu":  # with auto, the trainer checks once it knows the device
         check_cpu_compute_dtype(cfg.model.dtype)
     return RunSetup(cfg=cfg, spec=spec, sources=sources, warmup_steps=warmup_steps)
@@ -185,3 +186,22 @@ def _check_fault_tolerance(cfg: Config) -> None:
         raise ValueError(f"parallelism.dp_replicate = {cfg.parallelism.dp_replicate} replicates inside one job; with "
                          "fault_tolerance.enabled the replica groups are separate jobs (fault_tolerance.replicas): set "
                          "parallelism.dp_replicate 1")
+
+
+def _check_evaluation(cfg: Config) -> None:
+    """[evaluation] tasks: lm-eval installed, and a mesh whose ranks each score whole requests (the
+    data-parallel axes; tp, cp and ep split one request's forward across ranks)."""
+    if not cfg.evaluation.tasks:
+        return
+    from titan_tpu.benchmarks.tasks import require_lm_eval
+
+    require_lm_eval("evaluation.tasks")
+    p = cfg.parallelism
+    split = {key: getattr(p, key) for key in ("tp", "cp", "ep") if getattr(p, key) > 1}
+    if split:
+        got = ", ".join(f"parallelism.{key} = {size}" for key, size in split.items())
+        raise ValueError(f"evaluation.tasks scores on the data-parallel ranks alone and this run has {got}; score its "
+                         "checkpoints with `titan-tpu eval --tasks` instead, or set them to 1")
+    if cfg.fault_tolerance.enabled:
+        raise ValueError("evaluation.tasks does not run with replica groups (fault_tolerance.enabled) yet; score the "
+                         "checkpoints with `titan-tpu eval --tasks` instead")

@@ -32,6 +32,7 @@ from torch.profiler import record_function
 from titan_tpu.components.build import Components
 from titan_tpu.data.batch import Batch, as_batch
 from titan_tpu.data.tokenizer import tokenizer_files
+from titan_tpu.loops.evaluation import TaskEvaluation
 from titan_tpu.loops.metrics_row import MetricsWindow, metrics_row
 from titan_tpu.loops.replica_groups import ReplicaGroups
 from titan_tpu.loops.saving import Saving
@@ -59,6 +60,7 @@ class Loop:
         self.goodput: GoodputLedger | None = None  # rank 0's, while train() runs
         self.saving = Saving(self)
         self.compile_stats = dict(components.compile_stats)  # capture and compile seconds, with the first row
+        self.evaluation: TaskEvaluation | None = None  # the [evaluation] tasks, loaded before the first step
 
     def log(self, message: str) -> None:
         self.components.log(message)
@@ -169,6 +171,8 @@ class Loop:
             self.timed("checkpoint_save", self.saving.save_checkpoint)
         if parts.local_tier is not None and cfg.checkpoint.grace_seconds > 0:
             self.saving.check_grace_budget()
+        if cfg.evaluation.tasks:
+            self.evaluation = TaskEvaluation(parts)
         parts.backend.peak_flops(parts.compute_dtype)  # measured (CPU) before the loop, named in the line below
         if parts.warmup_steps < cfg.lr_scheduler.warmup_steps:
             self.log(f"note: lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is longer than training.steps "
@@ -223,6 +227,10 @@ class Loop:
                 last_val = self.timed("validation", self.validate)
                 if self.logger is not None:
                     self.logger.log(self.step, {"val_loss": last_val})
+            if self.evaluation is not None and self.evaluation.due(self.step, done=done):
+                scores = self.timed("validation", lambda: self.evaluation.run(self.step))
+                if self.logger is not None and scores:
+                    self.logger.log(self.step, scores)
             stop = shutdown.should_stop()  # agreed by all ranks, so all of them save together
             self.saving.after_step(done=done, stop=stop, since_signal=shutdown.seconds_since_signal() if stop else 0.0)
             if stop:

@@ -32,7 +32,7 @@ process returns all of them. A sharded model gathers its weights in every forwar
 run the same number of forwards: a rank with fewer batches runs short dummy ones.
 
 lm_eval is imported at the top: import this module only where lm-eval is wanted
-(evaluate_tasks.py checks it is installed first).
+(benchmarks/tasks.py `require_lm_eval` checks it is installed first).
 """
 
 from __future__ import annotations
@@ -209,6 +209,8 @@ class HarnessLM(TemplateLM):
         ordered = Collator(requests, sort_fn=longest_first, group_by="contexts",
                            group_fn=lambda request: request[1] + request[2][:-1])
         batches = list(ordered.get_batched(n=self.batch_size))
+        # Several ranks: agreed before the first forward, each runs as many as the rank with the most batches.
+        forwards = len(batches) if self.ranks is None else self.ranks.most([len(batches)])[0]
         results = []
         for chunk in batches:
             # The last max_length + 1 tokens of context + continuation; the model reads all but the last.
@@ -226,10 +228,8 @@ class HarnessLM(TemplateLM):
                     results.append(answer)
                     if request is not None:
                         self.cache_hook.add_partial("loglikelihood", request, answer)
-        if self.ranks is not None:  # as many forwards as the rank with the most batches
-            [most] = self.ranks.most([len(batches)])
-            for _ in range(most - len(batches)):
-                self._logits([[self.prefix_token_id]])
+        for _ in range(forwards - len(batches)):  # another rank has more batches: its forwards gather weights too
+            self._logits([[self.prefix_token_id]])
         return ordered.get_original(results)
 
     def _loglikelihood_rolling(self, requests: list[Instance]) -> list[float]:
