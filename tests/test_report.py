@@ -158,3 +158,16 @@ def test_goodput_summarised_and_drawn_as_a_stacked_bar(tmp_path):
     assert rows["goodput"] == "75.0 %" and rows["steps recomputed after failures"] == "1"
     report.write_report([run], png_dir=tmp_path / "png")
     assert (tmp_path / "png" / "goodput.png").is_file()
+
+
+def test_benchmark_scores_plotted(tmp_path):
+    """[evaluation] rows: the scores on one plot, the perplexities on a log-scale one."""
+    rows = [{"step": s, "loss": 5.0} for s in range(1, 5)]
+    rows += [{"step": s, "eval/arc_easy/acc": 0.25 + s / 100, "eval/arc_easy/acc_norm": 0.3,
+              "eval/wikitext/word_perplexity": 900.0 / s} for s in (2, 4)]
+    run = write_run(tmp_path / "bench", rows, config={}, starts=[])
+    report.write_report([run], png_dir=tmp_path / "png")
+    assert {"benchmarks", "benchmark_perplexity"} <= {p.stem for p in (tmp_path / "png").glob("*.png")}
+    loaded = [report.load_run(run)]
+    assert report._benchmark_keys(loaded, scores=True) == ["eval/arc_easy/acc", "eval/arc_easy/acc_norm"]
+    assert report._benchmark_keys(loaded, scores=False) == ["eval/wikitext/word_perplexity"]

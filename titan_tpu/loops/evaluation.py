@@ -28,8 +28,8 @@ class TaskEvaluation:
         self.components = components
         self.freq = e.freq
         self.settings = TaskSettings(tuple(e.tasks), num_fewshot=None if e.num_fewshot < 0 else e.num_fewshot,
-                                     limit=e.limit or None, batch_size=e.batch_size, include_path=e.include_path or None,
-                                     apply_chat_template=e.apply_chat_template)
+                                     limit=e.limit or None, batch_size=e.batch_size,
+                                     include_path=e.include_path or None, apply_chat_template=e.apply_chat_template)
         tokenizer = components.tokenizer
         if e.apply_chat_template and tokenizer.path is None:
             raise ValueError("evaluation.apply_chat_template needs the tokenizer's chat template; set "

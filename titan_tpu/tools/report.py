@@ -3,8 +3,9 @@
 What a run directory holds and the report reads (train/metrics.py writes them):
 
     metrics.jsonl   one row per logged step: loss, lr, grad_norm, tokens_per_s, mfu, memory_gb,
-                    max_memory_gb, data_s, step_s, time; val_loss rows; capture_s/compile_s on the
-                    first row of a process; aux_loss and expert_load_* for MoE models
+                    max_memory_gb, data_s, step_s, time; val_loss rows; eval/<task>/<metric> rows
+                    of the [evaluation] tasks; capture_s/compile_s on the first row of a process;
+                    aux_loss and expert_load_* for MoE models
     config.json     the full config of the run (the config table compares these)
     events.jsonl    one line per process start (restarts = starts - 1)
     goodput.json    where the run's wall time went, per process (train/goodput.py): the goodput plot
@@ -303,6 +304,25 @@ def _lines(ylabel: str, *series: tuple[str, str, str]):
     return plot
 
 
+def _benchmark_keys(runs, *, scores: bool) -> list[str]:
+    """The eval/<task>/<metric> keys of the runs' [evaluation] rows: scores (every value in [0, 1]:
+    accuracies, exact match) or the rest (perplexities, bits per byte)."""
+    keys = sorted({key for run in runs for row in run.rows for key in row if key.startswith("eval/")})
+    return [key for key in keys if all(0.0 <= v <= 1.0 for run in runs for v in run.series(key)[1]) == scores]
+
+
+def _benchmarks(ylabel: str, *, scores: bool):
+    def plot(ax, runs, colors) -> bool:
+        drawn = False
+        for key, style in zip(_benchmark_keys(runs, scores=scores), ("o-", "s--", "^:", "d-.") * 8):
+            drawn |= _line_plot(ax, runs, colors, key, label_suffix=f" {key.removeprefix('eval/')}", style=style)
+        ax.set_ylabel(ylabel)
+        if drawn and not scores:
+            ax.set_yscale("log")
+        return drawn
+    return plot
+
+
 _plot_rewards = _lines("reward", ("rewards/chosen", " chosen", "-"), ("rewards/rejected", " rejected", "--"),
                        ("rewards/margins", " margins", ":"))
 _plot_grpo_reward = _lines("reward", ("reward", " mean", "-"), ("reward_std", " std within groups", "--"))
@@ -325,6 +345,9 @@ PLOTS = (
     ("data_wait", "Share of each step spent waiting for data", _plot_share),
     ("compile", "Graph capture and compile time", _plot_compile),
     ("goodput", "Where the wall time went (goodput: the productive share)", _plot_goodput),
+    ("benchmarks", "Benchmark scores during training (lm-eval tasks)", _benchmarks("score", scores=True)),
+    ("benchmark_perplexity", "Benchmark perplexities during training (lm-eval tasks)",
+     _benchmarks("perplexity, bits per byte", scores=False)),
     ("expert_load", "MoE expert load", _plot_experts),
     ("aux_loss", "MoE balancing loss", _simple("aux_loss", "auxiliary loss")),
     ("rewards", "DPO rewards (beta x log-ratio to the reference, mean over pairs)", _plot_rewards),
