@@ -57,18 +57,22 @@ def _bos_tokenizer_dir(hf_dir, directory):
     return directory
 
 
-@pytest.fixture(scope="module")
-def native(setup):
-    """Our Llama holding the transformers model's weights."""
+def _native_twin(hf):
+    """Our model (Llama or Qwen3, as the HF config says) holding the transformers model's weights."""
     from titan_tpu.models.common.transformer import Transformer
     from titan_tpu.models.hf_adapter import from_hf_state_dict, model_args_from_hf_config
 
-    _, _, hf, _ = setup
     _, args = model_args_from_hf_config(hf.config.to_dict())
     model = Transformer(args)
     model.load_state_dict(from_hf_state_dict(hf.state_dict(), args), strict=False)
     model.init_buffers()
     return model
+
+
+@pytest.fixture(scope="module")
+def native(setup):
+    """Our Llama holding the transformers model's weights."""
+    return _native_twin(setup[2])
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +277,29 @@ def test_task_data_missing_is_one_line_with_the_fetch(setup, tmp_path, monkeypat
     _, err = capsys.readouterr()
     assert code == 2 and err.count("\n") == 1, err
     assert "lm-eval task local_task: its data files {'test': '/no/such.jsonl'} are missing" in err
+
+
+def test_native_qwen3_equals_hflm(setup):
+    """Qwen3 (QK-norm, tied embeddings) run natively: the same requests' answers as HFLM on it."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from titan_tpu.benchmarks.harness import HarnessLM
+    from titan_tpu.data.tokenizer import load_tokenizer
+
+    hf_dir, _, _, tokenizer = setup
+    torch.manual_seed(1)
+    config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=400, max_position_embeddings=64,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    hf = Qwen3ForCausalLM(config).eval()
+    native = _native_twin(hf)
+    assert native.args.qk_norm
+    ours = HarnessLM(native, load_tokenizer(hf_dir), max_length=64, batch_size=4)
+    reference = HFLM(pretrained=hf, tokenizer=tokenizer, batch_size=3)
+    pairs, documents = loglikelihood_requests()
+    assert_requests_equal(ours, reference, pairs, documents)
+    requests = [(c, {"until": ["\n"], "max_gen_toks": 6}) for c in ("the cat sat on", "red", "a dog")]
+    assert ours.generate_until(instances("generate_until", requests)) == reference.generate_until(
+        instances("generate_until", requests))

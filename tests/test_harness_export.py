@@ -64,13 +64,18 @@ def _assert_requests_equal(ours, hflm) -> None:
         instances("generate_until", requests))
 
 
-def _hflm_metrics(export, tasks_dir) -> dict:
-    import lm_eval
-    from lm_eval.models.huggingface import HFLM
+def _lm_eval_command_metrics(export, tasks_dir, output) -> dict:
+    """`lm-eval run --model hf` on the export, as a user runs it beside us (its own process)."""
+    import subprocess
+    import sys
 
-    hflm = HFLM(pretrained=str(export), batch_size=3, device="cpu")
-    return lm_eval.simple_evaluate(model=hflm, tasks=TASKS, task_manager=our_tasks(tasks_dir),
-                                   log_samples=False)["results"]
+    command = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+               f"pretrained={export},dtype=float32", "--device", "cpu", "--tasks", ",".join(TASKS), "--include_path",
+               str(tasks_dir), "--batch_size", "3", "--output_path", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    [written] = output.rglob("results_*.json")
+    return json.loads(written.read_text())["results"]
 
 
 def _assert_metrics_equal(ours: dict, expected: dict) -> None:
@@ -103,7 +108,8 @@ def test_export_reads_as_lm_eval_hf_and_scores_as_the_checkpoint(tmp_path, data_
     _, err = capsys.readouterr()
     assert code == 0, err
     [written] = run.rglob("step-*.lm_eval.json")
-    _assert_metrics_equal(json.loads(written.read_text())["results"], _hflm_metrics(export, tasks_dir))
+    _assert_metrics_equal(json.loads(written.read_text())["results"],
+                          _lm_eval_command_metrics(export, tasks_dir, tmp_path / "lm_eval_out"))
 
     cfg = build_config(LLAMA_DEBUG, ["--training.device", "cpu"])
     _assert_requests_equal(_harness(cfg, run), HFLM(pretrained=str(export), batch_size=3, device="cpu"))
