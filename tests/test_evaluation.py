@@ -42,10 +42,14 @@ def eval_rows(run_dir) -> dict[int, dict[str, float]]:
             if any(k.startswith("eval/") for k in r)}
 
 
-def test_scores_in_training_equal_eval_of_the_checkpoint(tmp_path, cache, tasks_dir, capsys):
+@pytest.mark.parametrize("layout", [{}, {"model__scan_layers": "true", "activation_checkpoint__mode": "full"}],
+                         ids=["unrolled", "scanned_full_ac"])
+def test_scores_in_training_equal_eval_of_the_checkpoint(tmp_path, cache, tasks_dir, capsys, layout):
+    """The scanned, checkpointed model generates by whole forwards (it has no cached path): the same
+    scores as the checkpoint loaded unrolled."""
     run, plain = tmp_path / "run", tmp_path / "plain"
-    train_here(overrides(run, cache, **evaluation(tasks_dir)))
-    train_here(overrides(plain, cache, training__steps=4, checkpoint__interval=2))
+    train_here(overrides(run, cache, **evaluation(tasks_dir), **layout))
+    train_here(overrides(plain, cache, training__steps=4, checkpoint__interval=2, **layout))
     assert losses(run) == losses(plain)  # bitwise: an evaluation leaves the run's random draws alone
 
     scores = eval_rows(run)

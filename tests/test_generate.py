@@ -395,3 +395,16 @@ def test_bad_prompts_are_one_line(tmp_path, capsys, rows, match):
     _one_line_error(capsys, ["generate", "--hf-dir", str(directory), "--device", "cpu"], "needs --prompt")
     _one_line_error(capsys, ["generate", "--hf-dir", str(directory), "--prompt", "a", "--top-p", "0", "--device",
                              "cpu"], "top_p = 0.0 must be in (0, 1]")
+
+
+@pytest.mark.parametrize("scan_layers, ac_mode", [(True, "none"), (False, "full"), (True, "full")])
+def test_a_model_as_training_builds_it_generates_the_cached_tokens(scan_layers, ac_mode):
+    """Scanned layers or checkpointed blocks (no cached path; a model scored during training):
+    every step's whole forward gives transformers' greedy tokens."""
+    hf, args = NATIVE["llama3"]()
+    model = build_model(args, scan_layers=scan_layers, ac_mode=ac_mode)
+    model.load_state_dict(from_hf_state_dict(hf.state_dict(), args), strict=True)
+    assert not model.decodes_with_cache
+    prompts = prompts_for(model.args.vocab_size)
+    ours = generate(model.eval(), prompts, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(ours.tokens_BN, hf_generate(hf, prompts))

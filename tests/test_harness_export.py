@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
 from data_fixtures import write_chat_tokenizer_dir  # noqa: E402
-from harness_fixtures import TASKS, assert_requests_equal, instances, loglikelihood_requests, our_tasks, write_tasks  # noqa: E402
+from harness_fixtures import TASKS, assert_requests_equal, instances, loglikelihood_requests, write_tasks  # noqa: E402
 
 from titan_tpu.cli import main  # noqa: E402
 from titan_tpu.config import build_config  # noqa: E402

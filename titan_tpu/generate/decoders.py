@@ -10,6 +10,10 @@ in between. The generation loop (loop.py) only sees that contract.
   every position: with a compile backend it is compiled once (`torch.compile(fullgraph=True,
   dynamic=False)`; Inductor on CPU and CUDA, TorchTPU's backend on a TPU, as the trainer's
   device backend names it); the prefill, whose shape follows the prompts, runs eagerly.
+* `FullForwardDecoder`: our Transformer as training builds it with scanned layers or
+  checkpointed blocks, which have no cached path (a trained model scored during training,
+  loops/evaluation.py): every step runs the whole forward over each row's tokens so far. The
+  same logits as the cache gives, at a cost that grows with the square of the length.
 * `HFDecoder`: a transformers model (the HF backend) with transformers' own cache, the layout
   its `generate` uses: prompts left-padded under an attention mask, positions counted from each
   row's first real token; a dynamic cache eagerly, a static one under a compile backend.
@@ -68,6 +72,30 @@ class NativeDecoder:
     def _last_logits(self, tokens_B1: Tensor, positions_B1: Tensor, cache) -> Tensor:
         h_B1D = self.model.cached_hidden_states(tokens_B1, positions_BS=positions_B1, cache=cache)
         return F.linear(h_B1D[:, -1], self.model.output_weight())
+
+
+class FullForwardDecoder(NativeDecoder):
+    def __init__(self, model: Transformer):
+        super().__init__(model)
+        self.rows: list[list[int]] = []  # each row's tokens so far
+
+    def prefill(self, prompts: list[list[int]], *, length: int) -> Tensor:
+        self.rows = [list(prompt) for prompt in prompts]
+        return self._last_logits_of_rows()
+
+    def step(self, tokens_B: Tensor) -> Tensor:
+        for row, token in zip(self.rows, tokens_B.tolist()):
+            row.append(token)
+        return self._last_logits_of_rows()
+
+    def _last_logits_of_rows(self) -> Tensor:
+        # Right-padded: causal attention keeps a row's padding from its real tokens.
+        lengths = torch.tensor([len(row) for row in self.rows], device=self.device)
+        tokens_BS = torch.zeros(len(self.rows), int(lengths.max()), dtype=torch.long, device=self.device)
+        for b, row in enumerate(self.rows):
+            tokens_BS[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+        logits_BSV = self.model(tokens_BS)
+        return logits_BSV[torch.arange(len(self.rows), device=self.device), lengths - 1]
 
 
 class HFDecoder:
@@ -134,6 +162,8 @@ class HFDecoder:
 def decoder_for(model: torch.nn.Module, *, compile_backend: str | None = None) -> NativeDecoder | HFDecoder:
     """The decoder of a built model: the one place that asks which kind of model it is."""
     if isinstance(model, Transformer):
+        if not model.decodes_with_cache:
+            return FullForwardDecoder(model)
         return NativeDecoder(model, compile_backend=compile_backend)
     if isinstance(model, HFCausalLM):
         return HFDecoder(model, compile_backend=compile_backend)

@@ -452,12 +452,17 @@ class Transformer(nn.Module):
             stats_L2E = torch.stack(moe_stats) if moe_stats else h_BSD.new_zeros(0, 0)
         return self.norm(h_BSD), stats_L2E
 
+    @property
+    def decodes_with_cache(self) -> bool:
+        """Whether `cached_hidden_states` runs: unrolled layers without activation checkpointing."""
+        return not self.scan_layers and not self._checkpointed_blocks
+
     def cached_hidden_states(self, tokens_BS: torch.Tensor, *, positions_BS: torch.Tensor,
                              cache: KVCache) -> torch.Tensor:
         """`hidden_states` for decoding: each token at its row's position, its keys and values
         written into `cache` and its attention over the cached positions up to its own
         (models/common/kv_cache.py). Unrolled layers without checkpointing, as generation builds them."""
-        assert not self.scan_layers and not self._checkpointed_blocks, "decode with the plain layer loop"
+        assert self.decodes_with_cache, "decode with the plain layer loop"
         rope = rope_rows(self.rope_cache, tokens_BS.shape[1], positions_BS)
         h_BSD = self.tok_embeddings(tokens_BS)
         for layer, layer_cache in zip(self.layers.values(), cache.at(positions_BS), strict=True):
