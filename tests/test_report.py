@@ -79,7 +79,8 @@ def test_report_is_self_contained(tmp_path):
     # Every plot a pre-training MoE run has data for (DPO's rewards and GRPO's are other objectives';
     # goodput needs goodput.json: test_goodput_summarised_and_drawn_as_a_stacked_bar).
     names = [name for name, _, _ in report.PLOTS
-             if name not in ("rewards", "reward_accuracy", "goodput", *report.GRPO_PLOTS)]
+             if name not in ("rewards", "reward_accuracy", "goodput", "benchmarks", "benchmark_perplexity",
+                             *report.GRPO_PLOTS)]
     assert sorted(p.stem for p in (tmp_path / "png").glob("*.png")) == sorted(names)  # all data is present
     assert page.count("<img ") == len(names)
     assert not re.search(r"<script|<link|@import|url\(|https?://", page, re.IGNORECASE)
