@@ -19,9 +19,10 @@ def test_every_mesh_axis_has_a_row_sized_by_a_parallel_dims_field():
 
 def test_compute_reads_sharded_exactly_the_axes_whose_placement_is_not_simple_fsdps():
     """SimpleFSDP gathers the axes it places itself (replicate, shard) and leaves the model's
-    tensor-parallel shards and the experts as they are; the buckets hold only fully gathered weights."""
+    tensor-parallel shards, the experts and a stage's layers as they are; the buckets hold only fully
+    gathered weights."""
     for axis in AXES.values():
-        assert axis.params in ("replicate", "shard", "model", "experts"), axis
+        assert axis.params in ("replicate", "shard", "model", "experts", "stages"), axis
         assert axis.gathered == (axis.params in ("replicate", "shard")), axis
-    assert gathered_for_compute(("dp_replicate", "dp_shard", "cp", "tp")) == [True, True, True, False]
+    assert gathered_for_compute(("dp_replicate", "dp_shard", "pp", "cp", "tp")) == [True, True, False, True, False]
     assert gathered_for_compute(EP_AXES) == [True, False]

@@ -334,8 +334,8 @@ def test_mesh_that_does_not_match_the_chips_is_one_line(capsys):
                  "--parallelism.dp_shard", "3"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
-    assert ("--parallelism.dp_replicate (1) * --parallelism.dp_shard (3) * --parallelism.cp (1) * "
-            "--parallelism.tp (1) must equal the world size (8)") in err
+    assert ("--parallelism.dp_replicate (1) * --parallelism.dp_shard (3) * --parallelism.pp (1) * "
+            "--parallelism.cp (1) * --parallelism.tp (1) must equal the world size (8)") in err
     code = main(["plan", "--config", str(CONFIGS / "llama3_debug.toml"), "--hardware", "v6e-6",
                  "--parallelism.dp_replicate", "4"])
     assert code == 2 and "must divide the world size (6)" in capsys.readouterr().err

@@ -178,6 +178,13 @@ class ParallelismConfig:
     # dense models, composes with tp (cp x tp) and the data-parallel axes. seq_len divisible by
     # 2 x cp, and seq_len / cp by tp.
     cp: int = 1
+    # Pipeline parallelism (docs/pipeline_parallel.md): the scanned layer stack split into pp stages,
+    # each micro-batch passed from stage to stage inside the one step (parallel/pipeline.py). The
+    # step's batch splits into pp_microbatches micro-batches (0: pp of them); pp_repeats > 1 is
+    # the circular schedule (each rank holds pp_repeats chunks of layers, a smaller bubble).
+    pp: int = 1
+    pp_microbatches: int = 0  # micro-batches each step's batch splits into through the stages; 0: pp
+    pp_repeats: int = 1  # layer chunks per stage: 1 is GPipe, more the circular schedule
     # TPU slices the run spans (MaxText's num_slices; docs/multi_host.md): the slices talk over the
     # data-center network (DCN), so dp_replicate is laid across them, the outermost mesh axis
     # (MaxText's dcn_data_parallelism = slices) and everything else stays inside each slice over ICI

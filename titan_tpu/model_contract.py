@@ -22,8 +22,8 @@ from typing import Callable, NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["EXPERT_MARKER", "PER_LAYER_GATHER", "STACKED_MARKER", "InitPiece", "LossOutput", "TrainableModel",
-           "stored_weights"]
+__all__ = ["EXPERT_MARKER", "PER_LAYER_GATHER", "STACKED_MARKER", "STAGE_ROWS", "InitPiece", "LossOutput",
+           "TrainableModel", "stored_weights"]
 
 # Attribute set to True on modules holding expert weights (models/common/moe.py): SimpleFSDP reads
 # it to lay them out for expert parallelism.
@@ -40,6 +40,11 @@ STACKED_MARKER = "_layer_stacked"
 # one layer's). The model calls the block as a function of `gather(...)` inside the checkpointed
 # region or the loop body, so a recomputation or each iteration gathers what it uses.
 PER_LAYER_GATHER = "per_layer_gather"
+
+# Attribute pipeline parallelism (parallel/pipeline.py) sets on a scanned stack split over its
+# stages: a function of a stacked tensor giving (row, that row's tensor) for the rows this rank
+# holds, each a view into the stack, as the per-layer state dict names them.
+STAGE_ROWS = "stage_rows"
 
 
 def stored_weights(module: nn.Module, names: list[str]) -> list[Tensor]:

@@ -144,6 +144,7 @@ def prepare_run(cfg: Config) -> RunSetup:
     check_kind(cfg, sources)  # what the kind of training needs (kinds/)
     _check_fault_tolerance(cfg)
     _check_evaluation(cfg)
+    _check_pipeline(cfg, spec)
     if t.device == "cpu":  # with auto, the trainer checks once it knows the device
         check_cpu_compute_dtype(cfg.model.dtype)
     return RunSetup(cfg=cfg, spec=spec, sources=sources, warmup_steps=warmup_steps)
@@ -197,7 +198,7 @@ def _check_evaluation(cfg: Config) -> None:
 
     require_lm_eval("evaluation.tasks")
     p = cfg.parallelism
-    split = {key: getattr(p, key) for key in ("tp", "cp", "ep") if getattr(p, key) > 1}
+    split = {key: getattr(p, key) for key in ("tp", "cp", "ep", "pp") if getattr(p, key) > 1}
     if split:
         got = ", ".join(f"parallelism.{key} = {size}" for key, size in split.items())
         raise ValueError(f"evaluation.tasks scores on the data-parallel ranks alone and this run has {got}; score its "
@@ -205,3 +206,34 @@ def _check_evaluation(cfg: Config) -> None:
     if cfg.fault_tolerance.enabled:
         raise ValueError("evaluation.tasks does not run with replica groups (fault_tolerance.enabled) yet; score the "
                          "checkpoints with `titan-tpu eval --tasks` instead")
+
+
+def _check_pipeline(cfg: Config, spec: ModelSpec) -> None:
+    """parallelism.pp > 1 (parallel/pipeline.py): a native dense model's one scanned stack, next-token
+    training in eager mode, and a schedule that divides the layers and the batch; one line each."""
+    p, t = cfg.parallelism, cfg.training
+    if p.pp_microbatches < 0 or p.pp_repeats < 1:
+        raise ValueError(f"parallelism.pp_microbatches = {p.pp_microbatches} must be >= 0 (0: pp of them) and "
+                         f"parallelism.pp_repeats = {p.pp_repeats} >= 1")
+    if p.pp <= 1:
+        return
+    from titan_tpu.parallel.pipeline import PipelineSchedule
+
+    if spec.kind != "native":
+        raise ValueError("parallelism.pp > 1 splits a native model's scanned layer stack into stages; the Transformers "
+                         "backend (model.name hf) runs the model's own module tree, which has no stack to split: use "
+                         "pp 1 (or the native family of the model)")
+    args = spec.args
+    if args.moe is not None or getattr(args, "mtp_num_layers", 0):
+        raise ValueError(f"parallelism.pp > 1 runs dense models without multi-token prediction so far; {spec.label} "
+                         "has MoE layers or MTP depths: use pp 1")
+    if not cfg.model.scan_layers:
+        raise ValueError("parallelism.pp > 1 splits the scanned layer stack into stages: set --model.scan_layers true")
+    if t.mode != "eager":
+        raise ValueError("parallelism.pp > 1 runs in training.mode = eager so far (the captured step does not sum the "
+                         "stages' shared gradients yet): set --training.mode eager")
+    schedule = PipelineSchedule(stages=p.pp, micro_batches=p.pp_microbatches or p.pp, repeats=p.pp_repeats,
+                                n_layers=args.n_layers)
+    if t.batch_size % schedule.micro_batches:
+        raise ValueError(f"training.batch_size = {t.batch_size} rows do not split into parallelism.pp_microbatches = "
+                         f"{schedule.micro_batches} equal micro-batches; make the batch a multiple of it")

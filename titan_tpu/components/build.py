@@ -233,6 +233,8 @@ class Components:
         value = self.cfg.parallelism.reshard_after_forward
         if value != "auto" or self.mesh is None:
             return value == "true"
+        if self.parallel_dims.pp > 1:  # no buckets under pipeline stages: nothing to re-shard
+            return False
         if getattr(self, "_reshard_decision", None) is not None:  # a second model (DPO's reference) gets the same
             return self._reshard_decision
         decision = [None, None]  # (re-shard, why), filled on rank 0
@@ -262,11 +264,11 @@ class Components:
     # ------------------------------------------------------------------------------------------
     # the run's state
 
-    def _optimizer_state_per_layer(self) -> dict:
+    def _optimizer_state_per_layer(self, sd: dict | None = None) -> dict:
         # Moments by parameter name in the checkpoint's per-layer layout (views into the stacked
         # moments under scan_layers), like model.state_dict(): scanned and unrolled runs resume
         # from each other's checkpoints.
-        sd = self.optimizer.state_dict()
+        sd = self.optimizer.state_dict() if sd is None else sd
         return {**sd, "exp_avg": self.model.to_per_layer(sd["exp_avg"]),
                 "exp_avg_sq": self.model.to_per_layer(sd["exp_avg_sq"])}
 
@@ -297,14 +299,21 @@ class Components:
     def load_checkpoint(self, path: Path, *, local: bool = False) -> dict:
         """Resume everything from a checkpoint (local: a tier of train/local_tier.py), resharding it
         onto this run's ranks if needed; returns the rest of what it held (step, trackers)."""
-        state = {"model": self.model.state_dict(), "optimizer": self._optimizer_state_per_layer(),
+        moments = self.optimizer.state_dict()  # the per-layer views below point into these
+        state = {"model": self.model.state_dict(), "optimizer": self._optimizer_state_per_layer(moments),
                  "model_name": self.spec.name, "model_args": dataclasses.asdict(self.model_args)}
         if local:
             rest = self.local_tier.load(path, state)
             check_model_identity(path, rest, model_name=self.spec.name, model_args=dataclasses.asdict(self.model_args))
         else:
             rest = load(path, state)  # fills the model's and optimizer's tensors in place
-        self._load_optimizer_per_layer(state["optimizer"])
+        if getattr(self.model, "pipeline", None) is not None:
+            # A pipeline stage's rows were filled in place and cannot be stacked from its views alone.
+            state["optimizer"] = {**state["optimizer"], "exp_avg": moments["exp_avg"],
+                                  "exp_avg_sq": moments["exp_avg_sq"]}
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self._load_optimizer_per_layer(state["optimizer"])
         self.step_fn.state_from_host()
         self.train_loader.load_state_dict(rest["data"])
         if rest["rng"] is not None:  # None when the checkpoint came from another number of ranks

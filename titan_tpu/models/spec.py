@@ -115,7 +115,9 @@ def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int
         converter.convert(model, cfg)
     p = cfg.parallelism
     model = materialize_and_init(model, mesh, mode=dims.mode if mesh is not None else "none", mp=mp, device=device,
-                                 seed=seed, expert_mesh=expert_mesh, bucket_mb=p.bucket_mb,
+                                 seed=seed, expert_mesh=expert_mesh,
+                                 # pipeline stages read their weights once per step, each on its own
+                                 bucket_mb=0 if dims.pp > 1 else p.bucket_mb,
                                  reshard_after_forward=(p.reshard_after_forward != "false"
                                                         if reshard_after_forward is None else reshard_after_forward))
     if expert_mesh is not None:  # how tokens reach their experts (parallelism.ep_dispatch)
@@ -192,6 +194,12 @@ class NativeSpec(ModelSpec):
         from titan_tpu.parallel.context_parallel import context_parallel
         from titan_tpu.parallel.tensor_parallel import tensor_parallel
 
+        if parallel_dims.pp > 1:
+            from titan_tpu.parallel.pipeline import PipelineSchedule, pipeline_stages
+
+            p = cfg.parallelism
+            pipeline_stages(model, mesh, PipelineSchedule(stages=p.pp, micro_batches=p.pp_microbatches or p.pp,
+                                                          repeats=p.pp_repeats, n_layers=self.args.n_layers))
         if parallel_dims.tp > 1:
             tensor_parallel(model, mesh, seq_len=cfg.training.seq_len)
         if parallel_dims.cp > 1:

@@ -1,10 +1,11 @@
 """Parallelism sizes and the device mesh built from them.
 
-Data parallelism (replicate, fully shard, or both = hybrid shard), context parallelism (cp:
+Data parallelism (replicate, fully shard, or both = hybrid shard), pipeline stages (pp:
+parallel/pipeline.py), context parallelism (cp:
 sequences split over ranks, parallel/context_parallel.py), tensor parallelism (the innermost
 axis, parallel/tensor_parallel.py) and expert parallelism, which is carved out of the fully
 sharded axis (ep divides dp_shard; parallel/expert_parallel.py). The mesh is
-[dp_replicate, dp_shard, cp, tp], outermost first, keeping only the axes of size > 1. The sizes
+[dp_replicate, dp_shard, pp, cp, tp], outermost first, keeping only the axes of size > 1. The sizes
 are resolved (dp_shard -1) and validated here, once (`ParallelDims.from_config`), so every later
 piece can trust them; `BatchSplit` is the one answer to which ranks share a batch.
 """
@@ -75,6 +76,7 @@ class ParallelDims:
     ep: int = 1  # expert parallelism: MoE experts spread over groups of ep of the dp_shard ranks
     tp: int = 1  # tensor (and sequence) parallelism, the innermost axis
     cp: int = 1  # context parallelism: each rank holds 1 / cp of every sequence (parallel/context_parallel.py)
+    pp: int = 1  # pipeline stages: the scanned layer stack split over pp ranks (parallel/pipeline.py)
     # False: resolve the sizes and check that they fill the world, not how ep lays experts out on
     # them nor the combinations the trainer cannot run yet (ep with tp, cp or dp_replicate): the
     # planner plans those and says why a layout does not run (parallel/plan_terms.py Layout).
@@ -121,6 +123,11 @@ class ParallelDims:
         if self.ep > 1 and self.dp_replicate > 1:
             raise ValueError("--parallelism.ep > 1 with --parallelism.dp_replicate > 1 is not supported yet; "
                              "use dp_replicate 1")
+        others = {key: getattr(self, key) for key in ("tp", "cp", "ep") if getattr(self, key) > 1}
+        if self.pp > 1 and others:
+            got = ", ".join(f"--parallelism.{key} {size}" for key, size in others.items())
+            raise ValueError(f"--parallelism.pp > 1 composes with the data-parallel axes only so far, not {got}; "
+                             "set them to 1")
 
     def config_sizes(self) -> dict[str, int]:
         """Each [parallelism] key that sizes an axis -> its value here (dp_shard resolved)."""
@@ -158,7 +165,7 @@ class ParallelDims:
         return "none"
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The [dp_replicate, dp_shard, cp, tp] mesh over the (already initialised) default process
+        """The [dp_replicate, dp_shard, pp, cp, tp] mesh over the (already initialised) default process
         group, or None on a single process, where the model stays plain tensors."""
         if self.world_size == 1:
             return None

@@ -100,6 +100,7 @@ class Layout:
     ep: int = 1
     tp: int = 1
     cp: int = 1
+    pp: int = 1  # pipeline stages: not counted by the terms yet (the planner refuses pp > 1)
     compute_bytes: int = 4  # model.dtype
     reduce_bytes: int = 4  # parallelism.reduce_dtype
     # How long gathered weights live (module docstring). "layer": re-sharded after the forward, a

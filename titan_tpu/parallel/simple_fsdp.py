@@ -32,7 +32,7 @@ from titan_tpu.model_contract import (
     TrainableModel,
     stored_weights,
 )
-from titan_tpu.parallel.axes import CP_AXIS, TP_AXIS, gathered_for_compute
+from titan_tpu.parallel.axes import CP_AXIS, PP_AXIS, TP_AXIS, gathered_for_compute
 from titan_tpu.parallel.buckets import (
     DEFAULT_BUCKET_MB,
     Bucket,
@@ -105,7 +105,7 @@ def _placements(mode: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
     """The placements on the data-parallel axes of `mesh` and on its cp axis (all but tp, which
     the tensor-parallel plan places per module: `_module_placements`). Parameters are replicated
     over cp: each cp rank's gradient covers its own tokens, a partial sum all-reduced over cp."""
-    if mode not in MODES and not (mode == "none" and (_has_tp(mesh) or _has_cp(mesh))):
+    if mode not in MODES and not (mode == "none" and (_has_tp(mesh) or _has_cp(mesh) or _has_pp(mesh))):
         raise ValueError(f"data parallel mode must be one of {', '.join(MODES)}, got {mode!r}")
     placements = {
         "none": (),
@@ -113,11 +113,12 @@ def _placements(mode: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
         "fully_shard": (Shard(0),),
         "hybrid_shard": (Replicate(), Shard(0)),
     }[mode]
-    dp_ndim = mesh.ndim - _has_tp(mesh) - _has_cp(mesh)
+    dp_ndim = mesh.ndim - _has_tp(mesh) - _has_cp(mesh) - _has_pp(mesh)
     if dp_ndim != len(placements):
         raise ValueError(f"data parallel mode {mode!r} needs {len(placements)} data-parallel mesh axes, got "
                          f"{mesh.mesh_dim_names}; build the mesh with ParallelDims")
-    return placements + ((Replicate(),) if _has_cp(mesh) else ())
+    # pp: replicated here; a scanned stack is split on its layer dim instead (`_module_placements`).
+    return placements + ((Replicate(),) if _has_pp(mesh) else ()) + ((Replicate(),) if _has_cp(mesh) else ())
 
 
 def _has_tp(mesh: DeviceMesh) -> bool:
@@ -126,6 +127,10 @@ def _has_tp(mesh: DeviceMesh) -> bool:
 
 def _has_cp(mesh: DeviceMesh) -> bool:
     return CP_AXIS in (mesh.mesh_dim_names or ())
+
+
+def _has_pp(mesh: DeviceMesh) -> bool:
+    return PP_AXIS in (mesh.mesh_dim_names or ())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +158,10 @@ def _module_placements(module: nn.Module, placements: tuple[Placement, ...],
         placements = (*placements, tp)
     if not getattr(module, STACKED_MARKER, False):
         return placements
-    return tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements)
+    stacked = [Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements]
+    if _has_pp(mesh):  # pipeline stages: each holds its layers of the stack (parallel/pipeline.py)
+        stacked[mesh.mesh_dim_names.index(PP_AXIS)] = Shard(0)
+    return tuple(stacked)
 
 
 def _module_layout(module: nn.Module, mesh: DeviceMesh, placements: tuple[Placement, ...],
@@ -213,9 +221,13 @@ def _replicate_for_compute(param: DTensor, mp: MixedPrecision) -> torch.Tensor:
     # sum. Declaring it Partial makes the backward reduce it into the parameter's placements
     # (reduce-scatter on a Shard axis, all-reduce on a Replicate axis). On the ep and tp axes a
     # sharded weight's gradient is already this rank's own: it stays sharded; a weight replicated
-    # over tp (the norms) saw only this rank's tokens or heads: a partial sum, all-reduced.
-    return full.to_local(grad_placements=[p if k and p.is_shard() else Partial()
-                                          for p, k in zip(param.placements, keep)])
+    # over tp (the norms) saw only this rank's tokens or heads: a partial sum, all-reduced. Over pp
+    # a weight outside the stack is used by one stage (the embedding by the first): its gradient is
+    # summed over the stages after the backward (train/step.py), not inside it, where the stages
+    # meet the permutes in different orders.
+    axes = param.device_mesh.mesh_dim_names or ()
+    return full.to_local(grad_placements=[p if k and (p.is_shard() or axis == PP_AXIS) else Partial()
+                                          for p, k, axis in zip(param.placements, keep, axes)])
 
 
 def _compute_tensor(module: nn.Module, name: str) -> torch.Tensor:

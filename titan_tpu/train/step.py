@@ -151,6 +151,9 @@ class EagerStep(StepFunction):
         # A parameter the loss does not reach (a module of the model unused by this forward) gets a
         # zero gradient, as in the captured step, rather than no entry.
         grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.params.items()}
+        pipeline = getattr(self.model, "pipeline", None)
+        if pipeline is not None:  # the weights every pipeline stage holds: each stage's part summed
+            pipeline.sum_shared_grads_(grads)
         if self.grad_sync is not None and not self.grad_sync(list(grads.values())):
             for p in self.params.values():
                 p.grad = None

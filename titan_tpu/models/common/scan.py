@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch._higher_order_ops.scan import scan_op
 from torch.overrides import TorchFunctionMode
 
-from titan_tpu.model_contract import PER_LAYER_GATHER, STACKED_MARKER, stored_weights
+from titan_tpu.model_contract import PER_LAYER_GATHER, STACKED_MARKER, STAGE_ROWS, stored_weights
 from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
 from titan_tpu.tracing import is_tracing
@@ -70,6 +70,9 @@ class StackedBlocks(nn.Module):
         super().__init__()
         self.n_layers = n_layers
         self.first_layer = first_layer
+        # The model's layer of each row of the stack: in order, unless pipeline stages laid the
+        # rows out stage by stage (a circular schedule's chunks; parallel/pipeline.py).
+        self.row_layers: list[int] = list(range(first_layer, first_layer + n_layers))
         self._init_layer = init_layer
         block = make_block()
         for name, child in block.named_children():
@@ -141,6 +144,12 @@ class StackedBlocks(nn.Module):
         final, stats, _ = _scan_layers(body, h, rope, document_ids, stacked)
         return final, stats
 
+    def unbound_layers(self) -> tuple[Callable, list[tuple[Tensor, ...]]]:
+        """(the block function body(h, rope, document_ids, *weights) -> (h, stats), each row's
+        weights as read): the stack run row by row by a caller (pipeline stages, parallel/pipeline.py)."""
+        stacked = read_weights(self, self.state_names)
+        return self._body, list(zip(*(w.unbind(0) for w in stacked)))
+
     # ------------------------------------------------------------------------------------------
     # initialisation
 
@@ -158,8 +167,8 @@ class StackedBlocks(nn.Module):
         own_state = {**dict(self.named_parameters()), **dict(_persistent_buffers(self))}
         # Parameters the block does not make (LoRA adapters) are initialised by their owner.
         own_state = {name: t for name, t in own_state.items() if name in scratch_state}
-        for i in range(self.n_layers):
-            self._init_layer(scratch, self.first_layer + i)
+        for i in sorted(range(self.n_layers), key=lambda row: self.row_layers[row]):  # the RNG's draws in layer order
+            self._init_layer(scratch, self.row_layers[i])
             for name, t in own_state.items():
                 t[i].copy_(scratch_state[name])
 
@@ -182,16 +191,22 @@ class StackedBlocks(nn.Module):
             if key[len(prefix):] not in stacked or not key.startswith(prefix):
                 out[key] = value
             elif key[len(prefix):] == next(iter(stacked)):  # at the first stacked entry: all of them
-                for i in range(self.n_layers):
-                    out.update((f"{prefix}{self.first_layer + i}.{name}", t[i]) for name, t in stacked.items())
+                rows = {name: self._rows(t) for name, t in stacked.items()}
+                for i in sorted(next(iter(rows.values())), key=lambda row: self.row_layers[row]):
+                    out.update((f"{prefix}{self.row_layers[i]}.{name}", held[i]) for name, held in rows.items())
         return out
+
+    def _rows(self, t: Tensor) -> dict[int, Tensor]:
+        """The rows of stacked `t` this rank holds, each a view: all of them, or a pipeline stage's."""
+        stage_rows = getattr(self, STAGE_ROWS, None)
+        return dict(stage_rows(t)) if stage_rows is not None else {i: t[i] for i in range(t.shape[0])}
 
     def from_per_layer(self, named: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
         """The inverse of `to_per_layer` (stacks copies); per-layer groups that are incomplete
         are left as they are, so a strict load reports what is missing."""
         out = dict(named)
         for name in self.state_names:
-            keys = [f"{prefix}{i}.{name}" for i in self.layer_ids]
+            keys = [f"{prefix}{i}.{name}" for i in self.row_layers]
             if all(k in out for k in keys):
                 out[prefix + name] = torch.stack([out.pop(k) for k in keys])
         return out

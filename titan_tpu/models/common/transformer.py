@@ -225,6 +225,8 @@ class Transformer(nn.Module):
         # Non-persistent: derived from args, never saved. Under `torch.device("meta")` this is a
         # free meta tensor; init_weights()/init_buffers() recompute it after materialisation.
         self.register_buffer("rope_cache", self._compute_rope_cache(), persistent=False)
+        # This rank's pipeline stage under parallelism.pp > 1 (parallel/pipeline.py PipelineStage).
+        self.pipeline = None
 
     def _build_mtp(self, ac_mode: str, slot: ExpertDispatchSlot) -> tuple[nn.ModuleDict | None, dict]:
         """The multi-token-prediction depths ("0".."D-1"), each block the kind of layer index
@@ -350,6 +352,9 @@ class Transformer(nn.Module):
         positions_BS and document_ids_BS: see `hidden_states`. per_sequence: the cross-entropy
         summed per row, ce_sum [B] (a sequence's negative log-likelihood: preference objectives),
         and no multi-token prediction."""
+        if self.pipeline is not None:
+            return self._pipelined_loss(tokens_BS, labels_BS, positions_BS=positions_BS,
+                                        document_ids_BS=document_ids_BS, per_sequence=per_sequence)
         h_BSD, stats_L2E = self.hidden_states(tokens_BS, positions_BS=positions_BS, document_ids_BS=document_ids_BS)
         w_VD = self.output_weight()
         if labels_BS is None:
@@ -372,6 +377,25 @@ class Transformer(nn.Module):
         if moe.load_balance == "aux_loss":
             aux = moe.aux_loss_coef * aux_loss_from_stats(stats_L2E, top_k=moe.top_k)
         return LossOutput(ce_sum, aux, stats_L2E[:, 0].detach(), **mtp)
+
+    def _pipelined_loss(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None, *,
+                        positions_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None,
+                        per_sequence: bool) -> LossOutput:
+        """The summed cross-entropy with the layers split into pipeline stages (parallel/pipeline.py):
+        the stages pass the batch's micro-batches along, the last computes the loss, every stage
+        reports it."""
+        if labels_BS is None or per_sequence:
+            raise ValueError("a model split into pipeline stages (parallelism.pp > 1) computes the summed "
+                             "next-token loss only, not logits or per-sequence sums; run it with pp 1 for those")
+        rope, document_ids_BS = self._rope_and_documents(tokens_BS.shape[1], positions_BS, document_ids_BS)
+        h_BSD = self.pipeline.run(self.layers, self.tok_embeddings(tokens_BS), rope, document_ids_BS)
+        if self.pipeline.is_last:
+            loss_fn = self.kernels.loss_fn(h_BSD.device.type)
+            ce_sum = loss_fn(self.norm(h_BSD).flatten(0, 1), self.output_weight(), labels_BS.flatten())
+        else:
+            ce_sum = h_BSD.sum() * 0.0  # this stage's chain head: its permutes' backwards run
+        ce_sum = self.pipeline.loss_everywhere(ce_sum)
+        return LossOutput(ce_sum, torch.zeros_like(ce_sum), ce_sum.new_zeros(0, 0))
 
     def _mtp_loss(self, h_BSD: torch.Tensor, stats_L2E: torch.Tensor, tokens_BS: torch.Tensor,
                   labels_BS: torch.Tensor, w_VD: torch.Tensor, loss_fn, *, positions_BS: torch.Tensor | None,
@@ -430,15 +454,7 @@ class Transformer(nn.Module):
         document, attention staying within it; by default derived from positions_BS, read as
         the loader's packed form (positions restart at 0 where a document starts). A caller that
         holds part of a sequence (context parallelism) passes both."""
-        S = tokens_BS.shape[1]
-        if S > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence length {S} exceeds the model's max_seq_len {self.args.max_seq_len}; "
-                "raise model max_seq_len or shorten the sequences"
-            )
-        rope = rope_rows(self.rope_cache, S, positions_BS)
-        if document_ids_BS is None and positions_BS is not None:
-            document_ids_BS = document_ids_from_positions(positions_BS)
+        rope, document_ids_BS = self._rope_and_documents(tokens_BS.shape[1], positions_BS, document_ids_BS)
         h_BSD = self.tok_embeddings(tokens_BS)
         if self.scan_layers:  # one scan per stack of blocks (models/common/scan.py)
             h_BSD, stats_L2E = self.layers(h_BSD, rope, document_ids_BS)
@@ -451,6 +467,18 @@ class Transformer(nn.Module):
                     moe_stats.append(layer_stats)
             stats_L2E = torch.stack(moe_stats) if moe_stats else h_BSD.new_zeros(0, 0)
         return self.norm(h_BSD), stats_L2E
+
+    def _rope_and_documents(self, S: int, positions_BS: torch.Tensor | None,
+                            document_ids_BS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The RoPE rows of a batch of S tokens and each token's document (see `hidden_states`)."""
+        if S > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {S} exceeds the model's max_seq_len {self.args.max_seq_len}; "
+                "raise model max_seq_len or shorten the sequences"
+            )
+        if document_ids_BS is None and positions_BS is not None:
+            document_ids_BS = document_ids_from_positions(positions_BS)
+        return rope_rows(self.rope_cache, S, positions_BS), document_ids_BS
 
     @property
     def decodes_with_cache(self) -> bool:

@@ -1,0 +1,83 @@
+"""The pipeline schedule (parallel/pipeline.py) on gloo ranks against the same layers applied in
+sequence on one process: a stack of tanh(x W) layers split over 2 and 4 stages, GPipe and
+circular, with as many micro-batches as stages and more (activations waiting at the first stage
+for their next repeat). The loss, every layer's gradient and the inputs' gradients (which cross
+every stage backwards) equal the sequential ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+from titan_tpu.parallel.pipeline import PipelineSchedule, run_pipeline
+
+D, ROWS, LAYERS = 8, 3, 8
+
+
+def _problem(micro_batches: int):
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(LAYERS, D, D, generator=generator) / D ** 0.5
+    inputs = torch.randn(micro_batches, ROWS, D, generator=generator)
+    targets = torch.randn(micro_batches, ROWS, D, generator=generator)
+    return weights, inputs, targets
+
+
+def _sequential(micro_batches: int):
+    weights, inputs, targets = _problem(micro_batches)
+    weights.requires_grad_(True)
+    inputs.requires_grad_(True)
+    loss = 0.0
+    for m in range(micro_batches):
+        x = inputs[m]
+        for layer in range(LAYERS):
+            x = torch.tanh(x @ weights[layer])
+        loss = loss + (x * targets[m]).sum()
+    loss.backward()
+    return loss.detach(), weights.grad, inputs.grad
+
+
+def _stage(micro_batches: int, repeats: int):
+    stages, stage = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    schedule = PipelineSchedule(stages=stages, micro_batches=micro_batches, repeats=repeats, n_layers=LAYERS)
+    weights, inputs, targets = _problem(micro_batches)
+    mine = weights[schedule.stage_layers(stage)].clone().requires_grad_(True)  # this stage's layers, repeat-major
+    inputs.requires_grad_(True)
+
+    def stage_fn(x, micro_batch, repeat):
+        for w in mine[repeat * schedule.layers_per_chunk:(repeat + 1) * schedule.layers_per_chunk]:
+            x = torch.tanh(x @ w)
+        return x
+
+    outputs, last = run_pipeline(stage_fn, list(inputs), schedule=schedule, stage=stage,
+                                 group=torch.distributed.group.WORLD)
+    loss = sum((out * targets[m]).sum() for m, out in enumerate(outputs)) if outputs else 0.0 * last.sum()
+    loss.backward()
+    return {"loss": loss.detach(), "layers": schedule.stage_layers(stage), "grads": mine.grad,
+            "input_grads": inputs.grad}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stages, micro_batches, repeats", [(2, 4, 1), (2, 5, 2), (4, 4, 2), (4, 6, 1)],
+                         ids=["gpipe2", "circular2_waiting", "circular4", "gpipe4"])
+def test_pipeline_equals_the_layers_in_sequence(stages, micro_batches, repeats):
+    loss, weight_grads, input_grads = _sequential(micro_batches)
+    ranks = run_distributed(_stage, world_size=stages, args=(micro_batches, repeats))
+    assert ranks[-1]["loss"] == pytest.approx(float(loss), rel=1e-6)
+    held = sorted(layer for rank in ranks for layer in rank["layers"])
+    assert held == list(range(LAYERS))
+    for rank in ranks:
+        torch.testing.assert_close(rank["grads"], weight_grads[rank["layers"]], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ranks[0]["input_grads"], input_grads, rtol=1e-5, atol=1e-6)
+
+
+def test_schedule_layout_bubble_and_one_line_errors():
+    circular = PipelineSchedule(stages=2, micro_batches=4, repeats=2, n_layers=8)
+    assert circular.stage_layers(0) == [0, 1, 4, 5] and circular.stage_layers(1) == [2, 3, 6, 7]
+    assert circular.iterations == 9 and circular.bubble == pytest.approx(1 / 9)
+    assert PipelineSchedule(stages=4, micro_batches=8).bubble == pytest.approx(3 / 11)
+    with pytest.raises(ValueError, match=r"^the model's 6 layers do not split into parallelism.pp \(2\) x "
+                                         r"parallelism.pp_repeats \(2\) equal chunks"):
+        PipelineSchedule(stages=2, micro_batches=4, repeats=2, n_layers=6)
+    with pytest.raises(ValueError, match=r"^parallelism.pp_microbatches = 2 is fewer than the 4 pipeline stages"):
+        PipelineSchedule(stages=4, micro_batches=2)

@@ -1,0 +1,74 @@
+"""Pipeline stages in training (parallelism.pp, parallel/pipeline.py) against one process taking the
+same micro-batches by gradient accumulation: GPipe and circular schedules, as many micro-batches as
+stages and more, pp with fully sharded data parallelism; and checkpoints written with pp 2 resumed
+with pp 1 and pp 3 (DCP re-splits the stack's layers). The llama3 debug model has 6 layers, so pp 4
+(4 x repeats, or 4 alone) does not divide it; pp 3 stands in for a stage count other than 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_train_dist import cache, losses, overrides, train_forked, train_here  # noqa: F401
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 20
+SCANNED = {"model__scan_layers": "true", "training__steps": STEPS, "checkpoint__interval": 10}
+
+
+def grad_norms(run_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["grad_norm"] for r in rows if "grad_norm" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):  # noqa: F811
+    """One process, 4 micro-batches of 1 row accumulated per step."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    train_here(overrides(run, cache, training__batch_size=1, training__grad_accum_steps=4, **SCANNED))
+    return run
+
+
+def assert_same_run(got_dir, reference_dir, *, first: int = 1) -> None:
+    got, expected = losses(got_dir), losses(reference_dir)
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+    for step in range(first, STEPS + 1):
+        assert got[step] == pytest.approx(expected[step], abs=1e-5), step
+    # The gradient norm: fp32 on this CPU, one 0.5M-element tensor's norm differs from the norm of
+    # its two halves by up to ~1e-4 relative (torch accumulates the squares in fp32), so a layout
+    # that shards the output projection reports it that far from one process's.
+    got, expected = grad_norms(got_dir), grad_norms(reference_dir)
+    for step in range(first, STEPS + 1):
+        assert got[step] == pytest.approx(expected[step], rel=2e-4), step
+
+
+@pytest.mark.parametrize("nproc, layout", [
+    (2, {"parallelism__pp": 2, "parallelism__pp_microbatches": 4}),
+    (2, {"parallelism__pp": 2, "parallelism__pp_repeats": 3, "parallelism__pp_microbatches": 4}),
+    (2, {"parallelism__pp": 2, "parallelism__pp_repeats": 3, "parallelism__pp_microbatches": 2,
+         "training__batch_size": 2, "training__grad_accum_steps": 2}),
+    (3, {"parallelism__pp": 3, "parallelism__pp_repeats": 2, "parallelism__pp_microbatches": 4}),
+    (4, {"parallelism__pp": 2, "parallelism__dp_shard": 2, "training__batch_size": 2,
+         "parallelism__pp_microbatches": 2}),
+], ids=["gpipe2", "circular2", "circular2_accumulated", "circular3", "pp2_dp_shard2"])
+def test_stages_equal_one_process(tmp_path, cache, reference, nproc, layout):  # noqa: F811
+    run = tmp_path / "run"
+    layout = {"training__batch_size": 4, "parallelism__dp_shard": 1, **layout}
+    train_forked(nproc, overrides(run, cache, **SCANNED, **layout))
+    assert_same_run(run, reference)
+
+
+@pytest.mark.parametrize("after_nproc, after", [(1, {}), (3, {"parallelism__pp": 3, "parallelism__dp_shard": 1,
+                                                                "parallelism__pp_microbatches": 4})],
+                         ids=["pp2-to-1", "pp2-to-3"])
+def test_checkpoint_of_two_stages_resumes_on_other_stages(tmp_path, cache, reference, after_nproc, after):  # noqa: F811
+    run = tmp_path / "run"
+    before = {"parallelism__pp": 2, "parallelism__dp_shard": 1, "parallelism__pp_microbatches": 4,
+              "training__batch_size": 4}
+    train_forked(2, overrides(run, cache, **{**SCANNED, "training__steps": 10}, **before))
+    after = after or {"training__batch_size": 1, "training__grad_accum_steps": 4}
+    after = {"training__batch_size": 4, **after}
+    stdout = train_forked(after_nproc, overrides(run, cache, **SCANNED, **after))
+    assert "resumed from" in stdout and "step-00000010" in stdout
+    assert_same_run(run, reference, first=11)

@@ -1,0 +1,250 @@
+"""Pipeline parallelism inside one step: the layer stack split into stages over the `pp` ranks,
+micro-batches passed from stage to stage with a permute, MaxText's schedule.
+
+The schedule (`PipelineSchedule`): `stages` ranks, each holding `repeats` chunks of
+`layers_per_chunk` consecutive layers; layer chunk c = repeat * stages + stage, so with repeats 1
+stage s holds layers [s * L / pp, (s + 1) * L / pp) (GPipe), and with more repeats the chunks
+circle the ranks (MaxText's circular pipeline, Megatron's interleaved layout). Iteration t of the
+`micro_batches * repeats + stages - 1` iterations, stage s works on the (t - s)th pass: micro-batch
+(t - s) % micro_batches, repeat (t - s) // micro_batches, when 0 <= t - s < micro_batches * repeats;
+then every stage hands its activation to the next one (the last to the first, which takes it up
+again in its next repeat). A stage without work in an iteration passes its input on unchanged:
+those iterations are the bubble, (stages - 1) / (micro_batches * repeats + stages - 1) of the
+time. A circular schedule needs micro_batches >= stages, so that a micro-batch's last chunk of one
+repeat is done before the first stage needs it for the next.
+
+`run_pipeline` runs it on one rank: plain Python over the iterations, the stage's compute a
+function given by the caller, the hand-over a permute (an all-to-all over the pp group, a graph
+node when the step is traced; XLA's collective-permute where lowered). Forward and backward both
+cross the stages: every permute's backward sends the gradient back to the stage it came from.
+Every rank's iterations form one chain (each iteration's input depends on the last permute's
+output, also where the stage takes a fresh micro-batch, through a select), so the backward meets
+the permutes in the same reverse order on every rank: the collectives match.
+
+On a model (`pipeline_stages`, `PipelineStage`): the scanned stack's rows are laid out stage by
+stage and split over pp on the layer dim (SimpleFSDP places them, parallel/simple_fsdp.py); the
+step's batch splits into the micro-batches; every stage embeds them (only the first reads them),
+the last stage's outputs go through the final norm, the output projection and the loss, which
+every stage then reports (a sum over pp of the last stage's value and the others' zeros that keep
+their chains in the backward). The weights outside the stack are whole on every stage; their
+gradients (the first stage's embedding, the last's norm and output) are summed over pp after the
+backward (`sum_shared_grads_`): inside it, the stages would meet those all-reduces in different
+orders among their permutes. Checkpoints name every row by its layer, so they load on any pp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from titan_tpu.model_contract import STAGE_ROWS
+from titan_tpu.parallel.axes import PP_AXIS
+
+__all__ = ["PipelineSchedule", "PipelineStage", "permute_to_next", "pipeline_stages", "run_pipeline"]
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    stages: int  # parallelism.pp
+    micro_batches: int  # passes of the whole stack per step, one micro-batch each
+    repeats: int = 1  # chunks per stage: 1 is GPipe, more is circular
+    n_layers: int = 0  # the model's layers (0: not checked, for a schedule of stage functions alone)
+
+    def __post_init__(self):
+        if self.stages < 1 or self.repeats < 1:
+            raise ValueError(f"parallelism.pp = {self.stages} and parallelism.pp_repeats = {self.repeats} must be >= 1")
+        if self.micro_batches < self.stages:
+            raise ValueError(f"parallelism.pp_microbatches = {self.micro_batches} is fewer than the {self.stages} "
+                             "pipeline stages (every stage would wait for work every step); raise it to at least "
+                             "parallelism.pp")
+        if self.n_layers and self.n_layers % (self.stages * self.repeats):
+            raise ValueError(f"the model's {self.n_layers} layers do not split into parallelism.pp ({self.stages}) x "
+                             f"parallelism.pp_repeats ({self.repeats}) equal chunks; choose pp and pp_repeats whose "
+                             "product divides the layers")
+
+    @property
+    def iterations(self) -> int:
+        return self.micro_batches * self.repeats + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The share of the iterations a stage waits: (pp - 1) / (repeats x micro-batches + pp - 1)."""
+        return (self.stages - 1) / self.iterations
+
+    @property
+    def layers_per_chunk(self) -> int:
+        return self.n_layers // (self.stages * self.repeats)
+
+    def chunk_layers(self, stage: int, repeat: int) -> range:
+        """The model's layers of `stage`'s chunk in `repeat`."""
+        first = (repeat * self.stages + stage) * self.layers_per_chunk
+        return range(first, first + self.layers_per_chunk)
+
+    def stage_layers(self, stage: int) -> list[int]:
+        """Every layer `stage` holds, repeat by repeat."""
+        return [layer for repeat in range(self.repeats) for layer in self.chunk_layers(stage, repeat)]
+
+    def work(self, stage: int, iteration: int) -> tuple[int, int] | None:
+        """(micro-batch, repeat) `stage` computes in `iteration`, or None in the bubble."""
+        n = iteration - stage
+        if not 0 <= n < self.micro_batches * self.repeats:
+            return None
+        return n % self.micro_batches, n // self.micro_batches
+
+
+class _PermuteToNext(torch.autograd.Function):
+    """Each rank of `group` sends its tensor to the next rank (the last to the first); the
+    gradient goes back the other way."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, shift: int) -> Tensor:
+        ctx.group, ctx.shift = group, shift
+        return _permute(x, group, shift)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _permute(grad.contiguous(), ctx.group, -ctx.shift), None, None
+
+
+def _permute(x: Tensor, group, shift: int) -> Tensor:
+    size = dist.get_world_size(group)
+    destinations = [(rank + shift) % size for rank in range(size)]
+    moved = funcol.permute_tensor(x.reshape(-1), destinations, group)
+    return funcol.wait_tensor(moved).view(x.shape)
+
+
+def permute_to_next(x: Tensor, group) -> Tensor:
+    """`x` of the previous stage (rank - 1 along `group`, the first stage receiving the last's)."""
+    return _PermuteToNext.apply(x, group, 1)
+
+
+def run_pipeline(stage_fn: Callable[[Tensor, int, int], Tensor], inputs: list[Tensor], *, schedule: PipelineSchedule,
+                 stage: int, group) -> tuple[list[Tensor], Tensor]:
+    """This rank's part of one pass of every micro-batch through every stage (module docstring).
+
+    stage_fn(x, micro_batch, repeat): the stage's chunk of `repeat` applied to micro-batch
+    `micro_batch`'s activation x (same shape out).
+    inputs: the micro-batches' activations entering the first stage (read on stage 0 only; every
+    stage passes tensors of their shape). Returns (outputs, last): on the last stage each
+    micro-batch's activation after the whole stack, in order (else []); `last`, this rank's
+    final activation, the head of its chain, which a stage with no loss of its own puts in its
+    backward (a zero-weighted term) so that its permutes' backwards run."""
+    last_stage = schedule.stages - 1
+    outputs: list[Tensor | None] = [None] * schedule.micro_batches
+    waiting: list[Tensor] = []  # stage 0: activations back from the last stage, for their next repeat
+    # The chain starts from a leaf that asks for its gradient: a stage whose first iterations are
+    # bubble passes on this zero, and its permutes must still have a backward, as on the others.
+    received = torch.zeros_like(inputs[0], requires_grad=True)
+    x = received
+    for iteration in range(schedule.iterations):
+        work = schedule.work(stage, iteration)
+        if stage == 0 and iteration > 0:
+            previous = schedule.work(last_stage, iteration - 1)  # what the received activation is
+            if previous is not None and previous[1] < schedule.repeats - 1:
+                waiting.append(received)  # a pass that comes round again
+        if work is None:
+            x = received  # the bubble: pass the chain on unchanged
+        else:
+            micro_batch, repeat = work
+            if stage == 0:
+                fresh = inputs[micro_batch] if repeat == 0 else waiting.pop(0)
+                # a select, not a branch: the received tensor stays in the chain, so its permute's backward runs
+                x = torch.where(torch.ones((), dtype=torch.bool, device=fresh.device), fresh, received)
+            else:
+                x = received
+            x = stage_fn(x, micro_batch, repeat)
+            if stage == last_stage and repeat == schedule.repeats - 1:
+                outputs[micro_batch] = x
+        if iteration + 1 < schedule.iterations:
+            received = permute_to_next(x, group)
+    return (list(outputs) if stage == last_stage else []), x
+
+
+class PipelineStage:
+    """One rank's stage of a pipelined Transformer (module docstring), set on the model as
+    `model.pipeline` by `pipeline_stages`."""
+
+    def __init__(self, schedule: PipelineSchedule, mesh: DeviceMesh):
+        self.schedule = schedule
+        self.stage = mesh.get_local_rank(PP_AXIS)
+        self.group = mesh.get_group(PP_AXIS)
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.schedule.stages - 1
+
+    def run(self, stack: nn.Module, h_BSD: Tensor, rope: Tensor, document_ids_BS: Tensor | None) -> Tensor:
+        """The embedded batch h_BSD through the stages: on the last stage the stack's output for
+        every row, in order; on the others this rank's chain head (for `loss_everywhere`)."""
+        M = self.schedule.micro_batches
+        if h_BSD.shape[0] % M:
+            raise ValueError(f"training.batch_size = {h_BSD.shape[0]} rows do not split into "
+                             f"parallelism.pp_microbatches = {M} equal micro-batches; make the batch a multiple of it")
+        per_row = rope.dim() == 4  # [B, S, P, 2]: each row's own positions (packed documents)
+        ropes = rope.chunk(M) if per_row else [rope] * M
+        documents = document_ids_BS.chunk(M) if document_ids_BS is not None else [None] * M
+        body, layers = stack.unbound_layers()  # this stage's rows, read once for the step
+        chunk = self.schedule.layers_per_chunk
+
+        def stage_fn(x: Tensor, micro_batch: int, repeat: int) -> Tensor:
+            for weights in layers[repeat * chunk:(repeat + 1) * chunk]:
+                x, _ = body(x, ropes[micro_batch], documents[micro_batch], *weights)
+            return x
+
+        outputs, last = run_pipeline(stage_fn, list(h_BSD.chunk(M)), schedule=self.schedule, stage=self.stage,
+                                     group=self.group)
+        return torch.cat(outputs) if self.is_last else last
+
+    def loss_everywhere(self, loss_sum: Tensor) -> Tensor:
+        """The last stage's `loss_sum` on every stage: its value summed over pp (the others hold a
+        zero-weighted term of their chain), differentiable only where it was computed."""
+        total = funcol.wait_tensor(funcol.all_reduce(loss_sum.detach(), "sum", self.group))
+        return loss_sum + (total - loss_sum.detach())
+
+    def sum_shared_grads_(self, grads: dict[str, Tensor]) -> None:
+        """Sum over pp, in place and in `grads`' order, the gradients of the weights every stage holds
+        whole (replicated over pp): each stage has the part of its own uses."""
+        for grad in grads.values():
+            if isinstance(grad, DTensor) and _pp_placement(grad) == Replicate():
+                dist.all_reduce(grad._local_tensor, group=self.group)
+
+    def row_views(self, t: Tensor) -> list[tuple[int, Tensor]]:
+        """(row of the stack, that row's tensor) for the rows this stage holds of stacked `t`: a view
+        of the local rows, a DTensor on the mesh's other axes when it has any."""
+        if not isinstance(t, DTensor) or _pp_placement(t) != Shard(0):
+            return [(row, t[row]) for row in range(t.shape[0])]
+        names = list(t.device_mesh.mesh_dim_names)
+        local, first = t.to_local(), self.stage * (t.shape[0] // self.schedule.stages)
+        others = [name for name in names if name != PP_AXIS]
+        if not others:
+            return [(first + j, local[j]) for j in range(local.shape[0])]
+        mesh = t.device_mesh[tuple(others)]
+        placements = [Shard(p.dim - 1) if isinstance(p, Shard) else p
+                      for name, p in zip(names, t.placements) if name != PP_AXIS]
+        shape = t.shape[1:]
+        stride = torch.empty(shape, device="meta").stride()
+        return [(first + j, DTensor.from_local(local[j], mesh, placements, run_check=False, shape=shape, stride=stride))
+                for j in range(local.shape[0])]
+
+
+def _pp_placement(t: DTensor):
+    names = t.device_mesh.mesh_dim_names or ()
+    return t.placements[names.index(PP_AXIS)] if PP_AXIS in names else None
+
+
+def pipeline_stages(model: nn.Module, mesh: DeviceMesh, schedule: PipelineSchedule) -> None:
+    """Make a meta-device Transformer with one scanned stack pipelined over `mesh`'s pp axis, before
+    it is materialised: its stack's rows laid out stage by stage (the layers of stage 0's chunks,
+    then stage 1's, ...), so that SimpleFSDP's split of the layer dim over pp gives each rank its
+    chunks, and `model.pipeline` set."""
+    stack = model.layers
+    stack.row_layers = [layer for stage in range(schedule.stages) for layer in schedule.stage_layers(stage)]
+    model.pipeline = PipelineStage(schedule, mesh)
+    stack.__dict__[STAGE_ROWS] = model.pipeline.row_views
