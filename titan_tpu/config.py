@@ -41,6 +41,14 @@ class ModelConfig:
     # changes config values: '{"hidden_size": 64}' or hidden_size=64,num_hidden_layers=2.
     hf_config: str = ""
     hf_overrides: str = ""  # name = hf: changes to the directory's config values (the comment above)
+    # name = hf on a vision-language directory (Qwen2.5-VL, Gemma 3, LLaVA; docs/vision_language.md):
+    # train_vision trains the vision encoder too (frozen by default; its projector always trains);
+    # max_images is the image slots of each row (a static shape: empty slots are padded and masked, a
+    # row with more images is an error); image_size the side every image is resized to, for processors
+    # without a fixed one (Qwen2.5-VL's; 0 = 448), a multiple of its patch size x merge size.
+    train_vision: bool = False
+    max_images: int = 1
+    image_size: int = 0
     # Compute dtype. Parameters and AdamW's moments stay fp32 (master weights) and are cast for
     # compute, on one device as on many, eager and graph (docs/mixed_precision.md). auto: float32 on
     # CPU, bfloat16 on CUDA and TPU; bfloat16 on a CPU needs its bf16 instructions (avx512_bf16/amx_bf16).

@@ -73,7 +73,7 @@ class HFSpec(ModelSpec):
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
                       documents: bool) -> HFCausalLM:
         return build_hf_model(self.args, kernels=cfg.kernels, ac_mode=cfg.activation_checkpoint.mode,
-                              dtype=torch.float32)
+                              dtype=torch.float32, train_vision=cfg.model.train_vision)
 
     def finish(self, model: HFCausalLM, *, log: Log, own_weights: bool = True) -> None:
         """The directory's weights when it has them (and `own_weights`); then whether the chunked

@@ -1,0 +1,196 @@
+"""Vision-language models on the Transformers backend: tiny random Qwen2.5-VL directories written
+here (tests/vision_fixtures.py), image-text chat rows in static shapes (data/images.py), our
+training step's loss and gradients against transformers' own forward and backward on the same
+batch, and the one-line errors of bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+from vision_fixtures import image_chat_rows, write_qwen2_5_vl_dir, write_rows, write_square  # noqa: E402
+
+from titan_tpu.config import Config  # noqa: E402
+from titan_tpu.data.batch import IGNORE_INDEX  # noqa: E402
+from titan_tpu.data.chat import ChatRenderer, load_chat_template  # noqa: E402
+from titan_tpu.data.images import ImageChatRows, ImageProcessorView, stack_rows  # noqa: E402
+from titan_tpu.data.tokenizer import load_tokenizer  # noqa: E402
+from titan_tpu.models.hf_spec import HFSpec  # noqa: E402
+from titan_tpu.models.spec import build  # noqa: E402
+from titan_tpu.train.objective import ModelCalls, NextTokenObjective  # noqa: E402
+
+SEQ_LEN = 64
+SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> Path:
+    return write_qwen2_5_vl_dir(tmp_path_factory.mktemp("qwen2_5_vl"), weights=True)
+
+
+def _rows(directory: Path, rows: list[dict], *, max_images: int = SLOTS, name: str = "rows.jsonl") -> ImageChatRows:
+    template, special = load_chat_template(directory)
+    renderer = ChatRenderer(template, load_tokenizer(directory / "tokenizer.json"), special_tokens=special)
+    view = ImageProcessorView(directory, max_images=max_images, image_size=56)
+    return ImageChatRows(rows, renderer=renderer, view=view, seq_len=SEQ_LEN, val_fraction=0.0, name=name)
+
+
+def _batch(directory: Path, tmp_path: Path, n: int = 3):
+    source = _rows(directory, image_chat_rows(tmp_path / "images", n))
+    return stack_rows([source.row(i) for i in range(n)])
+
+
+def _config(directory: Path, *, train_vision: bool) -> Config:
+    cfg = Config()
+    cfg.model.name, cfg.model.hf_config, cfg.model.train_vision = "hf", str(directory), train_vision
+    return cfg
+
+
+def _ours(directory: Path, *, train_vision: bool = True):
+    cfg = _config(directory, train_vision=train_vision)
+    return build(HFSpec.of_dir(directory), cfg, device="cpu", seed=0)
+
+
+def _reference(directory: Path):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(directory), dtype=torch.float32, attn_implementation="sdpa")
+    return model.train()
+
+
+def _reference_loss(model, batch, image_token_id: int) -> torch.Tensor:
+    """transformers' own forward on the batch as its processor would give it: only the real images,
+    their grids, the image token types from which it computes its own 3-D positions."""
+    images = batch.images
+    slots = images.slots_BM.flatten()
+    out = model(input_ids=batch.inputs_BS, pixel_values=images.pixel_values.flatten(0, 1)[slots].flatten(0, 1),
+                image_grid_thw=images.grid_thw.flatten(0, 1)[slots],
+                mm_token_type_ids=(batch.inputs_BS == image_token_id).int(), use_cache=False)
+    count = (batch.labels_BS != IGNORE_INDEX).sum()
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch.labels_BS.flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum") / count
+
+
+def _our_loss(model, batch) -> torch.Tensor:
+    count = (batch.labels_BS != IGNORE_INDEX).sum()
+    return NextTokenObjective().micro_batch(ModelCalls(model), batch, count=count, share=1.0).objective
+
+
+def test_rows_have_static_shapes_and_train_on_the_answer_only(qwen_dir, tmp_path):
+    batch = _batch(qwen_dir, tmp_path)
+    images = batch.images
+    assert batch.inputs_BS.shape == (3, SEQ_LEN)
+    assert images.pixel_values.shape == (3, SLOTS, 16, 3 * 2 * 14 * 14)  # 56 px: 4 x 4 patches of 14
+    assert images.slots_BM.tolist() == [[False, False], [True, False], [True, True]]
+    assert images.grid_thw.tolist()[0] == [[1, 4, 4], [1, 4, 4]]
+    assert images.positions_3BS.shape == (3, 3, SEQ_LEN)
+    image_token_id = ImageProcessorView(qwen_dir, max_images=SLOTS, image_size=56).config.image_token_id
+    assert (batch.inputs_BS == image_token_id).sum(dim=1).tolist() == [0, 4, 8]  # 2 x 2 merged patches an image
+    # The trained labels decode to the assistant's answer and its end of turn.
+    tokenizer = load_tokenizer(qwen_dir / "tokenizer.json")
+    trained = batch.labels_BS[2][batch.labels_BS[2] != IGNORE_INDEX].tolist()
+    rows = image_chat_rows(tmp_path / "images", 3)
+    assert tokenizer.decode(trained) == rows[2]["messages"][1]["content"][0]["text"] + "<|im_end|>"
+
+
+def test_rope_positions_are_transformers_own(qwen_dir, tmp_path):
+    batch = _batch(qwen_dir, tmp_path)
+    model = _reference(qwen_dir)
+    image_token_id = model.config.image_token_id
+    slots = batch.images.slots_BM.flatten()
+    theirs, _ = model.model.get_rope_index(batch.inputs_BS, mm_token_type_ids=(batch.inputs_BS == image_token_id).int(),
+                                           image_grid_thw=batch.images.grid_thw.flatten(0, 1)[slots])
+    assert torch.equal(theirs, batch.images.positions_3BS)
+
+
+@pytest.mark.parametrize("train_vision", [True, False])
+def test_loss_and_gradients_match_transformers(qwen_dir, tmp_path, train_vision):
+    batch = _batch(qwen_dir, tmp_path)
+    ours = _ours(qwen_dir, train_vision=train_vision)
+    reference = _reference(qwen_dir)
+    loss = _our_loss(ours, batch)
+    loss.backward()
+    expected = _reference_loss(reference, batch, reference.config.image_token_id)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    theirs = dict(reference.named_parameters())
+    compared = 0
+    for name, param in ours.named_parameters():
+        key = name.removeprefix("hf_model.")
+        if not param.requires_grad:
+            assert ".visual." in f".{key}" and ".merger." not in key, name
+            continue
+        torch.testing.assert_close(param.grad, theirs[key].grad, rtol=1e-5, atol=1e-5 * theirs[key].grad.abs().max())
+        compared += 1
+    tower = [n for n, _ in ours.named_parameters() if ".visual.blocks." in n]
+    assert compared == len(list(ours.parameters())) - (0 if train_vision else len(tower) + 1)  # + patch_embed
+
+
+def test_empty_slots_change_nothing(qwen_dir, tmp_path):
+    """An empty slot's pixels are never read: noise there leaves the loss as it was."""
+    batch = _batch(qwen_dir, tmp_path)
+    noisy = batch.images.pixel_values.clone()
+    noisy[~batch.images.slots_BM] = torch.randn_like(noisy[~batch.images.slots_BM])
+    model = _ours(qwen_dir)
+    with torch.no_grad():
+        plain = _our_loss(model, batch)
+        other = _our_loss(model, dataclasses.replace(batch, images=dataclasses.replace(batch.images,
+                                                                                        pixel_values=noisy)))
+    assert plain.item() == other.item()
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_an_unreadable_image_names_the_row_and_file(qwen_dir, tmp_path):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    rows = image_chat_rows(tmp_path / "images", 2)
+    rows[1]["messages"][0]["content"][0]["path"] = str(broken)
+    source = _rows(qwen_dir, rows)
+    with pytest.raises(ValueError, match=r"image of chat row 1 of rows.jsonl cannot be read \(file .*broken.png"):
+        source.row(1)
+
+
+def test_too_many_images_names_the_row_and_the_key(qwen_dir, tmp_path):
+    rows = image_chat_rows(tmp_path / "images", 3)
+    with pytest.raises(ValueError, match=r"chat row 2 of rows.jsonl holds 2 images, more than the 1 image slots of a "
+                                         r"row; raise model.max_images to 2"):
+        _rows(qwen_dir, rows, max_images=1)
+
+
+def test_a_directory_without_its_processor_is_refused(qwen_dir, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(qwen_dir, bare)
+    (bare / "preprocessor_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no preprocessor_config.json: a vision-language model needs its "
+                                                "processor's files"):
+        ImageProcessorView(bare, max_images=1)
+
+
+def test_an_image_row_on_a_text_only_model_is_refused(tmp_path):
+    from data_fixtures import write_chat_tokenizer_dir
+
+    directory = write_chat_tokenizer_dir(tmp_path / "text_model")
+    template, special = load_chat_template(directory)
+    renderer = ChatRenderer(template, load_tokenizer(directory / "tokenizer.json"), special_tokens=special)
+    messages = [{"role": "user", "content": [{"type": "image", "path": str(write_square(tmp_path / "a.png", "red"))},
+                                             {"type": "text", "text": "colour?"}]},
+                {"role": "assistant", "content": "red"}]
+    with pytest.raises(ValueError, match="chat row 0 holds an image and the model is text-only"):
+        renderer.encode(messages, where="row 0")
+
+
+def test_rows_file_round_trip(tmp_path):
+    path = write_rows(tmp_path / "rows.jsonl", image_chat_rows(tmp_path / "images", 2))
+    assert len(path.read_text().splitlines()) == 2
+    assert np.all([Path(p).is_file() for p in tmp_path.glob("images/*.png")])

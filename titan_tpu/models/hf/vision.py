@@ -1,0 +1,120 @@
+"""Vision-language models on the Transformers backend: what differs per architecture, and the
+static-shape merge of image features into the text.
+
+A vision-language directory (Qwen2.5-VL, Gemma 3, LLaVA) is built as transformers'
+``*ForConditionalGeneration`` model and wrapped in `HFCausalLM` like any causal LM. Its batches
+carry images beside the tokens (data/batch.py `ImageInputs`), in static shapes: every image at one
+fixed resolution and each row a fixed number of image slots, the empty ones zeros and masked. So
+the model never runs transformers' own merge (`get_placeholder_mask` counts the image tokens of
+the batch against the features, a data-dependent check, and a padded slot would fail it). Instead
+the wrapper runs the vision tower on every slot, places the features itself (`merge_image_features`:
+the k-th image token of row b takes feature k of row b's slots, a gather whose shape is the batch's)
+and calls the language model on the merged embeddings with what else the architecture needs (the
+3-D rotary positions of Qwen2.5-VL, Gemma 3's image token types for its bidirectional image
+attention), computed by the data loader. An empty slot's features are computed and never read, so
+they add nothing to the loss or any gradient.
+
+`VISION_ARCHITECTURES` holds one record per supported model_type; a new one is a record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class VisionArchitecture:
+    """What the wrapper needs to know of one vision-language architecture."""
+
+    model_type: str
+    tower: str  # module path (under the HF model) of the vision encoder, frozen unless model.train_vision
+    # Features -> language model: the projector, which trains even with the tower frozen. "" where
+    # it is a module of its own outside the tower (Gemma 3's and LLaVA's multi_modal_projector).
+    projector_in_tower: str
+    # (the HF model, the batch's ImageInputs) -> image features [B x slots x tokens per image, D]
+    features: Callable[[nn.Module, Any], torch.Tensor]
+    # the batch's ImageInputs -> keyword arguments of the base model's forward beside inputs_embeds
+    language_inputs: Callable[[Any], dict[str, torch.Tensor]]
+
+
+def _pooled(output) -> torch.Tensor:
+    features = output.pooler_output if hasattr(output, "pooler_output") else output
+    if isinstance(features, (tuple, list)):
+        features = torch.cat(list(features))
+    return features.reshape(-1, features.shape[-1])
+
+
+def _qwen2_5_vl_features(hf_model: nn.Module, images) -> torch.Tensor:
+    # The vision tower itself, not get_image_features: that one splits its output per image with
+    # .tolist() of the grid, which the merge here does not need.
+    visual = hf_model.model.visual
+    patches_ND = images.pixel_values.reshape(-1, images.pixel_values.shape[-1]).to(visual.dtype)
+    return _pooled(visual(patches_ND, grid_thw=images.grid_thw.reshape(-1, 3)))
+
+
+def _image_features(hf_model: nn.Module, images) -> torch.Tensor:
+    pixels = images.pixel_values.flatten(0, 1)  # [B x slots, C, H, W]
+    return _pooled(hf_model.model.get_image_features(pixel_values=pixels.to(hf_model.dtype)))
+
+
+VISION_ARCHITECTURES: dict[str, VisionArchitecture] = {a.model_type: a for a in (
+    VisionArchitecture("qwen2_5_vl", tower="model.visual", projector_in_tower="merger", features=_qwen2_5_vl_features,
+                       language_inputs=lambda images: {"position_ids": images.positions_3BS}),
+    VisionArchitecture("gemma3", tower="model.vision_tower", projector_in_tower="", features=_image_features,
+                       language_inputs=lambda images: {"token_type_ids": images.token_types_BS}),
+    VisionArchitecture("llava", tower="model.vision_tower", projector_in_tower="", features=_image_features,
+                       language_inputs=lambda images: {}),
+)}
+
+
+def is_vision_language(config) -> bool:
+    """Whether `config` is an image-text-to-text model of transformers with a vision tower."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and hasattr(config, "vision_config")
+
+
+def vision_architecture(config) -> VisionArchitecture | None:
+    """The record of a vision-language config; None for a text-only one. A vision-language
+    architecture without a record is a one-line error."""
+    if not is_vision_language(config):
+        return None
+    found = VISION_ARCHITECTURES.get(config.model_type)
+    if found is None:
+        raise ValueError(f"model.hf_config: {config.model_type} is a vision-language model the hf backend does not "
+                         f"train yet; supported: {', '.join(sorted(VISION_ARCHITECTURES))}")
+    return found
+
+
+def merge_image_features(embeds_BSD: torch.Tensor, features_ND: torch.Tensor, *, tokens_BS: torch.Tensor,
+                         image_token_id: int) -> torch.Tensor:
+    """`embeds_BSD` with its image tokens replaced by image features: the k-th image token of row b
+    takes row k of b's share of `features_ND` (B equal shares, each the row's slots in order).
+    Static shapes (a cumulative sum and a gather, no boolean indexing): the data loader guarantees
+    that a row never holds more image tokens than its share."""
+    B = embeds_BSD.shape[0]
+    per_row = features_ND.shape[0] // B
+    is_image_BS = tokens_BS == image_token_id
+    index_BS = (torch.cumsum(is_image_BS.long(), dim=1) - 1).clamp(min=0)
+    index_BS = index_BS + torch.arange(B, device=tokens_BS.device).unsqueeze(1) * per_row
+    gathered_BSD = features_ND.to(embeds_BSD.dtype)[index_BS]
+    return torch.where(is_image_BS.unsqueeze(-1), gathered_BSD, embeds_BSD)
+
+
+def freeze_tower(hf_model: nn.Module, architecture: VisionArchitecture) -> int:
+    """Stop gradients to the vision encoder (its projector into the language model keeps training);
+    the number of parameters frozen."""
+    tower = hf_model.get_submodule(architecture.tower)
+    projector = architecture.projector_in_tower
+    frozen = 0
+    for name, param in tower.named_parameters():
+        if projector and name.startswith(projector + "."):
+            continue
+        param.requires_grad_(False)
+        frozen += param.numel()
+    return frozen
