@@ -119,3 +119,63 @@ def image_chat_rows(directory: Path, n: int, *, seed: int = 0, max_images: int =
 def write_rows(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+# Gemma 3's turn format: an image part is the begin-of-image token, which its processor expands.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+GEMMA3_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                   "<image_soft_token>"]
+
+
+def gemma3_processor(directory: Path):
+    """Gemma 3's own processor of a directory `write_gemma3_dir` wrote (it loads without torchvision)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(directory))
+
+
+def write_gemma3_dir(directory: Path, *, weights: bool = False, seed: int = 0) -> Path:
+    """A tiny Gemma 3 directory: 28-pixel images in 7-pixel patches (4 x 4), pooled to 4 tokens."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = _train_tokenizer(directory, GEMMA3_SPECIALS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(directory / "tokenizer.json"), bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        model_max_length=4096, extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                                     "image_token": "<image_soft_token>"})
+    image_processor = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=GEMMA3_TEMPLATE,
+                                image_seq_length=4)
+    processor.save_pretrained(str(directory))
+    config = Gemma3Config(
+        text_config=dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                         sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                         bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"]),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=28, patch_size=7),
+        mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+    )
+    if weights:
+        torch.manual_seed(seed)
+        model = Gemma3ForConditionalGeneration(config)
+        with torch.no_grad():  # the projector starts at zero: give it weights a gradient check can see
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
+        model.save_pretrained(str(directory))
+    else:
+        config.save_pretrained(str(directory))
+    return directory

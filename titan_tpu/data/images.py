@@ -28,6 +28,7 @@ extra per-token inputs: Qwen2.5-VL's 3-D rotary positions, Gemma 3's image token
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -62,7 +63,13 @@ IMAGE_FORMATS: dict[str, ImageFormat] = {
 
 
 def has_processor(directory: str | Path) -> bool:
-    return (Path(directory) / "preprocessor_config.json").is_file()
+    """Whether the directory holds an image processor's settings: preprocessor_config.json, or
+    processor_config.json with an image_processor entry (as newer processors save it)."""
+    directory = Path(directory)
+    if (directory / "preprocessor_config.json").is_file():
+        return True
+    processor = directory / "processor_config.json"
+    return processor.is_file() and "image_processor" in json.loads(processor.read_text())
 
 
 class ImageProcessorView:
@@ -74,8 +81,9 @@ class ImageProcessorView:
 
         directory = Path(directory)
         if not has_processor(directory):
-            raise FileNotFoundError(f"model.hf_config {directory} has no preprocessor_config.json: a vision-language "
-                                    "model needs its processor's files (copy them from the model's repository)")
+            raise FileNotFoundError(f"model.hf_config {directory} has no image processor (preprocessor_config.json or "
+                                    "processor_config.json): a vision-language model needs its processor's files; copy "
+                                    "them from the model's repository")
         if max_images < 0:
             raise ValueError(f"model.max_images = {max_images} must be >= 0")
         self.config = AutoConfig.from_pretrained(str(directory))
@@ -96,6 +104,7 @@ class ImageProcessorView:
         size = getattr(self.processor, "size", None) or {}
         fixed = size.get("height") or (getattr(self.processor, "crop_size", None) or {}).get("height")
         factor = getattr(self.processor, "patch_size", 1) * getattr(self.processor, "merge_size", 1)
+        self.fixed = bool(fixed)
         if fixed and not image_size:
             return int(fixed)
         if fixed and image_size != fixed:
@@ -121,7 +130,8 @@ class ImageProcessorView:
         out: pixel_values of one slot (and Qwen2.5-VL's patch grid)."""
         from PIL import Image
 
-        image = image.resize((self.side, self.side), Image.Resampling.BICUBIC)
+        if not self.fixed:  # the processor would pick a size per image: ours, with the processor's own filter
+            image = image.resize((self.side, self.side), getattr(self.processor, "resample", Image.Resampling.BICUBIC))
         out = self.processor(images=[image], return_tensors="pt")
         pixels = out["pixel_values"].float()
         found = {"pixel_values": pixels if "image_grid_thw" in out else pixels[0]}

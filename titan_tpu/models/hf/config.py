@@ -138,9 +138,11 @@ def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
         last = str(e).strip().splitlines()
         raise ValueError(f"model.hf_config {spec} with model.hf_overrides {given} is not a valid config: "
                          f"{last[-1].strip() if last else type(e).__name__}") from None
-    from titan_tpu.models.hf.vision import vision_architecture
+    from titan_tpu.models.hf.vision import is_vision_language, unsupported_vision_error
 
-    if vision_architecture(config) is None and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if (error := unsupported_vision_error(config)) is not None:
+        raise error
+    if not is_vision_language(config) and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"model.hf_config {spec}: model_type {config.model_type!r} is not a causal LM in transformers "
                          "(AutoModelForCausalLM cannot build it); train a decoder-only language model")
     return config

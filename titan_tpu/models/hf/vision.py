@@ -73,22 +73,31 @@ VISION_ARCHITECTURES: dict[str, VisionArchitecture] = {a.model_type: a for a in 
 
 
 def is_vision_language(config) -> bool:
-    """Whether `config` is an image-text-to-text model of transformers with a vision tower."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and hasattr(config, "vision_config")
+    """Whether `config` is a vision-language model this backend trains with its images (a record of
+    `VISION_ARCHITECTURES`). Other composite configs with a vision tower that transformers' causal-LM
+    mapping holds (Dots 3 Note, ...) are trained as before: as their text model."""
+    return config.model_type in VISION_ARCHITECTURES and hasattr(config, "vision_config")
 
 
 def vision_architecture(config) -> VisionArchitecture | None:
-    """The record of a vision-language config; None for a text-only one. A vision-language
-    architecture without a record is a one-line error."""
-    if not is_vision_language(config):
-        return None
-    found = VISION_ARCHITECTURES.get(config.model_type)
-    if found is None:
-        raise ValueError(f"model.hf_config: {config.model_type} is a vision-language model the hf backend does not "
-                         f"train yet; supported: {', '.join(sorted(VISION_ARCHITECTURES))}")
-    return found
+    """The record of a vision-language config; None for a text-only one."""
+    return VISION_ARCHITECTURES[config.model_type] if is_vision_language(config) else None
+
+
+def unsupported_vision_error(config) -> ValueError | None:
+    """The one-line error for an image-text-to-text model that neither has a record here nor a
+    causal-LM class in transformers; None for any other config."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = config.model_type
+    if (model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in VISION_ARCHITECTURES
+            and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        return ValueError(f"model.hf_config: {model_type} is a vision-language model the hf backend does not train "
+                          f"yet; supported: {', '.join(sorted(VISION_ARCHITECTURES))}")
+    return None
 
 
 def merge_image_features(embeds_BSD: torch.Tensor, features_ND: torch.Tensor, *, tokens_BS: torch.Tensor,
