@@ -157,7 +157,8 @@ class Components:
         request = DataRequest(cfg=cfg, sources=self.setup.sources, tokenizer_path=self.setup.tokenizer_path,
                               vocab_size=self.model_args.vocab_size,
                               cache_dir=Path(cfg.data.cache_dir or default_cache_dir()), data_rank=split.dp_rank,
-                              data_size=split.dp_size, kernel_device=self.backend.kernel_device_type, log=self.log)
+                              data_size=split.dp_size, kernel_device=self.backend.kernel_device_type, log=self.log,
+                              image_model_dir=self.spec.image_model_dir())
         with main_process_first(log=self.log, what="the other ranks to open (or tokenize) the data"):
             parts = self.kind.data(request)
         cfg.kernels = parts.kernels

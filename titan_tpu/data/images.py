@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from titan_tpu.data.batch import IGNORE_INDEX, ImageInputs, TokenBatch
+from titan_tpu.data.mixture import MixtureLoader
 
 DEFAULT_DYNAMIC_SIDE = 448  # model.image_size 0 on a processor without a fixed resolution (Qwen2.5-VL's)
 
@@ -285,3 +286,62 @@ def stack_rows(rows: list[dict[str, Any]]) -> TokenBatch:
                          positions_3BS=None if positions is None else positions.transpose(0, 1).contiguous(),
                          token_types_BS=stacked("token_types_S"))
     return TokenBatch(stacked("inputs"), stacked("labels"), images=images)
+
+
+class ImageChatLoader(MixtureLoader):
+    """The mixture loader over `ImageChatRows`: the same choice of rows, the same resumable
+    position, its rows stacked into a `TokenBatch` with `ImageInputs`."""
+
+    def _stack(self, rows) -> TokenBatch:
+        return stack_rows(rows)
+
+
+def _source_rows(spec, *, renderer, view: ImageProcessorView, seq_len: int, val_fraction: float,
+                 all_val: bool = False) -> ImageChatRows:
+    """One source's rows (every file of it, in order); images relative to their file's folder."""
+    from titan_tpu.data.sources import iter_records, resolve_files
+
+    rows, bases = [], []
+    for path in resolve_files(spec.path):
+        for messages in iter_records([path], field=spec.field):
+            rows.append({"messages": messages})
+            bases.append(path.parent)
+    if len(set(bases)) > 1:  # one base per source: the files of a glob in different folders name their images fully
+        bases = [None]
+    return ImageChatRows(rows, renderer=renderer, view=view, seq_len=seq_len, val_fraction=val_fraction,
+                         name=spec.path, base=bases[0] if bases else None, all_val=all_val)
+
+
+def image_chat_loaders(data_cfg: Any, sources: list, *, model_dir: str | Path, tokenizer, max_images: int,
+                       image_size: int, seq_len: int, batch_size: int, seed: int, dp_rank: int, dp_size: int,
+                       validation: bool, log: Callable[[str], None] = print):
+    """(training loader, validation loader or None) over chat sources for the vision-language model
+    of `model_dir`, rendered with its chat template (or data.chat_template) and its image processor."""
+    from dataclasses import replace
+
+    from titan_tpu.data.chat import ChatRenderer, load_chat_template
+
+    view = ImageProcessorView(model_dir, max_images=max_images, image_size=image_size)
+    template, special = load_chat_template(model_dir, data_cfg.chat_template)
+    renderer = ChatRenderer(template, tokenizer, special_tokens=special)
+    val_fraction = 0.0 if data_cfg.val_source else data_cfg.val_fraction
+    rows = [_source_rows(s, renderer=renderer, view=view, seq_len=seq_len, val_fraction=val_fraction)
+            for s in sources]
+    for spec, r in zip(sources, rows):
+        if r.num_dropped:
+            log(f"data: {spec.label}: dropped {r.num_dropped} conversation(s) longer than seq_len {seq_len}")
+    log(f"data: image-text rows of {view.model_type}: {max_images} image slot(s) a row (model.max_images), images at "
+        f"{view.side} x {view.side}, {view.tokens_per_image} tokens each")
+    common = dict(seq_len=seq_len, batch_size=batch_size, seed=seed, dp_rank=dp_rank, dp_world_size=dp_size,
+                  document_mask=False)
+    train = ImageChatLoader(rows, names=[s.label for s in sources], weights=[s.weight for s in sources],
+                            repeat=[s.repeat for s in sources], **common)
+    val = train if validation and not data_cfg.val_source else None
+    if validation and data_cfg.val_source:
+        spec = replace(sources[0], path=data_cfg.val_source, weight=1.0, name="val")
+        val_rows = _source_rows(spec, renderer=renderer, view=view, seq_len=seq_len, val_fraction=0.0, all_val=True)
+        if val_rows.num_val == 0:
+            raise ValueError(f"data.val_source {data_cfg.val_source!r} holds no row of {seq_len} tokens; use more "
+                             "validation data or a larger training.seq_len")
+        val = ImageChatLoader([val_rows], names=["val"], weights=[1.0], repeat=[True], split="val", **common)
+    return train, val

@@ -53,6 +53,8 @@ class DataRequest:
     data_size: int  # how many row sets the global batch splits into
     kernel_device: str  # whose kernels the model takes (device.py Backend.kernel_device_type)
     log: Callable[[str], None]
+    # A vision-language model's directory (its processor renders chat rows with their images); None: text only
+    image_model_dir: Path | None = None
 
 
 @dataclass

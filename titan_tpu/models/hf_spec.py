@@ -89,6 +89,11 @@ class HFSpec(ModelSpec):
     def own_weights_path(self) -> Path | None:
         return Path(self.hf_config).expanduser() if has_weights(self.hf_config) else None
 
+    def image_model_dir(self) -> Path | None:
+        from titan_tpu.models.hf.vision import is_vision_language
+
+        return Path(self.hf_config).expanduser() if is_vision_language(self.args.transformers_config()) else None
+
     def own_tokenizer_path(self) -> str | None:
         candidate = Path(self.hf_config).expanduser() / "tokenizer.json"
         return str(candidate) if candidate.is_file() else None
