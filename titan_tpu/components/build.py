@@ -125,7 +125,8 @@ class Components:
                                                      documents=self.document_mask, log=self.log,
                                                      objective=self.objective,
                                                      mesh_axes=mesh_axis_sizes(self.mesh, self.parallel_dims),
-                                                     compile_cache=self.compile_cache)
+                                                     compile_cache=self.compile_cache,
+                                                     example_batch=self.example_batch)
         self.checkpointer = Checkpointer.from_config(cfg.checkpoint, self.run_dir, log=self.log)
         c = cfg.checkpoint
         self.local_tier = None
@@ -165,6 +166,7 @@ class Components:
         self.document_mask = parts.document_mask
         self.tokenizer, self.train_loader, self.val_loader = parts.tokenizer, parts.train_loader, parts.val_loader
         self.extras = parts.extras
+        self.example_batch = parts.example_batch
 
     def build_model(self, cfg: Config | None = None) -> TrainableModel:
         """The spec's model (models/spec.py `build`) as `cfg` (default the run's) asks for it:

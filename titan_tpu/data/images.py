@@ -295,6 +295,11 @@ class ImageChatLoader(MixtureLoader):
     def _stack(self, rows) -> TokenBatch:
         return stack_rows(rows)
 
+    def example_batch(self) -> TokenBatch:
+        """A micro-batch of this loader's shapes (its first row, repeated): what graph mode captures."""
+        source = next(s for s in self.sources if s.num_train)
+        return self._stack([source.row(0)] * self.batch_size)
+
 
 def _source_rows(spec, *, renderer, view: ImageProcessorView, seq_len: int, val_fraction: float,
                  all_val: bool = False) -> ImageChatRows:

@@ -63,7 +63,7 @@ def image_chat_data(request: DataRequest) -> DataParts:
                                     max_images=m.max_images, image_size=m.image_size, seq_len=t.seq_len,
                                     batch_size=t.batch_size, seed=t.seed, dp_rank=request.data_rank,
                                     dp_size=request.data_size, validation=cfg.validation.enabled, log=request.log)
-    return DataParts(tokenizer, train, val, document_mask=False, kernels=kernels)
+    return DataParts(tokenizer, train, val, document_mask=False, kernels=kernels, example_batch=train.example_batch())
 
 
 def next_token_objective(cfg: Config, reference: nn.Module | None) -> NextTokenObjective:

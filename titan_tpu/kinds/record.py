@@ -67,6 +67,9 @@ class DataParts:
     document_mask: bool  # batches carry positions (documents packed into rows)
     kernels: KernelConfig  # the run's kernels as this data needs them (a loss kernel that skips ignored labels)
     extras: Any = None  # what the kind's own loop needs beside the common parts (GRPO: its rewards and stop ids)
+    # One micro-batch as the loader makes them (CPU), which graph mode captures the step with, for data whose
+    # batches hold more than the objective's example has (images); None: the objective's example_batch
+    example_batch: Any = None
 
 
 def _one(cfg: Config) -> int:
