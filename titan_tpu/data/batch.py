@@ -68,6 +68,9 @@ class ImageInputs:
     grid_thw: Tensor | None = None  # Qwen2.5-VL: [B, M, 3] each slot's patch grid (time, height, width)
     positions_3BS: Tensor | None = None  # Qwen2.5-VL: the 3-D rotary positions (time, height, width) of each token
     token_types_BS: Tensor | None = None  # Gemma 3: 1 on image tokens (they attend to their image both ways)
+    # What the vision tower would compute from the images' sizes with data-dependent ops, computed by the
+    # loader instead (Qwen2.5-VL: rotary positions, attention segments and window order of all slots' patches)
+    tower_inputs: dict[str, Tensor] | None = None
 
 
 @batch_class

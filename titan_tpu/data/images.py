@@ -274,17 +274,35 @@ class ImageChatRows:
         return out
 
 
-def stack_rows(rows: list[dict[str, Any]]) -> TokenBatch:
-    """Rows of `ImageChatRows` as one batch."""
+def qwen_tower_inputs(grid_N3: torch.Tensor, vision_config) -> dict[str, torch.Tensor]:
+    """Qwen2.5-VL's vision tower inputs for images of grids `grid_N3`, computed here with
+    transformers' own functions, which the tower then takes instead of computing them itself
+    (with .tolist() and loops, which graph capture cannot trace)."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+
+    merge = vision_config.spatial_merge_size
+    window_index, cu_window_seqlens = get_vision_window_index(grid_N3, spatial_merge_size=merge,
+                                                              window_size=vision_config.window_size,
+                                                              patch_size=vision_config.patch_size)
+    return {"position_ids": get_vision_position_ids(grid_N3, merge), "cu_seqlens": get_vision_cu_seqlens(grid_N3),
+            "window_index": window_index, "cu_window_seqlens": cu_window_seqlens}
+
+
+def stack_rows(rows: list[dict[str, Any]], view: ImageProcessorView | None = None) -> TokenBatch:
+    """Rows of `ImageChatRows` as one batch (`view`: the processor view that made them, for the
+    inputs a vision tower takes precomputed)."""
     def stacked(key: str) -> torch.Tensor | None:
         if key not in rows[0]:
             return None
         return torch.stack([torch.as_tensor(r[key]) for r in rows])
 
-    positions = stacked("positions_3S")
-    images = ImageInputs(pixel_values=stacked("pixel_values"), slots_BM=stacked("slots"), grid_thw=stacked("grid_thw"),
+    positions, grid = stacked("positions_3S"), stacked("grid_thw")
+    tower = None
+    if grid is not None and view is not None:
+        tower = qwen_tower_inputs(grid.reshape(-1, 3), view.config.vision_config)
+    images = ImageInputs(pixel_values=stacked("pixel_values"), slots_BM=stacked("slots"), grid_thw=grid,
                          positions_3BS=None if positions is None else positions.transpose(0, 1).contiguous(),
-                         token_types_BS=stacked("token_types_S"))
+                         token_types_BS=stacked("token_types_S"), tower_inputs=tower)
     return TokenBatch(stacked("inputs"), stacked("labels"), images=images)
 
 
@@ -293,7 +311,7 @@ class ImageChatLoader(MixtureLoader):
     position, its rows stacked into a `TokenBatch` with `ImageInputs`."""
 
     def _stack(self, rows) -> TokenBatch:
-        return stack_rows(rows)
+        return stack_rows(rows, self.sources[0].view)
 
     def example_batch(self) -> TokenBatch:
         """A micro-batch of this loader's shapes (its first row, repeated): what graph mode captures."""

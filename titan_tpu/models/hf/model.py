@@ -33,7 +33,12 @@ from titan_tpu.models.hf.hooks import (
     _use_graph_safe_forwards,
     register_attention,
 )
-from titan_tpu.models.hf.vision import freeze_tower, merge_image_features, vision_architecture
+from titan_tpu.models.hf.vision import (
+    freeze_tower,
+    merge_image_features,
+    use_graph_safe_forwards,
+    vision_architecture,
+)
 
 PREFIX = "hf_model."
 
@@ -102,6 +107,8 @@ class HFCausalLM(nn.Module):
         text = text_config(hf_model.config)
         self._router = _router_settings(text)
         self.vision = vision_architecture(hf_model.config)  # None for a text-only model
+        if self.vision is not None:
+            use_graph_safe_forwards(hf_model, self.vision)
 
     # --- the init contract (parallel/simple_fsdp.materialize_and_init) -----------------------
 

@@ -19,11 +19,14 @@ they add nothing to the loss or any gradient.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -40,6 +43,9 @@ class VisionArchitecture:
     features: Callable[[nn.Module, Any], torch.Tensor]
     # the batch's ImageInputs -> keyword arguments of the base model's forward beside inputs_embeds
     language_inputs: Callable[[Any], dict[str, torch.Tensor]]
+    # Static-shape forms of the tower's modules that graph capture cannot trace, by class name (bound
+    # to our instances only, as hooks.py GRAPH_SAFE_FORWARDS are)
+    graph_safe_forwards: tuple[tuple[str, Callable[..., torch.Tensor]], ...] = ()
 
 
 def _pooled(output) -> torch.Tensor:
@@ -49,12 +55,50 @@ def _pooled(output) -> torch.Tensor:
     return features.reshape(-1, features.shape[-1])
 
 
+# Set while a Qwen2.5-VL vision tower runs: the patches of one image (every slot's image has the
+# same size), which its graph-safe attention blocks the patches by.
+_PATCHES_PER_IMAGE: contextvars.ContextVar[int] = contextvars.ContextVar("titan_tpu_patches_per_image")
+
+
 def _qwen2_5_vl_features(hf_model: nn.Module, images) -> torch.Tensor:
     # The vision tower itself, not get_image_features: that one splits its output per image with
-    # .tolist() of the grid, which the merge here does not need.
+    # .tolist() of the grid, which the merge here does not need. The loader's precomputed inputs
+    # (rotary positions, segments, window order) replace the tower's own data-dependent ones.
     visual = hf_model.model.visual
     patches_ND = images.pixel_values.reshape(-1, images.pixel_values.shape[-1]).to(visual.dtype)
-    return _pooled(visual(patches_ND, grid_thw=images.grid_thw.reshape(-1, 3)))
+    token = _PATCHES_PER_IMAGE.set(images.pixel_values.shape[2])
+    try:
+        return _pooled(visual(patches_ND, grid_thw=images.grid_thw.reshape(-1, 3), **(images.tower_inputs or {})))
+    finally:
+        _PATCHES_PER_IMAGE.reset(token)
+
+
+def _qwen2_5_vl_vision_attention(module: nn.Module, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                 **kwargs) -> torch.Tensor:
+    """`Qwen2_5_VLVisionAttention.forward` with static shapes: its per-segment loop (a split by
+    `cu_seqlens.tolist()`) becomes one attention per image, [images, heads, P, P] masked to the
+    segments (the whole image, or its windows) that the segment ids from `cu_seqlens` name. Every
+    segment lies within one image, so the result is the loop's; the window layers pay for whole
+    images (P x P, not windows' squares) in exchange for one static shape."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+
+    N = hidden_states.shape[0]
+    P = _PATCHES_PER_IMAGE.get(N)  # outside our features (a direct call of the tower): one segment set
+    q_NHD, k_NHD, v_NHD = module.qkv(hidden_states).reshape(N, 3, module.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = position_embeddings
+    q_NHD, k_NHD = apply_rotary_pos_emb_vision(q_NHD, k_NHD, cos, sin)
+    segment_N = torch.searchsorted(cu_seqlens.to(torch.int64), torch.arange(N, device=hidden_states.device),
+                                   right=True)
+    segment_IP = segment_N.view(N // P, P)
+    allowed_I1PP = (segment_IP.unsqueeze(-1) == segment_IP.unsqueeze(-2)).unsqueeze(1)
+
+    def per_image(x_NHD: torch.Tensor) -> torch.Tensor:
+        return x_NHD.view(N // P, P, module.num_heads, -1).transpose(1, 2)
+
+    out_IHPD = F.scaled_dot_product_attention(per_image(q_NHD), per_image(k_NHD), per_image(v_NHD),
+                                              attn_mask=allowed_I1PP, scale=module.scaling)
+    return module.proj(out_IHPD.transpose(1, 2).reshape(N, -1))
 
 
 def _image_features(hf_model: nn.Module, images) -> torch.Tensor:
@@ -64,7 +108,8 @@ def _image_features(hf_model: nn.Module, images) -> torch.Tensor:
 
 VISION_ARCHITECTURES: dict[str, VisionArchitecture] = {a.model_type: a for a in (
     VisionArchitecture("qwen2_5_vl", tower="model.visual", projector_in_tower="merger", features=_qwen2_5_vl_features,
-                       language_inputs=lambda images: {"position_ids": images.positions_3BS}),
+                       language_inputs=lambda images: {"position_ids": images.positions_3BS},
+                       graph_safe_forwards=(("Qwen2_5_VLVisionAttention", _qwen2_5_vl_vision_attention),)),
     VisionArchitecture("gemma3", tower="model.vision_tower", projector_in_tower="", features=_image_features,
                        language_inputs=lambda images: {"token_type_ids": images.token_types_BS}),
     VisionArchitecture("llava", tower="model.vision_tower", projector_in_tower="", features=_image_features,
@@ -113,6 +158,14 @@ def merge_image_features(embeds_BSD: torch.Tensor, features_ND: torch.Tensor, *,
     index_BS = index_BS + torch.arange(B, device=tokens_BS.device).unsqueeze(1) * per_row
     gathered_BSD = features_ND.to(embeds_BSD.dtype)[index_BS]
     return torch.where(is_image_BS.unsqueeze(-1), gathered_BSD, embeds_BSD)
+
+
+def use_graph_safe_forwards(hf_model: nn.Module, architecture: VisionArchitecture) -> None:
+    forms = dict(architecture.graph_safe_forwards)
+    for module in hf_model.modules():
+        form = forms.get(type(module).__name__)
+        if form is not None:
+            module.forward = functools.partial(form, module)
 
 
 def freeze_tower(hf_model: nn.Module, architecture: VisionArchitecture) -> int:
