@@ -20,7 +20,9 @@ pytest.importorskip("PIL")
 from vision_fixtures import (  # noqa: E402
     gemma3_processor,
     image_chat_rows,
+    llava_processor,
     write_gemma3_dir,
+    write_llava_dir,
     write_qwen2_5_vl_dir,
     write_rows,
     write_square,
@@ -35,7 +37,7 @@ from titan_tpu.models.hf_spec import HFSpec  # noqa: E402
 from titan_tpu.models.spec import build  # noqa: E402
 from titan_tpu.train.objective import ModelCalls, NextTokenObjective  # noqa: E402
 
-SEQ_LEN = 64
+SEQ_LEN = 96
 SLOTS = 2
 
 
@@ -55,13 +57,19 @@ class Arch:
         if images.grid_thw is not None:  # Qwen2.5-VL: patches of all images in one list, their grids, token types
             return {"pixel_values": pixels.flatten(0, 1), "image_grid_thw": images.grid_thw.flatten(0, 1)[slots],
                     "mm_token_type_ids": (batch.inputs_BS == image_token_id).int()}
-        return {"pixel_values": pixels, "token_type_ids": images.token_types_BS}
+        if images.token_types_BS is not None:  # Gemma 3
+            return {"pixel_values": pixels, "token_type_ids": images.token_types_BS}
+        return {"pixel_values": pixels}
 
 
 ARCHES = {
     "qwen2_5_vl": Arch(write_qwen2_5_vl_dir, 56, (16, 3 * 2 * 14 * 14), ".visual.", ".merger."),
     "gemma3": Arch(write_gemma3_dir, 0, (3, 28, 28), ".vision_tower.", "never"),
+    "llava": Arch(write_llava_dir, 0, (3, 28, 28), ".vision_tower.", "never"),
 }
+# Qwen2.5-VL's processor needs torchvision (its video part) to load, which this environment lacks.
+OWN_PROCESSORS = {"gemma3": gemma3_processor, "llava": llava_processor}
+TOKENS_PER_IMAGE = {"qwen2_5_vl": 4, "gemma3": 4, "llava": 16}
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +139,13 @@ def test_rows_have_static_shapes_and_train_on_the_answer_only(model_dirs, tmp_pa
     assert images.pixel_values.shape == (3, SLOTS, *ARCHES[name].pixel_shape)
     assert images.slots_BM.tolist() == [[False, False], [True, False], [True, True]]
     image_token_id = _view(directory).config.image_token_id
-    assert (batch.inputs_BS == image_token_id).sum(dim=1).tolist() == [0, 4, 8]  # 4 tokens an image
+    per_image = TOKENS_PER_IMAGE[name]
+    assert (batch.inputs_BS == image_token_id).sum(dim=1).tolist() == [0, per_image, 2 * per_image]
     # The trained labels decode to the assistant's answer and its end of turn.
     tokenizer = load_tokenizer(directory / "tokenizer.json")
     trained = batch.labels_BS[2][batch.labels_BS[2] != IGNORE_INDEX].tolist()
     rows = image_chat_rows(tmp_path / "images", 3)
-    end_of_turn = {"qwen2_5_vl": "<|im_end|>", "gemma3": "<end_of_turn>"}[name]
+    end_of_turn = {"qwen2_5_vl": "<|im_end|>", "gemma3": "<end_of_turn>", "llava": "</s>"}[name]
     assert tokenizer.decode(trained) == rows[2]["messages"][1]["content"][0]["text"] + end_of_turn
 
 
@@ -146,12 +155,13 @@ def test_qwen_grids_are_the_processors(qwen_dir, tmp_path):
     assert batch.images.positions_3BS.shape == (3, 3, SEQ_LEN)
 
 
-def test_gemma3_rows_are_its_processors(model_dirs, tmp_path):
-    """Token ids, token types and pixels as Gemma 3's own processor makes them."""
+@pytest.mark.parametrize("name", list(OWN_PROCESSORS))
+def test_rows_are_the_processors_own(model_dirs, tmp_path, name):
+    """Token ids, token types and pixels as the model's own processor makes them."""
     from PIL import Image
 
-    directory = model_dirs["gemma3"]
-    processor = gemma3_processor(directory)
+    directory = model_dirs[name]
+    processor = OWN_PROCESSORS[name](directory)
     rows = image_chat_rows(tmp_path / "images", 3)
     batch = _batch(directory, tmp_path)
     for i, row in enumerate(rows):
@@ -161,7 +171,8 @@ def test_gemma3_rows_are_its_processors(model_dirs, tmp_path):
                            return_tensors="pt")
         n = theirs["input_ids"].shape[1]
         assert batch.inputs_BS[i, :n].tolist() == theirs["input_ids"][0].tolist()
-        assert batch.images.token_types_BS[i, :n].tolist() == theirs["token_type_ids"][0].tolist()
+        if "token_type_ids" in theirs:
+            assert batch.images.token_types_BS[i, :n].tolist() == theirs["token_type_ids"][0].tolist()
         if paths:
             torch.testing.assert_close(batch.images.pixel_values[i, :len(paths)], theirs["pixel_values"])
 

@@ -179,3 +179,58 @@ def write_gemma3_dir(directory: Path, *, weights: bool = False, seed: int = 0) -
     else:
         config.save_pretrained(str(directory))
     return directory
+
+
+# A LLaVA-1.5-style turn format: an image part is the <image> token, which its processor repeats.
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'].upper() + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>\n' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ '</s>' }}{% endif %}{{ '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT: ' }}{% endif %}"
+)
+LLAVA_SPECIALS = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
+
+
+def llava_processor(directory: Path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(directory))
+
+
+def write_llava_dir(directory: Path, *, weights: bool = False, seed: int = 0) -> Path:
+    """A tiny LLaVA directory: a CLIP tower on 28-pixel images in 7-pixel patches (16 tokens an
+    image, the class token dropped), a Llama language model."""
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = _train_tokenizer(directory, LLAVA_SPECIALS)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), bos_token="<s>",
+                                        eos_token="</s>", pad_token="<pad>", unk_token="<unk>", model_max_length=4096,
+                                        extra_special_tokens={"image_token": "<image>"})
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=LLAVA_TEMPLATE,
+                               patch_size=7, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    processor.save_pretrained(str(directory))
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=320, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=ids["<s>"], eos_token_id=ids["</s>"],
+                         pad_token_id=ids["<pad>"]),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=28, patch_size=7, projection_dim=16),
+        image_token_index=ids["<image>"], vision_feature_layer=-2, vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+    )
+    if weights:
+        torch.manual_seed(seed)
+        LlavaForConditionalGeneration(config).save_pretrained(str(directory))
+    else:
+        config.save_pretrained(str(directory))
+    return directory
