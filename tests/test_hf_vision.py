@@ -10,7 +10,6 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -277,10 +276,15 @@ def test_an_image_row_on_a_text_only_model_is_refused(tmp_path):
         renderer.encode(messages, where="row 0")
 
 
-def test_rows_file_round_trip(tmp_path):
-    path = write_rows(tmp_path / "rows.jsonl", image_chat_rows(tmp_path / "images", 2))
-    assert len(path.read_text().splitlines()) == 2
-    assert np.all([Path(p).is_file() for p in tmp_path.glob("images/*.png")])
+def test_an_unsupported_vision_language_model_is_refused(tmp_path):
+    from transformers import Idefics3Config
+
+    from titan_tpu.models.hf.config import load_hf_config
+
+    Idefics3Config().save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="idefics3 is a vision-language model the hf backend does not train yet; "
+                                         "supported: gemma3, llava, qwen2_5_vl"):
+        load_hf_config(str(tmp_path))
 
 
 # --- titan-tpu train ------------------------------------------------------------------------------
@@ -332,6 +336,22 @@ def test_train_resume_and_export(model_dirs, tmp_path):
     exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export")).state_dict()
     for name, value in exported.items():
         assert torch.equal(value, trained[f"hf_model.{name}"]), name
+
+
+def test_text_rows_train_the_language_model(model_dirs, tmp_path, capsys):
+    """Plain text (format text) on a vision-language model is allowed: its language model trains
+    without images, and the run says so."""
+    from titan_tpu.cli import main
+
+    text = tmp_path / "text.jsonl"
+    write_rows(text, [{"text": f"alpha beta gamma {i} What colour is the square? It is a square."} for i in range(200)])
+    run = tmp_path / "run"
+    args = ["train", "--model.name", "hf", "--model.hf_config", str(model_dirs["qwen2_5_vl"]), "--data.source",
+            str(text), "--output_dir", str(run), "--data.cache_dir", str(tmp_path / "cache"), "--training.batch_size",
+            "2", "--training.seq_len", "32", "--training.steps", "2", "--metrics.tensorboard", "false",
+            "--validation.enabled", "false", "--checkpoint.enabled", "false", "--training.device", "cpu"]
+    assert main(args) == 0
+    assert "text rows on a vision-language model: its language model trains" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", list(ARCHES))

@@ -85,8 +85,9 @@ class ImageProcessorView:
             raise FileNotFoundError(f"model.hf_config {directory} has no image processor (preprocessor_config.json or "
                                     "processor_config.json): a vision-language model needs its processor's files; copy "
                                     "them from the model's repository")
-        if max_images < 0:
-            raise ValueError(f"model.max_images = {max_images} must be >= 0")
+        if max_images < 1:
+            raise ValueError(f"model.max_images = {max_images} must be >= 1 (rows without images leave their slots "
+                             "empty; plain text trains with data.format text)")
         self.config = AutoConfig.from_pretrained(str(directory))
         self.model_type = self.config.model_type
         if self.model_type not in IMAGE_FORMATS:
