@@ -366,3 +366,28 @@ def test_graph_mode_trains_as_eager_does(model_dirs, tmp_path, name):
     graph = _train(tmp_path, directory, "graph", *extra, "--training.mode", "graph", "--compile.backend", "aot_eager")
     for ours, theirs in zip([r["loss"] for r in graph if "loss" in r], [r["loss"] for r in eager if "loss" in r]):
         assert abs(ours - theirs) <= 1e-5 * theirs
+
+
+def test_a_run_names_the_file_row_and_image_it_cannot_read(model_dirs, tmp_path, capsys):
+    """Relative image paths are read from the rows' folder; a broken one stops the run in one line
+    naming the rows' file, the row and the image."""
+    from titan_tpu.cli import main
+
+    data = tmp_path / "data"
+    rows = image_chat_rows(data / "images", 4)
+    for row in rows:  # relative to the rows' file
+        for part in row["messages"][0]["content"]:
+            if part["type"] == "image":
+                part["path"] = str(Path(part["path"]).relative_to(data))
+    (data / "images" / "broken.png").write_bytes(b"not a png")
+    rows[2]["messages"][0]["content"][0]["path"] = "images/broken.png"
+    source = write_rows(data / "rows.jsonl", rows)
+    args = ["train", "--model.name", "hf", "--model.hf_config", str(model_dirs["gemma3"]), "--model.max_images", "2",
+            "--data.source", str(source), "--data.format", "chat", "--output_dir", str(tmp_path / "run"),
+            "--training.batch_size", "4", "--training.seq_len", str(SEQ_LEN), "--training.steps", "1",
+            "--metrics.tensorboard", "false", "--validation.enabled", "false", "--data.val_fraction", "0",
+            "--checkpoint.enabled", "false", "--training.device", "cpu"]
+    assert main(args) != 0
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert error == [f"error: image of chat {source} row 3 cannot be read (file images/broken.png: cannot identify "
+                     f"image file '{data / 'images' / 'broken.png'}'); fix or drop the row"]

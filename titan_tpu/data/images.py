@@ -217,11 +217,14 @@ class ImageChatRows:
     are dicts): rendered and tokenized once, their images read when the row is batched."""
 
     def __init__(self, rows: list[dict], *, renderer, view: ImageProcessorView, seq_len: int, val_fraction: float,
-                 name: str, base: Path | None = None, all_val: bool = False):
+                 name: str, wheres: list[str] | None = None, bases: list[Path | None] | None = None,
+                 all_val: bool = False):
+        """`rows` named in errors as `wheres` (default "row i of `name`"); relative image paths are
+        read from `bases` (each row's file's folder; default the working directory)."""
         from titan_tpu.data.chat import check_messages
         from titan_tpu.data.loader import _num_val_windows
 
-        self.view, self.seq_len, self.base = view, seq_len, base
+        self.view, self.seq_len = view, seq_len
         fmt = view.format
         self.image_token_id = renderer.tokenizer.token_id(fmt.image_token)
         if self.image_token_id is None or self.image_token_id != view.config.image_token_id:
@@ -230,7 +233,8 @@ class ImageChatRows:
         expansion = fmt.expansion(fmt.placeholder, view.tokens_per_image)
         self.encoded, self.num_dropped = [], 0
         for i, row in enumerate(rows):
-            where = f"row {i} of {name}"
+            where = wheres[i] if wheres else f"row {i} of {name}"
+            base = bases[i] if bases else None
             messages = row.get("messages") if isinstance(row, dict) else None
             check_messages(messages, where=where)
             parts = image_parts(messages)
@@ -246,13 +250,13 @@ class ImageChatRows:
             if len(ids) > seq_len:
                 self.num_dropped += 1
                 continue
-            self.encoded.append((ids, trained, parts, where))
+            self.encoded.append((ids, trained, parts, where, base))
         count = len(self.encoded)
         self.num_val = count if all_val else _num_val_windows(count, val_fraction)
         self.num_train = count - self.num_val
 
     def row(self, index: int) -> dict[str, Any]:
-        ids, trained, parts, where = self.encoded[index]
+        ids, trained, parts, where, base = self.encoded[index]
         S, n = self.seq_len, len(ids)
         inputs = np.zeros(S, dtype=np.int64)  # padding: after the conversation, never trained or attended from it
         labels = np.full(S, IGNORE_INDEX, dtype=np.int64)
@@ -262,7 +266,7 @@ class ImageChatRows:
         pixels = torch.zeros((view.max_images, *view.pixel_shape))
         slots = torch.zeros(view.max_images, dtype=torch.bool)
         for k, part in enumerate(parts):
-            pixels[k] = view.pixels(read_image(part, where=where, base=self.base))["pixel_values"]
+            pixels[k] = view.pixels(read_image(part, where=where, base=base))["pixel_values"]
             slots[k] = True
         out = {"inputs": inputs, "labels": labels, "pixel_values": pixels, "slots": slots}
         if view.model_type == "qwen2_5_vl":
@@ -325,15 +329,14 @@ def _source_rows(spec, *, renderer, view: ImageProcessorView, seq_len: int, val_
     """One source's rows (every file of it, in order); images relative to their file's folder."""
     from titan_tpu.data.sources import iter_records, resolve_files
 
-    rows, bases = [], []
+    rows, wheres, bases = [], [], []
     for path in resolve_files(spec.path):
-        for messages in iter_records([path], field=spec.field):
+        for line, messages in enumerate(iter_records([path], field=spec.field), start=1):
             rows.append({"messages": messages})
+            wheres.append(f"{path} row {line}")
             bases.append(path.parent)
-    if len(set(bases)) > 1:  # one base per source: the files of a glob in different folders name their images fully
-        bases = [None]
     return ImageChatRows(rows, renderer=renderer, view=view, seq_len=seq_len, val_fraction=val_fraction,
-                         name=spec.path, base=bases[0] if bases else None, all_val=all_val)
+                         name=spec.path, wheres=wheres, bases=bases, all_val=all_val)
 
 
 def image_chat_loaders(data_cfg: Any, sources: list, *, model_dir: str | Path, tokenizer, max_images: int,

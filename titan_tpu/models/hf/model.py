@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,9 @@ from titan_tpu.models.hf.vision import (
     use_graph_safe_forwards,
     vision_architecture,
 )
+
+if TYPE_CHECKING:
+    from titan_tpu.data.batch import ImageInputs
 
 PREFIX = "hf_model."
 
@@ -163,7 +166,7 @@ class HFCausalLM(nn.Module):
     # --- forward ------------------------------------------------------------------------------
 
     def _model_kwargs(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor | None,
-                      images: Any = None) -> dict[str, Any]:
+                      images: ImageInputs | None = None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"input_ids": tokens_BS, "use_cache": False}
         if positions_BS is not None:
             kwargs["position_ids"] = positions_BS
@@ -175,7 +178,7 @@ class HFCausalLM(nn.Module):
             kwargs.update(self.vision.language_inputs(images))
         return kwargs
 
-    def _embeddings_with_images(self, tokens_BS: torch.Tensor, images: Any) -> torch.Tensor:
+    def _embeddings_with_images(self, tokens_BS: torch.Tensor, images: ImageInputs) -> torch.Tensor:
         """The token embeddings with every image token replaced by its image's features (the
         vision tower run on every slot: models/hf/vision.py on the static shapes)."""
         if self.vision is None:
@@ -190,7 +193,7 @@ class HFCausalLM(nn.Module):
 
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
                 positions_BS: torch.Tensor | None = None, per_sequence: bool = False,
-                images: Any = None) -> torch.Tensor | LossOutput:
+                images: ImageInputs | None = None) -> torch.Tensor | LossOutput:
         """As the native Transformer's forward: logits, or the summed cross-entropy (per row with
         per_sequence), the balancing loss and no expert loads. `images`: a vision-language
         model's image slots (data/batch.py `ImageInputs`), merged into the token embeddings."""
