@@ -44,22 +44,45 @@ DEFAULT_DYNAMIC_SIDE = 448  # model.image_size 0 on a processor without a fixed 
 
 @dataclass(frozen=True)
 class ImageFormat:
-    """How one architecture's processor puts an image into the text."""
+    """How one architecture's processor puts an image into the text, and what its rows carry
+    besides the tokens and pixels."""
 
     placeholder: str  # what the chat template writes per image part
     expansion: Callable[[str, int], str]  # (placeholder, tokens per image) -> the text that replaces it
     image_token: str  # the token the model replaces by image features (config.image_token_id's)
+    tokens_per_image: Callable[[ImageProcessorView], int]
+    # (view, the row's tokens, the image token's id) -> the row's per-architecture entries (`stack_rows` keys)
+    row_extras: Callable[[ImageProcessorView, np.ndarray, int], dict[str, Any]] = lambda view, inputs_S, image_id: {}
 
 
 def _repeat(placeholder: str, tokens: int) -> str:
     return placeholder * tokens
 
 
+def _qwen_tokens(view: ImageProcessorView) -> int:
+    return int(view.grid.prod()) // view.processor.merge_size ** 2
+
+
+def _qwen_extras(view: ImageProcessorView, inputs_S: np.ndarray, image_token_id: int) -> dict[str, Any]:
+    merge = view.processor.merge_size
+    grid_hw = (int(view.grid[1]) // merge, int(view.grid[2]) // merge)
+    return {"grid_thw": view.grid.expand(view.max_images, 3),
+            "positions_3S": qwen_rope_positions(inputs_S, image_token_id=image_token_id, grid_hw=grid_hw)}
+
+
+def _llava_tokens(view: ImageProcessorView) -> int:
+    """One token per patch, and the class token with the "full" feature strategy."""
+    vision = view.config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2 + (view.config.vision_feature_select_strategy == "full")
+
+
 IMAGE_FORMATS: dict[str, ImageFormat] = {
-    "qwen2_5_vl": ImageFormat("<|image_pad|>", _repeat, "<|image_pad|>"),
-    "llava": ImageFormat("<image>", _repeat, "<image>"),
-    "gemma3": ImageFormat("<start_of_image>", lambda boi, n: f"\n\n{boi}{'<image_soft_token>' * n}<end_of_image>\n\n",
-                          "<image_soft_token>"),
+    "qwen2_5_vl": ImageFormat("<|image_pad|>", _repeat, "<|image_pad|>", _qwen_tokens, _qwen_extras),
+    "llava": ImageFormat("<image>", _repeat, "<image>", _llava_tokens),
+    "gemma3": ImageFormat(
+        "<start_of_image>", lambda boi, n: f"\n\n{boi}{'<image_soft_token>' * n}<end_of_image>\n\n",
+        "<image_soft_token>", lambda view: int(view.config.mm_tokens_per_image),
+        lambda view, inputs_S, image_id: {"token_types_S": (inputs_S == image_id).astype(np.int64)}),
 }
 
 
@@ -100,7 +123,10 @@ class ImageProcessorView:
         example = self.pixels(_blank(self.side))
         self.pixel_shape = tuple(example["pixel_values"].shape)
         self.grid = example.get("grid_thw")
-        self.tokens_per_image = self._tokens_per_image()
+        self.tokens_per_image = self.format.tokens_per_image(self)
+        if self.grid is not None and int(self.grid[1]) * self.processor.patch_size != self.side:
+            raise ValueError(f"model.image_size = {self.side} is outside what the processor of {directory} allows "
+                             "(its min_pixels and max_pixels); choose a size within them")
 
     def _side(self, image_size: int) -> int:
         size = getattr(self.processor, "size", None) or {}
@@ -117,15 +143,6 @@ class ImageProcessorView:
             raise ValueError(f"model.image_size = {side} must be a multiple of {factor} (patch size x merge size) for "
                              f"{self.model_type}")
         return side
-
-    def _tokens_per_image(self) -> int:
-        if self.model_type == "qwen2_5_vl":
-            return int(self.grid.prod()) // self.processor.merge_size ** 2
-        if self.model_type == "gemma3":
-            return int(self.config.mm_tokens_per_image)
-        vision = self.config.vision_config  # llava: one token per patch, and the class token with "full"
-        patches = (vision.image_size // vision.patch_size) ** 2
-        return patches + (self.config.vision_feature_select_strategy == "full")
 
     def pixels(self, image) -> dict[str, torch.Tensor]:
         """One image (PIL, RGB, any size) at the model's resolution, as the image processor lays it
@@ -269,13 +286,7 @@ class ImageChatRows:
             pixels[k] = view.pixels(read_image(part, where=where, base=base))["pixel_values"]
             slots[k] = True
         out = {"inputs": inputs, "labels": labels, "pixel_values": pixels, "slots": slots}
-        if view.model_type == "qwen2_5_vl":
-            out["grid_thw"] = view.grid.expand(view.max_images, 3)
-            merge = view.processor.merge_size
-            grid_hw = (int(view.grid[1]) // merge, int(view.grid[2]) // merge)
-            out["positions_3S"] = qwen_rope_positions(inputs, image_token_id=self.image_token_id, grid_hw=grid_hw)
-        if view.model_type == "gemma3":
-            out["token_types_S"] = (inputs == self.image_token_id).astype(np.int64)
+        out.update(view.format.row_extras(view, inputs, self.image_token_id))
         return out
 
 
