@@ -41,6 +41,14 @@ class ModelConfig:
     # changes config values: '{"hidden_size": 64}' or hidden_size=64,num_hidden_layers=2.
     hf_config: str = ""
     hf_overrides: str = ""  # name = hf: changes to the directory's config values (the comment above)
+    # name = hf on a vision-language directory (Qwen2.5-VL, Gemma 3, LLaVA; docs/vision_language.md):
+    # train the vision encoder too (frozen by default; the projector into the language model always trains).
+    train_vision: bool = False
+    # Image slots of every row, a static shape: empty slots are padded and masked, a row with more images is an error.
+    max_images: int = 1
+    # The side every image is resized to, for processors without a fixed one (Qwen2.5-VL's); 0 = 448. A multiple
+    # of the patch size x merge size (28 for Qwen2.5-VL).
+    image_size: int = 0
     # Compute dtype. Parameters and AdamW's moments stay fp32 (master weights) and are cast for
     # compute, on one device as on many, eager and graph (docs/mixed_precision.md). auto: float32 on
     # CPU, bfloat16 on CUDA and TPU; bfloat16 on a CPU needs its bf16 instructions (avx512_bf16/amx_bf16).

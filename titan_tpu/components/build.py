@@ -125,7 +125,8 @@ class Components:
                                                      documents=self.document_mask, log=self.log,
                                                      objective=self.objective,
                                                      mesh_axes=mesh_axis_sizes(self.mesh, self.parallel_dims),
-                                                     compile_cache=self.compile_cache)
+                                                     compile_cache=self.compile_cache,
+                                                     example_batch=self.example_batch)
         self.checkpointer = Checkpointer.from_config(cfg.checkpoint, self.run_dir, log=self.log)
         c = cfg.checkpoint
         self.local_tier = None
@@ -157,13 +158,15 @@ class Components:
         request = DataRequest(cfg=cfg, sources=self.setup.sources, tokenizer_path=self.setup.tokenizer_path,
                               vocab_size=self.model_args.vocab_size,
                               cache_dir=Path(cfg.data.cache_dir or default_cache_dir()), data_rank=split.dp_rank,
-                              data_size=split.dp_size, kernel_device=self.backend.kernel_device_type, log=self.log)
+                              data_size=split.dp_size, kernel_device=self.backend.kernel_device_type, log=self.log,
+                              image_model_dir=self.spec.image_model_dir())
         with main_process_first(log=self.log, what="the other ranks to open (or tokenize) the data"):
             parts = self.kind.data(request)
         cfg.kernels = parts.kernels
         self.document_mask = parts.document_mask
         self.tokenizer, self.train_loader, self.val_loader = parts.tokenizer, parts.train_loader, parts.val_loader
         self.extras = parts.extras
+        self.example_batch = parts.example_batch
 
     def build_model(self, cfg: Config | None = None) -> TrainableModel:
         """The spec's model (models/spec.py `build`) as `cfg` (default the run's) asks for it:

@@ -28,8 +28,8 @@ StepFn = Callable[[list[Batch], float], StepResult]
 
 def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend: Backend, world_size: int,
               dp_size: int, documents: bool, log: Callable[[str], None], objective: Objective | None = None,
-              mesh_axes: dict[str, int] | None = None,
-              compile_cache: CompileCache | None = None) -> tuple[StepFn, dict[str, float]]:
+              mesh_axes: dict[str, int] | None = None, compile_cache: CompileCache | None = None,
+              example_batch: Batch | None = None) -> tuple[StepFn, dict[str, float]]:
     """(the step of training.mode, its capture and compile seconds: {} for eager) for the first
     metrics row. documents: batches carry positions (a document mask). objective: the run's
     (train/objective.py; default next-token). mesh_axes: the mesh's axes as the JAX path lays them
@@ -45,15 +45,14 @@ def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend:
         compile_cache.watch()
     if backend.jax_platform is not None:
         step, stats = _jax_step(cfg, model, optimizer, backend=backend, dp_size=dp_size, documents=documents,
-                                log=log, objective=objective, mesh_axes=mesh_axes or {})
+                                log=log, objective=objective, mesh_axes=mesh_axes or {}, example_batch=example_batch)
         if compile_cache is not None:
             log(f"compile.backend jax: {compile_cache.describe()}")
         return step, stats
     from titan_tpu.graph.compile import GraphStep  # make_fx and the compilers load only for graph mode
 
     check_graph_backend(cfg, backend=backend, world_size=world_size)
-    example_batch = objective.example_batch(batch_size=t.batch_size, seq_len=t.seq_len, documents=documents,
-                                            device=backend.device)
+    example_batch = _example_batch(cfg, objective, example_batch, documents=documents, device=backend.device)
     c = cfg.compile
     step = GraphStep(model, optimizer, max_norm=t.max_norm, example_batch=example_batch, backend=c.backend,
                      dp_size=dp_size, split=c.split, prefetch=None if c.prefetch < 0 else c.prefetch,
@@ -67,7 +66,7 @@ def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend:
 
 def _jax_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend: Backend, dp_size: int,
               documents: bool, log: Callable[[str], None], objective: Objective,
-              mesh_axes: dict[str, int]) -> tuple[StepFn, dict[str, float]]:
+              mesh_axes: dict[str, int], example_batch: Batch | None = None) -> tuple[StepFn, dict[str, float]]:
     """compile.backend jax: the step as one program run by JAX's runtime (graph/jax_step.py), and
     one line for each setting it does not apply."""
     from titan_tpu.graph.jax_step import JaxStep  # jax loads only for this backend
@@ -79,14 +78,23 @@ def _jax_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend:
     if cfg.profiling.enabled:
         log("note: profiling records torch's operators; the JAX path's step is one XLA program, which torch's "
             "profiler does not see (use jax.profiler for it)")
-    example_batch = objective.example_batch(batch_size=t.batch_size, seq_len=t.seq_len, documents=documents,
-                                            device=backend.device)
+    example_batch = _example_batch(cfg, objective, example_batch, documents=documents, device=backend.device)
     step = JaxStep(model, optimizer, max_norm=t.max_norm, example_batch=example_batch, dp_size=dp_size,
                    grad_accum_steps=t.grad_accum_steps, objective=objective, axis_sizes=mesh_axes,
                    platform=backend.jax_platform, log=log)
     log(f"graph mode: step captured in {step.capture_seconds:.1f} s, lowered and compiled by XLA through JAX "
         f"({backend.jax_platform}) in {step.compile_seconds:.1f} s")
     return step, {"capture_s": step.capture_seconds, "compile_s": step.compile_seconds}
+
+
+def _example_batch(cfg: Config, objective: Objective, data_example: Batch | None, *, documents: bool,
+                   device: torch.device) -> Batch:
+    """What the step is captured with: the data's own example (a batch with images) where it has one,
+    else the objective's."""
+    if data_example is not None:
+        return data_example.to(device)
+    t = cfg.training
+    return objective.example_batch(batch_size=t.batch_size, seq_len=t.seq_len, documents=documents, device=device)
 
 
 def check_graph_backend(cfg: Config, *, backend: Backend, world_size: int) -> None:

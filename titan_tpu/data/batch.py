@@ -8,7 +8,8 @@ row) is a new class here, the loader that fills it and the objective that reads 
 between changes.
 
 * `TokenBatch`: next-token training (pre-training, SFT): inputs, labels (IGNORE_INDEX where a
-  token is not trained) and, with document masking, each token's position in its document.
+  token is not trained) and, with document masking, each token's position in its document; for a
+  vision-language model its `ImageInputs` (the image slots of each row, static shapes).
 * `PreferenceBatch`: preference pairs (DPO, ORPO): a chosen and a rejected `TokenBatch` of the same
   shape, row i of each completing the same prompt; labels mark the completion tokens only.
 * `RolloutBatch`: sampled completions (GRPO): prompt + completion rows, targets on the completion
@@ -27,8 +28,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-__all__ = ["BATCH_CLASSES", "IGNORE_INDEX", "Batch", "PreferenceBatch", "RolloutBatch", "TokenBatch", "as_batch",
-           "batch_class", "flatten", "unflatten"]
+__all__ = ["BATCH_CLASSES", "IGNORE_INDEX", "Batch", "ImageInputs", "PreferenceBatch", "RolloutBatch", "TokenBatch",
+           "as_batch", "batch_class", "flatten", "unflatten"]
 
 IGNORE_INDEX = -100  # a label the loss skips (a prompt, padding, a chat turn that is not the assistant's)
 
@@ -57,10 +58,28 @@ def batch_class(cls: type) -> type:
 
 @batch_class
 @dataclass(frozen=True)
+class ImageInputs:
+    """A vision-language batch's images, in static shapes (models/hf/vision.py): M image slots per
+    row, every image at one resolution, an empty slot zeros. The k-th image token of a row belongs
+    to its slots in order; which fields are set depends on the architecture."""
+
+    pixel_values: Tensor  # [B, M, ...]: each slot's image as the processor lays it out (fp32)
+    slots_BM: Tensor  # bool: the slot holds an image
+    grid_thw: Tensor | None = None  # Qwen2.5-VL: [B, M, 3] each slot's patch grid (time, height, width)
+    positions_3BS: Tensor | None = None  # Qwen2.5-VL: the 3-D rotary positions (time, height, width) of each token
+    token_types_BS: Tensor | None = None  # Gemma 3: 1 on image tokens (they attend to their image both ways)
+    # What the vision tower would compute from the images' sizes with data-dependent ops, computed by the
+    # loader instead (Qwen2.5-VL: rotary positions, attention segments and window order of all slots' patches)
+    tower_inputs: dict[str, Tensor] | None = None
+
+
+@batch_class
+@dataclass(frozen=True)
 class TokenBatch:
     inputs_BS: Tensor  # token ids
     labels_BS: Tensor  # the next token of each position, IGNORE_INDEX where nothing is trained
     positions_BS: Tensor | None = None  # position within the packed document (restarting at 0); None: one document
+    images: ImageInputs | None = None  # a vision-language model's image slots; None: text only
 
     @property
     def shape(self) -> tuple[int, int]:

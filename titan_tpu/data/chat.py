@@ -68,8 +68,10 @@ def load_chat_template(tokenizer_path: str | Path, choice: str = "") -> tuple[st
             raise FileNotFoundError(f"data.chat_template {choice} is not a file; give a .jinja chat template, "
                                     "'chatml' for the built-in one, or leave it empty for the tokenizer's own")
         return given.read_text(), special
-    jinja = directory / "chat_template.jinja"
+    jinja, processor_json = directory / "chat_template.jinja", directory / "chat_template.json"
     template = jinja.read_text() if jinja.is_file() else config.get("chat_template")
+    if template is None and processor_json.is_file():  # a processor's template, as older processors save it
+        template = json.loads(processor_json.read_text()).get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if not isinstance(template, str):
@@ -187,10 +189,17 @@ class ChatRenderer:
         from jinja2.exceptions import TemplateError
 
         check_messages(messages, where=where)
+        if has_image(messages):
+            raise ValueError(f"chat {where} holds an image and the model is text-only; train a vision-language model "
+                             "(--model.hf_config a Qwen2.5-VL, Gemma 3 or LLaVA directory) or drop the image parts")
         try:
             text, spans = self.render(messages)
         except TemplateError as e:
             raise ValueError(f"chat {where}: the chat template failed ({e}); check the row or the template") from None
+        return self.tokens_and_flags(text, spans, where=where)
+
+    def tokens_and_flags(self, text: str, spans: list[tuple[int, int]], *, where: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, trained flags as uint8) of a rendered conversation and its assistant spans."""
         ids, offsets = self.tokenizer.encode_with_offsets(text)
         trained = np.zeros(len(ids), dtype=np.uint8)
         if ids:
@@ -204,6 +213,12 @@ class ChatRenderer:
         if not trained.any():
             raise ValueError(f"chat {where}: the assistant turns render to no tokens; check the chat template")
         return np.asarray(ids, dtype=np.int64), trained
+
+
+def has_image(messages: list[dict]) -> bool:
+    """Whether a message's content holds an image part ({"type": "image", ...})."""
+    return any(isinstance(part, dict) and part.get("type") == "image"
+               for m in messages if isinstance(m.get("content"), list) for part in m["content"])
 
 
 def check_messages(messages: Any, *, where: str) -> None:

@@ -23,6 +23,10 @@ def token_data(request: DataRequest) -> DataParts:
     from titan_tpu.data.build import build_loaders, prepare_data, uses_document_mask
 
     cfg, t, sources = request.cfg, request.cfg.training, request.sources
+    if request.image_model_dir is not None and any(s.format == "chat" for s in sources):
+        return image_chat_data(request)
+    if request.image_model_dir is not None:
+        request.log("data: text rows on a vision-language model: its language model trains, its vision side is unused")
     document_mask = uses_document_mask(cfg.data, sources)
     kernels = cfg.kernels
     if any(s.format == "chat" for s in sources):  # labels IGNORE_INDEX outside the assistant's turns
@@ -36,6 +40,30 @@ def token_data(request: DataRequest) -> DataParts:
                                dp_rank=request.data_rank, dp_size=request.data_size,
                                validation=cfg.validation.enabled, log=request.log)
     return DataParts(prepared.tokenizer, train, val, document_mask=document_mask, kernels=kernels)
+
+
+def image_chat_data(request: DataRequest) -> DataParts:
+    """Chat rows with their images for a vision-language model (data/images.py): one conversation a
+    row, model.max_images image slots each, no packing, so no document masks."""
+    from titan_tpu.data.images import image_chat_loaders
+    from titan_tpu.data.tokenizer import load_tokenizer
+
+    cfg, t, sources = request.cfg, request.cfg.training, request.sources
+    if any(s.format != "chat" for s in sources):
+        raise ValueError("a vision-language model reads chat rows (with or without images) or text rows, not both in "
+                         "one run: give every source format chat, or none")
+    if request.tokenizer_path is None:
+        raise ValueError(f"model.hf_config {request.image_model_dir} has no tokenizer.json; a vision-language model's "
+                         "rows are rendered with its own tokenizer")
+    kernels = cfg.kernels.for_ignored_labels(request.kernel_device)
+    kernels.check_device(request.kernel_device, documents=False)
+    tokenizer = load_tokenizer(request.tokenizer_path)
+    m = cfg.model
+    train, val = image_chat_loaders(cfg.data, sources, model_dir=request.image_model_dir, tokenizer=tokenizer,
+                                    max_images=m.max_images, image_size=m.image_size, seq_len=t.seq_len,
+                                    batch_size=t.batch_size, seed=t.seed, dp_rank=request.data_rank,
+                                    dp_size=request.data_size, validation=cfg.validation.enabled, log=request.log)
+    return DataParts(tokenizer, train, val, document_mask=False, kernels=kernels, example_batch=train.example_batch())
 
 
 def next_token_objective(cfg: Config, reference: nn.Module | None) -> NextTokenObjective:

@@ -53,6 +53,8 @@ class DataRequest:
     data_size: int  # how many row sets the global batch splits into
     kernel_device: str  # whose kernels the model takes (device.py Backend.kernel_device_type)
     log: Callable[[str], None]
+    # A vision-language model's directory (its processor renders chat rows with their images); None: text only
+    image_model_dir: Path | None = None
 
 
 @dataclass
@@ -65,6 +67,9 @@ class DataParts:
     document_mask: bool  # batches carry positions (documents packed into rows)
     kernels: KernelConfig  # the run's kernels as this data needs them (a loss kernel that skips ignored labels)
     extras: Any = None  # what the kind's own loop needs beside the common parts (GRPO: its rewards and stop ids)
+    # One micro-batch as the loader makes them (CPU), which graph mode captures the step with, for data whose
+    # batches hold more than the objective's example has (images); None: the objective's example_batch
+    example_batch: Any = None
 
 
 def _one(cfg: Config) -> int:

@@ -73,7 +73,7 @@ class HFSpec(ModelSpec):
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
                       documents: bool) -> HFCausalLM:
         return build_hf_model(self.args, kernels=cfg.kernels, ac_mode=cfg.activation_checkpoint.mode,
-                              dtype=torch.float32)
+                              dtype=torch.float32, train_vision=cfg.model.train_vision)
 
     def finish(self, model: HFCausalLM, *, log: Log, own_weights: bool = True) -> None:
         """The directory's weights when it has them (and `own_weights`); then whether the chunked
@@ -88,6 +88,11 @@ class HFSpec(ModelSpec):
 
     def own_weights_path(self) -> Path | None:
         return Path(self.hf_config).expanduser() if has_weights(self.hf_config) else None
+
+    def image_model_dir(self) -> Path | None:
+        from titan_tpu.models.hf.vision import is_vision_language
+
+        return Path(self.hf_config).expanduser() if is_vision_language(self.args.transformers_config()) else None
 
     def own_tokenizer_path(self) -> str | None:
         candidate = Path(self.hf_config).expanduser() / "tokenizer.json"

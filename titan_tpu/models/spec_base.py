@@ -64,6 +64,11 @@ class ModelSpec(ABC):
         """The tokenizer that comes with the model (an HF directory's tokenizer.json), if any."""
         return None
 
+    def image_model_dir(self) -> Path | None:
+        """The directory of a vision-language model, whose processor renders image-text rows; None
+        for a text-only model."""
+        return None
+
     def tokenizer_path(self, cfg: Config) -> str | None:
         """data.tokenizer_path, else the model's own tokenizer, else None (train a BPE)."""
         return cfg.data.tokenizer_path or self.own_tokenizer_path()

@@ -258,7 +258,8 @@ def _train_step(model, batch, *, graph: bool, dp_size: int = 1):
     from titan_tpu.train.optim import AdamW
     from titan_tpu.train.step import EagerStep
 
-    optimizer = AdamW(dict(model.named_parameters()))
+    # The trained parameters, as the trainer takes them (a vision-language model's frozen tower is not).
+    optimizer = AdamW({name: p for name, p in model.named_parameters() if p.requires_grad})
     if graph:
         step = GraphStep(model, optimizer, max_norm=1.0, example_batch=batch, backend="eager", dp_size=dp_size)
     else:

@@ -376,7 +376,9 @@ def _step_fn(model, *, graph: bool = False, example=None):
     from titan_tpu.train.optim import AdamW
     from titan_tpu.train.step import EagerStep
 
-    optimizer = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
+    # The trained parameters, as the trainer takes them (a vision-language model's frozen tower is not).
+    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    optimizer = AdamW(trained, layer_stacked=model.stacked_parameter_names())
     if graph:
         from titan_tpu.graph.compile import GraphStep
 

@@ -141,7 +141,9 @@ class NextTokenObjective:
 
     def micro_batch(self, calls: ModelCalls, batch: TokenBatch, *, count: int | Tensor,
                     share: float) -> MicroBatchLoss:
-        out = calls.policy(batch.inputs_BS, batch.labels_BS, positions_BS=batch.positions_BS)
+        # Images only where the batch has them: a text model's forward takes no such argument.
+        images = {} if batch.images is None else {"images": batch.images}
+        out = calls.policy(batch.inputs_BS, batch.labels_BS, positions_BS=batch.positions_BS, **images)
         # count may be a graph input, not a traced constant: chat data trains a varying count.
         ce = out.ce_sum / count
         aux = out.aux_loss * share

@@ -83,8 +83,8 @@ def _cut_per_layer(values: dict, old_layers: int, new_layers: int) -> dict:
 def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
     """A transformers config from a model directory (its config.json) or a causal-LM model type,
     with `overrides` applied (to the text config of composite models). One-line errors for a
-    directory without config.json, an unknown type (with close names) and a config that is not a
-    causal LM."""
+    directory without config.json, an unknown type (with close names) and a config that is neither
+    a causal LM nor a vision-language model of models/hf/vision.py."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -138,7 +138,11 @@ def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
         last = str(e).strip().splitlines()
         raise ValueError(f"model.hf_config {spec} with model.hf_overrides {given} is not a valid config: "
                          f"{last[-1].strip() if last else type(e).__name__}") from None
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    from titan_tpu.models.hf.vision import is_vision_language, unsupported_vision_error
+
+    if (error := unsupported_vision_error(config)) is not None:
+        raise error
+    if not is_vision_language(config) and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"model.hf_config {spec}: model_type {config.model_type!r} is not a causal LM in transformers "
                          "(AutoModelForCausalLM cannot build it); train a decoder-only language model")
     return config
@@ -175,10 +179,25 @@ def hf_args_from_config(config, spec: str = "") -> HFArgs:
 
 
 def _model_class(config) -> type:
-    """The class AutoModelForCausalLM builds for `config`."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    """The class `auto_model_class(config)` builds for `config`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
+    from titan_tpu.models.hf.vision import is_vision_language
+
+    if is_vision_language(config):
+        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def auto_model_class(config) -> type:
+    """AutoModelForImageTextToText for a vision-language config (its vision tower included; Gemma 3's
+    causal-LM class is the same one), else AutoModelForCausalLM, which reduces a composite config
+    to its text model."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from titan_tpu.models.hf.vision import is_vision_language
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
 
 
 def _moe_shape(text_config) -> tuple[int, int] | None:

@@ -205,7 +205,12 @@ def _titan_mask(*args, attention_mask: torch.Tensor | None = None, local_size: i
     our kernels."""
     from transformers.masking_utils import sdpa_mask
 
-    if attention_mask is None and local_size is None and _call_context() is not None:
+    context = _call_context()
+    # transformers forbids the skip for masks other than causal ones: a packed batch's, whose
+    # documents our attention reads from the context, and one that lets some tokens see ahead
+    # (Gemma 3's image tokens attend to their whole image), which must be materialised.
+    causal = kwargs.get("allow_is_causal_skip", True) or (context is not None and context[1] is not None)
+    if attention_mask is None and local_size is None and context is not None and causal:
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, local_size=local_size, **kwargs)
 

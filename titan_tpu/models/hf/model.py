@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,14 @@ from titan_tpu.kernels import KernelConfig, document_ids_from_positions
 from titan_tpu.model_contract import LossOutput
 from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.transformer import sequence_ce_sums
-from titan_tpu.models.hf.config import HFArgs, _logit_transform, _model_class, _moe_shape, text_config
+from titan_tpu.models.hf.config import (
+    HFArgs,
+    _logit_transform,
+    _model_class,
+    _moe_shape,
+    auto_model_class,
+    text_config,
+)
 from titan_tpu.models.hf.hooks import (
     _CALL_CONTEXT,
     _KEEP_SDPA,
@@ -26,6 +33,15 @@ from titan_tpu.models.hf.hooks import (
     _use_graph_safe_forwards,
     register_attention,
 )
+from titan_tpu.models.hf.vision import (
+    freeze_tower,
+    merge_image_features,
+    use_graph_safe_forwards,
+    vision_architecture,
+)
+
+if TYPE_CHECKING:
+    from titan_tpu.data.batch import ImageInputs
 
 PREFIX = "hf_model."
 
@@ -93,6 +109,9 @@ class HFCausalLM(nn.Module):
                 _checkpoint_forward(layer, ac_mode)
         text = text_config(hf_model.config)
         self._router = _router_settings(text)
+        self.vision = vision_architecture(hf_model.config)  # None for a text-only model
+        if self.vision is not None:
+            use_graph_safe_forwards(hf_model, self.vision)
 
     # --- the init contract (parallel/simple_fsdp.materialize_and_init) -----------------------
 
@@ -146,22 +165,42 @@ class HFCausalLM(nn.Module):
 
     # --- forward ------------------------------------------------------------------------------
 
-    def _model_kwargs(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor | None) -> dict[str, Any]:
+    def _model_kwargs(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor | None,
+                      images: ImageInputs | None = None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"input_ids": tokens_BS, "use_cache": False}
         if positions_BS is not None:
             kwargs["position_ids"] = positions_BS
         if self._router is not None:
             kwargs["output_router_logits"] = True
+        if images is not None:
+            del kwargs["input_ids"]
+            kwargs["inputs_embeds"] = self._embeddings_with_images(tokens_BS, images)
+            kwargs.update(self.vision.language_inputs(images))
         return kwargs
 
+    def _embeddings_with_images(self, tokens_BS: torch.Tensor, images: ImageInputs) -> torch.Tensor:
+        """The token embeddings with every image token replaced by its image's features (the
+        vision tower run on every slot: models/hf/vision.py on the static shapes)."""
+        if self.vision is None:
+            raise ValueError(f"{self.hf_model.config.model_type} is a text-only model and the batch holds images; "
+                             "train a vision-language model or drop the images")
+        image_token_id = self.hf_model.config.image_token_id
+        # An image token id may lie past the text vocabulary (Gemma 3's): its rows are replaced anyway.
+        text_BS = tokens_BS.masked_fill(tokens_BS == image_token_id, 0)
+        embeds_BSD = self.hf_model.get_input_embeddings()(text_BS)
+        features_ND = self.vision.features(self.hf_model, images)
+        return merge_image_features(embeds_BSD, features_ND, tokens_BS=tokens_BS, image_token_id=image_token_id)
+
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
-                positions_BS: torch.Tensor | None = None, per_sequence: bool = False) -> torch.Tensor | LossOutput:
+                positions_BS: torch.Tensor | None = None, per_sequence: bool = False,
+                images: ImageInputs | None = None) -> torch.Tensor | LossOutput:
         """As the native Transformer's forward: logits, or the summed cross-entropy (per row with
-        per_sequence), the balancing loss and no expert loads."""
+        per_sequence), the balancing loss and no expert loads. `images`: a vision-language
+        model's image slots (data/batch.py `ImageInputs`), merged into the token embeddings."""
         document_ids = None if positions_BS is None else document_ids_from_positions(positions_BS)
         token = _CALL_CONTEXT.set((self.kernels, document_ids))
         try:
-            kwargs = self._model_kwargs(tokens_BS, positions_BS)
+            kwargs = self._model_kwargs(tokens_BS, positions_BS, images)
             if labels_BS is None:
                 return self.hf_model(**kwargs).logits
             if self.use_chunked_loss:
@@ -275,11 +314,11 @@ def _router_settings(text_config) -> tuple[Callable, int, int, float] | None:
 
 
 def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode: str = "none",
-                   dtype: torch.dtype = torch.float32) -> HFCausalLM:
+                   dtype: torch.dtype = torch.float32, train_vision: bool = False) -> HFCausalLM:
     """The wrapped model with parameters on the meta device (buffers real): materialise and
-    initialise it with `parallel.simple_fsdp.materialize_and_init` (one device or sharded)."""
-    from transformers import AutoModelForCausalLM
-
+    initialise it with `parallel.simple_fsdp.materialize_and_init` (one device or sharded). A
+    vision-language model's vision encoder is frozen (requires_grad False: the optimizer and the
+    captured step leave it alone) unless `train_vision`."""
     register_attention()
     config = args.transformers_config()
     # transformers' own switches; sub-configs (the text model of a composite) follow.
@@ -297,6 +336,10 @@ def build_hf_model(args: HFArgs, *, kernels: KernelConfig | None = None, ac_mode
         target._experts_implementation = ATTENTION_NAME
     kept: dict[int, torch.Tensor] = {}
     with _parameters_on_meta(kept):
-        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        hf_model = auto_model_class(config).from_config(config, dtype=dtype)
     hf_model.train()
-    return HFCausalLM(hf_model, ac_mode=ac_mode, kernels=kernels, init_values=kept)
+    model = HFCausalLM(hf_model, ac_mode=ac_mode, kernels=kernels, init_values=kept)
+    if model.vision is not None and not train_vision:
+        # After wrapping: the wrapper turns parameters that are frozen at construction into buffers.
+        freeze_tower(hf_model, model.vision)
+    return model

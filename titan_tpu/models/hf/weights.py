@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from titan_tpu.files import usual_permissions
-from titan_tpu.models.hf.config import HFArgs, _model_class
+from titan_tpu.models.hf.config import HFArgs, _model_class, auto_model_class
 from titan_tpu.models.hf.model import PREFIX, HFCausalLM
 from titan_tpu.tensors import copy_full_
 
@@ -54,7 +54,7 @@ def read_pretrained(hf_dir: Path):
     """transformers' own from_pretrained of `hf_dir` in fp32 -> (model, loading info). A file that does
     not fit the config (another shape, an unreadable tensor) is a one-line error blaming the weights;
     anything else transformers refuses is reported as transformers' own message."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from titan_tpu.models.hf_checkpoint import check_safetensors_file
 
@@ -62,7 +62,7 @@ def read_pretrained(hf_dir: Path):
         check_safetensors_file(file)  # truncated or damaged: one line naming the file
     config = AutoConfig.from_pretrained(str(hf_dir))
     try:
-        return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, output_loading_info=True,
+        return auto_model_class(config).from_pretrained(str(hf_dir), dtype=torch.float32, output_loading_info=True,
                                                     attn_implementation=reference_attention(config))
     except (RuntimeError, ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -74,12 +74,11 @@ def read_pretrained(hf_dir: Path):
 def export_hf(args: HFArgs, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
     """Write `state_dict` (our names, full tensors) as an HF directory with save_pretrained, which
     from_pretrained loads (transformers applies its own checkpoint layout on the way out)."""
-    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     config = args.transformers_config()
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_model_class(config).from_config(config, dtype=torch.float32)
     own = {k[len(PREFIX):]: v for k, v in state_dict.items() if k.startswith(PREFIX)}
     missing, unexpected = model.load_state_dict(own, strict=False)
     buffers = {n for n, _ in model.named_buffers()}

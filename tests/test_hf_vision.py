@@ -1,0 +1,400 @@
+"""Vision-language models on the Transformers backend: tiny random Qwen2.5-VL directories written
+here (tests/vision_fixtures.py), image-text chat rows in static shapes (data/images.py), our
+training step's loss and gradients against transformers' own forward and backward on the same
+batch, and the one-line errors of bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+from vision_fixtures import (  # noqa: E402
+    gemma3_processor,
+    image_chat_rows,
+    llava_processor,
+    write_gemma3_dir,
+    write_llava_dir,
+    write_qwen2_5_vl_dir,
+    write_rows,
+    write_square,
+)
+
+from titan_tpu.config import Config  # noqa: E402
+from titan_tpu.data.batch import IGNORE_INDEX  # noqa: E402
+from titan_tpu.data.chat import ChatRenderer, load_chat_template  # noqa: E402
+from titan_tpu.data.images import ImageChatRows, ImageProcessorView, stack_rows  # noqa: E402
+from titan_tpu.data.tokenizer import load_tokenizer  # noqa: E402
+from titan_tpu.models.hf_spec import HFSpec  # noqa: E402
+from titan_tpu.models.spec import build  # noqa: E402
+from titan_tpu.train.objective import ModelCalls, NextTokenObjective  # noqa: E402
+
+SEQ_LEN = 96
+SLOTS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    write: Callable[..., Path]
+    image_size: int  # model.image_size: 0 where the processor has a fixed resolution
+    pixel_shape: tuple[int, ...]  # one slot's pixel_values
+    tower: str  # parameter names of the frozen vision encoder contain this
+    projector: str  # ... except these, which train with it frozen
+
+    def reference_inputs(self, batch, image_token_id: int) -> dict:
+        """The batch as transformers' processor would give it: only the real images."""
+        images = batch.images
+        slots = images.slots_BM.flatten()
+        pixels = images.pixel_values.flatten(0, 1)[slots]
+        if images.grid_thw is not None:  # Qwen2.5-VL: patches of all images in one list, their grids, token types
+            return {"pixel_values": pixels.flatten(0, 1), "image_grid_thw": images.grid_thw.flatten(0, 1)[slots],
+                    "mm_token_type_ids": (batch.inputs_BS == image_token_id).int()}
+        if images.token_types_BS is not None:  # Gemma 3
+            return {"pixel_values": pixels, "token_type_ids": images.token_types_BS}
+        return {"pixel_values": pixels}
+
+
+ARCHES = {
+    "qwen2_5_vl": Arch(write_qwen2_5_vl_dir, 56, (16, 3 * 2 * 14 * 14), ".visual.", ".merger."),
+    "gemma3": Arch(write_gemma3_dir, 0, (3, 28, 28), ".vision_tower.", "never"),
+    "llava": Arch(write_llava_dir, 0, (3, 28, 28), ".vision_tower.", "never"),
+}
+# Qwen2.5-VL's processor needs torchvision (its video part) to load, which this environment lacks.
+OWN_PROCESSORS = {"gemma3": gemma3_processor, "llava": llava_processor}
+TOKENS_PER_IMAGE = {"qwen2_5_vl": 4, "gemma3": 4, "llava": 16}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    return {name: arch.write(tmp_path_factory.mktemp(name), weights=True) for name, arch in ARCHES.items()}
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(model_dirs) -> Path:
+    return model_dirs["qwen2_5_vl"]
+
+
+def _view(directory: Path, max_images: int = SLOTS) -> ImageProcessorView:
+    arch = ARCHES[json.loads((directory / "config.json").read_text())["model_type"]]
+    return ImageProcessorView(directory, max_images=max_images, image_size=arch.image_size)
+
+
+def _rows(directory: Path, rows: list[dict], *, max_images: int = SLOTS, name: str = "rows.jsonl") -> ImageChatRows:
+    template, special = load_chat_template(directory)
+    renderer = ChatRenderer(template, load_tokenizer(directory / "tokenizer.json"), special_tokens=special)
+    return ImageChatRows(rows, renderer=renderer, view=_view(directory, max_images), seq_len=SEQ_LEN,
+                         val_fraction=0.0, name=name)
+
+
+def _batch(directory: Path, tmp_path: Path, n: int = 3):
+    source = _rows(directory, image_chat_rows(tmp_path / "images", n))
+    return stack_rows([source.row(i) for i in range(n)], source.view)
+
+
+def _config(directory: Path, *, train_vision: bool) -> Config:
+    cfg = Config()
+    cfg.model.name, cfg.model.hf_config, cfg.model.train_vision = "hf", str(directory), train_vision
+    return cfg
+
+
+def _ours(directory: Path, *, train_vision: bool = True):
+    cfg = _config(directory, train_vision=train_vision)
+    return build(HFSpec.of_dir(directory), cfg, device="cpu", seed=0)
+
+
+def _reference(directory: Path):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(directory), dtype=torch.float32, attn_implementation="sdpa")
+    return model.train()
+
+
+def _reference_loss(model, batch, arch: Arch) -> torch.Tensor:
+    out = model(input_ids=batch.inputs_BS, use_cache=False,
+                **arch.reference_inputs(batch, model.config.image_token_id))
+    count = (batch.labels_BS != IGNORE_INDEX).sum()
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch.labels_BS.flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum") / count
+
+
+def _our_loss(model, batch) -> torch.Tensor:
+    count = (batch.labels_BS != IGNORE_INDEX).sum()
+    return NextTokenObjective().micro_batch(ModelCalls(model), batch, count=count, share=1.0).objective
+
+
+@pytest.mark.parametrize("name", list(ARCHES))
+def test_rows_have_static_shapes_and_train_on_the_answer_only(model_dirs, tmp_path, name):
+    directory = model_dirs[name]
+    batch = _batch(directory, tmp_path)
+    images = batch.images
+    assert batch.inputs_BS.shape == (3, SEQ_LEN)
+    assert images.pixel_values.shape == (3, SLOTS, *ARCHES[name].pixel_shape)
+    assert images.slots_BM.tolist() == [[False, False], [True, False], [True, True]]
+    image_token_id = _view(directory).config.image_token_id
+    per_image = TOKENS_PER_IMAGE[name]
+    assert (batch.inputs_BS == image_token_id).sum(dim=1).tolist() == [0, per_image, 2 * per_image]
+    # The trained labels decode to the assistant's answer and its end of turn.
+    tokenizer = load_tokenizer(directory / "tokenizer.json")
+    trained = batch.labels_BS[2][batch.labels_BS[2] != IGNORE_INDEX].tolist()
+    rows = image_chat_rows(tmp_path / "images", 3)
+    end_of_turn = {"qwen2_5_vl": "<|im_end|>", "gemma3": "<end_of_turn>", "llava": "</s>"}[name]
+    assert tokenizer.decode(trained) == rows[2]["messages"][1]["content"][0]["text"] + end_of_turn
+
+
+def test_qwen_grids_are_the_processors(qwen_dir, tmp_path):
+    batch = _batch(qwen_dir, tmp_path)
+    assert batch.images.grid_thw.tolist()[0] == [[1, 4, 4], [1, 4, 4]]  # 56 px: 4 x 4 patches of 14
+    assert batch.images.positions_3BS.shape == (3, 3, SEQ_LEN)
+
+
+@pytest.mark.parametrize("name", list(OWN_PROCESSORS))
+def test_rows_are_the_processors_own(model_dirs, tmp_path, name):
+    """Token ids, token types and pixels as the model's own processor makes them."""
+    from PIL import Image
+
+    directory = model_dirs[name]
+    processor = OWN_PROCESSORS[name](directory)
+    rows = image_chat_rows(tmp_path / "images", 3)
+    batch = _batch(directory, tmp_path)
+    for i, row in enumerate(rows):
+        paths = [part["path"] for part in row["messages"][0]["content"] if part["type"] == "image"]
+        text = processor.apply_chat_template(row["messages"], tokenize=False)
+        theirs = processor(text=[text], images=[Image.open(p).convert("RGB") for p in paths] or None,
+                           return_tensors="pt")
+        n = theirs["input_ids"].shape[1]
+        assert batch.inputs_BS[i, :n].tolist() == theirs["input_ids"][0].tolist()
+        if "token_type_ids" in theirs:
+            assert batch.images.token_types_BS[i, :n].tolist() == theirs["token_type_ids"][0].tolist()
+        if paths:
+            torch.testing.assert_close(batch.images.pixel_values[i, :len(paths)], theirs["pixel_values"])
+
+
+def test_rope_positions_are_transformers_own(qwen_dir, tmp_path):
+    batch = _batch(qwen_dir, tmp_path)
+    model = _reference(qwen_dir)
+    image_token_id = model.config.image_token_id
+    slots = batch.images.slots_BM.flatten()
+    theirs, _ = model.model.get_rope_index(batch.inputs_BS, mm_token_type_ids=(batch.inputs_BS == image_token_id).int(),
+                                           image_grid_thw=batch.images.grid_thw.flatten(0, 1)[slots])
+    assert torch.equal(theirs, batch.images.positions_3BS)
+
+
+@pytest.mark.parametrize("train_vision", [True, False])
+@pytest.mark.parametrize("name", list(ARCHES))
+def test_loss_and_gradients_match_transformers(model_dirs, tmp_path, name, train_vision):
+    directory, arch = model_dirs[name], ARCHES[name]
+    batch = _batch(directory, tmp_path)
+    ours = _ours(directory, train_vision=train_vision)
+    reference = _reference(directory)
+    loss = _our_loss(ours, batch)
+    loss.backward()
+    expected = _reference_loss(reference, batch, arch)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    theirs = dict(reference.named_parameters())
+    frozen = 0
+    for name_, param in ours.named_parameters():
+        key = name_.removeprefix("hf_model.")
+        if not param.requires_grad:
+            assert arch.tower in f".{key}" and arch.projector not in key, name_
+            frozen += 1
+            continue
+        if theirs[key].grad is None:  # a part the forward does not use (SigLIP's pooling head): nothing either
+            assert param.grad is None or not param.grad.any(), key
+            continue
+        # The floor: a key projection's bias has no gradient in exact arithmetic (the softmax over keys
+        # ignores a shift common to them all); computed, it is rounding noise of ~1e-11.
+        atol = max(1e-5 * theirs[key].grad.abs().max().item(), 1e-9)
+        torch.testing.assert_close(param.grad, theirs[key].grad, rtol=1e-5, atol=atol, msg=lambda m: f"{key}: {m}")
+    tower = [n for n in theirs if arch.tower in f".{n}" and arch.projector not in n]
+    assert frozen == (0 if train_vision else len(tower))
+
+
+@pytest.mark.parametrize("name", list(ARCHES))
+def test_empty_slots_change_nothing(model_dirs, tmp_path, name):
+    """An empty slot's pixels are never read: noise there leaves the loss as it was."""
+    qwen_dir = model_dirs[name]
+    batch = _batch(qwen_dir, tmp_path)
+    noisy = batch.images.pixel_values.clone()
+    noisy[~batch.images.slots_BM] = torch.randn_like(noisy[~batch.images.slots_BM])
+    model = _ours(qwen_dir)
+    with torch.no_grad():
+        plain = _our_loss(model, batch)
+        other = _our_loss(model, dataclasses.replace(batch, images=dataclasses.replace(batch.images,
+                                                                                        pixel_values=noisy)))
+    assert plain.item() == other.item()
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_an_unreadable_image_names_the_row_and_file(qwen_dir, tmp_path):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    rows = image_chat_rows(tmp_path / "images", 2)
+    rows[1]["messages"][0]["content"][0]["path"] = str(broken)
+    source = _rows(qwen_dir, rows)
+    with pytest.raises(ValueError, match=r"image of chat row 1 of rows.jsonl cannot be read \(file .*broken.png"):
+        source.row(1)
+
+
+def test_too_many_images_names_the_row_and_the_key(qwen_dir, tmp_path):
+    rows = image_chat_rows(tmp_path / "images", 3)
+    with pytest.raises(ValueError, match=r"chat row 2 of rows.jsonl holds 2 images, more than the 1 image slots of a "
+                                         r"row; raise model.max_images to 2"):
+        _rows(qwen_dir, rows, max_images=1)
+
+
+def test_a_directory_without_its_processor_is_refused(qwen_dir, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(qwen_dir, bare)
+    (bare / "preprocessor_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no image processor .*: a vision-language model needs its "
+                                                "processor's files"):
+        ImageProcessorView(bare, max_images=1)
+
+
+def test_an_image_row_on_a_text_only_model_is_refused(tmp_path):
+    from data_fixtures import write_chat_tokenizer_dir
+
+    directory = write_chat_tokenizer_dir(tmp_path / "text_model")
+    template, special = load_chat_template(directory)
+    renderer = ChatRenderer(template, load_tokenizer(directory / "tokenizer.json"), special_tokens=special)
+    messages = [{"role": "user", "content": [{"type": "image", "path": str(write_square(tmp_path / "a.png", "red"))},
+                                             {"type": "text", "text": "colour?"}]},
+                {"role": "assistant", "content": "red"}]
+    with pytest.raises(ValueError, match="chat row 0 holds an image and the model is text-only"):
+        renderer.encode(messages, where="row 0")
+
+
+def test_an_unsupported_vision_language_model_is_refused(tmp_path):
+    from transformers import Idefics3Config
+
+    from titan_tpu.models.hf.config import load_hf_config
+
+    Idefics3Config().save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="idefics3 is a vision-language model the hf backend does not train yet; "
+                                         "supported: gemma3, llava, qwen2_5_vl"):
+        load_hf_config(str(tmp_path))
+
+
+# --- titan-tpu train ------------------------------------------------------------------------------
+
+
+def _train(tmp_path: Path, directory: Path, run: str, *extra: str) -> list[dict]:
+    from titan_tpu.cli import main
+
+    rows = write_rows(tmp_path / "data" / "rows.jsonl", image_chat_rows(tmp_path / "data" / "images", 12))
+    args = ["train", "--model.name", "hf", "--model.hf_config", str(directory), "--model.max_images", "2",
+            "--data.source", str(rows), "--data.format", "chat", "--output_dir", str(tmp_path / run),
+            "--data.cache_dir", str(tmp_path / "cache"), "--training.batch_size", "2", "--training.seq_len",
+            str(SEQ_LEN), "--training.steps", "6", "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", "1",
+            "--metrics.tensorboard", "false", "--validation.freq", "3", "--validation.steps", "1",
+            "--data.val_fraction", "0.2", "--checkpoint.interval", "3", "--training.device", "cpu", *extra]
+    assert main(args) == 0
+    return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_resume_and_export(model_dirs, tmp_path):
+    """titan-tpu train on image-text rows of a Qwen2.5-VL directory: it trains (the vision encoder
+    frozen, so it ends where it started), resuming at step 3 gives the same losses bitwise, and the
+    export loads in transformers with the trained weights."""
+    import shutil
+
+    from transformers import AutoModelForImageTextToText
+
+    from titan_tpu.cli import main
+    from titan_tpu.train.checkpoint import load_full_state_dict
+
+    directory = model_dirs["qwen2_5_vl"]
+    extra = ("--model.image_size", "56")
+    straight = _train(tmp_path, directory, "run", *extra)
+    losses = [r["loss"] for r in straight if "loss" in r]
+    assert len(losses) == 6 and any("val_loss" in r for r in straight)
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step-00000003",
+                    tmp_path / "resumed" / "checkpoints" / "step-00000003")
+    resumed = _train(tmp_path, directory, "resumed", *extra)
+    assert [r["loss"] for r in resumed if "loss" in r] == losses[3:]
+
+    trained = load_full_state_dict(tmp_path / "run" / "checkpoints" / "step-00000006")
+    start = AutoModelForImageTextToText.from_pretrained(str(directory)).state_dict()
+    assert torch.equal(trained["hf_model.model.visual.blocks.0.attn.qkv.weight"],
+                       start["model.visual.blocks.0.attn.qkv.weight"])  # frozen
+    assert not torch.equal(trained["hf_model.model.visual.merger.mlp.0.weight"],
+                           start["model.visual.merger.mlp.0.weight"])  # the projector trains
+    assert main(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "export"),
+                 "--dtype", "float32"]) == 0
+    exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export")).state_dict()
+    for name, value in exported.items():
+        assert torch.equal(value, trained[f"hf_model.{name}"]), name
+
+
+def test_text_rows_train_the_language_model(model_dirs, tmp_path, capsys):
+    """Plain text (format text) on a vision-language model is allowed: its language model trains
+    without images, and the run says so."""
+    from titan_tpu.cli import main
+
+    text = tmp_path / "text.jsonl"
+    write_rows(text, [{"text": f"alpha beta gamma {i} What colour is the square? It is a square."} for i in range(200)])
+    run = tmp_path / "run"
+    args = ["train", "--model.name", "hf", "--model.hf_config", str(model_dirs["qwen2_5_vl"]), "--data.source",
+            str(text), "--output_dir", str(run), "--data.cache_dir", str(tmp_path / "cache"), "--training.batch_size",
+            "2", "--training.seq_len", "32", "--training.steps", "2", "--metrics.tensorboard", "false",
+            "--validation.enabled", "false", "--checkpoint.enabled", "false", "--training.device", "cpu"]
+    assert main(args) == 0
+    assert "text rows on a vision-language model: its language model trains" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list(ARCHES))
+def test_graph_mode_trains_as_eager_does(model_dirs, tmp_path, name):
+    """Static shapes: graph mode captures the step once (with the data's own example batch, images
+    included; Qwen2.5-VL's tower with the loader's precomputed inputs and its static attention) and
+    its losses are eager's."""
+    directory = model_dirs[name]
+    extra = ("--validation.enabled", "false", "--training.steps", "3", "--model.image_size",
+             str(ARCHES[name].image_size))
+    eager = _train(tmp_path, directory, "eager", *extra)
+    graph = _train(tmp_path, directory, "graph", *extra, "--training.mode", "graph", "--compile.backend", "aot_eager")
+    for ours, theirs in zip([r["loss"] for r in graph if "loss" in r], [r["loss"] for r in eager if "loss" in r]):
+        assert abs(ours - theirs) <= 1e-5 * theirs
+
+
+def test_a_run_names_the_file_row_and_image_it_cannot_read(model_dirs, tmp_path, capsys):
+    """Relative image paths are read from the rows' folder; a broken one stops the run in one line
+    naming the rows' file, the row and the image."""
+    from titan_tpu.cli import main
+
+    data = tmp_path / "data"
+    rows = image_chat_rows(data / "images", 4)
+    for row in rows:  # relative to the rows' file
+        for part in row["messages"][0]["content"]:
+            if part["type"] == "image":
+                part["path"] = str(Path(part["path"]).relative_to(data))
+    (data / "images" / "broken.png").write_bytes(b"not a png")
+    rows[2]["messages"][0]["content"][0]["path"] = "images/broken.png"
+    source = write_rows(data / "rows.jsonl", rows)
+    args = ["train", "--model.name", "hf", "--model.hf_config", str(model_dirs["gemma3"]), "--model.max_images", "2",
+            "--data.source", str(source), "--data.format", "chat", "--output_dir", str(tmp_path / "run"),
+            "--training.batch_size", "4", "--training.seq_len", str(SEQ_LEN), "--training.steps", "1",
+            "--metrics.tensorboard", "false", "--validation.enabled", "false", "--data.val_fraction", "0",
+            "--checkpoint.enabled", "false", "--training.device", "cpu"]
+    assert main(args) != 0
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert error == [f"error: image of chat {source} row 3 cannot be read (file images/broken.png: cannot identify "
+                     f"image file '{data / 'images' / 'broken.png'}'); fix or drop the row"]
+
+
+def test_an_image_size_the_processor_would_change_is_refused(qwen_dir):
+    with pytest.raises(ValueError, match="model.image_size = 168 is outside what the processor .* allows"):
+        ImageProcessorView(qwen_dir, max_images=1, image_size=168)  # above its max_pixels of 112 x 112
+    with pytest.raises(ValueError, match="model.image_size = 50 must be a multiple of 28"):
+        ImageProcessorView(qwen_dir, max_images=1, image_size=50)
