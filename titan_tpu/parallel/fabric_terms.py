@@ -3,7 +3,7 @@ mesh whose layout it reads (parallel/mesh.py, parallel/axes.py), so a new axis o
 brings its own answer.
 
 The layout. The mesh is laid out row-major over the ranks, outermost axis first (`MESH_AXES`:
-dp_replicate, dp_shard, cp, tp), as torch's `init_device_mesh` lays it out and as our JAX mesh
+dp_replicate, dp_shard, pp, cp, tp), as torch's `init_device_mesh` lays it out and as our JAX mesh
 places rank r on device r (graph/jax_program.py `jax_mesh`); the expert mesh carves dp_shard into
 dp_shard_mod_ep x ep, ep inner (parallel/expert_parallel.py). torchrun numbers the ranks node by
 node, and a multi-slice TPU job slice by slice (`titan-tpu compile` orders the devices so), so the
