@@ -48,7 +48,6 @@ def _train_tokenizer(directory: Path, specials: list[str], *, vocab_size: int = 
 def write_qwen2_5_vl_dir(directory: Path, *, weights: bool = False, seed: int = 0) -> Path:
     """A tiny Qwen2.5-VL directory: config.json, the processor's files (14-pixel patches merged 2 x 2,
     so a 56 x 56 image is 4 x 4 patches, 4 tokens) and, with `weights`, random safetensors."""
-    import torch
     from transformers import (
         PreTrainedTokenizerFast,
         Qwen2_5_VLConfig,
@@ -81,12 +80,7 @@ def write_qwen2_5_vl_dir(directory: Path, *, weights: bool = False, seed: int = 
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )
-    if weights:
-        torch.manual_seed(seed)
-        Qwen2_5_VLForConditionalGeneration(config).save_pretrained(str(directory))
-    else:
-        config.save_pretrained(str(directory))
-    return directory
+    return _save(directory, config, Qwen2_5_VLForConditionalGeneration, weights=weights, seed=seed)
 
 
 def write_square(path: Path, colour: str, *, size: int = 40) -> Path:
@@ -205,7 +199,6 @@ def llava_processor(directory: Path):
 def write_llava_dir(directory: Path, *, weights: bool = False, seed: int = 0) -> Path:
     """A tiny LLaVA directory: a CLIP tower on 28-pixel images in 7-pixel patches (16 tokens an
     image, the class token dropped), a Llama language model."""
-    import torch
     from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -228,9 +221,17 @@ def write_llava_dir(directory: Path, *, weights: bool = False, seed: int = 0) ->
         image_token_index=ids["<image>"], vision_feature_layer=-2, vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
     )
+    return _save(directory, config, LlavaForConditionalGeneration, weights=weights, seed=seed)
+
+
+def _save(directory, config, model_class, *, weights: bool, seed: int):
+    """The config, and with `weights` a model of it drawn from `seed`, saved as an HF directory."""
+    import torch
+
     if weights:
         torch.manual_seed(seed)
-        LlavaForConditionalGeneration(config).save_pretrained(str(directory))
+        model_class(config).save_pretrained(str(directory))
     else:
         config.save_pretrained(str(directory))
     return directory
+
