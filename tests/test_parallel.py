@@ -179,11 +179,11 @@ def test_parallel_dims_resolves_dp_shard_and_mode():
         (dict(dp_replicate=0, world_size=2), r"--parallelism.dp_replicate must be >= 1"),
         (dict(dp_shard=0, world_size=2), r"--parallelism.dp_shard must be >= 1 or -1"),
         (dict(dp_shard=-2, world_size=2), r"--parallelism.dp_shard must be >= 1 or -1"),
-        (dict(dp_replicate=3, world_size=4), r"dp_replicate \(3\) \* --parallelism.cp \(1\) \* --parallelism.tp "
-                                             r"\(1\) must divide the world size \(4\)"),
-        (dict(dp_replicate=2, dp_shard=2, world_size=8), r"\(2\) \* --parallelism.dp_shard \(2\) \* --parallelism.cp "
-                                                         r"\(1\) \* --parallelism.tp \(1\) must equal the world size "
-                                                         r"\(8\)"),
+        (dict(dp_replicate=3, world_size=4), r"dp_replicate \(3\) \* --parallelism.pp \(1\) \* --parallelism.cp "
+                                             r"\(1\) \* --parallelism.tp \(1\) must divide the world size \(4\)"),
+        (dict(dp_replicate=2, dp_shard=2, world_size=8), r"\(2\) \* --parallelism.dp_shard \(2\) \* --parallelism.pp "
+                                                         r"\(1\) \* --parallelism.cp \(1\) \* --parallelism.tp \(1\) "
+                                                         r"must equal the world size \(8\)"),
         (dict(world_size=0), r"world size must be >= 1"),
         (dict(world_size=4, ep=3), r"--parallelism.ep \(3\) must divide --parallelism.dp_shard \(4\)"),
         (dict(world_size=4, dp_replicate=2, ep=2), r"--parallelism.ep > 1 with --parallelism.dp_replicate > 1"),

@@ -36,10 +36,11 @@ def test_without_a_world_size_the_section_names_its_ranks():
 
 
 @pytest.mark.parametrize("sizes, world_size, match", [
-    (dict(dp_replicate=3), 4, r"--parallelism.dp_replicate \(3\) \* --parallelism.cp \(1\) \* --parallelism.tp \(1\) "
-                              r"must divide the world size \(4\) when --parallelism.dp_shard is -1"),
-    (dict(dp_shard=3), 8, r"--parallelism.dp_shard \(3\) \* --parallelism.cp \(1\) \* --parallelism.tp \(1\) must "
-                          r"equal the world size \(8\)"),
+    (dict(dp_replicate=3), 4, r"--parallelism.dp_replicate \(3\) \* --parallelism.pp \(1\) \* --parallelism.cp \(1\) "
+                              r"\* --parallelism.tp \(1\) must divide the world size \(4\) when --parallelism.dp_shard "
+                              r"is -1"),
+    (dict(dp_shard=3), 8, r"--parallelism.dp_shard \(3\) \* --parallelism.pp \(1\) \* --parallelism.cp \(1\) \* "
+                          r"--parallelism.tp \(1\) must equal the world size \(8\)"),
     (dict(dp_shard=0), 2, r"--parallelism.dp_shard must be >= 1 or -1"),
     (dict(tp=0), 2, r"--parallelism.tp must be >= 1"),
     (dict(ep=3), 4, r"--parallelism.ep \(3\) must divide --parallelism.dp_shard \(4\)"),

@@ -302,8 +302,8 @@ def test_tp_errors_for_seq_len_and_moe():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(dp_shard=2, tp=2, world_size=8), r"dp_replicate \(1\) \* --parallelism.dp_shard \(2\) \* "
-                                           r"--parallelism.cp \(1\) \* --parallelism.tp \(2\) must equal the world "
-                                           r"size \(8\)"),
+                                           r"--parallelism.pp \(1\) \* --parallelism.cp \(1\) \* --parallelism.tp "
+                                           r"\(2\) must equal the world size \(8\)"),
     (dict(tp=3, world_size=4), r"\* --parallelism.cp \(1\) \* --parallelism.tp \(3\) must divide the world size "
                                r"\(4\)"),
     (dict(tp=0, world_size=4), r"--parallelism.tp must be >= 1"),
