@@ -1,7 +1,8 @@
 """Pipeline stages in training (parallelism.pp, parallel/pipeline.py) against one process taking the
 same micro-batches by gradient accumulation: GPipe and circular schedules, as many micro-batches as
-stages and more, pp with fully sharded data parallelism; and checkpoints written with pp 2 resumed
-with pp 1 and pp 3 (DCP re-splits the stack's layers). The llama3 debug model has 6 layers, so pp 4
+stages and more, pp with fully sharded data parallelism, the captured step with full activation
+checkpointing; checkpoints written with pp 2 resumed with pp 1 and pp 3 (DCP re-splits the stack's
+layers); kill -9 of both stages and a restart, bitwise. The llama3 debug model has 6 layers, so pp 4
 (4 x repeats, or 4 alone) does not divide it; pp 3 stands in for a stage count other than 2."""
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ def assert_same_run(got_dir, reference_dir, *, first: int = 1) -> None:
     (3, {"parallelism__pp": 3, "parallelism__pp_repeats": 2, "parallelism__pp_microbatches": 4}),
     (4, {"parallelism__pp": 2, "parallelism__dp_shard": 2, "training__batch_size": 2,
          "parallelism__pp_microbatches": 2}),
-], ids=["gpipe2", "circular2", "circular2_accumulated", "circular3", "pp2_dp_shard2"])
+    # The captured step (several CPU processes: aot_eager), with full activation checkpointing.
+    (2, {"parallelism__pp": 2, "parallelism__pp_repeats": 3, "parallelism__pp_microbatches": 4,
+         "training__mode": "graph", "compile__backend": "aot_eager", "activation_checkpoint__mode": "full"}),
+], ids=["gpipe2", "circular2", "circular2_accumulated", "circular3", "pp2_dp_shard2", "circular2_graph_full_ac"])
 def test_stages_equal_one_process(tmp_path, cache, reference, nproc, layout):  # noqa: F811
     run = tmp_path / "run"
     layout = {"training__batch_size": 4, "parallelism__dp_shard": 1, **layout}
@@ -72,3 +76,38 @@ def test_checkpoint_of_two_stages_resumes_on_other_stages(tmp_path, cache, refer
     stdout = train_forked(after_nproc, overrides(run, cache, **SCANNED, **after))
     assert "resumed from" in stdout and "step-00000010" in stdout
     assert_same_run(run, reference, first=11)
+
+
+def test_kill_9_of_both_stages_then_restart_gives_identical_losses(tmp_path, cache):  # noqa: F811
+    """pp 2 under torchrun, every process killed at an arbitrary moment after the first checkpoint,
+    restarted with the same command: the losses of the uninterrupted run, bitwise."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import time
+
+    from test_train_dist import command, thread_env, train
+
+    args = dict(training__deterministic="true", training__steps=20, checkpoint__interval=5, training__batch_size=4,
+                parallelism__pp=2, parallelism__dp_shard=1, parallelism__pp_microbatches=2, model__scan_layers="true")
+    straight = tmp_path / "straight"
+    train(2, overrides(straight, cache, **args))
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(command(2, overrides(run, cache, **args)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=thread_env(), start_new_session=True)
+    deadline = time.time() + 240
+    while not ((run / "checkpoints" / "latest").exists() and (run / "metrics.jsonl").exists()
+               and max(losses(run), default=0) > 5):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+    time.sleep(random.uniform(0.0, 1.5))
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both stages at once
+    proc.wait()
+    train(2, overrides(run, cache, **args))
+    want, got = losses(straight), losses(run)
+    assert sorted(got) == list(range(1, 21))
+    for step in range(1, 21):
+        assert got[step] == want[step], (step, got[step], want[step])  # bitwise

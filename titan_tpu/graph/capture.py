@@ -542,6 +542,9 @@ class _StepParts:
             # Norm and clipping on DTensors: the norm of sharded grads needs a cross-rank sum,
             # which grad_norm adds (full_tensor) exactly as in the eager path.
             grads = {name: self._as_model_tensor(name, g) for name, g in zip(names, local_grads)}
+            pipeline = getattr(self.model, "pipeline", None)
+            if pipeline is not None:  # the weights every pipeline stage holds: each stage's part summed
+                grads = pipeline.summed_shared(grads)
             clipped, total_norm = clip_grad_norm(grads, self.max_norm)
             # The optimizer update is elementwise per shard, so it runs on plain local tensors:
             # the same arithmetic as the DTensor eager path, without DTensor dispatch.

@@ -139,9 +139,10 @@ def run_pipeline(stage_fn: Callable[[Tensor, int, int], Tensor], inputs: list[Te
     last_stage = schedule.stages - 1
     outputs: list[Tensor | None] = [None] * schedule.micro_batches
     waiting: list[Tensor] = []  # stage 0: activations back from the last stage, for their next repeat
-    # The chain starts from a leaf that asks for its gradient: a stage whose first iterations are
-    # bubble passes on this zero, and its permutes must still have a backward, as on the others.
-    received = torch.zeros_like(inputs[0], requires_grad=True)
+    # A stage whose first iterations are bubble passes this zero on, and its permutes must still have
+    # a backward, as on the others: it asks for its gradient (a leaf), and it depends on the inputs,
+    # for a gradient taken only for chosen leaves (the captured step's), which prunes other branches.
+    received = torch.zeros_like(inputs[0], requires_grad=True) + inputs[0] * 0.0
     x = received
     for iteration in range(schedule.iterations):
         work = schedule.work(stage, iteration)
@@ -214,6 +215,16 @@ class PipelineStage:
         for grad in grads.values():
             if isinstance(grad, DTensor) and _pp_placement(grad) == Replicate():
                 dist.all_reduce(grad._local_tensor, group=self.group)
+
+    def summed_shared(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`sum_shared_grads_` as new tensors, with functional collectives: the captured step's."""
+        out = dict(grads)
+        for name, grad in grads.items():
+            if isinstance(grad, DTensor) and _pp_placement(grad) == Replicate():
+                local = funcol.wait_tensor(funcol.all_reduce(grad.to_local(), "sum", self.group))
+                out[name] = DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
+                                               shape=grad.shape, stride=grad.stride())
+        return out
 
     def row_views(self, t: Tensor) -> list[tuple[int, Tensor]]:
         """(row of the stack, that row's tensor) for the rows this stage holds of stacked `t`: a view
