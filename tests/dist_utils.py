@@ -49,7 +49,7 @@ def run_distributed(fn: Callable, *, world_size: int, args: tuple = (), kwargs: 
                      num_threads=num_threads, pg_timeout_s=pg_timeout_s)
 
 
-def _train_rank(config: str, overrides: list[str]) -> str:
+def _train_rank(config: str | None, overrides: list[str]) -> str:
     from titan_tpu.config import build_config
     from titan_tpu.loops import assemble
 
@@ -59,11 +59,12 @@ def _train_rank(config: str, overrides: list[str]) -> str:
     return printed.getvalue()
 
 
-def train_on_ranks(config: str | Path, overrides: list[str], *, world_size: int = 2,
+def train_on_ranks(config: str | Path | None, overrides: list[str], *, world_size: int = 2,
                    timeout_s: float = 300.0) -> list[str]:
     """`titan-tpu train --config CONFIG OVERRIDES...` on `world_size` gloo ranks forked from the fork
     server, one thread each (as the tests' torchrun runs with OMP_NUM_THREADS=1); returns what each
     rank printed. For tests about what a run computes; a test about the launcher itself (torchrun's
     environment, signals, kill -9) starts real processes."""
-    return run_distributed(_train_rank, world_size=world_size, args=(str(config), [str(a) for a in overrides]),
+    config = str(config) if config is not None else None  # None: the overrides say everything
+    return run_distributed(_train_rank, world_size=world_size, args=(config, [str(a) for a in overrides]),
                            timeout_s=timeout_s)
