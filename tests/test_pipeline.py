@@ -81,3 +81,34 @@ def test_schedule_layout_bubble_and_one_line_errors():
         PipelineSchedule(stages=2, micro_batches=4, repeats=2, n_layers=6)
     with pytest.raises(ValueError, match=r"^parallelism.pp_microbatches = 2 is fewer than the 4 pipeline stages"):
         PipelineSchedule(stages=4, micro_batches=2)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "parallelism.pp > 1 splits the scanned layer stack into stages: set --model.scan_layers true"),
+    (["--model.scan_layers", "true", "--parallelism.pp_repeats", "2"],
+     "the model's 6 layers do not split into parallelism.pp (2) x parallelism.pp_repeats (2) equal chunks"),
+    (["--model.scan_layers", "true", "--training.batch_size", "3"],
+     "training.batch_size = 3 rows do not split into parallelism.pp_microbatches = 2 equal micro-batches"),
+    (["--model.scan_layers", "true", "--lora.enabled", "true"],
+     "parallelism.pp > 1 with lora.enabled is not built yet"),
+    (["--model.name", "hf", "--model.hf_config", "qwen3"],
+     "parallelism.pp > 1 splits a native model's scanned layer stack into stages; the Transformers backend"),
+    (["--config", "configs/llama3_debug_dpo.toml", "--model.scan_layers", "true"],
+     "training.objective = dpo runs with dp_replicate and dp_shard alone; got parallelism."),
+], ids=["no_scan", "layers", "batch", "lora", "hf_backend", "dpo"])
+def test_what_pipeline_stages_refuse_is_one_line(args, message, capsys):
+    """Checked before anything is built."""
+    from titan_tpu.cli import main
+
+    config = [] if "--config" in args else ["--config", "configs/llama3_debug.toml"]
+    code = main(["train", *config, "--training.device", "cpu", "--parallelism.pp", "2", *args])
+    _, err = capsys.readouterr()
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_pipeline_stages_with_other_model_axes_are_one_line():
+    from titan_tpu.parallel.mesh import ParallelDims
+
+    with pytest.raises(ValueError, match=r"^--parallelism.pp > 1 composes with the data-parallel axes only so far, "
+                                         r"not --parallelism.cp 2; set them to 1$"):
+        ParallelDims(pp=2, cp=2, dp_shard=1, world_size=4)
