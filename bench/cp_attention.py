@@ -17,7 +17,7 @@ import argparse
 import torch
 from kernels import time_interleaved  # bench/kernels.py, beside this file
 
-from titan_tpu.device import _cpu_model  # the CPU's name, as the cache keys use it
+from titan_tpu.device_cpu import _cpu_model  # the CPU's name, as the cache keys use it
 from titan_tpu.kernels.attention import CHUNK_ATTENTION, masked_sdpa
 from titan_tpu.parallel.context_parallel import head_tail_attention, head_tail_positions, sequence_order
 

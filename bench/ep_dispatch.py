@@ -20,7 +20,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_tpu.device import _cpu_model  # the CPU's name, as the cache keys use it
+from titan_tpu.device_cpu import _cpu_model  # the CPU's name, as the cache keys use it
 from titan_tpu.models.common.moe import MoE, MoEArgs
 from titan_tpu.parallel.expert_parallel import EP_DISPATCH, build_expert_mesh, make_dispatch
 from titan_tpu.parallel.plan_terms import ep_dispatch_bytes

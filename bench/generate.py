@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from titan_tpu.device import _cpu_model
+from titan_tpu.device_cpu import _cpu_model
 
 
 def build(name: str, flavor: str, seed: int):

@@ -96,7 +96,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    from titan_tpu.device import start_jax
+    from titan_tpu.jax_start import start_jax
 
     start_jax("cpu", rank=0, world_size=1)
     with tempfile.TemporaryDirectory(prefix="jax_speed_") as tmp:

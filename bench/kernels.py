@@ -116,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.bf16_attention:
-        from titan_tpu.device import cpu_bf16_support
+        from titan_tpu.device_cpu import cpu_bf16_support
 
         print(f"CPU: {cpu_bf16_support()[1]}; SDPA forward + backward on bf16 inputs, causal, {args.threads} "
               f"threads, median of {args.rounds} interleaved rounds")

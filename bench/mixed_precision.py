@@ -24,7 +24,7 @@ import torch
 
 from titan_tpu.data.loader import TokenLoader
 from titan_tpu.data.shards import prepare_dataset
-from titan_tpu.device import cpu_bf16_support
+from titan_tpu.device_cpu import cpu_bf16_support
 from titan_tpu.files import default_cache_dir
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import get_model_args

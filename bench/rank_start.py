@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from titan_tpu.device import _cpu_model
+from titan_tpu.device_cpu import _cpu_model
 from titan_tpu.parallel.spawn import run_ranks
 
 

@@ -37,7 +37,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from titan_tpu.device import cpu_bf16_support, get_backend
+from titan_tpu.device import get_backend
+from titan_tpu.device_cpu import cpu_bf16_support
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.hf_adapter import hf_config_from_model_args, to_hf_state_dict
 from titan_tpu.models.registry import flops_per_token, get_model_args

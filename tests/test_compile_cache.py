@@ -38,7 +38,7 @@ def test_each_backend_gets_its_directory_and_the_variable_its_compiler_reads(tmp
         cache = use_compile_cache(str(tmp_path / "cc"), backend="jax")
         assert os.environ["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "cc" / "jax")
         assert float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]) == 0.0
-        assert "jax" not in sys.modules  # not imported here: device.start_jax picks its platform first
+        assert "jax" not in sys.modules  # not imported here: jax_start.start_jax picks its platform first
     # Nothing to cache, or switched off: the compilers' own defaults stay.
     assert use_compile_cache(str(tmp_path / "cc"), backend="eager") is None
     assert use_compile_cache(str(tmp_path / "cc"), backend="aot_eager") is None

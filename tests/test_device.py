@@ -10,22 +10,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_tpu import device as dev
-from titan_tpu.device import Backend, cuda_peak_flops, get_backend, tpu_generation, tpu_peak_flops
+from titan_tpu import device as dev, device_cpu, device_peaks, jax_start
+from titan_tpu.device import Backend, get_backend
+from titan_tpu.device_peaks import cuda_peak_flops, tpu_generation, tpu_peak_flops
 
 
 @pytest.fixture
 def fresh_cpu_memo(monkeypatch):
     """An empty in-process memo; counts real measurements."""
     monkeypatch.delenv("TITAN_TPU_PEAK_FLOPS", raising=False)
-    monkeypatch.setattr(dev, "_cpu_peak_memo", {})
+    monkeypatch.setattr(device_cpu, "_cpu_peak_memo", {})
     calls = []
 
     def fake_measure(dtype=torch.float32):
         calls.append(1)
         return 123e9
 
-    monkeypatch.setattr(dev, "measure_cpu_matmul_flops", fake_measure)
+    monkeypatch.setattr(device_cpu, "measure_cpu_matmul_flops", fake_measure)
     return calls
 
 
@@ -115,13 +116,13 @@ def test_peak_override_env(monkeypatch):
 
 
 def test_real_cpu_matmul_measurement_is_plausible():
-    flops = dev.measure_cpu_matmul_flops(n=512, reps=2)  # small: just check the arithmetic
+    flops = device_cpu.measure_cpu_matmul_flops(n=512, reps=2)  # small: just check the arithmetic
     assert 1e9 < flops < 1e14
 
 
 def test_cpu_peak_description_and_real_peak(monkeypatch):
     monkeypatch.delenv("TITAN_TPU_PEAK_FLOPS", raising=False)
-    monkeypatch.setattr(dev, "_cpu_peak_memo", {})
+    monkeypatch.setattr(device_cpu, "_cpu_peak_memo", {})
     b = get_backend("cpu")
     assert b.peak_flops() > 1e9
     assert b.peak_description().startswith("cpu fp32 matmul, measured")
@@ -166,7 +167,7 @@ def test_the_planner_plans_with_the_peaks_a_run_measures_its_mfu_against(monkeyp
         if tpu_generation(name):
             monkeypatch.setattr(dev, "_detect_tpu_kind", lambda device, kind=name: kind)
             run = Backend(name="tpu", device=torch.device("cpu"), process_group_backend="gloo", compile_backend="tpu")
-            assert hardware.devices_per_chip == dev.tpu_devices_per_chip(name), name
+            assert hardware.devices_per_chip == device_peaks.tpu_devices_per_chip(name), name
         else:
             monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, kind=name: f"NVIDIA {kind.upper()}")
             run = Backend(name="cuda", device=torch.device("cpu"), process_group_backend="gloo",
@@ -214,7 +215,7 @@ def test_cuda_backend_with_faked_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU")
     with pytest.warns(UserWarning, match="no peak FLOP/s known"):
-        assert get_backend("cuda").peak_flops() == dev.CUDA_FALLBACK_PEAK
+        assert get_backend("cuda").peak_flops() == device_peaks.CUDA_FALLBACK_PEAK
 
 
 class _FakeTorchTpu:
@@ -286,7 +287,7 @@ def test_fake_tpu_backend_inner(monkeypatch):
     for var in ("ACCELERATOR_TYPE", "TPU_TYPE"):
         monkeypatch.delenv(var, raising=False)
     with pytest.warns(UserWarning, match="could not tell the TPU generation"):
-        assert get_backend("tpu").peak_flops() == tpu_peak_flops(dev.TPU_FALLBACK_GENERATION)
+        assert get_backend("tpu").peak_flops() == tpu_peak_flops(device_peaks.TPU_FALLBACK_GENERATION)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,14 +298,14 @@ def test_fake_tpu_backend_inner(monkeypatch):
 def _measuring(monkeypatch, rates):
     """The CPU peak measurement returning `rates` in turn (the last one from then on); the calls."""
     monkeypatch.delenv("TITAN_TPU_PEAK_FLOPS", raising=False)
-    monkeypatch.setattr(dev, "_cpu_peak_memo", {})
+    monkeypatch.setattr(device_cpu, "_cpu_peak_memo", {})
     calls = []
 
     def fake_measure(dtype=torch.float32):
         calls.append(dtype)
         return rates[min(len(calls), len(rates)) - 1]
 
-    monkeypatch.setattr(dev, "measure_cpu_matmul_flops", fake_measure)
+    monkeypatch.setattr(device_cpu, "measure_cpu_matmul_flops", fake_measure)
     return calls
 
 
@@ -395,9 +396,9 @@ def test_jax_path_on_a_gpu_is_refused():
 ])
 def test_jax_path_launch_that_does_not_match_the_devices(local, total, world_size, match):
     with pytest.raises(ValueError, match=match) as error:
-        dev.check_jax_devices("cpu", local=local, total=total, world_size=world_size)
+        jax_start.check_jax_devices("cpu", local=local, total=total, world_size=world_size)
     assert "\n" not in str(error.value)
-    dev.check_jax_devices("cpu", local=1, total=world_size, world_size=world_size)  # what it takes
+    jax_start.check_jax_devices("cpu", local=1, total=world_size, world_size=world_size)  # what it takes
 
 
 def test_jax_backend_keeps_the_torch_side_on_the_host(monkeypatch):

@@ -217,9 +217,9 @@ def cpu_with_bf16(monkeypatch):
     """The docs show bf16 commands for CPUs with bf16 instructions (docs/mixed_precision.md): check
     them as on such a CPU, whichever CPU runs the suite (its refusal elsewhere has its own test in
     tests/test_mixed_precision.py)."""
-    from titan_tpu import device
+    from titan_tpu import device_cpu
 
-    monkeypatch.setattr(device, "cpu_bf16_support", lambda: (True, "the docs' CPU with bf16 instructions"))
+    monkeypatch.setattr(device_cpu, "cpu_bf16_support", lambda: (True, "the docs' CPU with bf16 instructions"))
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 import titan_tpu.device as dev
+import titan_tpu.device_cpu as device_cpu
 from titan_tpu.config import build_config
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import get_model_args
@@ -106,7 +107,7 @@ def test_bf16_mixed_precision_trains_like_fp32():
 def bf16_cpu(monkeypatch):
     """The explicit test-only path: pretend this CPU has bf16 instructions, so the config and the
     trainer accept model.dtype bfloat16 on training.device cpu."""
-    monkeypatch.setattr(dev, "cpu_bf16_support", lambda: (True, "a test says so"))
+    monkeypatch.setattr(device_cpu, "cpu_bf16_support", lambda: (True, "a test says so"))
 
 
 def test_trainer_keeps_updates_below_bf16_resolution(bf16_cpu, train_overrides):
@@ -262,21 +263,21 @@ def test_hf_backend_bf16_matches_transformers_autocast(model_type):
 @pytest.mark.parametrize("flags, supported", [({"avx2", "avx512_bf16"}, True), ({"amx_bf16", "amx_tile"}, True),
                                               ({"avx2", "avx512f", "avx512bw"}, False)])
 def test_cpu_bf16_is_detected_from_the_cpu_flags(monkeypatch, flags, supported):
-    monkeypatch.setattr(dev, "_cpu_flags", lambda: flags)
-    assert dev.cpu_bf16_support()[0] is supported
+    monkeypatch.setattr(device_cpu, "_cpu_flags", lambda: flags)
+    assert device_cpu.cpu_bf16_support()[0] is supported
 
 
 def test_cpu_bf16_detection_on_this_machine():
-    flags = dev._cpu_flags()
+    flags = device_cpu._cpu_flags()
     if flags is None:
         pytest.skip("no /proc/cpuinfo here")
-    supported, why = dev.cpu_bf16_support()
+    supported, why = device_cpu.cpu_bf16_support()
     assert supported == bool(flags & {"avx512_bf16", "amx_bf16"})
     assert "/proc/cpuinfo" in why
 
 
 def test_bf16_on_a_cpu_without_it_is_one_line_that_says_why(monkeypatch, train_overrides):
-    monkeypatch.setattr(dev, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(device_cpu, "_cpu_flags", lambda: {"avx2", "fma"})
     with pytest.raises(ValueError) as error:
         prepare_run(build_config(LLAMA_DEBUG, train_overrides(model__dtype="bfloat16")))
     message = str(error.value)
@@ -292,7 +293,7 @@ def test_bf16_on_a_cpu_without_it_is_one_line_that_says_why(monkeypatch, train_o
 
 
 def test_bf16_is_allowed_on_a_cpu_with_it(monkeypatch, train_overrides):
-    monkeypatch.setattr(dev, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(device_cpu, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
     cfg = build_config(LLAMA_DEBUG, train_overrides(model__dtype="bfloat16"))
     assert cfg.model.dtype == "bfloat16"
     # The default stays fp32 on the CPU.
@@ -314,9 +315,9 @@ def test_cpu_peak_is_measured_in_the_compute_dtype(monkeypatch):
         return {torch.float32: 200e9, torch.bfloat16: 800e9}[dtype]
 
     monkeypatch.delenv("TITAN_TPU_PEAK_FLOPS", raising=False)
-    monkeypatch.setattr(dev, "_cpu_peak_memo", {})
-    monkeypatch.setattr(dev, "measure_cpu_matmul_flops", fake_measure)
-    monkeypatch.setattr(dev, "cpu_bf16_support", lambda: (True, "a test says so"))
+    monkeypatch.setattr(device_cpu, "_cpu_peak_memo", {})
+    monkeypatch.setattr(device_cpu, "measure_cpu_matmul_flops", fake_measure)
+    monkeypatch.setattr(device_cpu, "cpu_bf16_support", lambda: (True, "a test says so"))
     backend = dev.get_backend("cpu")
     assert backend.peak_flops(torch.bfloat16) == 800e9 and backend.peak_flops(torch.float32) == 200e9
     assert backend.peak_description(torch.bfloat16).startswith("cpu bf16 matmul, measured 800 GFLOP/s")
@@ -325,10 +326,10 @@ def test_cpu_peak_is_measured_in_the_compute_dtype(monkeypatch):
 
 
 def test_cpu_bf16_peak_is_not_measured_without_bf16_instructions(monkeypatch):
-    monkeypatch.setattr(dev, "_cpu_peak_memo", {})
-    monkeypatch.setattr(dev, "_cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(device_cpu, "_cpu_peak_memo", {})
+    monkeypatch.setattr(device_cpu, "_cpu_flags", lambda: {"avx2"})
     with pytest.raises(ValueError, match="bf16 matmul instructions"):
-        dev.cpu_peak_flops(torch.bfloat16)
+        device_cpu.cpu_peak_flops(torch.bfloat16)
 
 
 def test_accelerator_peak_is_the_bf16_table_and_says_so_for_fp32(monkeypatch):
@@ -364,7 +365,8 @@ def test_plan_counts_fp32_masters_and_bf16_copies_on_one_device(bf16_cpu, monkey
     assert fp32.memory["gathered_weights"] == 0  # fp32 weights are used in place
     assert bf16.memory["gathered_weights"] == block_params * 2  # the bf16 copies, forward to backward
     # The CPU's peak is measured in the compute dtype.
-    monkeypatch.setattr(dev, "cpu_peak_flops", lambda dtype=torch.float32: {torch.bfloat16: 8e11}.get(dtype, 2e11))
+    monkeypatch.setattr(device_cpu, "cpu_peak_flops",
+                        lambda dtype=torch.float32: {torch.bfloat16: 8e11}.get(dtype, 2e11))
     monkeypatch.setattr(hardware, "measure_cpu_memory_bandwidth", lambda: 1e10)
     measured = hardware.cpu_hardware(dtype="bfloat16")
     assert measured.peak_flops == 8e11 and "bf16 matmul peak 800 GFLOP/s" in measured.source

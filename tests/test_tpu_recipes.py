@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_tpu import device
+from titan_tpu import device, device_peaks
 from titan_tpu.config import build_config, data_sources
 from titan_tpu.kernels import OPS, tpu as tpu_kernels
 from titan_tpu.models.registry import get_model_args
@@ -40,14 +40,14 @@ def test_tpu_recipe(name, monkeypatch):
     # the program titan-tpu compile certifies; on v7 (two devices per chip, and the JAX path takes one
     # device per process, a chip per process) on TorchTPU. Layers scanned so compile time does not
     # grow with depth.
-    backend = "tpu" if device.tpu_generation(cfg.job.description) == "v7" else "jax"
+    backend = "tpu" if device_peaks.tpu_generation(cfg.job.description) == "v7" else "jax"
     assert (t.device, t.mode, cfg.compile.backend, cfg.optimizer.name) == ("tpu", "graph", backend, "adamw")
     assert cfg.model.scan_layers and cfg.model.dtype == "bfloat16"  # checkpointing: the planner's pick, below
 
     # The mesh is the chips named in the description.
-    generation = device.tpu_generation(cfg.job.description)
+    generation = device_peaks.tpu_generation(cfg.job.description)
     assert generation is not None, cfg.job.description
-    devices = _chips(cfg.job.description) * device._TPU_DEVICES_PER_CHIP.get(generation, 1)
+    devices = _chips(cfg.job.description) * device_peaks._TPU_DEVICES_PER_CHIP.get(generation, 1)
     assert p.dp_replicate > 0 and p.dp_shard > 0, "a recipe spells out its mesh (no -1)"
     assert p.dp_replicate * p.dp_shard * p.cp * p.tp == devices
 

@@ -3,7 +3,10 @@
 A `Backend` bundles the torch device, the process-group backend, the compile backend, the peak
 FLOP/s used as the MFU denominator, memory statistics and a synchronize hook, so nothing else in
 the framework has to branch on "cpu" / "cuda" / "tpu"; what differs per device is one class each
-(`_CPU`, `_CUDA`, `_TPU`), so `Backend` does not branch on its own name either.
+(`_CPU`, `_CUDA`, `_TPU`, `_JAX`), so `Backend` does not branch on its own name either.
+
+Its neighbours: device_peaks.py (the accelerators' datasheet peaks), device_cpu.py (the CPU's
+measured peak, bf16 support and memory) and jax_start.py (JAX's runtime for the JAX path).
 
 Every TorchTPU call of the framework outside the kernels is in this module (the kernels' are in
 kernels/tpu.py; tests/test_tpu_sites.py keeps it so). TorchTPU (`torch_tpu`) is never imported at
@@ -12,15 +15,12 @@ whole process, so we only import it when the TPU backend is actually chosen (or,
 checking with `importlib.util.find_spec` that both torch_tpu and libtpu are installed).
 
 Peak FLOP/s, for the compute dtype (model.dtype; docs/mixed_precision.md):
-  * CPU: a measured matmul rate in the compute dtype (there is no meaningful datasheet number for
-    a shared VM), measured once per process and dtype (the best of 12 matmuls in three rounds,
-    about 1.5 s in fp32) on the current thread count, and again when a run beats it
-    (`Backend.mfu`). bf16 is measured, and allowed, only where the CPU has bf16 matmul
-    instructions (`cpu_bf16_support`).
-  * CUDA: dense bf16 datasheet numbers by device name (`cuda_peak_flops`); an fp32 run is
+  * CPU: a measured matmul rate in the compute dtype (device_cpu.py), measured once per process
+    and dtype on the current thread count, and again when a run beats it (`Backend.mfu`). bf16 is
+    measured, and allowed, only where the CPU has bf16 matmul instructions (`cpu_bf16_support`).
+  * CUDA: dense bf16 datasheet numbers by device name (device_peaks.py); an fp32 run is
     measured against them too, and the printed peak says so.
-  * TPU: dense bf16 datasheet numbers by generation, per device (`tpu_peak_flops`); v7 exposes two
-    devices per chip, so each device gets half the chip's number.
+  * TPU: dense bf16 datasheet numbers by generation, per device (device_peaks.py).
   * $TITAN_TPU_PEAK_FLOPS, if set, overrides all of the above (for hardware not in the tables).
 """
 
@@ -30,239 +30,26 @@ import contextlib
 import importlib
 import importlib.util
 import os
-import platform
-import re
-import resource
 import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-BACKEND_CHOICES = ("auto", "cpu", "cuda", "tpu")
-
-# The one table of accelerator peaks: the MFU denominator here and the planner's hardware table
-# (plan/hardware.py) both read these.
-# Dense bf16 peak FLOP/s per device, matched as substrings of torch.cuda.get_device_name().
-# Order matters: more specific names come first ("H100 PCIe" before "H100").
-_CUDA_PEAK_BF16 = (
-    ("GB200", 2500e12),
-    ("B200", 2250e12),
-    ("B100", 1750e12),
-    ("H200", 989e12),
-    ("H100 PCIE", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM
-    ("H800", 989e12),
-    ("H20", 148e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
+from titan_tpu.device_cpu import _cpu_memory_stats, cpu_peak_flops
+from titan_tpu.device_peaks import (
+    CUDA_FALLBACK_PEAK,
+    TPU_FALLBACK_GENERATION,
+    _env_peak_override,
+    cuda_peak_flops,
+    tpu_devices_per_chip,
+    tpu_generation,
+    tpu_peak_flops,
 )
-# Used (with a warning) for a GPU not in the table. The H100 number: for most unknown cards it
-# understates MFU rather than overstating it.
-CUDA_FALLBACK_PEAK = 989e12
+from titan_tpu.jax_start import start_jax
 
-# Dense bf16 peak FLOP/s per *chip*, and how many torch devices one chip exposes.
-_TPU_PEAK_BF16_PER_CHIP = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12, "v7": 2307e12}
-_TPU_DEVICES_PER_CHIP = {"v7": 2}
-# Used (with a warning) when the TPU generation cannot be detected.
-TPU_FALLBACK_GENERATION = "v6e"
-
-# Matrix size and repetitions for the CPU matmul benchmark: 2048^3 * 2 = 17 GFLOP per matmul,
-# ~0.12 s each at ~140 GFLOP/s, so warmup + 3 rounds of 4 timed reps take about 1.5 s; the best rep
-# is taken, which is robust to a neighbour stealing the cores for part of that time.
-_CPU_BENCH_N = 2048
-_CPU_BENCH_REPS = 4  # matmuls per round
-_CPU_BENCH_ROUNDS = 3  # rounds a few tens of milliseconds apart: a neighbour's burst spoils fewer of them
-
-
-def cuda_peak_flops(device_name: str) -> float | None:
-    """Dense bf16 peak FLOP/s for a CUDA device name, or None if the name is not in the table."""
-    upper = device_name.upper()
-    for key, flops in _CUDA_PEAK_BF16:
-        if key in upper:
-            return flops
-    return None
-
-
-def tpu_generation(name: str) -> str | None:
-    """Normalise a TPU device kind / accelerator type to "v4" | "v5e" | "v5p" | "v6e" | "v7".
-
-    Accepts the spellings seen in the wild: device kinds ("TPU v5 lite", "TPU v6 lite", "TPU7x"),
-    accelerator types ("v5litepod-16", "v6e-8", "v5p-128", "tpu7x-8") and code names
-    ("trillium", "ironwood"). Returns None when nothing matches.
-    """
-    s = name.lower().replace("_", " ").strip()
-    if "ironwood" in s or re.search(r"(tpu\s*|\bv)7", s):
-        return "v7"
-    if "trillium" in s or re.search(r"\bv6\s*(e|lite)", s) or re.search(r"tpu\s*v6\b", s):
-        return "v6e"
-    if re.search(r"\bv5\s*(e|lite)", s):
-        return "v5e"
-    if re.search(r"\bv5\s*p", s) or re.search(r"\bv5\b", s):  # plain "TPU v5" is the v5p kind
-        return "v5p"
-    if re.search(r"\bv4", s):
-        return "v4"
-    return None
-
-
-def tpu_peak_flops(generation: str) -> float:
-    """Dense bf16 peak FLOP/s per torch device for a TPU generation ("v5e", "TPU v6 lite", ...)."""
-    gen = tpu_generation(generation)
-    if gen is None:
-        raise ValueError(
-            f"unknown TPU generation {generation!r}; known: {sorted(_TPU_PEAK_BF16_PER_CHIP)}"
-        )
-    return _TPU_PEAK_BF16_PER_CHIP[gen] / tpu_devices_per_chip(gen)
-
-
-def tpu_devices_per_chip(generation: str) -> int:
-    """How many torch devices one chip of a TPU generation exposes (2 on v7, else 1)."""
-    return _TPU_DEVICES_PER_CHIP.get(tpu_generation(generation) or generation, 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# CPU peak: measured once per process
-# ---------------------------------------------------------------------------------------------
-# Not cached on disk on purpose: this machine class shares cores with its neighbours, and one
-# measurement taken in a busy moment (seen here: 87 instead of 145 GFLOP/s; 139 instead of 332 with
-# another process busy on one of two cores) would otherwise inflate every later run's MFU past
-# 100%. A second of measuring per process is the price. Within a process, a run that beats the
-# peak is the proof that it was measured in such a moment: `Backend.mfu` measures it again.
-
-_cpu_peak_memo: dict[str, float] = {}  # keyed by CPU model, thread count, torch version and dtype
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown-cpu"
-
-
-def _cpu_cache_key(dtype: torch.dtype) -> str:
-    return f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
-
-
-# /proc/cpuinfo flags that give a CPU native bf16 matmuls (AVX512_BF16 dot products, AMX tiles).
-# Without them torch emulates bf16 and its matmuls run ~100x slower than fp32 (AMD EPYC with AVX2:
-# measured in docs/mixed_precision.md).
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def _cpu_flags() -> set[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo, or None where it cannot be read (not Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
-def cpu_bf16_support() -> tuple[bool, str]:
-    """(does this CPU run bf16 matmuls natively, why): the /proc/cpuinfo flags `CPU_BF16_FLAGS`,
-    or torch's own CPU capability query where /proc/cpuinfo cannot be read."""
-    flags = _cpu_flags()
-    if flags is not None:
-        found = [f for f in CPU_BF16_FLAGS if f in flags]
-        if found:
-            return True, f"{_cpu_model()} lists {' and '.join(found)} in /proc/cpuinfo"
-        return False, f"{_cpu_model()} lists neither {' nor '.join(CPU_BF16_FLAGS)} in /proc/cpuinfo"
-    queries = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    found = [q for q in queries if getattr(torch.cpu, q, lambda: False)()]
-    if found:
-        return True, f"torch.cpu.{found[0]}() is True on {_cpu_model()}"
-    return False, f"torch reports neither AVX512_BF16 nor AMX on {_cpu_model()}"
-
-
-def check_cpu_compute_dtype(dtype: str) -> None:
-    """The one-line error for model.dtype bfloat16 on a CPU without bf16 matmul instructions."""
-    if dtype != "bfloat16":
-        return
-    supported, why = cpu_bf16_support()
-    if not supported:
-        raise ValueError(f"model.dtype = bfloat16 on the CPU needs bf16 matmul instructions ({why}), without "
-                         "which bf16 matmuls run ~100x slower than float32: use model.dtype = float32")
-
-
-def measure_cpu_matmul_flops(n: int = _CPU_BENCH_N, reps: int = _CPU_BENCH_REPS,
-                             dtype: torch.dtype = torch.float32, rounds: int = _CPU_BENCH_ROUNDS) -> float:
-    """The best n x n matmul rate (FLOP/s) in `dtype` on the current torch thread count, of `rounds`
-    rounds of `reps` matmuls with a short pause between rounds."""
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(dtype)
-    b = torch.randn(n, n, generator=gen).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    torch.mm(a, b, out=out)  # warm up: thread pool start, page faults on `out`
-    best = float("inf")
-    for round_index in range(rounds):
-        if round_index:
-            time.sleep(0.03)
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            torch.mm(a, b, out=out)
-            best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
-
-
-def cpu_peak_flops(dtype: torch.dtype = torch.float32, *, again: bool = False) -> float:
-    """Measured CPU matmul peak in `dtype`, memoised for the life of the process; `again` measures
-    once more and keeps the best of every measurement (the memo only grows: a low one is a busy
-    machine, not a slower CPU). bf16 only where the CPU has bf16 instructions (elsewhere the
-    measurement alone would take minutes)."""
-    if dtype == torch.bfloat16:
-        check_cpu_compute_dtype("bfloat16")
-    key = _cpu_cache_key(dtype)
-    if again or key not in _cpu_peak_memo:
-        _cpu_peak_memo[key] = max(_cpu_peak_memo.get(key, 0.0), measure_cpu_matmul_flops(dtype=dtype))
-    return _cpu_peak_memo[key]
-
-
-def _env_peak_override() -> float | None:
-    value = os.environ.get("TITAN_TPU_PEAK_FLOPS")
-    if not value:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"TITAN_TPU_PEAK_FLOPS must be a number like 989e12, got {value!r}") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# CPU memory from /proc (Linux) with a getrusage fallback
-# ---------------------------------------------------------------------------------------------
-
-
-def _proc_status_kb(field_name: str) -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return float(line.split()[1])  # "VmRSS:   123456 kB"
-    except OSError:
-        pass
-    return None
-
-
-def _cpu_memory_stats() -> dict[str, float]:
-    rss_kb = _proc_status_kb("VmRSS")
-    hwm_kb = _proc_status_kb("VmHWM")
-    if hwm_kb is None:
-        # ru_maxrss is in KiB on Linux and bytes on macOS.
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        hwm_kb = maxrss / 1024 if sys.platform == "darwin" else float(maxrss)
-    if rss_kb is None:
-        rss_kb = hwm_kb
-    return {"memory_gb": rss_kb * 1024 / 1e9, "max_memory_gb": hwm_kb * 1024 / 1e9}
-
+BACKEND_CHOICES = ("auto", "cpu", "cuda", "tpu")
 
 # ---------------------------------------------------------------------------------------------
 # Backend
@@ -707,87 +494,6 @@ def _tpu_vm() -> bool:
     """A TPU VM: its accelerator devices (/dev/accel*, /dev/vfio) are present."""
     return bool(list(Path("/dev").glob("accel*"))) or Path("/dev/vfio").is_dir() and any(Path("/dev/vfio").iterdir())
 
-
-# A host's chips as libtpu's process bounds when each process takes one chip (TPU_PROCESS_BOUNDS):
-# a 4-chip host (v4, v5p) is 2x2x1, an 8-chip host (v5e, v6e) 2x4x1.
-_HOST_PROCESS_BOUNDS = {1: "1,1,1", 4: "2,2,1", 8: "2,4,1"}
-_TPU_PROCESS_PORT = 8476  # libtpu's first per-process port; process i of a host listens on 8476 + i
-
-
-def start_jax(platform: str, *, rank: int, world_size: int) -> None:
-    """JAX's runtime for this process, on `platform` alone; with several processes its distributed
-    client too, as JAX process `rank` of `world_size` (the coordinator on rank 0's host, found through
-    the torch process group), so that jax.devices() lists every process's device. Each process
-    must hold exactly one JAX device: device r of the run is rank r's (a one-line error otherwise,
-    with what to change)."""
-    if platform == "tpu" and "torch_tpu" in sys.modules:
-        raise ValueError("compile.backend jax runs the step on the TPU chips through JAX, but torch-tpu is loaded in "
-                         "this process and may hold them: start it with TORCH_DEVICE_BACKEND_AUTOLOAD=0 (titan-tpu "
-                         "train sets it when the recipe names compile.backend jax)")
-    os.environ["JAX_PLATFORMS"] = platform
-    if platform == "tpu" and world_size > 1:
-        _tpu_one_chip_per_process(rank, world_size)
-    import jax
-
-    if world_size > 1:
-        if platform == "cpu":  # XLA:CPU's collectives across processes
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=_jax_coordinator(rank), num_processes=world_size,
-                                   process_id=rank)
-    check_jax_devices(platform, local=len(jax.local_devices()), total=jax.device_count(), world_size=world_size)
-
-
-def check_jax_devices(platform: str, *, local: int, total: int, world_size: int) -> None:
-    """The launch the JAX path takes: one process per JAX device, every device of the run a process's."""
-    if local != 1:
-        raise ValueError(f"compile.backend jax runs one process per device; this process sees {local} {platform} "
-                         f"devices: start {local} processes for it (torchrun --nproc_per_node = devices per host)")
-    if total != world_size:
-        raise ValueError(f"compile.backend jax: the run has {world_size} processes, JAX sees {total} {platform} "
-                         "devices; start one process per device")
-
-
-def _jax_coordinator(rank: int) -> str:
-    """host:port of JAX's coordinator: a free port on rank 0's host (MASTER_ADDR, where torchrun's
-    ranks reach rank 0), chosen by rank 0 and shared through the torch process group."""
-    import socket
-
-    import torch.distributed as dist
-
-    address = [None]
-    if rank == 0:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            address[0] = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{probe.getsockname()[1]}"
-    dist.broadcast_object_list(address, src=0)
-    return address[0]
-
-
-def _tpu_one_chip_per_process(rank: int, world_size: int) -> None:
-    """libtpu's settings for one chip per process (set unless the environment has them): this
-    process's chip (LOCAL_RANK), its port, every process's address (gathered through the torch
-    process group) and the processes' grid. On one host the grid is the host's chips; across hosts
-    it is the slice's and must be given (TPU_PROCESS_BOUNDS). Written against libtpu's documented
-    variables; not yet run on a TPU."""
-    import socket
-
-    import torch.distributed as dist
-
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if "TPU_PROCESS_BOUNDS" not in os.environ:
-        if per_host != world_size or per_host not in _HOST_PROCESS_BOUNDS:
-            raise ValueError(f"compile.backend jax on {world_size // per_host} TPU hosts of {per_host} chips: set "
-                             "TPU_PROCESS_BOUNDS to the slice's chips as x,y,z (e.g. 2,2,2 for a v5p-16)")
-        os.environ["TPU_PROCESS_BOUNDS"] = _HOST_PROCESS_BOUNDS[per_host]
-    port = _TPU_PROCESS_PORT + local_rank
-    addresses = [None] * world_size
-    dist.all_gather_object(addresses, f"{socket.gethostbyname(socket.gethostname())}:{port}")
-    os.environ.setdefault("TPU_CHIPS_PER_PROCESS_BOUNDS", "1,1,1")
-    os.environ.setdefault("TPU_VISIBLE_CHIPS", str(local_rank))
-    os.environ.setdefault("TPU_PROCESS_PORT", str(port))
-    os.environ.setdefault("TPU_PROCESS_ADDRESSES", ",".join(addresses))
-    os.environ.setdefault("CLOUD_TPU_TASK_ID", str(rank))
 
 
 def _tpu_present() -> bool:

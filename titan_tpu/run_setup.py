@@ -98,7 +98,8 @@ def effective_warmup_steps(cfg: Config) -> int:
 def prepare_run(cfg: Config) -> RunSetup:
     """Check `cfg` (config.py's section checks, then across sections) and resolve what the run's
     components read: raises one-line ValueErrors. Call it once per run: it does not change `cfg`."""
-    from titan_tpu.device import check_cpu_compute_dtype, check_tpu_compile_backend
+    from titan_tpu.device import check_tpu_compile_backend
+    from titan_tpu.device_cpu import check_cpu_compute_dtype
     from titan_tpu.train.optim import validate_lr_schedule
     from titan_tpu.train.trackers import check_tracker_names
 

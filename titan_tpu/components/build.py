@@ -23,7 +23,8 @@ import torch.distributed as dist
 from titan_tpu.components.make_step import make_step
 from titan_tpu.components.runtime import DTYPES, init_distributed, main_process_first
 from titan_tpu.config import Config, grad_accum_from_tokens
-from titan_tpu.device import Backend, check_cpu_compute_dtype, get_backend, jax_backend
+from titan_tpu.device import Backend, get_backend, jax_backend
+from titan_tpu.device_cpu import check_cpu_compute_dtype
 from titan_tpu.errors import RunError
 from titan_tpu.files import default_cache_dir
 from titan_tpu.graph.compile_cache import use_compile_cache

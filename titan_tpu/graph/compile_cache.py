@@ -141,7 +141,7 @@ def use_compile_cache(cache_dir: str, *, backend: str, enabled: bool = True) -> 
 
 def _configure_jax(directory: Path) -> None:
     """JAX reads its settings from the environment when imported (importing it here would fix its
-    platform before device.start_jax chooses one), through jax.config once imported."""
+    platform before jax_start.start_jax chooses one), through jax.config once imported."""
     settings: dict[str, Any] = {"jax_compilation_cache_dir": str(directory),
                                 "jax_persistent_cache_min_compile_time_secs": 0.0}
     if "jax" in sys.modules:

@@ -101,7 +101,7 @@ class JaxStep(StepFunction):
             raise ValueError("JaxStep: the optimizer does not hold exactly the model's parameters")
         self.objective, self.captured = first.objective, first
         self.capture_seconds = sum(c.capture_seconds for c in captured.values())
-        # Device r of the mesh is JAX process r's, which is torch rank r's (device.py start_jax).
+        # Device r of the mesh is JAX process r's, which is torch rank r's (jax_start.py start_jax).
         self.devices = sorted(jax.devices(), key=lambda d: d.process_index)
         self.local_device = jax.local_devices()[0]
         steps = {name: device_step(c, axis_sizes) for name, c in captured.items()}

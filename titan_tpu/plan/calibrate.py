@@ -337,7 +337,7 @@ def calibrate_main(*, out_dir: str, replay: bool, only: str | None) -> int:
     if replay:
         data = json.loads(path.read_text())
     else:
-        from titan_tpu.device import cpu_peak_flops
+        from titan_tpu.device_cpu import cpu_peak_flops
         from titan_tpu.files import default_cache_dir
         from titan_tpu.plan.hardware import measure_cpu_memory_bandwidth
 

@@ -1,10 +1,10 @@
 """The hardware table of the planner: peak FLOP/s, memory, memory and interconnect bandwidth per
 device, each number with its source.
 
-Peak FLOP/s are dense bf16 per device, read from the one table titan_tpu/device.py keeps for the
+Peak FLOP/s are dense bf16 per device, read from the one table titan_tpu/device_peaks.py keeps for the
 MFU denominator (so a plan's MFU and a run's MFU share their denominator; tests/test_device.py ties
 them); the memory, bandwidth and interconnect numbers are the planner's own; this CPU's peak is its
-measured matmul rate in the compute dtype (device.cpu_peak_flops; bf16 only on CPUs with bf16
+measured matmul rate in the compute dtype (device_cpu.cpu_peak_flops; bf16 only on CPUs with bf16
 instructions). `efficiency` is the fraction of peak the
 planner assumes matmul-dominated work reaches; it is an assumption for accelerators (stated in
 docs/planner.md) and a calibrated number for this CPU (`titan-tpu plan --calibrate`).
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_tpu import device
+from titan_tpu import device_cpu, device_peaks
 
 __all__ = ["Hardware", "HARDWARE", "resolve_hardware", "cpu_hardware", "measure_cpu_memory_bandwidth"]
 
@@ -120,40 +120,40 @@ GPU_NIC = 400e9 / 8  # bytes/s: one 400 Gb/s ConnectX-7 port per GPU
 GPUS_PER_NODE = 8
 
 HARDWARE: dict[str, Hardware] = {
-    "v4": Hardware("v4", device.tpu_peak_flops("v4"), 32 * GiB, 1200e9, 1.1e15 / 4096,
+    "v4": Hardware("v4", device_peaks.tpu_peak_flops("v4"), 32 * GiB, 1200e9, 1.1e15 / 4096,
                    source=f"{_GOOGLE}v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s; all-reduce bandwidth "
                           "1.1 PB/s per 4,096-chip pod (no per-chip ICI figure on the page)"),
-    "v5e": Hardware("v5e", device.tpu_peak_flops("v5e"), 16e9, 819e9, 400e9 / 2, network_bandwidth=25e9 / 8,
+    "v5e": Hardware("v5e", device_peaks.tpu_peak_flops("v5e"), 16e9, 819e9, 400e9 / 2, network_bandwidth=25e9 / 8,
                     network_source=f"{_GOOGLE}v6e (comparison table): per-host NIC 2 x 100 Gb/s, 8 v5e chips per "
                                    "host: 25 Gb/s per chip",
                     source=f"{_GOOGLE}v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, bidirectional ICI "
                            "400 GB/s per chip"),
-    "v5p": Hardware("v5p", device.tpu_peak_flops("v5p"), 95 * GiB, 2765e9, 1200e9 / 2, network_bandwidth=50e9 / 8,
+    "v5p": Hardware("v5p", device_peaks.tpu_peak_flops("v5p"), 95 * GiB, 2765e9, 1200e9 / 2, network_bandwidth=50e9 / 8,
                     network_source=f"{_GOOGLE}v5p: {_DCN} 50 Gb/s",
                     source=f"{_GOOGLE}v5p-training: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s, "
                            "bidirectional ICI 1,200 GB/s per chip"),
-    "v6e": Hardware("v6e", device.tpu_peak_flops("v6e"), 32 * GiB, 1638e9, 800e9 / 2, network_bandwidth=100e9 / 8,
+    "v6e": Hardware("v6e", device_peaks.tpu_peak_flops("v6e"), 32 * GiB, 1638e9, 800e9 / 2, network_bandwidth=100e9 / 8,
                     network_source=f"{_GOOGLE}tpu7x (comparison table): {_DCN}, v6e 100 Gb/s",
                     source=f"{_GOOGLE}v6e and {_GOOGLE}tpu7x (comparison table): 918 TFLOP/s bf16, 32 GiB HBM "
                            "at 1,638 GB/s, bidirectional ICI 800 GB/s per chip"),
     # v7 (Ironwood, TPU7x): two devices per chip; per-device numbers are half the chip's.
-    "v7": Hardware("v7", device.tpu_peak_flops("v7"), 192 * GiB / 2, 7380e9 / 2, 1200e9 / 2 / 2,
-                   devices_per_chip=device.tpu_devices_per_chip("v7"), fp8_peak_flops=4614e12 / 2,
+    "v7": Hardware("v7", device_peaks.tpu_peak_flops("v7"), 192 * GiB / 2, 7380e9 / 2, 1200e9 / 2 / 2,
+                   devices_per_chip=device_peaks.tpu_devices_per_chip("v7"), fp8_peak_flops=4614e12 / 2,
                    network_bandwidth=100e9 / 8 / 2,
                    network_source=f"{_GOOGLE}tpu7x (comparison table): {_DCN}, TPU7x 100 Gb/s (halved: two devices)",
                    source=f"{_GOOGLE}tpu7x: 2,307 TFLOP/s bf16 (4,614 fp8), 192 GiB HBM at 7,380 GB/s, bidirectional "
                           "ICI 1,200 GB/s per chip; two devices per chip (halved here)"),
-    "h100": Hardware("h100", device.cuda_peak_flops("H100 SXM"), 80e9, 3.35e12, 900e9 / 2, fp8_peak_flops=1979e12,
+    "h100": Hardware("h100", device_peaks.cuda_peak_flops("H100 SXM"), 80e9, 3.35e12, 900e9 / 2, fp8_peak_flops=1979e12,
                      network_bandwidth=GPU_NIC, network_source=NIC_SOURCE, devices_per_node=GPUS_PER_NODE,
                      source="https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s bf16 dense "
                             "(1,979 with sparsity), fp8 1,979 dense (3,958 with sparsity), 80 GB HBM3 at 3.35 TB/s, "
                             "NVLink 900 GB/s bidirectional"),
-    "h200": Hardware("h200", device.cuda_peak_flops("H200"), 141e9, 4.8e12, 900e9 / 2, fp8_peak_flops=1979e12,
+    "h200": Hardware("h200", device_peaks.cuda_peak_flops("H200"), 141e9, 4.8e12, 900e9 / 2, fp8_peak_flops=1979e12,
                      network_bandwidth=GPU_NIC, network_source=NIC_SOURCE, devices_per_node=GPUS_PER_NODE,
                      source="https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s bf16 dense "
                             "(1,979 with sparsity), fp8 1,979 dense (3,958 with sparsity), 141 GB HBM3e at 4.8 TB/s, "
                             "NVLink 900 GB/s bidirectional"),
-    "b200": Hardware("b200", device.cuda_peak_flops("B200"), 180e9, 8e12, 1800e9 / 2, fp8_peak_flops=4500e12,
+    "b200": Hardware("b200", device_peaks.cuda_peak_flops("B200"), 180e9, 8e12, 1800e9 / 2, fp8_peak_flops=4500e12,
                      network_bandwidth=GPU_NIC, network_source=NIC_SOURCE, devices_per_node=GPUS_PER_NODE,
                      source="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU): 2.25 PFLOP/s "
                             "bf16 dense (4.5 with sparsity), fp8 4.5 dense (9 with sparsity), 180 GB HBM3e at 8 TB/s, "
@@ -228,7 +228,7 @@ def cpu_hardware(*, measure: bool = True, dtype: str = "float32") -> Hardware:
     for plans that only need memory)."""
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     short = "bf16" if torch_dtype == torch.bfloat16 else "fp32"
-    peak = device.cpu_peak_flops(torch_dtype) if measure else 100e9
+    peak = device_cpu.cpu_peak_flops(torch_dtype) if measure else 100e9
     bandwidth = measure_cpu_memory_bandwidth() if measure else 10e9
     return Hardware("cpu", peak, _total_ram(), bandwidth, CPU_COLLECTIVE_BANDWIDTH, efficiency=CPU_EFFICIENCY,
                     graph_efficiency=CPU_GRAPH_EFFICIENCY, graph_runtime_bytes=CPU_GRAPH_RUNTIME_BYTES,
@@ -256,7 +256,7 @@ def resolve_hardware(spec: str, *, measure: bool = True, dtype: str = "float32")
     if match is None:
         raise ValueError(f"unknown hardware {spec!r}; known: {', '.join(known_names())} (a TPU slice as e.g. v5p-1024)")
     name, count = match.group(1), match.group(2)
-    generation = device.tpu_generation(name) if name not in HARDWARE and name != "cpu" else None
+    generation = device_peaks.tpu_generation(name) if name not in HARDWARE and name != "cpu" else None
     name = generation or name
     if name == "cpu":
         hw = cpu_hardware(measure=measure, dtype=dtype)

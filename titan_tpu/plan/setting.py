@@ -72,7 +72,7 @@ def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, in
     if t in ("cpu", "auto"):
         return resolve_hardware("cpu", measure=measure, dtype=cfg.model.dtype)
     if t == "tpu":
-        from titan_tpu.device import tpu_generation
+        from titan_tpu.device_peaks import tpu_generation
 
         gen = tpu_generation(cfg.job.description)
         chips = re.search(r"([\d,]+) chips", cfg.job.description)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
-from titan_tpu.device import _cpu_model
+from titan_tpu.device_cpu import _cpu_model
 from titan_tpu.plan.xla_compare import compared_flops
 
 __all__ = ["REPORTS", "PAGE", "Row", "provenance", "recipe_hash", "render", "rows", "saved_report", "stage_line"]
