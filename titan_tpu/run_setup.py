@@ -233,8 +233,7 @@ def _check_pipeline(cfg: Config, spec: ModelSpec) -> None:
     if cfg.lora.enabled:
         raise ValueError("parallelism.pp > 1 with lora.enabled is not built yet (the stages' chains start from the "
                          "embedding, which LoRA freezes): use pp 1 for LoRA runs")
-    schedule = PipelineSchedule(stages=p.pp, micro_batches=p.pp_microbatches or p.pp, repeats=p.pp_repeats,
-                                n_layers=args.n_layers)
+    schedule = PipelineSchedule.from_config(p, n_layers=args.n_layers)
     if t.batch_size % schedule.micro_batches:
         raise ValueError(f"training.batch_size = {t.batch_size} rows do not split into parallelism.pp_microbatches = "
                          f"{schedule.micro_batches} equal micro-batches; make the batch a multiple of it")

@@ -197,9 +197,7 @@ class NativeSpec(ModelSpec):
         if parallel_dims.pp > 1:
             from titan_tpu.parallel.pipeline import PipelineSchedule, pipeline_stages
 
-            p = cfg.parallelism
-            pipeline_stages(model, mesh, PipelineSchedule(stages=p.pp, micro_batches=p.pp_microbatches or p.pp,
-                                                          repeats=p.pp_repeats, n_layers=self.args.n_layers))
+            pipeline_stages(model, mesh, PipelineSchedule.from_config(cfg.parallelism, n_layers=self.args.n_layers))
         if parallel_dims.tp > 1:
             tensor_parallel(model, mesh, seq_len=cfg.training.seq_len)
         if parallel_dims.cp > 1:

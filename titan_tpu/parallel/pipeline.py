@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_tpu.model_contract import STAGE_ROWS
 from titan_tpu.parallel.axes import PP_AXIS
+
+if TYPE_CHECKING:
+    from titan_tpu.config import ParallelismConfig
 
 __all__ = ["PipelineSchedule", "PipelineStage", "permute_to_next", "pipeline_stages", "run_pipeline"]
 
@@ -68,6 +72,11 @@ class PipelineSchedule:
             raise ValueError(f"the model's {self.n_layers} layers do not split into parallelism.pp ({self.stages}) x "
                              f"parallelism.pp_repeats ({self.repeats}) equal chunks; choose pp and pp_repeats whose "
                              "product divides the layers")
+
+    @classmethod
+    def from_config(cls, p: ParallelismConfig, *, n_layers: int) -> PipelineSchedule:
+        """The [parallelism] section's schedule for a model of `n_layers` (pp_microbatches 0: pp of them)."""
+        return cls(stages=p.pp, micro_batches=p.pp_microbatches or p.pp, repeats=p.pp_repeats, n_layers=n_layers)
 
     @property
     def iterations(self) -> int:
