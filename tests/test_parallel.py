@@ -296,6 +296,9 @@ def _gloo_worker_threads() -> dict:
     world_subgroup = dist.new_group([0, 1])  # a second group, made the way DeviceMesh makes its subgroups
     total = torch.ones(3)
     dist.all_reduce(total, group=world_subgroup)
+    # A worker names itself ("pt_gloo_runloop") once it runs; a collective on each group is the proof
+    # that it has, so the count below does not race a busy machine's thread start (it read 1 of 2).
+    dist.all_reduce(torch.ones(1))
     names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
     return {"runloops": names.count("pt_gloo_runloop"), "total": total}
 

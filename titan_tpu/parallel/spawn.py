@@ -62,6 +62,9 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str
     try:
         result = fn(*args, **kwargs)
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
+        # A rank whose `fn` runs no collective could leave while another is still connecting its
+        # gloo mesh, which then fails ("connection closed by peer"): every rank leaves together.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     # Leave without interpreter finalization (the result is on disk): a gloo worker thread still
