@@ -232,6 +232,40 @@ def test_empty_slots_change_nothing(model_dirs, tmp_path, name):
     assert plain.item() == other.item()
 
 
+@pytest.mark.parametrize("train_vision", [True, False])
+@pytest.mark.parametrize("name", list(ARCHES))
+def test_vision_flops_are_transformers_own(model_dirs, tmp_path, name, train_vision):
+    """MFU's count of the vision side: per image, what torch's FlopCounterMode counts when
+    transformers' own model encodes the batch's images and back-propagates into them (the tower
+    only when it trains), with eager attention; spread over a row's tokens on top of the text's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from titan_tpu.models.hf.flops import hf_flops_per_token, vision_flops_per_row
+
+    directory, arch = model_dirs[name], ARCHES[name]
+    batch = _batch(directory, tmp_path)
+    ours = _ours(directory, train_vision=train_vision)
+    reference = _reference(directory)
+    reference.config.vision_config._attn_implementation = "eager"
+    frozen = {key for key, p in ours.hf_model.named_parameters() if not p.requires_grad}
+    for key, p in reference.named_parameters():
+        p.requires_grad_(key not in frozen)
+    inputs = arch.reference_inputs(batch, reference.config.image_token_id)
+    with FlopCounterMode(display=False) as counter:
+        out = reference.model.get_image_features(
+            **{k: v for k, v in inputs.items() if k in ("pixel_values", "image_grid_thw")})
+        features = out.pooler_output if hasattr(out, "pooler_output") else out
+        torch.cat(list(features)).sum().backward()
+    images = int(batch.images.slots_BM.sum())
+    slots = batch.images.slots_BM.shape[1]
+    per_row = vision_flops_per_row(ours, batch.images)
+    assert per_row / slots == counter.get_total_flops() / images
+    with_images, how = hf_flops_per_token(ours, SEQ_LEN, images=batch.images)
+    text_only, _ = hf_flops_per_token(ours, SEQ_LEN)
+    assert with_images - text_only == pytest.approx(per_row / SEQ_LEN, rel=1e-12)
+    assert "image slot" in how
+
+
 # --- bad input -----------------------------------------------------------------------------------
 
 

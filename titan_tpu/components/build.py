@@ -136,7 +136,9 @@ class Components:
             local_dir = Path(c.local_dir) if c.local_dir else default_local_dir(self.run_dir)
             self.local_tier = LocalTier(local_dir / self._run_id(), log=self.log)
         self.warmup_steps = setup.warmup_steps
-        policy_flops, self.flops_note = self.spec.flops_per_token(self.model, t.seq_len)
+        # A vision-language model's image rows: the tower's and projector's work on them counts too.
+        images = getattr(self.example_batch, "images", None)
+        policy_flops, self.flops_note = self.spec.flops_per_token(self.model, t.seq_len, images=images)
         # MFU counts the work done per second: the frozen reference's forwards too (DPO's, GRPO's).
         self.flops_per_token = policy_flops + reference_flops(kind, cfg, policy_flops)
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from titan_tpu.config import Config, ModelConfig
+    from titan_tpu.data.batch import ImageInputs
     from titan_tpu.parallel.mesh import ParallelDims
 
 
@@ -83,8 +84,9 @@ class HFSpec(ModelSpec):
             log(f"weights loaded from {self.hf_config}")
         model.check_chunked_loss(self.args.vocab_size)
 
-    def flops_per_token(self, model: HFCausalLM, seq_len: int) -> tuple[float, str]:
-        return hf_flops_per_token(model, seq_len)
+    def flops_per_token(self, model: HFCausalLM, seq_len: int, *, images: ImageInputs | None = None
+                        ) -> tuple[float, str]:
+        return hf_flops_per_token(model, seq_len, images=images)
 
     def own_weights_path(self) -> Path | None:
         return Path(self.hf_config).expanduser() if has_weights(self.hf_config) else None

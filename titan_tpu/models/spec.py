@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from titan_tpu.config import Config, ModelConfig
+    from titan_tpu.data.batch import ImageInputs
     from titan_tpu.model_contract import TrainableModel
     from titan_tpu.models.hf_sources import TensorSource
     from titan_tpu.parallel.mesh import ParallelDims
@@ -203,7 +204,8 @@ class NativeSpec(ModelSpec):
         if parallel_dims.cp > 1:
             context_parallel(model, mesh, seq_len=cfg.training.seq_len, documents=documents)
 
-    def flops_per_token(self, model: TrainableModel, seq_len: int) -> tuple[float, str]:
+    def flops_per_token(self, model: TrainableModel, seq_len: int, *, images: ImageInputs | None = None
+                        ) -> tuple[float, str]:
         from titan_tpu.models.registry import flops_per_token
 
         return flops_per_token(self.args, seq_len), ""

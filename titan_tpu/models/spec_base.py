@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from titan_tpu.config import Config, ModelConfig
+    from titan_tpu.data.batch import ImageInputs
     from titan_tpu.model_contract import TrainableModel
     from titan_tpu.models.hf_sources import TensorSource
     from titan_tpu.parallel.mesh import ParallelDims
@@ -53,8 +54,10 @@ class ModelSpec(ABC):
         the weights of its directory unless `own_weights` is False)."""
 
     @abstractmethod
-    def flops_per_token(self, model: TrainableModel, seq_len: int) -> tuple[float, str]:
-        """(model FLOPs per trained token, a note on how they were counted; "" for the formula)."""
+    def flops_per_token(self, model: TrainableModel, seq_len: int, *, images: ImageInputs | None = None
+                        ) -> tuple[float, str]:
+        """(model FLOPs per trained token, a note on how they were counted; "" for the formula).
+        `images`: a batch's image slots (a vision-language model's rows), whose vision work counts too."""
 
     def own_weights_path(self) -> Path | None:
         """The weights that come with the model (an HF directory's), which `finish` loads, if any."""

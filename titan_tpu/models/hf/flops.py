@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
 from titan_tpu.models.hf.config import _moe_shape, text_config
 from titan_tpu.models.hf.model import HFCausalLM
 
+if TYPE_CHECKING:
+    from titan_tpu.data.batch import ImageInputs
 
-def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:
+
+def hf_flops_per_token(model: HFCausalLM, seq_len: int, *, images: ImageInputs | None = None) -> tuple[float, str]:
     """(FLOPs per trained token, how they were counted): 6 x the non-embedding parameters a token
     uses (the output projection counted; MoE experts scaled by top_k / experts, an estimate) plus
     6 x layers x heads x head_dim x seq_len for causal attention, from the config when it names
-    them."""
+    them. A vision-language model's tower and projector are not in that count (a text token does
+    not pass through them): with `images` (a batch's image slots) their work per row is spread over
+    the row's seq_len tokens (`vision_flops_per_row`); without (text rows) they do none."""
+    vision_ids: set[int] = set()
+    vision_flops, vision_how = 0.0, ""
+    if model.vision is not None:
+        tower, projector = _vision_modules(model)
+        vision_ids = {id(p) for p in tower.parameters()} | {id(p) for p in projector.parameters()}
+        if images is not None:
+            vision_flops = vision_flops_per_row(model, images) / seq_len
+            slots = images.slots_BM.shape[1]
+            vision_how = (f"; the vision tower and projector on the {slots} image slot(s) of a row, filled or not, "
+                          "counted by FlopCounterMode and spread over the row's tokens")
     text = text_config(model.hf_model.config)
     embeddings = model.hf_model.get_input_embeddings()
     output = model.hf_model.get_output_embeddings()
@@ -23,7 +44,7 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:
     moe = _moe_shape(text)
     n = 0.0
     for name, p in model.named_parameters():
-        if id(p) in skip:
+        if id(p) in skip or id(p) in vision_ids:
             continue
         share = moe[1] / moe[0] if moe is not None and ".experts." in f".{name}." else 1.0
         n += p.numel() * share
@@ -41,4 +62,50 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int) -> tuple[float, str]:
         how = "6N only (the config names no attention shape)"
     if moe is not None:
         how += "; MoE experts counted at top_k / experts (an estimate)"
-    return 6.0 * n + attention, how
+    return 6.0 * n + attention + vision_flops, how + vision_how
+
+
+def _vision_modules(model: HFCausalLM) -> tuple[nn.Module, nn.Module]:
+    """(the vision tower, the projector into the language model): the parameters a text token does
+    not pass through (Qwen2.5-VL's projector is inside its tower)."""
+    architecture = model.vision
+    tower = model.hf_model.get_submodule(architecture.tower)
+    if architecture.projector_in_tower:
+        return tower, tower.get_submodule(architecture.projector_in_tower)
+    return tower, model.hf_model.get_submodule("model.multi_modal_projector")
+
+
+def vision_flops_per_row(model: HFCausalLM, images: ImageInputs) -> float:
+    """The vision side's training FLOPs per row of `images` (a batch's image slots, filled or not:
+    an empty slot runs through the tower as a filled one does), counted by torch's FlopCounterMode
+    on a copy of the model on the meta device (no memory, no compute): the tower and projector
+    forward on these slots and their backward as the step runs it, which enters the tower only
+    when it trains and reaches the projector's weights always."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from titan_tpu.models.hf.config import auto_model_class
+    from titan_tpu.models.hf.vision import use_graph_safe_forwards
+
+    config = model.hf_model.config
+    with torch.device("meta"):
+        meta_model = auto_model_class(config).from_config(config, dtype=torch.float32)
+    use_graph_safe_forwards(meta_model, model.vision)
+    trains = {name: p.requires_grad for name, p in model.hf_model.named_parameters()}
+    for name, p in meta_model.named_parameters():
+        p.requires_grad_(trains.get(name, False))
+    with FlopCounterMode(display=False) as counter:
+        features_ND = model.vision.features(meta_model, _on_meta(images))
+        if features_ND.requires_grad:
+            features_ND.sum().backward()
+    return counter.get_total_flops() / images.pixel_values.shape[0]
+
+
+def _on_meta(images: ImageInputs) -> ImageInputs:
+    def moved(value):
+        if isinstance(value, torch.Tensor):
+            return value.to("meta")
+        if isinstance(value, dict):
+            return {key: moved(v) for key, v in value.items()}
+        return value
+
+    return dataclasses.replace(images, **{f.name: moved(getattr(images, f.name)) for f in dataclasses.fields(images)})
