@@ -185,6 +185,9 @@ def generate_main(argv: list[str]) -> int:
                                                "{\"token_ids\": [...]} per line")
     parser.add_argument("--chat", action="store_true",
                         help="render each --prompt as a user message with the tokenizer's chat template")
+    parser.add_argument("--image", action="append", default=[],
+                        help="an image file for the one --prompt (a vision-language model); repeat for several, in "
+                             "order; the prompt is then a user message with the images before its text")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampled")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -207,7 +210,8 @@ def generate_main(argv: list[str]) -> int:
     cfg = _model_config(args, overrides).cfg
     run_generate(cfg, checkpoint=args.checkpoint, prompts=args.prompt, prompts_file=args.prompts_file, chat=args.chat,
                  tokenizer_path=args.tokenizer, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                 ignore_eos=args.ignore_eos, compile=args.compile, as_json=args.json, stream=not args.no_stream)
+                 ignore_eos=args.ignore_eos, compile=args.compile, as_json=args.json, stream=not args.no_stream,
+                 images=args.image)
     return 0
 
 

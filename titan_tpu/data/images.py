@@ -229,6 +229,49 @@ def qwen_rope_positions(tokens_S: np.ndarray, *, image_token_id: int, grid_hw: t
     return positions
 
 
+def image_token_id(renderer, view: ImageProcessorView) -> int:
+    """The id of the token the model replaces by image features; one line if the tokenizer lacks it."""
+    token = view.format.image_token
+    found = renderer.tokenizer.token_id(token)
+    if found is None or found != view.config.image_token_id:
+        raise ValueError(f"the tokenizer beside model.hf_config has no {token} token with the id of the "
+                         f"config's image_token_id {view.config.image_token_id}; use the model's own tokenizer")
+    return found
+
+
+def slotted_image_parts(messages: list[dict], *, view: ImageProcessorView, where: str) -> list[dict]:
+    """The conversation's image parts, which must fit the row's image slots."""
+    parts = image_parts(messages)
+    if len(parts) > view.max_images:
+        raise ValueError(f"chat {where} holds {len(parts)} images, more than the {view.max_images} image slots "
+                         f"of a row; raise model.max_images to {len(parts)} or split the row")
+    return parts
+
+
+def expand_images(text: str, spans: list[tuple[int, int]], *, images: int, view: ImageProcessorView,
+                  where: str) -> tuple[str, list[tuple[int, int]]]:
+    """A rendered conversation with each image placeholder its template wrote expanded as the
+    processor expands it (`expand_placeholders`), after checking there is one per image."""
+    fmt = view.format
+    if text.count(fmt.placeholder) != images:
+        raise ValueError(f"chat {where}: the chat template wrote {text.count(fmt.placeholder)} image "
+                         f"placeholders ({fmt.placeholder}) for {images} images; check the template")
+    expansion = fmt.expansion(fmt.placeholder, view.tokens_per_image)
+    return expand_placeholders(text, spans, placeholder=fmt.placeholder, expansion=expansion)
+
+
+def image_slots(parts: list[dict], *, view: ImageProcessorView, where: str,
+                base: Path | None = None) -> dict[str, torch.Tensor]:
+    """A row's image slots: every part's image read and laid out by the processor, in order, the
+    rest zeros and marked empty."""
+    pixels = torch.zeros((view.max_images, *view.pixel_shape))
+    slots = torch.zeros(view.max_images, dtype=torch.bool)
+    for k, part in enumerate(parts):
+        pixels[k] = view.pixels(read_image(part, where=where, base=base))["pixel_values"]
+        slots[k] = True
+    return {"pixel_values": pixels, "slots": slots}
+
+
 class ImageChatRows:
     """Image-text chat rows, one conversation per row (a `RowSource` of data/mixture.py whose rows
     are dicts): rendered and tokenized once, their images read when the row is batched."""
@@ -242,27 +285,15 @@ class ImageChatRows:
         from titan_tpu.data.loader import _num_val_windows
 
         self.view, self.seq_len = view, seq_len
-        fmt = view.format
-        self.image_token_id = renderer.tokenizer.token_id(fmt.image_token)
-        if self.image_token_id is None or self.image_token_id != view.config.image_token_id:
-            raise ValueError(f"the tokenizer beside model.hf_config has no {fmt.image_token} token with the id of the "
-                             f"config's image_token_id {view.config.image_token_id}; use the model's own tokenizer")
-        expansion = fmt.expansion(fmt.placeholder, view.tokens_per_image)
+        self.image_token_id = image_token_id(renderer, view)
         self.encoded, self.num_dropped = [], 0
         for i, row in enumerate(rows):
             where = wheres[i] if wheres else f"row {i} of {name}"
             base = bases[i] if bases else None
             messages = row.get("messages") if isinstance(row, dict) else None
             check_messages(messages, where=where)
-            parts = image_parts(messages)
-            if len(parts) > view.max_images:
-                raise ValueError(f"chat {where} holds {len(parts)} images, more than the {view.max_images} image slots "
-                                 f"of a row; raise model.max_images to {len(parts)} or split the row")
-            text, spans = renderer.render(messages)
-            if text.count(fmt.placeholder) != len(parts):
-                raise ValueError(f"chat {where}: the chat template wrote {text.count(fmt.placeholder)} image "
-                                 f"placeholders ({fmt.placeholder}) for {len(parts)} images; check the template")
-            text, spans = expand_placeholders(text, spans, placeholder=fmt.placeholder, expansion=expansion)
+            parts = slotted_image_parts(messages, view=view, where=where)
+            text, spans = expand_images(*renderer.render(messages), images=len(parts), view=view, where=where)
             ids, trained = renderer.tokens_and_flags(text, spans, where=where)
             if len(ids) > seq_len:
                 self.num_dropped += 1
@@ -279,14 +310,8 @@ class ImageChatRows:
         labels = np.full(S, IGNORE_INDEX, dtype=np.int64)
         inputs[:n] = ids
         labels[:n - 1] = np.where(trained[1:].astype(bool), ids[1:], IGNORE_INDEX)
-        view = self.view
-        pixels = torch.zeros((view.max_images, *view.pixel_shape))
-        slots = torch.zeros(view.max_images, dtype=torch.bool)
-        for k, part in enumerate(parts):
-            pixels[k] = view.pixels(read_image(part, where=where, base=base))["pixel_values"]
-            slots[k] = True
-        out = {"inputs": inputs, "labels": labels, "pixel_values": pixels, "slots": slots}
-        out.update(view.format.row_extras(view, inputs, self.image_token_id))
+        out = {"inputs": inputs, "labels": labels, **image_slots(parts, view=self.view, where=where, base=base)}
+        out.update(self.view.format.row_extras(self.view, inputs, self.image_token_id))
         return out
 
 
@@ -320,6 +345,67 @@ def stack_rows(rows: list[dict[str, Any]], view: ImageProcessorView | None = Non
                          positions_3BS=None if positions is None else positions.transpose(0, 1).contiguous(),
                          token_types_BS=stacked("token_types_S"), tower_inputs=tower)
     return TokenBatch(stacked("inputs"), stacked("labels"), images=images)
+
+
+# The entries of `ImageFormat.row_extras` with one value per token (along their last axis): what a
+# left-padded batch of prompts pads.
+PER_TOKEN_EXTRAS = ("positions_3S", "token_types_S")
+
+
+class ImagePrompts:
+    """Prompts with images for generation (titan-tpu generate), rendered as a training row is: the
+    directory's chat template, here with its generation prompt (the assistant's turn opened), each
+    image placeholder expanded as the processor expands it, and the images in the row's slots. A
+    batch of prompts sits left-padded, as transformers' generate pads it; a row's per-token extras
+    (Qwen2.5-VL's 3-D positions, Gemma 3's token types) are computed on its own tokens, then padded."""
+
+    def __init__(self, renderer, view: ImageProcessorView):
+        self.renderer, self.view = renderer, view
+        self.image_token_id = image_token_id(renderer, view)
+
+    @classmethod
+    def of_dir(cls, directory: str | Path, *, tokenizer, max_images: int, image_size: int,
+               chat_template: str = "") -> ImagePrompts:
+        """The prompts of the vision-language model in `directory` (its processor and chat template,
+        or `chat_template` as data.chat_template names one)."""
+        from titan_tpu.data.chat import ChatRenderer, load_chat_template
+
+        view = ImageProcessorView(directory, max_images=max_images, image_size=image_size)
+        template, special = load_chat_template(directory, chat_template)
+        return cls(ChatRenderer(template, tokenizer, special_tokens=special), view)
+
+    def encode(self, messages: Any, *, where: str, base: Path | None = None) -> tuple[list[int], dict[str, Any]]:
+        """(token ids, image slots as `image_slots` gives them) of a conversation to continue; its
+        images read now (relative paths from `base`), one-line errors naming `where`."""
+        from jinja2.exceptions import TemplateError
+
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                     for m in messages):
+            raise ValueError(f"chat {where} is not a list of {{role, content}} messages")
+        parts = slotted_image_parts(messages, view=self.view, where=where)
+        try:
+            text = self.renderer.text(messages, add_generation_prompt=True)
+        except TemplateError as e:
+            raise ValueError(f"chat {where}: the chat template failed ({e}); check the row or the template") from None
+        text, _ = expand_images(text, [], images=len(parts), view=self.view, where=where)
+        images = image_slots(parts, view=self.view, where=where, base=base)
+        return self.renderer.tokenizer.encode_with_offsets(text)[0], images
+
+    def batch(self, prompts: list[list[int]], images: list[dict[str, Any] | None]) -> ImageInputs:
+        """The `ImageInputs` of prompts left-padded to the longest; a row's `images` as `encode`
+        gives them, or None for a prompt without images (its slots empty)."""
+        P = max(len(ids) for ids in prompts)
+        empty = image_slots([], view=self.view, where="")
+        rows = []
+        for ids, row_images in zip(prompts, images):
+            pad = P - len(ids)
+            extras = self.view.format.row_extras(self.view, np.asarray(ids, dtype=np.int64), self.image_token_id)
+            for key in PER_TOKEN_EXTRAS:
+                if key in extras:
+                    extras[key] = np.pad(extras[key], [(0, 0)] * (extras[key].ndim - 1) + [(pad, 0)])
+            rows.append({"inputs": np.pad(np.asarray(ids, dtype=np.int64), (pad, 0)),
+                         **(empty if row_images is None else row_images), **extras})
+        return stack_rows(rows, self.view).images
 
 
 class ImageChatLoader(MixtureLoader):

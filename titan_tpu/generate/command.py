@@ -2,6 +2,12 @@
 weights; a Hugging Face directory; a config's model), its tokenizer and the prompts, through
 `generate`; the completions printed, streamed as they come for one prompt, or as JSON lines.
 
+Images (a vision-language model of the hf backend): --image PATH (repeated) puts images before the
+one --prompt's text in a user turn; a prompts file's chat rows hold them as their training rows do.
+Both render with the model directory's chat template and processor (data/images.py `ImagePrompts`),
+with model.max_images image slots a prompt at model.image_size, as a training run has them (from a
+training checkpoint: the run's own settings, unless --model.* gives others).
+
 Stop tokens, unless --ignore-eos: the tokenizer's end-of-text token, the tokenizer_config.json's
 eos_token (a chat model's end of turn) and the eos_token_id of the model directory's
 generation_config.json and config.json, as transformers' generate stops.
@@ -17,11 +23,12 @@ from typing import TYPE_CHECKING, TextIO
 import torch
 
 from titan_tpu.generate.loop import generate
-from titan_tpu.generate.prompts import Prompt, encode_rows, read_prompt_rows
+from titan_tpu.generate.prompts import Prompt, encode_rows, holds_image, read_prompt_rows
 from titan_tpu.generate.sampling import Sampling
 
 if TYPE_CHECKING:
     from titan_tpu.config import Config
+    from titan_tpu.data.images import ImagePrompts
     from titan_tpu.data.tokenizer import Tokenizer
     from titan_tpu.evaluate import EvalModel
 
@@ -88,21 +95,23 @@ class Stream:
 
 def run_generate(cfg: Config, *, checkpoint: str | None, prompts: list[str], prompts_file: str | None, chat: bool,
                  tokenizer_path: str | None, max_new_tokens: int, sampling: Sampling, seed: int, ignore_eos: bool,
-                 compile: bool, as_json: bool, stream: bool, out: TextIO | None = None) -> list[dict]:
-    """The completions as dicts (prompt, completion, tokens, finish), printed to `out` (default: stdout)."""
+                 compile: bool, as_json: bool, stream: bool, out: TextIO | None = None,
+                 images: list[str] = ()) -> list[dict]:
+    """The completions as dicts (prompt, completion, tokens, finish), printed to `out` (default:
+    stdout). `images`: image files for the one prompt (--image)."""
     from titan_tpu.device import get_backend
 
     out = sys.stdout if out is None else out  # read at the call: a test may have replaced it
 
-    if bool(prompts) == bool(prompts_file):
-        raise ValueError("titan-tpu generate needs --prompt TEXT (one or more) or --prompts-file FILE.jsonl")
-    rows = read_prompt_rows(prompts_file) if prompts_file else [
-        {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text} for text in prompts]
+    rows = _rows(prompts, prompts_file, chat=chat, images=images)
     backend = get_backend(cfg.training.device)
     loaded = load_model(cfg, checkpoint=checkpoint, device=backend.device)
     tokenizer = _tokenizer(tokenizer_path or cfg.data.tokenizer_path or loaded.tokenizer)
-    renderer = _chat_renderer(tokenizer) if any("messages" in row for row in rows) else None
-    encoded = encode_rows(rows, tokenizer=tokenizer, chat=renderer, where=prompts_file or "--prompt")
+    image_prompts = _image_prompts(cfg, loaded, tokenizer, rows, image_flag=bool(images))
+    renderer = _chat_renderer(tokenizer) if any("messages" in row for row in rows) and not image_prompts else None
+    encoded = encode_rows(rows, tokenizer=tokenizer, chat=renderer, where=prompts_file or "--prompt",
+                          images=image_prompts, base=Path(prompts_file).parent if prompts_file else None)
+    image_inputs = image_prompts.batch([p.ids for p in encoded], [p.images for p in encoded]) if image_prompts else None
     model_dirs = [Path(loaded.weights)] if Path(loaded.weights).is_dir() else []
     if tokenizer is not None and tokenizer.path is not None:
         model_dirs.append(tokenizer.path.parent)
@@ -110,7 +119,7 @@ def run_generate(cfg: Config, *, checkpoint: str | None, prompts: list[str], pro
     streamed = Stream(tokenizer, stops, out) if stream and not as_json and len(encoded) == 1 and tokenizer else None
     result = generate(loaded.model, [p.ids for p in encoded], max_new_tokens=max_new_tokens, sampling=sampling,
                       stop_ids=stops, seed=seed, compile_backend=backend.compile_backend if compile else None,
-                      on_step=streamed)
+                      on_step=streamed, images=image_inputs)
     records = [_record(p, result.completion(i), bool(result.stopped_B[i]), tokenizer, stops)
                for i, p in enumerate(encoded)]
     if streamed is not None:
@@ -119,6 +128,63 @@ def run_generate(cfg: Config, *, checkpoint: str | None, prompts: list[str], pro
     else:
         _print(records, as_json=as_json, out=out)
     return records
+
+
+def _rows(prompts: list[str], prompts_file: str | None, *, chat: bool, images: list[str]) -> list[dict]:
+    """The prompt rows of the command line (--image: the one prompt as a user turn holding them) or the file."""
+    if bool(prompts) == bool(prompts_file):
+        raise ValueError("titan-tpu generate needs --prompt TEXT (one or more) or --prompts-file FILE.jsonl")
+    if images and (prompts_file or len(prompts) != 1):
+        raise ValueError("--image goes with one --prompt (the images, then its text, in one user turn); for several "
+                         "prompts with images write a --prompts-file whose messages hold {\"type\": \"image\", "
+                         "\"path\": ...} parts")
+    if prompts_file:
+        return read_prompt_rows(prompts_file)
+    if images:
+        parts = [{"type": "image", "path": path} for path in images] + [{"type": "text", "text": prompts[0]}]
+        return [{"messages": [{"role": "user", "content": parts}]}]
+    return [{"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text} for text in prompts]
+
+
+def _image_prompts(cfg: Config, loaded: EvalModel, tokenizer: Tokenizer | None, rows: list[dict], *,
+                   image_flag: bool) -> ImagePrompts | None:
+    """The renderer of prompts with images, when some row holds one and the model reads them."""
+    from titan_tpu.data.images import ImagePrompts
+
+    if not any(holds_image(row) for row in rows):
+        return None
+    directory = loaded.spec.image_model_dir()
+    if directory is None:
+        if image_flag:
+            raise ValueError(f"--image: {loaded.spec.label} is a text-only model (it has no vision encoder to read "
+                             "images); give a vision-language model (a Qwen2.5-VL, Gemma 3 or LLaVA directory) or drop "
+                             "--image")
+        return None  # encode_rows names the row
+    if tokenizer is None:
+        raise ValueError(f"prompts with images need the tokenizer of {directory}; pass --tokenizer TOKENIZER_JSON")
+    settings = _run_image_settings(cfg, loaded)
+    return ImagePrompts.of_dir(directory, tokenizer=tokenizer, **settings)
+
+
+def _run_image_settings(cfg: Config, loaded: EvalModel) -> dict:
+    """model.max_images, model.image_size and data.chat_template: the command line's, where it left
+    a default and the weights are a training run's checkpoint, that run's own (its config.json)."""
+    from titan_tpu.config import DataConfig, ModelConfig
+
+    given = {"max_images": cfg.model.max_images, "image_size": cfg.model.image_size,
+             "chat_template": cfg.data.chat_template}
+    defaults = {"max_images": ModelConfig.max_images, "image_size": ModelConfig.image_size,
+                "chat_template": DataConfig.chat_template}
+    step = Path(loaded.weights)
+    run_config = step.parent.parent / "config.json"
+    if step.parent.name != "checkpoints" or not run_config.is_file():
+        return given
+    run = json.loads(run_config.read_text())
+    model, data = run.get("model", {}), run.get("data", {})
+    trained = {"max_images": model.get("max_images"), "image_size": model.get("image_size"),
+               "chat_template": data.get("chat_template")}
+    return {key: trained[key] if value == defaults[key] and trained[key] is not None else value
+            for key, value in given.items()}
 
 
 def _tokenizer(path: str | None) -> Tokenizer | None:

@@ -16,19 +16,37 @@ in between. The generation loop (loop.py) only sees that contract.
   same logits as the cache gives, at a cost that grows with the square of the length.
 * `HFDecoder`: a transformers model (the HF backend) with transformers' own cache, the layout
   its `generate` uses: prompts left-padded under an attention mask, positions counted from each
-  row's first real token; a dynamic cache eagerly, a static one under a compile backend.
+  row's first real token; a dynamic cache eagerly, a static one under a compile backend. A
+  vision-language model's prompts may carry images (`ImageInputs`, left-padded as the prompts):
+  the prefill runs the vision tower on every slot and merges its features into the token
+  embeddings as the training forward does (models/hf/vision.py), with the architecture's inputs
+  beside them (Qwen2.5-VL's 3-D positions, Gemma 3's image token types); the decode steps feed
+  text tokens only, so they keep one shape, each row's positions continuing one past the
+  furthest its prompt reached (behind the token count after a Qwen2.5-VL image, as transformers'
+  rope deltas put them).
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.hf.model import HFCausalLM
+
+if TYPE_CHECKING:
+    from titan_tpu.data.batch import ImageInputs
+
+
+def _no_images(images: ImageInputs | None) -> None:
+    if images is not None:
+        raise ValueError("a native model reads no images; generate from a vision-language model of the hf backend "
+                         "(Qwen2.5-VL, Gemma 3, LLaVA) or drop the images")
 
 
 class NativeDecoder:
@@ -52,7 +70,8 @@ class NativeDecoder:
         """Positions the RoPE table covers."""
         return self.model.rope_cache.shape[0]
 
-    def prefill(self, prompts: list[list[int]], *, length: int) -> Tensor:
+    def prefill(self, prompts: list[list[int]], *, length: int, images: ImageInputs | None = None) -> Tensor:
+        _no_images(images)
         B, lengths = len(prompts), [len(p) for p in prompts]
         tokens_BP = torch.zeros(B, max(lengths), dtype=torch.long, device=self.device)  # right-padded
         for b, prompt in enumerate(prompts):
@@ -79,7 +98,8 @@ class FullForwardDecoder(NativeDecoder):
         super().__init__(model)
         self.rows: list[list[int]] = []  # each row's tokens so far
 
-    def prefill(self, prompts: list[list[int]], *, length: int) -> Tensor:
+    def prefill(self, prompts: list[list[int]], *, length: int, images: ImageInputs | None = None) -> Tensor:
+        _no_images(images)
         self.rows = [list(prompt) for prompt in prompts]
         return self._last_logits_of_rows()
 
@@ -100,6 +120,7 @@ class FullForwardDecoder(NativeDecoder):
 
 class HFDecoder:
     def __init__(self, model: HFCausalLM, *, compile_backend: str | None = None):
+        self.model = model
         self.hf_model = model.hf_model
         self.static = compile_backend is not None
         self._forward = self.hf_model if compile_backend is None else torch.compile(
@@ -124,7 +145,7 @@ class HFDecoder:
     def max_length(self) -> int | None:
         return getattr(self.hf_model.config.get_text_config(), "max_position_embeddings", None)
 
-    def prefill(self, prompts: list[list[int]], *, length: int) -> Tensor:
+    def prefill(self, prompts: list[list[int]], *, length: int, images: ImageInputs | None = None) -> Tensor:
         from transformers import DynamicCache, StaticCache
 
         B, P = len(prompts), max(len(p) for p in prompts)
@@ -136,26 +157,39 @@ class HFDecoder:
             tokens_BP[b, P - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
             self.mask_BL[b, :P - len(prompt)] = 0
         positions_BP = (self.mask_BL[:, :P].cumsum(-1) - 1).clamp(min=0)
+        inputs = {"input_ids": tokens_BP, "position_ids": positions_BP}
+        if images is not None:
+            inputs = self._with_images(tokens_BP, positions_BP, images)
         kind = StaticCache if self.static else DynamicCache
         settings = {"config": self.hf_model.config, "max_cache_len": length, "max_batch_size": B}
         accepted = inspect.signature(kind.__init__).parameters  # these differ between transformers releases
         self.cache = kind(**{key: value for key, value in settings.items() if key in accepted})
         self.filled = P
-        logits_BV = self._call(self.hf_model, tokens_BP, positions_BP)
-        self.positions_B1 = positions_BP[:, -1:] + 1
+        logits_BV = self._call(self.hf_model, inputs)
+        positions = inputs["position_ids"]  # [B, P], or Qwen2.5-VL's [3, B, P]
+        self.positions_B1 = (positions.amax(dim=0) if positions.dim() == 3 else positions).amax(-1, keepdim=True) + 1
         return logits_BV
+
+    def _with_images(self, tokens_BP: Tensor, positions_BP: Tensor, images: ImageInputs) -> dict[str, Tensor]:
+        """The prefill's inputs with the images merged in, as the training forward merges them."""
+        images = pytree.tree_map(lambda t: t.to(self.device), images)
+        if images.slots_BM.shape[0] != tokens_BP.shape[0]:
+            raise ValueError(f"{images.slots_BM.shape[0]} rows of images for {tokens_BP.shape[0]} prompts; give "
+                             "one row of image slots per prompt")
+        embeds_BPD = self.model._embeddings_with_images(tokens_BP, images)
+        return {"inputs_embeds": embeds_BPD, "position_ids": positions_BP, **self.model.vision.language_inputs(images)}
 
     def step(self, tokens_B: Tensor) -> Tensor:
         self.filled += 1
-        logits_BV = self._call(self._forward, tokens_B.unsqueeze(1), self.positions_B1)
+        logits_BV = self._call(self._forward, {"input_ids": tokens_B.unsqueeze(1), "position_ids": self.positions_B1})
         self.positions_B1 = self.positions_B1 + 1
         return logits_BV
 
-    def _call(self, forward, tokens_BS: Tensor, positions_BS: Tensor) -> Tensor:
+    def _call(self, forward, inputs: dict[str, Tensor]) -> Tensor:
         # A static cache takes the mask of all its columns; a dynamic one of those it holds.
         mask_BS = self.mask_BL if self.static else self.mask_BL[:, :self.filled]
-        out = forward(input_ids=tokens_BS, attention_mask=mask_BS, position_ids=positions_BS, use_cache=True,
-                      **{self._cache_key: self.cache}, **self._last_only)
+        out = forward(**inputs, attention_mask=mask_BS, use_cache=True, **{self._cache_key: self.cache},
+                      **self._last_only)
         return out.logits[:, -1]
 
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from titan_tpu.generate.decoders import decoder_for
 from titan_tpu.generate.sampling import Sampling, next_tokens
+
+if TYPE_CHECKING:
+    from titan_tpu.data.batch import ImageInputs
 
 
 @dataclass
@@ -50,7 +54,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens
              sampling: Sampling = Sampling(), stop_ids: Collection[int] = (), seed: int = 0, pad_id: int = 0,
              compile_backend: str | None = None,
              on_step: Callable[[Tensor, Tensor], None] | None = None, logprob_temperature: float = 1.0,
-             until_all_stop: bool = True) -> Generation:
+             until_all_stop: bool = True, images: ImageInputs | None = None) -> Generation:
     """Up to `max_new_tokens` new tokens for each prompt (lists of token ids, of any lengths).
 
     sampling: greedy by default; a sampled run draws from a generator seeded with `seed`, so the
@@ -60,7 +64,9 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens
     logprob_temperature: the reported log-probabilities are those of softmax(logits / it) (GRPO
     scores its samples at the sampling temperature, as TRL does); 1: the model's own distribution.
     until_all_stop=False: run all `max_new_tokens` steps even when every row stopped (ranks of a
-    sharded model gather its weights in every forward, so they take the same number of steps)."""
+    sharded model gather its weights in every forward, so they take the same number of steps).
+    images: a vision-language model's image slots of each prompt, left-padded to the longest prompt
+    (data/images.py `ImagePrompts.batch`), read by the prefill (decoders.py)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens} must be >= 1")
     decoder = decoder_for(model, compile_backend=compile_backend)
@@ -80,7 +86,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens
     was_training = model.training
     model.eval()
     try:
-        logits_BV = decoder.prefill(prompts, length=length)
+        logits_BV = decoder.prefill(prompts, length=length, images=images)
         for n in range(max_new_tokens):
             token_B = torch.where(live_B, next_tokens(logits_BV, sampling, generator), pad_id)
             logprob_B1 = (logits_BV.float() / logprob_temperature).log_softmax(dim=-1).gather(-1, token_B.unsqueeze(1))

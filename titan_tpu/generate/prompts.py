@@ -7,6 +7,11 @@ A row of the file holds one of:
 * ``messages``: a conversation, a list of ``{"role", "content"}``, rendered with the tokenizer's
   chat template and its generation prompt (data/chat.py), as apply_chat_template does;
 * ``token_ids``: the ids themselves (no tokenizer needed).
+
+A vision-language model's ``messages`` may hold images as content parts, as its training rows do
+(``{"type": "image", "path": "cat.png"}``, a relative path read from the file's folder): such
+rows are rendered as a training row is (data/images.py `ImagePrompts`), their images read into the
+row's image slots.
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from titan_tpu.data.chat import ChatRenderer
+    from titan_tpu.data.images import ImagePrompts
     from titan_tpu.data.tokenizer import Tokenizer
 
 KEYS = ("prompt", "messages", "token_ids")
@@ -28,6 +34,15 @@ class Prompt:
     ids: list[int]
     kind: str  # which of KEYS it came from
     source: object  # the text, the messages or the ids as given
+    images: dict[str, Any] | None = None  # a vision-language prompt's image slots (data/images.py); None: none
+
+
+def holds_image(row: dict) -> bool:
+    """Whether a prompt row's messages hold an image part."""
+    from titan_tpu.data.images import image_parts
+
+    messages = row.get("messages")
+    return isinstance(messages, list) and all(isinstance(m, dict) for m in messages) and bool(image_parts(messages))
 
 
 def read_prompt_rows(path: str | Path) -> list[dict]:
@@ -53,9 +68,11 @@ def read_prompt_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def encode_rows(rows: list[dict], *, tokenizer: Tokenizer | None, chat: ChatRenderer | None,
-                where: str) -> list[Prompt]:
-    """Each row's token ids. `chat` renders messages (None: a row with messages is an error)."""
+def encode_rows(rows: list[dict], *, tokenizer: Tokenizer | None, chat: ChatRenderer | None, where: str,
+                images: ImagePrompts | None = None, base: Path | None = None) -> list[Prompt]:
+    """Each row's token ids. `chat` renders messages (None: a row with messages is an error);
+    `images`, a vision-language model's, renders them instead, with their images (read from `base`
+    where relative); without it a row with an image is an error."""
     prompts = []
     for i, row in enumerate(rows):
         name = f"{where} {i}"
@@ -68,7 +85,14 @@ def encode_rows(rows: list[dict], *, tokenizer: Tokenizer | None, chat: ChatRend
         if tokenizer is None:
             raise ValueError(f"{name} is text and no tokenizer goes with the model; pass --tokenizer TOKENIZER_JSON "
                              "or give token_ids")
-        if "messages" in row:
+        if "messages" in row and images is not None:
+            ids, read = images.encode(row["messages"], where=name, base=base)
+            prompts.append(Prompt(ids, "messages", row["messages"], images=read))
+        elif "messages" in row:
+            if holds_image(row):
+                raise ValueError(f"{name} holds an image and the model is text-only (it has no vision encoder to read "
+                                 "it); generate with a vision-language model (Qwen2.5-VL, Gemma 3, LLaVA) or drop the "
+                                 "image parts")
             if chat is None:
                 raise ValueError(f"{name} holds chat messages and the tokenizer has no chat template; pass --tokenizer "
                                  "a directory whose tokenizer_config.json has one, or give the prompt as text")
