@@ -176,7 +176,7 @@ class HFDecoder:
         if images.slots_BM.shape[0] != tokens_BP.shape[0]:
             raise ValueError(f"{images.slots_BM.shape[0]} rows of images for {tokens_BP.shape[0]} prompts; give "
                              "one row of image slots per prompt")
-        embeds_BPD = self.model._embeddings_with_images(tokens_BP, images)
+        embeds_BPD = self.model.embeddings_with_images(tokens_BP, images)
         return {"inputs_embeds": embeds_BPD, "position_ids": positions_BP, **self.model.vision.language_inputs(images)}
 
     def step(self, tokens_B: Tensor) -> Tensor:

@@ -174,11 +174,11 @@ class HFCausalLM(nn.Module):
             kwargs["output_router_logits"] = True
         if images is not None:
             del kwargs["input_ids"]
-            kwargs["inputs_embeds"] = self._embeddings_with_images(tokens_BS, images)
+            kwargs["inputs_embeds"] = self.embeddings_with_images(tokens_BS, images)
             kwargs.update(self.vision.language_inputs(images))
         return kwargs
 
-    def _embeddings_with_images(self, tokens_BS: torch.Tensor, images: ImageInputs) -> torch.Tensor:
+    def embeddings_with_images(self, tokens_BS: torch.Tensor, images: ImageInputs) -> torch.Tensor:
         """The token embeddings with every image token replaced by its image's features (the
         vision tower run on every slot: models/hf/vision.py on the static shapes)."""
         if self.vision is None:
