@@ -64,7 +64,9 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
         # A rank whose `fn` runs no collective could leave while another is still connecting its
         # gloo mesh, which then fails ("connection closed by peer"): every rank leaves together.
-        dist.barrier()
+        # The wait is on the store, not a collective: `fn` may have set a short group timeout, or
+        # left another rank in a collective of its own that is still timing out.
+        _wait_for_every_rank(store, world_size)
     finally:
         dist.destroy_process_group()
     # Leave without interpreter finalization (the result is on disk): a gloo worker thread still
@@ -74,6 +76,14 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, result_dir: str
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _wait_for_every_rank(store: dist.TCPStore, world_size: int) -> None:
+    """Return once every rank has called this (a barrier on the rendezvous store, which has no
+    collective timeout; a rank that fails instead is reported by the parent, which stops the rest)."""
+    if store.add("ranks_finished", 1) == world_size:
+        store.set("all_ranks_finished", "1")
+    store.wait(["all_ranks_finished"], timedelta(hours=1))
 
 
 def run_ranks(fn: Callable, *, world_size: int, args: tuple = (), kwargs: dict | None = None,
