@@ -266,6 +266,85 @@ def test_vision_flops_are_transformers_own(model_dirs, tmp_path, name, train_vis
     assert "image slot" in how
 
 
+# The projectors' linear layers; Gemma 3's projector is a plain weight (a matmul, no nn.Linear) that
+# LoRA cannot adapt: naming it is refused in one line.
+PROJECTORS = {"qwen2_5_vl": "hf_model.model.visual.merger.*", "gemma3": "hf_model.model.multi_modal_projector*",
+              "llava": "hf_model.model.multi_modal_projector.*"}
+
+
+def _lora_model(directory: Path, targets: list[str]):
+    """Ours with LoRA adapters (rank 4); B drawn at random, so that A's gradient is not zero."""
+    from titan_tpu.models.lora import lora_modules
+
+    cfg = _config(directory, train_vision=False)
+    cfg.lora.enabled, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules = True, 4, 8.0, targets
+    model = build(HFSpec.of_dir(directory), cfg, device="cpu", seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for linear in lora_modules(model).values():
+            linear._parameters["lora_B"].copy_(torch.randn(linear._parameters["lora_B"].shape, generator=generator))
+    return model.train()
+
+
+def _peft_reference(directory: Path, ours):
+    """transformers' model of the directory adapted by peft on exactly our adapted layers, with our adapters."""
+    import re
+
+    peft = pytest.importorskip("peft")
+    from titan_tpu.models.lora import is_adapter_key, lora_modules
+
+    modules = [name.removeprefix("hf_model.") for name in lora_modules(ours)]
+    model = peft.get_peft_model(_reference(directory), peft.LoraConfig(
+        r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules="|".join(re.escape(m) for m in modules)))
+    theirs = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in ours.state_dict().items():
+            if is_adapter_key(name):
+                theirs[f"base_model.model.{name.removeprefix('hf_model.')}.default.weight"].copy_(value)
+    return model.train()
+
+
+@pytest.mark.parametrize("name", list(ARCHES))
+def test_lora_adapts_the_language_model_and_matches_peft(model_dirs, tmp_path, name):
+    """LoRA's default targets on a vision-language model are the language model's projections
+    (not the tower's, which share their names); the projector is adapted when named. The loss and
+    every adapter's gradient equal peft's on transformers' model with the same adapters."""
+    from titan_tpu.models.lora import lora_modules
+
+    directory, arch = model_dirs[name], ARCHES[name]
+    vision = _ours(directory).vision_module_names()
+    default = _lora_model(directory, [])
+    assert lora_modules(default) and not any(n.startswith(vision) for n in lora_modules(default))
+    assert all(not p.requires_grad for n, p in default.named_parameters() if "lora_" not in n)
+    if name == "gemma3":
+        with pytest.raises(ValueError, match=r"^lora.target_modules: .*multi_modal_projector.* matches no linear"):
+            _lora_model(directory, [PROJECTORS[name]])
+        variants = (default,)
+    else:
+        with_projector = _lora_model(directory, [*lora_modules(default), PROJECTORS[name]])
+        variants = (default, with_projector)
+        added = set(lora_modules(with_projector)) - set(lora_modules(default))
+        assert added and all(n.startswith(vision[1]) for n in added)
+        tower = [n for n in lora_modules(with_projector) if n.startswith(vision[0]) and not n.startswith(vision[1])]
+        assert not tower
+
+    batch = _batch(directory, tmp_path)
+    for ours in variants:
+        reference = _peft_reference(directory, ours)
+        loss = _our_loss(ours, batch)
+        loss.backward()
+        expected = _reference_loss(reference, batch, arch)
+        expected.backward()
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+        theirs = dict(reference.named_parameters())
+        trained = [(n, p) for n, p in ours.named_parameters() if p.requires_grad]
+        assert len(trained) == sum(p.requires_grad for p in theirs.values())
+        for key, param in trained:
+            their = theirs[f"base_model.model.{key.removeprefix('hf_model.')}.default.weight"]
+            torch.testing.assert_close(param.grad, their.grad, rtol=1e-5, atol=1e-5 * their.grad.abs().max().item(),
+                                       msg=lambda m: f"{key}: {m}")
+
+
 # --- bad input -----------------------------------------------------------------------------------
 
 
@@ -370,6 +449,40 @@ def test_train_resume_and_export(model_dirs, tmp_path):
     exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export")).state_dict()
     for name, value in exported.items():
         assert torch.equal(value, trained[f"hf_model.{name}"]), name
+
+
+def test_lora_run_exports_to_peft_and_merged(model_dirs, tmp_path):
+    """A LoRA run on image-text rows: the --to-peft export on transformers' vision-language model
+    (peft) and the --to-hf --merge-lora export give our trained model's logits on images and text."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForImageTextToText
+
+    from titan_tpu.cli import main
+    from titan_tpu.train.checkpoint import load_full_state_dict
+
+    directory, arch = model_dirs["qwen2_5_vl"], ARCHES["qwen2_5_vl"]
+    _train(tmp_path, directory, "run", "--model.image_size", "56", "--lora.enabled", "true", "--lora.rank", "4",
+           "--optimizer.lr", "1e-2")
+    run = tmp_path / "run"
+    assert main(["convert", "--checkpoint", str(run), "--to-peft", str(tmp_path / "peft")]) == 0
+    assert main(["convert", "--checkpoint", str(run), "--to-hf", str(tmp_path / "merged"), "--merge-lora",
+                 "--dtype", "float32"]) == 0
+    cfg = _config(directory, train_vision=False)
+    cfg.lora.enabled, cfg.lora.rank = True, 4
+    ours = build(HFSpec.of_dir(directory), cfg, device="cpu", seed=0)
+    ours.load_state_dict(load_full_state_dict(run / "checkpoints" / "step-00000006"))
+    batch = _batch(directory, tmp_path)
+    adapted = peft.PeftModel.from_pretrained(_reference(directory), str(tmp_path / "peft")).eval()
+    merged = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ours.eval()(batch.inputs_BS, images=batch.images)
+        inputs = dict(input_ids=batch.inputs_BS, use_cache=False,
+                      **arch.reference_inputs(batch, merged.config.image_token_id))
+        with adapted.disable_adapter():
+            plain = adapted(**inputs).logits
+        for logits in (adapted(**inputs).logits, merged(**inputs).logits):
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(plain, expected, atol=1e-3)  # the adapters trained
 
 
 def test_text_rows_train_the_language_model(model_dirs, tmp_path, capsys):

@@ -84,12 +84,16 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 def target_names(model: nn.Module, patterns: list[str], *, section: str = "lora") -> list[str]:
-    """The names of `model`'s linear layers that `patterns` select (empty: DEFAULT_TARGETS).
+    """The names of `model`'s linear layers that `patterns` select (empty: DEFAULT_TARGETS, outside
+    a vision-language model's tower and projector, which are adapted when patterns name them).
 
     Raises a one-line ValueError naming a user pattern that selects nothing, with the linear
     layers there are. `section` names the config section in the message (lora, fp8)."""
     linears = _linears(model)
     chosen = [n for n in linears if any(_matches(n, p) for p in patterns or DEFAULT_TARGETS)]
+    if not patterns:  # the defaults adapt a vision-language model's language model only
+        vision = getattr(model, "vision_module_names", tuple)()
+        chosen = [n for n in chosen if not any(n == v or n.startswith(v + ".") for v in vision)]
     for pattern in patterns:
         if not any(_matches(n, pattern) for n in linears):
             raise ValueError(f"{section}.target_modules: {pattern!r} matches no linear layer; the model's are "

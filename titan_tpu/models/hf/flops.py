@@ -68,11 +68,7 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int, *, images: ImageInputs |
 def _vision_modules(model: HFCausalLM) -> tuple[nn.Module, nn.Module]:
     """(the vision tower, the projector into the language model): the parameters a text token does
     not pass through (Qwen2.5-VL's projector is inside its tower)."""
-    architecture = model.vision
-    tower = model.hf_model.get_submodule(architecture.tower)
-    if architecture.projector_in_tower:
-        return tower, tower.get_submodule(architecture.projector_in_tower)
-    return tower, model.hf_model.get_submodule("model.multi_modal_projector")
+    return (model.hf_model.get_submodule(model.vision.tower), model.hf_model.get_submodule(model.vision.projector))
 
 
 def vision_flops_per_row(model: HFCausalLM, images: ImageInputs) -> float:

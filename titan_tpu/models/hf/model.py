@@ -113,6 +113,13 @@ class HFCausalLM(nn.Module):
         if self.vision is not None:
             use_graph_safe_forwards(hf_model, self.vision)
 
+    def vision_module_names(self) -> tuple[str, ...]:
+        """The vision tower's and projector's module names (ours, under the wrapper); () for a
+        text-only model. LoRA's default targets leave them out: adapters go on the language model."""
+        if self.vision is None:
+            return ()
+        return PREFIX + self.vision.tower, PREFIX + self.vision.projector
+
     # --- the init contract (parallel/simple_fsdp.materialize_and_init) -----------------------
 
     def init_plan(self) -> list[tuple[str, nn.Module, Callable[[], None]]]:

@@ -47,6 +47,11 @@ class VisionArchitecture:
     # to our instances only, as hooks.py GRAPH_SAFE_FORWARDS are)
     graph_safe_forwards: tuple[tuple[str, Callable[..., torch.Tensor]], ...] = ()
 
+    @property
+    def projector(self) -> str:
+        """Module path (under the HF model) of the projector into the language model."""
+        return f"{self.tower}.{self.projector_in_tower}" if self.projector_in_tower else "model.multi_modal_projector"
+
 
 def _pooled(output) -> torch.Tensor:
     features = output.pooler_output if hasattr(output, "pooler_output") else output
