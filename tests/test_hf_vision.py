@@ -117,8 +117,8 @@ def _reference(directory: Path):
 
 
 def _reference_loss(model, batch, arch: Arch) -> torch.Tensor:
-    out = model(input_ids=batch.inputs_BS, use_cache=False,
-                **arch.reference_inputs(batch, model.config.image_token_id))
+    images = arch.reference_inputs(batch, model.config.image_token_id) if batch.images is not None else {}
+    out = model(input_ids=batch.inputs_BS, use_cache=False, **images)
     count = (batch.labels_BS != IGNORE_INDEX).sum()
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch.labels_BS.flatten(),
                                              ignore_index=IGNORE_INDEX, reduction="sum") / count
@@ -345,6 +345,39 @@ def test_lora_adapts_the_language_model_and_matches_peft(model_dirs, tmp_path, n
                                        msg=lambda m: f"{key}: {m}")
 
 
+def _eval_rows(capsys, *args: str) -> dict:
+    from titan_tpu.cli import main
+
+    capsys.readouterr()
+    assert main(["eval", *args]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(ARCHES))
+def test_eval_rows_gives_transformers_loss(model_dirs, tmp_path, capsys, name):
+    """titan-tpu eval --rows on image-text chat rows: each row's loss on its answer equals
+    transformers' own forward on that row's real images, and the total is token-weighted."""
+    directory, arch = model_dirs[name], ARCHES[name]
+    rows = image_chat_rows(tmp_path / "images", 5)
+    size = ("--model.image_size", str(arch.image_size)) if arch.image_size else ()
+    result = _eval_rows(capsys, "--hf-dir", str(directory), "--rows", str(write_rows(tmp_path / "rows.jsonl", rows)),
+                        "--seq-len", str(SEQ_LEN), "--batch-size", "2", "--model.max_images", str(SLOTS), *size)
+    reference = _reference(directory).eval()
+    source = _rows(directory, rows)
+    expected, tokens = [], 0
+    with torch.no_grad():
+        for i in range(len(rows)):
+            batch = stack_rows([source.row(i)], source.view)
+            if batch.images.slots_BM.any():
+                expected.append(_reference_loss(reference, batch, arch).item())
+            else:  # a row without images: transformers takes no image inputs at all
+                text_only = dataclasses.replace(batch, images=None)
+                expected.append(_reference_loss(reference, text_only, arch).item())
+            tokens += int((batch.labels_BS != IGNORE_INDEX).sum())
+    assert result["num_sequences"] == 5 and result["num_tokens"] == tokens
+    assert result["per_sequence_loss"] == pytest.approx(expected, rel=1e-5)
+
+
 # --- bad input -----------------------------------------------------------------------------------
 
 
@@ -389,6 +422,16 @@ def test_an_image_row_on_a_text_only_model_is_refused(tmp_path):
         renderer.encode(messages, where="row 0")
 
 
+def test_eval_rows_on_a_text_only_model_is_one_line(tmp_path, capsys):
+    from titan_tpu.cli import main
+
+    rows = write_rows(tmp_path / "rows.jsonl", image_chat_rows(tmp_path / "images", 2))
+    assert main(["eval", "--model.name", "llama3", "--model.flavor", "debug", "--rows", str(rows)]) != 0
+    error = capsys.readouterr().err.strip()
+    assert error == ("error: eval --rows scores image-text chat rows on a vision-language model, and llama3/debug is "
+                     "text-only; give a Qwen2.5-VL, Gemma 3 or LLaVA model, or evaluate text with --text")
+
+
 def test_an_unsupported_vision_language_model_is_refused(tmp_path):
     from transformers import Idefics3Config
 
@@ -417,7 +460,7 @@ def _train(tmp_path: Path, directory: Path, run: str, *extra: str) -> list[dict]
     return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_resume_and_export(model_dirs, tmp_path):
+def test_train_resume_and_export(model_dirs, tmp_path, capsys):
     """titan-tpu train on image-text rows of a Qwen2.5-VL directory: it trains (the vision encoder
     frozen, so it ends where it started), resuming at step 3 gives the same losses bitwise, and the
     export loads in transformers with the trained weights."""
@@ -449,6 +492,15 @@ def test_train_resume_and_export(model_dirs, tmp_path):
     exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "export")).state_dict()
     for name, value in exported.items():
         assert torch.equal(value, trained[f"hf_model.{name}"]), name
+
+    # eval --rows on the checkpoint reads the run's image settings (model.image_size 56, 2 slots) and
+    # scores as the export does with them given
+    rows = str(tmp_path / "data" / "rows.jsonl")
+    settings = ("--model.image_size", "56", "--model.max_images", "2")
+    from_run = _eval_rows(capsys, "--checkpoint", str(tmp_path / "run"), "--rows", rows, "--seq-len", str(SEQ_LEN))
+    from_export = _eval_rows(capsys, "--hf-dir", str(tmp_path / "export"), "--rows", rows, "--seq-len", str(SEQ_LEN),
+                             *settings)
+    assert from_run["per_sequence_loss"] == pytest.approx(from_export["per_sequence_loss"], rel=1e-6)
 
 
 def test_lora_run_exports_to_peft_and_merged(model_dirs, tmp_path):

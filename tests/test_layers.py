@@ -44,7 +44,7 @@ LAYERS = (
     ("plan", ("titan_tpu.plan",)),
     ("components", ("titan_tpu.components",)),
     ("loops", ("titan_tpu.loops",)),
-    ("evaluate", ("titan_tpu.evaluate", "titan_tpu.evaluate_tasks")),
+    ("evaluate", ("titan_tpu.evaluate", "titan_tpu.evaluate_tasks", "titan_tpu.evaluate_rows")),
     ("generate command", ("titan_tpu.generate.command",)),
     ("calibration", ("titan_tpu.plan.calibrate",)),
     ("tools", ("titan_tpu.tools",)),

@@ -104,7 +104,10 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--token-file", help="JSON list of lists of token ids")
     parser.add_argument("--text", help="text to evaluate on: a file, a directory of .txt/.md/.py or a .jsonl "
                                        "(tokenized with --data.tokenizer_path or the model's tokenizer.json)")
-    parser.add_argument("--seq-len", type=int, default=512, help="with --text: tokens per window (512)")
+    parser.add_argument("--rows", help="image-text chat rows (.jsonl/.parquet, as training reads them) for a "
+                                       "vision-language model: the loss on the assistant's tokens")
+    parser.add_argument("--seq-len", type=int, default=512,
+                        help="with --text: tokens per window; with --rows: tokens per row (512)")
     parser.add_argument("--max-tokens", type=int, default=65536, help="with --text: tokens evaluated at most (65536)")
     parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "tpu"])
     tasks = parser.add_argument_group("benchmarks (lm-evaluation-harness, the eval extra)")
@@ -113,7 +116,7 @@ def eval_main(argv: list[str]) -> int:
     tasks.add_argument("--num-fewshot", type=int, default=None, help="examples in each prompt (default: the task's)")
     tasks.add_argument("--limit", type=float, default=None,
                        help="documents per task at most (a number below 1: that fraction of each task)")
-    tasks.add_argument("--batch-size", type=int, default=8, help="rows per forward (8)")
+    tasks.add_argument("--batch-size", type=int, default=8, help="rows per forward (8; --rows too)")
     tasks.add_argument("--include-path", help="a folder of task YAMLs of one's own (e.g. local data_files)")
     tasks.add_argument("--apply-chat-template", action="store_true",
                        help="render prompts with the tokenizer's chat template (or --data.chat_template's)")
@@ -125,10 +128,17 @@ def eval_main(argv: list[str]) -> int:
         return _eval_tasks(args, overrides)
 
     from titan_tpu.evaluate import run_eval
+    from titan_tpu.evaluate_rows import run_eval_rows
 
+    if args.rows and (args.token_file or args.text):
+        raise ValueError("titan-tpu eval needs exactly one of --token-file, --text and --rows; drop the others")
     setup = _model_config(args, overrides)
-    result = run_eval(setup, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
-                      seq_len=args.seq_len, max_tokens=args.max_tokens)
+    if args.rows:
+        result = run_eval_rows(setup, checkpoint=args.checkpoint, rows=args.rows, seq_len=args.seq_len,
+                               batch_size=args.batch_size)
+    else:
+        result = run_eval(setup, checkpoint=args.checkpoint, token_file=args.token_file, text=args.text,
+                          seq_len=args.seq_len, max_tokens=args.max_tokens)
     print(json.dumps(result))
     return 0
 
@@ -137,8 +147,8 @@ def _eval_tasks(args: argparse.Namespace, overrides: list[str]) -> int:
     """`titan-tpu eval --tasks`: benchmark scores (evaluate_tasks.py) instead of the loss."""
     from titan_tpu.evaluate_tasks import TaskSettings, require_lm_eval, run_tasks
 
-    if args.token_file or args.text:
-        raise ValueError("--tasks scores lm-eval tasks, not --token-file or --text; drop one of them")
+    if args.token_file or args.text or args.rows:
+        raise ValueError("--tasks scores lm-eval tasks, not --token-file, --text or --rows; drop one of them")
     require_lm_eval()  # before the model loads
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} must be >= 1")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from titan_tpu.data.tokenizer import tokenizer_files
-from titan_tpu.export_files import write_export_files
+from titan_tpu.export_files import copy_processor_files, write_export_files
 from titan_tpu.train.checkpoint import STATE_FILE, Checkpointer, load_full_state_dict, read_checkpoint_meta
 
 # What `convert --to-hf --dtype` writes.
@@ -69,6 +69,9 @@ def checkpoint_to_hf(checkpoint: str | Path, hf_dir: str | Path, *, overwrite: b
     if (run_dir / "tokenizer.json").is_file():  # what AutoTokenizer, lm-eval's HF backend and vLLM read
         write_export_files(out, tokenizer_json=run_dir / "tokenizer.json",
                            chat_template_choice=_run_chat_template(run_dir))
+    image_model_dir = spec.image_model_dir()
+    if image_model_dir is not None:
+        copy_processor_files(out, image_model_dir)
     return out
 
 

@@ -146,6 +146,28 @@ def load_eval_model(cfg, *, checkpoint: str | Path | None = None, device: torch.
     return EvalModel(spec, model, weights, spec.own_tokenizer_path())
 
 
+def trained_image_settings(cfg, weights: str) -> dict:
+    """model.max_images, model.image_size and data.chat_template of a vision-language model's
+    prompts or rows (generate, eval --rows): the command line's, where it left a default and
+    `weights` are a training run's checkpoint, that run's own (its config.json)."""
+    from titan_tpu.config import DataConfig, ModelConfig
+
+    given = {"max_images": cfg.model.max_images, "image_size": cfg.model.image_size,
+             "chat_template": cfg.data.chat_template}
+    defaults = {"max_images": ModelConfig.max_images, "image_size": ModelConfig.image_size,
+                "chat_template": DataConfig.chat_template}
+    step = Path(weights)
+    run_config = step.parent.parent / "config.json"
+    if step.parent.name != "checkpoints" or not run_config.is_file():
+        return given
+    run = json.loads(run_config.read_text())
+    model, data = run.get("model", {}), run.get("data", {})
+    trained = {"max_images": model.get("max_images"), "image_size": model.get("image_size"),
+               "chat_template": data.get("chat_template")}
+    return {key: trained[key] if value == defaults[key] and trained[key] is not None else value
+            for key, value in given.items()}
+
+
 def text_sequences(source: str, *, tokenizer_path: str | None, vocab_size: int, seq_len: int, max_tokens: int,
                    text_field: str = "text") -> list[list[int]]:
     """A corpus (file, directory or .jsonl, as data.source) tokenized with `tokenizer_path`, documents
@@ -188,14 +210,14 @@ def evaluate(loaded: EvalModel, sequences: list[list[int]]) -> dict:
 def run_eval(setup, *, checkpoint: str | None, token_file: str | None, text: str | None, seq_len: int,
              max_tokens: int) -> dict:
     """`titan-tpu eval`: the model of a run setup (run_setup.py; `checkpoint`'s weights) over a token
-    file or a text corpus."""
+    file or a text corpus (a vision-language model's image-text rows: evaluate_rows.py)."""
     from titan_tpu.device import get_backend
 
     cfg = setup.cfg
 
     if (token_file is None) == (text is None):
-        raise ValueError("titan-tpu eval needs exactly one of --token-file (JSON lists of token ids) and --text "
-                         "(a text file, directory or .jsonl)")
+        raise ValueError("titan-tpu eval needs exactly one of --token-file (JSON lists of token ids), --text "
+                         "(a text file, directory or .jsonl) and --rows (image-text chat rows)")
     loaded = load_eval_model(cfg, checkpoint=checkpoint, device=get_backend(cfg.training.device).device,
                              spec=setup.spec)
     if token_file is not None:

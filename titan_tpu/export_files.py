@@ -9,7 +9,9 @@ run it:
   data.chat_template chose, when the run chose one;
 * config.json's bos_token_id / eos_token_id / pad_token_id those of the tokenizer (a Llama config
   left without them means ids 1 and 2, whatever the vocabulary);
-* generation_config.json: the same ids, and greedy decoding as the default.
+* generation_config.json: the same ids, and greedy decoding as the default;
+* a vision-language model's processor files (its image processor's settings, the processor's chat
+  template), from the model directory the run trained, which AutoProcessor and vLLM read.
 """
 
 from __future__ import annotations
@@ -43,6 +45,19 @@ def write_export_files(out: Path, *, tokenizer_json: Path, chat_template_choice:
     stops = sorted({ids["eos_token_id"], tokenizer.eos_id})
     generation = {**ids, "eos_token_id": stops[0] if len(stops) == 1 else stops, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+# What AutoProcessor reads beside the tokenizer's files (the image and video processors' settings,
+# the processor's own settings and chat template).
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json")
+
+
+def copy_processor_files(out: Path, model_dir: Path) -> None:
+    """A vision-language model's processor files, from the directory the run trained, into the export."""
+    for name in PROCESSOR_FILES:
+        if (model_dir / name).is_file() and not (out / name).is_file():
+            shutil.copyfile(model_dir / name, out / name)
 
 
 def _tokenizer_config(out: Path, chat_template_choice: str) -> dict:

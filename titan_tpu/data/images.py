@@ -424,16 +424,25 @@ class ImageChatLoader(MixtureLoader):
 def _source_rows(spec, *, renderer, view: ImageProcessorView, seq_len: int, val_fraction: float,
                  all_val: bool = False) -> ImageChatRows:
     """One source's rows (every file of it, in order); images relative to their file's folder."""
+    return read_image_chat_rows(spec.path, field=spec.field, renderer=renderer, view=view, seq_len=seq_len,
+                                val_fraction=val_fraction, all_val=all_val)
+
+
+def read_image_chat_rows(path: str | Path, *, field: str, renderer, view: ImageProcessorView, seq_len: int,
+                         val_fraction: float = 0.0, all_val: bool = False) -> ImageChatRows:
+    """The chat rows of `path` (a file, a glob or a folder of .jsonl / .parquet files, as
+    data.source reads them; `field` the messages' column), in order; images relative to their
+    file's folder."""
     from titan_tpu.data.sources import iter_records, resolve_files
 
     rows, wheres, bases = [], [], []
-    for path in resolve_files(spec.path):
-        for line, messages in enumerate(iter_records([path], field=spec.field), start=1):
+    for file in resolve_files(path):
+        for line, messages in enumerate(iter_records([file], field=field), start=1):
             rows.append({"messages": messages})
-            wheres.append(f"{path} row {line}")
-            bases.append(path.parent)
+            wheres.append(f"{file} row {line}")
+            bases.append(file.parent)
     return ImageChatRows(rows, renderer=renderer, view=view, seq_len=seq_len, val_fraction=val_fraction,
-                         name=spec.path, wheres=wheres, bases=bases, all_val=all_val)
+                         name=str(path), wheres=wheres, bases=bases, all_val=all_val)
 
 
 def image_chat_loaders(data_cfg: Any, sources: list, *, model_dir: str | Path, tokenizer, max_images: int,

@@ -150,6 +150,7 @@ def _image_prompts(cfg: Config, loaded: EvalModel, tokenizer: Tokenizer | None, 
                    image_flag: bool) -> ImagePrompts | None:
     """The renderer of prompts with images, when some row holds one and the model reads them."""
     from titan_tpu.data.images import ImagePrompts
+    from titan_tpu.evaluate import trained_image_settings
 
     if not any(holds_image(row) for row in rows):
         return None
@@ -162,29 +163,8 @@ def _image_prompts(cfg: Config, loaded: EvalModel, tokenizer: Tokenizer | None, 
         return None  # encode_rows names the row
     if tokenizer is None:
         raise ValueError(f"prompts with images need the tokenizer of {directory}; pass --tokenizer TOKENIZER_JSON")
-    settings = _run_image_settings(cfg, loaded)
+    settings = trained_image_settings(cfg, loaded.weights)
     return ImagePrompts.of_dir(directory, tokenizer=tokenizer, **settings)
-
-
-def _run_image_settings(cfg: Config, loaded: EvalModel) -> dict:
-    """model.max_images, model.image_size and data.chat_template: the command line's, where it left
-    a default and the weights are a training run's checkpoint, that run's own (its config.json)."""
-    from titan_tpu.config import DataConfig, ModelConfig
-
-    given = {"max_images": cfg.model.max_images, "image_size": cfg.model.image_size,
-             "chat_template": cfg.data.chat_template}
-    defaults = {"max_images": ModelConfig.max_images, "image_size": ModelConfig.image_size,
-                "chat_template": DataConfig.chat_template}
-    step = Path(loaded.weights)
-    run_config = step.parent.parent / "config.json"
-    if step.parent.name != "checkpoints" or not run_config.is_file():
-        return given
-    run = json.loads(run_config.read_text())
-    model, data = run.get("model", {}), run.get("data", {})
-    trained = {"max_images": model.get("max_images"), "image_size": model.get("image_size"),
-               "chat_template": data.get("chat_template")}
-    return {key: trained[key] if value == defaults[key] and trained[key] is not None else value
-            for key, value in given.items()}
 
 
 def _tokenizer(path: str | None) -> Tokenizer | None:
