@@ -123,10 +123,10 @@ class ParallelDims:
         if self.ep > 1 and self.dp_replicate > 1:
             raise ValueError("--parallelism.ep > 1 with --parallelism.dp_replicate > 1 is not supported yet; "
                              "use dp_replicate 1")
-        others = {key: getattr(self, key) for key in ("tp", "cp", "ep") if getattr(self, key) > 1}
+        others = {key: getattr(self, key) for key in ("cp", "ep") if getattr(self, key) > 1}
         if self.pp > 1 and others:
             got = ", ".join(f"--parallelism.{key} {size}" for key, size in others.items())
-            raise ValueError(f"--parallelism.pp > 1 composes with the data-parallel axes only so far, not {got}; "
+            raise ValueError(f"--parallelism.pp > 1 composes with the data-parallel axes and tp only so far, not {got}; "
                              "set them to 1")
 
     def config_sizes(self) -> dict[str, int]:
