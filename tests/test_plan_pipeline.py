@@ -208,4 +208,12 @@ def test_pipeline_recipe_is_planned_and_fits(capsys):
     assert "bubble 0.125" in out and "permute" in out and ": fits" in out
     with pytest.raises(ValueError, match="pp > 1 composes with the data-parallel axes only"):
         ParallelDims.from_config(p, world_size=504)
+    # Why 7 stages: 126 layers on 64 nodes leave pp 2, whose stages keep 63 gathered layers each.
+    two = for_planning(CONFIGS / "llama3_405b_h100_pp.toml",
+                       ["--parallelism.pp", "2", "--parallelism.dp_shard", "31", "--training.batch_size", "2",
+                        "--parallelism.pp_microbatches", "2", "--parallelism.pp_repeats", "1"])
+    hardware, chips = resolve_hardware("h100-496", measure=False)
+    plan = plan_config(two, hardware, chips=chips)
+    assert not plan.fits and plan.advice == ["more --parallelism.pp (now 2): a stage keeps its 63 layers gathered for "
+                                             "the step, with their full-size gradient"]
     assert "NOT TRAINABLE YET" in (CONFIGS / "llama3_405b_h100_pp.toml").read_text()

@@ -57,10 +57,16 @@ def step_collectives(s: Setting) -> list:
     """The collectives of one step (parallel/plan_terms.py)."""
     args, t, p = s.args, s.cfg.training, s.cfg.parallelism
     cb = s.layout.compute_bytes
-    gathers, regathers = collective_calls(
-        tensors_per_layer=_layer_tensors(args), bytes_per_layer=[g * cb for g in layer_params(args)],
-        outside_tensors=2 if args.tie_embeddings else 3, bucket_bytes=p.bucket_mb * 2**20,
-        scanned_whole=s.scanned and not s.per_layer_stack, regather=s.gather == "layer")
+    outside = 2 if args.tie_embeddings else 3
+    if s.schedule is not None:
+        # A pipeline stage reads each stacked weight of its rows whole, once per accumulated batch
+        # (parallel/pipeline.py: no buckets), and reduce-scatters its gradient once.
+        gathers, regathers = max(_layer_tensors(args)) + outside, 0
+    else:
+        gathers, regathers = collective_calls(
+            tensors_per_layer=_layer_tensors(args), bytes_per_layer=[g * cb for g in layer_params(args)],
+            outside_tensors=outside, bucket_bytes=p.bucket_mb * 2**20,
+            scanned_whole=s.scanned and not s.per_layer_stack, regather=s.gather == "layer")
     collectives = s.layout.step_collectives(total_params=num_params(args), expert_params=num_expert_params(args),
                                             micro_batches=t.grad_accum_steps, moe_layers=args.num_moe_layers,
                                             tokens_per_micro_batch=s.tokens, dim=args.dim,

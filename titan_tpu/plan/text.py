@@ -21,7 +21,9 @@ def advice(plan: Plan, cfg: Config, *, acts_share: float) -> list[str]:
     if plan.fits:
         return []
     m, out = plan.memory, []
-    if m["gathered_weights"] + m["full_size_gradient"] > 0.25 * plan.peak_bytes and plan.mesh["gather"] == "model":
+    # Under pipeline stages nothing is re-sharded (a stage keeps its rows): more stages shrink them (below).
+    if m["gathered_weights"] + m["full_size_gradient"] > 0.25 * plan.peak_bytes and plan.mesh["gather"] == "model" \
+            and not plan.pipeline:
         out.append(f"the gathered block weights ({m['gathered_weights'] / 1e9:.1f} GB) are kept from the forward to "
                    f"the end of the backward and their full-size gradient reaches {m['full_size_gradient'] / 1e9:.1f} "
                    "GB: more dp_shard does not shrink them; re-sharding after the forward does "
@@ -32,6 +34,9 @@ def advice(plan: Plan, cfg: Config, *, acts_share: float) -> list[str]:
     if acts_share > 0.2 and cfg.training.batch_size > 1:
         out.append(f"a smaller --training.batch_size (now {cfg.training.batch_size}) with "
                    "--training.grad_accum_steps to keep the tokens per step")
+    if plan.pipeline:
+        out.append(f"more --parallelism.pp (now {plan.pipeline['stages']}): a stage keeps its "
+                   f"{plan.pipeline['layers_per_stage']} layers gathered for the step, with their full-size gradient")
     state = m["parameters"] + m["gradients"] + m["optimizer_state"]
     if state > 0.3 * plan.peak_bytes:
         out.append(f"more --parallelism.dp_shard (parameters, gradients and moments are {state / 1e9:.1f} GB per "
