@@ -314,8 +314,9 @@ XLA_BACKENDS = ("tpu", "jax")
 
 def _xla_scan_gradients_whole(s: Setting) -> bool:
     """Whether the backward loop's gradient stack is alive whole from its first trip: scanned
-    layers compiled by XLA, whose while loop carries the stack it writes."""
-    return s.cfg.compile.backend in XLA_BACKENDS and s.graph and s.scanned
+    layers compiled by XLA, whose while loop carries the stack it writes (not pipeline stages,
+    which run their rows without a scan loop)."""
+    return s.cfg.compile.backend in XLA_BACKENDS and s.graph and s.scanned and s.schedule is None
 
 
 def _xla_loss_held_over_dcn(s: Setting, loss_peak: float) -> float:
