@@ -89,7 +89,8 @@ TERMS = {
     "activation_recompute": "the largest block's activations while its forward is recomputed in the backward "
                             "(activation checkpointing)",
     "gathered_weights": "weights all-gathered from the shards for compute, in the compute dtype: one bucket "
-                        "(re-gathered per layer) or the whole model (kept from forward to backward)",
+                        "(re-gathered per layer) or the whole model (kept from forward to backward; under pipeline "
+                        "stages the stage's layers and the weights outside the stack)",
     "full_size_gradient": "the largest gradient alive at full size before its reduce-scatter to this device's shard",
     "scan_saved_copies": "scanned layers: copies of weights and RoPE tables the scan loop saves per layer",
     "scan_flipped": "scanned layers: the reversed copies of the saved stacks the backward loop reads",
