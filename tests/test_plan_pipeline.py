@@ -58,13 +58,12 @@ def _stage_memory(overrides: list[str]) -> dict:
                            generator=torch.Generator().manual_seed(0))
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     step([batch], 1e-4)
-    own = {x.to_local().untyped_storage().data_ptr() if hasattr(x, "to_local") else x.untyped_storage().data_ptr()
-           for x in [*model.parameters(), *model.buffers()]}
-    saved = kept_saved_bytes(lambda: model(*batch), own)
 
-    def local(x):
+    def local(x):  # a rank's own tensor of a parameter (a DTensor on the mesh)
         return x.to_local() if hasattr(x, "to_local") else x
 
+    own = {local(x).untyped_storage().data_ptr() for x in [*model.parameters(), *model.buffers()]}
+    saved = kept_saved_bytes(lambda: model(*batch), own)
     static = sum(local(x).numel() * local(x).element_size() for x in [*model.parameters(), *model.buffers()])
     static += sum(local(x).numel() * local(x).element_size()
                   for d in (opt.state["exp_avg"], opt.state["exp_avg_sq"]) for x in d.values())
@@ -75,7 +74,7 @@ def _stage_memory(overrides: list[str]) -> dict:
     for _, delta in changes:
         now += delta
         peak = max(peak, now)
-    return {"saved": saved, "live_peak": static + peak, "stage": dims.pp and dist.get_rank()}
+    return {"saved": saved, "live_peak": static + peak}
 
 
 # Each layout spawned once: GPipe and circular (3 chunks a stage, 4 micro-batches) without
