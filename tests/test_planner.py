@@ -345,7 +345,7 @@ def test_json_output(capsys):
     assert main(["plan", "--config", str(CONFIGS / "qwen3_235b_a22b_tpu.toml"), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["devices"] == 512 and plan["mesh"] == {"dp_replicate": 1, "dp_shard": 512, "ep": 8, "tp": 1, "cp": 1,
-                                                       "slices": 1, "mode": "fully_shard", "gather": "layer",
+                                                       "pp": 1, "slices": 1, "mode": "fully_shard", "gather": "layer",
                                                        "code_gather": "layer"}
     assert plan["hardware"]["name"] == "v5p" and plan["hardware"]["source"].startswith("https://")
     for key in ("parameters", "gradients", "optimizer_state", "activations", "gathered_weights", "moe_dispatch"):

@@ -85,6 +85,10 @@ CASES = [
     # a tp shard of the model (docs/context_parallel.md, "With tensor parallelism").
     Case("llama3 debug, 4 ranks cp 2 x tp 2", "configs/llama3_debug.toml",
          ("--parallelism.cp", "2", "--parallelism.tp", "2"), ranks=4),
+    # Pipeline stages: the plan is the last stage's (its layers, the loss), rank 1 (docs/pipeline_parallel.md);
+    # the measured peak is rank 0's, the first stage's (no loss): a lower bound of the planner's.
+    Case("llama3 debug, 2 ranks pp 2, scanned", "configs/llama3_debug.toml",
+         ("--parallelism.pp", "2", "--model.scan_layers", "true"), ranks=2),
     # Graph mode (--training.mode graph): the whole step captured and compiled, one process.
     Case("llama3 debug, graph aot_eager, unrolled", "configs/llama3_debug.toml",
          ("--training.mode", "graph", "--compile.backend", "aot_eager")),
@@ -270,8 +274,8 @@ def predict(result: dict, hw_numbers: dict) -> dict:
     argv = list(result["argv"])
     config = argv[argv.index("--config") + 1]
     rest = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
-    model_share = 1  # ranks that share one data-parallel rank's batch (tp x cp)
-    for key in ("--parallelism.tp", "--parallelism.cp"):
+    model_share = 1  # ranks that share one data-parallel rank's batch (tp x cp x pp)
+    for key in ("--parallelism.tp", "--parallelism.cp", "--parallelism.pp"):
         model_share *= int(rest[rest.index(key) + 1]) if key in rest else 1
     overrides = rest + (["--parallelism.dp_shard", str(result["ranks"] // model_share)] if result["ranks"] > 1 else [])
     cfg = prepare_run(build_config(config, overrides)).cfg

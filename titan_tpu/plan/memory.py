@@ -15,6 +15,9 @@ The moments (`memory_phases`): forward end (all activations kept, the loss kerne
 backward (activations of the layers below and gradients of the layers above, plus one recomputed
 layer and the largest full-size gradient), under XLA the backward's end (`_xla_backward_end`) and
 the optimizer update (gradients and the AdamW temporary).
+
+Under pipeline stages every term is the last stage's (plan/pipeline_terms.py): `Setting.args` holds
+its layers only, and its activations are those of every micro-batch, alive at the backward's start.
 """
 
 from __future__ import annotations
@@ -104,6 +107,13 @@ def rank_activations(s: Setting) -> ActivationBytes:
                                          dtype_bytes=s.layout.compute_bytes, q_dim=q_dim, kv_dim=k_dim, v_dim=v_dim,
                                          documents=cfg.data.document_mask, mask=mask, padded_values=s.padded_values)
         acts = dataclasses.replace(acts, saved_per_layer=tuple(saved + extra for saved in acts.saved_per_layer))
+    if s.schedule is not None and acts.recompute:
+        # A pipeline stage keeps every micro-batch's activations, but recomputes one layer of one
+        # micro-batch at a time (plan/pipeline_terms.py).
+        one = activation_bytes(args, tokens=s.tokens // cp // s.schedule.micro_batches, ac_mode=s.ac,
+                               dtype_bytes=s.layout.compute_bytes, ep=cfg.parallelism.ep, traced=s.traced, tp=tp,
+                               padded_values=s.padded_values)
+        acts = dataclasses.replace(acts, recompute=one.recompute)
     return _with_lora_activations(s, acts) if s.lora else acts
 
 
@@ -150,17 +160,28 @@ def gathered_bytes(s: Setting) -> float:
     qwen3_8b_lora_chat_tpu: the gathered bf16 [vocab, dim] beside the gathered stacks)."""
     blocks = s.layout.gathered_bytes(block_params=s.block_params, expert_params=num_expert_params(s.args),
                                      n_layers=s.args.n_layers)
-    if s.gather != "model" or not s.layout.sharded:
+    if s.gather != "model" or not s.layout.sharded or _read_in_place(s):
         return blocks
     args = s.args
     head = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) / s.cfg.parallelism.tp
     return blocks + head * s.layout.compute_bytes
 
 
+def _read_in_place(s: Setting) -> bool:
+    """Pipeline stages without a data-parallel or cp axis, in fp32: a stage reads its own rows and
+    the whole weights outside the stack as they are stored (the pp axis is not gathered), so
+    nothing is copied and the gradients are the stored ones (no reduce-scatter)."""
+    layout = s.layout
+    return s.schedule is not None and layout.dp_shard * layout.dp_replicate * layout.cp == 1 and \
+        layout.compute_bytes == layout.master_bytes()
+
+
 def full_gradient_bytes(s: Setting) -> float:
     """The largest full-size gradient alive before its reduce-scatter. A scanned stack gathered per
     layer has one layer's, also where the gathered weights are kept (scan's autograd without full
     checkpointing: gather "model", the gradients still per layer)."""
+    if _read_in_place(s):
+        return 0.0
     args, layout = s.args, s.layout
     grad_layout = dataclasses.replace(layout, gather="layer") if s.scanned and s.per_layer_stack else layout
     return grad_layout.full_gradient_bytes(largest_param=largest_param(args), block_params=s.block_params,
@@ -293,8 +314,9 @@ XLA_BACKENDS = ("tpu", "jax")
 
 def _xla_scan_gradients_whole(s: Setting) -> bool:
     """Whether the backward loop's gradient stack is alive whole from its first trip: scanned
-    layers compiled by XLA, whose while loop carries the stack it writes."""
-    return s.cfg.compile.backend in XLA_BACKENDS and s.graph and s.scanned
+    layers compiled by XLA, whose while loop carries the stack it writes (not pipeline stages,
+    which run their rows without a scan loop)."""
+    return s.cfg.compile.backend in XLA_BACKENDS and s.graph and s.scanned and s.schedule is None
 
 
 def _xla_loss_held_over_dcn(s: Setting, loss_peak: float) -> float:

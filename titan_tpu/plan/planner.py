@@ -94,20 +94,19 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
     timing = step_time(s, executed_rank=flops["executed_per_step_per_device"], collectives=collectives,
                        rates=rates, fp8=fp8_cost if s.fp8 else None)
     tokens_step_rank = s.tokens * s.cfg.training.grad_accum_steps
-    tp, cp = s.cfg.parallelism.tp, s.cfg.parallelism.cp
     step_s = timing["step_s"]
     basis = speed_basis(s, timing["efficiency"])
     plan = Plan(
         model=s.label, hardware=s.hardware.as_dict(), devices=s.devices, mesh=_mesh_summary(s),
         batch=_batch_summary(s, tokens_step_rank=tokens_step_rank),
-        params={"total": num_params(s.args), "active": num_active_params(s.args),
-                "experts": num_expert_params(s.args), "stored_per_device": s.stored},
+        params={"total": num_params(s.model_args), "active": num_active_params(s.model_args),
+                "experts": num_expert_params(s.model_args), "stored_per_device": s.stored},
         memory=memory.terms, peak_bytes=peak, peak_phase=peak_phase, capacity_bytes=s.hardware.memory_bytes,
         fits=peak <= s.hardware.memory_bytes, flops=flops,
         communication=[{**dataclasses.asdict(c), **rates[c.axis].as_dict()} for c in collectives], time=timing,
-        tokens_per_s=tokens_step_rank * s.devices / (tp * cp) / step_s if basis else None,
+        tokens_per_s=tokens_step_rank * s.devices / s.ranks_per_batch / step_s if basis else None,
         mfu=100.0 * flops["model_per_step_per_device"] / step_s / (s.hardware.peak_flops / cpu_share(s))
-        if basis else None, speed_basis=basis)
+        if basis else None, speed_basis=basis, pipeline=_pipeline_summary(s))
     plan.advice = advice(plan, s.cfg, acts_share=memory.activations_held / peak if peak else 0.0)
     plan.checkpoint = checkpoint_time(s, step_s=step_s if basis else None, storage_gbps=storage_gbps,
                                       local_gbps=local_gbps)
@@ -142,14 +141,26 @@ def _mesh_summary(s: Setting) -> dict:
     """The plan's `mesh`: the layout's sizes, its data-parallel mode and how gathered weights are kept."""
     p, layout = s.cfg.parallelism, s.layout
     return {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "ep": p.ep, "tp": p.tp, "cp": p.cp,
-            "slices": p.slices, "mode": _mode(layout), "gather": s.gather, "code_gather": s.code_gather}
+            "pp": p.pp, "slices": p.slices, "mode": _mode(layout), "gather": s.gather, "code_gather": s.code_gather}
+
+
+def _pipeline_summary(s: Setting) -> dict:
+    """The plan's `pipeline`: the schedule and what the plan counts for it (plan/pipeline_terms.py);
+    empty without stages."""
+    schedule = s.schedule
+    if schedule is None:
+        return {}
+    return {"stages": schedule.stages, "micro_batches": schedule.micro_batches, "repeats": schedule.repeats,
+            "iterations": schedule.iterations, "bubble": schedule.bubble,
+            "layers_per_stage": s.args.n_layers, "layers_per_chunk": schedule.layers_per_chunk,
+            "micro_batch_rows": s.cfg.training.batch_size // schedule.micro_batches}
 
 
 def _batch_summary(s: Setting, *, tokens_step_rank: int) -> dict:
     """The plan's `batch`: what one step trains on, and the choices that shape its memory and time."""
-    t, p = s.cfg.training, s.cfg.parallelism
+    t = s.cfg.training
     return {"batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum_steps": t.grad_accum_steps,
-            "tokens_per_step": tokens_step_rank * s.devices // (p.tp * p.cp), "dtype": s.dtype,
+            "tokens_per_step": tokens_step_rank * s.devices // s.ranks_per_batch, "dtype": s.dtype,
             "activation_checkpoint": s.ac, "scan_layers": s.scanned,
             "loss": loss_impl(s.cfg.kernels.loss, s.hardware.name), "mode": t.mode,
             **({"fp8": s.fp8_scaling} if s.fp8 else {}),

@@ -31,6 +31,7 @@ class Plan:
     speed_basis: str | None = None  # what the step time rests on; None: no basis (eager mode on a TPU)
     advice: list = field(default_factory=list)
     checkpoint: dict = field(default_factory=dict)  # `checkpoint_time`: save times and the grace budget
+    pipeline: dict = field(default_factory=dict)  # pipeline stages: the schedule and bubble; {} without
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -16,16 +16,25 @@ The space (each knob at the values below; `keep` holds a knob at the config's va
                                       NVLink node: parallel/fabric_terms.py), with unrolled blocks;
                                       elsewhere held at the config's value
     parallelism.ep                    divisors of the experts (MoE models)
+    parallelism.pp                    1 and every power of two that divides the layers and the data-parallel
+                                      devices (dense native models, tp, cp and ep 1, not LoRA, not on TPUs:
+                                      what the trainer runs), each with pp_microbatches pp and batch_size,
+                                      and pp_repeats 1 (GPipe) and the smallest other divisor of the
+                                      stage's layers (circular); scanned layers only, buckets and
+                                      re-sharding held (a stage keeps its weights gathered)
     lora.enabled                      true, only where no full fine-tuning candidate fits (below)
 
 Every candidate is a real Config (the config's own validation runs on it) planned by
 `plan_config`; nothing here estimates anything the planner does not. A candidate is rejected for
 divisibility (a micro-batch that does not divide the sequences per device, ep that does not
 divide dp_shard), for what the code cannot run (any validation error) or for memory (the
-planner's peak over the device's). The planner cannot tell apart what it does not model (host
-overhead per micro-batch, compile time, scan's steady-state cost): candidates within TIE of the
-best rate are ordered by fewer micro-batches, then fewer changes to the config, then lower peak
-memory.
+planner's peak over the device's). Pipeline stages take data-parallel ranks: a pp candidate's
+data-parallel ranks are devices / (tp x cp x pp), each with pp times the sequences, so the global
+batch stays the config's; a stage gathers 1 / pp of the weights, once per step (not once per
+micro-batch), at the cost of the bubble and the permutes (plan/pipeline_terms.py). The planner
+cannot tell apart what it does not model (host overhead per micro-batch, compile time, scan's
+steady-state cost): candidates within TIE of the best rate are ordered by fewer micro-batches,
+then fewer changes to the config, then lower peak memory.
 
 fp8 (the blocks' linears as fp8 matmuls, `[fp8]`) changes the numbers a run computes, so the search
 never turns it on by itself: with `allow_fp8` (`plan --search --allow-fp8`) every candidate is also
@@ -64,12 +73,12 @@ __all__ = ["KNOBS", "Candidate", "SearchResult", "search", "format_search"]
 # The searched config keys (what `keep` accepts).
 KNOBS = ("activation_checkpoint.mode", "model.scan_layers", "parallelism.reshard_after_forward",
          "parallelism.bucket_mb", "training.batch_size", "parallelism.dp_replicate", "parallelism.tp", "parallelism.ep",
-         "lora.enabled")
+         "parallelism.pp", "lora.enabled")
 # Every key a candidate sets, in the order its overrides are printed: dp_shard goes with
 # dp_replicate, grad_accum_steps with batch_size.
 _SET = ("activation_checkpoint.mode", "model.scan_layers", "training.batch_size", "training.grad_accum_steps",
         "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.ep",
-        "parallelism.reshard_after_forward",
+        "parallelism.pp", "parallelism.pp_microbatches", "parallelism.pp_repeats", "parallelism.reshard_after_forward",
         "parallelism.bucket_mb", "lora.enabled", "fp8.enabled")
 BUCKETS_MB = (0.0, 25.0, 256.0)
 TIE = 0.005  # predicted rates this close (relative) are a tie: the planner cannot tell them apart
@@ -93,6 +102,13 @@ class Candidate:
         r, s, tp = v["parallelism.dp_replicate"], v["parallelism.dp_shard"], v.get("parallelism.tp", 1)
         if tp > 1:
             text += f", tp {tp}"
+        pp = v.get("parallelism.pp", 1)
+        if pp > 1:
+            repeats = v["parallelism.pp_repeats"]
+            text += (f", pp {pp} ({v['parallelism.pp_microbatches'] or pp} micro-batches"
+                     f"{f' x {repeats} repeats' if repeats > 1 else ''})")
+        if r * s > 1 and pp > 1:
+            return text + f", dp_replicate {r} x dp_shard {s}"  # a stage's weights are kept gathered: no buckets
         if r * s > 1:  # the layout's knobs act only on several devices
             ep = f", ep {v['parallelism.ep']}" if v["parallelism.ep"] > 1 else ""
             text += f", dp_replicate {r} x dp_shard {s}{ep}"
@@ -158,7 +174,7 @@ def _tp_values(cfg: Config, devices: int, keep: set[str], hardware: Hardware) ->
 
 
 def _space(cfg: Config, devices: int, keep: set[str], fp8: tuple[bool, ...] = (False,),
-           tps: tuple[int, ...] | None = None) -> list[dict]:
+           tps: tuple[int, ...] | None = None, hardware: Hardware | None = None) -> list[dict]:
     """Every combination of knob values (a dict per candidate, each key of _SET). tps: the tp
     values (default: the config's); the global batch in sequences stays the config's, each tp's
     data-parallel ranks splitting it."""
@@ -167,11 +183,12 @@ def _space(cfg: Config, devices: int, keep: set[str], fp8: tuple[bool, ...] = (F
     sequences = _global_sequences(cfg, devices)
     out = []
     for tp in tps or (p.tp,):
-        dp_devices = devices // (tp * p.cp)  # context parallelism is held at the config's value
-        if sequences % dp_devices:
-            continue  # this tp's data-parallel ranks cannot split the global batch evenly
-        per_rank = sequences // dp_devices
-        out += _layout_space(cfg, args, keep, tp=tp, dp_devices=dp_devices, per_rank=per_rank)
+        for pp in _pp_values(cfg, args, keep, devices=devices // (tp * p.cp), tp=tp, hardware=hardware):
+            dp_devices = devices // (tp * p.cp * pp)  # context parallelism is held at the config's value
+            if sequences % dp_devices:
+                continue  # this layout's data-parallel ranks cannot split the global batch evenly
+            per_rank = sequences // dp_devices
+            out += _layout_space(cfg, args, keep, tp=tp, pp=pp, dp_devices=dp_devices, per_rank=per_rank)
     # fp8.enabled is a key of the candidates only where the search plans fp8 (search's allow_fp8)
     return out if fp8 == (False,) else [{**values, "fp8.enabled": on} for values in out for on in fp8]
 
@@ -179,10 +196,37 @@ def _space(cfg: Config, devices: int, keep: set[str], fp8: tuple[bool, ...] = (F
 def _global_sequences(cfg: Config, devices: int) -> int:
     """The config's sequences per step: batch_size x grad_accum_steps per data-parallel rank."""
     p = cfg.parallelism
-    return cfg.training.batch_size * cfg.training.grad_accum_steps * (devices // (p.tp * p.cp))
+    return cfg.training.batch_size * cfg.training.grad_accum_steps * (devices // (p.tp * p.cp * p.pp))
 
 
-def _layout_space(cfg: Config, args, keep: set[str], *, tp: int, dp_devices: int, per_rank: int) -> list[dict]:
+def _pp_values(cfg: Config, args, keep: set[str], *, devices: int, tp: int, hardware: Hardware | None) -> list[int]:
+    """Pipeline stages to search on `devices` (those tp and cp leave): 1 and the powers of two that
+    divide the layers and the devices, where the trainer runs stages (a dense native model without
+    multi-token prediction, tp, cp and ep 1, not LoRA) and not on a TPU (the captured pipelined step
+    is not lowered for one yet: docs/pipeline_parallel.md); the config's own pp always."""
+    p = cfg.parallelism
+    if "parallelism.pp" in keep:
+        return [p.pp]
+    runs = (args.moe is None and not args.mtp_num_layers and tp == 1 and p.cp == 1 and not cfg.lora.enabled
+            and (hardware is None or hardware.name not in TPU_NAMES))
+    powers = [2**i for i in range(1, devices.bit_length()) if args.n_layers % 2**i == 0 and devices % 2**i == 0]
+    return sorted({1, p.pp if devices % p.pp == 0 else 1, *(powers if runs else [])})
+
+
+def _pipeline_schedules(args, *, pp: int, batch_size: int) -> list[tuple[int, int]]:
+    """(pp_microbatches, pp_repeats) to search for `pp` stages and micro-batches of `batch_size`
+    rows: as many micro-batches as stages and one per row (the smallest bubble), GPipe and the
+    smallest circular schedule; (0, 1) without stages."""
+    if pp == 1:
+        return [(0, 1)]
+    micro = sorted({m for m in (pp, batch_size) if m >= pp and batch_size % m == 0})
+    stage_layers = args.n_layers // pp
+    repeats = [1] + [r for r in _divisors(stage_layers) if r > 1][:1]
+    return [(m, r) for m in micro for r in repeats]
+
+
+def _layout_space(cfg: Config, args, keep: set[str], *, tp: int, pp: int = 1, dp_devices: int,
+                  per_rank: int) -> list[dict]:
     t, p = cfg.training, cfg.parallelism
     micro = sorted(set(_divisors(per_rank)) | {2**i for i in range(per_rank.bit_length()) if 2**i <= per_rank})
     if "training.batch_size" in keep:
@@ -198,25 +242,30 @@ def _layout_space(cfg: Config, args, keep: set[str], *, tp: int, dp_devices: int
         # Tensor parallelism runs scanned blocks too, but under dp_shard their stack is gathered
         # whole before the loop (docs/tensor_parallel.md, Limitations): the search keeps tp unrolled.
         scans = [False]
+    if pp > 1:
+        scans = [True]  # the stages split the scanned stack
     out = []
     for (r, s), ep, ac, scan, b in itertools.product(layouts, eps, acs, scans, micro):
         # Knobs that act only on some layouts are held at the config's value elsewhere: buckets on
-        # several devices, re-sharding on a sharded axis with buckets.
-        buckets = sorted(set(BUCKETS_MB) | {p.bucket_mb}) if r * s > 1 and "parallelism.bucket_mb" not in keep \
-            else [p.bucket_mb]
-        reshards = ["true", "false"] if s > 1 and "parallelism.reshard_after_forward" not in keep else \
+        # several devices, re-sharding on a sharded axis with buckets (neither under pipeline
+        # stages, whose weights are read once per step and kept).
+        buckets = sorted(set(BUCKETS_MB) | {p.bucket_mb}) if r * s > 1 and pp == 1 and \
+            "parallelism.bucket_mb" not in keep else [p.bucket_mb]
+        reshards = ["true", "false"] if s > 1 and pp == 1 and "parallelism.reshard_after_forward" not in keep else \
             [p.reshard_after_forward]
         # Without buckets re-sharding does nothing: one candidate, at the config's value (or false
         # when the config says auto).
         unbucketed = p.reshard_after_forward if p.reshard_after_forward in reshards else "false"
-        for bucket, reshard in itertools.product(buckets, reshards):
+        schedules = _pipeline_schedules(args, pp=pp, batch_size=b)
+        for bucket, reshard, (micro_batches, repeats) in itertools.product(buckets, reshards, schedules):
             if bucket <= 0 and reshard != unbucketed and len(reshards) > 1:
                 continue
             out.append({"activation_checkpoint.mode": ac, "model.scan_layers": scan,
                         "parallelism.reshard_after_forward": reshard, "parallelism.bucket_mb": bucket,
                         "training.batch_size": b, "training.grad_accum_steps": max(per_rank // b, 1),
                         "parallelism.dp_replicate": r, "parallelism.dp_shard": s, "parallelism.tp": tp,
-                        "parallelism.ep": ep, "lora.enabled": cfg.lora.enabled})
+                        "parallelism.pp": pp, "parallelism.pp_microbatches": micro_batches,
+                        "parallelism.pp_repeats": repeats, "parallelism.ep": ep, "lora.enabled": cfg.lora.enabled})
     return out
 
 
@@ -231,7 +280,7 @@ def _candidate(base: Config, values: dict, *, sequences: int, devices: int, hard
             changes += [f"--{key}", _fmt(values[key])]
     c = Candidate(values=values, changes=changes)
     b, ep, shard = values["training.batch_size"], values["parallelism.ep"], values["parallelism.dp_shard"]
-    per_rank = sequences * values["parallelism.tp"] * base.parallelism.cp // devices
+    per_rank = sequences * values["parallelism.tp"] * base.parallelism.cp * values["parallelism.pp"] // devices
     if per_rank % b:
         c.reason, c.detail = "divisibility: micro-batch", f"micro-batch {b} does not divide {per_rank} sequences"
         return c
@@ -251,6 +300,8 @@ def _candidate(base: Config, values: dict, *, sequences: int, devices: int, hard
     try:
         with planning_machine():
             prepare_run(cfg)
+        if values["parallelism.pp"] > 1:  # what the trainer's mesh runs with stages (tp, cp, ep refused)
+            ParallelDims.from_config(cfg.parallelism, world_size=devices)
         # the planner's own refusals (the tp and cp layouts the code runs) reject a candidate the same way
         c.plan = plan_config(cfg, hardware, chips=chips, fp8=values.get("fp8.enabled"))
     except ValueError as e:
@@ -297,7 +348,7 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
     if allow_fp8 and not fp8[0]:
         result.fp8_note = fp8_note(hardware) or ""
         fp8 = (False,) if result.fp8_note else (False, True)
-    for values in _space(cfg, devices, set(keep), fp8, tuple(tps)):
+    for values in _space(cfg, devices, set(keep), fp8, tuple(tps), hardware):
         c = _candidate(cfg, values, sequences=sequences, devices=devices, hardware=hardware, chips=chips)
         if c.reason:
             result.rejected.setdefault(c.reason, []).append(c)
@@ -305,7 +356,7 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
             result.fitting.append(c)
     if not result.fitting and not cfg.lora.enabled and "lora.enabled" not in keep:
         # Full fine-tuning fits nowhere: the same space with LoRA (module docstring).
-        for values in _space(cfg, devices, set(keep), fp8, tuple(tps)):
+        for values in _space(cfg, devices, set(keep), fp8, tuple(tps), hardware):
             c = _candidate(cfg, {**values, "lora.enabled": True}, sequences=sequences, devices=devices,
                            hardware=hardware, chips=chips)
             if not c.reason:

@@ -5,7 +5,9 @@ step_time.py, fp8.py), built once by `resolve_setting`.
   `setup_for_planning`, `for_planning`) and the hardware it names (`default_hardware`);
 * the mesh, how long the code keeps gathered block weights (`code_gather`), LoRA's adapters, and
   the kernels `auto` picks by device kind (`loss_impl`, `chunk_attention_impl`, `grouped_mm_impl`);
-* the model's per-layer counts more than one term reads (`layer_params`, `attention_widths`).
+* the model's per-layer counts more than one term reads (`layer_params`, `attention_widths`);
+* under pipeline stages (parallelism.pp > 1) the schedule, and the model's args cut to one stage's
+  layers (`Setting.args`; the whole model's are `Setting.model_args`): plan/pipeline_terms.py.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from titan_tpu.kinds.record import builds_reference_copy
 from titan_tpu.models.registry import MODEL_NAMES, num_params
 from titan_tpu.parallel.context_parallel import check_context_parallel
 from titan_tpu.parallel.mesh import ParallelDims, check_cp_with_ep
+from titan_tpu.parallel.pipeline import PipelineSchedule
 from titan_tpu.parallel.plan_terms import Layout
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
+from titan_tpu.plan.pipeline_terms import pipeline_schedule, stage_args
 from titan_tpu.run_setup import RunSetup
 
 __all__ = ["Setting", "TPU_NAMES", "attention_widths", "chunk_attention_impl", "code_gather", "default_hardware",
@@ -104,6 +108,8 @@ def code_gather(cfg: Config) -> str:
     without activation checkpointing (parameters gathered one by one) or with scanned layers."""
     p = cfg.parallelism
     assert p.reshard_after_forward != "auto", "plan_config resolves auto first (with_reshard_resolved)"
+    if p.pp > 1:
+        return "model"  # a pipeline stage reads its rows once per step and keeps them (no buckets: models/spec.py)
     if p.reshard_after_forward == "false" or p.bucket_mb <= 0:
         return "model"
     if p.tp > 1 and cfg.activation_checkpoint.mode == "none":
@@ -124,7 +130,7 @@ class Setting:
 
     cfg: Config
     label: str  # how the plan names the model (the spec's label, e.g. llama3/8B)
-    args: object  # the model's TransformerArgs
+    args: object  # the model's TransformerArgs as a device holds it: one pipeline stage's layers under pp
     hardware: Hardware
     devices: int
     layout: Layout
@@ -136,6 +142,19 @@ class Setting:
     as_compiled: bool = False  # plan `titan-tpu compile`'s program (`plan_run`'s as_compiled)
     fp8: bool = False  # the blocks' linears as fp8 matmuls (the config's [fp8], or `plan_run`'s fp8 what-if)
     fp8_scaling: str = "tensorwise"  # tensorwise | rowwise (kernels/fp8.py)
+    schedule: PipelineSchedule | None = None  # pipeline stages (parallelism.pp > 1), else None
+    whole_args: object = None  # the whole model's TransformerArgs where `args` is one stage's; None: `args`
+
+    @property
+    def model_args(self):
+        """The whole model's args: what the FLOPs per token and the parameter counts describe."""
+        return self.whole_args if self.whole_args is not None else self.args
+
+    @property
+    def ranks_per_batch(self) -> int:
+        """The ranks that share one data-parallel rank's batch: its tp x cp x pp devices."""
+        p = self.cfg.parallelism
+        return p.tp * p.cp * p.pp
 
     @property
     def ac(self) -> str:
@@ -161,13 +180,15 @@ class Setting:
     @property
     def traced(self) -> bool:
         # Traced checkpointed blocks keep the attention output too (activation_checkpoint.py); the
-        # scanned full mode is its own autograd function that keeps only the layer inputs.
-        return self.graph and not (self.scanned and self.ac == "full")
+        # scanned full mode is its own autograd function that keeps only the layer inputs. Pipeline
+        # stages run their rows block by block (parallel/pipeline.py), as checkpointed blocks.
+        return self.graph and not (self.scanned and self.ac == "full" and self.schedule is None)
 
     @property
     def partitioned(self) -> bool:
-        # Scanned layers in graph mode without full checkpointing: scan's own autograd (scan.py).
-        return self.scanned and self.graph and self.ac != "full"
+        # Scanned layers in graph mode without full checkpointing: scan's own autograd (scan.py);
+        # pipeline stages run no scan op.
+        return self.scanned and self.graph and self.ac != "full" and self.schedule is None
 
     @property
     def kind(self) -> TrainingKind:
@@ -222,8 +243,6 @@ def resolve_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int | 
                     gather: str | None, model_args) -> Setting:
     """The run setup resolved for planning (see `plan_run` for the arguments)."""
     cfg, spec = setup.cfg, setup.spec
-    code = code_gather(cfg)
-    gather = gather or code
     if not spec.plannable:
         raise ValueError(f"titan-tpu plan covers the native models ({', '.join(MODEL_NAMES)}); an hf model's "
                          "layers are transformers' own code, which the planner has no terms for")
@@ -239,14 +258,21 @@ def resolve_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int | 
         cfg = dataclasses.replace(cfg, training=training)
     args = model_args if model_args is not None else spec.args
     _check_parallel_support(cfg, args)
+    schedule = pipeline_schedule(cfg, args)
+    if schedule is not None:  # as the model is built under pp (models/spec.py): no buckets, nothing re-sharded
+        parallelism = dataclasses.replace(cfg.parallelism, bucket_mb=0, reshard_after_forward="false")
+        cfg = dataclasses.replace(cfg, parallelism=parallelism)
+    code = code_gather(cfg)
+    gather = gather or code
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
     p = cfg.parallelism
     layout = Layout(**dims.config_sizes(), compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype],
                     gather=gather, ep_dispatch=p.ep_dispatch,
                     # captured CPU/CUDA steps send the all-to-all's static buffer whole; TPU's is ragged
                     ep_padded=cfg.training.mode == "graph" and hardware.name not in TPU_NAMES)
-    return Setting(cfg=cfg, label=spec.label, args=args, hardware=hardware, devices=devices, layout=layout,
-                   dtype=dtype, gather=gather, code_gather=code, **_adapters(cfg, args))
+    return Setting(cfg=cfg, label=spec.label, args=stage_args(args, schedule), hardware=hardware, devices=devices,
+                   layout=layout, dtype=dtype, gather=gather, code_gather=code, schedule=schedule,
+                   whole_args=args if schedule is not None else None, **_adapters(cfg, args))
 
 
 def _adapters(cfg: Config, args) -> dict:
@@ -278,11 +304,10 @@ def _count_adapters(cfg: Config, args) -> dict:
 
 
 def _check_parallel_support(cfg: Config, args) -> None:
-    """The tensor- and context-parallel combinations the code runs, or a one-line error."""
+    """The tensor- and context-parallel combinations the code runs, or a one-line error. Pipeline
+    stages are planned with tp and cp too, which the trainer does not run with them yet
+    (parallel/mesh.py): a plan of what the layout would need."""
     tp, cp = cfg.parallelism.tp, cfg.parallelism.cp
-    if cfg.parallelism.pp > 1:
-        raise ValueError("titan-tpu plan does not count pipeline stages (parallelism.pp > 1) yet: their per-stage "
-                         "memory, bubble and permutes are not in its terms; plan the run with pp 1")
     if tp > 1:
         check_tensor_parallel(args, tp, seq_len=cfg.training.seq_len)
     if cp > 1:

@@ -9,6 +9,10 @@ eager runs); collectives (parallel/plan_terms.py) = bytes / the rate of the fabr
 axis crosses (plan/fabric.py: NVLink or ICI inside a node or slice, InfiniBand or DCN between
 them). Step time without overlap sums them; with overlap, collectives hide behind compute and only
 the excess shows. Eager runs (no scheduler to overlap) use the first, graph mode the second.
+
+Pipeline stages (plan/pipeline_terms.py): a device's FLOPs are 1 / pp of its data-parallel rank's;
+its block work is stretched by the bubble, the output projection runs on the last stage alone; the
+permutes and the shared weights' gradient sums are collectives over pp.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from titan_tpu.kinds.record import reference_flops
 from titan_tpu.models.common.activation_memory import activation_bytes
 from titan_tpu.models.registry import flops_per_token, num_expert_params, num_params, recomputed_flops_per_token
 from titan_tpu.parallel.plan_terms import collective_calls, cp_collectives
+from titan_tpu.plan.pipeline_terms import head_flops_device, pipeline_collectives, stage_compute_flops
 from titan_tpu.plan.setting import TPU_NAMES, Setting, attention_widths, layer_params
 
 __all__ = ["LOCAL_GBPS", "STORAGE_GBPS", "checkpoint_time", "cpu_share", "speed_basis", "step_collectives",
@@ -30,30 +35,38 @@ LOCAL_GBPS = 5.0
 
 def step_flops(s: Setting) -> dict[str, float]:
     """The trainer's FLOPs count, and what runs (recomputed forwards under full checkpointing)."""
-    t, p = s.cfg.training, s.cfg.parallelism
-    fpt = flops_per_token(s.args, t.seq_len)
+    t = s.cfg.training
+    args = s.model_args  # the whole model's: a pipeline stage's share is 1 / pp of a rank's tokens' work
+    fpt = flops_per_token(args, t.seq_len)
     tokens_step_rank = s.tokens * t.grad_accum_steps  # tokens of one data-parallel rank (its tp ranks share them)
-    model_flops_rank = fpt * tokens_step_rank / (p.tp * p.cp)
+    share = s.ranks_per_batch
+    model_flops_rank = fpt * tokens_step_rank / share
     # Full checkpointing reruns the blocks' forward in the backward; the output projection and the
     # loss are outside the checkpointed blocks and run once.
-    recomputed = recomputed_flops_per_token(s.args, t.seq_len) if s.ac == "full" else 0.0
+    recomputed = recomputed_flops_per_token(args, t.seq_len) if s.ac == "full" else 0.0
     reference = reference_flops(s.kind, s.cfg, fpt)  # a frozen reference's forwards (no backward)
     if reference:
         return {"per_token": fpt, "reference_per_token": reference,
-                "model_per_step_per_device": (fpt + reference) * tokens_step_rank / (p.tp * p.cp),
-                "executed_per_step_per_device": (fpt + recomputed + reference) * tokens_step_rank / (p.tp * p.cp)}
+                "model_per_step_per_device": (fpt + reference) * tokens_step_rank / share,
+                "executed_per_step_per_device": (fpt + recomputed + reference) * tokens_step_rank / share}
     return {"per_token": fpt, "model_per_step_per_device": model_flops_rank,
-            "executed_per_step_per_device": (fpt + recomputed) * tokens_step_rank / (p.tp * p.cp)}
+            "executed_per_step_per_device": (fpt + recomputed) * tokens_step_rank / share}
 
 
 def step_collectives(s: Setting) -> list:
     """The collectives of one step (parallel/plan_terms.py)."""
     args, t, p = s.args, s.cfg.training, s.cfg.parallelism
     cb = s.layout.compute_bytes
-    gathers, regathers = collective_calls(
-        tensors_per_layer=_layer_tensors(args), bytes_per_layer=[g * cb for g in layer_params(args)],
-        outside_tensors=2 if args.tie_embeddings else 3, bucket_bytes=p.bucket_mb * 2**20,
-        scanned_whole=s.scanned and not s.per_layer_stack, regather=s.gather == "layer")
+    outside = 2 if args.tie_embeddings else 3
+    if s.schedule is not None:
+        # A pipeline stage reads each stacked weight of its rows whole, once per accumulated batch
+        # (parallel/pipeline.py: no buckets), and reduce-scatters its gradient once.
+        gathers, regathers = max(_layer_tensors(args)) + outside, 0
+    else:
+        gathers, regathers = collective_calls(
+            tensors_per_layer=_layer_tensors(args), bytes_per_layer=[g * cb for g in layer_params(args)],
+            outside_tensors=outside, bucket_bytes=p.bucket_mb * 2**20,
+            scanned_whole=s.scanned and not s.per_layer_stack, regather=s.gather == "layer")
     collectives = s.layout.step_collectives(total_params=num_params(args), expert_params=num_expert_params(args),
                                             micro_batches=t.grad_accum_steps, moe_layers=args.num_moe_layers,
                                             tokens_per_micro_batch=s.tokens, dim=args.dim,
@@ -67,6 +80,12 @@ def step_collectives(s: Setting) -> list:
                                       kv_elements=s.tokens * k_dim, v_elements=s.tokens * v_dim, compute_bytes=cb,
                                       documents_tokens=s.tokens if s.cfg.data.document_mask else 0,
                                       recompute_blocks=s.ac != "none")
+    if s.schedule is not None:
+        shared = num_params(args) - s.block_params  # the weights outside the stack, whole on every stage
+        collectives += pipeline_collectives(schedule=s.schedule, tokens=s.tokens, dim=args.dim,
+                                            accum=t.grad_accum_steps, compute_bytes=cb,
+                                            shared_params=s.layout.stored_elements(shared),
+                                            shared_tensors=2 if args.tie_embeddings else 3, split=p.tp * p.cp)
     return collectives
 
 
@@ -87,14 +106,21 @@ def step_time(s: Setting, *, executed_rank: float, collectives: list, rates: dic
     share = cpu_share(s)
     peak_flops = hardware.peak_flops / share
     fp8_flops = fp8["flops"] if fp8 else 0.0
+    stretch = 1.0
+    if s.schedule is not None:  # the bubble stretches a stage's block work; the last stage runs the head alone
+        head = head_flops_device(s.args, tokens_device=s.tokens * t.grad_accum_steps / s.ranks_per_batch)
+        stretched = stage_compute_flops(executed_device=executed_rank, head_device=head, schedule=s.schedule)
+        stretch = 1.0 / (1.0 - s.schedule.bubble)
+        executed_rank = stretched
     compute_s = (executed_rank - fp8_flops) / (peak_flops * efficiency) + \
         (fp8_flops / (fp8["peak_flops"] / share * efficiency) if fp8 else 0.0)
     none_acts = activation_bytes(s.args, tokens=s.tokens // p.cp, ac_mode="none", dtype_bytes=s.layout.compute_bytes,
                                  ep=p.ep, tp=p.tp, padded_values=s.padded_values)
     # Every intermediate is written in the forward and read and written in the backward (again when
     # recomputed); AdamW and clipping stream parameters, gradients and moments about twelve times.
+    # A pipeline stage's activation work waits in the bubble like its matmuls (`stretch`).
     elementwise_bytes = 3 * (none_acts.saved + (none_acts.saved if s.ac != "none" else 0)) * t.grad_accum_steps \
-        + 12 * s.stored * s.layout.master_bytes() + (fp8["cast_bytes"] if fp8 else 0.0)
+        * stretch + 12 * s.stored * s.layout.master_bytes() + (fp8["cast_bytes"] if fp8 else 0.0)
     elementwise_s = elementwise_bytes / (hardware.memory_bandwidth / share * elementwise_efficiency)
     comm_s = sum(c.bytes_per_step / rates[c.axis].bandwidth for c in collectives) + \
         sum(c.calls for c in collectives) * hardware.collective_latency
@@ -105,6 +131,7 @@ def step_time(s: Setting, *, executed_rank: float, collectives: list, rates: dic
             "step_s_no_overlap": no_overlap, "step_s_overlap": overlap,
             "step_s": overlap if s.graph else no_overlap, "overlap_assumed": s.graph, "efficiency": efficiency,
             "elementwise_efficiency": elementwise_efficiency,
+            **({"pipeline_bubble": s.schedule.bubble} if s.schedule is not None else {}),
             **({"fp8_peak_flops": fp8["peak_flops"], "fp8_cast_bytes": fp8["cast_bytes"]} if fp8 else {})}
 
 
@@ -132,7 +159,7 @@ def checkpoint_time(s: Setting, *, step_s: float | None, storage_gbps: float, lo
     bandwidth; the local tier is each device's own shards, all devices writing at once. On SIGTERM
     the step in flight ends first, so the budget must hold a step and the local tier."""
     mb = s.layout.master_bytes()
-    stored = num_params(s.args) + s.adapter_params
+    stored = num_params(s.model_args) + s.adapter_params
     trained = s.adapter_params if s.lora else stored
     total = (stored + 2 * trained) * mb
     per_device = (s.stored + 2 * s.trained) * mb

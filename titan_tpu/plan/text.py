@@ -21,7 +21,9 @@ def advice(plan: Plan, cfg: Config, *, acts_share: float) -> list[str]:
     if plan.fits:
         return []
     m, out = plan.memory, []
-    if m["gathered_weights"] + m["full_size_gradient"] > 0.25 * plan.peak_bytes and plan.mesh["gather"] == "model":
+    # Under pipeline stages nothing is re-sharded (a stage keeps its rows): more stages shrink them (below).
+    if m["gathered_weights"] + m["full_size_gradient"] > 0.25 * plan.peak_bytes and plan.mesh["gather"] == "model" \
+            and not plan.pipeline:
         out.append(f"the gathered block weights ({m['gathered_weights'] / 1e9:.1f} GB) are kept from the forward to "
                    f"the end of the backward and their full-size gradient reaches {m['full_size_gradient'] / 1e9:.1f} "
                    "GB: more dp_shard does not shrink them; re-sharding after the forward does "
@@ -32,6 +34,9 @@ def advice(plan: Plan, cfg: Config, *, acts_share: float) -> list[str]:
     if acts_share > 0.2 and cfg.training.batch_size > 1:
         out.append(f"a smaller --training.batch_size (now {cfg.training.batch_size}) with "
                    "--training.grad_accum_steps to keep the tokens per step")
+    if plan.pipeline:
+        out.append(f"more --parallelism.pp (now {plan.pipeline['stages']}): a stage keeps its "
+                   f"{plan.pipeline['layers_per_stage']} layers gathered for the step, with their full-size gradient")
     state = m["parameters"] + m["gradients"] + m["optimizer_state"]
     if state > 0.3 * plan.peak_bytes:
         out.append(f"more --parallelism.dp_shard (parameters, gradients and moments are {state / 1e9:.1f} GB per "
@@ -42,11 +47,28 @@ def advice(plan: Plan, cfg: Config, *, acts_share: float) -> list[str]:
 
 
 def _batch_unit(mesh: dict) -> str:
-    """Who holds a micro-batch: a device, or under cp / tp a group of devices that splits it."""
+    """Who holds a micro-batch: a device, or under cp / tp / pp a group of devices that splits it."""
     split = mesh.get("cp", 1) * mesh.get("tp", 1)
-    if split == 1:
+    pp = mesh.get("pp", 1)
+    if split * pp == 1:
         return "device"
+    if pp > 1:
+        return f"data-parallel rank (its {pp} pipeline stages{f' x {split} cp x tp devices' if split > 1 else ''})"
     return f"data-parallel rank (its {split} cp x tp devices each hold 1/{mesh.get('cp', 1)} of every sequence)"
+
+
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """What the plan counts for pipeline stages (plan/pipeline_terms.py), under the batch line."""
+    pipe = plan.pipeline
+    if not pipe:
+        return []
+    return [f"  pipeline: {pipe['stages']} stages x {pipe['repeats']} repeat{'s' if pipe['repeats'] > 1 else ''} "
+            f"({pipe['layers_per_stage']} layers a stage, chunks of {pipe['layers_per_chunk']}), "
+            f"{pipe['micro_batches']} micro-batches of {pipe['micro_batch_rows']} row"
+            f"{'s' if pipe['micro_batch_rows'] != 1 else ''}, {pipe['iterations']} iterations: bubble "
+            f"{pipe['bubble']:.3f} = (pp - 1) / (repeats x micro-batches + pp - 1); memory is the last stage's "
+            "(its layers, the weights outside the stack whole, the loss), with every micro-batch's activations "
+            "alive at the backward's start"]
 
 
 def _gb(x: float) -> str:
@@ -67,7 +89,8 @@ TERMS = {
     "activation_recompute": "the largest block's activations while its forward is recomputed in the backward "
                             "(activation checkpointing)",
     "gathered_weights": "weights all-gathered from the shards for compute, in the compute dtype: one bucket "
-                        "(re-gathered per layer) or the whole model (kept from forward to backward)",
+                        "(re-gathered per layer) or the whole model (kept from forward to backward; under pipeline "
+                        "stages the stage's layers and the weights outside the stack)",
     "full_size_gradient": "the largest gradient alive at full size before its reduce-scatter to this device's shard",
     "scan_saved_copies": "scanned layers: copies of weights and RoPE tables the scan loop saves per layer",
     "scan_flipped": "scanned layers: the reversed copies of the saved stacks the backward loop reads",
@@ -95,6 +118,7 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
         f"(mesh dp_replicate {plan.mesh['dp_replicate']} x dp_shard {plan.mesh['dp_shard']}"
         f"{', ep ' + str(plan.mesh['ep']) if plan.mesh['ep'] > 1 else ''}"
         f"{' x cp ' + str(plan.mesh.get('cp', 1)) if plan.mesh.get('cp', 1) > 1 else ''}"
+        f"{' x pp ' + str(plan.mesh.get('pp', 1)) if plan.mesh.get('pp', 1) > 1 else ''}"
         f"{' x tp ' + str(plan.mesh.get('tp', 1)) if plan.mesh.get('tp', 1) > 1 else ''}"
         f"{'; dp_replicate across ' + str(plan.mesh['slices']) + ' slices' if plan.mesh.get('slices', 1) > 1 else ''}"
         f"; {plan.mesh['mode']}"
@@ -105,6 +129,7 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
         f"{'scanned' if b['scan_layers'] else 'unrolled'}; loss {b['loss']}; {b['mode']} mode",
         f"  parameters {plan.params['total'] / 1e9:.3f} B ({plan.params['active'] / 1e9:.3f} B active), "
         f"{plan.params['stored_per_device'] / 1e9:.3f} B stored per device",
+        *_pipeline_lines(plan),
         "memory per device:",
     ]
     for key in ("parameters", "reference", "gradients", "optimizer_state", "activations", "activation_recompute",
@@ -146,9 +171,10 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
         lines.append("predicted: no step time: eager mode on a TPU runs op by op for debugging and has never been "
                      "measured; plan the run with --training.mode graph (the TPU path)")
     else:
+        bubble = f", the pipeline's bubble ({t['pipeline_bubble']:.3f}) included" if "pipeline_bubble" in t else ""
         lines.append(f"time per step: compute {t['compute_s']:.4g} s (at {t['efficiency']:.0%} of "
-                     f"{hw['peak_flops'] / 1e12:.4g} TFLOP/s), elementwise {t['elementwise_s']:.4g} s, collectives "
-                     f"{t['collectives_s']:.4g} s; {t['step_s_no_overlap']:.4g} s without overlap, "
+                     f"{hw['peak_flops'] / 1e12:.4g} TFLOP/s{bubble}), elementwise {t['elementwise_s']:.4g} s, "
+                     f"collectives {t['collectives_s']:.4g} s; {t['step_s_no_overlap']:.4g} s without overlap, "
                      f"{t['step_s_overlap']:.4g} s with")
         lines.append(f"predicted: {t['step_s']:.4g} s/step "
                      f"({'overlapped' if t['overlap_assumed'] else 'no overlap'}), "

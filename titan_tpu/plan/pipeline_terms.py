@@ -1,0 +1,88 @@
+"""What pipeline stages (parallelism.pp, parallel/pipeline.py) change in a plan: the plan is the last
+stage's, the one that also runs the final norm, the output projection and the loss (the largest).
+
+* Memory. A stage stores its share of the scanned stack (layers / pp rows, sharded over dp_shard as
+  ever) and the weights outside it whole (embedding, final norm, output projection; sharded over
+  dp_shard), with their gradients and AdamW moments. It reads its rows once per step and keeps them
+  gathered (the model is built without buckets or re-sharding under pp: models/spec.py), so the
+  gathered copies and the full-size gradient are its whole stage's. The planner counts all of that
+  with the model's args cut to one stage's layers (`stage_args`): every term that sums over layers
+  sums over the stage's.
+* Activations. The schedule is one program: the backward of the whole loop of
+  micro_batches x repeats + pp - 1 iterations runs after its forward, so what every iteration saved
+  is alive at the backward's start (GPipe's memory, not 1F1B's). Of those iterations a stage
+  computes in micro_batches x repeats, each one chunk (layers / (pp x repeats) layers) of one
+  micro-batch (batch_size / micro_batches rows); in the other pp - 1 (the bubble) it passes its
+  input on, and the permute saves nothing. So a stage holds its layers' activations for every row of
+  the batch: the per-layer term of the whole batch times layers / pp, or under full checkpointing
+  each layer's input only (every layer of a chunk is its own checkpointed block). One layer's
+  recomputation is one micro-batch's. The loss sees the whole batch (the last stage concatenates
+  the micro-batches' outputs).
+* Time. A stage computes 1 / pp of the blocks' work and, in lockstep with the others, waits in the
+  bubble, (pp - 1) / (repeats x micro-batches + pp - 1) of the loop: its block work is stretched by
+  1 / (1 - bubble). The output projection and the loss run once, on the last stage, after the loop
+  (and their backward before the loop's backward), so their work is not divided over the stages.
+* Traffic (`pipeline_collectives`). Each iteration but the last hands every stage's activation,
+  one micro-batch [rows, seq, dim] in the compute dtype, to the next stage, and the backward sends
+  its gradient back: 2 x (iterations - 1) permutes per accumulated batch, on the fabric the pp axis
+  crosses. After the backward the gradients of the weights every stage holds whole are summed over
+  pp (an all-reduce of each one's fp32 shard, once per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan_tpu.models.registry import head_flops_per_token
+from titan_tpu.parallel.pipeline import PipelineSchedule
+from titan_tpu.parallel.plan_terms import Collective
+
+__all__ = ["head_flops_device", "pipeline_collectives", "pipeline_schedule", "stage_args", "stage_compute_flops"]
+
+
+def pipeline_schedule(cfg, args) -> PipelineSchedule | None:
+    """The run's schedule (parallel/pipeline.py; a one-line error where it does not divide the
+    layers), or None without pipeline stages."""
+    if cfg.parallelism.pp <= 1:
+        return None
+    return PipelineSchedule.from_config(cfg.parallelism, n_layers=args.n_layers)
+
+
+def stage_args(args, schedule: PipelineSchedule | None):
+    """The model's args as one stage holds it: its layers / pp of the stack, everything outside
+    the stack whole; the args themselves without stages."""
+    if schedule is None:
+        return args
+    assert args.moe is None and not args.mtp_num_layers, "pipeline stages run dense models (run_setup.py)"
+    return dataclasses.replace(args, n_layers=args.n_layers // schedule.stages)
+
+
+def stage_compute_flops(*, executed_device: float, head_device: float, schedule: PipelineSchedule) -> float:
+    """The FLOPs a stage's step takes as long as (the module docstring): its share of the blocks'
+    work stretched by the bubble, and the output projection's work of every stage's share
+    (`head_device` is 1 / pp of it), which the last stage runs alone."""
+    blocks = executed_device - head_device
+    return blocks / (1.0 - schedule.bubble) + head_device * schedule.stages
+
+
+def head_flops_device(args, *, tokens_device: float) -> float:
+    """The output projection's FLOPs (forward and backward) counted in a device's share of the step."""
+    return head_flops_per_token(args) * tokens_device
+
+
+def pipeline_collectives(*, schedule: PipelineSchedule, tokens: int, dim: int, accum: int, compute_bytes: int,
+                         shared_params: float, shared_tensors: int, split: int) -> list[Collective]:
+    """The permutes between stages and the shared weights' gradient sums of one step (the module
+    docstring), the bytes each rank sends. tokens: one accumulated batch's tokens of a
+    data-parallel rank (batch_size x seq_len); split: the ranks that hold 1 / split of each
+    activation (tp's sequence-parallel residual x cp); shared_params: the elements of the weights
+    outside the stack a rank stores (its dp_shard x tp shard), in `shared_tensors` tensors."""
+    pp = schedule.stages
+    micro_batch = tokens / schedule.micro_batches * dim * compute_bytes / split
+    permutes = 2 * (schedule.iterations - 1) * accum
+    shared = 2 * (pp - 1) / pp * shared_params * 4  # the fp32 gradient shards, summed once per step
+    return [Collective("permute", "pp", pp, permutes * micro_batch,
+                       f"micro-batch activations to the next stage and their gradients back "
+                       f"({schedule.iterations - 1} iterations each way)", permutes),
+            Collective("all_reduce", "pp", pp, shared, "gradients of the weights every stage holds, once per step",
+                       shared_tensors)]
