@@ -170,15 +170,18 @@ def test_permutes_on_the_fabric_the_pp_axis_crosses():
 def test_search_picks_stages_where_fsdp_over_the_network_costs_more():
     """Llama 3 70B on 64 H100 with short sequences (64 of 512 a step): fully sharded data
     parallelism's gathers and reduce-scatters cost more than the compute, over InfiniBand once tp
-    fills the node (the best without stages: tp 8 x dp_shard 8); 16 stages across two nodes each
-    gather 1 / 16 of the weights once per step and win despite the bubble. Llama 3 8B on 16 H100
+    fills the node (the best without stages: tp 8 x dp_shard 8); stages across the nodes (tp 8 x pp 4
+    x dp_shard 2 first; without tp, 16 stages) gather a share of the weights once per step and win
+    despite the bubble. Llama 3 8B on 16 H100
     with 8,192-token sequences is compute-bound: no stages, whose bubble would only cost."""
     short = search(for_planning(CONFIGS / "llama3_70b_h100_tp.toml",
                                 ["--training.seq_len", "512", "--parallelism.dp_shard", "-1",
                                  "--training.grad_accum_steps", "8", "--training.mode", "graph"]),
                    *resolve_hardware("h100-64", measure=False)[:1], chips=64, measure=False)
     first = short.fitting[0]
-    assert first.values["parallelism.pp"] > 1 and first.values["parallelism.tp"] == 1
+    assert first.values["parallelism.pp"] > 1 and first.values["parallelism.tp"] == 8
+    without_tp = max((c for c in short.fitting if c.values["parallelism.tp"] == 1), key=lambda c: c.plan.tokens_per_s)
+    assert without_tp.values["parallelism.pp"] > 1
     flat = max((c for c in short.fitting if c.values["parallelism.pp"] == 1), key=lambda c: c.plan.tokens_per_s)
     assert flat.plan.time["collectives_s"] > flat.plan.time["compute_s"]
     assert {c["fabric"] for c in flat.plan.communication if c["axis"] == "dp_shard"} == {"InfiniBand"}
@@ -192,7 +195,7 @@ def test_search_picks_stages_where_fsdp_over_the_network_costs_more():
 def test_pipeline_recipe_is_planned_and_fits(capsys):
     """configs/llama3_405b_h100_pp.toml: tp 8 inside each node, pp and dp_shard across nodes; its
     plan fits 80 GB per GPU, and `titan-tpu plan` prints the layout, the stage's memory, the bubble
-    and the pp terms. The trainer does not run pp x tp yet (the recipe says so): the mesh refuses it."""
+    and the pp terms; its mesh is one the trainer builds."""
     from titan_tpu.parallel.mesh import ParallelDims
 
     cfg = for_planning(CONFIGS / "llama3_405b_h100_pp.toml")
@@ -205,8 +208,7 @@ def test_pipeline_recipe_is_planned_and_fits(capsys):
     out = capsys.readouterr().out
     assert "dp_shard 9 x pp 7 x tp 8" in out and "pipeline: 7 stages x 3 repeats (18 layers a stage" in out
     assert "bubble 0.125" in out and "permute" in out and ": fits" in out
-    with pytest.raises(ValueError, match="pp > 1 composes with the data-parallel axes only"):
-        ParallelDims.from_config(p, world_size=504)
+    assert ParallelDims.from_config(p, world_size=504).pp == 7
     # Why 7 stages: 126 layers on 64 nodes leave pp 2, whose stages keep 63 gathered layers each.
     two = for_planning(CONFIGS / "llama3_405b_h100_pp.toml",
                        ["--parallelism.pp", "2", "--parallelism.dp_shard", "31", "--training.batch_size", "2",
@@ -215,4 +217,3 @@ def test_pipeline_recipe_is_planned_and_fits(capsys):
     plan = plan_config(two, hardware, chips=chips)
     assert not plan.fits and plan.advice == ["more --parallelism.pp (now 2): a stage keeps its 63 layers gathered for "
                                              "the step, with their full-size gradient"]
-    assert "NOT TRAINABLE YET" in (CONFIGS / "llama3_405b_h100_pp.toml").read_text()

@@ -135,18 +135,23 @@ def test_bad_search_input_is_one_line(capsys):
 
 def test_search_holds_tp_and_factorises_the_rest():
     """With tp the search splits devices / tp into dp_replicate x dp_shard and keeps blocks unrolled
-    (the layout tp runs); the 70B H100 recipe's tp 8 on its 32 GPUs searches (it raised before)."""
+    (the layout tp runs), or into pipeline stages over the scanned stack; the 70B H100 recipe's tp 8
+    on its 32 GPUs searches (it raised before)."""
     result = search(build_config(CONFIGS / "llama3_debug.toml", ["--parallelism.dp_shard", "2", "--parallelism.tp",
                                                                   "2"]), CPU, measure=False)
     assert result.devices == 4
-    layouts = {(c.values["parallelism.dp_replicate"], c.values["parallelism.dp_shard"]) for c in result.fitting}
+    flat = [c for c in result.fitting if c.values["parallelism.pp"] == 1]
+    staged = [c for c in result.fitting if c.values["parallelism.pp"] > 1]
+    layouts = {(c.values["parallelism.dp_replicate"], c.values["parallelism.dp_shard"]) for c in flat}
     assert layouts == {(1, 2), (2, 1)}
-    assert not any(c.values["model.scan_layers"] for c in result.fitting)
+    assert not any(c.values["model.scan_layers"] for c in flat)
+    assert staged and all(c.values["model.scan_layers"] and c.values["parallelism.pp"] == 2 for c in staged)
     assert all(c.plan.mesh["tp"] == 2 for c in result.fitting)
     recipe = search(for_planning(CONFIGS / "llama3_70b_h100_tp.toml", []), measure=False,
                     keep=["parallelism.tp"])
     assert recipe.devices == 32 and recipe.fitting and not recipe.tps
-    assert {c.values["parallelism.dp_replicate"] * c.values["parallelism.dp_shard"] for c in recipe.fitting} == {4}
+    assert {c.values["parallelism.dp_replicate"] * c.values["parallelism.dp_shard"] * c.values["parallelism.pp"]
+            for c in recipe.fitting} == {4}
 
 
 def test_configurations_that_plan_the_same_are_one_row():

@@ -17,7 +17,7 @@ The space (each knob at the values below; `keep` holds a knob at the config's va
                                       elsewhere held at the config's value
     parallelism.ep                    divisors of the experts (MoE models)
     parallelism.pp                    1 and every power of two that divides the layers and the data-parallel
-                                      devices (dense native models, tp, cp and ep 1, not LoRA, not on TPUs:
+                                      devices (dense native models, cp and ep 1, not LoRA, not on TPUs:
                                       what the trainer runs), each with pp_microbatches pp and batch_size,
                                       and pp_repeats 1 (GPipe) and the smallest other divisor of the
                                       stage's layers (circular); scanned layers only, buckets and
@@ -202,12 +202,12 @@ def _global_sequences(cfg: Config, devices: int) -> int:
 def _pp_values(cfg: Config, args, keep: set[str], *, devices: int, tp: int, hardware: Hardware | None) -> list[int]:
     """Pipeline stages to search on `devices` (those tp and cp leave): 1 and the powers of two that
     divide the layers and the devices, where the trainer runs stages (a dense native model without
-    multi-token prediction, tp, cp and ep 1, not LoRA) and not on a TPU (the captured pipelined step
+    multi-token prediction, cp and ep 1, not LoRA) and not on a TPU (the captured pipelined step
     is not lowered for one yet: docs/pipeline_parallel.md); the config's own pp always."""
     p = cfg.parallelism
     if "parallelism.pp" in keep:
         return [p.pp]
-    runs = (args.moe is None and not args.mtp_num_layers and tp == 1 and p.cp == 1 and not cfg.lora.enabled
+    runs = (args.moe is None and not args.mtp_num_layers and p.cp == 1 and not cfg.lora.enabled
             and (hardware is None or hardware.name not in TPU_NAMES))
     powers = [2**i for i in range(1, devices.bit_length()) if args.n_layers % 2**i == 0 and devices % 2**i == 0]
     return sorted({1, p.pp if devices % p.pp == 0 else 1, *(powers if runs else [])})
