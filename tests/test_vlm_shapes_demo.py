@@ -93,6 +93,12 @@ def test_scores_replace_the_earlier_ones_in_metrics(tmp_path):
                                                 "eval/shapes/colour_accuracy": 1.0, "eval/shapes/shape_accuracy": 0.9}]
 
 
+def test_scoring_a_directory_that_is_not_a_run_is_one_line(tmp_path, capsys):
+    assert shapes_demo.main(["score", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path} has no config.json; pass the output_dir of a titan-tpu "
+                                       "train run\n")
+
+
 def test_a_short_run_names_held_out_pictures_well_above_chance(demo, tmp_path, monkeypatch):
     """The recipe, shortened, from random weights: the held-out accuracy starts near chance (1/9)
     and ends far above it. One thread: the same numbers on a busy machine, only sooner."""

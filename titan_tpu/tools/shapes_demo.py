@@ -200,9 +200,17 @@ def score_run(run_dir: Path, *, rows_file: Path | None = None, log=print) -> dic
 def _write_scores(metrics_file: Path, scores: dict[int, Score]) -> None:
     """The scores as eval/shapes/* rows of metrics.jsonl, in place of any written before."""
     lines = metrics_file.read_text().splitlines() if metrics_file.is_file() else []
-    kept = [line for line in lines if METRIC not in line]
+    kept = [line for line in lines if METRIC not in _row(line)]
     kept += [json.dumps({"step": step, **s.metrics()}) for step, s in sorted(scores.items())]
     metrics_file.write_text("".join(line + "\n" for line in kept))
+
+
+def _row(line: str) -> dict:
+    try:
+        row = json.loads(line)
+    except ValueError:  # a torn last line of a killed run: kept as it is
+        return {}
+    return row if isinstance(row, dict) else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,12 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     scoring.add_argument("run_dir", type=Path)
     scoring.add_argument("--rows", type=Path, help="held-out rows (default: the run's data.val_source)")
     args = parser.parse_args(argv)
-    if args.command == "write":
-        write_demo(args.directory, train_rows=args.train_rows, heldout_rows=args.heldout_rows, seed=args.seed)
-        print(f"wrote {args.directory}/data ({args.train_rows} training rows, {args.heldout_rows} held out) and "
-              f"{args.directory}/model")
-    else:
-        score_run(args.run_dir, rows_file=args.rows)
+    try:
+        if args.command == "write":
+            write_demo(args.directory, train_rows=args.train_rows, heldout_rows=args.heldout_rows, seed=args.seed)
+            print(f"wrote {args.directory}/data ({args.train_rows} training rows, {args.heldout_rows} held out) and "
+                  f"{args.directory}/model")
+        else:
+            score_run(args.run_dir, rows_file=args.rows)
+    except (ValueError, FileNotFoundError) as e:  # a user's mistake: one line, as titan-tpu's commands say it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
