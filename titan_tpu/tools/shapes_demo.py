@@ -102,8 +102,8 @@ def write_model_dir(directory: Path) -> Path:
 
 def write_demo(directory: Path, *, train_rows: int, heldout_rows: int, seed: int) -> None:
     directory = Path(directory)
-    write_split(directory / "data", "train", rows=train_rows, side=IMAGE_SIDE, seed=seed)
-    write_split(directory / "data", "heldout", rows=heldout_rows, side=IMAGE_SIDE, seed=seed)
+    trained = write_split(directory / "data", "train", rows=train_rows, side=IMAGE_SIDE, seed=seed)
+    write_split(directory / "data", "heldout", rows=heldout_rows, side=IMAGE_SIDE, seed=seed, avoid=trained)
     write_model_dir(directory / "model")
 
 
