@@ -140,3 +140,19 @@ def test_pipeline_stages_with_other_model_axes_are_one_line():
     with pytest.raises(ValueError, match=r"^--parallelism.pp > 1 composes with the data-parallel axes and tp only so far, "
                                          r"not --parallelism.cp 2; set them to 1$"):
         ParallelDims(pp=2, cp=2, dp_shard=1, world_size=4)
+
+
+def test_the_pipeline_recipe_fills_its_slice():
+    """configs/llama3_8b_tpu_pp.toml (not a `*_tpu.toml`: the planner's recipe checks refuse pp so
+    far): its ranks are the chips its description names, its schedule splits the model's layers,
+    and its batch splits into the micro-batches, one sequence each."""
+    from titan_tpu.config import build_config
+    from titan_tpu.models.registry import get_model_args
+
+    cfg = build_config("configs/llama3_8b_tpu_pp.toml")
+    p = cfg.parallelism
+    assert "64 chips" in cfg.job.description and p.dp_replicate * p.dp_shard * p.pp == 64
+    schedule = PipelineSchedule.from_config(p, n_layers=get_model_args(cfg.model.name, cfg.model.flavor).n_layers)
+    assert (schedule.stages, schedule.layers_per_chunk, schedule.micro_batches) == (4, 1, cfg.training.batch_size)
+    assert schedule.bubble == pytest.approx(3 / 35)
+    assert (cfg.model.scan_layers, cfg.compile.backend, cfg.activation_checkpoint.mode) == (True, "jax", "full")
