@@ -310,7 +310,7 @@ class PipelineStage:
         def pick(t_N: Tensor, i: Tensor) -> Tensor:
             return t_N.index_select(0, i.reshape(1)).squeeze(0)
 
-        def read_and_run(x: Tensor, micro_batch: Tensor, repeat: Tensor, *weights_R: Tensor) -> Tensor:
+        def read_and_run(x: Tensor, micro_batch: Tensor, repeat: Tensor | None, *weights_R: Tensor) -> Tensor:
             document_ids = pick(documents_M, micro_batch) if documents_M is not None else None
             rope_now = pick(rope_M, micro_batch) if per_row else rope_M[0]
             weights = weights_R if repeat is None else [pick(w, repeat) for w in weights_R]
