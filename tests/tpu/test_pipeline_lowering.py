@@ -33,7 +33,7 @@ def _layout_id(layout: dict) -> str:
     return "-".join(f"{axis}{size}" for axis, size in layout.items())
 
 
-def cfg_n_layers(cfg) -> int:
+def _n_layers(cfg) -> int:
     from titan_tpu.models.spec import model_spec
 
     return model_spec(cfg.model).args.n_layers
@@ -69,7 +69,7 @@ def test_lowered_pipeline_step_equals_eager_step(layout, batch, monkeypatch):
     assert "stablehlo.collective_permute" in text
 
     result, reference, optimizer = _reference(cfg, batches, monkeypatch)
-    rows = _stack_rows(cfg, cfg_n_layers(cfg))
+    rows = _stack_rows(cfg, _n_layers(cfg))
     stacked = set(reference.stacked_parameter_names())
     captured = step.captured
     names, specs = captured.param_names, captured.dtensor_specs
