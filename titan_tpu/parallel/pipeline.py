@@ -55,7 +55,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_tpu.model_contract import STAGE_ROWS
-from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.parallel.axes import PP_AXIS
 from titan_tpu.parallel.group_rank import rank_in
 from titan_tpu.tracing import is_one_program
@@ -279,7 +278,7 @@ class PipelineStage:
         body, layers = stack.unbound_layers()  # this stage's rows, read once for the step
         chunk = self.schedule.layers_per_chunk
         if is_one_program():
-            return self._run_one_program(stack, body, layers, h_BSD, rope=rope, per_row=per_row, documents=documents)
+            return self._run_one_program(body, layers, h_BSD, rope=rope, per_row=per_row, documents=documents)
 
         def stage_fn(x: Tensor, micro_batch: int, repeat: int) -> Tensor:
             for weights in layers[repeat * chunk:(repeat + 1) * chunk]:
@@ -290,38 +289,28 @@ class PipelineStage:
                                      group=self.group)
         return torch.cat(outputs) if self.is_last else last
 
-    def _run_one_program(self, stack: nn.Module, body: Callable, layers: list[tuple[Tensor, ...]], h_BSD: Tensor, *,
-                         rope: Tensor, per_row: bool, documents: list[Tensor | None]) -> Tensor:
+    def _run_one_program(self, body: Callable, layers: list[tuple[Tensor, ...]], h_BSD: Tensor, *, rope: Tensor,
+                         per_row: bool, documents: list[Tensor | None]) -> Tensor:
         """`run` as one program for every rank: the micro-batch's rope and documents and the
-        repeat's chunk of rows read by index (values of the step), the same ops on every stage.
-
-        The reads sit inside the block's checkpointed region (the block function unwrapped from
-        `body`, checkpointed again with the read in front): a recomputed block then reads its
-        weights again in the backward instead of keeping a copy of them per iteration."""
+        repeat's chunk of rows read by index (values of the step), the same ops on every stage."""
         M, repeats, chunk = self.schedule.micro_batches, self.schedule.repeats, self.schedule.layers_per_chunk
-        rope_M = torch.stack(rope.chunk(M)) if per_row else rope.unsqueeze(0)
+        rope_M = torch.stack(rope.chunk(M)) if per_row else None
         documents_M = torch.stack(documents) if documents[0] is not None else None
-        # Row j of a stage's chunk: each weight's row j of every repeat, [repeats, ...] (GPipe's one
-        # chunk: the rows as read), read at the iteration's repeat.
-        rows = [tuple(torch.stack(ws) for ws in zip(*(layers[r * chunk + j] for r in range(repeats))))
-                for j in range(chunk)] if repeats > 1 else None
-        block_fn = getattr(body, "__wrapped__", None)  # functools.wraps of models/common/activation_checkpoint.py
+        # Row j of a stage's chunk: GPipe's one chunk as read; circular, each weight's row j of every
+        # repeat stacked, [repeats, ...], read at the iteration's repeat.
+        rows = layers if repeats == 1 else [
+            tuple(torch.stack(ws) for ws in zip(*(layers[r * chunk + j] for r in range(repeats))))
+            for j in range(chunk)]
 
         def pick(t_N: Tensor, i: Tensor) -> Tensor:
             return t_N.index_select(0, i.reshape(1)).squeeze(0)
 
-        def read_and_run(x: Tensor, micro_batch: Tensor, repeat: Tensor | None, *weights_R: Tensor) -> Tensor:
-            document_ids = pick(documents_M, micro_batch) if documents_M is not None else None
-            rope_now = pick(rope_M, micro_batch) if per_row else rope_M[0]
-            weights = weights_R if repeat is None else [pick(w, repeat) for w in weights_R]
-            return (block_fn or body)(x, rope_now, document_ids, *weights)[0]
-
-        run_block = checkpointed(read_and_run, stack.ac_mode) if block_fn is not None else read_and_run
-
         def stage_fn(x: Tensor, micro_batch: Tensor, repeat: Tensor) -> Tensor:
-            for j in range(chunk):
-                x = (run_block(x, micro_batch, None, *layers[j]) if rows is None
-                     else run_block(x, micro_batch, repeat, *rows[j]))
+            rope_now = pick(rope_M, micro_batch) if rope_M is not None else rope
+            document_ids = pick(documents_M, micro_batch) if documents_M is not None else None
+            for weights in rows:
+                weights = weights if repeats == 1 else [pick(w, repeat) for w in weights]
+                x, _ = body(x, rope_now, document_ids, *weights)
             return x
 
         outputs, _ = run_pipeline_spmd(stage_fn, list(h_BSD.chunk(M)), schedule=self.schedule,
