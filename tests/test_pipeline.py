@@ -10,7 +10,8 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from titan_tpu.parallel.pipeline import PipelineSchedule, run_pipeline
+from titan_tpu.parallel.pipeline import PipelineSchedule, run_pipeline, run_pipeline_spmd
+from titan_tpu.tracing import one_program_for_every_rank
 
 D, ROWS, LAYERS = 8, 3, 8
 
@@ -57,12 +58,39 @@ def _stage(micro_batches: int, repeats: int):
             "input_grads": inputs.grad}
 
 
+def _stage_one_program(micro_batches: int, repeats: int):
+    """`_stage` by `run_pipeline_spmd`, as a step captured for the JAX lowering runs it: the stage,
+    micro-batch and repeat as values, every stage computing in every iteration and the loss."""
+    stages, stage = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    schedule = PipelineSchedule(stages=stages, micro_batches=micro_batches, repeats=repeats, n_layers=LAYERS)
+    weights, inputs, targets = _problem(micro_batches)
+    mine = weights[schedule.stage_layers(stage)].clone().requires_grad_(True)
+    inputs.requires_grad_(True)
+    chunk = schedule.layers_per_chunk
+
+    def stage_fn(x, micro_batch, repeat):
+        for j in range(chunk):
+            x = torch.tanh(x @ mine.index_select(0, (repeat * chunk + j).reshape(1))[0])
+        return x
+
+    with one_program_for_every_rank():
+        outputs, _ = run_pipeline_spmd(stage_fn, list(inputs), schedule=schedule, stage=torch.tensor(stage),
+                                       group=torch.distributed.group.WORLD)
+    loss = sum((out * targets[m]).sum() for m, out in enumerate(outputs))
+    loss = loss if stage == stages - 1 else 0.0 * loss  # the last stage's outputs are the stack's
+    loss.backward()
+    return {"loss": loss.detach(), "layers": schedule.stage_layers(stage), "grads": mine.grad,
+            "input_grads": inputs.grad}
+
+
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("one_program", [False, True], ids=["per_rank", "one_program"])
 @pytest.mark.parametrize("stages, micro_batches, repeats", [(2, 4, 1), (2, 5, 2), (4, 4, 2), (4, 6, 1)],
                          ids=["gpipe2", "circular2_waiting", "circular4", "gpipe4"])
-def test_pipeline_equals_the_layers_in_sequence(stages, micro_batches, repeats):
+def test_pipeline_equals_the_layers_in_sequence(stages, micro_batches, repeats, one_program):
     loss, weight_grads, input_grads = _sequential(micro_batches)
-    ranks = run_distributed(_stage, world_size=stages, args=(micro_batches, repeats))
+    ranks = run_distributed(_stage_one_program if one_program else _stage, world_size=stages,
+                            args=(micro_batches, repeats))
     assert ranks[-1]["loss"] == pytest.approx(float(loss), rel=1e-6)
     held = sorted(layer for rank in ranks for layer in rank["layers"])
     assert held == list(range(LAYERS))
@@ -112,3 +140,20 @@ def test_pipeline_stages_with_other_model_axes_are_one_line():
     with pytest.raises(ValueError, match=r"^--parallelism.pp > 1 composes with the data-parallel axes and tp only so far, "
                                          r"not --parallelism.cp 2; set them to 1$"):
         ParallelDims(pp=2, cp=2, dp_shard=1, world_size=4)
+
+
+def test_the_pipeline_recipe_fills_its_slice():
+    """configs/llama3_8b_tpu_pp.toml (not a `*_tpu.toml`: the TPU recipe table's checks, the
+    planner's peak within 10% of XLA's among them, do not hold for it yet: docs/pipeline_parallel.md):
+    its ranks are the chips its description names, its schedule splits the model's layers, and its
+    batch splits into the micro-batches, one sequence each."""
+    from titan_tpu.config import build_config
+    from titan_tpu.models.registry import get_model_args
+
+    cfg = build_config("configs/llama3_8b_tpu_pp.toml")
+    p = cfg.parallelism
+    assert "64 chips" in cfg.job.description and p.dp_replicate * p.dp_shard * p.pp == 64
+    schedule = PipelineSchedule.from_config(p, n_layers=get_model_args(cfg.model.name, cfg.model.flavor).n_layers)
+    assert (schedule.stages, schedule.layers_per_chunk, schedule.micro_batches) == (4, 1, cfg.training.batch_size)
+    assert schedule.bubble == pytest.approx(3 / 35)
+    assert (cfg.model.scan_layers, cfg.compile.backend, cfg.activation_checkpoint.mode) == (True, "jax", "full")

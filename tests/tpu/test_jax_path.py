@@ -129,6 +129,11 @@ LAYOUTS = {
     "dense_cp2_scanned_documents": ("llama3_debug", 2, dict(
         parallelism__dp_shard=1, parallelism__cp=2, data__document_mask="true", model__scan_layers="true",
         activation_checkpoint__mode="full")),
+    # Pipeline stages, circular (3 chunks of one layer per stage), packed documents: the one-program
+    # schedule (the stage a value, the hand-over a collective-permute) against the per-rank eager one.
+    "dense_pp2_circular_scanned_documents": ("llama3_debug", 2, dict(
+        parallelism__dp_shard=1, parallelism__pp=2, parallelism__pp_repeats=3, data__document_mask="true",
+        model__scan_layers="true", activation_checkpoint__mode="full")),
     "moe_dp2_ep2_all_to_all": ("qwen3_moe_debug", 2, dict(
         parallelism__dp_shard=2, parallelism__ep=2, parallelism__ep_dispatch="all_to_all")),
 }
@@ -137,7 +142,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_jax_path_equals_eager_run_on_each_layout(tmp_path, cache, name):
     """tp (the vocabulary-parallel loss: its rank a value of the program), cp with documents and scanned,
-    fully checkpointed layers, an MoE with expert parallelism by all-to-all: the same losses, norms and
+    fully checkpointed layers, pipeline stages (circular, with documents), an MoE with expert
+    parallelism by all-to-all: the same losses, norms and
     validation losses as the eager run of the same mesh. The MoE's program is the one `titan-tpu
     compile` fingerprints for the same config."""
     config, nproc, args = LAYOUTS[name]

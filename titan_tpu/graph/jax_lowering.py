@@ -13,10 +13,12 @@ Two stages:
    names, where each collective becomes the `jax.lax` collective over the axes of its process
    group (all_gather_into_tensor -> all_gather, reduce_scatter_tensor -> psum_scatter,
    all_reduce -> psum/pmax/pmin, all_to_all_single -> all_to_all; wait_tensor is the identity).
-   Two ops of ours are collectives too: TorchTPU's ragged all-to-all, captured as its stand-in
-   (kernels/jax_traced.py), -> ragged_all_to_all, and ``titan_tpu::group_rank`` (a rank the step
+   Three ops of ours are collectives too: TorchTPU's ragged all-to-all, captured as its stand-in
+   (kernels/jax_traced.py), -> ragged_all_to_all, ``titan_tpu::group_rank`` (a rank the step
    reads as a value, parallel/group_rank.py) -> axis_index over the group's axes, so a rank-dependent
-   number of cp or ep is one program's value on every device, not a constant per rank.
+   number of cp or ep is one program's value on every device, not a constant per rank; and
+   ``titan_tpu::pp_permute`` (pipeline stages handing activations on, parallel/pipeline.py) ->
+   ppermute, XLA's collective-permute over the pp axis.
 
 Every node's result is cast to the dtype the trace recorded for it, and its shape checked against
 the recorded one: torch and JAX promote mixed dtypes differently (a 0-dim float64 tensor times a
@@ -519,6 +521,7 @@ def _collective_lowerings(group_axes: dict[str, tuple[str, ...]], on_cpu: bool =
     collectives over the mesh axes of each process group. on_cpu: the program runs on XLA:CPU
     (`_ragged_all_to_all_emulated`)."""
     import titan_tpu.parallel.group_rank  # noqa: F401 - registers titan_tpu::group_rank
+    import titan_tpu.parallel.pipeline  # noqa: F401 - registers titan_tpu::pp_permute
     from titan_tpu.kernels.jax_traced import RAGGED_ALL_TO_ALL
 
     def axes(group_name: str):
@@ -551,6 +554,11 @@ def _collective_lowerings(group_axes: dict[str, tuple[str, ...]], on_cpu: bool =
                 raise JaxLoweringError("_c10d_functional.all_to_all_single with uneven splits has no JAX lowering")
         return jax.lax.all_to_all(x, axes(group_name), split_axis=0, concat_axis=0, tiled=True)
 
+    def pp_permute(x, shift, group_size, group_name):
+        # XLA's collective-permute: rank i of the group's axis sends to rank (i + shift) % size.
+        pairs = [(i, (i + shift) % group_size) for i in range(group_size)]
+        return jax.lax.ppermute(x, axes(group_name), perm=pairs)
+
     def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, group_name):
         sizes = [a.astype(jnp.int32) for a in (input_offsets, send_sizes, output_offsets, recv_sizes)]
         if on_cpu:
@@ -560,6 +568,7 @@ def _collective_lowerings(group_axes: dict[str, tuple[str, ...]], on_cpu: bool =
     return {
         RAGGED_ALL_TO_ALL.default: ragged_all_to_all,
         torch.ops.titan_tpu.group_rank.default: lambda group_name: jax.lax.axis_index(axes(group_name)),
+        torch.ops.titan_tpu.pp_permute.default: pp_permute,
         funcol.all_gather_into_tensor.default:
             lambda x, group_size, group_name: jax.lax.all_gather(x, axes(group_name), axis=0, tiled=True),
         funcol.reduce_scatter_tensor.default: reduce_scatter,

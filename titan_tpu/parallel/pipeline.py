@@ -30,6 +30,15 @@ their chains in the backward). The weights outside the stack are whole on every 
 gradients (the first stage's embedding, the last's norm and output) are summed over pp after the
 backward (`sum_shared_grads_`): inside it, the stages would meet those all-reduces in different
 orders among their permutes. Checkpoints name every row by its layer, so they load on any pp.
+
+As one program for every rank (tracing.py `one_program_for_every_rank`: the JAX lowering, `titan-tpu
+compile`), no op may depend on the stage: `run_pipeline_spmd` is the same schedule with the stage a
+value of the step (group_rank, the pp axis index once lowered). Every stage computes in every
+iteration and a select keeps its input where the schedule says it waits (MaxText's form: the bubble
+is computed and thrown away); the micro-batch and the chunk of a stage's iteration are values, read
+by indexing; every stage computes the loss of the outputs it holds, and a select keeps the last
+stage's. The permute is the op ``titan_tpu::pp_permute``, XLA's collective-permute once lowered
+(graph/jax_lowering.py). The numbers are the per-rank schedule's.
 """
 
 from __future__ import annotations
@@ -47,11 +56,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_tpu.model_contract import STAGE_ROWS
 from titan_tpu.parallel.axes import PP_AXIS
+from titan_tpu.parallel.group_rank import rank_in
+from titan_tpu.tracing import is_one_program
 
 if TYPE_CHECKING:
     from titan_tpu.config import ParallelismConfig
 
-__all__ = ["PipelineSchedule", "PipelineStage", "permute_to_next", "pipeline_stages", "run_pipeline"]
+__all__ = ["PipelineSchedule", "PipelineStage", "permute_to_next", "pipeline_stages", "pp_permute", "run_pipeline",
+           "run_pipeline_spmd"]
 
 
 @dataclass(frozen=True)
@@ -123,10 +135,31 @@ class _PermuteToNext(torch.autograd.Function):
 
 
 def _permute(x: Tensor, group, shift: int) -> Tensor:
+    if is_one_program():  # the split sizes of permute_tensor's all-to-all differ by rank: one op instead
+        return pp_permute(x, shift, dist.get_world_size(group), group.group_name)
+    return _permute_all_to_all(x, group, shift)
+
+
+def _permute_all_to_all(x: Tensor, group, shift: int) -> Tensor:
     size = dist.get_world_size(group)
     destinations = [(rank + shift) % size for rank in range(size)]
     moved = funcol.permute_tensor(x.reshape(-1), destinations, group)
     return funcol.wait_tensor(moved).view(x.shape)
+
+
+@torch.library.custom_op("titan_tpu::pp_permute", mutates_args=())
+def pp_permute(x: Tensor, shift: int, group_size: int, group_name: str) -> Tensor:
+    """Rank r of the group named `group_name` (of `group_size` ranks) sends `x` to rank (r + shift) %
+    group_size: the permute of a step captured as one program (`_permute`), the same op on every
+    rank. graph/jax_lowering.py lowers it to XLA's collective-permute; eagerly the all-to-all."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _permute_all_to_all(x.contiguous(), _resolve_process_group(group_name), shift)
+
+
+@pp_permute.register_fake
+def _(x: Tensor, shift: int, group_size: int, group_name: str) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def permute_to_next(x: Tensor, group) -> Tensor:
@@ -177,6 +210,45 @@ def run_pipeline(stage_fn: Callable[[Tensor, int, int], Tensor], inputs: list[Te
     return (list(outputs) if stage == last_stage else []), x
 
 
+def run_pipeline_spmd(stage_fn: Callable[[Tensor, Tensor, Tensor], Tensor], inputs: list[Tensor], *,
+                      schedule: PipelineSchedule, stage: Tensor, group) -> tuple[list[Tensor], Tensor]:
+    """`run_pipeline` as one program for every rank (module docstring): the same ops on every stage.
+
+    stage_fn(x, micro_batch, repeat): as run_pipeline's, with micro_batch and repeat 0-dim int64
+    tensors (values of the step). stage: this rank's stage, a 0-dim int64 tensor (group_rank).
+    Returns (outputs, last): what the last stage's outputs would be, held on every stage (the last
+    stage's are the stack's outputs, the others' are thrown away by the caller's select), and this
+    rank's final activation."""
+    stages, micro_batches, passes = schedule.stages, schedule.micro_batches, schedule.micro_batches * schedule.repeats
+    first = stage == 0
+    received = torch.zeros_like(inputs[0], requires_grad=True) + inputs[0] * 0.0  # as run_pipeline's chain start
+    history: list[Tensor] = []  # the activation received in each iteration
+    outputs: dict[int, Tensor] = {}
+    x = received
+    for iteration in range(schedule.iterations):
+        history.append(received)
+        # Stage 0's input is known per iteration: a fresh micro-batch, then the pass the last stage
+        # sent back (received stages - micro_batches iterations ago, in the order the passes left).
+        if iteration < micro_batches:
+            first_input = inputs[iteration]
+        elif iteration < passes:
+            first_input = history[iteration - micro_batches + stages]
+        else:
+            first_input = received
+        x_in = torch.where(first, first_input, received)
+        n = iteration - stage  # this stage's pass, when 0 <= n < passes
+        working = (n >= 0) & (n < passes)
+        n = n.clamp(0, passes - 1)
+        y = stage_fn(x_in, n % micro_batches, n // micro_batches)
+        x = torch.where(working, y, received)  # the bubble: pass the chain on unchanged
+        done = iteration - (stages - 1) - (passes - micro_batches)  # the micro-batch the last stage finishes
+        if 0 <= done < micro_batches:
+            outputs[done] = x
+        if iteration + 1 < schedule.iterations:
+            received = permute_to_next(x, group)
+    return [outputs[m] for m in range(micro_batches)], x
+
+
 class PipelineStage:
     """One rank's stage of a pipelined Transformer (module docstring), set on the model as
     `model.pipeline` by `pipeline_stages`."""
@@ -188,11 +260,14 @@ class PipelineStage:
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.schedule.stages - 1
+        """Whether this rank computes the loss: the last stage; every stage inside one program for
+        every rank (the others' is thrown away by `loss_everywhere`)."""
+        return is_one_program() or self.stage == self.schedule.stages - 1
 
     def run(self, stack: nn.Module, h_BSD: Tensor, rope: Tensor, document_ids_BS: Tensor | None) -> Tensor:
         """The embedded batch h_BSD through the stages: on the last stage the stack's output for
-        every row, in order; on the others this rank's chain head (for `loss_everywhere`)."""
+        every row, in order; on the others this rank's chain head (for `loss_everywhere`). Inside
+        one program for every rank: the outputs on every stage (`run_pipeline_spmd`)."""
         M = self.schedule.micro_batches
         if h_BSD.shape[0] % M:
             raise ValueError(f"training.batch_size = {h_BSD.shape[0]} rows do not split into "
@@ -202,6 +277,8 @@ class PipelineStage:
         documents = document_ids_BS.chunk(M) if document_ids_BS is not None else [None] * M
         body, layers = stack.unbound_layers()  # this stage's rows, read once for the step
         chunk = self.schedule.layers_per_chunk
+        if is_one_program():
+            return self._run_one_program(body, layers, h_BSD, rope=rope, per_row=per_row, documents=documents)
 
         def stage_fn(x: Tensor, micro_batch: int, repeat: int) -> Tensor:
             for weights in layers[repeat * chunk:(repeat + 1) * chunk]:
@@ -212,9 +289,41 @@ class PipelineStage:
                                      group=self.group)
         return torch.cat(outputs) if self.is_last else last
 
+    def _run_one_program(self, body: Callable, layers: list[tuple[Tensor, ...]], h_BSD: Tensor, *, rope: Tensor,
+                         per_row: bool, documents: list[Tensor | None]) -> Tensor:
+        """`run` as one program for every rank: the micro-batch's rope and documents and the
+        repeat's chunk of rows read by index (values of the step), the same ops on every stage."""
+        M, repeats, chunk = self.schedule.micro_batches, self.schedule.repeats, self.schedule.layers_per_chunk
+        rope_M = torch.stack(rope.chunk(M)) if per_row else None
+        documents_M = torch.stack(documents) if documents[0] is not None else None
+        # Row j of a stage's chunk: GPipe's one chunk as read; circular, each weight's row j of every
+        # repeat stacked, [repeats, ...], read at the iteration's repeat.
+        rows = layers if repeats == 1 else [
+            tuple(torch.stack(ws) for ws in zip(*(layers[r * chunk + j] for r in range(repeats))))
+            for j in range(chunk)]
+
+        def pick(t_N: Tensor, i: Tensor) -> Tensor:
+            return t_N.index_select(0, i.reshape(1)).squeeze(0)
+
+        def stage_fn(x: Tensor, micro_batch: Tensor, repeat: Tensor) -> Tensor:
+            rope_now = pick(rope_M, micro_batch) if rope_M is not None else rope
+            document_ids = pick(documents_M, micro_batch) if documents_M is not None else None
+            for weights in rows:
+                weights = weights if repeats == 1 else [pick(w, repeat) for w in weights]
+                x, _ = body(x, rope_now, document_ids, *weights)
+            return x
+
+        outputs, _ = run_pipeline_spmd(stage_fn, list(h_BSD.chunk(M)), schedule=self.schedule,
+                                       stage=rank_in(self.group, self.stage), group=self.group)
+        return torch.cat(outputs)
+
     def loss_everywhere(self, loss_sum: Tensor) -> Tensor:
         """The last stage's `loss_sum` on every stage: its value summed over pp (the others hold a
-        zero-weighted term of their chain), differentiable only where it was computed."""
+        zero-weighted term of their chain), differentiable only where it was computed. Inside one
+        program for every rank every stage computed one: the last stage's kept by a select."""
+        if is_one_program():
+            is_last = rank_in(self.group, self.stage) == self.schedule.stages - 1
+            loss_sum = torch.where(is_last, loss_sum, loss_sum * 0.0)
         total = funcol.wait_tensor(funcol.all_reduce(loss_sum.detach(), "sum", self.group))
         return loss_sum + (total - loss_sum.detach())
 

@@ -1,0 +1,111 @@
+"""Pipeline stages (parallel/pipeline.py) lowered to one SPMD program: the pp step captured as
+`titan-tpu compile` captures it (one program for every rank: the stage a value, the permute the op
+``titan_tpu::pp_permute``), run by JAX on a CPU mesh, equals our eager step; and XLA's TPU compiler
+takes it with the permute as a collective-permute.
+
+The reference is test_jax_lowering.py's: our eager step in float64 on one process, on the batch
+the stages split into micro-batches (tests/test_pipeline_train.py holds the eager pp step to that
+same one-process step).
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from test_jax_lowering import TOL, _batches, _config, _inputs, _max_rel, _reference, _shard_of, cfg_vocab
+
+from titan_tpu.graph.jax_program import global_inputs, jax_mesh, run_on_devices, sharded_step
+from titan_tpu.parallel.mesh import dp_rank_and_size
+from titan_tpu.parallel.pipeline import PipelineSchedule
+from titan_tpu.tools.device_step import build_device_model, capture_device_step, fake_world
+from titan_tpu.tracing import one_program_for_every_rank
+
+SEQ = 32
+
+# (layout, rows per data-parallel rank): GPipe with 2 and 4 micro-batches, circular (the debug
+# model's 6 layers as 3 chunks of one layer per stage, whose rows each iteration reads by its
+# repeat), and pp 2 x dp_shard 2 on the 4-device CPU mesh.
+LAYOUTS = [({"pp": 2}, 2), ({"pp": 2, "pp_microbatches": 4}, 4), ({"pp": 2, "pp_repeats": 3, "pp_microbatches": 2}, 2),
+           ({"pp": 2, "dp_shard": 2}, 2)]
+
+
+def _layout_id(layout: dict) -> str:
+    return "-".join(f"{axis}{size}" for axis, size in layout.items())
+
+
+def _n_layers(cfg) -> int:
+    from titan_tpu.models.spec import model_spec
+
+    return model_spec(cfg.model).args.n_layers
+
+
+def _stack_rows(cfg, n_layers: int) -> list[int]:
+    """The model's layer held by each row of a pipelined stack (stage by stage: pipeline_stages)."""
+    schedule = PipelineSchedule.from_config(cfg.parallelism, n_layers=n_layers)
+    return [layer for stage in range(schedule.stages) for layer in schedule.stage_layers(stage)]
+
+
+@pytest.mark.parametrize("layout, batch", LAYOUTS, ids=[_layout_id(lay) for lay, _ in LAYOUTS])
+def test_lowered_pipeline_step_equals_eager_step(layout, batch, monkeypatch):
+    """One whole step (forward through the stages, loss, backward, the shared weights' gradients
+    summed over pp, clipping, AdamW) lowered and run on a CPU mesh of pp x dp_shard devices, rank
+    0's program on every device, equals our eager step within 1e-5 (fp32, relative to each tensor's
+    largest value): loss, gradient norm, and every device's parameters and moments."""
+    cfg = _config("llama3_debug", layout, scan=True)
+    ranks = cfg.parallelism.pp * cfg.parallelism.dp_shard
+    with one_program_for_every_rank():
+        step = capture_device_step(cfg, world_size=ranks, batch_size=batch, seq_len=SEQ)
+    assert step.axis_sizes == {**({"dp_shard": 2} if "dp_shard" in layout else {}), "pp": 2}, step.axis_sizes
+    per_device = []
+    for rank in range(ranks):
+        with fake_world(ranks, rank):
+            model, optimizer, _, mesh = build_device_model(cfg, ranks)
+            dp_rank, dp_size = dp_rank_and_size(mesh)
+            batches = _batches(cfg_vocab(cfg), dp_size, batch, SEQ)
+            per_device.append(_inputs(step, model, optimizer, batches[dp_rank]))
+    outputs = run_on_devices([step], per_device, jax.devices("cpu"))
+    mesh = jax_mesh(step, jax.devices("cpu"))
+    text = jax.jit(sharded_step(step, mesh)).lower(*global_inputs(mesh, per_device)).as_text()
+    assert "stablehlo.collective_permute" in text
+
+    result, reference, optimizer = _reference(cfg, batches, monkeypatch)
+    rows = _stack_rows(cfg, _n_layers(cfg))
+    stacked = set(reference.stacked_parameter_names())
+    captured = step.captured
+    names, specs = captured.param_names, captured.dtensor_specs
+    params, state = dict(reference.named_parameters()), optimizer.state
+    errors: dict[str, float] = {}
+    for rank, flat in enumerate(outputs):
+        out = captured.layout.unflatten_outputs(flat)
+        errors["loss"] = max(errors.get("loss", 0), _max_rel(out["loss"][0], result.loss))
+        errors["grad_norm"] = max(errors.get("grad_norm", 0), _max_rel(out["grad_norm"][0], result.grad_norm))
+        for group, full in (("params", params), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+            for n, value in zip(names, out[group]):
+                expected = full[n][rows] if n in stacked else full[n]  # the pipelined stack's row order
+                error = _max_rel(value, _shard_of(expected, specs.get(n), rank))
+                errors[group] = max(errors.get(group, 0), error)
+                if error > TOL:
+                    print(f"  device {rank} {group} {n}: {error:.1e}")
+    print(f"llama3_debug {cfg.parallelism}: max relative error " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    assert max(errors.values()) <= TOL, errors
+
+
+def test_compile_pipeline_step_for_v5p():
+    """`titan-tpu compile`'s core on the llama3 debug recipe with pp 2 x dp_shard 2 for a 4-chip v5p
+    slice: XLA's TPU compiler takes the lowered pp step, and the stages' hand-over is a
+    collective-permute in its optimized program (the shared weights' gradients an all-reduce)."""
+    from titan_tpu.config import build_config
+    from titan_tpu.tools.compile_cmd import compile_step_for_tpu
+
+    cfg = build_config("configs/llama3_debug.toml", ["--training.batch_size=2", "--training.seq_len=128",
+                                                     "--model.scan_layers=true", "--parallelism.pp=2",
+                                                     "--parallelism.dp_shard=2"])
+    report = compile_step_for_tpu(cfg, "v5p:2x2x1")
+    assert report["mesh"] == {"dp_shard": 2, "pp": 2}, report["mesh"]
+    assert report["collectives"].get("collective-permute", 0) > 0, report["collectives"]
+    assert report["fits"]
+    import conftest
+
+    conftest.SUMMARY.append(f"compile llama3_debug pp 2 x dp_shard 2 for v5p:2x2x1: {report['compile_seconds']:.1f} s, "
+                            f"peak {report['peak_per_chip_bytes'] / 2**20:.1f} MiB/chip, collectives "
+                            f"{report['collectives']}")
