@@ -137,8 +137,8 @@ def test_what_pipeline_stages_refuse_is_one_line(args, message, capsys):
 def test_pipeline_stages_with_other_model_axes_are_one_line():
     from titan_tpu.parallel.mesh import ParallelDims
 
-    with pytest.raises(ValueError, match=r"^--parallelism.pp > 1 composes with the data-parallel axes and tp only so far, "
-                                         r"not --parallelism.cp 2; set them to 1$"):
+    with pytest.raises(ValueError, match=r"^--parallelism.pp > 1 composes with the data-parallel axes and tp only "
+                                         r"so far, not --parallelism.cp 2; set them to 1$"):
         ParallelDims(pp=2, cp=2, dp_shard=1, world_size=4)
 
 

@@ -126,8 +126,8 @@ class ParallelDims:
         others = {key: getattr(self, key) for key in ("cp", "ep") if getattr(self, key) > 1}
         if self.pp > 1 and others:
             got = ", ".join(f"--parallelism.{key} {size}" for key, size in others.items())
-            raise ValueError(f"--parallelism.pp > 1 composes with the data-parallel axes and tp only so far, not {got}; "
-                             "set them to 1")
+            raise ValueError(f"--parallelism.pp > 1 composes with the data-parallel axes and tp only so far, "
+                             f"not {got}; set them to 1")
 
     def config_sizes(self) -> dict[str, int]:
         """Each [parallelism] key that sizes an axis -> its value here (dp_shard resolved)."""
