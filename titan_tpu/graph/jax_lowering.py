@@ -140,9 +140,10 @@ def _as_strided(x, size, stride, storage_offset=0):
 
 
 def _constant_pad(x, pad, value=0):
-    # torch's pad list runs from the last dimension backwards, (before, after) per dimension.
-    widths = [(pad[i], pad[i + 1]) for i in range(len(pad) - 2, -1, -2)]
-    return jnp.pad(x, [(0, 0)] * (x.ndim - len(widths)) + widths, constant_values=value)
+    # torch's pad list runs from the last dimension backwards, (before, after) per dimension; a
+    # negative width cuts (SimpleFSDP's gradient of a weight padded to shard evenly), as lax.pad does.
+    widths = [(pad[i], pad[i + 1], 0) for i in range(len(pad) - 2, -1, -2)]
+    return jax.lax.pad(x, jnp.asarray(value, x.dtype), [(0, 0, 0)] * (x.ndim - len(widths)) + widths)
 
 
 def _index(x, indices):
@@ -246,6 +247,76 @@ def _sdpa_flash_cpu_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_ca
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _, vjp = jax.vjp(lambda q, k, v: _reference_attention(q, k, v, is_causal, scale, attn_mask), q, k, v)
     return vjp(grad_out)
+
+
+def _convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """aten.convolution (1-, 2- or 3-d, channels first, as torch lays them out): a vision tower's
+    patch embedding."""
+    if transposed:
+        raise JaxLoweringError("aten.convolution.default with transposed=True has no JAX lowering")
+    dims = x.ndim - 2
+    spatial = "DHW"[3 - dims:]
+
+    def per_dim(values):  # one value stands for every spatial dim, as torch allows
+        return tuple(values) * (dims // len(values))
+
+    dimension_numbers = (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
+    out = jax.lax.conv_general_dilated(x, w, window_strides=per_dim(stride), padding=[(p, p) for p in per_dim(padding)],
+                                       rhs_dilation=per_dim(dilation), dimension_numbers=dimension_numbers,
+                                       feature_group_count=groups)
+    if bias is not None:
+        out = out + bias.reshape((1, -1) + (1,) * (x.ndim - 2))
+    return out
+
+
+def _convolution_backward(grad_out, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+                          output_mask):
+    """(input, weight, bias) gradients, those `output_mask` asks for: the vjp of `_convolution`."""
+    _, vjp = jax.vjp(lambda x, w: _convolution(x, w, None, stride, padding, dilation, transposed, output_padding,
+                                               groups), x, w)
+    grad_x, grad_w = vjp(grad_out)
+    grad_b = grad_out.sum(axis=(0, *range(2, grad_out.ndim))) if output_mask[2] else None
+    return (grad_x if output_mask[0] else None, grad_w if output_mask[1] else None, grad_b)
+
+
+def _gelu(x, approximate="none"):
+    return jax.nn.gelu(x, approximate=approximate == "tanh")
+
+
+def _native_layer_norm(x, normalized_shape, weight, bias, eps):
+    """(output, mean, 1 / std) over the trailing `normalized_shape` dims, the statistics kept with
+    those dims as ones (their backward, decomposed, reads them), computed in at least fp32."""
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    stats_dtype = jnp.promote_types(x.dtype, jnp.float32)
+    x32 = x.astype(stats_dtype)
+    mean = jnp.mean(x32, axis=axes, keepdims=True)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(x32 - mean), axis=axes, keepdims=True) + eps)
+    out = (x32 - mean) * rstd
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out.astype(x.dtype), mean, rstd
+
+
+def _avg_pool2d(x, kernel_size, stride=(), padding=(0, 0), ceil_mode=False, count_include_pad=True,
+                divisor_override=None):
+    """Average pooling over the last two dims in non-overlapping windows that tile them (Gemma 3's
+    projector pools the tower's patches so): a reshape and a mean. Other poolings are refused."""
+    kh, kw = tuple(kernel_size) * (2 // len(kernel_size))
+    strides = tuple(stride or kernel_size) * (2 // len(stride or kernel_size))
+    h, w = x.shape[-2:]
+    if any(padding) or ceil_mode or divisor_override or strides != (kh, kw) or h % kh or w % kw:
+        raise JaxLoweringError("aten.avg_pool2d.default has a JAX lowering for windows that tile the image only "
+                               "(stride = kernel, no padding)")
+    tiles = x.reshape(*x.shape[:-2], h // kh, kh, w // kw, kw)
+    return tiles.mean(axis=(-3, -1))
+
+
+def _avg_pool2d_backward(grad_out, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    _, vjp = jax.vjp(lambda x: _avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                           divisor_override), x)
+    return vjp(grad_out)[0]
 
 
 def _grouped_mm(x_TD, w_EDF, group_sizes_E):
@@ -373,6 +444,10 @@ LOWERINGS: dict[object, Callable] = {
     aten.reciprocal.default: jnp.reciprocal,
     aten.sigmoid.default: jax.nn.sigmoid,
     aten.tanh.default: jnp.tanh,
+    aten.gelu.default: _gelu,  # its backward is decomposed (erf, exp)
+    aten.erf.default: jax.lax.erf,
+    aten.cos.default: jnp.cos,
+    aten.sin.default: jnp.sin,
     aten.pow.Tensor_Scalar: jnp.power,
     aten.pow.Tensor_Tensor: jnp.power,
     aten.pow.Scalar: jnp.power,
@@ -415,9 +490,13 @@ LOWERINGS: dict[object, Callable] = {
     aten.any.dim: lambda x, dim, keepdim=False: jnp.any(x, axis=dim, keepdims=keepdim),
     aten.any.default: lambda x: jnp.any(x),
     aten.linalg_vector_norm.default: _vector_norm,
+    aten.native_layer_norm.default: _native_layer_norm,
+    aten.avg_pool2d.default: _avg_pool2d,
+    aten.avg_pool2d_backward.default: _avg_pool2d_backward,
     aten._softmax.default: _softmax,
     aten._log_softmax.default: _log_softmax,
     aten.sort.stable: _sort,
+    aten.sort.default: lambda x, dim=-1, descending=False: _sort(x, None, dim, descending),
     aten.searchsorted.Tensor: _searchsorted,
     aten.topk.default: _topk,
     # matmuls
@@ -425,6 +504,8 @@ LOWERINGS: dict[object, Callable] = {
     aten.bmm.default: jnp.matmul,
     aten.addmm.default: lambda bias, a, b, beta=1, alpha=1: beta * bias + alpha * (a @ b),
     aten._scaled_mm.default: _scaled_mm,
+    aten.convolution.default: _convolution,
+    aten.convolution_backward.default: _convolution_backward,
     # shapes and indexing
     aten.view.default: jnp.reshape,
     aten.view_copy.default: jnp.reshape,
@@ -434,6 +515,7 @@ LOWERINGS: dict[object, Callable] = {
     aten.flip.default: lambda x, dims: jnp.flip(x, axis=tuple(dims)),  # a scanned backward's reversed stacks
     aten.permute_copy.default: jnp.transpose,
     aten.expand.default: _expand,
+    aten.repeat.default: jnp.tile,  # torch's repeat tiles (sizes may add leading dims, as tile's)
     aten.expand_copy.default: _expand,
     aten.unsqueeze.default: jnp.expand_dims,
     aten.unsqueeze_copy.default: jnp.expand_dims,

@@ -79,9 +79,10 @@ def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float, *, to
     from titan_tpu.models.registry import flops_per_token_as_xla_counts
     from titan_tpu.models.spec import model_spec
 
-    args = getattr(model_spec(cfg.model), "args", None)
-    if args is None:
+    spec = model_spec(cfg.model)
+    if spec.kind != "native":
         return None
+    args = spec.args
     attention = kernels_used.get("attention", "").split()[0] if kernels_used.get("attention") else ""
     mode = "kernel" if attention.startswith("splash") else "full" if attention in ("sdpa", "reference") else "causal"
     per_token = flops_per_token_as_xla_counts(

@@ -110,7 +110,6 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     from titan_tpu.graph.jax_devices import cpu_devices, slice_major, slices_of_replicas, tpu_topology
     from titan_tpu.kinds import kind_of
     from titan_tpu.kinds.record import FORWARD_COST
-    from titan_tpu.models.spec import model_spec
     from titan_tpu.plan.hardware import HARDWARE
     from titan_tpu.plan.planner import reshard_decision
     from titan_tpu.plan.xla_compare import formula_as_xla_counts
@@ -143,7 +142,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     peak_name = max(programs, key=lambda name: programs[name]["peak"])
     peak = programs[peak_name]
     hbm = hardware.memory_bytes if hardware is not None else None
-    flops_per_token, _ = model_spec(cfg.model).flops_per_token(None, t.seq_len)  # native specs read only the args
+    flops_per_token = _formula_flops_per_token(cfg, first.captured)
     flops_per_token *= 1 + kind_of(cfg).reference_forwards(cfg) / FORWARD_COST  # a frozen reference's forwards too
     runs = {"step": 1, "micro-batch": t.grad_accum_steps, "update": 1}
     flops = sum(runs[name] * (p["flops"] or 0.0) for name, p in programs.items()) if peak["flops"] is not None \
@@ -189,6 +188,22 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
                               if any(p["xla_stages"] for p in programs.values())},
     }
     return report
+
+
+def _formula_flops_per_token(cfg, captured) -> float:
+    """Our FLOPs per trained token of the step: a native model's from its args; an HF directory's
+    counted on its model built on the meta device (no memory), a vision-language model's images as
+    the captured batch holds them."""
+    from titan_tpu.data.batch import unflatten
+    from titan_tpu.models.spec import model_spec
+    from titan_tpu.parallel.mesh import ParallelDims
+
+    spec = model_spec(cfg.model)
+    if spec.kind != "hf":
+        return spec.flops_per_token(None, cfg.training.seq_len)[0]  # native specs read only the args
+    model = spec.build_on_meta(cfg, mesh=None, parallel_dims=ParallelDims(world_size=1), documents=False)
+    batch = unflatten(captured.layout.unflatten_inputs(captured.example_inputs)["batch"], captured.batch_spec)
+    return spec.flops_per_token(model, cfg.training.seq_len, images=getattr(batch, "images", None))[0]
 
 
 def _step_tokens(captured) -> int:
