@@ -129,6 +129,15 @@ def _our_loss(model, batch) -> torch.Tensor:
     return NextTokenObjective().micro_batch(ModelCalls(model), batch, count=count, share=1.0).objective
 
 
+def _assert_same_loss(ours, reference, batch, arch: Arch) -> None:
+    """Our loss equals transformers' within 1e-5 on `batch`; both backwards run (gradients in .grad)."""
+    loss = _our_loss(ours, batch)
+    loss.backward()
+    expected = _reference_loss(reference, batch, arch)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+
+
 @pytest.mark.parametrize("name", list(ARCHES))
 def test_rows_have_static_shapes_and_train_on_the_answer_only(model_dirs, tmp_path, name):
     directory = model_dirs[name]
@@ -193,11 +202,7 @@ def test_loss_and_gradients_match_transformers(model_dirs, tmp_path, name, train
     batch = _batch(directory, tmp_path)
     ours = _ours(directory, train_vision=train_vision)
     reference = _reference(directory)
-    loss = _our_loss(ours, batch)
-    loss.backward()
-    expected = _reference_loss(reference, batch, arch)
-    expected.backward()
-    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    _assert_same_loss(ours, reference, batch, arch)
     theirs = dict(reference.named_parameters())
     frozen = 0
     for name_, param in ours.named_parameters():
@@ -331,11 +336,7 @@ def test_lora_adapts_the_language_model_and_matches_peft(model_dirs, tmp_path, n
     batch = _batch(directory, tmp_path)
     for ours in variants:
         reference = _peft_reference(directory, ours)
-        loss = _our_loss(ours, batch)
-        loss.backward()
-        expected = _reference_loss(reference, batch, arch)
-        expected.backward()
-        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+        _assert_same_loss(ours, reference, batch, arch)
         theirs = dict(reference.named_parameters())
         trained = [(n, p) for n, p in ours.named_parameters() if p.requires_grad]
         assert len(trained) == sum(p.requires_grad for p in theirs.values())

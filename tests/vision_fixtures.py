@@ -11,6 +11,8 @@ from pathlib import Path
 
 from data_fixtures import WORDS
 
+from titan_tpu.tools.shapes_demo import LLAVA_TEMPLATE, SPECIALS
+
 # Qwen2.5-VL's own turn format: ChatML, an image part rendered as vision start, one image pad, vision end.
 QWEN_VL_TEMPLATE = (
     "{% for message in messages %}"
@@ -175,19 +177,9 @@ def write_gemma3_dir(directory: Path, *, weights: bool = False, seed: int = 0) -
     return directory
 
 
-# A LLaVA-1.5-style turn format: an image part is the <image> token, which its processor repeats.
-LLAVA_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'].upper() + ': ' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<image>\n' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{% if message['role'] == 'assistant' %}{{ '</s>' }}{% endif %}{{ '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT: ' }}{% endif %}"
-)
-LLAVA_SPECIALS = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
+# A LLaVA-1.5-style turn format (the learning check's): an image part is the <image> token, which
+# its processor repeats.
+LLAVA_SPECIALS = list(SPECIALS)
 
 
 def llava_processor(directory: Path):
