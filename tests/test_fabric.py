@@ -137,9 +137,10 @@ def test_search_varies_tp_inside_a_gpu_node():
     assert {c.values["parallelism.tp"] for c in result.fitting} == {1, 2, 4, 8}
     for c in result.fitting:
         values = c.values
-        assert values["parallelism.dp_replicate"] * values["parallelism.dp_shard"] * values["parallelism.tp"] == 32
+        assert values["parallelism.dp_replicate"] * values["parallelism.dp_shard"] * values["parallelism.tp"] * \
+            values["parallelism.pp"] == 32
         assert c.plan.batch["tokens_per_step"] == result.sequences * result.seq_len  # the global batch, held
-    tp_rows = [c for c in result.fitting if c.values["parallelism.tp"] > 1]
+    tp_rows = [c for c in result.fitting if c.values["parallelism.tp"] > 1 and c.values["parallelism.pp"] == 1]
     assert all(not c.values["model.scan_layers"] for c in tp_rows)  # tp runs unrolled blocks under dp_shard
     # Tensor parallelism over 8 stays on NVLink; FSDP across the nodes crosses InfiniBand.
     fabrics = {(t["axis"], t["fabric"]) for c in tp_rows if c.values["parallelism.tp"] == 8
