@@ -1,4 +1,4 @@
-"""Single ops of graph/jax_lowering.py against torch's own: the ones a vision tower brings (patch
+"""Single ops of graph/jax_ops.py against torch's own: the ones a vision tower brings (patch
 convolutions and their backward, layer norm, GELU, pooling) and the shapes SimpleFSDP's padding
 makes (a negative pad cuts)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from titan_tpu.graph.jax_lowering import LOWERINGS
+from titan_tpu.graph.jax_ops import LOWERINGS
 
 aten = torch.ops.aten
 
