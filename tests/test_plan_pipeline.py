@@ -33,7 +33,6 @@ def _stage_memory(overrides: list[str]) -> dict:
     as the calibration measures it: titan_tpu/plan/calibrate.py), with the parameters, buffers and
     AdamW moments alive before it."""
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
     from titan_tpu.components.make_step import make_step
     from titan_tpu.config import build_config
@@ -41,6 +40,7 @@ def _stage_memory(overrides: list[str]) -> dict:
     from titan_tpu.models.spec import build
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import default_mixed_precision
+    from titan_tpu.plan.calibrate import profiled_peak_bytes
     from titan_tpu.run_setup import prepare_run
     from titan_tpu.train.optim import AdamW
 
@@ -67,14 +67,7 @@ def _stage_memory(overrides: list[str]) -> dict:
     static = sum(local(x).numel() * local(x).element_size() for x in [*model.parameters(), *model.buffers()])
     static += sum(local(x).numel() * local(x).element_size()
                   for d in (opt.state["exp_avg"], opt.state["exp_avg_sq"]) for x in d.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step([batch], 1e-4)
-    changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
-    now = peak = 0
-    for _, delta in changes:
-        now += delta
-        peak = max(peak, now)
-    return {"saved": saved, "live_peak": static + peak}
+    return {"saved": saved, "live_peak": static + profiled_peak_bytes(lambda: step([batch], 1e-4))}
 
 
 # Each layout spawned once: GPipe and circular (3 chunks a stage, 4 micro-batches) without

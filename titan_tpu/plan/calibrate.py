@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CASES", "Case", "calibrate_main"]
+__all__ = ["CASES", "Case", "calibrate_main", "profiled_peak_bytes"]
 
 
 @dataclass(frozen=True)
@@ -172,10 +172,25 @@ def measure_collective_rate(python: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def profiled_peak_bytes(run) -> int:
+    """The highest the bytes of live tensors rose above their start while `run()` ran, from torch's
+    profiler's allocation events in time order (CPU tensors)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+    now = peak = 0
+    for _, delta in changes:
+        now += delta
+        peak = max(peak, now)
+    return peak
+
+
 _LIVE_PROBE = r"""
 import json, sys, torch
-from torch.profiler import ProfilerActivity, profile
 from titan_tpu.config import build_config
+from titan_tpu.plan.calibrate import profiled_peak_bytes
 from titan_tpu.device import get_backend
 from titan_tpu.models.spec import build
 from titan_tpu.run_setup import prepare_run
@@ -211,13 +226,7 @@ if t.mode == "graph" and cfg.compile.backend == "inductor":
     sys.setprofile(None)
     peak = most[0] - start
 else:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step([batch], 1e-4)
-    changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
-    now = peak = 0
-    for _, delta in changes:
-        now += delta
-        peak = max(peak, now)
+    peak = profiled_peak_bytes(lambda: step([batch], 1e-4))
 print(json.dumps({"live_peak_gb": (static + peak) / 1e9}))
 """
 
