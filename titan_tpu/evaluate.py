@@ -207,19 +207,26 @@ def evaluate(loaded: EvalModel, sequences: list[list[int]]) -> dict:
             "per_sequence_loss": losses}
 
 
+def load_run_model(setup, *, checkpoint: str | None) -> EvalModel:
+    """The model of a run setup (run_setup.py) on its training.device, with `checkpoint`'s weights
+    (`load_eval_model`)."""
+    from titan_tpu.device import get_backend
+
+    cfg = setup.cfg
+    return load_eval_model(cfg, checkpoint=checkpoint, device=get_backend(cfg.training.device).device,
+                           spec=setup.spec)
+
+
 def run_eval(setup, *, checkpoint: str | None, token_file: str | None, text: str | None, seq_len: int,
              max_tokens: int) -> dict:
     """`titan-tpu eval`: the model of a run setup (run_setup.py; `checkpoint`'s weights) over a token
     file or a text corpus (a vision-language model's image-text rows: evaluate_rows.py)."""
-    from titan_tpu.device import get_backend
-
     cfg = setup.cfg
 
     if (token_file is None) == (text is None):
         raise ValueError("titan-tpu eval needs exactly one of --token-file (JSON lists of token ids), --text "
                          "(a text file, directory or .jsonl) and --rows (image-text chat rows)")
-    loaded = load_eval_model(cfg, checkpoint=checkpoint, device=get_backend(cfg.training.device).device,
-                             spec=setup.spec)
+    loaded = load_run_model(setup, checkpoint=checkpoint)
     if token_file is not None:
         sequences = load_token_file(token_file, vocab_size=loaded.vocab_size, max_len=loaded.max_len)
     else:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_tpu.data.batch import IGNORE_INDEX
-from titan_tpu.evaluate import EvalModel, load_eval_model, trained_image_settings
+from titan_tpu.evaluate import EvalModel, load_run_model, trained_image_settings
 
 if TYPE_CHECKING:
     from titan_tpu.config import Config
@@ -28,8 +28,7 @@ if TYPE_CHECKING:
 def image_rows(cfg: Config, loaded: EvalModel, path: str, *, seq_len: int) -> ImageChatRows:
     """The rows of `path` (a .jsonl / .parquet file, a glob or a folder, as data.source) rendered
     for `loaded`'s model; a text-only model is a one-line error."""
-    from titan_tpu.data.chat import ChatRenderer, load_chat_template
-    from titan_tpu.data.images import ImageProcessorView, read_image_chat_rows
+    from titan_tpu.data.images import directory_renderer, read_image_chat_rows
     from titan_tpu.data.tokenizer import load_tokenizer
 
     directory = loaded.spec.image_model_dir()
@@ -38,9 +37,7 @@ def image_rows(cfg: Config, loaded: EvalModel, path: str, *, seq_len: int) -> Im
                          "is text-only; give a Qwen2.5-VL, Gemma 3 or LLaVA model, or evaluate text with --text")
     tokenizer = cfg.data.tokenizer_path or loaded.tokenizer or str(directory / "tokenizer.json")
     settings = trained_image_settings(cfg, loaded.weights)
-    view = ImageProcessorView(directory, max_images=settings["max_images"], image_size=settings["image_size"])
-    template, special = load_chat_template(directory, settings["chat_template"])
-    renderer = ChatRenderer(template, load_tokenizer(tokenizer), special_tokens=special)
+    renderer, view = directory_renderer(directory, tokenizer=load_tokenizer(tokenizer), **settings)
     field = cfg.data.text_field if cfg.data.text_field not in ("", "text") else "messages"
     rows = read_image_chat_rows(path, field=field, renderer=renderer, view=view, seq_len=seq_len, all_val=True)
     if not rows.encoded:
@@ -85,9 +82,5 @@ def evaluate_rows(cfg: Config, loaded: EvalModel, path: str, *, seq_len: int, ba
 
 def run_eval_rows(setup, *, checkpoint: str | None, rows: str, seq_len: int, batch_size: int) -> dict:
     """`titan-tpu eval --rows`: the model of a run setup (`checkpoint`'s weights) over image-text rows."""
-    from titan_tpu.device import get_backend
-
-    cfg = setup.cfg
-    loaded = load_eval_model(cfg, checkpoint=checkpoint, device=get_backend(cfg.training.device).device,
-                             spec=setup.spec)
-    return evaluate_rows(cfg, loaded, rows, seq_len=seq_len, batch_size=batch_size)
+    return evaluate_rows(setup.cfg, load_run_model(setup, checkpoint=checkpoint), rows, seq_len=seq_len,
+                         batch_size=batch_size)

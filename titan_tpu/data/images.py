@@ -352,6 +352,18 @@ def stack_rows(rows: list[dict[str, Any]], view: ImageProcessorView | None = Non
 PER_TOKEN_EXTRAS = ("positions_3S", "token_types_S")
 
 
+def directory_renderer(directory: str | Path, *, tokenizer, max_images: int, image_size: int,
+                       chat_template: str = "") -> tuple[Any, ImageProcessorView]:
+    """(chat renderer, image view) of the vision-language model in `directory`: its chat template
+    (or `chat_template` as data.chat_template names one) over `tokenizer`, its image processor with
+    `max_images` slots at `image_size`. Training rows, prompts and eval rows all render with these."""
+    from titan_tpu.data.chat import ChatRenderer, load_chat_template
+
+    view = ImageProcessorView(directory, max_images=max_images, image_size=image_size)
+    template, special = load_chat_template(directory, chat_template)
+    return ChatRenderer(template, tokenizer, special_tokens=special), view
+
+
 class ImagePrompts:
     """Prompts with images for generation (titan-tpu generate), rendered as a training row is: the
     directory's chat template, here with its generation prompt (the assistant's turn opened), each
@@ -368,11 +380,8 @@ class ImagePrompts:
                chat_template: str = "") -> ImagePrompts:
         """The prompts of the vision-language model in `directory` (its processor and chat template,
         or `chat_template` as data.chat_template names one)."""
-        from titan_tpu.data.chat import ChatRenderer, load_chat_template
-
-        view = ImageProcessorView(directory, max_images=max_images, image_size=image_size)
-        template, special = load_chat_template(directory, chat_template)
-        return cls(ChatRenderer(template, tokenizer, special_tokens=special), view)
+        return cls(*directory_renderer(directory, tokenizer=tokenizer, max_images=max_images, image_size=image_size,
+                                       chat_template=chat_template))
 
     def encode(self, messages: Any, *, where: str, base: Path | None = None) -> tuple[list[int], dict[str, Any]]:
         """(token ids, image slots as `image_slots` gives them) of a conversation to continue; its
@@ -452,11 +461,9 @@ def image_chat_loaders(data_cfg: Any, sources: list, *, model_dir: str | Path, t
     of `model_dir`, rendered with its chat template (or data.chat_template) and its image processor."""
     from dataclasses import replace
 
-    from titan_tpu.data.chat import ChatRenderer, load_chat_template
 
-    view = ImageProcessorView(model_dir, max_images=max_images, image_size=image_size)
-    template, special = load_chat_template(model_dir, data_cfg.chat_template)
-    renderer = ChatRenderer(template, tokenizer, special_tokens=special)
+    renderer, view = directory_renderer(model_dir, tokenizer=tokenizer, max_images=max_images, image_size=image_size,
+                                        chat_template=data_cfg.chat_template)
     val_fraction = 0.0 if data_cfg.val_source else data_cfg.val_fraction
     rows = [_source_rows(s, renderer=renderer, view=view, seq_len=seq_len, val_fraction=val_fraction)
             for s in sources]
