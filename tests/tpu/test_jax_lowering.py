@@ -183,6 +183,19 @@ def test_lowered_step_with_tpu_kernels_equals_eager_step(name, layout, monkeypat
     assert len(layers) == KERNEL_LAYERS, layers
 
 
+def per_device_inputs(cfg, step, ranks: int, batch: int, seq: int) -> tuple[list, list]:
+    """(each device's flat inputs of `step`: its rank's model, optimizer state and data-parallel
+    rank's batch, the batches of every data-parallel rank)."""
+    per_device = []
+    for rank in range(ranks):
+        with fake_world(ranks, rank):
+            model, optimizer, _, mesh = build_device_model(cfg, ranks)
+            dp_rank, dp_size = dp_rank_and_size(mesh)
+            batches = _batches(cfg_vocab(cfg), dp_size, batch, seq)
+            per_device.append(_inputs(step, model, optimizer, batches[dp_rank]))
+    return per_device, batches
+
+
 def _check_lowered_step(name, layout, scan, monkeypatch, batch=BATCH, seq=SEQ, capture=contextlib.nullcontext):
     """One whole step, lowered and run by JAX on a CPU mesh of the layout's ranks, equals our eager
     step (float64, one process, on the batches of all data-parallel ranks). Under tp and cp every
@@ -201,13 +214,7 @@ def _check_lowered_step(name, layout, scan, monkeypatch, batch=BATCH, seq=SEQ, c
         steps = [capture_device_step(cfg, world_size=ranks, batch_size=batch, seq_len=seq, rank=r)
                  for r in range(ranks if layout.get("tp", 1) > 1 else 1)]
     step = steps[0]
-    per_device = []
-    for rank in range(ranks):
-        with fake_world(ranks, rank):
-            model, optimizer, _, mesh = build_device_model(cfg, ranks)
-            dp_rank, dp_size = dp_rank_and_size(mesh)
-            batches = _batches(cfg_vocab(cfg), dp_size, batch, seq)
-            per_device.append(_inputs(step, model, optimizer, batches[dp_rank]))
+    per_device, batches = per_device_inputs(cfg, step, ranks, batch, seq)
     outputs = run_on_devices(steps, per_device, jax.devices("cpu"))
     if scan:  # the forward and the backward each one while loop over the layers, not unrolled
         mesh = jax_mesh(step, jax.devices("cpu"))

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import jax
 import pytest
-from test_jax_lowering import TOL, _batches, _config, _inputs, _max_rel, _reference, _shard_of, cfg_vocab
+from test_jax_lowering import TOL, _config, _max_rel, _reference, _shard_of, per_device_inputs
 
 from titan_tpu.graph.jax_program import global_inputs, jax_mesh, run_on_devices, sharded_step
-from titan_tpu.parallel.mesh import dp_rank_and_size
 from titan_tpu.parallel.pipeline import PipelineSchedule
-from titan_tpu.tools.device_step import build_device_model, capture_device_step, fake_world
+from titan_tpu.tools.device_step import capture_device_step
 from titan_tpu.tracing import one_program_for_every_rank
 
 SEQ = 32
@@ -56,13 +55,7 @@ def test_lowered_pipeline_step_equals_eager_step(layout, batch, monkeypatch):
     with one_program_for_every_rank():
         step = capture_device_step(cfg, world_size=ranks, batch_size=batch, seq_len=SEQ)
     assert step.axis_sizes == {**({"dp_shard": 2} if "dp_shard" in layout else {}), "pp": 2}, step.axis_sizes
-    per_device = []
-    for rank in range(ranks):
-        with fake_world(ranks, rank):
-            model, optimizer, _, mesh = build_device_model(cfg, ranks)
-            dp_rank, dp_size = dp_rank_and_size(mesh)
-            batches = _batches(cfg_vocab(cfg), dp_size, batch, SEQ)
-            per_device.append(_inputs(step, model, optimizer, batches[dp_rank]))
+    per_device, batches = per_device_inputs(cfg, step, ranks, batch, SEQ)
     outputs = run_on_devices([step], per_device, jax.devices("cpu"))
     mesh = jax_mesh(step, jax.devices("cpu"))
     text = jax.jit(sharded_step(step, mesh)).lower(*global_inputs(mesh, per_device)).as_text()
