@@ -18,6 +18,10 @@ the optimizer update (gradients and the AdamW temporary).
 
 Under pipeline stages every term is the last stage's (plan/pipeline_terms.py): `Setting.args` holds
 its layers only, and its activations are those of every micro-batch, alive at the backward's start.
+
+A Transformers-backend model's activations are measured (`Setting.hf`, plan/hf_terms.py); the
+layout's, the loss kernel's and AdamW's terms are the same functions, read with its measured
+parameter counts. It is one piece to SimpleFSDP: all its weights gathered together and kept.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from titan_tpu.kinds.record import reference_holder
 from titan_tpu.models.common.activation_memory import ActivationBytes, activation_bytes
 from titan_tpu.models.common.rope import rope_real_saved_per_position
 from titan_tpu.models.common.scan import ScanAutogradMemory, scan_autograd_memory
-from titan_tpu.models.registry import largest_param, num_expert_params, num_params
+from titan_tpu.models.registry import num_expert_params, num_params
 from titan_tpu.parallel.context_parallel import cp_attention_saved_bytes
 from titan_tpu.parallel.plan_terms import Layout
 from titan_tpu.plan.setting import (
@@ -38,7 +42,6 @@ from titan_tpu.plan.setting import (
     attention_widths,
     chunk_attention_impl,
     grouped_mm_impl,
-    layer_params,
     loss_impl,
 )
 from titan_tpu.train.optim import update_buffers
@@ -94,7 +97,10 @@ def step_memory(s: Setting) -> StepMemory:
 
 def rank_activations(s: Setting) -> ActivationBytes:
     """Activations of one micro-batch on one rank: under context parallelism its 1 / cp of the
-    tokens, and attention keeps every rank's keys and values (of its kv heads: 1 / tp of them)."""
+    tokens, and attention keeps every rank's keys and values (of its kv heads: 1 / tp of them).
+    An hf model's are measured, LoRA's adapters included (plan/hf_terms.py)."""
+    if s.hf is not None:
+        return s.hf.activations(rows=s.tokens // s.cfg.training.seq_len, ac_mode=s.ac, traced=s.traced)
     cfg, args, cp, tp = s.cfg, s.args, s.cfg.parallelism.cp, s.cfg.parallelism.tp
     acts = activation_bytes(args, tokens=s.tokens // cp, ac_mode=s.ac, dtype_bytes=s.layout.compute_bytes,
                             ep=cfg.parallelism.ep, traced=s.traced, partitioned=s.partitioned, tp=tp,
@@ -147,8 +153,10 @@ def loss_bytes(s: Setting) -> tuple[float, float]:
     impl = loss_impl(k.loss, s.hardware.name)
     if s.as_compiled and impl == "tokamax":
         impl = "tokamax_xla"
+    if s.hf is not None and not s.hf.chunked_loss:  # transformers' own logits, materialised
+        impl = "reference"
     return loss_memory_bytes(impl, tokens=s.tokens // p.cp,
-                             vocab_size=s.args.vocab_size // p.tp, dim=s.args.dim,
+                             vocab_size=s.vocab_size // p.tp, dim=s.dim,
                              dtype_bytes=s.layout.compute_bytes, chunk_tokens=k.loss_chunk_tokens,
                              vocab_parallel=p.tp > 1)
 
@@ -158,6 +166,9 @@ def gathered_bytes(s: Setting) -> float:
     gathered (gather "model") the embedding's and the output projection's gathered copies too,
     kept from the forward to the backward like the blocks' (XLA's live ranges of
     qwen3_8b_lora_chat_tpu: the gathered bf16 [vocab, dim] beside the gathered stacks)."""
+    if s.hf is not None:  # one piece: every weight gathered together (its embedding and output too)
+        return s.layout.gathered_bytes(block_params=s.base_params + s.adapter_params, expert_params=0,
+                                       n_layers=s.n_layers)
     blocks = s.layout.gathered_bytes(block_params=s.block_params, expert_params=num_expert_params(s.args),
                                      n_layers=s.args.n_layers)
     if s.gather != "model" or not s.layout.sharded or _read_in_place(s):
@@ -182,10 +193,10 @@ def full_gradient_bytes(s: Setting) -> float:
     checkpointing: gather "model", the gradients still per layer)."""
     if _read_in_place(s):
         return 0.0
-    args, layout = s.args, s.layout
+    layout = s.layout
     grad_layout = dataclasses.replace(layout, gather="layer") if s.scanned and s.per_layer_stack else layout
-    return grad_layout.full_gradient_bytes(largest_param=largest_param(args), block_params=s.block_params,
-                                           expert_params=num_expert_params(args), n_layers=args.n_layers,
+    return grad_layout.full_gradient_bytes(largest_param=s.largest_param, block_params=s.block_params,
+                                           expert_params=s.expert_params, n_layers=s.n_layers,
                                            scanned=s.scanned and not s.per_layer_stack)
 
 
@@ -277,9 +288,7 @@ def memory_phases(s: Setting, *, acts: ActivationBytes, loss_kept: float, loss_p
         # The saved weight copies are the gathered weights when sharded (`gathered`, kept): counted once.
         forward_end += scan.at_backward_start - scan.activations - copies_gathered(s, gathered, scan)
     # Backward, top layer first: layers below keep their activations, layers above have gradients.
-    blocks = len(acts.saved_per_layer)  # the layers, then the multi-token-prediction blocks
-    per_layer = [s.adapter_params / blocks] * blocks if s.lora else layer_params(s.args)
-    layer_grad = [g * mb / (s.layout.dp_shard * s.layout.tp) for g in per_layer]
+    layer_grad = [g * mb / (s.layout.dp_shard * s.layout.tp) for g in s.layer_gradient_params()]
     below, above, worst = acts.saved, 0.0, 0.0
     if _xla_scan_gradients_whole(s):  # the loop's gradient stack is allocated before its first trip
         above = sum(layer_grad)
@@ -400,7 +409,7 @@ def _xla_backward_end(s: Setting) -> float:
     if s.cfg.compile.backend not in XLA_BACKENDS or not s.graph or s.lora or \
             s.layout.dp_shard * s.layout.dp_replicate == 1:
         return 0.0
-    return 3.0 * s.args.vocab_size * s.args.dim * s.layout.master_bytes() / s.cfg.parallelism.tp
+    return 3.0 * s.vocab_size * s.dim * s.layout.master_bytes() / s.cfg.parallelism.tp
 
 
 def copies_gathered(s: Setting, gathered: float, scan: ScanAutogradMemory) -> float:

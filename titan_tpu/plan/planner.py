@@ -83,7 +83,7 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
                          as_compiled=as_compiled, fp8=fp8)
     memory = step_memory(s)
     flops = step_flops(s)
-    fp8_cost = fp8_terms(s)
+    fp8_cost = fp8_terms(s) if s.fp8 else None
     if s.fp8:
         _add_fp8(fp8_cost, flops=flops, memory=memory.terms)
     phases = memory.terms["phases"]
@@ -99,8 +99,7 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
     plan = Plan(
         model=s.label, hardware=s.hardware.as_dict(), devices=s.devices, mesh=_mesh_summary(s),
         batch=_batch_summary(s, tokens_step_rank=tokens_step_rank),
-        params={"total": num_params(s.model_args), "active": num_active_params(s.model_args),
-                "experts": num_expert_params(s.model_args), "stored_per_device": s.stored},
+        params=_params_summary(s),
         memory=memory.terms, peak_bytes=peak, peak_phase=peak_phase, capacity_bytes=s.hardware.memory_bytes,
         fits=peak <= s.hardware.memory_bytes, flops=flops,
         communication=[{**dataclasses.asdict(c), **rates[c.axis].as_dict()} for c in collectives], time=timing,
@@ -124,7 +123,21 @@ def _planned_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int |
     enabled, scaling = fp8_setting(s.cfg)
     # The JAX path runs the program titan-tpu compile hands XLA: its plan is always that program's.
     as_compiled = as_compiled or setup.cfg.compile.backend == "jax" and setup.cfg.training.mode == "graph"
-    return dataclasses.replace(s, as_compiled=as_compiled, fp8=enabled if fp8 is None else fp8, fp8_scaling=scaling)
+    fp8 = enabled if fp8 is None else fp8
+    if fp8 and s.hf is not None:
+        raise ValueError("the planner's fp8 terms count a native model's block linears; plan an hf model with "
+                         "fp8.enabled false")
+    return dataclasses.replace(s, as_compiled=as_compiled, fp8=fp8, fp8_scaling=scaling)
+
+
+def _params_summary(s: Setting) -> dict:
+    """The plan's `params`: parameter elements of the whole model (LoRA's adapters apart) and what a
+    device stores; an hf model's by part too, as measured (plan/hf_terms.py)."""
+    if s.hf is not None:  # its experts, if any, are transformers' code: counted as dense
+        return {"total": s.whole_base_params, "active": s.whole_base_params, "experts": 0,
+                "stored_per_device": s.stored, "parts": s.hf.params.parts()}
+    return {"total": num_params(s.model_args), "active": num_active_params(s.model_args),
+            "experts": num_expert_params(s.model_args), "stored_per_device": s.stored}
 
 
 def _add_fp8(cost: dict[str, float], *, flops: dict, memory: dict) -> None:
@@ -191,11 +204,15 @@ def reshard_decision(setup: RunSetup | Config, *, world_size: int,
     """(re-shard after the forward?, why) for a run on `world_size` devices, as the run's assembly
     decides it (components/build.py) and `titan-tpu compile` compiles it: "true"/"false" as given;
     auto asks `with_reshard_resolved` on the hardware the config names (or `hardware`), and
-    re-shards where the planner has no terms for the run (an hf model, an unnamed GPU)."""
-    cfg = setup.cfg if isinstance(setup, RunSetup) else setup
+    re-shards where the planner cannot plan the run (an unnamed GPU). An hf model is one piece
+    (HFCausalLM.init_plan): nothing to re-shard after a layer, so nothing is planned for it."""
+    setup = setup if isinstance(setup, RunSetup) else RunSetup.resolved(setup)
+    cfg = setup.cfg
     value = cfg.parallelism.reshard_after_forward
     if value != "auto":
         return value == "true", "set in the config"
+    if not setup.spec.plannable:  # measured terms (plan/hf_terms.py) would be spent on a choice that does nothing
+        return True, "an hf model is one piece: nothing is re-sharded after a layer"
     try:
         if hardware is None:
             hardware, _ = default_hardware(cfg, measure=False)

@@ -7,7 +7,11 @@ step_time.py, fp8.py), built once by `resolve_setting`.
   the kernels `auto` picks by device kind (`loss_impl`, `chunk_attention_impl`, `grouped_mm_impl`);
 * the model's per-layer counts more than one term reads (`layer_params`, `attention_widths`);
 * under pipeline stages (parallelism.pp > 1) the schedule, and the model's args cut to one stage's
-  layers (`Setting.args`; the whole model's are `Setting.model_args`): plan/pipeline_terms.py.
+  layers (`Setting.args`; the whole model's are `Setting.model_args`): plan/pipeline_terms.py;
+* for a Transformers-backend model (model.name hf), whose layers the planner has no formulas for,
+  what was measured on it instead (`Setting.hf`, plan/hf_terms.py): the properties below that count
+  parameters and layers answer from it, and the terms that count activations, FLOPs and
+  collectives read it where a native model's read its args.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import contextlib
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from titan_tpu.config import Config, grad_accum_from_tokens
 from titan_tpu.kinds import TrainingKind, kind_of
 from titan_tpu.kinds.record import builds_reference_copy
-from titan_tpu.models.registry import MODEL_NAMES, num_params
+from titan_tpu.models.registry import MODEL_NAMES, largest_param, num_expert_params, num_params
 from titan_tpu.parallel.context_parallel import check_context_parallel
 from titan_tpu.parallel.mesh import ParallelDims, check_cp_with_ep
 from titan_tpu.parallel.pipeline import PipelineSchedule
@@ -29,6 +34,9 @@ from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
 from titan_tpu.plan.pipeline_terms import pipeline_schedule, stage_args
 from titan_tpu.run_setup import RunSetup
+
+if TYPE_CHECKING:
+    from titan_tpu.plan.hf_terms import HFTerms
 
 __all__ = ["Setting", "TPU_NAMES", "attention_widths", "chunk_attention_impl", "code_gather", "default_hardware",
            "for_planning", "grouped_mm_impl", "layer_params", "loss_impl", "planning_machine", "resolve_setting",
@@ -144,6 +152,7 @@ class Setting:
     fp8_scaling: str = "tensorwise"  # tensorwise | rowwise (kernels/fp8.py)
     schedule: PipelineSchedule | None = None  # pipeline stages (parallelism.pp > 1), else None
     whole_args: object = None  # the whole model's TransformerArgs where `args` is one stage's; None: `args`
+    hf: HFTerms | None = None  # a Transformers-backend model's measured terms (plan/hf_terms.py); None: native
 
     @property
     def model_args(self):
@@ -208,7 +217,60 @@ class Setting:
         model's); none under LoRA, whose reference is the base model with its adapters off, and
         none for a kind without a reference (kinds/record.py `reference_holder`)."""
         copy = builds_reference_copy(self.kind, self.cfg)
-        return self.layout.stored_elements(num_params(self.args)) if copy else 0.0
+        return self.layout.stored_elements(self.base_params) if copy else 0.0
+
+    @property
+    def base_params(self) -> int:
+        """The model's parameter elements beside LoRA's adapters (one stage's under pp)."""
+        return self.hf.params.total - self.hf.params.adapters if self.hf else num_params(self.args)
+
+    @property
+    def whole_base_params(self) -> int:
+        """The whole model's parameter elements beside LoRA's adapters."""
+        return self.base_params if self.hf else num_params(self.model_args)
+
+    @property
+    def whole_trained(self) -> int:
+        """The whole model's elements with gradients and AdamW moments: all of them, LoRA's adapters
+        only, or an hf model's trained ones (its vision tower frozen by default)."""
+        if self.hf:
+            return self.hf.params.trained
+        return self.adapter_params if self.lora else self.whole_base_params + self.adapter_params
+
+    @property
+    def n_layers(self) -> int:
+        """The repeated blocks (one stage's under pp): an hf model's decoder layers."""
+        return len(self.hf.params.layers) if self.hf else self.args.n_layers
+
+    @property
+    def dim(self) -> int:
+        """The hidden size: the width of the loss's input."""
+        return self.hf.dim if self.hf else self.args.dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.vocab_size if self.hf else self.args.vocab_size
+
+    @property
+    def expert_params(self) -> int:
+        """Our MoE layers' expert elements (an hf model's experts are its own code: counted as dense)."""
+        return 0 if self.hf else num_expert_params(self.args)
+
+    @property
+    def largest_param(self) -> int:
+        """The largest parameter's elements (an hf model's largest trained one): the largest
+        full-size gradient of unrolled layers."""
+        return self.hf.params.largest_trained if self.hf else largest_param(self.args)
+
+    def layer_gradient_params(self) -> list[float]:
+        """Each layer's elements with gradients, in order (then the multi-token-prediction blocks):
+        under LoRA the adapters, spread evenly over the blocks of a native model."""
+        if self.hf:
+            return list(self.hf.params.layers_trained)
+        if self.lora:
+            blocks = self.args.n_layers + self.args.mtp_num_layers
+            return [self.adapter_params / blocks] * blocks
+        return layer_params(self.args)
 
     @property
     def per_layer_stack(self) -> bool:
@@ -220,13 +282,15 @@ class Setting:
 
     @property
     def block_params(self) -> int:
+        if self.hf:
+            return sum(self.hf.params.layers)
         args = self.args
         return num_params(args) - (args.dim + args.vocab_size * args.dim * (1 if args.tie_embeddings else 2))
 
     @property
     def stored(self) -> float:
         """Parameter elements a device stores (LoRA's adapters beside the base weights)."""
-        return self.layout.stored_elements(num_params(self.args) + self.adapter_params)
+        return self.layout.stored_elements(self.base_params + self.adapter_params)
 
     @property
     def lora(self) -> bool:
@@ -235,7 +299,9 @@ class Setting:
     @property
     def trained(self) -> float:
         """Parameter elements a device keeps gradients and AdamW moments for: all it stores, or
-        under LoRA the adapters only (the base is frozen)."""
+        under LoRA the adapters only (the base is frozen), or an hf model's trained ones."""
+        if self.hf:
+            return self.layout.stored_elements(self.hf.params.trained)
         return self.layout.stored_elements(self.adapter_params) if self.lora else self.stored
 
 
@@ -243,9 +309,9 @@ def resolve_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int | 
                     gather: str | None, model_args) -> Setting:
     """The run setup resolved for planning (see `plan_run` for the arguments)."""
     cfg, spec = setup.cfg, setup.spec
-    if not spec.plannable:
-        raise ValueError(f"titan-tpu plan covers the native models ({', '.join(MODEL_NAMES)}); an hf model's "
-                         "layers are transformers' own code, which the planner has no terms for")
+    if not spec.plannable and cfg.parallelism.pp > 1:
+        raise ValueError(f"parallelism.pp > 1 splits a native model's layer stack ({', '.join(MODEL_NAMES)}); an hf "
+                         "model's layers are transformers' own code: plan it with pp 1")
     if hardware is None:
         hardware, named_chips = default_hardware(cfg, measure=measure)
         chips = chips if chips is not None else named_chips
@@ -262,17 +328,24 @@ def resolve_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int | 
     if schedule is not None:  # as the model is built under pp (models/spec.py): no buckets, nothing re-sharded
         parallelism = dataclasses.replace(cfg.parallelism, bucket_mb=0, reshard_after_forward="false")
         cfg = dataclasses.replace(cfg, parallelism=parallelism)
-    code = code_gather(cfg)
-    gather = gather or code
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
+    hf = None
+    if not spec.plannable:  # transformers' layers: measured, not written (plan/hf_terms.py)
+        from titan_tpu.plan.hf_terms import hf_terms
+
+        hf = hf_terms(dataclasses.replace(setup, cfg=cfg), dtype=dtype)
+    # An hf model is one piece (HFCausalLM.init_plan): gathered whole, nothing re-sharded after a layer.
+    code = "model" if hf is not None else code_gather(cfg)
+    gather = gather or code
     p = cfg.parallelism
     layout = Layout(**dims.config_sizes(), compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype],
                     gather=gather, ep_dispatch=p.ep_dispatch,
                     # captured CPU/CUDA steps send the all-to-all's static buffer whole; TPU's is ragged
                     ep_padded=cfg.training.mode == "graph" and hardware.name not in TPU_NAMES)
+    adapters = ({"adapter_params": hf.params.adapters} if cfg.lora.enabled else {}) if hf else _adapters(cfg, args)
     return Setting(cfg=cfg, label=spec.label, args=stage_args(args, schedule), hardware=hardware, devices=devices,
                    layout=layout, dtype=dtype, gather=gather, code_gather=code, schedule=schedule,
-                   whole_args=args if schedule is not None else None, **_adapters(cfg, args))
+                   whole_args=args if schedule is not None else None, hf=hf, **adapters)
 
 
 def _adapters(cfg: Config, args) -> dict:

@@ -13,6 +13,10 @@ the excess shows. Eager runs (no scheduler to overlap) use the first, graph mode
 Pipeline stages (plan/pipeline_terms.py): a device's FLOPs are 1 / pp of its data-parallel rank's;
 its block work is stretched by the bubble, the output projection runs on the last stage alone; the
 permutes and the shared weights' gradient sums are collectives over pp.
+
+A Transformers-backend model's FLOPs are the trainer's count and its layers' measured forward
+(plan/hf_terms.py); its collectives are SimpleFSDP's over its one piece: every weight gathered and
+its gradient reduced in runs of bucket_mb, once per micro-batch.
 """
 
 from __future__ import annotations
@@ -37,13 +41,15 @@ def step_flops(s: Setting) -> dict[str, float]:
     """The trainer's FLOPs count, and what runs (recomputed forwards under full checkpointing)."""
     t = s.cfg.training
     args = s.model_args  # the whole model's: a pipeline stage's share is 1 / pp of a rank's tokens' work
-    fpt = flops_per_token(args, t.seq_len)
+    fpt = s.hf.flops_per_token if s.hf else flops_per_token(args, t.seq_len)
     tokens_step_rank = s.tokens * t.grad_accum_steps  # tokens of one data-parallel rank (its tp ranks share them)
     share = s.ranks_per_batch
     model_flops_rank = fpt * tokens_step_rank / share
     # Full checkpointing reruns the blocks' forward in the backward; the output projection and the
     # loss are outside the checkpointed blocks and run once.
-    recomputed = recomputed_flops_per_token(args, t.seq_len) if s.ac == "full" else 0.0
+    recomputed = 0.0
+    if s.ac == "full":
+        recomputed = s.hf.recompute_flops_per_token if s.hf else recomputed_flops_per_token(args, t.seq_len)
     reference = reference_flops(s.kind, s.cfg, fpt)  # a frozen reference's forwards (no backward)
     if reference:
         return {"per_token": fpt, "reference_per_token": reference,
@@ -55,6 +61,8 @@ def step_flops(s: Setting) -> dict[str, float]:
 
 def step_collectives(s: Setting) -> list:
     """The collectives of one step (parallel/plan_terms.py)."""
+    if s.hf is not None:
+        return _hf_collectives(s)
     args, t, p = s.args, s.cfg.training, s.cfg.parallelism
     cb = s.layout.compute_bytes
     outside = 2 if args.tie_embeddings else 3
@@ -89,6 +97,19 @@ def step_collectives(s: Setting) -> list:
     return collectives
 
 
+def _hf_collectives(s: Setting) -> list:
+    """An hf model's: one piece (HFCausalLM.init_plan) gathered in runs of bucket_mb, or per
+    parameter, and nothing gathered again in the backward (nothing is re-sharded after a layer)."""
+    t, p = s.cfg.training, s.cfg.parallelism
+    params = s.base_params + s.adapter_params
+    gathers, _ = collective_calls(tensors_per_layer=[s.hf.params.tensors],
+                                  bytes_per_layer=[params * s.layout.compute_bytes], outside_tensors=0,
+                                  bucket_bytes=p.bucket_mb * 2**20, scanned_whole=True, regather=False)
+    return s.layout.step_collectives(total_params=params, expert_params=0, micro_batches=t.grad_accum_steps,
+                                     moe_layers=0, tokens_per_micro_batch=s.tokens, dim=s.dim, top_k=0,
+                                     recompute_blocks=s.ac == "full", gathers=gathers, n_layers=s.n_layers)
+
+
 def _layer_tensors(args) -> list[int]:
     """Parameter tensors of each block: wq wk wv wo, two norms (and q/k norms), then w1 w2 w3 or
     an MoE layer's router and three expert stacks."""
@@ -114,8 +135,12 @@ def step_time(s: Setting, *, executed_rank: float, collectives: list, rates: dic
         executed_rank = stretched
     compute_s = (executed_rank - fp8_flops) / (peak_flops * efficiency) + \
         (fp8_flops / (fp8["peak_flops"] / share * efficiency) if fp8 else 0.0)
-    none_acts = activation_bytes(s.args, tokens=s.tokens // p.cp, ac_mode="none", dtype_bytes=s.layout.compute_bytes,
-                                 ep=p.ep, tp=p.tp, padded_values=s.padded_values)
+    if s.hf is not None:
+        none_acts = s.hf.activations(rows=s.tokens // t.seq_len, ac_mode="none", traced=False)
+    else:
+        none_acts = activation_bytes(s.args, tokens=s.tokens // p.cp, ac_mode="none",
+                                     dtype_bytes=s.layout.compute_bytes, ep=p.ep, tp=p.tp,
+                                     padded_values=s.padded_values)
     # Every intermediate is written in the forward and read and written in the backward (again when
     # recomputed); AdamW and clipping stream parameters, gradients and moments about twelve times.
     # A pipeline stage's activation work waits in the bubble like its matmuls (`stretch`).
@@ -159,9 +184,8 @@ def checkpoint_time(s: Setting, *, step_s: float | None, storage_gbps: float, lo
     bandwidth; the local tier is each device's own shards, all devices writing at once. On SIGTERM
     the step in flight ends first, so the budget must hold a step and the local tier."""
     mb = s.layout.master_bytes()
-    stored = num_params(s.model_args) + s.adapter_params
-    trained = s.adapter_params if s.lora else stored
-    total = (stored + 2 * trained) * mb
+    stored = s.whole_base_params + s.adapter_params
+    total = (stored + 2 * s.whole_trained) * mb
     per_device = (s.stored + 2 * s.trained) * mb
     persistent_s, local_s = total / (storage_gbps * 1e9), per_device / (local_gbps * 1e9)
     grace, step = s.cfg.checkpoint.grace_seconds, step_s or 0.0

@@ -22,8 +22,9 @@ def advice(plan: Plan, cfg: Config, *, acts_share: float) -> list[str]:
         return []
     m, out = plan.memory, []
     # Under pipeline stages nothing is re-sharded (a stage keeps its rows): more stages shrink them (below).
+    # An hf model is one piece (its parts measured): re-sharding after the forward has no layer to act on.
     if m["gathered_weights"] + m["full_size_gradient"] > 0.25 * plan.peak_bytes and plan.mesh["gather"] == "model" \
-            and not plan.pipeline:
+            and not plan.pipeline and "parts" not in plan.params:
         out.append(f"the gathered block weights ({m['gathered_weights'] / 1e9:.1f} GB) are kept from the forward to "
                    f"the end of the backward and their full-size gradient reaches {m['full_size_gradient'] / 1e9:.1f} "
                    "GB: more dp_shard does not shrink them; re-sharding after the forward does "
@@ -55,6 +56,17 @@ def _batch_unit(mesh: dict) -> str:
     if pp > 1:
         return f"data-parallel rank (its {pp} pipeline stages{f' x {split} cp x tp devices' if split > 1 else ''})"
     return f"data-parallel rank (its {split} cp x tp devices each hold 1/{mesh.get('cp', 1)} of every sequence)"
+
+
+def _parts_lines(plan: Plan) -> list[str]:
+    """An hf model's parameters by part, as measured on its meta model (plan/hf_terms.py); none for a
+    native model."""
+    parts = plan.params.get("parts")
+    if parts is None:
+        return []
+    shown = ", ".join(f"{name.replace('_', ' ')} {parts[name] / 1e6:,.3f} M" for name in
+                      ("embedding", "output", "decoder_layers", "vision_tower", "projector", "other") if parts[name])
+    return [f"  measured on the model built on the meta device: {shown}; {parts['trained'] / 1e6:,.3f} M trained"]
 
 
 def _pipeline_lines(plan: Plan) -> list[str]:
@@ -129,6 +141,7 @@ def format_plan(plan: Plan, *, explain: bool = False) -> str:
         f"{'scanned' if b['scan_layers'] else 'unrolled'}; loss {b['loss']}; {b['mode']} mode",
         f"  parameters {plan.params['total'] / 1e9:.3f} B ({plan.params['active'] / 1e9:.3f} B active), "
         f"{plan.params['stored_per_device'] / 1e9:.3f} B stored per device",
+        *_parts_lines(plan),
         *_pipeline_lines(plan),
         "memory per device:",
     ]

@@ -244,17 +244,26 @@ class HFCausalLM(nn.Module):
         aux = balancing_loss(router_logits, num_experts=num_experts, top_k=top_k, attention_mask=None)
         return coef * aux.to(ce_sum.dtype)
 
+    def chunked_loss_may_apply(self) -> bool:
+        """What `check_chunked_loss` asks before its check on real weights, from the model's structure
+        alone: a bias-free linear output projection over a base model's hidden state, no transformation
+        of the logits (the planner's assumption on the meta device, plan/hf_terms.py)."""
+        output = self.hf_model.get_output_embeddings()
+        base = getattr(self.hf_model, "base_model", None)
+        if not isinstance(output, nn.Linear) or output.bias is not None or base is None or base is self.hf_model:
+            return False
+        # e.g. soft-capping: too close to identity at init for the check on real weights to see
+        return not _logit_transform(text_config(self.hf_model.config))
+
     @torch.no_grad()
     def check_chunked_loss(self, vocab_size: int) -> bool:
         """Use the loss kernel when logits == output_embeddings(base_model(x)[0]) for this model;
         decided on a small real batch (all ranks run it together under data parallelism)."""
-        output = self.hf_model.get_output_embeddings()
-        base = getattr(self.hf_model, "base_model", None)
         self.use_chunked_loss = False
-        if not isinstance(output, nn.Linear) or output.bias is not None or base is None or base is self.hf_model:
+        if not self.chunked_loss_may_apply():
             return False
-        if _logit_transform(text_config(self.hf_model.config)):
-            return False  # e.g. soft-capping: too close to identity at init for the check below to see
+        output = self.hf_model.get_output_embeddings()
+        base = self.hf_model.base_model
         device = next(self.parameters()).device
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab_size, (1, 8), generator=generator).to(device)
