@@ -47,6 +47,10 @@ trades full fine-tuning for it on speed: a config with lora.enabled is searched 
 without it is searched as full fine-tuning. Only when no full fine-tuning candidate fits does the
 search plan the same space again with lora.enabled true (the config's [lora] rank and targets) and
 rank those, saying so; `--keep lora.enabled` turns that fallback off.
+
+A Transformers-backend model (model.name hf) is searched over what it runs: its own layer loop on
+data-parallel axes, one piece to SimpleFSDP; tp, pp, scan_layers and re-sharding are held at the
+config's values (`HF_HELD`). Its terms are measured once (plan/hf_terms.py) and shared by every candidate.
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ _SET = ("activation_checkpoint.mode", "model.scan_layers", "training.batch_size"
         "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.ep",
         "parallelism.pp", "parallelism.pp_microbatches", "parallelism.pp_repeats", "parallelism.reshard_after_forward",
         "parallelism.bucket_mb", "lora.enabled", "fp8.enabled")
+# What an hf model cannot change (models/hf_spec.py refuses tp, cp and scanned layers, run_setup.py pp;
+# one piece has nothing to re-shard after a layer): held, as --keep holds a knob.
+HF_HELD = ("parallelism.tp", "parallelism.pp", "model.scan_layers", "parallelism.reshard_after_forward")
 BUCKETS_MB = (0.0, 25.0, 256.0)
 TIE = 0.005  # predicted rates this close (relative) are a tie: the planner cannot tell them apart
 
@@ -321,11 +328,11 @@ def search(cfg: Config, hardware: Hardware | None = None, *, chips: int | None =
     """Plan every candidate of the space around `cfg` (module docstring) on `hardware` (default:
     what the config names) and rank those that fit. Raises ValueError (one line) when none fits.
     allow_fp8: plan every candidate with fp8 on too, where the hardware has an fp8 peak (module docstring)."""
-    if not model_spec(cfg.model).plannable:
-        raise ValueError("titan-tpu plan --search covers the native models (llama3, qwen3, qwen3_moe, deepseek_v3)")
     unknown = sorted(set(keep) - set(KNOBS))
     if unknown:
         raise ValueError(f"--keep {unknown[0]} is not a searched knob; keep one of {', '.join(KNOBS)}")
+    if not model_spec(cfg.model).plannable:  # an hf model: its measured terms, its own layer loop
+        keep = (*keep, *HF_HELD)
     if hardware is None:
         hardware, named = default_hardware(cfg, measure=measure)
         chips = chips if chips is not None else named

@@ -47,7 +47,7 @@ class LayerSaved:
 
     saved: int  # what autograd keeps for the layer's backward without checkpointing
     layer_input: int  # the hidden state it reads: what a fully checkpointed layer keeps
-    matmul_outputs: int  # outputs of SAVED_OPS (matmuls, attention): what selective checkpointing keeps beside the input
+    matmul_outputs: int  # outputs of SAVED_OPS (matmuls, attention): selective checkpointing keeps them and the input
     seeded_outputs: int  # outputs of ops that may draw random numbers (SDPA): kept by a traced checkpointed layer
     forward_flops: int  # what a recomputation under full checkpointing runs again
 
@@ -118,11 +118,27 @@ def _as_fake(model: nn.Module, mode) -> Iterator[None]:
             module._parameters[name] = p
 
 
+@contextlib.contextmanager
+def _plain_rows() -> Iterator[None]:
+    """Inside: transformers takes the measured rows for what they are, one sequence each. On fake
+    tensors it cannot read the position ids and assumes packed sequences (`is_tracing`), which
+    would materialise a mask that the real run, eager or captured, never builds."""
+    from transformers import masking_utils
+
+    found = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = found
+
+
 def measure_saved_bytes(model: HFCausalLM, tokens_BS: torch.Tensor, images: ImageInputs | None = None) -> SavedBytes:
     """What `model`'s base model keeps for its backward on `tokens_BS` (and a vision-language
     model's `images`), measured on fake tensors (the module docstring). `model` is built on the
-    meta device without activation checkpointing, its trained parameters marked (requires_grad). The output projection and the
-    loss are not run: the planner counts them with the loss kernel's terms."""
+    meta device without activation checkpointing, its trained parameters marked (requires_grad);
+    they are fake tensors only while it runs. The output projection and the loss are not run: the
+    planner counts them with the loss kernel's terms."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titan_tpu.models.hf.flops import _on_meta
@@ -149,7 +165,7 @@ def measure_saved_bytes(model: HFCausalLM, tokens_BS: torch.Tensor, images: Imag
                          layer.register_forward_hook(leave))]
     token = _CALL_CONTEXT.set((model.kernels, None))
     try:
-        with _as_fake(model, mode), mode:
+        with _as_fake(model, mode), _plain_rows(), mode:
             fake_tokens_BS = mode.from_tensor(tokens_BS)
             fake_images = None if images is None else _fake_images(_on_meta(images), mode)
             with ops, torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append((current[0], t)) or t,
@@ -157,7 +173,9 @@ def measure_saved_bytes(model: HFCausalLM, tokens_BS: torch.Tensor, images: Imag
                 # The vision tower runs here too: it merges the image features into the embeddings.
                 kwargs = model._model_kwargs(fake_tokens_BS, None, fake_images)
                 hidden_BSD = model.hf_model.base_model(**kwargs)[0]
-            own = {_storage_key(mode.from_tensor(t)) for t in [*model.parameters(), *model.buffers()]}
+            # The parameters are fake already; the buffers were converted when an op read them (memoised).
+            own = {_storage_key(p) for p in model.parameters()} | \
+                {_storage_key(mode.from_tensor(b)) for b in model.buffers()}
     finally:
         _CALL_CONTEXT.reset(token)
         for handle in handles:
