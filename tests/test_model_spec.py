@@ -74,13 +74,12 @@ def test_hf_spec_resolves_and_its_model_satisfies_the_contract():
     model = _meta_model(spec, overrides)
     _check_contract(model)
     assert model.expert_bias_names() == [] and model.updated_expert_biases({}, torch.zeros(0, 0)) == {}
-    from titan_tpu.models.registry import MODEL_NAMES
     from titan_tpu.plan import plan_config
     from titan_tpu.plan.setting import for_planning
 
-    with pytest.raises(ValueError, match="covers the native models") as refused:  # it names every native family
-        plan_config(for_planning(None, overrides + ["--training.device", "cpu"]), measure=False)
-    assert f"({', '.join(MODEL_NAMES)})" in str(refused.value) and "deepseek_v3" in MODEL_NAMES
+    # The planner measures what it has no formulas for (plan/hf_terms.py; tests/test_plan_hf.py).
+    plan = plan_config(for_planning(None, overrides + ["--training.device", "cpu"]), measure=False)
+    assert plan.params["total"] == sum(p.numel() for p in model.parameters())
 
 
 def test_a_plain_module_is_not_a_trainable_model():
