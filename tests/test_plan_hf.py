@@ -148,7 +148,7 @@ def test_plan_and_search_of_an_hf_config(capsys):
     assert main(["plan", "--config", str(CONFIG), *QWEN2, "--training.device", "cpu", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["params"]["parts"]["decoder_layers"] > 0 and plan["memory"]["activations"] > 0
-    assert main(["plan", "--config", str(CONFIG), *QWEN2, "--training.device", "cpu", "--search"]) == 0
+    assert main(["plan", "--config", str(CONFIG), *QWEN2, *SMALL, "--search"]) == 0
     out = capsys.readouterr().out
     assert "fit" in out and "--model.scan_layers" not in out and "--parallelism.reshard_after_forward" not in out
     assert main(["plan", "--config", str(CONFIG), *QWEN2, "--training.device", "cpu", "--parallelism.pp", "2"]) != 0
