@@ -87,9 +87,9 @@ def measured(request):
 @pytest.mark.multiprocess
 def test_a_stages_activations_are_what_autograd_keeps(measured):
     """The last stage keeps its 3 layers' activations for every row of the batch (each micro-batch's
-    iterations, alive at the backward's start; the bubble's iterations keep nothing) and the
-    loss's: the planner's activations and loss_kept. The first stage keeps the same layers' and no
-    loss. Measured 2026-12-06: within 0.02% in both layouts."""
+    iterations, alive at the backward's start; the bubble's iterations keep nothing), the final
+    norm's of the whole batch and its share of the loss's: the planner's activations and loss_kept.
+    The first stage keeps the same layers', its share of the loss's and no final norm's."""
     _, plan, (first, last) = measured
     planned = plan.memory["activations"] + plan.memory["loss_kept"]
     assert planned == pytest.approx(last["saved"], rel=0.01), (planned, last["saved"])
@@ -98,7 +98,7 @@ def test_a_stages_activations_are_what_autograd_keeps(measured):
 
 @pytest.mark.multiprocess
 def test_a_stages_peak_is_the_planners(measured):
-    """The last stage's peak of live tensors in a step within 12% of the planner's (its peak less
+    """The largest stage's peak of live tensors in a step within 12% of the planner's (its peak less
     the runtime's resident memory), the tolerance the calibration holds one-process eager runs to
     (docs/planner.md); measured 2026-12-06: +4.4% GPipe (92.2 MB planned, 88.2 live), +4.6%
     circular. Under full checkpointing the peak is the optimizer's moment, which the planner counts
@@ -107,7 +107,8 @@ def test_a_stages_peak_is_the_planners(measured):
     layout, plan, stages = measured
     tensors = plan.peak_bytes - plan.memory["runtime"]
     live = max(r["live_peak"] for r in stages)
-    assert stages[1]["live_peak"] == live  # the last stage, which the plan is
+    # The plan is the last stage's; the stages' peaks are alike, the loss being shared out over them.
+    assert min(r["live_peak"] for r in stages) == pytest.approx(live, rel=0.02)
     if plan.batch["activation_checkpoint"] == "none":
         assert tensors == pytest.approx(live, rel=0.12), (layout, tensors / 1e6, live / 1e6)
     else:
@@ -117,7 +118,7 @@ def test_a_stages_peak_is_the_planners(measured):
 def test_bubble_and_stage_terms():
     """The bubble is the schedule's; a stage stores its layers / pp of the stack and the weights
     outside it whole; its FLOPs per device are 1 / pp of its data-parallel rank's; the block work is
-    stretched by 1 / (1 - bubble), the output projection runs on the last stage alone."""
+    stretched by 1 / (1 - bubble), the output projection's (run on every stage's share) is not."""
     one = plan_config(for_planning(LLAMA_DEBUG, PP2 + ["--parallelism.pp", "1"]), CPU, measure=False, chips=1)
     two = plan_config(for_planning(LLAMA_DEBUG, PP2 + ["--parallelism.pp_microbatches", "4"]), CPU, measure=False)
     assert two.pipeline == {"stages": 2, "micro_batches": 4, "repeats": 1, "iterations": 5, "bubble": 1 / 5,
@@ -131,7 +132,7 @@ def test_bubble_and_stage_terms():
     assert two.batch["tokens_per_step"] == one.batch["tokens_per_step"]
     head = 6 * args.dim * args.vocab_size * 4 * 128 / 2  # the output projection's FLOPs, a device's share
     executed = two.flops["executed_per_step_per_device"]
-    stretched = (executed - head) / (1 - 1 / 5) + 2 * head
+    stretched = (executed - head) / (1 - 1 / 5) + head
     # Two ranks share this CPU (each half its peak): the ratio of the compute times is the stretch's.
     assert two.time["compute_s"] == pytest.approx(one.time["compute_s"] * stretched / executed, rel=1e-9)
 
@@ -139,17 +140,22 @@ def test_bubble_and_stage_terms():
 def test_permutes_on_the_fabric_the_pp_axis_crosses():
     """Each of the iterations - 1 hand-overs sends one micro-batch's [rows, seq, dim] activation in the
     compute dtype (1 / tp of it: tp's sequence-parallel residual), and the backward its gradient;
-    the weights outside the stack have their fp32 shard summed over pp once. The recipe's pp axis
+    the weights outside the stack have their fp32 shard summed over pp once; the last stage's outputs
+    (the batch's [tokens, dim], gathered over tp by the final norm) are shared out over pp, and their
+    gradient gathered back. The recipe's pp axis
     (stride tp 8) leaves the node: InfiniBand, one GPU of each stage group per node. pp 8 with tp 1
     stays inside a node: NVLink."""
     cfg = for_planning(CONFIGS / "llama3_405b_h100_pp.toml")
     plan = plan_config(cfg)
     t, p, pipe = cfg.training, cfg.parallelism, plan.pipeline
-    permute, shared = [c for c in plan.communication if c["axis"] == "pp"]
+    permute, share_out, shared = [c for c in plan.communication if c["axis"] == "pp"]
     args = get_model_args("llama3", "405B")
     micro_batch = t.batch_size // pipe["micro_batches"] * t.seq_len * args.dim * 2 / p.tp
     assert permute["kind"] == "permute" and permute["calls"] == 2 * (pipe["iterations"] - 1)
     assert permute["bytes_per_step"] == pytest.approx(2 * (pipe["iterations"] - 1) * micro_batch)
+    tokens = t.batch_size * t.seq_len
+    assert share_out["calls"] == 2 and share_out["bytes_per_step"] == pytest.approx(
+        2 * (p.pp - 1) / p.pp * tokens * args.dim * 2)
     outside = args.dim + 2 * args.vocab_size * args.dim
     assert shared["bytes_per_step"] == pytest.approx(2 * (p.pp - 1) / p.pp * outside / (p.dp_shard * p.tp) * 4)
     assert permute["fabric"] == "InfiniBand" and permute["bandwidth"] == 50e9

@@ -43,6 +43,7 @@ from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from titan_tpu.graph.jax_ops import LOWERINGS, JaxLoweringError, jax_dtype
+from titan_tpu.graph.passes import REMAT_REGION
 from titan_tpu.graph.reverse_scan import marked_reverse
 
 __all__ = ["LOWERINGS", "JaxLoweringError", "functional_graph", "global_shape", "jax_dtype", "rank_constants",
@@ -243,9 +244,12 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
     def run(*inputs):
         env: dict[torch.fx.Node, object] = {}
         placeholders = iter(inputs)
-        load = lambda a: torch.fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
+        barriers = _RematBarriers(nodes, env)
         rank = device_rank() if per_rank else None
         for node in nodes:
+            # A recomputed node reads its block's inputs through the block's barrier (`_RematBarriers`).
+            read = barriers.reader(node)
+            load = lambda a, read=read: torch.fx.node.map_arg(a, read)  # noqa: E731
             if node.op == "placeholder":
                 env[node] = jnp.asarray(next(placeholders))
             elif node.op == "call_function" and node.target is _SCAN:
@@ -253,7 +257,7 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
             elif node.op == "call_function":
                 if node.name in per_rank:  # the node's arguments with its rank-dependent numbers read per device
                     leaves, spec = tree_flatten((node.args, node.kwargs))
-                    leaves = [env[a] if isinstance(a, torch.fx.Node) else a for a in leaves]
+                    leaves = [read(a) if isinstance(a, torch.fx.Node) else a for a in leaves]
                     for i, values in per_rank[node.name].items():
                         leaves[i] = jnp.asarray(values)[rank]
                     args, kwargs = tree_unflatten(leaves, spec)
@@ -270,6 +274,7 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
                     raise JaxLoweringError(f"lowering {node.target} (from {_where(node)}) failed: "
                                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
                 env[node] = _as_traced(value, node.meta.get("val"), node)
+                barriers.computed(node)
             elif node.op == "output":
                 return list(load(node.args[0]))
             elif node.op == "get_attr" and all(u.target is _SCAN for u in node.users):
@@ -282,6 +287,77 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
 
 
 _SCAN = torch.ops.higher_order.scan
+
+
+class _RematBarriers:
+    """Activation checkpointing that XLA keeps. A checkpointed block's backward recomputes its
+    forward ops (graph/passes.py `rematerialize`): copies of the forward's ops on the same inputs.
+    Left as they are, XLA merges them back into the forward's (common-subexpression elimination)
+    or runs them in the forward, either way keeping every intermediate alive until the backward:
+    checkpointing undone (a scanned stack is safe, its body being a loop's). So, as
+    `jax.checkpoint` does (its prevent_cse), the copies of one block call read the values they
+    take from outside it through one optimization barrier, which XLA neither looks through nor
+    merges. The barrier also takes the gradient that the copies' first backward use reads beside
+    them, and the backward's latest value before them (in a stacked stack, the accumulated weight
+    gradient of the block after): the recomputation then cannot start before the backward reaches
+    the block, nor before the blocks after it are done with theirs. Without the first, XLA runs it
+    in the forward; without the second, it recomputes many blocks ahead and holds their
+    intermediates until a late chain of weight-gradient sums reads them (its scheduler keeps
+    anything below the chip's memory)."""
+
+    def __init__(self, nodes: list[torch.fx.Node], env: dict):
+        self.env = env
+        self.outside: dict[object, list[torch.fx.Node]] = {}  # region -> the nodes its copies read from outside it
+        self.gradients: dict[object, list[torch.fx.Node]] = {}  # region -> what its first backward use reads besides
+        for node in nodes:
+            region = _region(node)
+            if region is not None:
+                reads = self.outside.setdefault(region, [])
+                reads.extend(n for n in node.all_input_nodes if _region(n) != region and n not in reads)
+            elif _backward(node):
+                for read in {_region(n) for n in node.all_input_nodes} - {None}:
+                    self.gradients.setdefault(read, [n for n in node.all_input_nodes
+                                                     if _region(n) is None and _backward(n)])
+        self.barred: dict[object, dict[torch.fx.Node, object]] = {}
+        self.latest = None  # the latest backward node computed
+
+    def computed(self, node: torch.fx.Node) -> None:
+        if _region(node) is None and _backward(node) and isinstance(self.env.get(node), jax.Array):
+            self.latest = node
+
+    def reader(self, node: torch.fx.Node) -> Callable[[torch.fx.Node], object]:
+        region = _region(node)
+        if region is None:
+            return self.env.__getitem__
+        if region not in self.barred:
+            gradients = [n for n in self.gradients.get(region, []) if n in self.env]
+            if self.latest is not None and self.latest not in gradients:
+                gradients.append(self.latest)
+            self.barred[region] = self._barrier(self.outside[region], gradients)
+
+        def read(source: torch.fx.Node):
+            barred = self.barred[region]
+            if source not in barred and _region(source) != region and isinstance(self.env[source], jax.Array):
+                barred.update(self._barrier([source], []))  # computed after the region's first copy: its own barrier
+            return barred.get(source, self.env[source])
+
+        return read
+
+    def _barrier(self, sources: list[torch.fx.Node], gradients: list[torch.fx.Node]) -> dict[torch.fx.Node, object]:
+        sources = [n for n in sources if isinstance(self.env.get(n), jax.Array)]
+        gradients = [n for n in gradients if isinstance(self.env.get(n), jax.Array)]
+        values = jax.lax.optimization_barrier([self.env[n] for n in sources + gradients])
+        for n, value in zip(gradients, values[len(sources):]):
+            self.env[n] = value  # later readers take the barrier's copy, so XLA keeps the tie
+        return dict(zip(sources, values))
+
+
+def _backward(node: torch.fx.Node) -> bool:
+    return node.meta.get("custom", {}).get("phase") == "backward"
+
+
+def _region(node: torch.fx.Node):
+    return node.meta.get("custom", {}).get(REMAT_REGION)
 
 
 def _subgraph(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.GraphModule:

@@ -26,6 +26,8 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 SPLIT_MODES = ("none", "fwd_bwd", "collectives")
+# node.meta["custom"] key of a recomputed copy: the checkpointed block call it recomputes.
+REMAT_REGION = "remat_region"
 
 
 def eliminate_dead_code(gm: fx.GraphModule) -> fx.GraphModule:
@@ -52,6 +54,10 @@ def rematerialize(gm: fx.GraphModule) -> fx.GraphModule:
 
     gm = remat_using_tags_for_fwd_loss_bwd_graph(gm)
     for node in gm.graph.nodes:
+        if node.name.endswith("_recomputed"):
+            # The copy's region, for the JAX lowering's CSE barrier (graph/jax_lowering.py
+            # `_remat_barriers`); "custom" survives retracing. A new dict: the copy shares the original's.
+            node.meta["custom"] = {**node.meta.get("custom", {}), REMAT_REGION: node.meta.get("ac_graph_id", -1)}
         node.meta.pop("recompute", None)
         node.meta.pop("ac_graph_id", None)
     return gm

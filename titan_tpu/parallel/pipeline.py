@@ -24,20 +24,23 @@ the permutes in the same reverse order on every rank: the collectives match.
 On a model (`pipeline_stages`, `PipelineStage`): the scanned stack's rows are laid out stage by
 stage and split over pp on the layer dim (SimpleFSDP places them, parallel/simple_fsdp.py); the
 step's batch splits into the micro-batches; every stage embeds them (only the first reads them),
-the last stage's outputs go through the final norm, the output projection and the loss, which
-every stage then reports (a sum over pp of the last stage's value and the others' zeros that keep
-their chains in the backward). The weights outside the stack are whole on every stage; their
-gradients (the first stage's embedding, the last's norm and output) are summed over pp after the
-backward (`sum_shared_grads_`): inside it, the stages would meet those all-reduces in different
-orders among their permutes. Checkpoints name every row by its layer, so they load on any pp.
+the last stage's outputs are then shared out over the stages by token (a reduce-scatter to which
+the others add zeros, keeping their chains in the backward: `loss_share`), and every stage runs the
+output projection and the loss on its 1 / pp of the tokens (the final norm runs before the
+share-out, where tp gathers the sequence), so the head's work and
+its logits are spread rather than piled on the last stage; every stage reports the sum over pp.
+The weights outside the stack are whole on every stage; their gradients (the first stage's
+embedding, every stage's part of the norm and the output) are summed over pp after the backward
+(`sum_shared_grads_`): inside it, the stages would meet those all-reduces in different orders
+among their permutes. Checkpoints name every row by its layer, so they load on any pp.
 
 As one program for every rank (tracing.py `one_program_for_every_rank`: the JAX lowering, `titan-tpu
 compile`), no op may depend on the stage: `run_pipeline_spmd` is the same schedule with the stage a
 value of the step (group_rank, the pp axis index once lowered). Every stage computes in every
 iteration and a select keeps its input where the schedule says it waits (MaxText's form: the bubble
 is computed and thrown away); the micro-batch and the chunk of a stage's iteration are values, read
-by indexing; every stage computes the loss of the outputs it holds, and a select keeps the last
-stage's. The permute is the op ``titan_tpu::pp_permute``, XLA's collective-permute once lowered
+by indexing; every stage holds outputs, and a select keeps the last stage's for the share-out.
+The permute is the op ``titan_tpu::pp_permute``, XLA's collective-permute once lowered
 (graph/jax_lowering.py). The numbers are the per-rank schedule's.
 """
 
@@ -57,6 +60,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from titan_tpu.model_contract import STAGE_ROWS
 from titan_tpu.parallel.axes import PP_AXIS
 from titan_tpu.parallel.group_rank import rank_in
+from titan_tpu.parallel.tensor_parallel import reduce_scatter_along
 from titan_tpu.tracing import is_one_program
 
 if TYPE_CHECKING:
@@ -260,8 +264,8 @@ class PipelineStage:
 
     @property
     def is_last(self) -> bool:
-        """Whether this rank computes the loss: the last stage; every stage inside one program for
-        every rank (the others' is thrown away by `loss_everywhere`)."""
+        """Whether `run` gives this rank the stack's outputs: the last stage; every stage inside one
+        program for every rank (`loss_share` keeps the last stage's)."""
         return is_one_program() or self.stage == self.schedule.stages - 1
 
     def run(self, stack: nn.Module, h_BSD: Tensor, rope: Tensor, document_ids_BS: Tensor | None) -> Tensor:
@@ -275,10 +279,10 @@ class PipelineStage:
         per_row = rope.dim() == 4  # [B, S, P, 2]: each row's own positions (packed documents)
         ropes = rope.chunk(M) if per_row else [rope] * M
         documents = document_ids_BS.chunk(M) if document_ids_BS is not None else [None] * M
+        if is_one_program():
+            return self._run_one_program(stack, h_BSD, rope=rope, per_row=per_row, documents=documents)
         body, layers = stack.unbound_layers()  # this stage's rows, read once for the step
         chunk = self.schedule.layers_per_chunk
-        if is_one_program():
-            return self._run_one_program(body, layers, h_BSD, rope=rope, per_row=per_row, documents=documents)
 
         def stage_fn(x: Tensor, micro_batch: int, repeat: int) -> Tensor:
             for weights in layers[repeat * chunk:(repeat + 1) * chunk]:
@@ -289,41 +293,66 @@ class PipelineStage:
                                      group=self.group)
         return torch.cat(outputs) if self.is_last else last
 
-    def _run_one_program(self, body: Callable, layers: list[tuple[Tensor, ...]], h_BSD: Tensor, *, rope: Tensor,
-                         per_row: bool, documents: list[Tensor | None]) -> Tensor:
+    def _run_one_program(self, stack: nn.Module, h_BSD: Tensor, *, rope: Tensor, per_row: bool,
+                         documents: list[Tensor | None]) -> Tensor:
         """`run` as one program for every rank: the micro-batch's rope and documents and the
         repeat's chunk of rows read by index (values of the step), the same ops on every stage."""
         M, repeats, chunk = self.schedule.micro_batches, self.schedule.repeats, self.schedule.layers_per_chunk
         rope_M = torch.stack(rope.chunk(M)) if per_row else None
         documents_M = torch.stack(documents) if documents[0] is not None else None
-        # Row j of a stage's chunk: GPipe's one chunk as read; circular, each weight's row j of every
-        # repeat stacked, [repeats, ...], read at the iteration's repeat.
-        rows = layers if repeats == 1 else [
-            tuple(torch.stack(ws) for ws in zip(*(layers[r * chunk + j] for r in range(repeats))))
-            for j in range(chunk)]
 
         def pick(t_N: Tensor, i: Tensor) -> Tensor:
             return t_N.index_select(0, i.reshape(1)).squeeze(0)
+
+        # Circular: the body reads the iteration's repeat of each weight itself, inside its
+        # checkpointed block (a pick outside would be saved, a copy of the stage's layers per iteration).
+        body, layers = stack.unbound_layers(pick=pick if repeats > 1 else None)  # this stage's rows, read once
+        # Row j of a stage's chunk: GPipe's one chunk as read; circular, each weight's row j of every
+        # repeat stacked, [repeats, ...].
+        rows = layers if repeats == 1 else [
+            tuple(torch.stack(ws) for ws in zip(*(layers[r * chunk + j] for r in range(repeats))))
+            for j in range(chunk)]
 
         def stage_fn(x: Tensor, micro_batch: Tensor, repeat: Tensor) -> Tensor:
             rope_now = pick(rope_M, micro_batch) if rope_M is not None else rope
             document_ids = pick(documents_M, micro_batch) if documents_M is not None else None
             for weights in rows:
-                weights = weights if repeats == 1 else [pick(w, repeat) for w in weights]
-                x, _ = body(x, rope_now, document_ids, *weights)
+                x, _ = body(x, rope_now, document_ids, *weights) if repeats == 1 else \
+                    body(x, rope_now, document_ids, repeat, *weights)
             return x
 
         outputs, _ = run_pipeline_spmd(stage_fn, list(h_BSD.chunk(M)), schedule=self.schedule,
                                        stage=rank_in(self.group, self.stage), group=self.group)
         return torch.cat(outputs)
 
-    def loss_everywhere(self, loss_sum: Tensor) -> Tensor:
-        """The last stage's `loss_sum` on every stage: its value summed over pp (the others hold a
-        zero-weighted term of their chain), differentiable only where it was computed. Inside one
-        program for every rank every stage computed one: the last stage's kept by a select."""
+    def loss_share(self, h_BSD: Tensor, labels_BS: Tensor) -> tuple[Tensor, Tensor]:
+        """(hidden states [N, D], labels [N]) of this stage's share of the loss: the last stage's
+        (normed) outputs for the whole batch, flattened to tokens, split over the stages (reduce-scattered:
+        the others add zeros), each stage taking 1 / pp of the tokens with their labels. The norm,
+        the output projection and the loss then run on every stage for its share, so no stage holds
+        the whole batch's logits or does the whole head's work. Tokens are padded to a multiple of
+        pp with ignored labels. h_BSD: `run`'s result (on a stage other than the last, outside one
+        program, its chain head, kept in the graph with weight zero so its backward runs)."""
+        pp = self.schedule.stages
+        B, S = labels_BS.shape
         if is_one_program():
-            is_last = rank_in(self.group, self.stage) == self.schedule.stages - 1
-            loss_sum = torch.where(is_last, loss_sum, loss_sum * 0.0)
+            is_last = rank_in(self.group, self.stage) == pp - 1
+            h_BSD = torch.where(is_last, h_BSD, torch.zeros_like(h_BSD))
+        elif not self.is_last:
+            h_BSD = h_BSD.new_zeros(B, S, h_BSD.shape[-1]) + h_BSD.sum() * 0.0
+        h_ND, labels_N = h_BSD.flatten(0, 1), labels_BS.flatten()
+        pad = -labels_N.numel() % pp
+        if pad:
+            h_ND = torch.nn.functional.pad(h_ND, (0, 0, 0, pad))
+            labels_N = torch.nn.functional.pad(labels_N, (0, pad), value=-100)
+        share_ND = reduce_scatter_along(h_ND, self.group, 0)
+        stage = rank_in(self.group, self.stage) if is_one_program() else torch.tensor(self.stage)
+        labels_share_N = labels_N.view(pp, -1).index_select(0, stage.reshape(1).to(labels_N.device)).squeeze(0)
+        return share_ND, labels_share_N
+
+    def loss_everywhere(self, loss_sum: Tensor) -> Tensor:
+        """The step's loss on every stage: the sum over pp of each stage's `loss_sum` (of its
+        `loss_share`), differentiable in this stage's own share."""
         total = funcol.wait_tensor(funcol.all_reduce(loss_sum.detach(), "sum", self.group))
         return loss_sum + (total - loss_sum.detach())
 

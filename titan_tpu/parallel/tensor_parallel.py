@@ -44,7 +44,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from titan_tpu.parallel.axes import TP_AXIS
 from titan_tpu.parallel.group_rank import rank_in
 
-__all__ = ["TP_AXIS", "TP_PLACEMENT", "check_tensor_parallel", "tensor_parallel", "tp_placement"]
+__all__ = ["TP_AXIS", "TP_PLACEMENT", "check_tensor_parallel", "reduce_scatter_along", "tensor_parallel",
+           "tp_placement"]
 
 TP_PLACEMENT = "_tp_placement"  # module attribute: the tp placement of the module's own parameters
 
@@ -119,6 +120,12 @@ class _ReduceScatterAlong(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _wait(funcol.all_gather_tensor(grad.contiguous(), ctx.dim, ctx.group)), None, None
+
+
+def reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """`x` summed over `group`, each rank keeping its 1 / size of dim `dim` (pipeline stages share
+    out the last stage's outputs with it too); the gradient is all-gathered back."""
+    return _ReduceScatterAlong.apply(x, group, dim)
 
 
 def _gather_input(group, module, args):

@@ -120,6 +120,11 @@ def rank_activations(s: Setting) -> ActivationBytes:
                                dtype_bytes=s.layout.compute_bytes, ep=cfg.parallelism.ep, traced=s.traced, tp=tp,
                                padded_values=s.padded_values)
         acts = dataclasses.replace(acts, recompute=one.recompute)
+    if s.schedule is not None:
+        # The loss's input is the stage's share of the tokens (parallel/pipeline.py `loss_share`),
+        # not the final norm's whole output, which the share-out reads and keeps nothing of.
+        share = -(-s.tokens // s.schedule.stages)
+        acts = dataclasses.replace(acts, head=acts.head - (s.tokens - share) * args.dim * s.layout.compute_bytes // tp)
     return _with_lora_activations(s, acts) if s.lora else acts
 
 
@@ -148,14 +153,16 @@ def _with_lora_activations(s: Setting, acts: ActivationBytes) -> ActivationBytes
 def loss_bytes(s: Setting) -> tuple[float, float]:
     """(kept, peak) of the loss kernel. Under tensor parallelism it sees every token and its rank's
     1 / tp of the vocabulary (the vocabulary-parallel form, with its own temporaries), under
-    context parallelism the rank's tokens."""
+    context parallelism the rank's tokens, under pipeline stages its stage's share of the tokens."""
     k, p = s.cfg.kernels, s.cfg.parallelism
     impl = loss_impl(k.loss, s.hardware.name)
     if s.as_compiled and impl == "tokamax":
         impl = "tokamax_xla"
     if s.hf is not None and not s.hf.chunked_loss:  # transformers' own logits, materialised
         impl = "reference"
-    return loss_memory_bytes(impl, tokens=s.tokens // p.cp,
+    # Pipeline stages share the last stage's outputs out by token: each runs the loss on 1 / pp of them.
+    tokens = -(-s.tokens // s.schedule.stages) if s.schedule is not None else s.tokens // p.cp
+    return loss_memory_bytes(impl, tokens=tokens,
                              vocab_size=s.vocab_size // p.tp, dim=s.dim,
                              dtype_bytes=s.layout.compute_bytes, chunk_tokens=k.loss_chunk_tokens,
                              vocab_parallel=p.tp > 1)

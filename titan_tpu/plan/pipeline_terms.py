@@ -1,5 +1,6 @@
 """What pipeline stages (parallelism.pp, parallel/pipeline.py) change in a plan: the plan is the last
-stage's, the one that also runs the final norm, the output projection and the loss (the largest).
+stage's, the one that also runs the final norm on the whole batch (every stage then runs the output
+projection and the loss on its share of the tokens).
 
 * Memory. A stage stores its share of the scanned stack (layers / pp rows, sharded over dp_shard as
   ever) and the weights outside it whole (embedding, final norm, output projection; sharded over
@@ -16,17 +17,20 @@ stage's, the one that also runs the final norm, the output projection and the lo
   input on, and the permute saves nothing. So a stage holds its layers' activations for every row of
   the batch: the per-layer term of the whole batch times layers / pp, or under full checkpointing
   each layer's input only (every layer of a chunk is its own checkpointed block). One layer's
-  recomputation is one micro-batch's. The loss sees the whole batch (the last stage concatenates
-  the micro-batches' outputs).
+  recomputation is one micro-batch's. The loss sees 1 / pp of the batch's tokens: the last stage's
+  outputs are shared out over the stages.
 * Time. A stage computes 1 / pp of the blocks' work and, in lockstep with the others, waits in the
   bubble, (pp - 1) / (repeats x micro-batches + pp - 1) of the loop: its block work is stretched by
-  1 / (1 - bubble). The output projection and the loss run once, on the last stage, after the loop
-  (and their backward before the loop's backward), so their work is not divided over the stages.
+  1 / (1 - bubble). The output projection and the loss run after the loop (their backward before the
+  loop's backward) on every stage's share of the tokens, so their work is divided over the stages
+  and not stretched.
 * Traffic (`pipeline_collectives`). Each iteration but the last hands every stage's activation,
   one micro-batch [rows, seq, dim] in the compute dtype, to the next stage, and the backward sends
   its gradient back: 2 x (iterations - 1) permutes per accumulated batch, on the fabric the pp axis
-  crosses. After the backward the gradients of the weights every stage holds whole are summed over
-  pp (an all-reduce of each one's fp32 shard, once per step).
+  crosses. The last stage's outputs are shared out to the stages' losses (a reduce-scatter of the
+  batch's [tokens, dim], the gradient gathered back). After the backward the gradients of the
+  weights every stage holds whole are summed over pp (an all-reduce of each one's fp32 shard, once
+  per step).
 """
 
 from __future__ import annotations
@@ -59,10 +63,10 @@ def stage_args(args, schedule: PipelineSchedule | None):
 
 def stage_compute_flops(*, executed_device: float, head_device: float, schedule: PipelineSchedule) -> float:
     """The FLOPs a stage's step takes as long as (the module docstring): its share of the blocks'
-    work stretched by the bubble, and the output projection's work of every stage's share
-    (`head_device` is 1 / pp of it), which the last stage runs alone."""
+    work stretched by the bubble, and its share of the output projection's (`head_device`), run
+    after the loop on every stage's share of the tokens."""
     blocks = executed_device - head_device
-    return blocks / (1.0 - schedule.bubble) + head_device * schedule.stages
+    return blocks / (1.0 - schedule.bubble) + head_device
 
 
 def head_flops_device(args, *, tokens_device: float) -> float:
@@ -71,18 +75,23 @@ def head_flops_device(args, *, tokens_device: float) -> float:
 
 
 def pipeline_collectives(*, schedule: PipelineSchedule, tokens: int, dim: int, accum: int, compute_bytes: int,
-                         shared_params: float, shared_tensors: int, split: int) -> list[Collective]:
+                         shared_params: float, shared_tensors: int, split: int, tp: int) -> list[Collective]:
     """The permutes between stages and the shared weights' gradient sums of one step (the module
     docstring), the bytes each rank sends. tokens: one accumulated batch's tokens of a
     data-parallel rank (batch_size x seq_len); split: the ranks that hold 1 / split of each
-    activation (tp's sequence-parallel residual x cp); shared_params: the elements of the weights
+    activation (tp's sequence-parallel residual x cp), tp of them tp's; shared_params: the elements of the weights
     outside the stack a rank stores (its dp_shard x tp shard), in `shared_tensors` tensors."""
     pp = schedule.stages
     micro_batch = tokens / schedule.micro_batches * dim * compute_bytes / split
     permutes = 2 * (schedule.iterations - 1) * accum
     shared = 2 * (pp - 1) / pp * shared_params * 4  # the fp32 gradient shards, summed once per step
+    # The last stage's outputs shared out to the loss (a reduce-scatter) and their gradient gathered
+    # back, on every token of the batch the tp ranks hold whole after the final norm (split / tp: cp's)
+    share_out = 2 * (pp - 1) / pp * tokens * dim * compute_bytes / (split // tp) * accum
     return [Collective("permute", "pp", pp, permutes * micro_batch,
                        f"micro-batch activations to the next stage and their gradients back "
                        f"({schedule.iterations - 1} iterations each way)", permutes),
+            Collective("reduce_scatter", "pp", pp, share_out,
+                       "the last stage's outputs shared out to every stage's loss, and their gradient back", 2 * accum),
             Collective("all_reduce", "pp", pp, shared, "gradients of the weights every stage holds, once per step",
                        shared_tensors)]

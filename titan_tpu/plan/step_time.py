@@ -93,7 +93,8 @@ def step_collectives(s: Setting) -> list:
         collectives += pipeline_collectives(schedule=s.schedule, tokens=s.tokens, dim=args.dim,
                                             accum=t.grad_accum_steps, compute_bytes=cb,
                                             shared_params=s.layout.stored_elements(shared),
-                                            shared_tensors=2 if args.tie_embeddings else 3, split=p.tp * p.cp)
+                                            shared_tensors=2 if args.tie_embeddings else 3, split=p.tp * p.cp,
+                                            tp=p.tp)
     return collectives
 
 
@@ -128,7 +129,7 @@ def step_time(s: Setting, *, executed_rank: float, collectives: list, rates: dic
     peak_flops = hardware.peak_flops / share
     fp8_flops = fp8["flops"] if fp8 else 0.0
     stretch = 1.0
-    if s.schedule is not None:  # the bubble stretches a stage's block work; the last stage runs the head alone
+    if s.schedule is not None:  # the bubble stretches a stage's block work, not the head's (run on every stage's share)
         head = head_flops_device(s.args, tokens_device=s.tokens * t.grad_accum_steps / s.ranks_per_batch)
         stretched = stage_compute_flops(executed_device=executed_rank, head_device=head, schedule=s.schedule)
         stretch = 1.0 / (1.0 - s.schedule.bubble)

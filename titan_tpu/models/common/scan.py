@@ -144,11 +144,23 @@ class StackedBlocks(nn.Module):
         final, stats, _ = _scan_layers(body, h, rope, document_ids, stacked)
         return final, stats
 
-    def unbound_layers(self) -> tuple[Callable, list[tuple[Tensor, ...]]]:
+    def unbound_layers(self, pick: Callable[[Tensor, Tensor], Tensor] | None = None
+                       ) -> tuple[Callable, list[tuple[Tensor, ...]]]:
         """(the block function body(h, rope, document_ids, *weights) -> (h, stats), each row's
-        weights as read): the stack run row by row by a caller (pipeline stages, parallel/pipeline.py)."""
+        weights as read): the stack run row by row by a caller (pipeline stages, parallel/pipeline.py).
+        pick(weight, index) -> weight: the body then takes (h, rope, document_ids, index, *weights)
+        and reads each weight through pick inside its checkpointed block, so that the backward's
+        recomputation picks again rather than the forward saving each pick's copy."""
         stacked = read_weights(self, self.state_names)
-        return self._body, list(zip(*(w.unbind(0) for w in stacked)))
+        rows = list(zip(*(w.unbind(0) for w in stacked)))
+        if pick is None:
+            return self._body, rows
+        block_fn = self._block_fn
+
+        def picked(h: Tensor, rope: Tensor, document_ids: Tensor | None, index: Tensor, *weights: Tensor):
+            return block_fn(h, rope, document_ids, *(pick(w, index) for w in weights))
+
+        return checkpointed(picked, self.ac_mode), rows
 
     # ------------------------------------------------------------------------------------------
     # initialisation

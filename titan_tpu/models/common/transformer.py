@@ -382,19 +382,17 @@ class Transformer(nn.Module):
                         positions_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None,
                         per_sequence: bool) -> LossOutput:
         """The summed cross-entropy with the layers split into pipeline stages (parallel/pipeline.py):
-        the stages pass the batch's micro-batches along, the last computes the loss, every stage
-        reports it."""
+        the stages pass the batch's micro-batches along, the last stage's outputs are shared out
+        over the stages by token, each computes the loss of its share, every stage reports the sum."""
         if labels_BS is None or per_sequence:
             raise ValueError("a model split into pipeline stages (parallelism.pp > 1) computes the summed "
                              "next-token loss only, not logits or per-sequence sums; run it with pp 1 for those")
         rope, document_ids_BS = self._rope_and_documents(tokens_BS.shape[1], positions_BS, document_ids_BS)
         h_BSD = self.pipeline.run(self.layers, self.tok_embeddings(tokens_BS), rope, document_ids_BS)
-        if self.pipeline.is_last:
-            loss_fn = self.kernels.loss_fn(h_BSD.device.type)
-            ce_sum = loss_fn(self.norm(h_BSD).flatten(0, 1), self.output_weight(), labels_BS.flatten())
-        else:
-            ce_sum = h_BSD.sum() * 0.0  # this stage's chain head: its permutes' backwards run
-        ce_sum = self.pipeline.loss_everywhere(ce_sum)
+        # The final norm before the share-out: under tp its hook gathers the sequence shards.
+        h_ND, labels_N = self.pipeline.loss_share(self.norm(h_BSD), labels_BS)
+        loss_fn = self.kernels.loss_fn(h_ND.device.type)
+        ce_sum = self.pipeline.loss_everywhere(loss_fn(h_ND, self.output_weight(), labels_N))
         return LossOutput(ce_sum, torch.zeros_like(ce_sum), ce_sum.new_zeros(0, 0))
 
     def _mtp_loss(self, h_BSD: torch.Tensor, stats_L2E: torch.Tensor, tokens_BS: torch.Tensor,
