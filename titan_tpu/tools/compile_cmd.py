@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def compile_main(argv: list[str]) -> int:
     from titan_tpu.tools.hf_shape_dir import ensure
 
     cfg = build_config(args.config, overrides)
-    ensure(cfg.model.hf_config)  # a recipe's weightless stand-in of a Transformers-backend model's directory
+    # A recipe's weightless stand-in of a Transformers-backend model's directory; said on stderr (--json's stdout)
+    ensure(cfg.model.hf_config, log=lambda message: print(message, file=sys.stderr))
     cfg = prepare_run(cfg).cfg
     topology = args.topology or (topology_for(args.hardware) if args.hardware else recipe_topology(cfg))
     try:
