@@ -150,7 +150,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     peak_name = max(programs, key=lambda name: programs[name]["peak"])
     peak = programs[peak_name]
     hbm = hardware.memory_bytes if hardware is not None else None
-    flops_per_token = _formula_flops_per_token(cfg, images=getattr(data and data.example_batch, "images", None))
+    flops_per_token = _formula_flops_per_token(cfg, images=None if data is None else data.example_batch.images)
     flops_per_token *= 1 + kind_of(cfg).reference_forwards(cfg) / FORWARD_COST  # a frozen reference's forwards too
     runs = {"step": 1, "micro-batch": t.grad_accum_steps, "update": 1}
     flops = sum(runs[name] * (p["flops"] or 0.0) for name, p in programs.items()) if peak["flops"] is not None \

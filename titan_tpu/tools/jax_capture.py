@@ -57,16 +57,16 @@ def trainer_example_data(cfg, *, world_size: int, platform: str = "tpu"):
     from titan_tpu.kinds import kind_of
     from titan_tpu.kinds.record import DataRequest
     from titan_tpu.run_setup import RunSetup
+    from titan_tpu.tools.device_step import parallel_dims
 
     setup = RunSetup.resolved(cfg)
     image_dir = setup.spec.image_model_dir()
     if image_dir is None or not any(source.format == "chat" for source in setup.sources):
         return None
-    dims = cfg.parallelism
+    split = parallel_dims(cfg, world_size).batch_split()  # rank 0's rows of the data-parallel ranks'
     request = DataRequest(cfg=cfg, sources=setup.sources, tokenizer_path=setup.tokenizer_path,
                           vocab_size=setup.spec.args.vocab_size,
                           cache_dir=Path(cfg.data.cache_dir or default_cache_dir()), data_rank=0,
-                          data_size=world_size // (dims.tp * dims.cp * dims.pp),  # each data-parallel rank its rows
-                          kernel_device=kernel_device_type(platform), log=lambda message: None,
-                          image_model_dir=image_dir)
+                          data_size=split.dp_size, kernel_device=kernel_device_type(platform),
+                          log=lambda message: None, image_model_dir=image_dir)
     return kind_of(cfg).data(request)
