@@ -140,8 +140,9 @@ def _write_tokenizer(directory: Path, specials: dict[str, int], *, eos: str, pad
 
 
 def _write_rows(directory: Path, *, images_per_row: int, side: int) -> None:
-    """rows/train.jsonl: chat rows of 0..images_per_row pictures (PNGs beside them, `side` pixels
-    a side) and a question, answered; every row renders within a few hundred tokens plus its images."""
+    """rows/train.jsonl: chat rows of `images_per_row` pictures, every other row one fewer (a slot
+    left empty), as PNGs beside them (`side` pixels a side), and a question, answered; every row
+    renders to a few dozen text tokens besides its images."""
     from PIL import Image, ImageDraw
 
     rows = directory / "rows"
