@@ -8,7 +8,9 @@ it with libtpu's compile-only client on this CPU. Each recipe runs in its own pr
 time (a fake process group per capture; a recipe that fails or runs past --timeout does not stop
 the others), and its report is written to --reports (default bench/results/xla/<recipe>.json) with
 where it was made: the date, this CPU, the libtpu and JAX versions, the commit, and a hash of the
-recipe file (tests/test_tpu_recipes.py fails when a recipe changed after its compile). Printed per
+recipe file (tests/test_tpu_recipes.py fails when a recipe changed after its compile). A recipe of
+a Transformers-backend model names a weightless stand-in of its directory as model.hf_config
+(tools/hf_shape_dir.py), written here when missing. Printed per
 recipe: the time of each stage here (capture, lowering, XLA's compile) and this process's peak
 memory, XLA's per-chip peak beside the planner's, the FLOPs beside our formula's. All XLA numbers
 are the compiler's own (compile-only, no TPU ran). Needs .venv-tpu (jax + libtpu):
@@ -45,6 +47,7 @@ def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | No
     from titan_tpu.plan.topology import recipe_topology
     from titan_tpu.run_setup import prepare_run
     from titan_tpu.tools.compile_cmd import compile_step_for_tpu
+    from titan_tpu.tools.hf_shape_dir import ensure
     from titan_tpu.tools.recipe_table import provenance
     from titan_tpu.tools.xla_numbers import xla_dump_env
 
@@ -52,7 +55,9 @@ def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | No
     # what XLA holds at its peak: titan_tpu.tools.xla_dump.py).
     kept = os.path.join(dumps, os.path.basename(recipe).removesuffix(".toml")) if dumps else None
     xla_dump = xla_dump_env(kept)
-    cfg = prepare_run(build_config(recipe, overrides)).cfg
+    cfg = build_config(recipe, overrides)
+    ensure(cfg.model.hf_config, log=lambda message: print(message, file=sys.stderr))  # a recipe's weightless stand-in
+    cfg = prepare_run(cfg).cfg
     if topology is None:  # the slice the recipe names (one of its parallelism.slices)
         topology = recipe_topology(cfg)
     start = time.perf_counter()

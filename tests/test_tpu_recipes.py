@@ -24,6 +24,16 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = sorted(path.stem for path in CONFIGS.glob("*_tpu.toml"))  # every TPU recipe of the repo
 
 
+def _transformers_backend(name: str) -> bool:
+    """A recipe of a Transformers-backend model (model.name hf): transformers runs its own layer loop
+    (no scan), and the planner has no terms for its layers yet (tools/recipe_table.py NOT_PLANNED)."""
+    return build_config(CONFIGS / f"{name}.toml").model.name == "hf"
+
+
+# The recipes the planner cannot plan yet, read from the recipe files alone (no model directory).
+NOT_PLANNED = sorted(name for name in RECIPES if _transformers_backend(name))
+
+
 def _chips(description: str) -> int:
     match = re.search(r"([\d,]+) chips", description)
     assert match, f"job.description must say how many chips, e.g. '1,024 chips': {description!r}"
@@ -42,7 +52,8 @@ def test_tpu_recipe(name, monkeypatch):
     # grow with depth.
     backend = "tpu" if device_peaks.tpu_generation(cfg.job.description) == "v7" else "jax"
     assert (t.device, t.mode, cfg.compile.backend, cfg.optimizer.name) == ("tpu", "graph", backend, "adamw")
-    assert cfg.model.scan_layers and cfg.model.dtype == "bfloat16"  # checkpointing: the planner's pick, below
+    hf = name in NOT_PLANNED
+    assert cfg.model.scan_layers != hf and cfg.model.dtype == "bfloat16"  # checkpointing: the planner's pick, below
 
     # The mesh is the chips named in the description.
     generation = device_peaks.tpu_generation(cfg.job.description)
@@ -52,8 +63,8 @@ def test_tpu_recipe(name, monkeypatch):
     assert p.dp_replicate * p.dp_shard * p.cp * p.tp == devices
 
     # Shapes divide the mesh and suit the kernels it names (each a TPU implementation).
-    args = get_model_args(cfg.model.name, cfg.model.flavor)
-    assert args.n_heads % args.n_kv_heads == 0
+    args = None if hf else get_model_args(cfg.model.name, cfg.model.flavor)  # an hf model's are its directory's
+    assert hf or args.n_heads % args.n_kv_heads == 0
     needs = frozenset({"documents"}) if cfg.data.document_mask else frozenset()
     # Chat data trains on the assistant's tokens only and DPO's labels skip the prompt (docs/dpo.md):
     # their loss skips ignored labels, which tokamax cannot.
@@ -67,12 +78,14 @@ def test_tpu_recipe(name, monkeypatch):
     if p.cp > 1:  # each rank's two chunks of seq_len / (2 cp) against the keys up to their ends
         assert k.chunk_attention == "splash" and "tpu" in OPS["chunk_attention"].impls["splash"].devices
         assert tpu_kernels.splash_block(t.seq_len // (2 * p.cp), t.seq_len) >= 128
-    if args.moe is not None:
+    if args is not None and args.moe is not None:
         assert k.grouped_mm == "gmm" and "tpu" in OPS["grouped_mm"].impls["gmm"].devices
         assert args.moe.num_experts % p.ep == 0 and p.dp_shard % p.ep == 0
         routed_rows = t.batch_size * t.seq_len * args.moe.top_k
         tpu_kernels.gmm_row_tile(routed_rows, args.dim, args.moe.hidden_dim)  # raises if megablox cannot tile it
 
+    if hf:  # not planned yet: XLA's compile of it (docs/tpu_recipes.md) is its memory check
+        return
     # Memory per device: the planner's peak (parameters, gradients, moments, activations, gathered
     # weights, the loss kernel, ...; the one estimate the CLI prints) within the device's memory,
     # on the hardware and chip count the description names.
@@ -113,6 +126,7 @@ def test_the_checks_can_fail(monkeypatch):
 
 
 ROW = re.compile(r"^\| `(\w+)\.toml` \|.*\| [\d.]+ of [\d.]+ GB \| [\d.]+% \|$", re.MULTILINE)
+UNPLANNED_ROW = re.compile(r"^\| `(\w+)\.toml` \|.*\| not planned \| not planned \|$", re.MULTILINE)
 
 
 def test_the_recipe_tables_of_the_pages_are_the_planners():
@@ -121,7 +135,9 @@ def test_the_recipe_tables_of_the_pages_are_the_planners():
     planner change that moves a number fails here with the page and the row to write."""
     docs = CONFIGS.parent / "docs"
     tpu_rows = [m.group(1) for m in ROW.finditer((docs / "tpu.md").read_text())]
-    assert sorted(tpu_rows) == RECIPES, "docs/tpu.md's recipe table must list every configs/*_tpu.toml"
+    unplanned = sorted(m.group(1) for m in UNPLANNED_ROW.finditer((docs / "tpu.md").read_text()))
+    assert sorted(tpu_rows + unplanned) == RECIPES, "docs/tpu.md's recipe table must list every configs/*_tpu.toml"
+    assert unplanned == NOT_PLANNED, "docs/tpu.md says 'not planned' of exactly the recipes the planner cannot plan"
     failures, checked = [], 0
     for page in sorted(docs.glob("*.md")):
         if page.name == "log.md":  # history: the numbers of their day
@@ -181,9 +197,12 @@ def test_the_planner_stays_near_xla_on_every_compiled_recipe():
 
     compiled = [row for row in rows() if row.report is not None and "error" not in row.report]
     assert compiled
+    assert sorted(Path(row.recipe).stem for row in compiled if row.not_planned) == NOT_PLANNED
     peaks, flops = {}, {}
     for row in compiled:
         name, r = Path(row.recipe).stem, row.report
+        if row.not_planned:  # no planner, and no formula counted as XLA counts, to hold against XLA yet
+            continue
         flops_ratio = row.counted / compared_flops(r)  # XLA's matmuls: our formula counts no elementwise work
         if abs(flops_ratio - 1) > FLOPS_TOLERANCE:
             flops[name] = round(flops_ratio, 3)

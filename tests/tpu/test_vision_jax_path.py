@@ -67,9 +67,15 @@ def test_vision_language_jax_path_equals_eager_run(tmp_path, data, name):
 
 def test_vision_language_step_compiles_for_v5p(tmp_path, data):
     """The Qwen2.5-VL step (frozen tower, its projector trained) on a 4-chip v5p slice, dp_shard 4:
-    XLA's TPU compiler takes it, and our formula's FLOPs are reported beside XLA's."""
+    XLA's TPU compiler takes it, captured with the rows' images as the trainer captures it (one
+    conversation a row, no documents; the tower's work in our formula), and our formula's FLOPs are
+    reported beside XLA's."""
+    from titan_tpu.tools.compile_cmd import _formula_flops_per_token
+
     cfg = build_config("configs/llama3_debug.toml", _args("qwen2_5_vl", data, tmp_path / "run") +
                        ["--parallelism.dp_shard", "4", "--model.train_vision", "false"])
     report = compile_step_for_tpu(cfg, "v5p:2x2x1")
-    assert report["fits"] and report["mesh"] == {"dp_shard": 4}
+    assert report["fits"] and report["mesh"] == {"dp_shard": 4} and report["documents"] is False
     assert report["formula_flops_per_chip"] > 0 and report["flops_per_chip"] > 0
+    text_only = _formula_flops_per_token(cfg) * report["tokens_per_chip"]
+    assert report["formula_flops_per_chip"] > text_only  # the images' tower and projector counted

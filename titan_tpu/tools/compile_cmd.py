@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -59,8 +60,12 @@ def compile_main(argv: list[str]) -> int:
     from titan_tpu.config import build_config
     from titan_tpu.plan.topology import recipe_topology, topology_for
     from titan_tpu.run_setup import prepare_run
+    from titan_tpu.tools.hf_shape_dir import ensure
 
-    cfg = prepare_run(build_config(args.config, overrides)).cfg
+    cfg = build_config(args.config, overrides)
+    # A recipe's weightless stand-in of a Transformers-backend model's directory; said on stderr (--json's stdout)
+    ensure(cfg.model.hf_config, log=lambda message: print(message, file=sys.stderr))
+    cfg = prepare_run(cfg).cfg
     topology = args.topology or (topology_for(args.hardware) if args.hardware else recipe_topology(cfg))
     try:
         report = compile_step_for_tpu(cfg, topology, Path(args.dump) if args.dump else None, xla_dump=xla_dump)
@@ -113,7 +118,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     from titan_tpu.plan.hardware import HARDWARE
     from titan_tpu.plan.planner import reshard_decision
     from titan_tpu.plan.xla_compare import formula_as_xla_counts
-    from titan_tpu.tools.jax_capture import capture_for_jax, trainer_documents
+    from titan_tpu.tools.jax_capture import capture_for_jax, trainer_documents, trainer_example_data
     from titan_tpu.tools.xla_numbers import compile_program, hlo_collectives, pallas_kernels
 
     platform = "cpu" if topology_name.startswith("cpu:") else "tpu"
@@ -128,11 +133,14 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     hardware = HARDWARE.get(generation) if platform == "tpu" else None
     t = cfg.training
     reshard, why = reshard_decision(cfg, world_size=len(devices), hardware=hardware)
-    documents = trainer_documents(cfg)
+    # The batch the trainer captures with: its data's own where that holds images, else token rows.
+    data = trainer_example_data(cfg, world_size=len(devices), platform=platform)
+    documents = trainer_documents(cfg) if data is None else data.document_mask
     start = time.perf_counter()
     captured, cfg, kernels_used = capture_for_jax(cfg, platform, world_size=len(devices), batch_size=t.batch_size,
                                                   seq_len=t.seq_len, reshard_after_forward=reshard,
-                                                  documents=documents, grad_accum_steps=t.grad_accum_steps)
+                                                  documents=documents, grad_accum_steps=t.grad_accum_steps,
+                                                  example_batch=None if data is None else data.example_batch)
     capture_s = time.perf_counter() - start
     steps = {"step": captured} if not isinstance(captured, tuple) else dict(zip(("micro-batch", "update"), captured))
     programs = {name: compile_program(step, devices, program=name, xla_dump=xla_dump,
@@ -142,7 +150,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     peak_name = max(programs, key=lambda name: programs[name]["peak"])
     peak = programs[peak_name]
     hbm = hardware.memory_bytes if hardware is not None else None
-    flops_per_token = _formula_flops_per_token(cfg, first.captured)
+    flops_per_token = _formula_flops_per_token(cfg, images=None if data is None else data.example_batch.images)
     flops_per_token *= 1 + kind_of(cfg).reference_forwards(cfg) / FORWARD_COST  # a frozen reference's forwards too
     runs = {"step": 1, "micro-batch": t.grad_accum_steps, "update": 1}
     flops = sum(runs[name] * (p["flops"] or 0.0) for name, p in programs.items()) if peak["flops"] is not None \
@@ -190,11 +198,11 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     return report
 
 
-def _formula_flops_per_token(cfg, captured) -> float:
+def _formula_flops_per_token(cfg, *, images=None) -> float:
     """Our FLOPs per trained token of the step: a native model's from its args; an HF directory's
-    counted on its model built on the meta device (no memory), a vision-language model's images as
-    the captured batch holds them."""
-    from titan_tpu.data.batch import unflatten
+    counted on its model built on the meta device (no memory), a vision-language model's `images`
+    as the batch the step was captured with holds them (its real tensors: the captured inputs are
+    fake ones, which the meta copy cannot take)."""
     from titan_tpu.models.spec import model_spec
     from titan_tpu.parallel.mesh import ParallelDims
 
@@ -202,8 +210,7 @@ def _formula_flops_per_token(cfg, captured) -> float:
     if spec.kind != "hf":
         return spec.flops_per_token(None, cfg.training.seq_len)[0]  # native specs read only the args
     model = spec.build_on_meta(cfg, mesh=None, parallel_dims=ParallelDims(world_size=1), documents=False)
-    batch = unflatten(captured.layout.unflatten_inputs(captured.example_inputs)["batch"], captured.batch_spec)
-    return spec.flops_per_token(model, cfg.training.seq_len, images=getattr(batch, "images", None))[0]
+    return spec.flops_per_token(model, cfg.training.seq_len, images=images)[0]
 
 
 def _step_tokens(captured) -> int:

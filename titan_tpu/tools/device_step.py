@@ -141,12 +141,14 @@ def _objective(cfg: Config, world_size: int, *, reshard_after_forward: bool | No
 def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_len: int,
                         scalar_dtype: torch.dtype = torch.float32, rank: int = 0,
                         reshard_after_forward: bool | None = None, documents: bool = False,
-                        grad_accum_steps: int = 1) -> DeviceStep | tuple[DeviceStep, DeviceStep]:
+                        grad_accum_steps: int = 1, example_batch=None) -> DeviceStep | tuple[DeviceStep, DeviceStep]:
     """Rank `rank`'s captured step of a `world_size`-rank run of `cfg`, with per-rank batches of
     batch_size x seq_len. Inside a fake process group (see the module docstring).
     reshard_after_forward: as `build_device_model`. documents: the batch carries positions
     (document masking, as the trainer's loader gives them). grad_accum_steps > 1: the trainer's
-    two programs (graph/capture.py capture_accumulating_step), (micro-batch, update)."""
+    two programs (graph/capture.py capture_accumulating_step), (micro-batch, update).
+    example_batch: the data's own batch where the trainer captures with it (images: a
+    vision-language model's rows, tools/jax_capture.py trainer_example_data); None: token rows."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titan_tpu.graph.capture import capture_accumulating_step
@@ -157,7 +159,9 @@ def capture_device_step(cfg: Config, *, world_size: int, batch_size: int, seq_le
                                                           documents=documents,
                                                           fake_mode=FakeTensorMode(allow_fallback_kernels=True))
         objective = _objective(cfg, world_size, reshard_after_forward=reshard_after_forward, documents=documents)
-        if objective is None:
+        if objective is None and example_batch is not None:
+            batch = example_batch
+        elif objective is None:
             example = torch.zeros(batch_size, seq_len, dtype=torch.long)
             batch = (example, example.clone(), example.clone()) if documents else (example, example.clone())
         else:

@@ -1,11 +1,11 @@
 """The step as the JAX path captures it (graph/jax_program.py): one device's step of the run
 (tools/device_step.py) with the kernels the target runs, and the inputs the trainer's batches
-carry (`trainer_documents`).
+carry (`trainer_documents`, `trainer_example_data`).
 """
 
 from __future__ import annotations
 
-__all__ = ["capture_for_jax", "trainer_documents"]
+__all__ = ["capture_for_jax", "trainer_documents", "trainer_example_data"]
 
 
 def capture_for_jax(cfg, platform: str = "tpu", **capture_args):
@@ -42,3 +42,31 @@ def trainer_documents(cfg) -> bool:
     alone (no data is opened)."""
     return bool(cfg.data.document_mask or cfg.data.format == "chat"
                 or any(getattr(source, "format", "text") == "chat" for source in cfg.data.sources))
+
+
+def trainer_example_data(cfg, *, world_size: int, platform: str = "tpu"):
+    """The kind's data parts (kinds/record.py DataParts) where the trainer captures its step with
+    the data's own batch: a vision-language model on chat rows, whose batches carry images (the
+    first row repeated, components/make_step.py), opened from the run's rows and model directory as
+    the trainer opens them, with its document masking (none: one conversation a row). None where
+    the trainer captures with its objective's example (token rows, which the capture builds)."""
+    from pathlib import Path
+
+    from titan_tpu.files import default_cache_dir
+    from titan_tpu.graph.jax_program import kernel_device_type
+    from titan_tpu.kinds import kind_of
+    from titan_tpu.kinds.record import DataRequest
+    from titan_tpu.run_setup import RunSetup
+    from titan_tpu.tools.device_step import parallel_dims
+
+    setup = RunSetup.resolved(cfg)
+    image_dir = setup.spec.image_model_dir()
+    if image_dir is None or not any(source.format == "chat" for source in setup.sources):
+        return None
+    split = parallel_dims(cfg, world_size).batch_split()  # rank 0's rows of the data-parallel ranks'
+    request = DataRequest(cfg=cfg, sources=setup.sources, tokenizer_path=setup.tokenizer_path,
+                          vocab_size=setup.spec.args.vocab_size,
+                          cache_dir=Path(cfg.data.cache_dir or default_cache_dir()), data_rank=0,
+                          data_size=split.dp_size, kernel_device=kernel_device_type(platform),
+                          log=lambda message: None, image_model_dir=image_dir)
+    return kind_of(cfg).data(request)

@@ -88,8 +88,17 @@ def stage_line(recipe: str, report: dict) -> str:
             f"lowering {report['lower_seconds']:.0f} s ({report['operations']:,} operations), XLA compile "
             f"{report['compile_seconds']:.0f} s, {report.get('max_rss_bytes', 0) / GiB:.1f} GiB here; XLA peak "
             f"{report['peak_per_chip_bytes'] / GiB:.1f} GiB per chip, {compared_flops(report):.3e} FLOPs in XLA's "
-            f"matmuls (our formula so: {report['formula_as_xla_counts_per_chip'] / compared_flops(report):.3f}x)"
+            f"matmuls (our formula so: {_formula_ratio(report)})"
             + (f"; {report['f8_dots']} f8 dots (a loop body's once)" if report.get("f8_dots") else ""))
+
+
+def _formula_ratio(report: dict) -> str:
+    """Our formula over XLA's matmuls: counted as XLA counts, or where the formula cannot count so
+    yet (a Transformers-backend model) its MFU count, marked."""
+    counted = report.get("formula_as_xla_counts_per_chip")
+    if counted is not None:
+        return f"{counted / compared_flops(report):.3f}x"
+    return f"{report['formula_flops_per_chip'] / compared_flops(report):.3f}x (MFU's count)"
 
 
 @dataclass
@@ -97,12 +106,13 @@ class Row:
     recipe: str  # configs/<name>.toml
     report: dict | None  # the compile report, None when only planned
     stale: bool  # the recipe changed after its compile
-    plan_peak: float  # the planner's peak per chip, the program a TPU runs
-    plan_peak_compiled: float  # the same, with the compiled forms where they differ (the loss kernel)
-    plan_flops: float  # the planner's executed FLOPs per chip (whole step)
+    plan_peak: float | None  # the planner's peak per chip, the program a TPU runs; None: not planned
+    plan_peak_compiled: float | None  # the same, with the compiled forms where they differ (the loss kernel)
+    plan_flops: float | None  # the planner's executed FLOPs per chip (whole step)
     topology: str
     backend: str  # the recipe's compile.backend: "jax" runs the program the report certifies
     counted: float | None = None  # today's FLOP formula counted as XLA counts, for the report's step
+    not_planned: str = ""  # why the planner has no numbers for the recipe ("": planned)
 
 
 def rows(reports: Path = REPORTS) -> list[Row]:
@@ -113,14 +123,24 @@ def rows(reports: Path = REPORTS) -> list[Row]:
     from titan_tpu.plan.setting import default_hardware, planning_machine
     from titan_tpu.plan.topology import topology_for_chips
     from titan_tpu.run_setup import prepare_run
+    from titan_tpu.tools.hf_shape_dir import ensure
 
     out = []
     for recipe in sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("configs/*_tpu.toml")):
         path = reports / f"{Path(recipe).stem}.json"
         report = json.loads(path.read_text()) if path.exists() else None
         with planning_machine():
-            cfg = prepare_run(build_config(ROOT / recipe, [])).cfg
+            cfg = build_config(ROOT / recipe, [])
+            ensure(cfg.model.hf_config, log=lambda message: None)  # a Transformers-backend recipe's stand-in
+            cfg = prepare_run(cfg).cfg
         hardware, chips = default_hardware(cfg, measure=False)
+        topology = _slices({"slices": cfg.parallelism.slices}) + topology_for_chips(
+            hardware.name, chips // cfg.parallelism.slices)
+        if not model_spec(cfg.model).plannable:
+            out.append(Row(recipe=recipe, report=report, stale=_stale(report, recipe), plan_peak=None,
+                           plan_peak_compiled=None, plan_flops=None, topology=topology, backend=cfg.compile.backend,
+                           not_planned=NOT_PLANNED))
+            continue
         plan = plan_config(cfg, hardware, chips=chips, measure=False)
         counted = None
         if report is not None and "error" not in report:  # today's formula, on the compiled step's tokens
@@ -130,26 +150,45 @@ def rows(reports: Path = REPORTS) -> list[Row]:
                 model_spec(cfg.model).flops_per_token(None, cfg.training.seq_len)[0]
             counted = formula_as_xla_counts(cfg, report["kernels"], tokens, topology=report["topology"])
         compiled = plan_config(cfg, hardware, chips=chips, measure=False, as_compiled=True)
-        out.append(Row(recipe=recipe, report=report, stale=report is not None and report.get("recipe_sha") !=
-                       recipe_hash(ROOT / recipe), plan_peak=plan.peak_bytes, plan_peak_compiled=compiled.peak_bytes,
-                       plan_flops=plan.flops["executed_per_step_per_device"],
-                       topology=_slices({"slices": cfg.parallelism.slices})
-                       + topology_for_chips(hardware.name, chips // cfg.parallelism.slices),
-                       backend=cfg.compile.backend,
-                       counted=counted))
+        out.append(Row(recipe=recipe, report=report, stale=_stale(report, recipe), plan_peak=plan.peak_bytes,
+                       plan_peak_compiled=compiled.peak_bytes, plan_flops=plan.flops["executed_per_step_per_device"],
+                       topology=topology, backend=cfg.compile.backend, counted=counted))
     return out
+
+
+# What the planner cells of a recipe it cannot plan say: its layers are transformers' own code.
+NOT_PLANNED = "not planned (a Transformers-backend model: the planner covers the native models)"
+
+
+def _stale(report: dict | None, recipe: str) -> bool:
+    """Whether the recipe changed after its compile (or its failed one)."""
+    return report is not None and report.get("recipe_sha") != recipe_hash(ROOT / recipe)
+
+
+def _gib(value: float | None) -> str:
+    """A planner's bytes in GiB, or that it has none."""
+    return "not planned" if value is None else f"{value / GiB:.1f}"
 
 
 def _compiled_cells(row: Row) -> list[str]:
     r = row.report
-    xla_peak, xla_flops, counted = r["peak_per_chip_bytes"], compared_flops(r), row.counted
+    xla_peak, xla_flops = r["peak_per_chip_bytes"], compared_flops(r)
     stages = (f"{r['capture_seconds'] + r['lower_seconds'] + r['compile_seconds']:.0f} s "
               f"({r['capture_seconds']:.0f} + {r['lower_seconds']:.0f} + {r['compile_seconds']:.0f})")
+    planned = row.not_planned or \
+        f"{row.plan_peak_compiled / GiB:.1f} ({row.plan_peak_compiled / xla_peak:.2f}x)"
     return [f"compiled by XLA {r['date']}{' (STALE: the recipe changed since)' if row.stale else ''}",
             _certificate(row), f"{_slices(r)}{r['topology']} ({r['devices']})", f"{xla_peak / GiB:.1f}",
-            f"{row.plan_peak_compiled / GiB:.1f} ({row.plan_peak_compiled / xla_peak:.2f}x)",
-            f"{row.plan_peak / GiB:.1f}", f"{counted / xla_flops:.3f}x",
-            f"{1 - xla_flops / r['flops_per_chip']:.0%}", stages]
+            planned, _gib(row.plan_peak), _flops_cell(row), f"{1 - xla_flops / r['flops_per_chip']:.0%}", stages]
+
+
+def _flops_cell(row: Row) -> str:
+    """Our formula against XLA's matmuls: counted as XLA counts where today's formula can (a native
+    model), else the MFU formula the compile reported (the work the step does: no rerun under
+    checkpointing, attention inside a kernel counted), marked as such."""
+    if row.counted is not None:
+        return f"{row.counted / compared_flops(row.report):.3f}x"
+    return _formula_ratio(row.report)
 
 
 def _certificate(row: Row) -> str:
@@ -188,11 +227,12 @@ def render(reports: Path = REPORTS) -> str:
     for row in table:
         name = f"`{Path(row.recipe).name}`"
         if row.report is None:
-            cells = ["planned only", "", row.topology, "", "", f"{row.plan_peak / GiB:.1f}", "", "", ""]
+            cells = ["planned only" if not row.not_planned else "neither planned nor compiled", "", row.topology,
+                     "", "", _gib(row.plan_peak), "", "", ""]
         elif "error" in row.report:
             stale = " (STALE: the recipe changed since)" if row.stale else ""
             cells = [f"not compiled {row.report['date']}{stale}: {row.report['error']}", "", row.topology, "",
-                     f"{row.plan_peak_compiled / GiB:.1f}", f"{row.plan_peak / GiB:.1f}", "", "", ""]
+                     row.not_planned or _gib(row.plan_peak_compiled), _gib(row.plan_peak), "", "", ""]
         else:
             cells = _compiled_cells(row)
         lines.append("| " + " | ".join([name, *cells]) + " |")
@@ -220,12 +260,15 @@ _COLUMNS = """Columns:
 - **planner as compiled**: `titan-tpu plan` of the same recipe with the compiled forms where the
   program XLA compiled here differs from the one a TPU runs: tokamax's loss kernel is compiled in
   its plain-XLA form (its Mosaic kernel cannot be traced off a TPU), which keeps the logits. The
-  ratio is against XLA's peak.
+  ratio is against XLA's peak. "Not planned": the planner has no terms for the recipe's model yet (a
+  Transformers-backend model runs transformers' own layers); XLA's numbers stand alone.
 - **planner as a TPU runs it**: the plan a user sees (`titan-tpu plan --config ...`): the real kernels.
 - **FLOPs**: our FLOP formula (matmuls only, as MFU counts) counted as XLA counts (a scanned loop's
   body once, no work inside a Pallas kernel, checkpointing's rerun) against the multiply-adds of the
   dots and convolutions in XLA's optimized program (`titan_tpu/tools/xla_dump.py` `matmul_flops`,
-  which agrees with XLA's cost analysis on a program of matmuls alone).
+  which agrees with XLA's cost analysis on a program of matmuls alone). "MFU's count": a model the
+  formula cannot yet count as XLA counts (a Transformers-backend model), its MFU formula as the
+  compile reported it, which counts attention inside its kernel and no rerun under checkpointing.
 - **XLA's cost analysis beyond its matmuls**: the share of XLA's cost-analysis FLOPs that are not in
   its dots and convolutions: elementwise work (norms, softmax, SiLU, AdamW; under expert parallelism
   the router's and the worst-case dispatch buffers'), which our formula leaves out.
