@@ -33,8 +33,8 @@ AG, RS, WAIT = ("_c10d_functional.all_gather_into_tensor.default", "_c10d_functi
 
 
 def tiny_args() -> TransformerArgs:
-    # vocab 101 and ffn 72 / 2 ranks: the embedding and output shard unevenly (101 rows = 51 + 50),
-    # which exercises the padding of shards in the flat buffer.
+    # vocab 101 / 2 ranks: the embedding and output are sharded on their model dim instead of 51 + 50
+    # rows (simple_fsdp._even_blocks), which exercises the flat buffer's shards on another dim than the first.
     return TransformerArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=101, ffn_hidden_dim=72,
                            max_seq_len=SEQ)
 

@@ -104,6 +104,20 @@ def _worker(root: str) -> None:
     assert torch.equal(rest["rng"]["torch"], state["rng"]["torch"])
     assert rest["data"] == {"samples_consumed": 8}
 
+    # Across layouts: saved sharded on columns (as SimpleFSDP places the 5-row embedding, whose dim 0
+    # 2 ranks do not divide: simple_fsdp._even_blocks), loaded into row shards; and the other way.
+    def on_columns(state: dict) -> dict:
+        return map_tensors(state, lambda t: distribute_tensor(t, mesh, [Shard(1)]))
+
+    path = Checkpointer(os.path.join(root, "columns")).save(7, on_columns(full_state(7)))
+    target = zeros_target(7)
+    load(path, target)
+    assert_state_equal(target, full_state(7))
+    target = on_columns(map_tensors(full_state(2), torch.zeros_like))
+    load(os.path.join(root, "two", "step-00000002"), target)
+    assert target["model"]["tok_embeddings.weight"].placements == (Shard(1),)
+    assert_state_equal(target, full_state(2))
+
     # Async: training mutates the tensors right after save(); the checkpoint holds the values at save().
     with Checkpointer(os.path.join(root, "async"), keep_latest_k=1, async_save=True) as ckpt:
         for step in (3, 4):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from torch.distributed.tensor import Replicate, Shard
 
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model, get_model_args
@@ -32,16 +33,15 @@ LR = 3e-3
 MAX_NORM = 1.0
 
 
-def tiny_args():
+def tiny_args(vocab_size: int = 256):
     return dataclasses.replace(get_model_args("llama3", "debug"), dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                               vocab_size=256, ffn_hidden_dim=128, max_seq_len=SEQ)
+                               vocab_size=vocab_size, ffn_hidden_dim=128, max_seq_len=SEQ)
 
 
-def global_batches(dp_size: int, steps: int) -> torch.Tensor:
+def global_batches(dp_size: int, steps: int, vocab: int = 256) -> torch.Tensor:
     """[steps, dp_size * BATCH_PER_RANK, SEQ + 1] tokens, the same on every process: each sequence
     follows x[t+1] = (5 x[t] + 1) mod V from a random start, a rule the model learns in a few steps
     (so the loss moves and diverging runs would show)."""
-    vocab = tiny_args().vocab_size
     g = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, vocab, (steps, dp_size * BATCH_PER_RANK), generator=g)]
     for _ in range(SEQ):
@@ -88,28 +88,28 @@ def train(model, batches: torch.Tensor, *, dp_rank: int = 0, dp_size: int = 1, c
 # ---------------------------------------------------------------------------------------------
 
 
-def _sharded_run(mode: str, dp_replicate: int, steps: int) -> dict:
+def _sharded_run(mode: str, dp_replicate: int, steps: int, vocab: int) -> dict:
     dims = ParallelDims(dp_replicate=dp_replicate, world_size=dist.get_world_size())
     assert dims.mode == mode
     mesh = dims.build_mesh("cpu")
     dp_rank, dp_size = dp_rank_and_size(mesh)
     if mode == "replicate":
         # The other entry point: a model built whole, then made data parallel (rank 0's values).
-        model = data_parallel(build_model(tiny_args(), seed=SEED), mesh, mode=mode, mp=MixedPrecision())
+        model = data_parallel(build_model(tiny_args(vocab), seed=SEED), mesh, mode=mode, mp=MixedPrecision())
     else:
         with torch.device("meta"):
-            model = Transformer(tiny_args())
+            model = Transformer(tiny_args(vocab))
         model = materialize_and_init(model, mesh, mode=mode, mp=MixedPrecision(), device=torch.device("cpu"),
                                      seed=SEED)
     init = {n: p.full_tensor().clone() for n, p in model.state_dict().items()}  # no alias
     # A local shard that is a view of a full-size tensor would keep the full tensor alive.
     storage_is_local = all(p.to_local().untyped_storage().nbytes() == local_bytes([p]) for p in model.parameters())
     comm_log = []
-    losses, norms, opt = train(model, global_batches(dp_size, steps), dp_rank=dp_rank, dp_size=dp_size,
+    losses, norms, opt = train(model, global_batches(dp_size, steps, vocab), dp_rank=dp_rank, dp_size=dp_size,
                                comm_log=comm_log)
     # Mixed precision: bf16 compute, gradients reduced and stored in fp32 on the fp32 master weights.
     data_parallel(model, mesh, mode=mode, mp=MixedPrecision(param_dtype=torch.bfloat16))
-    inputs = global_batches(dp_size, 1)[0, :BATCH_PER_RANK, :-1]
+    inputs = global_batches(dp_size, 1, vocab)[0, :BATCH_PER_RANK, :-1]
     bf16_weight_dtype = model.layers["0"].attention.wq.weight.dtype
     logits = model(inputs)
     logits.float().sum().backward()
@@ -133,20 +133,22 @@ def _sharded_run(mode: str, dp_replicate: int, steps: int) -> dict:
                                        + list(opt.state["exp_avg_sq"].values())),
         "wrong_mode_error": wrong_mode_error,
         "bf16": (bf16_weight_dtype, logits.dtype, p.dtype, p.grad.dtype, tuple(p.grad.placements)),
+        "placements": {n: tuple(p.placements) for n, p in model.named_parameters()},
+        "local_shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
     }
 
 
 @functools.cache
-def sharded_run(mode: str, world_size: int, dp_replicate: int = 1, steps: int = STEPS) -> list[dict]:
+def sharded_run(mode: str, world_size: int, dp_replicate: int = 1, steps: int = STEPS, vocab: int = 256) -> list[dict]:
     """One spawn per configuration, shared by the init, numerics and memory tests."""
-    return run_distributed(_sharded_run, world_size=world_size, args=(mode, dp_replicate, steps))
+    return run_distributed(_sharded_run, world_size=world_size, args=(mode, dp_replicate, steps, vocab))
 
 
 @functools.cache
-def reference_run(steps: int, dp_size: int):
-    model = build_model(tiny_args(), seed=SEED)
+def reference_run(steps: int, dp_size: int, vocab: int = 256):
+    model = build_model(tiny_args(vocab), seed=SEED)
     params_bytes = local_bytes(model.parameters())
-    losses, norms, _ = train(model, global_batches(dp_size, steps))
+    losses, norms, _ = train(model, global_batches(dp_size, steps, vocab))
     return losses, norms, params_bytes
 
 
@@ -287,6 +289,50 @@ def test_fully_shard_halves_parameter_and_optimizer_memory():
     unsharded = 3 * unsharded_param_bytes  # parameters + two AdamW moments of the same size
     for result in results:
         assert result["param_opt_bytes"] / unsharded == pytest.approx(0.5, abs=0.01)
+
+
+@pytest.mark.multiprocess
+def test_a_dim_0_the_ranks_do_not_divide_is_sharded_on_another_dim_with_the_same_numbers():
+    """A vocabulary of 255 rows over 2 ranks would split 128 + 127: the embedding and output are
+    sharded on their model dim instead (every rank an equal block, which the JAX path's one program
+    needs: simple_fsdp._even_blocks), the other weights on dim 0 as before; init and training
+    equal one process's."""
+    vocab, steps = 255, 10
+    results = sharded_run("fully_shard", 2, 1, steps, vocab)
+    expected = build_model(tiny_args(vocab), seed=SEED).state_dict()
+    ref_losses, ref_norms, _ = reference_run(steps, 2, vocab)
+    for result in results:
+        for name, value in expected.items():
+            assert torch.equal(result["init"][name], value), name
+        torch.testing.assert_close(result["losses"], ref_losses, rtol=0, atol=1e-5)
+        torch.testing.assert_close(result["norms"], ref_norms, rtol=1e-5, atol=1e-5)
+        assert result["grad_placements_match"]
+        placements = result["placements"]
+        assert placements["tok_embeddings.weight"] == placements["output.weight"] == (Shard(1),)
+        assert placements["layers.0.attention.wq.weight"] == (Shard(0),)
+    assert results[0]["local_shapes"] == results[1]["local_shapes"]
+    assert results[0]["local_shapes"]["output.weight"] == (vocab, 32)
+
+
+def test_a_weight_no_dim_of_which_divides_is_whole_on_every_rank():
+    """SigLIP's pooling probe [1, 1, D] over 2 ranks is sharded on D; a [3] bias stays whole (Replicate);
+    every rank's blocks have the same shapes (captured on a fake 2-rank group)."""
+    from titan_tpu.tools.device_step import fake_world
+
+    shapes = []
+    for rank in range(2):
+        with fake_world(2, rank):
+            mesh = ParallelDims(world_size=2).build_mesh("cpu")
+            module = torch.nn.Module()
+            module.probe = torch.nn.Parameter(torch.zeros(1, 1, 8))
+            module.bias = torch.nn.Parameter(torch.zeros(3))
+            module.weight = torch.nn.Parameter(torch.zeros(4, 8))
+            data_parallel(module, mesh, mode="fully_shard", mp=MixedPrecision())
+            params = dict(module.named_parameters())
+            assert {n: tuple(p.placements) for n, p in params.items()} == {
+                "probe": (Shard(2),), "bias": (Replicate(),), "weight": (Shard(0),)}
+            shapes.append({n: tuple(p.to_local().shape) for n, p in params.items()})
+    assert shapes[0] == shapes[1] == {"probe": (1, 1, 4), "bias": (3,), "weight": (2, 8)}
 
 
 def _gloo_worker_threads() -> dict:

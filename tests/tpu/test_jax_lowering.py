@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 from titan_tpu.config import build_config
 from titan_tpu.graph.jax_lowering import LOWERINGS, JaxLoweringError, check_lowerable
@@ -272,6 +273,31 @@ def test_context_parallel_ranks_are_one_program(monkeypatch):
     with pytest.raises(JaxLoweringError, match="no single SPMD program runs them all") as error:
         rank_constants(graphs())
     assert "\n" not in str(error.value)
+
+
+def test_weights_the_ranks_do_not_divide_are_one_program(monkeypatch):
+    """A vocabulary of 2047 rows over 2 dp_shard ranks (torch.chunk's split: 1024 + 1023 rows):
+    SimpleFSDP shards the embedding and output on the model dim instead (simple_fsdp._even_blocks),
+    so both ranks capture the same program, number for number and shape for shape, and its step
+    equals the eager one."""
+    from titan_tpu.graph.jax_lowering import functional_graph, rank_constants
+    from titan_tpu.models.registry import MODEL_FLAVORS
+
+    monkeypatch.setitem(MODEL_FLAVORS["llama3"], "debug",
+                        dataclasses.replace(MODEL_FLAVORS["llama3"]["debug"], n_layers=1, vocab_size=2047))
+    cfg = _config("llama3_debug", {"dp_shard": 2})
+    with one_program_for_every_rank():
+        steps = [capture_device_step(cfg, world_size=2, batch_size=BATCH, seq_len=SEQ, rank=r) for r in range(2)]
+    specs = steps[0].captured.dtensor_specs
+    assert specs["output.weight"].placements == specs["tok_embeddings.weight"].placements == (Shard(1),)
+    assert rank_constants([functional_graph(s.captured.graph_module, s.captured.example_inputs) for s in steps]) == {}
+    _check_lowered_step("llama3_debug", {"dp_shard": 2}, False, monkeypatch)
+    # Split on dim 0 as before: the lowering refuses it in one line (not XLA's sharding mismatch at step 1).
+    uneven = dict(specs, **{"output.weight": dataclasses.replace(specs["output.weight"], placements=(Shard(0),))})
+    step = dataclasses.replace(steps[0], captured=dataclasses.replace(steps[0].captured, dtensor_specs=uneven))
+    with pytest.raises(ValueError, match=r"output\.weight \[2047, 256\] is split unevenly over mesh axis") as err:
+        sharded_step(step, jax_mesh(step, jax.devices("cpu")))
+    assert "\n" not in str(err.value)
 
 
 def test_unknown_operator_names_its_module_in_one_line():

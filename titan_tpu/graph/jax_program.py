@@ -32,8 +32,8 @@ from titan_tpu.graph.fingerprint import program_fingerprint
 from titan_tpu.graph.jax_lowering import functional_graph, global_shape, jax_dtype, rank_constants, shard_step, to_jax
 from titan_tpu.graph.spmd import DeviceStep
 
-__all__ = ["DONATED", "LoweredStep", "capture_context", "donated_arguments", "global_inputs", "input_shardings",
-           "jax_kernels", "jax_mesh", "lower_step", "run_on_devices", "sharded_step"]
+__all__ = ["DONATED", "LoweredStep", "capture_context", "check_equal_blocks", "donated_arguments", "global_inputs",
+           "input_shardings", "jax_kernels", "jax_mesh", "lower_step", "run_on_devices", "sharded_step"]
 
 # The input groups each program updates in place (the trainer's step writes them back): donated,
 # so XLA aliases each with its updated output and the peak counts them once. graph/capture.py
@@ -113,6 +113,7 @@ def sharded_step(step: DeviceStep, mesh: Mesh, ranks: Sequence[DeviceStep] = (),
     without them every device runs rank 0's numbers, the same program and cost with other values
     (what a compile for a slice of thousands of chips uses: one capture, not one per chip). on_cpu:
     the program runs on XLA:CPU (ragged-all-to-all emulated); default: whether the mesh's devices are CPUs."""
+    check_equal_blocks(step)
     graph = functional_graph(step.captured.graph_module, step.captured.example_inputs)
     per_rank = None
     if len(ranks) > 1:
@@ -126,6 +127,21 @@ def sharded_step(step: DeviceStep, mesh: Mesh, ranks: Sequence[DeviceStep] = (),
                     [x.dim() for x in step.captured.example_inputs], output_ndims)
     fn.output_ndims = output_ndims  # for splitting its outputs back into devices (`run_on_devices`)
     return fn
+
+
+def check_equal_blocks(step: DeviceStep) -> None:
+    """One-line ValueError for a parameter some mesh axis splits unevenly: the program is one for
+    every device, fed the devices' blocks end to end, so every device's block must have one shape.
+    SimpleFSDP places each parameter on a dim its data-parallel axis divides (simple_fsdp.py
+    `_even_blocks`) and tp, pp and ep check theirs: this names what slipped past them."""
+    for name, spec in step.captured.dtensor_specs.items():
+        for axis, placement in enumerate(spec.placements):
+            size = spec.mesh.size(axis)
+            if placement.is_shard() and spec.shape[placement.dim] % size:
+                raise ValueError(f"parameter {name} {list(spec.shape)} is split unevenly over mesh axis "
+                                 f"{spec.mesh.mesh_dim_names[axis]} ({size} ranks) on dim {placement.dim}, and the "
+                                 "JAX path's one program takes an equal block from every device; choose a mesh "
+                                 "size that divides it or run --compile.backend inductor")
 
 
 def input_shardings(step: DeviceStep, mesh: Mesh) -> list[NamedSharding]:

@@ -1,7 +1,8 @@
 """SimpleFSDP: data parallelism as DTensor parameters plus one parametrization.
 
 Every parameter is stored as a DTensor on the data-parallel mesh: sharded on dim 0 across
-`dp_shard` (fully_shard), whole on every rank (replicate), or both (hybrid_shard). Reading
+`dp_shard` (fully_shard), whole on every rank (replicate), or both (hybrid_shard); in equal
+blocks on every rank (a dim 0 that `dp_shard` does not divide: `_even_blocks`). Reading
 `module.weight` returns the parameter redistributed to a full, replicated plain tensor in the
 compute dtype. So the forward holds an all-gather per parameter and, through DTensor's autograd,
 the backward a reduce-scatter (shard axis) and/or an all-reduce (replicate axis) of the gradient.
@@ -32,7 +33,7 @@ from titan_tpu.model_contract import (
     TrainableModel,
     stored_weights,
 )
-from titan_tpu.parallel.axes import CP_AXIS, PP_AXIS, TP_AXIS, gathered_for_compute
+from titan_tpu.parallel.axes import AXES, CP_AXIS, PP_AXIS, TP_AXIS, gathered_for_compute
 from titan_tpu.parallel.buckets import (
     DEFAULT_BUCKET_MB,
     Bucket,
@@ -138,8 +139,6 @@ def _has_pp(mesh: DeviceMesh) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-
-
 def _module_placements(module: nn.Module, placements: tuple[Placement, ...],
                        mesh: DeviceMesh) -> tuple[Placement, ...]:
     """The placements of `module`'s parameters on every axis of `mesh`.
@@ -164,13 +163,44 @@ def _module_placements(module: nn.Module, placements: tuple[Placement, ...],
     return tuple(stacked)
 
 
-def _module_layout(module: nn.Module, mesh: DeviceMesh, placements: tuple[Placement, ...],
-                   expert_mesh: DeviceMesh | None) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """Where `module`'s own parameters live: expert weights on the expert mesh under expert
-    parallelism, everything else on the data-parallel mesh."""
+def _even_blocks(placements: tuple[Placement, ...], shape: torch.Size, mesh: DeviceMesh, *,
+                 stacked: bool) -> tuple[Placement, ...]:
+    """`placements` with every sharded data-parallel axis (parallel/axes.py: params "shard") on a
+    dim its size divides, so that each rank holds an equal block of the parameter.
+
+    Why: the JAX path runs one program on every device (graph/jax_step.py), fed the devices' blocks
+    end to end; an uneven split (torch.chunk's: a [1, 1, D] probe over 2 ranks is [1, 1, D] on one
+    and [0, 1, D] on the other) gives the ranks different shapes, so no one program fits them. The
+    planned dim is kept where it divides (every weight of the native recipes: their numbers are
+    unchanged); else the first other dim that divides and no other axis splits (the probe: D; a
+    vocabulary of 50257 rows: the model dim), which costs one collective more per such weight (its
+    own bucket) and nothing in memory; else the tensor stays whole on that axis (Replicate: its
+    bytes and both moments on every rank, its gradient all-reduced instead of reduce-scattered),
+    which in practice only tiny tensors meet. A stacked weight's layer dim is never taken (the scan
+    loops over it)."""
+    names = mesh.mesh_dim_names or ()
+    out = list(placements)
+    for axis, placement in enumerate(placements):
+        if not (isinstance(placement, Shard) and names and AXES[names[axis]].params == "shard"):
+            continue
+        size = mesh.size(axis)
+        taken = {p.dim for i, p in enumerate(out) if isinstance(p, Shard) and i != axis}
+        dims = [placement.dim] + [d for d in range(int(stacked), len(shape)) if d != placement.dim]
+        fit = next((d for d in dims if d < len(shape) and d not in taken and shape[d] % size == 0), None)
+        out[axis] = Replicate() if fit is None else Shard(fit)
+    return tuple(out)
+
+
+def _param_layout(module: nn.Module, shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...],
+                  expert_mesh: DeviceMesh | None) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """Where a parameter of `module` of this shape lives: expert weights on the expert mesh under
+    expert parallelism, everything else on the data-parallel mesh; in equal blocks (`_even_blocks`)."""
+    stacked = getattr(module, STACKED_MARKER, False)
     if expert_mesh is not None and getattr(module, EXPERT_MARKER, False):
-        return expert_mesh, expert_placements(stacked=getattr(module, STACKED_MARKER, False))
-    return mesh, _module_placements(module, placements, mesh)
+        mesh, placements = expert_mesh, expert_placements(stacked=stacked)
+    else:
+        placements = _module_placements(module, placements, mesh)
+    return mesh, _even_blocks(placements, shape, mesh, stacked=stacked)
 
 
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_data_rank: int | None,
@@ -185,13 +215,13 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements, *, src_d
     # stays shared: one shard, one gradient summed from both uses, one optimizer entry.
     distributed: dict[int, nn.Parameter] = {}
     for sub in module.modules():
-        mesh, placements = _module_layout(sub, dp_mesh, module_placements, expert_mesh)
         for name, param in list(sub._parameters.items()):
             if param is None or isinstance(param, DTensor):
                 continue
             if id(param) in distributed:
                 sub._parameters[name] = distributed[id(param)]
                 continue
+            mesh, placements = _param_layout(sub, param.shape, dp_mesh, module_placements, expert_mesh)
             dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_data_rank)
             local = dt.to_local()
             if local.untyped_storage().data_ptr() == param.untyped_storage().data_ptr() and any(
@@ -294,8 +324,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, *, mode: str, mp: MixedPre
                          "set --parallelism.dp_replicate 1")
     _distribute_params(model, mesh, placements, src_data_rank=0, expert_mesh=expert_mesh)
     for sub_name, sub in model.named_modules():
-        want_mesh, want = _module_layout(sub, mesh, placements, expert_mesh)
         for pname, param in sub.named_parameters(recurse=False):
+            want_mesh, want = _param_layout(sub, param.shape, mesh, placements, expert_mesh)
             name = f"{sub_name}.{pname}" if sub_name else pname
             if param.device_mesh != want_mesh or tuple(param.placements) != want:
                 raise ValueError(f"parameter {name} is already distributed as {param.placements}; data_parallel "
