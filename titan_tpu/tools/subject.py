@@ -12,6 +12,10 @@ of every check is unmodified transformers:
 * an HF directory without weights (config.json only), or an HF model type with overrides: the
   config, built by transformers with seed 0 and saved with save_pretrained.
 
+A vision-language directory (Qwen2.5-VL, Gemma 3, LLaVA: models/hf/vision.py) runs on the
+Transformers backend with its images; it must hold its image processor's files, which the checks'
+image rows are laid out by (`Subject.image_view`).
+
 ``tiny`` shrinks the config first (one layer of each kind, hidden 64, vocabulary 512, as hf-sweep
 does), so a 70B config verifies on a CPU; weights that do not fit the shrunk config are replaced by
 a seeded init, and the subject says so.
@@ -20,7 +24,9 @@ a seeded init, and the subject says so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -40,6 +46,8 @@ class Subject:
     real_args: TransformerArgs | None = None  # the real-size native args (the planner's input)
     real_config: dict | None = None  # the real-size HF config (before --tiny)
     notes: list[str] = dataclasses.field(default_factory=list)
+    real_hf_config: str | None = None  # what --model.hf_config names for the real size (the planner's input)
+    overrides: dict = dataclasses.field(default_factory=dict)  # the user's config changes (--overrides)
 
     @property
     def config(self) -> dict:
@@ -57,6 +65,51 @@ class Subject:
     def hf_args(self):
         assert self.model.kind == "hf", self.model.label
         return self.model.args
+
+    @property
+    def vision(self) -> bool:
+        """A vision-language model: its checks run on rows with an image in their slot."""
+        return self.model.image_model_dir() is not None
+
+    def image_view(self):
+        """The image side of a vision-language subject (data/images.py `ImageProcessorView`, one
+        image slot a row), or None for a text-only one."""
+        return _image_view(str(self.hf_dir)) if self.vision else None
+
+
+def image_sides(directory: str | Path) -> tuple[int, int]:
+    """(smallest, largest) side of the images a vision-language directory's processor takes; (0, 0)
+    for a processor with a fixed resolution (model.image_size 0: its own)."""
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(str(directory))
+    size = getattr(processor, "size", None) or {}
+    if size.get("height") or (getattr(processor, "crop_size", None) or {}).get("height"):
+        return 0, 0
+    factor = processor.patch_size * processor.merge_size
+    least = getattr(processor, "min_pixels", None) or size.get("shortest_edge") or factor * factor
+    most = getattr(processor, "max_pixels", None) or size.get("longest_edge") or least
+    return max(1, math.ceil(math.sqrt(least) / factor)) * factor, max(1, math.isqrt(most) // factor) * factor
+
+
+# The smallest images the processor takes: a few image tokens a row, so a check's rows stay short.
+@functools.cache
+def _image_view(hf_dir: str):
+    from titan_tpu.data.images import ImageProcessorView
+
+    return ImageProcessorView(hf_dir, max_images=1, image_size=image_sides(hf_dir)[0])
+
+
+def check_image_processor(directory: Path, config) -> None:
+    """A vision-language directory holds its image processor's settings, or a one-line error naming
+    the file."""
+    from titan_tpu.data.images import has_processor
+    from titan_tpu.models.hf.vision import is_vision_language
+
+    if is_vision_language(config) and not has_processor(directory):
+        raise FileNotFoundError(f"{directory} is a {config.model_type} vision-language model without its image "
+                                "processor (preprocessor_config.json, or processor_config.json with an image_processor)"
+                                "; copy the processor's files from the model's repository")
 
 
 def tiny_native_args(args: TransformerArgs) -> TransformerArgs:
@@ -129,12 +182,14 @@ def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = N
             raise FileNotFoundError(f"{path} has no config.json; verify takes a Hugging Face model directory, a native "
                                     "name/flavor (llama3/8B) or a transformers model type (llama)")
         real_config = json.loads((path / "config.json").read_text())
-        load_hf_config(str(path))  # one-line errors: not a causal LM, an invalid config
+        check_image_processor(path, load_hf_config(str(path)))  # one-line errors: not a causal LM, an invalid config
         native = native_hf_dir(path)
         real = model_args_from_hf_config(real_config)[1] if native else None
+        real_source = {"real_hf_config": str(path), "overrides": overrides}
         if has_weights(path) and not tiny and not overrides:
             return Subject(spec, spec_for_hf_dir(path), path, f"the directory's own ({path})",
-                           model_args_from_hf_config(real_config)[0] if native else None, real, real_config)
+                           model_args_from_hf_config(real_config)[0] if native else None, real, real_config,
+                           **real_source)
         config = _tiny_hf_config(str(path), overrides) if tiny else load_hf_config(str(path), overrides)
         weights = f"seeded init (seed 0) x {SHARPEN:g}: " + ("the directory has no weights" if not has_weights(path)
                                               else "its weights do not fit the shrunk config")
@@ -142,6 +197,7 @@ def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = N
         spec_type = spec.removeprefix("hf:")
         config = _tiny_hf_config(spec_type, overrides) if tiny else load_hf_config(spec_type, overrides)
         real_config, real, weights = None, None, f"seeded init (seed 0) x {SHARPEN:g}"
+        real_source = {"real_hf_config": spec_type, "overrides": overrides}
     else:
         load_hf_config(spec)  # raises with close names
         raise AssertionError("unreachable")
@@ -149,4 +205,4 @@ def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = N
     _seeded_hf_dir(config, out)
     model = spec_for_hf_dir(out)
     name = model.name if model.kind == "native" else None
-    return Subject(spec, model, out, weights, name, real, real_config)
+    return Subject(spec, model, out, weights, name, real, real_config, **real_source)
