@@ -93,8 +93,9 @@ def test_two_ranks_and_the_rest_of_the_training_checks_pass(tmp_path):
     _save(tmp_path / "hf", "bloom")
     report, lines = _verify(str(tmp_path / "hf"), ("train", "ac", "fsdp", "resume", "export", "scan", "plan"))
     assert _statuses(report) == {"train": "PASS", "ac": "PASS", "fsdp": "PASS", "resume": "PASS", "export": "PASS",
-                                 "scan": "SKIP", "plan": "SKIP"}, lines
-    assert "native-model mode" in lines[6] and "planner has no terms" in lines[7]  # a SKIP says why
+                                 "scan": "SKIP", "plan": "PASS"}, lines
+    assert "native-model mode" in lines[6]  # a SKIP says why
+    assert "v5p-256: peak" in lines[7] and "predicted MFU" in lines[7], lines  # the planner measures an hf model
 
 
 def test_an_injected_conversion_bug_fails(monkeypatch):
@@ -146,3 +147,58 @@ def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
     code = main(["verify", *argv])
     _, err = capsys.readouterr()
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+# --- vision-language directories --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_vl_dir(tmp_path_factory):
+    pytest.importorskip("PIL")
+    from vision_fixtures import write_qwen2_5_vl_dir
+
+    return write_qwen2_5_vl_dir(tmp_path_factory.mktemp("qwen_vl"), weights=True)
+
+
+def test_a_vision_language_directory_passes_with_images(qwen_vl_dir):
+    """Numerics, training and export with an image in every row's slot; scan says why it skips."""
+    report, lines = _verify(str(qwen_vl_dir), ("numerics", "train", "graph", "export", "scan", "plan"))
+    assert _statuses(report) == {"numerics": "PASS", "train": "PASS", "graph": "PASS", "export": "PASS",
+                                 "scan": "SKIP", "plan": "PASS"}, lines
+    assert "4 of them an image's" in lines[1] and "AutoModelForImageTextToText" in lines[4], lines
+    assert "native-model mode" in lines[5] and "1 image slot a row" in lines[6], lines
+
+
+def test_a_vision_language_type_verifies_tiny():
+    """qwen2_5_vl --tiny: the default config and image processor, the tower shrunk with the text."""
+    report, lines = _verify("qwen2_5_vl", ("numerics",), tiny=True)
+    assert report["backend"] == "hf" and _statuses(report) == {"numerics": "PASS"}, lines
+
+
+def test_a_permuted_projector_fails_numerics(qwen_vl_dir, monkeypatch):
+    """Our weight import permutes the rows of the projector's first layer: only the images' features
+    move, and numerics against transformers on rows with images FAILs."""
+    from titan_tpu.models import hf_spec
+
+    real = hf_spec.load_pretrained_weights
+
+    def permuting(model, hf_dir):
+        real(model, hf_dir)
+        with torch.no_grad():
+            weight = model.get_parameter("hf_model.model.visual.merger.mlp.0.weight")
+            weight.copy_(weight.roll(1, dims=0))
+
+    monkeypatch.setattr(hf_spec, "load_pretrained_weights", permuting)
+    report, lines = _verify(str(qwen_vl_dir), ("numerics",))
+    assert report["failed"] == ["numerics"] and "top-1 agreement 1.0000" not in lines[1], lines
+
+
+def test_a_vision_language_directory_without_its_processor_is_one_line(tmp_path, capsys):
+    pytest.importorskip("PIL")
+    from vision_fixtures import write_qwen2_5_vl_dir
+
+    directory = write_qwen2_5_vl_dir(tmp_path / "qwen_vl")
+    (directory / "preprocessor_config.json").unlink()
+    code = main(["verify", str(directory), "--tiny"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "without its image processor (preprocessor_config.json" in err and err.count("\n") == 1, err

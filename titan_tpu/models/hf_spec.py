@@ -40,7 +40,10 @@ class HFSpec(ModelSpec):
     args: HFArgs
     label: str
     hf_config: str  # model.hf_config: a directory (its weights and tokenizer are used) or a model_type
-    plannable: bool = False  # the layers are transformers' own code: the planner has no terms for them
+    # The layers are transformers' own code, which the planner has no formula terms for: it plans the
+    # model by measuring it on the meta device instead (plan/hf_terms.py), and holds what an hf model
+    # cannot change (pipeline stages, scanned layers).
+    plannable: bool = False
     kind: str = "hf"
 
     @classmethod

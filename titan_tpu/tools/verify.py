@@ -16,11 +16,15 @@ status is 0 only without FAIL; report.json and report.md go to --report DIR.
     fsdp       2 fully_shard ranks equal one process
     scan       scanned layers equal unrolled ones (native)
     resume     checkpoint + resume is bitwise
-    export     export, then transformers' from_pretrained holds the trained weights exactly
-    plan       titan-tpu plan of the real-size config on --hardware: fits or not, what to change, MFU
+    export     export, then transformers' from_pretrained holds the trained weights exactly and gives our logits
+    plan       titan-tpu plan of the real-size config (native or hf) on --hardware: fits or not, what to change, MFU
 
 --tiny shrinks the config first (one layer of each kind, small sizes, as hf-sweep does), so that a
 70B config verifies on a CPU in minutes; the plan check still plans the real size.
+
+A vision-language directory or type (Qwen2.5-VL, Gemma 3, LLaVA; a directory with its image processor's
+files) is checked on rows with an image in their slot (verify_checks.py `token_batch`); --tiny shrinks
+its vision tower too.
 """
 
 from __future__ import annotations

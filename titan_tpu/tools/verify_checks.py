@@ -4,6 +4,11 @@ Each check takes the Subject (tools/subject.py) and returns a Result: a status (
 SKIP with the reason it could not run), the measured number and the threshold it was held to. The
 reference is always unmodified transformers reading the subject's directory, in fp32; training
 checks compare our own modes with each other (graph vs eager, 2 ranks vs 1, ...).
+
+A vision-language subject's rows hold an image in their one image slot (`token_batch`): a coloured
+shape (data/shapes.py) at the smallest size its processor takes, its image tokens after the first
+few text tokens; ours reads the slot as training does, transformers' own model the same image as
+its processor would give it (`reference_logits`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from titan_tpu.models.registry import MODEL_NAMES
 from titan_tpu.tools.subject import Subject
 
 # Bands (fp32): per-token KL of the next-token distributions, relative differences of losses,
@@ -28,6 +32,7 @@ TOP1_PASS = 0.99
 SHORT, LONG = 32, 512
 TRAIN_STEPS, LR = 20, 1e-3
 BATCH, SEQ = 2, 32
+SHAPE_TEXT = 48  # the text tokens of a coloured-shape row: the question and the longest answer
 
 
 @dataclasses.dataclass
@@ -112,8 +117,81 @@ def reference_model(subject: Subject) -> torch.nn.Module:
     return model.eval()
 
 
-def our_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
-    return model(tokens_BS)
+# ---------------------------------------------------------------------------------------------
+# Batches: token rows, and a vision-language subject's rows with an image
+# ---------------------------------------------------------------------------------------------
+
+IMAGE_AT = 4  # text tokens before a row's image
+
+
+def image_tokens(subject: Subject) -> int:
+    """The tokens an image takes in a row (0 for a text-only subject)."""
+    view = subject.image_view()
+    return view.tokens_per_image if view is not None else 0
+
+
+def _picture(view, index: int):
+    """The `index`-th coloured shape at the processor's side (the answers in turn)."""
+    import random
+
+    from titan_tpu.data.shapes import ANSWERS, draw_shape, place_shape
+
+    colour, shape = ANSWERS[index % len(ANSWERS)].split()
+    return draw_shape(shape, colour, side=view.side, place=place_shape(random.Random(index), side=view.side))
+
+
+def _image_row(view, text_S: torch.Tensor, *, picture: int) -> dict:
+    """One row of a vision-language subject: `text_S` (S + 1 tokens) with an image's tokens after its
+    first IMAGE_AT, the next-token labels (none for an image token), the picture in the one slot."""
+    import numpy as np
+
+    from titan_tpu.data.batch import IGNORE_INDEX
+
+    image_id = view.config.image_token_id
+    text_S = text_S.masked_fill(text_S == image_id, 0)  # a text byte that is the image token's id
+    tokens_S = torch.cat([text_S[:IMAGE_AT], torch.full((view.tokens_per_image,), image_id), text_S[IMAGE_AT:]])
+    inputs_S, labels_S = tokens_S[:-1].numpy(), tokens_S[1:].numpy()
+    labels_S = np.where(labels_S == image_id, IGNORE_INDEX, labels_S)
+    pixels = view.pixels(_picture(view, picture))["pixel_values"]
+    return {"inputs": inputs_S, "labels": labels_S, "pixel_values": pixels[None],
+            "slots": torch.ones(1, dtype=torch.bool), **view.format.row_extras(view, inputs_S, image_id)}
+
+
+def token_batch(subject: Subject, tokens_BS: torch.Tensor, *, first_picture: int = 0):
+    """Rows of S + 1 tokens as a micro-batch of next-token rows (data/batch.py `TokenBatch`); a
+    vision-language subject's with an image each (pictures from `first_picture` on)."""
+    from titan_tpu.data.batch import TokenBatch
+    from titan_tpu.data.images import stack_rows
+
+    view = subject.image_view()
+    if view is None:
+        return TokenBatch(tokens_BS[:, :-1].contiguous(), tokens_BS[:, 1:].contiguous())
+    rows = [_image_row(view, t, picture=first_picture + b) for b, t in enumerate(tokens_BS)]
+    return stack_rows(rows, view)
+
+
+def our_logits(model, batch) -> torch.Tensor:
+    images = {"images": batch.images} if batch.images is not None else {}
+    return model(batch.inputs_BS, **images)
+
+
+def reference_logits(model, batch) -> torch.Tensor:
+    """transformers' own model on `batch`, its images as transformers' processor lays them out."""
+    images = batch.images
+    if images is None:
+        return model(input_ids=batch.inputs_BS, use_cache=False).logits
+    pixels = images.pixel_values.flatten(0, 1)[images.slots_BM.flatten()]
+    inputs = {"pixel_values": pixels}
+    if images.grid_thw is not None:  # Qwen2.5-VL: the patches of all images in one list, their grids, token types
+        inputs = {"pixel_values": pixels.flatten(0, 1), "image_grid_thw": images.grid_thw.flatten(0, 1),
+                  "mm_token_type_ids": (batch.inputs_BS == model.config.image_token_id).int()}
+    if images.token_types_BS is not None:  # Gemma 3: its image tokens attend to their whole image
+        inputs["token_type_ids"] = images.token_types_BS
+    return model(input_ids=batch.inputs_BS, use_cache=False, **inputs).logits
+
+
+def _cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,10 +381,11 @@ def check_numerics(subject: Subject) -> Result:
     vocab, longest = vocab_size(subject), max_len(subject)
     lengths = {"short": SHORT, "long": min(LONG, longest)}
     details, status = {}, "PASS"
+    image = image_tokens(subject)  # a vision-language row's image tokens count in its length
     for name, n in lengths.items():
-        tokens = corpus_tokens(vocab, n, offset=1000)[None]
+        batch = token_batch(subject, corpus_tokens(vocab, n - image + 1, offset=1000)[None])
         with torch.no_grad():
-            metrics = _logit_metrics(our_logits(ours, tokens), ref(input_ids=tokens).logits)
+            metrics = _logit_metrics(our_logits(ours, batch), reference_logits(ref, batch))
         details[name] = {"tokens": n, **metrics}
         status = worst(status, band(metrics["kl_max"], KL_PASS, KL_WARN))
         if metrics["top1"] < TOP1_PASS:
@@ -319,7 +398,8 @@ def check_numerics(subject: Subject) -> Result:
     details.update(loss_rel_diff=loss_diff, grad_rel_diff=grad_diff, grad_worst=grad_name)
     status = worst(status, band(loss_diff, REL_PASS, REL_WARN), band(grad_diff, REL_PASS, REL_WARN))
     s, lg = details["short"], details["long"]
-    measured = (f"KL max {s['kl_max']:.2e} ({SHORT} tokens) / {lg['kl_max']:.2e} ({lg['tokens']} tokens); "
+    with_image = f", {image} of them an image's" if image else ""
+    measured = (f"KL max {s['kl_max']:.2e} ({SHORT} tokens{with_image}) / {lg['kl_max']:.2e} ({lg['tokens']} tokens); "
                 f"max |logit diff| {max(s['logit_max_diff'], lg['logit_max_diff']):.2e}; top-1 agreement "
                 f"{min(s['top1'], lg['top1']):.4f}; loss rel diff {loss_diff:.1e}; gradients rel diff {grad_diff:.1e}"
                 f"{f' ({grad_name})' if grad_name else ''}")
@@ -332,12 +412,11 @@ def _loss_and_grad_diff(subject: Subject) -> tuple[float, float, str]:
     ours, ref = loaded_model(subject), reference_model(subject)
     ours.train()
     ref.train()
-    tokens = corpus_tokens(vocab_size(subject), BATCH * (SEQ + 1), offset=5000).view(BATCH, SEQ + 1)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    batch = token_batch(subject, corpus_tokens(vocab_size(subject), BATCH * (SEQ + 1), offset=5000).view(BATCH, -1))
     torch.manual_seed(1)
-    our_loss = F.cross_entropy(our_logits(ours, inputs).flatten(0, 1).float(), labels.flatten())
+    our_loss = _cross_entropy(our_logits(ours, batch), batch.labels_BS)
     torch.manual_seed(1)
-    ref_loss = F.cross_entropy(ref(input_ids=inputs, use_cache=False).logits.flatten(0, 1).float(), labels.flatten())
+    ref_loss = _cross_entropy(reference_logits(ref, batch), batch.labels_BS)
     our_loss.backward()
     ref_loss.backward()
     grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
@@ -367,9 +446,27 @@ def _loss_and_grad_diff(subject: Subject) -> tuple[float, float, str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _batches(subject: Subject, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    tokens = corpus_tokens(vocab_size(subject), n * BATCH * (SEQ + 1)).view(n, BATCH, SEQ + 1)
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+def _text(subject: Subject, rows: int) -> torch.Tensor:
+    """[rows, S + 1] tokens of the training checks' rows: the corpus's, or for a vision-language
+    subject coloured-shape rows' (`_shape_text`, each row's picture drawn by `token_batch`)."""
+    if subject.vision:
+        return _shape_text(vocab_size(subject), rows)
+    return corpus_tokens(vocab_size(subject), rows * (SEQ + 1)).view(rows, SEQ + 1)
+
+
+def _batches(subject: Subject, n: int) -> list:
+    """`n` micro-batches of BATCH rows (`_text`)."""
+    text = _text(subject, n * BATCH)
+    return [token_batch(subject, text[i * BATCH:(i + 1) * BATCH], first_picture=i * BATCH) for i in range(n)]
+
+
+def _shape_text(vocab: int, rows: int) -> torch.Tensor:
+    """[rows, SHAPE_TEXT + 1] tokens: each row the shapes data's question and its picture's answer
+    (data/shapes.py, the answers in turn, as `_picture` draws them) as bytes, padded with spaces."""
+    from titan_tpu.data.shapes import ANSWERS, QUESTION
+
+    texts = [f"{QUESTION} {ANSWERS[i % len(ANSWERS)]}.".ljust(SHAPE_TEXT + 1).encode() for i in range(rows)]
+    return torch.tensor([list(t) for t in texts], dtype=torch.long) % vocab
 
 
 def _step_fn(model, *, graph: bool = False, example=None):
@@ -481,11 +578,15 @@ def check_resume(subject: Subject) -> Result:
 
 
 def check_export(subject: Subject) -> Result:
-    """Train 2 steps, export as an HF directory, from_pretrained it: the trained weights, exactly."""
-    from transformers import AutoModelForCausalLM
+    """Train 2 steps, export as an HF directory, from_pretrained it (AutoModelForImageTextToText for a
+    vision-language model): the trained weights exactly, and our logits on a batch."""
+    from transformers import AutoConfig
+
+    from titan_tpu.models.hf.config import auto_model_class
 
     model = seeded_model(subject)
-    _run(model, _batches(subject, 2))
+    batches = _batches(subject, 3)
+    _run(model, batches[:2])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "export"
         if subject.backend == "native":
@@ -501,49 +602,64 @@ def check_export(subject: Subject) -> Result:
 
             export_hf(subject.hf_args(), model.state_dict(), out)
             expected = {k[len(PREFIX):]: v for k, v in model.state_dict().items()}
-        loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+        auto = auto_model_class(AutoConfig.from_pretrained(str(out)))
+        reloaded = auto.from_pretrained(str(out), dtype=torch.float32).eval()
+        loaded = reloaded.state_dict()
     if subject.backend == "native" and any(k.endswith("gate_up_proj") for k in loaded):
         expected = fuse_experts(expected, args)
     common = [k for k in expected if k in loaded]
     diff = max(((expected[k].float() - loaded[k].float()).abs().max().item() for k in common), default=0.0)
     missing = [k for k in expected if k not in loaded and not k.endswith("inv_freq")]
-    status = "PASS" if diff == 0 and common and not missing else "FAIL"
+    model.eval()
+    with torch.no_grad():
+        logits = rel_diff(our_logits(model, batches[2]), reference_logits(reloaded, batches[2]))
+    status = worst("PASS" if diff == 0 and common and not missing else "FAIL", band(logits, REL_PASS, REL_WARN))
     return Result("export", status, f"{len(common)} tensors, max |difference| {diff:g}"
-                  f"{f'; missing after from_pretrained: {missing[0]}' if missing else ''}", "difference 0")
+                  f"{f'; missing after from_pretrained: {missing[0]}' if missing else ''}; {auto.__name__} of it "
+                  f"gives our logits{' on an image batch' if subject.vision else ''}: rel diff {logits:.1e}",
+                  f"difference 0; logits < {REL_PASS:g} PASS, < {REL_WARN:g} WARN")
 
 
-def _fsdp_rank(subject: Subject, batch) -> dict:
+def _loss_and_grads(model, batch, *, num_tokens: int, dp_size: int) -> tuple[torch.Tensor, dict]:
+    """The step's loss (as train/step.py forms it) and the full gradients after its backward."""
+    from torch.distributed.tensor import DTensor
+
+    images = {"images": batch.images} if batch.images is not None else {}
+    out = model(batch.inputs_BS, batch.labels_BS, **images)
+    loss = out.ce_sum / num_tokens + out.aux_loss / dp_size
+    loss.backward()
+    return loss.detach(), {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                           for n, p in model.named_parameters() if p.grad is not None}  # accumulated over calls
+
+
+def _fsdp_rank(subject: Subject, halves: list, num_tokens: int) -> dict:
     import torch.distributed as dist
 
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import MixedPrecision
-    from titan_tpu.tools.hf_sweep import _loss_and_grads
 
     dims = ParallelDims(dp_replicate=1, dp_shard=2, world_size=2)
     model = seeded_model(subject, mesh=dims.build_mesh("cpu"), parallel_dims=dims, mp=MixedPrecision())
     rank = dist.get_rank()
-    inputs, labels = batch
-    rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
-    loss, grads = _loss_and_grads(model, inputs[rows].contiguous(), labels[rows].contiguous(),
-                                  num_tokens=labels.numel(), dp_size=2)
+    loss, grads = _loss_and_grads(model, halves[rank], num_tokens=num_tokens, dp_size=2)
     dist.all_reduce(loss)
     return {"loss": loss.item(), "grads": grads if rank == 0 else None}
 
 
 def check_fsdp(subject: Subject) -> Result:
     from titan_tpu.parallel.spawn import run_ranks
-    from titan_tpu.tools.hf_sweep import _loss_and_grads
 
-    batch = _batches(subject, 1)[0]
-    inputs, labels = batch
-    model, half = seeded_model(subject), BATCH // 2
-    loss = sum(_loss_and_grads(model, inputs[rows], labels[rows], num_tokens=labels.numel(), dp_size=2)[0]
-               for rows in (slice(0, half), slice(half, BATCH)))
+    text, half = _text(subject, BATCH), BATCH // 2
+    halves = [token_batch(subject, text[rows], first_picture=rows.start)
+              for rows in (slice(0, half), slice(half, BATCH))]
+    num_tokens = sum(int(h.trained_tokens()) for h in halves)
+    model = seeded_model(subject)
+    loss = sum(_loss_and_grads(model, half, num_tokens=num_tokens, dp_size=2)[0] for half in halves)
     expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    ranks = run_ranks(_fsdp_rank, world_size=2, args=(subject, batch), timeout_s=240)
+    ranks = run_ranks(_fsdp_rank, world_size=2, args=(subject, halves, num_tokens), timeout_s=240)
     diff = abs(ranks[0]["loss"] - loss.item()) / max(1.0, abs(loss.item()))
-    for name, grad in ranks[0]["grads"].items():
-        diff = max(diff, rel_diff(grad, expected[name]))
+    for name, grad in ranks[0]["grads"].items():  # a gradient one side lacks is one the other holds as zeros
+        diff = max(diff, rel_diff(grad, expected[name]) if name in expected else grad.abs().max().item())
     return Result("fsdp", band(diff, REL_PASS, REL_WARN), f"2 fully_shard ranks vs one process: loss and gradients rel "
                   f"diff {diff:.1e}", f"< {REL_PASS:g} PASS, < {REL_WARN:g} WARN")
 
@@ -554,23 +670,39 @@ def check_fsdp(subject: Subject) -> Result:
 
 
 def check_plan(subject: Subject, hardware: str) -> Result:
+    """titan-tpu plan of the real-size model: a native one from its args, an hf one (a vision-language
+    one with an image in every row's slot) measured by the planner on the model built on the meta
+    device (plan/hf_terms.py)."""
+    import json
+
+    from titan_tpu.data.images import DEFAULT_DYNAMIC_SIDE
     from titan_tpu.plan import plan_config, resolve_hardware
     from titan_tpu.plan.setting import TPU_NAMES, for_planning
+    from titan_tpu.tools.subject import image_sides
 
-    if subject.native_name is None:
-        return Result("plan", "SKIP", f"titan-tpu plan covers the native models ({', '.join(MODEL_NAMES)}); this "
-                      "model runs through the Transformers backend, whose layers the planner has no terms for")
-    args = subject.real_args or subject.native_args()
     hw, chips = resolve_hardware(hardware)
     mode = "graph" if hw.name in TPU_NAMES else "eager"  # a TPU runs the captured step (docs/tpu.md)
-    cfg = for_planning(None, ["--model.name", subject.native_name, "--training.device", "cpu",
-                              "--training.seq_len", "8", "--training.batch_size", "1", "--training.mode", mode,
-                              "--parallelism.dp_shard", "-1", "--activation_checkpoint.mode", "full"])
-    cfg.training.seq_len = min(4096, args.max_seq_len)  # validated against these args, not the debug flavor's
-    plan = plan_config(cfg, hw, chips=chips, model_args=args)
+    run = ["--training.device", "cpu", "--training.batch_size", "1", "--training.mode", mode,
+           "--parallelism.dp_shard", "-1", "--activation_checkpoint.mode", "full"]
+    if subject.native_name is not None:
+        args = subject.real_args or subject.native_args()
+        cfg = for_planning(None, ["--model.name", subject.native_name, "--training.seq_len", "8", *run])
+        cfg.training.seq_len = min(4096, args.max_seq_len)  # validated against these args, not the debug flavor's
+        plan = plan_config(cfg, hw, chips=chips, model_args=args)
+    else:
+        from titan_tpu.models.hf.config import hf_args_from_spec
+
+        source, overrides = subject.real_hf_config, json.dumps(subject.overrides)
+        seq = min(4096, hf_args_from_spec(source, overrides).max_seq_len)
+        if subject.vision:  # the run's default side (448 on Qwen2.5-VL), or the largest this processor takes
+            run += ["--model.image_size", str(min(DEFAULT_DYNAMIC_SIDE, image_sides(source)[1]))]
+        cfg = for_planning(None, ["--model.name", "hf", "--model.hf_config", source, "--model.hf_overrides", overrides,
+                                  "--training.seq_len", str(seq), *run])
+        plan = plan_config(cfg, hw, chips=chips)
+    images = f", {cfg.model.max_images} image slot a row" if subject.vision else ""
     measured = (f"{hardware}: peak {plan.peak_bytes / 1e9:.1f} GB of {plan.capacity_bytes / 1e9:.1f} GB per device, "
                 f"{'fits' if plan.fits else 'does not fit'}; predicted MFU {plan.mfu:.1f}% "
-                f"({plan.tokens_per_s:,.0f} tokens/s, batch 1 x {cfg.training.seq_len} per device, full AC, "
+                f"({plan.tokens_per_s:,.0f} tokens/s, batch 1 x {cfg.training.seq_len} per device{images}, full AC, "
                 f"{mode} mode)")
     if plan.advice:
         measured += "; " + plan.advice[0]
