@@ -177,13 +177,6 @@ def _gb(name: str) -> str:
     return f"{round(plan.checkpoint['bytes_total'] / 1e9):,} GB"
 
 
-def _unplanned(name: str) -> bool:
-    """A recipe of a Transformers-backend model, which the planner does not plan yet."""
-    from titan_tpu.config import build_config
-
-    return build_config(ROOT / "configs" / f"{name}.toml").model.name == "hf"
-
-
 def checkpoint_cells(page: str) -> list[tuple[int, str, str]]:
     """(line, recipe, checkpoint cell) of a page's recipe table with a "checkpoint" column."""
     column, found = None, []
@@ -208,8 +201,7 @@ def test_the_guides_say_how_large_each_recipes_checkpoint_is(page):
         assert sorted(recipes) == TPU_RECIPES, "docs/tpu.md's recipe table must give every TPU recipe's checkpoint"
     else:
         assert len(recipes) >= 5
-    # A Transformers-backend recipe: the planner has no terms for it yet, so no checkpoint term either.
-    said = {name: "not planned" if _unplanned(name) else _gb(name) for _, name, _ in cells}
+    said = {name: _gb(name) for _, name, _ in cells}
     failures = [f"docs/{page}:{line}: {name} checkpoint {cell!r}, the planner says {said[name]!r}"
                 for line, name, cell in cells if cell != said[name]]
     assert not failures, "\n".join(failures)

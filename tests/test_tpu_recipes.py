@@ -26,12 +26,8 @@ RECIPES = sorted(path.stem for path in CONFIGS.glob("*_tpu.toml"))  # every TPU 
 
 def _transformers_backend(name: str) -> bool:
     """A recipe of a Transformers-backend model (model.name hf): transformers runs its own layer loop
-    (no scan), and the planner has no terms for its layers yet (tools/recipe_table.py NOT_PLANNED)."""
+    (no scan); the planner measures its layers (plan/hf_terms.py)."""
     return build_config(CONFIGS / f"{name}.toml").model.name == "hf"
-
-
-# The recipes the planner cannot plan yet, read from the recipe files alone (no model directory).
-NOT_PLANNED = sorted(name for name in RECIPES if _transformers_backend(name))
 
 
 def _chips(description: str) -> int:
@@ -52,7 +48,7 @@ def test_tpu_recipe(name, monkeypatch):
     # grow with depth.
     backend = "tpu" if device_peaks.tpu_generation(cfg.job.description) == "v7" else "jax"
     assert (t.device, t.mode, cfg.compile.backend, cfg.optimizer.name) == ("tpu", "graph", backend, "adamw")
-    hf = name in NOT_PLANNED
+    hf = _transformers_backend(name)
     assert cfg.model.scan_layers != hf and cfg.model.dtype == "bfloat16"  # checkpointing: the planner's pick, below
 
     # The mesh is the chips named in the description.
@@ -84,8 +80,6 @@ def test_tpu_recipe(name, monkeypatch):
         routed_rows = t.batch_size * t.seq_len * args.moe.top_k
         tpu_kernels.gmm_row_tile(routed_rows, args.dim, args.moe.hidden_dim)  # raises if megablox cannot tile it
 
-    if hf:  # not planned yet: XLA's compile of it (docs/tpu_recipes.md) is its memory check
-        return
     # Memory per device: the planner's peak (parameters, gradients, moments, activations, gathered
     # weights, the loss kernel, ...; the one estimate the CLI prints) within the device's memory,
     # on the hardware and chip count the description names.
@@ -105,10 +99,12 @@ def test_tpu_recipe(name, monkeypatch):
 
 
 # Recipes whose checkpointing is not the planner's first pick because XLA's compile of that pick
-# did not fit: (the planner's pick, the recipe's, what XLA said). The planner's open work.
+# did not fit, or left too little room: (the planner's pick, the recipe's, what XLA said).
 XLA_OVERRULED = {
     "qwen3_8b_dpo_tpu": ("none", "full", "none: 143 GiB per chip of 95 (XLA's temporaries 112 GiB beside the "
                                          "reference's and the policy's weights); full: 79.1 GiB"),
+    "qwen2_5_vl_7b_tpu": ("none", "full", "none: 79.8 GiB per chip of 95 (the planner: 96.9 GB of 102), too close "
+                                          "to the limit for a fine-tune whose rows vary; full: 45.6 GiB"),
 }
 
 
@@ -126,7 +122,6 @@ def test_the_checks_can_fail(monkeypatch):
 
 
 ROW = re.compile(r"^\| `(\w+)\.toml` \|.*\| [\d.]+ of [\d.]+ GB \| [\d.]+% \|$", re.MULTILINE)
-UNPLANNED_ROW = re.compile(r"^\| `(\w+)\.toml` \|.*\| not planned \| not planned \|$", re.MULTILINE)
 
 
 def test_the_recipe_tables_of_the_pages_are_the_planners():
@@ -135,9 +130,7 @@ def test_the_recipe_tables_of_the_pages_are_the_planners():
     planner change that moves a number fails here with the page and the row to write."""
     docs = CONFIGS.parent / "docs"
     tpu_rows = [m.group(1) for m in ROW.finditer((docs / "tpu.md").read_text())]
-    unplanned = sorted(m.group(1) for m in UNPLANNED_ROW.finditer((docs / "tpu.md").read_text()))
-    assert sorted(tpu_rows + unplanned) == RECIPES, "docs/tpu.md's recipe table must list every configs/*_tpu.toml"
-    assert unplanned == NOT_PLANNED, "docs/tpu.md says 'not planned' of exactly the recipes the planner cannot plan"
+    assert sorted(tpu_rows) == RECIPES, "docs/tpu.md's recipe table must list every configs/*_tpu.toml"
     failures, checked = [], 0
     for page in sorted(docs.glob("*.md")):
         if page.name == "log.md":  # history: the numbers of their day
@@ -173,9 +166,17 @@ PEAK_OFF = {
                               "planner counts two gathered layers (11.9) and a layer's recomputation (5.3); counting "
                               "one layer brings this row to 1.01 and llama3_70b_v7_tpu to 0.87, whose program holds "
                               "more at once (docs/log.md)"),
+    "qwen2_5_vl_7b_tpu": (0.79, "XLA's latency-hiding scheduler runs the backward's recomputation and activation "
+                                "gradients first and the weight-gradient matmuls late, holding the recomputed "
+                                "feed-forward intermediates of every layer until then (28 x bf16[4, 2048, 18944], "
+                                "8.1 GiB at its peak): not modelled; without them the plan is 0.96x"),
 }
-# Our formula against the matmuls of XLA's optimized program: every row within the tolerance.
-FLOPS_OFF: dict[str, tuple[float, str]] = {}
+# Our formula against the matmuls of XLA's optimized program: every row within the tolerance but these.
+FLOPS_OFF: dict[str, tuple[float, str]] = {
+    "qwen2_5_vl_7b_tpu": (0.849, "a Transformers-backend model's MFU count (docs/tpu_recipes.md), not yet counted as "
+                                 "XLA counts: it leaves out full checkpointing's rerun of the decoder layers and "
+                                 "counts attention inside splash's kernel"),
+}
 
 
 def test_the_recipe_table_is_what_the_reports_and_the_planner_give():
@@ -197,13 +198,12 @@ def test_the_planner_stays_near_xla_on_every_compiled_recipe():
 
     compiled = [row for row in rows() if row.report is not None and "error" not in row.report]
     assert compiled
-    assert sorted(Path(row.recipe).stem for row in compiled if row.not_planned) == NOT_PLANNED
     peaks, flops = {}, {}
     for row in compiled:
         name, r = Path(row.recipe).stem, row.report
-        if row.not_planned:  # no planner, and no formula counted as XLA counts, to hold against XLA yet
-            continue
-        flops_ratio = row.counted / compared_flops(r)  # XLA's matmuls: our formula counts no elementwise work
+        # XLA's matmuls: our formula counts no elementwise work (an hf model: its MFU count, docs/tpu_recipes.md)
+        counted = row.counted if row.counted is not None else r["formula_flops_per_chip"]
+        flops_ratio = counted / compared_flops(r)
         if abs(flops_ratio - 1) > FLOPS_TOLERANCE:
             flops[name] = round(flops_ratio, 3)
         peak_ratio = row.plan_peak_compiled / r["peak_per_chip_bytes"]

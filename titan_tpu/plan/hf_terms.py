@@ -143,13 +143,29 @@ def _meta_model(setup, *, dtype):
     from titan_tpu.models.lora import freeze_base
 
     cfg = setup.cfg
-    model = build_hf_model(setup.spec.args, kernels=cfg.kernels, ac_mode="none", dtype=dtype,
+    model = build_hf_model(setup.spec.args, kernels=_kernels_here(cfg.kernels), ac_mode="none", dtype=dtype,
                            train_vision=cfg.model.train_vision)
     for converter in enabled_converters(cfg):
         converter.convert(model, cfg)
     if cfg.lora.enabled:
         freeze_base(model)
     return model
+
+
+def _kernels_here(kernels):
+    """The run's kernels, each one that cannot run on this CPU (a TPU recipe's splash, tokamax)
+    replaced by this CPU's pick of the same op, which keeps what it keeps for the backward (the
+    attention output and its log-sum-exp; the loss's gradients) and reads the same hidden state."""
+    import dataclasses
+
+    from titan_tpu.kernels import OPS
+
+    here = {}
+    for field, op in OPS.items():
+        choice = getattr(kernels, field)
+        if choice != "auto" and op.impls[choice].why_not("cpu", frozenset()) is not None:
+            here[field] = op.resolve("auto", "cpu").name
+    return dataclasses.replace(kernels, **here)
 
 
 def _image_rows(setup, rows: int):

@@ -334,8 +334,10 @@ def resolve_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int | 
         from titan_tpu.plan.hf_terms import hf_terms
 
         hf = hf_terms(dataclasses.replace(setup, cfg=cfg), dtype=dtype)
-    # An hf model is one piece (HFCausalLM.init_plan): gathered whole, nothing re-sharded after a layer.
-    code = "model" if hf is not None else code_gather(cfg)
+    # An hf model is one piece (HFCausalLM.init_plan): nothing re-sharded after a layer, so autograd
+    # keeps every gathered weight, unless full checkpointing reruns each layer, its gathers included
+    # (XLA's live ranges of qwen2_5_vl_7b_tpu: no gathered weight alive at the backward's peak).
+    code = ("layer" if cfg.activation_checkpoint.mode == "full" else "model") if hf is not None else code_gather(cfg)
     gather = gather or code
     p = cfg.parallelism
     layout = Layout(**dims.config_sizes(), compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype],

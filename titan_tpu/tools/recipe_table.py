@@ -106,13 +106,12 @@ class Row:
     recipe: str  # configs/<name>.toml
     report: dict | None  # the compile report, None when only planned
     stale: bool  # the recipe changed after its compile
-    plan_peak: float | None  # the planner's peak per chip, the program a TPU runs; None: not planned
-    plan_peak_compiled: float | None  # the same, with the compiled forms where they differ (the loss kernel)
-    plan_flops: float | None  # the planner's executed FLOPs per chip (whole step)
+    plan_peak: float  # the planner's peak per chip, the program a TPU runs
+    plan_peak_compiled: float  # the same, with the compiled forms where they differ (the loss kernel)
+    plan_flops: float  # the planner's executed FLOPs per chip (whole step)
     topology: str
     backend: str  # the recipe's compile.backend: "jax" runs the program the report certifies
     counted: float | None = None  # today's FLOP formula counted as XLA counts, for the report's step
-    not_planned: str = ""  # why the planner has no numbers for the recipe ("": planned)
 
 
 def rows(reports: Path = REPORTS) -> list[Row]:
@@ -136,11 +135,6 @@ def rows(reports: Path = REPORTS) -> list[Row]:
         hardware, chips = default_hardware(cfg, measure=False)
         topology = _slices({"slices": cfg.parallelism.slices}) + topology_for_chips(
             hardware.name, chips // cfg.parallelism.slices)
-        if not model_spec(cfg.model).plannable:
-            out.append(Row(recipe=recipe, report=report, stale=_stale(report, recipe), plan_peak=None,
-                           plan_peak_compiled=None, plan_flops=None, topology=topology, backend=cfg.compile.backend,
-                           not_planned=NOT_PLANNED))
-            continue
         plan = plan_config(cfg, hardware, chips=chips, measure=False)
         counted = None
         if report is not None and "error" not in report:  # today's formula, on the compiled step's tokens
@@ -156,18 +150,13 @@ def rows(reports: Path = REPORTS) -> list[Row]:
     return out
 
 
-# What the planner cells of a recipe it cannot plan say: its layers are transformers' own code.
-NOT_PLANNED = "not planned (a Transformers-backend model: the planner covers the native models)"
-
-
 def _stale(report: dict | None, recipe: str) -> bool:
     """Whether the recipe changed after its compile (or its failed one)."""
     return report is not None and report.get("recipe_sha") != recipe_hash(ROOT / recipe)
 
 
-def _gib(value: float | None) -> str:
-    """A planner's bytes in GiB, or that it has none."""
-    return "not planned" if value is None else f"{value / GiB:.1f}"
+def _gib(value: float) -> str:
+    return f"{value / GiB:.1f}"
 
 
 def _compiled_cells(row: Row) -> list[str]:
@@ -175,8 +164,7 @@ def _compiled_cells(row: Row) -> list[str]:
     xla_peak, xla_flops = r["peak_per_chip_bytes"], compared_flops(r)
     stages = (f"{r['capture_seconds'] + r['lower_seconds'] + r['compile_seconds']:.0f} s "
               f"({r['capture_seconds']:.0f} + {r['lower_seconds']:.0f} + {r['compile_seconds']:.0f})")
-    planned = row.not_planned or \
-        f"{row.plan_peak_compiled / GiB:.1f} ({row.plan_peak_compiled / xla_peak:.2f}x)"
+    planned = f"{row.plan_peak_compiled / GiB:.1f} ({row.plan_peak_compiled / xla_peak:.2f}x)"
     return [f"compiled by XLA {r['date']}{' (STALE: the recipe changed since)' if row.stale else ''}",
             _certificate(row), f"{_slices(r)}{r['topology']} ({r['devices']})", f"{xla_peak / GiB:.1f}",
             planned, _gib(row.plan_peak), _flops_cell(row), f"{1 - xla_flops / r['flops_per_chip']:.0%}", stages]
@@ -227,12 +215,11 @@ def render(reports: Path = REPORTS) -> str:
     for row in table:
         name = f"`{Path(row.recipe).name}`"
         if row.report is None:
-            cells = ["planned only" if not row.not_planned else "neither planned nor compiled", "", row.topology,
-                     "", "", _gib(row.plan_peak), "", "", ""]
+            cells = ["planned only", "", row.topology, "", "", _gib(row.plan_peak), "", "", ""]
         elif "error" in row.report:
             stale = " (STALE: the recipe changed since)" if row.stale else ""
             cells = [f"not compiled {row.report['date']}{stale}: {row.report['error']}", "", row.topology, "",
-                     row.not_planned or _gib(row.plan_peak_compiled), _gib(row.plan_peak), "", "", ""]
+                     _gib(row.plan_peak_compiled), _gib(row.plan_peak), "", "", ""]
         else:
             cells = _compiled_cells(row)
         lines.append("| " + " | ".join([name, *cells]) + " |")
@@ -260,8 +247,8 @@ _COLUMNS = """Columns:
 - **planner as compiled**: `titan-tpu plan` of the same recipe with the compiled forms where the
   program XLA compiled here differs from the one a TPU runs: tokamax's loss kernel is compiled in
   its plain-XLA form (its Mosaic kernel cannot be traced off a TPU), which keeps the logits. The
-  ratio is against XLA's peak. "Not planned": the planner has no terms for the recipe's model yet (a
-  Transformers-backend model runs transformers' own layers); XLA's numbers stand alone.
+  ratio is against XLA's peak. A Transformers-backend model's terms are measured on the model
+  built on the meta device (docs/planner.md).
 - **planner as a TPU runs it**: the plan a user sees (`titan-tpu plan --config ...`): the real kernels.
 - **FLOPs**: our FLOP formula (matmuls only, as MFU counts) counted as XLA counts (a scanned loop's
   body once, no work inside a Pallas kernel, checkpointing's rerun) against the multiply-adds of the
