@@ -166,7 +166,7 @@ PEAK_OFF = {
                               "planner counts two gathered layers (11.9) and a layer's recomputation (5.3); counting "
                               "one layer brings this row to 1.01 and llama3_70b_v7_tpu to 0.87, whose program holds "
                               "more at once (docs/log.md)"),
-    "qwen2_5_vl_7b_tpu": (0.79, "XLA's latency-hiding scheduler runs the backward's recomputation and activation "
+    "qwen2_5_vl_7b_tpu": (0.79, "XLA's schedule runs the backward's recomputation and activation "
                                 "gradients first and the weight-gradient matmuls late, holding the recomputed "
                                 "feed-forward intermediates of every layer until then (28 x bf16[4, 2048, 18944], "
                                 "8.1 GiB at its peak): not modelled; without them the plan is 0.96x"),
