@@ -298,12 +298,11 @@ class _RematBarriers:
     `jax.checkpoint` does (its prevent_cse), the copies of one block call read the values they
     take from outside it through one optimization barrier, which XLA neither looks through nor
     merges. The barrier also takes the gradient that the copies' first backward use reads beside
-    them, and the backward's latest value before them (in a stacked stack, the accumulated weight
-    gradient of the block after): the recomputation then cannot start before the backward reaches
-    the block, nor before the blocks after it are done with theirs. Without the first, XLA runs it
-    in the forward; without the second, it recomputes many blocks ahead and holds their
-    intermediates until a late chain of weight-gradient sums reads them (its scheduler keeps
-    anything below the chip's memory)."""
+    them, and every backward value computed since the block before's barrier (its weight
+    gradients' sums among them): the recomputation then cannot start before the backward reaches
+    the block, nor before the block after it is done. Without the first, XLA runs it in the
+    forward; without the second, it recomputes many blocks ahead and holds their intermediates for
+    weight-gradient sums it runs late."""
 
     def __init__(self, nodes: list[torch.fx.Node], env: dict):
         self.env = env
@@ -319,11 +318,11 @@ class _RematBarriers:
                     self.gradients.setdefault(read, [n for n in node.all_input_nodes
                                                      if _region(n) is None and _backward(n)])
         self.barred: dict[object, dict[torch.fx.Node, object]] = {}
-        self.latest = None  # the latest backward node computed
+        self.since: list[torch.fx.Node] = []  # backward values computed since the last block's barrier
 
     def computed(self, node: torch.fx.Node) -> None:
         if _region(node) is None and _backward(node) and isinstance(self.env.get(node), jax.Array):
-            self.latest = node
+            self.since.append(node)
 
     def reader(self, node: torch.fx.Node) -> Callable[[torch.fx.Node], object]:
         region = _region(node)
@@ -331,8 +330,8 @@ class _RematBarriers:
             return self.env.__getitem__
         if region not in self.barred:
             gradients = [n for n in self.gradients.get(region, []) if n in self.env]
-            if self.latest is not None and self.latest not in gradients:
-                gradients.append(self.latest)
+            gradients += [n for n in self.since if n not in gradients]
+            self.since = []
             self.barred[region] = self._barrier(self.outside[region], gradients)
 
         def read(source: torch.fx.Node):
