@@ -195,7 +195,13 @@ class HFCausalLM(nn.Module):
         # An image token id may lie past the text vocabulary (Gemma 3's): its rows are replaced anyway.
         text_BS = tokens_BS.masked_fill(tokens_BS == image_token_id, 0)
         embeds_BSD = self.hf_model.get_input_embeddings()(text_BS)
-        features_ND = self.vision.features(self.hf_model, images)
+        # The tower attends within each image: the text's documents (packed rows) are not its own.
+        context = _CALL_CONTEXT.get(None)
+        token = _CALL_CONTEXT.set(None if context is None else (context[0], None))
+        try:
+            features_ND = self.vision.features(self.hf_model, images)
+        finally:
+            _CALL_CONTEXT.reset(token)
         return merge_image_features(embeds_BSD, features_ND, tokens_BS=tokens_BS, image_token_id=image_token_id)
 
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
