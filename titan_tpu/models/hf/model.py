@@ -183,7 +183,15 @@ class HFCausalLM(nn.Module):
             del kwargs["input_ids"]
             kwargs["inputs_embeds"] = self.embeddings_with_images(tokens_BS, images)
             kwargs.update(self.vision.language_inputs(images))
+            if self._packed_masks_apply(positions_BS, images):
+                kwargs["attention_mask"] = self.vision.packed_masks(text_config(self.hf_model.config), images,
+                                                                    positions_BS)
         return kwargs
+
+    def _packed_masks_apply(self, positions_BS: torch.Tensor | None, images: ImageInputs | None) -> bool:
+        """Whether this batch's attention masks are the architecture's own of packed rows."""
+        return (positions_BS is not None and images is not None and self.vision is not None
+                and self.vision.packed_masks is not None)
 
     def embeddings_with_images(self, tokens_BS: torch.Tensor, images: ImageInputs) -> torch.Tensor:
         """The token embeddings with every image token replaced by its image's features (the
@@ -211,6 +219,8 @@ class HFCausalLM(nn.Module):
         per_sequence), the balancing loss and no expert loads. `images`: a vision-language
         model's image slots (data/batch.py `ImageInputs`), merged into the token embeddings."""
         document_ids = None if positions_BS is None else document_ids_from_positions(positions_BS)
+        if self._packed_masks_apply(positions_BS, images):
+            document_ids = None  # the masks hold them (VisionArchitecture.packed_masks)
         token = _CALL_CONTEXT.set((self.kernels, document_ids))
         try:
             kwargs = self._model_kwargs(tokens_BS, positions_BS, images)
