@@ -82,6 +82,12 @@ def test_packed_rows_keep_each_image_with_its_conversation(model_dirs, tmp_path,
             assert torch.equal(inputs[at:at + n], single.inputs_BS[c, :n])
             assert torch.equal(labels[at:at + n], single.labels_BS[c, :n])
             assert positions[at:at + n].tolist() == list(range(n))
+            # Per-token extras as the conversation's own row has them: Qwen2.5-VL's 3-D positions
+            # restart with it (rotary is relative, so only this tells), Gemma 3's token types.
+            if single.images.positions_3BS is not None:
+                assert torch.equal(packed.images.positions_3BS[:, r, at:at + n], single.images.positions_3BS[:, c, :n])
+            if single.images.token_types_BS is not None:
+                assert torch.equal(packed.images.token_types_BS[r, at:at + n], single.images.token_types_BS[c, :n])
             at += n
         assert (labels[at:] == IGNORE_INDEX).all() and (at == len(positions) or positions[at] == 0)
         # The row's slots: its conversations' images in order, as many as its image token runs.

@@ -281,7 +281,7 @@ def image_slots(parts: list[dict], *, view: ImageProcessorView, where: str,
 
 # The architectures whose conversations may share a row (data.pack_images): their per-token
 # extras restart per conversation and their attention keeps within it (tests/test_vlm_packing.py).
-PACKABLE = ("gemma3", "llava")
+PACKABLE = ("gemma3", "llava", "qwen2_5_vl")
 
 
 def check_packable(model_type: str) -> None:
