@@ -381,13 +381,15 @@ class ImageChatRows:
         if at < S:
             segments.append((at, S))
         positions = np.zeros(S, dtype=np.int64)
-        extras = [view.format.row_extras(view, inputs[a:b], self.image_token_id) for a, b in segments]
-        out = {"inputs": inputs, "labels": labels, "positions": positions, "pixel_values": pixels, "slots": slots}
         for a, b in segments:
             positions[a:b] = np.arange(b - a)
-        for key, value in (extras[0] if extras else {}).items():
+        out = {"inputs": inputs, "labels": labels, "positions": positions, "pixel_values": pixels, "slots": slots}
+        segment_extras = [view.format.row_extras(view, inputs[a:b], self.image_token_id) for a, b in segments]
+        for key, value in segment_extras[0].items():
+            # Per-token extras joined segment by segment; the others (Qwen2.5-VL's grids of the row's
+            # slots) are the same for every segment.
             per_token = key in PER_TOKEN_EXTRAS
-            out[key] = np.concatenate([e[key] for e in extras], axis=-1) if per_token else value
+            out[key] = np.concatenate([e[key] for e in segment_extras], axis=-1) if per_token else value
         return out
 
 
