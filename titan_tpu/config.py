@@ -309,6 +309,10 @@ class DataConfig:
     # Packed windows hold several documents: true keeps attention within each document and restarts
     # RoPE positions at each one (the loader emits per-token positions); false attends across them.
     document_mask: bool = False
+    # Vision-language chat rows (docs/vision_language.md): pack several conversations into each row of
+    # training.seq_len (at most model.max_images images a row, each with its conversation; attention kept
+    # within each conversation); false: one conversation a row, padded.
+    pack_images: bool = False
 
 
 @dataclass

@@ -16,9 +16,16 @@ laid out by the directory's own image processor.
 
 Static shapes, as XLA needs and as MaxText does it: every row has `max_images` image slots
 (model.max_images), filled in order, the rest zeros and marked empty; a row is one conversation
-padded to seq_len (not packed), so every batch has the same shapes whatever its images. A row
-with more images than slots is an error naming the row and the key; a conversation longer than
-seq_len is dropped and counted. Rows without images are fine (all slots empty).
+padded to seq_len, so every batch has the same shapes whatever its images. A conversation with
+more images than slots is an error naming the row and the key; a conversation longer than seq_len
+is dropped and counted. Rows without images are fine (all slots empty).
+
+With data.pack_images a row holds several conversations instead, as text chat rows do (greedily,
+in order): a conversation starts a new row when the row's tokens or its image slots would not hold
+it, so every image stays in the row of its conversation, the row's slots hold its images in the
+order their tokens appear (the k-th image token run reads slot k), and positions restart at each
+conversation (the batch's `positions_BS`), which keeps attention within it. The per-token extras
+are computed per conversation (Qwen2.5-VL's 3-D positions restart with it).
 
 What differs per architecture (the placeholder and its expansion, the tokens per image, the
 extra per-token inputs: Qwen2.5-VL's 3-D rotary positions, Gemma 3's image token types) is one
@@ -272,15 +279,43 @@ def image_slots(parts: list[dict], *, view: ImageProcessorView, where: str,
     return {"pixel_values": pixels, "slots": slots}
 
 
+# The architectures whose conversations may share a row (data.pack_images): their per-token
+# extras restart per conversation and their attention keeps within it (tests/test_vlm_packing.py).
+PACKABLE = ("gemma3", "llava", "qwen2_5_vl")
+
+
+def check_packable(model_type: str) -> None:
+    if model_type not in PACKABLE:
+        raise ValueError(f"packing is not supported for {model_type} yet; set data.pack_images = false "
+                         f"(packed: {', '.join(PACKABLE)})")
+
+
+def pack_bounds(lengths: list[int], images: list[int], *, seq_len: int, max_images: int) -> list[int]:
+    """Greedy packing in stored order: row r holds conversations [bounds[r], bounds[r+1]). A
+    conversation starts a new row when the row's tokens or image slots would not hold it."""
+    bounds, tokens, slots = [0], 0, 0
+    for j, (n, k) in enumerate(zip(lengths, images)):
+        if j > bounds[-1] and (tokens + n > seq_len or slots + k > max_images):
+            bounds.append(j)
+            tokens, slots = 0, 0
+        tokens += n
+        slots += k
+    if lengths:
+        bounds.append(len(lengths))
+    return bounds
+
+
 class ImageChatRows:
-    """Image-text chat rows, one conversation per row (a `RowSource` of data/mixture.py whose rows
-    are dicts): rendered and tokenized once, their images read when the row is batched."""
+    """Image-text chat rows, one conversation per row or several packed (a `RowSource` of
+    data/mixture.py whose rows are dicts): rendered and tokenized once, their images read when the
+    row is batched."""
 
     def __init__(self, rows: list[dict], *, renderer, view: ImageProcessorView, seq_len: int, val_fraction: float,
                  name: str, wheres: list[str] | None = None, bases: list[Path | None] | None = None,
-                 all_val: bool = False):
+                 all_val: bool = False, pack: bool = False):
         """`rows` named in errors as `wheres` (default "row i of `name`"); relative image paths are
-        read from `bases` (each row's file's folder; default the working directory)."""
+        read from `bases` (each row's file's folder; default the working directory). `pack`: several
+        conversations a row (data.pack_images), their positions restarting at each."""
         from titan_tpu.data.chat import check_messages
         from titan_tpu.data.loader import _num_val_windows
 
@@ -299,11 +334,20 @@ class ImageChatRows:
                 self.num_dropped += 1
                 continue
             self.encoded.append((ids, trained, parts, where, base))
-        count = len(self.encoded)
+        self.pack = pack
+        if pack:
+            check_packable(view.model_type)
+            self.bounds = pack_bounds([len(e[0]) for e in self.encoded], [len(e[2]) for e in self.encoded],
+                                      seq_len=seq_len, max_images=view.max_images)
+        else:
+            self.bounds = list(range(len(self.encoded) + 1))
+        count = len(self.bounds) - 1
         self.num_val = count if all_val else _num_val_windows(count, val_fraction)
         self.num_train = count - self.num_val
 
     def row(self, index: int) -> dict[str, Any]:
+        if self.pack:
+            return self._packed_row(index)
         ids, trained, parts, where, base = self.encoded[index]
         S, n = self.seq_len, len(ids)
         inputs = np.zeros(S, dtype=np.int64)  # padding: after the conversation, never trained or attended from it
@@ -312,6 +356,40 @@ class ImageChatRows:
         labels[:n - 1] = np.where(trained[1:].astype(bool), ids[1:], IGNORE_INDEX)
         out = {"inputs": inputs, "labels": labels, **image_slots(parts, view=self.view, where=where, base=base)}
         out.update(self.view.format.row_extras(self.view, inputs, self.image_token_id))
+        return out
+
+    def _packed_row(self, index: int) -> dict[str, Any]:
+        """Conversations [bounds[index], bounds[index+1]) one after another, then padding (a
+        document of its own, never trained); each one's positions and per-token extras computed
+        on its own tokens, its images in the next slots."""
+        S, view = self.seq_len, self.view
+        inputs = np.zeros(S, dtype=np.int64)
+        labels = np.full(S, IGNORE_INDEX, dtype=np.int64)
+        pixels = torch.zeros((view.max_images, *view.pixel_shape))
+        slots = torch.zeros(view.max_images, dtype=torch.bool)
+        segments, at, k = [], 0, 0
+        for ids, trained, parts, where, base in self.encoded[self.bounds[index]:self.bounds[index + 1]]:
+            n = len(ids)
+            inputs[at:at + n] = ids
+            labels[at:at + n - 1] = np.where(trained[1:].astype(bool), ids[1:], IGNORE_INDEX)
+            for part in parts:
+                pixels[k] = view.pixels(read_image(part, where=where, base=base))["pixel_values"]
+                slots[k] = True
+                k += 1
+            segments.append((at, at + n))
+            at += n
+        if at < S:
+            segments.append((at, S))
+        positions = np.zeros(S, dtype=np.int64)
+        for a, b in segments:
+            positions[a:b] = np.arange(b - a)
+        out = {"inputs": inputs, "labels": labels, "positions": positions, "pixel_values": pixels, "slots": slots}
+        segment_extras = [view.format.row_extras(view, inputs[a:b], self.image_token_id) for a, b in segments]
+        for key, value in segment_extras[0].items():
+            # Per-token extras joined segment by segment; the others (Qwen2.5-VL's grids of the row's
+            # slots) are the same for every segment.
+            per_token = key in PER_TOKEN_EXTRAS
+            out[key] = np.concatenate([e[key] for e in segment_extras], axis=-1) if per_token else value
         return out
 
 
@@ -344,7 +422,8 @@ def stack_rows(rows: list[dict[str, Any]], view: ImageProcessorView | None = Non
     images = ImageInputs(pixel_values=stacked("pixel_values"), slots_BM=stacked("slots"), grid_thw=grid,
                          positions_3BS=None if positions is None else positions.transpose(0, 1).contiguous(),
                          token_types_BS=stacked("token_types_S"), tower_inputs=tower)
-    return TokenBatch(stacked("inputs"), stacked("labels"), images=images)
+    # Packed rows (data.pack_images) carry each token's position in its conversation: the documents.
+    return TokenBatch(stacked("inputs"), stacked("labels"), positions_BS=stacked("positions"), images=images)
 
 
 # The entries of `ImageFormat.row_extras` with one value per token (along their last axis): what a
@@ -431,14 +510,14 @@ class ImageChatLoader(MixtureLoader):
 
 
 def _source_rows(spec, *, renderer, view: ImageProcessorView, seq_len: int, val_fraction: float,
-                 all_val: bool = False) -> ImageChatRows:
+                 all_val: bool = False, pack: bool = False) -> ImageChatRows:
     """One source's rows (every file of it, in order); images relative to their file's folder."""
     return read_image_chat_rows(spec.path, field=spec.field, renderer=renderer, view=view, seq_len=seq_len,
-                                val_fraction=val_fraction, all_val=all_val)
+                                val_fraction=val_fraction, all_val=all_val, pack=pack)
 
 
 def read_image_chat_rows(path: str | Path, *, field: str, renderer, view: ImageProcessorView, seq_len: int,
-                         val_fraction: float = 0.0, all_val: bool = False) -> ImageChatRows:
+                         val_fraction: float = 0.0, all_val: bool = False, pack: bool = False) -> ImageChatRows:
     """The chat rows of `path` (a file, a glob or a folder of .jsonl / .parquet files, as
     data.source reads them; `field` the messages' column), in order; images relative to their
     file's folder."""
@@ -451,27 +530,31 @@ def read_image_chat_rows(path: str | Path, *, field: str, renderer, view: ImageP
             wheres.append(f"{file} row {line}")
             bases.append(file.parent)
     return ImageChatRows(rows, renderer=renderer, view=view, seq_len=seq_len, val_fraction=val_fraction,
-                         name=str(path), wheres=wheres, bases=bases, all_val=all_val)
+                         name=str(path), wheres=wheres, bases=bases, all_val=all_val, pack=pack)
 
 
 def image_chat_loaders(data_cfg: Any, sources: list, *, model_dir: str | Path, tokenizer, max_images: int,
                        image_size: int, seq_len: int, batch_size: int, seed: int, dp_rank: int, dp_size: int,
                        validation: bool, log: Callable[[str], None] = print):
     """(training loader, validation loader or None) over chat sources for the vision-language model
-    of `model_dir`, rendered with its chat template (or data.chat_template) and its image processor."""
+    of `model_dir`, rendered with its chat template (or data.chat_template) and its image processor;
+    several conversations a row with data.pack_images."""
     from dataclasses import replace
-
 
     renderer, view = directory_renderer(model_dir, tokenizer=tokenizer, max_images=max_images, image_size=image_size,
                                         chat_template=data_cfg.chat_template)
+    pack = data_cfg.pack_images
+    if pack:
+        check_packable(view.model_type)  # before reading any row
     val_fraction = 0.0 if data_cfg.val_source else data_cfg.val_fraction
-    rows = [_source_rows(s, renderer=renderer, view=view, seq_len=seq_len, val_fraction=val_fraction)
+    rows = [_source_rows(s, renderer=renderer, view=view, seq_len=seq_len, val_fraction=val_fraction, pack=pack)
             for s in sources]
     for spec, r in zip(sources, rows):
         if r.num_dropped:
             log(f"data: {spec.label}: dropped {r.num_dropped} conversation(s) longer than seq_len {seq_len}")
     log(f"data: image-text rows of {view.model_type}: {max_images} image slot(s) a row (model.max_images), images at "
-        f"{view.side} x {view.side}, {view.tokens_per_image} tokens each")
+        f"{view.side} x {view.side}, {view.tokens_per_image} tokens each, "
+        + ("conversations packed (data.pack_images)" if pack else "one conversation a row"))
     common = dict(seq_len=seq_len, batch_size=batch_size, seed=seed, dp_rank=dp_rank, dp_world_size=dp_size,
                   document_mask=False)
     train = ImageChatLoader(rows, names=[s.label for s in sources], weights=[s.weight for s in sources],
@@ -479,7 +562,8 @@ def image_chat_loaders(data_cfg: Any, sources: list, *, model_dir: str | Path, t
     val = train if validation and not data_cfg.val_source else None
     if validation and data_cfg.val_source:
         spec = replace(sources[0], path=data_cfg.val_source, weight=1.0, name="val")
-        val_rows = _source_rows(spec, renderer=renderer, view=view, seq_len=seq_len, val_fraction=0.0, all_val=True)
+        val_rows = _source_rows(spec, renderer=renderer, view=view, seq_len=seq_len, val_fraction=0.0, all_val=True,
+                                pack=pack)
         if val_rows.num_val == 0:
             raise ValueError(f"data.val_source {data_cfg.val_source!r} holds no row of {seq_len} tokens; use more "
                              "validation data or a larger training.seq_len")

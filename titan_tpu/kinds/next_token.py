@@ -44,7 +44,8 @@ def token_data(request: DataRequest) -> DataParts:
 
 def image_chat_data(request: DataRequest) -> DataParts:
     """Chat rows with their images for a vision-language model (data/images.py): one conversation a
-    row, model.max_images image slots each, no packing, so no document masks."""
+    row, model.max_images image slots each; with data.pack_images several conversations a row, so
+    the batches carry positions (document masks)."""
     from titan_tpu.data.images import image_chat_loaders
     from titan_tpu.data.tokenizer import load_tokenizer
 
@@ -56,14 +57,16 @@ def image_chat_data(request: DataRequest) -> DataParts:
         raise ValueError(f"model.hf_config {request.image_model_dir} has no tokenizer.json; a vision-language model's "
                          "rows are rendered with its own tokenizer")
     kernels = cfg.kernels.for_ignored_labels(request.kernel_device)
-    kernels.check_device(request.kernel_device, documents=False)
+    documents = cfg.data.pack_images
+    kernels.check_device(request.kernel_device, documents=documents)
     tokenizer = load_tokenizer(request.tokenizer_path)
     m = cfg.model
     train, val = image_chat_loaders(cfg.data, sources, model_dir=request.image_model_dir, tokenizer=tokenizer,
                                     max_images=m.max_images, image_size=m.image_size, seq_len=t.seq_len,
                                     batch_size=t.batch_size, seed=t.seed, dp_rank=request.data_rank,
                                     dp_size=request.data_size, validation=cfg.validation.enabled, log=request.log)
-    return DataParts(tokenizer, train, val, document_mask=False, kernels=kernels, example_batch=train.example_batch())
+    return DataParts(tokenizer, train, val, document_mask=documents, kernels=kernels,
+                     example_batch=train.example_batch())
 
 
 def next_token_objective(cfg: Config, reference: nn.Module | None) -> NextTokenObjective:

@@ -183,7 +183,15 @@ class HFCausalLM(nn.Module):
             del kwargs["input_ids"]
             kwargs["inputs_embeds"] = self.embeddings_with_images(tokens_BS, images)
             kwargs.update(self.vision.language_inputs(images))
+            if self._packed_masks_apply(positions_BS, images):
+                kwargs["attention_mask"] = self.vision.packed_masks(text_config(self.hf_model.config), images,
+                                                                    positions_BS)
         return kwargs
+
+    def _packed_masks_apply(self, positions_BS: torch.Tensor | None, images: ImageInputs | None) -> bool:
+        """Whether this batch's attention masks are the architecture's own of packed rows."""
+        return (positions_BS is not None and images is not None and self.vision is not None
+                and self.vision.packed_masks is not None)
 
     def embeddings_with_images(self, tokens_BS: torch.Tensor, images: ImageInputs) -> torch.Tensor:
         """The token embeddings with every image token replaced by its image's features (the
@@ -195,7 +203,13 @@ class HFCausalLM(nn.Module):
         # An image token id may lie past the text vocabulary (Gemma 3's): its rows are replaced anyway.
         text_BS = tokens_BS.masked_fill(tokens_BS == image_token_id, 0)
         embeds_BSD = self.hf_model.get_input_embeddings()(text_BS)
-        features_ND = self.vision.features(self.hf_model, images)
+        # The tower attends within each image: the text's documents (packed rows) are not its own.
+        context = _CALL_CONTEXT.get(None)
+        token = _CALL_CONTEXT.set(None if context is None else (context[0], None))
+        try:
+            features_ND = self.vision.features(self.hf_model, images)
+        finally:
+            _CALL_CONTEXT.reset(token)
         return merge_image_features(embeds_BSD, features_ND, tokens_BS=tokens_BS, image_token_id=image_token_id)
 
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
@@ -205,6 +219,8 @@ class HFCausalLM(nn.Module):
         per_sequence), the balancing loss and no expert loads. `images`: a vision-language
         model's image slots (data/batch.py `ImageInputs`), merged into the token embeddings."""
         document_ids = None if positions_BS is None else document_ids_from_positions(positions_BS)
+        if self._packed_masks_apply(positions_BS, images):
+            document_ids = None  # the masks hold them (VisionArchitecture.packed_masks)
         token = _CALL_CONTEXT.set((self.kernels, document_ids))
         try:
             kwargs = self._model_kwargs(tokens_BS, positions_BS, images)

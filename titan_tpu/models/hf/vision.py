@@ -46,6 +46,10 @@ class VisionArchitecture:
     # Static-shape forms of the tower's modules that graph capture cannot trace, by class name (bound
     # to our instances only, as hooks.py GRAPH_SAFE_FORWARDS are)
     graph_safe_forwards: tuple[tuple[str, Callable[..., torch.Tensor]], ...] = ()
+    # (text config, ImageInputs, positions_BS) -> the attention masks by layer type of packed rows, for an
+    # architecture whose mask is more than causal within each document (Gemma 3: an image's tokens see
+    # the whole image), which the attention's documents alone would lose; None: the documents do.
+    packed_masks: Callable[[Any, Any, torch.Tensor], dict[str, torch.Tensor]] | None = None
 
     @property
     def projector(self) -> str:
@@ -106,6 +110,26 @@ def _qwen2_5_vl_vision_attention(module: nn.Module, hidden_states: torch.Tensor,
     return module.proj(out_IHPD.transpose(1, 2).reshape(N, -1))
 
 
+def _gemma3_packed_masks(text_config, images, positions_BS: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Gemma 3's masks (boolean [B, 1, S, S]) of rows packed with documents: causal or within one
+    image, and within one document; its sliding layers' also within the window. transformers' own
+    packed masks look its image blocks up by position in the document on the sliding layers (their
+    remap applies to the image overlay as well), so they are built here."""
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    from titan_tpu.kernels.attention import document_ids_from_positions
+
+    S = positions_BS.shape[1]
+    index_S = torch.arange(S, device=positions_BS.device)
+    documents_BS = document_ids_from_positions(positions_BS)
+    blocks_BS = get_block_sequence_ids_for_mask(images.token_types_BS, device=positions_BS.device)
+    causal_SS = index_S[:, None] >= index_S[None, :]
+    same_image_BSS = (blocks_BS[:, :, None] == blocks_BS[:, None, :]) & (blocks_BS[:, :, None] >= 0)
+    full_BSS = (documents_BS[:, :, None] == documents_BS[:, None, :]) & (causal_SS | same_image_BSS)
+    window_SS = index_S[None, :] > index_S[:, None] - text_config.sliding_window
+    return {"full_attention": full_BSS.unsqueeze(1), "sliding_attention": (full_BSS & window_SS).unsqueeze(1)}
+
+
 def _image_features(hf_model: nn.Module, images) -> torch.Tensor:
     pixels = images.pixel_values.flatten(0, 1)  # [B x slots, C, H, W]
     return _pooled(hf_model.model.get_image_features(pixel_values=pixels.to(hf_model.dtype)))
@@ -116,7 +140,8 @@ VISION_ARCHITECTURES: dict[str, VisionArchitecture] = {a.model_type: a for a in 
                        language_inputs=lambda images: {"position_ids": images.positions_3BS},
                        graph_safe_forwards=(("Qwen2_5_VLVisionAttention", _qwen2_5_vl_vision_attention),)),
     VisionArchitecture("gemma3", tower="model.vision_tower", projector_in_tower="", features=_image_features,
-                       language_inputs=lambda images: {"token_type_ids": images.token_types_BS}),
+                       language_inputs=lambda images: {"token_type_ids": images.token_types_BS},
+                       packed_masks=_gemma3_packed_masks),
     VisionArchitecture("llava", tower="model.vision_tower", projector_in_tower="", features=_image_features,
                        language_inputs=lambda images: {}),
 )}
