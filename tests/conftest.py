@@ -32,6 +32,13 @@ def pytest_configure(config):
         import xdist_groups
 
         config.pluginmanager.register(xdist_groups, "xdist_groups")
+    # The weightless model directories TPU recipes name, relative to the repository root the suite runs
+    # in (gitignored: a clean clone has none), written once; every worker may ask at once, and the
+    # writer renames a finished copy into place.
+    from titan_tpu.tools.hf_shape_dir import STAND_INS, ensure
+
+    for path in STAND_INS:
+        ensure(path, log=lambda message: None)
 
 
 @pytest.fixture(autouse=True)

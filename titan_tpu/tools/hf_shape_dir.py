@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -190,10 +192,22 @@ STAND_INS: dict[str, tuple[str, Callable[[str | Path], Path]]] = {
 def ensure(hf_config: str, log: Callable[[str], None] = print) -> bool:
     """Write the stand-in `hf_config` names (a path of `STAND_INS`) if it has no config.json yet;
     whether one was written. Any other path (a user's real directory) is left alone."""
-    if hf_config not in STAND_INS or (Path(hf_config) / "config.json").is_file():
+    target = Path(hf_config)
+    if hf_config not in STAND_INS or (target / "config.json").is_file():
         return False
     model, write = STAND_INS[hf_config]
-    write(hf_config)
+    # Written beside and renamed into place: processes that need it at once (test workers, ranks)
+    # never read a half-written directory, and one rename wins.
+    staging = target.with_name(f"{target.name}.writing-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    write(staging)
+    if target.is_dir() and not any(target.iterdir()):
+        target.rmdir()  # an empty leftover would take the rename, not refuse it
+    try:
+        staging.rename(target)
+    except OSError:  # another process renamed its copy first
+        shutil.rmtree(staging, ignore_errors=True)
+        return False
     log(f"wrote {hf_config}: a weightless stand-in of {model} (python -m titan_tpu.tools.hf_shape_dir)")
     return True
 
