@@ -316,9 +316,9 @@ class PipelineStage:
         def stage_fn(x: Tensor, micro_batch: Tensor, repeat: Tensor) -> Tensor:
             rope_now = pick(rope_M, micro_batch) if rope_M is not None else rope
             document_ids = pick(documents_M, micro_batch) if documents_M is not None else None
+            which = () if repeats == 1 else (repeat,)  # the picking body's index
             for weights in rows:
-                x, _ = body(x, rope_now, document_ids, *weights) if repeats == 1 else \
-                    body(x, rope_now, document_ids, repeat, *weights)
+                x, _ = body(x, rope_now, document_ids, *which, *weights)
             return x
 
         outputs, _ = run_pipeline_spmd(stage_fn, list(h_BSD.chunk(M)), schedule=self.schedule,
