@@ -197,9 +197,7 @@ def test_the_planner_stays_near_xla_on_every_compiled_recipe():
     peaks, flops = {}, {}
     for row in compiled:
         name, r = Path(row.recipe).stem, row.report
-        # XLA's matmuls: our formula counts no elementwise work (an hf model: its MFU count, docs/tpu_recipes.md)
-        counted = row.counted if row.counted is not None else r["formula_flops_per_chip"]
-        flops_ratio = counted / compared_flops(r)
+        flops_ratio = row.formula_flops / compared_flops(r)  # XLA's matmuls: our formula counts no elementwise work
         if abs(flops_ratio - 1) > FLOPS_TOLERANCE:
             flops[name] = round(flops_ratio, 3)
         peak_ratio = row.plan_peak_compiled / r["peak_per_chip_bytes"]

@@ -113,6 +113,22 @@ class Row:
     backend: str  # the recipe's compile.backend: "jax" runs the program the report certifies
     counted: float | None = None  # today's FLOP formula counted as XLA counts, for the report's step
 
+    @property
+    def mfu_count(self) -> bool:
+        """Whether the formula held against XLA is the compile's MFU count: a model today's formula
+        cannot count as XLA counts (a Transformers-backend model)."""
+        return self.counted is None and self.report.get("formula_as_xla_counts_per_chip") is None
+
+    @property
+    def formula_flops(self) -> float:
+        """Our formula for the compiled step, per chip, to hold against XLA's matmuls: counted as XLA
+        counts where it can be (today's, else the report's), else the report's MFU count."""
+        if self.counted is not None:
+            return self.counted
+        if not self.mfu_count:
+            return self.report["formula_as_xla_counts_per_chip"]
+        return self.report["formula_flops_per_chip"]
+
 
 def rows(reports: Path = REPORTS) -> list[Row]:
     """Every configs/*_tpu.toml, with its report when there is one and today's plan beside it."""
@@ -174,9 +190,7 @@ def _flops_cell(row: Row) -> str:
     """Our formula against XLA's matmuls: counted as XLA counts where today's formula can (a native
     model), else the MFU formula the compile reported (the work the step does: no rerun under
     checkpointing, attention inside a kernel counted), marked as such."""
-    if row.counted is not None:
-        return f"{row.counted / compared_flops(row.report):.3f}x"
-    return _formula_ratio(row.report)
+    return f"{row.formula_flops / compared_flops(row.report):.3f}x" + (" (MFU's count)" if row.mfu_count else "")
 
 
 def _certificate(row: Row) -> str:
