@@ -50,9 +50,14 @@ $(TPU_STAMP): pyproject.toml constraints-tpu.txt
 	$(TPU_VENV)/bin/python -m pip install -q -c constraints-tpu.txt -e ".[tpu,hf,wandb,tpu-check]"
 	touch $(TPU_STAMP)
 
+# A crash inside XLA (an abort) ends the log with the process's stack: the test that ran is printed last.
 tpu-check: $(TPU_STAMP)
-	TITAN_TPU_CHECK=1 PYTHONWARNINGS="ignore:<TorchTpu/Performance/TcMalloc/" \
-		$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/tpu $(ARGS)
+	@mkdir -p .cache && rm -f .cache/tpu-check-current
+	TITAN_TPU_CHECK=1 TITAN_TPU_CHECK_CURRENT=.cache/tpu-check-current \
+		PYTHONWARNINGS="ignore:<TorchTpu/Performance/TcMalloc/" \
+		$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/tpu $(ARGS) || \
+		{ status=$$?; echo "make tpu-check: exit $$status; the test running last: $$(cat .cache/tpu-check-current 2>/dev/null || echo none)"; \
+		  exit $$status; }
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) outputs .pytest_cache

@@ -38,3 +38,11 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("tpu-check")
         for line in SUMMARY:
             terminalreporter.write_line(line)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """The running test's id in the file TITAN_TPU_CHECK_CURRENT names (`make tpu-check` sets it):
+    where a crash of the process (an abort inside XLA) cuts the log, the Makefile prints it last."""
+    path = os.environ.get("TITAN_TPU_CHECK_CURRENT")
+    if path:
+        Path(path).write_text(nodeid + "\n")
