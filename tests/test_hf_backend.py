@@ -377,3 +377,18 @@ def test_packed_document_gets_the_logits_it_gets_alone():
         expected_b = ce(alone_b[0].float(), targets[0, 10:], reduction="sum")
     torch.testing.assert_close(packed_a, expected_a, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed_b, expected_b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gemma2"])
+def test_the_loss_decided_without_weights_is_the_one_real_weights_decide(model_type):
+    """`titan-tpu compile` captures the step on the meta device, where the chunked-loss check has no
+    weights to run on: its answer there (from the model's structure) is the one the same model with
+    real weights gives, so the program XLA compiles computes the loss the run will."""
+    from titan_tpu.parallel.simple_fsdp import MixedPrecision
+
+    args = hf_args_from_config(hf_sweep.tiny_config(model_type))
+    with torch.device("meta"):
+        on_meta = build_hf_model(args)
+    real = materialize_and_init(build_hf_model(args), None, mode="none", mp=MixedPrecision(), device="cpu", seed=0)
+    assert on_meta.check_chunked_loss(args.vocab_size) == real.check_chunked_loss(args.vocab_size)
+    assert on_meta.use_chunked_loss == (model_type != "gemma2")  # gemma2 soft-caps its logits
