@@ -245,6 +245,18 @@ def test_chunked_loss_without_grad_keeps_no_gradients():
     torch.testing.assert_close(loss, LOSS.impls["reference"].fn(h, w, labels).detach())
 
 
+def test_chunked_loss_with_a_frozen_output_projection_matches_the_reference():
+    """LoRA freezes the output projection: the kernel gives h's gradient and computes no [V, D]
+    weight gradient (no buffer, no matmuls) for it."""
+    h, w, labels = loss_inputs()
+    w.requires_grad_(False)
+    LOSS.impls["chunked"].fn(h, w, labels, chunk_tokens=64).backward()
+    h_ref = h.detach().clone().requires_grad_()
+    LOSS.impls["reference"].fn(h_ref, w, labels).backward()
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=0, atol=FP32_TOL)
+    assert w.grad is None
+
+
 def test_auto_chunk_size():
     assert auto_chunk_tokens(8192, 2048) == 8192  # small vocabulary: one chunk
     chunk = auto_chunk_tokens(8192, 151_936)  # Qwen3: ~64M logits per chunk, whole tiles

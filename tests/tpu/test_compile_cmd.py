@@ -10,6 +10,7 @@ import pytest
 
 from titan_tpu.config import build_config
 from titan_tpu.graph import jax_devices
+from titan_tpu.models.registry import get_model_args
 from titan_tpu.tools.compile_cmd import compile_main, compile_step_for_tpu
 
 SMALL = ["--training.batch_size=2", "--training.seq_len=64"]
@@ -117,3 +118,32 @@ def test_full_checkpointing_of_unscanned_layers_survives_xla(tmp_path):
     assert matmuls > 1.2 * none["xla_matmul_flops_per_chip"]
     assert full["memory_per_chip_bytes"]["temporaries"] < none["memory_per_chip_bytes"]["temporaries"]
     _summary("llama3_debug unscanned, full checkpointing", full)
+
+
+def _most_alive_at_once(dump, shape: str) -> int:
+    """The most values of `shape` XLA's buffer assignment holds at one moment of the program."""
+    from titan_tpu.tools.xla_dump import placed_values
+
+    ranges = [v.live for v in placed_values(dump) if v.shape == shape and v.live]
+    return max((sum(start <= t <= end for start, end in ranges) for t, _ in ranges), default=0)
+
+
+def test_the_chunked_loss_holds_one_chunk_at_a_time_under_xla(tmp_path):
+    """The chunked loss (the TPU recipes' loss for chat data) computes each chunk's logits, their
+    gradient, h's gradient and the [vocab, dim] weight gradient's product, summed into one fp32
+    buffer. Without the sequence points between chunks XLA ran every chunk's logits before the
+    gradients' matmuls and fused the sums into one loop that held every chunk's product at once;
+    with them, at most two chunks' are alive at a time, with the output projection trained and frozen
+    (LoRA)."""
+    chunks = 8
+    for lora in ("false", "true"):
+        cfg = build_config("configs/llama3_debug.toml", ["--training.batch_size=2", "--training.seq_len=128",
+                                                         "--model.dtype=bfloat16", "--kernels.loss=chunked",
+                                                         f"--kernels.loss_chunk_tokens={2 * 128 // chunks}",
+                                                         f"--lora.enabled={lora}"])
+        compile_step_for_tpu(cfg, "v5p:2x2x1", xla_dump=tmp_path / lora)
+        args = get_model_args(cfg.model.name, cfg.model.flavor)
+        shapes = [f"f32[{2 * 128 // chunks},{args.vocab_size}]"] + \
+            ([f"bf16[{args.vocab_size},{args.dim}]"] if lora == "false" else [])
+        for shape in shapes:
+            assert _most_alive_at_once(tmp_path / lora, shape) <= 2, (lora, shape)

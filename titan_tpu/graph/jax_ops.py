@@ -1,7 +1,7 @@
 """The JAX form of each ATen op a captured step holds (`LOWERINGS`): graph/jax_lowering.py walks a
 step's graph and evaluates each node with its entry here. Elementwise ops, reductions, matmuls
 and convolutions, shapes and indexing, creation ops, AdamW's foreach ops, and our kernels'
-custom ops (the grouped matmul); the collectives, whose form depends on the mesh, are
+custom ops (the grouped matmul, the sequence point); the collectives, whose form depends on the mesh, are
 jax_lowering.py's. An entry computes one device's values, as torch's op does on its arguments.
 
 Imports jax: used only by `titan-tpu compile` and tests/tpu/ (.venv-tpu).
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import torch
 
 import titan_tpu.kernels.grouped_mm  # noqa: F401 - registers the titan_tpu:: custom ops the table names
+import titan_tpu.kernels.sequence_point  # noqa: F401 - registers titan_tpu::sequence_point
 
 __all__ = ["LOWERINGS", "JaxLoweringError", "jax_dtype"]
 
@@ -518,6 +519,8 @@ LOWERINGS: dict[object, Callable] = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_flash_cpu_backward,
     torch.ops.titan_tpu.grouped_mm.default: _grouped_mm,
     torch.ops.titan_tpu.grouped_mm_weight_grad.default: _grouped_mm_weight_grad,
+    # a point of order inside a chunked kernel (kernels/sequence_point.py)
+    torch.ops.titan_tpu.sequence_point.default: lambda tensors: list(jax.lax.optimization_barrier(list(tensors))),
     # the optimizer's _foreach ops (functionalised)
     aten._foreach_add.Scalar: _foreach(lambda x, s: x + s),
     aten._foreach_add.List: _foreach(lambda x, y, alpha=1: x + alpha * y),

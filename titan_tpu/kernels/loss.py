@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from titan_tpu.kernels.registry import Impl, Op
+from titan_tpu.kernels.sequence_point import needs_sequence_points, sequence_point
 
 __all__ = ["LOSS", "auto_chunk_tokens"]
 
@@ -102,23 +103,37 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 with_grad: bool, vocab_shard: tuple | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         grad_h_chunks = []
-        # The weight gradient accumulates in fp32 across chunks, in place: one [V, D] buffer.
-        grad_w_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if with_grad else None
+        # The weight gradient accumulates in fp32 across chunks, in place: one [V, D] buffer; none
+        # for a frozen output projection (LoRA).
+        grad_w_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) \
+            if with_grad and w_VD.requires_grad else None
+        # Traced for XLA, each chunk starts after the previous chunk's results (kernels/sequence_point.py):
+        # else XLA fuses the running sums (the loss's, the weight gradient's) into one loop each at the
+        # end, which holds every chunk's logits (43 fp32 [384, 151936] at once in a Qwen3-8B step) or
+        # [V, D] weight-gradient product.
+        ordered = with_grad and needs_sequence_points(h_ND.device.type)
         for start in range(0, h_ND.shape[0], chunk):
             h_CD = h_ND[start:start + chunk]
+            if ordered and start > 0:
+                sums = (total, grad_h_chunks[-1]) + (() if grad_w_VD is None else (grad_w_VD,))
+                *sums, h_CD = sequence_point(*sums, h_CD)
+                total, grad_h_chunks[-1] = sums[:2]
+                grad_w_VD = sums[2] if grad_w_VD is not None else None
             loss, grad_logits_CV = _chunk_loss_and_grad_logits(h_CD, w_VD, labels_N[start:start + chunk],
                                                                ignore_index, with_grad, vocab_shard)
             total = total + loss
             if with_grad:
                 g_CV = grad_logits_CV.to(h_ND.dtype)
                 grad_h_chunks.append(g_CV @ w_VD)
+                if grad_w_VD is None:
+                    continue
                 if grad_w_VD.dtype == g_CV.dtype:
                     grad_w_VD.addmm_(g_CV.t(), h_CD)
                 else:  # bf16 compute: the product in bf16, summed in fp32
                     grad_w_VD.add_(g_CV.t() @ h_CD)
         if not with_grad:
             return total, None, None
-        return total, torch.cat(grad_h_chunks), grad_w_VD.to(w_VD.dtype)
+        return total, torch.cat(grad_h_chunks), None if grad_w_VD is None else grad_w_VD.to(w_VD.dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -132,8 +147,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Scaled in place: the saved gradients are this function's own buffers and are used once,
         # so the [V, D] weight gradient is never copied.
         grad_h_ND, grad_w_VD = ctx.saved_tensors
-        return grad_h_ND.mul_(grad_total.to(grad_h_ND.dtype)), grad_w_VD.mul_(grad_total.to(grad_w_VD.dtype)), \
-            None, None, None, None, None
+        grad_w = None if grad_w_VD is None else grad_w_VD.mul_(grad_total.to(grad_w_VD.dtype))
+        return grad_h_ND.mul_(grad_total.to(grad_h_ND.dtype)), grad_w, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(h_ND: Tensor, w_VD: Tensor, labels_N: Tensor, *, ignore_index: int = -100,
@@ -159,21 +174,23 @@ LOSS.register(Impl("chunked", chunked_linear_cross_entropy, ("cpu", "cuda", "tpu
 
 
 def loss_memory_bytes(impl: str, *, tokens: int, vocab_size: int, dim: int, dtype_bytes: int,
-                      chunk_tokens: int = 0, vocab_parallel: bool = False) -> tuple[int, int]:
+                      chunk_tokens: int = 0, vocab_parallel: bool = False, weight_trained: bool = True
+                      ) -> tuple[int, int]:
     """(bytes kept from the forward to the backward, extra bytes live at the kernel's peak) of
     the output projection + loss over `tokens` tokens, for the planner (titan_tpu/plan).
 
     reference: the fp32 log-softmax [N, V] is kept; at its peak the logits and their gradient
     are live beside it. chunked: the gradients it computes in the forward are kept (h's [N, D]
-    in the compute dtype, w's [V, D] accumulated in fp32); at its peak one chunk's fp32 logits
-    [C, V] (and their compute-dtype copy when that is not fp32) and the per-chunk pieces of h's
-    gradient beside their concatenation. vocab_parallel (tensor parallelism, `vocab_size` the
-    rank's shard): the log-sum-exp over the shards (`_vocab_parallel_terms`) forms the
-    max-shifted logits and their exp out of place, two more fp32 [C, V] buffers live beside the
-    logits until their sum. tokamax (TPU): a fused kernel that keeps no logits; counted as
-    chunked with the automatic chunk (its own blocks are smaller). tokamax_xla: tokamax's plain-XLA
-    form of the same call (what `titan-tpu compile` lowers, the Mosaic kernel needing a chip): it
-    keeps h and a log-sum-exp per token and, at its peak, the [N, V] logits in the compute dtype."""
+    in the compute dtype, w's [V, D] accumulated in fp32 unless w is frozen: weight_trained False,
+    LoRA); at its peak one chunk's fp32 logits [C, V] (and their compute-dtype copy when that is not
+    fp32) and the per-chunk pieces of h's gradient beside their concatenation. vocab_parallel
+    (tensor parallelism, `vocab_size` the rank's shard): the log-sum-exp over the shards
+    (`_vocab_parallel_terms`) forms the max-shifted logits and their exp out of place, two more fp32
+    [C, V] buffers live beside the logits until their sum. tokamax (TPU): a fused kernel that keeps
+    no logits; counted as chunked with the automatic chunk (its own blocks are smaller).
+    tokamax_xla: tokamax's plain-XLA form of the same call (what `titan-tpu compile` lowers, the
+    Mosaic kernel needing a chip): it keeps h and a log-sum-exp per token and, at its peak, the
+    [N, V] logits in the compute dtype."""
     n, v, d = tokens, vocab_size, dim
     if impl == "reference":
         return n * v * 4, 2 * n * v * 4
@@ -181,7 +198,7 @@ def loss_memory_bytes(impl: str, *, tokens: int, vocab_size: int, dim: int, dtyp
         return n * d * dtype_bytes + n * 4, n * v * dtype_bytes
     chunk = chunk_tokens if chunk_tokens > 0 else auto_chunk_tokens(n, v)
     chunk = min(chunk, n)
-    kept = n * d * dtype_bytes + v * d * 4
+    kept = n * d * dtype_bytes + (v * d * 4 if weight_trained else 0)
     peak = chunk * v * 4 + (chunk * v * dtype_bytes if dtype_bytes != 4 else 0) + n * d * dtype_bytes
     if vocab_parallel:
         peak += 2 * chunk * v * 4
