@@ -169,7 +169,8 @@ def recomputed_flops_per_token(args: TransformerArgs, seq_len: int) -> float:
 
 def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers_counted: int, recompute: bool,
                                   attention: str, experts_in_kernel: bool, frozen_base: bool = False,
-                                  reference_forwards: float = 0.0, logits_recomputed: bool = False) -> float:
+                                  reference_forwards: float = 0.0, logits_recomputed: bool = False,
+                                  blocks_repeated: float = 1.0) -> float:
     """The executed FLOPs per token that XLA's cost analysis reports for a compiled step, from
     the same terms as `flops_per_token`: XLA counts a scanned stack's loop body once (layers_counted
     1: one body per kind of layer, a model whose first layers are dense scanning them apart from
@@ -188,6 +189,8 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
     two [tokens, vocab] products in its HLO where v5p and v6e have one). A scanned stack of one
     layer (the 16B DeepSeek's single dense layer) is a loop of one trip: XLA inlines it and merges
     checkpointing's rerun with the forward it repeats, so its optimized HLO has no rerun to count.
+    blocks_repeated: the blocks' work done this many times over (pipeline stages in one program:
+    every stage computes in every iteration, the bubble's too, iterations / passes).
     Norms,
     softmax, SiLU, the optimizer are not counted (as in flops_per_token)."""
     blocks = args.n_layers + args.mtp_num_layers
@@ -226,7 +229,7 @@ def flops_per_token_as_xla_counts(args: TransformerArgs, seq_len: int, *, layers
         return (shared + ffn) * weights + block_attention + (per_block / 3 - down if rerun else 0.0)
 
     reference = (head + sum(shared + feed_forward(k)[1] + block_attention for k in counted)) / 3
-    return head * weights + sum(block(k) for k in counted) + reference * reference_forwards + \
+    return head * weights + blocks_repeated * sum(block(k) for k in counted) + reference * reference_forwards + \
         (head / 3 if logits_recomputed else 0.0)
 
 

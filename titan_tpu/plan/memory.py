@@ -99,12 +99,16 @@ def rank_activations(s: Setting) -> ActivationBytes:
     """Activations of one micro-batch on one rank: under context parallelism its 1 / cp of the
     tokens, and attention keeps every rank's keys and values (of its kv heads: 1 / tp of them).
     An hf model's are measured, LoRA's adapters included (plan/hf_terms.py)."""
+    ac_mode = "selective" if s.ac == "none" and _xla_fuses_unrolled_layers(s) else s.ac
     if s.hf is not None:
-        return s.hf.activations(rows=s.tokens // s.cfg.training.seq_len, ac_mode=s.ac, traced=s.traced)
+        acts = s.hf.activations(rows=s.tokens // s.cfg.training.seq_len, ac_mode=ac_mode, traced=s.traced)
+        return acts if ac_mode == s.ac else dataclasses.replace(acts, recompute=0)
     cfg, args, cp, tp = s.cfg, s.args, s.cfg.parallelism.cp, s.cfg.parallelism.tp
-    acts = activation_bytes(args, tokens=s.tokens // cp, ac_mode=s.ac, dtype_bytes=s.layout.compute_bytes,
+    acts = activation_bytes(args, tokens=s.tokens // cp, ac_mode=ac_mode, dtype_bytes=s.layout.compute_bytes,
                             ep=cfg.parallelism.ep, traced=s.traced, partitioned=s.partitioned, tp=tp,
                             padded_values=s.padded_values)
+    if ac_mode != s.ac:
+        acts = dataclasses.replace(acts, recompute=0)  # kept as selective keeps, nothing rerun
     if cp > 1 and s.ac == "none":
         t = cfg.training
         mask = chunk_attention_impl(cfg.kernels.chunk_attention, s.hardware.name) in ("sdpa", "reference")
@@ -125,7 +129,29 @@ def rank_activations(s: Setting) -> ActivationBytes:
         # not the final norm's whole output, which the share-out reads and keeps nothing of.
         share = -(-s.tokens // s.schedule.stages)
         acts = dataclasses.replace(acts, head=acts.head - (s.tokens - share) * args.dim * s.layout.compute_bytes // tp)
+    if s.schedule is not None and s.cfg.compile.backend == "jax" and s.graph:
+        # One program for every stage (parallel/pipeline.py `run_pipeline_spmd`): every stage computes
+        # in every iteration, the bubble's too, and keeps what each one saves for the backward.
+        passes = s.schedule.iterations - (s.schedule.stages - 1)
+        acts = dataclasses.replace(acts, saved_per_layer=tuple(
+            saved * s.schedule.iterations // passes for saved in acts.saved_per_layer))
     return _with_lora_activations(s, acts) if s.lora else acts
+
+
+def _xla_fuses_unrolled_layers(s: Setting) -> bool:
+    """Layers that are no loop (pipeline stages, scan_layers false, a Transformers-backend model's)
+    in a step XLA compiles whole (graph mode): XLA sees the forward and the backward as one program
+    and fuses the elementwise work (the norms, SiLU times the gate) into the backward's fusions,
+    recomputing it from the matmuls' outputs, so without checkpointing a layer keeps what selective
+    checkpointing keeps (its input, the matmuls' and the attention kernel's outputs) and reruns
+    nothing. XLA's live values of llama3_8b_pp_tpu without checkpointing: per layer and micro-batch
+    two bf16 [8192, 14336] (w1's and w3's outputs), q, k, v and the attention output, and two
+    [8192, 4096] inputs of the residual stream, what selective counts; the eager autograd count is
+    1.8x that. qwen2_5_vl_7b_tpu without checkpointing: 71.7 GiB by XLA, 74.1 planned so (90.2 with
+    the eager count). Scanned layers are partitioned by scan's own autograd before XLA sees them
+    (`Setting.partitioned`)."""
+    unrolled = s.schedule is not None or not s.scanned or s.hf is not None
+    return s.cfg.compile.backend in XLA_BACKENDS and s.graph and unrolled
 
 
 def _with_lora_activations(s: Setting, acts: ActivationBytes) -> ActivationBytes:
@@ -155,17 +181,23 @@ def loss_bytes(s: Setting) -> tuple[float, float]:
     1 / tp of the vocabulary (the vocabulary-parallel form, with its own temporaries), under
     context parallelism the rank's tokens, under pipeline stages its stage's share of the tokens."""
     k, p = s.cfg.kernels, s.cfg.parallelism
-    impl = loss_impl(k.loss, s.hardware.name)
-    if s.as_compiled and impl == "tokamax":
-        impl = "tokamax_xla"
-    if s.hf is not None and not s.hf.chunked_loss:  # transformers' own logits, materialised
-        impl = "reference"
+    impl = _loss_kernel(s)
     # Pipeline stages share the last stage's outputs out by token: each runs the loss on 1 / pp of them.
     tokens = -(-s.tokens // s.schedule.stages) if s.schedule is not None else s.tokens // p.cp
     return loss_memory_bytes(impl, tokens=tokens,
                              vocab_size=s.vocab_size // p.tp, dim=s.dim,
                              dtype_bytes=s.layout.compute_bytes, chunk_tokens=k.loss_chunk_tokens,
-                             vocab_parallel=p.tp > 1)
+                             vocab_parallel=p.tp > 1, weight_trained=not s.lora)
+
+
+def _loss_kernel(s: Setting) -> str:
+    """The loss kernel as the step runs it (kernels/loss.py `loss_memory_bytes` names)."""
+    impl = loss_impl(s.cfg.kernels.loss, s.hardware.name)
+    if s.as_compiled and impl == "tokamax":
+        impl = "tokamax_xla"
+    if s.hf is not None and not s.hf.chunked_loss:  # transformers' own logits, materialised
+        impl = "reference"
+    return impl
 
 
 def gathered_bytes(s: Setting) -> float:
@@ -202,6 +234,12 @@ def full_gradient_bytes(s: Setting) -> float:
         return 0.0
     layout = s.layout
     grad_layout = dataclasses.replace(layout, gather="layer") if s.scanned and s.per_layer_stack else layout
+    if s.schedule is not None:
+        # A stage's weight gradients accumulate over the schedule's iterations in its gathered rows'
+        # dtype (the compute dtype) and are cast to the reduce dtype only for their reduce-scatter
+        # at the step's end (XLA's live values of llama3_8b_pp_tpu: bf16 [8, 14336, 4096] gradient
+        # stacks through the backward, no fp32 stack before its end).
+        grad_layout = dataclasses.replace(grad_layout, reduce_bytes=layout.compute_bytes)
     return grad_layout.full_gradient_bytes(largest_param=s.largest_param, block_params=s.block_params,
                                            expert_params=s.expert_params, n_layers=s.n_layers,
                                            scanned=s.scanned and not s.per_layer_stack)
@@ -316,7 +354,7 @@ def memory_phases(s: Setting, *, acts: ActivationBytes, loss_kept: float, loss_p
         # one layer's intermediates are alive at a time.
         backward = static + acts.head + loss_kept + scan.flipped + scan.gradients + max(acts.saved_per_layer) + \
             full_grad + accumulating
-    backward += _xla_loss_held_over_dcn(s, loss_peak)
+    backward += _xla_loss_held_over_dcn(s, loss_peak) + _xla_logits_gradient_held(s, loss_peak)
     optimizer = update_static + grads_b + optimizer_temporary_bytes(s)
     phases = {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
     if _xla_backward_end(s):
@@ -356,6 +394,22 @@ def _xla_loss_held_over_dcn(s: Setting, loss_peak: float) -> float:
             not _xla_scan_gradients_whole(s):
         return 0.0
     return 2.0 * loss_peak
+
+
+def _xla_logits_gradient_held(s: Setting, loss_peak: float) -> float:
+    """The loss's [tokens, vocab] logits gradient, alive from the loss's backward to the step's end
+    where the layers are not a loop (pipeline stages, a Transformers-backend model, unscanned
+    layers) compiled by XLA: the output projection's weight gradient, the one consumer of it that
+    feeds no layer, is scheduled last. XLA's live values at the peak: llama3_8b_pp_tpu's stage share
+    (bf16 [8192, 128256], 1.96 GiB) and qwen2_5_vl_7b_tpu's (bf16 [8192, 152064], 2.32 GiB), each beside
+    the layers' recomputations. A scanned stack's loop is counted apart (`_xla_layer_loop`, and over
+    several slices `_xla_loss_held_over_dcn`). Where the loss holds its logits whole (tokamax's
+    plain-XLA form, `loss_peak` is them)."""
+    whole_logits = _loss_kernel(s) == "tokamax_xla"
+    unrolled = s.schedule is not None or s.hf is not None or not s.scanned
+    if s.cfg.compile.backend not in XLA_BACKENDS or not s.graph or not whole_logits or not unrolled:
+        return 0.0
+    return loss_peak
 
 
 def _xla_loop_gradient_stack(s: Setting, full_grad: float) -> float:

@@ -4,7 +4,8 @@ step_time.py, fp8.py), built once by `resolve_setting`.
 * the config and run setup as the machine it is written for would make them (`planning_machine`,
   `setup_for_planning`, `for_planning`) and the hardware it names (`default_hardware`);
 * the mesh, how long the code keeps gathered block weights (`code_gather`), LoRA's adapters, and
-  the kernels `auto` picks by device kind (`loss_impl`, `chunk_attention_impl`, `grouped_mm_impl`);
+  the kernels `auto` picks by device kind (`attention_impl`, `loss_impl`, `chunk_attention_impl`,
+  `grouped_mm_impl`);
 * the model's per-layer counts more than one term reads (`layer_params`, `attention_widths`);
 * under pipeline stages (parallelism.pp > 1) the schedule, and the model's args cut to one stage's
   layers (`Setting.args`; the whole model's are `Setting.model_args`): plan/pipeline_terms.py;
@@ -38,9 +39,9 @@ from titan_tpu.run_setup import RunSetup
 if TYPE_CHECKING:
     from titan_tpu.plan.hf_terms import HFTerms
 
-__all__ = ["Setting", "TPU_NAMES", "attention_widths", "chunk_attention_impl", "code_gather", "default_hardware",
-           "for_planning", "grouped_mm_impl", "layer_params", "loss_impl", "planning_machine", "resolve_setting",
-           "setup_for_planning"]
+__all__ = ["SEEDED_ATTENTION", "Setting", "TPU_NAMES", "attention_impl", "attention_widths", "chunk_attention_impl",
+           "code_gather", "default_hardware", "for_planning", "grouped_mm_impl", "layer_params", "loss_impl",
+           "planning_machine", "resolve_setting", "setup_for_planning"]
 
 # Hardware names (hardware.py) of TPU generations: where `auto` picks the TPU kernels.
 TPU_NAMES = ("v4", "v5e", "v5p", "v6e", "v7")
@@ -188,10 +189,15 @@ class Setting:
 
     @property
     def traced(self) -> bool:
-        # Traced checkpointed blocks keep the attention output too (activation_checkpoint.py); the
-        # scanned full mode is its own autograd function that keeps only the layer inputs. Pipeline
-        # stages run their rows block by block (parallel/pipeline.py), as checkpointed blocks.
-        return self.graph and not (self.scanned and self.ac == "full" and self.schedule is None)
+        # Traced checkpointed blocks keep the attention output too where the attention kernel may
+        # draw random numbers (SDPA, for its dropout: activation_checkpoint.py `_policy`); the other
+        # kernels are recomputed with the block (XLA's live values of the pipelined llama3_8b_pp_tpu
+        # and of qwen2_5_vl_7b_tpu hold no splash output). The scanned full mode is its own autograd
+        # function that keeps only the layer inputs. Pipeline stages run their rows block by block
+        # (parallel/pipeline.py), as checkpointed blocks.
+        seeded = attention_impl(self.cfg.kernels.attention, self.hardware.name,
+                                documents=self.cfg.data.document_mask) in SEEDED_ATTENTION
+        return self.graph and seeded and not (self.scanned and self.ac == "full" and self.schedule is None)
 
     @property
     def partitioned(self) -> bool:
@@ -395,6 +401,20 @@ def loss_impl(choice: str, hardware_name: str) -> str:
     if choice != "auto":
         return choice
     return "tokamax" if hardware_name in TPU_NAMES else "chunked"
+
+
+# Attention kernels whose op may draw random numbers (torch.Tag.nondeterministic_seeded: SDPA's ops).
+SEEDED_ATTENTION = ("sdpa",)
+
+
+def attention_impl(choice: str, hardware_name: str, *, documents: bool) -> str:
+    """The attention kernel `auto` picks (kernels/__init__.py preference order), by device kind;
+    documents: the batch carries document masks."""
+    if choice != "auto":
+        return choice
+    if hardware_name in TPU_NAMES:
+        return "splash"
+    return "flex" if documents and hardware_name != "cpu" else "sdpa"
 
 
 def chunk_attention_impl(choice: str, hardware_name: str) -> str:

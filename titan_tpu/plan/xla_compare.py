@@ -78,17 +78,24 @@ def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float, *, to
     from titan_tpu.kinds import kind_of
     from titan_tpu.models.registry import flops_per_token_as_xla_counts
     from titan_tpu.models.spec import model_spec
+    from titan_tpu.parallel.pipeline import PipelineSchedule
 
     spec = model_spec(cfg.model)
     if spec.kind != "native":
         return None
     args = spec.args
+    # Pipeline stages unroll their rows (no loop body counted once), and in the one program every
+    # stage computes in every iteration, the bubble's too.
+    pp = cfg.parallelism.pp
+    schedule = PipelineSchedule.from_config(cfg.parallelism, n_layers=args.n_layers) if pp > 1 else None
+    looped = cfg.model.scan_layers and schedule is None
     attention = kernels_used.get("attention", "").split()[0] if kernels_used.get("attention") else ""
     mode = "kernel" if attention.startswith("splash") else "full" if attention in ("sdpa", "reference") else "causal"
     per_token = flops_per_token_as_xla_counts(
-        args, cfg.training.seq_len, layers_counted=1 if cfg.model.scan_layers else args.n_layers + args.mtp_num_layers,
+        args, cfg.training.seq_len, layers_counted=1 if looped else args.n_layers + args.mtp_num_layers,
         recompute=cfg.activation_checkpoint.mode == "full", attention=mode,
         experts_in_kernel=kernels_used.get("grouped_mm", "").startswith("gmm"), frozen_base=cfg.lora.enabled,
         reference_forwards=kind_of(cfg).reference_forwards(cfg),
-        logits_recomputed=topology.startswith("tpu7x") and kernels_used.get("loss", "").startswith("tokamax"))
+        logits_recomputed=topology.startswith("tpu7x") and kernels_used.get("loss", "").startswith("tokamax"),
+        blocks_repeated=1.0 if schedule is None else schedule.iterations / (schedule.iterations - pp + 1))
     return per_token * tokens_per_chip

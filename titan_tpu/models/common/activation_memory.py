@@ -35,7 +35,8 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
 
     none: everything its ops save (each RMSNorm: input, input * rstd, output; attention; the
     feed-forward or MoE layer). full: only the block input (traced by the graph trainer, the
-    attention kernel's output and log-sum-exp are kept too: random-number ops are not replayed).
+    attention kernel's output and log-sum-exp are kept too where its op may draw random numbers,
+    as SDPA's may: such ops are not replayed; the planner's `Setting.traced` says when).
     selective: the block input plus the outputs of matmuls and of the attention kernel
     (activation_checkpoint.SAVED_OPS). partitioned: what scan's own autograd keeps per layer
     (scanned layers in graph mode without full checkpointing, models/common/scan.py): its min-cut
