@@ -12,8 +12,8 @@ For each micro-batch count M (micro-batches of one row each):
   T1 / pp x (M + pp - 1) / M (parallel/pipeline.py PipelineSchedule.bubble).
 
 Printed per M: the bubble fraction, T1, Tpp, the prediction and Tpp / prediction (1.0: the bubble
-term accounts for the time; above 1: what it leaves out, e.g. the last stage's output projection
-and loss, which make the stages uneven, and the permutes). Step times are the median of the
+term accounts for the time; above 1: what it leaves out, e.g. the permutes, the loss's share-out
+over the stages and the first stage's embedding). Step times are the median of the
 steps after the first two (a process's first steps are slow). The same machine, one run: only
 the ratios mean anything.
 """
