@@ -23,9 +23,9 @@ SEQ = 32
 
 # (layout, rows per data-parallel rank): GPipe with 2 and 4 micro-batches, circular (the debug
 # model's 6 layers as 3 chunks of one layer per stage, whose rows each iteration reads by its
-# repeat), and pp 2 x dp_shard 2 on the 4-device CPU mesh.
+# repeat), and pp 2 x dp_shard 2 and pp 2 x tp 2 on the 4-device CPU mesh.
 LAYOUTS = [({"pp": 2}, 2), ({"pp": 2, "pp_microbatches": 4}, 4), ({"pp": 2, "pp_repeats": 3, "pp_microbatches": 2}, 2),
-           ({"pp": 2, "dp_shard": 2}, 2)]
+           ({"pp": 2, "dp_shard": 2}, 2), ({"pp": 2, "tp": 2}, 2)]
 
 
 def _layout_id(layout: dict) -> str:
@@ -51,10 +51,11 @@ def test_lowered_pipeline_step_equals_eager_step(layout, batch, monkeypatch):
     0's program on every device, equals our eager step within 1e-5 (fp32, relative to each tensor's
     largest value): loss, gradient norm, and every device's parameters and moments."""
     cfg = _config("llama3_debug", layout, scan=True)
-    ranks = cfg.parallelism.pp * cfg.parallelism.dp_shard
+    ranks = cfg.parallelism.pp * cfg.parallelism.dp_shard * cfg.parallelism.tp
     with one_program_for_every_rank():
         step = capture_device_step(cfg, world_size=ranks, batch_size=batch, seq_len=SEQ)
-    assert step.axis_sizes == {**({"dp_shard": 2} if "dp_shard" in layout else {}), "pp": 2}, step.axis_sizes
+    assert step.axis_sizes == {**({"dp_shard": 2} if "dp_shard" in layout else {}), "pp": 2,
+                               **({"tp": 2} if "tp" in layout else {})}, step.axis_sizes
     per_device, batches = per_device_inputs(cfg, step, ranks, batch, SEQ)
     outputs = run_on_devices([step], per_device, jax.devices("cpu"))
     mesh = jax_mesh(step, jax.devices("cpu"))
