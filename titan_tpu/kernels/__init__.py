@@ -13,16 +13,15 @@ the device its tensors are on; `describe()` is what ``titan-tpu kernels`` prints
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from titan_tpu.kernels import tpu as _tpu  # noqa: F401 - registers the TPU variants
 from titan_tpu.kernels.attention import ATTENTION, CHUNK_ATTENTION, document_ids_from_positions
 from titan_tpu.kernels.grouped_mm import GROUPED_MM
 from titan_tpu.kernels.loss import IGNORED_LABELS, LOSS
-from titan_tpu.kernels.registry import Impl, Op
+from titan_tpu.kernels.registry import Impl, Op, device_type_as, kernel_device_type
 
 __all__ = ["ATTENTION", "CHUNK_ATTENTION", "GROUPED_MM", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe",
            "device_type_as", "document_ids_from_positions", "kernel_device_type"]
@@ -118,31 +117,6 @@ class KernelConfig:
         """(h_ND, w_VD, labels_N) -> summed cross-entropy, with this config's chunk size."""
         impl = _resolve(LOSS, self.loss, device_type, frozenset())
         return functools.partial(impl.fn, chunk_tokens=self.loss_chunk_tokens)
-
-
-_DEVICE_TYPE_AS: dict[str, str] = {}
-
-
-@contextlib.contextmanager
-def device_type_as(device_type: str, as_type: str) -> Iterator[None]:
-    """Inside the block, model code asking for the kernels of `device_type` (its tensors' device)
-    gets those of `as_type`: a step captured on CPU for the JAX lowering asks for "jax"
-    (kernels/jax_traced.py)."""
-    previous = _DEVICE_TYPE_AS.get(device_type)
-    _DEVICE_TYPE_AS[device_type] = as_type
-    try:
-        yield
-    finally:
-        if previous is None:
-            del _DEVICE_TYPE_AS[device_type]
-        else:
-            _DEVICE_TYPE_AS[device_type] = previous
-
-
-def kernel_device_type(device_type: str) -> str:
-    """The device type whose kernels model code on `device_type` gets: "jax" for "cpu" inside
-    `device_type_as("cpu", "jax")` (a step captured for the JAX lowering), else `device_type`."""
-    return _DEVICE_TYPE_AS.get(device_type, device_type)
 
 
 def _resolve(op: Op, choice: str, device_type: str, needs: frozenset[str]) -> Impl:

@@ -9,14 +9,19 @@ against it, forward and gradients (tests/test_kernels.py).
 Choosing: `"auto"` takes the first implementation in the op's preference list for the device
 type that can run here and supports what the call needs (e.g. document masks); a name picks that
 implementation, and one that cannot run here is a one-line error naming those that can.
+
+`device_type_as` / `kernel_device_type`: the device type whose kernels model code gets (a step
+captured on CPU for the JAX lowering asks for "jax"); here so that kernel modules can read it
+without importing the package that imports them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Impl", "KernelShapeError", "Op"]
+__all__ = ["Impl", "KernelShapeError", "Op", "device_type_as", "kernel_device_type"]
 
 
 class KernelShapeError(ValueError):
@@ -115,3 +120,28 @@ class Op:
 
     def available(self, device_type: str, needs: frozenset[str] = frozenset()) -> list[str]:
         return [name for name, impl in self.impls.items() if impl.why_not(device_type, needs) is None]
+
+
+_DEVICE_TYPE_AS: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def device_type_as(device_type: str, as_type: str) -> Iterator[None]:
+    """Inside the block, model code asking for the kernels of `device_type` (its tensors' device)
+    gets those of `as_type`: a step captured on CPU for the JAX lowering asks for "jax"
+    (kernels/jax_traced.py)."""
+    previous = _DEVICE_TYPE_AS.get(device_type)
+    _DEVICE_TYPE_AS[device_type] = as_type
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _DEVICE_TYPE_AS[device_type]
+        else:
+            _DEVICE_TYPE_AS[device_type] = previous
+
+
+def kernel_device_type(device_type: str) -> str:
+    """The device type whose kernels model code on `device_type` gets: "jax" for "cpu" inside
+    `device_type_as("cpu", "jax")` (a step captured for the JAX lowering), else `device_type`."""
+    return _DEVICE_TYPE_AS.get(device_type, device_type)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from titan_tpu.kernels.registry import kernel_device_type
+
 __all__ = ["needs_sequence_points", "sequence_point"]
 
 
@@ -39,6 +41,4 @@ def sequence_point(*tensors: Tensor) -> tuple[Tensor, ...]:
 def needs_sequence_points(device_type: str) -> bool:
     """Whether kernels on `device_type` run inside a step lowered to JAX for XLA (`device_type_as`
     "jax", kernels/__init__.py), where the sequence points take effect."""
-    from titan_tpu.kernels import kernel_device_type
-
     return kernel_device_type(device_type) == "jax"
