@@ -431,3 +431,15 @@ def test_checkpoint_time_and_the_grace_budget(capsys):
                  "--storage-gbps", "1000"]) == 0
     out = capsys.readouterr().out
     assert "to storage; local tier" in out and "the 30 s grace budget holds a full save" in out
+
+
+def test_only_a_seeded_attention_kernel_is_counted_kept_by_a_traced_checkpointed_block():
+    """`Setting.traced`: a traced checkpointed block keeps its attention output only where the op may
+    draw random numbers (activation_checkpoint.py `_policy`), as SDPA's CPU op is tagged; auto picks
+    splash on a TPU, which is recomputed with its block (XLA's live values of the pipelined recipe)."""
+    from titan_tpu.plan.setting import SEEDED_ATTENTION, attention_impl
+
+    sdpa_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert torch.Tag.nondeterministic_seeded in sdpa_cpu.tags
+    assert attention_impl("auto", "cpu", documents=True) in SEEDED_ATTENTION
+    assert attention_impl("auto", "v5p", documents=False) == "splash" not in SEEDED_ATTENTION

@@ -150,6 +150,12 @@ def _xla_fuses_unrolled_layers(s: Setting) -> bool:
     1.8x that. qwen2_5_vl_7b_tpu without checkpointing: 71.7 GiB by XLA, 74.1 planned so (90.2 with
     the eager count). Scanned layers are partitioned by scan's own autograd before XLA sees them
     (`Setting.partitioned`)."""
+    return _xla_unrolled_step(s)
+
+
+def _xla_unrolled_step(s: Setting) -> bool:
+    """A step XLA compiles whole (graph mode) whose layers are no loop: pipeline stages, a
+    Transformers-backend model's layers, or scan_layers false."""
     unrolled = s.schedule is not None or not s.scanned or s.hf is not None
     return s.cfg.compile.backend in XLA_BACKENDS and s.graph and unrolled
 
@@ -401,15 +407,13 @@ def _xla_logits_gradient_held(s: Setting, loss_peak: float) -> float:
     where the layers are not a loop (pipeline stages, a Transformers-backend model, unscanned
     layers) compiled by XLA: the output projection's weight gradient, the one consumer of it that
     feeds no layer, is scheduled last. XLA's live values at the peak: llama3_8b_pp_tpu's stage share
-    (bf16 [8192, 128256], 1.96 GiB) and qwen2_5_vl_7b_tpu's (bf16 [8192, 152064], 2.32 GiB), each beside
-    the layers' recomputations. A scanned stack's loop is counted apart (`_xla_layer_loop`, and over
-    several slices `_xla_loss_held_over_dcn`). Where the loss holds its logits whole (tokamax's
-    plain-XLA form, `loss_peak` is them)."""
+    (bf16 [8192, 128256], 1.96 GiB) beside the layers' recomputations; the same schedule held
+    transformers' whole logits' gradient in qwen2_5_vl_7b_tpu when it was compiled with them (bf16
+    [8192, 152064]). A scanned stack's loop is counted apart (`_xla_layer_loop`, and over several
+    slices `_xla_loss_held_over_dcn`). Where the loss holds its logits whole (tokamax's plain-XLA
+    form, `loss_peak` is them)."""
     whole_logits = _loss_kernel(s) == "tokamax_xla"
-    unrolled = s.schedule is not None or s.hf is not None or not s.scanned
-    if s.cfg.compile.backend not in XLA_BACKENDS or not s.graph or not whole_logits or not unrolled:
-        return 0.0
-    return loss_peak
+    return loss_peak if whole_logits and _xla_unrolled_step(s) else 0.0
 
 
 def _xla_loop_gradient_stack(s: Setting, full_grad: float) -> float:
