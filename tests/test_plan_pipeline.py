@@ -108,7 +108,11 @@ def test_a_stages_peak_is_the_planners(measured):
     tensors = plan.peak_bytes - plan.memory["runtime"]
     live = max(r["live_peak"] for r in stages)
     # The plan is the last stage's; the stages' peaks are alike, the loss being shared out over them.
-    assert min(r["live_peak"] for r in stages) == pytest.approx(live, rel=0.02)
+    # Alike within 5%: a stage's peak moves between identical runs (by 0.26 MB, and 1.4 MB once in
+    # 10 rounds of 2%), timing that decides which collective buffers are still alive at the peak,
+    # most likely those whose last reference is gloo's worker thread's; the largest is the 2 MB
+    # embedding gradient summed over pp at the optimizer moment.
+    assert min(r["live_peak"] for r in stages) == pytest.approx(live, rel=0.05)
     if plan.batch["activation_checkpoint"] == "none":
         assert tensors == pytest.approx(live, rel=0.12), (layout, tensors / 1e6, live / 1e6)
     else:
