@@ -56,7 +56,7 @@ def rematerialize(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.name.endswith("_recomputed"):
             # The copy's region, for the JAX lowering's CSE barrier (graph/jax_lowering.py
-            # `_remat_barriers`); "custom" survives retracing. A new dict: the copy shares the original's.
+            # `_RematBarriers`); "custom" survives retracing. A new dict: the copy shares the original's.
             node.meta["custom"] = {**node.meta.get("custom", {}), REMAT_REGION: node.meta.get("ac_graph_id", -1)}
         node.meta.pop("recompute", None)
         node.meta.pop("ac_graph_id", None)

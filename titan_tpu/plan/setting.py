@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from titan_tpu.config import Config, grad_accum_from_tokens
+from titan_tpu.kernels import ATTENTION, DOCUMENTS
 from titan_tpu.kinds import TrainingKind, kind_of
 from titan_tpu.kinds.record import builds_reference_copy
 from titan_tpu.models.registry import MODEL_NAMES, largest_param, num_expert_params, num_params
@@ -408,13 +409,12 @@ SEEDED_ATTENTION = ("sdpa",)
 
 
 def attention_impl(choice: str, hardware_name: str, *, documents: bool) -> str:
-    """The attention kernel `auto` picks (kernels/__init__.py preference order), by device kind;
-    documents: the batch carries document masks."""
+    """The attention kernel `auto` picks on this hardware's device kind, as the kernel registry picks
+    it on a machine with every package installed; documents: the batch carries document masks."""
     if choice != "auto":
         return choice
-    if hardware_name in TPU_NAMES:
-        return "splash"
-    return "flex" if documents and hardware_name != "cpu" else "sdpa"
+    kind = "tpu" if hardware_name in TPU_NAMES else "cpu" if hardware_name == "cpu" else "cuda"
+    return ATTENTION.resolve(choice, kind, DOCUMENTS if documents else frozenset(), installed=True).name
 
 
 def chunk_attention_impl(choice: str, hardware_name: str) -> str:
