@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from titan_tpu.data.batch import IGNORE_INDEX, ImageInputs, TokenBatch
-from titan_tpu.data.mixture import MixtureLoader
+from titan_tpu.data.mixture import MixtureLoader, pack_bounds
 
 DEFAULT_DYNAMIC_SIDE = 448  # model.image_size 0 on a processor without a fixed resolution (Qwen2.5-VL's)
 
@@ -288,21 +288,6 @@ def check_packable(model_type: str) -> None:
     if model_type not in PACKABLE:
         raise ValueError(f"packing is not supported for {model_type} yet; set data.pack_images = false "
                          f"(packed: {', '.join(PACKABLE)})")
-
-
-def pack_bounds(lengths: list[int], images: list[int], *, seq_len: int, max_images: int) -> list[int]:
-    """Greedy packing in stored order: row r holds conversations [bounds[r], bounds[r+1]). A
-    conversation starts a new row when the row's tokens or image slots would not hold it."""
-    bounds, tokens, slots = [0], 0, 0
-    for j, (n, k) in enumerate(zip(lengths, images)):
-        if j > bounds[-1] and (tokens + n > seq_len or slots + k > max_images):
-            bounds.append(j)
-            tokens, slots = 0, 0
-        tokens += n
-        slots += k
-    if lengths:
-        bounds.append(len(lengths))
-    return bounds
 
 
 class ImageChatRows:

@@ -59,6 +59,24 @@ class TextRows:
         return inputs, tokens[1:], document_positions(inputs[None], self.shards.eos_id)[0]
 
 
+def pack_bounds(lengths: list[int], images: list[int] | None = None, *, seq_len: int, max_images: int = 0
+                ) -> list[int]:
+    """Greedy packing in stored order: row r holds conversations [bounds[r], bounds[r+1]). A
+    conversation starts a new row when the row's tokens (or, with `images`, each conversation's
+    image count, its image slots) would not hold it."""
+    images = images if images is not None else [0] * len(lengths)
+    bounds, tokens, slots = [0], 0, 0
+    for j, (n, k) in enumerate(zip(lengths, images)):
+        if j > bounds[-1] and (tokens + n > seq_len or slots + k > max_images):
+            bounds.append(j)
+            tokens, slots = 0, 0
+        tokens += n
+        slots += k
+    if lengths:
+        bounds.append(len(lengths))
+    return bounds
+
+
 class ChatRows:
     """Whole conversations packed into rows, loss on assistant tokens only."""
 
@@ -71,16 +89,8 @@ class ChatRows:
         keep = np.flatnonzero(~too_long) if overlong == "drop" else np.arange(len(lengths))
         self.conv = keep
         self.used = np.minimum(lengths[keep], seq_len)
-        # Greedy packing in stored order: row b holds conversations conv[bounds[b]:bounds[b+1]].
-        bounds, filled = [0], 0
-        for j, n in enumerate(self.used.tolist()):
-            if filled + n > seq_len:
-                bounds.append(j)
-                filled = 0
-            filled += n
-        if len(self.used):
-            bounds.append(len(self.used))
-        self.bounds = np.asarray(bounds, dtype=np.int64)
+        # Row b holds conversations conv[bounds[b]:bounds[b+1]].
+        self.bounds = np.asarray(pack_bounds(self.used.tolist(), seq_len=seq_len), dtype=np.int64)
         rows = len(self.bounds) - 1
         self.num_val = rows if all_val else _num_val_windows(rows, val_fraction)
         self.num_train = rows - self.num_val
