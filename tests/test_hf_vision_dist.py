@@ -14,16 +14,13 @@ pytest.importorskip("PIL")
 from dist_utils import train_on_ranks  # noqa: E402
 from test_train_dist import train_here  # noqa: E402
 from vision_fixtures import (  # noqa: E402
+    WRITERS,
     image_chat_rows,
-    write_gemma3_dir,
-    write_llava_dir,
-    write_qwen2_5_vl_dir,
     write_rows,
 )
 
 pytestmark = pytest.mark.multiprocess
 
-WRITERS = {"qwen2_5_vl": write_qwen2_5_vl_dir, "gemma3": write_gemma3_dir, "llava": write_llava_dir}
 
 
 def _args(root, directory, run: str, *extra: str) -> list[str]:

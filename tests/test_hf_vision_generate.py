@@ -15,12 +15,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from vision_fixtures import (  # noqa: E402
+    IMAGE_SIZE,
+    WRITERS,
     gemma3_processor,
     image_chat_rows,
     llava_processor,
-    write_gemma3_dir,
-    write_llava_dir,
-    write_qwen2_5_vl_dir,
     write_rows,
     write_square,
 )
@@ -28,9 +27,6 @@ from vision_fixtures import (  # noqa: E402
 from titan_tpu.cli import main  # noqa: E402
 
 NEW_TOKENS = 12
-WRITERS = {"qwen2_5_vl": write_qwen2_5_vl_dir, "gemma3": write_gemma3_dir, "llava": write_llava_dir}
-# model.image_size: Qwen2.5-VL's processor has no fixed resolution (the tiny one allows 56 to 112 pixels)
-IMAGE_SIZE = {"qwen2_5_vl": 56, "gemma3": 0, "llava": 0}
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from vision_fixtures import (  # noqa: E402
+    IMAGE_SIZE,
+    WRITERS,
     image_chat_rows,
-    write_gemma3_dir,
-    write_llava_dir,
-    write_qwen2_5_vl_dir,
     write_rows,
 )
 
@@ -36,8 +35,6 @@ from titan_tpu.data.tokenizer import load_tokenizer  # noqa: E402
 from titan_tpu.models.hf_spec import HFSpec  # noqa: E402
 from titan_tpu.models.spec import build  # noqa: E402
 
-# (directory writer, model.image_size: 0 where the processor fixes the resolution)
-ARCHES = {"llava": (write_llava_dir, 0), "gemma3": (write_gemma3_dir, 0), "qwen2_5_vl": (write_qwen2_5_vl_dir, 56)}
 SEQ_LEN = 160
 MAX_IMAGES = 3
 CONVERSATIONS = 7  # 0, 1, 2, 0, 1, 2, 0 images
@@ -45,14 +42,14 @@ CONVERSATIONS = 7  # 0, 1, 2, 0, 1, 2, 0 images
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
-    return {name: write(tmp_path_factory.mktemp(name), weights=True) for name, (write, _) in ARCHES.items()}
+    return {name: write(tmp_path_factory.mktemp(name), weights=True) for name, write in WRITERS.items()}
 
 
 def _rows(directory: Path, rows: list[dict], *, pack: bool, max_images: int = MAX_IMAGES) -> ImageChatRows:
-    model_type = next(name for name in ARCHES if name in directory.name)
+    model_type = next(name for name in WRITERS if name in directory.name)
     template, special = load_chat_template(directory)
     renderer = ChatRenderer(template, load_tokenizer(directory / "tokenizer.json"), special_tokens=special)
-    view = ImageProcessorView(directory, max_images=max_images, image_size=ARCHES[model_type][1])
+    view = ImageProcessorView(directory, max_images=max_images, image_size=IMAGE_SIZE[model_type])
     return ImageChatRows(rows, renderer=renderer, view=view, seq_len=SEQ_LEN, val_fraction=0.0, name="rows.jsonl",
                          pack=pack)
 
@@ -144,7 +141,7 @@ def test_a_conversation_with_more_images_than_slots_names_the_row_and_the_key(mo
 def test_an_architecture_not_packed_yet_is_refused_in_one_line(model_dirs, tmp_path):
     with pytest.raises(ValueError, match=r"^packing is not supported for paligemma yet; set data.pack_images = false"):
         check_packable("paligemma")
-    for name in sorted(set(ARCHES) - set(PACKABLE)):
+    for name in sorted(set(WRITERS) - set(PACKABLE)):
         with pytest.raises(ValueError, match=rf"^packing is not supported for {name} yet; set data.pack_images"):
             _rows(model_dirs[name], image_chat_rows(tmp_path / "images", 2), pack=True)
 
@@ -153,9 +150,9 @@ def _train(tmp_path: Path, directory: Path, run: str, *extra: str) -> list[dict]
     from titan_tpu.cli import main
 
     rows = write_rows(tmp_path / "data" / "rows.jsonl", image_chat_rows(tmp_path / "data" / "images", 12))
-    model_type = next(name for name in ARCHES if name in directory.name)
+    model_type = next(name for name in WRITERS if name in directory.name)
     args = ["train", "--model.name", "hf", "--model.hf_config", str(directory), "--model.max_images", str(MAX_IMAGES),
-            "--model.image_size", str(ARCHES[model_type][1]), "--data.source", str(rows), "--data.format", "chat",
+            "--model.image_size", str(IMAGE_SIZE[model_type]), "--data.source", str(rows), "--data.format", "chat",
             "--data.pack_images", "true", "--output_dir", str(tmp_path / run), "--data.cache_dir",
             str(tmp_path / "cache"), "--training.batch_size", "2", "--training.seq_len", str(SEQ_LEN),
             "--training.steps", "3", "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", "1",

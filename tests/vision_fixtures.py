@@ -227,3 +227,9 @@ def _save(directory, config, model_class, *, weights: bool, seed: int):
         config.save_pretrained(str(directory))
     return directory
 
+
+
+# Each tiny architecture's directory writer, and the model.image_size its runs take (0: the
+# processor fixes the resolution; the tiny Qwen2.5-VL's allows 56 to 112 pixels).
+WRITERS = {"qwen2_5_vl": write_qwen2_5_vl_dir, "gemma3": write_gemma3_dir, "llava": write_llava_dir}
+IMAGE_SIZE = {"qwen2_5_vl": 56, "gemma3": 0, "llava": 0}

@@ -16,16 +16,13 @@ from titan_tpu.tools.compile_cmd import compile_step_for_tpu
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the vision fixtures
 from test_jax_path import EAGER, JAX, LOSS_TOL, NORM_TOL, assert_close, metrics, train  # noqa: E402
 from vision_fixtures import (  # noqa: E402
+    WRITERS,
     image_chat_rows,
-    write_gemma3_dir,
-    write_llava_dir,
-    write_qwen2_5_vl_dir,
     write_rows,
 )
 
 pytestmark = pytest.mark.multiprocess
 
-WRITERS = {"qwen2_5_vl": write_qwen2_5_vl_dir, "gemma3": write_gemma3_dir, "llava": write_llava_dir}
 IMAGE_SIZE = {"qwen2_5_vl": ["--model.image_size", "56"], "gemma3": [], "llava": []}
 
 
