@@ -290,11 +290,12 @@ def check_graph(config) -> None:
             raise AssertionError(f"after one graph step {name} differs from eager by {diff:.1e}")
 
 
-def _loss_and_grads(model, inputs, labels, *, num_tokens: int, dp_size: int) -> tuple[torch.Tensor, dict]:
-    """The step's loss (as train/step.py forms it) and the full gradients after its backward."""
+def _loss_and_grads(model, inputs, labels, *, num_tokens: int, dp_size: int, images=None) -> tuple[torch.Tensor, dict]:
+    """The step's loss (as train/step.py forms it) and the full gradients after its backward;
+    images: a vision-language batch's (data/batch.py ImageInputs)."""
     from torch.distributed.tensor import DTensor
 
-    out = model(inputs, labels)
+    out = model(inputs, labels, **({"images": images} if images is not None else {}))
     loss = out.ce_sum / num_tokens + out.aux_loss / dp_size
     loss.backward()
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from titan_tpu.tools.hf_sweep import _loss_and_grads
 from titan_tpu.tools.subject import Subject
 
 # Bands (fp32): per-token KL of the next-token distributions, relative differences of losses,
@@ -620,18 +621,6 @@ def check_export(subject: Subject) -> Result:
                   f"difference 0; logits < {REL_PASS:g} PASS, < {REL_WARN:g} WARN")
 
 
-def _loss_and_grads(model, batch, *, num_tokens: int, dp_size: int) -> tuple[torch.Tensor, dict]:
-    """The step's loss (as train/step.py forms it) and the full gradients after its backward."""
-    from torch.distributed.tensor import DTensor
-
-    images = {"images": batch.images} if batch.images is not None else {}
-    out = model(batch.inputs_BS, batch.labels_BS, **images)
-    loss = out.ce_sum / num_tokens + out.aux_loss / dp_size
-    loss.backward()
-    return loss.detach(), {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                           for n, p in model.named_parameters() if p.grad is not None}  # accumulated over calls
-
-
 def _fsdp_rank(subject: Subject, halves: list, num_tokens: int) -> dict:
     import torch.distributed as dist
 
@@ -641,7 +630,9 @@ def _fsdp_rank(subject: Subject, halves: list, num_tokens: int) -> dict:
     dims = ParallelDims(dp_replicate=1, dp_shard=2, world_size=2)
     model = seeded_model(subject, mesh=dims.build_mesh("cpu"), parallel_dims=dims, mp=MixedPrecision())
     rank = dist.get_rank()
-    loss, grads = _loss_and_grads(model, halves[rank], num_tokens=num_tokens, dp_size=2)
+    batch = halves[rank]
+    loss, grads = _loss_and_grads(model, batch.inputs_BS, batch.labels_BS, images=batch.images, num_tokens=num_tokens,
+                                  dp_size=2)
     dist.all_reduce(loss)
     return {"loss": loss.item(), "grads": grads if rank == 0 else None}
 
@@ -654,7 +645,8 @@ def check_fsdp(subject: Subject) -> Result:
               for rows in (slice(0, half), slice(half, BATCH))]
     num_tokens = sum(int(h.trained_tokens()) for h in halves)
     model = seeded_model(subject)
-    loss = sum(_loss_and_grads(model, half, num_tokens=num_tokens, dp_size=2)[0] for half in halves)
+    loss = sum(_loss_and_grads(model, h.inputs_BS, h.labels_BS, images=h.images, num_tokens=num_tokens, dp_size=2)[0]
+               for h in halves)
     expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     ranks = run_ranks(_fsdp_rank, world_size=2, args=(subject, halves, num_tokens), timeout_s=240)
     diff = abs(ranks[0]["loss"] - loss.item()) / max(1.0, abs(loss.item()))
