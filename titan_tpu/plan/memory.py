@@ -99,7 +99,17 @@ def rank_activations(s: Setting) -> ActivationBytes:
     """Activations of one micro-batch on one rank: under context parallelism its 1 / cp of the
     tokens, and attention keeps every rank's keys and values (of its kv heads: 1 / tp of them).
     An hf model's are measured, LoRA's adapters included (plan/hf_terms.py)."""
-    ac_mode = "selective" if s.ac == "none" and _xla_fuses_unrolled_layers(s) else s.ac
+    # Layers that are no loop in a step XLA compiles whole: XLA sees the forward and the backward as
+    # one program and fuses the elementwise work (the norms, SiLU times the gate) into the backward's
+    # fusions, recomputing it from the matmuls' outputs, so without checkpointing a layer keeps what
+    # selective checkpointing keeps (its input, the matmuls' and the attention kernel's outputs) and
+    # reruns nothing. XLA's live values of llama3_8b_pp_tpu without checkpointing: per layer and
+    # micro-batch two bf16 [8192, 14336] (w1's and w3's outputs), q, k, v and the attention output,
+    # and two [8192, 4096] inputs of the residual stream, what selective counts; the eager autograd
+    # count is 1.8x that. qwen2_5_vl_7b_tpu without checkpointing: 71.7 GiB by XLA, 74.1 planned so
+    # (90.2 with the eager count). Scanned layers are partitioned by scan's own autograd before XLA
+    # sees them (`Setting.partitioned`).
+    ac_mode = "selective" if s.ac == "none" and _xla_unrolled_step(s) else s.ac
     if s.hf is not None:
         acts = s.hf.activations(rows=s.tokens // s.cfg.training.seq_len, ac_mode=ac_mode, traced=s.traced)
         return acts if ac_mode == s.ac else dataclasses.replace(acts, recompute=0)
@@ -136,21 +146,6 @@ def rank_activations(s: Setting) -> ActivationBytes:
         acts = dataclasses.replace(acts, saved_per_layer=tuple(
             saved * s.schedule.iterations // passes for saved in acts.saved_per_layer))
     return _with_lora_activations(s, acts) if s.lora else acts
-
-
-def _xla_fuses_unrolled_layers(s: Setting) -> bool:
-    """Layers that are no loop (pipeline stages, scan_layers false, a Transformers-backend model's)
-    in a step XLA compiles whole (graph mode): XLA sees the forward and the backward as one program
-    and fuses the elementwise work (the norms, SiLU times the gate) into the backward's fusions,
-    recomputing it from the matmuls' outputs, so without checkpointing a layer keeps what selective
-    checkpointing keeps (its input, the matmuls' and the attention kernel's outputs) and reruns
-    nothing. XLA's live values of llama3_8b_pp_tpu without checkpointing: per layer and micro-batch
-    two bf16 [8192, 14336] (w1's and w3's outputs), q, k, v and the attention output, and two
-    [8192, 4096] inputs of the residual stream, what selective counts; the eager autograd count is
-    1.8x that. qwen2_5_vl_7b_tpu without checkpointing: 71.7 GiB by XLA, 74.1 planned so (90.2 with
-    the eager count). Scanned layers are partitioned by scan's own autograd before XLA sees them
-    (`Setting.partitioned`)."""
-    return _xla_unrolled_step(s)
 
 
 def _xla_unrolled_step(s: Setting) -> bool:
