@@ -13,7 +13,8 @@ in any bit.
 The matrix: eager; graph (Inductor); scanned layers with full activation checkpointing in graph mode
 with two micro-batches; a transformers model; DeepSeek-V3 debug (MTP, expert biases); two-rank
 dp_shard, tp, cp, and ep (Qwen3-MoE) runs; LoRA; fp8 (emulated on the CPU); DPO (eager, and LoRA's
-adapters-off reference in graph mode); GRPO (sampling, rewards, a KL reference). One intra-op
+adapters-off reference in graph mode); GRPO (sampling, rewards, a KL reference); ORPO; two pipeline
+stages; the accumulation derived from training.global_batch_tokens on two ranks in graph mode. One intra-op
 thread per process, so that every run's reductions take the same order.
 """
 
@@ -52,6 +53,10 @@ MATRIX: dict[str, tuple[str, int, list[str]]] = {  # name -> (recipe, ranks, ove
     "dpo_lora_graph": ("llama3_debug_dpo", 1, ["--training.seq_len", "32", "--lora.enabled", "true",
                                                "--training.mode", "graph", "--compile.backend", "aot_eager"]),
     "grpo": ("llama3_debug_grpo", 1, ["--training.seq_len", "24", "--training.batch_size", "2"]),
+    "orpo": ("llama3_debug_dpo", 1, ["--training.seq_len", "32", "--training.objective", "orpo"]),
+    "pp_2": ("llama3_debug", 2, ["--parallelism.pp", "2", "--parallelism.dp_shard", "1", "--model.scan_layers", "true"]),
+    "global_batch": ("llama3_debug", 2, ["--parallelism.dp_shard", "2", "--training.global_batch_tokens", "512",
+                                         "--training.mode", "graph", "--compile.backend", "aot_eager"]),
 }
 
 KEYS = ("loss", "grad_norm", "aux_loss", "mtp_loss")
