@@ -23,7 +23,7 @@ GiB = 1024**3
 def compile_both(config: str, topology: str, overrides: list[str]) -> dict[str, dict]:
     from titan_tpu import tracing
     from titan_tpu.config import build_config
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
     from titan_tpu.tools.compile_cmd import compile_step_for_tpu
 
     cfg = prepare_run(build_config(config, overrides)).cfg

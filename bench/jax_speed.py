@@ -47,14 +47,16 @@ MODES = {"eager": ["--training.mode", "eager"],
 def components(mode: str, args, tmp: Path):
     from titan_tpu.components.build import Components
     from titan_tpu.config import build_config
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.kinds import kind_of
+    from titan_tpu.run.setup import prepare_run
 
     overrides = ["--output_dir", str(tmp / mode), "--training.device", "cpu", "--model.dtype", args.dtype,
                  "--training.batch_size", str(args.batch), "--training.seq_len", str(args.seq),
                  "--data.cache_dir", str(tmp / "cache"), "--data.max_bytes", "2000000", "--checkpoint.enabled",
                  "false", *MODES[mode]]
+    cfg = build_config(str(REPO / "configs/llama3_debug.toml"), overrides)
     with contextlib.redirect_stdout(io.StringIO()):
-        return Components(prepare_run(build_config(str(REPO / "configs/llama3_debug.toml"), overrides)))
+        return Components(prepare_run(cfg), kind_of(cfg))
 
 
 class ProgramAlone:

@@ -6,7 +6,7 @@
    as a run holds them; no optimizer) and loads the directory (`checkpoint.initial_load_path`'s path,
    models/spec.py `load_hf_weights`), one fresh process per rank, one after another (four at
    once would not fit this 24 GiB machine beside their own shares; each process is one rank of a
-   fake 4-rank world, tools/device_step.py `fake_world`). Printed per rank: its share (the bytes
+   fake 4-rank world, components/world.py `fake_world`). Printed per rank: its share (the bytes
    of its local weights), its peak RSS, and the check that every local block is bitwise the
    block torch's own sharding (`distribute_tensor`) cuts from the tensor read whole by one
    process.
@@ -69,15 +69,17 @@ def build_rank_model(cfg, world: int):
     weights, initialised piece by piece), without the optimizer: its moments are the run's, not the
     load's."""
     import torch
+    import torch.distributed as dist
 
-    from titan_tpu.models.spec import build, model_spec
-    from titan_tpu.parallel.simple_fsdp import MixedPrecision
-    from titan_tpu.tools.device_step import parallel_dims
+    from titan_tpu.components.program import build_model
+    from titan_tpu.components.world import Place
+    from titan_tpu.run.resolved import Reshard, Target, resolve_run
+    from titan_tpu.run.setup import RunSetup
 
-    dims = parallel_dims(cfg, world)
-    return build(model_spec(cfg.model), cfg, device=torch.device("cpu"), seed=0, mesh=dims.build_mesh("cpu"),
-                 parallel_dims=dims, expert_mesh=dims.build_expert_mesh("cpu"),
-                 mp=MixedPrecision(param_dtype=torch.bfloat16), own_weights=False)
+    run = resolve_run(RunSetup.resolved(cfg), Target(world_size=world))
+    run = run.with_reshard(run.reshard or Reshard(True, "the save and load do not run the step"))
+    return build_model(run, Place.of(run, rank=dist.get_rank() if dist.is_initialized() else 0,
+                                     device=torch.device("cpu")))
 
 
 def _config(world: int):
@@ -128,10 +130,10 @@ def load_rank(directory: Path, rank: int) -> dict:
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from titan_tpu.components.world import fake_world
     from titan_tpu.models.hf_checkpoint import hf_native_sources
     from titan_tpu.models.hf_sources import full_index
     from titan_tpu.models.spec import model_spec
-    from titan_tpu.tools.device_step import fake_world
 
     cfg = _config(WORLD)
     spec = model_spec(cfg.model)

@@ -54,7 +54,8 @@ MATRIX: dict[str, tuple[str, int, list[str]]] = {  # name -> (recipe, ranks, ove
                                                "--training.mode", "graph", "--compile.backend", "aot_eager"]),
     "grpo": ("llama3_debug_grpo", 1, ["--training.seq_len", "24", "--training.batch_size", "2"]),
     "orpo": ("llama3_debug_dpo", 1, ["--training.seq_len", "32", "--training.objective", "orpo"]),
-    "pp_2": ("llama3_debug", 2, ["--parallelism.pp", "2", "--parallelism.dp_shard", "1", "--model.scan_layers", "true"]),
+    "pp_2": ("llama3_debug", 2, ["--parallelism.pp", "2", "--parallelism.dp_shard", "1",
+                                 "--model.scan_layers", "true"]),
     "global_batch": ("llama3_debug", 2, ["--parallelism.dp_shard", "2", "--training.global_batch_tokens", "512",
                                          "--training.mode", "graph", "--compile.backend", "aot_eager"]),
 }

@@ -45,7 +45,7 @@ def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | No
 
     from titan_tpu.config import build_config
     from titan_tpu.plan.topology import recipe_topology
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
     from titan_tpu.tools.compile_cmd import compile_step_for_tpu
     from titan_tpu.tools.hf_shape_dir import ensure
     from titan_tpu.tools.recipe_table import provenance

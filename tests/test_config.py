@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from titan_tpu.config import build_config, parse_overrides
-from titan_tpu.run_setup import prepare_run
+from titan_tpu.run.setup import prepare_run
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
@@ -91,7 +91,7 @@ def test_every_recipe_validates(path, monkeypatch, tmp_path):
      "2 x 64 x 3 = 384"),
 ])
 def test_bad_config_is_one_clear_error(overrides, message):
-    """Read (config.py: keys, types, each section's own checks) and set up (run_setup.py: across
+    """Read (config.py: keys, types, each section's own checks) and set up (run/setup.py: across
     sections, asking the model spec, the schedule, the trackers): one line either way."""
     with pytest.raises(ValueError) as err:
         prepare_run(build_config(None, overrides))

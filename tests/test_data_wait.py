@@ -15,7 +15,7 @@ from dist_utils import run_distributed
 from titan_tpu.cli import main as cli_main
 from titan_tpu.config import build_config
 from titan_tpu.data.build import prepare_data
-from titan_tpu.run_setup import prepare_run
+from titan_tpu.run.setup import prepare_run
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "llama3_debug.toml"

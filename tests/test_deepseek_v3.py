@@ -284,7 +284,7 @@ def test_eval_hf_dir_runs_natively_training_starts_from_it_and_exports_back(tmp_
         for p in hf.parameters():
             p.mul_(0.1) if p.ndim > 1 else p.fill_(1.0)
     hf.save_pretrained(tmp_path / "hf")
-    write_chat_tokenizer_dir(tmp_path / "hf")  # pretrained weights come with their tokenizer (run_setup.py)
+    write_chat_tokenizer_dir(tmp_path / "hf")  # pretrained weights come with their tokenizer (run/setup.py)
 
     g = torch.Generator().manual_seed(0)
     sequences = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (7, 30)]

@@ -95,7 +95,7 @@ def test_fp8_is_not_refused_on_cuda_and_calls_scaled_mm(monkeypatch):
     import torch
 
     from titan_tpu.kernels import fp8
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     cfg = build_config(ROOT / "configs" / "llama3_8b_cuda.toml", ["--fp8.enabled", "true"])
     assert cfg.fp8.enabled and cfg.training.device == "cuda"

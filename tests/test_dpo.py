@@ -247,7 +247,7 @@ def test_lora_reference_is_the_base_model_without_a_copy(tmp_path):
 
 
 def test_bad_config_is_one_line(tmp_path):
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     data = write_jsonl(tmp_path / "p.jsonl", pair_rows(4))
     with pytest.raises(ValueError, match="training.objective = dpo reads one source of preference pairs"):

@@ -16,7 +16,7 @@ from titan_tpu.config import build_config
 from titan_tpu.parallel.context_parallel import check_context_parallel
 from titan_tpu.parallel.mesh import ParallelDims
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
-from titan_tpu.run_setup import prepare_run
+from titan_tpu.run.setup import prepare_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "docs" / "features.md"

@@ -309,7 +309,7 @@ def test_tpu_backend_without_torch_tpu_is_one_clear_error(monkeypatch, capsys):
     from titan_tpu import device
     from titan_tpu.cli import main
     from titan_tpu.config import build_config
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     # torch_tpu missing, whatever this machine has: find_spec says no, and an import would fail.
     monkeypatch.setattr(device, "_tpu_installed", lambda: False)

@@ -298,7 +298,7 @@ def digit_rows(n: int) -> list[dict]:
     ({"grpo__reward_weights": "1,2"}, r"grpo.reward_weights has 2 numbers for 1 rewards"),
 ])
 def test_bad_config_is_one_line(tmp_path, extra, message):
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     data = write_jsonl(tmp_path / "p.jsonl", digit_rows(8))
     with pytest.raises(ValueError, match=message) as e:

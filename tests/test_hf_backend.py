@@ -315,7 +315,7 @@ def test_bad_input_is_one_line(tmp_path):
         load_pretrained_weights(model, tmp_path / "hf")
     with pytest.raises(ValueError, match="model.hf_config / model.hf_overrides apply to model.name = hf"):
         from titan_tpu.config import build_config
-        from titan_tpu.run_setup import prepare_run
+        from titan_tpu.run.setup import prepare_run
 
         prepare_run(build_config(None, ["--model.hf_config", "llama"]))
     with pytest.raises(ValueError, match="scan_layers needs a native model"):

@@ -13,12 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from titan_tpu.components.program import build_model as build_run_model
+from titan_tpu.components.resolve import resolve
+from titan_tpu.components.world import Place, fake_world
 from titan_tpu.config import build_config
 from titan_tpu.models.hf_checkpoint import hf_native_sources, load_hf_checkpoint, save_hf_checkpoint
 from titan_tpu.models.hf_sources import full_index
 from titan_tpu.models.registry import build_model
 from titan_tpu.models.spec import model_spec
-from titan_tpu.tools.device_step import build_device_model, fake_world
+from titan_tpu.run.resolved import Target
+from titan_tpu.run.setup import RunSetup
 
 CONFIGS = "configs"
 
@@ -86,12 +90,12 @@ def test_fused_experts_of_transformers_5_read_by_block(tmp_path):
 def _rank_loads(cfg, hf_dir, world: int) -> list[dict[str, torch.Tensor]]:
     """Each rank of a fake `world`-rank run builds the sharded model and loads the HF directory:
     its local blocks, per parameter."""
-    spec = model_spec(cfg.model)
+    run = resolve(RunSetup.resolved(cfg), Target(world_size=world))  # fp32 on the CPU, as the run's assembly
     out = []
     for rank in range(world):
         with fake_world(world, rank):
-            model, _, _, _ = build_device_model(cfg, world, dtype=torch.float32)
-            spec.load_hf_weights(model, hf_dir)
+            model = build_run_model(run, Place.of(run, rank=rank, device=torch.device("cpu")))
+            run.spec.load_hf_weights(model, hf_dir)
             out.append({k: _local_with_placements(v) for k, v in model.state_dict().items()})
     return out
 

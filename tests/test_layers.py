@@ -40,7 +40,7 @@ LAYERS = (
     ("graph", ("titan_tpu.graph",)),
     ("convert", ("titan_tpu.convert", "titan_tpu.export_files")),
     ("kinds", ("titan_tpu.kinds",)),
-    ("run setup", ("titan_tpu.run_setup",)),
+    ("run", ("titan_tpu.run",)),
     ("plan", ("titan_tpu.plan",)),
     ("components", ("titan_tpu.components",)),
     ("loops", ("titan_tpu.loops",)),

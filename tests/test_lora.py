@@ -16,7 +16,7 @@ from titan_tpu.models.hf.config import hf_args_from_config  # noqa: E402
 from titan_tpu.models.hf.model import PREFIX, build_hf_model  # noqa: E402
 from titan_tpu.models.lora import add_adapters, freeze_base, init_lora_, is_adapter_key, lora_modules  # noqa: E402
 from titan_tpu.parallel.simple_fsdp import materialize_and_init  # noqa: E402
-from titan_tpu.run_setup import prepare_run  # noqa: E402
+from titan_tpu.run.setup import prepare_run  # noqa: E402
 from titan_tpu.tools.hf_sweep import sweep_batch, tiny_config  # noqa: E402
 from titan_tpu.train.optim import AdamW  # noqa: E402
 from titan_tpu.train.step import EagerStep  # noqa: E402

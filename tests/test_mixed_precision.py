@@ -25,7 +25,7 @@ from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import get_model_args
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
-from titan_tpu.run_setup import prepare_run
+from titan_tpu.run.setup import prepare_run
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 

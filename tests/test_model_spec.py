@@ -17,7 +17,7 @@ from titan_tpu.model_contract import TrainableModel
 from titan_tpu.models.registry import MODEL_FLAVORS, flops_per_token, get_model_args
 from titan_tpu.models.spec import NativeSpec
 from titan_tpu.parallel.mesh import ParallelDims
-from titan_tpu.run_setup import prepare_run
+from titan_tpu.run.setup import prepare_run
 
 TINY = ("hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,"
         "vocab_size=512")

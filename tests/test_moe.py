@@ -596,16 +596,19 @@ def test_expert_parallel_captures_with_scanned_layers_and_full_checkpointing(dis
     Functions torch.func accepts; torch's `*_autograd` functional collectives (torch 2.13) are not
     ("must override the setup_context staticmethod": every ep recipe of the TPU, which all scan
     with full checkpointing, failed to capture). Rank 0 of 2 under a fake process group, which
-    traces the collectives as a real group does (tools/device_step.py)."""
+    traces the collectives as a real group does (components/world.py)."""
     import torch.fx
 
+    from titan_tpu.components.program import capture_rank
     from titan_tpu.config import build_config
-    from titan_tpu.tools.device_step import capture_device_step
+    from titan_tpu.run.resolved import Target
 
     cfg = build_config("configs/qwen3_moe_debug.toml", [
         "--model.dtype=float32", "--model.scan_layers=true", "--activation_checkpoint.mode=full",
-        "--parallelism.dp_shard=2", "--parallelism.ep=2", f"--parallelism.ep_dispatch={dispatch}"])
-    step = capture_device_step(cfg, world_size=2, batch_size=1, seq_len=16)
+        "--parallelism.dp_shard=2", "--parallelism.ep=2", f"--parallelism.ep_dispatch={dispatch}",
+        "--training.batch_size=1", "--training.seq_len=16"])
+    _, steps, _ = capture_rank(cfg, Target.for_jax("cpu", 2))
+    step = steps["step"]
     ops = {str(node.target) for module in step.captured.graph_module.modules()
            if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes}
     assert ("_c10d_functional.all_to_all_single.default" in ops) == (dispatch == "all_to_all")

@@ -247,7 +247,7 @@ def test_a_run_learns_and_graph_equals_eager(tmp_path):
 
 
 def test_bad_config_is_one_line(tmp_path):
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(4))
     with pytest.raises(ValueError, match="training.objective = orpo reads one source of preference pairs"):

@@ -317,7 +317,7 @@ def test_a_dim_0_the_ranks_do_not_divide_is_sharded_on_another_dim_with_the_same
 def test_a_weight_no_dim_of_which_divides_is_whole_on_every_rank():
     """SigLIP's pooling probe [1, 1, D] over 2 ranks is sharded on D; a [3] bias stays whole (Replicate);
     every rank's blocks have the same shapes (captured on a fake 2-rank group)."""
-    from titan_tpu.tools.device_step import fake_world
+    from titan_tpu.components.world import fake_world
 
     shapes = []
     for rank in range(2):

@@ -37,7 +37,7 @@ def llava(tmp_path_factory) -> list[str]:
 
 def _setup(overrides: list[str]):
     from titan_tpu.config import build_config
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     return prepare_run(build_config(CONFIG, overrides))
 

@@ -41,7 +41,7 @@ def _stage_memory(overrides: list[str]) -> dict:
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import default_mixed_precision
     from titan_tpu.plan.calibrate import profiled_peak_bytes
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
     from titan_tpu.train.optim import AdamW
 
     cfg = build_config(LLAMA_DEBUG, overrides)

@@ -168,7 +168,7 @@ def test_starting_weights_without_a_tokenizer_are_refused_in_one_line(tmp_path):
     """Pretrained weights with a BPE trained here would not match: without data.tokenizer_path, a
     starting directory must bring its tokenizer.json; a start that is not there is named."""
     from titan_tpu.config import build_config
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")

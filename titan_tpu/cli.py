@@ -165,7 +165,7 @@ def _model_config(args: argparse.Namespace, overrides: list[str]):
     is short for an HF directory of any causal-LM type, whose own weights it names (args.checkpoint);
     --device sets training.device."""
     from titan_tpu.config import build_config
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     if args.hf_dir:
         if not Path(args.hf_dir).is_dir():
@@ -280,22 +280,20 @@ def graph_main(argv: list[str]) -> int:
     from titan_tpu.components.build import Components
     from titan_tpu.config import build_config
     from titan_tpu.kinds import kind_of
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     # The trainer captures the step exactly as graph mode does; the "eager" backend compiles nothing.
     cfg = build_config(args.config, overrides + ["--training.mode", "graph", "--compile.backend", "eager"])
     with _process_group_cleanup():
         parts = Components(prepare_run(cfg), kind_of(cfg))
         step = parts.step_fn
-        t = cfg.training
         if parts.is_main:
             out = Path(args.out) if args.out else parts.run_dir / "graph" / "train_step.txt"
             out.parent.mkdir(parents=True, exist_ok=True)
             # With accumulation: the micro-batch program, then the update program.
             programs = [c for c in (step.captured, step.captured_update) if c is not None]
             out.write_text("\n".join(c.graph_module.print_readable(print_output=False) for c in programs))
-            rows = t.batch_size * parts.kind.rows_per_sample(cfg)  # a DPO pair is two rows
-            tokens = rows * t.seq_len * parts.batch_split.dp_size * t.grad_accum_steps
+            tokens = parts.run.step_tokens  # the kind's rows per sample (a DPO pair is two rows), every rank's
             print(step.summary())
             print(f"  estimated model FLOPs per step: {parts.flops_per_token * tokens / 1e9:.1f} GFLOP "
                   f"({tokens:,} tokens x {parts.flops_per_token / 1e6:.1f} MFLOP/token)")
@@ -343,7 +341,7 @@ def prepare_data_main(argv: list[str]) -> int:
     from titan_tpu.config import build_config
     from titan_tpu.data.build import prepare_data
     from titan_tpu.files import default_cache_dir
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     setup = prepare_run(build_config(args.config, overrides))
     cfg = setup.cfg

@@ -6,7 +6,7 @@ A recipe is a TOML file whose tables mirror the sections below (``[training]``, 
 section or key, a value of the wrong type, a choice outside the allowed set, an impossible
 combination) is one ``ValueError`` whose message names the key and says what is allowed: each
 section's own keys here (`check`), combinations across sections and the components' own limits in
-the run setup (titan_tpu/run_setup.py `prepare_run`), which this module never imports.
+the run setup (titan_tpu/run/setup.py `prepare_run`), which this module never imports.
 """
 
 from __future__ import annotations
@@ -580,7 +580,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 def build_config(toml_path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML recipe, then command-line overrides; then each section's own checks
-    (`check`). The checks across sections run in `titan_tpu.run_setup.prepare_run`."""
+    (`check`). The checks across sections run in `titan_tpu.run.setup.prepare_run`."""
     cfg = Config()
     if toml_path is not None:
         for section, table in load_toml(toml_path).items():
@@ -630,7 +630,7 @@ def grad_accum_from_tokens(t: TrainingConfig, dp_ranks: int, *, ranks_per_dp: in
 def check(cfg: Config) -> None:
     """Each section's own keys: ranges and the combinations within one section. Checks that span
     sections or need a component (the model spec, the lr schedule, the trackers, the device) run
-    once per run in `titan_tpu.run_setup.prepare_run`; types and choices are checked on assignment."""
+    once per run in `titan_tpu.run.setup.prepare_run`; types and choices are checked on assignment."""
     t = cfg.training
     for key, value in (("training.steps", t.steps), ("training.batch_size", t.batch_size),
                        ("training.seq_len", t.seq_len), ("training.grad_accum_steps", t.grad_accum_steps),
@@ -699,7 +699,7 @@ def check(cfg: Config) -> None:
 
 
 def _check_fault_tolerance(ft: FaultToleranceConfig) -> None:
-    """The [fault_tolerance] keys' own ranges (what they need of other sections: run_setup.py)."""
+    """The [fault_tolerance] keys' own ranges (what they need of other sections: run/setup.py)."""
     if not ft.enabled:
         return
     if ft.replicas < 1 or not 0 <= ft.replica_id < ft.replicas:
@@ -714,7 +714,7 @@ def _check_fault_tolerance(ft: FaultToleranceConfig) -> None:
 
 
 def _check_grpo(g: GRPOConfig) -> None:
-    """The [grpo] keys' own ranges (what they need of other sections: run_setup.py)."""
+    """The [grpo] keys' own ranges (what they need of other sections: run/setup.py)."""
     if g.num_generations < 2:
         raise ValueError(f"grpo.num_generations = {g.num_generations} must be >= 2: the advantage compares the "
                          "samples of one prompt with each other")

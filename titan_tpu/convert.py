@@ -102,7 +102,7 @@ def hf_to_checkpoint(hf_dir: str | Path, checkpoint_dir: str | Path, *, overwrit
     saved = ckpt.save(0, {"step": 0, "model": placeholders, "model_name": name, "model_args": dataclasses.asdict(args),
                           "base_weights": {"hf_dir": str(Path(hf_dir).absolute())}}, planner=planner)
     tokenizer = Path(hf_dir) / "tokenizer.json"
-    if tokenizer.is_file():  # beside the checkpoints: a run started from them finds it (run_setup.py)
+    if tokenizer.is_file():  # beside the checkpoints: a run started from them finds it (run/setup.py)
         for source in tokenizer_files(tokenizer):
             shutil.copyfile(source, Path(checkpoint_dir) / source.name)
     return saved

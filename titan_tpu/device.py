@@ -473,14 +473,15 @@ def _tpu_backend() -> Backend:
     )
 
 
-def jax_backend(training_device: str) -> Backend:
+def jax_backend(training_device: str, *, require_jax: bool = True) -> Backend:
     """The backend of compile.backend jax: JAX's platform from training.device (tpu, cpu, or auto:
     tpu where JAX would find one, else cpu); the torch side on the host CPU, its process group
-    gloo. JAX itself starts with `Backend.start`, once the process group is up."""
+    gloo. JAX itself starts with `Backend.start`, once the process group is up. require_jax False:
+    its facts only (run/resolved.py Target), for a step captured without running it."""
     if training_device not in ("tpu", "cpu", "auto"):
         raise ValueError(f"compile.backend jax runs the step on a TPU or this CPU; training.device is "
                          f"{training_device}: set it to tpu or cpu, or use --compile.backend inductor on a GPU")
-    if importlib.util.find_spec("jax") is None:
+    if require_jax and importlib.util.find_spec("jax") is None:
         raise ValueError("compile.backend jax needs JAX: pip install -e '.[jax]' (on a TPU VM the .[tpu] install of "
                          "docs/tpu.md has it)")
     platform = training_device

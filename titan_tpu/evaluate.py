@@ -208,7 +208,7 @@ def evaluate(loaded: EvalModel, sequences: list[list[int]]) -> dict:
 
 
 def load_run_model(setup, *, checkpoint: str | None) -> EvalModel:
-    """The model of a run setup (run_setup.py) on its training.device, with `checkpoint`'s weights
+    """The model of a run setup (run/setup.py) on its training.device, with `checkpoint`'s weights
     (`load_eval_model`)."""
     from titan_tpu.device import get_backend
 
@@ -219,7 +219,7 @@ def load_run_model(setup, *, checkpoint: str | None) -> EvalModel:
 
 def run_eval(setup, *, checkpoint: str | None, token_file: str | None, text: str | None, seq_len: int,
              max_tokens: int) -> dict:
-    """`titan-tpu eval`: the model of a run setup (run_setup.py; `checkpoint`'s weights) over a token
+    """`titan-tpu eval`: the model of a run setup (run/setup.py; `checkpoint`'s weights) over a token
     file or a text corpus (a vision-language model's image-text rows: evaluate_rows.py)."""
     cfg = setup.cfg
 

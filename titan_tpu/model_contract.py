@@ -22,8 +22,8 @@ from typing import Callable, NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["EXPERT_MARKER", "PER_LAYER_GATHER", "STACKED_MARKER", "STAGE_ROWS", "InitPiece", "LossOutput",
-           "TrainableModel", "stored_weights"]
+__all__ = ["EXPERT_MARKER", "PER_LAYER_GATHER", "STACKED_MARKER", "STAGE_ROWS", "GradientReducer", "InitPiece",
+           "LossOutput", "TrainableModel", "gradient_reducer", "stored_weights"]
 
 # Attribute set to True on modules holding expert weights (models/common/moe.py): SimpleFSDP reads
 # it to lay them out for expert parallelism.
@@ -73,6 +73,21 @@ class LossOutput(NamedTuple):
 InitPiece = tuple[str, nn.Module, Callable[[], None]]
 
 
+class GradientReducer(Protocol):
+    """The sums a model's own parallel layout needs of its gradients after the backward, before
+    clipping: pipeline stages (parallel/pipeline.py `PipelineStage`) sum over pp the gradients of the
+    weights every stage holds whole, each stage having the part of its own uses. The step calls it
+    beside `grad_sync` (replica groups' averaging): eager in place, captured as new tensors."""
+
+    def sum_(self, grads: dict[str, torch.Tensor]) -> None:
+        """In place, in `grads`' order (the eager step)."""
+        ...
+
+    def summed(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """As new tensors, with functional collectives (the captured step)."""
+        ...
+
+
 @runtime_checkable
 class TrainableModel(Protocol):
     """A language model the trainer can shard, initialise, step and checkpoint."""
@@ -114,6 +129,12 @@ class TrainableModel(Protocol):
         """The inverse of `to_per_layer`."""
         ...
 
+    # --- gradients (train/step.py, graph/capture.py) ------------------------------------------
+
+    def gradient_reducer(self) -> GradientReducer | None:
+        """What sums gradient parts its own parallel layout split (pipeline stages), or None."""
+        ...
+
     # --- auxiliary-loss-free MoE balancing (train/step.py, graph/capture.py) ------------------
 
     def expert_bias_names(self) -> list[str]:
@@ -125,3 +146,8 @@ class TrainableModel(Protocol):
         """New values of `expert_bias_names()` after a step with these global loads; pure, so a
         captured step traces it."""
         ...
+
+
+def gradient_reducer(model: nn.Module) -> GradientReducer | None:
+    """The model's `GradientReducer`; None for a model without one (or a plain module: a test's MLP)."""
+    return model.gradient_reducer() if isinstance(model, TrainableModel) else None

@@ -1,7 +1,8 @@
 """The captured step run as JAX (graph/jax_lowering.py) is the step we train with: one whole step
 (forward, loss, backward, clipping, AdamW) of the lowered graph on JAX's CPU backend against our
 eager step, for the debug models on one device and on 2 dp_shard ranks simulated as a 2-device CPU
-mesh (captured on one process under a fake process group: tools/device_step.py).
+mesh (captured on one process under a fake process group, by the run's own assembly:
+components/program.py).
 
 The reference is our eager step run in float64 on the same weights and batch: the fp32 eager step
 is itself off by ~1e-4 in the gradient norm on CPU (torch's fp32 _foreach_norm sums a 524k-element
@@ -13,7 +14,6 @@ fp32 run) move a weight by less than the tolerance, with Adam's eps at 1e-5 (EPS
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
@@ -22,13 +22,16 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
+from titan_tpu.components.program import assemble_program, capture_rank, fake_rank
+from titan_tpu.components.resolve import resolve
+from titan_tpu.components.world import Place, fake_world
 from titan_tpu.config import build_config
 from titan_tpu.graph.jax_lowering import LOWERINGS, JaxLoweringError, check_lowerable
 from titan_tpu.graph.jax_program import global_inputs, jax_mesh, run_on_devices, sharded_step
 from titan_tpu.models.registry import build_model
 from titan_tpu.parallel.mesh import dp_rank_and_size
-from titan_tpu.tools.device_step import build_device_model, capture_device_step, fake_world
-from titan_tpu.tracing import one_program_for_every_rank
+from titan_tpu.run.resolved import Target
+from titan_tpu.run.setup import RunSetup
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep
 
@@ -42,9 +45,10 @@ TOL = 1e-5
 EPS = 1e-5  # max |lowered - reference|, relative to the reference's largest magnitude per tensor
 
 
-def _config(name: str, layout: dict[str, int], scan: bool = False):
+def _config(name: str, layout: dict[str, int], scan: bool = False, batch: int = BATCH, seq: int = SEQ):
     # Scanned layers with full activation checkpointing, as every TPU recipe runs them.
     overrides = ["--model.dtype=float32", f"--optimizer.eps={EPS}", "--parallelism.dp_shard=1",
+                 f"--training.batch_size={batch}", f"--training.seq_len={seq}",
                  f"--model.scan_layers={str(scan).lower()}",
                  f"--activation_checkpoint.mode={'full' if scan else 'none'}",
                  *(f"--parallelism.{axis}={size}" for axis, size in layout.items())]
@@ -53,6 +57,27 @@ def _config(name: str, layout: dict[str, int], scan: bool = False):
         # batch a one-process reference sees: the same step only without it.
         overrides.append("--model.moe_load_balance=none")
     return build_config(f"configs/{name}.toml", overrides)
+
+
+def _capture(cfg, ranks: int, *, rank: int = 0, platform: str = "cpu"):
+    """(the run resolved for `ranks` devices of the JAX path on `platform`, rank's step): the run's own
+    resolution and assembly, captured as one program for every rank (components/program.py)."""
+    run, steps, _ = capture_rank(cfg, Target.for_jax(platform, ranks), rank=rank)
+    return run, steps["step"]
+
+
+def _capture_per_rank(cfg, ranks: int, rank: int):
+    """Rank's step captured as the torch-compiled trainer captures it (graph/compile.py GraphStep): per
+    rank, its rank a number of the graph, not one program for every rank."""
+    from titan_tpu.graph.capture import capture_train_step
+    from titan_tpu.graph.spmd import device_step, mesh_axis_sizes
+
+    run = resolve(RunSetup.resolved(cfg), Target(world_size=ranks))
+    with fake_rank(run, rank=rank) as (program, place):
+        captured = capture_train_step(program.model, max_norm=cfg.training.max_norm,
+                                      adamw_hparams=program.optimizer.hparams, decay=program.optimizer.decay,
+                                      example_batch=program.example_batch, objective=program.objective)
+        return device_step(captured, mesh_axis_sizes(place.mesh, run.dims))
 
 
 def _batches(vocab: int, ranks: int, batch: int = BATCH, seq: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -170,11 +195,11 @@ def test_lowered_step_with_tpu_kernels_equals_eager_step(name, layout, monkeypat
     XLA) equals our eager step with the CPU's kernels (float64), one whole step."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from titan_tpu.kernels.jax_traced import NAMESPACE, traced_for_jax
+    from titan_tpu.kernels.jax_traced import NAMESPACE
 
     _with_layers(name, KERNEL_LAYERS, monkeypatch)
     with pltpu.force_tpu_interpret_mode():
-        step = _check_lowered_step(name, layout, False, monkeypatch, batch=1, seq=128, capture=traced_for_jax)
+        step = _check_lowered_step(name, layout, False, monkeypatch, batch=1, seq=128, platform="tpu")
     kernels = {n.target.name().split("::")[1] for n in step.captured.graph_module.graph.nodes
                if n.op == "call_function" and getattr(n.target, "namespace", None) == NAMESPACE}
     # ep all_to_all: TorchTPU's ragged all-to-all (run here by the lowering's all-gather emulation).
@@ -184,20 +209,22 @@ def test_lowered_step_with_tpu_kernels_equals_eager_step(name, layout, monkeypat
     assert len(layers) == KERNEL_LAYERS, layers
 
 
-def per_device_inputs(cfg, step, ranks: int, batch: int, seq: int) -> tuple[list, list]:
-    """(each device's flat inputs of `step`: its rank's model, optimizer state and data-parallel
-    rank's batch, the batches of every data-parallel rank)."""
+def per_device_inputs(run, step, ranks: int, batch: int, seq: int) -> tuple[list, list]:
+    """(each device's flat inputs of `step`: its rank's model and optimizer state, as the run's assembly
+    builds them with real tensors, and its data-parallel rank's batch; the batches of every
+    data-parallel rank)."""
     per_device = []
     for rank in range(ranks):
         with fake_world(ranks, rank):
-            model, optimizer, _, mesh = build_device_model(cfg, ranks)
-            dp_rank, dp_size = dp_rank_and_size(mesh)
-            batches = _batches(cfg_vocab(cfg), dp_size, batch, seq)
-            per_device.append(_inputs(step, model, optimizer, batches[dp_rank]))
+            place = Place.of(run, rank=rank, device=torch.device("cpu"))
+            program = assemble_program(run, place)
+            dp_rank, dp_size = dp_rank_and_size(place.mesh)
+            batches = _batches(cfg_vocab(run.cfg), dp_size, batch, seq)
+            per_device.append(_inputs(step, program.model, program.optimizer, batches[dp_rank]))
     return per_device, batches
 
 
-def _check_lowered_step(name, layout, scan, monkeypatch, batch=BATCH, seq=SEQ, capture=contextlib.nullcontext):
+def _check_lowered_step(name, layout, scan, monkeypatch, batch=BATCH, seq=SEQ, platform="cpu"):
     """One whole step, lowered and run by JAX on a CPU mesh of the layout's ranks, equals our eager
     step (float64, one process, on the batches of all data-parallel ranks). Under tp and cp every
     rank reads its data-parallel rank's batch (both ranks the same one); the model's own hooks
@@ -209,13 +236,12 @@ def _check_lowered_step(name, layout, scan, monkeypatch, batch=BATCH, seq=SEQ, c
     the mesh axis index in the lowered program, and rank 0's program runs on every device, as a
     compile for a slice does. tp's vocabulary offset is still a number per rank: under tp every
     rank's graph is captured and each device reads its own (rank_constants)."""
-    cfg = _config(name, layout, scan)
+    cfg = _config(name, layout, scan, batch, seq)
     ranks = int(np.prod([size for size in layout.values() if isinstance(size, int)] or [1])) // layout.get("ep", 1)
-    with capture(), one_program_for_every_rank():
-        steps = [capture_device_step(cfg, world_size=ranks, batch_size=batch, seq_len=seq, rank=r)
-                 for r in range(ranks if layout.get("tp", 1) > 1 else 1)]
+    captured = [_capture(cfg, ranks, rank=r, platform=platform) for r in range(ranks if layout.get("tp", 1) > 1 else 1)]
+    run, steps = captured[0][0], [step for _, step in captured]
     step = steps[0]
-    per_device, batches = per_device_inputs(cfg, step, ranks, batch, seq)
+    per_device, batches = per_device_inputs(run, step, ranks, batch, seq)
     outputs = run_on_devices(steps, per_device, jax.devices("cpu"))
     if scan:  # the forward and the backward each one while loop over the layers, not unrolled
         mesh = jax_mesh(step, jax.devices("cpu"))
@@ -264,14 +290,12 @@ def test_context_parallel_ranks_are_one_program(monkeypatch):
     _with_layers("llama3_debug", 1, monkeypatch)
     cfg = _config("llama3_debug", {"cp": 2})
 
-    def graphs():
-        steps = [capture_device_step(cfg, world_size=2, batch_size=BATCH, seq_len=SEQ, rank=r) for r in range(2)]
+    def graphs(steps):
         return [functional_graph(s.captured.graph_module, s.captured.example_inputs) for s in steps]
 
-    with one_program_for_every_rank():
-        assert rank_constants(graphs()) == {}
+    assert rank_constants(graphs([_capture(cfg, 2, rank=r)[1] for r in range(2)])) == {}
     with pytest.raises(JaxLoweringError, match="no single SPMD program runs them all") as error:
-        rank_constants(graphs())
+        rank_constants(graphs([_capture_per_rank(cfg, 2, r) for r in range(2)]))
     assert "\n" not in str(error.value)
 
 
@@ -286,8 +310,7 @@ def test_weights_the_ranks_do_not_divide_are_one_program(monkeypatch):
     monkeypatch.setitem(MODEL_FLAVORS["llama3"], "debug",
                         dataclasses.replace(MODEL_FLAVORS["llama3"]["debug"], n_layers=1, vocab_size=2047))
     cfg = _config("llama3_debug", {"dp_shard": 2})
-    with one_program_for_every_rank():
-        steps = [capture_device_step(cfg, world_size=2, batch_size=BATCH, seq_len=SEQ, rank=r) for r in range(2)]
+    steps = [_capture(cfg, 2, rank=r)[1] for r in range(2)]
     specs = steps[0].captured.dtensor_specs
     assert specs["output.weight"].placements == specs["tok_embeddings.weight"].placements == (Shard(1),)
     assert rank_constants([functional_graph(s.captured.graph_module, s.captured.example_inputs) for s in steps]) == {}
@@ -304,7 +327,7 @@ def test_unknown_operator_names_its_module_in_one_line():
     """An op with no JAX lowering: one line naming the op, the module whose forward made it (for a
     backward op, the module whose forward's backward made it), as the capture recorded, and the
     backends that run it instead of the JAX path."""
-    step = capture_device_step(_config("llama3_debug", {}), world_size=1, batch_size=BATCH, seq_len=SEQ)
+    _, step = _capture(_config("llama3_debug", {}), 1)
     from titan_tpu.graph.jax_lowering import functional_graph
 
     graph = functional_graph(step.captured.graph_module, step.captured.example_inputs)
@@ -333,11 +356,13 @@ def test_compile_debug_recipe_for_v5p():
     import math
 
     from titan_tpu.graph.jax_lowering import jax_dtype
+    from titan_tpu.plan.hardware import HARDWARE
     from titan_tpu.tools.compile_cmd import compile_step_for_tpu
 
     cfg = build_config("configs/llama3_debug.toml", ["--training.batch_size=2", "--training.seq_len=64"])
     report = compile_step_for_tpu(cfg, "v5p:2x2x1")
-    step = capture_device_step(cfg, world_size=4, batch_size=2, seq_len=64)
+    # The step compile handed XLA: the run's assembly for 4 TPU devices.
+    step = capture_rank(cfg, Target.for_jax("tpu", 4), hardware=HARDWARE["v5p"])[1]["step"]
     handed = sum(math.prod(t.shape) * jax_dtype(t.dtype).itemsize for t in step.captured.example_inputs)
     assert handed <= report["memory_per_chip_bytes"]["arguments"] <= 1.01 * handed
     # Parameters and moments are donated: XLA aliases each with its updated output.

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import jax
 import pytest
-from test_jax_lowering import TOL, _config, _max_rel, _reference, _shard_of, per_device_inputs
+from test_jax_lowering import TOL, _capture, _config, _max_rel, _reference, _shard_of, per_device_inputs
 
 from titan_tpu.graph.jax_program import global_inputs, jax_mesh, run_on_devices, sharded_step
 from titan_tpu.parallel.pipeline import PipelineSchedule
-from titan_tpu.tools.device_step import capture_device_step
-from titan_tpu.tracing import one_program_for_every_rank
 
 SEQ = 32
 
@@ -50,13 +48,12 @@ def test_lowered_pipeline_step_equals_eager_step(layout, batch, monkeypatch):
     summed over pp, clipping, AdamW) lowered and run on a CPU mesh of pp x dp_shard devices, rank
     0's program on every device, equals our eager step within 1e-5 (fp32, relative to each tensor's
     largest value): loss, gradient norm, and every device's parameters and moments."""
-    cfg = _config("llama3_debug", layout, scan=True)
+    cfg = _config("llama3_debug", layout, scan=True, batch=batch, seq=SEQ)
     ranks = cfg.parallelism.pp * cfg.parallelism.dp_shard * cfg.parallelism.tp
-    with one_program_for_every_rank():
-        step = capture_device_step(cfg, world_size=ranks, batch_size=batch, seq_len=SEQ)
+    run, step = _capture(cfg, ranks)
     assert step.axis_sizes == {**({"dp_shard": 2} if "dp_shard" in layout else {}), "pp": 2,
                                **({"tp": 2} if "tp" in layout else {})}, step.axis_sizes
-    per_device, batches = per_device_inputs(cfg, step, ranks, batch, SEQ)
+    per_device, batches = per_device_inputs(run, step, ranks, batch, SEQ)
     outputs = run_on_devices([step], per_device, jax.devices("cpu"))
     mesh = jax_mesh(step, jax.devices("cpu"))
     text = jax.jit(sharded_step(step, mesh)).lower(*global_inputs(mesh, per_device)).as_text()

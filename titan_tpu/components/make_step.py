@@ -1,6 +1,7 @@
-"""The step function of a run, chosen once from the config: `EagerStep` or the graph trainer's
-`GraphStep` (the step contract: train/step.py). The checks of backend combinations that cannot
-run live here, beside the choice, not in the trainer's loop.
+"""The step function of a run, chosen once from its resolution: `EagerStep`, the graph trainer's
+`GraphStep`, or on the JAX path `JaxStep` over the programs `titan-tpu compile` certifies (the step
+contract: train/step.py). The checks of backend combinations that cannot run live here, beside the
+choice, not in the trainer's loop.
 
 It sits above graph/ (which imports train/step.py and train/optim.py) with the rest of the run's
 assembly (components/): the loops are handed the step and never import graph/ themselves.
@@ -10,12 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-import torch
-
+from titan_tpu.components.program import Program, capture_programs
+from titan_tpu.components.world import Place
 from titan_tpu.config import CompileConfig
 from titan_tpu.data.batch import Batch
-from titan_tpu.train.objective import NextTokenObjective, Objective
-from titan_tpu.train.optim import AdamW
+from titan_tpu.run.resolved import ResolvedRun
 from titan_tpu.train.step import EagerStep, StepResult
 
 if TYPE_CHECKING:
@@ -26,37 +26,32 @@ if TYPE_CHECKING:
 StepFn = Callable[[list[Batch], float], StepResult]
 
 
-def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend: Backend, world_size: int,
-              dp_size: int, documents: bool, log: Callable[[str], None], objective: Objective | None = None,
-              mesh_axes: dict[str, int] | None = None, compile_cache: CompileCache | None = None,
-              example_batch: Batch | None = None) -> tuple[StepFn, dict[str, float]]:
-    """(the step of training.mode, its capture and compile seconds: {} for eager) for the first
-    metrics row. documents: batches carry positions (a document mask). objective: the run's
-    (train/objective.py; default next-token). mesh_axes: the mesh's axes as the JAX path lays them
-    out (graph/spmd.py mesh_axis_sizes), for compile.backend jax. compile_cache: where the compiler
-    keeps its programs (graph/compile_cache.py, set up before the device started); its hits and
-    misses are logged with the compile time."""
-    t = cfg.training
-    objective = objective or NextTokenObjective()
+def make_step(run: ResolvedRun, program: Program, place: Place, *, backend: Backend, log: Callable[[str], None],
+              compile_cache: CompileCache | None = None) -> tuple[StepFn, dict[str, float]]:
+    """(the step of training.mode over `program`, its capture and compile seconds: {} for eager) for
+    the first metrics row. compile_cache: where the compiler keeps its programs
+    (graph/compile_cache.py, set up before the device started); its hits and misses are logged with
+    the compile time."""
+    cfg, t = run.cfg, run.cfg.training
+    dp_size = run.batch_split(place.rank).dp_size
     if t.mode != "graph":
-        return EagerStep(model, optimizer, max_norm=t.max_norm, dp_size=dp_size, objective=objective), {}
+        return EagerStep(program.model, program.optimizer, max_norm=t.max_norm, dp_size=dp_size,
+                         objective=program.objective), {}
     if compile_cache is not None:
         log(compile_cache.where())
         compile_cache.watch()
-    if backend.jax_platform is not None:
-        step, stats = _jax_step(cfg, model, optimizer, backend=backend, dp_size=dp_size, documents=documents,
-                                log=log, objective=objective, mesh_axes=mesh_axes or {}, example_batch=example_batch)
+    if run.target.jax_platform is not None:
+        step, stats = _jax_step(run, program, place, log=log)
         if compile_cache is not None:
             log(f"compile.backend jax: {compile_cache.describe()}")
         return step, stats
     from titan_tpu.graph.compile import GraphStep  # make_fx and the compilers load only for graph mode
 
-    check_graph_backend(cfg, backend=backend, world_size=world_size)
-    example_batch = _example_batch(cfg, objective, example_batch, documents=documents, device=backend.device)
+    check_graph_backend(cfg, backend=backend, world_size=run.world_size)
     c = cfg.compile
-    step = GraphStep(model, optimizer, max_norm=t.max_norm, example_batch=example_batch, backend=c.backend,
-                     dp_size=dp_size, split=c.split, prefetch=None if c.prefetch < 0 else c.prefetch,
-                     grad_accum_steps=t.grad_accum_steps, objective=objective)
+    step = GraphStep(program.model, program.optimizer, max_norm=t.max_norm, example_batch=program.example_batch,
+                     backend=c.backend, dp_size=dp_size, split=c.split, prefetch=None if c.prefetch < 0 else c.prefetch,
+                     grad_accum_steps=run.grad_accum_steps, objective=program.objective)
     log(f"graph mode: step captured in {step.capture_seconds:.1f} s, compiled with {c.backend} in "
         f"{step.compile_seconds:.1f} s" + (f"; {compile_cache.describe()}" if compile_cache else ""))
     for name, fingerprint in step.fingerprints().items():  # TorchTPU's programs (graph/torchtpu.py)
@@ -64,37 +59,26 @@ def make_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend:
     return step, {"capture_s": step.capture_seconds, "compile_s": step.compile_seconds}
 
 
-def _jax_step(cfg: Config, model: torch.nn.Module, optimizer: AdamW, *, backend: Backend, dp_size: int,
-              documents: bool, log: Callable[[str], None], objective: Objective,
-              mesh_axes: dict[str, int], example_batch: Batch | None = None) -> tuple[StepFn, dict[str, float]]:
-    """compile.backend jax: the step as one program run by JAX's runtime (graph/jax_step.py), and
-    one line for each setting it does not apply."""
+def _jax_step(run: ResolvedRun, program: Program, place: Place, *, log: Callable[[str], None]
+              ) -> tuple[StepFn, dict[str, float]]:
+    """compile.backend jax: the programs `titan-tpu compile` certifies (components/program.py
+    `capture_programs`) run by JAX's runtime (graph/jax_step.py), and one line for each setting it
+    does not apply."""
     from titan_tpu.graph.jax_step import JaxStep  # jax loads only for this backend
 
-    t, c = cfg.training, cfg.compile
+    cfg, c = run.cfg, run.cfg.compile
     if c.prefetch != CompileConfig.prefetch:
         log(f"note: compile.prefetch = {c.prefetch} orders the collectives of a torch-compiled step; on the JAX path "
             "XLA schedules them")
     if cfg.profiling.enabled:
         log("note: profiling records torch's operators; the JAX path's step is one XLA program, which torch's "
             "profiler does not see (use jax.profiler for it)")
-    example_batch = _example_batch(cfg, objective, example_batch, documents=documents, device=backend.device)
-    step = JaxStep(model, optimizer, max_norm=t.max_norm, example_batch=example_batch, dp_size=dp_size,
-                   grad_accum_steps=t.grad_accum_steps, objective=objective, axis_sizes=mesh_axes,
-                   platform=backend.jax_platform, log=log)
+    steps = capture_programs(run, program, place)
+    step = JaxStep(program.model, program.optimizer, steps, example_batch=program.example_batch,
+                   grad_accum_steps=run.grad_accum_steps, platform=run.target.jax_platform, log=log)
     log(f"graph mode: step captured in {step.capture_seconds:.1f} s, lowered and compiled by XLA through JAX "
-        f"({backend.jax_platform}) in {step.compile_seconds:.1f} s")
+        f"({run.target.jax_platform}) in {step.compile_seconds:.1f} s")
     return step, {"capture_s": step.capture_seconds, "compile_s": step.compile_seconds}
-
-
-def _example_batch(cfg: Config, objective: Objective, data_example: Batch | None, *, documents: bool,
-                   device: torch.device) -> Batch:
-    """What the step is captured with: the data's own example (a batch with images) where it has one,
-    else the objective's."""
-    if data_example is not None:
-        return data_example.to(device)
-    t = cfg.training
-    return objective.example_batch(batch_size=t.batch_size, seq_len=t.seq_len, documents=documents, device=device)
 
 
 def check_graph_backend(cfg: Config, *, backend: Backend, world_size: int) -> None:

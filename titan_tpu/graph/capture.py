@@ -58,7 +58,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, f
 
 from titan_tpu.data.batch import Batch, as_batch, flatten, unflatten
 from titan_tpu.graph.passes import recomputed_nodes, rematerialize
-from titan_tpu.model_contract import TrainableModel
+from titan_tpu.model_contract import TrainableModel, gradient_reducer
 from titan_tpu.tensors import local_tensor
 from titan_tpu.train.objective import ModelCalls, NextTokenObjective, Objective
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
@@ -542,9 +542,9 @@ class _StepParts:
             # Norm and clipping on DTensors: the norm of sharded grads needs a cross-rank sum,
             # which grad_norm adds (full_tensor) exactly as in the eager path.
             grads = {name: self._as_model_tensor(name, g) for name, g in zip(names, local_grads)}
-            pipeline = getattr(self.model, "pipeline", None)
-            if pipeline is not None:  # the weights every pipeline stage holds: each stage's part summed
-                grads = pipeline.summed_shared(grads)
+            reducer = gradient_reducer(self.model)
+            if reducer is not None:  # e.g. the weights every pipeline stage holds: each stage's part summed
+                grads = reducer.summed(grads)
             clipped, total_norm = clip_grad_norm(grads, self.max_norm)
             # The optimizer update is elementwise per shard, so it runs on plain local tensors:
             # the same arithmetic as the DTensor eager path, without DTensor dispatch.

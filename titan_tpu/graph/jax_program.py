@@ -3,10 +3,9 @@ the one way both its users need it: the trainer's JAX path (graph/jax_step.py, X
 client running it) and `titan-tpu compile` (libtpu's compile-only client for a TPU topology).
 
 What both share, so that the program a compile certifies is the program a run hands XLA:
-- `capture_context(platform)`: how the step is captured for a JAX platform: one program for every
+- the step captured for a JAX platform (graph/spmd.py `capture_context`): one program for every
   rank (its ranks as values, parallel/group_rank.py) and, for a TPU, the TPU's JAX kernels as
   traceable ops (kernels/jax_traced.py);
-- `jax_kernels(cfg, platform)`: which kernel each op runs as there;
 - `lower_step(step, mesh, program)`: the jitted, donated SPMD function lowered for the mesh's
   devices, and its fingerprint (graph/fingerprint.py).
 
@@ -18,10 +17,9 @@ Imports jax: used only by the JAX path and `titan-tpu compile` (an environment w
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -32,67 +30,14 @@ from titan_tpu.graph.fingerprint import program_fingerprint
 from titan_tpu.graph.jax_lowering import functional_graph, global_shape, jax_dtype, rank_constants, shard_step, to_jax
 from titan_tpu.graph.spmd import DeviceStep
 
-__all__ = ["DONATED", "LoweredStep", "capture_context", "check_equal_blocks", "donated_arguments", "global_inputs",
-           "input_shardings", "jax_kernels", "jax_mesh", "lower_step", "run_on_devices", "sharded_step"]
+__all__ = ["DONATED", "LoweredStep", "check_equal_blocks", "donated_arguments", "global_inputs",
+           "input_shardings", "jax_mesh", "lower_step", "run_on_devices", "sharded_step"]
 
 # The input groups each program updates in place (the trainer's step writes them back): donated,
 # so XLA aliases each with its updated output and the peak counts them once. graph/capture.py
 # StepLayout names the groups and the programs; "eval" is the forward-only validation program.
 DONATED = {"step": ("params", "exp_avg", "exp_avg_sq"), "micro-batch": ("grads",),
            "update": ("params", "grads", "exp_avg", "exp_avg_sq"), "eval": ()}
-
-
-@contextlib.contextmanager
-def capture_context(platform: str) -> Iterator[None]:
-    """Capture a step for the JAX lowering on `platform` ("tpu" or "cpu"): one program for every
-    rank, and on a TPU the TPU's JAX kernels (splash, megablox, tokamax) as ops the lowering
-    calls (kernels/jax_traced.py); on a CPU the CPU's kernels, traced as the ATen ops they run."""
-    if platform == "tpu":
-        from titan_tpu.kernels.jax_traced import traced_for_jax
-
-        with traced_for_jax():
-            yield
-    else:
-        from titan_tpu.tracing import one_program_for_every_rank
-
-        with one_program_for_every_rank():
-            yield
-
-
-def kernel_device_type(platform: str) -> str:
-    """The device type the kernel registry answers for in a step captured for `platform`."""
-    return "jax" if platform == "tpu" else "cpu"
-
-
-def jax_kernels(cfg, platform: str = "tpu"):
-    """(cfg with each op's kernel named, what each op runs as) on a JAX `platform`: the recipe's
-    choice (auto: the platform's pick). On a TPU splash, tokamax and megablox's gmm enter the
-    program as their own JAX functions (Mosaic custom calls); a choice with no form there (TorchTPU's
-    native ops on a TPU, the TPU's kernels on a CPU) is replaced by the op's pick for the platform,
-    and the entry says so."""
-    from titan_tpu.kernels import OPS
-    from titan_tpu.kernels.jax_traced import NOT_AS_ON_TPU
-
-    device_type = kernel_device_type(platform)
-    kernels, used = cfg.kernels, {}
-    for field, op in OPS.items():
-        choice = getattr(kernels, field)
-        if field == "loss" and cfg.parallelism.tp > 1 and choice in ("auto", "chunked"):
-            # Under tensor parallelism the loss is the chunked kernel's vocabulary-parallel form, on
-            # a TPU too (parallel/tensor_parallel.py); tokamax has none.
-            used[field] = "chunked (vocabulary-parallel under tp)"
-            kernels = dataclasses.replace(kernels, loss="chunked")
-            continue
-        try:
-            used[field] = op.resolve(choice, device_type).name
-        except ValueError:
-            used[field] = (f"{op.resolve('auto', device_type).name} (in place of the recipe's {choice}, which has no "
-                           f"{'JAX' if platform == 'tpu' else platform} form)")
-        name = used[field].split()[0]
-        if platform == "tpu" and name in NOT_AS_ON_TPU:
-            used[field] = f"{name} ({NOT_AS_ON_TPU[name]})"
-        kernels = dataclasses.replace(kernels, **{field: name})
-    return dataclasses.replace(cfg, kernels=kernels), used
 
 
 def jax_mesh(step: DeviceStep, devices: Sequence) -> Mesh:

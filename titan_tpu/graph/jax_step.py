@@ -31,18 +31,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from torch import Tensor
 
 from titan_tpu.data.batch import Batch, as_batch, flatten
-from titan_tpu.graph.capture import (
-    CapturedStep,
-    capture_accumulating_step,
-    capture_eval_step,
-    capture_train_step,
-    frozen_inputs,
-)
+from titan_tpu.graph.capture import CapturedStep, capture_eval_step, frozen_inputs
 from titan_tpu.graph.jax_lowering import global_shape, jax_dtype
-from titan_tpu.graph.jax_program import capture_context, input_shardings, jax_mesh, lower_step
-from titan_tpu.graph.spmd import DeviceStep, device_step
+from titan_tpu.graph.jax_program import input_shardings, jax_mesh, lower_step
+from titan_tpu.graph.spmd import DeviceStep, capture_context, device_step
 from titan_tpu.tensors import local_tensor
-from titan_tpu.train.objective import NextTokenObjective, Objective
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import StepFunction, StepResult
 
@@ -73,38 +66,28 @@ class _Program:
 
 
 class JaxStep(StepFunction):
-    """The step contract (train/step.py) run by JAX (module docstring). Takes the parameters from
-    `model`, the moments and the step count from `optimizer` (the eager `AdamW` holder), as
-    `GraphStep` does; keeps their newest values on the device.
+    """The step contract (train/step.py) run by JAX (module docstring) over this rank's captured
+    programs (graph/spmd.py `DeviceStep`: "step", or "micro-batch" and "update"; captured by the
+    run's assembly, components/program.py `capture_programs`, as `titan-tpu compile` captures them).
+    Takes the parameters from `model`, the moments and the step count from `optimizer` (the eager
+    `AdamW` holder), as `GraphStep` does; keeps their newest values on the device.
 
-    axis_sizes: the JAX mesh's axes, our names, in mesh order (graph/spmd.py mesh_axis_sizes; {} on
-    one device). platform: JAX's ("tpu", "cpu"): the kernels the step is captured with
-    (graph/jax_program.py capture_context). log: rank 0's log line."""
+    example_batch: what the programs were captured with (each step's micro-batches must match it).
+    grad_accum_steps: micro-batches per step. platform: JAX's ("tpu", "cpu"). log: rank 0's log line."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: AdamW, *, max_norm: float, example_batch: Batch,
-                 dp_size: int, grad_accum_steps: int, objective: Objective | None, axis_sizes: dict[str, int],
-                 platform: str, log: Callable[[str], None]):
+    def __init__(self, model: torch.nn.Module, optimizer: AdamW, steps: dict[str, DeviceStep], *,
+                 example_batch: Batch, grad_accum_steps: int, platform: str, log: Callable[[str], None]):
         self.model, self.optimizer, self.platform, self._log = model, optimizer, platform, log
-        self.grad_accum_steps, self.axis_sizes = grad_accum_steps, axis_sizes
-        example_batch = as_batch(example_batch)
-        kwargs = dict(max_norm=max_norm, adamw_hparams=optimizer.hparams, decay=optimizer.decay,
-                      example_batch=example_batch, dp_size=dp_size, scalar_dtype=torch.float32,
-                      objective=objective or NextTokenObjective())
-        with capture_context(platform):
-            if grad_accum_steps == 1:
-                captured = {"step": capture_train_step(model, **kwargs)}
-            else:
-                captured = dict(zip(("micro-batch", "update"),
-                                    capture_accumulating_step(model, grad_accum_steps=grad_accum_steps, **kwargs)))
-        first: CapturedStep = next(iter(captured.values()))
+        first: CapturedStep = next(iter(steps.values())).captured
         if set(first.param_names) != set(optimizer.params):
             raise ValueError("JaxStep: the optimizer does not hold exactly the model's parameters")
+        self.grad_accum_steps = grad_accum_steps
+        self.axis_sizes = next(iter(steps.values())).axis_sizes
         self.objective, self.captured = first.objective, first
-        self.capture_seconds = sum(c.capture_seconds for c in captured.values())
+        self.capture_seconds = sum(step.captured.capture_seconds for step in steps.values())
         # Device r of the mesh is JAX process r's, which is torch rank r's (jax_start.py start_jax).
         self.devices = sorted(jax.devices(), key=lambda d: d.process_index)
         self.local_device = jax.local_devices()[0]
-        steps = {name: device_step(c, axis_sizes) for name, c in captured.items()}
         self.mesh = jax_mesh(next(iter(steps.values())), self.devices)
         self.programs = {name: _Program(step, self.mesh, name, platform, log) for name, step in steps.items()}
         self._eval: dict[tuple, _Program] = {}  # validation's forward, by the batch's shapes
@@ -114,6 +97,7 @@ class JaxStep(StepFunction):
         self._host = {"params": [local_tensor(params[n]) for n in names],
                       "buffers": [local_tensor(frozen[n]) for n in first.buffer_names]}
         self._updated = [first.buffer_names.index(n) for n in first.updated_buffer_names]
+        example_batch = as_batch(example_batch)
         self._batch_type, self._batch_shape = type(example_batch), example_batch.shape
         self._device: dict[str, list] | None = None  # the state on the device; None: read it from the host
         self._host_stale = False  # the device holds newer state than the host's tensors

@@ -6,7 +6,7 @@ groups, and, when captured as one program for every rank (tracing.py), ``titan_t
 ops. The JAX lowering (graph/jax_lowering.py) turns each into a `jax.lax` collective or axis
 index over mesh axes; `DeviceStep` carries what it needs besides the graph: the mesh axes (our
 names and sizes, in mesh order) and, per process group, the axes it spans. Both the trainer's JAX
-path (graph/jax_step.py: every rank captures its own) and `titan-tpu compile` (tools/device_step.py:
+path (graph/jax_step.py: every rank captures its own) and `titan-tpu compile` (components/program.py:
 rank 0's step under a fake process group) build it here, so what is compiled and what runs are
 described by one record.
 
@@ -15,9 +15,11 @@ No jax import: the records are plain torch and Python.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,24 @@ from titan_tpu.graph.reverse_scan import mark_reverse_scans
 from titan_tpu.parallel.expert_parallel import EP_AXES
 from titan_tpu.parallel.mesh import ParallelDims
 
-__all__ = ["DeviceStep", "device_step", "mesh_axis_sizes"]
+__all__ = ["DeviceStep", "capture_context", "device_step", "mesh_axis_sizes"]
+
+
+@contextlib.contextmanager
+def capture_context(platform: str) -> Iterator[None]:
+    """Capture a step for the JAX lowering on `platform` ("tpu" or "cpu"): one program for every
+    rank, and on a TPU the TPU's JAX kernels (splash, megablox, tokamax) as ops the lowering
+    calls (kernels/jax_traced.py); on a CPU the CPU's kernels, traced as the ATen ops they run."""
+    if platform == "tpu":
+        from titan_tpu.kernels.jax_traced import traced_for_jax
+
+        with traced_for_jax():
+            yield
+    else:
+        from titan_tpu.tracing import one_program_for_every_rank
+
+        with one_program_for_every_rank():
+            yield
 
 
 @dataclasses.dataclass

@@ -23,8 +23,8 @@ from titan_tpu.kernels.grouped_mm import GROUPED_MM
 from titan_tpu.kernels.loss import IGNORED_LABELS, LOSS
 from titan_tpu.kernels.registry import Impl, Op, device_type_as, kernel_device_type
 
-__all__ = ["ATTENTION", "CHUNK_ATTENTION", "GROUPED_MM", "LOSS", "OPS", "Impl", "KernelConfig", "Op", "describe",
-           "device_type_as", "document_ids_from_positions", "kernel_device_type"]
+__all__ = ["ATTENTION", "CHUNK_ATTENTION", "GROUPED_MM", "LOSS", "NOT_AS_ON_TPU", "OPS", "Impl", "KernelConfig", "Op",
+           "describe", "device_type_as", "document_ids_from_positions", "jax_kernel_device", "kernel_device_type"]
 
 OPS: dict[str, Op] = {"attention": ATTENTION, "chunk_attention": CHUNK_ATTENTION, "loss": LOSS,
                       "grouped_mm": GROUPED_MM}
@@ -69,6 +69,21 @@ LOSS.preference = {
 }
 
 
+# Kernels whose JAX form in a step captured on this CPU is not the one a TPU runs, and what stands in
+# (`KernelConfig.on_jax` says so). tokamax's Mosaic kernel checks, when traced, that the default device
+# is a local TPU of v5 or later (its `supported_on` reads `pltpu.get_tpu_info()`), which a compile-only
+# client has not: the step holds tokamax's own plain-XLA implementation of the same call instead
+# (kernels/jax_traced.py).
+NOT_AS_ON_TPU = {"tokamax": "its plain-XLA implementation: the Mosaic kernel asks for a local TPU chip when "
+                            "traced, so it cannot be lowered without one"}
+
+
+def jax_kernel_device(platform: str) -> str:
+    """The device type the kernel registry answers for in a step captured for the JAX path on
+    `platform`: the TPU's JAX kernels ("jax", kernels/jax_traced.py) or the CPU's."""
+    return "jax" if platform == "tpu" else "cpu"
+
+
 @dataclass
 class KernelConfig:
     # Implementation per op: auto picks the best one that runs on the device (titan-tpu kernels
@@ -101,6 +116,33 @@ class KernelConfig:
         """This config with its loss kernel one that skips ignored labels (chat data): auto becomes
         the best such kernel on `device_type`; a named kernel without it is a one-line error."""
         return replace(self, loss=_resolve(LOSS, self.loss, device_type, IGNORED_LABELS).name)
+
+    def on_jax(self, platform: str, *, tp: int = 1) -> tuple[KernelConfig, dict[str, str]]:
+        """(this config with each op's kernel named, what each op runs as) in a step captured for the
+        JAX path on `platform` ("tpu" or "cpu"): the choice (auto: the platform's pick). On a TPU
+        splash, tokamax and megablox's gmm enter the program as their own JAX functions (Mosaic custom
+        calls); a choice with no form there (TorchTPU's native ops on a TPU, the TPU's kernels on a
+        CPU) is replaced by the op's pick for the platform, and the entry says so. Under tensor
+        parallelism (tp > 1) the loss is the chunked kernel's vocabulary-parallel form, on a TPU too
+        (parallel/tensor_parallel.py); tokamax has none."""
+        device_type = jax_kernel_device(platform)
+        kernels, used = self, {}
+        for field, op in OPS.items():
+            choice = getattr(kernels, field)
+            if field == "loss" and tp > 1 and choice in ("auto", "chunked"):
+                used[field] = "chunked (vocabulary-parallel under tp)"
+                kernels = replace(kernels, loss="chunked")
+                continue
+            try:
+                used[field] = op.resolve(choice, device_type).name
+            except ValueError:
+                used[field] = (f"{op.resolve('auto', device_type).name} (in place of the recipe's {choice}, which has "
+                               f"no {'JAX' if platform == 'tpu' else platform} form)")
+            name = used[field].split()[0]
+            if platform == "tpu" and name in NOT_AS_ON_TPU:
+                used[field] = f"{name} ({NOT_AS_ON_TPU[name]})"
+            kernels = replace(kernels, **{field: name})
+        return kernels, used
 
     def grouped_mm_fn(self, device_type: str) -> Callable:
         """(x_TD, w_EDF, group_sizes_E) -> y_TF, rows sorted by group (kernels/grouped_mm.py)."""

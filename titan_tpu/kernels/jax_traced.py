@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 import jax
 import torch
 
-__all__ = ["LOWERED", "NOT_AS_ON_TPU", "RAGGED_ALL_TO_ALL", "traceable_jax_op", "traced_for_jax"]
+__all__ = ["LOWERED", "RAGGED_ALL_TO_ALL", "traceable_jax_op", "traced_for_jax"]
 
 NAMESPACE = "titan_tpu_jax"
 
@@ -40,13 +40,6 @@ NAMESPACE = "titan_tpu_jax"
 LOWERED: dict[object, Callable] = {}
 
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
-
-# Kernels whose JAX form here is not the one a TPU runs, and what stands in (the report says so).
-# tokamax's Mosaic kernel checks, when traced, that the default device is a local TPU of v5 or
-# later (its `supported_on` reads `pltpu.get_tpu_info()`), which a compile-only client has not:
-# the step holds tokamax's own plain-XLA implementation of the same call instead.
-NOT_AS_ON_TPU = {"tokamax": "its plain-XLA implementation: the Mosaic kernel asks for a local TPU chip when "
-                            "traced, so it cannot be lowered without one"}
 
 
 # torch.tpu.ops.ragged_all_to_all's call, traceable: the result has the output buffer's shape.
@@ -131,7 +124,7 @@ def traced_for_jax() -> Iterator[None]:
     from titan_tpu.kernels import tpu
     from titan_tpu.tracing import one_program_for_every_rank
 
-    previous, tpu.TOKAMAX_IMPLEMENTATION = tpu.TOKAMAX_IMPLEMENTATION, "xla"  # NOT_AS_ON_TPU
+    previous, tpu.TOKAMAX_IMPLEMENTATION = tpu.TOKAMAX_IMPLEMENTATION, "xla"  # kernels/__init__.py NOT_AS_ON_TPU
     try:
         with (kernels.device_type_as("cpu", "jax"), one_program_for_every_rank(),
               tpu.jax_op_replaced(traceable_jax_op, ragged_all_to_all=RAGGED_ALL_TO_ALL)):

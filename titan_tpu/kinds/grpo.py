@@ -65,8 +65,7 @@ def prompt_data(request: DataRequest) -> DataParts:
                           dp_world_size=request.data_size)
     request.log(f"data: {len(rows)} prompts from {source.path}; {g.num_generations} samples of each, "
                 f"{t.batch_size} prompts per rank and step")
-    return DataParts(tokenizer, loader, None, document_mask=False, kernels=cfg.kernels,
-                     extras=SamplingParts(rewards, _stop_ids(tokenizer, template)))
+    return DataParts(tokenizer, loader, None, extras=SamplingParts(rewards, _stop_ids(tokenizer, template)))
 
 
 def _stop_ids(tokenizer, template) -> set[int]:

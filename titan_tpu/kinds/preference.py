@@ -44,11 +44,8 @@ def preference_data(request: DataRequest) -> DataParts:
     train = PreferenceLoader(pairs, batch_size=t.batch_size, seed=t.seed, dp_rank=request.data_rank,
                              dp_world_size=request.data_size, val_fraction=val_fraction)
     request.log(f"data: {len(pairs)} preference pairs from {source.path} ({train.num_val} held out for validation)")
-    # Labels are IGNORE_INDEX on the prompt and padding: a loss kernel that skips them.
-    kernels = cfg.kernels.for_ignored_labels(request.kernel_device)
-    kernels.check_device(request.kernel_device, documents=False)
-    return DataParts(tokenizer, train, train if cfg.validation.enabled else None, document_mask=False,
-                     kernels=kernels)
+    # Labels are IGNORE_INDEX on the prompt and padding: the run's loss kernel skips them (run/resolved.py).
+    return DataParts(tokenizer, train, train if cfg.validation.enabled else None)
 
 
 def _pair_tokenizer(source: str, *, vocab_size: int, cache_dir: Path, log: Callable[[str], None]):

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
     from titan_tpu.config import Config
     from titan_tpu.data.sources import SourceConfig
-    from titan_tpu.kernels import KernelConfig
     from titan_tpu.train.objective import Objective
 
 __all__ = ["DATA_PARALLEL_ONLY", "FORWARD_COST", "DataParts", "DataRequest", "TrainingKind", "builds_reference_copy",
@@ -46,12 +45,12 @@ class DataRequest:
 
     cfg: Config
     sources: list[SourceConfig]
-    tokenizer_path: str | None  # the model's or the starting weights' tokenizer (run_setup.py); None: learn a BPE
+    tokenizer_path: str | None  # the model's or the starting weights' tokenizer (run/setup.py); None: learn a BPE
     vocab_size: int
     cache_dir: Path  # data.cache_dir, or the default cache (tokenized sources, learned tokenizers)
     data_rank: int  # this rank's row set of the global batch (parallel/mesh.py)
     data_size: int  # how many row sets the global batch splits into
-    kernel_device: str  # whose kernels the model takes (device.py Backend.kernel_device_type)
+    documents: bool  # batches carry positions (documents packed into rows): the kind's `documents`, resolved
     log: Callable[[str], None]
     # A vision-language model's directory (its processor renders chat rows with their images); None: text only
     image_model_dir: Path | None = None
@@ -64,8 +63,6 @@ class DataParts:
     tokenizer: Any
     train_loader: Any
     val_loader: Any  # None without a validation set
-    document_mask: bool  # batches carry positions (documents packed into rows)
-    kernels: KernelConfig  # the run's kernels as this data needs them (a loss kernel that skips ignored labels)
     extras: Any = None  # what the kind's own loop needs beside the common parts (GRPO: its rewards and stop ids)
     # One micro-batch as the loader makes them (CPU), which graph mode captures the step with, for data whose
     # batches hold more than the objective's example has (images); None: the objective's example_batch
@@ -82,6 +79,10 @@ def _no_reference(cfg: Config) -> str | None:
 
 def _no_check(cfg: Config) -> None:
     return None
+
+
+def _no_documents(cfg: Config, sources: list[SourceConfig], *, image_rows: bool) -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class TrainingKind:
     modes: tuple[str, ...] = ("eager", "graph")  # the training.mode values it runs with
     axes: tuple[str, ...] = tuple(AXES)  # the mesh axes it may split (parallel/axes.py); the others stay 1
     ignores_labels: bool = False  # its rows' labels skip tokens (a prompt) for the loss kernel
+    # Whether its batches carry document positions (packed rows), from its config and sources;
+    # image_rows: a vision-language model's chat rows (run/resolved.py reads it once).
+    documents: Callable[..., bool] = _no_documents
     replica_groups: bool = False  # runs under fault_tolerance's replica groups
     check: Callable[[Config], None] = _no_check  # what it needs of the other sections, beyond the fields above
 

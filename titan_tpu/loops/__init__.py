@@ -1,6 +1,6 @@
 """The run's loops, and the one direction a run is assembled in:
 
-    command line -> RunSetup (run_setup.py: the config checked once, the model spec and the mesh
+    command line -> RunSetup (run/setup.py: the config checked once, the model spec and the mesh
     resolved) -> Components (components/build.py: the parts, built from the setup and the kind's
     record, kinds/) -> the kind's loop (here), which drives them.
 
@@ -25,7 +25,7 @@ from titan_tpu.loops.base import Loop
 from titan_tpu.loops.grpo import GRPOLoop
 from titan_tpu.loops.preference import PreferenceLoop
 from titan_tpu.loops.pretrain import PretrainLoop
-from titan_tpu.run_setup import prepare_run
+from titan_tpu.run.setup import prepare_run
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -123,7 +123,7 @@ class Loop:
         start = time.perf_counter()
         with record_function(DATA_REGION):
             batches = [as_batch(self.components.train_loader.next_batch()).to(device, non_blocking=True)
-                       for _ in range(self.cfg.training.grad_accum_steps)]
+                       for _ in range(self.components.run.grad_accum_steps)]
         self.data_seconds += time.perf_counter() - start
         return batches
 
@@ -307,8 +307,17 @@ def _model_line(parts: Components) -> str:
             f"{parts.world_size} rank(s), data parallel: {dims.mode}"
             f"{f', expert parallel: {dims.ep}' if dims.ep > 1 else ''}"
             f"{f', tensor parallel: {dims.tp}' if dims.tp > 1 else ''}"
-            f"{f', context parallel: {dims.cp}' if dims.cp > 1 else ''}; "
+            f"{f', context parallel: {dims.cp}' if dims.cp > 1 else ''}"
+            f"{_pipeline_words(parts.run.pipeline)}; "
             f"MFU peak per device: {parts.backend.peak_description(parts.compute_dtype)}")
+
+
+def _pipeline_words(schedule) -> str:
+    """The model line's words for pipeline stages (parallel/pipeline.py), "" without them."""
+    if schedule is None:
+        return ""
+    circular = f", {schedule.repeats} chunks per stage" if schedule.repeats > 1 else ""
+    return f", pipeline: {schedule.stages} stages x {schedule.micro_batches} micro-batches{circular}"
 
 
 def _what_changed(saved: dict | None, now: dict) -> str:

@@ -123,7 +123,7 @@ class GRPOLoop(Loop):
             batch = RolloutBatch(batch.inputs_BS, batch.labels_BS, batch.advantages_B, batch.old_logps_BS,
                                  self._reference_logps(batch))
         self._record(rewards_N, per_reward, out.lengths_B.float(), out.stopped_B)
-        k = self.cfg.training.grad_accum_steps
+        k = self.components.run.grad_accum_steps  # GRPO refuses global_batch_tokens: the config's (kinds/grpo.py)
         size = len(repeated) // k
         return [_rows(batch, slice(i * size, (i + 1) * size)) for i in range(k)]
 

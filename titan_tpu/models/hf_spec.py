@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 
     from titan_tpu.config import Config, ModelConfig
     from titan_tpu.data.batch import ImageInputs
+    from titan_tpu.kernels import KernelConfig
     from titan_tpu.parallel.mesh import ParallelDims
+    from titan_tpu.parallel.pipeline import PipelineSchedule
 
 
 def hf_spec(model: ModelConfig) -> HFSpec:
@@ -75,9 +77,11 @@ class HFSpec(ModelSpec):
                              "backend); set tp 1 and cp 1 or use a native model")
 
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
-                      documents: bool) -> HFCausalLM:
-        return build_hf_model(self.args, kernels=cfg.kernels, ac_mode=cfg.activation_checkpoint.mode,
-                              dtype=torch.float32, train_vision=cfg.model.train_vision)
+                      documents: bool, kernels: KernelConfig | None = None,
+                      pipeline: PipelineSchedule | None = None) -> HFCausalLM:
+        return build_hf_model(self.args, kernels=cfg.kernels if kernels is None else kernels,
+                              ac_mode=cfg.activation_checkpoint.mode, dtype=torch.float32,
+                              train_vision=cfg.model.train_vision)
 
     def finish(self, model: HFCausalLM, *, log: Log, own_weights: bool = True) -> None:
         """The directory's weights when it has them (and `own_weights`); then whether the chunked
@@ -85,7 +89,8 @@ class HFSpec(ModelSpec):
         if own_weights and has_weights(self.hf_config):
             load_pretrained_weights(model, self.hf_config)
             log(f"weights loaded from {self.hf_config}")
-        model.check_chunked_loss(self.args.vocab_size)
+        loss = "the chunked loss kernel" if model.check_chunked_loss(self.args.vocab_size) else "the model's own logits"
+        log(f"loss: {loss} ({model.chunked_loss_reason})")
 
     def flops_per_token(self, model: HFCausalLM, seq_len: int, *, images: ImageInputs | None = None
                         ) -> tuple[float, str]:

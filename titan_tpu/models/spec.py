@@ -38,9 +38,11 @@ if TYPE_CHECKING:
 
     from titan_tpu.config import Config, ModelConfig
     from titan_tpu.data.batch import ImageInputs
+    from titan_tpu.kernels import KernelConfig
     from titan_tpu.model_contract import TrainableModel
     from titan_tpu.models.hf_sources import TensorSource
     from titan_tpu.parallel.mesh import ParallelDims
+    from titan_tpu.parallel.pipeline import PipelineSchedule
     from titan_tpu.parallel.simple_fsdp import MixedPrecision
 
 
@@ -93,32 +95,38 @@ def spec_for_weights(model: ModelConfig, hf_dir: str | Path) -> ModelSpec:
 def build(spec: ModelSpec, cfg: Config, *, device: torch.device | str, seed: int, mesh: DeviceMesh | None = None,
           parallel_dims: ParallelDims | None = None, expert_mesh: DeviceMesh | None = None,
           mp: MixedPrecision | None = None, documents: bool = False, own_weights: bool = True,
-          reshard_after_forward: bool | None = None, log: Log = lambda message: None) -> TrainableModel:
+          reshard_after_forward: bool | None = None, bucket_mb: float | None = None,
+          pipeline: PipelineSchedule | None = None, kernels: KernelConfig | None = None,
+          log: Log = lambda message: None) -> TrainableModel:
     """The one way a spec becomes a model: built on the meta device (tensor/context parallel
-    when the mesh has those axes), materialised and initialised from `seed` piece by piece
-    (sharded when there is a mesh, computed in `mp.param_dtype`), then finished by the spec (an
-    HF directory's own weights unless `own_weights` is False; the chunked-loss check).
+    when the mesh has those axes, pipeline stages with `pipeline`), materialised and initialised from
+    `seed` piece by piece (sharded when there is a mesh, computed in `mp.param_dtype`), then finished
+    by the spec (an HF directory's own weights unless `own_weights` is False; the chunked-loss check).
 
-    The execution options come from `cfg`: model.scan_layers, activation_checkpoint.mode,
-    kernels, the model converters (models/converters.py: lora, then fp8),
-    training.seq_len (a native model's RoPE table length) and parallelism.bucket_mb /
-    reshard_after_forward (the trainer passes what it resolved auto to; None takes the config's
-    value, with auto as true). Without a mesh the model is plain, on one device."""
+    The execution options come from `cfg` (model.scan_layers, activation_checkpoint.mode, the model
+    converters: models/converters.py, lora then fp8; training.seq_len, a native model's RoPE table
+    length) and from the run's resolution where it decided them (run/resolved.py: a training run and
+    `titan-tpu compile` pass them all): `kernels` (default the config's), `bucket_mb` and
+    `reshard_after_forward` (default the config's, with auto as true), `pipeline`. Without a mesh the
+    model is plain, on one device."""
     from titan_tpu.models.converters import enabled_converters
     from titan_tpu.parallel.expert_parallel import make_dispatch
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.simple_fsdp import materialize_and_init
 
     dims = parallel_dims or ParallelDims(world_size=1)
-    model = spec.build_on_meta(cfg, mesh=mesh, parallel_dims=dims, documents=documents)
+    if dims.pp > 1 and pipeline is None:
+        raise ValueError("a model split into pipeline stages is built from its run's schedule (run/resolved.py); "
+                         "pass pipeline=")
+    model = spec.build_on_meta(cfg, mesh=mesh, parallel_dims=dims, documents=documents,
+                               kernels=cfg.kernels if kernels is None else kernels, pipeline=pipeline)
     converters = enabled_converters(cfg)
     for converter in converters:  # before sharding, so what they add is sharded like the rest
         converter.convert(model, cfg)
     p = cfg.parallelism
     model = materialize_and_init(model, mesh, mode=dims.mode if mesh is not None else "none", mp=mp, device=device,
                                  seed=seed, expert_mesh=expert_mesh,
-                                 # pipeline stages read their weights once per step, each on its own
-                                 bucket_mb=0 if dims.pp > 1 else p.bucket_mb,
+                                 bucket_mb=p.bucket_mb if bucket_mb is None else bucket_mb,
                                  reshard_after_forward=(p.reshard_after_forward != "false"
                                                         if reshard_after_forward is None else reshard_after_forward))
     if expert_mesh is not None:  # how tokens reach their experts (parallelism.ep_dispatch)
@@ -177,28 +185,30 @@ class NativeSpec(ModelSpec):
                              "split by tensor or context parallelism: set parallelism.tp and parallelism.cp to 1")
 
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
-                      documents: bool) -> Transformer:
+                      documents: bool, kernels: KernelConfig | None = None,
+                      pipeline: PipelineSchedule | None = None) -> Transformer:
         seq_len = cfg.training.seq_len
         # The RoPE table only needs the training length (a published 128K table is ~134 MB for 8B);
         # checkpoints keep the flavor's own args so exports carry the real max_seq_len.
         args = dataclasses.replace(self.args, max_seq_len=seq_len)
         with torch.device("meta"):
             model = Transformer(args, scan_layers=cfg.model.scan_layers, ac_mode=cfg.activation_checkpoint.mode,
-                                kernels=cfg.kernels)
-        self.parallelize(model, cfg, mesh=mesh, parallel_dims=parallel_dims, documents=documents)
+                                kernels=cfg.kernels if kernels is None else kernels)
+        self.parallelize(model, cfg, mesh=mesh, parallel_dims=parallel_dims, documents=documents, pipeline=pipeline)
         return model
 
     def parallelize(self, model: Transformer, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
-                    documents: bool) -> None:
-        """The Transformer's tensor-parallel plan (parallel/tensor_parallel.py `BLOCK_PLAN`) and
-        context-parallel attention, on the meta-device model, before it is materialised."""
+                    documents: bool, pipeline: PipelineSchedule | None = None) -> None:
+        """The Transformer's pipeline stages (parallel/pipeline.py, the run's `pipeline` schedule),
+        tensor-parallel plan (parallel/tensor_parallel.py `BLOCK_PLAN`) and context-parallel
+        attention, on the meta-device model, before it is materialised."""
         from titan_tpu.parallel.context_parallel import context_parallel
         from titan_tpu.parallel.tensor_parallel import tensor_parallel
 
-        if parallel_dims.pp > 1:
-            from titan_tpu.parallel.pipeline import PipelineSchedule, pipeline_stages
+        if pipeline is not None:
+            from titan_tpu.parallel.pipeline import pipeline_stages
 
-            pipeline_stages(model, mesh, PipelineSchedule.from_config(cfg.parallelism, n_layers=self.args.n_layers))
+            pipeline_stages(model, mesh, pipeline)
         if parallel_dims.tp > 1:
             tensor_parallel(model, mesh, seq_len=cfg.training.seq_len)
         if parallel_dims.cp > 1:

@@ -17,9 +17,11 @@ if TYPE_CHECKING:
 
     from titan_tpu.config import Config, ModelConfig
     from titan_tpu.data.batch import ImageInputs
+    from titan_tpu.kernels import KernelConfig
     from titan_tpu.model_contract import TrainableModel
     from titan_tpu.models.hf_sources import TensorSource
     from titan_tpu.parallel.mesh import ParallelDims
+    from titan_tpu.parallel.pipeline import PipelineSchedule
 
 Log = Callable[[str], None]
 
@@ -35,16 +37,18 @@ class ModelSpec(ABC):
     kind: str  # how reports name the backend that runs it: native | hf
 
     def check(self, cfg: Config) -> None:
-        """Checks of other config sections that depend on the model kind (run_setup.prepare_run)."""
+        """Checks of other config sections that depend on the model kind (run.setup.prepare_run)."""
 
     @abstractmethod
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
-                      documents: bool) -> TrainableModel:
-        """The model on the meta device, its tensor/context-parallel layout applied when the mesh
-        has those axes (`parallelize`): `parallel.simple_fsdp.materialize_and_init` materialises it next."""
+                      documents: bool, kernels: KernelConfig | None = None,
+                      pipeline: PipelineSchedule | None = None) -> TrainableModel:
+        """The model on the meta device with `kernels` (default the config's), its pipeline and
+        tensor/context-parallel layout applied when the mesh has those axes (`parallelize`):
+        `parallel.simple_fsdp.materialize_and_init` materialises it next."""
 
     def parallelize(self, model: TrainableModel, cfg: Config, *, mesh: DeviceMesh | None,
-                    parallel_dims: ParallelDims, documents: bool) -> None:
+                    parallel_dims: ParallelDims, documents: bool, pipeline: PipelineSchedule | None = None) -> None:
         """Apply the model's tensor- and context-parallel layout (the spec owns tp and cp for its
         model; SimpleFSDP's data-parallel axes come after, generic). The default has none: a kind
         without one refuses tp and cp in `check`."""

@@ -31,7 +31,7 @@ share-out, where tp gathers the sequence), so the head's work and
 its logits are spread rather than piled on the last stage; every stage reports the sum over pp.
 The weights outside the stack are whole on every stage; their gradients (the first stage's
 embedding, every stage's part of the norm and the output) are summed over pp after the backward
-(`sum_shared_grads_`): inside it, the stages would meet those all-reduces in different orders
+(`sum_`, the model contract's `GradientReducer`): inside it, the stages would meet those all-reduces in different orders
 among their permutes. Checkpoints name every row by its layer, so they load on any pp.
 
 As one program for every rank (tracing.py `one_program_for_every_rank`: the JAX lowering, `titan-tpu
@@ -356,15 +356,15 @@ class PipelineStage:
         total = funcol.wait_tensor(funcol.all_reduce(loss_sum.detach(), "sum", self.group))
         return loss_sum + (total - loss_sum.detach())
 
-    def sum_shared_grads_(self, grads: dict[str, Tensor]) -> None:
+    def sum_(self, grads: dict[str, Tensor]) -> None:
         """Sum over pp, in place and in `grads`' order, the gradients of the weights every stage holds
         whole (replicated over pp): each stage has the part of its own uses."""
         for grad in grads.values():
             if isinstance(grad, DTensor) and _pp_placement(grad) == Replicate():
                 dist.all_reduce(grad._local_tensor, group=self.group)
 
-    def summed_shared(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        """`sum_shared_grads_` as new tensors, with functional collectives: the captured step's."""
+    def summed(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`sum_` as new tensors, with functional collectives: the captured step's."""
         out = dict(grads)
         for name, grad in grads.items():
             if isinstance(grad, DTensor) and _pp_placement(grad) == Replicate():

@@ -193,7 +193,7 @@ from titan_tpu.config import build_config
 from titan_tpu.plan.calibrate import profiled_peak_bytes
 from titan_tpu.device import get_backend
 from titan_tpu.models.spec import build
-from titan_tpu.run_setup import prepare_run
+from titan_tpu.run.setup import prepare_run
 from titan_tpu.components.make_step import make_step
 from titan_tpu.train.optim import AdamW
 cfg = build_config(sys.argv[1], sys.argv[2:])
@@ -278,7 +278,7 @@ def predict(result: dict, hw_numbers: dict) -> dict:
     from titan_tpu.config import build_config
     from titan_tpu.plan import hardware as hw_mod
     from titan_tpu.plan.planner import plan_config
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     argv = list(result["argv"])
     config = argv[argv.index("--config") + 1]

@@ -41,15 +41,7 @@ from titan_tpu.models.registry import head_flops_per_token
 from titan_tpu.parallel.pipeline import PipelineSchedule
 from titan_tpu.parallel.plan_terms import Collective
 
-__all__ = ["head_flops_device", "pipeline_collectives", "pipeline_schedule", "stage_args", "stage_compute_flops"]
-
-
-def pipeline_schedule(cfg, args) -> PipelineSchedule | None:
-    """The run's schedule (parallel/pipeline.py; a one-line error where it does not divide the
-    layers), or None without pipeline stages."""
-    if cfg.parallelism.pp <= 1:
-        return None
-    return PipelineSchedule.from_config(cfg.parallelism, n_layers=args.n_layers)
+__all__ = ["head_flops_device", "pipeline_collectives", "stage_args", "stage_compute_flops"]
 
 
 def stage_args(args, schedule: PipelineSchedule | None):
@@ -57,7 +49,7 @@ def stage_args(args, schedule: PipelineSchedule | None):
     the stack whole; the args themselves without stages."""
     if schedule is None:
         return args
-    assert args.moe is None and not args.mtp_num_layers, "pipeline stages run dense models (run_setup.py)"
+    assert args.moe is None and not args.mtp_num_layers, "pipeline stages run dense models (run/setup.py)"
     return dataclasses.replace(args, n_layers=args.n_layers // schedule.stages)
 
 

@@ -10,8 +10,9 @@ kernels `auto` picks), the terms themselves beside the code they describe:
 * fp8.py: what running the blocks' linears as fp8 matmuls changes (the config's [fp8], or a what-if);
 * text.py: the report `titan-tpu plan` prints, and what to change when a plan does not fit.
 
-Here: the `Plan` they add up to, and parallelism.reshard_after_forward auto decided by planning
-the run with the gathered weights kept (`with_reshard_resolved`, `reshard_decision`).
+Here: the `Plan` they add up to, and parallelism.reshard_after_forward auto decided by the memory
+terms of the run with the gathered weights kept (`reshard_choice`, which a run and `titan-tpu compile`
+ask through components/resolve.py; `with_reshard_resolved` for a plan).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from titan_tpu.parallel.plan_terms import Layout
 from titan_tpu.plan.fabric import axis_rates
 from titan_tpu.plan.fp8 import fp8_setting, fp8_terms
 from titan_tpu.plan.hardware import Hardware
-from titan_tpu.plan.memory import step_memory
+from titan_tpu.plan.memory import StepMemory, step_memory
 from titan_tpu.plan.result import Plan
 from titan_tpu.plan.setting import Setting, default_hardware, loss_impl, resolve_setting
 from titan_tpu.plan.step_time import (
@@ -39,9 +40,10 @@ from titan_tpu.plan.step_time import (
     step_time,
 )
 from titan_tpu.plan.text import advice
-from titan_tpu.run_setup import RunSetup
+from titan_tpu.run.resolved import Reshard, ResolvedRun
+from titan_tpu.run.setup import RunSetup
 
-__all__ = ["plan_config", "plan_run", "reshard_decision", "with_reshard_resolved"]
+__all__ = ["plan_config", "plan_run", "planned_memory", "reshard_choice", "with_reshard_resolved"]
 
 
 def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | None = None,
@@ -56,7 +58,7 @@ def plan_config(cfg: Config, hardware: Hardware | None = None, *, chips: int | N
 def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | None = None,
              measure: bool = True, gather: str | None = None, model_args=None, as_compiled: bool = False,
              storage_gbps: float = STORAGE_GBPS, local_gbps: float = LOCAL_GBPS, fp8: bool | None = None) -> Plan:
-    """The plan of a resolved run (run_setup.py: its config and model spec, not resolved again)
+    """The plan of a resolved run (run/setup.py: its config and model spec, not resolved again)
     on `hardware` (default: what the config names, see `default_hardware`)
     with `chips` chips (default: the config's mesh, or the chip count the recipe names).
     gather: None for what the code does with this config (`code_gather`), or "model" / "layer"
@@ -81,11 +83,10 @@ def plan_run(setup: RunSetup, hardware: Hardware | None = None, *, chips: int | 
     None: as the config's [fp8] section says (`fp8_setting`). See fp8.py `fp8_terms`."""
     s = _planned_setting(setup, hardware, chips=chips, measure=measure, gather=gather, model_args=model_args,
                          as_compiled=as_compiled, fp8=fp8)
-    memory = step_memory(s)
+    memory, fp8_cost = planned_memory(s)
     flops = step_flops(s)
-    fp8_cost = fp8_terms(s) if s.fp8 else None
     if s.fp8:
-        _add_fp8(fp8_cost, flops=flops, memory=memory.terms)
+        _add_fp8_flops(fp8_cost, flops=flops)
     phases = memory.terms["phases"]
     peak_phase = max(phases, key=phases.get)
     peak = phases[peak_phase]
@@ -140,14 +141,22 @@ def _params_summary(s: Setting) -> dict:
             "experts": num_expert_params(s.model_args), "stored_per_device": s.stored}
 
 
-def _add_fp8(cost: dict[str, float], *, flops: dict, memory: dict) -> None:
-    """fp8's terms (fp8.py `fp8_terms`) into the plan's FLOPs and memory. Its copies and scales are
-    transient within a layer's matmuls: alive in the backward moment (a layer's backward), not at
-    the forward's end (the loss, outside the layers)."""
+def planned_memory(s: Setting) -> tuple[StepMemory, dict[str, float] | None]:
+    """(the step's memory terms, fp8's terms or None): memory.py's terms with fp8's copies and scales
+    added (fp8.py `fp8_terms`). Those are transient within a layer's matmuls: alive in the backward
+    moment (a layer's backward), not at the forward's end (the loss, outside the layers)."""
+    memory = step_memory(s)
+    if not s.fp8:
+        return memory, None
+    cost = fp8_terms(s)
+    memory.terms["fp8_copies"] = cost["copies_bytes"]
+    memory.terms["fp8_scales"] = cost["scales_bytes"]
+    memory.terms["phases"]["backward"] += cost["copies_bytes"] + cost["scales_bytes"]
+    return memory, cost
+
+
+def _add_fp8_flops(cost: dict[str, float], *, flops: dict) -> None:
     flops["fp8_executed_per_step_per_device"] = cost["flops"]
-    memory["fp8_copies"] = cost["copies_bytes"]
-    memory["fp8_scales"] = cost["scales_bytes"]
-    memory["phases"]["backward"] += cost["copies_bytes"] + cost["scales_bytes"]
 
 
 def _mesh_summary(s: Setting) -> dict:
@@ -183,46 +192,46 @@ def _batch_summary(s: Setting, *, tokens_step_rank: int) -> dict:
 
 def with_reshard_resolved(setup: RunSetup | Config, hardware: Hardware | None = None, *, chips: int | None = None,
                           measure: bool = True, model_args=None) -> Config:
-    """`cfg` with parallelism.reshard_after_forward auto resolved: "false" where the plan that keeps
-    the gathered block weights from the forward to the backward fits the device (re-sharding would
-    only add an all-gather per block to the backward), else "true". Other values: `cfg` itself.
-    The run's assembly runs this too (components/build.py), so the plan and the run agree."""
+    """`cfg` with parallelism.reshard_after_forward auto resolved as a run resolves it (`reshard_choice`):
+    "false" where the gathered block weights kept from the forward to the backward fit the device, else
+    "true". Other values: `cfg` itself."""
     setup = setup if isinstance(setup, RunSetup) else RunSetup.resolved(setup)
     cfg = setup.cfg
     if cfg.parallelism.reshard_after_forward != "auto":
         return cfg
+    keep = _kept_weights_fit(setup, hardware, chips=chips, measure=measure, model_args=model_args)
     resolved = copy.copy(cfg)
-    resolved.parallelism = dataclasses.replace(cfg.parallelism, reshard_after_forward="false")
-    if not plan_run(dataclasses.replace(setup, cfg=resolved), hardware, chips=chips, measure=measure,
-                    model_args=model_args).fits:
-        resolved.parallelism = dataclasses.replace(cfg.parallelism, reshard_after_forward="true")
+    resolved.parallelism = dataclasses.replace(cfg.parallelism, reshard_after_forward="false" if keep else "true")
     return resolved
 
 
-def reshard_decision(setup: RunSetup | Config, *, world_size: int,
-                     hardware: Hardware | None = None) -> tuple[bool, str]:
-    """(re-shard after the forward?, why) for a run on `world_size` devices, as the run's assembly
-    decides it (components/build.py) and `titan-tpu compile` compiles it: "true"/"false" as given;
-    auto asks `with_reshard_resolved` on the hardware the config names (or `hardware`), and
-    re-shards where the planner cannot plan the run (an unnamed GPU). An hf model is one piece
-    (HFCausalLM.init_plan): nothing to re-shard after a layer, so nothing is planned for it."""
-    setup = setup if isinstance(setup, RunSetup) else RunSetup.resolved(setup)
-    cfg = setup.cfg
-    value = cfg.parallelism.reshard_after_forward
-    if value != "auto":
-        return value == "true", "set in the config"
-    if not setup.spec.plannable:  # measured terms (plan/hf_terms.py) would be spent on a choice that does nothing
-        return True, "an hf model is one piece: nothing is re-sharded after a layer"
+def _kept_weights_fit(setup: RunSetup, hardware: Hardware | None, *, chips: int | None, measure: bool,
+                      model_args=None) -> bool:
+    """Whether the step's peak with the gathered block weights kept from the forward to the backward
+    (re-sharding off) fits the device: memory terms only (`planned_memory`)."""
+    kept = copy.copy(setup.cfg)
+    kept.parallelism = dataclasses.replace(setup.cfg.parallelism, reshard_after_forward="false")
+    s = _planned_setting(dataclasses.replace(setup, cfg=kept), hardware, chips=chips, measure=measure, gather=None,
+                         model_args=model_args, as_compiled=False, fp8=None)
+    phases = planned_memory(s)[0].terms["phases"]
+    return max(phases.values()) <= s.hardware.memory_bytes
+
+
+def reshard_choice(run: ResolvedRun, hardware: Hardware | None = None) -> Reshard:
+    """parallelism.reshard_after_forward auto for a resolved run (run/resolved.py): keep the gathered block
+    weights from the forward to the backward where the plan that keeps them fits the device (re-sharding
+    would only add an all-gather per block to the backward), on the hardware the config names (or
+    `hardware`); re-shard where the planner cannot plan the run (an unnamed GPU). Read off the memory
+    terms alone: nothing of the plan's time or advice is computed."""
     try:
         if hardware is None:
-            hardware, _ = default_hardware(cfg, measure=False)
-        chips = max(world_size // hardware.devices_per_chip, 1)
-        resolved = with_reshard_resolved(setup, hardware, chips=chips, measure=False)
+            hardware, _ = default_hardware(run.cfg, measure=False)
+        chips = max(run.world_size // hardware.devices_per_chip, 1)
+        keep = _kept_weights_fit(run.setup, hardware, chips=chips, measure=False)
     except ValueError as e:
-        return True, f"the planner cannot plan this run ({str(e).split(';')[0]})"
-    if resolved.parallelism.reshard_after_forward == "true":
-        return True, "the plan that keeps them does not fit"
-    return False, "the plan that keeps them fits"
+        return Reshard(True, f"the planner cannot plan this run ({str(e).split(';')[0]})")
+    return Reshard(False, "the plan that keeps them fits") if keep else \
+        Reshard(True, "the plan that keeps them does not fit")
 
 
 def _mode(layout: Layout) -> str:

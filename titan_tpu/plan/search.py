@@ -70,7 +70,7 @@ from titan_tpu.plan.hardware import Hardware
 from titan_tpu.plan.planner import plan_config
 from titan_tpu.plan.result import Plan
 from titan_tpu.plan.setting import TPU_NAMES, default_hardware, planning_machine
-from titan_tpu.run_setup import prepare_run
+from titan_tpu.run.setup import prepare_run
 
 __all__ = ["KNOBS", "Candidate", "SearchResult", "search", "format_search"]
 
@@ -84,7 +84,7 @@ _SET = ("activation_checkpoint.mode", "model.scan_layers", "training.batch_size"
         "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.ep",
         "parallelism.pp", "parallelism.pp_microbatches", "parallelism.pp_repeats", "parallelism.reshard_after_forward",
         "parallelism.bucket_mb", "lora.enabled", "fp8.enabled")
-# What an hf model cannot change (models/hf_spec.py refuses tp, cp and scanned layers, run_setup.py pp;
+# What an hf model cannot change (models/hf_spec.py refuses tp, cp and scanned layers, run/setup.py pp;
 # one piece has nothing to re-shard after a layer): held, as --keep holds a knob.
 HF_HELD = ("parallelism.tp", "parallelism.pp", "model.scan_layers", "parallelism.reshard_after_forward")
 BUCKETS_MB = (0.0, 25.0, 256.0)

@@ -23,19 +23,22 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from titan_tpu.config import Config, grad_accum_from_tokens
+import torch
+
+from titan_tpu.config import Config
 from titan_tpu.kernels import ATTENTION, DOCUMENTS
 from titan_tpu.kinds import TrainingKind, kind_of
 from titan_tpu.kinds.record import builds_reference_copy
 from titan_tpu.models.registry import MODEL_NAMES, largest_param, num_expert_params, num_params
 from titan_tpu.parallel.context_parallel import check_context_parallel
-from titan_tpu.parallel.mesh import ParallelDims, check_cp_with_ep
+from titan_tpu.parallel.mesh import check_cp_with_ep
 from titan_tpu.parallel.pipeline import PipelineSchedule
 from titan_tpu.parallel.plan_terms import Layout
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
-from titan_tpu.plan.pipeline_terms import pipeline_schedule, stage_args
-from titan_tpu.run_setup import RunSetup
+from titan_tpu.plan.pipeline_terms import stage_args
+from titan_tpu.run.resolved import Target, resolve_run
+from titan_tpu.run.setup import RunSetup
 
 if TYPE_CHECKING:
     from titan_tpu.plan.hf_terms import HFTerms
@@ -68,7 +71,7 @@ def planning_machine():
 def setup_for_planning(toml_path, overrides: list[str] | None = None) -> RunSetup:
     """The run setup as the machine the config is written for would make it (`planning_machine`)."""
     from titan_tpu.config import build_config
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
 
     with planning_machine():
         return prepare_run(build_config(toml_path, overrides))
@@ -104,10 +107,11 @@ def default_hardware(cfg: Config, *, measure: bool = True) -> tuple[Hardware, in
                      "'H100: 32 GPUs' into job.description")
 
 
-def _mesh(cfg: Config, devices: int | None) -> ParallelDims:
-    """The mesh on `devices` (None: a CPU run, the ranks the mesh names) with dp_shard = -1 resolved, or a
-    one-line error. It plans the combinations the trainer does not run yet (runnable False)."""
-    return ParallelDims.from_config(cfg.parallelism, world_size=devices, runnable=False)
+def _device_type(hardware: Hardware) -> str:
+    """The device type a run on `hardware` computes on (what model.dtype auto resolves by)."""
+    if hardware.name == "cpu":
+        return "cpu"
+    return "tpu" if hardware.name in TPU_NAMES else "cuda"
 
 
 def code_gather(cfg: Config) -> str:
@@ -323,19 +327,21 @@ def resolve_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int | 
         hardware, named_chips = default_hardware(cfg, measure=measure)
         chips = chips if chips is not None else named_chips
     devices = chips * hardware.devices_per_chip if chips is not None else None
-    dims = _mesh(cfg, devices)
-    devices, split = dims.world_size, dims.batch_split()
-    if cfg.training.global_batch_tokens:  # the accumulation the trainer derives on this mesh
-        accum = grad_accum_from_tokens(cfg.training, split.dp_size, ranks_per_dp=split.ranks_per_dp)
-        training = dataclasses.replace(cfg.training, global_batch_tokens=0, grad_accum_steps=accum)
-        cfg = dataclasses.replace(cfg, training=training)
     args = model_args if model_args is not None else spec.args
-    _check_parallel_support(cfg, args)
-    schedule = pipeline_schedule(cfg, args)
-    if schedule is not None:  # as the model is built under pp (models/spec.py): no buckets, nothing re-sharded
-        parallelism = dataclasses.replace(cfg.parallelism, bucket_mb=0, reshard_after_forward="false")
+    # The run on these devices as it resolves (run/resolved.py): the mesh, the accumulation, the pipeline
+    # schedule and what it implies, the compute dtype; the layouts the trainer does not run yet too.
+    run = resolve_run(setup, Target(world_size=devices, compute_device_type=_device_type(hardware)), runnable=False,
+                      args=args)
+    devices, schedule = run.world_size, run.pipeline
+    # The terms read the config: the planned copy takes the run's accumulation and, under pp, its buckets
+    # and re-sharding (none).
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, global_batch_tokens=0,
+                                                                grad_accum_steps=run.grad_accum_steps))
+    if schedule is not None:
+        parallelism = dataclasses.replace(cfg.parallelism, bucket_mb=run.bucket_mb, reshard_after_forward="false")
         cfg = dataclasses.replace(cfg, parallelism=parallelism)
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if hardware.name == "cpu" else "bfloat16")
+    _check_parallel_support(cfg, args)
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[run.compute_dtype]
     hf = None
     if not spec.plannable:  # transformers' layers: measured, not written (plan/hf_terms.py)
         from titan_tpu.plan.hf_terms import hf_terms
@@ -347,8 +353,8 @@ def resolve_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int | 
     code = ("layer" if cfg.activation_checkpoint.mode == "full" else "model") if hf is not None else code_gather(cfg)
     gather = gather or code
     p = cfg.parallelism
-    layout = Layout(**dims.config_sizes(), compute_bytes=_DTYPE_BYTES[dtype], reduce_bytes=_DTYPE_BYTES[p.reduce_dtype],
-                    gather=gather, ep_dispatch=p.ep_dispatch,
+    layout = Layout(**run.dims.config_sizes(), compute_bytes=_DTYPE_BYTES[dtype],
+                    reduce_bytes=_DTYPE_BYTES[p.reduce_dtype], gather=gather, ep_dispatch=p.ep_dispatch,
                     # captured CPU/CUDA steps send the all-to-all's static buffer whole; TPU's is ragged
                     ep_padded=cfg.training.mode == "graph" and hardware.name not in TPU_NAMES)
     adapters = ({"adapter_params": hf.params.adapters} if cfg.lora.enabled else {}) if hf else _adapters(cfg, args)

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from titan_tpu.parallel.pipeline import PipelineSchedule
 
 __all__ = ["compared_flops", "formula_as_xla_counts", "xla_beside_plan"]
 
@@ -68,17 +72,18 @@ def xla_beside_plan(plan, path: str, compiled=None) -> tuple[str, dict]:
     return "\n".join(lines), beside
 
 
-def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float, *, topology: str) -> float | None:
+def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float, *, schedule: PipelineSchedule | None,
+                          topology: str) -> float | None:
     """Our FLOP formula counted as XLA's cost analysis counts the compiled step (models/registry.py
     flops_per_token_as_xla_counts): a scanned stack's loop body once, nothing inside the Mosaic
     custom calls (splash attention, megablox's gmm and tgmm), full checkpointing's rerun of the
     forward, a frozen reference's forwards (DPO's), and on tpu7x the logits of tokamax's plain-XLA loss computed
-    twice (XLA rematerializes them there). topology: the slice compiled for, e.g. "v5p:2x2x1".
-    None for a model without native args (an HF directory)."""
+    twice (XLA rematerializes them there). schedule: the run's pipeline schedule (run/resolved.py), None
+    without stages. topology: the slice compiled for, e.g. "v5p:2x2x1". None for a model without native
+    args (an HF directory)."""
     from titan_tpu.kinds import kind_of
     from titan_tpu.models.registry import flops_per_token_as_xla_counts
     from titan_tpu.models.spec import model_spec
-    from titan_tpu.parallel.pipeline import PipelineSchedule
 
     spec = model_spec(cfg.model)
     if spec.kind != "native":
@@ -86,8 +91,6 @@ def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float, *, to
     args = spec.args
     # Pipeline stages unroll their rows (no loop body counted once), and in the one program every
     # stage computes in every iteration, the bubble's too.
-    pp = cfg.parallelism.pp
-    schedule = PipelineSchedule.from_config(cfg.parallelism, n_layers=args.n_layers) if pp > 1 else None
     looped = cfg.model.scan_layers and schedule is None
     attention = kernels_used.get("attention", "").split()[0] if kernels_used.get("attention") else ""
     mode = "kernel" if attention.startswith("splash") else "full" if attention in ("sdpa", "reference") else "causal"
@@ -97,5 +100,5 @@ def formula_as_xla_counts(cfg, kernels_used: dict, tokens_per_chip: float, *, to
         experts_in_kernel=kernels_used.get("grouped_mm", "").startswith("gmm"), frozen_base=cfg.lora.enabled,
         reference_forwards=kind_of(cfg).reference_forwards(cfg),
         logits_recomputed=topology.startswith("tpu7x") and kernels_used.get("loss", "").startswith("tokamax"),
-        blocks_repeated=1.0 if schedule is None else schedule.iterations / (schedule.iterations - pp + 1))
+        blocks_repeated=1.0 if schedule is None else schedule.iterations / (schedule.iterations - schedule.stages + 1))
     return per_token * tokens_per_chip

@@ -1,8 +1,9 @@
 """`titan-tpu compile`: XLA's TPU compiler's verdict on our training step, on any CPU machine.
 
 The step one device of the run captures (graph mode: forward, loss, backward, clipping, AdamW,
-SimpleFSDP's collectives), captured on this one process under a fake process group
-(tools/device_step.py, as the JAX path captures it: tools/jax_capture.py), lowered to JAX
+SimpleFSDP's collectives), built by the code that trains: the run resolved for the slice's devices
+on the JAX path (components/resolve.py), rank 0's program assembled on a fake process group of the
+run's size and captured as the run's JAX path captures it (components/program.py), lowered to JAX
 (graph/jax_lowering.py) inside shard_map over the slice's devices (graph/jax_devices.py), and
 compiled with libtpu's compile-only client for the slice's topology
 (`jax.experimental.topologies.get_topology_desc`; slice names: plan/topology.py). Printed: XLA's
@@ -59,7 +60,7 @@ def compile_main(argv: list[str]) -> int:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from titan_tpu.config import build_config
     from titan_tpu.plan.topology import recipe_topology, topology_for
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
     from titan_tpu.tools.hf_shape_dir import ensure
 
     cfg = build_config(args.config, overrides)
@@ -105,20 +106,18 @@ def _force_cpu_devices(target: str) -> None:
 
 
 def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_dump: Path | None = None) -> dict:
-    """Compile `cfg`'s step for the topology, as the trainer would run it there; returns the report
-    (see the module docstring). As the trainer: parallelism.reshard_after_forward auto decided by
-    the planner for that slice (planner.reshard_decision), document masking where its data has
-    it, and with gradient accumulation its two programs (micro-batch and update), each compiled;
-    the step's peak is the larger of theirs (between them only their arguments are alive).
-    xla_dump: the directory XLA_FLAGS=--xla_dump_to names (`xla_dump_env`), for the collectives
-    XLA kept and the values alive at its peak; None: both from what can be read without it."""
+    """Compile `cfg`'s step for the topology, built by the code that trains (components/program.py:
+    the run resolved for the slice's devices, then rank 0's program assembled on a fake world and
+    captured); returns the report (see the module docstring). With gradient accumulation its two
+    programs (micro-batch and update) are each compiled; the step's peak is the larger of theirs
+    (between them only their arguments are alive). xla_dump: the directory XLA_FLAGS=--xla_dump_to
+    names (`xla_dump_env`), for the collectives XLA kept and the values alive at its peak; None: both
+    from what can be read without it."""
+    from titan_tpu.components.program import capture_rank
     from titan_tpu.graph.jax_devices import cpu_devices, slice_major, slices_of_replicas, tpu_topology
-    from titan_tpu.kinds import kind_of
-    from titan_tpu.kinds.record import FORWARD_COST
     from titan_tpu.plan.hardware import HARDWARE
-    from titan_tpu.plan.planner import reshard_decision
     from titan_tpu.plan.xla_compare import formula_as_xla_counts
-    from titan_tpu.tools.jax_capture import capture_for_jax, trainer_documents, trainer_example_data
+    from titan_tpu.run.resolved import Target
     from titan_tpu.tools.xla_numbers import compile_program, hlo_collectives, pallas_kernels
 
     platform = "cpu" if topology_name.startswith("cpu:") else "tpu"
@@ -131,18 +130,9 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     generation = topology_name.split(":")[0].replace("tpu7x", "v7")
     # A CPU target plans on the hardware the config names, as the run on this CPU does.
     hardware = HARDWARE.get(generation) if platform == "tpu" else None
-    t = cfg.training
-    reshard, why = reshard_decision(cfg, world_size=len(devices), hardware=hardware)
-    # The batch the trainer captures with: its data's own where that holds images, else token rows.
-    data = trainer_example_data(cfg, world_size=len(devices), platform=platform)
-    documents = trainer_documents(cfg) if data is None else data.document_mask
     start = time.perf_counter()
-    captured, cfg, kernels_used = capture_for_jax(cfg, platform, world_size=len(devices), batch_size=t.batch_size,
-                                                  seq_len=t.seq_len, reshard_after_forward=reshard,
-                                                  documents=documents, grad_accum_steps=t.grad_accum_steps,
-                                                  example_batch=None if data is None else data.example_batch)
+    run, steps, example = capture_rank(cfg, Target.for_jax(platform, len(devices)), hardware=hardware)
     capture_s = time.perf_counter() - start
-    steps = {"step": captured} if not isinstance(captured, tuple) else dict(zip(("micro-batch", "update"), captured))
     programs = {name: compile_program(step, devices, program=name, xla_dump=xla_dump,
                                        dump=None if dump is None else dump if len(steps) == 1 else dump / name)
                 for name, step in steps.items()}
@@ -150,20 +140,19 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     peak_name = max(programs, key=lambda name: programs[name]["peak"])
     peak = programs[peak_name]
     hbm = hardware.memory_bytes if hardware is not None else None
-    flops_per_token = _formula_flops_per_token(cfg, images=None if data is None else data.example_batch.images)
-    flops_per_token *= 1 + kind_of(cfg).reference_forwards(cfg) / FORWARD_COST  # a frozen reference's forwards too
-    runs = {"step": 1, "micro-batch": t.grad_accum_steps, "update": 1}
+    flops_per_token = _formula_flops_per_token(run, images=getattr(example, "images", None))
+    runs = {"step": 1, "micro-batch": run.grad_accum_steps, "update": 1}
     flops = sum(runs[name] * (p["flops"] or 0.0) for name, p in programs.items()) if peak["flops"] is not None \
         else None
-    tokens_per_chip = _step_tokens(first.captured) * t.grad_accum_steps / len(devices)
+    tokens_per_chip = run.step_tokens / len(devices)
     report = {
         "topology": topology_name, "platform": platform, "devices": len(devices), "mesh": dict(first.axis_sizes),
         # several slices: `topology` is each one's; the slice of each dp_replicate index (slices_of_replicas)
         **({"slices": slices, "slice_of_dp_replicate": slices_of_replicas(first, devices)} if slices > 1 else {}),
         # what a run of the JAX path on this target logs for each program it hands XLA (graph/fingerprint.py)
         "fingerprints": {name: p["fingerprint"] for name, p in programs.items()},
-        "reshard_after_forward": reshard, "reshard_why": why, "documents": documents,
-        "grad_accum_steps": t.grad_accum_steps,
+        "reshard_after_forward": run.reshard_after_forward, "reshard_why": run.reshard.why,
+        "documents": run.documents, "grad_accum_steps": run.grad_accum_steps,
         "memory_per_chip_bytes": peak["memory"], "peak_per_chip_bytes": peak["peak"], "peak_program": peak_name,
         "programs": {name: {k: v for k, v in p.items() if k not in ("text", "lowered_text")}
                      for name, p in programs.items()},
@@ -176,15 +165,15 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
         "bytes_accessed_per_chip": sum(runs[name] * (p["bytes_accessed"] or 0.0) for name, p in programs.items()),
         "tokens_per_chip": tokens_per_chip,
         "formula_flops_per_chip": flops_per_token * tokens_per_chip,
-        "formula_as_xla_counts_per_chip": formula_as_xla_counts(cfg, kernels_used, tokens_per_chip,
-                                                                topology=topology_name),
+        "formula_as_xla_counts_per_chip": formula_as_xla_counts(cfg, run.kernel_notes, tokens_per_chip,
+                                                                schedule=run.pipeline, topology=topology_name),
         # XLA's cost analysis counts a while loop's body once, not once per trip (a lax.scan of 8
         # matmuls reports the FLOPs of 1): with scanned layers its FLOPs are the step outside the
         # layers plus one layer's forward and backward.
         "loop_body_counted_once": bool(cfg.model.scan_layers),
         "collectives": hlo_collectives(peak["text"]), "collectives_counted_in": peak["collectives_from"],
         "f8_dots": sum(p["f8_dots"] for p in programs.values()),
-        "kernels": kernels_used, "tpu_kernels": pallas_kernels(peak["lowered_text"]), "at_peak": peak["at_peak"],
+        "kernels": run.kernel_notes, "tpu_kernels": pallas_kernels(peak["lowered_text"]), "at_peak": peak["at_peak"],
         "capture_seconds": capture_s, "lower_seconds": sum(p["lower_seconds"] for p in programs.values()),
         "compile_seconds": sum(p["compile_seconds"] for p in programs.values()),
         "lower_compile_cpu_seconds": sum(p["cpu_seconds"] for p in programs.values()),
@@ -198,29 +187,19 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     return report
 
 
-def _formula_flops_per_token(cfg, *, images=None) -> float:
-    """Our FLOPs per trained token of the step: a native model's from its args; an HF directory's
-    counted on its model built on the meta device (no memory), a vision-language model's `images`
-    as the batch the step was captured with holds them (its real tensors: the captured inputs are
-    fake ones, which the meta copy cannot take)."""
-    from titan_tpu.models.spec import model_spec
+def _formula_flops_per_token(run, *, images=None) -> float:
+    """Our FLOPs per trained token of the step (components/program.py `flops_per_token`, the frozen
+    reference's forwards too): a native model's from its args; an HF directory's counted on its model
+    built on the meta device (no memory), a vision-language model's `images` as the batch the step
+    was captured with holds them (its real tensors: the captured inputs are fake ones, which the meta
+    copy cannot take)."""
+    from titan_tpu.components.program import flops_per_token
     from titan_tpu.parallel.mesh import ParallelDims
 
-    spec = model_spec(cfg.model)
-    if spec.kind != "hf":
-        return spec.flops_per_token(None, cfg.training.seq_len)[0]  # native specs read only the args
-    model = spec.build_on_meta(cfg, mesh=None, parallel_dims=ParallelDims(world_size=1), documents=False)
-    return spec.flops_per_token(model, cfg.training.seq_len, images=images)[0]
-
-
-def _step_tokens(captured) -> int:
-    """Tokens of one step on all devices: this device's trained rows (a DPO pair is two) times their
-    length, times the data-parallel ranks."""
-    from titan_tpu.data.batch import PreferenceBatch, unflatten
-
-    batch = unflatten(captured.layout.unflatten_inputs(captured.example_inputs)["batch"], captured.batch_spec)
-    rows = [batch.chosen, batch.rejected] if isinstance(batch, PreferenceBatch) else [batch]
-    return sum(row.labels_BS.numel() for row in rows) * captured.dp_size
+    model = None
+    if run.spec.kind == "hf":
+        model = run.spec.build_on_meta(run.cfg, mesh=None, parallel_dims=ParallelDims(world_size=1), documents=False)
+    return flops_per_token(run, model, images=images)[0]
 
 
 def _format(report: dict) -> str:

@@ -137,7 +137,7 @@ def rows(reports: Path = REPORTS) -> list[Row]:
     from titan_tpu.plan.planner import plan_config
     from titan_tpu.plan.setting import default_hardware, planning_machine
     from titan_tpu.plan.topology import topology_for_chips
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.setup import prepare_run
     from titan_tpu.tools.hf_shape_dir import ensure
 
     out = []
@@ -147,7 +147,8 @@ def rows(reports: Path = REPORTS) -> list[Row]:
         with planning_machine():
             cfg = build_config(ROOT / recipe, [])
             ensure(cfg.model.hf_config, log=lambda message: None)  # a Transformers-backend recipe's stand-in
-            cfg = prepare_run(cfg).cfg
+            setup = prepare_run(cfg)
+            cfg = setup.cfg
         hardware, chips = default_hardware(cfg, measure=False)
         topology = _slices({"slices": cfg.parallelism.slices}) + topology_for_chips(
             hardware.name, chips // cfg.parallelism.slices)
@@ -155,10 +156,13 @@ def rows(reports: Path = REPORTS) -> list[Row]:
         counted = None
         if report is not None and "error" not in report:  # today's formula, on the compiled step's tokens
             from titan_tpu.plan.xla_compare import formula_as_xla_counts
+            from titan_tpu.run.resolved import Target, resolve_run
 
             tokens = report.get("tokens_per_chip") or report["formula_flops_per_chip"] / \
                 model_spec(cfg.model).flops_per_token(None, cfg.training.seq_len)[0]
-            counted = formula_as_xla_counts(cfg, report["kernels"], tokens, topology=report["topology"])
+            schedule = resolve_run(setup, Target(world_size=None), runnable=False).pipeline
+            counted = formula_as_xla_counts(cfg, report["kernels"], tokens, schedule=schedule,
+                                            topology=report["topology"])
         compiled = plan_config(cfg, hardware, chips=chips, measure=False, as_compiled=True)
         out.append(Row(recipe=recipe, report=report, stale=_stale(report, recipe), plan_peak=plan.peak_bytes,
                        plan_peak_compiled=compiled.peak_bytes, plan_flops=plan.flops["executed_per_step_per_device"],

@@ -19,7 +19,7 @@ How, in a child process where torch-tpu is loaded (`import torch` auto-loads it;
 compile` turns that off):
 * `torch_tpu._loader._init_device("tpu")` registers the device without a PJRT client; the captured
   graph's factory calls that name the CPU are pointed at it.
-* The step is captured as `titan-tpu compile` captures rank 0 of the run (tools/device_step.py,
+* The step is captured as `titan-tpu compile` captures rank 0 of the run (components/program.py,
   under a fake process group). Lowering a collective needs the process group's backend for the
   TPU device: TorchTPU's is `tpu_distributed.create_process_group`, which needs a PJRT client
   ("failed to retrieve the PjRt client: TPU initialization failed: No jellyfish device found"),
@@ -195,7 +195,7 @@ def stand_in_groups(step) -> Iterator[dict[str, int]]:
 
 
 def lower_step(step, runtime: str) -> Lowering:
-    """TorchTPU's programs for a captured step (a DeviceStep of tools/device_step.py, not changed)
+    """TorchTPU's programs for a captured step (a DeviceStep of graph/spmd.py, not changed)
     as `runtime` runs it. Needs torch-tpu loaded (see the module docstring)."""
     import copy
 
@@ -367,19 +367,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--runtimes", default=",".join(RUNTIMES))
-    parser.add_argument("--documents", action="store_true")
     args, overrides = parser.parse_known_args(argv)
     try:
         from titan_tpu.config import build_config
-        from titan_tpu.run_setup import prepare_run
-        from titan_tpu.tools.device_step import capture_device_step
+        from titan_tpu.run.setup import prepare_run
 
-        cfg = prepare_run(build_config(args.config, overrides)).cfg
-        reshard = cfg.parallelism.reshard_after_forward
+        setup = prepare_run(build_config(args.config, overrides))
         start = time.perf_counter()
-        step = capture_device_step(cfg, world_size=args.world, batch_size=cfg.training.batch_size,
-                                   seq_len=cfg.training.seq_len, documents=args.documents,
-                                   reshard_after_forward=None if reshard == "auto" else reshard == "true")
+        step = _torchtpu_capture(setup, world=args.world)
         capture_seconds = time.perf_counter() - start
         lowerings = [lower_step(step, runtime) for runtime in args.runtimes.split(",")]
     except (ValueError, RuntimeError) as e:
@@ -404,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
 # -- in the JAX process ----------------------------------------------------------------------
 
 def lower_with_torchtpu(config: str, overrides: Sequence[str], out_dir: Path, *, world: int = 1,
-                        runtimes: Sequence[str] = RUNTIMES, documents: bool = False,
-                        timeout: float | None = None) -> tuple[dict[str, Lowering], dict]:
+                        runtimes: Sequence[str] = RUNTIMES, timeout: float | None = None
+                        ) -> tuple[dict[str, Lowering], dict]:
     """TorchTPU's programs for `config` with `overrides` as rank 0 of `world` ranks captures it, in
     each runtime, made in a child process where torch-tpu loads (this one may have turned that
     off); returns {runtime: Lowering} and the child's META_FILE."""
@@ -413,8 +408,7 @@ def lower_with_torchtpu(config: str, overrides: Sequence[str], out_dir: Path, *,
            "PYTHONWARNINGS": "ignore:<TorchTpu/Performance/TcMalloc/"}
     env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)  # TorchTPU's lowering needs torch-tpu loaded
     command = [sys.executable, "-m", "titan_tpu.tools.torchtpu_lowering", "--config", config, "--out", str(out_dir),
-               "--world", str(world), "--runtimes", ",".join(runtimes), *(["--documents"] if documents else []),
-               *overrides]
+               "--world", str(world), "--runtimes", ",".join(runtimes), *overrides]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -568,6 +562,29 @@ def _runtime_report(lowering: Lowering, topology_name: str) -> dict:
             "hlo": None, "result_types": None}
 
 
+def _torchtpu_capture(setup, *, world: int):
+    """Rank 0's step of the run on `world` TPU devices as TorchTPU's Dynamo backend is handed it: the
+    run's own resolution and assembly (components/program.py) on a fake world, its kernels traced as the
+    CPU runs them (the config names ATen kernels: `_aten_kernels`), captured per rank (graph/capture.py),
+    not as the JAX path's one program for every rank."""
+    import torch
+
+    from titan_tpu.components.program import fake_rank
+    from titan_tpu.components.resolve import resolve
+    from titan_tpu.graph.capture import capture_train_step
+    from titan_tpu.graph.spmd import device_step, mesh_axis_sizes
+    from titan_tpu.run.resolved import Target
+
+    target = Target(world_size=world, compute_device_type="tpu", kernel_device_type="cpu", collective_per_tensor=True)
+    run = resolve(setup, target)
+    with fake_rank(run) as (program, place):
+        captured = capture_train_step(program.model, max_norm=run.cfg.training.max_norm,
+                                      adamw_hparams=program.optimizer.hparams, decay=program.optimizer.decay,
+                                      example_batch=program.example_batch, dp_size=run.batch_split().dp_size,
+                                      scalar_dtype=torch.float32, objective=program.objective)
+        return device_step(captured, mesh_axis_sizes(place.mesh, run.dims))
+
+
 def compare(config: str, overrides: Sequence[str], topology_name: str, work_dir: Path, *,
             runtimes: Sequence[str] = RUNTIMES, xla_dump: Path | None = None) -> dict:
     """The step of `config` for a slice of `topology_name` (as rank 0 of one rank per chip
@@ -577,32 +594,35 @@ def compare(config: str, overrides: Sequence[str], topology_name: str, work_dir:
     "outputs_match" (one chip only), ...}; the compile reports as `compile_stablehlo`'s. xla_dump:
     the directory XLA_FLAGS=--xla_dump_to names in this process (set before JAX started), from
     whose optimized HLO the instruction counts come where libtpu cannot print the compiled program."""
+    from titan_tpu.components.resolve import resolve
     from titan_tpu.config import build_config
+    from titan_tpu.device import jax_backend
     from titan_tpu.graph.jax_devices import tpu_topology
     from titan_tpu.plan.hardware import HARDWARE
-    from titan_tpu.plan.planner import reshard_decision
-    from titan_tpu.run_setup import prepare_run
+    from titan_tpu.run.resolved import Target
+    from titan_tpu.run.setup import prepare_run
     from titan_tpu.tools.compile_cmd import compile_step_for_tpu
-    from titan_tpu.tools.jax_capture import trainer_documents
 
-    cfg = prepare_run(build_config(config, list(overrides))).cfg
+    setup = prepare_run(build_config(config, list(overrides)))
+    cfg = setup.cfg
     p = cfg.parallelism
     unsupported = {key: getattr(p, key) for key in ("cp", "ep") if getattr(p, key) > 1}
     if unsupported:
         raise ValueError(f"TorchTPU's lowering is compared for data and tensor parallelism, {config} has "
                          + ", ".join(f"{k} {v}" for k, v in unsupported.items()) + "; add "
                          + " ".join(f"--parallelism.{k} 1" for k in unsupported))
-    if cfg.training.grad_accum_steps > 1:
+    if setup.cfg.training.grad_accum_steps > 1 or cfg.training.global_batch_tokens:
         raise ValueError("TorchTPU's lowering is compared for one program per step; add --training.grad_accum_steps 1")
     devices = len(tpu_topology(topology_name).devices)
-    kernels = _aten_kernels(cfg)
-    reshard, _ = reshard_decision(cfg, world_size=devices, hardware=HARDWARE.get(topology_name.split(":")[0]))
+    # Our JAX path's resolution of the run on this slice (components/resolve.py): its kernels and re-sharding.
+    run = resolve(setup, Target.of_backend(jax_backend("tpu"), devices),
+                  hardware=HARDWARE.get(topology_name.split(":")[0]))
+    kernels, reshard, documents = _aten_kernels(run), run.reshard_after_forward, run.documents
     # Both captures with what our capture for JAX resolved, named: the kernels and the re-sharding.
     named = [*(f"--kernels.{op}={name}" for op, name in kernels.items()),
              f"--parallelism.reshard_after_forward={str(reshard).lower()}"]
-    documents = trainer_documents(cfg)
     lowerings, meta = lower_with_torchtpu(config, [*overrides, *named], work_dir / "torchtpu", world=devices,
-                                          runtimes=runtimes, documents=documents)
+                                          runtimes=runtimes)
     report = {"config": " ".join([config, *overrides]), "topology": topology_name, "devices": devices,
               "kernels": kernels, "reshard_after_forward": reshard, "documents": documents,
               "collectives": meta["collectives"], "torchtpu_capture_seconds": meta["capture_seconds"],
@@ -676,21 +696,18 @@ def hlo_counts_from_dump(dump_dir: Path) -> dict[str, dict[str, int]]:
     return found
 
 
-def _aten_kernels(cfg) -> dict[str, str]:
-    """Each op's kernel in our capture for JAX (graph/jax_program.py jax_kernels), which must be one both
+def _aten_kernels(run) -> dict[str, str]:
+    """Each op's kernel in our capture for JAX (run/resolved.py `kernel_notes`), which must be one both
     lowerings trace alike: ATen ops that also run on a TPU (reference attention, chunked loss).
     Otherwise a one-line error naming the choices: a Pallas kernel (splash, gmm, tokamax) and
     TorchTPU's own splash_sdpa trace in TorchTPU's FX mode, but `build_mlir` then asks for the
     PJRT client ("TPU initialization failed: No jellyfish device found"); sdpa is captured here as
     the CPU's flash kernel, which TorchTPU does not implement."""
-    from titan_tpu.graph.jax_program import jax_kernels
     from titan_tpu.kernels import OPS
-    from titan_tpu.models.spec import model_spec
 
-    _, used = jax_kernels(cfg)
-    moe = getattr(model_spec(cfg.model).args, "moe", None) is not None
+    moe = getattr(run.spec.args, "moe", None) is not None
     kernels = {}
-    for field, chosen in used.items():
+    for field, chosen in run.kernel_notes.items():
         if field == "chunk_attention" or field == "grouped_mm" and not moe:
             continue  # context parallelism's attention and the experts' matmul: not in a dense step without cp
         name = chosen.split()[0]

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from titan_tpu.data.batch import IGNORE_INDEX, Batch, as_batch
-from titan_tpu.model_contract import TrainableModel
+from titan_tpu.model_contract import TrainableModel, gradient_reducer
 from titan_tpu.train.objective import ModelCalls, NextTokenObjective, Objective
 from titan_tpu.train.optim import AdamW, clip_grad_norm_
 from titan_tpu.train.profiling import OPTIMIZER_REGION
@@ -138,6 +138,7 @@ class EagerStep(StepFunction):
         self.objective = objective or NextTokenObjective()
         self.calls = ModelCalls(policy=model, frozen=self.objective.frozen_modules())
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}  # LoRA: adapters only
+        self.reducer = gradient_reducer(model)  # sums its own layout needs (model contract), before grad_sync
 
     def __call__(self, micro_batches: list[Batch | tuple[Tensor, ...]], lr: float) -> StepResult:
         batches = [as_batch(b) for b in micro_batches]
@@ -151,9 +152,8 @@ class EagerStep(StepFunction):
         # A parameter the loss does not reach (a module of the model unused by this forward) gets a
         # zero gradient, as in the captured step, rather than no entry.
         grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.params.items()}
-        pipeline = getattr(self.model, "pipeline", None)
-        if pipeline is not None:  # the weights every pipeline stage holds: each stage's part summed
-            pipeline.sum_shared_grads_(grads)
+        if self.reducer is not None:  # e.g. the weights every pipeline stage holds: each stage's part summed
+            self.reducer.sum_(grads)
         if self.grad_sync is not None and not self.grad_sync(list(grads.values())):
             for p in self.params.values():
                 p.grad = None

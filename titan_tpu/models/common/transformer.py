@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_tpu.kernels import KernelConfig, document_ids_from_positions
-from titan_tpu.model_contract import PER_LAYER_GATHER, LossOutput, stored_weights
+from titan_tpu.model_contract import PER_LAYER_GATHER, GradientReducer, LossOutput, stored_weights
 from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.attention import Attention
 from titan_tpu.models.common.feed_forward import FeedForward
@@ -413,6 +413,10 @@ class Transformer(nn.Module):
                 moe_stats.append(layer_stats.unsqueeze(0))
         stats_L2E = torch.cat(moe_stats) if moe_stats else stats_L2E
         return torch.stack(ce_sums).mean(), stats_L2E
+
+    def gradient_reducer(self) -> GradientReducer | None:
+        """This rank's pipeline stage sums the gradients of the weights every stage holds (model contract)."""
+        return self.pipeline
 
     def expert_bias_names(self) -> list[str]:
         """Buffers moved by auxiliary-loss-free balancing, in expert_load's layer order."""

@@ -102,6 +102,7 @@ class HFCausalLM(nn.Module):
         self._buffer_values = {name: b.detach().clone() for name, b in hf_model.named_buffers()}
         self._buffer_values.update(frozen)
         self.use_chunked_loss = False  # decided by check_chunked_loss() once the weights are real
+        self.chunked_loss_reason = "not checked yet"
         self.graph_safe_forwards = _use_graph_safe_forwards(hf_model)
         self.decoder_layers = _decoder_layers(hf_model)
         if ac_mode != "none":
@@ -162,6 +163,9 @@ class HFCausalLM(nn.Module):
 
     def from_per_layer(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(named)
+
+    def gradient_reducer(self) -> None:
+        return None  # transformers' layers are never split into stages (run/setup.py refuses pp)
 
     def expert_bias_names(self) -> list[str]:
         return []  # transformers' routers move their own biases, if any, outside the gradient
@@ -274,19 +278,22 @@ class HFCausalLM(nn.Module):
     @torch.no_grad()
     def check_chunked_loss(self, vocab_size: int) -> bool:
         """Use the loss kernel when logits == output_embeddings(base_model(x)[0]) for this model;
-        decided on a small real batch (all ranks run it together under data parallelism)."""
-        self.use_chunked_loss = False
+        decided on a small real batch (all ranks run it together under data parallelism). Why is
+        `chunked_loss_reason`, one line for the run's log."""
+        self.use_chunked_loss, self.chunked_loss_reason = self._chunked_loss(vocab_size)
+        return self.use_chunked_loss
+
+    def _chunked_loss(self, vocab_size: int) -> tuple[bool, str]:
         if not self.chunked_loss_may_apply():
-            return False
+            return False, "its output layer or logits are not a plain projection of the base model's hidden state"
         output = self.hf_model.get_output_embeddings()
         base = self.hf_model.base_model
         device = next(self.parameters()).device
         if device.type == "meta":
-            # No weights to check on (`titan-tpu compile` captures the step on the meta device): the
+            # No weights to check on (`titan-tpu compile` builds the model on the meta device): the
             # structure's answer, the planner's too (plan/hf_terms.py), so that the compiled program
             # has the loss a run with weights that pass the check will have.
-            self.use_chunked_loss = True
-            return True
+            return True, "from the model's structure (no weights to check on)"
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab_size, (1, 8), generator=generator).to(device)
         token = _CALL_CONTEXT.set((self.kernels, None))
@@ -295,14 +302,16 @@ class HFCausalLM(nn.Module):
             logits = self.hf_model(**kwargs).logits.float()
             hidden = base(**kwargs)[0]
             if not isinstance(hidden, torch.Tensor) or hidden.shape[:2] != tokens.shape:
-                return False
+                return False, "its base model does not return the hidden state the output layer reads"
             ours = F.linear(hidden, output.weight).float()
-        except Exception:  # a model whose base model cannot be called alone keeps its own logits
-            return False
+        except Exception as e:  # noqa: BLE001 - a base model that cannot be called alone keeps its own logits
+            reason = (str(e).splitlines() or [""])[0][:120]
+            return False, f"its base model cannot be called alone ({type(e).__name__}: {reason})"
         finally:
             _CALL_CONTEXT.reset(token)
-        self.use_chunked_loss = bool(torch.allclose(ours, logits, rtol=1e-4, atol=1e-4))
-        return self.use_chunked_loss
+        if not torch.allclose(ours, logits, rtol=1e-4, atol=1e-4):
+            return False, "its logits differ from the output layer applied to the base model's hidden state"
+        return True, "checked on its weights"
 
 
 def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:

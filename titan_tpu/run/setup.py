@@ -24,7 +24,7 @@ from titan_tpu.data.sources import SourceConfig
 from titan_tpu.kinds import check_kind
 from titan_tpu.models.spec import model_spec
 from titan_tpu.models.spec_base import ModelSpec
-from titan_tpu.parallel.mesh import ParallelDims
+from titan_tpu.parallel.mesh import BatchSplit, ParallelDims
 
 
 @dataclass
@@ -90,6 +90,23 @@ def initial_weights_tokenizer(path: str) -> str | None:
     return next((str(d) for d in run_dirs if d is not None and (d / "tokenizer.json").is_file()), None)
 
 
+def data_split(cfg: Config, dims: ParallelDims, rank: int = 0) -> BatchSplit:
+    """Who reads which rows of the global batch, for global rank `rank`: the data-parallel ranks of
+    the mesh, or with replica groups (fault_tolerance) the groups, each one job reading its own rows
+    (train/replica_ft.py says why)."""
+    split = dims.batch_split(rank)
+    ft = cfg.fault_tolerance
+    return split.across_groups(group=ft.replica_id, groups=ft.replicas) if ft.enabled else split
+
+
+def accumulation(cfg: Config, dims: ParallelDims) -> int:
+    """Micro-batches per optimizer step on the mesh `dims`: training.grad_accum_steps, or derived from
+    training.global_batch_tokens over the rows' split (`data_split`), as config.py
+    `grad_accum_from_tokens` says (a one-line error where the mesh cannot keep the global batch)."""
+    split = data_split(cfg, dims)
+    return grad_accum_from_tokens(cfg.training, split.dp_size, ranks_per_dp=split.ranks_per_dp)
+
+
 def effective_warmup_steps(cfg: Config) -> int:
     """lr_scheduler.warmup_steps, clamped to training.steps (a warmup never outlasts the run)."""
     return min(cfg.lr_scheduler.warmup_steps, cfg.training.steps)
@@ -115,10 +132,7 @@ def prepare_run(cfg: Config) -> RunSetup:
                          f"{spec.label}")
     spec.check(cfg)
     if t.global_batch_tokens and p.dp_shard != -1:  # with -1 the ranks are known at launch
-        split = ParallelDims.from_config(p, world_size=None, runnable=False).batch_split()
-        ft = cfg.fault_tolerance
-        split = split.across_groups(group=ft.replica_id, groups=ft.replicas) if ft.enabled else split
-        grad_accum_from_tokens(t, split.dp_size, ranks_per_dp=split.ranks_per_dp)
+        accumulation(cfg, ParallelDims.from_config(p, world_size=None, runnable=False))  # its error now
     if cfg.compile.backend == "tpu":
         check_tpu_compile_backend(t.device)
     if cfg.compile.backend == "jax" and t.mode == "graph":  # eager mode runs torch's ops on training.device
