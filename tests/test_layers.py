@@ -25,8 +25,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "titan_tpu"
 # schema every layer reads) sits under every component: it reads only the kernel choices, the
 # family names and the data source records; the checks that ask components sit in the run setup.
 LAYERS = (
-    ("base", ("titan_tpu", "titan_tpu.errors", "titan_tpu.files", "titan_tpu.device", "titan_tpu.device_peaks",
-              "titan_tpu.device_cpu", "titan_tpu.jax_start", "titan_tpu.tracing",
+    ("base", ("titan_tpu", "titan_tpu.errors", "titan_tpu.files", "titan_tpu.extras", "titan_tpu.device",
+              "titan_tpu.device_peaks", "titan_tpu.device_cpu", "titan_tpu.jax_start", "titan_tpu.tracing",
               "titan_tpu.tensors", "titan_tpu.model_contract", "titan_tpu.data.sources")),
     ("kernels", ("titan_tpu.kernels",)),
     ("models", ("titan_tpu.models",)),

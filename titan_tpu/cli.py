@@ -145,7 +145,8 @@ def eval_main(argv: list[str]) -> int:
 
 def _eval_tasks(args: argparse.Namespace, overrides: list[str]) -> int:
     """`titan-tpu eval --tasks`: benchmark scores (evaluate_tasks.py) instead of the loss."""
-    from titan_tpu.evaluate_tasks import TaskSettings, require_lm_eval, run_tasks
+    from titan_tpu.evaluate_tasks import TaskSettings, run_tasks
+    from titan_tpu.extras import require_lm_eval
 
     if args.token_file or args.text or args.rows:
         raise ValueError("--tasks scores lm-eval tasks, not --token-file, --text or --rows; drop one of them")

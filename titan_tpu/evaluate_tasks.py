@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from titan_tpu.benchmarks.tasks import TaskSettings, chat_renderer, load_tasks, require_lm_eval, score, write_results
+from titan_tpu.benchmarks.tasks import TaskSettings, chat_renderer, load_tasks, score, write_results
+from titan_tpu.extras import require_lm_eval
 
 
 def default_results_path(weights: str) -> Path | None:
