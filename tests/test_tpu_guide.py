@@ -109,7 +109,7 @@ def _run(command: str, paths: dict[str, str]) -> list[str]:
 
 
 def test_the_tpu_guide_runs_on_a_cpu(world, tmp_path, capsys):
-    from titan_tpu.evaluate import load_eval_model
+    from titan_tpu.evaluation.loss import load_eval_model
     from titan_tpu.train.checkpoint import read_checkpoint_meta
 
     blocks = guide_blocks()

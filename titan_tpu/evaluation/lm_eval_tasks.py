@@ -1,6 +1,6 @@
 """lm-evaluation-harness tasks (hellaswag, arc_easy, ... or task YAMLs of one's own under an include
-path) for `HarnessLM` (harness.py): what `titan-tpu eval --tasks` (evaluate_tasks.py) and the
-[evaluation] section during training (loops/evaluation.py) both ask of lm-eval.
+path) for `HarnessLM` (harness.py): what `titan-tpu eval --tasks` (tasks.py) and the
+[evaluation] section during training (during_training.py) both ask of lm-eval.
 
 `TaskSettings` is that ask; `load_tasks` reads the tasks and their data once, with a one-line error
 for a name lm-eval does not know and for data neither cached nor reachable; `score` runs lm-eval
