@@ -24,7 +24,7 @@ from titan_tpu.evaluation.loss import load_eval_model  # noqa: E402
 from titan_tpu.generate import Sampling, generate  # noqa: E402
 from titan_tpu.generate.decoders import decoder_for  # noqa: E402
 from titan_tpu.generate.sampling import filtered_logits  # noqa: E402
-from titan_tpu.models.hf_adapter import from_hf_state_dict  # noqa: E402
+from titan_tpu.models.hub.adapter import from_hf_state_dict  # noqa: E402
 from titan_tpu.models.registry import build_model  # noqa: E402
 from titan_tpu.tools.hf_sweep import tiny_config  # noqa: E402
 

@@ -60,7 +60,7 @@ def _bos_tokenizer_dir(hf_dir, directory):
 def _native_twin(hf):
     """Our model (Llama or Qwen3, as the HF config says) holding the transformers model's weights."""
     from titan_tpu.models.common.transformer import Transformer
-    from titan_tpu.models.hf_adapter import from_hf_state_dict, model_args_from_hf_config
+    from titan_tpu.models.hub.adapter import from_hf_state_dict, model_args_from_hf_config
 
     _, args = model_args_from_hf_config(hf.config.to_dict())
     model = Transformer(args)

@@ -34,7 +34,7 @@ LAYERS = (
     ("models", ("titan_tpu.models",)),
     ("config", ("titan_tpu.config",)),
     ("parallel", ("titan_tpu.parallel",)),
-    ("model specs", ("titan_tpu.models.spec_base", "titan_tpu.models.spec", "titan_tpu.models.hf_spec")),
+    ("model specs", ("titan_tpu.models.spec_base", "titan_tpu.models.spec", "titan_tpu.models.hf.spec")),
     ("data", ("titan_tpu.data",)),
     ("generate", ("titan_tpu.generate",)),
     ("train", ("titan_tpu.train",)),

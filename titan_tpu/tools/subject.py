@@ -263,8 +263,8 @@ def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = N
     from titan_tpu.models.hf.config import causal_lm_types, load_hf_config
     from titan_tpu.models.hf.vision import is_vision_language
     from titan_tpu.models.hf.weights import has_weights
-    from titan_tpu.models.hf_adapter import model_args_from_hf_config
-    from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
+    from titan_tpu.models.hub.adapter import model_args_from_hf_config
+    from titan_tpu.models.hub.checkpoint import save_hf_checkpoint
     from titan_tpu.models.registry import MODEL_FLAVORS, get_model_args
 
     overrides = dict(overrides or {})
