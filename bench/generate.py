@@ -33,7 +33,7 @@ def build(name: str, flavor: str, seed: int):
     """(our model, transformers' model) with the same random weights."""
     import transformers
 
-    from titan_tpu.models.hf_adapter import hf_config_from_model_args, to_hf_state_dict
+    from titan_tpu.models.hub.adapter import hf_config_from_model_args, to_hf_state_dict
     from titan_tpu.models.registry import build_model, get_model_args
 
     args = get_model_args(name, flavor)

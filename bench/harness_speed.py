@@ -90,9 +90,9 @@ def build(root: Path, *, dim: int, layers: int):
 
 
 def ours(hf_dir: Path, batch_size: int, timers: Timers):
-    import titan_tpu.benchmarks.harness as harness
+    import titan_tpu.evaluation.harness as harness
     from titan_tpu.data.tokenizer import load_tokenizer
-    from titan_tpu.models.hf_checkpoint import load_model_from_hf
+    from titan_tpu.models.hub.checkpoint import load_model_from_hf
 
     _, args, model = load_model_from_hf(hf_dir)
     lm = harness.HarnessLM(model.float().eval(), load_tokenizer(hf_dir), max_length=args.max_seq_len,
@@ -142,7 +142,7 @@ def main() -> int:
     import torch.nn.functional as F
     from harness_fixtures import write_tasks
 
-    import titan_tpu.benchmarks.harness as harness
+    import titan_tpu.evaluation.harness as harness
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from titan_tpu.models.hf_adapter import hf_config_from_model_args, to_hf_state_dict
+from titan_tpu.models.hub.adapter import hf_config_from_model_args, to_hf_state_dict
 from titan_tpu.models.registry import build_model, flops_per_token, get_model_args
 from titan_tpu.train.optim import AdamW
 from titan_tpu.train.step import EagerStep

@@ -111,8 +111,8 @@ class Seeded:
 def make(directory: Path) -> None:
     import torch
 
-    from titan_tpu.models.hf_adapter import native_param_shapes
-    from titan_tpu.models.hf_checkpoint import save_hf_sources
+    from titan_tpu.models.hub.adapter import native_param_shapes
+    from titan_tpu.models.hub.checkpoint import save_hf_sources
     from titan_tpu.models.spec import model_spec
 
     spec = model_spec(_config(1).model)
@@ -131,8 +131,8 @@ def load_rank(directory: Path, rank: int) -> dict:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from titan_tpu.components.world import fake_world
-    from titan_tpu.models.hf_checkpoint import hf_native_sources
-    from titan_tpu.models.hf_sources import full_index
+    from titan_tpu.models.hub.checkpoint import hf_native_sources
+    from titan_tpu.models.hub.sources import full_index
     from titan_tpu.models.spec import model_spec
 
     cfg = _config(WORLD)

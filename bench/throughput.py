@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from titan_tpu.device import get_backend
 from titan_tpu.device_cpu import cpu_bf16_support
 from titan_tpu.models.common.transformer import Transformer
-from titan_tpu.models.hf_adapter import hf_config_from_model_args, to_hf_state_dict
+from titan_tpu.models.hub.adapter import hf_config_from_model_args, to_hf_state_dict
 from titan_tpu.models.registry import flops_per_token, get_model_args
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
 from titan_tpu.train.optim import AdamW

@@ -8,7 +8,7 @@ import torch
 
 from titan_tpu.cli import main
 from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
-from titan_tpu.models.hf_checkpoint import load_hf_checkpoint, load_model_from_hf, save_hf_checkpoint
+from titan_tpu.models.hub.checkpoint import load_hf_checkpoint, load_model_from_hf, save_hf_checkpoint
 from titan_tpu.models.registry import build_model
 from titan_tpu.train.checkpoint import load_checkpoint
 

@@ -21,8 +21,8 @@ from titan_tpu.train.step import EagerStep
 
 transformers = pytest.importorskip("transformers")
 
-from titan_tpu.models.hf_adapter import from_hf_state_dict, hf_config_from_model_args  # noqa: E402
-from titan_tpu.models.hf_checkpoint import load_model_from_hf, save_hf_checkpoint  # noqa: E402
+from titan_tpu.models.hub.adapter import from_hf_state_dict, hf_config_from_model_args  # noqa: E402
+from titan_tpu.models.hub.checkpoint import load_model_from_hf, save_hf_checkpoint  # noqa: E402
 
 YARN = RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
                    mscale=0.8, mscale_all_dim=0.6)

@@ -2,7 +2,7 @@
 
 The reference for the loss and its gradients is TRL itself (trl is a dev dependency): its
 DPOTrainer tokenizes the same rows, collates them and computes its loss on a transformers Llama;
-our native model holds the same weights (models/hf_adapter.py) and our objective scores the rows
+our native model holds the same weights (models/hub/adapter.py) and our objective scores the rows
 our own preference reader tokenized.
 """
 
@@ -154,7 +154,7 @@ def _trl_and_ours(tmp_path: Path, tokenizer_dir: Path, rows: list[dict]):
 
 def test_loss_gradients_and_rewards_equal_trl(tmp_path, tokenizer_dir):
     from titan_tpu.models.common.transformer import Transformer
-    from titan_tpu.models.hf_adapter import from_hf_state_dict, model_args_from_hf_config, to_hf_state_dict
+    from titan_tpu.models.hub.adapter import from_hf_state_dict, model_args_from_hf_config, to_hf_state_dict
     from titan_tpu.train.dpo import DPOObjective
     from titan_tpu.train.objective import ModelCalls
 

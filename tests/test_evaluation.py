@@ -1,4 +1,4 @@
-"""lm-eval benchmarks during training ([evaluation], loops/evaluation.py) on one process: the scores
+"""lm-eval benchmarks during training ([evaluation], evaluation/during_training.py) on one process: the scores
 `titan-tpu eval --tasks` gives the step's checkpoint (which tests/test_harness*.py hold to lm-eval's
 own HF backend), logged as eval/<task>/<metric> with lm-eval's JSON in the run; the training itself
 unchanged by it (lm-eval reseeds the global generators); and the one-line refusals."""

@@ -262,7 +262,7 @@ def test_locks_of_one_process_share_and_another_holder_is_refused(tmp_path):
 
 def _save_tiny_hf(path: Path) -> Path:
     from titan_tpu.models.common.transformer import TransformerArgs
-    from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
+    from titan_tpu.models.hub.checkpoint import save_hf_checkpoint
     from titan_tpu.models.registry import build_model
 
     args = TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden_dim=128,

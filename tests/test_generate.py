@@ -20,11 +20,11 @@ import tests.test_hf_parity as dense  # noqa: E402
 import tests.test_moe as qwen3_moe  # noqa: E402
 from titan_tpu.cli import main  # noqa: E402
 from titan_tpu.config import Config  # noqa: E402
-from titan_tpu.evaluate import load_eval_model  # noqa: E402
+from titan_tpu.evaluation.loss import load_eval_model  # noqa: E402
 from titan_tpu.generate import Sampling, generate  # noqa: E402
 from titan_tpu.generate.decoders import decoder_for  # noqa: E402
 from titan_tpu.generate.sampling import filtered_logits  # noqa: E402
-from titan_tpu.models.hf_adapter import from_hf_state_dict  # noqa: E402
+from titan_tpu.models.hub.adapter import from_hf_state_dict  # noqa: E402
 from titan_tpu.models.registry import build_model  # noqa: E402
 from titan_tpu.tools.hf_sweep import tiny_config  # noqa: E402
 

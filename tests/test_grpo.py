@@ -3,7 +3,7 @@ training forward's, rewards, prompts, the loop (learning signal, resume) and its
 
 The reference for the loss is TRL itself (trl is a dev dependency): its GRPOTrainer's
 `_compute_loss` on a transformers Llama, fed fixed completions, advantages, old and reference
-log-probabilities; our native model holds the same weights (models/hf_adapter.py) and our
+log-probabilities; our native model holds the same weights (models/hub/adapter.py) and our
 objective scores the same rows.
 """
 
@@ -42,7 +42,7 @@ def _tiny_llama(seed: int = 0):
 
 def _native(config, hf_sd):
     from titan_tpu.models.common.transformer import Transformer
-    from titan_tpu.models.hf_adapter import from_hf_state_dict, model_args_from_hf_config
+    from titan_tpu.models.hub.adapter import from_hf_state_dict, model_args_from_hf_config
 
     _, args = model_args_from_hf_config(config.to_dict())
     model = Transformer(args)
@@ -80,7 +80,7 @@ def test_loss_gradients_kl_and_clipping_equal_trl(tmp_path, tokenizer_dir, loss_
     """4 completions of 2 prompts (equal prompt lengths: TRL left-pads, we right-pad), completions
     of different lengths, old log-probabilities away from the policy's so that some ratios clip,
     a reference away from it so that the KL term is not 0."""
-    from titan_tpu.models.hf_adapter import to_hf_state_dict
+    from titan_tpu.models.hub.adapter import to_hf_state_dict
     from titan_tpu.train.grpo import GRPOObjective, token_logps
     from titan_tpu.train.objective import ModelCalls
 

@@ -60,7 +60,7 @@ def _bos_tokenizer_dir(hf_dir, directory):
 def _native_twin(hf):
     """Our model (Llama or Qwen3, as the HF config says) holding the transformers model's weights."""
     from titan_tpu.models.common.transformer import Transformer
-    from titan_tpu.models.hf_adapter import from_hf_state_dict, model_args_from_hf_config
+    from titan_tpu.models.hub.adapter import from_hf_state_dict, model_args_from_hf_config
 
     _, args = model_args_from_hf_config(hf.config.to_dict())
     model = Transformer(args)
@@ -89,8 +89,8 @@ def pair(request, setup, native, hflm, tmp_path_factory):
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer
 
-    from titan_tpu.benchmarks.harness import HarnessLM
     from titan_tpu.data.tokenizer import load_tokenizer
+    from titan_tpu.evaluation.harness import HarnessLM
 
     hf_dir, _, hf, _ = setup
     if request.param == "plain":
@@ -200,9 +200,9 @@ CHATS = [[{"role": "user", "content": "the cat sat on"}],
 def test_chat_template_renders_as_hflm(setup, native, hflm):
     """lm-eval's apply_chat_template: ours from the tokenizer's template as transformers renders it,
     with the generation prompt and continuing the last message (a prefilled answer)."""
-    from titan_tpu.benchmarks.harness import HarnessLM
-    from titan_tpu.benchmarks.tasks import chat_renderer
     from titan_tpu.data.tokenizer import load_tokenizer
+    from titan_tpu.evaluation.harness import HarnessLM
+    from titan_tpu.evaluation.lm_eval_tasks import chat_renderer
 
     hf_dir, _, _, _ = setup
     ours = HarnessLM(native, load_tokenizer(hf_dir), max_length=64, chat=chat_renderer(hf_dir / "tokenizer.json"))
@@ -285,8 +285,8 @@ def test_native_qwen3_equals_hflm(setup):
     from lm_eval.models.huggingface import HFLM
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from titan_tpu.benchmarks.harness import HarnessLM
     from titan_tpu.data.tokenizer import load_tokenizer
+    from titan_tpu.evaluation.harness import HarnessLM
 
     hf_dir, _, _, tokenizer = setup
     torch.manual_seed(1)

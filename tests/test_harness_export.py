@@ -43,9 +43,9 @@ def _train(run_dir, cache, *extra: str) -> None:
 
 def _harness(cfg, weights):
     """HarnessLM of what `titan-tpu eval --tasks` loads from `weights` (a checkpoint run or HF directory)."""
-    from titan_tpu.benchmarks.harness import HarnessLM
     from titan_tpu.data.tokenizer import load_tokenizer
-    from titan_tpu.evaluate import load_eval_model
+    from titan_tpu.evaluation.harness import HarnessLM
+    from titan_tpu.evaluation.loss import load_eval_model
 
     loaded = load_eval_model(cfg, checkpoint=weights, device=torch.device("cpu"))
     tokenizer = cfg.data.tokenizer_path or loaded.tokenizer
@@ -154,7 +154,7 @@ def test_transformers_backend_equals_hflm(tmp_path, tasks_dir, capsys):
     against HFLM on its weights, written as an HF directory with the tokenizer."""
     from lm_eval.models.huggingface import HFLM
 
-    from titan_tpu.evaluate import load_eval_model
+    from titan_tpu.evaluation.loss import load_eval_model
 
     tok_dir = write_chat_tokenizer_dir(tmp_path / "tok")
     overrides = json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -168,8 +168,8 @@ def test_transformers_backend_equals_hflm(tmp_path, tasks_dir, capsys):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tok_dir / name, hf_dir / name)
 
-    from titan_tpu.benchmarks.harness import HarnessLM
     from titan_tpu.data.tokenizer import load_tokenizer
+    from titan_tpu.evaluation.harness import HarnessLM
 
     ours = HarnessLM(loaded.model, load_tokenizer(tok_dir), max_length=loaded.max_len, batch_size=4)
     _assert_requests_equal(ours, HFLM(pretrained=str(hf_dir), batch_size=3, device="cpu"))

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from titan_tpu.models import hf_checkpoint
 from titan_tpu.models.common import TransformerArgs
-from titan_tpu.models.hf_checkpoint import (
+from titan_tpu.models.hub import checkpoint as hub_checkpoint
+from titan_tpu.models.hub.checkpoint import (
     load_hf_checkpoint,
     load_model_from_hf,
     save_hf_checkpoint,
@@ -178,7 +178,7 @@ def test_failed_save_leaves_existing_checkpoint_intact(tmp_path, monkeypatch, ov
     before = {p.name: p.read_bytes() for p in target.iterdir()} if overwrite else None
 
     # The streaming writer writes one shard file at a time: fail in the middle of the second.
-    real_write = hf_checkpoint._write_safetensors
+    real_write = hub_checkpoint._write_safetensors
     calls = []
 
     def failing_write(path, tensors, dtype):
@@ -189,7 +189,7 @@ def test_failed_save_leaves_existing_checkpoint_intact(tmp_path, monkeypatch, ov
             raise OSError("disk full")
         real_write(path, tensors, dtype)
 
-    monkeypatch.setattr(hf_checkpoint, "_write_safetensors", failing_write)
+    monkeypatch.setattr(hub_checkpoint, "_write_safetensors", failing_write)
     with pytest.raises(OSError, match="disk full"):
         _save(target, max_shard_bytes=20_000, overwrite=overwrite)
     assert len(calls) == 2 and calls[0] != calls[1]

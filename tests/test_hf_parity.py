@@ -14,13 +14,13 @@ transformers = pytest.importorskip("transformers")
 
 from titan_tpu.models.common import RopeScaling, Transformer, TransformerArgs  # noqa: E402
 from titan_tpu.models.common.rope import rope_cache  # noqa: E402
-from titan_tpu.models.hf_adapter import (  # noqa: E402
+from titan_tpu.models.hub.adapter import (  # noqa: E402
     from_hf_state_dict,
     hf_config_from_model_args,
     model_args_from_hf_config,
     to_hf_state_dict,
 )
-from titan_tpu.models.hf_checkpoint import load_model_from_hf, save_hf_checkpoint  # noqa: E402
+from titan_tpu.models.hub.checkpoint import load_model_from_hf, save_hf_checkpoint  # noqa: E402
 from titan_tpu.models.registry import build_model  # noqa: E402
 
 # Llama 3.1 scaling with a short original context so that a ~200-token test sequence reaches

@@ -1,5 +1,5 @@
 """Hugging Face weights read block by block: each rank reads only the slices of the tensors it
-holds (models/hf_sources.py), and gets exactly what a whole-tensor load would have given it;
+holds (models/hub/sources.py), and gets exactly what a whole-tensor load would have given it;
 DeepSeek-V3's fp8 block-scaled checkpoints are dequantised on the way in as transformers does;
 the streaming export writes what the in-memory one did."""
 
@@ -17,8 +17,8 @@ from titan_tpu.components.program import build_model as build_run_model
 from titan_tpu.components.resolve import resolve
 from titan_tpu.components.world import Place, fake_world
 from titan_tpu.config import build_config
-from titan_tpu.models.hf_checkpoint import hf_native_sources, load_hf_checkpoint, save_hf_checkpoint
-from titan_tpu.models.hf_sources import full_index
+from titan_tpu.models.hub.checkpoint import hf_native_sources, load_hf_checkpoint, save_hf_checkpoint
+from titan_tpu.models.hub.sources import full_index
 from titan_tpu.models.registry import build_model
 from titan_tpu.models.spec import model_spec
 from titan_tpu.run.resolved import Target
@@ -187,7 +187,7 @@ def _fp8_checkpoint(src, dst) -> int:
 def test_deepseek_v3_fp8_checkpoint_loads_with_transformers_dequantised_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tests.test_deepseek_v3 import random_hf_model, tiny_args
-    from titan_tpu.models.hf_checkpoint import load_model_from_hf
+    from titan_tpu.models.hub.checkpoint import load_model_from_hf
 
     args = tiny_args()
     random_hf_model(args).save_pretrained(tmp_path / "bf16")
@@ -214,7 +214,7 @@ def test_deepseek_v3_fp8_checkpoint_loads_with_transformers_dequantised_logits(t
 def test_partial_last_blocks_dequantise_as_deepseeks_reference_does():
     """A weight whose dimensions are not multiples of the block (the release's wkv_a: 576 rows in
     128-row blocks): every value times the scale of the block it lies in, and any block read alone."""
-    from titan_tpu.models.hf_sources import BlockDequantized, InMemory
+    from titan_tpu.models.hub.sources import BlockDequantized, InMemory
 
     w = torch.randn(20, 13, generator=torch.Generator().manual_seed(0))
     quantized, scale = _quantize_blockwise(w, (8, 8))
@@ -282,7 +282,7 @@ def test_streamed_export_writes_the_dtype_asked_in_indexed_shards_safetensors_re
 def test_checkpoint_blocks_read_through_dcp_equal_the_whole_tensors(tmp_path):
     """The export's reads of a training checkpoint (train/checkpoint_sources.py): any block, read
     alone or through the cache of whole tensors, equals that block of the tensor loaded whole."""
-    from titan_tpu.models.hf_sources import InMemory, MergedLoRA
+    from titan_tpu.models.hub.sources import InMemory, MergedLoRA
     from titan_tpu.train.checkpoint import Checkpointer, load_full_state_dict
     from titan_tpu.train.checkpoint_sources import CheckpointTensors
 

@@ -32,7 +32,7 @@ from titan_tpu.data.batch import IGNORE_INDEX  # noqa: E402
 from titan_tpu.data.chat import ChatRenderer, load_chat_template  # noqa: E402
 from titan_tpu.data.images import ImageChatRows, ImageProcessorView, stack_rows  # noqa: E402
 from titan_tpu.data.tokenizer import load_tokenizer  # noqa: E402
-from titan_tpu.models.hf_spec import HFSpec  # noqa: E402
+from titan_tpu.models.hf.spec import HFSpec  # noqa: E402
 from titan_tpu.models.spec import build  # noqa: E402
 from titan_tpu.train.objective import ModelCalls, NextTokenObjective  # noqa: E402
 

@@ -149,7 +149,7 @@ def _model_and_prompts(directory: Path, name: str, *, max_images: int):
     from titan_tpu.config import Config
     from titan_tpu.data.images import ImagePrompts
     from titan_tpu.data.tokenizer import load_tokenizer
-    from titan_tpu.models.hf_spec import HFSpec
+    from titan_tpu.models.hf.spec import HFSpec
     from titan_tpu.models.spec import build
 
     cfg = Config()

@@ -21,30 +21,31 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "titan_tpu"
 # builds on; the kinds of training (kinds/: each kind's record, data and objective builders) sit
 # above the data and objectives they build and below the run setup that checks a config against
 # them; the run's assembly (components/) sits above everything it builds, and the loops (loops/:
-# pre-training and SFT, preference pairs, GRPO) above the assembly they drive. config.py (the
+# pre-training and SFT, preference pairs, GRPO) above the assembly they drive. The evaluation
+# (evaluation/: `titan-tpu eval` and the [evaluation] tasks) sits above the checkpoints it loads
+# and below the loops, which score its tasks during training. config.py (the
 # schema every layer reads) sits under every component: it reads only the kernel choices, the
 # family names and the data source records; the checks that ask components sit in the run setup.
 LAYERS = (
-    ("base", ("titan_tpu", "titan_tpu.errors", "titan_tpu.files", "titan_tpu.device", "titan_tpu.device_peaks",
-              "titan_tpu.device_cpu", "titan_tpu.jax_start", "titan_tpu.tracing",
+    ("base", ("titan_tpu", "titan_tpu.errors", "titan_tpu.files", "titan_tpu.extras", "titan_tpu.device",
+              "titan_tpu.device_peaks", "titan_tpu.device_cpu", "titan_tpu.jax_start", "titan_tpu.tracing",
               "titan_tpu.tensors", "titan_tpu.model_contract", "titan_tpu.data.sources")),
     ("kernels", ("titan_tpu.kernels",)),
     ("models", ("titan_tpu.models",)),
     ("config", ("titan_tpu.config",)),
     ("parallel", ("titan_tpu.parallel",)),
-    ("model specs", ("titan_tpu.models.spec_base", "titan_tpu.models.spec", "titan_tpu.models.hf_spec")),
+    ("model specs", ("titan_tpu.models.spec_base", "titan_tpu.models.spec", "titan_tpu.models.hf.spec")),
     ("data", ("titan_tpu.data",)),
     ("generate", ("titan_tpu.generate",)),
     ("train", ("titan_tpu.train",)),
-    ("benchmarks", ("titan_tpu.benchmarks",)),
     ("graph", ("titan_tpu.graph",)),
     ("convert", ("titan_tpu.convert", "titan_tpu.export_files")),
+    ("evaluation", ("titan_tpu.evaluation",)),
     ("kinds", ("titan_tpu.kinds",)),
     ("run", ("titan_tpu.run",)),
     ("plan", ("titan_tpu.plan",)),
     ("components", ("titan_tpu.components",)),
     ("loops", ("titan_tpu.loops",)),
-    ("evaluate", ("titan_tpu.evaluate", "titan_tpu.evaluate_tasks", "titan_tpu.evaluate_rows")),
     ("generate command", ("titan_tpu.generate.command",)),
     ("calibration", ("titan_tpu.plan.calibrate",)),
     ("tools", ("titan_tpu.tools",)),

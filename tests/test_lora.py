@@ -339,7 +339,7 @@ def test_exports_to_peft_and_merged_hf_give_the_trained_logits(tmp_path, train_o
     from transformers import AutoModelForCausalLM
 
     from titan_tpu.cli import main
-    from titan_tpu.evaluate import load_eval_model
+    from titan_tpu.evaluation.loss import load_eval_model
     from titan_tpu.loops import assemble
     from titan_tpu.models.spec import checkpoint_spec
     from titan_tpu.train.checkpoint import load_full_state_dict, read_checkpoint_meta

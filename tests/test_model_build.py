@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from titan_tpu.config import build_config
-from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
-from titan_tpu.models.hf_spec import HFSpec
+from titan_tpu.models.hf.spec import HFSpec
+from titan_tpu.models.hub.checkpoint import save_hf_checkpoint
 from titan_tpu.models.registry import FAMILIES, MODEL_NAMES, build_model, get_model_args
 from titan_tpu.models.spec import NativeSpec, build, model_spec, spec_for_hf_dir, spec_for_weights
 

@@ -63,7 +63,7 @@ def test_native_model_satisfies_the_contract():
 
 def test_hf_spec_resolves_and_its_model_satisfies_the_contract():
     pytest.importorskip("transformers")
-    from titan_tpu.models.hf_spec import HFSpec
+    from titan_tpu.models.hf.spec import HFSpec
 
     overrides = ["--model.name", "hf", "--model.hf_config", "qwen3", "--model.hf_overrides", TINY]
     spec = _spec_of(overrides)

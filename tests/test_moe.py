@@ -20,8 +20,8 @@ from titan_tpu.train.step import EagerStep
 
 transformers = pytest.importorskip("transformers")
 
-from titan_tpu.models.hf_adapter import from_hf_state_dict, hf_config_from_model_args  # noqa: E402
-from titan_tpu.models.hf_checkpoint import load_model_from_hf, save_hf_checkpoint  # noqa: E402
+from titan_tpu.models.hub.adapter import from_hf_state_dict, hf_config_from_model_args  # noqa: E402
+from titan_tpu.models.hub.checkpoint import load_model_from_hf, save_hf_checkpoint  # noqa: E402
 
 
 def tiny_args(**moe) -> TransformerArgs:
@@ -104,7 +104,7 @@ def test_expert_bias_models_are_not_exported_to_transformers():
 
 
 def test_published_flavors_round_trip_through_the_hf_config():
-    from titan_tpu.models.hf_adapter import model_args_from_hf_config
+    from titan_tpu.models.hub.adapter import model_args_from_hf_config
 
     for flavor in ("30b_a3b", "235b_a22b"):
         args = get_model_args("qwen3_moe", flavor)

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from tests.test_deepseek_v3 import random_hf_model, tiny_args  # noqa: E402
 from tests.test_moe import train  # noqa: E402
-from titan_tpu.models.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from titan_tpu.models.hub.checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 
 
 def mtp_args(depth: int = 1, **moe) -> dataclasses.dataclass:

@@ -52,7 +52,7 @@ def model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from titan_tpu.models.common.transformer import Transformer
-    from titan_tpu.models.hf_adapter import from_hf_state_dict, model_args_from_hf_config
+    from titan_tpu.models.hub.adapter import from_hf_state_dict, model_args_from_hf_config
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

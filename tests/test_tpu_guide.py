@@ -72,7 +72,7 @@ def shell_commands(block: str) -> list[str]:
 @pytest.fixture
 def world(tmp_path, data_cache, monkeypatch):
     """The page's paths on this machine: an HF directory of Qwen3's debug flavor, text, conversations."""
-    from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
+    from titan_tpu.models.hub.checkpoint import save_hf_checkpoint
     from titan_tpu.models.registry import build_model, get_model_args
 
     args = get_model_args("qwen3", "debug")
@@ -109,7 +109,7 @@ def _run(command: str, paths: dict[str, str]) -> list[str]:
 
 
 def test_the_tpu_guide_runs_on_a_cpu(world, tmp_path, capsys):
-    from titan_tpu.evaluate import load_eval_model
+    from titan_tpu.evaluation.loss import load_eval_model
     from titan_tpu.train.checkpoint import read_checkpoint_meta
 
     blocks = guide_blocks()
@@ -184,7 +184,7 @@ def test_weights_of_another_rope_or_norm_are_refused_by_a_flavor(tmp_path):
     """Shapes alike, math not: a directory whose config.json has another rope_theta than the flavor
     would load silently and compute with the wrong rotation; it is refused in one line."""
     from titan_tpu.config import build_config
-    from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
+    from titan_tpu.models.hub.checkpoint import save_hf_checkpoint
     from titan_tpu.models.registry import build_model, get_model_args
     from titan_tpu.models.spec import build, native_spec
 

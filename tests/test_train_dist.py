@@ -157,7 +157,7 @@ def test_two_ranks_match_one_process(tmp_path, cache, reference, layout):
 
     # The sharded checkpoint exports to a Hugging Face directory holding the gathered weights.
     from titan_tpu.cli import main
-    from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
+    from titan_tpu.models.hub.checkpoint import load_hf_checkpoint
     from titan_tpu.train.checkpoint import load_full_state_dict
 
     # Read block by block from every rank's chunks; float32 keeps the master weights exactly.

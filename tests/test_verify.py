@@ -100,10 +100,10 @@ def test_two_ranks_and_the_rest_of_the_training_checks_pass(tmp_path):
 
 def test_an_injected_conversion_bug_fails(monkeypatch):
     """Our weight import permutes the rows of one attention projection: it still trains, verify FAILs."""
-    from titan_tpu.models import hf_checkpoint
-    from titan_tpu.models.hf_sources import InMemory, full_index
+    from titan_tpu.models.hub import checkpoint as hub_checkpoint
+    from titan_tpu.models.hub.sources import InMemory, full_index
 
-    real = hf_checkpoint.native_sources_from_hf
+    real = hub_checkpoint.native_sources_from_hf
 
     def permuting(sources, args):
         out = real(sources, args)
@@ -111,7 +111,7 @@ def test_an_injected_conversion_bug_fails(monkeypatch):
         out["layers.0.attention.wk.weight"] = InMemory(wk.read(full_index(wk.shape)).roll(1, dims=0))
         return out
 
-    monkeypatch.setattr(hf_checkpoint, "native_sources_from_hf", permuting)
+    monkeypatch.setattr(hub_checkpoint, "native_sources_from_hf", permuting)
     report, lines = _verify("llama3/debug", NUMERICS + ("train",), tiny=True)
     # The round trip names the tensor; the model that transformers' reference disagrees with FAILs
     # numerics (KL ~4e-3 over the 1e-3 band); training alone would not have noticed.
@@ -178,7 +178,7 @@ def test_a_vision_language_type_verifies_tiny():
 def test_a_permuted_projector_fails_numerics(qwen_vl_dir, monkeypatch):
     """Our weight import permutes the rows of the projector's first layer: only the images' features
     move, and numerics against transformers on rows with images FAILs."""
-    from titan_tpu.models import hf_spec
+    from titan_tpu.models.hf import spec as hf_spec
 
     real = hf_spec.load_pretrained_weights
 

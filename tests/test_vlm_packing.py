@@ -32,7 +32,7 @@ from titan_tpu.data.images import (  # noqa: E402
     stack_rows,
 )
 from titan_tpu.data.tokenizer import load_tokenizer  # noqa: E402
-from titan_tpu.models.hf_spec import HFSpec  # noqa: E402
+from titan_tpu.models.hf.spec import HFSpec  # noqa: E402
 from titan_tpu.models.spec import build  # noqa: E402
 
 SEQ_LEN = 160

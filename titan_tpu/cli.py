@@ -127,8 +127,8 @@ def eval_main(argv: list[str]) -> int:
     if args.tasks:
         return _eval_tasks(args, overrides)
 
-    from titan_tpu.evaluate import run_eval
-    from titan_tpu.evaluate_rows import run_eval_rows
+    from titan_tpu.evaluation.loss import run_eval
+    from titan_tpu.evaluation.rows import run_eval_rows
 
     if args.rows and (args.token_file or args.text):
         raise ValueError("titan-tpu eval needs exactly one of --token-file, --text and --rows; drop the others")
@@ -144,8 +144,9 @@ def eval_main(argv: list[str]) -> int:
 
 
 def _eval_tasks(args: argparse.Namespace, overrides: list[str]) -> int:
-    """`titan-tpu eval --tasks`: benchmark scores (evaluate_tasks.py) instead of the loss."""
-    from titan_tpu.evaluate_tasks import TaskSettings, require_lm_eval, run_tasks
+    """`titan-tpu eval --tasks`: benchmark scores (evaluation/tasks.py) instead of the loss."""
+    from titan_tpu.evaluation.tasks import TaskSettings, run_tasks
+    from titan_tpu.extras import require_lm_eval
 
     if args.token_file or args.text or args.rows:
         raise ValueError("--tasks scores lm-eval tasks, not --token-file, --text or --rows; drop one of them")

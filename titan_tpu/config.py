@@ -327,7 +327,7 @@ class EvaluationConfig:
     # lm-evaluation-harness benchmarks (the eval extra) scored during training on the training mesh:
     # every data-parallel rank scores its share of the requests, rank 0 logs eval/<task>/<metric>
     # (metrics.jsonl, the trackers, the report) and writes lm-eval's JSON to lm_eval/step-N.json.
-    # Task names as `titan-tpu eval --tasks` takes them (loops/evaluation.py). Empty: none.
+    # Task names as `titan-tpu eval --tasks` takes them (evaluation/during_training.py). Empty: none.
     tasks: list[str] = field(default_factory=list)
     freq: int = 500  # every freq steps (and after the last step)
     limit: float = 0.0  # documents per task at most (below 1: that fraction of each task); 0: all

@@ -89,7 +89,7 @@ def hf_to_checkpoint(hf_dir: str | Path, checkpoint_dir: str | Path, *, overwrit
     directory's dtype (fp8 weights dequantised to float32). Streamed: DCP plans the files from the
     shapes, and each tensor is read from the safetensors files when its turn comes to be written
     (train/checkpoint_sources.py), so one tensor is in memory at a time."""
-    from titan_tpu.models.hf_checkpoint import hf_native_sources
+    from titan_tpu.models.hub.checkpoint import hf_native_sources
     from titan_tpu.train.checkpoint_sources import SourcesSavePlanner, placeholder
 
     ckpt = Checkpointer(checkpoint_dir)

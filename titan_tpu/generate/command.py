@@ -30,12 +30,12 @@ if TYPE_CHECKING:
     from titan_tpu.config import Config
     from titan_tpu.data.images import ImagePrompts
     from titan_tpu.data.tokenizer import Tokenizer
-    from titan_tpu.evaluate import EvalModel
+    from titan_tpu.evaluation.loss import EvalModel
 
 
 def load_model(cfg: Config, *, checkpoint: str | None, device: torch.device) -> EvalModel:
     """The model as `titan-tpu eval` loads it; a model it cannot build is a one-line error."""
-    from titan_tpu.evaluate import load_eval_model
+    from titan_tpu.evaluation.loss import load_eval_model
 
     where = checkpoint or f"--model.name {cfg.model.name}"
     try:
@@ -150,7 +150,7 @@ def _image_prompts(cfg: Config, loaded: EvalModel, tokenizer: Tokenizer | None, 
                    image_flag: bool) -> ImagePrompts | None:
     """The renderer of prompts with images, when some row holds one and the model reads them."""
     from titan_tpu.data.images import ImagePrompts
-    from titan_tpu.evaluate import trained_image_settings
+    from titan_tpu.evaluation.loss import trained_image_settings
 
     if not any(holds_image(row) for row in rows):
         return None

@@ -12,7 +12,7 @@ in between. The generation loop (loop.py) only sees that contract.
   device backend names it); the prefill, whose shape follows the prompts, runs eagerly.
 * `FullForwardDecoder`: our Transformer as training builds it with scanned layers or
   checkpointed blocks, which have no cached path (a trained model scored during training,
-  loops/evaluation.py): every step runs the whole forward over each row's tokens so far. The
+  evaluation/during_training.py): every step runs the whole forward over each row's tokens so far. The
   same logits as the cache gives, at a cost that grows with the square of the length.
 * `HFDecoder`: a transformers model (the HF backend) with transformers' own cache, the layout
   its `generate` uses: prompts left-padded under an attention mask, positions counted from each

@@ -32,7 +32,7 @@ from torch.profiler import record_function
 from titan_tpu.components.build import Components
 from titan_tpu.data.batch import Batch, as_batch
 from titan_tpu.data.tokenizer import tokenizer_files
-from titan_tpu.loops.evaluation import TaskEvaluation
+from titan_tpu.evaluation.during_training import TaskEvaluation
 from titan_tpu.loops.metrics_row import MetricsWindow, metrics_row
 from titan_tpu.loops.replica_groups import ReplicaGroups
 from titan_tpu.loops.saving import Saving

@@ -4,9 +4,9 @@ Every native family is our one `Transformer` (models/common/transformer.py) with
 what makes Llama 3, Qwen3 and Qwen3-MoE different families is data, written once here per family
 (`FAMILY` in models/llama3.py, qwen3.py, qwen3_moe.py) and collected in models/registry.py. From
 the records come the registry's flavor tables, the config's model names (config.py's
-`model.name` choices) and the HF adapter (models/hf_adapter.py): which `architectures` and
+`model.name` choices) and the HF adapter (models/hub/adapter.py): which `architectures` and
 `model_type` a config.json of the family carries and the family's own config keys in both
-directions. The weight names are the one Transformer's (models/hf_adapter.py: the Llama layout,
+directions. The weight names are the one Transformer's (models/hub/adapter.py: the Llama layout,
 QK norms where the record has them, experts where it is MoE), so they are not per family.
 
 A new family whose blocks the Transformer already has (attention with or without QK norm, a

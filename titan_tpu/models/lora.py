@@ -36,7 +36,7 @@ from titan_tpu.tensors import copy_full_
 
 if TYPE_CHECKING:
     from titan_tpu.config import LoRAConfig
-    from titan_tpu.models.hf_sources import TensorSource
+    from titan_tpu.models.hub.sources import TensorSource
 
 __all__ = ["ADAPTER_NAMES", "DEFAULT_TARGETS", "LoRASettings", "adapters_disabled", "add_adapters", "apply_lora",
            "freeze_base",
@@ -242,9 +242,9 @@ def merge_lora_state_dict(state_dict: dict[str, torch.Tensor], *, scaling: float
 
 
 def merge_lora_sources(sources: dict[str, TensorSource], *, scaling: float) -> dict[str, TensorSource]:
-    """`merge_lora_state_dict` of weights given as sources (models/hf_sources.py): each adapted
+    """`merge_lora_state_dict` of weights given as sources (models/hub/sources.py): each adapted
     weight read with its pair folded in, block by block, when an export asks for it."""
-    from titan_tpu.models.hf_sources import MergedLoRA
+    from titan_tpu.models.hub.sources import MergedLoRA
 
     merged = {k: v for k, v in sources.items() if not is_adapter_key(k)}
     for key in sources:

@@ -13,8 +13,8 @@ calibration) turns a spec into a model.
 Two kinds implement the interface (`ModelSpec`, models/spec_base.py):
 
 * `NativeSpec` (this file): llama3, qwen3, qwen3_moe, our `Transformer` with a flavor of the
-  registry's table; HF directories are read through the native <-> HF adapter (hf_checkpoint).
-* `HFSpec` (models/hf_spec.py): ``model.name = hf``, any transformers causal LM.
+  registry's table; HF directories are read through the native <-> HF adapter (models/hub/).
+* `HFSpec` (models/hf/spec.py): ``model.name = hf``, any transformers causal LM.
 
 What a built model then offers the trainer, SimpleFSDP and graph capture is the model contract,
 `titan_tpu.model_contract.TrainableModel`, which both model classes satisfy.
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from titan_tpu.data.batch import ImageInputs
     from titan_tpu.kernels import KernelConfig
     from titan_tpu.model_contract import TrainableModel
-    from titan_tpu.models.hf_sources import TensorSource
+    from titan_tpu.models.hub.sources import TensorSource
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.pipeline import PipelineSchedule
     from titan_tpu.parallel.simple_fsdp import MixedPrecision
@@ -50,7 +50,7 @@ def model_spec(model: ModelConfig) -> ModelSpec:
     """The spec of a [model] section; raises a one-line ValueError on options that do not apply
     to the model (MoE options of a dense model, hf_config of a native one) or an unknown flavor."""
     if model.name == "hf":
-        from titan_tpu.models.hf_spec import hf_spec
+        from titan_tpu.models.hf.spec import hf_spec
 
         return hf_spec(model)
     return native_spec(model)
@@ -60,7 +60,7 @@ def checkpoint_spec(model_name: str, model_args: dict) -> ModelSpec:
     """The spec of a checkpoint's model, from the name and args it records (no config needed:
     titan-tpu convert)."""
     if model_name == "hf":
-        from titan_tpu.models.hf_spec import HFSpec
+        from titan_tpu.models.hf.spec import HFSpec
 
         return HFSpec.of_args(model_args)
     args = TransformerArgs(**model_args)  # rope_scaling may stay a dict: __post_init__ converts it
@@ -72,14 +72,14 @@ def spec_for_hf_dir(hf_dir: str | Path, *, native_only: bool = False, overrides:
     (Llama, Qwen3, Qwen3-MoE without unsupported features), else the Transformers backend on the
     directory (with model.hf_overrides). `native_only`: the adapter's one-line error instead of the
     fallback."""
-    from titan_tpu.models.hf_adapter import model_args_from_hf_config
+    from titan_tpu.models.hub.adapter import model_args_from_hf_config
 
     try:
         name, args = model_args_from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
     except (ValueError, KeyError, TypeError):
         if native_only:
             raise
-        from titan_tpu.models.hf_spec import HFSpec
+        from titan_tpu.models.hf.spec import HFSpec
 
         return HFSpec.of_dir(hf_dir, overrides)
     return NativeSpec(name=name, args=args, label=name)
@@ -225,11 +225,11 @@ class NativeSpec(ModelSpec):
         """Through the native <-> HF adapter (names, fused experts, RoPE layout, fp8 dequantised);
         every tensor's name and shape is checked before any is read, and each process reads only
         the blocks of the weights it holds."""
-        from titan_tpu.models.hf_checkpoint import hf_native_sources
-        from titan_tpu.models.hf_sources import read_block_
+        from titan_tpu.models.hub.checkpoint import hf_native_sources
+        from titan_tpu.models.hub.sources import read_block_
         from titan_tpu.models.lora import is_adapter_key
 
-        # Lazily: each process reads the blocks of the weights it holds, nothing else (models/hf_sources.py).
+        # Lazily: each process reads the blocks of the weights it holds, nothing else (models/hub/sources.py).
         _, hf_args, weights = hf_native_sources(hf_dir, mtp_num_layers=self.args.mtp_num_layers)
         # What the shapes cannot show: weights computed with another RoPE or norm epsilon run silently wrong.
         for field in ("rope_theta", "rope_scaling", "norm_eps"):
@@ -253,20 +253,20 @@ class NativeSpec(ModelSpec):
             read_block_(value, weights[key])
 
     def save_hf(self, state_dict: dict[str, torch.Tensor], hf_dir: Path, *, overwrite: bool) -> Path:
-        """Through the native <-> HF adapter, in safetensors shards (models/hf_checkpoint.py)."""
-        from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
+        """Through the native <-> HF adapter, in safetensors shards (models/hub/checkpoint.py)."""
+        from titan_tpu.models.hub.checkpoint import save_hf_checkpoint
 
         return save_hf_checkpoint(hf_dir, name=self.name, args=self.args, state_dict=state_dict, overwrite=overwrite)
 
     def export_hf(self, sources: dict[str, TensorSource], hf_dir: Path, *, dtype: torch.dtype, overwrite: bool) -> Path:
-        """Streamed: one tensor in memory at a time (models/hf_checkpoint.py `save_hf_sources`)."""
-        from titan_tpu.models.hf_checkpoint import save_hf_sources
+        """Streamed: one tensor in memory at a time (models/hub/checkpoint.py `save_hf_sources`)."""
+        from titan_tpu.models.hub.checkpoint import save_hf_sources
 
         return save_hf_sources(hf_dir, name=self.name, args=self.args, sources=sources, dtype=dtype,
                                overwrite=overwrite)
 
     def hf_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Through the native <-> HF adapter: HF names, B's rows in HF's RoPE layout."""
-        from titan_tpu.models.hf_adapter import adapters_to_hf
+        from titan_tpu.models.hub.adapter import adapters_to_hf
 
         return adapters_to_hf(adapters, self.args)

@@ -1,5 +1,5 @@
 """The model spec's interface: what every model kind answers (`ModelSpec`), implemented by
-`NativeSpec` (models/spec.py) and `HFSpec` (models/hf_spec.py). A module of its own so both
+`NativeSpec` (models/spec.py) and `HFSpec` (models/hf/spec.py). A module of its own so both
 implementations build on it and models/spec.py, which picks between them, imports them without a
 cycle."""
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from titan_tpu.data.batch import ImageInputs
     from titan_tpu.kernels import KernelConfig
     from titan_tpu.model_contract import TrainableModel
-    from titan_tpu.models.hf_sources import TensorSource
+    from titan_tpu.models.hub.sources import TensorSource
     from titan_tpu.parallel.mesh import ParallelDims
     from titan_tpu.parallel.pipeline import PipelineSchedule
 
@@ -89,10 +89,10 @@ class ModelSpec(ABC):
         """Write a full state dict (our names) as a Hugging Face directory that from_pretrained loads."""
 
     def export_hf(self, sources: dict[str, TensorSource], hf_dir: Path, *, dtype: torch.dtype, overwrite: bool) -> Path:
-        """`save_hf` of weights given as sources (a checkpoint read lazily, models/hf_sources.py), in
+        """`save_hf` of weights given as sources (a checkpoint read lazily, models/hub/sources.py), in
         `dtype`. Here every weight is read into memory first; a spec that can write tensor by tensor
         (the native one) streams them instead."""
-        from titan_tpu.models.hf_sources import full_index
+        from titan_tpu.models.hub.sources import full_index
 
         state_dict = {key: source.read(full_index(source.shape)).to(dtype) for key, source in sources.items()}
         return self.save_hf(state_dict, hf_dir, overwrite=overwrite)

@@ -84,7 +84,7 @@ _SET = ("activation_checkpoint.mode", "model.scan_layers", "training.batch_size"
         "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.ep",
         "parallelism.pp", "parallelism.pp_microbatches", "parallelism.pp_repeats", "parallelism.reshard_after_forward",
         "parallelism.bucket_mb", "lora.enabled", "fp8.enabled")
-# What an hf model cannot change (models/hf_spec.py refuses tp, cp and scanned layers, run/setup.py pp;
+# What an hf model cannot change (models/hf/spec.py refuses tp, cp and scanned layers, run/setup.py pp;
 # one piece has nothing to re-shard after a layer): held, as --keep holds a knob.
 HF_HELD = ("parallelism.tp", "parallelism.pp", "model.scan_layers", "parallelism.reshard_after_forward")
 BUCKETS_MB = (0.0, 25.0, 256.0)

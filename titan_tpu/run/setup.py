@@ -209,7 +209,7 @@ def _check_evaluation(cfg: Config) -> None:
     data-parallel axes; tp, cp and ep split one request's forward across ranks)."""
     if not cfg.evaluation.tasks:
         return
-    from titan_tpu.benchmarks.tasks import require_lm_eval
+    from titan_tpu.extras import require_lm_eval
 
     require_lm_eval("evaluation.tasks")
     p = cfg.parallelism

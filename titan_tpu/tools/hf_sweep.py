@@ -193,7 +193,7 @@ def _our_model(args, *, seed: int = 0, mesh=None, parallel_dims=None, mp=None):
     """The Transformers backend's model of `args` (HFArgs) with a seeded init, through models/spec.py
     `build` as train builds it (the chunked-loss check included), on the CPU."""
     from titan_tpu.config import Config
-    from titan_tpu.models.hf_spec import HFSpec
+    from titan_tpu.models.hf.spec import HFSpec
     from titan_tpu.models.spec import build
 
     return build(HFSpec.of_hf_args(args), Config(), device="cpu", seed=seed, mesh=mesh, parallel_dims=parallel_dims,

@@ -169,7 +169,7 @@ def score_run(run_dir: Path, *, rows_file: Path | None = None, log=print) -> dic
     scored on the held-out rows (default: the run's data.val_source); the scores replace earlier
     ones in the run's metrics.jsonl."""
     from titan_tpu.config import Config
-    from titan_tpu.evaluate import load_eval_model
+    from titan_tpu.evaluation.loss import load_eval_model
     from titan_tpu.train.checkpoint import Checkpointer
 
     run_dir = Path(run_dir)

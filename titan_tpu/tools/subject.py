@@ -259,12 +259,12 @@ def _tiny_hf_config(spec: str, overrides: dict, base_config=None):
 
 def resolve(spec: str, *, work_dir: Path, tiny: bool, overrides: dict | None = None) -> Subject:
     """`spec` -> a Subject whose hf_dir lies under `work_dir` (or is the user's directory)."""
-    from titan_tpu.evaluate import native_hf_dir
+    from titan_tpu.evaluation.loss import native_hf_dir
     from titan_tpu.models.hf.config import causal_lm_types, load_hf_config
     from titan_tpu.models.hf.vision import is_vision_language
     from titan_tpu.models.hf.weights import has_weights
-    from titan_tpu.models.hf_adapter import model_args_from_hf_config
-    from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
+    from titan_tpu.models.hub.adapter import model_args_from_hf_config
+    from titan_tpu.models.hub.checkpoint import save_hf_checkpoint
     from titan_tpu.models.registry import MODEL_FLAVORS, get_model_args
 
     overrides = dict(overrides or {})

@@ -325,8 +325,8 @@ def _compare_sets(before: dict, after: dict) -> tuple[float, str, list[str], lis
 
 def check_weights(subject: Subject) -> Result:
     if subject.backend == "native":
-        from titan_tpu.models.hf_adapter import from_hf_state_dict, fuse_experts, to_hf_state_dict
-        from titan_tpu.models.hf_checkpoint import load_hf_checkpoint
+        from titan_tpu.models.hub.adapter import from_hf_state_dict, fuse_experts, to_hf_state_dict
+        from titan_tpu.models.hub.checkpoint import load_hf_checkpoint
 
         stored = _file_tensors(subject.hf_dir)
         stored.pop("lm_head.weight", None) if subject.native_args().tie_embeddings else None
@@ -422,7 +422,7 @@ def _loss_and_grad_diff(subject: Subject) -> tuple[float, float, str]:
     ref_loss.backward()
     grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
     if subject.backend == "native":
-        from titan_tpu.models.hf_adapter import fuse_experts, to_hf_state_dict
+        from titan_tpu.models.hub.adapter import fuse_experts, to_hf_state_dict
 
         args = subject.native_args()
         grads = to_hf_state_dict(grads, args)
@@ -591,8 +591,8 @@ def check_export(subject: Subject) -> Result:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "export"
         if subject.backend == "native":
-            from titan_tpu.models.hf_adapter import fuse_experts, to_hf_state_dict
-            from titan_tpu.models.hf_checkpoint import save_hf_checkpoint
+            from titan_tpu.models.hub.adapter import fuse_experts, to_hf_state_dict
+            from titan_tpu.models.hub.checkpoint import save_hf_checkpoint
 
             args = subject.native_args()
             save_hf_checkpoint(out, name=subject.native_name, args=args, state_dict=model.state_dict())

@@ -1,6 +1,6 @@
 """A training checkpoint's model weights read lazily, block by block, for an export that never
 holds the whole model (`CheckpointTensors`), and written lazily, tensor by tensor, for an import
-(`SourcesSavePlanner`). Each weight is a `TensorSource` (models/hf_sources.py) whose
+(`SourcesSavePlanner`). Each weight is a `TensorSource` (models/hub/sources.py) whose
 `read(index)` asks DCP for just that block of the tensor.
 
 Why not `load_full_state_dict`: it holds every weight at once in fp32 (1.6 TB for 405B). Here one
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan, WriteItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from titan_tpu.models.hf_sources import TensorSource, row_blocks
+from titan_tpu.models.hub.sources import TensorSource, row_blocks
 
 __all__ = ["CheckpointTensors", "SavedTensor", "SourcesSavePlanner", "placeholder"]
 

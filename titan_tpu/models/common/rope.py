@@ -3,7 +3,7 @@
 Convention: within each head, the pairs (x[2i], x[2i+1]) are rotated by the angle
 ``pos * inv_freq[i]``. This is the layout of Meta's original Llama code and of TorchTitan, so
 native checkpoints stay compatible with them. Hugging Face checkpoints use the "rotate half"
-layout instead (pairs (x[i], x[i + hd/2])); `hf_adapter` permutes the wq/wk rows on import and
+layout instead (pairs (x[i], x[i + hd/2])); `models/hub/adapter.py` permutes the wq/wk rows on import and
 export, which makes the two models compute the same function.
 
 The rotation is a complex multiply (as in Meta's and TorchTitan's code) on a table stored as

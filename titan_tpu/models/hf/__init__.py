@@ -43,6 +43,8 @@ The package, one module per job (import from the module that does the job):
 * `model`: `HFCausalLM` and `build_hf_model` (the meta-device build).
 * `flops`: FLOPs per trained token.
 * `weights`: weights in and out of Hugging Face directories.
+* `spec`: `HFSpec`, the backend's model spec (what the rest asks about a model; it sits a layer above
+  the rest of the package, with models/spec.py).
 * `vision`: vision-language models (Qwen2.5-VL, Gemma 3, LLaVA): the record of each architecture,
   the frozen vision encoder and the static-shape merge of image features into the text.
 """

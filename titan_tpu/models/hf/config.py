@@ -99,7 +99,7 @@ def load_hf_config(spec: str, overrides: dict[str, Any] | None = None):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.hf_config {path} has no config.json; point at a Hugging Face model "
                                     "directory (config.json, *.safetensors)")
-        from titan_tpu.models.hf_checkpoint import read_hf_config_json
+        from titan_tpu.models.hub.checkpoint import read_hf_config_json
 
         read_hf_config_json(path / "config.json")  # a damaged file: one line, not transformers' traceback
         make = functools.partial(AutoConfig.from_pretrained, str(path))

@@ -56,7 +56,7 @@ def read_pretrained(hf_dir: Path):
     anything else transformers refuses is reported as transformers' own message."""
     from transformers import AutoConfig
 
-    from titan_tpu.models.hf_checkpoint import check_safetensors_file
+    from titan_tpu.models.hub.checkpoint import check_safetensors_file
 
     for file in sorted(Path(hf_dir).glob("*.safetensors")):
         check_safetensors_file(file)  # truncated or damaged: one line naming the file

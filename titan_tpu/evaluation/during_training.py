@@ -4,7 +4,7 @@ trained, on the training mesh, every `evaluation.freq` steps and after the last.
 Every process hands lm-eval the same requests, as one process would have them (so few-shot draws
 and metrics do not depend on the rank count); each data-parallel rank answers its share, the
 answers are gathered, and all ranks run the same number of forwards of the sharded model
-(benchmarks/harness.py `ScoringRanks`). Rank 0 logs eval/<task>/<metric> in the metrics row and
+(harness.py `ScoringRanks`). Rank 0 logs eval/<task>/<metric> in the metrics row and
 writes lm-eval's results to lm_eval/step-N.json in the run's directory.
 
 The tasks and their data are read once, before the first step: rank 0 first (it may fill the
@@ -14,11 +14,22 @@ the run's own draws go on after an evaluation as if it had not run.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from titan_tpu.benchmarks.tasks import TaskSettings, chat_renderer, load_tasks, score, task_metrics, write_results
-from titan_tpu.components.build import Components
+from titan_tpu.evaluation.lm_eval_tasks import (
+    TaskSettings,
+    chat_renderer,
+    load_tasks,
+    score,
+    task_metrics,
+    write_results,
+)
 from titan_tpu.generate.decoders import decoder_for
+
+if TYPE_CHECKING:
+    from titan_tpu.components.build import Components
 
 
 class TaskEvaluation:
@@ -42,7 +53,7 @@ class TaskEvaluation:
 
     def run(self, step: int) -> dict[str, float]:
         """The tasks' scores at `step` as metrics-row keys (on rank 0; {} on the others)."""
-        from titan_tpu.benchmarks.harness import HarnessLM, ScoringRanks
+        from titan_tpu.evaluation.harness import HarnessLM, ScoringRanks
 
         parts = self.components
         parts.step_fn.state_to_host()  # a step that keeps its state elsewhere writes it into the model

@@ -1,6 +1,6 @@
 """Hugging Face <-> native mapping: config.json fields and state-dict names/layouts.
 
-Pure mapping: no file I/O and no transformers import (see hf_checkpoint.py for safetensors I/O).
+Pure mapping: no file I/O and no transformers import (see checkpoint.py for safetensors I/O).
 
 Layout difference: HF Llama/Qwen3 apply RoPE in the "rotate half" convention, pairing element i
 of a head with element i + hd/2; the native model pairs (2i, 2i+1). Permuting the rows of each
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from titan_tpu.models.common.transformer import RopeScaling, TransformerArgs
 from titan_tpu.models.family import Family
-from titan_tpu.models.hf_sources import (
+from titan_tpu.models.hub.sources import (
     InMemory,
     Narrowed,
     RowsPermuted,
@@ -417,7 +417,7 @@ def from_hf_state_dict(hf_sd: dict[str, Tensor], args: TransformerArgs) -> dict[
 
 
 def native_sources_from_hf(sources: dict[str, TensorSource], args: TransformerArgs) -> dict[str, TensorSource]:
-    """HF name -> source, to native name -> source (models/hf_sources.py): the names mapped, wq and
+    """HF name -> source, to native name -> source (models/hub/sources.py): the names mapped, wq and
     wk's rows (and the q/k norms) put in the native RoPE layout, the experts stacked. Nothing is read
     but the routers' zero biases. Raises ValueError on a missing or unexpected tensor.
 

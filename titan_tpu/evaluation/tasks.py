@@ -1,5 +1,5 @@
 """`titan-tpu eval --tasks`: lm-evaluation-harness benchmarks of any model `titan-tpu eval` loads
-(a checkpoint, an HF directory, a recipe's model), through `HarnessLM` (benchmarks/harness.py).
+(a checkpoint, an HF directory, a recipe's model), through `HarnessLM` (harness.py).
 Prints lm-eval's table and writes its results JSON beside the weights (a checkpoint step-N ->
 step-N.lm_eval.json, an HF directory DIR -> DIR.lm_eval.json) or to --output.
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from titan_tpu.benchmarks.tasks import TaskSettings, chat_renderer, load_tasks, require_lm_eval, score, write_results
+from titan_tpu.evaluation.lm_eval_tasks import TaskSettings, chat_renderer, load_tasks, score, write_results
+from titan_tpu.extras import require_lm_eval
 
 
 def default_results_path(weights: str) -> Path | None:
@@ -25,10 +26,10 @@ def run_tasks(setup, *, checkpoint: str | None, settings: TaskSettings, output: 
     require_lm_eval()
     from lm_eval.utils import make_table
 
-    from titan_tpu.benchmarks.harness import HarnessLM
     from titan_tpu.data.tokenizer import load_tokenizer
     from titan_tpu.device import get_backend
-    from titan_tpu.evaluate import load_eval_model
+    from titan_tpu.evaluation.harness import HarnessLM
+    from titan_tpu.evaluation.loss import load_eval_model
 
     cfg = setup.cfg
     tasks = load_tasks(settings)

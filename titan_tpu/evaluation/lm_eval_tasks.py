@@ -1,13 +1,14 @@
 """lm-evaluation-harness tasks (hellaswag, arc_easy, ... or task YAMLs of one's own under an include
-path) for `HarnessLM` (harness.py): what `titan-tpu eval --tasks` (evaluate_tasks.py) and the
-[evaluation] section during training (loops/evaluation.py) both ask of lm-eval.
+path) for `HarnessLM` (harness.py): what `titan-tpu eval --tasks` (tasks.py) and the
+[evaluation] section during training (during_training.py) both ask of lm-eval.
 
 `TaskSettings` is that ask; `load_tasks` reads the tasks and their data once, with a one-line error
 for a name lm-eval does not know and for data neither cached nor reachable; `score` runs lm-eval
 over loaded tasks without touching the caller's random state; `task_metrics` turns its results
 into metrics-row keys.
 
-lm-eval is optional (the `eval` extra): imported only inside functions, after `require_lm_eval`.
+lm-eval is optional (the `eval` extra): imported only inside functions, after `require_lm_eval`
+(extras.py).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-LM_EVAL_INSTALL = "pip install 'lm-eval>=0.4,<0.5' (or the eval extra: pip install -e '.[eval]')"
-
 # Builders of datasets from local files (lm-eval's dataset_path with data_files), not Hub names.
 LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 
@@ -41,13 +40,6 @@ class TaskSettings:
     include_path: str | None = None  # a folder of task YAMLs of one's own
     apply_chat_template: bool = False  # render prompts with the tokenizer's chat template
     system_instruction: str | None = None
-
-
-def require_lm_eval(what: str = "titan-tpu eval --tasks") -> None:
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        raise ValueError(f"{what} needs lm-evaluation-harness, which is not installed: {LM_EVAL_INSTALL}") from None
 
 
 @functools.lru_cache(maxsize=4)

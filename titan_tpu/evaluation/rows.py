@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_tpu.data.batch import IGNORE_INDEX
-from titan_tpu.evaluate import EvalModel, load_run_model, trained_image_settings
+from titan_tpu.evaluation.loss import EvalModel, load_run_model, trained_image_settings
 
 if TYPE_CHECKING:
     from titan_tpu.config import Config

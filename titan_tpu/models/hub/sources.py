@@ -13,7 +13,7 @@ read before every name and shape is checked):
 
 * `FileTensor`: one tensor of one file, as stored (`InMemory`: one already in memory).
 * `RowsPermuted`: HF's rotate-half row order within each head made the native interleaved one
-  (wq, wk, the q/k norms; models/hf_adapter.py says why).
+  (wq, wk, the q/k norms; models/hub/adapter.py says why).
 * `Stacked`: per-expert tensors stacked on a new first dimension (the hub's MoE layout); `Selected`,
   one of them again (an export).
 * `Narrowed`: a range of one dimension of a source (the gate half of transformers 5.x's fused
@@ -111,7 +111,7 @@ class InMemory:
 def rotate_half_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
     """HF's RoPE row order within each head, [first halves of pairs | second halves], made the
     native interleaved one; for 2-D projection weights [n_heads * hd, dim] and 1-D norm weights [hd]
-    (models/hf_adapter.py says why the layouts differ)."""
+    (models/hub/adapter.py says why the layouts differ)."""
     return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).reshape(w.shape).contiguous()
 
 

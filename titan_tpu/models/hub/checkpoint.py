@@ -20,7 +20,7 @@ from torch import Tensor
 
 from titan_tpu.files import read_json_file, usual_permissions
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
-from titan_tpu.models.hf_adapter import (
+from titan_tpu.models.hub.adapter import (
     hf_config_from_model_args,
     hf_fused_expert_shapes,
     hf_param_shapes,
@@ -29,7 +29,7 @@ from titan_tpu.models.hf_adapter import (
     native_param_shapes,
     native_sources_from_hf,
 )
-from titan_tpu.models.hf_sources import (
+from titan_tpu.models.hub.sources import (
     BlockDequantized,
     FileTensor,
     InMemory,
@@ -90,7 +90,7 @@ def load_hf_checkpoint(hf_dir: str | Path, *, mtp_num_layers: int = 0) -> tuple[
                                                                               dict[str, Tensor]]:
     """Read an HF checkpoint directory -> (model name, args, NATIVE state dict), every tensor whole
     (one process that needs all of them: eval, conversion). A run that shards the model reads only
-    its blocks: `hf_native_sources` with models/hf_sources.py `read_block_`.
+    its blocks: `hf_native_sources` with models/hub/sources.py `read_block_`.
 
     Names and shapes are checked against config.json from the safetensors headers before any
     tensor is read, so a wrong checkpoint fails fast with a message naming the tensor. Tensors
@@ -104,7 +104,7 @@ def hf_native_sources(hf_dir: str | Path, *, mtp_num_layers: int = 0) -> tuple[s
                                                                                 dict[str, TensorSource]]:
     """(model name, args, native name -> its lazy source) of an HF checkpoint directory: every
     name and shape checked from the safetensors headers and config.json, nothing read yet
-    (models/hf_sources.py). Experts may be stored one tensor each (the hub layout) or fused
+    (models/hub/sources.py). Experts may be stored one tensor each (the hub layout) or fused
     (transformers 5.x's); fp8 weights with per-block `weight_scale_inv` (DeepSeek-V3's release, its
     config's `quantization_config`) are dequantised as they are read."""
     hf_dir = Path(hf_dir)
@@ -248,7 +248,7 @@ def save_hf_checkpoint(
 
 def save_hf_sources(hf_dir: str | Path, *, name: str, args: TransformerArgs, sources: dict[str, TensorSource],
                     dtype: torch.dtype, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> Path:
-    """Write native weights, each a source read when its turn comes (models/hf_sources.py), as an HF
+    """Write native weights, each a source read when its turn comes (models/hub/sources.py), as an HF
     checkpoint directory in `dtype`: safetensors shards of at most `max_shard_bytes` (one per
     tensor larger than that) with an index, as the Hub shards them; returns its path. One tensor is
     in memory at a time: each shard's header is written first from the shapes, then the tensors'

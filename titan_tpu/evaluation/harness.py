@@ -32,7 +32,7 @@ process returns all of them. A sharded model gathers its weights in every forwar
 run the same number of forwards: a rank with fewer batches runs short dummy ones.
 
 lm_eval is imported at the top: import this module only where lm-eval is wanted
-(benchmarks/tasks.py `require_lm_eval` checks it is installed first).
+(extras.py `require_lm_eval` checks it is installed first).
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ def load_run_model(setup, *, checkpoint: str | None) -> EvalModel:
 def run_eval(setup, *, checkpoint: str | None, token_file: str | None, text: str | None, seq_len: int,
              max_tokens: int) -> dict:
     """`titan-tpu eval`: the model of a run setup (run/setup.py; `checkpoint`'s weights) over a token
-    file or a text corpus (a vision-language model's image-text rows: evaluate_rows.py)."""
+    file or a text corpus (a vision-language model's image-text rows: rows.py)."""
     cfg = setup.cfg
 
     if (token_file is None) == (text is None):
