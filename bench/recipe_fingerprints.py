@@ -39,15 +39,16 @@ def _lower_only(step, devices, *, program: str, dump=None, xla_dump=None) -> dic
 
 def one(recipe: str) -> dict[str, str]:
     """{program: fingerprint} of the recipe's step on the slice it names."""
-    import titan_tpu.tools.xla_numbers as xla_numbers
     from titan_tpu.config import build_config
     from titan_tpu.plan.topology import recipe_topology
     from titan_tpu.tools.compile_cmd import compile_step_for_tpu
     from titan_tpu.tools.hf_shape_dir import ensure
 
     try:
+        import titan_tpu.xla.numbers as xla_numbers
         from titan_tpu.run.setup import prepare_run
-    except ImportError:  # the code before the run's resolution moved into titan_tpu/run/
+    except ImportError:  # the code before the run's resolution (titan_tpu/run/) and the XLA readers (xla/) moved
+        import titan_tpu.tools.xla_numbers as xla_numbers
         from titan_tpu.run_setup import prepare_run
 
     xla_numbers.compile_program = _lower_only

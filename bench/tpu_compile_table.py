@@ -49,10 +49,10 @@ def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | No
     from titan_tpu.tools.compile_cmd import compile_step_for_tpu
     from titan_tpu.tools.hf_shape_dir import ensure
     from titan_tpu.tools.recipe_table import provenance
-    from titan_tpu.tools.xla_numbers import xla_dump_env
+    from titan_tpu.xla.numbers import xla_dump_env
 
     # Before JAX starts: the report reads XLA's dump (kept in dumps/<recipe> when asked, for a look at
-    # what XLA holds at its peak: titan_tpu.tools.xla_dump.py).
+    # what XLA holds at its peak: titan_tpu.xla.dump.py).
     kept = os.path.join(dumps, os.path.basename(recipe).removesuffix(".toml")) if dumps else None
     xla_dump = xla_dump_env(kept)
     cfg = build_config(recipe, overrides)
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--reports", help="directory for the reports (default bench/results/xla; with --topology "
                         "or --override, none unless given)")
     parser.add_argument("--dumps", help="keep XLA's dump of each recipe in DIR/<recipe> (buffer assignment, live "
-                        "ranges: python -m titan_tpu.tools.xla_dump DIR/<recipe> prints its peak's values)")
+                        "ranges: python -m titan_tpu.xla.dump DIR/<recipe> prints its peak's values)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     if args.one:

@@ -1,4 +1,4 @@
-"""titan-tpu compile's one-line failures: the host-memory guard (tools/xla_numbers.py
+"""titan-tpu compile's one-line failures: the host-memory guard (xla/numbers.py
 host_memory_guard; XLA's TPU compile of a large step can need more host memory than the machine
 has, and the kernel's OOM killer would end it, or another process, without a word), and the reason
 a compile child process gives its parent (certify, the recipe table) among libtpu's logging."""
@@ -15,7 +15,7 @@ def test_a_compile_that_runs_the_machine_out_of_memory_stops_with_one_line():
     # A floor above any machine's memory: the first look finds too little left.
     code = textwrap.dedent("""
         import time
-        from titan_tpu.tools.xla_numbers import host_memory_guard
+        from titan_tpu.xla.numbers import host_memory_guard
         with host_memory_guard(floor=1 << 60, interval=0.05):
             time.sleep(30)
         print("not stopped")
@@ -29,7 +29,7 @@ def test_a_compile_that_runs_the_machine_out_of_memory_stops_with_one_line():
 
 
 def test_the_guard_lets_a_compile_that_fits_finish():
-    from titan_tpu.tools.xla_numbers import host_memory_guard
+    from titan_tpu.xla.numbers import host_memory_guard
 
     with host_memory_guard(floor=0, interval=0.01):
         total = sum(range(1000))

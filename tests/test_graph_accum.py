@@ -139,7 +139,8 @@ def test_trainer_derives_accumulation_from_global_batch_tokens_in_graph_mode(tra
     eager = assemble(build_config(LLAMA_DEBUG, train_overrides(**common)))
     graph = assemble(build_config(LLAMA_DEBUG, train_overrides(training__mode="graph", compile__backend="eager",
                                                               **common)))
-    assert eager.cfg.training.grad_accum_steps == graph.cfg.training.grad_accum_steps == 2
+    assert eager.components.run.grad_accum_steps == graph.components.run.grad_accum_steps == 2
+    assert eager.cfg.training.grad_accum_steps == 1  # the config's own key: the run's resolution holds the 2
     assert graph.components.step_fn.grad_accum_steps == 2
     for _ in range(3):
         a, b = eager.train_step(), graph.train_step()

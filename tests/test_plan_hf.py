@@ -85,16 +85,21 @@ def _live_peak(setup) -> int:
     """Bytes of live tensors at the peak of one eager step after a first one (torch's profiler, as
     the calibration measures it: plan/calibrate.py), with the parameters, buffers and AdamW moments."""
     from titan_tpu.components.make_step import make_step
+    from titan_tpu.components.program import assemble_program
+    from titan_tpu.components.resolve import resolve
+    from titan_tpu.components.world import Place
     from titan_tpu.device import get_backend
-    from titan_tpu.models.spec import build
     from titan_tpu.plan.calibrate import profiled_peak_bytes
-    from titan_tpu.train.optim import AdamW
+    from titan_tpu.run.resolved import Target
 
-    model = build(setup.spec, setup.cfg, device="cpu", seed=0)
-    opt = AdamW({name: p for name, p in model.named_parameters() if p.requires_grad})
+    backend = get_backend("cpu")
     batch = _batch(setup)
-    step, _ = make_step(setup.cfg, model, opt, backend=get_backend("cpu"), world_size=1, dp_size=1, documents=False,
-                        log=lambda message: None, example_batch=batch)
+    # The trainer's resolution, program and step on one CPU process (components/).
+    run = resolve(setup, Target.of_backend(backend, 1))
+    place = Place.of(run, rank=0, device=backend.device)
+    program = assemble_program(run, place, example_batch=batch)
+    model, opt = program.model, program.optimizer
+    step, _ = make_step(run, program, place, backend=backend, log=lambda message: None)
     step([batch], 1e-4)
     static = sum(x.numel() * x.element_size() for x in [*model.parameters(), *model.buffers()])
     static += sum(x.numel() * x.element_size() for d in (opt.state["exp_avg"], opt.state["exp_avg_sq"])

@@ -35,24 +35,23 @@ def _stage_memory(overrides: list[str]) -> dict:
     import torch.distributed as dist
 
     from titan_tpu.components.make_step import make_step
+    from titan_tpu.components.program import assemble_program
+    from titan_tpu.components.resolve import resolve
+    from titan_tpu.components.world import Place
     from titan_tpu.config import build_config
     from titan_tpu.device import get_backend
-    from titan_tpu.models.spec import build
-    from titan_tpu.parallel.mesh import ParallelDims
-    from titan_tpu.parallel.simple_fsdp import default_mixed_precision
     from titan_tpu.plan.calibrate import profiled_peak_bytes
+    from titan_tpu.run.resolved import Target
     from titan_tpu.run.setup import prepare_run
-    from titan_tpu.train.optim import AdamW
 
     cfg = build_config(LLAMA_DEBUG, overrides)
-    spec = prepare_run(cfg).spec
-    dims = ParallelDims.from_config(cfg.parallelism, world_size=dist.get_world_size())
-    mesh = dims.build_mesh("cpu")
-    model = build(spec, cfg, device="cpu", seed=0, mesh=mesh, parallel_dims=dims, mp=default_mixed_precision("cpu"),
-                  reshard_after_forward=False)  # as the trainer builds it under pp (components/build.py)
-    opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
-    step, _ = make_step(cfg, model, opt, backend=get_backend("cpu"), world_size=dims.world_size, dp_size=1,
-                        documents=False, log=lambda message: None)
+    backend = get_backend("cpu")
+    # The trainer's resolution, program and step on this rank (components/).
+    run = resolve(prepare_run(cfg), Target.of_backend(backend, dist.get_world_size()))
+    place = Place.of(run, rank=dist.get_rank(), device=backend.device)
+    program = assemble_program(run, place)
+    model, opt, spec = program.model, program.optimizer, run.spec
+    step, _ = make_step(run, program, place, backend=backend, log=lambda message: None)
     t = cfg.training
     tokens = torch.randint(0, spec.args.vocab_size, (t.batch_size, t.seq_len + 1),
                            generator=torch.Generator().manual_seed(0))

@@ -127,7 +127,7 @@ _HLO = "\n".join([
 
 
 def test_matmul_flops_counts_dots_and_the_taps_inside_a_convolution_input(tmp_path):
-    from titan_tpu.tools.xla_dump import matmul_flops
+    from titan_tpu.xla.dump import matmul_flops
 
     (tmp_path / "p.txt").write_text(_HLO)
     (tmp_path / "p-live-range.txt").write_text("")
@@ -144,7 +144,7 @@ def test_matmul_flops_counts_dots_and_the_taps_inside_a_convolution_input(tmp_pa
 def test_placed_values_read_the_temporaries_allocation_with_offsets_and_live_ranges(tmp_path):
     """The largest preallocated-temp allocation's values, highest end first, each with its live range;
     a loop carry without one in the live-range file is still placed (the peak section leaves it out)."""
-    from titan_tpu.tools.xla_dump import live_in_allocation, placed_values
+    from titan_tpu.xla.dump import live_in_allocation, placed_values
 
     (tmp_path / "p-buffer-assignment.txt").write_text(
         "allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}:\n"

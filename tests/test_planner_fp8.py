@@ -16,7 +16,7 @@ from titan_tpu.plan.hardware import HARDWARE, resolve_hardware
 from titan_tpu.plan.planner import plan_run
 from titan_tpu.plan.search import search
 from titan_tpu.plan.setting import setup_for_planning
-from titan_tpu.tools.xla_dump import f8_dots
+from titan_tpu.xla.dump import f8_dots
 
 RECIPE = "configs/llama3_70b_v7_tpu.toml"
 

@@ -124,9 +124,13 @@ def test_a_packed_batch_trains_as_its_conversations_one_a_row(model_dirs, tmp_pa
     expected_loss, expected_grads = _ce_and_grads(model, single)
     assert abs(loss - expected_loss) <= 1e-5 * abs(expected_loss)
     assert grads.keys() == expected_grads.keys()
+    # A key projection's bias has zero gradient in exact arithmetic (softmax is shift-invariant per
+    # query): its computed gradient is rounding noise (1.6e-9 on an Intel Xeon with AMX), so the floor
+    # is relative to the model's largest gradient, not to the tensor's own.
+    floor = 1e-7 * max(g.abs().max().item() for g in expected_grads.values())
     for key, grad in grads.items():
         expected = expected_grads[key]
-        atol = max(1e-5 * expected.abs().max().item(), 1e-9)
+        atol = max(1e-5 * expected.abs().max().item(), floor)
         torch.testing.assert_close(grad, expected, rtol=1e-5, atol=atol, msg=lambda m: f"{key}: {m}")
 
 

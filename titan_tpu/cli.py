@@ -214,8 +214,8 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "tpu"])
     args, overrides = parser.parse_known_args(argv)
 
-    from titan_tpu.generate.command import run_generate
     from titan_tpu.generate.sampling import Sampling
+    from titan_tpu.tools.generate_cmd import run_generate
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     cfg = _model_config(args, overrides).cfg

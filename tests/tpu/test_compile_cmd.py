@@ -122,7 +122,7 @@ def test_full_checkpointing_of_unscanned_layers_survives_xla(tmp_path):
 
 def _most_alive_at_once(dump, shape: str) -> int:
     """The most values of `shape` XLA's buffer assignment holds at one moment of the program."""
-    from titan_tpu.tools.xla_dump import placed_values
+    from titan_tpu.xla.dump import placed_values
 
     ranges = [v.live for v in placed_values(dump) if v.shape == shape and v.live]
     return max((sum(start <= t <= end for start, end in ranges) for t, _ in ranges), default=0)

@@ -18,7 +18,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from titan_tpu.graph.jax_lowering import functional_graph, to_jax
-from titan_tpu.tools.xla_dump import f8_dots
+from titan_tpu.xla.dump import f8_dots
 
 E4M3_MAX, E5M2_MAX = torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.float8_e5m2).max
 M, K, N = 64, 128, 256

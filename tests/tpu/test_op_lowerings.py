@@ -55,3 +55,9 @@ def test_layer_norm_gelu_erf_pooling_repeat_sort_and_cutting_pad():
     _close(values, torch.sort(x, 1, descending=True).values)
     _close(LOWERINGS[aten.constant_pad_nd.default](x.numpy(), [0, -3, 1, 0]),
            aten.constant_pad_nd.default(x, [0, -3, 1, 0]))
+
+
+def test_expm1_of_orpos_log_odds():
+    """ORPO's log(1 - p) for p near 1 (train/orpo.py) through expm1: torch's values, small inputs too."""
+    x = torch.tensor([-1e-7, -1e-3, -0.5, -3.0, -20.0])
+    _close(LOWERINGS[aten.expm1.default](x.numpy()), torch.expm1(x), 1e-7)

@@ -39,7 +39,7 @@ from titan_tpu.run.resolved import ResolvedRun, Target
 from titan_tpu.run.setup import RunSetup
 from titan_tpu.train.checkpoint import load
 from titan_tpu.train.objective import Objective
-from titan_tpu.train.optim import AdamW
+from titan_tpu.train.optim import AdamW, trained_parameters
 
 if TYPE_CHECKING:
     from titan_tpu.config import Config
@@ -74,9 +74,8 @@ def assemble_program(run: ResolvedRun, place: Place, *, example_batch: Batch | N
         model = build_model(run, place, log=log)
         reference = _frozen_reference(run, place, log=log)
     objective = run.kind.objective(run.cfg, reference)
-    # The trained parameters: all of them, or under LoRA the adapters (the base is frozen).
-    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    optimizer = AdamW.from_config(trained, run.cfg.optimizer, layer_stacked=model.stacked_parameter_names())
+    optimizer = AdamW.from_config(trained_parameters(model), run.cfg.optimizer,
+                                  layer_stacked=model.stacked_parameter_names())
     t = run.cfg.training
     batch = (example_batch.to(place.device) if example_batch is not None else
              objective.example_batch(batch_size=t.batch_size, seq_len=t.seq_len, documents=run.documents,

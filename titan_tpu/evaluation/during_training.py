@@ -14,7 +14,8 @@ the run's own draws go on after an evaluation as if it had not run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -29,11 +30,27 @@ from titan_tpu.evaluation.lm_eval_tasks import (
 from titan_tpu.generate.decoders import decoder_for
 
 if TYPE_CHECKING:
-    from titan_tpu.components.build import Components
+    from titan_tpu.config import Config
+    from titan_tpu.models.spec_base import ModelSpec
+    from titan_tpu.parallel.mesh import BatchSplit
+
+
+class TrainedRun(Protocol):
+    """What scoring during training reads of the run's parts (components/build.py `Components`)."""
+
+    cfg: Config
+    spec: ModelSpec
+    model: torch.nn.Module
+    tokenizer: Any
+    step_fn: Any  # the step contract (train/step.py): state_to_host before scoring
+    batch_split: BatchSplit  # this rank's row set of the data-parallel ranks: its share of the requests
+    world_size: int
+    is_main: bool
+    run_dir: Path
 
 
 class TaskEvaluation:
-    def __init__(self, components: Components):
+    def __init__(self, components: TrainedRun):
         cfg = components.cfg
         e = cfg.evaluation
         self.components = components
@@ -80,7 +97,7 @@ def _positions(model: torch.nn.Module, default: int) -> int:
     return decoder_for(model).max_length or default
 
 
-def _load_in_turn(settings: TaskSettings, components: Components) -> list:
+def _load_in_turn(settings: TaskSettings, components: TrainedRun) -> list:
     """The tasks, loaded by rank 0 before the other ranks read the cache it filled."""
     distributed = components.world_size > 1
     if distributed and not components.is_main:

@@ -266,7 +266,7 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
                 kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory",
                                                                        "memory_format", "non_blocking")}
                 try:
-                    with jax.named_scope(_scope(node)):  # XLA's op names then say which module (tools/xla_dump.py)
+                    with jax.named_scope(_scope(node)):  # XLA's op names then say which module (xla/dump.py)
                         value = table[node.target](*args, **kwargs)
                 except JaxLoweringError:
                     raise

@@ -395,6 +395,7 @@ LOWERINGS: dict[object, Callable] = {
     aten.remainder.Tensor: _remainder,
     aten.neg.default: jnp.negative,
     aten.exp.default: jnp.exp,
+    aten.expm1.default: jnp.expm1,  # ORPO's log-odds (train/orpo.py)
     aten.log.default: jnp.log,
     aten.log1p.default: jnp.log1p,
     aten.sqrt.default: jnp.sqrt,

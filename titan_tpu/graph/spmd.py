@@ -80,8 +80,8 @@ def mesh_axis_sizes(mesh, dims: ParallelDims) -> dict[str, int]:
 
 def device_step(captured: CapturedStep, axis_sizes: dict[str, int]) -> DeviceStep:
     """The captured step made ready for the JAX lowering, in place (views as reshapes, the scanned
-    backward marked to run in reverse, as the trainer hands a step to TorchTPU), with the axes of
-    its process groups."""
+    backward marked to run in reverse: graph/reverse_scan.py, which graph/compile.py applies to a
+    step handed to TorchTPU too), with the axes of its process groups."""
     _views_as_reshapes(captured.graph_module)
     mark_reverse_scans(captured.graph_module)
     groups = _group_axes(captured.graph_module, axis_sizes) if axis_sizes else {}

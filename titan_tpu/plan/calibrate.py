@@ -192,19 +192,22 @@ import json, sys, torch
 from titan_tpu.config import build_config
 from titan_tpu.plan.calibrate import profiled_peak_bytes
 from titan_tpu.device import get_backend
-from titan_tpu.models.spec import build
+from titan_tpu.run.resolved import Target
 from titan_tpu.run.setup import prepare_run
 from titan_tpu.components.make_step import make_step
-from titan_tpu.train.optim import AdamW
+from titan_tpu.components.program import assemble_program
+from titan_tpu.components.resolve import resolve
+from titan_tpu.components.world import Place
 cfg = build_config(sys.argv[1], sys.argv[2:])
 t = cfg.training
-spec = prepare_run(cfg).spec
-args = spec.args
-model = build(spec, cfg, device="cpu", seed=0)  # as the trainer builds it, on one CPU process
-opt = AdamW(dict(model.named_parameters()), layer_stacked=model.stacked_parameter_names())
-# The trainer's step (a graph step is captured and compiled here, before the measured steps).
-step, _ = make_step(cfg, model, opt, backend=get_backend("cpu"), world_size=1, dp_size=1, documents=False,
-                    log=lambda message: None)
+backend = get_backend("cpu")
+# The trainer's own resolution, program and step on one CPU process (a graph step is captured and
+# compiled here, before the measured steps).
+run = resolve(prepare_run(cfg), Target.of_backend(backend, 1))
+place = Place.of(run, rank=0, device=backend.device)
+program = assemble_program(run, place)
+model, opt, args = program.model, program.optimizer, run.spec.args
+step, _ = make_step(run, program, place, backend=backend, log=lambda message: None)
 tokens = torch.randint(0, args.vocab_size, (t.batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(0))
 batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 step([batch], 1e-4)

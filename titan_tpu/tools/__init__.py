@@ -1,2 +1,3 @@
-"""Tools over the whole stack (verify, compat, report, hf-sweep): they may import every other layer; only the entry
-points (cli.py) import them."""
+"""The commands over the whole stack (compile, plan, verify, report, generate, hf-sweep, the recipe
+table, compat): they may import every other layer; only the entry points (cli.py) import them. What
+XLA made of a program is read by xla/, below them."""

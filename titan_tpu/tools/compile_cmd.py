@@ -9,10 +9,10 @@ compiled with libtpu's compile-only client for the slice's topology
 (`jax.experimental.topologies.get_topology_desc`; slice names: plan/topology.py). Printed: XLA's
 memory per chip by kind, the peak against the chip's HBM, XLA's FLOPs per chip against our formula
 (plan/xla_compare.py), bytes accessed, the collectives XLA kept, and the compile time
-(tools/xla_numbers.py). Needs .venv-tpu (jax + libtpu).
+(xla/numbers.py). Needs .venv-tpu (jax + libtpu).
 
-Here the command's flow: its arguments (`compile_main`), the step compiled as the trainer would
-run it (`compile_step_for_tpu`), the report printed (`_format`).
+Here the command's flow: its arguments (`compile_main`), the step built by the trainer's own
+assembly and compiled (`compile_step_for_tpu`), the report printed (`_format`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def compile_main(argv: list[str]) -> int:
     parser.add_argument("--dump", help="directory for the StableHLO, the optimized HLO and XLA's own dump (DIR/xla: "
                         "buffer assignment, live ranges)")
     args, overrides = parser.parse_known_args(argv)
-    from titan_tpu.tools.xla_numbers import xla_dump_env
+    from titan_tpu.xla.numbers import xla_dump_env
 
     on_cpu = bool(args.topology and args.topology.startswith("cpu:"))
     _require_jax(libtpu=not on_cpu)
@@ -118,7 +118,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     from titan_tpu.plan.hardware import HARDWARE
     from titan_tpu.plan.xla_compare import formula_as_xla_counts
     from titan_tpu.run.resolved import Target
-    from titan_tpu.tools.xla_numbers import compile_program, hlo_collectives, pallas_kernels
+    from titan_tpu.xla.numbers import compile_program, hlo_collectives, pallas_kernels
 
     platform = "cpu" if topology_name.startswith("cpu:") else "tpu"
     slices = cfg.parallelism.slices
@@ -158,7 +158,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
                      for name, p in programs.items()},
         "hbm_per_chip_bytes": hbm, "fits": None if hbm is None else peak["peak"] <= hbm,
         "flops_per_chip": flops,
-        # the dots and convolutions of XLA's optimized program (tools/xla_dump.py matmul_flops): what our
+        # the dots and convolutions of XLA's optimized program (xla/dump.py matmul_flops): what our
         # formula counts; cost analysis's total also counts every elementwise op
         "xla_matmul_flops_per_chip": sum(runs[name] * p["matmul_flops"] for name, p in programs.items())
         if all(p["matmul_flops"] is not None for p in programs.values()) else None,
@@ -221,7 +221,7 @@ def _format(report: dict) -> str:
              + ("" if report.get("compile_backend") in (None, "jax") else
                 f"; this config runs compile.backend {report['compile_backend']}, another program (TorchTPU's "
                 "lowering beside ours: bench/torchtpu_lowering.py)"),
-             f"  as the trainer runs it: re-shard after forward {str(report['reshard_after_forward']).lower()} "
+             f"  the run's resolution: re-shard after forward {str(report['reshard_after_forward']).lower()} "
              f"({report['reshard_why']}), documents {'masked' if report['documents'] else 'not masked'}"
              + (f", {report['grad_accum_steps']} micro-batches: programs micro-batch and update, the peak is the "
                 f"{report['peak_program']}'s" if len(report["programs"]) > 1 else ""),

@@ -255,11 +255,10 @@ def check_eager(config) -> str:
 
 def _train_step(model, batch, *, graph: bool, dp_size: int = 1):
     from titan_tpu.graph.compile import GraphStep
-    from titan_tpu.train.optim import AdamW
+    from titan_tpu.train.optim import AdamW, trained_parameters
     from titan_tpu.train.step import EagerStep
 
-    # The trained parameters, as the trainer takes them (a vision-language model's frozen tower is not).
-    optimizer = AdamW({name: p for name, p in model.named_parameters() if p.requires_grad})
+    optimizer = AdamW(trained_parameters(model))
     if graph:
         step = GraphStep(model, optimizer, max_norm=1.0, example_batch=batch, backend="eager", dp_size=dp_size)
     else:

@@ -436,7 +436,7 @@ def compile_stablehlo(text: str, topology_name: str, *, donated: Sequence[int] =
     from jax._src.lib.mlir import ir
 
     from titan_tpu.graph.jax_devices import tpu_topology
-    from titan_tpu.tools.xla_numbers import xla_numbers
+    from titan_tpu.xla.numbers import xla_numbers
 
     device = tpu_topology(topology_name).devices[0]
     if donated:

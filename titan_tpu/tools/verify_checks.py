@@ -471,12 +471,10 @@ def _shape_text(vocab: int, rows: int) -> torch.Tensor:
 
 
 def _step_fn(model, *, graph: bool = False, example=None):
-    from titan_tpu.train.optim import AdamW
+    from titan_tpu.train.optim import AdamW, trained_parameters
     from titan_tpu.train.step import EagerStep
 
-    # The trained parameters, as the trainer takes them (a vision-language model's frozen tower is not).
-    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    optimizer = AdamW(trained, layer_stacked=model.stacked_parameter_names())
+    optimizer = AdamW(trained_parameters(model), layer_stacked=model.stacked_parameter_names())
     if graph:
         from titan_tpu.graph.compile import GraphStep
 
@@ -678,8 +676,10 @@ def check_plan(subject: Subject, hardware: str) -> Result:
            "--parallelism.dp_shard", "-1", "--activation_checkpoint.mode", "full"]
     if subject.native_name is not None:
         args = subject.real_args or subject.native_args()
-        cfg = for_planning(None, ["--model.name", subject.native_name, "--training.seq_len", "8", *run])
-        cfg.training.seq_len = min(4096, args.max_seq_len)  # validated against these args, not the debug flavor's
+        checked = for_planning(None, ["--model.name", subject.native_name, "--training.seq_len", "8", *run])
+        # The planned length, against these args rather than the debug flavor's: a variant of the checked config.
+        seq_len = min(4096, args.max_seq_len)
+        cfg = dataclasses.replace(checked, training=dataclasses.replace(checked.training, seq_len=seq_len))
         plan = plan_config(cfg, hw, chips=chips, model_args=args)
     else:
         from titan_tpu.models.hf.config import hf_args_from_spec

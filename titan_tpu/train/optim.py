@@ -32,6 +32,7 @@ __all__ = [
     "clip_grad_norm_",
     "grad_norm",
     "lr_at",
+    "trained_parameters",
     "update_buffers",
     "validate_lr_schedule",
     "weight_decay_mask",
@@ -43,6 +44,12 @@ DECAY_TYPES = ("linear", "cosine", "none")
 # ---------------------------------------------------------------------------------------------
 # AdamW
 # ---------------------------------------------------------------------------------------------
+
+
+def trained_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The parameters the optimizer updates: those that take gradients (all of them, or under LoRA
+    the adapters; a vision-language model's frozen tower is not among them)."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
 def weight_decay_mask(named_params: Iterable[tuple[str, Tensor]], *,

@@ -1,6 +1,6 @@
 """One captured program compiled by XLA, and XLA's numbers of it: memory per kind and the peak,
 cost analysis's FLOPs and bytes, the collectives it kept and the Pallas kernels in it, the values
-alive at its peak (from its dump: tools/xla_dump.py), the compile's time; watched so that a
+alive at its peak (from its dump: xla/dump.py), the compile's time; watched so that a
 compile larger than the machine ends with one line (`host_memory_guard`).
 """
 
@@ -87,7 +87,7 @@ def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump:
     import jax
 
     from titan_tpu.graph.jax_program import jax_mesh, lower_step
-    from titan_tpu.tools.xla_dump import compile_stages, f8_dots, matmul_flops, optimized_hlo, peak_values, tpu_programs
+    from titan_tpu.xla.dump import compile_stages, f8_dots, matmul_flops, optimized_hlo, peak_values, tpu_programs
 
     mesh = jax_mesh(step, devices)
     cpu_start = time.process_time()
