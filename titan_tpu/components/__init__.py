@@ -1,6 +1,7 @@
-"""The run's assembly: what a run is made of, built once from its `RunSetup` (run/setup.py), before
-any loop runs: the device and process group, the mesh, the data loaders, the model (and a
-reference model where the objective needs one), the optimizer, the objective, the step function
-(eager or captured), the checkpointer. The loops (titan_tpu/loops) drive these parts and never
-build them; a new loop (DPO, GRPO) reuses them and adds only what it needs.
+"""The run's assembly: what a run is made of, built once before any loop runs. The run resolved for
+its world with the re-shard choice made (resolve.py), one rank's program (program.py: model, frozen
+reference, objective, optimizer, example batch, and the JAX path's captured programs; the code
+`titan-tpu compile` builds its step with too, on a fake world: world.py), and the run's parts in
+order (build.py `Components`: device and process group, data, program, step, checkpointer). The
+loops (titan_tpu/loops) drive these parts and never build them.
 """

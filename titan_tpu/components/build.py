@@ -229,10 +229,9 @@ class Components:
 
     def global_batch(self) -> dict:
         """What one optimizer step takes, recorded in checkpoints: a resume on another mesh says what changed."""
-        t, accum = self.cfg.training, self.run.grad_accum_steps
-        dp_size = self.data_split.dp_size
-        return {"tokens": t.batch_size * t.seq_len * dp_size * accum, "world_size": self.world_size,
-                "dp_size": dp_size, "grad_accum_steps": accum, "batch_size": t.batch_size}
+        run = self.run
+        return {"tokens": run.global_batch_tokens, "world_size": self.world_size, "dp_size": run.data_split().dp_size,
+                "grad_accum_steps": run.grad_accum_steps, "batch_size": self.cfg.training.batch_size}
 
     def load_checkpoint(self, path: Path, *, local: bool = False) -> dict:
         """Resume everything from a checkpoint (local: a tier of train/local_tier.py), resharding it

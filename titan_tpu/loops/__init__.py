@@ -1,8 +1,8 @@
 """The run's loops, and the one direction a run is assembled in:
 
-    command line -> RunSetup (run/setup.py: the config checked once, the model spec and the mesh
-    resolved) -> Components (components/build.py: the parts, built from the setup and the kind's
-    record, kinds/) -> the kind's loop (here), which drives them.
+    command line -> RunSetup (run/setup.py: the config checked once, the model spec resolved) ->
+    Components (components/build.py: the run resolved for its world, run/resolved.py, then the
+    parts built from it and the kind's record, kinds/) -> the kind's loop (here), which drives them.
 
 The loops, each a `Loop` (loops/base.py) beside the others:
 

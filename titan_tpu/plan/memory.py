@@ -125,7 +125,7 @@ def rank_activations(s: Setting) -> ActivationBytes:
         q_dim, k_dim, v_dim = attention_widths(args, tp)
         extra = cp_attention_saved_bytes(batch_size=t.batch_size, seq_len=t.seq_len, cp=cp,
                                          dtype_bytes=s.layout.compute_bytes, q_dim=q_dim, kv_dim=k_dim, v_dim=v_dim,
-                                         documents=cfg.data.document_mask, mask=mask, padded_values=s.padded_values)
+                                         documents=s.run.documents, mask=mask, padded_values=s.padded_values)
         acts = dataclasses.replace(acts, saved_per_layer=tuple(saved + extra for saved in acts.saved_per_layer))
     if s.schedule is not None and acts.recompute:
         # A pipeline stage keeps every micro-batch's activations, but recomputes one layer of one

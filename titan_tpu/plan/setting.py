@@ -27,7 +27,7 @@ import torch
 
 from titan_tpu.config import Config
 from titan_tpu.kernels import ATTENTION, DOCUMENTS
-from titan_tpu.kinds import TrainingKind, kind_of
+from titan_tpu.kinds import TrainingKind
 from titan_tpu.kinds.record import builds_reference_copy
 from titan_tpu.models.registry import MODEL_NAMES, largest_param, num_expert_params, num_params
 from titan_tpu.parallel.context_parallel import check_context_parallel
@@ -37,7 +37,7 @@ from titan_tpu.parallel.plan_terms import Layout
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
 from titan_tpu.plan.hardware import Hardware, resolve_hardware
 from titan_tpu.plan.pipeline_terms import stage_args
-from titan_tpu.run.resolved import Target, resolve_run
+from titan_tpu.run.resolved import ResolvedRun, Target, resolve_run
 from titan_tpu.run.setup import RunSetup
 
 if TYPE_CHECKING:
@@ -122,9 +122,7 @@ def code_gather(cfg: Config) -> str:
     without activation checkpointing (parameters gathered one by one) or with scanned layers."""
     p = cfg.parallelism
     assert p.reshard_after_forward != "auto", "plan_config resolves auto first (with_reshard_resolved)"
-    if p.pp > 1:
-        return "model"  # a pipeline stage reads its rows once per step and keeps them (no buckets: models/spec.py)
-    if p.reshard_after_forward == "false" or p.bucket_mb <= 0:
+    if p.reshard_after_forward == "false" or p.bucket_mb <= 0:  # pipeline stages' too (run/resolved.py)
         return "model"
     if p.tp > 1 and cfg.activation_checkpoint.mode == "none":
         # Tensor-parallel weights are gathered per parameter, outside buckets: autograd keeps them,
@@ -142,7 +140,8 @@ class Setting:
     """A config resolved for planning: what every term reads (memory.py, step_time.py,
     fp8.py). Built once by `resolve_setting`."""
 
-    cfg: Config
+    cfg: Config  # the config as the terms read it: the run's accumulation and, under pp, its buckets in it
+    run: ResolvedRun  # the run resolved for these devices (run/resolved.py): what the terms do not re-derive
     label: str  # how the plan names the model (the spec's label, e.g. llama3/8B)
     args: object  # the model's TransformerArgs as a device holds it: one pipeline stage's layers under pp
     hardware: Hardware
@@ -201,7 +200,7 @@ class Setting:
         # function that keeps only the layer inputs. Pipeline stages run their rows block by block
         # (parallel/pipeline.py), as checkpointed blocks.
         seeded = attention_impl(self.cfg.kernels.attention, self.hardware.name,
-                                documents=self.cfg.data.document_mask) in SEEDED_ATTENTION
+                                documents=self.run.documents) in SEEDED_ATTENTION
         return self.graph and seeded and not (self.scanned and self.ac == "full" and self.schedule is None)
 
     @property
@@ -213,14 +212,13 @@ class Setting:
     @property
     def kind(self) -> TrainingKind:
         """The kind of training (kinds/): its rows per sample and its reference."""
-        return kind_of(self.cfg)
+        return self.run.kind
 
     @property
     def tokens(self) -> int:
         """Tokens of one micro-batch of one data-parallel rank (its tp and cp ranks share them): a
         kind's sample may be several rows (a DPO pair is a chosen and a rejected row)."""
-        t = self.cfg.training
-        return t.batch_size * t.seq_len * self.kind.rows_per_sample(self.cfg)
+        return self.run.micro_batch_rows * self.cfg.training.seq_len
 
     @property
     def reference_stored(self) -> float:
@@ -338,7 +336,8 @@ def resolve_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int | 
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, global_batch_tokens=0,
                                                                 grad_accum_steps=run.grad_accum_steps))
     if schedule is not None:
-        parallelism = dataclasses.replace(cfg.parallelism, bucket_mb=run.bucket_mb, reshard_after_forward="false")
+        parallelism = dataclasses.replace(cfg.parallelism, bucket_mb=run.bucket_mb,
+                                          reshard_after_forward=str(run.reshard_after_forward).lower())
         cfg = dataclasses.replace(cfg, parallelism=parallelism)
     _check_parallel_support(cfg, args)
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[run.compute_dtype]
@@ -358,8 +357,8 @@ def resolve_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int | 
                     # captured CPU/CUDA steps send the all-to-all's static buffer whole; TPU's is ragged
                     ep_padded=cfg.training.mode == "graph" and hardware.name not in TPU_NAMES)
     adapters = ({"adapter_params": hf.params.adapters} if cfg.lora.enabled else {}) if hf else _adapters(cfg, args)
-    return Setting(cfg=cfg, label=spec.label, args=stage_args(args, schedule), hardware=hardware, devices=devices,
-                   layout=layout, dtype=dtype, gather=gather, code_gather=code, schedule=schedule,
+    return Setting(cfg=cfg, run=run, label=spec.label, args=stage_args(args, schedule), hardware=hardware,
+                   devices=devices, layout=layout, dtype=dtype, gather=gather, code_gather=code, schedule=schedule,
                    whole_args=args if schedule is not None else None, hf=hf, **adapters)
 
 

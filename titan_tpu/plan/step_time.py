@@ -86,7 +86,7 @@ def step_collectives(s: Setting) -> list:
         _, k_dim, v_dim = attention_widths(args, p.tp)
         collectives += cp_collectives(cp=p.cp, micro_batches=t.grad_accum_steps, n_layers=args.n_layers,
                                       kv_elements=s.tokens * k_dim, v_elements=s.tokens * v_dim, compute_bytes=cb,
-                                      documents_tokens=s.tokens if s.cfg.data.document_mask else 0,
+                                      documents_tokens=s.tokens if s.run.documents else 0,
                                       recompute_blocks=s.ac != "none")
     if s.schedule is not None:
         shared = num_params(args) - s.block_params  # the weights outside the stack, whole on every stage

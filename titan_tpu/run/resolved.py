@@ -134,6 +134,14 @@ class ResolvedRun:
         return self.micro_batch_rows * self.data_split().dp_size * self.grad_accum_steps
 
     @property
+    def global_batch_tokens(self) -> int:
+        """A step's tokens as training.global_batch_tokens counts them: training.batch_size samples of
+        training.seq_len tokens per micro-batch, over the rows' split and the accumulation (a sample's
+        rows, a DPO pair's two, apart). What checkpoints record of the global batch."""
+        t = self.cfg.training
+        return t.batch_size * t.seq_len * self.data_split().dp_size * self.grad_accum_steps
+
+    @property
     def step_tokens(self) -> int:
         """Tokens of one optimizer step: `step_rows` of training.seq_len tokens."""
         return self.step_rows * self.cfg.training.seq_len
