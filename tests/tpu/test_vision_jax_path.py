@@ -66,6 +66,8 @@ def test_vision_language_step_compiles_for_v5p(tmp_path, data):
     XLA's TPU compiler takes it, captured with the rows' images as the trainer captures it (one
     conversation a row, no documents; the tower's work in our formula), and our formula's FLOPs are
     reported beside XLA's."""
+    from titan_tpu.run.resolved import Target, resolve_run
+    from titan_tpu.run.setup import RunSetup
     from titan_tpu.tools.compile_cmd import _formula_flops_per_token
 
     cfg = build_config("configs/llama3_debug.toml", _args("qwen2_5_vl", data, tmp_path / "run") +
@@ -73,5 +75,6 @@ def test_vision_language_step_compiles_for_v5p(tmp_path, data):
     report = compile_step_for_tpu(cfg, "v5p:2x2x1")
     assert report["fits"] and report["mesh"] == {"dp_shard": 4} and report["documents"] is False
     assert report["formula_flops_per_chip"] > 0 and report["flops_per_chip"] > 0
-    text_only = _formula_flops_per_token(cfg) * report["tokens_per_chip"]
+    text_only = _formula_flops_per_token(resolve_run(RunSetup.resolved(cfg), Target.for_jax("tpu", 4))) * \
+        report["tokens_per_chip"]
     assert report["formula_flops_per_chip"] > text_only  # the images' tower and projector counted

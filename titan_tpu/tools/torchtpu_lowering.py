@@ -60,7 +60,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 __all__ = ["RUNTIMES", "Lowering", "Program", "compare", "compile_stablehlo", "lower_step",
@@ -571,11 +571,14 @@ def _torchtpu_capture(setup, *, world: int):
 
     from titan_tpu.components.program import fake_rank
     from titan_tpu.components.resolve import resolve
+    from titan_tpu.device import Backend
     from titan_tpu.graph.capture import capture_train_step
     from titan_tpu.graph.spmd import device_step, mesh_axis_sizes
     from titan_tpu.run.resolved import Target
 
-    target = Target(world_size=world, compute_device_type="tpu", kernel_device_type="cpu", collective_per_tensor=True)
+    # A TPU's facts (device.py), its kernels traced as this CPU runs them: the config names ATen ones.
+    tpu = Backend(name="tpu", device=torch.device("cpu"), process_group_backend="gloo", compile_backend="tpu")
+    target = replace(Target.of_backend(tpu, world), kernel_device_type="cpu")
     run = resolve(setup, target)
     with fake_rank(run) as (program, place):
         captured = capture_train_step(program.model, max_norm=run.cfg.training.max_norm,
