@@ -7,7 +7,7 @@ built from a resolved run (run/resolved.py) by the code a training run and `tita
 
 A training run assembles on its process group with real tensors (components/build.py
 `Components`); `titan-tpu compile` on a fake group of the run's size with fake tensors
-(`capture_fake_rank`). The calls and their arguments are the same; only the tensors' storage
+(`capture_fake_rank`, `capture_rank`). The calls and their arguments are the same; only the tensors' storage
 differs, so the program compile certifies is built by the code that trains, by construction
 (tests/tpu/test_one_assembly.py compares the two programs' fingerprints).
 
@@ -45,8 +45,7 @@ if TYPE_CHECKING:
     from titan_tpu.config import Config
 
 __all__ = ["Program", "assemble_program", "build_model", "capture_fake_rank", "capture_programs", "capture_rank",
-           "data_request",
-           "describe_run", "fake_rank", "flops_per_token", "load_weights"]
+           "data_request", "describe_run", "fake_rank", "flops_per_token", "load_weights"]
 
 Log = Callable[[str], None]
 
@@ -236,17 +235,17 @@ def capture_rank(cfg: Config, target: Target, *, hardware=None, rank: int = 0, l
 
 def describe_run(run: ResolvedRun) -> str:
     """One line of what the run resolved that the config does not say outright: the mesh, the
-    accumulation, a step's rows and tokens, the dtypes, the re-shard choice and the kernels (on the JAX
-    path, what each op runs as); the pipeline schedule is the model line's (loops/base.py)."""
+    accumulation, a step's rows and tokens, the dtypes and the kernels (on the JAX path, what each op
+    runs as). The re-shard choice has a line of its own where it was auto (components/build.py), the
+    pipeline schedule the model line (loops/base.py)."""
     dims, mp = run.dims, run.mixed_precision
-    mesh = " x ".join(f"{axis} {size}" for axis, size in dims.mesh_sizes().items() if size > 1) or "one device"
+    axes = [f"{axis} {size}" for axis, size in dims.mesh_sizes().items() if size > 1]
+    mesh = " x ".join(axes + ([f"ep {dims.ep} (within dp_shard)"] if dims.ep > 1 else [])) or "one device"
     name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
     accum = run.grad_accum_steps
     parts = [f"mesh {mesh}", f"{accum} micro-batch{'es' if accum > 1 else ''} of {run.micro_batch_rows} rows a "
              f"rank per step, {run.step_tokens:,} tokens", f"compute {name[mp.param_dtype]}, gradients reduced in "
              f"{name[mp.reduce_dtype]}"]
-    if run.reshard is not None and dims.world_size > 1:
-        parts.append(f"re-shard after forward {str(run.reshard_after_forward).lower()} ({run.reshard.why})")
     notes = run.kernel_notes or {}
     kernels = ", ".join(f"{op} {notes.get(op, getattr(run.kernels, op))}" for op in ("attention", "loss", "grouped_mm"))
     return "run: " + "; ".join(parts) + f"; kernels: {kernels}"

@@ -9,7 +9,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from titan_tpu.evaluation.lm_eval_tasks import TaskSettings, chat_renderer, load_tasks, score, write_results
+from titan_tpu.evaluation.lm_eval_tasks import (
+    TaskSettings,
+    chat_renderer,
+    check_task_names,
+    load_tasks,
+    score,
+    task_manager,
+    write_results,
+)
 from titan_tpu.extras import require_lm_eval
 
 
@@ -32,7 +40,9 @@ def run_tasks(setup, *, checkpoint: str | None, settings: TaskSettings, output: 
     from titan_tpu.evaluation.loss import load_eval_model
 
     cfg = setup.cfg
-    tasks = load_tasks(settings)
+    # A task name lm-eval lacks is named before the model loads; the tasks' data is read after every
+    # check of the model's side (its tokenizer, its chat template), so those errors come first, alone.
+    check_task_names(settings.tasks, task_manager(settings.include_path).all_tasks)
     loaded = load_eval_model(cfg, checkpoint=checkpoint, device=get_backend(cfg.training.device).device,
                              spec=setup.spec)
     tokenizer_path = cfg.data.tokenizer_path or loaded.tokenizer
@@ -42,7 +52,7 @@ def run_tasks(setup, *, checkpoint: str | None, settings: TaskSettings, output: 
     chat = chat_renderer(tokenizer_path, cfg.data.chat_template) if settings.apply_chat_template else None
     model = HarnessLM(loaded.model, load_tokenizer(tokenizer_path), max_length=loaded.max_len,
                       batch_size=settings.batch_size, seed=cfg.training.seed, chat=chat)
-    results = score(model, tasks, settings)
+    results = score(model, load_tasks(settings), settings)
     results["config"]["model"] = loaded.spec.label
     results["config"]["weights"] = loaded.weights
     print(make_table(results))
