@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: step_parity's write_or_compare
 ENV = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TPU_SKIP_MDS_QUERY": "1"}
 
 
@@ -60,6 +61,8 @@ def one(recipe: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from step_parity import write_or_compare
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("recipes", nargs="*", help="default: every configs/*_tpu.toml")
     parser.add_argument("--out", help="write {recipe: {program: fingerprint}} here")
@@ -83,14 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             found[name] = f"failed: ran past {args.timeout:.0f} s"
         print(f"{name}: {found[name]}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(found, indent=1) + "\n")
-    if args.compare:
-        expected = json.loads(Path(args.compare).read_text())
-        differ = [f"{name}: {got} != {expected.get(name)}" for name, got in found.items() if got != expected.get(name)]
-        print("DIFFERENT:\n" + "\n".join(differ) if differ else f"fingerprints identical: {len(found)} recipes")
-        return 1 if differ else 0
-    return 0
+    return write_or_compare(found, out=args.out, compare=args.compare, same="fingerprints identical")
 
 
 if __name__ == "__main__":

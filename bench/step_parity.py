@@ -139,15 +139,22 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             results[name] = run_case(name, Path(tmp))
             print(f"{name}: {results[name]}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    if args.compare:
-        expected = json.loads(Path(args.compare).read_text())
-        differ = [f"{name}: {got} != {expected[name]}" for name, got in results.items() if got != expected.get(name)]
+    return write_or_compare(results, out=args.out, compare=args.compare, same="bitwise equal")
+
+
+def write_or_compare(results: dict, *, out: str | None, compare: str | None, same: str) -> int:
+    """Write `results` to `out` (JSON) and/or compare them with `compare`'s: 1 naming each entry that
+    differs, else 0 and `same` with the entries' names (bench/recipe_fingerprints.py shares it)."""
+    if out:
+        Path(out).write_text(json.dumps(results, indent=1) + "\n")
+    if compare:
+        expected = json.loads(Path(compare).read_text())
+        differ = [f"{name}: {got} != {expected.get(name)}" for name, got in results.items()
+                  if got != expected.get(name)]
         if differ:
             print("DIFFERENT:\n" + "\n".join(differ))
             return 1
-        print(f"bitwise equal: {', '.join(results)}")
+        print(f"{same}: {', '.join(results)}")
     return 0
 
 
