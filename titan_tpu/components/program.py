@@ -209,7 +209,7 @@ def capture_rank(cfg: Config, target: Target, *, hardware=None, rank: int = 0, l
     """(`cfg` resolved for `target` (a JAX path's: `Target.for_jax`), rank's programs, the data's example
     batch or None): the run's own resolution and assembly, captured on a fake world (`capture_fake_rank`);
     the re-shard choice on `hardware` (default the config's). The batch is the data's own where the run
-    captures with it (a vision-language model's rows, opened as the trainer opens them). A kernel that
+    captures with it (a vision-language model's rows, through the run's own `data_request`). A kernel that
     cannot take the shapes (splash's blocks of 128, gmm's tiles), which a run on that device refuses in
     one line, is replaced by the op's CPU pick, traced as ATen ops, and `run.kernel_notes` says which
     and why (`titan-tpu compile` reports it)."""
