@@ -218,27 +218,46 @@ def test_cuda_backend_with_faked_cuda(monkeypatch):
         assert get_backend("cuda").peak_flops() == device_peaks.CUDA_FALLBACK_PEAK
 
 
+def _internal(name):
+    def call(*args, **kwargs):
+        raise RuntimeError(f"{name} is internal to TorchTPU and can only be called by the PyTorch framework (torch "
+                           f"and torch_tpu). Use torch.accelerator.{name} instead")
+    return call
+
+
 class _FakeTorchTpu:
-    """Stands in for the torch.tpu module that torch_tpu installs (API of torch_tpu 0.2.0)."""
+    """Stands in for the torch.tpu module that torch_tpu installs, as torch-tpu 0.2.0 behaves: the
+    device's name answers, the device functions it keeps to torch and itself raise for us."""
 
     def __init__(self, device_name):
         self.device_name = device_name
+        for name in ("is_available", "device_count", "current_device", "set_device", "synchronize"):
+            setattr(self, name, _internal(name))
+
+    def get_device_name(self, device=None):
+        return self.device_name
+
+
+class _FakeAccelerator:
+    """torch.accelerator on a TPU VM with torch-tpu loaded: 4 "tpu" devices."""
+
+    def __init__(self):
         self.synced = []
 
     def is_available(self):
         return True
 
+    def current_accelerator(self):
+        return torch.device("tpu")
+
     def device_count(self):
         return 4
 
-    def current_device(self):
+    def current_device_index(self):
         return 0
 
-    def set_device(self, index):
+    def set_device_index(self, index):
         raise AssertionError("only called under torchrun")
-
-    def get_device_name(self, device=None):
-        return self.device_name
 
     def synchronize(self, device=None):
         self.synced.append(device)
@@ -260,9 +279,10 @@ def test_fake_tpu_backend_inner(monkeypatch):
         torch.utils.rename_privateuse1_backend("tpu")
     monkeypatch.delenv("TITAN_TPU_PEAK_FLOPS", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    fake = _FakeTorchTpu("TPU v6 lite")
+    accelerator = _FakeAccelerator()
     monkeypatch.setitem(sys.modules, "torch_tpu", object())  # "already imported" (auto-loaded)
-    monkeypatch.setattr(torch, "tpu", fake, raising=False)
+    monkeypatch.setattr(torch, "tpu", _FakeTorchTpu("TPU v6 lite"), raising=False)
+    monkeypatch.setattr(torch, "accelerator", accelerator)
     b = get_backend("auto")
     assert (b.name, b.device, b.process_group_backend, b.compile_backend) == (
         "tpu",
@@ -270,9 +290,10 @@ def test_fake_tpu_backend_inner(monkeypatch):
         "tpu_dist",
         "tpu",
     )
+    assert b.chosen_because == "auto: torch-tpu sees 4 TPU device(s)"
     assert b.peak_flops() == 918e12 and "v6e" in b.peak_description()
     b.synchronize()
-    assert fake.synced == [0]
+    assert accelerator.synced == [torch.device("tpu", 0)]
 
     # v7: two devices per chip, so each device gets half the chip's peak.
     monkeypatch.setattr(torch, "tpu", _FakeTorchTpu("TPU7x"), raising=False)
@@ -416,3 +437,13 @@ def test_jax_backend_keeps_the_torch_side_on_the_host(monkeypatch):
     cpu = dev.jax_backend("cpu")
     assert (cpu.compute_device_type, cpu.kernel_device_type, cpu.collective_per_tensor) == ("cpu", "cpu", False)
     assert dev.get_backend("cpu").jax_platform is None
+
+
+def test_auto_says_why_it_chose_the_cpu(monkeypatch):
+    """Without torch-tpu and CUDA, `auto` is the CPU and says why in one phrase (the run's first line)."""
+    if importlib.util.find_spec("torch_tpu") is not None:
+        pytest.skip("torch_tpu is installed here: tests/tpu/test_device_calls.py covers auto there")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    backend = get_backend("auto")
+    assert backend.name == "cpu" and backend.chosen_because == "auto: torch-tpu is not installed; no CUDA device"
+    assert get_backend("cpu").chosen_because == "training.device = cpu"

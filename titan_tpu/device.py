@@ -170,7 +170,7 @@ class _TPU:
             pass
 
     def synchronize(self, device: torch.device) -> None:
-        torch.tpu.synchronize(device.index)
+        torch.accelerator.synchronize(device)  # torch.tpu.synchronize is internal to torch-tpu 0.2.0
 
 
 class _JAX:
@@ -266,6 +266,7 @@ class Backend:
     process_group_backend: str  # "gloo" | "nccl" | "tpu_dist"
     compile_backend: str  # "inductor" (cpu, cuda) | "tpu" (TorchTPU's Dynamo backend) | "jax"
     kind: object = None  # what differs per device (`_CPU`, `_CUDA`, `_TPU`, `_JAX`); default by name
+    chosen_because: str = ""  # why this device (`get_backend`, `jax_backend`): one phrase for the log
     _peaks: dict = field(default_factory=dict, repr=False, compare=False)  # by compute dtype
     _peak_retries: dict = field(default_factory=dict, repr=False, compare=False)  # re-measurements, by dtype
     _unreliable: set = field(default_factory=set, repr=False, compare=False)  # dtypes already said so
@@ -418,7 +419,7 @@ def import_torch_tpu_with_a_device() -> None:
     except Exception as e:  # noqa: BLE001 - any failure to load means "not usable here"
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__  # keep the error one line
         raise tpu_compile_error(f"importing torch_tpu failed ({first_line})") from e
-    if not (torch.tpu.is_available() and torch.tpu.device_count() > 0):
+    if tpu_device_count() == 0:
         raise tpu_compile_error("torch_tpu sees no TPU device")
 
 
@@ -459,15 +460,27 @@ def _cuda_backend() -> Backend:
     )
 
 
+def tpu_device_count() -> int:
+    """The TPU devices torch sees, through `torch.accelerator` (torch-tpu registers the "tpu" device
+    type there): torch-tpu 0.2.0 keeps `torch.tpu.is_available`, `device_count`, `set_device`,
+    `current_device` and `synchronize` to torch and itself and raises for any other caller, with or
+    without a chip. 0 without a TPU (torch.accelerator then answers for no device, or another one)."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or accelerator.type != "tpu":
+        return 0
+    return torch.accelerator.device_count()
+
+
 def _tpu_backend() -> Backend:
     _import_torch_tpu()
-    if not (torch.tpu.is_available() and torch.tpu.device_count() > 0):
+    count = tpu_device_count()
+    if count == 0:
         raise ValueError("backend 'tpu' requested but torch_tpu sees no TPU device; use 'cpu' or 'auto'")
-    index = _local_index(torch.tpu.device_count())
+    index = _local_index(count)
     if index >= 0:
-        torch.tpu.set_device(index)
+        torch.accelerator.set_device_index(index)
     else:
-        index = torch.tpu.current_device()
+        index = torch.accelerator.current_device_index()
     return Backend(
         name="tpu", device=torch.device("tpu", index), process_group_backend="tpu_dist", compile_backend="tpu"
     )
@@ -484,11 +497,13 @@ def jax_backend(training_device: str, *, require_jax: bool = True) -> Backend:
     if require_jax and importlib.util.find_spec("jax") is None:
         raise ValueError("compile.backend jax needs JAX: pip install -e '.[jax]' (on a TPU VM the .[tpu] install of "
                          "docs/tpu.md has it)")
-    platform = training_device
+    platform, why = training_device, f"compile.backend jax, training.device = {training_device}"
     if platform == "auto":
         platform = "tpu" if importlib.util.find_spec("libtpu") is not None and _tpu_vm() else "cpu"
+        why = ("compile.backend jax, auto: libtpu installed on a TPU VM" if platform == "tpu" else
+               "compile.backend jax, auto: no libtpu or no TPU VM here, JAX's CPU")
     return Backend(name="jax", device=torch.device("cpu"), process_group_backend="gloo", compile_backend="jax",
-                   kind=_JAX(platform))
+                   kind=_JAX(platform), chosen_because=why)
 
 
 def _tpu_vm() -> bool:
@@ -497,30 +512,40 @@ def _tpu_vm() -> bool:
 
 
 
-def _tpu_present() -> bool:
-    """For "auto": is torch_tpu installed and does it see a TPU? Never crashes without it."""
+def _tpu_absent() -> str | None:
+    """For "auto": None where torch_tpu is installed and sees a TPU, else why not (one phrase).
+    Never crashes without it: a broken install is a reason, not an error."""
     if not _tpu_installed():
-        return False
+        return "torch-tpu is not installed"
     try:
         importlib.import_module("torch_tpu")
-        return bool(torch.tpu.is_available() and torch.tpu.device_count() > 0)
-    except Exception:  # noqa: BLE001 - a broken install means "no TPU" for auto
-        return False
+        count = tpu_device_count()
+    except Exception as e:  # noqa: BLE001 - a broken install means "no TPU" for auto
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"torch-tpu did not load ({first_line[:120]})"
+    return None if count else "torch-tpu sees no TPU device"
 
 
 def get_backend(name: str = "auto") -> Backend:
-    """Backend for "cpu" | "cuda" | "tpu", or "auto": tpu if present, else cuda if available, else cpu.
+    """Backend for "cpu" | "cuda" | "tpu", or "auto": tpu if present, else cuda if available, else cpu;
+    `Backend.chosen_because` says why, one phrase (the run logs it).
 
     For cuda and tpu under torchrun, the device index is LOCAL_RANK and it is made current.
     """
     if name not in BACKEND_CHOICES:
         raise ValueError(f"unknown device backend {name!r}; choose one of {', '.join(BACKEND_CHOICES)}")
-    if name == "auto":
-        if _tpu_present():
-            return _tpu_backend()
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return _cpu_backend()
-    if name == "cuda":
-        return _cuda_backend()
-    return _tpu_backend()
+    if name != "auto":
+        backend = {"cpu": _cpu_backend, "cuda": _cuda_backend, "tpu": _tpu_backend}[name]()
+        backend.chosen_because = f"training.device = {name}"
+        return backend
+    no_tpu = _tpu_absent()
+    if no_tpu is None:
+        backend = _tpu_backend()
+        backend.chosen_because = f"auto: torch-tpu sees {tpu_device_count()} TPU device(s)"
+    elif torch.cuda.is_available():
+        backend = _cuda_backend()
+        backend.chosen_because = f"auto: {no_tpu}; CUDA sees {torch.cuda.device_count()} GPU(s)"
+    else:
+        backend = _cpu_backend()
+        backend.chosen_because = f"auto: {no_tpu}; no CUDA device"
+    return backend

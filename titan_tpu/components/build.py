@@ -134,8 +134,11 @@ class Components:
             print(message, flush=True)
 
     def _log_resolution(self) -> None:
-        """What the resolution decided that a user asked for as auto or as a global batch, one line each."""
-        run, t = self.run, self.cfg.training
+        """The device, and what the resolution decided that a user asked for as auto or as a global batch,
+        one line each."""
+        run, t, backend = self.run, self.cfg.training, self.backend
+        where = f"{backend.jax_platform} through JAX" if backend.jax_platform else str(backend.device)
+        self.log(f"device: {where} ({backend.chosen_because})")
         if t.global_batch_tokens:
             split = run.data_split()
             self.log(f"training.global_batch_tokens = {t.global_batch_tokens}: {run.grad_accum_steps} micro-batches "

@@ -1,0 +1,67 @@
+"""The calls device.py makes to find and drive a TPU, made for real (not bound to a signature) in the
+TPU environment: torch-tpu 0.2.0 loaded, libtpu present, no chip. Which of them answer here, which
+raise, and what our backends make of each: a device chosen with its reason, or a one-line error.
+
+torch-tpu 0.2.0 keeps `torch.tpu.is_available`, `device_count`, `current_device`, `set_device` and
+`synchronize` to torch and itself (they raise for any other caller, chip or not), so device.py finds
+the TPU through `torch.accelerator`, where torch-tpu registers the "tpu" device type.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_tpu import device
+from titan_tpu.device import get_backend, import_torch_tpu_with_a_device, tpu_device_count
+
+# (the torch.tpu function device.py used to call, its arguments): internal in 0.2.0.
+INTERNAL = {"is_available": (), "device_count": (), "current_device": (), "set_device": (0,), "synchronize": ()}
+
+# Every torch.accelerator function device.py calls, with its arguments, and what it does off a chip.
+ACCELERATOR = {"is_available": ((), False), "current_accelerator": ((), None), "device_count": ((), 0),
+               # called only where device_count > 0, or inside a try (memory statistics)
+               "current_device_index": ((), RuntimeError), "set_device_index": ((0,), RuntimeError),
+               "synchronize": ((), RuntimeError), "memory_allocated": ((), RuntimeError),
+               "max_memory_allocated": ((), RuntimeError), "reset_peak_memory_stats": ((), RuntimeError)}
+
+
+def test_device_py_calls_no_function_torch_tpu_keeps_to_itself():
+    """Each one raises for us ("internal to TorchTPU"), and device.py's source names none of them."""
+    import inspect
+
+    source = inspect.getsource(device)
+    for name, args in INTERNAL.items():
+        with pytest.raises(RuntimeError, match="internal to TorchTPU"):
+            getattr(torch.tpu, name)(*args)
+        assert f"torch.tpu.{name}(" not in source, name
+
+
+@pytest.mark.parametrize("name", list(ACCELERATOR))
+def test_torch_accelerator_off_a_chip(name):
+    """What each torch.accelerator call device.py makes does here, and that device.py makes it."""
+    import inspect
+
+    args, outcome = ACCELERATOR[name]
+    assert f"torch.accelerator.{name}(" in inspect.getsource(device), name
+    call = getattr(torch.accelerator, name)
+    if outcome is RuntimeError:
+        with pytest.raises(RuntimeError, match="none is available"):
+            call(*args)
+    else:
+        assert call(*args) == outcome
+
+
+def test_our_backends_off_a_chip():
+    """No TPU here: `auto` takes the CPU and says why in one phrase; `tpu` and the TorchTPU compile
+    backend refuse in one line; the device's name (torch.tpu.get_device_name, which answers) names no
+    generation, so a TPU's peak would come from the VM's environment."""
+    assert tpu_device_count() == 0
+    backend = get_backend("auto")
+    assert backend.name == "cpu" and backend.chosen_because == "auto: torch-tpu sees no TPU device; no CUDA device"
+    for call in (lambda: get_backend("tpu"), import_torch_tpu_with_a_device):
+        with pytest.raises(ValueError, match="sees no TPU device") as error:
+            call()
+        assert "\n" not in str(error.value)
+    with pytest.warns(UserWarning, match="experimental"):
+        assert torch.tpu.get_device_name() == "TPU"
