@@ -1,5 +1,5 @@
 """Small file helpers shared by every layer: usual permissions, JSON files read with one-line errors,
-and where the data cache lives."""
+where the data cache lives, and what a directory of weights is."""
 
 from __future__ import annotations
 
@@ -48,3 +48,18 @@ def read_json_file(path: str | Path, *, what: str, fix: str) -> Any:
         return json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{what} {path} is damaged (not valid JSON: {e}); {fix}") from None
+
+
+def is_hf_model_dir(path: str | Path) -> bool:
+    """Whether `path` is a Hugging Face model directory: a config.json that describes a model. A
+    training run's directory holds a config.json too (the run's config, whose sections include
+    `training` and `model`: loops/base.py writes it beside the checkpoints), and is not one. A
+    config.json that does not parse counts as a model's, whose loader then names the damage."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        data = json.loads(config.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return True
+    return not (isinstance(data, dict) and "training" in data and "model" in data)

@@ -30,6 +30,7 @@ import torch
 
 from titan_tpu.components.world import Place, fake_world, to_fake
 from titan_tpu.data.batch import Batch, as_batch
+from titan_tpu.files import is_hf_model_dir
 from titan_tpu.kernels import device_type_as
 from titan_tpu.kinds.record import DataRequest, builds_reference_copy, reference_flops
 from titan_tpu.model_contract import TrainableModel
@@ -128,7 +129,7 @@ def load_weights(run: ResolvedRun, model: torch.nn.Module, path: str | Path, *, 
     from titan_tpu.convert import resolve_checkpoint
 
     path = Path(path)
-    if (path / "config.json").is_file():  # a Hugging Face directory: the spec knows its layout
+    if is_hf_model_dir(path):  # a Hugging Face directory: the spec knows its layout
         run.spec.load_hf_weights(model, path)
     else:  # a training checkpoint: DCP loads (and shards) it
         # The base weights: a checkpoint of a full run has no adapters (LoRA's start at init).

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from titan_tpu.files import is_hf_model_dir
+
 if TYPE_CHECKING:
     from titan_tpu.models.spec_base import ModelSpec
 
@@ -130,8 +132,7 @@ def load_eval_model(cfg, *, checkpoint: str | Path | None = None, device: torch.
     from titan_tpu.models.spec import model_spec, spec_for_weights
 
     seed = cfg.training.seed
-    hf_files = checkpoint is not None and (Path(checkpoint) / "config.json").is_file() and any(
-        Path(checkpoint).glob("*.safetensors"))  # a run directory has a config.json too, but no safetensors
+    hf_files = checkpoint is not None and is_hf_model_dir(checkpoint)  # a run directory's config.json is the run's
     if hf_files:
         spec = spec_for_weights(cfg.model, checkpoint)
         model = _eval_build(spec, cfg, device=device, seed=seed, own_weights=False)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from titan_tpu.config import Config, check, data_sources, grad_accum_from_tokens
 from titan_tpu.data.sources import SourceConfig
+from titan_tpu.files import is_hf_model_dir
 from titan_tpu.kinds import check_kind
 from titan_tpu.models.spec import model_spec
 from titan_tpu.models.spec_base import ModelSpec
@@ -66,7 +67,7 @@ class RunSetup:
         start = self.cfg.checkpoint.initial_load_path
         if start:
             path = Path(start).expanduser().absolute()
-            return {"hf_dir": str(path)} if (path / "config.json").is_file() else {"checkpoint": str(path)}
+            return {"hf_dir": str(path)} if is_hf_model_dir(path) else {"checkpoint": str(path)}
         own = self.spec.own_weights_path()
         return {"hf_dir": str(own.absolute())} if own is not None else None
 
@@ -80,7 +81,7 @@ def initial_weights_tokenizer(path: str) -> str | None:
     if not start.exists():
         raise FileNotFoundError(f"checkpoint.initial_load_path {path} does not exist (looked for "
                                 f"{str(start.absolute())!r}); give a Hugging Face directory or a training checkpoint")
-    if (start / "config.json").is_file():
+    if is_hf_model_dir(start):
         return str(start) if (start / "tokenizer.json").is_file() else None
     from titan_tpu.convert import resolve_checkpoint
 
