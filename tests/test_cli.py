@@ -243,3 +243,25 @@ def test_graph_dump(tmp_path, train_overrides, capsys):
     assert "captured update:" in stdout
     text = out.read_text()
     assert "torch.ops.aten.mm" in text and "torch.ops.aten._foreach_sqrt" in text
+
+
+def test_the_old_train_module_names_the_command_in_one_line():
+    """`torchrun ... -m titan_tpu.train`, the launch line of the docs before `train` was a command:
+    one line naming `-m titan_tpu train`, exit status 2, not Python's "No module named ...__main__"."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "titan_tpu.train", "--config", "configs/llama3_debug.toml"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "-m titan_tpu train" in done.stderr
+
+
+def test_plan_of_the_vlm_recipe_on_a_fresh_clone_writes_its_stand_in(tmp_path, monkeypatch, capsys):
+    """The VLM recipe names a weightless stand-in of Qwen2.5-VL-7B's directory (tools/hf_shape_dir.py),
+    which `plan` writes where it is missing (a fresh clone), as `compile` does, and says so on stderr."""
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(tmp_path)  # no outputs/ here
+    assert main(["plan", "--config", str(root / "configs/qwen2_5_vl_7b_tpu.toml")]) == 0
+    out, err = capsys.readouterr()
+    assert "weightless stand-in" in err and out.startswith("plan for hf:outputs/hf_shapes/Qwen2.5-VL-7B-Instruct")

@@ -225,6 +225,11 @@ def test_native_run_freezes_the_base_resumes_exactly_and_matches_under_checkpoin
                   for t in trained.components.optimizer.state[key].values())
     assert plan.memory["optimizer_state"] == moments
     assert plan.memory["parameters"] == sum(p.numel() * p.element_size() for p in trained.components.model.parameters())
+    # The model line says LoRA is on and how many parameters train.
+    from titan_tpu.loops.base import _model_line
+
+    adapters = sum(p.numel() for n, p in parts.model.named_parameters() if is_adapter_key(n))
+    assert f"({adapters:,} of them train, LoRA rank {trained.cfg.lora.rank}" in _model_line(parts)
 
     # Resume from step 3 in another directory: steps 4..6 again, bitwise; its fresh base equals
     # the trained run's base (frozen), its restored adapters differ from a fresh init's.

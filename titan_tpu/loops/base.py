@@ -301,7 +301,7 @@ class Loop:
 def _model_line(parts: Components) -> str:
     """The model, its FLOPs per token, the mesh and the MFU peak, in one line before the first step."""
     dims, t = parts.parallel_dims, parts.cfg.training
-    return (f"model {parts.spec.label}: {_num_params(parts.model):,} params, "
+    return (f"model {parts.spec.label}: {_num_params(parts.model):,} params{_trained_words(parts)}, "
             f"{parts.flops_per_token / 1e6:.1f} MFLOP/token at seq_len {t.seq_len}"
             f"{f' ({parts.flops_note})' if parts.flops_note else ''}; "
             f"{parts.world_size} rank(s), data parallel: {dims.mode}"
@@ -310,6 +310,17 @@ def _model_line(parts: Components) -> str:
             f"{f', context parallel: {dims.cp}' if dims.cp > 1 else ''}"
             f"{_pipeline_words(parts.run.pipeline)}; "
             f"MFU peak per device: {parts.backend.peak_description(parts.compute_dtype)}")
+
+
+def _trained_words(parts: Components) -> str:
+    """The model line's words for the parameters that train where not all of them do: LoRA's adapters
+    (their rank and alpha), a vision-language model's frozen tower."""
+    trained = sum(p.numel() for p in parts.model.parameters() if p.requires_grad)
+    if trained == _num_params(parts.model):
+        return ""
+    lora = parts.cfg.lora
+    adapters = f", LoRA rank {lora.rank} alpha {lora.alpha:g}" if lora.enabled else ""
+    return f" ({trained:,} of them train{adapters})"
 
 
 def _pipeline_words(schedule) -> str:

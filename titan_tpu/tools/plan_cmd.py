@@ -21,10 +21,17 @@ def main(argv: list[str]) -> int:
         return calibrate_main(out_dir=args.out, replay=args.replay, only=args.only)
     if not args.config:
         raise ValueError("titan-tpu plan needs --config (a TOML recipe), or --calibrate")
+    import sys
+
+    from titan_tpu.config import build_config
     from titan_tpu.plan import format_plan, resolve_hardware
     from titan_tpu.plan.planner import plan_run
     from titan_tpu.plan.setting import setup_for_planning
+    from titan_tpu.tools.hf_shape_dir import ensure
 
+    # A recipe's weightless stand-in of a Transformers-backend model's directory (the VLM recipe's), made
+    # here on a fresh clone as compile makes it; said on stderr (--json's stdout).
+    ensure(build_config(args.config, overrides).model.hf_config, log=lambda message: print(message, file=sys.stderr))
     setup = setup_for_planning(args.config, overrides)
     cfg = setup.cfg
     hardware, chips = resolve_hardware(args.hardware, dtype=cfg.model.dtype) if args.hardware else (None, None)
