@@ -473,3 +473,18 @@ def test_warmup_longer_than_the_run_is_clamped_with_a_note(tmp_path, train_overr
     trainer.train()
     assert ("note: lr_scheduler.warmup_steps = 10 is longer than training.steps = 2; warming up over 2 steps "
             "instead") in capsys.readouterr().out
+
+
+def test_a_one_line_error_after_the_lock_releases_it(tmp_path, train_overrides, capsys):
+    """A mistake found once the run holds output_dir (here a damaged data row, read after the lock)
+    ends in its one line and leaves the lock released: the next start reports no killed run."""
+    source = tmp_path / "rows.jsonl"
+    source.write_text('{"text": "a first document"}\n{"text": \n')
+    code = main(["train", "--config", LLAMA_DEBUG, *train_overrides(training__steps=1),
+                 "--data.source", str(source), "--data.format", "text"])
+    out, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    run = tmp_path / "run"
+    assert (run / ".lock").is_file() and (run / ".lock").read_text() == ""  # taken, then released cleanly
+    RunLock(run, log=(notes := []).append).acquire().release()
+    assert notes == []

@@ -292,3 +292,15 @@ def test_inductor_graph_mode_on_several_cpu_processes_is_refused(tmp_path, cache
     args = overrides(tmp_path / "run", cache, training__mode="graph", compile__backend="inductor")
     with pytest.raises(Exception, match="needs --compile.split collectives"):  # a rank's error, re-raised here
         train_on_ranks(CONFIG, args, world_size=2)
+
+
+@pytest.mark.multiprocess
+def test_a_one_line_error_under_torchrun_is_its_root_cause():
+    """Under torchrun (every multi-rank command of the guides) our one-line error ends the output as
+    torchrun's root cause (the error file it names for each rank), below its own traceback."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "titan_tpu", "train", "--config", CONFIG, "--training.steps", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    last = (done.stdout + done.stderr).strip().splitlines()[-3:]
+    assert "  traceback : error: training.steps = 0 must be >= 1" in last, last

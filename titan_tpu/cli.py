@@ -468,11 +468,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]](argv[1:])
     except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _one_line_error(e, code=2)
     except RunError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _one_line_error(e, code=1)
+
+
+def _one_line_error(error: BaseException, *, code: int) -> int:
+    """`error: <message>` on stderr, and `code`. Under torchrun also in the error file it names for this
+    rank (TORCHELASTIC_ERROR_FILE): torchrun prints that message as the failure's root cause in the
+    summary that ends its output, where its own traceback would otherwise bury our line."""
+    line = f"error: {error}"
+    print(line, file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        import time
+
+        record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        try:
+            Path(error_file).write_text(json.dumps(record))
+        except OSError:
+            pass  # the line on stderr stands
+    return code
 
 
 def exit_process(code: int) -> None:

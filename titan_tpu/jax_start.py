@@ -33,7 +33,14 @@ def start_jax(platform: str, *, rank: int, world_size: int) -> None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=_jax_coordinator(rank), num_processes=world_size,
                                    process_id=rank)
-    check_jax_devices(platform, local=len(jax.local_devices()), total=jax.device_count(), world_size=world_size)
+    try:
+        local, total = len(jax.local_devices()), jax.device_count()
+    except RuntimeError as e:  # JAX's backend did not start: "Unable to initialize backend 'tpu': ..."
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ValueError(f"compile.backend jax on training.device {platform}: JAX cannot start its {platform} backend "
+                         f"here ({reason[:200]}); run on a TPU VM, or use --training.device cpu (XLA on this CPU)"
+                         ) from None
+    check_jax_devices(platform, local=local, total=total, world_size=world_size)
 
 
 def check_jax_devices(platform: str, *, local: int, total: int, world_size: int) -> None:

@@ -65,3 +65,22 @@ def test_our_backends_off_a_chip():
         assert "\n" not in str(error.value)
     with pytest.warns(UserWarning, match="experimental"):
         assert torch.tpu.get_device_name() == "TPU"
+
+
+@pytest.mark.multiprocess
+def test_the_jax_path_on_a_machine_without_a_tpu_is_one_line():
+    """A TPU recipe's JAX path where JAX finds no TPU: the run's last line is our one-line error (what
+    to change), not JAX's backend traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    done = subprocess.run([sys.executable, "-m", "titan_tpu", "train", "--config", "configs/llama3_debug.toml",
+                           "--training.mode", "graph", "--compile.backend", "jax", "--training.device", "tpu",
+                           "--training.steps", "1", "--output_dir", "/nonexistent/never-written"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert last.startswith("error: compile.backend jax on training.device tpu: JAX cannot start its tpu backend"), last
+    assert last.endswith("run on a TPU VM, or use --training.device cpu (XLA on this CPU)"), last

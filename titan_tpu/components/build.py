@@ -103,6 +103,15 @@ class Components:
         self.batch_split = run.batch_split(self.rank)  # the ranks this job's collectives (the loss's sums) span
         self.data_split = run.data_split(self.rank)
         self.run_lock = self._lock_output_dir()
+        try:
+            self._build_parts(setup)
+        except BaseException:
+            self.release_lock()  # a one-line error (bad data, a kernel) is no killed run for the next start
+            raise
+
+    def _build_parts(self, setup: RunSetup) -> None:
+        """The parts after the lock: the seed, the data, this rank's program, the step, the checkpointer."""
+        cfg, t, run = self.cfg, self.cfg.training, self.run
         torch.manual_seed(t.seed)
         self.spec = setup.spec  # what the run asks about the model (models/spec.py)
         self.base_weights = setup.base_weights  # recorded in checkpoints: the base a LoRA export names
@@ -124,8 +133,13 @@ class Components:
             self.local_tier = LocalTier(local_dir / self._run_id(), log=self.log)
         self.warmup_steps = setup.warmup_steps
         # A vision-language model's image rows: the tower's and projector's work on them counts too.
-        self.flops_per_token, self.flops_note = flops_per_token(run, self.model, images=getattr(data_example, "images",
-                                                                                                 None))
+        self.flops_per_token, self.flops_note = flops_per_token(run, self.model,
+                                                                images=getattr(data_example, "images", None))
+
+    def release_lock(self) -> None:
+        """Let go of output_dir's lock (rank 0's), cleanly: the next start finds no holder to report."""
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def log(self, message: str) -> None:
         if self._log is not None:

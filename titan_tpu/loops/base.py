@@ -145,12 +145,16 @@ class Loop:
     def train(self) -> dict:
         """Run to ``training.steps`` (or until SIGTERM/SIGINT); returns a summary with the paths of
         the run's outputs."""
-        self._start()
-        replica_groups = ReplicaGroups.join(self)  # first: a lighthouse that does not answer leaves nothing open
-        self.logger = self._open_logger() if self.components.is_main else None
-        profiler = self._profiler()
-        with GracefulShutdown() as shutdown:
-            stopped_by, last_val = self._steps(shutdown, replica_groups, profiler)
+        try:
+            self._start()
+            replica_groups = ReplicaGroups.join(self)  # first: a lighthouse that does not answer leaves nothing open
+            self.logger = self._open_logger() if self.components.is_main else None
+            profiler = self._profiler()
+            with GracefulShutdown() as shutdown:
+                stopped_by, last_val = self._steps(shutdown, replica_groups, profiler)
+        except BaseException:
+            self.components.release_lock()  # an error that ends the run is no killed run for the next start
+            raise
         return self._finish(stopped_by=stopped_by, last_val=last_val, replica_groups=replica_groups,
                             profiler=profiler)
 
@@ -266,8 +270,7 @@ class Loop:
         if self.logger is not None:
             self.logger.close()
             self.logger = None
-        if parts.run_lock is not None:
-            parts.run_lock.release()
+        parts.release_lock()
         latest = parts.checkpointer.latest() if cfg.checkpoint.enabled else None
         summary = {"step": self.step, "metrics": str(parts.run_dir / "metrics.jsonl"),
                    "checkpoint": str(latest) if latest else None, "val_loss": last_val, "stopped_by": stopped_by,
