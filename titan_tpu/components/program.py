@@ -35,6 +35,7 @@ from titan_tpu.kernels import device_type_as
 from titan_tpu.kinds.record import DataRequest, builds_reference_copy, reference_flops
 from titan_tpu.model_contract import TrainableModel
 from titan_tpu.models.lora import is_adapter_key
+from titan_tpu.models.registry import frozen_weight_gradient_flops_per_token
 from titan_tpu.models.spec import build
 from titan_tpu.run.resolved import ResolvedRun, Target
 from titan_tpu.run.setup import RunSetup
@@ -153,8 +154,12 @@ def flops_per_token(run: ResolvedRun, model: torch.nn.Module | None, *, images=N
     """(model FLOPs per trained token, how they were counted): the spec's count on `model` (a native
     spec reads its args alone; an hf one counts its modules), `images` a batch's image slots (a
     vision-language model's rows), plus the kind's frozen reference's forwards (DPO's, GRPO's): MFU
-    counts the work done per second."""
+    counts the work done per second. A native LoRA run's frozen base computes no weight gradients:
+    2 of its 6 FLOPs per weight and token are not counted (the planner's count too, plan/step_time.py)."""
     policy, note = run.spec.flops_per_token(model, run.cfg.training.seq_len, images=images)
+    if run.cfg.lora.enabled and run.spec.kind == "native":
+        policy -= frozen_weight_gradient_flops_per_token(run.spec.args)
+        note = "LoRA: the frozen base's weight gradients not counted" + (f"; {note}" if note else "")
     return policy + reference_flops(run.kind, run.cfg, policy), note
 
 

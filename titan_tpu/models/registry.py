@@ -145,6 +145,13 @@ def flops_per_token(args: TransformerArgs, seq_len: int) -> float:
     return 6.0 * n + 6.0 * blocks * args.n_heads * attention_head_dim(args) * seq_len
 
 
+def frozen_weight_gradient_flops_per_token(args: TransformerArgs) -> float:
+    """The weight-gradient share of `flops_per_token`'s 6 * N (2 of its 6 FLOPs per weight and
+    token): what a frozen base (LoRA) does not compute. The attention's scores and weighted sum
+    have no weights and keep theirs."""
+    return flops_per_token(args, 0) / 3  # at seq_len 0 the count is the weights' 6 * N alone
+
+
 def head_flops_per_token(args: TransformerArgs) -> float:
     """The output projection's share of `flops_per_token` (6 * dim * vocab, once more per
     multi-token-prediction depth): the part outside the blocks that checkpointing never reruns."""

@@ -179,8 +179,12 @@ class Layout:
     def step_collectives(self, *, total_params: int, expert_params: int, micro_batches: int,
                          moe_layers: int, tokens_per_micro_batch: int, dim: int, top_k: int,
                          recompute_blocks: bool, regathered_params: int = 0, gathers: int = 0,
-                         regathers: int = 0, n_layers: int = 0, num_experts: int = 0) -> list[Collective]:
+                         regathers: int = 0, n_layers: int = 0, num_experts: int = 0,
+                         trained_params: int | None = None, trained_expert_params: int | None = None
+                         ) -> list[Collective]:
         """Every collective of one optimizer step with the bytes each rank sends and its calls.
+        trained_params / trained_expert_params: the elements with gradients (LoRA's adapters, an hf
+        model's trained parts), which the gradient collectives move; default every parameter.
         regathered_params: block parameters gathered a second time in the backward (re-sharding
         after the forward); gathers / regathers: collective calls of SimpleFSDP per micro-batch
         in the forward / again in the backward (`collective_calls`); n_layers: blocks (tensor
@@ -188,8 +192,11 @@ class Layout:
         count depends on how many ranks a token's experts fall on)."""
         out = []
         n, r, ep = self.dp_shard, self.dp_replicate, self.ep
+        trained_params = total_params if trained_params is None else trained_params
+        trained_expert_params = expert_params if trained_expert_params is None else trained_expert_params
         # What the data-parallel axes move: this rank's tp shard.
         total_params, expert_params = total_params / self.tp, expert_params / self.tp
+        trained_params, trained_expert_params = trained_params / self.tp, trained_expert_params / self.tp
         regathered_params = regathered_params / self.tp
         if n > 1:
             # Dense weights gather over dp_shard; under ep the experts over the dp_shard / ep ranks that
@@ -198,8 +205,9 @@ class Layout:
             # counted in dp_shard's (the same buckets).
             m = n // ep
             share = regathered_params / max(total_params, 1)
-            for axis, size, elements, what in (("dp_shard", n, total_params - expert_params, ""),
-                                               (EP_OUTER_AXIS, m, expert_params / ep, "expert ")):
+            for axis, size, elements, grads, what in (
+                    ("dp_shard", n, total_params - expert_params, trained_params - trained_expert_params, ""),
+                    (EP_OUTER_AXIS, m, expert_params / ep, trained_expert_params / ep, "expert ")):
                 if size == 1 or not elements:
                     continue
                 moved = micro_batches * elements * (size - 1) / size
@@ -210,10 +218,12 @@ class Layout:
                     out.append(Collective("all_gather", axis, size, moved * self.compute_bytes * share,
                                           f"{what or 'block '}weights again, backward (re-shard after forward)",
                                           calls * regathers))
-                out.append(Collective("reduce_scatter", axis, size, moved * self.reduce_bytes,
-                                      f"{what}gradients, backward", calls * gathers))
+                if grads:
+                    out.append(Collective("reduce_scatter", axis, size,
+                                          micro_batches * grads * (size - 1) / size * self.reduce_bytes,
+                                          f"{what}gradients, backward", calls * gathers))
         if r > 1:
-            shard = total_params / n
+            shard = trained_params / n
             out.append(Collective("all_reduce", "dp_replicate", r, 2 * (r - 1) / r * shard * self.reduce_bytes,
                                   "gradients over replicas, once per step", gathers))
         if ep > 1 and moe_layers:
@@ -232,7 +242,7 @@ class Layout:
                                   scale * EP_DISPATCH_CALLS[self.ep_dispatch]))
         if self.cp > 1:
             c = self.cp
-            out.append(Collective("all_reduce", "cp", c, micro_batches * 2 * (c - 1) / c * total_params / n
+            out.append(Collective("all_reduce", "cp", c, micro_batches * 2 * (c - 1) / c * trained_params / n
                                   * self.reduce_bytes, "gradients over cp, backward", micro_batches * gathers))
         if self.tp > 1:
             out += self.tp_collectives(micro_batches=micro_batches, n_layers=n_layers,

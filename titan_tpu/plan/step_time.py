@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from titan_tpu.kinds.record import reference_flops
 from titan_tpu.models.common.activation_memory import activation_bytes
-from titan_tpu.models.registry import flops_per_token, num_expert_params, num_params, recomputed_flops_per_token
+from titan_tpu.models.registry import (
+    flops_per_token,
+    frozen_weight_gradient_flops_per_token,
+    num_expert_params,
+    num_params,
+    recomputed_flops_per_token,
+)
 from titan_tpu.parallel.plan_terms import collective_calls, cp_collectives
 from titan_tpu.plan.pipeline_terms import head_flops_device, pipeline_collectives, stage_compute_flops
 from titan_tpu.plan.setting import TPU_NAMES, Setting, attention_widths, layer_params
@@ -41,7 +47,12 @@ def step_flops(s: Setting) -> dict[str, float]:
     """The trainer's FLOPs count, and what runs (recomputed forwards under full checkpointing)."""
     t = s.cfg.training
     args = s.model_args  # the whole model's: a pipeline stage's share is 1 / pp of a rank's tokens' work
-    fpt = s.hf.flops_per_token if s.hf else flops_per_token(args, t.seq_len)
+    # A native LoRA run's frozen base gets no weight gradients (autograd computes none; the captured
+    # step has none): 2 of its 6 FLOPs per weight and token are not done, and MFU counts the work done
+    # (components/program.py `flops_per_token`). The adapters' own work is left out (< 1%); an hf
+    # model's count is its whole model's, LoRA or not.
+    frozen = frozen_weight_gradient_flops_per_token(args) if s.lora and not s.hf else 0.0
+    fpt = s.hf.flops_per_token if s.hf else flops_per_token(args, t.seq_len) - frozen
     tokens_step_rank = s.tokens * t.grad_accum_steps  # tokens of one data-parallel rank (its tp ranks share them)
     share = s.ranks_per_batch
     model_flops_rank = fpt * tokens_step_rank / share
@@ -75,7 +86,11 @@ def step_collectives(s: Setting) -> list:
             tensors_per_layer=_layer_tensors(args), bytes_per_layer=[g * cb for g in layer_params(args)],
             outside_tensors=outside, bucket_bytes=p.bucket_mb * 2**20,
             scanned_whole=s.scanned and not s.per_layer_stack, regather=s.gather == "layer")
+    # Gradients exist for the trained elements only: LoRA's adapters (its frozen base none; LoRA
+    # leaves the experts frozen), else every weight.
+    trained = (s.adapter_params, 0) if s.lora else (num_params(args), num_expert_params(args))
     collectives = s.layout.step_collectives(total_params=num_params(args), expert_params=num_expert_params(args),
+                                            trained_params=trained[0], trained_expert_params=trained[1],
                                             micro_batches=t.grad_accum_steps, moe_layers=args.num_moe_layers,
                                             tokens_per_micro_batch=s.tokens, dim=args.dim,
                                             top_k=args.moe.top_k if args.moe else 0, recompute_blocks=s.ac == "full",
@@ -106,7 +121,8 @@ def _hf_collectives(s: Setting) -> list:
     gathers, _ = collective_calls(tensors_per_layer=[s.hf.params.tensors],
                                   bytes_per_layer=[params * s.layout.compute_bytes], outside_tensors=0,
                                   bucket_bytes=p.bucket_mb * 2**20, scanned_whole=True, regather=False)
-    return s.layout.step_collectives(total_params=params, expert_params=0, micro_batches=t.grad_accum_steps,
+    return s.layout.step_collectives(total_params=params, expert_params=0, trained_params=s.hf.params.trained,
+                                     trained_expert_params=0, micro_batches=t.grad_accum_steps,
                                      moe_layers=0, tokens_per_micro_batch=s.tokens, dim=s.dim, top_k=0,
                                      recompute_blocks=s.ac == "full", gathers=gathers, n_layers=s.n_layers)
 
