@@ -193,7 +193,7 @@ def test_bad_inputs_are_one_line_and_leave_no_cache(tmp_path, docs, tokenizer, c
     chat_tok = load_tokenizer(chat_dir)
     with pytest.raises(ValueError) as e:  # a chat row without an assistant turn
         prepare([SourceConfig(path=str(tmp_path / "chat.jsonl"), format="chat")], chat_tok, cache)
-    assert_one_line(e, "row 2", "no assistant turn")
+    assert_one_line(e, "row 3", "no assistant turn", "chat.jsonl")
     ok = str(tmp_path / "a.parquet")
     with pytest.raises(ValueError) as e:  # negative weight
         source_from_table({"path": ok, "weight": -1}, key="data.sources[0]")

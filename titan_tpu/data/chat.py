@@ -222,9 +222,12 @@ def has_image(messages: list[dict]) -> bool:
 
 
 def check_messages(messages: Any, *, where: str) -> None:
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                 for m in messages):
+    if not isinstance(messages, list):
         raise ValueError(f"chat {where} is not a list of {{role, content}} messages; set text_field to the column "
                          f"holding them (default 'messages')")
+    for k, m in enumerate(messages, 1):
+        if not (isinstance(m, dict) and "role" in m and "content" in m):
+            raise ValueError(f"chat {where}: message {k} is not a {{role, content}} object (got "
+                             f"{str(m)[:80]!r}); fix the row")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"chat {where} has no assistant turn, so nothing to train on; remove it or add the reply")

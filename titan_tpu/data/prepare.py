@@ -90,7 +90,8 @@ def _encode_chunk(task: tuple[int, list[Any], str, int]) -> dict:
         tokens = np.concatenate(parts)
         record["bytes"] = sum(len(d.encode("utf-8")) for d in docs)
     else:
-        encoded = [renderer.encode(m, where=f"row {first_doc + i}") for i, m in enumerate(docs)]
+        # Rows counted from 1, as a file's lines and a table's rows are read (a JSONL row is its line).
+        encoded = [renderer.encode(m, where=f"row {first_doc + i + 1}") for i, m in enumerate(docs)]
         tokens = np.concatenate([ids for ids, _ in encoded]).astype(dtype)
         lengths = np.array([len(ids) for ids, _ in encoded], dtype=np.int64)
         _write_atomic(out / f"{name}.mask", np.concatenate([m for _, m in encoded]).tofile)
@@ -348,9 +349,14 @@ def prepare_sources(specs: list[Any], *, max_bytes: int | None, tokenizer_path: 
             if opened is None:
                 _check_run_may_tokenize([spec], max_bytes=max_bytes, limit_mb=tokenize_limit_mb, doing="tokenizing")
                 t0 = time.perf_counter()
-                build_shards(values(), tokenizer, directory, workers=workers,
-                             chat=chat_template if spec.format == "chat" else None, label=spec.label,
-                             total_bytes=max_bytes or _source_bytes(spec.path), log=log)
+                try:
+                    build_shards(values(), tokenizer, directory, workers=workers,
+                                 chat=chat_template if spec.format == "chat" else None, label=spec.label,
+                                 total_bytes=max_bytes or _source_bytes(spec.path), log=log)
+                except ValueError as e:
+                    if spec.path in str(e):
+                        raise
+                    raise ValueError(f"data source {spec.path}: {e}") from None  # a row's mistake names its file
                 log(f"data: tokenized {spec.label} in {time.perf_counter() - t0:.1f}s -> {directory}")
                 opened = _open(spec, directory, log)
                 assert opened is not None
