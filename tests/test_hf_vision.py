@@ -594,7 +594,8 @@ def test_a_run_names_the_file_row_and_image_it_cannot_read(model_dirs, tmp_path,
 
 
 def test_an_image_size_the_processor_would_change_is_refused(qwen_dir):
-    with pytest.raises(ValueError, match="model.image_size = 168 is outside what the processor .* allows"):
+    with pytest.raises(ValueError, match="model.image_size = 168 is outside what the processor .* allows .*: "
+                                         "choose a side from 56 to 112"):
         ImageProcessorView(qwen_dir, max_images=1, image_size=168)  # above its max_pixels of 112 x 112
     with pytest.raises(ValueError, match="model.image_size = 50 must be a multiple of 28"):
         ImageProcessorView(qwen_dir, max_images=1, image_size=50)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -103,6 +104,20 @@ def has_processor(directory: str | Path) -> bool:
     return processor.is_file() and "image_processor" in json.loads(processor.read_text())
 
 
+
+def processor_sides(processor) -> tuple[int, int]:
+    """(smallest, largest) side of the square images an image processor takes at their own
+    resolution, multiples of its patch x merge size within its min_pixels and max_pixels; (0, 0)
+    for a processor with a fixed resolution (model.image_size 0: its own)."""
+    size = getattr(processor, "size", None) or {}
+    if size.get("height") or (getattr(processor, "crop_size", None) or {}).get("height"):
+        return 0, 0
+    factor = processor.patch_size * processor.merge_size
+    least = getattr(processor, "min_pixels", None) or size.get("shortest_edge") or factor * factor
+    most = getattr(processor, "max_pixels", None) or size.get("longest_edge") or least
+    return max(1, math.ceil(math.sqrt(least) / factor)) * factor, max(1, math.isqrt(most) // factor) * factor
+
+
 class ImageProcessorView:
     """A vision-language directory's image side: its config's image facts, its image processor,
     the fixed resolution and the tokens each image becomes."""
@@ -132,8 +147,9 @@ class ImageProcessorView:
         self.grid = example.get("grid_thw")
         self.tokens_per_image = self.format.tokens_per_image(self)
         if self.grid is not None and int(self.grid[1]) * self.processor.patch_size != self.side:
+            least, most = processor_sides(self.processor)
             raise ValueError(f"model.image_size = {self.side} is outside what the processor of {directory} allows "
-                             "(its min_pixels and max_pixels); choose a size within them")
+                             f"(its min_pixels and max_pixels): choose a side from {least} to {most}")
 
     def _side(self, image_size: int) -> int:
         size = getattr(self.processor, "size", None) or {}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -82,14 +81,9 @@ def image_sides(directory: str | Path) -> tuple[int, int]:
     for a processor with a fixed resolution (model.image_size 0: its own)."""
     from transformers import AutoImageProcessor
 
-    processor = AutoImageProcessor.from_pretrained(str(directory))
-    size = getattr(processor, "size", None) or {}
-    if size.get("height") or (getattr(processor, "crop_size", None) or {}).get("height"):
-        return 0, 0
-    factor = processor.patch_size * processor.merge_size
-    least = getattr(processor, "min_pixels", None) or size.get("shortest_edge") or factor * factor
-    most = getattr(processor, "max_pixels", None) or size.get("longest_edge") or least
-    return max(1, math.ceil(math.sqrt(least) / factor)) * factor, max(1, math.isqrt(most) // factor) * factor
+    from titan_tpu.data.images import processor_sides
+
+    return processor_sides(AutoImageProcessor.from_pretrained(str(directory)))
 
 
 # The smallest images the processor takes: a few image tokens a row, so a check's rows stay short.
