@@ -388,13 +388,22 @@ def test_an_unreadable_image_names_the_row_and_file(qwen_dir, tmp_path):
     rows = image_chat_rows(tmp_path / "images", 2)
     rows[1]["messages"][0]["content"][0]["path"] = str(broken)
     source = _rows(qwen_dir, rows)
-    with pytest.raises(ValueError, match=r"image of chat row 1 of rows.jsonl cannot be read \(file .*broken.png"):
+    with pytest.raises(ValueError, match=r"image of chat row 2 of rows.jsonl cannot be read \(file .*broken.png"):
         source.row(1)
+
+
+def test_a_missing_image_is_found_when_the_rows_are_read(qwen_dir, tmp_path):
+    """A path to no file stops the reading of the rows, not the batch that holds it hours later."""
+    rows = image_chat_rows(tmp_path / "images", 3)
+    rows[2]["messages"][0]["content"][0]["path"] = str(tmp_path / "gone.png")
+    with pytest.raises(ValueError, match=r"image of chat row 3 of rows.jsonl cannot be read \(file .*gone.png: no such "
+                                         r"file"):
+        _rows(qwen_dir, rows)
 
 
 def test_too_many_images_names_the_row_and_the_key(qwen_dir, tmp_path):
     rows = image_chat_rows(tmp_path / "images", 3)
-    with pytest.raises(ValueError, match=r"chat row 2 of rows.jsonl holds 2 images, more than the 1 image slots of a "
+    with pytest.raises(ValueError, match=r"chat row 3 of rows.jsonl holds 2 images, more than the 1 image slots of a "
                                          r"row; raise model.max_images to 2"):
         _rows(qwen_dir, rows, max_images=1)
 

@@ -137,7 +137,7 @@ def test_a_packed_batch_trains_as_its_conversations_one_a_row(model_dirs, tmp_pa
 @pytest.mark.parametrize("name", PACKABLE)
 def test_a_conversation_with_more_images_than_slots_names_the_row_and_the_key(model_dirs, tmp_path, name):
     rows = image_chat_rows(tmp_path / "images", 3)
-    with pytest.raises(ValueError, match=r"chat row 2 of rows.jsonl holds 2 images, more than the 1 image slots of a "
+    with pytest.raises(ValueError, match=r"chat row 3 of rows.jsonl holds 2 images, more than the 1 image slots of a "
                                          r"row; raise model.max_images to 2"):
         _rows(model_dirs[name], rows, pack=True, max_images=1)
 

@@ -193,26 +193,48 @@ def image_parts(messages: list[dict]) -> list[dict]:
             if isinstance(part, dict) and part.get("type") == "image"]
 
 
+def _image_value(part: dict):
+    """What an image part holds: a path string, bytes, or neither."""
+    value = part.get("path", part.get("image"))
+    if isinstance(value, dict):  # a parquet image column: {"bytes": ..., "path": ...}
+        value = value.get("bytes") or value.get("path")
+    return value
+
+
+def _image_path(value: str, base: Path | None) -> Path:
+    """A path string as read: relative ones against the data file's folder."""
+    path = Path(value).expanduser()
+    return base / path if base is not None and not path.is_absolute() else path
+
+
 def read_image(part: dict, *, where: str, base: Path | None = None):
     """The PIL image (RGB) of an image content part; one line naming the row and the file if it
     cannot be read."""
     from PIL import Image, UnidentifiedImageError
 
-    value = part.get("path", part.get("image"))
-    if isinstance(value, dict):  # a parquet image column: {"bytes": ..., "path": ...}
-        value = value.get("bytes") or value.get("path")
+    value = _image_value(part)
     try:
         if isinstance(value, (bytes, bytearray)):
             return Image.open(io.BytesIO(value)).convert("RGB")
         if not isinstance(value, str) or not value:
             raise ValueError("no path or image bytes")
-        path = Path(value).expanduser()
-        if base is not None and not path.is_absolute():
-            path = base / path
-        return Image.open(path).convert("RGB")
+        return Image.open(_image_path(value, base)).convert("RGB")
     except (OSError, UnidentifiedImageError, ValueError) as e:
         what = f"file {value}" if isinstance(value, str) else "its bytes"
         raise ValueError(f"image of chat {where} cannot be read ({what}: {e}); fix or drop the row") from None
+
+
+def check_image_exists(part: dict, *, where: str, base: Path | None = None) -> None:
+    """An image part that names a file: the file exists (one line naming the row and the file if not),
+    checked when the rows are read, not when the row is batched hours into a run. Its decoding is
+    `read_image`'s, at the batch."""
+    value = _image_value(part)
+    if not isinstance(value, str) or not value:
+        return  # bytes, or nothing: read_image says which at the batch
+    path = _image_path(value, base)
+    if not path.is_file():
+        raise ValueError(f"image of chat {where} cannot be read (file {value}: no such file {str(path)!r}); fix or "
+                         "drop the row")
 
 
 def expand_placeholders(text: str, spans: list[tuple[int, int]], *, placeholder: str,
@@ -324,11 +346,13 @@ class ImageChatRows:
         self.image_token_id = image_token_id(renderer, view)
         self.encoded, self.num_dropped = [], 0
         for i, row in enumerate(rows):
-            where = wheres[i] if wheres else f"row {i} of {name}"
+            where = wheres[i] if wheres else f"row {i + 1} of {name}"  # rows count from 1, as a file's lines
             base = bases[i] if bases else None
             messages = row.get("messages") if isinstance(row, dict) else None
             check_messages(messages, where=where)
             parts = slotted_image_parts(messages, view=view, where=where)
+            for part in parts:
+                check_image_exists(part, where=where, base=base)
             text, spans = expand_images(*renderer.render(messages), images=len(parts), view=view, where=where)
             ids, trained = renderer.tokens_and_flags(text, spans, where=where)
             if len(ids) > seq_len:
