@@ -178,6 +178,10 @@ def test_bad_inputs_are_one_line_and_leave_no_cache(tmp_path, docs, tokenizer, c
     with pytest.raises(ValueError) as e:
         prepare([SourceConfig(path=str(tmp_path / "b.jsonl.gz"))], tokenizer, cache)
     assert_one_line(e, "line 2", "content, meta")
+    (tmp_path / "c.jsonl").write_text('{"text": "x"}\n{"text": "a raw\ttab"}\n')
+    with pytest.raises(ValueError) as e:  # json's message ends "... at": the column completes it
+        prepare([SourceConfig(path=str(tmp_path / "c.jsonl"))], tokenizer, cache)
+    assert_one_line(e, "c.jsonl' line 2 is not valid JSON (Invalid control character at column 16); fix or remove")
     write_parquet(tmp_path / "empty.parquet", [])
     with pytest.raises(ValueError) as e:  # empty source
         prepare([SourceConfig(path=str(tmp_path / "empty.parquet"))], tokenizer, cache)

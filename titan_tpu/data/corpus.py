@@ -115,7 +115,8 @@ def _iter_jsonl(path: Path, *, text_field: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(
-                    f"corpus {str(path)!r} line {lineno} is not valid JSON ({e.msg}); fix or remove that line"
+                    f"corpus {str(path)!r} line {lineno} is not valid JSON ({sources.json_line_problem(e)}); fix or "
+                    "remove that line"
                 ) from None
             if not isinstance(record, dict) or text_field not in record:
                 raise ValueError(

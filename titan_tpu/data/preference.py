@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from titan_tpu.data.batch import IGNORE_INDEX, PreferenceBatch, TokenBatch
-from titan_tpu.data.sources import resolve_files
+from titan_tpu.data.sources import json_line_problem, resolve_files
 
 __all__ = ["COLUMNS", "PreferenceLoader", "PreferencePairs", "load_preference_pairs", "read_preference_rows",
            "read_rows"]
@@ -99,8 +99,8 @@ def _iter_jsonl_records(path: Path, what: str) -> Iterator[Any]:
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{what} {path} line {lineno} is not valid JSON ({e.msg}); fix or remove "
-                                 "that line") from None
+                raise ValueError(f"{what} {path} line {lineno} is not valid JSON ({json_line_problem(e)}); fix or "
+                                 "remove that line") from None
 
 
 def _table_rows(path: Path) -> Iterator[dict[str, Any]]:

@@ -124,6 +124,12 @@ def resolve_files(source: str) -> list[Path]:
     return [path]
 
 
+def json_line_problem(e: json.JSONDecodeError) -> str:
+    """What is wrong with one JSON line, and where: `e.msg` alone can end mid-sentence
+    ("Invalid control character at") because json puts the position after it."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+
+
 def _field_error(path: Path, where: str, field: str, present: list[str]) -> ValueError:
     return ValueError(f"data source {str(path)!r} {where} has no field {field!r}; fields present: "
                       f"{', '.join(present) or '(none)'}; set text_field to one of them")
@@ -147,8 +153,8 @@ def _iter_jsonl(path: Path, field: str) -> Iterator[Any]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"data source {str(path)!r} line {lineno} is not valid JSON ({e.msg}); fix or "
-                                     f"remove that line") from None
+                    raise ValueError(f"data source {str(path)!r} line {lineno} is not valid JSON "
+                                     f"({json_line_problem(e)}); fix or remove that line") from None
                 if not isinstance(record, dict) or field not in record:
                     present = list(record) if isinstance(record, dict) else []
                     raise _field_error(path, f"line {lineno}", field, present)
