@@ -379,8 +379,10 @@ def test_exports_to_peft_and_merged_hf_give_the_trained_logits(tmp_path, train_o
         with torch.no_grad():  # titan-tpu eval of the checkpoint evaluates the adapted model
             torch.testing.assert_close(evaluated(tokens), ours, rtol=TOLERANCE, atol=TOLERANCE)
         notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]  # not progress bars
-        if run is hf_run:  # the base recorded: peft loads the adapter by itself
-            assert notes == []
+        if run is hf_run:  # the base recorded: peft loads the adapter by itself, on this machine
+            assert notes == [f"note: base_model_name_or_path is the local directory {(tmp_path / 'hf').absolute()}, "
+                             "which loads on this machine only: to share the adapter, export with --base-model "
+                             "ORG/NAME, the Hub id that directory holds"]
             config = json.loads((tmp_path / run_dir.name / "peft" / "adapter_config.json").read_text())
             assert config["base_model_name_or_path"] == str((tmp_path / "hf").absolute())
             alone = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / run_dir.name / "peft"),
@@ -394,3 +396,14 @@ def test_exports_to_peft_and_merged_hf_give_the_trained_logits(tmp_path, train_o
             alone = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "named"), dtype=torch.float32).eval()
             with torch.no_grad():
                 torch.testing.assert_close(alone(input_ids=tokens).logits, ours, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_a_base_in_the_hugging_face_cache_is_named_by_its_hub_id(tmp_path):
+    """A base read from the Hub cache is recorded as the Hub id, which loads on any machine; any
+    other directory keeps its path (and the export says so in one line)."""
+    from titan_tpu.convert import hub_id_of_cached
+
+    cached = tmp_path / "hub" / "models--Qwen--Qwen3-8B" / "snapshots" / "0123abcd"
+    assert hub_id_of_cached(cached) == "Qwen/Qwen3-8B"
+    assert hub_id_of_cached(tmp_path / "models--Qwen--Qwen3-8B") is None
+    assert hub_id_of_cached(tmp_path / "snapshots" / "0123abcd") is None

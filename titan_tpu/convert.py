@@ -151,6 +151,15 @@ def checkpoint_to_peft(checkpoint: str | Path, out_dir: str | Path, *, overwrite
     return out_dir
 
 
+def hub_id_of_cached(hf_dir: Path) -> str | None:
+    """The Hub id of a directory in the Hugging Face cache (.../models--ORG--NAME/snapshots/REVISION),
+    as peft and transformers name a model they downloaded; None for any other directory."""
+    snapshots, repo = hf_dir.parent, hf_dir.parent.parent
+    if snapshots.name != "snapshots" or not repo.name.startswith("models--"):
+        return None
+    return repo.name.removeprefix("models--").replace("--", "/")
+
+
 def _recorded_base(meta: dict, step_dir: Path) -> tuple[str | None, str]:
     """(the base a LoRA checkpoint's adapters adapt, as peft names it, or None; why it is None)."""
     if "base_weights" not in meta:  # written before checkpoints recorded their base
@@ -162,6 +171,11 @@ def _recorded_base(meta: dict, step_dir: Path) -> tuple[str | None, str]:
                       "checkpoint.initial_load_path and no Hugging Face weights), so they adapt no pretrained base; "
                       "base_model_name_or_path is left empty")
     if "hf_dir" in base:
-        return base["hf_dir"], ""
+        hub_id = hub_id_of_cached(Path(base["hf_dir"]))
+        if hub_id:
+            return hub_id, ""
+        return base["hf_dir"], (f"base_model_name_or_path is the local directory {base['hf_dir']}, which loads on this "
+                                "machine only: to share the adapter, export with --base-model ORG/NAME, the Hub id "
+                                "that directory holds")
     return None, (f"the adapters' base is the training checkpoint {base['checkpoint']}, which peft cannot load: export "
                   f"it with titan-tpu convert --checkpoint {base['checkpoint']} --to-hf DIR and pass --base-model DIR")
