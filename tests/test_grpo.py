@@ -319,7 +319,7 @@ ID_REWARD = ("def f(prompts, completions, completion_ids, **kw):\n"
              "    return [float(sum(i) % 7) for i in completion_ids]\n")
 
 
-def test_run_logs_trl_metrics_and_resumes_exactly(tmp_path):
+def test_run_logs_trl_metrics_and_resumes_exactly(tmp_path, capsys):
     """3 steps with 2 passes each and a KL penalty against a frozen reference, checkpoints at steps 2
     and 3; the run resumed from its step-2 checkpoint samples the same completions at step 3 (the
     sampler's seeds follow the step, the prompts the loader's position) and logs the same numbers."""
@@ -335,6 +335,9 @@ def test_run_logs_trl_metrics_and_resumes_exactly(tmp_path):
                                grpo__max_completion_length=4)
     assemble(build_config(LLAMA_DEBUG, overrides)).train()
     straight = [r for r in rows_of(tmp_path / "run") if "loss" in r]
+    step_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == 3 and all(len(line) < 260 and "reward " in line and "kl " in line for line in step_lines)
+    assert not any("clip_ratio" in line or "completions/" in line for line in step_lines)  # metrics.jsonl's
     checkpoints = tmp_path / "run" / "checkpoints"
     shutil.rmtree(checkpoints / "step-00000003")  # as if the run had died after step 2's checkpoint
     (checkpoints / "latest").write_text("step-00000002")

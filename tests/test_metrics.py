@@ -60,6 +60,20 @@ def test_console_only_present_keys_and_no_total(tmp_path):
     log.close()  # idempotent
 
 
+def test_console_keys_keep_a_kinds_line_short_and_the_file_whole(tmp_path, capsys):
+    """A kind that logs many terms names the few its console line shows; metrics.jsonl keeps all."""
+    row = {"loss": 0.5, "kl": 5.5e-4, "reward": 0.0104, "reward_std": 0.0252, "sampling_s": 0.146,
+           "training_s": 0.131, "clip_ratio/low_mean": 0.0, "completions/mean_length": 7.9}
+    with MetricsLogger(output_dir=tmp_path, tensorboard=False, console_keys=()) as log:
+        log.log(1, row)
+    line = capsys.readouterr().out.strip()
+    assert line == "step 1 loss 0.5000 | kl 5.5e-04 | reward 0.0104 (std 0.0252) | sample 0.15 s | train 0.13 s"
+    assert read_rows(tmp_path) == [{"step": 1, **row}]
+    named = MetricsLogger(output_dir=tmp_path, tensorboard=False, console=False, console_keys=("seen",))
+    assert named.format_line(2, {"loss": 2.0, "seen": 0.5, "other": 1}) == "step 2 loss 2.0000 | seen 0.5"
+    named.close()
+
+
 def test_tensorboard_event_files(tmp_path):
     pytest.importorskip("tensorboard")
     with MetricsLogger(output_dir=tmp_path, console=False) as log:

@@ -68,6 +68,10 @@ class Loop:
     # ------------------------------------------------------------------------------------------
     # what a kind's loop says
 
+    # The objective's terms the console line shows beyond the standard ones (train/metrics.py);
+    # None shows every term. All of them go to metrics.jsonl and the trackers either way.
+    console_keys: tuple[str, ...] | None = None
+
     def objective_metrics(self, result: StepResult) -> dict[str, float]:
         """What the step's objective adds to a metrics row."""
         raise NotImplementedError
@@ -290,7 +294,8 @@ class Loop:
         trackers = build_trackers(names, run_dir=self.components.run_dir, state=self.tracker_state,
                                   project=m.wandb_project, name=self.cfg.job.name, config=self.cfg.to_dict())
         return MetricsLogger(output_dir=self.components.run_dir, tensorboard=False, console=m.console,
-                             total_steps=self.cfg.training.steps, trackers=trackers, resumed_step=self.step)
+                             total_steps=self.cfg.training.steps, trackers=trackers, resumed_step=self.step,
+                             console_keys=self.console_keys)
 
     def _profiler(self) -> StepProfiler | None:
         p, parts = self.cfg.profiling, self.components

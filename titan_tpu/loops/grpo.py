@@ -63,6 +63,10 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], old_lo
 
 
 class GRPOLoop(Loop):
+    # kl, reward (with its std) and the sampling/training split have console formats of their own;
+    # TRL's clip ratios, completion lengths and per-reward means stay in metrics.jsonl
+    console_keys = ()
+
     def __init__(self, components):
         super().__init__(components)
         g = self.cfg.grpo

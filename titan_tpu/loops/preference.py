@@ -18,6 +18,10 @@ __all__ = ["PreferenceLoop"]
 
 
 class PreferenceLoop(Loop):
+    # the two a reader follows (are the pairs ranked right, by how much) and ORPO's SFT term; the
+    # chosen/rejected rewards and log-probabilities stay in metrics.jsonl and the trackers
+    console_keys = ("rewards/accuracies", "rewards/margins", "nll_loss")
+
     def objective_metrics(self, result: StepResult) -> dict[str, float]:
         row = {name: value for name, value in result.terms.items() if name != "aux_loss"}
         row.update(moe_metrics(result))  # an MoE model's balancing loss and loads

@@ -13,6 +13,13 @@ formatted specially on the console (in this order), the rest are printed as "key
     memory_gb              "mem 1.23 GB"       (max_memory_gb, if present, is added as "(max 1.50)")
     data_s                 "data 1.2 ms"       (seconds a step waited for its batches)
     goodput                "goodput 93.1%"     (productive share of the run's wall time, across restarts)
+    kl                     "kl 5.5e-04"        (GRPO)
+    reward                 "reward 0.0104"     (reward_std, if present, is added as "(std 0.0252)")
+    sampling_s, training_s "sample 0.15 s", "train 0.13 s"  (GRPO's split of a step)
+
+``console_keys`` names the other keys the console shows (as "key value"); None shows them all. A
+kind with many terms (GRPO logs TRL's dozen) keeps its line readable that way, and every key still
+goes to metrics.jsonl and the trackers.
 
 `time` (the wall clock, for the report) goes to metrics.jsonl only. With ``total_steps`` the line
 starts with a progress bar and, from the second row of a process on, an ETA: the remaining steps at
@@ -36,7 +43,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from titan_tpu.train.trackers import TensorBoardTracker, Tracker
@@ -57,7 +64,12 @@ _CONSOLE_FORMATS = {
     "expert_load_min": lambda v: f"min/mean {v:.2f}",
     "data_s": lambda v: f"data {v * 1e3:.1f} ms",
     "goodput": lambda v: f"goodput {v:.1f}%",
+    "kl": lambda v: f"kl {v:.1e}",
+    "reward": lambda v: f"reward {v:.4g}",
+    "sampling_s": lambda v: f"sample {v:.2f} s",
+    "training_s": lambda v: f"train {v:.2f} s",
 }
+_SHOWN_WITH = {"max_memory_gb": "memory_gb", "reward_std": "reward"}  # key -> the key whose text carries it
 _FILE_ONLY = {"time", "step_s"}  # in metrics.jsonl for the report, not on the console
 _BAR_WIDTH = 20
 
@@ -118,11 +130,13 @@ class MetricsLogger:
         total_steps: int | None = None,
         trackers: Sequence[Tracker] = (),
         resumed_step: int = 0,
+        console_keys: Collection[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.console = console
+        self.console_keys = None if console_keys is None else frozenset(console_keys)
         self.total_steps = total_steps
         self._clock = clock
         self._first: tuple[int, float] | None = None  # (step, clock) of this process's first row
@@ -195,10 +209,13 @@ class MetricsLogger:
             text = fmt(value) if isinstance(value, (int, float)) else f"{key} {value}"
             if key == "memory_gb" and isinstance(metrics.get("max_memory_gb"), (int, float)):
                 text += f" (max {metrics['max_memory_gb']:.2f})"
+            if key == "reward" and isinstance(metrics.get("reward_std"), (int, float)):
+                text += f" (std {metrics['reward_std']:.4g})"
             parts.append(text)
         for key, value in metrics.items():
-            shown_with_memory = key == "max_memory_gb" and "memory_gb" in metrics
-            if key not in _CONSOLE_FORMATS and key not in _FILE_ONLY and not shown_with_memory:
+            if key in _CONSOLE_FORMATS or key in _FILE_ONLY or _SHOWN_WITH.get(key) in metrics:
+                continue
+            if self.console_keys is None or key in self.console_keys:
                 parts.append(_fmt_generic(key, value))
         return f"{head} {' | '.join(parts)}" if parts else head
 
