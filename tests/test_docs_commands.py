@@ -109,13 +109,22 @@ def _tokens(command_line: str) -> list[str]:
     return tokens
 
 
+def _inside_quotes(command: str) -> str:
+    """A command that another one quotes (`gcloud ... --command "cd x && titan-tpu launch ..."`)
+    ends at the quote that closes it."""
+    for quote in "\"'":
+        if command.count(quote) % 2:
+            command = command[:command.rindex(quote)]
+    return command
+
+
 def _commands_in_line(line: str, in_code: bool) -> list[str]:
     """The command lines (after `titan-tpu`) that one doc line shows."""
     spans = [line] if in_code else INLINE_CODE.findall(line)
     found = []
     for span in spans:
         if m := COMMAND_START.search(span):
-            found.append(SHELL_OPERATOR.split(m.group(1))[0])
+            found.append(_inside_quotes(SHELL_OPERATOR.split(m.group(1))[0]))
         elif m := MODULE_COMMAND.search(span):
             found.append(m.group(1))
         elif m := MAKE_TRAIN.search(span):
@@ -152,6 +161,17 @@ def _recipe_header_lines(path: Path):
         pending = ""
 
 
+def _launched_command(argv: list[str]) -> tuple[list[str], int | None]:
+    """`launch [OPTIONS] COMMAND ...` is COMMAND as every host starts it: launch's options are parsed
+    by its own parser here, and the command is checked as any shown command (with the ranks it
+    starts when the options write both numbers out)."""
+    from titan_tpu.tools.launch import parser
+
+    namespace = parser().parse_args(argv[1:])
+    ranks = namespace.nnodes * namespace.nproc_per_node if namespace.nnodes and namespace.nproc_per_node else None
+    return list(namespace.command), ranks
+
+
 def doc_commands() -> list[DocCommand]:
     commands = []
     sources = [(path, _code_blocks_and_prose(path.read_text())) for path in DOC_FILES]
@@ -161,8 +181,10 @@ def doc_commands() -> list[DocCommand]:
             for command_line in _commands_in_line(line, in_code):
                 argv = _tokens(command_line)
                 if argv and not PLACEHOLDER.match(argv[0]):  # "titan-tpu COMMAND --help" names no command
-                    commands.append(DocCommand(f"{path.relative_to(ROOT)}:{number}", tuple(argv),
-                                               _launched_ranks(line)))
+                    ranks = _launched_ranks(line)
+                    if argv[0] == "launch" and len(argv) > 1:
+                        argv, ranks = _launched_command(argv)
+                    commands.append(DocCommand(f"{path.relative_to(ROOT)}:{number}", tuple(argv), ranks))
     return commands
 
 

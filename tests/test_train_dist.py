@@ -181,6 +181,47 @@ def scanned(layout: tuple[int, dict]) -> tuple[int, dict]:
     return layout[0], {**layout[1], "model__scan_layers": "true"}
 
 
+def launch_two_hosts(args: list[str], *, nproc_per_host: int) -> list[str]:
+    """`titan-tpu launch train ARGS` on two "hosts" of this machine, each its own launch and torchrun
+    with its processes, told only what GKE tells a TPU pod: the host list and its own index (the
+    port is a free one: the test cannot own 29500)."""
+    import socket
+
+    require_multiprocess_marker()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hosts = [subprocess.Popen([sys.executable, "-m", "titan_tpu", "launch", "--master-port", str(port),
+                               "--nproc-per-node", str(nproc_per_host), "train", "--config", CONFIG, *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**thread_env(), "TPU_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.1",
+                                   "TPU_WORKER_ID": str(index)})
+             for index in (0, 1)]
+    outputs = []
+    for host in hosts:
+        out, err = host.communicate(timeout=300)
+        assert host.returncode == 0, out[-2000:] + err[-3000:]
+        outputs.append(out)
+    return outputs
+
+
+def test_two_hosts_launched_by_one_command_train_checkpoint_and_resume(tmp_path, cache, reference):
+    """Two hosts of two processes each, every torchrun and libtpu value derived by `titan-tpu launch`:
+    5 steps and a checkpoint, then the same command resumes to step 10, and the losses are the
+    one-process run's (the same global batch: 4 ranks x 1 sequence)."""
+    run = tmp_path / "run"
+    first = launch_two_hosts(overrides(run, cache, training__steps=5, training__batch_size=1), nproc_per_host=2)
+    assert first[0].startswith("launch: host 0 of 2 (TPU_WORKER_HOSTNAMES, TPU_WORKER_ID); rendezvous 127.0.0.1:")
+    assert first[1].startswith("launch: host 1 of 2") and "2 process(es) here" in first[1]
+    assert "run: mesh dp_shard 4;" in first[0] and "4 rank(s)" in first[0]
+    again = launch_two_hosts(overrides(run, cache, training__batch_size=1), nproc_per_host=2)
+    assert "resumed from" in again[0] and "step-00000005" in again[0]
+    got = losses(run)
+    assert sorted(got) == sorted(reference) == list(range(1, 11))
+    for step in reference:
+        assert got[step] == pytest.approx(reference[step], abs=1e-5), step
+
+
 @pytest.mark.parametrize("before, after", [(DP2, ONE), (ONE, DP2), (TP2, ONE), (CP2, ONE),
                                            (scanned(TP2), scanned(ONE)), (scanned(CP2), scanned(ONE))],
                          ids=["dp2-to-1", "1-to-dp2", "tp2-to-1", "cp2-to-1", "tp2-to-1-scanned",

@@ -16,6 +16,7 @@
     titan-tpu verify MODEL [--tiny] [--hardware v5p-256] [--checks a,b] [--report DIR]   # docs/verify.md
     titan-tpu config [SECTION]                              # every config key: type, default, meaning
     titan-tpu compile --config configs/llama3_debug.toml --hardware v5p-8   # XLA's TPU verdict (.venv-tpu)
+    titan-tpu launch train --config configs/qwen3_8b_graph_tpu.toml   # on every host (gcloud ... --worker=all)
     titan-tpu lighthouse --port 29510 --replicas 2          # then each replica group: train --fault_tolerance.*
     titan-tpu --help | --version
 
@@ -384,6 +385,12 @@ def lighthouse_main(argv: list[str]) -> int:
     return 0
 
 
+def launch_main(argv: list[str]) -> int:
+    from titan_tpu.tools.launch import main as launch
+
+    return launch(argv)
+
+
 def config_main(argv: list[str]) -> int:
     from titan_tpu.tools.config_reference import main as reference
 
@@ -393,7 +400,7 @@ def config_main(argv: list[str]) -> int:
 COMMANDS = {"train": train_main, "eval": eval_main, "generate": generate_main, "convert": convert_main,
             "graph": graph_main, "kernels": kernels_main, "plan": plan_main, "hf-sweep": hf_sweep_main,
             "prepare-data": prepare_data_main, "report": report_main, "verify": verify_main, "config": config_main,
-            "compile": compile_main, "lighthouse": lighthouse_main}
+            "compile": compile_main, "lighthouse": lighthouse_main, "launch": launch_main}
 
 # One line per command for `titan-tpu --help`, in the order a new user meets them.
 SUMMARIES = {
@@ -406,6 +413,7 @@ SUMMARIES = {
     "generate": "continue prompts with a checkpoint or an HF directory: greedy or sampled, streamed",
     "convert": "checkpoint <-> Hugging Face directory",
     "report": "plots of one or more runs in one HTML file",
+    "launch": "start a run on every host of a slice: run it on each host; hosts and chips are derived",
     "lighthouse": "the meeting point of replica groups that survive each other's faults (fault_tolerance)",
     "graph": "write the captured training step (graph mode) as text",
     "compile": "XLA's TPU compiler's per-chip memory and FLOPs for the captured step, on a CPU (needs .venv-tpu)",

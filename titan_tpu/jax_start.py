@@ -84,7 +84,8 @@ def _tpu_one_chip_per_process(rank: int, world_size: int) -> None:
     if "TPU_PROCESS_BOUNDS" not in os.environ:
         if per_host != world_size or per_host not in _HOST_PROCESS_BOUNDS:
             raise ValueError(f"compile.backend jax on {world_size // per_host} TPU hosts of {per_host} chips: set "
-                             "TPU_PROCESS_BOUNDS to the slice's chips as x,y,z (e.g. 2,2,2 for a v5p-16)")
+                             "TPU_PROCESS_BOUNDS to the slice's chips as x,y,z (e.g. 2,2,2 for a v5p-16), or start "
+                             "every host with titan-tpu launch, which derives it")
         os.environ["TPU_PROCESS_BOUNDS"] = _HOST_PROCESS_BOUNDS[per_host]
     port = _TPU_PROCESS_PORT + local_rank
     addresses = [None] * world_size

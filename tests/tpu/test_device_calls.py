@@ -84,3 +84,23 @@ def test_the_jax_path_on_a_machine_without_a_tpu_is_one_line():
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert last.startswith("error: compile.backend jax on training.device tpu: JAX cannot start its tpu backend"), last
     assert last.endswith("run on a TPU VM, or use --training.device cpu (XLA on this CPU)"), last
+
+
+def test_launch_calls_torch_tpus_launch_helper_for_several_hosts():
+    """`titan-tpu launch` hands the hosts it derived to torch-tpu's own helper
+    (torch.tpu.distributed.set_tpu_launch_env), called for real: it answers off a chip and sets
+    torch-tpu's slice-builder addresses (one per process of every host) and keeps ours; the launcher's
+    own environment is left as it was."""
+    import os
+
+    from titan_tpu.tools.launch import Layout, _torch_tpu_launch_env, launch_environment
+
+    layout = Layout(nnodes=2, node_rank=1, master_addr="10.0.0.5", master_port=29500, nproc_per_node=4,
+                    process_bounds="2,2,2", hostnames=("10.0.0.5", "10.0.0.6"))
+    before = dict(os.environ)
+    env = launch_environment(layout, {k: v for k, v in os.environ.items() if not k.startswith("TORCH_TPU_")})
+    _torch_tpu_launch_env(layout, env)
+    assert dict(os.environ) == before
+    addresses = env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")
+    assert len(addresses) == 8 and addresses[0].startswith("10.0.0.5:") and addresses[-1].startswith("10.0.0.6:")
+    assert (env["NODE_RANK"], env["MASTER_ADDR"], env["TPU_PROCESS_BOUNDS"]) == ("1", "10.0.0.5", "2,2,2")
