@@ -258,11 +258,21 @@ def _task_yaml(directory, name: str, source: dict) -> None:
 
 
 def test_task_data_missing_is_one_line_with_the_fetch(setup, tmp_path, monkeypatch, capsys):
-    """Offline (as clusters often are): a Hub dataset not in the cache names the fetch command; a task's
-    local data_files that are not there name the YAML's key."""
+    """Offline (as clusters often are): a Hub dataset not in the cache names the fetch command, at once
+    (the Hub asked once, not datasets' five retries); a task's local data_files that are not there
+    name the YAML's key."""
     import datasets
+    import huggingface_hub.utils._http as hub_http
 
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network here either way: fail at once
+    from titan_tpu.evaluation import lm_eval_tasks
+
+    monkeypatch.setattr(lm_eval_tasks, "hub_reachable", lambda timeout_s=3.0: False)  # a machine without network
+
+    def no_retries(seconds):
+        raise AssertionError(f"waited {seconds} s to retry the Hub")
+
+    monkeypatch.setattr(hub_http.time, "sleep", no_retries)
+    offline_before = datasets.config.HF_HUB_OFFLINE
     hf_dir = setup[0]
     _task_yaml(tmp_path / "tasks", "remote_task", {"dataset_path": "someorg/never_fetched", "dataset_name": "sub"})
     _task_yaml(tmp_path / "tasks", "local_task", {"dataset_path": "json",
@@ -273,6 +283,7 @@ def test_task_data_missing_is_one_line_with_the_fetch(setup, tmp_path, monkeypat
     assert code == 2 and err.count("\n") == 1, err
     assert "lm-eval task remote_task: its data someorg/never_fetched (sub) is not in the datasets cache" in err
     assert "TaskManager().load(['remote_task'])" in err
+    assert datasets.config.HF_HUB_OFFLINE == offline_before  # the cache-only mode was for the load alone
     code = main(["eval", "--hf-dir", str(hf_dir), "--tasks", "local_task", "--include-path", str(tmp_path / "tasks"),
                  "--device", "cpu"])
     _, err = capsys.readouterr()

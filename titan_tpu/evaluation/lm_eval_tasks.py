@@ -17,6 +17,7 @@ import contextlib
 import difflib
 import functools
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,17 +71,58 @@ def load_tasks(settings: TaskSettings) -> list:
     manager = task_manager(settings.include_path)
     check_task_names(settings.tasks, manager.all_tasks)
     loaded = []
-    for name in settings.tasks:
-        try:
-            built = manager.load([name])
-        except (ConnectionError, FileNotFoundError) as error:
-            raise ValueError(_missing_data(name, error)) from None
+    with _cache_only_where_the_hub_is_unreachable():
+        built_tasks = []
+        for name in settings.tasks:
+            try:
+                built_tasks.append((name, manager.load([name])))
+            except (ConnectionError, FileNotFoundError) as error:
+                raise ValueError(_missing_data(name, error)) from None
+    for name, built in built_tasks:
         # a group scores as one (its subtasks' aggregate); a tag is its tasks
         if name in built["groups"]:
             loaded.append(built["groups"][name])
         else:
             loaded.extend([built["tasks"][name]] if name in built["tasks"] else built["tasks"].values())
     return loaded
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers a TCP connection (one try). Behind a proxy
+    (HTTPS_PROXY) a direct connection says nothing: taken as reachable."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _cache_only_where_the_hub_is_unreachable():
+    """Reading a task's data, datasets asks the Hub first and, offline, retries five times (about
+    25 s) before it looks in its cache: where the Hub does not answer one connection, read the cache
+    only (datasets' and huggingface_hub's offline mode), so cached data loads at once and missing
+    data fails at once."""
+    import datasets
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or hub_reachable():
+        yield
+        return
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved
 
 
 def _missing_data(name: str, error: Exception) -> str:
