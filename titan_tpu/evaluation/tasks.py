@@ -43,8 +43,10 @@ def run_tasks(setup, *, checkpoint: str | None, settings: TaskSettings, output: 
     # A task name lm-eval lacks is named before the model loads; the tasks' data is read after every
     # check of the model's side (its tokenizer, its chat template), so those errors come first, alone.
     check_task_names(settings.tasks, task_manager(settings.include_path).all_tasks)
-    loaded = load_eval_model(cfg, checkpoint=checkpoint, device=get_backend(cfg.training.device).device,
-                             spec=setup.spec)
+    backend = get_backend(cfg.training.device)
+    # one device, fp32 (as the loss's eval): on a TPU VM auto finds the chip through torch-tpu
+    print(f"device: {backend.device} ({backend.chosen_because}); the model in fp32", file=sys.stderr)
+    loaded = load_eval_model(cfg, checkpoint=checkpoint, device=backend.device, spec=setup.spec)
     tokenizer_path = cfg.data.tokenizer_path or loaded.tokenizer
     if not tokenizer_path:
         raise ValueError("eval --tasks needs the model's tokenizer: pass --data.tokenizer_path TOKENIZER_JSON, or a "
