@@ -3,7 +3,8 @@ same micro-batches by gradient accumulation: GPipe and circular schedules, as ma
 stages and more, pp with fully sharded data parallelism, the captured step with full activation
 checkpointing; checkpoints written with pp 2 resumed with pp 1 and pp 3 (DCP re-splits the stack's
 layers); kill -9 of both stages and a restart, bitwise. The llama3 debug model has 6 layers, so pp 4
-(4 x repeats, or 4 alone) does not divide it; pp 3 stands in for a stage count other than 2."""
+(4 x repeats, or 4 alone) does not divide it; pp 3 stands in for a stage count other than 2, and
+pp 2 x 2 or 4 repeats for layers padded to equal chunks (8 rows), checkpointed without the padding."""
 
 from __future__ import annotations
 

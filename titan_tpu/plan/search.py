@@ -208,7 +208,8 @@ def _global_sequences(cfg: Config, devices: int) -> int:
 
 def _pp_values(cfg: Config, args, keep: set[str], *, devices: int, tp: int, hardware: Hardware | None) -> list[int]:
     """Pipeline stages to search on `devices` (those tp and cp leave): 1 and the powers of two that
-    divide the devices and leave every stage a layer (the stack padded to equal stages: parallel/pipeline.py), where the trainer runs stages (a dense native model without
+    divide the devices and leave every stage a layer (the stack padded to equal stages:
+    parallel/pipeline.py), where the trainer runs stages (a dense native model without
     multi-token prediction, cp and ep 1, not LoRA) and not on a TPU (the captured pipelined step
     is not lowered for one yet: docs/pipeline_parallel.md); the config's own pp always."""
     p = cfg.parallelism
@@ -216,7 +217,8 @@ def _pp_values(cfg: Config, args, keep: set[str], *, devices: int, tp: int, hard
         return [p.pp]
     runs = (args.moe is None and not args.mtp_num_layers and p.cp == 1 and not cfg.lora.enabled
             and (hardware is None or hardware.name not in TPU_NAMES))
-    powers = [2**i for i in range(1, devices.bit_length()) if _keeps_layers(args.n_layers, 2**i) and devices % 2**i == 0]
+    powers = [2**i for i in range(1, devices.bit_length())
+              if _keeps_layers(args.n_layers, 2**i) and devices % 2**i == 0]
     return sorted({1, p.pp if devices % p.pp == 0 else 1, *(powers if runs else [])})
 
 
