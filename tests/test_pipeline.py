@@ -104,17 +104,24 @@ def test_schedule_layout_bubble_and_one_line_errors():
     assert circular.stage_layers(0) == [0, 1, 4, 5] and circular.stage_layers(1) == [2, 3, 6, 7]
     assert circular.iterations == 9 and circular.bubble == pytest.approx(1 / 9)
     assert PipelineSchedule(stages=4, micro_batches=8).bubble == pytest.approx(3 / 11)
-    with pytest.raises(ValueError, match=r"^the model's 6 layers do not split into parallelism.pp \(2\) x "
-                                         r"parallelism.pp_repeats \(2\) equal chunks"):
-        PipelineSchedule(stages=2, micro_batches=4, repeats=2, n_layers=6)
+    # Layers that do not fill pp x repeats chunks: padding rows in the last chunks (the last stages' last repeat).
+    padded = PipelineSchedule(stages=4, micro_batches=4, repeats=2, n_layers=126)
+    assert (padded.rows, padded.padding, padded.layers_per_chunk) == (128, 2, 16)
+    assert padded.chunk_layers(3, 1) == range(112, 128) and padded.is_padding(126) and not padded.is_padding(125)
+    assert padded.padding_notice.endswith("padded to 128 with 2 identity rows in the last chunks (1.6% of a stage's "
+                                          "work, never saved)")
+    assert PipelineSchedule(stages=4, micro_batches=4, repeats=2, n_layers=128).padding_notice == ""
+    with pytest.raises(ValueError, match=r"^parallelism.pp \(4\) x parallelism.pp_repeats \(1\) chunks of the model's "
+                                         r"6 layers leave a stage with padding rows only; lower pp or pp_repeats$"):
+        PipelineSchedule(stages=4, micro_batches=4, repeats=1, n_layers=6)
     with pytest.raises(ValueError, match=r"^parallelism.pp_microbatches = 2 is fewer than the 4 pipeline stages"):
         PipelineSchedule(stages=4, micro_batches=2)
 
 
 @pytest.mark.parametrize("args, message", [
     ([], "parallelism.pp > 1 splits the scanned layer stack into stages: set --model.scan_layers true"),
-    (["--model.scan_layers", "true", "--parallelism.pp_repeats", "2"],
-     "the model's 6 layers do not split into parallelism.pp (2) x parallelism.pp_repeats (2) equal chunks"),
+    (["--model.scan_layers", "true", "--parallelism.pp", "4", "--training.batch_size", "4"],
+     "parallelism.pp (4) x parallelism.pp_repeats (1) chunks of the model's 6 layers leave a stage with padding"),
     (["--model.scan_layers", "true", "--training.batch_size", "3"],
      "training.batch_size = 3 rows do not split into parallelism.pp_microbatches = 2 equal micro-batches"),
     (["--model.scan_layers", "true", "--lora.enabled", "true"],

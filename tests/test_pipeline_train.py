@@ -3,7 +3,8 @@ same micro-batches by gradient accumulation: GPipe and circular schedules, as ma
 stages and more, pp with fully sharded data parallelism, the captured step with full activation
 checkpointing; checkpoints written with pp 2 resumed with pp 1 and pp 3 (DCP re-splits the stack's
 layers); kill -9 of both stages and a restart, bitwise. The llama3 debug model has 6 layers, so pp 4
-(4 x repeats, or 4 alone) does not divide it; pp 3 stands in for a stage count other than 2."""
+(4 x repeats, or 4 alone) does not divide it; pp 3 stands in for a stage count other than 2, and
+pp 2 x 2 or 4 repeats for layers padded to equal chunks (8 rows), checkpointed without the padding."""
 
 from __future__ import annotations
 
@@ -61,8 +62,13 @@ def assert_same_run(got_dir, reference_dir, *, first: int = 1) -> None:
          "training__mode": "graph", "compile__backend": "aot_eager", "activation_checkpoint__mode": "full"}),
     (4, {"parallelism__pp": 2, "parallelism__tp": 2, "parallelism__pp_microbatches": 4,
          "training__mode": "graph", "compile__backend": "aot_eager", "activation_checkpoint__mode": "full"}),
+    # Layers that do not divide into pp x repeats chunks: 6 over 2 x 2 chunks of 2 (8 rows, stage 1's last
+    # chunk padding), and over 2 x 4 chunks of 1 (both stages' last repeat a padding row), captured.
+    (2, {"parallelism__pp": 2, "parallelism__pp_repeats": 2, "parallelism__pp_microbatches": 4}),
+    (2, {"parallelism__pp": 2, "parallelism__pp_repeats": 4, "parallelism__pp_microbatches": 4,
+         "training__mode": "graph", "compile__backend": "aot_eager", "activation_checkpoint__mode": "full"}),
 ], ids=["gpipe2", "circular2", "circular2_accumulated", "circular3", "pp2_dp_shard2", "pp2_dp_shard2_tp2",
-        "circular2_graph_full_ac", "pp2_tp2_graph_full_ac"])
+        "circular2_graph_full_ac", "pp2_tp2_graph_full_ac", "padded2", "padded2_graph_full_ac"])
 def test_stages_equal_one_process(tmp_path, cache, reference, nproc, layout):  # noqa: F811
     run = tmp_path / "run"
     layout = {"training__batch_size": 4, "parallelism__dp_shard": 1, **layout}
@@ -83,6 +89,41 @@ def test_checkpoint_of_two_stages_resumes_on_other_stages(tmp_path, cache, refer
     stdout = train_forked(after_nproc, overrides(run, cache, **SCANNED, **after))
     assert "resumed from" in stdout and "step-00000010" in stdout
     assert_same_run(run, reference, first=11)
+
+
+PADDED = {"parallelism__pp": 2, "parallelism__pp_repeats": 2, "parallelism__pp_microbatches": 4,
+          "parallelism__dp_shard": 1}  # 6 layers in 8 rows: layers 6 and 7 are padding
+ONE_PROCESS = {"training__batch_size": 1, "training__grad_accum_steps": 4}
+
+
+def _layers_saved(run_dir) -> set[int]:
+    """The layer ids of every per-layer entry (weights and Adam moments) of the step-10 checkpoint."""
+    import re
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    (path,) = run_dir.rglob("step-00000010")
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {int(m.group(1)) for key in keys if (m := re.search(r"layers\.(\d+)\.", key))}
+
+
+@pytest.mark.parametrize("before_nproc, before, after_nproc, after", [
+    (2, PADDED, 1, ONE_PROCESS), (1, ONE_PROCESS, 2, PADDED)], ids=["padded-to-pp1", "pp1-to-padded"])
+def test_padded_stages_checkpoint_without_padding_rows(tmp_path, cache, reference, before_nproc, before,  # noqa: F811
+                                                        after_nproc, after):
+    """A stack padded for its stages (parallel/pipeline.py) saves the model's 6 layers only, and its
+    checkpoints resume without padding and back; the parameter count leaves the padding out."""
+    run = tmp_path / "run"
+    stdout = train_forked(before_nproc, overrides(run, cache, **{**SCANNED, "training__steps": 10},
+                                                  **{"training__batch_size": 4, **before}))
+    assert _layers_saved(run) == set(range(6))
+    stdout += train_forked(after_nproc, overrides(run, cache, **SCANNED, **{"training__batch_size": 4, **after}))
+    assert "resumed from" in stdout and "step-00000010" in stdout
+    assert_same_run(run, reference, first=11)
+    assert "pipeline: 2 stages x 4 micro-batches, 2 chunks per stage, 6 layers padded to 8 rows (2 identity rows, " \
+           "25.0% of a stage's work)" in stdout
+    params = {line.split(" params")[0].rsplit(" ", 1)[1] for line in stdout.splitlines() if line.startswith("model ")}
+    assert len(params) == 1, params  # the same count with and without the padding rows
 
 
 def test_kill_9_of_both_stages_then_restart_gives_identical_losses(tmp_path, cache):  # noqa: F811

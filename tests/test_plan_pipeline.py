@@ -125,7 +125,7 @@ def test_bubble_and_stage_terms():
     one = plan_config(for_planning(LLAMA_DEBUG, PP2 + ["--parallelism.pp", "1"]), CPU, measure=False, chips=1)
     two = plan_config(for_planning(LLAMA_DEBUG, PP2 + ["--parallelism.pp_microbatches", "4"]), CPU, measure=False)
     assert two.pipeline == {"stages": 2, "micro_batches": 4, "repeats": 1, "iterations": 5, "bubble": 1 / 5,
-                            "layers_per_stage": 3, "layers_per_chunk": 3, "micro_batch_rows": 1}
+                            "layers_per_stage": 3, "layers_per_chunk": 3, "micro_batch_rows": 1, "padding": 0}
     assert two.time["pipeline_bubble"] == 1 / 5 and not one.pipeline
     args = get_model_args("llama3", "debug")
     outside = args.dim + 2 * args.vocab_size * args.dim  # final norm, embedding, output projection
@@ -219,3 +219,23 @@ def test_pipeline_recipe_is_planned_and_fits(capsys):
     plan = plan_config(two, hardware, chips=chips)
     assert not plan.fits and plan.advice == ["more --parallelism.pp (now 2): a stage keeps its 63 layers gathered for "
                                              "the step, with their full-size gradient"]
+
+
+def test_padding_rows_count_as_a_stage_layers():
+    """6 layers on pp 2 x 2 repeats are 8 rows (parallel/pipeline.py): a stage stores 4 rows, one more
+    layer's weights than pp 2 alone, and its block work is stretched by 8 / 6; the model's parameters
+    and FLOPs per token stay its 6 layers'."""
+    from titan_tpu.plan.text import _padding_words
+
+    even = plan_config(for_planning(LLAMA_DEBUG, PP2 + ["--parallelism.pp_microbatches", "4"]), CPU, measure=False)
+    padded = plan_config(for_planning(LLAMA_DEBUG, PP2 + ["--parallelism.pp_microbatches", "4",
+                                                         "--parallelism.pp_repeats", "2"]), CPU, measure=False)
+    pipe = padded.pipeline
+    assert (pipe["layers_per_stage"], pipe["layers_per_chunk"], pipe["padding"]) == (4, 2, 2)
+    assert "6 layers padded to 8 rows, 2 identity rows in the last chunks counted as layers: 25.0%" in \
+        _padding_words(pipe)
+    assert padded.params["total"] == even.params["total"] and padded.flops["per_token"] == even.flops["per_token"]
+    args = get_model_args("llama3", "debug")
+    outside = args.dim + 2 * args.vocab_size * args.dim
+    layer = (even.params["stored_per_device"] - outside) / 3
+    assert padded.params["stored_per_device"] == pytest.approx(even.params["stored_per_device"] + layer)

@@ -36,6 +36,7 @@ from titan_tpu.evaluation.during_training import TaskEvaluation
 from titan_tpu.loops.metrics_row import MetricsWindow, metrics_row
 from titan_tpu.loops.replica_groups import ReplicaGroups
 from titan_tpu.loops.saving import Saving
+from titan_tpu.models.common.scan import padding_params
 from titan_tpu.train.goodput import GoodputLedger, describe, start_time
 from titan_tpu.train.metrics import MetricsLogger
 from titan_tpu.train.optim import lr_at
@@ -323,7 +324,7 @@ def _model_line(parts: Components) -> str:
 def _trained_words(parts: Components) -> str:
     """The model line's words for the parameters that train where not all of them do: LoRA's adapters
     (their rank and alpha), a vision-language model's frozen tower."""
-    trained = sum(p.numel() for p in parts.model.parameters() if p.requires_grad)
+    trained = sum(p.numel() for p in parts.model.parameters() if p.requires_grad) - padding_params(parts.model)
     if trained == _num_params(parts.model):
         return ""
     lora = parts.cfg.lora
@@ -336,7 +337,9 @@ def _pipeline_words(schedule) -> str:
     if schedule is None:
         return ""
     circular = f", {schedule.repeats} chunks per stage" if schedule.repeats > 1 else ""
-    return f", pipeline: {schedule.stages} stages x {schedule.micro_batches} micro-batches{circular}"
+    padded = (f", {schedule.n_layers} layers padded to {schedule.rows} rows ({schedule.padding} identity rows, "
+              f"{schedule.padding / schedule.rows:.1%} of a stage's work)" if schedule.padding else "")
+    return f", pipeline: {schedule.stages} stages x {schedule.micro_batches} micro-batches{circular}{padded}"
 
 
 def _what_changed(saved: dict | None, now: dict) -> str:
@@ -354,5 +357,6 @@ def _what_changed(saved: dict | None, now: dict) -> str:
 
 
 def _num_params(model) -> int:
-    """Parameter count of the whole model, also when parameters are sharded DTensors."""
-    return sum(p.numel() for p in model.parameters())
+    """Parameter count of the whole model, also when parameters are sharded DTensors; a pipelined
+    stack's padding rows (parallel/pipeline.py) are none of the model's."""
+    return sum(p.numel() for p in model.parameters()) - padding_params(model)

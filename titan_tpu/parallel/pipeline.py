@@ -42,6 +42,16 @@ is computed and thrown away); the micro-batch and the chunk of a stage's iterati
 by indexing; every stage holds outputs, and a select keeps the last stage's for the share-out.
 The permute is the op ``titan_tpu::pp_permute``, XLA's collective-permute once lowered
 (graph/jax_lowering.py). The numbers are the per-rank schedule's.
+
+Layers that do not divide into pp x repeats equal chunks (Llama 3.1 405B's 126 over pp 4) are padded:
+the stack gets `PipelineSchedule.rows` rows, the last `padding` of them padding rows (the last
+chunks': the last stages' final repeat), so every chunk has the same rows, which the stacked
+parameter's even split over pp and the one program need. A padding row is no layer of the model: its
+weights are zeros (models/common/scan.py `pad_rows`), the per-rank schedule skips it (no compute), and
+the one program, where every stage runs the same ops, runs it and keeps its input by a select (its
+weights then take exactly zero gradient: the select passes none to the block, so AdamW's weight decay
+and moments keep them zero). State dicts, checkpoints, exports and the parameter count leave padding
+rows out; the planner counts their work and memory (plan/pipeline_terms.py).
 """
 
 from __future__ import annotations
@@ -80,15 +90,14 @@ class PipelineSchedule:
     def __post_init__(self):
         if self.stages < 1 or self.repeats < 1:
             raise ValueError(f"parallelism.pp = {self.stages} and parallelism.pp_repeats = {self.repeats} must be >= 1")
+        if self.n_layers and any(all(map(self.is_padding, self.stage_layers(s))) for s in range(self.stages)):
+            raise ValueError(f"parallelism.pp ({self.stages}) x parallelism.pp_repeats ({self.repeats}) chunks of the "
+                             f"model's {self.n_layers} layers leave a stage with padding rows only; lower pp or "
+                             "pp_repeats")
         if self.micro_batches < self.stages:
             raise ValueError(f"parallelism.pp_microbatches = {self.micro_batches} is fewer than the {self.stages} "
                              "pipeline stages (every stage would wait for work every step); raise it to at least "
                              "parallelism.pp")
-        if self.n_layers and self.n_layers % (self.stages * self.repeats):
-            raise ValueError(f"the model's {self.n_layers} layers do not split into parallelism.pp ({self.stages}) x "
-                             f"parallelism.pp_repeats ({self.repeats}) equal chunks; choose pp and pp_repeats whose "
-                             "product divides the layers")
-
     @classmethod
     def from_config(cls, p: ParallelismConfig, *, n_layers: int) -> PipelineSchedule:
         """The [parallelism] section's schedule for a model of `n_layers` (pp_microbatches 0: pp of them)."""
@@ -104,11 +113,37 @@ class PipelineSchedule:
         return (self.stages - 1) / self.iterations
 
     @property
+    def rows(self) -> int:
+        """The stack's rows: the layers, padded up to pp x pp_repeats equal chunks with padding rows
+        (the module docstring: zero weights that pass their input on)."""
+        chunks = self.stages * self.repeats
+        return -(-self.n_layers // chunks) * chunks
+
+    @property
+    def padding(self) -> int:
+        """The padding rows: rows past the model's layers, in the last chunks (0 where the layers divide)."""
+        return self.rows - self.n_layers
+
+    def is_padding(self, layer: int) -> bool:
+        """Whether row id `layer` (of `chunk_layers`) is padding, no layer of the model."""
+        return layer >= self.n_layers
+
+    @property
+    def padding_notice(self) -> str:
+        """One line on the padding rows, "" without: what a run logs and the plan shows."""
+        if not self.padding:
+            return ""
+        return (f"the model's {self.n_layers} layers do not split into parallelism.pp ({self.stages}) x "
+                f"parallelism.pp_repeats ({self.repeats}) equal chunks: padded to {self.rows} with {self.padding} "
+                f"identity row{'s' if self.padding > 1 else ''} in the last chunk{'s' if self.padding > 1 else ''} "
+                f"({self.padding / self.rows:.1%} of a stage's work, never saved)")
+
+    @property
     def layers_per_chunk(self) -> int:
-        return self.n_layers // (self.stages * self.repeats)
+        return self.rows // (self.stages * self.repeats)
 
     def chunk_layers(self, stage: int, repeat: int) -> range:
-        """The model's layers of `stage`'s chunk in `repeat`."""
+        """The model's layers of `stage`'s chunk in `repeat`; ids from n_layers on are padding rows."""
         first = (repeat * self.stages + stage) * self.layers_per_chunk
         return range(first, first + self.layers_per_chunk)
 
@@ -282,11 +317,12 @@ class PipelineStage:
         if is_one_program():
             return self._run_one_program(stack, h_BSD, rope=rope, per_row=per_row, documents=documents)
         body, layers = stack.unbound_layers()  # this stage's rows, read once for the step
-        chunk = self.schedule.layers_per_chunk
+        schedule, chunk = self.schedule, self.schedule.layers_per_chunk
 
         def stage_fn(x: Tensor, micro_batch: int, repeat: int) -> Tensor:
-            for weights in layers[repeat * chunk:(repeat + 1) * chunk]:
-                x, _ = body(x, ropes[micro_batch], documents[micro_batch], *weights)
+            for layer, weights in zip(schedule.chunk_layers(self.stage, repeat), layers[repeat * chunk:]):
+                if not schedule.is_padding(layer):  # a padding row passes its input on: not run at all
+                    x, _ = body(x, ropes[micro_batch], documents[micro_batch], *weights)
             return x
 
         outputs, last = run_pipeline(stage_fn, list(h_BSD.chunk(M)), schedule=self.schedule, stage=self.stage,
@@ -313,16 +349,21 @@ class PipelineStage:
             tuple(torch.stack(ws) for ws in zip(*(layers[r * chunk + j] for r in range(repeats))))
             for j in range(chunk)]
 
+        schedule, stage = self.schedule, rank_in(self.group, self.stage)
+
         def stage_fn(x: Tensor, micro_batch: Tensor, repeat: Tensor) -> Tensor:
             rope_now = pick(rope_M, micro_batch) if rope_M is not None else rope
             document_ids = pick(documents_M, micro_batch) if documents_M is not None else None
             which = () if repeats == 1 else (repeat,)  # the picking body's index
-            for weights in rows:
-                x, _ = body(x, rope_now, document_ids, *which, *weights)
+            first = (repeat * schedule.stages + stage) * chunk  # the chunk's first layer id, a value
+            for j, weights in enumerate(rows):
+                y, _ = body(x, rope_now, document_ids, *which, *weights)
+                # A padding row (zero weights) passes its input on by a select, not by the zeros' arithmetic.
+                x = torch.where(first + j < schedule.n_layers, y, x) if schedule.padding else y
             return x
 
-        outputs, _ = run_pipeline_spmd(stage_fn, list(h_BSD.chunk(M)), schedule=self.schedule,
-                                       stage=rank_in(self.group, self.stage), group=self.group)
+        outputs, _ = run_pipeline_spmd(stage_fn, list(h_BSD.chunk(M)), schedule=schedule, stage=stage,
+                                       group=self.group)
         return torch.cat(outputs)
 
     def loss_share(self, h_BSD: Tensor, labels_BS: Tensor) -> tuple[Tensor, Tensor]:
@@ -399,10 +440,11 @@ def _pp_placement(t: DTensor):
 
 def pipeline_stages(model: nn.Module, mesh: DeviceMesh, schedule: PipelineSchedule) -> None:
     """Make a meta-device Transformer with one scanned stack pipelined over `mesh`'s pp axis, before
-    it is materialised: its stack's rows laid out stage by stage (the layers of stage 0's chunks,
-    then stage 1's, ...), so that SimpleFSDP's split of the layer dim over pp gives each rank its
-    chunks, and `model.pipeline` set."""
+    it is materialised: its stack padded to the schedule's rows (padding rows last) and its rows laid
+    out stage by stage (the layers of stage 0's chunks, then stage 1's, ...), so that SimpleFSDP's
+    split of the layer dim over pp gives each rank its chunks, and `model.pipeline` set."""
     stack = model.layers
+    stack.pad_rows(schedule.rows)
     stack.row_layers = [layer for stage in range(schedule.stages) for layer in schedule.stage_layers(stage)]
     model.pipeline = PipelineStage(schedule, mesh)
     stack.__dict__[STAGE_ROWS] = model.pipeline.row_views

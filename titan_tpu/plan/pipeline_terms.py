@@ -9,6 +9,11 @@ projection and the loss on its share of the tokens).
   gathered copies and the full-size gradient are its whole stage's. The planner counts all of that
   with the model's args cut to one stage's layers (`stage_args`): every term that sums over layers
   sums over the stage's.
+* Padding. Layers that do not fill pp x repeats equal chunks are padded with identity rows
+  (parallel/pipeline.py): a stage holds rows / pp rows, and its weights, gradients, moments and
+  activations are counted for all of them; its block work is stretched by rows / layers (the one
+  program runs the padding rows; the per-rank schedule skips them, but its stages wait for the one
+  that holds no padding). The model's FLOPs (MFU) count the layers only.
 * Activations. The schedule is one program: the backward of the whole loop of
   micro_batches x repeats + pp - 1 iterations runs after its forward, so what every iteration saved
   is alive at the backward's start (GPipe's memory, not 1F1B's). Of those iterations a stage
@@ -50,14 +55,14 @@ def stage_args(args, schedule: PipelineSchedule | None):
     if schedule is None:
         return args
     assert args.moe is None and not args.mtp_num_layers, "pipeline stages run dense models (run/setup.py)"
-    return dataclasses.replace(args, n_layers=args.n_layers // schedule.stages)
+    return dataclasses.replace(args, n_layers=schedule.rows // schedule.stages)  # padding rows included
 
 
 def stage_compute_flops(*, executed_device: float, head_device: float, schedule: PipelineSchedule) -> float:
     """The FLOPs a stage's step takes as long as (the module docstring): its share of the blocks'
     work stretched by the bubble, and its share of the output projection's (`head_device`), run
     after the loop on every stage's share of the tokens."""
-    blocks = executed_device - head_device
+    blocks = (executed_device - head_device) * schedule.rows / schedule.n_layers  # padding rows run like layers
     return blocks / (1.0 - schedule.bubble) + head_device
 
 

@@ -173,7 +173,7 @@ def _pipeline_summary(s: Setting) -> dict:
     if schedule is None:
         return {}
     return {"stages": schedule.stages, "micro_batches": schedule.micro_batches, "repeats": schedule.repeats,
-            "iterations": schedule.iterations, "bubble": schedule.bubble,
+            "iterations": schedule.iterations, "bubble": schedule.bubble, "padding": schedule.padding,
             "layers_per_stage": s.args.n_layers, "layers_per_chunk": schedule.layers_per_chunk,
             "micro_batch_rows": s.cfg.training.batch_size // schedule.micro_batches}
 

@@ -208,7 +208,8 @@ def _global_sequences(cfg: Config, devices: int) -> int:
 
 def _pp_values(cfg: Config, args, keep: set[str], *, devices: int, tp: int, hardware: Hardware | None) -> list[int]:
     """Pipeline stages to search on `devices` (those tp and cp leave): 1 and the powers of two that
-    divide the layers and the devices, where the trainer runs stages (a dense native model without
+    divide the devices and leave every stage a layer (the stack padded to equal stages:
+    parallel/pipeline.py), where the trainer runs stages (a dense native model without
     multi-token prediction, cp and ep 1, not LoRA) and not on a TPU (the captured pipelined step
     is not lowered for one yet: docs/pipeline_parallel.md); the config's own pp always."""
     p = cfg.parallelism
@@ -216,8 +217,15 @@ def _pp_values(cfg: Config, args, keep: set[str], *, devices: int, tp: int, hard
         return [p.pp]
     runs = (args.moe is None and not args.mtp_num_layers and p.cp == 1 and not cfg.lora.enabled
             and (hardware is None or hardware.name not in TPU_NAMES))
-    powers = [2**i for i in range(1, devices.bit_length()) if args.n_layers % 2**i == 0 and devices % 2**i == 0]
+    powers = [2**i for i in range(1, devices.bit_length())
+              if _keeps_layers(args.n_layers, 2**i) and devices % 2**i == 0]
     return sorted({1, p.pp if devices % p.pp == 0 else 1, *(powers if runs else [])})
+
+
+def _keeps_layers(n_layers: int, pp: int) -> bool:
+    """Whether `pp` GPipe stages of `n_layers` padded to equal stages leave the last stage a layer."""
+    rows = -(-n_layers // pp) * pp
+    return rows - n_layers < rows // pp
 
 
 def _pipeline_schedules(args, *, pp: int, batch_size: int) -> list[tuple[int, int]]:
@@ -227,7 +235,7 @@ def _pipeline_schedules(args, *, pp: int, batch_size: int) -> list[tuple[int, in
     if pp == 1:
         return [(0, 1)]
     micro = sorted({m for m in (pp, batch_size) if m >= pp and batch_size % m == 0})
-    stage_layers = args.n_layers // pp
+    stage_layers = -(-args.n_layers // pp)  # a stage's rows, padding included
     repeats = [1] + [r for r in _divisors(stage_layers) if r > 1][:1]
     return [(m, r) for m in micro for r in repeats]
 

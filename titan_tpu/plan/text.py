@@ -69,13 +69,20 @@ def _parts_lines(plan: Plan) -> list[str]:
     return [f"  measured on the model built on the meta device: {shown}; {parts['trained'] / 1e6:,.3f} M trained"]
 
 
+def _padding_words(pipe: dict) -> str:
+    """The pipeline line's words for padding rows (parallel/pipeline.py), "" without."""
+    rows = pipe["layers_per_stage"] * pipe["stages"]
+    return (f"; {rows - pipe['padding']} layers padded to {rows} rows, {pipe['padding']} identity rows in the last "
+            f"chunks counted as layers: {pipe['padding'] / rows:.1%} of the work" if pipe.get("padding") else "")
+
+
 def _pipeline_lines(plan: Plan) -> list[str]:
     """What the plan counts for pipeline stages (plan/pipeline_terms.py), under the batch line."""
     pipe = plan.pipeline
     if not pipe:
         return []
     return [f"  pipeline: {pipe['stages']} stages x {pipe['repeats']} repeat{'s' if pipe['repeats'] > 1 else ''} "
-            f"({pipe['layers_per_stage']} layers a stage, chunks of {pipe['layers_per_chunk']}), "
+            f"({pipe['layers_per_stage']} layers a stage, chunks of {pipe['layers_per_chunk']}{_padding_words(pipe)}), "
             f"{pipe['micro_batches']} micro-batches of {pipe['micro_batch_rows']} row"
             f"{'s' if pipe['micro_batch_rows'] != 1 else ''}, {pipe['iterations']} iterations: bubble "
             f"{pipe['bubble']:.3f} = (pp - 1) / (repeats x micro-batches + pp - 1); memory is the last stage's "

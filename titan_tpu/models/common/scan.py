@@ -51,7 +51,7 @@ from titan_tpu.models.common.activation_checkpoint import checkpointed
 from titan_tpu.models.common.functional_block import FunctionalBlock, read_weights
 from titan_tpu.tracing import is_tracing
 
-__all__ = ["StackedBlocks", "StackedRuns", "ScanAutogradMemory", "scan_autograd_memory"]
+__all__ = ["StackedBlocks", "StackedRuns", "ScanAutogradMemory", "padding_params", "scan_autograd_memory"]
 
 
 class StackedBlocks(nn.Module):
@@ -179,10 +179,47 @@ class StackedBlocks(nn.Module):
         own_state = {**dict(self.named_parameters()), **dict(_persistent_buffers(self))}
         # Parameters the block does not make (LoRA adapters) are initialised by their owner.
         own_state = {name: t for name, t in own_state.items() if name in scratch_state}
-        for i in sorted(range(self.n_layers), key=lambda row: self.row_layers[row]):  # the RNG's draws in layer order
+        for i in sorted(self._layer_rows(), key=lambda row: self.row_layers[row]):  # the RNG's draws in layer order
             self._init_layer(scratch, self.row_layers[i])
             for name, t in own_state.items():
                 t[i].copy_(scratch_state[name])
+        for i in self._padding_rows():  # no RNG draws: the model's layers are those of a run without padding
+            for t in own_state.values():
+                t[i].zero_()
+
+    def pad_rows(self, rows: int) -> None:
+        """Grow the stack, on the meta device before it is materialised, to `rows` rows: the rows past
+        the model's layers are padding rows (pipeline stages whose chunks the layers do not fill,
+        parallel/pipeline.py), zero weights (`init_weights`) that no state dict shows. Their row ids in
+        `row_layers` run on from the last layer's."""
+        if rows == self.n_layers:
+            return
+        assert rows > self.n_layers and self.first_layer == 0, (rows, self.n_layers, self.first_layer)
+        for module in self.modules():
+            for pname, p in list(module._parameters.items()):
+                if p is not None:
+                    assert p.is_meta, "pad_rows runs before the stack is materialised"
+                    grown = torch.empty((rows, *p.shape[1:]), dtype=p.dtype, device=p.device)
+                    module._parameters[pname] = nn.Parameter(grown, requires_grad=p.requires_grad)
+            for bname, b in list(module._buffers.items()):
+                if b is not None and bname not in module._non_persistent_buffers_set:
+                    module._buffers[bname] = torch.empty((rows, *b.shape[1:]), dtype=b.dtype, device=b.device)
+        self.row_layers = list(range(rows))
+
+    @property
+    def padding_rows(self) -> int:
+        """The stack's padding rows (`pad_rows`), 0 without."""
+        return len(self.row_layers) - self.n_layers
+
+    def _is_padding(self, row: int) -> bool:
+        return self.row_layers[row] >= self.first_layer + self.n_layers
+
+    def _layer_rows(self) -> list[int]:
+        """The rows that hold one of the model's layers (all but the padding rows)."""
+        return [i for i in range(len(self.row_layers)) if not self._is_padding(i)]
+
+    def _padding_rows(self) -> list[int]:
+        return [i for i in range(len(self.row_layers)) if self._is_padding(i)]
 
     # ------------------------------------------------------------------------------------------
     # per-layer <-> stacked names
@@ -204,7 +241,8 @@ class StackedBlocks(nn.Module):
                 out[key] = value
             elif key[len(prefix):] == next(iter(stacked)):  # at the first stacked entry: all of them
                 rows = {name: self._rows(t) for name, t in stacked.items()}
-                for i in sorted(next(iter(rows.values())), key=lambda row: self.row_layers[row]):
+                held = [i for i in next(iter(rows.values())) if not self._is_padding(i)]  # padding rows: unsaved
+                for i in sorted(held, key=lambda row: self.row_layers[row]):
                     out.update((f"{prefix}{self.row_layers[i]}.{name}", held[i]) for name, held in rows.items())
         return out
 
@@ -218,10 +256,20 @@ class StackedBlocks(nn.Module):
         are left as they are, so a strict load reports what is missing."""
         out = dict(named)
         for name in self.state_names:
-            keys = [f"{prefix}{i}.{name}" for i in self.row_layers]
+            keys = [f"{prefix}{self.row_layers[i]}.{name}" for i in self._layer_rows()]
             if all(k in out for k in keys):
-                out[prefix + name] = torch.stack([out.pop(k) for k in keys])
+                rows = [out.pop(k) for k in keys]
+                if self.padding_rows:  # zeros in the padding rows (`pad_rows`), which no state dict holds
+                    per_row, zero = dict(zip(self._layer_rows(), rows)), torch.zeros_like(rows[0])
+                    rows = [per_row.get(i, zero) for i in range(len(self.row_layers))]
+                out[prefix + name] = torch.stack(rows)
         return out
+
+
+def padding_params(model: nn.Module) -> int:
+    """The elements of the padding rows (`StackedBlocks.pad_rows`) in `model`'s stacks: 0 without."""
+    return sum(p.numel() // p.shape[0] * stack.padding_rows for stack in model.modules()
+               if isinstance(stack, StackedBlocks) and stack.padding_rows for p in stack.parameters())
 
 
 class StackedRuns(nn.Module):
