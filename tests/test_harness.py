@@ -83,9 +83,25 @@ def hflm(setup):
     return HFLM(pretrained=hf, tokenizer=tokenizer, batch_size=3)
 
 
-@pytest.fixture(scope="module", params=["plain", "bos"])
+def logits_scorer(model):
+    """A `Scorer` over the model's logits, as the JAX path's scoring program computes it
+    (graph/capture.py capture_scoring_step): the harness's other way to its log-likelihoods."""
+    import torch
+
+    @torch.no_grad()
+    def score(tokens_BS, labels_BS):
+        logits_BSV = model(tokens_BS).float()
+        labels_BS1 = labels_BS.clamp(min=0).unsqueeze(-1)
+        logp_BS = torch.log_softmax(logits_BSV, dim=-1).gather(-1, labels_BS1).squeeze(-1)
+        return logp_BS, (logits_BSV.argmax(dim=-1) == labels_BS).float()
+
+    return score
+
+
+@pytest.fixture(scope="module", params=["plain", "bos", "scored"])
 def pair(request, setup, native, hflm, tmp_path_factory):
-    """(ours, HFLM) on the same weights and tokenizer; "bos": a tokenizer that adds a BOS to every text."""
+    """(ours, HFLM) on the same weights and tokenizer; "bos": a tokenizer that adds a BOS to every text;
+    "scored": ours through a scorer (padded power-of-two rows, a request a row) instead of logits."""
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer
 
@@ -93,8 +109,9 @@ def pair(request, setup, native, hflm, tmp_path_factory):
     from titan_tpu.evaluation.harness import HarnessLM
 
     hf_dir, _, hf, _ = setup
-    if request.param == "plain":
-        return HarnessLM(native, load_tokenizer(hf_dir), max_length=64, batch_size=4), hflm
+    if request.param in ("plain", "scored"):
+        scorer = logits_scorer(native) if request.param == "scored" else None
+        return HarnessLM(native, load_tokenizer(hf_dir), max_length=64, batch_size=4, scorer=scorer), hflm
     tok_dir = _bos_tokenizer_dir(hf_dir, tmp_path_factory.mktemp("bos") / "tok")
     reference = HFLM(pretrained=hf, tokenizer=AutoTokenizer.from_pretrained(str(tok_dir)), batch_size=3)
     assert reference.tok_encode("the")[0] == reference.prefix_token_id  # the BOS is there to match

@@ -182,3 +182,42 @@ def test_kill_9_then_restart_on_the_jax_path_gives_identical_losses(tmp_path, ca
     want, got = metrics(straight, "loss"), metrics(run, "loss")
     assert sorted(got) == list(range(1, 13))
     assert got == want  # bitwise
+
+
+def test_evaluation_on_the_jax_path_scores_with_its_own_program(tmp_path, cache):
+    """[evaluation] during a JAX-path run (dp_shard 2): the log-likelihoods come from a scoring
+    program of its own, run on the device's state (its fingerprint logged), every rank its share of
+    the requests at the same shapes; generation from the host copy. The scores equal `titan-tpu
+    eval --tasks` of the step's checkpoint (the eager model on this CPU) within 1e-5."""
+    from harness_fixtures import write_tasks
+
+    tasks_dir = tmp_path / "tasks"
+    tasks_dir.mkdir()
+    write_tasks(tasks_dir, tasks_dir / "datasets")
+    # contexts shorter than training.seq_len, the trained model's window (the checkpoint's eval reads
+    # the model's whole length): the same windows on both sides
+    tasks = "tiny_choice,tiny_generate"
+    run = tmp_path / "run"
+    printed = train(2, "llama3_debug", overrides(
+        run, cache, parallelism__dp_shard=2, training__steps=2, checkpoint__interval=2, validation__enabled="false",
+        evaluation__tasks=tasks, evaluation__include_path=tasks_dir, evaluation__freq=2,
+        evaluation__batch_size=3) + JAX)
+    assert "score" in fingerprints(printed), printed[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (scored,) = [{k: v for k, v in r.items() if k.startswith("eval/")} for r in rows if "eval/tiny_choice/acc" in r]
+
+    done = subprocess.run([sys.executable, "-m", "titan_tpu", "eval", "--checkpoint",
+                            str(run / "checkpoints" / "step-00000002"), "--tasks", tasks, "--include-path",
+                            str(tasks_dir), "--model.name", "llama3", "--model.flavor", "debug", "--device", "cpu",
+                            "--output", str(tmp_path / "eager.json")],
+                           cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = json.loads((tmp_path / "eager.json").read_text())["results"]
+    compared = 0
+    for task, values in expected.items():
+        for key, value in values.items():
+            metric, _, kind = key.partition(",")
+            if kind == "none" and "stderr" not in metric and isinstance(value, float):
+                assert scored[f"eval/{task}/{metric}"] == pytest.approx(value, rel=1e-5), (task, metric)
+                compared += 1
+    assert compared >= 3, expected

@@ -25,7 +25,8 @@ SEQ = 32
 # the one program runs and a select passes over), and pp 2 x dp_shard 2 and pp 2 x tp 2 on the
 # 4-device CPU mesh.
 LAYOUTS = [({"pp": 2}, 2), ({"pp": 2, "pp_microbatches": 4}, 4), ({"pp": 2, "pp_repeats": 3, "pp_microbatches": 2}, 2),
-           ({"pp": 2, "pp_repeats": 2, "pp_microbatches": 2}, 2), ({"pp": 2, "dp_shard": 2}, 2), ({"pp": 2, "tp": 2}, 2)]
+           ({"pp": 2, "pp_repeats": 2, "pp_microbatches": 2}, 2), ({"pp": 2, "dp_shard": 2}, 2),
+           ({"pp": 2, "tp": 2}, 2)]
 
 
 def _layout_id(layout: dict) -> str:

@@ -5,7 +5,9 @@ Every process hands lm-eval the same requests, as one process would have them (s
 and metrics do not depend on the rank count); each data-parallel rank answers its share, the
 answers are gathered, and all ranks run the same number of forwards of the sharded model
 (harness.py `ScoringRanks`). Rank 0 logs eval/<task>/<metric> in the metrics row and
-writes lm-eval's results to lm_eval/step-N.json in the run's directory.
+writes lm-eval's results to lm_eval/step-N.json in the run's directory. On the JAX path the
+log-likelihoods come from a scoring program of its own run on the device's state (graph/jax_step.py
+`JaxStep.score`), generation from the host copy of the weights.
 
 The tasks and their data are read once, before the first step: rank 0 first (it may fill the
 datasets cache), then the others from that cache. lm-eval reseeds the global random generators;
@@ -78,9 +80,11 @@ class TaskEvaluation:
         ranks = ScoringRanks(split.dp_rank, split.dp_size) if parts.world_size > 1 else None
         model, was_training = parts.model, parts.model.training
         try:
+            # the JAX path scores with a program of its own on the device's state; generation (and
+            # every other path) runs the model
             lm = HarnessLM(model, parts.tokenizer, max_length=_positions(model, parts.spec.args.max_seq_len),
                            batch_size=self.settings.batch_size, seed=self.components.cfg.training.seed, chat=self.chat,
-                           ranks=ranks)
+                           ranks=ranks, scorer=parts.step_fn.score)
             # no bootstrapped standard errors: seconds of CPU per evaluation, not read during training
             results = score(lm, self.tasks, self.settings, bootstrap_iters=0, verbosity="WARNING")
         finally:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -139,11 +139,13 @@ class HarnessLM(TemplateLM):
     max_length: tokens the model reads at most (its position tables' length). batch_size: rows per
     forward. seed: of the sampler, for tasks that sample (do_sample). chat: the tokenizer's chat
     template, for tasks run with lm-eval's apply_chat_template. ranks: this process's share when
-    several score together (module docstring); None: one process scores everything."""
+    several score together (module docstring); None: one process scores everything. scorer: where
+    the log-likelihoods come from instead of the model's logits (`Scorer`: the JAX path's program
+    on the chips); generation still runs `model`."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, *, max_length: int, batch_size: int = 8,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, seed: int = 0, chat: ChatRenderer | None = None,
-                 ranks: ScoringRanks | None = None):
+                 ranks: ScoringRanks | None = None, scorer: Scorer | None = None):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"--batch-size {batch_size} must be >= 1")
@@ -155,6 +157,7 @@ class HarnessLM(TemplateLM):
         self.seed = seed
         self.chat = chat
         self.ranks = ranks
+        self.scorer = scorer
         self.tokenizer_path = str(tokenizer.path) if tokenizer.path is not None else ""
 
     @property
@@ -202,9 +205,8 @@ class HarnessLM(TemplateLM):
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(log-probability, greedy) of each continuation after its context (token lists)."""
-        def longest_first(request):
-            tokens = request[1] + request[2]
-            return -len(tokens), tuple(tokens)
+        if self.scorer is not None:
+            return self._loglikelihood_scored(requests)
 
         ordered = Collator(requests, sort_fn=longest_first, group_by="contexts",
                            group_fn=lambda request: request[1] + request[2][:-1])
@@ -230,6 +232,38 @@ class HarnessLM(TemplateLM):
                         self.cache_hook.add_partial("loglikelihood", request, answer)
         for _ in range(forwards - len(batches)):  # another rank has more batches: its forwards gather weights too
             self._logits([[self.prefix_token_id]])
+        return ordered.get_original(results)
+
+    def _loglikelihood_scored(self, requests: list[tuple[tuple[str, str] | None, list[int], list[int]]]
+                              ) -> list[tuple[float, bool]]:
+        """`_loglikelihood_tokens` through the scorer, which returns each position's log-probability
+        of the row's next token, not the logits: every request is its own row (no forward shared by
+        one context's continuations), and a batch is batch_size rows of a power-of-two length (at
+        most max_length), so that a handful of shapes cover a run; every rank runs the same
+        shapes, the longest any rank needs for each batch."""
+        ordered = Collator(requests, sort_fn=longest_first)
+        batches = list(ordered.get_batched(n=self.batch_size))
+        rows = [[(context + continuation)[-(self.max_length + 1):] for _, context, continuation in chunk]
+                for chunk in batches]
+        widths = [_bucket(max(len(row) - 1 for row in chunk), self.max_length) for chunk in rows]
+        if self.ranks is not None:  # a rank with fewer batches runs the others' last ones on padding
+            widths = self.ranks.most(widths)
+        results = []
+        for i, width in enumerate(widths):
+            chunk = rows[i] if i < len(rows) else []
+            tokens_BS = torch.zeros(self.batch_size, width, dtype=torch.long)
+            labels_BS = torch.full((self.batch_size, width), -100, dtype=torch.long)
+            for b, row in enumerate(chunk):
+                tokens_BS[b, :len(row) - 1] = torch.tensor(row[:-1])
+                labels_BS[b, :len(row) - 1] = torch.tensor(row[1:])
+            logp_BS, greedy_BS = self.scorer(tokens_BS, labels_BS)
+            for b, (request, _, continuation) in enumerate(batches[i] if i < len(batches) else []):
+                end = len(chunk[b]) - 1
+                scored = slice(end - len(continuation), end)
+                answer = (float(logp_BS[b, scored].sum()), bool(greedy_BS[b, scored].all()))
+                results.append(answer)
+                if request is not None:
+                    self.cache_hook.add_partial("loglikelihood", request, answer)
         return ordered.get_original(results)
 
     def _loglikelihood_rolling(self, requests: list[Instance]) -> list[float]:
@@ -313,6 +347,25 @@ class HarnessLM(TemplateLM):
     def get_model_info(self) -> dict:
         return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
                 "model_dtype": str(next(self.model.parameters()).dtype)}
+
+
+class Scorer(Protocol):
+    """Log-likelihoods without the logits: rows (tokens_BS, labels_BS: each position's next token,
+    -100 past the row) -> (logp_BS: each position's log-probability of its label, greedy_BS: 1.0
+    where the label is the most likely token), on the host. The JAX path's `JaxStep.score`."""
+
+    def __call__(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def longest_first(request) -> tuple[int, tuple[int, ...]]:
+    """The order requests run in: longest first (the first batch finds a shortage of memory at once)."""
+    tokens = request[1] + request[2]
+    return -len(tokens), tuple(tokens)
+
+
+def _bucket(width: int, max_length: int) -> int:
+    """The row length a batch of `width` tokens runs at: the next power of two, at most max_length."""
+    return min(max_length, 1 << max(width - 1, 0).bit_length())
 
 
 def _sampling(kwargs: dict) -> Sampling:

@@ -106,7 +106,9 @@ class StepLayout:
     * `update`, once per accumulating step: params, grads, exp_avg, exp_avg_sq, totals, step, lr,
       buffers -> what `whole_step` returns;
     * `evaluation`, the forward of one batch for validation: params, batch, buffers -> totals (the
-      objective's, with a count of 1: its summed loss first).
+      objective's, with a count of 1: its summed loss first);
+    * `scoring`, the forward of one batch of lm-eval's rows: params, batch, buffers -> scores (each
+      position's log-probability of its label and whether the label is the most likely token).
     """
 
     inputs: tuple[tuple[str, int], ...]
@@ -127,6 +129,10 @@ class StepLayout:
     @classmethod
     def evaluation(cls, *, params: int, batch: int, buffers: int) -> StepLayout:
         return cls(inputs=(("params", params), ("batch", batch), ("buffers", buffers)), outputs=(("totals", 1),))
+
+    @classmethod
+    def scoring(cls, *, params: int, batch: int, buffers: int) -> StepLayout:
+        return cls(inputs=(("params", params), ("batch", batch), ("buffers", buffers)), outputs=(("scores", 2),))
 
     @classmethod
     def update(cls, *, params: int, buffers: int, updated_buffers: int) -> StepLayout:
@@ -712,6 +718,41 @@ def capture_eval_step(model: torch.nn.Module, *, example_batch: Batch | tuple[Te
     finally:
         model.train(was_training)
     return parts.captured(gm, seconds, layout, torch.float32, "eval")
+
+
+def capture_scoring_step(model: torch.nn.Module, *, example_batch: Batch | tuple[Tensor, ...],
+                         objective: Objective | None = None) -> CapturedStep:
+    """Trace the forward of one batch of lm-eval's rows (StepLayout.scoring; evaluation/harness.py):
+    for every position, the fp32 log-probability of its label (the row's next token) and whether the
+    label is the model's most likely token (1.0 or 0.0), [B, S] each: what the harness reads of the
+    logits, so the program returns two numbers a position, not the vocabulary's. No gradient, the
+    model in eval mode; a label < 0 (padding) reads token 0. objective: the run's, whose frozen
+    modules' buffers the program takes as the training programs do (it calls the policy alone)."""
+    parts = _StepParts(model, max_norm=0.0, adamw_hparams={}, decay={}, dp_size=None, micro_batches=1,
+                       objective=objective)
+    batch = _example_batch(parts, example_batch)
+    layout = StepLayout.scoring(params=len(parts.param_names), batch=len(batch), buffers=len(parts.buffer_names))
+
+    def score(*flat: Tensor) -> list[Tensor]:
+        g = layout.unflatten_inputs(flat)
+        buffer_values = parts.buffer_values(g["buffers"])
+        params = {name: parts._as_model_tensor(name, t) for name, t in zip(parts.param_names, g["params"])}
+        rows = unflatten(g["batch"], parts.batch_spec)
+        with torch.no_grad():
+            logits_BSV = parts._calls(params, buffer_values).policy(rows.inputs_BS).float()
+            labels_BS1 = rows.labels_BS.clamp(min=0).unsqueeze(-1)
+            logp_BS = torch.log_softmax(logits_BSV, dim=-1).gather(-1, labels_BS1).squeeze(-1)
+            greedy_BS = (logits_BSV.argmax(dim=-1) == labels_BS1.squeeze(-1)).float()
+        return layout.flatten_outputs(scores=[logp_BS, greedy_BS])
+
+    example = layout.flatten_inputs(params=parts.local_params(), batch=batch, buffers=parts.local_buffers())
+    was_training = model.training
+    model.eval()
+    try:
+        gm, seconds = _trace(score, example, model)
+    finally:
+        model.train(was_training)
+    return parts.captured(gm, seconds, layout, torch.float32, "score")
 
 
 def capture_accumulating_step(

@@ -446,6 +446,8 @@ LOWERINGS: dict[object, Callable] = {
     aten.cumsum.default: lambda x, dim, dtype=None: jnp.cumsum(x, axis=dim, dtype=_arg_dtype(dtype)),
     aten.amax.default: lambda x, dim=(), keepdim=False: jnp.max(x, axis=_dims(x, dim), keepdims=keepdim),
     aten.amin.default: lambda x, dim=(), keepdim=False: jnp.min(x, axis=_dims(x, dim), keepdims=keepdim),
+    # the first index of the largest, as torch's (lm-eval's greedy check: evaluation/harness.py)
+    aten.argmax.default: lambda x, dim=None, keepdim=False: jnp.argmax(x, axis=dim, keepdims=keepdim),
     aten.any.dim: lambda x, dim, keepdim=False: jnp.any(x, axis=dim, keepdims=keepdim),
     aten.any.default: lambda x: jnp.any(x),
     aten.linalg_vector_norm.default: _vector_norm,

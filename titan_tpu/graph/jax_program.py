@@ -37,7 +37,7 @@ __all__ = ["DONATED", "LoweredStep", "check_equal_blocks", "donated_arguments", 
 # so XLA aliases each with its updated output and the peak counts them once. graph/capture.py
 # StepLayout names the groups and the programs; "eval" is the forward-only validation program.
 DONATED = {"step": ("params", "exp_avg", "exp_avg_sq"), "micro-batch": ("grads",),
-           "update": ("params", "grads", "exp_avg", "exp_avg_sq"), "eval": ()}
+           "update": ("params", "grads", "exp_avg", "exp_avg_sq"), "eval": (), "score": ()}
 
 
 def jax_mesh(step: DeviceStep, devices: Sequence) -> Mesh:

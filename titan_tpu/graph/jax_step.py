@@ -30,8 +30,8 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec
 from torch import Tensor
 
-from titan_tpu.data.batch import Batch, as_batch, flatten
-from titan_tpu.graph.capture import CapturedStep, capture_eval_step, frozen_inputs
+from titan_tpu.data.batch import Batch, TokenBatch, as_batch, flatten
+from titan_tpu.graph.capture import CapturedStep, capture_eval_step, capture_scoring_step, frozen_inputs
 from titan_tpu.graph.jax_lowering import global_shape, jax_dtype
 from titan_tpu.graph.jax_program import input_shardings, jax_mesh, lower_step
 from titan_tpu.graph.spmd import DeviceStep, capture_context, device_step
@@ -91,6 +91,7 @@ class JaxStep(StepFunction):
         self.mesh = jax_mesh(next(iter(steps.values())), self.devices)
         self.programs = {name: _Program(step, self.mesh, name, platform, log) for name, step in steps.items()}
         self._eval: dict[tuple, _Program] = {}  # validation's forward, by the batch's shapes
+        self._score: dict[tuple, _Program] = {}  # lm-eval's scoring forward, by the rows' shape
         names = first.param_names
         params = dict(model.named_parameters())
         frozen = frozen_inputs(model, self.objective)
@@ -251,6 +252,31 @@ class JaxStep(StepFunction):
                                      buffers=self._device["buffers"])
         (totals,) = layout.unflatten_outputs(program(flat))["totals"]
         return torch.from_numpy(self._local_block(totals).astype(np.float32))
+
+
+    # -- lm-eval's scoring -------------------------------------------------------------------------
+
+    def score(self, tokens_BS: Tensor, labels_BS: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's rows scored by a forward program of its own on the device's state (captured
+        and compiled at the first rows of each shape; every rank calls it with rows of one shape):
+        each position's log-probability of its label and whether the label is the most likely
+        token (graph/capture.py capture_scoring_step), [B, S] each, on the host."""
+        if self._device is None:
+            self.state_from_host()
+        rows = TokenBatch(tokens_BS.cpu(), labels_BS.cpu())
+        key = tuple(rows.shape)
+        if key not in self._score:
+            with capture_context(self.platform):
+                captured = capture_scoring_step(self.model, example_batch=rows, objective=self.objective)
+            self._score[key] = _Program(device_step(captured, self.axis_sizes), self.mesh, "score", self.platform,
+                                        self._log)
+        program = self._score[key]
+        tensors, _ = flatten(rows)
+        flat = program.step.captured.layout.flatten_inputs(
+            params=self._device["params"], batch=[self._global(t) for t in tensors], buffers=self._device["buffers"])
+        logp, greedy = program.step.captured.layout.unflatten_outputs(program(flat))["scores"]
+        return (torch.from_numpy(self._local_block(logp).astype(np.float32)),
+                torch.from_numpy(self._local_block(greedy).astype(np.float32)))
 
 
 def _as_numpy(t: Tensor) -> np.ndarray:

@@ -94,6 +94,11 @@ class StepFunction:
         """One validation batch's totals of the run's objective with a count of 1 (the summed loss first)."""
         return evaluate_eagerly(self.model, self.objective, batch)
 
+    # lm-eval's log-likelihoods from the step's own program on its device state (evaluation/harness.py
+    # `Scorer`: rows -> each position's log-probability of its label, whether it is the most likely);
+    # None: the model's logits, as every step that keeps its state in the model has them.
+    score: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+
     def state_to_host(self) -> None:
         """Write the newest parameters, optimizer state and updated buffers into the model's and the
         optimizer's tensors (nothing to do when the step updates them in place)."""
