@@ -226,7 +226,8 @@ def _check_evaluation(cfg: Config) -> None:
 
 def _check_pipeline(cfg: Config, spec: ModelSpec) -> None:
     """parallelism.pp > 1 (parallel/pipeline.py): a native dense model's one scanned stack, next-token
-    training without LoRA, and a schedule that divides the layers and the batch; one line each."""
+    training without LoRA, and a schedule that divides the batch (layers that do not divide into its
+    chunks are padded: parallel/pipeline.py); one line each."""
     p, t = cfg.parallelism, cfg.training
     if p.pp_microbatches < 0 or p.pp_repeats < 1:
         raise ValueError(f"parallelism.pp_microbatches = {p.pp_microbatches} must be >= 0 (0: pp of them) and "
