@@ -19,6 +19,11 @@ Peaks are the lowest over rounds, speeds the highest.
 
     python bench/lora.py                                   # llama3 debug, 3 rounds
     python bench/lora.py --flavor debug --name qwen3 --rounds 2 --steps 8
+    python bench/lora.py -- --model.name hf --model.hf_config qwen2 --model.hf_overrides \
+        hidden_size=1024,intermediate_size=4096,num_hidden_layers=4,num_attention_heads=16,num_key_value_heads=4,vocab_size=2048
+                                                          # wider layers: more of the step in the weights' matmuls
+
+Arguments after `--` are the trainer's, for both modes (a Transformers-backend model above).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ def overrides(a: argparse.Namespace, run_dir: Path, lora: bool) -> list[str]:
               "model.dtype": "float32", "data.max_bytes": 1_500_000, "validation.enabled": "false",
               "checkpoint.enabled": "false", "metrics.log_freq": 1, "metrics.tensorboard": "false",
               "lora.enabled": str(lora).lower(), "lora.rank": a.rank}
-    return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+    return [item for key, value in values.items() for item in (f"--{key}", str(value))] + a.trainer
 
 
 # glibc's mmap threshold, fixed: each tensor above it is mapped and returned on free (module docstring)
@@ -90,12 +95,14 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[str, dict]:
 
 
 def main() -> None:
-    a = build_parser().parse_args()
+    a, trainer = build_parser().parse_known_args()
+    a.trainer = [arg for arg in trainer if arg != "--"]
     with tempfile.TemporaryDirectory() as tmp:
         best = measure(a, Path(tmp))
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
-    print(f"{a.name}/{a.flavor}, fp32, batch {a.batch_size} x seq {a.seq_len}, LoRA rank {a.rank}; best of "
+    model = " ".join(a.trainer) if a.trainer else f"{a.name}/{a.flavor}"
+    print(f"{model}, fp32, batch {a.batch_size} x seq {a.seq_len}, LoRA rank {a.rank}; best of "
           f"{a.rounds} rounds; {cpu}, {os.cpu_count()} CPUs")
     print(f"{'mode':>5} {'peak GB':>8} {'planned GB':>11} {'plan error':>11} {'RSS default':>12} {'tokens/s':>9} "
           f"{'planned tok/s':>14}")
