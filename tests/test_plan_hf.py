@@ -193,6 +193,14 @@ def test_lora_flops_leave_out_the_frozen_weight_gradients():
     base = sum(p.numel() for name, p in named.items() if not is_adapter_key(name) and p is not embedding)
     adapters = sum(p.numel() for name, p in named.items() if is_adapter_key(name))
     assert ours == pytest.approx(full - 2 * base + 6 * adapters, rel=1e-9)
+    # titan-tpu compile's formula (beside XLA's count) builds the model apart: the same count
+    from titan_tpu.config import build_config
+    from titan_tpu.run.resolved import Target, resolve_run
+    from titan_tpu.run.setup import RunSetup
+    from titan_tpu.tools.compile_cmd import _formula_flops_per_token
+
+    run = resolve_run(RunSetup.resolved(build_config(CONFIG, SMALL + QWEN2 + lora)), Target.for_jax("tpu", 1))
+    assert _formula_flops_per_token(run) == pytest.approx(ours, rel=1e-9)
 
 def test_plan_and_search_of_an_hf_config(capsys):
     """`titan-tpu plan` prints an hf model's plan (its parts measured), --json carries them, --search
