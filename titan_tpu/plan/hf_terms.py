@@ -75,11 +75,13 @@ class HFTerms:
     flops_how: str
     recompute_flops_per_token: float  # the decoder layers' forward, per token
 
-    def activations(self, *, rows: int, ac_mode: str, traced: bool) -> ActivationBytes:
+    def activations(self, *, rows: int, ac_mode: str, traced: bool, adapter_outputs: bool = True) -> ActivationBytes:
         """Activations of a micro-batch of `rows` rows: what the layers keep in `ac_mode` (full: the
         layer input, and traced, the attention kernel's outputs too; selective: the input and the
-        matmuls' and attention's outputs), the largest layer's intermediates while recomputed, and
-        outside the layers what the forward keeps with the final hidden state (the loss's input)."""
+        matmuls' and attention's outputs, LoRA's up-projections' among them unless `adapter_outputs`
+        is false, as in a step XLA compiles whole: models/hf/activations.py), the largest layer's
+        intermediates while recomputed, and outside the layers what the forward keeps with the final
+        hidden state (the loss's input)."""
 
         def at(read) -> int:  # linear in the rows: measured at one and two
             one, two = read(self.one_row), read(self.two_rows)
@@ -89,7 +91,8 @@ class HFTerms:
         whole = [at(lambda m, i=i: m.layers[i].saved) for i in range(n)]
         inputs = [at(lambda m, i=i: m.layers[i].layer_input) for i in range(n)]
         seeded = [at(lambda m, i=i: m.layers[i].seeded_outputs) for i in range(n)]
-        matmul = [at(lambda m, i=i: m.layers[i].matmul_outputs) for i in range(n)]
+        matmul = [at(lambda m, i=i: m.layers[i].matmul_outputs + adapter_outputs * m.layers[i].adapter_outputs)
+                  for i in range(n)]
         if ac_mode == "none":
             saved, recompute = whole, 0
         elif ac_mode == "full":

@@ -50,7 +50,7 @@ def step_flops(s: Setting) -> dict[str, float]:
     # A native LoRA run's frozen base gets no weight gradients (autograd computes none; the captured
     # step has none): 2 of its 6 FLOPs per weight and token are not done, and MFU counts the work done
     # (components/program.py `flops_per_token`). The adapters' own work is left out (< 1%); an hf
-    # model's count is its whole model's, LoRA or not.
+    # model's count reads which weights are frozen itself (models/hf/flops.py).
     frozen = frozen_weight_gradient_flops_per_token(args) if s.lora and not s.hf else 0.0
     fpt = s.hf.flops_per_token if s.hf else flops_per_token(args, t.seq_len) - frozen
     tokens_step_rank = s.tokens * t.grad_accum_steps  # tokens of one data-parallel rank (its tp ranks share them)

@@ -190,15 +190,22 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
 def _formula_flops_per_token(run, *, images=None) -> float:
     """Our FLOPs per trained token of the step (components/program.py `flops_per_token`, the frozen
     reference's forwards too): a native model's from its args; an HF directory's counted on its model
-    built on the meta device (no memory), a vision-language model's `images` as the batch the step
-    was captured with holds them (its real tensors: the captured inputs are fake ones, which the meta
-    copy cannot take)."""
+    built on the meta device (no memory) and converted as the run's is (LoRA's frozen base does no
+    weight-gradient work), a vision-language model's `images` as the batch the step was captured
+    with holds them (its real tensors: the captured inputs are fake ones, which the meta copy cannot
+    take)."""
     from titan_tpu.components.program import flops_per_token
+    from titan_tpu.models.converters import enabled_converters
+    from titan_tpu.models.lora import freeze_base
     from titan_tpu.parallel.mesh import ParallelDims
 
     model = None
     if run.spec.kind == "hf":
         model = run.spec.build_on_meta(run.cfg, mesh=None, parallel_dims=ParallelDims(world_size=1), documents=False)
+        for converter in enabled_converters(run.cfg):
+            converter.convert(model, run.cfg)
+        if run.cfg.lora.enabled:
+            freeze_base(model)  # what the run's LoRA converter does after initialising the adapters
     return flops_per_token(run, model, images=images)[0]
 
 

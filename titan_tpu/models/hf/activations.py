@@ -16,7 +16,10 @@ each saved storage to the layer whose forward first saved it, and record each la
 fully checkpointed layer keeps) and the outputs of the ops selective checkpointing keeps
 (activation_checkpoint.SAVED_OPS) and of those a traced checkpointed layer keeps in every mode (ops
 that may draw random numbers: SDPA). A FLOP counter gives each layer's forward FLOPs, which full
-checkpointing runs again in the backward.
+checkpointing runs again in the backward. Under LoRA, the up-projection of each adapter (B's matmul,
+`B (A x)`, as wide as the layer's output) is counted apart (`adapter_outputs`): checkpointing keeps it
+as it keeps any matmul's output, but a step XLA compiles whole keeps the sum it is added into
+(qwen2_5_vl_7b_tpu with LoRA: one fused `convolution_add` per projection), not it as well.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class LayerSaved:
     saved: int  # what autograd keeps for the layer's backward without checkpointing
     layer_input: int  # the hidden state it reads: what a fully checkpointed layer keeps
     matmul_outputs: int  # outputs of SAVED_OPS (matmuls, attention): selective checkpointing keeps them and the input
+    adapter_outputs: int  # LoRA's up-projections' outputs B (A x), SAVED_OPS too (the module docstring)
     seeded_outputs: int  # outputs of ops that may draw random numbers (SDPA): kept by a traced checkpointed layer
     forward_flops: int  # what a recomputation under full checkpointing runs again
 
@@ -69,8 +73,10 @@ class _LayerOps(TorchDispatchMode):
         super().__init__()
         self.layer: int | None = None
         self.matmul = [0] * n_layers
+        self.adapter = [0] * n_layers
         self.seeded = [0] * n_layers
         self.flops = [0] * n_layers
+        self.up_projections: set[int] = set()  # storages of LoRA's B matrices (fake, set while measured)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils.flop_counter import flop_registry
@@ -82,7 +88,8 @@ class _LayerOps(TorchDispatchMode):
         seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
         if func in SAVED_OPS or seeded:
             nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-            (self.seeded if seeded else self.matmul)[self.layer] += nbytes
+            up = any(_storage_key(t) in self.up_projections for t in tree_leaves(args) if isinstance(t, torch.Tensor))
+            (self.seeded if seeded else self.adapter if up else self.matmul)[self.layer] += nbytes
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
             self.flops[self.layer] += count(*args, **kwargs, out_val=out)
@@ -142,6 +149,7 @@ def measure_saved_bytes(model: HFCausalLM, tokens_BS: torch.Tensor, images: Imag
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titan_tpu.models.hf.flops import _on_meta
+    from titan_tpu.models.lora import lora_modules
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     layers = model.decoder_layers
@@ -166,6 +174,7 @@ def measure_saved_bytes(model: HFCausalLM, tokens_BS: torch.Tensor, images: Imag
     token = _CALL_CONTEXT.set((model.kernels, None))
     try:
         with _as_fake(model, mode), _plain_rows(), mode:
+            ops.up_projections = {_storage_key(linear.lora_B) for linear in lora_modules(model).values()}
             fake_tokens_BS = mode.from_tensor(tokens_BS)
             fake_images = None if images is None else _fake_images(_on_meta(images), mode)
             with ops, torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append((current[0], t)) or t,
@@ -193,7 +202,8 @@ def measure_saved_bytes(model: HFCausalLM, tokens_BS: torch.Tensor, images: Imag
         else:
             saved[layer] += nbytes
     return SavedBytes(layers=tuple(LayerSaved(saved=saved[i], layer_input=inputs[i], matmul_outputs=ops.matmul[i],
-                                              seeded_outputs=ops.seeded[i], forward_flops=ops.flops[i])
+                                              adapter_outputs=ops.adapter[i], seeded_outputs=ops.seeded[i],
+                                              forward_flops=ops.flops[i])
                                    for i in range(len(layers))),
                       outside=outside, hidden=hidden_BSD.numel() * hidden_BSD.element_size())
 

@@ -21,7 +21,10 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int, *, images: ImageInputs |
     6 x layers x heads x head_dim x seq_len for causal attention, from the config when it names
     them. A vision-language model's tower and projector are not in that count (a text token does
     not pass through them): with `images` (a batch's image slots) their work per row is spread over
-    the row's seq_len tokens (`vision_flops_per_row`); without (text rows) they do none."""
+    the row's seq_len tokens (`vision_flops_per_row`); without (text rows) they do none. A frozen
+    weight (LoRA's base) counts 4, not 6: it gets no weight gradient (XLA's count of
+    qwen2_5_vl_7b_tpu's step: 245.8 TFLOP a chip with LoRA, 360.3 without), as a native model's
+    (models/registry.py `frozen_weight_gradient_flops_per_token`)."""
     vision_ids: set[int] = set()
     vision_flops, vision_how = 0.0, ""
     if model.vision is not None:
@@ -47,9 +50,9 @@ def hf_flops_per_token(model: HFCausalLM, seq_len: int, *, images: ImageInputs |
         if id(p) in skip or id(p) in vision_ids:
             continue
         share = moe[1] / moe[0] if moe is not None and ".experts." in f".{name}." else 1.0
-        n += p.numel() * share
+        n += p.numel() * share * (1.0 if p.requires_grad else 2 / 3)  # frozen: forward and input gradient
     if tied:
-        n += embeddings.weight.numel()
+        n += embeddings.weight.numel() * (1.0 if stored_embeddings.requires_grad else 2 / 3)
     layers = getattr(text, "num_hidden_layers", None)
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (
