@@ -47,7 +47,7 @@ TPU_STAMP := $(TPU_VENV)/.installed-stamp
 $(TPU_STAMP): pyproject.toml constraints-tpu.txt
 	$(PYTHON) -m venv $(TPU_VENV)
 	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TPU_VENV)/bin/python -m pip install -q -c constraints-tpu.txt -e ".[tpu,hf,wandb,tpu-check,eval]"
+	$(TPU_VENV)/bin/python -m pip install -q -c constraints-tpu.txt -e ".[tpu,hf,wandb,eval,tpu-check]"
 	touch $(TPU_STAMP)
 
 # A crash inside XLA (an abort) ends the log with the process's stack: the test that ran is printed last.

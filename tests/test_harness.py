@@ -147,7 +147,7 @@ def test_eval_tasks_command_equals_hflm(setup, hflm, tmp_path, capsys):
     assert code == 0, err
     assert all(task in out for task in TASKS)  # lm-eval's table, with its column names (not A, B, C)
     assert out.splitlines()[0].replace(" ", "") == "|Tasks|Version|Filter|n-shot|Metric||Value||Stderr|"
-    assert "device: cpu (training.device = cpu); the model in fp32" in err  # where it scores, in one line
+    assert "eval: scoring on cpu (training.device = cpu), the model in fp32" in err  # where it scores, in one line
     written = hf_dir.with_name(hf_dir.name + ".lm_eval.json")  # beside the weights
     ours = json.loads(written.read_text())["results"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 EXTRAS = PROJECT["optional-dependencies"]
-TPU_USER_EXTRAS = ("tpu", "hf", "wandb")  # what docs/tpu.md installs
+TPU_USER_EXTRAS = ("tpu", "hf", "wandb", "eval")  # what docs/tpu.md installs
 TPU_ONLY = {"torch-tpu", "libtpu", "jax", "jaxlib", "tokamax"}
 
 

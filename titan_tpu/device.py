@@ -423,6 +423,17 @@ def import_torch_tpu_with_a_device() -> None:
         raise tpu_compile_error("torch_tpu sees no TPU device")
 
 
+def torch_tpu_launch_env(*, nnodes: int, nproc_per_node: int) -> None:
+    """torch-tpu's own variables for a launch over several hosts (its slice builder's addresses, the
+    topology), set in os.environ by its helper from TPU_WORKER_HOSTNAMES, NODE_RANK and MASTER_ADDR
+    (tools/launch.py sets them first); it keeps every value already set. Nothing where torch-tpu is
+    not installed."""
+    if not _tpu_installed():
+        return
+    importlib.import_module("torch_tpu")
+    torch.tpu.distributed.set_tpu_launch_env(nnodes=nnodes, nproc_per_node=nproc_per_node)
+
+
 def _import_torch_tpu() -> None:
     hint = (
         "backend 'tpu' needs torch_tpu: pip install torch-tpu and libtpu in a separate environment "

@@ -43,9 +43,7 @@ def run_tasks(setup, *, checkpoint: str | None, settings: TaskSettings, output: 
     # A task name lm-eval lacks is named before the model loads; the tasks' data is read after every
     # check of the model's side (its tokenizer, its chat template), so those errors come first, alone.
     check_task_names(settings.tasks, task_manager(settings.include_path).all_tasks)
-    backend = get_backend(cfg.training.device)
-    # one device, fp32 (as the loss's eval): on a TPU VM auto finds the chip through torch-tpu
-    print(f"device: {backend.device} ({backend.chosen_because}); the model in fp32", file=sys.stderr)
+    backend = get_backend(cfg.training.device)  # one device: on a TPU VM auto finds a chip through torch-tpu
     loaded = load_eval_model(cfg, checkpoint=checkpoint, device=backend.device, spec=setup.spec)
     tokenizer_path = cfg.data.tokenizer_path or loaded.tokenizer
     if not tokenizer_path:
@@ -54,7 +52,9 @@ def run_tasks(setup, *, checkpoint: str | None, settings: TaskSettings, output: 
     chat = chat_renderer(tokenizer_path, cfg.data.chat_template) if settings.apply_chat_template else None
     model = HarnessLM(loaded.model, load_tokenizer(tokenizer_path), max_length=loaded.max_len,
                       batch_size=settings.batch_size, seed=cfg.training.seed, chat=chat)
-    results = score(model, load_tasks(settings), settings)
+    tasks = load_tasks(settings)  # after every check of the model's side (their own one-line errors)
+    print(f"eval: scoring on {backend.device} ({backend.chosen_because}), the model in fp32", file=sys.stderr)
+    results = score(model, tasks, settings)
     results["config"]["model"] = loaded.spec.label
     results["config"]["weights"] = loaded.weights
     print(make_table(results))

@@ -292,21 +292,16 @@ def main(argv: list[str]) -> int:
 
 
 def _torch_tpu_launch_env(layout: Layout, env: dict[str, str]) -> None:
-    """torch-tpu's own variables (its slice builder's addresses, the topology), from the hosts found
-    above: its helper reads TPU_WORKER_HOSTNAMES, NODE_RANK and MASTER_ADDR from the environment
-    and never overwrites a value that is set. Skipped where torch-tpu is not installed."""
-    from importlib.util import find_spec
+    """torch-tpu's own variables, from the hosts found above, added to `env` (device.py
+    `torch_tpu_launch_env`, which calls torch-tpu's helper on os.environ: this process's environment
+    is put back afterwards)."""
+    from titan_tpu.device import torch_tpu_launch_env
 
-    if find_spec("torch_tpu") is None:
-        return
     saved = dict(os.environ)
     os.environ.update(env)
     try:
-        import torch
-
-        torch.tpu.distributed.set_tpu_launch_env(nnodes=layout.nnodes, nproc_per_node=layout.nproc_per_node)
+        torch_tpu_launch_env(nnodes=layout.nnodes, nproc_per_node=layout.nproc_per_node)
         env.update(os.environ)
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
