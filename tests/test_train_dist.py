@@ -5,7 +5,7 @@ real subprocesses (``python -m titan_tpu train``); the others (the reference, th
 of a resume) are the same trainer in the test's own process on one thread (`train_here`), which
 computes the same steps without starting Python and torch again and measuring the CPU's matmul peak
 (about 6 s of a 9 s run here). Several ranks run under torchrun where the launcher is part of the
-claim (the default data-parallel layout); the other multi-rank runs are the same trainer on ranks
+claim (two hosts started by `titan-tpu launch`, fully sharded); the other multi-rank runs are the same trainer on ranks
 forked from the fork server (dist_utils.train_on_ranks), which computes the same steps without
 starting Python and torch again in each of three processes. The LR schedule is constant so that a run stopped and
 resumed takes the same steps as one run.
@@ -129,14 +129,12 @@ def reference(tmp_path_factory, cache):
 
 
 @pytest.mark.parametrize("layout", [
-    # Re-sharded after the forward (the default, auto, keeps this small model's gathered weights).
-    {"nproc": 2, "parallelism__dp_shard": 2, "parallelism__reshard_after_forward": "true"},
     {"nproc": 2, "parallelism__dp_replicate": 2, "parallelism__dp_shard": 1},
     # Tensor parallel: both ranks hold the same 4 sequences (docs/tensor_parallel.md).
     {"nproc": 2, "parallelism__tp": 2, "training__batch_size": 4},
     # Context parallel: both ranks hold the same 4 sequences, half of each (docs/context_parallel.md).
     {"nproc": 2, "parallelism__cp": 2, "training__batch_size": 4},
-], ids=["dp_shard2", "dp_replicate2", "tp2", "cp2"])
+], ids=["dp_replicate2", "tp2", "cp2"])
 def test_two_ranks_match_one_process(tmp_path, cache, reference, layout):
     # Same global batch: 2 ranks x 2 sequences = 1 process x 4 sequences.
     layout = {"training__batch_size": 2, **layout}
@@ -144,7 +142,8 @@ def test_two_ranks_match_one_process(tmp_path, cache, reference, layout):
     args = overrides(tmp_path / "run", cache, **layout)
     # torchrun for the default layout (how users launch several ranks); the others compute the
     # same trainer on forked ranks.
-    stdout = train(nproc, args).stdout if "parallelism__dp_shard" in layout else train_forked(nproc, args)
+    # Forked ranks: the trainer as torchrun starts it is the two-host test's (launched, fully sharded).
+    stdout = train_forked(nproc, args)
     assert "data parallel: " in stdout
     if "parallelism__tp" in layout:
         assert "tensor parallel: 2" in stdout
@@ -154,17 +153,19 @@ def test_two_ranks_match_one_process(tmp_path, cache, reference, layout):
     assert sorted(got) == sorted(reference)
     for step, loss in reference.items():
         assert got[step] == pytest.approx(loss, abs=1e-5), step
+    assert_exports_gathered_weights(tmp_path / "run", tmp_path / "hf")
 
-    # The sharded checkpoint exports to a Hugging Face directory holding the gathered weights.
+
+def assert_exports_gathered_weights(run: Path, hf_dir: Path) -> None:
+    """The run's sharded step-10 checkpoint exports to a Hugging Face directory holding the gathered
+    weights (read block by block from every rank's chunks; float32 keeps the master weights exactly)."""
     from titan_tpu.cli import main
     from titan_tpu.models.hub.checkpoint import load_hf_checkpoint
     from titan_tpu.train.checkpoint import load_full_state_dict
 
-    # Read block by block from every rank's chunks; float32 keeps the master weights exactly.
-    assert main(["convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "hf"),
-                 "--dtype", "float32"]) == 0
-    _, _, exported = load_hf_checkpoint(tmp_path / "hf")
-    saved = load_full_state_dict(tmp_path / "run" / "checkpoints" / "step-00000010")
+    assert main(["convert", "--checkpoint", str(run), "--to-hf", str(hf_dir), "--dtype", "float32"]) == 0
+    _, _, exported = load_hf_checkpoint(hf_dir)
+    saved = load_full_state_dict(run / "checkpoints" / "step-00000010")
     assert sorted(exported) == sorted(saved)
     for name, value in saved.items():
         assert torch.equal(exported[name], value), name
@@ -183,7 +184,7 @@ def scanned(layout: tuple[int, dict]) -> tuple[int, dict]:
 
 def launch_two_hosts(args: list[str], *, nproc_per_host: int) -> list[str]:
     """`titan-tpu launch train ARGS` on two "hosts" of this machine, each its own launch and torchrun
-    with its processes, told only what GKE tells a TPU pod: the host list and its own index (the
+    agent with its processes, told only what GKE tells a TPU pod: the host list and its own index (the
     port is a free one: the test cannot own 29500)."""
     import socket
 
@@ -206,20 +207,24 @@ def launch_two_hosts(args: list[str], *, nproc_per_host: int) -> list[str]:
 
 
 def test_two_hosts_launched_by_one_command_train_checkpoint_and_resume(tmp_path, cache, reference):
-    """Two hosts of two processes each, every torchrun and libtpu value derived by `titan-tpu launch`:
-    5 steps and a checkpoint, then the same command resumes to step 10, and the losses are the
-    one-process run's (the same global batch: 4 ranks x 1 sequence)."""
+    """Two hosts, every torchrun and libtpu value derived by `titan-tpu launch`, fully sharded and
+    re-sharded after the forward (the default, auto, would keep this small model's gathered weights):
+    5 steps and a checkpoint, then the same command resumes to step 10; the losses are the
+    one-process run's (the same global batch: 2 ranks x 2 sequences), and the sharded checkpoint
+    exports the gathered weights."""
     run = tmp_path / "run"
-    first = launch_two_hosts(overrides(run, cache, training__steps=5, training__batch_size=1), nproc_per_host=2)
+    args = dict(training__batch_size=2, parallelism__reshard_after_forward="true")
+    first = launch_two_hosts(overrides(run, cache, training__steps=5, **args), nproc_per_host=1)
     assert first[0].startswith("launch: host 0 of 2 (TPU_WORKER_HOSTNAMES, TPU_WORKER_ID); rendezvous 127.0.0.1:")
-    assert first[1].startswith("launch: host 1 of 2") and "2 process(es) here" in first[1]
-    assert "run: mesh dp_shard 4;" in first[0] and "4 rank(s)" in first[0]
-    again = launch_two_hosts(overrides(run, cache, training__batch_size=1), nproc_per_host=2)
+    assert first[1].startswith("launch: host 1 of 2") and "1 process(es) here" in first[1]
+    assert "run: mesh dp_shard 2;" in first[0] and "data parallel: " in first[0]
+    again = launch_two_hosts(overrides(run, cache, **args), nproc_per_host=1)
     assert "resumed from" in again[0] and "step-00000005" in again[0]
     got = losses(run)
     assert sorted(got) == sorted(reference) == list(range(1, 11))
     for step in reference:
         assert got[step] == pytest.approx(reference[step], abs=1e-5), step
+    assert_exports_gathered_weights(run, tmp_path / "hf")
 
 
 @pytest.mark.parametrize("before, after", [(DP2, ONE), (ONE, DP2), (TP2, ONE), (CP2, ONE),
