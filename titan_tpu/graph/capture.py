@@ -695,29 +695,10 @@ def capture_eval_step(model: torch.nn.Module, *, example_batch: Batch | tuple[Te
     """Trace the forward of one validation batch (StepLayout.evaluation): the objective's totals
     with a count of 1 (next-token: the summed cross-entropy first), no gradient, the model in eval
     mode while traced, as the loops' validation runs it eagerly (train/step.py evaluate_eagerly)."""
-    # The update's settings are never read: the program ends at the forward.
-    parts = _StepParts(model, max_norm=0.0, adamw_hparams={}, decay={}, dp_size=None, micro_batches=1,
-                       objective=objective)
-    batch = _example_batch(parts, example_batch)
-    layout = StepLayout.evaluation(params=len(parts.param_names), batch=len(batch), buffers=len(parts.buffer_names))
+    def totals(parts: _StepParts, calls: ModelCalls, batch) -> dict[str, list[Tensor]]:
+        return {"totals": [parts.objective.micro_batch(calls, batch, count=1, share=0.0).totals]}
 
-    def evaluate(*flat: Tensor) -> list[Tensor]:
-        g = layout.unflatten_inputs(flat)
-        buffer_values = parts.buffer_values(g["buffers"])
-        params = {name: parts._as_model_tensor(name, t) for name, t in zip(parts.param_names, g["params"])}
-        typed = unflatten(g["batch"], parts.batch_spec)
-        with torch.no_grad():
-            loss = parts.objective.micro_batch(parts._calls(params, buffer_values), typed, count=1, share=0.0)
-        return layout.flatten_outputs(totals=[loss.totals])
-
-    example = layout.flatten_inputs(params=parts.local_params(), batch=batch, buffers=parts.local_buffers())
-    was_training = model.training
-    model.eval()
-    try:
-        gm, seconds = _trace(evaluate, example, model)
-    finally:
-        model.train(was_training)
-    return parts.captured(gm, seconds, layout, torch.float32, "eval")
+    return _capture_forward(model, example_batch, objective, StepLayout.evaluation, totals, "eval")
 
 
 def capture_scoring_step(model: torch.nn.Module, *, example_batch: Batch | tuple[Tensor, ...],
@@ -728,31 +709,44 @@ def capture_scoring_step(model: torch.nn.Module, *, example_batch: Batch | tuple
     logits, so the program returns two numbers a position, not the vocabulary's. No gradient, the
     model in eval mode; a label < 0 (padding) reads token 0. objective: the run's, whose frozen
     modules' buffers the program takes as the training programs do (it calls the policy alone)."""
+    def scores(parts: _StepParts, calls: ModelCalls, rows) -> dict[str, list[Tensor]]:
+        logits_BSV = calls.policy(rows.inputs_BS).float()
+        labels_BS1 = rows.labels_BS.clamp(min=0).unsqueeze(-1)
+        logp_BS = torch.log_softmax(logits_BSV, dim=-1).gather(-1, labels_BS1).squeeze(-1)
+        greedy_BS = (logits_BSV.argmax(dim=-1) == labels_BS1.squeeze(-1)).float()
+        return {"scores": [logp_BS, greedy_BS]}
+
+    return _capture_forward(model, example_batch, objective, StepLayout.scoring, scores, "score")
+
+
+def _capture_forward(model: torch.nn.Module, example_batch: Batch | tuple[Tensor, ...], objective: Objective | None,
+                     layout_of, forward, program: str) -> CapturedStep:
+    """A forward-only program (no gradient, no update; the model in eval mode while traced):
+    `forward(parts, calls, batch)` -> its output groups, over the parameters, the batch and the
+    buffers as `layout_of` (a StepLayout constructor) lays them out."""
+    # The update's settings are never read: the program ends at the forward.
     parts = _StepParts(model, max_norm=0.0, adamw_hparams={}, decay={}, dp_size=None, micro_batches=1,
                        objective=objective)
     batch = _example_batch(parts, example_batch)
-    layout = StepLayout.scoring(params=len(parts.param_names), batch=len(batch), buffers=len(parts.buffer_names))
+    layout = layout_of(params=len(parts.param_names), batch=len(batch), buffers=len(parts.buffer_names))
 
-    def score(*flat: Tensor) -> list[Tensor]:
+    def traced(*flat: Tensor) -> list[Tensor]:
         g = layout.unflatten_inputs(flat)
         buffer_values = parts.buffer_values(g["buffers"])
         params = {name: parts._as_model_tensor(name, t) for name, t in zip(parts.param_names, g["params"])}
-        rows = unflatten(g["batch"], parts.batch_spec)
+        typed = unflatten(g["batch"], parts.batch_spec)
         with torch.no_grad():
-            logits_BSV = parts._calls(params, buffer_values).policy(rows.inputs_BS).float()
-            labels_BS1 = rows.labels_BS.clamp(min=0).unsqueeze(-1)
-            logp_BS = torch.log_softmax(logits_BSV, dim=-1).gather(-1, labels_BS1).squeeze(-1)
-            greedy_BS = (logits_BSV.argmax(dim=-1) == labels_BS1.squeeze(-1)).float()
-        return layout.flatten_outputs(scores=[logp_BS, greedy_BS])
+            outputs = forward(parts, parts._calls(params, buffer_values), typed)
+        return layout.flatten_outputs(**outputs)
 
     example = layout.flatten_inputs(params=parts.local_params(), batch=batch, buffers=parts.local_buffers())
     was_training = model.training
     model.eval()
     try:
-        gm, seconds = _trace(score, example, model)
+        gm, seconds = _trace(traced, example, model)
     finally:
         model.train(was_training)
-    return parts.captured(gm, seconds, layout, torch.float32, "score")
+    return parts.captured(gm, seconds, layout, torch.float32, program)
 
 
 def capture_accumulating_step(

@@ -237,22 +237,8 @@ class JaxStep(StepFunction):
         """One validation batch's totals (the summed loss first), by a forward program of its own,
         captured and compiled at the first batch of each shape."""
         batch = as_batch(batch)
-        if self._device is None:
-            self.state_from_host()
-        tensors, _ = flatten(batch)
-        key = (type(batch).__name__, *(tuple(t.shape) for t in tensors))
-        if key not in self._eval:
-            with capture_context(self.platform):
-                captured = capture_eval_step(self.model, example_batch=batch, objective=self.objective)
-            self._eval[key] = _Program(device_step(captured, self.axis_sizes), self.mesh, "eval", self.platform,
-                                       self._log)
-        program = self._eval[key]
-        layout = program.step.captured.layout
-        flat = layout.flatten_inputs(params=self._device["params"], batch=[self._global(t) for t in tensors],
-                                     buffers=self._device["buffers"])
-        (totals,) = layout.unflatten_outputs(program(flat))["totals"]
+        (totals,) = self._forward(self._eval, "eval", capture_eval_step, batch)["totals"]
         return torch.from_numpy(self._local_block(totals).astype(np.float32))
-
 
     # -- lm-eval's scoring -------------------------------------------------------------------------
 
@@ -261,22 +247,28 @@ class JaxStep(StepFunction):
         and compiled at the first rows of each shape; every rank calls it with rows of one shape):
         each position's log-probability of its label and whether the label is the most likely
         token (graph/capture.py capture_scoring_step), [B, S] each, on the host."""
-        if self._device is None:
-            self.state_from_host()
         rows = TokenBatch(tokens_BS.cpu(), labels_BS.cpu())
-        key = tuple(rows.shape)
-        if key not in self._score:
-            with capture_context(self.platform):
-                captured = capture_scoring_step(self.model, example_batch=rows, objective=self.objective)
-            self._score[key] = _Program(device_step(captured, self.axis_sizes), self.mesh, "score", self.platform,
-                                        self._log)
-        program = self._score[key]
-        tensors, _ = flatten(rows)
-        flat = program.step.captured.layout.flatten_inputs(
-            params=self._device["params"], batch=[self._global(t) for t in tensors], buffers=self._device["buffers"])
-        logp, greedy = program.step.captured.layout.unflatten_outputs(program(flat))["scores"]
+        logp, greedy = self._forward(self._score, "score", capture_scoring_step, rows)["scores"]
         return (torch.from_numpy(self._local_block(logp).astype(np.float32)),
                 torch.from_numpy(self._local_block(greedy).astype(np.float32)))
+
+    def _forward(self, programs: dict[tuple, _Program], name: str, capture, batch: Batch) -> dict[str, list]:
+        """A forward-only program's outputs on `batch` and the device's state: `capture` (a
+        graph/capture.py forward capture) traced, lowered and compiled at the first batch of each
+        shape, kept in `programs`."""
+        if self._device is None:
+            self.state_from_host()
+        tensors, _ = flatten(batch)
+        key = (type(batch).__name__, *(tuple(t.shape) for t in tensors))
+        if key not in programs:
+            with capture_context(self.platform):
+                captured = capture(self.model, example_batch=batch, objective=self.objective)
+            programs[key] = _Program(device_step(captured, self.axis_sizes), self.mesh, name, self.platform,
+                                     self._log)
+        layout = programs[key].step.captured.layout
+        flat = layout.flatten_inputs(params=self._device["params"], batch=[self._global(t) for t in tensors],
+                                     buffers=self._device["buffers"])
+        return layout.unflatten_outputs(programs[key](flat))
 
 
 def _as_numpy(t: Tensor) -> np.ndarray:
