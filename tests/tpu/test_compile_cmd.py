@@ -11,7 +11,7 @@ import pytest
 from titan_tpu.config import build_config
 from titan_tpu.graph import jax_devices
 from titan_tpu.models.registry import get_model_args
-from titan_tpu.tools.compile_cmd import compile_main, compile_step_for_tpu
+from titan_tpu.tools.compile_cmd import _format, compile_main, compile_step_for_tpu
 
 SMALL = ["--training.batch_size=2", "--training.seq_len=64"]
 
@@ -97,6 +97,11 @@ def test_compile_dpo_step_with_its_reference():
     assert report["tokens_per_chip"] == 2 * 2 * 128  # pairs x rows x positions
     counted, xla = report["formula_as_xla_counts_per_chip"], report["flops_per_chip"]
     assert abs(counted / xla - 1) < 0.03, (counted, xla)
+    # the TPU compiler's own time for the step (its cost model), recorded beside its FLOPs: no
+    # faster than its FLOPs at v5p's bf16 peak
+    seconds = report["xla_optimal_seconds_per_step"]
+    assert seconds is not None and seconds >= xla / 459e12, (seconds, xla)
+    assert f"XLA's own time estimate {seconds:.3f} s per step" in _format(report)
     _summary("llama3_debug_dpo", report)
 
 

@@ -163,6 +163,10 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
         "xla_matmul_flops_per_chip": sum(runs[name] * p["matmul_flops"] for name, p in programs.items())
         if all(p["matmul_flops"] is not None for p in programs.values()) else None,
         "bytes_accessed_per_chip": sum(runs[name] * (p["bytes_accessed"] or 0.0) for name, p in programs.items()),
+        # XLA's TPU cost model's time for a step (cost analysis's optimal_seconds, summed as the step
+        # runs its programs); like its FLOPs, a scanned layer loop's body counts once. None off a TPU.
+        "xla_optimal_seconds_per_step": sum(runs[name] * p["optimal_seconds"] for name, p in programs.items())
+        if all(p.get("optimal_seconds") is not None for p in programs.values()) else None,
         "tokens_per_chip": tokens_per_chip,
         "formula_flops_per_chip": flops_per_token * tokens_per_chip,
         "formula_as_xla_counts_per_chip": formula_as_xla_counts(cfg, run.kernel_notes, tokens_per_chip,
@@ -254,6 +258,10 @@ def _format(report: dict) -> str:
     if report.get("loop_body_counted_once"):
         lines.append("  (scanned layers: XLA counts each while loop's body once, so its FLOPs are the step outside "
                      "the layers plus one layer's forward and backward)")
+    if report.get("xla_optimal_seconds_per_step") is not None:
+        lines.append(f"  XLA's own time estimate {report['xla_optimal_seconds_per_step']:.3f} s per step (its cost "
+                     "model's optimal_seconds" + ("; a scanned loop's body counted once, as its FLOPs are)"
+                                                 if report.get("loop_body_counted_once") else ")"))
     if report["bytes_accessed_per_chip"] is not None:
         lines.append(f"  bytes accessed {report['bytes_accessed_per_chip'] / GiB:.3f} GiB")
     lines.append("  kernels: " + ", ".join(f"{op} {name}" for op, name in report["kernels"].items()))

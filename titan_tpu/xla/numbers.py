@@ -125,6 +125,8 @@ def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump:
     return {"memory": kinds,
             "peak": peak, "fingerprint": lowered.fingerprint,
             "flops": cost.get("flops"), "matmul_flops": matmuls, "bytes_accessed": cost.get("bytes accessed"),
+            # the TPU compiler's own estimate of the program's time (its cost model; absent on XLA:CPU)
+            "optimal_seconds": cost.get("optimal_seconds"),
             "lower_seconds": lower_s, "compile_seconds": compile_s, "cpu_seconds": cpu_s,
             "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),
             "f8_dots": f8_dots(text),  # matmuls on float8 operands (fp8 recipes), loop bodies once
