@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from titan_tpu.graph import GraphStep, capture_train_step, compile_step
-from titan_tpu.graph.capture import CaptureError
+from titan_tpu.graph.capture_errors import CaptureError
 from titan_tpu.graph.passes import _VIEW_OPS, eliminate_dead_code, schedule_collectives, split_graph
 from titan_tpu.models.common.moe import MoEArgs
 from titan_tpu.models.common.transformer import Transformer, TransformerArgs
@@ -438,14 +438,14 @@ def test_capture_removes_its_hooks_and_leaves_other_errors_alone():
 def test_capture_error_for_a_guard_on_unbacked_symbol():
     """With a ShapeEnv (make_fx's own fake mode, not how capture traces) a Python branch on data
     is a GuardOnDataDependentSymNode; the op that produced the value comes from the partial graph."""
-    from titan_tpu.graph.capture import _capture_error
+    from titan_tpu.graph.capture_errors import capture_error
 
     def f(x):
         return x * 2 if torch.nonzero(x).shape[0] > 2 else x
 
     with pytest.raises(GuardOnDataDependentSymNode) as err:
         make_fx(f, tracing_mode="fake")(torch.ones(4))
-    error = _capture_error(err.value, [("", "Toy")])
+    error = capture_error(err.value, [("", "Toy")])
     message = str(error)
     assert isinstance(error, CaptureError) and "\n" not in message
     assert "aten.nonzero.default" in message and "model's own forward (Toy)" in message, message

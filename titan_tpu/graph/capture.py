@@ -27,17 +27,15 @@ value in Python (``.item()``, ``if x.sum() > 0``) or an op whose output shape de
 (``torch.nonzero``) fails at the op that does it, instead of becoming an unbacked symbol that
 breaks far away or a graph with dynamic shapes that XLA cannot compile. Such failures (and ops
 with no fake-tensor kernel) are raised as a one-line `CaptureError` naming the op and the module
-whose forward was running, tracked with forward hooks that exist only while tracing.
+whose forward was running (graph/capture_errors.py). The flat inputs and outputs of each program
+are laid out by graph/step_layout.py `StepLayout`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import re
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,25 +45,28 @@ import torch.fx.traceback as fx_traceback
 from torch import Tensor
 from torch._decomp import get_decompositions
 from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
     FakeTensorMode,
-    UnsupportedOperatorException,
 )
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from titan_tpu.data.batch import Batch, as_batch, flatten, unflatten
+from titan_tpu.graph.capture_errors import (
+    capture_error,
+    module_stack,
+    module_stack_from_forward,
+    tag_backward_with_forward,
+)
 from titan_tpu.graph.passes import recomputed_nodes, rematerialize
+from titan_tpu.graph.step_layout import StepLayout
 from titan_tpu.model_contract import TrainableModel, gradient_reducer
 from titan_tpu.tensors import local_tensor
 from titan_tpu.train.objective import ModelCalls, NextTokenObjective, Objective
 from titan_tpu.train.optim import adamw_update, clip_grad_norm
 from titan_tpu.train.ranks import model_copies
 
-__all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "StepLayout", "capture_accumulating_step",
-           "capture_eval_step", "capture_train_step"]
+__all__ = ["CapturedStep", "DTensorSpec", "capture_accumulating_step", "capture_eval_step", "capture_scoring_step",
+           "capture_train_step"]
 
 # Ops traced as their decompositions because their fake (meta) kernel gives an output a layout that
 # the real kernel does not, and a view the graph then records on that output fails when the graph
@@ -73,271 +74,6 @@ __all__ = ["CaptureError", "CapturedStep", "DTensorSpec", "StepLayout", "capture
 # `self`; with a transposed grad (Qwen3-Next's gated delta rule) the recorded view fails. Its
 # decomposition is elementwise arithmetic, whose layout fake and real tensors agree on.
 TRACE_DECOMPOSITIONS = get_decompositions([torch.ops.aten.softplus_backward])
-
-
-def _slices(groups: list[tuple[str, int]]) -> dict[str, slice]:
-    out, start = {}, 0
-    for name, count in groups:
-        out[name] = slice(start, start + count)
-        start += count
-    return out
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """The order and size of a captured program's flat inputs and outputs, written once.
-
-    A graph takes and returns flat lists of tensors; each list is a sequence of named groups
-    (the params, the moments, the batch, ...). Everything that builds or reads such a list (the
-    traced step, its example inputs, GraphStep feeding and unpacking it, the split of the graph at
-    the loss, `CapturedStep.summary`) goes through `flatten_*` / `unflatten_*` and the slices here,
-    so adding a group is one edit, and no count is written by hand anywhere else.
-
-    Three programs have a layout (`CapturedStep` says what each group means):
-
-    * `whole_step`, one micro-batch per step: params, exp_avg, exp_avg_sq, batch (the batch's
-      tensors, data/batch.py: inputs_BS, labels_BS and, with document masking, positions_BS for a
-      TokenBatch), num_tokens (the objective's step count), step, lr, buffers -> params, exp_avg,
-      exp_avg_sq, loss, grad_norm, totals (the objective's summed totals, train/objective.py),
-      buffers (new values of the updated buffers);
-    * `micro_batch`, the forward and backward of one micro-batch of an accumulating step:
-      params, grads (the sums so far), batch, num_tokens, buffers -> grads (the new sums), totals
-      (this micro-batch's);
-    * `update`, once per accumulating step: params, grads, exp_avg, exp_avg_sq, totals, step, lr,
-      buffers -> what `whole_step` returns;
-    * `evaluation`, the forward of one batch for validation: params, batch, buffers -> totals (the
-      objective's, with a count of 1: its summed loss first);
-    * `scoring`, the forward of one batch of lm-eval's rows: params, batch, buffers -> scores (each
-      position's log-probability of its label and whether the label is the most likely token).
-    """
-
-    inputs: tuple[tuple[str, int], ...]
-    outputs: tuple[tuple[str, int], ...]
-
-    @classmethod
-    def whole_step(cls, *, params: int, batch: int, buffers: int, updated_buffers: int) -> StepLayout:
-        return cls(inputs=(("params", params), ("exp_avg", params), ("exp_avg_sq", params), ("batch", batch),
-                           ("num_tokens", 1), ("step", 1), ("lr", 1), ("buffers", buffers)),
-                   outputs=_update_outputs(params, updated_buffers))
-
-    @classmethod
-    def micro_batch(cls, *, params: int, batch: int, buffers: int) -> StepLayout:
-        return cls(inputs=(("params", params), ("grads", params), ("batch", batch), ("num_tokens", 1),
-                           ("buffers", buffers)),
-                   outputs=(("grads", params), ("totals", 1)))
-
-    @classmethod
-    def evaluation(cls, *, params: int, batch: int, buffers: int) -> StepLayout:
-        return cls(inputs=(("params", params), ("batch", batch), ("buffers", buffers)), outputs=(("totals", 1),))
-
-    @classmethod
-    def scoring(cls, *, params: int, batch: int, buffers: int) -> StepLayout:
-        return cls(inputs=(("params", params), ("batch", batch), ("buffers", buffers)), outputs=(("scores", 2),))
-
-    @classmethod
-    def update(cls, *, params: int, buffers: int, updated_buffers: int) -> StepLayout:
-        return cls(inputs=(("params", params), ("grads", params), ("exp_avg", params), ("exp_avg_sq", params),
-                           ("totals", 1), ("step", 1), ("lr", 1), ("buffers", buffers)),
-                   outputs=_update_outputs(params, updated_buffers))
-
-    @property
-    def batch(self) -> int:
-        """Tensors of one micro-batch the program takes (a TokenBatch: 2, or 3 with positions); 0 for `update`."""
-        return dict(self.inputs).get("batch", 0)
-
-    @property
-    def loss_output_index(self) -> int | None:
-        """Where the first output that depends on the forward only lies (the loss, or the running
-        sums whose first value is the loss), for splitting forward from backward; None for `update`."""
-        slices = self.output_slices()
-        if "batch" not in dict(self.inputs):
-            return None
-        return slices["loss"].start if "loss" in slices else slices["totals"].start
-
-    def input_groups(self) -> list[tuple[str, int]]:
-        return list(self.inputs)
-
-    def output_groups(self) -> list[tuple[str, int]]:
-        return list(self.outputs)
-
-    @property
-    def num_inputs(self) -> int:
-        return sum(count for _, count in self.input_groups())
-
-    @property
-    def num_outputs(self) -> int:
-        return sum(count for _, count in self.output_groups())
-
-    def input_slices(self) -> dict[str, slice]:
-        return _slices(self.input_groups())
-
-    def output_slices(self) -> dict[str, slice]:
-        return _slices(self.output_groups())
-
-    def flatten_inputs(self, **groups) -> list:
-        """The flat input list from every input group by name (each a sequence of tensors)."""
-        return _flatten(self.input_groups(), groups)
-
-    def flatten_outputs(self, **groups) -> list:
-        """The flat output list from every output group by name (each a sequence of tensors)."""
-        return _flatten(self.output_groups(), groups)
-
-    def unflatten_inputs(self, flat) -> dict[str, list]:
-        """Group name -> its tensors of a flat input list."""
-        return {name: list(flat[s]) for name, s in self.input_slices().items()}
-
-    def unflatten_outputs(self, flat) -> dict[str, list]:
-        """Group name -> its tensors of a flat output list."""
-        return {name: list(flat[s]) for name, s in self.output_slices().items()}
-
-
-def _update_outputs(params: int, updated_buffers: int) -> tuple[tuple[str, int], ...]:
-    return (("params", params), ("exp_avg", params), ("exp_avg_sq", params), ("loss", 1), ("grad_norm", 1),
-            ("totals", 1), ("buffers", updated_buffers))
-
-
-def _flatten(layout: list[tuple[str, int]], groups: dict) -> list:
-    assert set(groups) == {name for name, _ in layout}, (sorted(groups), layout)
-    flat = []
-    for name, count in layout:
-        assert len(groups[name]) == count, f"group {name}: {len(groups[name])} tensors, the layout says {count}"
-        flat.extend(groups[name])
-    return flat
-
-
-class CaptureError(ValueError):
-    """The step cannot be captured as one static graph; the message (one line) names the op, the
-    module whose forward ran it and what to do. A ValueError, so the CLI prints it as a user error;
-    the tracing exception is chained as __cause__ for the full story."""
-
-
-@contextlib.contextmanager
-def _module_stack(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
-    """Track which modules' forwards are running while tracing: yields a list of
-    (qualified name, class name), innermost last. The hooks exist only inside the block.
-
-    A forward that raises never reaches its post-hook, so after a tracing failure the list still
-    holds the chain of modules that were running when the failing op was called.
-
-    While node meta is preserved (`_trace`), the stack is also fx's current ``nn_module_stack``
-    (name -> (name, class name), outermost first, as torch.export writes it), which every node
-    traced meanwhile copies into its meta: a later error about a node (an op with no JAX
-    lowering) can name the module it came from.
-    """
-    stack: list[tuple[str, str]] = []
-    handles = []
-
-    def publish():
-        if fx_traceback.has_preserved_node_meta():
-            if stack:
-                fx_traceback.current_meta["nn_module_stack"] = {name: (name, cls) for name, cls in stack}
-            else:
-                fx_traceback.current_meta.pop("nn_module_stack", None)
-
-    try:
-        for name, module in model.named_modules():
-            def push(mod, args, name=name):
-                stack.append((name, type(mod).__name__))
-                publish()
-
-            def pop(mod, args, output):
-                stack.pop()
-                publish()
-
-            handles.append(module.register_forward_pre_hook(push))
-            handles.append(module.register_forward_hook(pop))
-        yield stack
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _autograd_nodes(roots) -> Iterator:
-    seen, todo = set(), [r for r in roots if r is not None]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        yield node
-        todo.extend(fn for fn, _ in node.next_functions if fn is not None)
-
-
-def _tag_backward_with_forward(roots) -> None:
-    """While the backward of `roots` (grad_fns) is traced, each node traced for a grad_fn records
-    that grad_fn's sequence number as its ``seq_nr`` (the one the forward node that made it has),
-    as torch's AOTAutograd does; `_module_stack_from_forward` then gives it its forward's module."""
-    if not fx_traceback.has_preserved_node_meta():
-        return
-    for node in _autograd_nodes(roots):
-        node.register_prehook(lambda grad_output, seq_nr=node._sequence_nr(): fx_traceback.set_grad_fn_seq_nr(seq_nr))
-        node.register_hook(lambda grad_input, grad_output: fx_traceback.reset_grad_fn_seq_nr())
-
-
-def _module_stack_from_forward(gm: torch.fx.GraphModule) -> None:
-    """Backward nodes (seq_nr of a forward node, `_tag_backward_with_forward`) get that forward
-    node's ``nn_module_stack`` (their meta["custom"]["phase"] says they are the backward)."""
-    forward = {}
-    for node in gm.graph.nodes:
-        if "nn_module_stack" in node.meta and node.meta.get("custom", {}).get("phase") != "backward":
-            forward.setdefault(node.meta.get("seq_nr"), node.meta["nn_module_stack"])
-    for node in gm.graph.nodes:
-        if node.meta.get("custom", {}).get("phase") == "backward" and node.meta.get("seq_nr") in forward:
-            node.meta["nn_module_stack"] = forward[node.meta["seq_nr"]]
-
-
-def _defining_op(partial_graph: object, symbols: set) -> str | None:
-    """The first op of a partial trace whose output holds one of the unbacked `symbols`.
-
-    torch 2.13 keeps the partial graph as printed code (lines like
-    ``nonzero: "i64[u0, 1]" = torch.ops.aten.nonzero.default(x)``); a Graph is read directly.
-    """
-    if isinstance(partial_graph, torch.fx.GraphModule):
-        partial_graph = partial_graph.graph
-    if isinstance(partial_graph, torch.fx.Graph):
-        for node in partial_graph.nodes:
-            if node.op == "call_function" and set(free_unbacked_symbols(node.meta.get("val"))) & symbols:
-                return str(node.target)
-    elif isinstance(partial_graph, str):
-        names = {str(s) for s in symbols}
-        for line in partial_graph.splitlines():
-            match = re.search(r':\s*"([^"]*)"\s*=\s*torch\.ops\.([\w.]+)\(', line)
-            if match and names & set(re.findall(r"\w+", match.group(1))):
-                return match.group(2)
-    return None
-
-
-def _capture_error(error: BaseException, stack: list[tuple[str, str]]) -> CaptureError | None:
-    """A CaptureError explaining `error` (or an exception it was raised from), or None when the
-    error is not one of the known "this cannot be a static graph" kinds (a bug in model code, say,
-    which should keep its own traceback)."""
-    cause: BaseException | None = error
-    while cause is not None and not isinstance(cause, (DataDependentOutputException, DynamicOutputShapeException,
-                                                       UnsupportedOperatorException,
-                                                       GuardOnDataDependentSymNode)):
-        cause = cause.__cause__
-    if cause is None:
-        return None
-    if isinstance(cause, GuardOnDataDependentSymNode):
-        # Only with a ShapeEnv (not how we trace, kept for safety): find the op that produced the
-        # symbol being branched on from the partial graph the exception carries.
-        op = _defining_op(getattr(cause, "partial_fx_graph", None), set(cause.cond.free_symbols)) or "an op"
-        what = f"Python code branches on a value computed from tensor data by {op} ({cause.cond})"
-    elif isinstance(cause, DataDependentOutputException):
-        # aten._local_scalar_dense: what .item(), bool(t), float(t) and `if t:` call.
-        what = f"{cause.func} reads a tensor's value into Python (.item(), bool(), or if/while on a tensor)"
-    elif isinstance(cause, DynamicOutputShapeException):
-        what = f"{cause.func} returns a tensor whose shape depends on the data (the graph is static-shaped)"
-    else:
-        what = (f"{cause.func} has no fake-tensor (meta) kernel, so it cannot be traced "
-                "(a custom op needs torch.library.register_fake)")
-    if stack:
-        name, cls = stack[-1]
-        where = f"module {name} ({cls})" if name else f"the model's own forward ({cls})"
-    else:
-        where = "no module's forward (the loss, backward or optimizer update)"
-    return CaptureError(f"graph capture failed in {where}: {what}; rewrite it with tensor ops of static shape "
-                        "(e.g. torch.where instead of if) or run with --training.mode eager")
 
 
 @dataclass(frozen=True)
@@ -533,7 +269,7 @@ class _StepParts:
             # parameter gradients: DTensor.from_local's backward hands back the local part.
             # The backward region, for the rematerialize pass (activation checkpointing).
             with fx_traceback.annotate({"phase": "backward"}):
-                _tag_backward_with_forward([loss.objective.grad_fn])
+                tag_backward_with_forward([loss.objective.grad_fn])
                 # Zeros for parameters the loss does not reach, as the eager step does.
                 local_grads = torch.autograd.grad(loss.objective, leaves, allow_unused=True, materialize_grads=True)
         return list(local_grads), loss.totals
@@ -621,15 +357,15 @@ def _trace(fn, example: list[Tensor], model: torch.nn.Module) -> tuple[torch.fx.
     # symbols instead of failing at the op that makes them (see the module docstring).
     fake_mode = FakeTensorMode(allow_fallback_kernels=True)
     fake_example = [fake_mode.from_tensor(t) for t in example]
-    with _module_stack(model) as stack:
+    with module_stack(model) as stack:
         try:
             # preserve_node_meta: annotations made while tracing (the backward phase) land in
             # node.meta["custom"], the running modules in node.meta["nn_module_stack"].
             with fx_traceback.preserve_node_meta():
                 gm = make_fx(fn, tracing_mode="fake", decomposition_table=TRACE_DECOMPOSITIONS)(*fake_example)
-            _module_stack_from_forward(gm)
+            module_stack_from_forward(gm)
         except Exception as e:
-            error = _capture_error(e, stack)
+            error = capture_error(e, stack)
             if error is None:
                 raise
             raise error from e

@@ -57,7 +57,7 @@ def functional_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor
     """`gm` traced again without mutations or views, decomposed to core ATen (see the module docstring).
     example_inputs: the captured step's fake inputs (CapturedStep.example_inputs). Run node by node
     (fx.Interpreter) with node meta preserved, so each new node keeps the meta of the node it
-    came from: its module (``nn_module_stack``, graph/capture.py) for error messages."""
+    came from: its module (``nn_module_stack``, graph/capture_errors.py) for error messages."""
     import torch.fx.traceback as fx_traceback
 
     pure = torch.func.functionalize(lambda *inputs: torch.fx.Interpreter(gm).run(*inputs),
@@ -150,7 +150,7 @@ def _collective_lowerings(group_axes: dict[str, tuple[str, ...]], on_cpu: bool =
 
 def _where(node: torch.fx.Node) -> str:
     """Where a node came from, for error messages: the innermost module whose forward made it
-    (or whose forward's backward did), as the capture recorded it (graph/capture.py)."""
+    (or whose forward's backward did), as the capture recorded it (graph/capture_errors.py)."""
     stack = node.meta.get("nn_module_stack")
     if stack:
         name, cls = list(stack.values())[-1]

@@ -49,7 +49,7 @@ from torch import Tensor
 __all__ = ["DONATED_GROUPS", "compile_for_torchtpu", "donated_inputs", "mark_spmd_safe", "owner", "program_texts",
            "rebind"]
 
-# Input groups (graph/capture.py StepLayout) a program returns updated and the trainer never reads
+# Input groups (graph/step_layout.py StepLayout) a program returns updated and the trainer never reads
 # again in their old form: each is donated where the program also has it as an output group.
 DONATED_GROUPS = ("params", "exp_avg", "exp_avg_sq", "grads")
 

@@ -521,7 +521,7 @@ def _step_diff(a: tuple[float, dict], b: tuple[float, dict]) -> tuple[float, str
 
 
 def check_graph(subject: Subject) -> Result:
-    from titan_tpu.graph.capture import CaptureError
+    from titan_tpu.graph.capture_errors import CaptureError
 
     batch = _batches(subject, 1)[0]
     eager = _after_one_step(seeded_model(subject), batch)
