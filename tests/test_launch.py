@@ -76,6 +76,9 @@ def test_explicit_hosts_on_cpus(tmp_path):
     got, _ = layout(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--nproc-per-node", "2"])
     assert (got.nnodes, got.node_rank, got.master_addr, got.nproc_per_node) == (2, 1, "10.0.0.1", 2)
     assert got.process_bounds is None  # no TPU: libtpu's grid is not needed
+    env = launch_environment(got, {})
+    assert (env["NNODES"], env["NODE_RANK"], env["MASTER_ADDR"]) == ("2", "1", "10.0.0.1")
+    assert "TPU_WORKER_HOSTNAMES" not in env  # host 0 alone is no host list (torch-tpu counts its names)
 
 
 @pytest.mark.parametrize("argv, environ, tpu_chips, message", [

@@ -167,7 +167,8 @@ def launch_environment(layout: Layout, environ: Mapping[str, str]) -> dict[str, 
     if layout.process_bounds:
         env.setdefault("TPU_PROCESS_BOUNDS", layout.process_bounds)
     if layout.nnodes > 1:
-        env.setdefault("TPU_WORKER_HOSTNAMES", ",".join(layout.hostnames) or layout.master_addr)
+        if layout.hostnames:  # torch-tpu's helper reads the host list; host 0 alone is not one
+            env.setdefault("TPU_WORKER_HOSTNAMES", ",".join(layout.hostnames))
         env.update(NNODES=str(layout.nnodes), NODE_RANK=str(layout.node_rank), MASTER_ADDR=layout.master_addr,
                    MASTER_PORT=str(layout.master_port))
     return env
