@@ -53,6 +53,7 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
 )
 
+from titan_tpu.data.batch import IGNORE_INDEX
 from titan_tpu.generate import Sampling, generate
 
 if TYPE_CHECKING:
@@ -252,7 +253,7 @@ class HarnessLM(TemplateLM):
         for i, width in enumerate(widths):
             chunk = rows[i] if i < len(rows) else []
             tokens_BS = torch.zeros(self.batch_size, width, dtype=torch.long)
-            labels_BS = torch.full((self.batch_size, width), -100, dtype=torch.long)
+            labels_BS = torch.full((self.batch_size, width), IGNORE_INDEX, dtype=torch.long)
             for b, row in enumerate(chunk):
                 tokens_BS[b, :len(row) - 1] = torch.tensor(row[:-1])
                 labels_BS[b, :len(row) - 1] = torch.tensor(row[1:])
@@ -351,7 +352,7 @@ class HarnessLM(TemplateLM):
 
 class Scorer(Protocol):
     """Log-likelihoods without the logits: rows (tokens_BS, labels_BS: each position's next token,
-    -100 past the row) -> (logp_BS: each position's log-probability of its label, greedy_BS: 1.0
+    IGNORE_INDEX past the row) -> (logp_BS: each position's log-probability of its label, greedy_BS: 1.0
     where the label is the most likely token), on the host. The JAX path's `JaxStep.score`."""
 
     def __call__(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
