@@ -72,28 +72,14 @@ def derive_layout(args: argparse.Namespace, environ: Mapping[str, str], *,
     """This host's layout from the flags, the environment and (on a TPU host) the metadata server.
     `metadata(key)` returns an attribute of the TPU VM's metadata or None; `tpu_chips` is the
     count found in /dev; `gpus()` counts CUDA devices (called only when nothing else decides)."""
-    sources: dict[str, str] = {}
     ask = tpu_chips > 0 and not environ.get("TPU_SKIP_MDS_QUERY")  # a TPU VM has a metadata server
     tpu_env = _tpu_env(metadata("tpu-env") if ask else None)
+    hostnames, index, hosts_from = _host_list(environ, metadata if ask else lambda key: None)
 
-    hostnames: list[str] = []
-    index: int | None = None
-    if environ.get("TPU_WORKER_HOSTNAMES"):
-        hostnames = [h for h in environ["TPU_WORKER_HOSTNAMES"].split(",") if h]
-        for name in ("TPU_WORKER_ID", "JOB_COMPLETION_INDEX"):
-            if environ.get(name, "") != "":
-                index, found = _integer(environ[name], name), name
-                break
-        sources["hosts"] = f"TPU_WORKER_HOSTNAMES, {found}" if index is not None else "TPU_WORKER_HOSTNAMES"
-    elif ask and (endpoints := metadata("worker-network-endpoints")):
-        hostnames = [_endpoint_address(e) for e in endpoints.split(",") if e]
-        worker = metadata("agent-worker-number")
-        index = _integer(worker, "the metadata's agent-worker-number") if worker is not None else None
-        sources["hosts"] = "the TPU VM's metadata"
     nnodes = len(hostnames) or 1
     if args.nnodes is not None:
         if hostnames and args.nnodes != len(hostnames):
-            raise ValueError(f"launch --nnodes {args.nnodes}, but {sources['hosts']} lists {len(hostnames)} hosts "
+            raise ValueError(f"launch --nnodes {args.nnodes}, but {hosts_from} lists {len(hostnames)} hosts "
                              f"({','.join(hostnames)}): drop --nnodes or correct the host list")
         nnodes = args.nnodes
     if args.node_rank is not None:
@@ -108,39 +94,16 @@ def derive_layout(args: argparse.Namespace, environ: Mapping[str, str], *,
     if nnodes > 1 and master is None:
         raise ValueError("launch --nnodes > 1 needs host 0's address: pass --master-addr (or set TPU_WORKER_HOSTNAMES)")
     if args.nnodes is not None or args.node_rank is not None or args.master_addr:
-        sources["hosts"] = "--nnodes/--node-rank/--master-addr" + (f" with {sources['hosts']}" if "hosts" in sources
-                                                                   else "")
-    sources.setdefault("hosts", "one host: no host list in the flags, the environment or a TPU VM's metadata")
-    if nnodes == 1 and "one host" not in sources["hosts"]:
-        sources["hosts"] = f"one host ({sources['hosts']})"
+        hosts_from = "--nnodes/--node-rank/--master-addr" + (f" with {hosts_from}" if hosts_from else "")
+    hosts_from = hosts_from or "one host: no host list in the flags, the environment or a TPU VM's metadata"
+    if nnodes == 1 and "one host" not in hosts_from:
+        hosts_from = f"one host ({hosts_from})"
 
-    if args.nproc_per_node is not None:
-        nproc, sources["nproc"] = args.nproc_per_node, "--nproc-per-node"
-    elif tpu_env.get("CHIPS_PER_HOST_BOUNDS"):
-        nproc = math.prod(_bounds(tpu_env["CHIPS_PER_HOST_BOUNDS"], "CHIPS_PER_HOST_BOUNDS"))
-        sources["nproc"] = "the host's TPU chips, from the metadata's CHIPS_PER_HOST_BOUNDS"
-    elif tpu_chips:
-        nproc, sources["nproc"] = tpu_chips, "the host's TPU chips"
-    elif (count := gpus()) > 0:
-        nproc, sources["nproc"] = count, "the host's CUDA GPUs"
-    else:
-        nproc, sources["nproc"] = 1, "no accelerator found: one process"
-    if nproc < 1:
-        raise ValueError(f"launch --nproc-per-node {nproc}: give at least 1")
-
+    nproc, nproc_from = _processes_here(args, tpu_env, tpu_chips, gpus)
+    sources = {"hosts": hosts_from, "nproc": nproc_from}
     bounds = None
     if nnodes > 1 and (tpu_chips or args.topology):
-        for value, where in ((args.topology, "--topology"), (environ.get("TPU_TOPOLOGY"), "TPU_TOPOLOGY"),
-                             (tpu_env.get("TOPOLOGY"), "the metadata's TOPOLOGY")):
-            if value:
-                bounds = ",".join(str(n) for n in _bounds(value, where))
-                sources["bounds"] = where
-                break
-        if bounds is None and not environ.get("TPU_PROCESS_BOUNDS"):
-            raise ValueError(f"launch: {nnodes} TPU hosts, but the slice's chip grid is unknown: pass --topology "
-                             "(e.g. 2x2x2 for a v5p-16)")
-        if environ.get("TPU_PROCESS_BOUNDS"):
-            bounds, sources["bounds"] = environ["TPU_PROCESS_BOUNDS"], "TPU_PROCESS_BOUNDS, kept"
+        bounds, sources["bounds"] = _process_bounds(args, environ, tpu_env, nnodes)
         chips = math.prod(_bounds(bounds, "TPU_PROCESS_BOUNDS"))
         if chips != nnodes * nproc:
             raise ValueError(f"launch: TPU_PROCESS_BOUNDS {bounds} is {chips} chips, but {nnodes} hosts x {nproc} "
@@ -148,6 +111,55 @@ def derive_layout(args: argparse.Namespace, environ: Mapping[str, str], *,
     return Layout(nnodes=nnodes, node_rank=index, master_addr=master or "127.0.0.1",
                   master_port=args.master_port, nproc_per_node=nproc, process_bounds=bounds,
                   hostnames=tuple(hostnames), sources=sources)
+
+
+def _host_list(environ: Mapping[str, str], metadata: Callable[[str], str | None]
+               ) -> tuple[list[str], int | None, str]:
+    """(every host, host 0 first; this host's index or None; where they came from, "" if nowhere):
+    GKE's variables (or an indexed Job's), else the TPU VM's metadata."""
+    if environ.get("TPU_WORKER_HOSTNAMES"):
+        hostnames = [h for h in environ["TPU_WORKER_HOSTNAMES"].split(",") if h]
+        for name in ("TPU_WORKER_ID", "JOB_COMPLETION_INDEX"):
+            if environ.get(name, "") != "":
+                return hostnames, _integer(environ[name], name), f"TPU_WORKER_HOSTNAMES, {name}"
+        return hostnames, None, "TPU_WORKER_HOSTNAMES"
+    if endpoints := metadata("worker-network-endpoints"):
+        worker = metadata("agent-worker-number")
+        index = _integer(worker, "the metadata's agent-worker-number") if worker is not None else None
+        return [_endpoint_address(e) for e in endpoints.split(",") if e], index, "the TPU VM's metadata"
+    return [], None, ""
+
+
+def _processes_here(args: argparse.Namespace, tpu_env: dict[str, str], tpu_chips: int,
+                    gpus: Callable[[], int]) -> tuple[int, str]:
+    """(processes on this host, one per device; why that many)."""
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1:
+            raise ValueError(f"launch --nproc-per-node {args.nproc_per_node}: give at least 1")
+        return args.nproc_per_node, "--nproc-per-node"
+    if tpu_env.get("CHIPS_PER_HOST_BOUNDS"):
+        return (math.prod(_bounds(tpu_env["CHIPS_PER_HOST_BOUNDS"], "CHIPS_PER_HOST_BOUNDS")),
+                "the host's TPU chips, from the metadata's CHIPS_PER_HOST_BOUNDS")
+    if tpu_chips:
+        return tpu_chips, "the host's TPU chips"
+    if (count := gpus()) > 0:
+        return count, "the host's CUDA GPUs"
+    return 1, "no accelerator found: one process"
+
+
+def _process_bounds(args: argparse.Namespace, environ: Mapping[str, str], tpu_env: dict[str, str],
+                    nnodes: int) -> tuple[str, str]:
+    """(the slice's chip grid as x,y,z, where it came from): a value already set is kept (the one
+    derived is still read, so that a malformed --topology is named)."""
+    derived = next(((",".join(str(n) for n in _bounds(value, where)), where) for value, where in (
+        (args.topology, "--topology"), (environ.get("TPU_TOPOLOGY"), "TPU_TOPOLOGY"),
+        (tpu_env.get("TOPOLOGY"), "the metadata's TOPOLOGY")) if value), None)
+    if environ.get("TPU_PROCESS_BOUNDS"):
+        return environ["TPU_PROCESS_BOUNDS"], "TPU_PROCESS_BOUNDS, kept"
+    if derived is not None:
+        return derived
+    raise ValueError(f"launch: {nnodes} TPU hosts, but the slice's chip grid is unknown: pass --topology "
+                     "(e.g. 2x2x2 for a v5p-16)")
 
 
 def torchrun_argv(layout: Layout, command: list[str]) -> list[str]:
