@@ -17,6 +17,7 @@ are the compiler's own (compile-only, no TPU ran). Needs .venv-tpu (jax + libtpu
 
     PYTHONPATH=$PWD .venv-tpu/bin/python bench/tpu_compile_table.py              # every TPU recipe
     PYTHONPATH=$PWD .venv-tpu/bin/python bench/tpu_compile_table.py configs/llama3_8b_tpu.toml
+    PYTHONPATH=$PWD .venv-tpu/bin/python bench/tpu_compile_table.py --heldout  # the planner's held-out set
     .venv/bin/python -m titan_tpu.tools.recipe_table                              # docs/tpu_recipes.md
 
 The table is rendered from the reports and today's planner by titan_tpu/tools/recipe_table.py
@@ -32,10 +33,9 @@ import os
 import subprocess
 import sys
 
+from titan_tpu.tools.recheck import ENV  # what a compile-only libtpu client needs of its environment
+
 GiB = 1024**3
-# A compile-only libtpu client takes no device: let it load beside another process's (libtpu's
-# lockfile otherwise refuses); keep torch-tpu from looking for a TPU.
-ENV = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TPU_SKIP_MDS_QUERY": "1"}
 
 
 def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | None) -> dict:
@@ -43,11 +43,8 @@ def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | No
     import shutil
     import time
 
-    from titan_tpu.config import build_config
-    from titan_tpu.plan.topology import recipe_topology
-    from titan_tpu.run.setup import prepare_run
     from titan_tpu.tools.compile_cmd import compile_step_for_tpu
-    from titan_tpu.tools.hf_shape_dir import ensure
+    from titan_tpu.tools.recheck import recipe_target
     from titan_tpu.tools.recipe_table import provenance
     from titan_tpu.xla.numbers import xla_dump_env
 
@@ -55,11 +52,8 @@ def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | No
     # what XLA holds at its peak: titan_tpu.xla.dump.py).
     kept = os.path.join(dumps, os.path.basename(recipe).removesuffix(".toml")) if dumps else None
     xla_dump = xla_dump_env(kept)
-    cfg = build_config(recipe, overrides)
-    ensure(cfg.model.hf_config, log=lambda message: print(message, file=sys.stderr))  # a recipe's weightless stand-in
-    cfg = prepare_run(cfg).cfg
-    if topology is None:  # the slice the recipe names (one of its parallelism.slices)
-        topology = recipe_topology(cfg)
+    cfg, named = recipe_target(recipe, overrides)  # the slice the recipe names (one of its parallelism.slices)
+    topology = topology or named
     start = time.perf_counter()
     try:
         report = compile_step_for_tpu(cfg, topology, xla_dump=xla_dump)
@@ -85,6 +79,8 @@ def main() -> None:
                         "or --override, none unless given)")
     parser.add_argument("--dumps", help="keep XLA's dump of each recipe in DIR/<recipe> (buffer assignment, live "
                         "ranges: python -m titan_tpu.xla.dump DIR/<recipe> prints its peak's values)")
+    parser.add_argument("--heldout", action="store_true", help="compile the planner's held-out set "
+                        "(bench/planner_heldout.toml; recipes then names its rows) into bench/results/xla_heldout")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     if args.one:
@@ -95,30 +91,38 @@ def main() -> None:
             sys.exit(2)
         return
     from titan_tpu.tools.compile_cmd import child_error_line
-    from titan_tpu.tools.recipe_table import REPORTS, provenance, stage_line
+    from titan_tpu.tools.recipe_table import HELDOUT_REPORTS, REPORTS, heldout_rows, provenance, stage_line
 
-    reports = args.reports or (None if args.topology or args.override else str(REPORTS))
-    for recipe in args.recipes or sorted(glob.glob("configs/*_tpu.toml")):
-        command = [sys.executable, __file__, recipe, "--one", *(f"--override={o}" for o in args.override),
+    if args.heldout:  # the planner's held-out set: (name, recipe, its overrides) per row
+        jobs = [(row["name"], row["recipe"], [*row["overrides"], *args.override]) for row in heldout_rows()
+                if not args.recipes or row["name"] in args.recipes]
+        reports = args.reports or str(HELDOUT_REPORTS)
+    else:
+        jobs = [(os.path.basename(recipe).removesuffix(".toml"), recipe, args.override)
+                for recipe in args.recipes or sorted(glob.glob("configs/*_tpu.toml"))]
+        reports = args.reports or (None if args.topology or args.override else str(REPORTS))
+    for name, recipe, overrides in jobs:
+        command = [sys.executable, __file__, recipe, "--one", *(f"--override={o}" for o in overrides),
                    *(["--topology", args.topology] if args.topology else []),
                    *(["--dumps", os.path.abspath(args.dumps)] if args.dumps else [])]
         try:
-            done = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=args.timeout)
+            done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ENV},
+                                  timeout=args.timeout)
         except subprocess.TimeoutExpired:
             done = None
         if done is None or done.returncode != 0:
             reason = f"stopped after {args.timeout:.0f} s" if done is None else child_error_line(done.stderr)
-            print(f"{recipe}: failed: {reason}", flush=True)
-            report = {"error": reason, **provenance(recipe)}  # the table says why it has no numbers
+            print(f"{name}: failed: {reason}", flush=True)
+            # the table says why it has no numbers
+            report = {"error": reason, "config": " ".join([recipe, *overrides]), **provenance(recipe)}
         else:
             report = json.loads(done.stdout.strip().splitlines()[-1])
         if reports:
             os.makedirs(reports, exist_ok=True)
-            name = os.path.basename(recipe).removesuffix(".toml")
             with open(os.path.join(reports, f"{name}.json"), "w") as f:
                 json.dump(report, f, indent=1)
         if "error" not in report:
-            print(stage_line(recipe, report), flush=True)
+            print(stage_line(name, report), flush=True)
 
 
 if __name__ == "__main__":

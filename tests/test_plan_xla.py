@@ -164,3 +164,66 @@ def test_placed_values_read_the_temporaries_allocation_with_offsets_and_live_ran
     at, alive = live_in_allocation(values)
     assert at == 3 and [v.name for v in alive] == ["fusion.2{1}", "fusion.1"]
     assert [v.name for v in live_in_allocation(values, at=5)[1]] == ["fusion.2{1}"]
+
+
+# A layer loop as lax.scan leaves it after XLA's passes (its trip count in the condition), the body
+# calling a fusion with a dot and running an inner loop whose trip count XLA knows.
+_LOOP_HLO = "\n".join([
+    "HloModule loops",
+    "",
+    "%fused_dot (p0: bf16[8,64], p1: bf16[64,32]) -> bf16[8,32] {",
+    "  %p0 = bf16[8,64]{1,0} parameter(0)",
+    "  %p1 = bf16[64,32]{1,0} parameter(1)",
+    "  ROOT %dot.1 = bf16[8,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+    "}",
+    "",
+    "%inner_body (q: (s32[], bf16[8,64])) -> (s32[], bf16[8,64]) {",
+    "  %q = (s32[], bf16[8,64]) parameter(0)",
+    "  %x = bf16[8,64]{1,0} get-tuple-element(%q), index=1",
+    "  %dot.2 = bf16[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={1}",
+    "  ROOT %t = (s32[], bf16[8,64]) tuple(%i, %x)",
+    "}",
+    "",
+    "%inner_cond (q: (s32[], bf16[8,64])) -> pred[] {",
+    "  ROOT %c = pred[] constant(true)",
+    "}",
+    "",
+    "%layer_body (p: (s32[], bf16[8,64], bf16[64,32])) -> (s32[], bf16[8,64], bf16[64,32]) {",
+    "  %p = (s32[], bf16[8,64], bf16[64,32]) parameter(0)",
+    "  %a = bf16[8,64]{1,0} get-tuple-element(%p), index=1",
+    "  %w = bf16[64,32]{1,0} get-tuple-element(%p), index=2",
+    "  %fusion.1 = bf16[8,32]{1,0} fusion(%a, %w), kind=kOutput, calls=%fused_dot",
+    '  %while.2 = (s32[], bf16[8,64]) while(%t0), condition=%inner_cond, body=%inner_body, '
+    'backend_config={"known_trip_count":{"n":"3"}}',
+    "  ROOT %r = (s32[], bf16[8,64], bf16[64,32]) tuple(%i, %a, %w)",
+    "}",
+    "",
+    "%layer_cond (p: (s32[], bf16[8,64], bf16[64,32])) -> pred[] {",
+    "  %constant.7 = s32[]{:T(128)} constant(36)",
+    "  %p = (s32[], bf16[8,64], bf16[64,32]) parameter(0)",
+    "  %i = s32[]{:T(128)} get-tuple-element(%p), index=0",
+    "  ROOT %lt.1 = pred[]{:T(512)} compare(%i, %constant.7), direction=LT",
+    "}",
+    "",
+    "ENTRY %main (a: bf16[8,64], w: bf16[64,32]) -> bf16[8,32] {",
+    "  %a = bf16[8,64]{1,0} parameter(0)",
+    "  %w = bf16[64,32]{1,0} parameter(1)",
+    "  %while.1 = (s32[], bf16[8,64], bf16[64,32]) while(%t), condition=%layer_cond, body=%layer_body",
+    "  ROOT %fusion.9 = bf16[8,32]{1,0} fusion(%a, %w), kind=kOutput, calls=%fused_dot",
+    "}",
+    ""])
+
+
+def test_matmul_flops_as_run_count_a_loop_body_its_trip_count_times(tmp_path):
+    """XLA's cost analysis counts a while loop's body once; as_run counts it as often as it runs: the
+    layer loop's 36 trips read from its condition (i < 36), an inner loop's 3 from XLA's known trip
+    count, a fusion as often as its caller."""
+    from titan_tpu.xla.dump import computation_runs, matmul_flops
+
+    (tmp_path / "p.txt").write_text(_LOOP_HLO)
+    (tmp_path / "p-live-range.txt").write_text("")
+    runs = computation_runs(_LOOP_HLO)
+    assert (runs["main"], runs["layer_body"], runs["inner_body"], runs["fused_dot"]) == (1, 36, 108, 37)
+    projection, gram = 2 * 8 * 32 * 64, 2 * 8 * 8 * 64
+    assert matmul_flops(tmp_path / "p") == projection + gram  # each instruction once
+    assert matmul_flops(tmp_path / "p", as_run=True) == 37 * projection + 108 * gram

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["child_error_line", "compile_main", "compile_step_for_tpu"]
+__all__ = ["child_error_line", "compile_main", "compile_step_for_tpu", "fingerprints_for_tpu"]
 
 GiB = 1024**3
 
@@ -105,20 +105,11 @@ def _force_cpu_devices(target: str) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
-def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_dump: Path | None = None) -> dict:
-    """Compile `cfg`'s step for the topology, built by the code that trains (components/program.py:
-    the run resolved for the slice's devices, then rank 0's program assembled on a fake world and
-    captured); returns the report (see the module docstring). With gradient accumulation its two
-    programs (micro-batch and update) are each compiled; the step's peak is the larger of theirs
-    (between them only their arguments are alive). xla_dump: the directory XLA_FLAGS=--xla_dump_to
-    names (`xla_dump_env`), for the collectives XLA kept and the values alive at its peak; None: both
-    from what can be read without it."""
-    from titan_tpu.components.program import capture_rank
-    from titan_tpu.graph.jax_devices import cpu_devices, slice_major, slices_of_replicas, tpu_topology
+def _target(cfg, topology_name: str) -> tuple[str, list, object]:
+    """(platform, the slice's devices slice by slice, the hardware the run plans on) of a compile
+    target: a TPU topology (libtpu's compile-only devices) or cpu:N."""
+    from titan_tpu.graph.jax_devices import cpu_devices, slice_major, tpu_topology
     from titan_tpu.plan.hardware import HARDWARE
-    from titan_tpu.plan.xla_compare import formula_as_xla_counts
-    from titan_tpu.run.resolved import Target
-    from titan_tpu.xla.numbers import compile_program, hlo_collectives, pallas_kernels
 
     platform = "cpu" if topology_name.startswith("cpu:") else "tpu"
     slices = cfg.parallelism.slices
@@ -129,7 +120,38 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
         slice_major(tpu_topology(topology_name, slices).devices)
     generation = topology_name.split(":")[0].replace("tpu7x", "v7")
     # A CPU target plans on the hardware the config names, as the run on this CPU does.
-    hardware = HARDWARE.get(generation) if platform == "tpu" else None
+    return platform, devices, HARDWARE.get(generation) if platform == "tpu" else None
+
+
+def fingerprints_for_tpu(cfg, topology_name: str) -> dict[str, str]:
+    """The fingerprint of each program `compile_step_for_tpu` compiles for the topology, with no
+    compile: the step captured and lowered as there (the lowering is cheap next to XLA's compile),
+    so a compile report can be re-checked against today's code (tools/recheck.py)."""
+    from titan_tpu.components.program import capture_rank
+    from titan_tpu.graph.jax_program import jax_mesh, lower_step
+    from titan_tpu.run.resolved import Target
+
+    platform, devices, hardware = _target(cfg, topology_name)
+    _run, steps, _example = capture_rank(cfg, Target.for_jax(platform, len(devices)), hardware=hardware)
+    return {name: lower_step(step, jax_mesh(step, devices), name).fingerprint for name, step in steps.items()}
+
+
+def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_dump: Path | None = None) -> dict:
+    """Compile `cfg`'s step for the topology, built by the code that trains (components/program.py:
+    the run resolved for the slice's devices, then rank 0's program assembled on a fake world and
+    captured); returns the report (see the module docstring). With gradient accumulation its two
+    programs (micro-batch and update) are each compiled; the step's peak is the larger of theirs
+    (between them only their arguments are alive). xla_dump: the directory XLA_FLAGS=--xla_dump_to
+    names (`xla_dump_env`), for the collectives XLA kept and the values alive at its peak; None: both
+    from what can be read without it."""
+    from titan_tpu.components.program import capture_rank
+    from titan_tpu.graph.jax_devices import slices_of_replicas
+    from titan_tpu.plan.xla_compare import formula_as_xla_counts
+    from titan_tpu.run.resolved import Target
+    from titan_tpu.xla.numbers import compile_program, hlo_collectives, pallas_kernels
+
+    platform, devices, hardware = _target(cfg, topology_name)
+    slices = cfg.parallelism.slices
     start = time.perf_counter()
     run, steps, example = capture_rank(cfg, Target.for_jax(platform, len(devices)), hardware=hardware)
     capture_s = time.perf_counter() - start
@@ -165,8 +187,10 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
         "bytes_accessed_per_chip": sum(runs[name] * (p["bytes_accessed"] or 0.0) for name, p in programs.items()),
         # XLA's TPU cost model's time for a step (cost analysis's optimal_seconds, summed as the step
         # runs its programs); like its FLOPs, a scanned layer loop's body counts once. None off a TPU.
-        "xla_optimal_seconds_per_step": sum(runs[name] * p["optimal_seconds"] for name, p in programs.items())
-        if all(p.get("optimal_seconds") is not None for p in programs.values()) else None,
+        "xla_optimal_seconds_per_step": _per_step(programs, runs, "optimal_seconds"),
+        # the same with each loop counted as many times as it runs (xla/numbers.py as_run_seconds)
+        "xla_optimal_seconds_per_step_as_run": _per_step(programs, runs, "optimal_seconds_as_run"),
+        "xla_matmul_flops_per_chip_as_run": _per_step(programs, runs, "matmul_flops_as_run"),
         "tokens_per_chip": tokens_per_chip,
         "formula_flops_per_chip": flops_per_token * tokens_per_chip,
         "formula_as_xla_counts_per_chip": formula_as_xla_counts(cfg, run.kernel_notes, tokens_per_chip,
@@ -189,6 +213,13 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
                               if any(p["xla_stages"] for p in programs.values())},
     }
     return report
+
+
+def _per_step(programs: dict, runs: dict, key: str) -> float | None:
+    """A per-program number summed as the step runs its programs (the micro-batch program once per
+    micro-batch); None where a program lacks it."""
+    values = [p.get(key) for p in programs.values()]
+    return None if None in values else sum(runs[name] * p[key] for name, p in programs.items())
 
 
 def _formula_flops_per_token(run, *, images=None) -> float:
@@ -258,10 +289,14 @@ def _format(report: dict) -> str:
     if report.get("loop_body_counted_once"):
         lines.append("  (scanned layers: XLA counts each while loop's body once, so its FLOPs are the step outside "
                      "the layers plus one layer's forward and backward)")
-    if report.get("xla_optimal_seconds_per_step") is not None:
-        lines.append(f"  XLA's own time estimate {report['xla_optimal_seconds_per_step']:.3f} s per step (its cost "
-                     "model's optimal_seconds" + ("; a scanned loop's body counted once, as its FLOPs are)"
-                                                 if report.get("loop_body_counted_once") else ")"))
+    as_run, once = report.get("xla_optimal_seconds_per_step_as_run"), report.get("xla_optimal_seconds_per_step")
+    if as_run is not None:
+        lines.append(f"  XLA's own time estimate {as_run:.3f} s per step (its cost model's optimal_seconds"
+                     + (f"; {once:.3f} s as it counts, each loop's body once, scaled by the program's matmul "
+                        "FLOPs as it runs them)" if as_run != once else ")"))
+    elif once is not None:
+        lines.append(f"  XLA's own time estimate {once:.3f} s per step (its cost model's optimal_seconds; a loop's "
+                     "body counted once)")
     if report["bytes_accessed_per_chip"] is not None:
         lines.append(f"  bytes accessed {report['bytes_accessed_per_chip'] / GiB:.3f} GiB")
     lines.append("  kernels: " + ", ".join(f"{op} {name}" for op, name in report["kernels"].items()))

@@ -30,6 +30,9 @@ __all__ = ["REPORTS", "PAGE", "Row", "provenance", "recipe_hash", "render", "row
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 REPORTS = ROOT / "bench/results/xla"
+# The planner's held-out set (its validation, apart from the recipes it was calibrated on) and its reports.
+HELDOUT = ROOT / "bench/planner_heldout.toml"
+HELDOUT_REPORTS = ROOT / "bench/results/xla_heldout"
 PAGE = ROOT / "docs/tpu_recipes.md"
 GiB = 1024**3
 # How close the planner must stay to XLA, on every compiled row (tests/test_tpu_recipes.py).
@@ -53,6 +56,11 @@ def saved_report(config: str | Path) -> Path | None:
         return None
     report = json.loads(path.read_text())
     return path if "error" not in report and report.get("recipe_sha") == recipe_hash(config) else None
+
+
+def heldout_rows() -> list[dict]:
+    """The held-out set's rows (bench/planner_heldout.toml): name, recipe, overrides, varies."""
+    return tomllib.loads(HELDOUT.read_text())["row"]
 
 
 def _version(package: str) -> str:
@@ -112,6 +120,12 @@ class Row:
     topology: str
     backend: str  # the recipe's compile.backend: "jax" runs the program the report certifies
     counted: float | None = None  # today's FLOP formula counted as XLA counts, for the report's step
+    plan_seconds: float | None = None  # the planner's step time for the compiled program
+    model_flops: float = 0.0  # the model FLOPs per step per chip MFU counts (the planner's)
+    peak_flops: float = 0.0  # the chip's dense bf16 peak, FLOP/s
+    name: str = ""  # a held-out row's name (bench/planner_heldout.toml); "" for a recipe
+    varies: str = ""  # a held-out row: what it varies from its recipe
+    moved: str = ""  # what re-lowering found moved in its programs (tools/recheck.py), "" when not re-checked or same
 
     @property
     def mfu_count(self) -> bool:
@@ -129,9 +143,40 @@ class Row:
             return self.report["formula_as_xla_counts_per_chip"]
         return self.report["formula_flops_per_chip"]
 
+    @property
+    def xla_seconds(self) -> float | None:
+        """XLA's time estimate for the step with its loops counted as they run (xla/numbers.py
+        as_run_seconds), None where the report has none."""
+        return (self.report or {}).get("xla_optimal_seconds_per_step_as_run")
+
+    @property
+    def compiled(self) -> bool:
+        return self.report is not None and "error" not in self.report
+
 
 def rows(reports: Path = REPORTS) -> list[Row]:
     """Every configs/*_tpu.toml, with its report when there is one and today's plan beside it."""
+    out = []
+    for recipe in sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("configs/*_tpu.toml")):
+        path = reports / f"{Path(recipe).stem}.json"
+        report = json.loads(path.read_text()) if path.exists() else None
+        out.append(planned_row(recipe, [], report))
+    return out
+
+
+def heldout_table(reports: Path = HELDOUT_REPORTS) -> list[Row]:
+    """The held-out set's rows (bench/planner_heldout.toml), with their reports where compiled."""
+    out = []
+    for entry in heldout_rows():
+        path = reports / f"{entry['name']}.json"
+        report = json.loads(path.read_text()) if path.exists() else None
+        out.append(planned_row(entry["recipe"], entry["overrides"], report, name=entry["name"],
+                               varies=entry["varies"]))
+    return out
+
+
+def planned_row(recipe: str, overrides: list[str], report: dict | None, *, name: str = "", varies: str = "") -> Row:
+    """A recipe (with overrides) planned by today's planner, beside its compile report."""
     from titan_tpu.config import build_config
     from titan_tpu.models.spec import model_spec
     from titan_tpu.plan.planner import plan_config
@@ -140,39 +185,40 @@ def rows(reports: Path = REPORTS) -> list[Row]:
     from titan_tpu.run.setup import prepare_run
     from titan_tpu.tools.hf_shape_dir import ensure
 
-    out = []
-    for recipe in sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("configs/*_tpu.toml")):
-        path = reports / f"{Path(recipe).stem}.json"
-        report = json.loads(path.read_text()) if path.exists() else None
-        with planning_machine():
-            cfg = build_config(ROOT / recipe, [])
-            ensure(cfg.model.hf_config, log=lambda message: None)  # a Transformers-backend recipe's stand-in
-            setup = prepare_run(cfg)
-            cfg = setup.cfg
-        hardware, chips = default_hardware(cfg, measure=False)
-        topology = _slices({"slices": cfg.parallelism.slices}) + topology_for_chips(
-            hardware.name, chips // cfg.parallelism.slices)
-        plan = plan_config(cfg, hardware, chips=chips, measure=False)
-        counted = None
-        if report is not None and "error" not in report:  # today's formula, on the compiled step's tokens
-            from titan_tpu.plan.xla_compare import formula_as_xla_counts
-            from titan_tpu.run.resolved import Target, resolve_run
+    with planning_machine():
+        cfg = build_config(ROOT / recipe, list(overrides))
+        ensure(cfg.model.hf_config, log=lambda message: None)  # a Transformers-backend recipe's stand-in
+        setup = prepare_run(cfg)
+        cfg = setup.cfg
+    hardware, chips = default_hardware(cfg, measure=False)
+    topology = _slices({"slices": cfg.parallelism.slices}) + topology_for_chips(
+        hardware.name, chips // cfg.parallelism.slices)
+    plan = plan_config(cfg, hardware, chips=chips, measure=False)
+    counted = None
+    if report is not None and "error" not in report:  # today's formula, on the compiled step's tokens
+        from titan_tpu.plan.xla_compare import formula_as_xla_counts
+        from titan_tpu.run.resolved import Target, resolve_run
 
-            tokens = report.get("tokens_per_chip") or report["formula_flops_per_chip"] / \
-                model_spec(cfg.model).flops_per_token(None, cfg.training.seq_len)[0]
-            schedule = resolve_run(setup, Target(world_size=None), runnable=False).pipeline
-            counted = formula_as_xla_counts(cfg, report["kernels"], tokens, schedule=schedule,
-                                            topology=report["topology"])
-        compiled = plan_config(cfg, hardware, chips=chips, measure=False, as_compiled=True)
-        out.append(Row(recipe=recipe, report=report, stale=_stale(report, recipe), plan_peak=plan.peak_bytes,
-                       plan_peak_compiled=compiled.peak_bytes, plan_flops=plan.flops["executed_per_step_per_device"],
-                       topology=topology, backend=cfg.compile.backend, counted=counted))
-    return out
+        tokens = report.get("tokens_per_chip") or report["formula_flops_per_chip"] / \
+            model_spec(cfg.model).flops_per_token(None, cfg.training.seq_len)[0]
+        schedule = resolve_run(setup, Target(world_size=None), runnable=False).pipeline
+        counted = formula_as_xla_counts(cfg, report["kernels"], tokens, schedule=schedule,
+                                        topology=report["topology"])
+    compiled = plan_config(cfg, hardware, chips=chips, measure=False, as_compiled=True)
+    return Row(recipe=recipe, report=report, stale=_stale(report, recipe, overrides), plan_peak=plan.peak_bytes,
+               plan_peak_compiled=compiled.peak_bytes, plan_flops=plan.flops["executed_per_step_per_device"],
+               topology=topology, backend=cfg.compile.backend, counted=counted,
+               plan_seconds=compiled.time.get("step_s"), model_flops=compiled.flops["model_per_step_per_device"],
+               peak_flops=hardware.peak_flops, name=name, varies=varies)
 
 
-def _stale(report: dict | None, recipe: str) -> bool:
-    """Whether the recipe changed after its compile (or its failed one)."""
-    return report is not None and report.get("recipe_sha") != recipe_hash(ROOT / recipe)
+def _stale(report: dict | None, recipe: str, overrides: list[str] = ()) -> bool:
+    """Whether the recipe (or a held-out row's overrides) changed after its compile (or its failed one)."""
+    if report is None:
+        return False
+    if report.get("recipe_sha") != recipe_hash(ROOT / recipe):
+        return True
+    return bool(overrides) and report.get("config") != " ".join([recipe, *overrides])
 
 
 def _gib(value: float) -> str:

@@ -32,8 +32,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PeakValue", "PlacedValue", "compile_stages", "f8_dots", "format_peak", "live_in_allocation",
-           "matmul_flops", "optimized_hlo", "peak_values", "placed_values", "tpu_programs"]
+__all__ = ["PeakValue", "PlacedValue", "compile_stages", "computation_runs", "f8_dots", "format_peak",
+           "live_in_allocation", "loop_trip_count", "matmul_flops", "optimized_hlo", "peak_values", "placed_values",
+           "tpu_programs"]
 
 
 @dataclass(frozen=True)
@@ -128,31 +129,93 @@ def compile_stages(program: str | Path) -> dict[str, float]:
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* (\w[\w\-]*)\(([^)]*)\)(.*)$")
 
 
-def matmul_flops(program: str | Path) -> float:
+def matmul_flops(program: str | Path, *, as_run: bool = False) -> float:
     """2 x the multiply-adds of every dot and convolution in a dumped program's optimized HLO (a
     prefix from `tpu_programs`, or a dump directory: its largest program): a dot's output elements
     times its contracted size; a convolution's only over the window taps that fall inside its
     input (XLA expresses batched and outer products as convolutions with padded windows, whose
-    padding multiplies nothing). Each instruction once: a loop body counts once, as in XLA's cost
-    analysis; nothing inside a custom call (a Pallas kernel)."""
+    padding multiplies nothing). Nothing inside a custom call (a Pallas kernel). Each instruction
+    once, as XLA's cost analysis counts a loop body once; as_run: each as many times as its
+    computation runs (a while loop's body times its trip count, `computation_runs`)."""
+    text = optimized_hlo(program)
+    runs = computation_runs(text) if as_run else {}
     shapes, matmuls = {}, []
-    for line in optimized_hlo(program).splitlines():
+    computation = None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group(1)
+            continue
         m = _INSTRUCTION.match(line.split(", metadata=")[0])
         if not m:
             continue
         name, _dtype, dims, op, operands, attributes = m.groups()
         shapes[name] = [int(d) for d in dims.split(",") if d]
         if op in ("dot", "convolution"):
-            matmuls.append((shapes[name], op, re.findall(r"%([\w.\-]+)", operands), attributes))
+            times = runs.get(computation, 1) if as_run else 1
+            matmuls.append((times, shapes[name], op, re.findall(r"%([\w.\-]+)", operands), attributes))
     total = 0.0
-    for out, op, (lhs, rhs), attributes in matmuls:
+    for times, out, op, (lhs, rhs), attributes in matmuls:
         if op == "dot":
             contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attributes).group(1)
             size = math.prod(shapes[lhs][int(d)] for d in contracted.split(",") if d)
-            total += 2.0 * math.prod(out) * size
+            total += times * 2.0 * math.prod(out) * size
         else:
-            total += 2.0 * _convolution_macs(out, shapes[lhs], shapes[rhs], attributes)
+            total += times * 2.0 * _convolution_macs(out, shapes[lhs], shapes[rhs], attributes)
     return total
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{\s*$")
+_CALLED = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def loop_trip_count(instruction: str, computations: dict[str, list[str]]) -> int | None:
+    """How many times a while instruction of the optimized HLO runs its body: the trip count XLA
+    knows (backend_config known_trip_count) or, as a lax.scan's loop reads, the constant its
+    condition compares a counter from 0 against (`i < N`); None when it is neither."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instruction)
+    if known:
+        return int(known.group(1))
+    condition = re.search(r"condition=%([\w.\-]+)", instruction).group(1)
+    lines = computations.get(condition, [])
+    constants = dict(re.findall(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", "\n".join(lines)))
+    for line in lines:
+        m = re.search(r"ROOT %\S+ = pred\[\]\S* compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT", line)
+        if m and m.group(1) in constants:
+            return int(constants[m.group(1)])
+    return None
+
+
+def computation_runs(text: str) -> dict[str, int]:
+    """How many times each computation of an optimized HLO module runs per run of the program: the
+    entry once, a while loop's body its trip count times its caller's count (`loop_trip_count`; an
+    unknown trip count counts once), anything else called (a fusion, a reduction's function, each
+    branch of a conditional) as often as its caller."""
+    computations, entry, current = {}, None, None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header.group(1)
+            computations[current] = []
+            entry = current if line.startswith("ENTRY ") else entry
+        elif current is not None and line.strip() != "}":
+            computations[current].append(line)
+    runs: dict[str, int] = {}
+
+    def visit(name: str, times: int) -> None:
+        runs[name] = runs.get(name, 0) + times
+        for line in computations.get(name, []):
+            trips = (loop_trip_count(line, computations) or 1) if " while(" in line else 1
+            for kind, called in _CALLED.findall(line):
+                visit(called, times * (trips if kind == "body" else 1))
+            for branches in _BRANCHES.findall(line):
+                for called in re.findall(r"%([\w.\-]+)", branches):
+                    visit(called, times)
+
+    if entry is not None:
+        visit(entry, 1)
+    return runs
 
 
 def _convolution_macs(out: list[int], lhs: list[int], rhs: list[int], attributes: str) -> int:

@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["compile_program", "hlo_collectives", "host_memory_guard", "pallas_kernels", "step_platform",
-           "xla_dump_env", "xla_numbers"]
+__all__ = ["as_run_seconds", "compile_program", "hlo_collectives", "host_memory_guard", "pallas_kernels",
+           "step_platform", "xla_dump_env", "xla_numbers"]
 
 
 PEAK_VALUES = 12  # the largest values alive at XLA's peak kept in the report
@@ -108,12 +108,12 @@ def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump:
     cpu_s = time.process_time() - cpu_start
     kinds, peak, cost = xla_numbers(compiled.memory_analysis(), compiled.cost_analysis())
     new = sorted(tpu_programs(xla_dump) - before) if xla_dump is not None else []
-    at_peak, stages, matmuls = [], {}, None
+    at_peak, stages, matmuls, matmuls_as_run = [], {}, None, None
     if new:  # XLA dumped the program (XLA_FLAGS=--xla_dump_to): its optimized HLO, what its peak holds
         text, collectives_from = optimized_hlo(new[-1]), "optimized HLO"
         at_peak = [dataclasses.asdict(v) for v in peak_values(new[-1])[:PEAK_VALUES]]
         stages = compile_stages(new[-1])
-        matmuls = matmul_flops(new[-1])
+        matmuls, matmuls_as_run = matmul_flops(new[-1]), matmul_flops(new[-1], as_run=True)
     else:
         # libtpu 0.0.52 cannot print some async collectives it made (a RET_CHECK, logged at length)
         text, collectives_from = lowered_text, "StableHLO, before XLA's passes"
@@ -125,13 +125,30 @@ def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump:
     return {"memory": kinds,
             "peak": peak, "fingerprint": lowered.fingerprint,
             "flops": cost.get("flops"), "matmul_flops": matmuls, "bytes_accessed": cost.get("bytes accessed"),
-            # the TPU compiler's own estimate of the program's time (its cost model; absent on XLA:CPU)
+            # the TPU compiler's own estimate of the program's time (its cost model; absent on XLA:CPU),
+            # a loop body's once, as its FLOPs; and scaled to the program as it runs
             "optimal_seconds": cost.get("optimal_seconds"),
+            "matmul_flops_as_run": matmuls_as_run,
+            "optimal_seconds_as_run": as_run_seconds(cost.get("optimal_seconds"), matmuls, matmuls_as_run),
             "lower_seconds": lower_s, "compile_seconds": compile_s, "cpu_seconds": cpu_s,
             "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),
             "f8_dots": f8_dots(text),  # matmuls on float8 operands (fp8 recipes), loop bodies once
             "at_peak": at_peak, "xla_stages": stages, "text": text, "lowered_text": lowered_text,
             "collectives_from": collectives_from}
+
+
+def as_run_seconds(optimal_seconds: float | None, matmuls: float | None, matmuls_as_run: float | None
+                   ) -> float | None:
+    """XLA's time estimate for a program as it runs, its loops counted as many times as they run.
+    Its cost analysis counts a while loop's body once (a scan of 8 matmuls costs one), and gives no
+    time per computation, so the estimate is scaled by the matmul FLOPs of the optimized program
+    run as it runs over counted once (xla/dump.py `matmul_flops`: a body times its trip count): the
+    loop body's share of the time taken as its share of the matmul work. Exact where every part
+    of the program runs at one rate; bench/xla_cost_model.py measures it against the unrolled
+    program's own estimate. The estimate itself where nothing loops; None where unknown."""
+    if optimal_seconds is None or matmuls is None or matmuls_as_run is None:
+        return None
+    return optimal_seconds if matmuls == matmuls_as_run or not matmuls else optimal_seconds * matmuls_as_run / matmuls
 
 
 def step_platform(devices) -> str:
