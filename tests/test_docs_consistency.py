@@ -6,6 +6,7 @@ fails here with its name and line. History (log.md, planner_log.md) keeps the nu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from test_docs_commands import FENCE, continues
+from test_features import hf_dir, refusal  # noqa: F401 (hf_dir: the fixture)
 
 from titan_tpu.config import build_config
 from titan_tpu.plan.fp8 import FP8_CAST_BYTES_PER_ELEMENT, fp8_beside
@@ -483,3 +485,136 @@ def test_a_stated_number_is_its_sources(page, pattern, truth):
                              "reading this claim must follow its rewrite")
     said = found[0] if isinstance(found[0], tuple) else (found[0],)
     assert said == truth(), f"docs/{page} says {said} where {pattern!r}; the source says {truth()}"
+
+
+# ----------------------------------------------------------------------------------------------
+# What the reference pages say runs, and what they say is refused
+#
+# A capability or a limitation on limits.md or features.md, as a phrase the page holds and the
+# check that the code does what it says: a combination accepted or refused by the checks a run
+# makes before it builds anything (tests/test_features.py's `refusal`), a kind or a model family
+# registered, the test that shows a feature working. A phrase that is gone fails with its row.
+
+DEBUG = ["--training.device", "cpu"]
+PP = ["--parallelism.pp", "2", "--parallelism.dp_shard", "1", "--model.scan_layers", "true"]
+MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debug"]
+MTP = ["--model.name", "deepseek_v3", "--model.flavor", "debug", "--model.mtp_num_layers", "1"]
+
+
+def _runs(*overrides: str) -> str | None:
+    reason = refusal([*DEBUG, *overrides])
+    return None if reason is None else f"refused: {reason}"
+
+
+def _refused(*overrides: str, hf: Path | None = None) -> str | None:
+    model = ["--model.name", "hf", "--model.hf_config", str(hf)] if hf else []
+    return None if refusal([*DEBUG, *model, *overrides]) else f"{' '.join(overrides)} is accepted"
+
+
+def _has_test(path: str, *names: str) -> str | None:
+    text = (ROOT / path).read_text() if (ROOT / path).exists() else ""
+    missing = [name for name in names if f"def {name}" not in text and name not in text]
+    return f"{path} lacks {missing}" if missing else None
+
+
+def _hub_id_refused() -> str | None:
+    from titan_tpu.models.hf.config import load_hf_config
+
+    try:
+        load_hf_config("Qwen/Qwen3-0.6B")
+    except FileNotFoundError:
+        return None
+    return "model.hf_config took a Hub id"
+
+
+def _one_jax_device_per_process() -> str | None:
+    from titan_tpu.jax_start import check_jax_devices
+
+    try:
+        check_jax_devices("tpu", local=2, total=2, world_size=1)
+    except ValueError:
+        return None
+    return "a process with two JAX devices was accepted"
+
+
+def _kinds() -> str | None:
+    from titan_tpu.kinds import KINDS
+
+    return None if set(KINDS) == {"next_token", "dpo", "orpo", "grpo"} else f"the kinds are {sorted(KINDS)}"
+
+
+def _families() -> str | None:
+    from titan_tpu.models.registry import MODEL_NAMES
+
+    want = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
+    return None if tuple(MODEL_NAMES) == want else f"the native families are {MODEL_NAMES}"
+
+
+def _pp_schedules() -> str | None:
+    from titan_tpu.config import ParallelismConfig
+
+    keys = [f.name for f in dataclasses.fields(ParallelismConfig) if f.name.startswith("pp")]
+    return None if keys == ["pp", "pp_microbatches", "pp_repeats"] else f"the pipeline keys are {keys}"
+
+
+def _vision_tower_planned() -> str | None:
+    parts = _plan("qwen2_5_vl_7b_tpu").params["parts"]
+    return None if parts.get("vision_tower") else f"the VLM plan has no vision tower: {sorted(parts)}"
+
+
+# (page, phrase, check: None when the code does what the phrase says, else what it does)
+CAPABILITIES = [
+    ("limits.md", "The JAX path takes one device per process", lambda hf: _one_jax_device_per_process()),
+    ("limits.md", "native dense models (no MoE, no multi-token prediction) with scanned layers",
+     lambda hf: _runs(*PP) or _refused(*PP, *MOE) or _refused(*PP, *MTP)
+     or _refused(*PP[:4], "--model.scan_layers", "false")),
+    ("limits.md", "eager and graph mode and lowered for a TPU as one program",
+     lambda hf: _runs(*PP, "--training.mode", "graph")
+     or _has_test("tests/tpu/test_pipeline_lowering.py", "test_lowered_pipeline_step_equals_eager_step")),
+    ("limits.md", "composed with dp_replicate, dp_shard and tp",
+     lambda hf: _runs(*PP, "--parallelism.tp", "2", "--parallelism.dp_replicate", "2")
+     or _runs(*PP[:2], "--parallelism.dp_shard", "2", "--model.scan_layers", "true")),
+    ("limits.md", "GPipe and circular schedules, no 1F1B; not with LoRA",
+     lambda hf: _pp_schedules() or _refused(*PP, "--lora.enabled", "true")),
+    ("limits.md", "one process per replica group, eager mode",
+     lambda hf: _refused("--fault_tolerance.enabled", "true", "--training.mode", "graph")),
+    ("limits.md", "DPO and ORPO ([dpo.md](dpo.md)) and GRPO ([grpo.md](grpo.md)) on the same models and mesh; no KTO",
+     lambda hf: _kinds()),
+    ("limits.md", "vision-language fine-tuning of Qwen2.5-VL, Gemma 3 and LLaVA directories",
+     lambda hf: _has_test("tests/test_hf_vision.py", "qwen2_5_vl", "gemma3", "llava")),
+    ("limits.md", "generation from prompts with images",
+     lambda hf: _has_test("tests/test_hf_vision_generate.py",
+                          "test_one_prompt_with_images_generates_transformers_greedy_tokens")),
+    ("limits.md", "and the vision tower in the planner", lambda hf: _vision_tower_planned()),
+    ("limits.md", "tensor or context parallelism and scanned layers with a Hugging Face model",
+     lambda hf: _refused("--parallelism.tp", "2", "--parallelism.dp_shard", "1", hf=hf)
+     or _refused("--parallelism.cp", "2", "--parallelism.dp_shard", "1", hf=hf)
+     or _refused("--model.scan_layers", "true", hf=hf)),
+    ("limits.md", "tensor parallelism with MoE models",
+     lambda hf: _refused(*MOE, "--parallelism.tp", "2", "--parallelism.dp_shard", "1")),
+    ("limits.md", "context parallelism and replication (dp_replicate) with expert parallelism",
+     lambda hf: _refused(*MOE, "--parallelism.cp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")
+     or _refused(*MOE, "--parallelism.ep", "2", "--parallelism.dp_shard", "2", "--parallelism.dp_replicate",
+                         "2")),
+    ("limits.md", "`--model.hf_config` takes a local directory", lambda hf: _hub_id_refused()),
+    ("features.md", "(Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3)", lambda hf: _families()),
+    ("features.md", "MoE models, cp and ep are refused with pp; tp composes with it.",
+     lambda hf: _refused(*PP, *MOE) or _refused(*PP, "--parallelism.cp", "2")
+     or _refused(*PP, "--parallelism.ep", "2") or _runs(*PP, "--parallelism.tp", "2")),
+    ("features.md", "other families and the Transformers backend refuse it, and so do tensor and context parallelism",
+     lambda hf: _refused("--model.mtp_num_layers", "1") or _refused("--model.mtp_num_layers", "1", hf=hf)
+     or _refused(*MTP, "--parallelism.tp", "2", "--parallelism.dp_shard", "1")
+     or _refused(*MTP, "--parallelism.cp", "2", "--parallelism.dp_shard", "1")),
+    ("features.md", "(context parallelism with ep 1, tensor parallelism refused; scanned layers too",
+     lambda hf: _refused(*MTP[:4], "--parallelism.tp", "2", "--parallelism.dp_shard", "1")
+     or _refused(*MTP[:4], "--parallelism.cp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")
+     or _runs(*MTP[:4], "--parallelism.cp", "2", "--parallelism.dp_shard", "1")
+     or _runs(*MTP[:4], "--model.scan_layers", "true")),
+]
+
+
+@pytest.mark.parametrize("page,phrase,check", CAPABILITIES, ids=[f"{p}:{phrase[:40]}" for p, phrase, _ in CAPABILITIES])
+def test_a_stated_capability_is_the_codes(page, phrase, check, hf_dir):  # noqa: F811
+    assert phrase in _prose(page), f"docs/{page} no longer says {phrase!r}: the row of CAPABILITIES must follow it"
+    wrong = check(hf_dir)
+    assert wrong is None, f"docs/{page} says {phrase!r}, but {wrong}"
