@@ -2,7 +2,12 @@
 many TPU recipes there are, whether fp8 runs on CUDA, which activation checkpointing a recipe
 uses, how large its checkpoint is, and that a real run starts from `titan-tpu prepare-data`. Each
 check reads the fact from the code or the recipe, not from another page, so a page that drifts
-fails here with its name and line. History (log.md, planner_log.md) keeps the numbers of its day."""
+fails here with its name and line. History (log.md, planner_log.md) keeps the numbers of its day.
+
+limits.md, features.md, tpu.md and planner.md are checked sentence by sentence where they state a
+number (NUMBERS: a pattern on the page and the function reading the number from its source) or a
+capability (CAPABILITIES: a phrase and the check that the code does what it says), and planner.md's
+hardware tables against plan/hardware.py. A new such sentence gets its row."""
 
 from __future__ import annotations
 
@@ -618,3 +623,64 @@ def test_a_stated_capability_is_the_codes(page, phrase, check, hf_dir):  # noqa:
     assert phrase in _prose(page), f"docs/{page} no longer says {phrase!r}: the row of CAPABILITIES must follow it"
     wrong = check(hf_dir)
     assert wrong is None, f"docs/{page} says {phrase!r}, but {wrong}"
+
+
+# ----------------------------------------------------------------------------------------------
+# planner.md's hardware tables are the planner's (plan/hardware.py)
+
+UNITS = {"TFLOP/s": 1e12, "GiB": 2**30, "GB": 1e9, "GB/s": 1e9, "TB/s": 1e12}
+QUANTITY = re.compile(r"([\d,.]+) (TFLOP/s|GiB|GB/s|TB/s|GB)\b")
+
+
+def _quantity(cell: str) -> float | None:
+    """The first quantity with a unit in a table cell ("none ..." and a cell without one: None)."""
+    m = QUANTITY.search(cell)
+    return None if cell.startswith("none") or not m else float(m.group(1).replace(",", "")) * UNITS[m.group(2)]
+
+
+def hardware_rows(header: str) -> dict[str, list[str]]:
+    """Hardware name -> cells of planner.md's table whose header row starts with `header`."""
+    rows, inside = {}, False
+    for line in (DOCS / "planner.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        inside = (inside or cells[:1] == [header]) and bool(cells)
+        if inside and cells[0] not in (header, "---"):
+            for name in re.split(r",\s*", cells[0]):
+                rows[name.split(" ")[0]] = cells[1:]
+    return rows
+
+
+def test_the_hardware_table_is_the_planners():
+    """Per chip on the page (v7's two devices together), per device in the planner; the interconnect
+    column is the bidirectional figure, twice what a device sends into a ring."""
+    rows = hardware_rows("name")
+    assert set(HARDWARE) <= set(rows), f"docs/planner.md's hardware table lacks {set(HARDWARE) - set(rows)}"
+    failures = []
+    for name, hw in HARDWARE.items():
+        bf16, fp8, memory, bandwidth, interconnect = (_quantity(c) for c in rows[name][:5])
+        chip = hw.devices_per_chip
+        truth = {"peak dense bf16": (bf16, hw.peak_flops * chip), "memory": (memory, hw.memory_bytes * chip),
+                 "memory bandwidth": (bandwidth, hw.memory_bandwidth * chip),
+                 "peak dense fp8": (fp8, hw.fp8_peak_flops and hw.fp8_peak_flops * chip)}
+        # v4's cell states the send figure itself, from the pod's all-reduce bandwidth per chip
+        truth["interconnect"] = (interconnect, hw.interconnect_bandwidth * (1 if name == "v4" else 2 * chip))
+        failures += [f"{name} {column}: the page {said}, plan/hardware.py {want}"
+                     for column, (said, want) in truth.items()
+                     if (said is None) != (not want) or (want and abs(said - want) > 0.005 * want)]
+    assert not failures, "docs/planner.md's hardware table:\n" + "\n".join(failures)
+
+
+def test_the_network_table_is_the_planners():
+    rows = hardware_rows("hardware")
+    assert set(HARDWARE) <= set(rows), f"docs/planner.md's network table lacks {set(HARDWARE) - set(rows)}"
+    failures = [f"{name}: the page {_quantity(rows[name][0])}, plan/hardware.py {hw.network_bandwidth}"
+                for name, hw in HARDWARE.items() if _quantity(rows[name][0]) != hw.network_bandwidth]
+    assert not failures, "docs/planner.md's table of the network between nodes or slices:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("package,pin", [("torch-tpu", "torch_tpu"), ("libtpu", "libtpu")])
+def test_the_tpu_guide_names_the_pinned_versions(package, pin):
+    """tpu.md says what it checked against ("torch-tpu 0.2.0 registers ..."): the version constraints-tpu.txt pins."""
+    pinned = _in_source("constraints-tpu.txt", rf"^{pin}==(\S+)")
+    said = set(re.findall(rf"\b{package} (\d+\.\d+\.\d+)", _prose("tpu.md")))
+    assert said == {pinned}, f"docs/tpu.md names {package} {sorted(said)}; constraints-tpu.txt pins {pinned}"
