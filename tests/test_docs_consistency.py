@@ -2,18 +2,30 @@
 many TPU recipes there are, whether fp8 runs on CUDA, which activation checkpointing a recipe
 uses, how large its checkpoint is, and that a real run starts from `titan-tpu prepare-data`. Each
 check reads the fact from the code or the recipe, not from another page, so a page that drifts
-fails here with its name and line. History (log.md, planner_log.md) keeps the numbers of its day."""
+fails here with its name and line. History (log.md, planner_log.md) keeps the numbers of its day.
+
+limits.md, features.md, tpu.md and planner.md are checked sentence by sentence where they state a
+number (NUMBERS: a pattern on the page and the function reading the number from its source) or a
+capability (CAPABILITIES: a phrase and the check that the code does what it says), and planner.md's
+hardware tables against plan/hardware.py. A new such sentence gets its row."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import re
 import shlex
 from pathlib import Path
 
 import pytest
 from test_docs_commands import FENCE, continues
+from test_features import hf_dir, refusal  # noqa: F401 (hf_dir: the fixture)
 
 from titan_tpu.config import build_config
+from titan_tpu.plan.fp8 import FP8_CAST_BYTES_PER_ELEMENT, fp8_beside
+from titan_tpu.plan.hardware import CPU_COLLECTIVE_BANDWIDTH, CPU_COLLECTIVE_LATENCY, HARDWARE, resolve_hardware
+from titan_tpu.plan.search import BUCKETS_MB, TIE
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -274,3 +286,401 @@ def test_the_guides_hold_no_dated_measurements(page):
     dated = [f"docs/{page}:{line}: {text.strip()[:80]!r}" for line, text in _lines(DOCS / page)
              if re.search(r"\b20\d\d-\d\d-\d\d\b", text)]
     assert not dated, "a dated measurement is history: move it to docs/log.md\n" + "\n".join(dated)
+
+
+# ----------------------------------------------------------------------------------------------
+# The numbers of the reference pages, each against its source
+#
+# limits.md, features.md, tpu.md and planner.md state tolerances, measured agreements, counts and
+# defaults. Each row below is one such sentence (a pattern on the page, its line breaks joined) and
+# the function that reads the same number from where it lives: a config default or recipe, a
+# constant, a stored result under bench/results/, a test's tolerance, the planner's plan. A row
+# fails when the page says another number, and when its sentence is gone (rewrite the row with
+# it). planner.md's paragraphs on how the planner agrees with XLA and with the CPU calibration are
+# left to their own checks (tests/test_tpu_recipes.py, tests/test_numbers.py).
+
+RESULTS = ROOT / "bench" / "results"
+WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+
+
+def _prose(page: str) -> str:
+    """The page with its line breaks joined, so that a pattern reads a sentence across lines."""
+    return " ".join((DOCS / page).read_text().split())
+
+
+@functools.cache
+def _cfg(name: str):
+    return build_config(ROOT / "configs" / f"{name}.toml")
+
+
+@functools.cache
+def _plan(name: str, fp8: bool | None = None):
+    from titan_tpu.plan import plan_config
+    from titan_tpu.plan.setting import for_planning
+
+    return plan_config(for_planning(ROOT / "configs" / f"{name}.toml"), measure=False, fp8=fp8)
+
+
+@functools.cache
+def _json(path: str) -> dict:
+    return json.loads((RESULTS / path).read_text())
+
+
+def _e(x: float) -> str:
+    """1.65e-4 as the pages round it: 1.7e-4."""
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
+
+
+def _in_source(path: str, pattern: str) -> str:
+    """The first group of a pattern in a source file (a test's tolerance, a bench's threshold)."""
+    m = re.search(pattern, (ROOT / path).read_text(), re.MULTILINE)
+    assert m, f"{path} no longer has {pattern!r}: the row reading it needs its new home"
+    return m.group(1)
+
+
+def _jax_path(kind: str) -> float:
+    runs = _json("jax_path.json")
+    if kind == "dense":
+        return max(r["loss"] for key, r in runs.items() if key.startswith("dense") and "bf16" not in key)
+    return max(r["loss"] for key, r in runs.items() if kind in key)
+
+
+def _xla_gib(name: str) -> str:
+    return f"{_json(f'xla/{name}.json')['peak_per_chip_bytes'] / 2**30:.1f}"
+
+
+def _disk(name: str) -> float:
+    """What a run of the recipe keeps on disk: keep_latest_k checkpoints and the one it writes."""
+    return (_cfg(name).checkpoint.keep_latest_k + 1) * _plan(name).checkpoint["bytes_total"]
+
+
+@functools.cache
+def _model_args(name: str):
+    from titan_tpu.run.setup import prepare_run
+
+    return prepare_run(_cfg(name)).spec.args
+
+
+def _pipeline(name: str) -> tuple[str, ...]:
+    """(stages, chips a stage, chunks a stage, layers a chunk, micro-batches) of a pipelined recipe."""
+    p = _cfg(name).parallelism
+    layers_a_chunk = _model_args(name).n_layers // (p.pp * p.pp_repeats)
+    return str(p.pp), str(p.dp_shard), str(p.pp_repeats), WORDS[layers_a_chunk], str(p.pp_microbatches or p.pp)
+
+
+def _fp8_beside(name: str) -> tuple[str, ...]:
+    _, b = fp8_beside(_plan(name), _plan(name, fp8=True))
+    return (f"{b['bf16_step_s']:.4g}", f"{b['bf16_tokens_per_s']:,.0f}", f"{b['fp8_step_s']:.4g}",
+            f"{b['fp8_tokens_per_s']:,.0f}", f"{b['speedup']:.2f}", f"{b['fp8_peak_bytes'] / 1e9:.2f}",
+            f"{b['bf16_peak_bytes'] / 1e9:.2f}")
+
+
+def _executed_over_model(name: str) -> float:
+    flops = _plan(name).flops
+    return flops["executed_per_step_per_device"] / flops["model_per_step_per_device"]
+
+
+# (page, pattern whose groups are the numbers, the numbers from their source)
+NUMBERS = [
+    # tpu.md: the JAX path against eager torchrun (bench/jax_path.py's stored run) and the tests' bounds
+    ("tpu.md", r"the dense fp32 losses agree to (\S+) \(", lambda: (_e(_jax_path("dense")),)),
+    ("tpu.md", r"the MoE run's to (\S+), after a router", lambda: (_e(_jax_path("moe")),)),
+    ("tpu.md", r"bf16's to (\S+) \(bench/results/jax_path\.json\)", lambda: (_e(_jax_path("bf16")),)),
+    ("tpu.md", r"(\d+) steps on up to (\d+) processes",
+     lambda: (str(max(r["steps"] for r in _json("jax_path.json").values())),
+              str(max(r["processes"] for r in _json("jax_path.json").values())))),
+    ("tpu.md", r"magnitude below (\S+) for the loss, gradient norm",
+     lambda: (_e(float(_in_source("tests/tpu/test_jax_lowering.py", r"^TOL = (\S+)"))),)),
+    ("tpu.md", r"the CPU's kernels within (\S+) for the qwen3_moe debug model",
+     lambda: (_e(float(_in_source("tests/tpu/test_jax_lowering.py", r"^TOL = (\S+)"))),)),
+    ("tpu.md", r"the next step's loss within (\S+)\)",
+     lambda: (_e(float(_in_source("tests/tpu/test_jax_path.py", r"<= (\S+) \* abs\(want\)"))),)),
+    ("tpu.md", r"magnitude\): (\S+) in fp32, (\S+) in bf16\.",
+     lambda: tuple(_e(float(_in_source("tests/tpu/test_kernels_interpret.py", rf"^TOL = {{.*torch\.{t}: ([\d.e-]+)")))
+                   for t in ("float32", "bfloat16"))),
+    # tpu.md: the guide's run, as its recipes and config defaults set it
+    ("tpu.md", r"`data\.tokenize_limit_mb` \(([\d,]+) MB\)",
+     lambda: (f"{_cfg('qwen3_8b_tpu').data.tokenize_limit_mb:,.0f}",)),
+    ("tpu.md", r"far below the ([\d,]+) MB limit",
+     lambda: (f"{_cfg('qwen3_8b_lora_chat_tpu').data.tokenize_limit_mb:,.0f}",)),
+    ("tpu.md", r"SimpleFSDP over the (\d+) chips, (\d+) x ([\d,]+) tokens per chip",
+     lambda: (str(_cfg("qwen3_8b_tpu").parallelism.dp_shard), str(_cfg("qwen3_8b_tpu").training.batch_size),
+              f"{_cfg('qwen3_8b_tpu').training.seq_len:,}")),
+    ("tpu.md", r"checkpoints` every (\d+) steps", lambda: (str(_cfg("qwen3_8b_tpu").checkpoint.interval),)),
+    ("tpu.md", r"the recipe keeps (\w+) while it writes a third: about (\d+) GB",
+     lambda: (WORDS[_cfg("qwen3_8b_tpu").checkpoint.keep_latest_k], f"{round(_disk('qwen3_8b_tpu') / 1e9, -2):.0f}")),
+    ("tpu.md", r"rank-(\d+) adapters", lambda: (str(_cfg("qwen3_8b_lora_chat_tpu").lora.rank),)),
+    ("tpu.md", r"moments for the adapters only: (\d+) GB",
+     lambda: (_gb("qwen3_8b_lora_chat_tpu").removesuffix(" GB"),)),
+    ("tpu.md", r"\(the recipes keep (\d+), and write",
+     lambda: tuple({str(_cfg(name).checkpoint.keep_latest_k) for name in TPU_RECIPES})),
+    ("tpu.md", r"(\d+) GB for `qwen3_8b_tpu\.toml`, ([\d.]+) TB for `llama3_70b_tpu\.toml`, (\d+) TB for "
+               r"`deepseek_v3_671b_tpu\.toml`",
+     lambda: (f"{_disk('qwen3_8b_tpu') / 1e9:.0f}", f"{_disk('llama3_70b_tpu') / 1e12:.1f}",
+              f"{_disk('deepseek_v3_671b_tpu') / 1e12:.0f}")),
+    # tpu.md: the recipe table's prose
+    ("tpu.md", r"none for (\w+) whose activations fit",
+     lambda: (WORDS[sum(_cfg(name).activation_checkpoint.mode != "full" for name in TPU_RECIPES)],)),
+    ("tpu.md", r"XLA's TPU compiler agrees: ([\d.]+), ([\d.]+) and ([\d.]+) of (\d+) GiB per chip",
+     lambda: (*(_xla_gib(name) for name in ("qwen3_8b_tpu", "llama3_8b_pp_tpu", "qwen2_5_vl_7b_tpu")),
+              f"{_json('xla/qwen3_8b_tpu.json')['hbm_per_chip_bytes'] / 2**30:.0f}")),
+    ("tpu.md", r"holds the ([\d.]+) billion trained parameters",
+     lambda: (f"{_plan('qwen2_5_vl_7b_tpu').params['parts']['trained'] / 1e9:.2f}",)),
+    ("tpu.md", r"`llama3_8b_pp_tpu\.toml` (\d+) stages of (\d+) chips \((\d+) chunks of (\w+) layer per stage, (\d+) "
+               r"micro-batches\)", lambda: _pipeline("llama3_8b_pp_tpu")),
+    ("tpu.md", r"`llama3_70b_pp_tpu\.toml` (\d+) stages of (\d+) chips \((\d+) chunks, (\d+) micro-batches\)",
+     lambda: tuple(_pipeline("llama3_70b_pp_tpu")[i] for i in (0, 1, 2, 4))),
+    ("tpu.md", r"a v5p chip's (\d+) GiB of HBM is ([\d.]+) GB",
+     lambda: (f"{HARDWARE['v5p'].memory_bytes / 2**30:.0f}", f"{HARDWARE['v5p'].memory_bytes / 1e9:.1f}")),
+    ("tpu.md", r"qwen3_8b_lora_chat_tpu ([\d.]+) s, the planner's ([\d.]+) s counts every layer",
+     lambda: (f"{_json('xla/qwen3_8b_lora_chat_tpu.json')['xla_optimal_seconds_per_step']:.3f}",
+              f"{_plan('qwen3_8b_lora_chat_tpu').time['step_s']:.3f}")),
+    ("tpu.md", r"the (\d+)k-value output projection of the debug model",
+     lambda: (str(_model_args("llama3_debug").vocab_size * _model_args("llama3_debug").dim // 1000),)),
+    ("tpu.md", r"on the TPU VM \(Python (\S+)\+\)",
+     lambda: (_in_source("pyproject.toml", r'requires-python = ">=(\S+)"'),)),
+    # planner.md: the hardware, the search's knobs, the MFU paragraph, fp8
+    ("planner.md", r"`--hardware` takes `([^`]+)`", lambda: (" ".join([*HARDWARE, "cpu"]),)),
+    ("planner.md", r"\(`v5p-1024` is (\d+) chips",
+     lambda: (str(resolve_hardware("v5p-1024", measure=False)[1]),)),
+    ("planner.md", r"\((\d+) for h100, h200, b200\)",
+     lambda: tuple({str(HARDWARE[name].devices_per_node) for name in ("h100", "h200", "b200")})),
+    ("planner.md", r"bucket size \((\d+), (\d+), (\d+) MB and the config's",
+     lambda: tuple(f"{mb:.0f}" for mb in BUCKETS_MB)),
+    ("planner.md", r"It prints the `--top` \((\d+)\) that fit",
+     lambda: (_in_source("titan_tpu/tools/plan_cmd.py", r'"--top", type=int, default=(\d+)'),)),
+    ("planner.md", r"how many candidates predict within ([\d.]+)% of the first",
+     lambda: (f"{TIE * 100:g}",)),
+    ("planner.md", r"says whether the first choice reached ([\d.]+) of the best measured",
+     lambda: (_in_source("bench/search_check.py", r"if first >= ([\d.]+) else"),)),
+    ("planner.md", r"an \*\*assumption\*\* of ([\d.]+) of peak",
+     lambda: (f"{HARDWARE['v5p'].efficiency:.2f}",)),
+    ("planner.md", r"([\d.]+)x the model FLOPs for Llama 3 8B and 405B, which alone caps MFU at ([\d.]+) / ([\d.]+) = "
+                   r"(\d+)%",
+     lambda: (*{f"{_executed_over_model(name):.2f}" for name in ("llama3_8b_tpu", "llama3_405b_tpu")},
+              f"{HARDWARE['v5p'].efficiency:.2f}", f"{_executed_over_model('llama3_405b_tpu'):.2f}",
+              f"{100 * HARDWARE['v5p'].efficiency / _executed_over_model('llama3_405b_tpu'):.0f}")),
+    ("planner.md", r"Qwen3-8B on v6e-16, ([\d.]+)% vs [^:]*: the elementwise term \(([\d.]+) s of ([\d.]+) s:",
+     lambda: (f"{_plan('qwen3_8b_graph_tpu').mfu:.1f}", f"{_plan('qwen3_8b_graph_tpu').time['elementwise_s']:.2f}",
+              f"{_plan('qwen3_8b_graph_tpu').time['step_s']:.2f}")),
+    ("planner.md", r"Llama 3 405B on 1,024 v5p, ([\d.]+)% vs [^:]*: compute dominates "
+                   r"\(([\d.]+) s of a ([\d.]+) s step\), so the plan is the efficiency divided by ([\d.]+)\.",
+     lambda: (f"{_plan('llama3_405b_tpu').mfu:.1f}", f"{_plan('llama3_405b_tpu').time['compute_s']:.1f}",
+              f"{_plan('llama3_405b_tpu').time['step_s']:.1f}", f"{_executed_over_model('llama3_405b_tpu'):.3f}")),
+    ("planner.md", r"Qwen3-235B-A22B on 512 v5p, ([\d.]+)% vs .*? the elementwise term is large "
+                   r"\(([\d.]+) s of ([\d.]+) s:",
+     lambda: (f"{_plan('qwen3_235b_a22b_tpu').mfu:.1f}", f"{_plan('qwen3_235b_a22b_tpu').time['elementwise_s']:.1f}",
+              f"{_plan('qwen3_235b_a22b_tpu').time['step_s']:.1f}")),
+    ("planner.md", r"between two processes, ([\d.]+) ms, the mean",
+     lambda: (f"{CPU_COLLECTIVE_LATENCY * 1e3:g}",)),
+    ("planner.md", r"gloo's collective rate between two processes, ([\d.]+) GB/s per rank, and ([\d.]+) ms per call",
+     lambda: (f"{CPU_COLLECTIVE_BANDWIDTH / 1e9:g}", f"{CPU_COLLECTIVE_LATENCY * 1e3:g}")),
+    ("planner.md", r"written once in fp8, (\d+) bytes an element \(`FP8_CAST_BYTES_PER_ELEMENT`",
+     lambda: (f"{FP8_CAST_BYTES_PER_ELEMENT:g}",)),
+    ("planner.md", r"bf16 ([\d.]+) s/step, ([\d,]+) tokens/s; fp8 ([\d.]+) s/step, ([\d,]+) tokens/s "
+                   r"\(([\d.]+)x\), peak ([\d.]+) GB against ([\d.]+) GB", lambda: _fp8_beside("llama3_70b_v7_tpu")),
+]
+
+
+@pytest.mark.parametrize("page,pattern,truth", NUMBERS, ids=[f"{p}:{pat[:40]}" for p, pat, _ in NUMBERS])
+def test_a_stated_number_is_its_sources(page, pattern, truth):
+    found = re.findall(pattern, _prose(page))
+    assert len(found) == 1, (f"docs/{page}: {len(found)} sentences match {pattern!r}; the row of NUMBERS "
+                             "reading this claim must follow its rewrite")
+    said = found[0] if isinstance(found[0], tuple) else (found[0],)
+    assert said == truth(), f"docs/{page} says {said} where {pattern!r}; the source says {truth()}"
+
+
+# ----------------------------------------------------------------------------------------------
+# What the reference pages say runs, and what they say is refused
+#
+# A capability or a limitation on limits.md or features.md, as a phrase the page holds and the
+# check that the code does what it says: a combination accepted or refused by the checks a run
+# makes before it builds anything (tests/test_features.py's `refusal`), a kind or a model family
+# registered, the test that shows a feature working. A phrase that is gone fails with its row.
+
+DEBUG = ["--training.device", "cpu"]
+PP = ["--parallelism.pp", "2", "--parallelism.dp_shard", "1", "--model.scan_layers", "true"]
+MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debug"]
+MTP = ["--model.name", "deepseek_v3", "--model.flavor", "debug", "--model.mtp_num_layers", "1"]
+
+
+def _runs(*overrides: str) -> str | None:
+    reason = refusal([*DEBUG, *overrides])
+    return None if reason is None else f"refused: {reason}"
+
+
+def _refused(*overrides: str, hf: Path | None = None) -> str | None:
+    model = ["--model.name", "hf", "--model.hf_config", str(hf)] if hf else []
+    return None if refusal([*DEBUG, *model, *overrides]) else f"{' '.join(overrides)} is accepted"
+
+
+def _has_test(path: str, *names: str) -> str | None:
+    text = (ROOT / path).read_text() if (ROOT / path).exists() else ""
+    missing = [name for name in names if f"def {name}" not in text and name not in text]
+    return f"{path} lacks {missing}" if missing else None
+
+
+def _hub_id_refused() -> str | None:
+    from titan_tpu.models.hf.config import load_hf_config
+
+    try:
+        load_hf_config("Qwen/Qwen3-0.6B")
+    except FileNotFoundError:
+        return None
+    return "model.hf_config took a Hub id"
+
+
+def _one_jax_device_per_process() -> str | None:
+    from titan_tpu.jax_start import check_jax_devices
+
+    try:
+        check_jax_devices("tpu", local=2, total=2, world_size=1)
+    except ValueError:
+        return None
+    return "a process with two JAX devices was accepted"
+
+
+def _kinds() -> str | None:
+    from titan_tpu.kinds import KINDS
+
+    return None if set(KINDS) == {"next_token", "dpo", "orpo", "grpo"} else f"the kinds are {sorted(KINDS)}"
+
+
+def _families() -> str | None:
+    from titan_tpu.models.registry import MODEL_NAMES
+
+    want = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3")
+    return None if tuple(MODEL_NAMES) == want else f"the native families are {MODEL_NAMES}"
+
+
+def _pp_schedules() -> str | None:
+    from titan_tpu.config import ParallelismConfig
+
+    keys = [f.name for f in dataclasses.fields(ParallelismConfig) if f.name.startswith("pp")]
+    return None if keys == ["pp", "pp_microbatches", "pp_repeats"] else f"the pipeline keys are {keys}"
+
+
+def _vision_tower_planned() -> str | None:
+    parts = _plan("qwen2_5_vl_7b_tpu").params["parts"]
+    return None if parts.get("vision_tower") else f"the VLM plan has no vision tower: {sorted(parts)}"
+
+
+# (page, phrase, check: None when the code does what the phrase says, else what it does)
+CAPABILITIES = [
+    ("limits.md", "The JAX path takes one device per process", lambda hf: _one_jax_device_per_process()),
+    ("limits.md", "native dense models (no MoE, no multi-token prediction) with scanned layers",
+     lambda hf: _runs(*PP) or _refused(*PP, *MOE) or _refused(*PP, *MTP)
+     or _refused(*PP[:4], "--model.scan_layers", "false")),
+    ("limits.md", "eager and graph mode and lowered for a TPU as one program",
+     lambda hf: _runs(*PP, "--training.mode", "graph")
+     or _has_test("tests/tpu/test_pipeline_lowering.py", "test_lowered_pipeline_step_equals_eager_step")),
+    ("limits.md", "composed with dp_replicate, dp_shard and tp",
+     lambda hf: _runs(*PP, "--parallelism.tp", "2", "--parallelism.dp_replicate", "2")
+     or _runs(*PP[:2], "--parallelism.dp_shard", "2", "--model.scan_layers", "true")),
+    ("limits.md", "GPipe and circular schedules, no 1F1B; not with LoRA",
+     lambda hf: _pp_schedules() or _refused(*PP, "--lora.enabled", "true")),
+    ("limits.md", "one process per replica group, eager mode",
+     lambda hf: _refused("--fault_tolerance.enabled", "true", "--training.mode", "graph")),
+    ("limits.md", "DPO and ORPO ([dpo.md](dpo.md)) and GRPO ([grpo.md](grpo.md)) on the same models and mesh; no KTO",
+     lambda hf: _kinds()),
+    ("limits.md", "vision-language fine-tuning of Qwen2.5-VL, Gemma 3 and LLaVA directories",
+     lambda hf: _has_test("tests/test_hf_vision.py", "qwen2_5_vl", "gemma3", "llava")),
+    ("limits.md", "generation from prompts with images",
+     lambda hf: _has_test("tests/test_hf_vision_generate.py",
+                          "test_one_prompt_with_images_generates_transformers_greedy_tokens")),
+    ("limits.md", "and the vision tower in the planner", lambda hf: _vision_tower_planned()),
+    ("limits.md", "tensor or context parallelism and scanned layers with a Hugging Face model",
+     lambda hf: _refused("--parallelism.tp", "2", "--parallelism.dp_shard", "1", hf=hf)
+     or _refused("--parallelism.cp", "2", "--parallelism.dp_shard", "1", hf=hf)
+     or _refused("--model.scan_layers", "true", hf=hf)),
+    ("limits.md", "tensor parallelism with MoE models",
+     lambda hf: _refused(*MOE, "--parallelism.tp", "2", "--parallelism.dp_shard", "1")),
+    ("limits.md", "context parallelism and replication (dp_replicate) with expert parallelism",
+     lambda hf: _refused(*MOE, "--parallelism.cp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")
+     or _refused(*MOE, "--parallelism.ep", "2", "--parallelism.dp_shard", "2", "--parallelism.dp_replicate",
+                         "2")),
+    ("limits.md", "`--model.hf_config` takes a local directory", lambda hf: _hub_id_refused()),
+    ("features.md", "(Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3)", lambda hf: _families()),
+    ("features.md", "MoE models, cp and ep are refused with pp; tp composes with it.",
+     lambda hf: _refused(*PP, *MOE) or _refused(*PP, "--parallelism.cp", "2")
+     or _refused(*PP, "--parallelism.ep", "2") or _runs(*PP, "--parallelism.tp", "2")),
+    ("features.md", "other families and the Transformers backend refuse it, and so do tensor and context parallelism",
+     lambda hf: _refused("--model.mtp_num_layers", "1") or _refused("--model.mtp_num_layers", "1", hf=hf)
+     or _refused(*MTP, "--parallelism.tp", "2", "--parallelism.dp_shard", "1")
+     or _refused(*MTP, "--parallelism.cp", "2", "--parallelism.dp_shard", "1")),
+    ("features.md", "(context parallelism with ep 1, tensor parallelism refused; scanned layers too",
+     lambda hf: _refused(*MTP[:4], "--parallelism.tp", "2", "--parallelism.dp_shard", "1")
+     or _refused(*MTP[:4], "--parallelism.cp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")
+     or _runs(*MTP[:4], "--parallelism.cp", "2", "--parallelism.dp_shard", "1")
+     or _runs(*MTP[:4], "--model.scan_layers", "true")),
+]
+
+
+@pytest.mark.parametrize("page,phrase,check", CAPABILITIES, ids=[f"{p}:{phrase[:40]}" for p, phrase, _ in CAPABILITIES])
+def test_a_stated_capability_is_the_codes(page, phrase, check, hf_dir):  # noqa: F811
+    assert phrase in _prose(page), f"docs/{page} no longer says {phrase!r}: the row of CAPABILITIES must follow it"
+    wrong = check(hf_dir)
+    assert wrong is None, f"docs/{page} says {phrase!r}, but {wrong}"
+
+
+# ----------------------------------------------------------------------------------------------
+# planner.md's hardware tables are the planner's (plan/hardware.py)
+
+UNITS = {"TFLOP/s": 1e12, "GiB": 2**30, "GB": 1e9, "GB/s": 1e9, "TB/s": 1e12}
+QUANTITY = re.compile(r"([\d,.]+) (TFLOP/s|GiB|GB/s|TB/s|GB)\b")
+
+
+def _quantity(cell: str) -> float | None:
+    """The first quantity with a unit in a table cell ("none ..." and a cell without one: None)."""
+    m = QUANTITY.search(cell)
+    return None if cell.startswith("none") or not m else float(m.group(1).replace(",", "")) * UNITS[m.group(2)]
+
+
+def hardware_rows(header: str) -> dict[str, list[str]]:
+    """Hardware name -> cells of planner.md's table whose header row starts with `header`."""
+    rows, inside = {}, False
+    for line in (DOCS / "planner.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        inside = (inside or cells[:1] == [header]) and bool(cells)
+        if inside and cells[0] not in (header, "---"):
+            for name in re.split(r",\s*", cells[0]):
+                rows[name.split(" ")[0]] = cells[1:]
+    return rows
+
+
+def test_the_hardware_table_is_the_planners():
+    """Per chip on the page (v7's two devices together), per device in the planner; the interconnect
+    column is the bidirectional figure, twice what a device sends into a ring."""
+    rows = hardware_rows("name")
+    assert set(HARDWARE) <= set(rows), f"docs/planner.md's hardware table lacks {set(HARDWARE) - set(rows)}"
+    failures = []
+    for name, hw in HARDWARE.items():
+        bf16, fp8, memory, bandwidth, interconnect = (_quantity(c) for c in rows[name][:5])
+        chip = hw.devices_per_chip
+        truth = {"peak dense bf16": (bf16, hw.peak_flops * chip), "memory": (memory, hw.memory_bytes * chip),
+                 "memory bandwidth": (bandwidth, hw.memory_bandwidth * chip),
+                 "peak dense fp8": (fp8, hw.fp8_peak_flops and hw.fp8_peak_flops * chip)}
+        # v4's cell states the send figure itself, from the pod's all-reduce bandwidth per chip
+        truth["interconnect"] = (interconnect, hw.interconnect_bandwidth * (1 if name == "v4" else 2 * chip))
+        failures += [f"{name} {column}: the page {said}, plan/hardware.py {want}"
+                     for column, (said, want) in truth.items()
+                     if (said is None) != (not want) or (want and abs(said - want) > 0.005 * want)]
+    assert not failures, "docs/planner.md's hardware table:\n" + "\n".join(failures)
+
+
+def test_the_network_table_is_the_planners():
+    rows = hardware_rows("hardware")
+    assert set(HARDWARE) <= set(rows), f"docs/planner.md's network table lacks {set(HARDWARE) - set(rows)}"
+    failures = [f"{name}: the page {_quantity(rows[name][0])}, plan/hardware.py {hw.network_bandwidth}"
+                for name, hw in HARDWARE.items() if _quantity(rows[name][0]) != hw.network_bandwidth]
+    assert not failures, "docs/planner.md's table of the network between nodes or slices:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("package,pin", [("torch-tpu", "torch_tpu"), ("libtpu", "libtpu")])
+def test_the_tpu_guide_names_the_pinned_versions(package, pin):
+    """tpu.md says what it checked against ("torch-tpu 0.2.0 registers ..."): the version constraints-tpu.txt pins."""
+    pinned = _in_source("constraints-tpu.txt", rf"^{pin}==(\S+)")
+    said = set(re.findall(rf"\b{package} (\d+\.\d+\.\d+)", _prose("tpu.md")))
+    assert said == {pinned}, f"docs/tpu.md names {package} {sorted(said)}; constraints-tpu.txt pins {pinned}"

@@ -40,8 +40,7 @@ def refusal(overrides: list[str]) -> str | None:
         setup = prepare_run(build_config(ROOT / "configs" / "llama3_debug.toml", overrides))
         cfg, spec = setup.cfg, setup.spec
         p = cfg.parallelism
-        world = p.dp_replicate * p.cp * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
-        ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, world_size=world, ep=p.ep, tp=p.tp, cp=p.cp)
+        ParallelDims.from_config(p, world_size=None)  # every axis the section sizes, pp's compositions too
         if spec.plannable:  # the native models' split checks (an hf model refuses tp and cp in its spec)
             check_tensor_parallel(spec.args, p.tp, seq_len=cfg.training.seq_len)
             check_context_parallel(p.cp, seq_len=cfg.training.seq_len, tp=p.tp)
