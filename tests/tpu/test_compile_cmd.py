@@ -152,3 +152,30 @@ def test_the_chunked_loss_holds_one_chunk_at_a_time_under_xla(tmp_path):
             ([f"bf16[{args.vocab_size},{args.dim}]"] if lora == "false" else [])
         for shape in shapes:
             assert _most_alive_at_once(tmp_path / lora, shape) <= 2, (lora, shape)
+
+
+def test_xla_time_counts_each_scanned_loop_as_many_times_as_it_runs(tmp_path):
+    """XLA's cost analysis counts a while loop's body once: the report's as-run numbers count each
+    of the scanned stack's loops (forward, backward) once per layer. Its matmul FLOPs as run are
+    the unscanned program's own; its time estimate (the body read off the step compiled with two
+    layers a trip) exceeds the once-counted one by about the layers' share. (It is not the
+    unscanned program's estimate: XLA's cost model charges the scanned program's in-place updates
+    of its stacked buffers more, bench/xla_cost_model.py.)"""
+    reports = {}
+    for scan in ("true", "false"):
+        cfg = build_config("configs/llama3_debug.toml", [*SMALL, "--parallelism.dp_shard=4", "--model.dtype=bfloat16",
+                                                         f"--model.scan_layers={scan}", "--training.mode=graph",
+                                                         "--training.device=tpu"])
+        reports[scan] = compile_step_for_tpu(cfg, "v5p:2x2x1", xla_dump=tmp_path / scan)
+    scanned, unscanned = reports["true"]["programs"]["step"], reports["false"]["programs"]["step"]
+    layers = scanned["loop_trips"][0] if scanned["loop_trips"] else 0
+    assert scanned["as_run_method"] == "unrolled by 2" and scanned["loop_trips"] == [layers, layers] and layers > 1
+    assert unscanned["as_run_method"] == "no loops" and unscanned["loop_trips"] == []
+    assert unscanned["optimal_seconds_as_run"] == unscanned["optimal_seconds"]
+    assert abs(scanned["matmul_flops_as_run"] / unscanned["matmul_flops"] - 1) < 0.01
+    assert scanned["matmul_flops"] < scanned["matmul_flops_as_run"]
+    once, unrolled, as_run = (scanned[k] for k in ("optimal_seconds", "optimal_seconds_unrolled_by_2",
+                                                   "optimal_seconds_as_run"))
+    # two bodies a trip: each loop's body twice, so the program as run adds layers - 1 bodies per loop
+    assert as_run == pytest.approx(once + (layers - 1) * (unrolled - once), rel=1e-9) and unrolled > once
+    assert reports["true"]["xla_optimal_seconds_per_step_as_run"] == as_run

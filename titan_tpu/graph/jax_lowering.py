@@ -33,7 +33,9 @@ Imports jax: used only by `titan-tpu compile` and tests/tpu/ (.venv-tpu).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +49,7 @@ from titan_tpu.graph.passes import REMAT_REGION
 from titan_tpu.graph.reverse_scan import marked_reverse
 
 __all__ = ["LOWERINGS", "JaxLoweringError", "functional_graph", "global_shape", "jax_dtype", "rank_constants",
-           "shard_step", "to_jax"]
+           "scans_unrolled", "shard_step", "to_jax"]
 
 aten = torch.ops.aten
 funcol = torch.ops._c10d_functional
@@ -287,6 +289,21 @@ def to_jax(gm: torch.fx.GraphModule, group_axes: dict[str, tuple[str, ...]] | No
 
 
 _SCAN = torch.ops.higher_order.scan
+# How many of a scan's steps one trip of XLA's loop runs (jax.lax.scan's unroll): 1, the program that
+# trains and that a compile certifies; 2 only for XLA's time estimate (`scans_unrolled`).
+_SCAN_UNROLL = contextvars.ContextVar("scan_unroll", default=1)
+
+
+@contextlib.contextmanager
+def scans_unrolled(steps: int) -> Iterator[None]:
+    """Lower every scan with `steps` of its steps per loop trip (the rest after the loop): another
+    program than the one that trains, whose only use is XLA's time estimate, which counts a loop's
+    body once (xla/numbers.py `loop_seconds`: the body's time is the difference between the two)."""
+    token = _SCAN_UNROLL.set(steps)
+    try:
+        yield
+    finally:
+        _SCAN_UNROLL.reset(token)
 
 
 class _RematBarriers:
@@ -385,7 +402,8 @@ def _scan(gm: torch.fx.GraphModule, node: torch.fx.Node, load: Callable, group_a
     # A scan marked to run in reverse (graph/reverse_scan.py mark_reverse_scans: its flips taken
     # away) is XLA's loop reading and writing row L-1-i at step i, as TorchTPU builds it.
     reverse = marked_reverse(_subgraph(gm, body_gm))
-    carry, ys = jax.lax.scan(step, [jnp.asarray(c) for c in init], [jnp.asarray(x) for x in xs], reverse=reverse)
+    carry, ys = jax.lax.scan(step, [jnp.asarray(c) for c in init], [jnp.asarray(x) for x in xs], reverse=reverse,
+                             unroll=_SCAN_UNROLL.get())
     return [*carry, *ys]
 
 

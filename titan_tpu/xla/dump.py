@@ -32,9 +32,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PeakValue", "PlacedValue", "compile_stages", "computation_runs", "f8_dots", "format_peak",
+__all__ = ["Loop", "PeakValue", "PlacedValue", "compile_stages", "computation_runs", "f8_dots", "format_peak",
            "live_in_allocation", "loop_trip_count", "matmul_flops", "optimized_hlo", "peak_values", "placed_values",
-           "tpu_programs"]
+           "program_loops", "tpu_programs"]
 
 
 @dataclass(frozen=True)
@@ -138,31 +138,10 @@ def matmul_flops(program: str | Path, *, as_run: bool = False) -> float:
     once, as XLA's cost analysis counts a loop body once; as_run: each as many times as its
     computation runs (a while loop's body times its trip count, `computation_runs`)."""
     text = optimized_hlo(program)
+    computations, _entry = _computations(text)
     runs = computation_runs(text) if as_run else {}
-    shapes, matmuls = {}, []
-    computation = None
-    for line in text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header:
-            computation = header.group(1)
-            continue
-        m = _INSTRUCTION.match(line.split(", metadata=")[0])
-        if not m:
-            continue
-        name, _dtype, dims, op, operands, attributes = m.groups()
-        shapes[name] = [int(d) for d in dims.split(",") if d]
-        if op in ("dot", "convolution"):
-            times = runs.get(computation, 1) if as_run else 1
-            matmuls.append((times, shapes[name], op, re.findall(r"%([\w.\-]+)", operands), attributes))
-    total = 0.0
-    for times, out, op, (lhs, rhs), attributes in matmuls:
-        if op == "dot":
-            contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attributes).group(1)
-            size = math.prod(shapes[lhs][int(d)] for d in contracted.split(",") if d)
-            total += times * 2.0 * math.prod(out) * size
-        else:
-            total += times * 2.0 * _convolution_macs(out, shapes[lhs], shapes[rhs], attributes)
-    return total
+    shapes = _shapes_of(text)
+    return sum(runs.get(name, 1) * _matmuls(lines, shapes) for name, lines in computations.items())
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{\s*$")
@@ -187,11 +166,80 @@ def loop_trip_count(instruction: str, computations: dict[str, list[str]]) -> int
     return None
 
 
-def computation_runs(text: str) -> dict[str, int]:
-    """How many times each computation of an optimized HLO module runs per run of the program: the
-    entry once, a while loop's body its trip count times its caller's count (`loop_trip_count`; an
-    unknown trip count counts once), anything else called (a fusion, a reduction's function, each
-    branch of a conditional) as often as its caller."""
+@dataclass(frozen=True)
+class Loop:
+    trips: int  # how many times its body runs per run of the program
+    body_matmul_flops: float  # its body's dots and convolutions, one trip (what the body calls counted in)
+    inner_trips: tuple[int, ...]  # the trip counts of the loops its body runs (a kernel's loop over rows)
+
+
+def program_loops(text: str) -> list[Loop]:
+    """The while loops of an optimized HLO module that run once per program run (a scanned layer
+    stack's forward and backward loops), with their trip counts (`loop_trip_count`; an unknown one
+    counts 1)."""
+    computations, _entry = _computations(text)
+    runs, shapes = computation_runs(text), _shapes_of(text)
+    loops = []
+    for name, lines in computations.items():
+        if runs.get(name) != 1:
+            continue
+        for line in lines:
+            if " while(" not in line:
+                continue
+            body = re.search(r"body=%([\w.\-]+)", line).group(1)
+            inside = _called_from(body, computations)
+            inner = tuple(sorted(loop_trip_count(instruction, computations) or 1 for called in inside
+                                 for instruction in computations[called] if " while(" in instruction))
+            loops.append(Loop(trips=loop_trip_count(line, computations) or 1, inner_trips=inner,
+                              body_matmul_flops=sum(_matmuls(computations[called], shapes)
+                                                    for called in inside)))
+    return loops
+
+
+def _called_from(name: str, computations: dict[str, list[str]]) -> list[str]:
+    """`name` and every computation it calls, directly or not, each once."""
+    seen, todo = [], [name]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in computations:
+            continue
+        seen.append(current)
+        for line in computations[current]:
+            todo += [called for _kind, called in _CALLED.findall(line)]
+            for branches in _BRANCHES.findall(line):
+                todo += re.findall(r"%([\w.\-]+)", branches)
+    return seen
+
+
+def _shapes_of(text: str) -> dict[str, list[int]]:
+    """Every instruction's output dims, by name (names are unique in a module)."""
+    shapes = {}
+    for line in text.splitlines():
+        m = _INSTRUCTION.match(line.split(", metadata=")[0])
+        if m:
+            shapes[m.group(1)] = [int(d) for d in m.group(3).split(",") if d]
+    return shapes
+
+
+def _matmuls(lines: list[str], shapes: dict[str, list[int]]) -> float:
+    """2 x the multiply-adds of the dots and convolutions among `lines` (`matmul_flops`)."""
+    total = 0.0
+    for line in lines:
+        m = _INSTRUCTION.match(line.split(", metadata=")[0])
+        if not m or m.group(4) not in ("dot", "convolution"):
+            continue
+        out = [int(d) for d in m.group(3).split(",") if d]
+        lhs, rhs = re.findall(r"%([\w.\-]+)", m.group(5))
+        if m.group(4) == "dot":
+            contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", m.group(6)).group(1)
+            total += 2.0 * math.prod(out) * math.prod(shapes[lhs][int(d)] for d in contracted.split(",") if d)
+        else:
+            total += 2.0 * _convolution_macs(out, shapes[lhs], shapes[rhs], m.group(6))
+    return total
+
+
+def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+    """(An optimized HLO module's computations: name -> its instruction lines, the entry's name)."""
     computations, entry, current = {}, None, None
     for line in text.splitlines():
         header = _COMPUTATION.match(line)
@@ -201,6 +249,15 @@ def computation_runs(text: str) -> dict[str, int]:
             entry = current if line.startswith("ENTRY ") else entry
         elif current is not None and line.strip() != "}":
             computations[current].append(line)
+    return computations, entry
+
+
+def computation_runs(text: str) -> dict[str, int]:
+    """How many times each computation of an optimized HLO module runs per run of the program: the
+    entry once, a while loop's body its trip count times its caller's count (`loop_trip_count`; an
+    unknown trip count counts once), anything else called (a fusion, a reduction's function, each
+    branch of a conditional) as often as its caller."""
+    computations, entry = _computations(text)
     runs: dict[str, int] = {}
 
     def visit(name: str, times: int) -> None:

@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["as_run_seconds", "compile_program", "hlo_collectives", "host_memory_guard", "pallas_kernels",
-           "step_platform", "xla_dump_env", "xla_numbers"]
+__all__ = ["compile_program", "hlo_collectives", "host_memory_guard", "loop_seconds", "pallas_kernels",
+           "step_platform", "time_as_run", "xla_dump_env", "xla_numbers"]
 
 
 PEAK_VALUES = 12  # the largest values alive at XLA's peak kept in the report
@@ -87,7 +87,15 @@ def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump:
     import jax
 
     from titan_tpu.graph.jax_program import jax_mesh, lower_step
-    from titan_tpu.xla.dump import compile_stages, f8_dots, matmul_flops, optimized_hlo, peak_values, tpu_programs
+    from titan_tpu.xla.dump import (
+        compile_stages,
+        f8_dots,
+        matmul_flops,
+        optimized_hlo,
+        peak_values,
+        program_loops,
+        tpu_programs,
+    )
 
     mesh = jax_mesh(step, devices)
     cpu_start = time.process_time()
@@ -108,12 +116,13 @@ def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump:
     cpu_s = time.process_time() - cpu_start
     kinds, peak, cost = xla_numbers(compiled.memory_analysis(), compiled.cost_analysis())
     new = sorted(tpu_programs(xla_dump) - before) if xla_dump is not None else []
-    at_peak, stages, matmuls, matmuls_as_run = [], {}, None, None
+    at_peak, stages, matmuls, matmuls_as_run, loops = [], {}, None, None, []
     if new:  # XLA dumped the program (XLA_FLAGS=--xla_dump_to): its optimized HLO, what its peak holds
         text, collectives_from = optimized_hlo(new[-1]), "optimized HLO"
         at_peak = [dataclasses.asdict(v) for v in peak_values(new[-1])[:PEAK_VALUES]]
         stages = compile_stages(new[-1])
         matmuls, matmuls_as_run = matmul_flops(new[-1]), matmul_flops(new[-1], as_run=True)
+        loops = program_loops(text)
     else:
         # libtpu 0.0.52 cannot print some async collectives it made (a RET_CHECK, logged at length)
         text, collectives_from = lowered_text, "StableHLO, before XLA's passes"
@@ -126,10 +135,12 @@ def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump:
             "peak": peak, "fingerprint": lowered.fingerprint,
             "flops": cost.get("flops"), "matmul_flops": matmuls, "bytes_accessed": cost.get("bytes accessed"),
             # the TPU compiler's own estimate of the program's time (its cost model; absent on XLA:CPU),
-            # a loop body's once, as its FLOPs; and scaled to the program as it runs
+            # a loop body's once, as its FLOPs; and the program's as it runs (`time_as_run`)
             "optimal_seconds": cost.get("optimal_seconds"),
             "matmul_flops_as_run": matmuls_as_run,
-            "optimal_seconds_as_run": as_run_seconds(cost.get("optimal_seconds"), matmuls, matmuls_as_run),
+            "loop_trips": [loop.trips for loop in loops],
+            **time_as_run(step, mesh, program, cost.get("optimal_seconds"), loops, matmuls, matmuls_as_run,
+                          scratch=None if xla_dump is None else xla_dump / "unrolled"),
             "lower_seconds": lower_s, "compile_seconds": compile_s, "cpu_seconds": cpu_s,
             "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),
             "f8_dots": f8_dots(text),  # matmuls on float8 operands (fp8 recipes), loop bodies once
@@ -137,18 +148,58 @@ def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump:
             "collectives_from": collectives_from}
 
 
-def as_run_seconds(optimal_seconds: float | None, matmuls: float | None, matmuls_as_run: float | None
-                   ) -> float | None:
-    """XLA's time estimate for a program as it runs, its loops counted as many times as they run.
-    Its cost analysis counts a while loop's body once (a scan of 8 matmuls costs one), and gives no
-    time per computation, so the estimate is scaled by the matmul FLOPs of the optimized program
-    run as it runs over counted once (xla/dump.py `matmul_flops`: a body times its trip count): the
-    loop body's share of the time taken as its share of the matmul work. Exact where every part
-    of the program runs at one rate; bench/xla_cost_model.py measures it against the unrolled
-    program's own estimate. The estimate itself where nothing loops; None where unknown."""
-    if optimal_seconds is None or matmuls is None or matmuls_as_run is None:
-        return None
-    return optimal_seconds if matmuls == matmuls_as_run or not matmuls else optimal_seconds * matmuls_as_run / matmuls
+def time_as_run(step, mesh, program: str, optimal_seconds: float | None, loops: list, matmuls: float | None,
+                matmuls_as_run: float | None, *, scratch: Path | None) -> dict:
+    """XLA's time estimate for a program as it runs, each loop counted as many times as it runs:
+    {"optimal_seconds_as_run", "as_run_method", "optimal_seconds_unrolled_by_2"}.
+
+    Its cost analysis counts a while loop's body once (a scan of 8 matmuls costs one) and gives no
+    time per computation, so the body's time is read off a second compile: the same step with every
+    scan running two of its steps per loop trip (graph/jax_lowering.py `scans_unrolled`), whose
+    estimate counts each body twice (three times with an odd trip count: jax runs the odd step
+    after the loop). With loops i of L_i trips and bodies b_i, the two estimates differ by
+    sum (1 + L_i mod 2) b_i and the program runs sum (L_i - 1) b_i more than counted once
+    (`loop_seconds`). A loop inside a body that is not a scan of ours (splash attention's loop over
+    a micro-batch's rows) stays as it was, counted once per body as XLA counts it, in both forms (and
+    in the fully unrolled program's estimate). Where a scan nests another (unrolling doubles both)
+    the estimate is instead scaled by the matmul FLOPs as run over counted once, a rougher measure:
+    the loop body's share of the time taken as its share of the matmul work. None off a TPU or
+    without XLA's dump (whose optimized HLO says what loops the program has)."""
+    if optimal_seconds is None or scratch is None or matmuls is None:  # off a TPU, or no dump to read loops from
+        return {"optimal_seconds_as_run": None, "as_run_method": None}
+    if not loops:
+        return {"optimal_seconds_as_run": optimal_seconds, "as_run_method": "no loops"}
+    from titan_tpu.graph.jax_lowering import scans_unrolled
+    from titan_tpu.graph.jax_program import lower_step
+    from titan_tpu.xla.dump import optimized_hlo, program_loops, tpu_programs
+
+    with scans_unrolled(2):
+        lowered = lower_step(step, mesh, program)
+    before = tpu_programs(scratch) if scratch.exists() else set()
+    with host_memory_guard():
+        # dumped beside the program the report reads (`scratch`: a directory inside the caller's dump)
+        compiled = lowered.lowered.compile({"xla_dump_to": str(scratch)})
+    unrolled = xla_numbers(compiled.memory_analysis(), compiled.cost_analysis())[2].get("optimal_seconds")
+    unrolled_loops = program_loops(optimized_hlo(sorted(tpu_programs(scratch) - before)[-1]))
+    if {inner for loop in loops for inner in loop.inner_trips} != \
+            {inner for loop in unrolled_loops for inner in loop.inner_trips}:
+        # a scan inside a scan (unrolled too): no one equation for the bodies; the rougher measure
+        return {"optimal_seconds_as_run": optimal_seconds * matmuls_as_run / matmuls if matmuls else None,
+                "as_run_method": "matmul share", "optimal_seconds_unrolled_by_2": unrolled}
+    return {"optimal_seconds_as_run": loop_seconds(optimal_seconds, unrolled, loops), "as_run_method": "unrolled by 2",
+            "optimal_seconds_unrolled_by_2": unrolled}
+
+
+def loop_seconds(once: float, unrolled_by_2: float, loops: list) -> float:
+    """A program's time as it runs (`time_as_run`) from XLA's estimate of it (`once`: each loop's body
+    once) and of its form with every scan two steps a trip. One equation for the bodies' times: they
+    are split among loops of different trip counts by their matmul FLOPs (the same split whatever
+    the trips where they are all equal, as a layer stack's forward and backward loops are)."""
+    weights = [loop.body_matmul_flops for loop in loops]
+    if not all(weights):
+        weights = [1.0] * len(loops)
+    unit = (unrolled_by_2 - once) / sum((1 + loop.trips % 2) * w for loop, w in zip(loops, weights))
+    return once + unit * sum((loop.trips - 1) * w for loop, w in zip(loops, weights))
 
 
 def step_platform(devices) -> str:
