@@ -171,9 +171,10 @@ def _even_blocks(placements: tuple[Placement, ...], shape: torch.Size, mesh: Dev
     Why: the JAX path runs one program on every device (graph/jax_step.py), fed the devices' blocks
     end to end; an uneven split (torch.chunk's: a [1, 1, D] probe over 2 ranks is [1, 1, D] on one
     and [0, 1, D] on the other) gives the ranks different shapes, so no one program fits them. The
-    planned dim is kept where it divides (every weight of the native recipes: their numbers are
-    unchanged); else the first other dim that divides and no other axis splits (the probe: D; a
-    vocabulary of 50257 rows: the model dim), which costs one collective more per such weight (its
+    planned dim is kept where it divides; else the first other dim that divides and no other axis
+    splits (the probe: D; a vocabulary of 50257 rows: the model dim; the embedding and output of the
+    three largest recipes, whose vocabularies dp_shard does not divide: 128256 or 129280 rows over
+    1024 ranks, 151936 over 512), which costs one collective more per such weight (its
     own bucket) and nothing in memory; else the tensor stays whole on that axis (Replicate: its
     bytes and both moments on every rank, its gradient all-reduced instead of reduce-scattered),
     which in practice only tiny tensors meet. A stacked weight's layer dim is never taken (the scan

@@ -38,6 +38,14 @@ GiB = 1024**3
 # How close the planner must stay to XLA, on every compiled row (tests/test_tpu_recipes.py).
 PEAK_TOLERANCE = 0.10  # the planner's peak, planned as compiled, against XLA's per-chip peak
 FLOPS_TOLERANCE = 0.03  # our formula counted as XLA counts, against XLA's matmul FLOPs
+# Beyond this distance between XLA's time estimate as run and the planner's step time, a row says why
+# (TIME_NOTES, HELDOUT_NOTES; tests/test_tpu_recipes.py holds both ways).
+TIME_TOLERANCE = 0.25
+# What XLA's cost model counts, measured on small programs (bench/xla_cost_model.py).
+_COST = json.loads((ROOT / "bench/results/xla_cost_model.json").read_text())
+# Why XLA's time estimate and the planner's step time differ by more than TIME_TOLERANCE, per row.
+TIME_NOTES: dict[str, str] = {}
+HELDOUT_NOTES: dict[str, str] = {}
 
 
 def recipe_hash(path: str | Path) -> str:
@@ -231,7 +239,9 @@ def _compiled_cells(row: Row) -> list[str]:
     stages = (f"{r['capture_seconds'] + r['lower_seconds'] + r['compile_seconds']:.0f} s "
               f"({r['capture_seconds']:.0f} + {r['lower_seconds']:.0f} + {r['compile_seconds']:.0f})")
     planned = f"{row.plan_peak_compiled / GiB:.1f} ({row.plan_peak_compiled / xla_peak:.2f}x)"
-    return [f"compiled by XLA {r['date']}{' (STALE: the recipe changed since)' if row.stale else ''}",
+    stale = " (STALE: the recipe changed since)" if row.stale else \
+        f" (STALE: its program changed since: {row.moved}; recompile it)" if row.moved else ""
+    return [f"compiled by XLA {r['date']} at {r['commit']}{stale}",
             _certificate(row), f"{_slices(r)}{r['topology']} ({r['devices']})", f"{xla_peak / GiB:.1f}",
             planned, _gib(row.plan_peak), _flops_cell(row), f"{1 - xla_flops / r['flops_per_chip']:.0%}", stages]
 
@@ -252,9 +262,13 @@ def _certificate(row: Row) -> str:
     return f"our lowering ({prints}); the recipe runs compile.backend {row.backend}, another program"
 
 
-def render(reports: Path = REPORTS) -> str:
-    """The page docs/tpu_recipes.md."""
+def render(reports: Path = REPORTS, heldout_reports: Path = HELDOUT_REPORTS, moved: dict[str, str] | None = None
+           ) -> str:
+    """The page docs/tpu_recipes.md. moved: recipe -> what moved in its programs since its compile
+    (tools/recheck.py `moved_recipes`), marked stale on the page."""
     table = rows(reports)
+    for row in table:
+        row.moved = (moved or {}).get(row.recipe, "")
     compiled = [r for r in table if r.report is not None and "error" not in r.report]
     lines = [
         "# The TPU recipes, certified by the TPU compiler",
@@ -297,8 +311,86 @@ def render(reports: Path = REPORTS) -> str:
                      f"{r.get('grad_accum_steps', 1)} micro-batch(es)"
                      + (f"; {r['f8_dots']} matmuls on float8 operands in XLA's optimized program (a loop body's "
                         "once)" if r.get("f8_dots") else "") + ".")
-    lines += ["", _COLUMNS]
+    lines += ["", _COLUMNS, "", *_time_section(compiled), "", *_heldout_section(heldout_table(heldout_reports))]
     return "\n".join(lines) + "\n"
+
+
+def _seconds(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}" if value < 10 else f"{value:.1f}"
+
+
+def _time_cells(row: Row) -> list[str]:
+    """The planner's step time and XLA's estimate as run, their ratio, and the MFU each implies."""
+    xla, planned = row.xla_seconds, row.plan_seconds
+    if xla is None or not planned:
+        return [_seconds(planned), "not recorded", "", "", ""]
+    mfu = lambda seconds: f"{100 * row.model_flops / seconds / row.peak_flops:.0f}%"  # noqa: E731
+    return [_seconds(planned), _seconds(xla), f"{xla / planned:.2f}x", mfu(planned), mfu(xla)]
+
+
+def _time_note(row: Row, notes: dict[str, str]) -> str:
+    key = row.name or Path(row.recipe).stem
+    return notes.get(key, "")
+
+
+def _time_section(compiled: list[Row]) -> list[str]:
+    lines = ["## XLA's time estimate beside the planner's", "",
+             "XLA's TPU compiler estimates each program's time (its cost analysis's `optimal_seconds`). It counts a "
+             "while loop's body once, so the estimate of a scanned step is taken as run: the body's time read off a "
+             "second compile of the step with two layers a loop trip, added once per further trip "
+             "(`titan_tpu/xla/numbers.py` `time_as_run`; the method is in each report). What the estimate counts, "
+             "measured on small programs built for the purpose (`bench/xla_cost_model.py`): a large matmul at "
+             f"{_COST['matmul_fraction_of_peak']:.0%} of the chip's peak (the planner assumes "
+             f"{_COST['planner_efficiency']:.0%} for its matmul-dominated work), elementwise work at "
+             f"{_COST['elementwise_fraction_of_bandwidth']:.0%} of the planner's memory bandwidth, collectives at a "
+             "cost of their own added to the compute's with no overlap (a matmul beside an independent all-gather "
+             f"costs {_COST['matmul_beside_all_gather_over_sum']:.2f}x the two alone), and, in a scanned stack's "
+             "gradient, each loop trip's in-place update of the stacked weights' gradient at more than the unrolled "
+             f"program's cost ({_COST['stack_gradient_as_run_over_unrolled']:.2f}x the unrolled estimate on a 16-layer "
+             f"toy stack; its forward {_COST['stack_forward_as_run_over_unrolled']:.2f}x). MFU is the model's FLOPs "
+             "per step (as the trainer logs them) over the chip's peak and the time. A row whose ratio is outside "
+             f"{1 - TIME_TOLERANCE:.2f}x to {1 + TIME_TOLERANCE:.2f}x says why.", "",
+             "| recipe | planner step, s | XLA as run, s | XLA / planner | planner MFU | MFU at XLA's time | XLA as it "
+             "counts (loops once), s | why they differ |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in compiled:
+        once = row.report.get("xla_optimal_seconds_per_step")
+        lines.append("| " + " | ".join([f"`{Path(row.recipe).name}`", *_time_cells(row), _seconds(once),
+                                        _time_note(row, TIME_NOTES)]) + " |")
+    return lines
+
+
+def _heldout_section(table: list[Row]) -> list[str]:
+    compiled = [row for row in table if row.compiled]
+    within = [row for row in compiled if abs(row.plan_peak_compiled / row.report["peak_per_chip_bytes"] - 1)
+              <= PEAK_TOLERANCE]
+    recipes = [row for row in rows() if row.compiled]
+    calibrated = [row for row in recipes if abs(row.plan_peak_compiled / row.report["peak_per_chip_bytes"] - 1)
+                  <= PEAK_TOLERANCE]
+    lines = ["## The planner's held-out set", "",
+             "The planner's memory terms were read off the recipes' own compiles above, so the recipes' agreement "
+             f"is its calibration ({len(calibrated)} of {len(recipes)} peaks within {PEAK_TOLERANCE:.0%} of XLA's). "
+             "Its validation is this set (`bench/planner_heldout.toml`): the same model families at other batch "
+             "sizes, sequence lengths, slices, checkpointing and MoE dispatch modes, none of which any planner term "
+             "was read from, compiled by `bench/tpu_compile_table.py --heldout` into `bench/results/xla_heldout/`. "
+             f"{len(within)} of {len(compiled)} compiled rows are within {PEAK_TOLERANCE:.0%} of XLA's peak"
+             + (f" ({len(table) - len(compiled)} not compiled)" if len(compiled) < len(table) else "") + ".", "",
+             "| row | varies | slice (chips) | XLA peak per chip, GiB | planner as compiled, GiB | planner step, s "
+             "| XLA as run, s | XLA / planner | planner MFU | MFU at XLA's time | why they differ |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in table:
+        if not row.compiled:
+            why = row.report["error"] if row.report else "not compiled"
+            lines.append(f"| `{row.name}` | {row.varies} | {row.topology} | {why} | {_gib(row.plan_peak_compiled)} "
+                         "| | | | | | |")
+            continue
+        r = row.report
+        lines.append("| " + " | ".join([
+            f"`{row.name}`", row.varies, f"{_slices(r)}{r['topology']} ({r['devices']})",
+            _gib(r["peak_per_chip_bytes"]),
+            f"{row.plan_peak_compiled / GiB:.1f} ({row.plan_peak_compiled / r['peak_per_chip_bytes']:.2f}x)",
+            *_time_cells(row), _time_note(row, HELDOUT_NOTES)]) + " |")
+    return lines
 
 
 _COLUMNS = """Columns:
@@ -328,8 +420,29 @@ _COLUMNS = """Columns:
   it to StableHLO, XLA's compile for the slice."""
 
 
+def rechecked() -> dict[str, str] | None:
+    """recipe -> what moved in its programs since its compile, re-lowered by tools/recheck.py under
+    .venv-tpu (JAX and libtpu; the capture and lowering, no XLA compile); None where there is none."""
+    python = ROOT / ".venv-tpu/bin/python"
+    if not python.exists():
+        return None
+    done = subprocess.run([str(python), "-m", "titan_tpu.tools.recheck", "--json"], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    if not done.stdout.strip():
+        raise SystemExit(f"tools/recheck.py failed: {done.stderr.strip().splitlines()[-1:]}")
+    from titan_tpu.tools.recheck import moved_recipes
+
+    return moved_recipes(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def main() -> None:
-    PAGE.write_text(render())
+    moved = rechecked()
+    if moved is None:
+        print("the compile reports' fingerprints not re-checked: that needs .venv-tpu "
+              "(make .venv-tpu/.installed-stamp)")
+    elif moved:
+        print("stale (recompile with bench/tpu_compile_table.py): " + "; ".join(f"{k}: {v}" for k, v in moved.items()))
+    PAGE.write_text(render(moved=moved))
     print(f"wrote {PAGE}")
 
 
