@@ -38,7 +38,8 @@ from titan_tpu.tools.recheck import ENV  # what a compile-only libtpu client nee
 GiB = 1024**3
 
 
-def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | None) -> dict:
+def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | None, time_estimate: bool = True,
+        report_path: str | None = None) -> dict:
     import resource
     import shutil
     import time
@@ -55,8 +56,19 @@ def one(recipe: str, overrides: list[str], topology: str | None, dumps: str | No
     cfg, named = recipe_target(recipe, overrides)  # the slice the recipe names (one of its parallelism.slices)
     topology = topology or named
     start = time.perf_counter()
+    if report_path:  # --time-only: the report's time estimate alone, its program checked
+        from titan_tpu.tools.compile_cmd import estimate_time_for_tpu
+
+        with open(report_path) as f:
+            report = json.load(f)
+        try:
+            report = estimate_time_for_tpu(cfg, topology, report, xla_dump)
+        finally:
+            shutil.rmtree(xla_dump, ignore_errors=True)
+        report["time_estimate_seconds"] = time.perf_counter() - start
+        return report
     try:
-        report = compile_step_for_tpu(cfg, topology, xla_dump=xla_dump)
+        report = compile_step_for_tpu(cfg, topology, xla_dump=xla_dump, time_estimate=time_estimate)
     finally:
         if not kept:
             shutil.rmtree(xla_dump, ignore_errors=True)
@@ -81,11 +93,17 @@ def main() -> None:
                         "ranges: python -m titan_tpu.xla.dump DIR/<recipe> prints its peak's values)")
     parser.add_argument("--heldout", action="store_true", help="compile the planner's held-out set "
                         "(bench/planner_heldout.toml; recipes then names its rows) into bench/results/xla_heldout")
+    parser.add_argument("--no-time-estimate", action="store_true", help="skip XLA's time estimate as the step "
+                        "runs (a second compile of each looping program); add it later with --time-only")
+    parser.add_argument("--time-only", action="store_true", help="add XLA's time estimate to the saved reports "
+                        "that lack it, their programs checked against today's")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child process
+    parser.add_argument("--report", help=argparse.SUPPRESS)  # the child process of --time-only: the saved report
     args = parser.parse_args()
     if args.one:
         try:
-            print(json.dumps(one(args.recipes[0], args.override, args.topology, args.dumps)))
+            print(json.dumps(one(args.recipes[0], args.override, args.topology, args.dumps,
+                                 time_estimate=not args.no_time_estimate, report_path=args.report)))
         except ValueError as e:  # a refusal or XLA's rejection: one line for the parent
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
@@ -102,7 +120,17 @@ def main() -> None:
                 for recipe in args.recipes or sorted(glob.glob("configs/*_tpu.toml"))]
         reports = args.reports or (None if args.topology or args.override else str(REPORTS))
     for name, recipe, overrides in jobs:
+        saved = os.path.join(reports or "", f"{name}.json")
+        if args.time_only:
+            if not reports or not os.path.exists(saved):
+                continue
+            with open(saved) as f:
+                kept = json.load(f)
+            if "error" in kept or kept.get("xla_optimal_seconds_per_step_as_run") is not None:
+                continue
         command = [sys.executable, __file__, recipe, "--one", *(f"--override={o}" for o in overrides),
+                   *(["--no-time-estimate"] if args.no_time_estimate else []),
+                   *(["--report", saved] if args.time_only else []),
                    *(["--topology", args.topology] if args.topology else []),
                    *(["--dumps", os.path.abspath(args.dumps)] if args.dumps else [])]
         try:
@@ -110,6 +138,10 @@ def main() -> None:
                                   timeout=args.timeout)
         except subprocess.TimeoutExpired:
             done = None
+        if args.time_only and (done is None or done.returncode != 0):  # the report stays as it was
+            reason = f"stopped after {args.timeout:.0f} s" if done is None else child_error_line(done.stderr)
+            print(f"{name}: time estimate failed: {reason}", flush=True)
+            continue
         if done is None or done.returncode != 0:
             reason = f"stopped after {args.timeout:.0f} s" if done is None else child_error_line(done.stderr)
             print(f"{name}: failed: {reason}", flush=True)
@@ -121,7 +153,10 @@ def main() -> None:
             os.makedirs(reports, exist_ok=True)
             with open(os.path.join(reports, f"{name}.json"), "w") as f:
                 json.dump(report, f, indent=1)
-        if "error" not in report:
+        if args.time_only:
+            print(f"{name}: XLA's estimate as run {report['xla_optimal_seconds_per_step_as_run']:.3f} s "
+                  f"({report['time_estimate_seconds']:.0f} s here)", flush=True)
+        elif "error" not in report:
             print(stage_line(name, report), flush=True)
 
 

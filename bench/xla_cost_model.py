@@ -35,8 +35,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from titan_tpu.graph.jax_devices import tpu_topology
     from titan_tpu.plan.hardware import HARDWARE
@@ -65,8 +64,9 @@ def main() -> None:
     m = 64 * 1024 * 1024  # 128 MiB of bf16
     elementwise_s, cost = estimate(lambda x: x * 2 + 1, [(m,)])
     results["elementwise_fraction_of_bandwidth"] = cost["bytes accessed"] / elementwise_s / v5p.memory_bandwidth
-    print(f"elementwise on 128 MiB: {elementwise_s * 1e6:.0f} us, {cost['bytes accessed'] / elementwise_s / 1e9:.0f} "
-          f"GB/s = {results['elementwise_fraction_of_bandwidth']:.3f} of the planner's {v5p.memory_bandwidth / 1e9:.0f}")
+    rate = cost["bytes accessed"] / elementwise_s
+    print(f"elementwise on 128 MiB: {elementwise_s * 1e6:.0f} us, {rate / 1e9:.0f} GB/s = "
+          f"{results['elementwise_fraction_of_bandwidth']:.3f} of the planner's {v5p.memory_bandwidth / 1e9:.0f}")
 
     whole = NamedSharding(mesh, P())
     gather_s, _ = estimate(lambda x: jax.lax.with_sharding_constraint(x, whole), [(m,)], [P("x")], whole)

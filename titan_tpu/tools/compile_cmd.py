@@ -26,7 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["child_error_line", "compile_main", "compile_step_for_tpu", "fingerprints_for_tpu"]
+__all__ = ["child_error_line", "compile_main", "compile_step_for_tpu", "estimate_time_for_tpu",
+           "fingerprints_for_tpu"]
 
 GiB = 1024**3
 
@@ -136,7 +137,8 @@ def fingerprints_for_tpu(cfg, topology_name: str) -> dict[str, str]:
     return {name: lower_step(step, jax_mesh(step, devices), name).fingerprint for name, step in steps.items()}
 
 
-def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_dump: Path | None = None) -> dict:
+def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_dump: Path | None = None,
+                         time_estimate: bool = True) -> dict:
     """Compile `cfg`'s step for the topology, built by the code that trains (components/program.py:
     the run resolved for the slice's devices, then rank 0's program assembled on a fake world and
     captured); returns the report (see the module docstring). With gradient accumulation its two
@@ -155,7 +157,7 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
     start = time.perf_counter()
     run, steps, example = capture_rank(cfg, Target.for_jax(platform, len(devices)), hardware=hardware)
     capture_s = time.perf_counter() - start
-    programs = {name: compile_program(step, devices, program=name, xla_dump=xla_dump,
+    programs = {name: compile_program(step, devices, program=name, xla_dump=xla_dump, time_estimate=time_estimate,
                                        dump=None if dump is None else dump if len(steps) == 1 else dump / name)
                 for name, step in steps.items()}
     first = next(iter(steps.values()))
@@ -188,9 +190,10 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
         # XLA's TPU cost model's time for a step (cost analysis's optimal_seconds, summed as the step
         # runs its programs); like its FLOPs, a scanned layer loop's body counts once. None off a TPU.
         "xla_optimal_seconds_per_step": _per_step(programs, runs, "optimal_seconds"),
-        # the same with each loop counted as many times as it runs (xla/numbers.py as_run_seconds)
+        # the same with each loop counted as many times as it runs (xla/numbers.py time_as_run)
         "xla_optimal_seconds_per_step_as_run": _per_step(programs, runs, "optimal_seconds_as_run"),
         "xla_matmul_flops_per_chip_as_run": _per_step(programs, runs, "matmul_flops_as_run"),
+        "runs_per_step": {name: runs[name] for name in programs},
         "tokens_per_chip": tokens_per_chip,
         "formula_flops_per_chip": flops_per_token * tokens_per_chip,
         "formula_as_xla_counts_per_chip": formula_as_xla_counts(cfg, run.kernel_notes, tokens_per_chip,
@@ -212,6 +215,30 @@ def compile_step_for_tpu(cfg, topology_name: str, dump: Path | None = None, xla_
                               for stage in ("hlo_passes", "codegen")
                               if any(p["xla_stages"] for p in programs.values())},
     }
+    return report
+
+
+def estimate_time_for_tpu(cfg, topology_name: str, report: dict, xla_dump: Path) -> dict:
+    """`report` (`compile_step_for_tpu`'s, compiled with time_estimate False) with XLA's time estimate
+    as the step runs added (xla/numbers.py `time_as_run`: a second compile of each looping program
+    with two scan steps a trip): the estimate alone, for a pass after the compiles. The step is
+    captured and lowered again, and must be the program the report certifies."""
+    from titan_tpu.components.program import capture_rank
+    from titan_tpu.graph.jax_program import jax_mesh, lower_step
+    from titan_tpu.run.resolved import Target
+    from titan_tpu.xla.numbers import time_as_run
+
+    platform, devices, hardware = _target(cfg, topology_name)
+    _run, steps, _example = capture_rank(cfg, Target.for_jax(platform, len(devices)), hardware=hardware)
+    for name, step in steps.items():
+        program, mesh = report["programs"][name], jax_mesh(step, devices)
+        today = lower_step(step, mesh, name).fingerprint
+        if today != program["fingerprint"]:
+            raise ValueError(f"the {name} program today ({today}) is not the one the report certifies "
+                             f"({program['fingerprint']}): recompile it")
+        program.update(time_as_run(step, mesh, name, program, scratch=xla_dump / name))
+    report["xla_optimal_seconds_per_step_as_run"] = _per_step(report["programs"], report["runs_per_step"],
+                                                              "optimal_seconds_as_run")
     return report
 
 

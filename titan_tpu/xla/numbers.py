@@ -78,10 +78,13 @@ def xla_numbers(memory, cost) -> tuple[dict[str, int], int, dict]:
     return kinds, peak, cost[0] if isinstance(cost, (list, tuple)) else cost
 
 
-def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump: Path | None) -> dict:
+def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump: Path | None,
+                    time_estimate: bool = True) -> dict:
     """Lower one captured program to JAX over the devices' mesh and compile it; XLA's numbers.
     xla_dump: where XLA dumps its programs (XLA_FLAGS=--xla_dump_to, set before JAX started), to
-    read the optimized HLO and the values alive at the peak from; None reads neither."""
+    read the optimized HLO and the values alive at the peak from; None reads neither. time_estimate:
+    XLA's time for the program as it runs (`time_as_run`, a second compile where it loops); else
+    left for a later pass (bench/tpu_compile_table.py --time-only)."""
     import dataclasses
 
     import jax
@@ -131,27 +134,32 @@ def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump:
         (dump / "step.stablehlo.mlir").write_text(lowered_text)
         if collectives_from == "optimized HLO":
             (dump / "step.optimized.hlo").write_text(text)
-    return {"memory": kinds,
-            "peak": peak, "fingerprint": lowered.fingerprint,
-            "flops": cost.get("flops"), "matmul_flops": matmuls, "bytes_accessed": cost.get("bytes accessed"),
-            # the TPU compiler's own estimate of the program's time (its cost model; absent on XLA:CPU),
-            # a loop body's once, as its FLOPs; and the program's as it runs (`time_as_run`)
-            "optimal_seconds": cost.get("optimal_seconds"),
-            "matmul_flops_as_run": matmuls_as_run,
-            "loop_trips": [loop.trips for loop in loops],
-            **time_as_run(step, mesh, program, cost.get("optimal_seconds"), loops, matmuls, matmuls_as_run,
-                          scratch=None if xla_dump is None else xla_dump / "unrolled"),
-            "lower_seconds": lower_s, "compile_seconds": compile_s, "cpu_seconds": cpu_s,
-            "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),
-            "f8_dots": f8_dots(text),  # matmuls on float8 operands (fp8 recipes), loop bodies once
-            "at_peak": at_peak, "xla_stages": stages, "text": text, "lowered_text": lowered_text,
-            "collectives_from": collectives_from}
+    numbers = {
+        "memory": kinds,
+        "peak": peak, "fingerprint": lowered.fingerprint,
+        "flops": cost.get("flops"), "matmul_flops": matmuls, "bytes_accessed": cost.get("bytes accessed"),
+        # the TPU compiler's own estimate of the program's time (its cost model; absent on XLA:CPU),
+        # a loop body's once, as its FLOPs; and the program's as it runs (`time_as_run`)
+        "optimal_seconds": cost.get("optimal_seconds"),
+        "matmul_flops_as_run": matmuls_as_run,
+        "loop_trips": [loop.trips for loop in loops], "loops": [dataclasses.asdict(loop) for loop in loops],
+        "optimal_seconds_as_run": None, "as_run_method": None,
+        "lower_seconds": lower_s, "compile_seconds": compile_s, "cpu_seconds": cpu_s,
+        "operations": len(re.findall(r"^\s*%\S+ = ", lowered_text, re.M)),
+        "f8_dots": f8_dots(text),  # matmuls on float8 operands (fp8 recipes), loop bodies once
+        "at_peak": at_peak, "xla_stages": stages, "text": text, "lowered_text": lowered_text,
+        "collectives_from": collectives_from}
+    if time_estimate:
+        numbers.update(time_as_run(step, mesh, program, numbers,
+                                   scratch=None if xla_dump is None else xla_dump / "unrolled"))
+    return numbers
 
 
-def time_as_run(step, mesh, program: str, optimal_seconds: float | None, loops: list, matmuls: float | None,
-                matmuls_as_run: float | None, *, scratch: Path | None) -> dict:
+def time_as_run(step, mesh, program: str, numbers: dict, *, scratch: Path | None) -> dict:
     """XLA's time estimate for a program as it runs, each loop counted as many times as it runs:
-    {"optimal_seconds_as_run", "as_run_method", "optimal_seconds_unrolled_by_2"}.
+    {"optimal_seconds_as_run", "as_run_method", "optimal_seconds_unrolled_by_2"}, from the program's
+    numbers (`compile_program`'s: its estimate, loops and matmul FLOPs) and, where it loops, a second
+    compile of it.
 
     Its cost analysis counts a while loop's body once (a scan of 8 matmuls costs one) and gives no
     time per computation, so the body's time is read off a second compile: the same step with every
@@ -165,6 +173,12 @@ def time_as_run(step, mesh, program: str, optimal_seconds: float | None, loops: 
     the estimate is instead scaled by the matmul FLOPs as run over counted once, a rougher measure:
     the loop body's share of the time taken as its share of the matmul work. None off a TPU or
     without XLA's dump (whose optimized HLO says what loops the program has)."""
+    from titan_tpu.xla.dump import Loop
+
+    optimal_seconds, matmuls, matmuls_as_run = (numbers[k] for k in ("optimal_seconds", "matmul_flops",
+                                                                    "matmul_flops_as_run"))
+    loops = [Loop(trips=loop["trips"], body_matmul_flops=loop["body_matmul_flops"],
+                  inner_trips=tuple(loop["inner_trips"])) for loop in numbers["loops"]]
     if optimal_seconds is None or scratch is None or matmuls is None:  # off a TPU, or no dump to read loops from
         return {"optimal_seconds_as_run": None, "as_run_method": None}
     if not loops:
