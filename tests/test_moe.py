@@ -334,7 +334,7 @@ def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_p
 # ---------------------------------------------------------------------------------------------
 
 
-PARALLEL_STEPS = 20
+PARALLEL_STEPS = 10
 
 
 def _expert_parallel_worker(mode: str, scan: bool, ep: int, load_balance: str, dispatch: str = "all_gather") -> dict:
