@@ -334,6 +334,8 @@ def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_p
 # ---------------------------------------------------------------------------------------------
 
 
+# 10 steps, as test_deepseek_v3.py's parallel runs: a rank layout that routes or reduces differently
+# shows in the first step's loss, loads or biases; the spawns' time is mostly capture, the rest steps.
 PARALLEL_STEPS = 10
 
 
