@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiprocess
 
 # 10 steps, resumed runs from the checkpoint of step 5 (as tests/test_train_dist.py): a stage layout
 # that computed a different gradient, or a checkpoint that lost state, shows in the first step after
-# it; more steps only cost time (20 took half again as long per run). The kill -9 test keeps its own 20.
+# it; more steps only cost time (20 took about twice as long per eager run). The kill -9 test keeps its own 20.
 STEPS = 10
 HALF = STEPS // 2
 SCANNED = {"model__scan_layers": "true", "training__steps": STEPS, "checkpoint__interval": HALF}
