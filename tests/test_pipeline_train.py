@@ -15,8 +15,13 @@ from test_train_dist import cache, losses, overrides, train_forked, train_here  
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 20
-SCANNED = {"model__scan_layers": "true", "training__steps": STEPS, "checkpoint__interval": 10}
+# 10 steps, resumed runs from the checkpoint of step 5 (as tests/test_train_dist.py): a stage layout
+# that computed a different gradient, or a checkpoint that lost state, shows in the first step after
+# it; more steps only cost time (20 took about twice as long per eager run). The kill -9 test keeps its own 20.
+STEPS = 10
+HALF = STEPS // 2
+SCANNED = {"model__scan_layers": "true", "training__steps": STEPS, "checkpoint__interval": HALF}
+CHECKPOINT = f"step-{HALF:08d}"
 
 
 def grad_norms(run_dir) -> dict[int, float]:
@@ -64,7 +69,7 @@ def assert_same_run(got_dir, reference_dir, *, first: int = 1) -> None:
          "training__mode": "graph", "compile__backend": "aot_eager", "activation_checkpoint__mode": "full"}),
     # Layers that do not divide into pp x repeats chunks: 6 over 2 x 4 chunks of 1 (both stages' last
     # repeat a padding row), captured. Eager, 6 over 2 x 2 chunks of 2 is the padded checkpoint test's
-    # second half below (steps 11-20 against the same reference).
+    # second half below (steps 6-10 against the same reference).
     (2, {"parallelism__pp": 2, "parallelism__pp_repeats": 4, "parallelism__pp_microbatches": 4,
          "training__mode": "graph", "compile__backend": "aot_eager", "activation_checkpoint__mode": "full"}),
 ], ids=["gpipe2", "circular2", "circular2_accumulated", "circular3", "pp2_dp_shard2", "pp2_dp_shard2_tp2",
@@ -83,12 +88,12 @@ def test_checkpoint_of_two_stages_resumes_on_other_stages(tmp_path, cache, refer
     run = tmp_path / "run"
     before = {"parallelism__pp": 2, "parallelism__dp_shard": 1, "parallelism__pp_microbatches": 4,
               "training__batch_size": 4}
-    train_forked(2, overrides(run, cache, **{**SCANNED, "training__steps": 10}, **before))
+    train_forked(2, overrides(run, cache, **{**SCANNED, "training__steps": HALF}, **before))
     after = after or {"training__batch_size": 1, "training__grad_accum_steps": 4}
     after = {"training__batch_size": 4, **after}
     stdout = train_forked(after_nproc, overrides(run, cache, **SCANNED, **after))
-    assert "resumed from" in stdout and "step-00000010" in stdout
-    assert_same_run(run, reference, first=11)
+    assert "resumed from" in stdout and CHECKPOINT in stdout
+    assert_same_run(run, reference, first=HALF + 1)
 
 
 PADDED = {"parallelism__pp": 2, "parallelism__pp_repeats": 2, "parallelism__pp_microbatches": 4,
@@ -97,12 +102,12 @@ ONE_PROCESS = {"training__batch_size": 1, "training__grad_accum_steps": 4}
 
 
 def _layers_saved(run_dir) -> set[int]:
-    """The layer ids of every per-layer entry (weights and Adam moments) of the step-10 checkpoint."""
+    """The layer ids of every per-layer entry (weights and Adam moments) of the step-5 checkpoint."""
     import re
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    (path,) = run_dir.rglob("step-00000010")
+    (path,) = run_dir.rglob(CHECKPOINT)
     keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     return {int(m.group(1)) for key in keys if (m := re.search(r"layers\.(\d+)\.", key))}
 
@@ -114,12 +119,12 @@ def test_padded_stages_checkpoint_without_padding_rows(tmp_path, cache, referenc
     """A stack padded for its stages (parallel/pipeline.py) saves the model's 6 layers only, and its
     checkpoints resume without padding and back; the parameter count leaves the padding out."""
     run = tmp_path / "run"
-    stdout = train_forked(before_nproc, overrides(run, cache, **{**SCANNED, "training__steps": 10},
+    stdout = train_forked(before_nproc, overrides(run, cache, **{**SCANNED, "training__steps": HALF},
                                                   **{"training__batch_size": 4, **before}))
     assert _layers_saved(run) == set(range(6))
     stdout += train_forked(after_nproc, overrides(run, cache, **SCANNED, **{"training__batch_size": 4, **after}))
-    assert "resumed from" in stdout and "step-00000010" in stdout
-    assert_same_run(run, reference, first=11)
+    assert "resumed from" in stdout and CHECKPOINT in stdout
+    assert_same_run(run, reference, first=HALF + 1)
     assert "pipeline: 2 stages x 4 micro-batches, 2 chunks per stage, 6 layers padded to 8 rows (2 identity rows, " \
            "25.0% of a stage's work)" in stdout
     params = {line.split(" params")[0].rsplit(" ", 1)[1] for line in stdout.splitlines() if line.startswith("model ")}

@@ -223,7 +223,7 @@ def test_tp2_with_activation_checkpointing_matches_one_process(name, run_name):
 @pytest.mark.multiprocess
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_tp2_checkpoint_resumes_on_one_process():
-    """A checkpoint written by 2 tp ranks after 10 steps, loaded by one process, continues with
+    """A checkpoint written by 2 tp ranks after STEPS // 2 steps, loaded by one process, continues with
     the one-process losses."""
     save_dir = tp2_runs()[1]
     model = build_model(tiny_args("llama3"), seed=SEED + 1)  # other weights: the load must replace them
