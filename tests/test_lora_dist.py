@@ -3,11 +3,11 @@ process, and kill -9 then restart, as real training processes (tests/test_train_
 2-rank run on ranks forked from the fork server, the one-process reference in the test's process)."""
 
 import random
-import signal
 import subprocess
 import time
 
 import pytest
+from kill_fixtures import assert_resumed_once, kill_9
 from test_train_dist import _wait_for, command, losses, overrides, thread_env, train, train_forked, train_here
 
 pytestmark = pytest.mark.multiprocess
@@ -43,7 +43,7 @@ def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache):
     # Kill at an arbitrary moment after the first checkpoint: mid-step or mid-save alike.
     _wait_for(lambda: (run / "checkpoints" / "latest").exists(), 120, proc)
     time.sleep(random.uniform(0.0, 1.0))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    train(1, overrides(run, cache, **args))
+    kill_9(proc)
+    proc.stderr.close()
+    assert_resumed_once(run, train(1, overrides(run, cache, **args)).stdout, steps=args["training__steps"])
     assert losses(run) == losses(tmp_path / "straight")  # bitwise

@@ -16,13 +16,13 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from kill_fixtures import assert_resumed_once, kill_9
 
 from titan_tpu.config import build_config
 from titan_tpu.tools.compile_cmd import compile_step_for_tpu
@@ -161,7 +161,8 @@ def test_jax_path_equals_eager_run_on_each_layout(tmp_path, cache, name):
 
 def test_kill_9_then_restart_on_the_jax_path_gives_identical_losses(tmp_path, cache):
     """One process on the JAX path, killed at an arbitrary moment after its first checkpoint and
-    restarted: every step's loss equals an uninterrupted run's, bitwise."""
+    restarted: the restart resumes from the killed process's checkpoint, and every step's loss
+    equals an uninterrupted run's, bitwise."""
     args = dict(training__steps=12, checkpoint__interval=4, validation__enabled="false")
     straight = tmp_path / "straight"
     train(1, "llama3_debug", overrides(straight, cache, **args) + JAX)
@@ -175,10 +176,10 @@ def test_kill_9_then_restart_on_the_jax_path_gives_identical_losses(tmp_path, ca
         assert time.monotonic() < deadline, "the run reached no checkpoint in 300 s"
         time.sleep(0.2)
     time.sleep(random.uniform(0.0, 1.0))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_9(proc)
     proc.stderr.close()
-    train(1, "llama3_debug", overrides(run, cache, **args) + JAX)
+    printed = train(1, "llama3_debug", overrides(run, cache, **args) + JAX)
+    assert_resumed_once(run, printed, steps=12)
     want, got = metrics(straight, "loss"), metrics(run, "loss")
     assert sorted(got) == list(range(1, 13))
     assert got == want  # bitwise
