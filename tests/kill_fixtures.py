@@ -16,17 +16,34 @@ from pathlib import Path
 from titan_tpu.train.goodput import read_processes, totals
 
 
-def kill_9(proc: subprocess.Popen, *, group: bool = False) -> None:
-    """SIGKILL `proc` (with `group`, its whole process group: a launcher and its ranks, started with
-    start_new_session=True) and reap it, asserting it was still running when the signal landed."""
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (Linux /proc), children before theirs."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # the task ended meanwhile
+            pass
+    return [d for c in children for d in (c, *_descendants(c))]
+
+
+def kill_9(proc: subprocess.Popen, *, tree: bool = False) -> None:
+    """SIGKILL `proc` (with `tree`, every process below it too: torchrun starts each rank in a session of
+    its own, so killing the launcher's process group leaves the ranks running on) and reap it,
+    asserting it was still running when the signal landed."""
     assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the kill"
-    if group:
-        os.killpg(proc.pid, signal.SIGKILL)
-    else:
-        proc.send_signal(signal.SIGKILL)
+    below = _descendants(proc.pid) if tree else []
+    for pid in [proc.pid, *below]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
     # A process that exited on its own between the poll and the signal reports its own status, not -9.
     assert proc.returncode == -signal.SIGKILL, f"the run exited with {proc.returncode}, not by the kill"
+    for pid in below:  # gone, or a zombie until init reaps it
+        status = Path(f"/proc/{pid}/stat")
+        assert not status.exists() or status.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"), pid
 
 
 def assert_resumed_once(run_dir: Path, restart_stdout: str, *, steps: int) -> int:

@@ -144,7 +144,7 @@ def test_kill_9_of_both_stages_then_restart_gives_identical_losses(tmp_path, cac
 
     run = tmp_path / "killed"
     proc = subprocess.Popen(command(2, overrides(run, cache, **args)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=thread_env(), start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, env=thread_env())
     # An arbitrary moment after the first checkpoint, mid-step or mid-save alike, and before the end: a
     # random step from 6 to 17 logged, then within one step's time. A fixed sleep (up to 1.5 s) let the
     # 14 steps after step 6 end first (tests/stress.py: 1 round in 10), and the kill then tested nothing.
@@ -157,7 +157,7 @@ def test_kill_9_of_both_stages_then_restart_gives_identical_losses(tmp_path, cac
         time.sleep(0.02)
     step_s = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]["step_s"]
     time.sleep(random.uniform(0.0, step_s))
-    kill_9(proc, group=True)  # the launcher and both stages at once
+    kill_9(proc, tree=True)  # the launcher and both stages at once
     proc.stderr.close()
     assert_resumed_once(run, train(2, overrides(run, cache, **args)).stdout, steps=20)
     want, got = losses(straight), losses(run)
