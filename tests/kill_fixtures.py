@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from titan_tpu.train.goodput import read_processes, totals
@@ -41,9 +42,18 @@ def kill_9(proc: subprocess.Popen, *, tree: bool = False) -> None:
     proc.wait()
     # A process that exited on its own between the poll and the signal reports its own status, not -9.
     assert proc.returncode == -signal.SIGKILL, f"the run exited with {proc.returncode}, not by the kill"
-    for pid in below:  # gone, or a zombie until init reaps it
-        status = Path(f"/proc/{pid}/stat")
-        assert not status.exists() or status.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"), pid
+    # SIGKILL is delivered asynchronously: each rank is gone (or a zombie until init reaps it) soon after.
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in below):
+        assert time.monotonic() < deadline, [pid for pid in below if _alive(pid)]
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 def assert_resumed_once(run_dir: Path, restart_stdout: str, *, steps: int) -> int:
