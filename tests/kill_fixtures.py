@@ -7,7 +7,9 @@ test_lora_dist.py and tpu/test_jax_path.py share."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -47,6 +49,44 @@ def kill_9(proc: subprocess.Popen, *, tree: bool = False) -> None:
     while any(_alive(pid) for pid in below):
         assert time.monotonic() < deadline, [pid for pid in below if _alive(pid)]
         time.sleep(0.05)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's step rows so far; a torn last line (the run is writing it) is left out."""
+    rows = []
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in row:
+            rows.append(row)
+    return rows
+
+
+def kill_9_at_step(proc: subprocess.Popen, run_dir: Path, first: int, last: int, *, timeout: float,
+                   tree: bool = False) -> int:
+    """kill_9 (`tree` as there) the run `proc` trains into `run_dir` at an arbitrary moment, mid-step or
+    mid-save alike: once a checkpoint is written and a random step from `first` to `last` is logged,
+    within one step's time of that (the last row's step_s). Pick `first` past the first checkpoint's
+    step and `last` at least two steps before the run's end. A fixed sleep after an early step instead
+    lets a run of tiny steps end before the kill (tests/stress.py caught it), which then tests
+    nothing. Returns the step picked."""
+    target = random.randint(first, last)
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = _rows(run_dir)
+        if (run_dir / "checkpoints" / "latest").exists() and rows and rows[-1]["step"] >= target:
+            break
+        if proc.poll() is not None:
+            stderr = proc.communicate()[1] if proc.stderr else ""
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before step {target}: {stderr[-3000:]}")
+        assert time.monotonic() < deadline, f"the run logged no step {target} in {timeout} s"
+        time.sleep(0.02)
+    time.sleep(random.uniform(0.0, rows[-1]["step_s"]))
+    kill_9(proc, tree=tree)
+    return target
 
 
 def _alive(pid: int) -> bool:

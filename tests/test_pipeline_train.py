@@ -130,11 +130,9 @@ def test_kill_9_of_both_stages_then_restart_gives_identical_losses(tmp_path, cac
     """pp 2 under torchrun, every process killed at an arbitrary moment after the first checkpoint,
     restarted with the same command: it resumes from the killed run's checkpoint, and the losses are
     those of the uninterrupted run, bitwise."""
-    import random
     import subprocess
-    import time
 
-    from kill_fixtures import assert_resumed_once, kill_9
+    from kill_fixtures import assert_resumed_once, kill_9_at_step
     from test_train_dist import command, thread_env, train
 
     args = dict(training__deterministic="true", training__steps=20, checkpoint__interval=5, training__batch_size=4,
@@ -145,19 +143,8 @@ def test_kill_9_of_both_stages_then_restart_gives_identical_losses(tmp_path, cac
     run = tmp_path / "killed"
     proc = subprocess.Popen(command(2, overrides(run, cache, **args)), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=thread_env())
-    # An arbitrary moment after the first checkpoint, mid-step or mid-save alike, and before the end: a
-    # random step from 6 to 17 logged, then within one step's time. A fixed sleep (up to 1.5 s) let the
-    # 14 steps after step 6 end first (tests/stress.py: 1 round in 10), and the kill then tested nothing.
-    target = random.randint(6, 17)
-    deadline = time.time() + 240
-    while not ((run / "checkpoints" / "latest").exists() and (run / "metrics.jsonl").exists()
-               and max(losses(run), default=0) >= target):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.02)
-    step_s = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]["step_s"]
-    time.sleep(random.uniform(0.0, step_s))
-    kill_9(proc, tree=True)  # the launcher and both stages at once
+    # After the first checkpoint (step 5), before the end; the launcher and both stages at once.
+    kill_9_at_step(proc, run, 6, 17, timeout=240, tree=True)
     proc.stderr.close()
     assert_resumed_once(run, train(2, overrides(run, cache, **args)).stdout, steps=20)
     want, got = losses(straight), losses(run)

@@ -21,7 +21,6 @@ import contextlib
 import io
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import require_multiprocess_marker, train_on_ranks
-from kill_fixtures import assert_resumed_once, kill_9
+from kill_fixtures import assert_resumed_once, kill_9_at_step
 
 from titan_tpu.train.goodput import read_processes, totals
 
@@ -291,10 +290,8 @@ def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache, model):
     run = tmp_path / "killed"
     proc = subprocess.Popen(command(1, overrides(run, cache, **args)), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=thread_env())
-    # Kill at an arbitrary moment after the first checkpoint and a step past it: mid-step or mid-save alike.
-    _wait_for(lambda: (run / "checkpoints" / "latest").exists() and max(losses(run)) > 5, 120, proc)
-    time.sleep(random.uniform(0.0, 1.5))
-    kill_9(proc)
+    # After the first checkpoint (step 5), two steps or more before the end (step 20).
+    kill_9_at_step(proc, run, 6, 17, timeout=120)
     proc.stderr.close()
     done = train(1, overrides(run, cache, **args))
     want, got = losses(straight), losses(run)

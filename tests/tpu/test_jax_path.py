@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from kill_fixtures import assert_resumed_once, kill_9
+from kill_fixtures import assert_resumed_once, kill_9_at_step
 
 from titan_tpu.config import build_config
 from titan_tpu.tools.compile_cmd import compile_step_for_tpu
@@ -169,14 +167,8 @@ def test_kill_9_then_restart_on_the_jax_path_gives_identical_losses(tmp_path, ca
     run = tmp_path / "killed"
     proc = subprocess.Popen(command(1, "llama3_debug", overrides(run, cache, **args) + JAX), cwd=ROOT,
                             env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not ((run / "checkpoints" / "latest").exists() and (run / "metrics.jsonl").exists()
-               and max(metrics(run, "loss"), default=0) > 4):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.monotonic() < deadline, "the run reached no checkpoint in 300 s"
-        time.sleep(0.2)
-    time.sleep(random.uniform(0.0, 1.0))
-    kill_9(proc)
+    # After the first checkpoint (step 4), two steps or more before the end (step 12).
+    kill_9_at_step(proc, run, 5, 9, timeout=300)
     proc.stderr.close()
     printed = train(1, "llama3_debug", overrides(run, cache, **args) + JAX)
     assert_resumed_once(run, printed, steps=12)
