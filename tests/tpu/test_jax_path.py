@@ -181,7 +181,9 @@ def test_evaluation_on_the_jax_path_scores_with_its_own_program(tmp_path, cache)
     """[evaluation] during a JAX-path run (dp_shard 2): the log-likelihoods come from a scoring
     program of its own, run on the device's state (its fingerprint logged), every rank its share of
     the requests at the same shapes; generation from the host copy. The scores equal `titan-tpu
-    eval --tasks` of the step's checkpoint (the eager model on this CPU) within 1e-5."""
+    eval --tasks` of the step's checkpoint (the eager model on this CPU) within 1e-5, and the
+    scoring program's answers to single requests, greedy flags True and False among them, equal
+    the harness's on the eager model of that checkpoint (tests/tpu/jax_scoring.py)."""
     from harness_fixtures import write_tasks
 
     tasks_dir = tmp_path / "tasks"
@@ -214,3 +216,17 @@ def test_evaluation_on_the_jax_path_scores_with_its_own_program(tmp_path, cache)
                 assert scored[f"eval/{task}/{metric}"] == pytest.approx(value, rel=1e-5), (task, metric)
                 compared += 1
     assert compared >= 3, expected
+
+    # Request by request (the metrics above can hide a wrong greedy check, all flags False on both
+    # sides): the JAX path's scoring program against the harness on the eager model, the same
+    # checkpoint's weights, on requests some of which are the model's own greedy continuations.
+    done = subprocess.run([sys.executable, "tests/tpu/jax_scoring.py", str(run / "checkpoints" / "step-00000002"),
+                           "--", *overrides(tmp_path / "scoring", cache, validation__enabled="false"), *JAX],
+                          cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("ANSWERS ")]
+    answers = json.loads(line.removeprefix("ANSWERS "))
+    flags = [greedy for _, greedy in answers["eager"]]
+    assert True in flags and False in flags, answers  # else a wrong greedy check could compare equal
+    assert [greedy for _, greedy in answers["jax"]] == flags, answers
+    assert [lp for lp, _ in answers["jax"]] == pytest.approx([lp for lp, _ in answers["eager"]], rel=1e-5, abs=1e-5)
