@@ -67,14 +67,31 @@ def loglikelihood_requests(seed: int = 1) -> tuple[list[tuple[str, str]], list[t
     return pairs, [(sentence(rng, n),) for n in (3, 50, 130)]
 
 
+GREEDY_CONTEXTS = ["the cat sat on", "red", "a big dog ran to the house with", "blue door"]
+
+
+def greedy_pairs(lm, contexts: list[str]) -> list[tuple[str, str]]:
+    """(context, continuation) requests whose continuation is `lm`'s greedy next token (generated,
+    then kept where it encodes back to one token after its context): their greedy flag is True. An
+    untrained model's flags are all False otherwise, and flags all False on both sides compare equal
+    whatever the greedy check computes."""
+    texts = lm.generate_until(instances("generate_until", [(c, {"until": [], "max_gen_toks": 1, "do_sample": False})
+                                                           for c in contexts]))
+    return [(c, t) for c, t in zip(contexts, texts) if t and len(lm._encode_pair(c, t)[1]) == 1]
+
+
 def assert_requests_equal(ours, hflm, pairs: list[tuple[str, str]], documents: list[tuple[str]]) -> None:
     """Our model class and lm-eval's HF backend answer the same log-likelihood and rolling requests:
-    the same greedy flags, log-probabilities within 1e-4."""
+    the same greedy flags (some True, some False: `greedy_pairs` adds the True ones), log-probabilities
+    within 1e-4."""
     import pytest
 
+    pairs = pairs + greedy_pairs(hflm, GREEDY_CONTEXTS)
     expected = hflm.loglikelihood(instances("loglikelihood", pairs))
     got = ours.loglikelihood(instances("loglikelihood", pairs))
-    assert [g for _, g in got] == [g for _, g in expected]
+    flags = [g for _, g in expected]
+    assert True in flags and False in flags, flags  # else a wrong greedy check could compare equal
+    assert [g for _, g in got] == flags
     assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in expected], abs=1e-4)
     expected = hflm.loglikelihood_rolling(instances("loglikelihood_rolling", documents))
     assert ours.loglikelihood_rolling(instances("loglikelihood_rolling", documents)) == pytest.approx(

@@ -7,21 +7,20 @@ processes (marked `multiprocess`, run many times by tests/stress.py).
 from __future__ import annotations
 
 import json
-import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from data_fixtures import conversations, make_docs, write_chat_tokenizer_dir, write_jsonl, write_parquet
 from dist_utils import require_multiprocess_marker, train_on_ranks
-from test_train_dist import _wait_for, train_here
+from kill_fixtures import kill_9_at_step
+from test_train_dist import train_here
 
 from titan_tpu.config import build_config
 from titan_tpu.loops import assemble
+from titan_tpu.train.goodput import read_processes, totals
 
 RECIPE = """
 [model]
@@ -128,15 +127,16 @@ def test_kill_9_twice_with_a_chat_mixture_gives_identical_losses(tmp_path, recip
     done = subprocess.run(command(straight), capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "killed"
-    for checkpoint in ("step-00000004", "step-00000008"):
+    # Past the checkpoint of step 4 and before step 8's is logged, then past step 8 (its checkpoint
+    # written, or being written by the second process: either is a kill after a checkpoint).
+    for first, last in ((5, 6), (9, 9)):
         proc = subprocess.Popen(command(run), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        _wait_for(lambda: (run / "checkpoints" / checkpoint).is_dir(), 180, proc)
-        time.sleep(random.uniform(0.0, 1.0))  # an arbitrary moment: mid-step or mid-save alike
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill_9_at_step(proc, run, first, last, timeout=180)
+        proc.stderr.close()
     done = subprocess.run(command(run), capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("resumed from") == 1
+    assert totals(read_processes(run))["restarts"] == 2  # the ledger: both kills landed on running processes
     want, got = losses(straight), losses(run)
     assert sorted(got) == list(range(1, 13))
     for step in range(1, 13):

@@ -2,13 +2,11 @@
 process, and kill -9 then restart, as real training processes (tests/test_train_dist.py; the
 2-rank run on ranks forked from the fork server, the one-process reference in the test's process)."""
 
-import random
-import signal
 import subprocess
-import time
 
 import pytest
-from test_train_dist import _wait_for, command, losses, overrides, thread_env, train, train_forked, train_here
+from kill_fixtures import assert_resumed_once, kill_9_at_step
+from test_train_dist import command, losses, overrides, thread_env, train, train_forked, train_here
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,10 +38,8 @@ def test_kill_9_then_restart_gives_identical_losses(tmp_path, cache):
     run = tmp_path / "killed"
     proc = subprocess.Popen(command(1, overrides(run, cache, **args)), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=thread_env())
-    # Kill at an arbitrary moment after the first checkpoint: mid-step or mid-save alike.
-    _wait_for(lambda: (run / "checkpoints" / "latest").exists(), 120, proc)
-    time.sleep(random.uniform(0.0, 1.0))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    train(1, overrides(run, cache, **args))
+    # After the first checkpoint (step 5), two steps or more before the end (step 10).
+    kill_9_at_step(proc, run, 6, 7, timeout=120)
+    proc.stderr.close()
+    assert_resumed_once(run, train(1, overrides(run, cache, **args)).stdout, steps=args["training__steps"])
     assert losses(run) == losses(tmp_path / "straight")  # bitwise

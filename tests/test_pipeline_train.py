@@ -133,13 +133,11 @@ def test_padded_stages_checkpoint_without_padding_rows(tmp_path, cache, referenc
 
 def test_kill_9_of_both_stages_then_restart_gives_identical_losses(tmp_path, cache):  # noqa: F811
     """pp 2 under torchrun, every process killed at an arbitrary moment after the first checkpoint,
-    restarted with the same command: the losses of the uninterrupted run, bitwise."""
-    import os
-    import random
-    import signal
+    restarted with the same command: it resumes from the killed run's checkpoint, and the losses are
+    those of the uninterrupted run, bitwise."""
     import subprocess
-    import time
 
+    from kill_fixtures import assert_resumed_once, kill_9_at_step
     from test_train_dist import command, thread_env, train
 
     args = dict(training__deterministic="true", training__steps=20, checkpoint__interval=5, training__batch_size=4,
@@ -149,17 +147,11 @@ def test_kill_9_of_both_stages_then_restart_gives_identical_losses(tmp_path, cac
 
     run = tmp_path / "killed"
     proc = subprocess.Popen(command(2, overrides(run, cache, **args)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=thread_env(), start_new_session=True)
-    deadline = time.time() + 240
-    while not ((run / "checkpoints" / "latest").exists() and (run / "metrics.jsonl").exists()
-               and max(losses(run), default=0) > 5):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-    time.sleep(random.uniform(0.0, 1.5))
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both stages at once
-    proc.wait()
-    train(2, overrides(run, cache, **args))
+                            stderr=subprocess.PIPE, text=True, env=thread_env())
+    # After the first checkpoint (step 5), before the end; the launcher and both stages at once.
+    kill_9_at_step(proc, run, 6, 17, timeout=240, tree=True)
+    proc.stderr.close()
+    assert_resumed_once(run, train(2, overrides(run, cache, **args)).stdout, steps=20)
     want, got = losses(straight), losses(run)
     assert sorted(got) == list(range(1, 21))
     for step in range(1, 21):

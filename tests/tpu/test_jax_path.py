@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from kill_fixtures import assert_resumed_once, kill_9_at_step
 
 from titan_tpu.config import build_config
 from titan_tpu.tools.compile_cmd import compile_step_for_tpu
@@ -161,24 +159,19 @@ def test_jax_path_equals_eager_run_on_each_layout(tmp_path, cache, name):
 
 def test_kill_9_then_restart_on_the_jax_path_gives_identical_losses(tmp_path, cache):
     """One process on the JAX path, killed at an arbitrary moment after its first checkpoint and
-    restarted: every step's loss equals an uninterrupted run's, bitwise."""
+    restarted: the restart resumes from the killed process's checkpoint, and every step's loss
+    equals an uninterrupted run's, bitwise."""
     args = dict(training__steps=12, checkpoint__interval=4, validation__enabled="false")
     straight = tmp_path / "straight"
     train(1, "llama3_debug", overrides(straight, cache, **args) + JAX)
     run = tmp_path / "killed"
     proc = subprocess.Popen(command(1, "llama3_debug", overrides(run, cache, **args) + JAX), cwd=ROOT,
                             env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not ((run / "checkpoints" / "latest").exists() and (run / "metrics.jsonl").exists()
-               and max(metrics(run, "loss"), default=0) > 4):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.monotonic() < deadline, "the run reached no checkpoint in 300 s"
-        time.sleep(0.2)
-    time.sleep(random.uniform(0.0, 1.0))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    # After the first checkpoint (step 4), two steps or more before the end (step 12).
+    kill_9_at_step(proc, run, 5, 9, timeout=300)
     proc.stderr.close()
-    train(1, "llama3_debug", overrides(run, cache, **args) + JAX)
+    printed = train(1, "llama3_debug", overrides(run, cache, **args) + JAX)
+    assert_resumed_once(run, printed, steps=12)
     want, got = metrics(straight, "loss"), metrics(run, "loss")
     assert sorted(got) == list(range(1, 13))
     assert got == want  # bitwise
@@ -188,7 +181,9 @@ def test_evaluation_on_the_jax_path_scores_with_its_own_program(tmp_path, cache)
     """[evaluation] during a JAX-path run (dp_shard 2): the log-likelihoods come from a scoring
     program of its own, run on the device's state (its fingerprint logged), every rank its share of
     the requests at the same shapes; generation from the host copy. The scores equal `titan-tpu
-    eval --tasks` of the step's checkpoint (the eager model on this CPU) within 1e-5."""
+    eval --tasks` of the step's checkpoint (the eager model on this CPU) within 1e-5, and the
+    scoring program's answers to single requests, greedy flags True and False among them, equal
+    the harness's on the eager model of that checkpoint (tests/tpu/jax_scoring.py)."""
     from harness_fixtures import write_tasks
 
     tasks_dir = tmp_path / "tasks"
@@ -221,3 +216,17 @@ def test_evaluation_on_the_jax_path_scores_with_its_own_program(tmp_path, cache)
                 assert scored[f"eval/{task}/{metric}"] == pytest.approx(value, rel=1e-5), (task, metric)
                 compared += 1
     assert compared >= 3, expected
+
+    # Request by request (the metrics above can hide a wrong greedy check, all flags False on both
+    # sides): the JAX path's scoring program against the harness on the eager model, the same
+    # checkpoint's weights, on requests some of which are the model's own greedy continuations.
+    done = subprocess.run([sys.executable, "tests/tpu/jax_scoring.py", str(run / "checkpoints" / "step-00000002"),
+                           "--", *overrides(tmp_path / "scoring", cache, validation__enabled="false"), *JAX],
+                          cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("ANSWERS ")]
+    answers = json.loads(line.removeprefix("ANSWERS "))
+    flags = [greedy for _, greedy in answers["eager"]]
+    assert True in flags and False in flags, answers  # else a wrong greedy check could compare equal
+    assert [greedy for _, greedy in answers["jax"]] == flags, answers
+    assert [lp for lp, _ in answers["jax"]] == pytest.approx([lp for lp, _ in answers["eager"]], rel=1e-5, abs=1e-5)
