@@ -126,8 +126,8 @@ def main() -> None:
                 continue
             with open(saved) as f:
                 kept = json.load(f)
-            if "error" in kept or kept.get("xla_optimal_seconds_per_step_as_run") is not None:
-                continue
+            if "error" in kept or all(program.get("as_run_method") for program in kept["programs"].values()):
+                continue  # failed, or estimated (or found to have no estimate) already
         command = [sys.executable, __file__, recipe, "--one", *(f"--override={o}" for o in overrides),
                    *(["--no-time-estimate"] if args.no_time_estimate else []),
                    *(["--report", saved] if args.time_only else []),
@@ -154,8 +154,10 @@ def main() -> None:
             with open(os.path.join(reports, f"{name}.json"), "w") as f:
                 json.dump(report, f, indent=1)
         if args.time_only:
-            print(f"{name}: XLA's estimate as run {report['xla_optimal_seconds_per_step_as_run']:.3f} s "
-                  f"({report['time_estimate_seconds']:.0f} s here)", flush=True)
+            seconds = report["xla_optimal_seconds_per_step_as_run"]
+            estimate = "none (a negative time from XLA's cost model)" if seconds is None else f"{seconds:.3f} s"
+            print(f"{name}: XLA's estimate as run {estimate} ({report['time_estimate_seconds']:.0f} s here)",
+                  flush=True)
         elif "error" not in report:
             print(stage_line(name, report), flush=True)
 

@@ -154,16 +154,20 @@ def test_the_recipe_tables_of_the_pages_are_the_planners():
 # outside it: the list is the planner's open work, not a way around the check.
 _PACKING = "the planner's backward end ({} GiB) is what XLA's live ranges hold at their peak ({} GiB); XLA " \
            "packs its temporaries into an allocation {} GiB larger, which the planner does not model"
+_VOCABULARY = "XLA's temporaries went from {} GiB (the padded vocabulary rows) to {} GiB (the vocabulary on the " \
+              "model dim)"
 PEAK_OFF = {
     "qwen3_8b_tpu": (0.89, "XLA's packing of its temporaries (the forward loop's activation stacks, no "
                            "checkpointing): not modelled"),
     "qwen3_8b_graph_tpu": (0.82, _PACKING.format(14.6, 14.4, 3.4)),
-    "llama3_405b_tpu": (1.11, "XLA's backward loop (its buffer assignment, 2026-12-05) holds the layer-input stack "
-                              "(31.5 GiB), the output projection's fp32 gradient (7.9), one matrix's fp32 gradient "
-                              "(3.25) and 7.9 GiB for the gathered layer and its recomputed intermediates, where the "
-                              "planner counts two gathered layers (11.9) and a layer's recomputation (5.3); counting "
-                              "one layer brings this row to 1.01 and llama3_70b_v7_tpu to 0.87, whose program holds "
-                              "more at once (docs/log.md)"),
+    # Since SimpleFSDP's equal blocks moved the vocabulary rows that dp_shard does not divide to the model dim
+    # (2026-12-06), XLA's temporaries on these three doubled and the planner has no term for it; what XLA
+    # holds beyond the values it lists at its peak (loop carries: xla/dump.py placed_values) is still to read.
+    "llama3_405b_tpu": (0.77, _VOCABULARY.format(55.4, 81.5) + "; its peak lists the gathered embedding and its "
+                              "[128256, 1024, 16] transpose, 3.9 GiB each"),
+    "deepseek_v3_671b_tpu": (0.45, _VOCABULARY.format(36.1, 79.7) + "; the values its peak lists are the ones it "
+                                   "listed before"),
+    "qwen3_235b_a22b_tpu": (0.46, _VOCABULARY.format(18.2, 45.6)),
 }
 # Our formula against the matmuls of XLA's optimized program: every row within the tolerance but these.
 FLOPS_OFF: dict[str, tuple[float, str]] = {}
@@ -227,9 +231,12 @@ def test_every_compile_report_names_its_programs_commit_and_versions():
                                   capture_output=True, check=False)
         assert ancestor.returncode == 0, f"{name}: compiled at {report['commit']}, not a commit of this history"
         assert re.fullmatch(r"\d+\.\d+\.\d+\S*", report["libtpu"]) and re.fullmatch(r"\d+\.\d+\.\d+\S*", report["jax"])
-        assert report["xla_optimal_seconds_per_step_as_run"] > 0, name
-        methods = {p["as_run_method"] for p in report["programs"].values()}
-        assert methods <= {"unrolled by 2", "no loops", "matmul share"}, (name, methods)
+        # XLA's estimate, each loop's body once (negative, no estimate, on some targets: NO_ESTIMATE)
+        assert report["xla_optimal_seconds_per_step"] is not None, name
+        if report.get("xla_optimal_seconds_per_step_as_run") is not None:  # and as the step runs, where estimated
+            methods = {p["as_run_method"] for p in report["programs"].values()}
+            assert methods <= {"unrolled by 2", "no loops", "matmul share"}, (name, methods)
+            assert report["xla_optimal_seconds_per_step_as_run"] > 0, name
 
 
 def test_the_heldout_set_is_compiled_and_apart_from_the_recipes():
@@ -245,7 +252,28 @@ def test_the_heldout_set_is_compiled_and_apart_from_the_recipes():
 # Held-out rows where the planner's peak is further than PEAK_TOLERANCE from XLA's: measured, with
 # what the planner misses there. No term may be read from these rows to close them (it would make
 # them calibration): a fix must come from the program's structure and be checked on a new row.
-HELDOUT_PEAK_OFF: dict[str, tuple[float, str]] = {}
+_FORWARD_STACKS = "XLA's peak holds the forward loop's [layers, tokens, ffn_hidden] bf16 values ({} GiB each, six " \
+                  "of them listed at its peak) of which the planner's {} count fewer"
+HELDOUT_PEAK_OFF: dict[str, tuple[float, str]] = {
+    "llama3_8b_batch2": (0.80, "XLA's peak is the backward's end and does not fall with the batch (46.6 GiB at 2 "
+                               "sequences a chip, 47.3 at 4): the layers' full-size gradient stacks in fp32 for their "
+                               "reduce-scatters (33 GiB), the embedding's and output's (3.9); the planner's backward "
+                               "end counts 8.3 GB, and its peak, the backward's, falls with the batch"),
+    "llama3_8b_selective": (0.85, _FORWARD_STACKS.format(7.0, "selective checkpointing terms")
+                            + "; at 2 sequences a chip XLA refuses the step (99.9 GB of temporaries) that the "
+                              "planner fits in 93.1 GiB"),
+    "qwen3_8b_v5p16": (0.86, _FORWARD_STACKS.format(6.75, "no-checkpointing terms")
+                       + ", the miss of qwen3_8b_tpu's own row on 8 chips"),
+    "qwen3_30b_ep4_all_to_all": (1.37, "the planner holds this rank's expert stacks' full-size gradient (32.7 GB) "
+                                       "and their gathered weights (17.6 GB) at once in the backward; XLA's "
+                                       "temporaries are 36.0 GiB in all, the largest a 9.0 GiB fp32 gradient of an "
+                                       "expert stack; no planner term depends on the dispatch mode (both rows plan "
+                                       "78.4 GiB, XLA holds 57.4 GiB in both)"),
+    "qwen3_30b_ep4_all_gather": (1.37, "as qwen3_30b_ep4_all_to_all"),
+    "deepseek_v3_16b_ep4_all_to_all": (1.21, "the expert parallelism miss of the 30B rows, smaller: the planner holds "
+                                             "the expert stacks' full-size gradient (18.0 GB) and gathered weights "
+                                             "(10.3 GB) at once; XLA's temporaries are 27.1 GiB in all"),
+}
 
 
 def test_the_planner_on_the_heldout_set():
@@ -266,6 +294,6 @@ def test_every_time_estimate_far_from_the_planners_says_why():
 
     far, noted = set(), set(TIME_NOTES) | set(HELDOUT_NOTES)
     for row in [*rows(), *heldout_table()]:
-        if row.compiled and abs(row.xla_seconds / row.plan_seconds - 1) > TIME_TOLERANCE:
+        if row.compiled and row.xla_seconds and abs(row.xla_seconds / row.plan_seconds - 1) > TIME_TOLERANCE:
             far.add(row.name or Path(row.recipe).stem)
     assert far == noted, (sorted(far - noted), sorted(noted - far))

@@ -317,7 +317,9 @@ def _format(report: dict) -> str:
         lines.append("  (scanned layers: XLA counts each while loop's body once, so its FLOPs are the step outside "
                      "the layers plus one layer's forward and backward)")
     as_run, once = report.get("xla_optimal_seconds_per_step_as_run"), report.get("xla_optimal_seconds_per_step")
-    if as_run is not None:
+    if once is not None and once < 0:
+        lines.append("  XLA's own time estimate: none (its cost model gives a negative time for this target)")
+    elif as_run is not None:
         lines.append(f"  XLA's own time estimate {as_run:.3f} s per step (its cost model's optimal_seconds"
                      + (f"; {once:.3f} s as it counts, each loop's body once, scaled by the program's matmul "
                         "FLOPs as it runs them)" if as_run != once else ")"))

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["compile_program", "hlo_collectives", "host_memory_guard", "loop_seconds", "pallas_kernels",
+__all__ = ["NO_ESTIMATE", "compile_program", "hlo_collectives", "host_memory_guard", "loop_seconds", "pallas_kernels",
            "step_platform", "time_as_run", "xla_dump_env", "xla_numbers"]
 
 
@@ -155,6 +155,11 @@ def compile_program(step, devices, *, program: str, dump: Path | None, xla_dump:
     return numbers
 
 
+# What the reports say where XLA's cost model answers with a negative time (seen on v6e, tpu7x and
+# multi-slice targets with libtpu 0.0.52): it has no estimate there.
+NO_ESTIMATE = "none: XLA's cost model gives a negative time for this target"
+
+
 def time_as_run(step, mesh, program: str, numbers: dict, *, scratch: Path | None) -> dict:
     """XLA's time estimate for a program as it runs, each loop counted as many times as it runs:
     {"optimal_seconds_as_run", "as_run_method", "optimal_seconds_unrolled_by_2"}, from the program's
@@ -181,6 +186,8 @@ def time_as_run(step, mesh, program: str, numbers: dict, *, scratch: Path | None
                   inner_trips=tuple(loop["inner_trips"])) for loop in numbers["loops"]]
     if optimal_seconds is None or scratch is None or matmuls is None:  # off a TPU, or no dump to read loops from
         return {"optimal_seconds_as_run": None, "as_run_method": None}
+    if optimal_seconds < 0:  # libtpu 0.0.52's cost model on v6e, tpu7x and several slices: no time to scale
+        return {"optimal_seconds_as_run": None, "as_run_method": NO_ESTIMATE}
     if not loops:
         return {"optimal_seconds_as_run": optimal_seconds, "as_run_method": "no loops"}
     from titan_tpu.graph.jax_lowering import scans_unrolled
