@@ -121,7 +121,8 @@ def _line(recipe: str, result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipes", nargs="*", help="TOML recipes (default: every recipe with a compile report)")
-    parser.add_argument("--json", action="store_true", help="print the results as one JSON object at the end")
+    parser.add_argument("--json", action="store_true", help="print {moved: {recipe: what moved}, results} as one "
+                        "JSON object at the end")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     if args.one:
@@ -138,7 +139,7 @@ def main() -> None:
           f"({time.perf_counter() - start:.0f} s)" + (f"; stale: {', '.join(moved)}: recompile them with "
                                                      "bench/tpu_compile_table.py" if moved else ""), file=sys.stderr)
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps({"moved": moved, "results": results}))
     sys.exit(1 if moved else 0)
 
 

@@ -260,7 +260,7 @@ def _compiled_cells(row: Row) -> list[str]:
     planned = f"{row.plan_peak_compiled / GiB:.1f} ({row.plan_peak_compiled / xla_peak:.2f}x)"
     stale = " (STALE: the recipe changed since)" if row.stale else \
         f" (STALE: its program changed since: {row.moved}; recompile it)" if row.moved else ""
-    return [f"compiled by XLA {r['date']} at {r['commit']}{stale}",
+    return [f"compiled by XLA {r['date']}{stale}",
             _certificate(row), f"{_slices(r)}{r['topology']} ({r['devices']})", f"{xla_peak / GiB:.1f}",
             planned, _gib(row.plan_peak), _flops_cell(row), f"{1 - xla_flops / r['flops_per_chip']:.0%}", stages]
 
@@ -453,9 +453,7 @@ def rechecked() -> dict[str, str] | None:
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
     if not done.stdout.strip():
         raise SystemExit(f"tools/recheck.py failed: {done.stderr.strip().splitlines()[-1:]}")
-    from titan_tpu.tools.recheck import moved_recipes
-
-    return moved_recipes(json.loads(done.stdout.strip().splitlines()[-1]))
+    return json.loads(done.stdout.strip().splitlines()[-1])["moved"]
 
 
 def main() -> None:
