@@ -44,8 +44,9 @@ TIME_TOLERANCE = 0.25
 # What XLA's cost model counts, measured on small programs (bench/xla_cost_model.py).
 _COST = json.loads((ROOT / "bench/results/xla_cost_model.json").read_text())
 # Why XLA's time estimate and the planner's step time differ by more than TIME_TOLERANCE, per row.
-_EFFICIENCY = ("XLA's model runs matmuls near {:.0%} of peak where the planner assumes 70% (0.81x on its own)"
-               .format(_COST["matmul_fraction_of_peak"]))
+_EFFICIENCY = ("XLA's model runs matmuls near {:.0%} of peak where the planner assumes {:.0%} ({:.2f}x on its own)"
+               .format(_COST["matmul_fraction_of_peak"], _COST["planner_efficiency"],
+                       _COST["planner_efficiency"] / _COST["matmul_fraction_of_peak"]))
 _MOE = ("XLA's estimate of a MoE step is 1.5x the planner's without expert parallelism and over 4x with it, not "
         "separated yet: the grouped matmuls run inside Pallas kernels whose time XLA knows only from their cost "
         "estimates, and with ep its cost analysis counts {} of its FLOPs outside the matmuls (the router's and the "
@@ -369,8 +370,9 @@ def _time_section(compiled: list[Row]) -> list[str]:
              f"costs {_COST['matmul_beside_all_gather_over_sum']:.2f}x the two alone), and, in a scanned stack's "
              "gradient, each loop trip's in-place update of the stacked weights' gradient at more than the unrolled "
              f"program's cost ({_COST['stack_gradient_as_run_over_unrolled']:.2f}x the unrolled estimate on a 16-layer "
-             f"toy stack; its forward {_COST['stack_forward_as_run_over_unrolled']:.2f}x). MFU is the model's FLOPs "
-             "per step (as the trainer logs them) over the chip's peak and the time. A row whose ratio is outside "
+             f"toy stack; its forward {_COST['stack_forward_as_run_over_unrolled']:.2f}x). MFU is the planner's model "
+             "FLOPs per step (`titan-tpu plan`'s count) over the chip's peak and the time. A row whose ratio is "
+             "outside "
              f"{1 - TIME_TOLERANCE:.2f}x to {1 + TIME_TOLERANCE:.2f}x says why.", "",
              "| recipe | planner step, s | XLA as run, s | XLA / planner | planner MFU | MFU at XLA's time | XLA as it "
              "counts (loops once), s | why they differ |",
