@@ -241,12 +241,22 @@ def test_every_compile_report_names_its_programs_commit_and_versions():
 
 def test_the_heldout_set_is_compiled_and_apart_from_the_recipes():
     """At least 12 held-out configurations, each compiled as its row says, none of them a recipe."""
-    from titan_tpu.tools.recipe_table import heldout_table
+    import json
+
+    from titan_tpu.tools.recipe_table import REPORTS, heldout_table
 
     table = heldout_table()
     names = [row.name for row in table]
     assert len(table) >= 12 and len(set(names)) == len(names) and not set(names) & set(RECIPES)
     assert all(row.compiled and not row.stale for row in table), [row.name for row in table if not row.compiled]
+    # and none compiles a recipe's program for another slice (the same StableHLO is in-sample wherever
+    # it runs); the optimizer's own program ("update") depends on neither batch nor sequence
+    recipe_programs = {fingerprint: f"{path.stem} {name}" for path in REPORTS.glob("*.json")
+                       for name, fingerprint in json.loads(path.read_text()).get("fingerprints", {}).items()
+                       if name != "update"}
+    same = {row.name: recipe_programs[fingerprint] for row in table
+            for fingerprint in row.report.get("fingerprints", {}).values() if fingerprint in recipe_programs}
+    assert not same, same
 
 
 # Held-out rows where the planner's peak is further than PEAK_TOLERANCE from XLA's: measured, with
