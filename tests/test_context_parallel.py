@@ -336,22 +336,26 @@ def test_bad_input_is_one_line():
         check_context_parallel(2, seq_len=12, tp=4)
     with pytest.raises(ValueError, match="--parallelism.cp must be >= 1"):
         ParallelDims(cp=0, world_size=1)
-    with pytest.raises(ValueError, match=r"cp > 1 with --parallelism.ep > 1 is not supported yet .*; set ep 1"):
-        ParallelDims(cp=2, ep=2, world_size=4)
+    # cp x ep runs (tests/test_moe_composed.py); ep is still carved out of dp_shard alone
+    with pytest.raises(ValueError, match=r"--parallelism.ep \(2\) must divide --parallelism.dp_shard \(1\)"):
+        ParallelDims(cp=2, ep=2, world_size=2)
 
 
-def test_plan_takes_moe_models_with_cp_and_refuses_ep_with_cp():
+def test_plan_takes_moe_models_with_cp_with_and_without_ep():
     """The planner plans what the trainer runs: an MoE model on cp 2 (its activations for half of
-    each sequence), and refuses cp with ep in the trainer's words."""
+    each sequence), and with ep 2 beside it (tests/test_moe_composed.py checks the terms against a
+    rank): the parameters replicated over cp, the dispatch of the rank's own tokens."""
     config = Path(__file__).resolve().parents[1] / "configs" / "qwen3_moe_debug.toml"
     hardware = resolve_hardware("cpu", measure=False)[0]
     one = plan_config(for_planning(config), hardware, measure=False)
     cp2 = plan_config(for_planning(config, ["--parallelism.cp", "2"]), hardware, measure=False, chips=2)
     assert cp2.memory["activations"] < one.memory["activations"]
     assert cp2.memory["parameters"] == pytest.approx(one.memory["parameters"], rel=1e-9)  # replicated over cp
-    with pytest.raises(ValueError, match=r"cp > 1 with --parallelism.ep > 1 is not supported yet"):
-        plan_config(for_planning(config, ["--parallelism.cp", "2", "--parallelism.ep", "2"]), hardware,
-                    measure=False, chips=4)
+    ep2 = ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"]
+    without_cp = plan_config(for_planning(config, ep2), hardware, measure=False, chips=2)
+    with_cp = plan_config(for_planning(config, [*ep2, "--parallelism.cp", "2"]), hardware, measure=False, chips=4)
+    assert with_cp.memory["parameters"] == pytest.approx(without_cp.memory["parameters"], rel=1e-9)
+    assert 0 < with_cp.memory["moe_dispatch"] == pytest.approx(without_cp.memory["moe_dispatch"] / 2, rel=1e-9)
 
 
 def test_plan_counts_mla_keys_and_values_at_their_widths():

@@ -294,9 +294,12 @@ def test_tp_must_divide_the_model(change, match):
 def test_tp_errors_for_seq_len_and_moe():
     with pytest.raises(ValueError, match=r"tp \(2\) must divide --training.seq_len \(31\)"):
         check_tensor_parallel(tiny_args("llama3"), 2, seq_len=31)
-    moe = get_model_args("qwen3_moe", "debug")
-    with pytest.raises(ValueError, match=r"experts are parallelised over ep only"):
-        check_tensor_parallel(moe, 2)
+    # An MoE model's experts are whole on tp (tests/test_moe_composed.py): their widths need not
+    # divide, its attention's heads must.
+    moe = dataclasses.replace(get_model_args("qwen3_moe", "debug"), ffn_hidden_dim=3)
+    check_tensor_parallel(moe, 2)
+    with pytest.raises(ValueError, match=r"tp \(3\) must divide the model's n_heads"):
+        check_tensor_parallel(moe, 3)
     check_tensor_parallel(moe, 1)  # tp 1: nothing to check
 
 
@@ -307,7 +310,6 @@ def test_tp_errors_for_seq_len_and_moe():
     (dict(tp=3, world_size=4), r"\* --parallelism.cp \(1\) \* --parallelism.tp \(3\) must divide the world size "
                                r"\(4\)"),
     (dict(tp=0, world_size=4), r"--parallelism.tp must be >= 1"),
-    (dict(tp=2, ep=2, world_size=8), r"MoE models use ep only"),
 ])
 def test_parallel_dims_tp_errors(kwargs, match):
     with pytest.raises(ValueError, match=match) as info:

@@ -61,6 +61,17 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's caches of sharding decisions. A DeviceMesh hashes and compares by its ranks
+    and names, not its process groups, so a mesh of the next fake world equals this one's, and a
+    cached decision would hand the next capture this world's mesh, whose groups are gone ("could not
+    resolve the process group"): rank 1 captured after rank 0 under dp_shard x tp."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python propagator's cache and the C++ fast path's
 
 
 def to_fake(model: torch.nn.Module) -> None:

@@ -213,7 +213,9 @@ def rank_constants(graphs: list[torch.fx.GraphModule]) -> dict[str, dict[int, li
                                    "different ranks: no single SPMD program runs them all")
         leaves = [tree_flatten((n.args, n.kwargs))[0] for n in nodes]
         for i, values in enumerate(zip(*leaves)):
-            if isinstance(values[0], torch.fx.Node):
+            # A process group's name differs between ranks that sit on different groups of the same
+            # axes (dp_shard x tp: rank 0's dp_shard group is not rank 1's); its axes are group_axes'.
+            if isinstance(values[0], (torch.fx.Node, str)):
                 continue
             if any(v != values[0] for v in values):
                 out.setdefault(first.name, {})[i] = list(values)

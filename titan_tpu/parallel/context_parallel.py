@@ -62,7 +62,7 @@ from titan_tpu.kernels import document_ids_from_positions
 from titan_tpu.kernels.registry import Impl
 from titan_tpu.parallel.axes import CP_AXIS
 from titan_tpu.parallel.group_rank import rank_in
-from titan_tpu.parallel.tensor_parallel import _GatherAlong, _wait, tp_size
+from titan_tpu.parallel.tensor_parallel import _GatherAlong, _SumOverGroup, _wait, tp_size
 
 __all__ = ["CP_AXIS", "check_context_parallel", "context_parallel", "cp_attention_saved_bytes", "cp_size",
            "head_tail_attention", "head_tail_positions", "sequence_order"]
@@ -91,23 +91,6 @@ def head_tail_positions(seq_len: int, cp: int, rank: int | Tensor, device=None) 
         return torch.cat([rank * c + offsets, (2 * cp - 1 - rank) * c + offsets])
     head = torch.arange(rank * c, (rank + 1) * c, device=device)
     return torch.cat([head, torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)])
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """Each rank's partial loss -> the sum over the group; backward: identity (every rank's
-    gradient flows into its own share)."""
-
-    @staticmethod
-    def forward(x, group):
-        return _wait(funcol.all_reduce(x, "sum", group))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass  # the backward needs nothing (torch.func wants forward and context apart, see tensor_parallel.py)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class ContextParallelPlan:

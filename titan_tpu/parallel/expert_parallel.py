@@ -1,13 +1,24 @@
 """Expert parallelism: the experts of each MoE layer spread over `ep` ranks, tokens brought to them.
 
-Layout. EP is carved out of the data-parallel shard axis, as in TorchTitan: the dp_shard ranks
-(all ranks, without replicas) form an expert mesh of shape (dp_shard / ep, ep), axes
-("dp_shard_mod_ep", "ep"). Each expert weight [E, F, D] is a DTensor on it, sharded on the expert
-dim over `ep` and, like any other weight under SimpleFSDP, on its next dim over the rest
-(placements (Shard(1), Shard(0)); one dim later for scanned [L, E, F, D] stacks). At compute time
-a rank all-gathers its experts over dp_shard_mod_ep only and keeps the ep shard: its E / ep local
-experts, whole. Their gradients reduce-scatter back over dp_shard_mod_ep (Partial) and stay
-sharded over ep. Non-expert weights keep their plain SimpleFSDP layout over all dp_shard ranks.
+Layout. EP is carved out of the data-parallel shard axis, as in TorchTitan: the expert mesh is the
+dense mesh [dp_shard, cp, tp] with dp_shard split into (dp_shard / ep, ep), axes
+("dp_shard_mod_ep", "ep", "cp", "tp"), the size-1 ones left out. Each expert weight [E, F, D] is a
+DTensor on it, sharded on the expert dim over `ep` and, like any other weight under SimpleFSDP, on
+its next dim over dp_shard_mod_ep (placements (Shard(1), Shard(0)); one dim later for scanned
+[L, E, F, D] stacks), and whole on cp and tp. At compute time a rank all-gathers its experts over
+dp_shard_mod_ep only and keeps the ep shard: its E / ep local experts, whole. Their gradients
+reduce-scatter back over dp_shard_mod_ep (Partial) and stay sharded over ep. Non-expert weights
+keep their plain SimpleFSDP layout on the dense mesh.
+
+With context or tensor parallelism the cp and tp ranks of a data-parallel rank hold different tokens
+when the MoE layer runs (cp: the rank's chunks of each sequence; tp: its sequence shard, the MoE
+layer running between the sequence-parallel collectives, tensor_parallel.py), so to the experts they
+are more data ranks: each routes its own tokens, the ep group of ranks that share (dp_shard_mod_ep,
+cp, tp) coordinates exchanges them, and the experts' gradients are partial sums over cp and tp,
+all-reduced there as a norm's are (simple_fsdp.py). Why not split the experts' hidden dim over tp
+(Megatron's expert tensor parallelism): under ep the experts' weights are already divided E / ep
+ways, and a tp split would add a gather and a reduce-scatter of the routed rows per layer in
+exchange for memory that a larger ep buys without new collectives (docs/moe.md).
 
 Dispatch, static-shaped (graph mode and XLA need it): every rank routes its own tokens, then the
 ep group all-gathers the tokens and their routing (T tokens -> ep * T), each rank runs its local
@@ -54,10 +65,10 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from titan_tpu.kernels import kernel_device_type
-from titan_tpu.parallel.axes import EP_AXES, EP_AXIS
+from titan_tpu.parallel.axes import CP_AXIS, EP_AXES, EP_AXIS, TP_AXIS
 from titan_tpu.parallel.group_rank import rank_in
 from titan_tpu.parallel.tensor_parallel import _GatherAlong, _ReduceScatterAlong, _wait
 
@@ -67,17 +78,21 @@ __all__ = ["EP_AXES", "EP_DISPATCH", "AllToAllDispatch", "ExpertParallelDispatch
 EP_DISPATCH = ("all_gather", "all_to_all")
 
 
-def build_expert_mesh(device_type: str, *, dp_shard: int, ep: int) -> DeviceMesh:
-    """The (dp_shard / ep, ep) mesh over the data-parallel shard ranks: ep groups are
-    consecutive ranks (the closest neighbours carry the token traffic)."""
-    ranks = torch.arange(dp_shard).view(dp_shard // ep, ep)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=EP_AXES)
+def build_expert_mesh(device_type: str, *, dp_shard: int, ep: int, cp: int = 1, tp: int = 1) -> DeviceMesh:
+    """The (dp_shard / ep, ep, cp, tp) mesh over all ranks (size-1 cp and tp left out), laid over the
+    dense mesh [dp_shard, cp, tp] (global ranks row-major): the ep ranks of a group are dp_shard
+    neighbours, cp x tp ranks apart."""
+    sizes = {EP_AXES[0]: dp_shard // ep, EP_AXES[1]: ep, CP_AXIS: cp, TP_AXIS: tp}
+    kept = {axis: size for axis, size in sizes.items() if axis in EP_AXES or size > 1}
+    ranks = torch.arange(dp_shard * cp * tp).view(*kept.values())
+    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(kept))
 
 
-def expert_placements(stacked: bool) -> tuple[Placement, ...]:
-    """Expert weights [E, F, D] (or stacked [L, E, F, D]): rows over dp_shard_mod_ep, experts over ep."""
+def expert_placements(stacked: bool, mesh_ndim: int = 2) -> tuple[Placement, ...]:
+    """Expert weights [E, F, D] (or stacked [L, E, F, D]): rows over dp_shard_mod_ep, experts over
+    ep, whole on the cp and tp axes that follow on a mesh of `mesh_ndim` axes."""
     offset = 1 if stacked else 0
-    return (Shard(1 + offset), Shard(0 + offset))
+    return (Shard(1 + offset), Shard(0 + offset)) + (Replicate(),) * (mesh_ndim - 2)
 
 
 class ExpertParallelDispatch:

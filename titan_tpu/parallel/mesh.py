@@ -30,14 +30,6 @@ __all__ = ["BatchSplit", "ParallelDims", "dp_rank_and_size", "DP_AXES", "MESH_AX
 _SIZE_KEYS = tuple(dict.fromkeys(axis.size_key for axis in AXES.values()))
 
 
-def check_cp_with_ep(cp: int, ep: int) -> None:
-    """One-line ValueError for context parallelism together with expert parallelism (the planner
-    refuses it in the same words)."""
-    if cp > 1 and ep > 1:
-        raise ValueError("--parallelism.cp > 1 with --parallelism.ep > 1 is not supported yet (the expert mesh "
-                         "is carved out of dp_shard alone); set ep 1 (cp runs MoE models with ep 1) or cp 1")
-
-
 def _product(sizes: dict[str, int]) -> str:
     """"--parallelism.dp_replicate (2) * --parallelism.cp (1) ...": mesh axes' sizes, each named by its key."""
     return " * ".join(f"--parallelism.{AXES[axis].size_key} ({size})" for axis, size in sizes.items())
@@ -117,9 +109,6 @@ class ParallelDims:
         if self.ep > 1 and self.dp_shard % self.ep != 0:
             raise ValueError(f"--parallelism.ep ({self.ep}) must divide --parallelism.dp_shard ({self.dp_shard}): "
                              "expert parallelism is carved out of the fully sharded ranks")
-        if self.tp > 1 and self.ep > 1:
-            raise ValueError("--parallelism.tp > 1 with --parallelism.ep > 1: MoE models use ep only; set tp 1")
-        check_cp_with_ep(self.cp, self.ep)
         if self.ep > 1 and self.dp_replicate > 1:
             raise ValueError("--parallelism.ep > 1 with --parallelism.dp_replicate > 1 is not supported yet; "
                              "use dp_replicate 1")
@@ -176,10 +165,10 @@ class ParallelDims:
 
 
     def build_expert_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The (dp_shard / ep, ep) mesh the MoE experts live on, or None without expert parallelism."""
+        """The (dp_shard / ep, ep, cp, tp) mesh the MoE experts live on, or None without expert parallelism."""
         if self.ep == 1:
             return None
-        return build_expert_mesh(device_type, dp_shard=self.dp_shard, ep=self.ep)
+        return build_expert_mesh(device_type, dp_shard=self.dp_shard, ep=self.ep, cp=self.cp, tp=self.tp)
 
 
 def dp_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:

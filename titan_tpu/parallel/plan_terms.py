@@ -140,15 +140,16 @@ class Layout:
         (docs/mixed_precision.md)."""
         return 4
 
-    def stored_elements(self, total_params: int) -> float:
+    def stored_elements(self, total_params: int, expert_params: int = 0) -> float:
         """Elements of parameters (and of each AdamW moment, and of the sharded gradient) a rank
-        stores: 1 / (dp_shard x tp) of every parameter, experts included."""
-        return total_params / (self.dp_shard * self.tp)
+        stores: 1 / (dp_shard x tp) of every parameter, 1 / dp_shard of the MoE experts (whole on tp:
+        parallel/expert_parallel.py), which `total_params` includes."""
+        return (total_params - expert_params) / (self.dp_shard * self.tp) + expert_params / self.dp_shard
 
     def local_block_elements(self, *, block_params: int, expert_params: int) -> float:
         """Elements of the block weights a rank computes with: all of them, but only its own
-        experts under expert parallelism, its tp shard under tensor parallelism."""
-        return (block_params - expert_params + expert_params / self.ep) / self.tp
+        experts under expert parallelism, its tp shard of the rest under tensor parallelism."""
+        return (block_params - expert_params) / self.tp + expert_params / self.ep
 
     def gathered_bytes(self, *, block_params: int, expert_params: int, n_layers: int) -> float:
         """Gathered compute copies of block weights a rank holds through the forward and backward
@@ -194,10 +195,11 @@ class Layout:
         n, r, ep = self.dp_shard, self.dp_replicate, self.ep
         trained_params = total_params if trained_params is None else trained_params
         trained_expert_params = expert_params if trained_expert_params is None else trained_expert_params
-        # What the data-parallel axes move: this rank's tp shard.
-        total_params, expert_params = total_params / self.tp, expert_params / self.tp
-        trained_params, trained_expert_params = trained_params / self.tp, trained_expert_params / self.tp
-        regathered_params = regathered_params / self.tp
+        # What the data-parallel axes move: this rank's tp shard, of the experts all (whole on tp).
+        total_params = (total_params - expert_params) / self.tp + expert_params
+        trained_params = (trained_params - trained_expert_params) / self.tp + trained_expert_params
+        if regathered_params:
+            regathered_params = (regathered_params - expert_params) / self.tp + expert_params
         if n > 1:
             # Dense weights gather over dp_shard; under ep the experts over the dp_shard / ep ranks that
             # hold the same experts (dp_shard_mod_ep, a wider stride: parallel/fabric_terms.py), each
@@ -231,7 +233,9 @@ class Layout:
             # tokens there and the outputs back (ep_dispatch_bytes); the backward sends no routing
             # choices, counted anyway (a small overcount: 8 bytes x top_k per row).
             passes = 2 + (1 if recompute_blocks else 0)
-            both = {kind: ep_dispatch_bytes(kind, tokens=tokens_per_micro_batch, dim=dim, top_k=top_k,
+            # The MoE layer routes a rank's own tokens: its cp chunks, its tp sequence shard.
+            both = {kind: ep_dispatch_bytes(kind, tokens=tokens_per_micro_batch // (self.cp * self.tp), dim=dim,
+                                            top_k=top_k,
                                             num_experts=num_experts, ep=ep, compute_bytes=self.compute_bytes,
                                             padded=self.ep_padded) for kind in EP_DISPATCH_CALLS}
             other = "all_to_all" if self.ep_dispatch == "all_gather" else "all_gather"
@@ -247,17 +251,24 @@ class Layout:
         if self.tp > 1:
             out += self.tp_collectives(micro_batches=micro_batches, n_layers=n_layers,
                                        tokens_per_micro_batch=tokens_per_micro_batch, dim=dim,
-                                       recompute_blocks=recompute_blocks)
+                                       recompute_blocks=recompute_blocks, moe_layers=moe_layers)
+            if trained_expert_params:  # experts are whole on tp: each tp rank's gradient covers its tokens
+                t = self.tp
+                out.append(Collective("all_reduce", "tp", t, micro_batches * 2 * (t - 1) / t * trained_expert_params
+                                      / n * self.reduce_bytes, "expert gradients over tp, backward",
+                                      micro_batches * gathers))
         return out
 
     def tp_collectives(self, *, micro_batches: int, n_layers: int, tokens_per_micro_batch: int, dim: int,
-                       recompute_blocks: bool) -> list[Collective]:
+                       recompute_blocks: bool, moe_layers: int = 0) -> list[Collective]:
         """Tensor parallelism's activation collectives (module docstring), bytes each rank sends
-        and calls; on a cp rank's share of the tokens (cp x tp)."""
+        and calls; on a cp rank's share of the tokens (cp x tp). An MoE block gathers the sequence
+        for its attention only (its experts run on the rank's sequence shard)."""
         tp, t = self.tp, tokens_per_micro_batch / self.cp
         one = (tp - 1) / tp * t * dim * self.compute_bytes  # one all-gather or reduce-scatter of [T, D]
-        per_pass = 4 * n_layers + 2
-        passes = 2 * per_pass + (4 * n_layers if recompute_blocks else 0)
+        per_block = 4 * n_layers - 2 * moe_layers
+        per_pass = per_block + 2
+        passes = 2 * per_pass + (per_block if recompute_blocks else 0)
         loss = 3 * 2 * (tp - 1) / tp * t * 4
         return [Collective("all_gather+reduce_scatter", "tp", tp, micro_batches * passes * one,
                            "sequence-parallel activations, forward and backward", micro_batches * passes),

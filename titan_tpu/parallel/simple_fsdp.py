@@ -198,7 +198,7 @@ def _param_layout(module: nn.Module, shape: torch.Size, mesh: DeviceMesh, placem
     expert parallelism, everything else on the data-parallel mesh; in equal blocks (`_even_blocks`)."""
     stacked = getattr(module, STACKED_MARKER, False)
     if expert_mesh is not None and getattr(module, EXPERT_MARKER, False):
-        mesh, placements = expert_mesh, expert_placements(stacked=stacked)
+        mesh, placements = expert_mesh, expert_placements(stacked=stacked, mesh_ndim=expert_mesh.ndim)
     else:
         placements = _module_placements(module, placements, mesh)
     return mesh, _even_blocks(placements, shape, mesh, stacked=stacked)

@@ -61,11 +61,12 @@ def check_tensor_parallel(args, tp: int, *, seq_len: int | None = None) -> None:
         raise ValueError(f"--parallelism.tp must be >= 1, got {tp}")
     if tp == 1:
         return
-    if getattr(args, "moe", None) is not None:
-        raise ValueError(f"--parallelism.tp {tp} with an MoE model: experts are parallelised over ep only "
-                         "(--parallelism.ep), not tensor parallel; set --parallelism.tp 1")
+    # An MoE model's routed and shared experts run on the rank's sequence shard, whole (expert
+    # parallelism, not tp, divides them): only its dense blocks' feed-forward is split by tp.
+    dense_ffn = getattr(args, "moe", None) is None or any(not args.is_moe_layer(i) for i in range(args.n_layers))
     for key, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
-                       ("ffn_hidden_dim", args.ffn_hidden_dim), ("vocab_size", args.vocab_size)):
+                       *((("ffn_hidden_dim", args.ffn_hidden_dim),) if dense_ffn else ()),
+                       ("vocab_size", args.vocab_size)):
         if value % tp != 0:
             raise ValueError(f"--parallelism.tp ({tp}) must divide the model's {key} ({value}); "
                              "choose a tp that divides it")
@@ -120,6 +121,24 @@ class _ReduceScatterAlong(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _wait(funcol.all_gather_tensor(grad.contiguous(), ctx.dim, ctx.group)), None, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Each rank's partial loss -> the sum over the group; backward: identity (every rank's
+    gradient flows into its own share). Context parallelism sums the loss and the routing
+    statistics with it, tensor parallelism the routing statistics."""
+
+    @staticmethod
+    def forward(x, group):
+        return _wait(funcol.all_reduce(x, "sum", group))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass  # the backward needs nothing (torch.func wants forward and context apart, see tensor_parallel.py)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -253,17 +272,31 @@ def _place_block_weights(block: nn.Module, plan: dict[str, Placement]) -> None:
 
 
 def _parallelize_block(block: nn.Module, group, tp: int, plan: dict[str, Placement]) -> list:
-    """A block that computes: its weights' placements, local head counts, sequence collectives."""
+    """A block that computes: its weights' placements, local head counts, sequence collectives.
+
+    An MoE block's experts (`block.moe`) run between the sequence collectives, on the rank's S / tp
+    tokens, with their weights whole on tp (expert_parallel.py says why): each tp rank routes its own
+    tokens, and its routing statistics are summed over tp so that the balancing loss, the expert
+    loads and the bias update see the whole sequence, as on one process."""
     attn, ffn = block.attention, block.feed_forward
     _place_block_weights(block, plan)
     attn.n_heads //= tp
     if hasattr(attn, "n_kv_heads"):  # MLA has no separate key-value heads
         attn.n_kv_heads //= tp
     handles = []
-    for module in (attn, ffn):
+    for module in (attn, ffn) if ffn is not None else (attn,):
         handles.append(module.register_forward_pre_hook(functools.partial(_gather_input, group)))
         handles.append(module.register_forward_hook(functools.partial(_reduce_scatter_output, group)))
+    if getattr(block, "moe", None) is not None:
+        handles.append(block.moe.register_forward_hook(functools.partial(_sum_routing_statistics, group)))
     return handles
+
+
+def _sum_routing_statistics(group, module, args, output):
+    """Forward hook on an MoE layer: its routing statistics [2, E] summed over tp (backward:
+    identity, a rank's router probabilities get the gradient of its own tokens)."""
+    out_BSD, stats_2E = output
+    return out_BSD, _SumOverGroup.apply(stats_2E, group)
 
 
 def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int | None = None) -> nn.Module:

@@ -91,7 +91,7 @@ def step_memory(s: Setting) -> StepMemory:
         "runtime": runtime_bytes(s), "phases": phases,
     }
     if s.args.moe is not None:
-        terms["moe_dispatch"] = moe_dispatch_bytes(s, acts)
+        terms["moe_dispatch"] = moe_dispatch_bytes(s)
     return StepMemory(terms=terms, acts=acts, loss_peak=loss_peak, scan=scan)
 
 
@@ -485,9 +485,12 @@ def copies_gathered(s: Setting, gathered: float, scan: ScanAutogradMemory) -> fl
     return min(gathered, scan.weight_copies) if s.gather == "layer" else 0.0
 
 
-def moe_dispatch_bytes(s: Setting, acts: ActivationBytes) -> float:
+def moe_dispatch_bytes(s: Setting) -> float:
     """Part of the activations: what expert parallelism adds (each rank's experts see the ep
-    group's tokens: ep times the dispatched rows)."""
-    one_rank = activation_bytes(s.args, tokens=s.tokens, ac_mode=s.ac, dtype_bytes=s.layout.compute_bytes, ep=1,
-                                traced=s.traced, padded_values=s.padded_values)
-    return acts.saved - one_rank.saved + acts.recompute - one_rank.recompute
+    group's tokens: ep times the dispatched rows), counted as the run's checkpointing keeps them."""
+    p = s.cfg.parallelism
+    with_ep, one_rank = (activation_bytes(s.args, tokens=s.tokens // p.cp, ac_mode=s.ac,
+                                          dtype_bytes=s.layout.compute_bytes, ep=ep, traced=s.traced,
+                                          partitioned=s.partitioned, tp=p.tp, padded_values=s.padded_values)
+                         for ep in (p.ep, 1))
+    return with_ep.saved - one_rank.saved + with_ep.recompute - one_rank.recompute

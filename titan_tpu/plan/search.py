@@ -173,8 +173,8 @@ def _tp_values(cfg: Config, devices: int, keep: set[str], hardware: Hardware) ->
     the config's global batch evenly (tp inside the NVLink node, the fastest-varying axis:
     parallel/fabric_terms.py); elsewhere, or held, the config's."""
     p = cfg.parallelism
-    if "parallelism.tp" in keep or not hardware.devices_per_node or model_spec(cfg.model).args.moe is not None:
-        return [p.tp]  # MoE models parallelise experts over ep, not tp
+    if "parallelism.tp" in keep or not hardware.devices_per_node:
+        return [p.tp]
     sequences = _global_sequences(cfg, devices)
     return [tp for tp in _divisors(hardware.devices_per_node)
             if devices % (tp * p.cp) == 0 and sequences % (devices // (tp * p.cp)) == 0]

@@ -31,7 +31,6 @@ from titan_tpu.kinds import TrainingKind
 from titan_tpu.kinds.record import builds_reference_copy
 from titan_tpu.models.registry import MODEL_NAMES, largest_param, num_expert_params, num_params
 from titan_tpu.parallel.context_parallel import check_context_parallel
-from titan_tpu.parallel.mesh import check_cp_with_ep
 from titan_tpu.parallel.pipeline import PipelineSchedule
 from titan_tpu.parallel.plan_terms import Layout
 from titan_tpu.parallel.tensor_parallel import check_tensor_parallel
@@ -226,7 +225,7 @@ class Setting:
         model's); none under LoRA, whose reference is the base model with its adapters off, and
         none for a kind without a reference (kinds/record.py `reference_holder`)."""
         copy = builds_reference_copy(self.kind, self.cfg)
-        return self.layout.stored_elements(self.base_params) if copy else 0.0
+        return self.layout.stored_elements(self.base_params, self.expert_params) if copy else 0.0
 
     @property
     def base_params(self) -> int:
@@ -299,7 +298,7 @@ class Setting:
     @property
     def stored(self) -> float:
         """Parameter elements a device stores (LoRA's adapters beside the base weights)."""
-        return self.layout.stored_elements(self.base_params + self.adapter_params)
+        return self.layout.stored_elements(self.base_params + self.adapter_params, self.expert_params)
 
     @property
     def lora(self) -> bool:
@@ -399,7 +398,6 @@ def _check_parallel_support(cfg: Config, args) -> None:
         check_tensor_parallel(args, tp, seq_len=cfg.training.seq_len)
     if cp > 1:
         check_context_parallel(cp, seq_len=cfg.training.seq_len, tp=tp)
-        check_cp_with_ep(cp, cfg.parallelism.ep)
 
 
 def loss_impl(choice: str, hardware_name: str) -> str:

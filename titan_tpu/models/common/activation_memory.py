@@ -64,18 +64,21 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
             e, f = moe_matmul_outputs_per_token(dim=d, args=args.moe)
         else:
             e, f = feed_forward_matmul_outputs_per_token(dim=d, hidden_dim=args.ffn_hidden_dim), 0
+        # Under tp w2's output (d) is whole until reduce-scattered; an MoE layer's outputs are the
+        # rank's sequence shard's (its experts run there, tensor_parallel.py).
+        whole_ffn_out = d if tp > 1 and not moe_layer else 0
         if args.mla is not None:  # already this rank's share (its latent projections whole)
             from titan_tpu.models.common.mla import mla_matmul_outputs_per_token
 
             elements, fp32 = mla_matmul_outputs_per_token(dim=d, n_heads=args.n_heads, args=args.mla, tp=tp,
                                                           padded_values=padded_values)
-            if tp > 1:  # w2's output (d) is whole until reduce-scattered
-                return d / tp + elements + (e - d) / tp + d, fp32 + f / tp
+            if tp > 1:
+                return d / tp + elements + (e - whole_ffn_out) / tp + whole_ffn_out, fp32 + f / tp
             return d + elements + e, fp32 + f
         elements, fp32 = attention_matmul_outputs_per_token(dim=d, n_heads=args.n_heads,
                                                             n_kv_heads=args.n_kv_heads, head_dim=args.hd)
-        if tp > 1:  # wo's and w2's outputs (d each) are whole until reduce-scattered
-            return (d + elements + e - 2 * d) / tp + 2 * d, (fp32 + f) / tp
+        if tp > 1:  # and wo's output (d) too
+            return (d + elements + e - d - whole_ffn_out) / tp + d + whole_ffn_out, (fp32 + f) / tp
         return d + elements + e, fp32 + f
     norm, norm_fp32 = rms_norm_saved_per_row(d, partitioned=partitioned)
     if args.mla is not None:  # counted as eagerly (not measured partitioned); this rank's share
@@ -90,8 +93,10 @@ def block_saved_per_token(args: TransformerArgs, *, moe_layer: bool, ac_mode: st
         e, f = moe_saved_per_token(dim=d, args=args.moe, ep=ep)
     else:
         e, f = feed_forward_saved_per_token(args.ffn_hidden_dim, partitioned=partitioned), 0
-    # Two norms: their saved tensors and their outputs (the matmuls' inputs; gathered whole under tp).
-    return elements + (e + 2 * norm) / tp + 2 * d, fp32 + (f + 2 * norm_fp32) / tp
+    # Two norms: their saved tensors and their outputs (the matmuls' inputs; gathered whole under tp,
+    # but for an MoE layer, which reads the rank's sequence shard).
+    whole_inputs = 2 * d if tp == 1 or not moe_layer else d + d / tp
+    return elements + (e + 2 * norm) / tp + whole_inputs, fp32 + (f + 2 * norm_fp32) / tp
 
 
 def activation_bytes(args: TransformerArgs, *, tokens: int, ac_mode: str, dtype_bytes: int, ep: int = 1,
