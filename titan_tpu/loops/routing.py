@@ -4,7 +4,8 @@ a layer's routing piles onto one expert.
 
 A layer is named by its transformer block (the model contract's `expert_load_layers`), as
 checkpoints name it: ``layer3`` is ``layers.3``, in a DeepSeek-V3 model with three dense blocks
-first too; multi-token prediction's blocks follow the main model's (n_layers + depth). Per layer:
+first too; multi-token prediction's blocks follow the main model's (the first depth is block
+n_layers, as HF's DeepSeek-V3 numbers it). Per layer:
 
     moe/layer{i}/load_max    tokens on its busiest expert / the layer's mean per expert: 1.0 is
                              even; the most it can be is E / top_k (every token picks that expert)
