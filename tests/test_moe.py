@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 
 import pytest
 import torch
@@ -299,7 +300,7 @@ def test_mean_cross_entropy_from_model_matches_logits():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_path, train_overrides):
+def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_path, train_overrides, capsys):
     from pathlib import Path
 
     from titan_tpu.config import build_config
@@ -310,10 +311,35 @@ def test_trainer_logs_expert_load_and_resumes_bitwise_with_the_expert_bias(tmp_p
     common = dict(training__deterministic="true", validation__enabled="false", training__steps=12,
                   checkpoint__interval=6, model__moe_load_balance="expert_bias",
                   lr_scheduler__decay_ratio=0.0)  # a constant rate: 6 + 6 steps take the steps of 12
-    straight = train_overrides(output_dir=str(tmp_path / "straight"), **common)
+    # A warning threshold every uneven layer passes: the routing warning's path through the loop.
+    straight = train_overrides(output_dir=str(tmp_path / "straight"), metrics__expert_load_warning=1.0, **common)
     assemble(build_config(recipe, straight)).train()
     rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["expert_load_max"] >= 1.0 >= r["expert_load_min"] >= 0.0 for r in rows)
+    # Routing at a glance (loops/routing.py): per layer (blocks 0-3, all MoE), and the heat map's loads.
+    for r in rows:
+        assert list(r["expert_load"]) == ["layer0", "layer1", "layer2", "layer3"]
+        for block, relative in enumerate(r["expert_load"].values()):
+            assert len(relative) == 8 and sum(relative) == pytest.approx(8.0, abs=0.01)
+            assert r[f"moe/layer{block}/load_max"] == pytest.approx(max(relative), abs=5e-4)
+            assert r[f"moe/layer{block}/dead"] == relative.count(0.0)
+            assert 1 / 8 <= r[f"moe/layer{block}/top_share"] <= 1 / 2  # top-2 of 8 experts
+    assert max(r["expert_load_max"] for r in rows) == max(r[f"moe/layer{b}/load_max"] for r in rows for b in range(4))
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(lines) == len(rows) and not [line for line in lines if "moe/" in line or "layer" in line]
+    warned = re.findall(r"^warning: step (\d+): MoE layer (\d+) .*raise model.moe_bias_update_rate \(now 0.001\)",
+                        out, re.MULTILINE)
+    # Warned where a layer's load_max first passed 1.0, and again only after a row at or below it.
+    expected, above = [], set()
+    for r in rows:
+        for block in range(4):
+            if r[f"moe/layer{block}/load_max"] <= 1.0:
+                above.discard(block)
+            elif block not in above:
+                above.add(block)
+                expected.append((str(r["step"]), str(block)))
+    assert warned == expected and len(expected) >= 4  # each layer at least once
     saved = load_full_state_dict(tmp_path / "straight" / "checkpoints" / "step-00000012")
     bias = saved["layers.0.moe.expert_bias"]
     assert bias.shape == (8,) and bias.abs().sum() > 0  # moved, and kept in the checkpoint

@@ -27,6 +27,13 @@ def write_run(path: Path, rows: list[dict], *, config: dict, starts: list[dict])
     return path
 
 
+def expert_loads(step: int) -> dict:
+    """Two MoE layers (blocks 1 and 2) of 8 experts: block 2 drifts onto expert 5, expert 7 dead from step 11."""
+    drift = step / 20
+    busy = [1.0] * 5 + [1.0 + 2.0 * drift, 1.0 - drift, 1.0 - drift]
+    return {"layer1": [0.9, 1.1] * 4, "layer2": [round(v, 3) for v in busy]}
+
+
 def moe_run(path: Path, *, lr: float = 1e-3) -> Path:
     """20 steps logged every step, a restart after step 10 (steps 11-20 by the second process),
     capture/compile rows, MoE statistics; the time axis is exact so that wall time is known."""
@@ -36,7 +43,8 @@ def moe_run(path: Path, *, lr: float = 1e-3) -> Path:
         row = {"step": step, "loss": 8.0 - 0.1 * step, "lr": lr, "grad_norm": 1.0 / step,
                "tokens_per_s": 1000.0 * step, "mfu": 0.1 * step, "memory_gb": 1.0, "max_memory_gb": 1.0 + step / 100,
                "data_s": 0.01, "step_s": 0.1, "time": (1000.0 if second else 0.0) + step,
-               "aux_loss": 0.01, "expert_load_max": 1.5, "expert_load_min": 0.5}
+               "aux_loss": 0.01, "expert_load_max": 1.5, "expert_load_min": 0.5,
+               "moe/layer2/load_max": 1.0 + step / 10, "expert_load": expert_loads(step)}
         if step in (1, 11):
             row.update(capture_s=2.0, compile_s=5.0)
         rows.append(row)
@@ -81,6 +89,7 @@ def test_report_is_self_contained(tmp_path):
     names = [name for name, _, _ in report.PLOTS
              if name not in ("rewards", "reward_accuracy", "goodput", "benchmarks", "benchmark_perplexity",
                              *report.GRPO_PLOTS)]
+    names += ["expert_heat_map_1", "expert_heat_map_2"]  # one routing heat map per MoE run
     assert sorted(p.stem for p in (tmp_path / "png").glob("*.png")) == sorted(names)  # all data is present
     assert page.count("<img ") == len(names)
     assert not re.search(r"<script|<link|@import|url\(|https?://", page, re.IGNORECASE)
@@ -95,6 +104,21 @@ def test_plots_only_where_data_exists(tmp_path):
     assert out == run / "report.html"
     assert sorted(p.stem for p in (tmp_path / "png").glob("*.png")) == ["loss", "lr"]
     assert ">n/a<" in out.read_text()  # no throughput rows: the summary says so
+
+
+def test_expert_heat_map_from_the_last_row_of_moe_runs_only(tmp_path):
+    moe = moe_run(tmp_path / "moe")
+    dense = write_run(tmp_path / "dense", [{"step": s, "loss": 5.0} for s in range(1, 4)], config={}, starts=[])
+    assert report.last_expert_load(report.load_run(moe)) == (20, expert_loads(20))  # the last row's
+    assert report.last_expert_load(report.load_run(dense)) is None
+    out = report.write_report([dense, moe], out=tmp_path / "r.html", png_dir=tmp_path / "png")
+    page = out.read_text()
+    # Named by the run's place on the command line: the MoE run is the second; the dense run has none.
+    assert {p.stem for p in (tmp_path / "png").glob("expert_heat_map*.png")} == {"expert_heat_map_2"}
+    assert page.count('id="expert_heat_map') == 1
+    assert 'alt="MoE routing at step 20: tokens per expert / layer mean (moe)"' in page
+    alone = report.write_report([moe], png_dir=tmp_path / "alone")
+    assert (tmp_path / "alone" / "expert_heat_map.png").is_file() and 'id="expert_heat_map"' in alone.read_text()
 
 
 def test_dpo_rewards_plotted_and_summarised(tmp_path):

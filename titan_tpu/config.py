@@ -346,6 +346,12 @@ class MetricsConfig:
     tensorboard: bool = True  # false leaves tensorboard out even when trackers lists it (the older switch)
     wandb_project: str = "titan-tpu"  # the Weights & Biases project when trackers has wandb
     console: bool = True  # print each metrics row to the console (rank 0)
+    # MoE models: a warning line when a layer's busiest expert gets more than this many times the layer's
+    # mean load (moe/layer<i>/load_max, loops/routing.py), once until that layer falls back to it. A fresh
+    # router reads 1.2-1.5 (qwen3_moe debug, 512 tokens a step); 4 with 128 experts, top-8, is a quarter of
+    # the tokens on one expert. A layer reaches at most E / top_k (every token on that expert): 4 in the
+    # 8-expert top-2 debug model, so set 3 there. 0: off.
+    expert_load_warning: float = 4.0
 
 
 @dataclass
@@ -675,6 +681,9 @@ def check(cfg: Config) -> None:
     if cfg.checkpoint.grace_seconds < 0 or cfg.checkpoint.local_interval < 0:
         raise ValueError(f"checkpoint.grace_seconds = {cfg.checkpoint.grace_seconds} and checkpoint.local_interval = "
                          f"{cfg.checkpoint.local_interval} must be >= 0 (0: off)")
+    if cfg.metrics.expert_load_warning < 0:
+        raise ValueError(f"metrics.expert_load_warning = {cfg.metrics.expert_load_warning} must be >= 0 (a load "
+                         "max/mean such as 4; 0: no warning)")
     if cfg.checkpoint.keep_latest_k < 0:
         raise ValueError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} must be >= 0 (0 keeps all)")
     if cfg.optimizer.lr <= 0:

@@ -135,6 +135,14 @@ class TrainableModel(Protocol):
         """What sums gradient parts its own parallel layout split (pipeline stages), or None."""
         ...
 
+    # --- routing statistics (loops/routing.py) ------------------------------------------------
+
+    def expert_load_layers(self) -> list[int]:
+        """The transformer block of each row of `LossOutput.expert_load`, in row order (blocks after
+        the main model's, as multi-token prediction's, numbered on from n_layers): the metrics name
+        an MoE layer by its block, as checkpoints do. [] for a model that reports no expert loads."""
+        ...
+
     # --- auxiliary-loss-free MoE balancing (train/step.py, graph/capture.py) ------------------
 
     def expert_bias_names(self) -> list[str]:

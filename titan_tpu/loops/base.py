@@ -35,6 +35,7 @@ from titan_tpu.data.tokenizer import tokenizer_files
 from titan_tpu.evaluation.during_training import TaskEvaluation
 from titan_tpu.loops.metrics_row import MetricsWindow, metrics_row
 from titan_tpu.loops.replica_groups import ReplicaGroups
+from titan_tpu.loops.routing import Routing, balancing_advice
 from titan_tpu.loops.saving import Saving
 from titan_tpu.models.common.scan import padding_params
 from titan_tpu.train.goodput import GoodputLedger, describe, start_time
@@ -62,6 +63,9 @@ class Loop:
         self.saving = Saving(self)
         self.compile_stats = dict(components.compile_stats)  # capture and compile seconds, with the first row
         self.evaluation: TaskEvaluation | None = None  # the [evaluation] tasks, loaded before the first step
+        # An MoE model's routing in the metrics rows, and its warning (loops/routing.py).
+        self.routing = Routing(blocks=components.model.expert_load_layers(),
+                               warn_above=self.cfg.metrics.expert_load_warning, advice=balancing_advice(self.cfg.model))
 
     def log(self, message: str) -> None:
         self.components.log(message)

@@ -1,6 +1,7 @@
 """A loop's metrics rows: the steps since the last row (tokens, seconds, data waits) and the row made
-of them: loss, learning rate, gradient norm, throughput, MFU, the objective's terms, the data
-mixture's shares, memory, and the capture and compile seconds with the first row.
+of them: loss, learning rate, gradient norm, throughput, MFU, the objective's terms, an MoE model's
+routing (loops/routing.py, for every kind: the routing is the model's, not the objective's), the
+data mixture's shares, memory, and the capture and compile seconds with the first row.
 
 Throughput counts only time spent in training steps (each ends in a host sync when its loss is
 read), not validation or checkpointing.
@@ -47,14 +48,18 @@ def metrics_row(loop, result: StepResult, window: MetricsWindow) -> dict:
            "data_s": (loop.data_seconds - window.data_start) / window.steps,
            "step_s": window.seconds / window.steps, "time": time.time()}
     row.update(loop.objective_metrics(result))
+    routing, warnings = loop.routing.row(loop.step, result.expert_load)
+    row.update(routing)
+    for line in warnings:
+        loop.log(line)
     row.update(parts.train_loader.metrics())  # mixtures: token share and epochs per source
     row.update(backend.memory_stats())
     return row
 
 
 def next_token_metrics(result: StepResult) -> dict[str, float]:
-    """The next-token objective's terms in a metrics row: the MoE balancing loss and load spread
-    (MoE models), the multi-token-prediction loss, unweighted (MTP models)."""
+    """The next-token objective's terms in a metrics row: the MoE balancing loss (MoE models), the
+    multi-token-prediction loss, unweighted (MTP models)."""
     row = moe_metrics(result)
     if result.mtp_loss is not None:
         row["mtp_loss"] = result.mtp_loss
@@ -62,11 +67,8 @@ def next_token_metrics(result: StepResult) -> dict[str, float]:
 
 
 def moe_metrics(result: StepResult) -> dict[str, float]:
-    """Balancing loss and how evenly the experts were loaded in the step: max and min over layers
-    and experts of tokens per expert / the mean (1.0 is perfectly even); {} for dense models."""
+    """The MoE balancing loss (coefficient applied); {} for dense models. How evenly the experts
+    were loaded is the model's, in every kind's row (`metrics_row`, loops/routing.py)."""
     if result.expert_load is None:
         return {}
-    load_LE = result.expert_load.float()
-    relative_LE = load_LE / load_LE.mean(dim=1, keepdim=True).clamp(min=1e-9)
-    return {"aux_loss": result.aux_loss, "expert_load_max": relative_LE.max().item(),
-            "expert_load_min": relative_LE.min().item()}
+    return {"aux_loss": result.aux_loss}

@@ -1,7 +1,7 @@
 """The loop of the preference kinds (DPO, ORPO): the shared loop (loops/base.py) over preference
 pairs, whose metrics row carries the objective's terms as TRL logs them (rewards/chosen,
 rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, and the
-objective's own), with an MoE model's balancing loss and loads.
+objective's own), with an MoE model's balancing loss.
 
 Validation is the objective's loss over the held-out pairs (data.val_fraction of them), defined as
 its step loss is; the FLOPs per token of MFU count a frozen reference's forward too
@@ -24,5 +24,5 @@ class PreferenceLoop(Loop):
 
     def objective_metrics(self, result: StepResult) -> dict[str, float]:
         row = {name: value for name, value in result.terms.items() if name != "aux_loss"}
-        row.update(moe_metrics(result))  # an MoE model's balancing loss and loads
+        row.update(moe_metrics(result))  # an MoE model's balancing loss
         return row

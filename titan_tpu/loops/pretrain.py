@@ -1,8 +1,8 @@
 """The pre-training and SFT loop: next-token prediction (train/objective.py `NextTokenObjective`).
 
 What it adds to the shared loop (loops/base.py): a metrics row with an MoE model's balancing loss
-and expert loads and an MTP model's multi-token-prediction loss. Validation is the objective's:
-the mean cross-entropy per trained token over the held-out batches.
+and an MTP model's multi-token-prediction loss (the expert loads are every kind's: loops/routing.py).
+Validation is the objective's: the mean cross-entropy per trained token over the held-out batches.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ What a run directory holds and the report reads (train/metrics.py writes them):
     metrics.jsonl   one row per logged step: loss, lr, grad_norm, tokens_per_s, mfu, memory_gb,
                     max_memory_gb, data_s, step_s, time; val_loss rows; eval/<task>/<metric> rows
                     of the [evaluation] tasks; capture_s/compile_s on the first row of a process;
-                    aux_loss and expert_load_* for MoE models
+                    aux_loss, expert_load_max/min, moe/layer<i>/* and the expert_load dict of
+                    per-expert loads for MoE models (loops/routing.py)
     config.json     the full config of the run (the config table compares these)
     events.jsonl    one line per process start (restarts = starts - 1)
     goodput.json    where the run's wall time went, per process (train/goodput.py): the goodput plot
@@ -16,9 +17,13 @@ attachment or a machine without network. Plots are drawn with matplotlib's Agg b
 needed); ``--png DIR`` also writes each plot as a PNG file.
 
 A plot appears only when some run has its data (no MoE plot for dense models, no capture/compile
-plot for eager runs). "After warm-up" in the summary means: leaving out the first logged row of
-every process (its window holds compilation and the first, slow steps) and the first 10 % of the
-run's steps.
+plot for eager runs). An MoE run's routing heat map (layers x experts, colour = tokens per expert /
+the layer's mean) is drawn from its last row with the `expert_load` dict: the routing as the run
+left it, one step's loads, not an average that would blur a collapse under way (metrics.jsonl and
+the trackers' moe/layer<i>/* keys hold the history). One heat map per MoE run, after the other plots.
+
+"After warm-up" in the summary means: leaving out the first logged row of every process (its window
+holds compilation and the first, slow steps) and the first 10 % of the run's steps.
 """
 
 from __future__ import annotations
@@ -363,8 +368,79 @@ PLOTS = (
 )
 
 
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def last_expert_load(run: Run) -> tuple[int, dict[str, list[float]]] | None:
+    """(step, {"layer3": [load / mean per expert], ...}) of the run's last row that has the
+    `expert_load` dict (loops/routing.py); None for a dense run or one logged before it existed."""
+    rows = [r for r in run.rows if isinstance(r.get("expert_load"), dict) and r["expert_load"]]
+    return (rows[-1]["step"], rows[-1]["expert_load"]) if rows else None
+
+
+def _draw_heat_map(ax, fig, loads: dict[str, list[float]]) -> None:
+    """Layers (rows, by transformer block) x experts on a log scale centred on an even share: white
+    is even, red a busy expert, blue an idle one, equally deep for 2x and 1/2x; black a dead one."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    names = list(loads)
+    n_layers, n_experts = len(names), len(loads[names[0]])
+    # Symmetric around 1 from the busiest expert (at least 2x, so a balanced run stays pale); idler
+    # experts than 1/limit are drawn at 1/limit, a dead one (0: no log) in the colour map's "bad" black.
+    limit = max(2.0, max(max(row) for row in loads.values()))
+    grid = [[max(v, 1.0 / limit) if v > 0 else float("nan") for v in loads[name]] for name in names]
+    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="black")
+    norm = LogNorm(vmin=1.0 / limit, vmax=limit)
+    image = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+    every = max(1, n_layers // 32)  # at most ~32 row labels: a 94-layer model stays readable
+    ax.set_yticks(range(0, n_layers, every), [names[i].removeprefix("layer") for i in range(0, n_layers, every)])
+    if n_experts <= 32:
+        ax.set_xticks(range(n_experts))
+    ax.tick_params(labelsize=8)
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer (transformer block)")
+    bar = fig.colorbar(image, ax=ax, label="tokens / layer mean (black: 0 tokens)")
+    powers = [2.0 ** k for k in range(-8, 9) if 1.0 / limit <= 2.0 ** k <= limit]
+    bar.ax.yaxis.set_major_locator(FixedLocator(powers))
+    bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}" if v >= 1 else f"1/{1 / v:g}"))
+    bar.ax.yaxis.set_minor_locator(FixedLocator([]))
+    if n_layers * n_experts <= 256:  # small enough to print each value in its cell
+        for i, name in enumerate(names):
+            for j, value in enumerate(loads[name]):
+                dark = value == 0 or abs(float(norm(grid[i][j])) - 0.5) > 0.3  # black, deep red or deep blue
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color="white" if dark else "black")
+
+
+def expert_heat_maps(runs: list[Run]) -> list[tuple[str, str, bytes]]:
+    """(name, title, PNG bytes): one routing heat map per MoE run (module docstring)."""
+    import matplotlib.pyplot as plt
+
+    images = []
+    for index, run in enumerate(runs):
+        last = last_expert_load(run)
+        if last is None:
+            continue
+        step, loads = last
+        title = f"MoE routing at step {step}: tokens per expert / layer mean ({run.label})"
+        fig, ax = plt.subplots(figsize=(7.0, min(max(3.6, 2.4 + 0.3 * len(loads)), 12.0)), dpi=100)
+        try:
+            _draw_heat_map(ax, fig, loads)
+            ax.set_title(title, fontsize=11)
+            fig.tight_layout()
+            name = "expert_heat_map" if len(runs) == 1 else f"expert_heat_map_{index + 1}"
+            images.append((name, title, _png(fig)))
+        finally:
+            plt.close(fig)
+    return images
+
+
 def render_plots(runs: list[Run]) -> list[tuple[str, str, bytes]]:
-    """(name, title, PNG bytes) of every plot that some run has data for."""
+    """(name, title, PNG bytes) of every plot that some run has data for, then the MoE runs' heat maps."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: draw into memory
@@ -383,12 +459,10 @@ def render_plots(runs: list[Run]) -> list[tuple[str, str, bytes]]:
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8, loc="best")
             fig.tight_layout()
-            buffer = io.BytesIO()
-            fig.savefig(buffer, format="png")
-            images.append((name, title, buffer.getvalue()))
+            images.append((name, title, _png(fig)))
         finally:
             plt.close(fig)
-    return images
+    return images + expert_heat_maps(runs)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Training metrics to the console, a JSONL file and the experiment trackers (train/trackers.py).
 
-`MetricsLogger.log(step, metrics)` takes a flat dict of numbers. Any keys are accepted; these are
+`MetricsLogger.log(step, metrics)` takes a flat dict of numbers (and values for the file only,
+below). Any keys are accepted; these are
 formatted specially on the console (in this order), the rest are printed as "key value":
 
     loss, val_loss         "loss 6.8123"
@@ -21,7 +22,12 @@ formatted specially on the console (in this order), the rest are printed as "key
 kind with many terms (GRPO logs TRL's dozen) keeps its line readable that way, and every key still
 goes to metrics.jsonl and the trackers.
 
-`time` (the wall clock, for the report) goes to metrics.jsonl only. With ``total_steps`` the line
+Keys under ``moe/`` (an MoE model's per-layer routing, loops/routing.py: three per layer, too many
+for one line) go to metrics.jsonl and the trackers, never the console, whatever ``console_keys``
+says; expert_load_max/min and the routing warning are the console's view of them. A value that is
+not a number (the ``expert_load`` dict of per-expert loads, for the report's heat map) goes to
+metrics.jsonl only: trackers take numbers, and the console prints one line. `time` (the wall
+clock, for the report) goes to metrics.jsonl only. With ``total_steps`` the line
 starts with a progress bar and, from the second row of a process on, an ETA: the remaining steps at
 this process's average wall time per step so far (validation and checkpoints included).
 
@@ -71,6 +77,7 @@ _CONSOLE_FORMATS = {
 }
 _SHOWN_WITH = {"max_memory_gb": "memory_gb", "reward_std": "reward"}  # key -> the key whose text carries it
 _FILE_ONLY = {"time", "step_s"}  # in metrics.jsonl for the report, not on the console
+_NOT_ON_CONSOLE = ("moe/",)  # prefixes of keys for the file and the trackers only (module docstring)
 _BAR_WIDTH = 20
 
 
@@ -214,6 +221,8 @@ class MetricsLogger:
             parts.append(text)
         for key, value in metrics.items():
             if key in _CONSOLE_FORMATS or key in _FILE_ONLY or _SHOWN_WITH.get(key) in metrics:
+                continue
+            if key.startswith(_NOT_ON_CONSOLE) or isinstance(value, (dict, list)):
                 continue
             if self.console_keys is None or key in self.console_keys:
                 parts.append(_fmt_generic(key, value))

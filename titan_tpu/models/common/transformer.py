@@ -418,6 +418,12 @@ class Transformer(nn.Module):
         """This rank's pipeline stage sums the gradients of the weights every stage holds (model contract)."""
         return self.pipeline
 
+    def expert_load_layers(self) -> list[int]:
+        """The block of each expert_load row: the MoE blocks in order, then the MoE blocks of
+        multi-token prediction (depth k is block n_layers + k, as `_build_mtp` and HF's DeepSeek-V3
+        number it; a per-sequence forward runs no MTP depth and reports the main blocks' rows only)."""
+        return [i for i in range(self.args.n_layers + self.args.mtp_num_layers) if self.args.is_moe_layer(i)]
+
     def expert_bias_names(self) -> list[str]:
         """Buffers moved by auxiliary-loss-free balancing, in expert_load's layer order."""
         if self.args.moe is None or self.args.moe.load_balance != "expert_bias":

@@ -167,6 +167,9 @@ class HFCausalLM(nn.Module):
     def gradient_reducer(self) -> None:
         return None  # transformers' layers are never split into stages (run/setup.py refuses pp)
 
+    def expert_load_layers(self) -> list[int]:
+        return []  # forward reports no expert loads (transformers' routers keep their counts to themselves)
+
     def expert_bias_names(self) -> list[str]:
         return []  # transformers' routers move their own biases, if any, outside the gradient
 
