@@ -595,12 +595,12 @@ CAPABILITIES = [
      lambda hf: _refused("--parallelism.tp", "2", "--parallelism.dp_shard", "1", hf=hf)
      or _refused("--parallelism.cp", "2", "--parallelism.dp_shard", "1", hf=hf)
      or _refused("--model.scan_layers", "true", hf=hf)),
-    ("limits.md", "tensor parallelism with MoE models",
-     lambda hf: _refused(*MOE, "--parallelism.tp", "2", "--parallelism.dp_shard", "1")),
-    ("limits.md", "context parallelism and replication (dp_replicate) with expert parallelism",
-     lambda hf: _refused(*MOE, "--parallelism.cp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")
-     or _refused(*MOE, "--parallelism.ep", "2", "--parallelism.dp_shard", "2", "--parallelism.dp_replicate",
-                         "2")),
+    ("limits.md", "replication (dp_replicate) and pipeline stages with expert",
+     lambda hf: _refused(*MOE, "--parallelism.ep", "2", "--parallelism.dp_shard", "2", "--parallelism.dp_replicate",
+                         "2") or _refused(*PP, *MOE, "--parallelism.ep", "2")),
+    ("features.md", "MoE models compose expert parallelism with tensor and context parallelism",
+     lambda hf: _runs(*MOE, "--parallelism.tp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")
+     or _runs(*MOE, "--parallelism.cp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")),
     ("limits.md", "`--model.hf_config` takes a local directory", lambda hf: _hub_id_refused()),
     ("features.md", "(Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3)", lambda hf: _families()),
     ("features.md", "MoE models, cp and ep are refused with pp; tp composes with it.",
@@ -610,9 +610,9 @@ CAPABILITIES = [
      lambda hf: _refused("--model.mtp_num_layers", "1") or _refused("--model.mtp_num_layers", "1", hf=hf)
      or _refused(*MTP, "--parallelism.tp", "2", "--parallelism.dp_shard", "1")
      or _refused(*MTP, "--parallelism.cp", "2", "--parallelism.dp_shard", "1")),
-    ("features.md", "(context parallelism with ep 1, tensor parallelism refused; scanned layers too",
-     lambda hf: _refused(*MTP[:4], "--parallelism.tp", "2", "--parallelism.dp_shard", "1")
-     or _refused(*MTP[:4], "--parallelism.cp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")
+    ("features.md", "(tensor and context parallelism with or without ep; scanned layers too",
+     lambda hf: _runs(*MTP[:4], "--parallelism.tp", "2", "--parallelism.dp_shard", "1")
+     or _runs(*MTP[:4], "--parallelism.cp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")
      or _runs(*MTP[:4], "--parallelism.cp", "2", "--parallelism.dp_shard", "1")
      or _runs(*MTP[:4], "--model.scan_layers", "true")),
 ]
