@@ -47,24 +47,31 @@ _COST = json.loads((ROOT / "bench/results/xla_cost_model.json").read_text())
 _EFFICIENCY = ("XLA's model runs matmuls near {:.0%} of peak where the planner assumes {:.0%} ({:.2f}x on its own)"
                .format(_COST["matmul_fraction_of_peak"], _COST["planner_efficiency"],
                        _COST["planner_efficiency"] / _COST["matmul_fraction_of_peak"]))
-_MOE = ("XLA's estimate of a MoE step is 1.5x the planner's without expert parallelism and over 4x with it, not "
+# {outside}: the row's share of XLA's FLOPs outside its matmuls, read off its report (`_time_note`).
+_MOE = ("XLA's estimate of a MoE step is above the planner's, and further above with expert parallelism, not "
         "separated yet: the grouped matmuls run inside Pallas kernels whose time XLA knows only from their cost "
-        "estimates, and with ep its cost analysis counts {} of its FLOPs outside the matmuls (the router's and the "
-        "dispatch buffers' elementwise work at their worst-case sizes)")
+        "estimates, and its cost analysis counts {outside} of this step's FLOPs outside the matmuls (the router's "
+        "and, with ep, the dispatch buffers' elementwise work at their worst-case sizes)")
+_LONG_ATTENTION = ("at {} tokens a sequence attention is most of the work, and it runs inside splash's Pallas "
+                   "kernels, which XLA's cost model does not see into (their time is what the kernels' cost estimates "
+                   "say); the planner counts attention's FLOPs at 70% of peak")
 _STACKS = ("XLA's cost model charges the scanned step's in-place updates of its stacked buffers more than the "
            "unrolled program's (bench/xla_cost_model.py){}")
 TIME_NOTES: dict[str, str] = {
     "qwen3_8b_tpu": _STACKS.format(": its estimate of this step unscanned (--model.scan_layers false) is 1.137 s, "
                                    "0.84x the planner's"),
+    "llama3_8b_tpu": _EFFICIENCY + "; the planner's collectives over 64 chips add the rest",
+    "llama3_8b_128k_cp_tpu": _LONG_ATTENTION.format("131,072"),
+    "qwen3_30b_a3b_tpu": _MOE,
+    "qwen3_235b_a22b_tpu": _MOE,
+    "deepseek_v3_671b_tpu": _MOE,
 }
 HELDOUT_NOTES: dict[str, str] = {
     "llama3_8b_v5p32": _EFFICIENCY + "; the planner's collectives over 16 chips add the rest",
-    "llama3_8b_64k_cp4": "at 65,536 tokens a sequence attention is most of the work, and it runs inside splash's "
-                         "Pallas kernels, which XLA's cost model does not see into (their time is what the "
-                         "kernels' cost estimates say); the planner counts attention's FLOPs at 70% of peak",
-    "qwen3_30b_ep4_all_to_all": _MOE.format("38%"),
-    "qwen3_30b_ep4_all_gather": _MOE.format("38%"),
-    "qwen3_30b_seq8k": _MOE.format("38%"),
+    "llama3_8b_64k_cp4": _LONG_ATTENTION.format("65,536"),
+    "qwen3_30b_ep4_all_to_all": _MOE,
+    "qwen3_30b_ep4_all_gather": _MOE,
+    "qwen3_30b_seq8k": _MOE,
 }
 
 
@@ -352,8 +359,13 @@ def _time_cells(row: Row) -> list[str]:
 
 
 def _time_note(row: Row, notes: dict[str, str]) -> str:
-    key = row.name or Path(row.recipe).stem
-    return notes.get(key, "")
+    """The row's note on its time estimate, `{outside}` filled from its report: the share of XLA's
+    FLOPs outside its matmuls (of the program at its peak)."""
+    note = notes.get(row.name or Path(row.recipe).stem, "")
+    if "{outside}" in note:
+        program = row.report["programs"][row.report["peak_program"]]
+        note = note.format(outside=f"{1 - program['matmul_flops'] / program['flops']:.0%}")
+    return note
 
 
 def _time_section(compiled: list[Row]) -> list[str]:
