@@ -216,3 +216,29 @@ def test_ep_is_allowed_for_stacked_experts():
     from titan_tpu.run.setup import prepare_run
 
     prepare_run(build_config(None, [*_tiny("gpt_oss"), "--parallelism.ep", "2"]))
+
+
+def test_planner_counts_stacked_experts_under_ep():
+    """The planner counts an hf model's stacked experts as a native model's (plan/hf_terms.py): stored
+    1 / dp_shard whatever ep, gathered E / ep, and the token dispatch on the ep axis."""
+    from titan_tpu.plan import plan_config, resolve_hardware
+    from titan_tpu.plan.setting import for_planning
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "llama3_debug.toml"
+    model = ["--model.name", "hf", "--model.hf_config", "qwen3_moe", "--model.hf_overrides",
+             "hidden_size=64,moe_intermediate_size=128,num_experts=8,num_experts_per_tok=2,num_hidden_layers=2,"
+             "num_attention_heads=4,num_key_value_heads=2,head_dim=16,vocab_size=256",
+             "--training.seq_len", "64", "--training.batch_size", "4", "--parallelism.dp_shard", "4"]
+    plans = {ep: plan_config(for_planning(config, [*model, "--parallelism.ep", str(ep)]),
+                             resolve_hardware("v5p", measure=False)[0], chips=4, measure=False)
+             for ep in (1, 2)}
+    experts = 2 * 8 * 3 * 64 * 128  # layers x experts x (gate, up, down) x D x F
+    assert plans[1].params["experts"] == plans[2].params["experts"] == experts
+    assert plans[1].params["stored_per_device"] == plans[2].params["stored_per_device"]
+    # One piece gathered whole (every weight, in the compute dtype), less the other rank's experts.
+    gathered = {ep: plan.memory["gathered_weights"] for ep, plan in plans.items()}
+    compute_bytes = gathered[1] / plans[1].params["total"]
+    assert gathered[1] - gathered[2] == pytest.approx(experts / 2 * compute_bytes)
+    dispatch = [c for c in plans[2].communication if c["axis"] == "ep"]
+    assert len(dispatch) == 1 and "MoE token dispatch" in dispatch[0]["purpose"]
+    assert not [c for c in plans[1].communication if c["axis"] == "ep"]
