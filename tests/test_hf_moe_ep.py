@@ -19,7 +19,7 @@ from titan_tpu.tools import hf_sweep  # noqa: E402
 # Mixtral (gate_up [E, 2F, D]), Qwen3-MoE (the layout qwen3_moe's native adapter reads too) and
 # gpt-oss (transposed, interleaved gate/up, per-expert biases, its own gate).
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
-GRAPH_FAMILY = "qwen3_moe"  # also trained as a captured step (one capture: the slowest part)
+GRAPH_FAMILY = "qwen3_moe"  # also trained as a captured step with the all-to-all dispatch (the slowest part)
 STEPS = 3
 TOL = 1e-5
 
@@ -52,13 +52,15 @@ def _halves(batch, rank: int):
     return tuple(t[rows].contiguous() for t in batch)
 
 
-def _build(path: str, **parallel):
+def _build(path: str, dispatch: str = "all_gather", **parallel):
     from titan_tpu.config import Config
     from titan_tpu.models.hf.spec import HFSpec
     from titan_tpu.models.spec import build
     from titan_tpu.parallel.simple_fsdp import MixedPrecision
 
-    return build(HFSpec.of_dir(path), Config(), device="cpu", seed=0, mp=MixedPrecision(), **parallel)
+    cfg = Config()
+    cfg.parallelism.ep_dispatch = dispatch  # what models/spec.py `build` installs under ep
+    return build(HFSpec.of_dir(path), cfg, device="cpu", seed=0, mp=MixedPrecision(), **parallel)
 
 
 def _train(model, batches, *, graph: bool, dp_size: int, micro_batches) -> tuple[list[float], dict]:
@@ -79,8 +81,9 @@ def _train(model, batches, *, graph: bool, dp_size: int, micro_batches) -> tuple
 
 def _ep_rank(dirs: dict[str, str]) -> dict:
     """One of 2 ranks, dp_shard 2 x ep 2, every family: the loss and full gradients of the first
-    batch (this rank's half of it), the local expert shapes, then STEPS training steps, eager (and
-    captured for GRAPH_FAMILY)."""
+    batch (this rank's half of it), the local expert shapes, then STEPS training steps, eager with
+    the all-gather dispatch (and captured with the all-to-all one, its static padded buffer, for
+    GRAPH_FAMILY)."""
     import torch.distributed as dist
 
     from titan_tpu.parallel.mesh import ParallelDims
@@ -99,7 +102,8 @@ def _ep_rank(dirs: dict[str, str]) -> dict:
                   "local": {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if ".experts." in n},
                   "state": {n: tuple(t.shape) for n, t in model.state_dict().items()}}
         for mode in ("eager", "graph") if family == GRAPH_FAMILY else ("eager",):
-            result[mode] = _train(_build(path, **parallel), batches, graph=mode == "graph", dp_size=2,
+            dispatch = "all_to_all" if mode == "graph" else "all_gather"
+            result[mode] = _train(_build(path, dispatch, **parallel), batches, graph=mode == "graph", dp_size=2,
                                   micro_batches=lambda batch: [_halves(batch, rank)])
         out[family] = result if rank == 0 else {k: v for k, v in result.items() if k == "local"}
     return out
@@ -141,7 +145,8 @@ def ep_runs(tmp_path_factory) -> tuple[dict, dict[str, str]]:
 def test_two_ep_ranks_match_transformers_and_one_process(family, ep_runs):
     """dp_shard 2 x ep 2: each rank holds half the experts (whole) and the loss and gradients of the
     ranks' halves of a batch equal transformers' own model on the whole batch; checkpoints hold whole
-    experts; STEPS training steps (eager, and captured for one family) equal one process."""
+    experts; STEPS training steps (eager, and captured with the all-to-all dispatch for one family) equal
+    one process."""
     ranks, dirs = ep_runs
     want = _reference(dirs[family])
     got = ranks[0][family]
