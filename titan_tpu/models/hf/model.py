@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -339,11 +338,22 @@ def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
 def _checkpoint_forward(layer: nn.Module, mode: str) -> None:
     """Activation checkpointing of one decoder layer, whatever its forward's signature: the
     keyword arguments ride along in a closure (non-reentrant checkpointing and the traced tagger
-    both handle tensors reached that way)."""
+    both handle tensors reached that way). So does the call context of our hooks: the recomputation
+    runs in the backward, after `HFCausalLM.hooks_context` has exited, and must take the forward's
+    path (our attention with the batch's documents, the experts' dispatch)."""
     forward = layer.forward
 
     def checkpointed_forward(*args, **kwargs):
-        return checkpointed(functools.partial(forward, **kwargs), mode)(*args)
+        context = _CALL_CONTEXT.get()
+
+        def in_context(*inner):
+            token = _CALL_CONTEXT.set(context)
+            try:
+                return forward(*inner, **kwargs)
+            finally:
+                _CALL_CONTEXT.reset(token)
+
+        return checkpointed(in_context, mode)(*args)
 
     layer.forward = checkpointed_forward
 
