@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from test_docs_commands import FENCE, continues
-from test_features import hf_dir, refusal  # noqa: F401 (hf_dir: the fixture)
+from test_features import HF_MOE, hf_dir, refusal  # noqa: F401 (hf_dir: the fixture)
 
 from titan_tpu.config import build_config
 from titan_tpu.plan.fp8 import FP8_CAST_BYTES_PER_ELEMENT, fp8_beside
@@ -601,6 +601,9 @@ CAPABILITIES = [
     ("features.md", "MoE models compose expert parallelism with tensor and context parallelism",
      lambda hf: _runs(*MOE, "--parallelism.tp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")
      or _runs(*MOE, "--parallelism.cp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")),
+    ("features.md", "and spreads them over ranks with ep when they are transformers' stacked experts",
+     lambda hf: _runs(*HF_MOE, "--parallelism.ep", "2", "--parallelism.dp_shard", "2")
+     or _refused("--parallelism.ep", "2", "--parallelism.dp_shard", "2", hf=hf)),
     ("limits.md", "`--model.hf_config` takes a local directory", lambda hf: _hub_id_refused()),
     ("features.md", "(Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3)", lambda hf: _families()),
     ("features.md", "MoE models, cp and ep are refused with pp; tp composes with it.",

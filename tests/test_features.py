@@ -1,9 +1,10 @@
 """docs/features.md's table of what runs with what (feature x eager / graph mode x native / Hugging
 Face model) is kept true against the code's own refusals: each row's overrides are applied to a
 native model (Llama 3 debug; Qwen3-MoE debug for the MoE rows) and to a tiny Hugging Face
-directory, in eager and in graph mode, and a cell says "yes" exactly when the config, the mesh and
-the model-parallel checks accept the combination (the checks the trainer and the planner run
-before building anything). Nothing trains here: what runs is tested where each feature is."""
+directory (a tiny transformers Qwen3-MoE for the MoE rows), in eager and in graph mode, and a
+cell says "yes" exactly when the config, the mesh and the model-parallel checks accept the
+combination (the checks the trainer and the planner run before building anything). Nothing
+trains here: what runs is tested where each feature is."""
 
 from __future__ import annotations
 
@@ -59,10 +60,16 @@ def hf_dir(tmp_path_factory):
     return path
 
 
+# The MoE rows' Hugging Face model: transformers' Qwen3-MoE (stacked experts), tiny, from its model type.
+HF_MOE = ["--model.name", "hf", "--model.hf_config", "qwen3_moe", "--model.hf_overrides",
+          "hidden_size=64,moe_intermediate_size=64,num_experts=4,num_experts_per_tok=2,num_hidden_layers=2,"
+          "num_attention_heads=4,num_key_value_heads=2,head_dim=16,vocab_size=2048"]
+
+
 def column_overrides(mode: str, model: str, moe: bool, hf_dir: Path) -> list[str]:
     out = ["--training.mode", mode, "--training.device", "cpu"]
     if model == "hf":
-        return out + ["--model.name", "hf", "--model.hf_config", str(hf_dir)]
+        return out + (HF_MOE if moe else ["--model.name", "hf", "--model.hf_config", str(hf_dir)])
     return out + (["--model.name", "qwen3_moe", "--model.flavor", "debug"] if moe else [])
 
 

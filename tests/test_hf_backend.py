@@ -106,6 +106,25 @@ def test_graph_safe_longcat_flash_experts_equal_its_own_loop():
                                   experts, hidden_TD, index_TK, torch.rand(12, 2))
 
 
+def test_checkpointed_layers_recompute_with_the_forward_context():
+    """Activation checkpointing recomputes a decoder layer in the backward, after the model's call
+    has returned: the recomputation must take the forward's path (our attention with the batch's
+    documents), else its saved tensors differ and the backward fails or its gradients do."""
+    from titan_tpu.models.hf.model import build_hf_model
+
+    args = hf_args_from_config(hf_sweep.tiny_config("qwen3"))
+    inputs, labels = hf_sweep.sweep_batch()
+    positions = torch.arange(hf_sweep.SEQ // 2).repeat(2).expand(inputs.shape[0], -1)  # two documents a row
+    grads = []
+    for ac_mode in ("none", "full"):
+        model = materialize_and_init(build_hf_model(args, ac_mode=ac_mode), None, mode="none", mp=None,
+                                     device="cpu", seed=0)
+        model(inputs, labels, positions_BS=positions).ce_sum.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-6, atol=1e-6)
+
+
 def test_tiny_configs_keep_one_layer_of_every_kind():
     assert hf_sweep.tiny_config("gemma3_text").layer_types == ["sliding_attention", "full_attention"]
     assert hf_sweep.tiny_config("qwen3_next").layer_types == ["linear_attention", "full_attention"]

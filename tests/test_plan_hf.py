@@ -59,7 +59,6 @@ def test_measured_activations_are_what_autograd_keeps(model, llava):
     """The meta model's measurement (fake tensors) is the real model's: the bytes autograd keeps from
     the base model's forward (the vision tower and projector's with the images) equal the planner's
     activations without checkpointing, less the final hidden state the loss reads, byte for byte."""
-    from titan_tpu.models.hf.hooks import _CALL_CONTEXT
     from titan_tpu.models.spec import build
     from titan_tpu.plan.hf_terms import hf_terms
 
@@ -68,11 +67,8 @@ def test_measured_activations_are_what_autograd_keeps(model, llava):
     batch = _batch(setup)
 
     def base():
-        token = _CALL_CONTEXT.set((real.kernels, None))
-        try:
+        with real.hooks_context():
             return real.hf_model.base_model(**real._model_kwargs(batch.inputs_BS, None, batch.images))[0]
-        finally:
-            _CALL_CONTEXT.reset(token)
 
     own = {t.untyped_storage().data_ptr() for t in [*real.parameters(), *real.buffers()]}
     terms = hf_terms(setup, dtype="float32")

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 __all__ = ["EXPERT_MARKER", "PER_LAYER_GATHER", "STACKED_MARKER", "STAGE_ROWS", "GradientReducer", "InitPiece",
            "LossOutput", "TrainableModel", "gradient_reducer", "stored_weights"]
 
-# Attribute set to True on modules holding expert weights (models/common/moe.py): SimpleFSDP reads
-# it to lay them out for expert parallelism.
+# Attribute set to True on modules holding expert weights (models/common/moe.py; transformers' stacked
+# experts: models/hf/model.py): SimpleFSDP reads it to lay them out for expert parallelism.
 EXPERT_MARKER = "_expert_weights"
 
 # Attribute set to True on every module holding stacked weights (models/common/scan.py): SimpleFSDP

@@ -184,6 +184,14 @@ class NativeSpec(ModelSpec):
             raise ValueError("model.mtp_num_layers: multi-token prediction reads the next shard's tokens and is not "
                              "split by tensor or context parallelism: set parallelism.tp and parallelism.cp to 1")
 
+    def check_expert_parallel(self, ep: int) -> None:
+        moe = self.args.moe
+        if moe is None:
+            raise ValueError(f"parallelism.ep = {ep} spreads MoE experts; {self.label} has none: "
+                             "remove it or use an MoE model (qwen3_moe, deepseek_v3)")
+        if moe.num_experts % ep != 0:
+            raise ValueError(f"parallelism.ep = {ep} must divide the {moe.num_experts} experts of {self.label}")
+
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
                       documents: bool, kernels: KernelConfig | None = None,
                       pipeline: PipelineSchedule | None = None) -> Transformer:

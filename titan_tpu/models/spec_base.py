@@ -40,6 +40,10 @@ class ModelSpec(ABC):
         """Checks of other config sections that depend on the model kind (run.setup.prepare_run)."""
 
     @abstractmethod
+    def check_expert_parallel(self, ep: int) -> None:
+        """A one-line ValueError when `--parallelism.ep ep` (> 1) cannot spread this model's experts."""
+
+    @abstractmethod
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
                       documents: bool, kernels: KernelConfig | None = None,
                       pipeline: PipelineSchedule | None = None) -> TrainableModel:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from titan_tpu.models.common.activation_memory import ActivationBytes
 from titan_tpu.models.hf.activations import SavedBytes
+from titan_tpu.models.hf.hooks import interface_experts
 
 __all__ = ["HFParams", "HFTerms", "hf_terms"]
 
@@ -49,6 +50,10 @@ class HFParams:
     adapters: int  # LoRA's adapter elements
     largest_trained: int  # the largest trained tensor: the largest full-size gradient
     tensors: int  # parameter tensors: SimpleFSDP's per-parameter collectives
+    # transformers' stacked experts (models/hf/hooks.py `interface_experts`), in `layers`: what
+    # --parallelism.ep spreads (stored 1 / dp_shard, gathered and computed E / ep)
+    experts: int = 0
+    experts_trained: int = 0  # of them, the trained elements (LoRA leaves them frozen)
 
     @property
     def total(self) -> int:
@@ -74,6 +79,9 @@ class HFTerms:
     flops_per_token: float
     flops_how: str
     recompute_flops_per_token: float  # the decoder layers' forward, per token
+    moe_layers: int = 0  # experts modules of transformers' stacked experts (what ep's token dispatch crosses)
+    num_experts: int = 0  # experts per such module
+    top_k: int = 0  # experts per token
 
     def activations(self, *, rows: int, ac_mode: str, traced: bool, adapter_outputs: bool = True) -> ActivationBytes:
         """Activations of a micro-batch of `rows` rows: what the layers keep in `ac_mode` (full: the
@@ -121,7 +129,7 @@ def _measure(setup, *, dtype: str) -> HFTerms:
     import torch
 
     from titan_tpu.models.hf.activations import measure_saved_bytes
-    from titan_tpu.models.hf.config import text_config
+    from titan_tpu.models.hf.config import _moe_shape, text_config
     from titan_tpu.models.hf.flops import hf_flops_per_token
 
     cfg, spec = setup.cfg, setup.spec
@@ -132,9 +140,14 @@ def _measure(setup, *, dtype: str) -> HFTerms:
     measured = {rows: measure_saved_bytes(model, torch.zeros(rows, seq_len, dtype=torch.long), images[rows])
                 for rows in (1, 2)}
     recompute = sum(layer.forward_flops for layer in measured[1].layers) / seq_len
-    return HFTerms(params=_params(model), dim=int(text_config(model.hf_model.config).hidden_size),
+    text = text_config(model.hf_model.config)
+    experts = interface_experts(model.hf_model)
+    _, top_k = _moe_shape(text) or (0, 0)
+    return HFTerms(params=_params(model), dim=int(text.hidden_size),
                    vocab_size=spec.args.vocab_size, chunked_loss=model.chunked_loss_may_apply(), one_row=measured[1],
-                   two_rows=measured[2], flops_per_token=fpt, flops_how=how, recompute_flops_per_token=recompute)
+                   two_rows=measured[2], flops_per_token=fpt, flops_how=how, recompute_flops_per_token=recompute,
+                   moe_layers=len(experts), num_experts=experts[0].num_experts if experts else 0,
+                   top_k=top_k if experts else 0)
 
 
 def _meta_model(setup, *, dtype):
@@ -214,9 +227,12 @@ def _params(model) -> HFParams:
     named = dict(model.named_parameters())  # tied parameters once
     other = sum(p.numel() for p in named.values() if id(p) not in seen)
     trained = [p for p in named.values() if p.requires_grad]
+    experts = [p for module in interface_experts(hf_model) for p in module.parameters(recurse=False)]
     return HFParams(embedding=embedding.numel(), output=output.numel() if output is not None else 0,
                     layers=tuple(layers), layers_trained=tuple(layers_trained),
                     vision_tower=sum(p.numel() for p in tower), projector=sum(p.numel() for p in projector),
                     other=other, trained=sum(p.numel() for p in trained),
                     adapters=sum(p.numel() for name, p in named.items() if is_adapter_key(name)),
-                    largest_trained=max((p.numel() for p in trained), default=0), tensors=len(named))
+                    largest_trained=max((p.numel() for p in trained), default=0), tensors=len(named),
+                    experts=sum(p.numel() for p in experts),
+                    experts_trained=sum(p.numel() for p in experts if p.requires_grad))

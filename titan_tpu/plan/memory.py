@@ -210,7 +210,7 @@ def gathered_bytes(s: Setting) -> float:
     kept from the forward to the backward like the blocks' (XLA's live ranges of
     qwen3_8b_lora_chat_tpu: the gathered bf16 [vocab, dim] beside the gathered stacks)."""
     if s.hf is not None:  # one piece: every weight gathered together (its embedding and output too)
-        return s.layout.gathered_bytes(block_params=s.base_params + s.adapter_params, expert_params=0,
+        return s.layout.gathered_bytes(block_params=s.base_params + s.adapter_params, expert_params=s.expert_params,
                                        n_layers=s.n_layers)
     blocks = s.layout.gathered_bytes(block_params=s.block_params, expert_params=num_expert_params(s.args),
                                      n_layers=s.args.n_layers)

@@ -134,8 +134,10 @@ def _planned_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int |
 def _params_summary(s: Setting) -> dict:
     """The plan's `params`: parameter elements of the whole model (LoRA's adapters apart) and what a
     device stores; an hf model's by part too, as measured (plan/hf_terms.py)."""
-    if s.hf is not None:  # its experts, if any, are transformers' code: counted as dense
-        return {"total": s.whole_base_params, "active": s.whole_base_params, "experts": 0,
+    if s.hf is not None:  # a token runs top_k of the stacked experts (plan/hf_terms.py)
+        experts = s.expert_params
+        active = s.whole_base_params - experts + experts * s.hf.top_k // max(s.hf.num_experts, 1)
+        return {"total": s.whole_base_params, "active": active, "experts": experts,
                 "stored_per_device": s.stored, "parts": s.hf.params.parts()}
     return {"total": num_params(s.model_args), "active": num_active_params(s.model_args),
             "experts": num_expert_params(s.model_args), "stored_per_device": s.stored}

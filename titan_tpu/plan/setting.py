@@ -261,8 +261,8 @@ class Setting:
 
     @property
     def expert_params(self) -> int:
-        """Our MoE layers' expert elements (an hf model's experts are its own code: counted as dense)."""
-        return 0 if self.hf else num_expert_params(self.args)
+        """The MoE experts' elements: our MoE layers', an hf model's stacked experts (plan/hf_terms.py)."""
+        return self.hf.params.experts if self.hf else num_expert_params(self.args)
 
     @property
     def largest_param(self) -> int:

@@ -121,10 +121,13 @@ def _hf_collectives(s: Setting) -> list:
     gathers, _ = collective_calls(tensors_per_layer=[s.hf.params.tensors],
                                   bytes_per_layer=[params * s.layout.compute_bytes], outside_tensors=0,
                                   bucket_bytes=p.bucket_mb * 2**20, scanned_whole=True, regather=False)
-    return s.layout.step_collectives(total_params=params, expert_params=0, trained_params=s.hf.params.trained,
-                                     trained_expert_params=0, micro_batches=t.grad_accum_steps,
-                                     moe_layers=0, tokens_per_micro_batch=s.tokens, dim=s.dim, top_k=0,
-                                     recompute_blocks=s.ac == "full", gathers=gathers, n_layers=s.n_layers)
+    hf = s.hf
+    return s.layout.step_collectives(total_params=params, expert_params=s.expert_params,
+                                     trained_params=hf.params.trained, trained_expert_params=hf.params.experts_trained,
+                                     micro_batches=t.grad_accum_steps, moe_layers=hf.moe_layers,
+                                     tokens_per_micro_batch=s.tokens, dim=s.dim, top_k=hf.top_k,
+                                     num_experts=hf.num_experts, recompute_blocks=s.ac == "full", gathers=gathers,
+                                     n_layers=s.n_layers)
 
 
 def _layer_tensors(args) -> list[int]:

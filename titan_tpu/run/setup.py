@@ -125,12 +125,8 @@ def prepare_run(cfg: Config) -> RunSetup:
     spec = model_spec(cfg.model)  # raises with the valid flavors and on MoE options of dense models
     model_args = spec.args
     t, p = cfg.training, cfg.parallelism
-    if p.ep > 1 and model_args.moe is None:
-        raise ValueError(f"parallelism.ep = {p.ep} spreads MoE experts; {spec.label} has none: "
-                         "remove it or use an MoE model (qwen3_moe, deepseek_v3)")
-    if p.ep > 1 and model_args.moe.num_experts % p.ep != 0:
-        raise ValueError(f"parallelism.ep = {p.ep} must divide the {model_args.moe.num_experts} experts of "
-                         f"{spec.label}")
+    if p.ep > 1:
+        spec.check_expert_parallel(p.ep)
     spec.check(cfg)
     if t.global_batch_tokens and p.dp_shard != -1:  # with -1 the ranks are known at launch
         accumulation(cfg, ParallelDims.from_config(p, world_size=None, runnable=False))  # its error now

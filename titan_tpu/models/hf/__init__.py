@@ -26,7 +26,10 @@ What the wrapper adds to the HF model:
 * Activation checkpointing per decoder layer (the classes in `_no_split_modules`).
 * Experts through our `grouped_mm` kernel: transformers' `ExpertsInterface` where the model uses it,
   else a static-shape form of the model's own experts class (`GRAPH_SAFE_FORWARDS`: DBRX,
-  LongCat-Flash, whose loops over `nonzero()` graph capture cannot trace).
+  LongCat-Flash, whose loops over `nonzero()` graph capture cannot trace). Under
+  `--parallelism.ep` transformers' stacked experts are spread over ranks as a native model's
+  (marked for SimpleFSDP; the model's dispatch reaches the experts function through the call
+  context).
 * Meta-device build: parameters are created on the meta device while buffers are computed for real
   (non-persistent buffers such as RoPE `inv_freq` are neither initialised nor loaded after
   `to_empty`, a known trap); their values are kept and restored by `init_buffers`. Small

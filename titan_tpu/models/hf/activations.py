@@ -35,7 +35,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from titan_tpu.models.common.activation_checkpoint import SAVED_OPS
-from titan_tpu.models.hf.hooks import _CALL_CONTEXT
 
 if TYPE_CHECKING:
     from titan_tpu.data.batch import ImageInputs
@@ -171,9 +170,8 @@ def measure_saved_bytes(model: HFCausalLM, tokens_BS: torch.Tensor, images: Imag
     handles = [h for i, layer in enumerate(layers)
                for h in (layer.register_forward_pre_hook(enter(i), with_kwargs=True),
                          layer.register_forward_hook(leave))]
-    token = _CALL_CONTEXT.set((model.kernels, None))
     try:
-        with _as_fake(model, mode), _plain_rows(), mode:
+        with model.hooks_context(), _as_fake(model, mode), _plain_rows(), mode:
             ops.up_projections = {_storage_key(linear.lora_B) for linear in lora_modules(model).values()}
             fake_tokens_BS = mode.from_tensor(tokens_BS)
             fake_images = None if images is None else _fake_images(_on_meta(images), mode)
@@ -186,7 +184,6 @@ def measure_saved_bytes(model: HFCausalLM, tokens_BS: torch.Tensor, images: Imag
             own = {_storage_key(p) for p in model.parameters()} | \
                 {_storage_key(mode.from_tensor(b)) for b in model.buffers()}
     finally:
-        _CALL_CONTEXT.reset(token)
         for handle in handles:
             handle.remove()
     first: dict[int, tuple[int | None, int]] = {}

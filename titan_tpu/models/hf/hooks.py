@@ -9,22 +9,32 @@ import contextvars
 import functools
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from titan_tpu.kernels import KernelConfig
+from titan_tpu.kernels.grouped_mm import group_ids
+from titan_tpu.models.common.moe import ExpertDispatch
+from titan_tpu.models.hf.config import _moe_shape, text_config
 
 ATTENTION_NAME = "titan_tpu"
 
 
-# Set by HFCausalLM.forward for the attention function below: the kernels to use and the
-# document ids of the batch (None for plain causal windows).
-_CALL_CONTEXT: contextvars.ContextVar[tuple[KernelConfig, torch.Tensor | None] | None] = contextvars.ContextVar(
-    "titan_tpu_hf_call", default=None)
+class CallContext(NamedTuple):
+    """What one call of the wrapped model hands our hooks (set by `HFCausalLM.hooks_context`)."""
+
+    kernels: KernelConfig
+    document_ids: torch.Tensor | None  # the batch's documents; None for plain causal windows
+    # How the experts reach tokens of other ranks under expert parallelism; None: every expert here.
+    dispatch: ExpertDispatch | None = None
 
 
-def _call_context() -> tuple[KernelConfig, torch.Tensor | None] | None:
+_CALL_CONTEXT: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("titan_tpu_hf_call", default=None)
+
+
+def _call_context() -> CallContext | None:
     """`_CALL_CONTEXT`'s value; None while Dynamo compiles, which cannot trace a ContextVar: the
     only Dynamo-compiled calls are generation's decode steps (titan_tpu/generate), which set none."""
     return None if torch.compiler.is_compiling() else _CALL_CONTEXT.get()
@@ -41,7 +51,7 @@ def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise NotImplementedError(f"{type(module).__name__} passes sparse_indices (a sparse-attention indexer); the "
                                   "titan_tpu attention does not apply them; build such a model with sdpa attention")
     context = _call_context()
-    document_ids = context[1] if context is not None else None
+    document_ids = context.document_ids if context is not None else None
     plain_causal = (
         context is not None and not dropout and getattr(module, "is_causal", True)
         and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
@@ -61,7 +71,7 @@ def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                 return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    kernels = context[0]
+    kernels = context.kernels
     head_dim = query.shape[-1]
     if scaling is not None and scaling != head_dim**-0.5:
         query = query * (scaling * head_dim**0.5)  # our kernels scale by 1/sqrt(D)
@@ -71,26 +81,41 @@ def _titan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def _grouped_experts(hidden_TD: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, *,
-                     num_experts: int,
-                     expert_ffn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                     num_experts: int, expert_ffn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     num_local: int | None = None, dispatch: ExpertDispatch | None = None) -> torch.Tensor:
     """Mixture of experts with static shapes: the token-expert pairs sorted by expert (stable
-    argsort), `expert_ffn(x_ND, group_sizes_E)` on the sorted rows (grouped matmuls), weighted, back
-    in token order and summed over k as transformers does. Group sizes come from scatter_add, never
-    from `nonzero`, so graph mode captures it."""
-    T, K = top_k_index_TK.shape
-    expert_N = top_k_index_TK.reshape(-1)
-    order_N = torch.argsort(expert_N, stable=True)
-    group_sizes_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_N.device).scatter_add(
-        0, expert_N, torch.ones_like(expert_N))
-    y_ND = expert_ffn(hidden_TD[order_N // K], group_sizes_E)
-    y_ND = y_ND * top_k_weights_TK.reshape(-1)[order_N].unsqueeze(-1)
+    argsort), `expert_ffn(x_ND, group_sizes_L)` on the sorted rows (grouped matmuls over this rank's
+    `num_local` experts, default all), weighted, back in token order and summed over k as
+    transformers does. Group sizes come from scatter_add, never from `nonzero`, so graph mode
+    captures it.
+
+    Under expert parallelism (`dispatch`, parallel/expert_parallel.py), as the native MoE layer
+    (models/common/moe.py): the rows of the ep group's tokens are gathered, sorted by expert counted
+    from this rank's first one (modulo E), so its experts' rows are a prefix in groups of their own;
+    the other ranks' rows fall past the last group and are zeroed (whatever a bias or a norm in
+    `expert_ffn` made of them), and `dispatch.combine` sums the ranks' partial outputs back to the
+    tokens' own ranks. Without, every expert is here and nothing moves."""
+    dispatch = dispatch or ExpertDispatch()
+    num_local = num_experts if num_local is None else num_local
+    x_MD, chosen_MK, weights_MK = dispatch.gather(hidden_TD, top_k_index_TK, top_k_weights_TK, num_experts)
+    M, K = chosen_MK.shape
+    key_N = (chosen_MK.reshape(-1) - dispatch.first_local_expert(num_experts)) % num_experts
+    order_N = torch.argsort(key_N, stable=True)
+    group_sizes_E = torch.zeros(num_experts, dtype=torch.int64, device=key_N.device).scatter_add(
+        0, key_N, torch.ones_like(key_N))
+    y_ND = expert_ffn(x_MD[order_N // K], group_sizes_E[:num_local])
+    if num_local < num_experts:
+        local_N = torch.arange(y_ND.shape[0], device=y_ND.device) < group_sizes_E[:num_local].sum()
+        y_ND = torch.where(local_N.unsqueeze(-1), y_ND, 0)
+    y_ND = y_ND * weights_MK.reshape(-1)[order_N].unsqueeze(-1)
     inverse_N = torch.argsort(order_N)
-    return y_ND[inverse_N].view(T, K, -1).sum(dim=1).to(hidden_TD.dtype)
+    out_MD = y_ND[inverse_N].view(M, K, -1).sum(dim=1).to(hidden_TD.dtype)
+    return dispatch.combine(out_MD)
 
 
 def _grouped_mm() -> Callable:
     context = _call_context()
-    kernels = context[0] if context is not None else KernelConfig()
+    kernels = context.kernels if context is not None else KernelConfig()
     return kernels.grouped_mm_fn
 
 
@@ -98,29 +123,50 @@ def _titan_experts(module: nn.Module, hidden_TD: torch.Tensor, top_k_index_TK: t
                    top_k_weights_TK: torch.Tensor) -> torch.Tensor:
     """transformers' experts contract (stacked expert weights, one routing per token) through our
     `grouped_mm` kernel (`_grouped_experts`), which graph mode captures in fp32; transformers' own
-    grouped_mm path cannot (its fake kernel demands bf16). Variants it does not cover (expert
-    parallel sentinels, biases) use transformers' batched_mm form."""
+    grouped_mm path cannot (its fake kernel demands bf16). Per-expert biases are added to each row
+    by its expert. Under our expert parallelism (the call context's dispatch) the weights read are
+    this rank's experts, a prefix numbered from `dispatch.first_local_expert`. transformers' own
+    expert-parallel sentinels use its batched_mm form."""
     from transformers.integrations.moe import batched_mm_experts_forward
 
-    if getattr(module, "_is_expert_parallel", False) or getattr(module, "has_bias", False):
+    if getattr(module, "_is_expert_parallel", False):
         return batched_mm_experts_forward(module, hidden_TD, top_k_index_TK, top_k_weights_TK)
+    context = _call_context()
+    dispatch = context.dispatch if context is not None else None
     grouped_mm = _grouped_mm()(hidden_TD.device.type)
+    # Read once: under SimpleFSDP each read of a parameter gathers it (the ep shard stays local).
+    up_name = "gate_up_proj" if module.has_gate else "up_proj"
+    up_weight, down_weight = getattr(module, up_name), module.down_proj
+    up_bias = getattr(module, f"{up_name}_bias") if module.has_bias else None
+    down_bias = module.down_proj_bias if module.has_bias else None
+    num_local = down_weight.shape[0]
+    if num_local != module.num_experts and dispatch is None:
+        raise RuntimeError(f"{type(module).__name__} holds {num_local} of its {module.num_experts} experts (expert "
+                           "parallelism) but this call has no expert dispatch; call the model through HFCausalLM")
 
     def as_EDF(weight: torch.Tensor) -> torch.Tensor:  # HF stores [E, out, in] unless transposed
         return weight if module.is_transposed else weight.transpose(1, 2)
 
-    def expert_ffn(x_ND: torch.Tensor, group_sizes_E: torch.Tensor) -> torch.Tensor:
-        if module.has_gate:
-            h_NF = module._apply_gate(grouped_mm(x_ND, as_EDF(module.gate_up_proj), group_sizes_E))
-        else:
-            h_NF = module.act_fn(grouped_mm(x_ND, as_EDF(module.up_proj), group_sizes_E))
-        y_ND = grouped_mm(h_NF, as_EDF(module.down_proj), group_sizes_E)
+    def linear(x_ND: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               group_sizes_L: torch.Tensor) -> torch.Tensor:
+        y_NF = grouped_mm(x_ND, as_EDF(weight), group_sizes_L)
+        if bias is None:
+            return y_NF
+        # Each row's expert; rows past the last group (other ranks' experts) take the last one's
+        # bias, and `_grouped_experts` zeroes them.
+        expert_N = group_ids(group_sizes_L, x_ND.shape[0]).clamp(max=num_local - 1)
+        return y_NF + bias[expert_N]
+
+    def expert_ffn(x_ND: torch.Tensor, group_sizes_L: torch.Tensor) -> torch.Tensor:
+        h_NF = linear(x_ND, up_weight, up_bias, group_sizes_L)
+        h_NF = module._apply_gate(h_NF) if module.has_gate else module.act_fn(h_NF)
+        y_ND = linear(h_NF, down_weight, down_bias, group_sizes_L)
         if getattr(module, "has_post_expert_norm", False):
             y_ND = module.post_expert_norm(y_ND)
         return y_ND
 
     return _grouped_experts(hidden_TD, top_k_index_TK, top_k_weights_TK, num_experts=module.num_experts,
-                            expert_ffn=expert_ffn)
+                            expert_ffn=expert_ffn, num_local=num_local, dispatch=dispatch)
 
 
 def _dbrx_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index_TK: torch.Tensor,
@@ -190,6 +236,38 @@ def _use_graph_safe_forwards(hf_model: nn.Module) -> list[str]:
     return sorted(used)
 
 
+def interface_experts(hf_model: nn.Module) -> list[nn.Module]:
+    """The experts modules transformers runs through its ExpertsInterface: instances of classes
+    decorated with `use_experts_implementation`, which sets these attributes on each of them.
+    `_titan_experts` serves them, and expert parallelism can spread their stacked weights."""
+    return [m for m in hf_model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "_is_expert_parallel")]
+
+
+def expert_parallel_refusal(hf_model: nn.Module, ep: int) -> str | None:
+    """Why `--parallelism.ep ep` cannot spread `hf_model`'s experts (one line), None when it can:
+    every experts module must be one of transformers' stacked experts (`interface_experts`), each
+    parameter stacked per expert, and ep must divide the experts."""
+    name = type(hf_model).__name__
+    own_loops = sorted({type(m).__name__ for m in hf_model.modules() if type(m).__name__ in GRAPH_SAFE_FORWARDS})
+    if own_loops:
+        return (f"parallelism.ep = {ep} cannot spread the experts of {name}: {own_loops[0]} runs them in its own "
+                "forward, not through transformers' experts interface; set parallelism.ep 1")
+    experts = interface_experts(hf_model)
+    if not experts and _moe_shape(text_config(hf_model.config)) is None:
+        return f"parallelism.ep = {ep} spreads MoE experts; {name} has none: set parallelism.ep 1 or use an MoE model"
+    if not experts:
+        return (f"parallelism.ep = {ep} cannot spread the experts of {name}: they are not transformers' stacked "
+                "experts (use_experts_implementation), the only ones it shards; set parallelism.ep 1")
+    for module in experts:
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.shape[0] != module.num_experts:
+                return (f"parallelism.ep = {ep} cannot spread the experts of {name}: {type(module).__name__}."
+                        f"{param_name} {tuple(param.shape)} is not stacked per expert; set parallelism.ep 1")
+        if module.num_experts % ep:
+            return f"parallelism.ep = {ep} must divide the {module.num_experts} experts of {name}"
+    return None
+
+
 def _document_mask(query: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
     """Boolean [B or 1, 1, S, S]: causal, and within each document when there are documents."""
     from titan_tpu.kernels.attention import allowed_BSS
@@ -209,7 +287,7 @@ def _titan_mask(*args, attention_mask: torch.Tensor | None = None, local_size: i
     # transformers forbids the skip for masks other than causal ones: a packed batch's, whose
     # documents our attention reads from the context, and one that lets some tokens see ahead
     # (Gemma 3's image tokens attend to their whole image), which must be materialised.
-    causal = kwargs.get("allow_is_causal_skip", True) or (context is not None and context[1] is not None)
+    causal = kwargs.get("allow_is_causal_skip", True) or (context is not None and context.document_ids is not None)
     if attention_mask is None and local_size is None and context is not None and causal:
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, local_size=local_size, **kwargs)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -13,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_tpu.kernels import KernelConfig, document_ids_from_positions
-from titan_tpu.model_contract import LossOutput
+from titan_tpu.model_contract import EXPERT_MARKER, LossOutput
 from titan_tpu.models.common.activation_checkpoint import checkpointed
+from titan_tpu.models.common.moe import ExpertDispatchSlot
 from titan_tpu.models.common.transformer import sequence_ce_sums
 from titan_tpu.models.hf.config import (
     HFArgs,
@@ -28,9 +28,11 @@ from titan_tpu.models.hf.hooks import (
     _CALL_CONTEXT,
     _KEEP_SDPA,
     ATTENTION_NAME,
+    CallContext,
     _attention_implementation,
     _has_sparse_indexer,
     _use_graph_safe_forwards,
+    interface_experts,
     register_attention,
 )
 from titan_tpu.models.hf.vision import (
@@ -104,6 +106,11 @@ class HFCausalLM(nn.Module):
         self.use_chunked_loss = False  # decided by check_chunked_loss() once the weights are real
         self.chunked_loss_reason = "not checked yet"
         self.graph_safe_forwards = _use_graph_safe_forwards(hf_model)
+        # Expert parallelism: SimpleFSDP lays the stacked experts out on the expert mesh, and the
+        # dispatch it installs in the slot reaches `_titan_experts` through the call context.
+        for experts in interface_experts(hf_model):
+            setattr(experts, EXPERT_MARKER, True)
+        self.expert_dispatch = ExpertDispatchSlot()
         self.decoder_layers = _decoder_layers(hf_model)
         if ac_mode != "none":
             for layer in self.decoder_layers:
@@ -212,7 +219,7 @@ class HFCausalLM(nn.Module):
         embeds_BSD = self.hf_model.get_input_embeddings()(text_BS)
         # The tower attends within each image: the text's documents (packed rows) are not its own.
         context = _CALL_CONTEXT.get(None)
-        token = _CALL_CONTEXT.set(None if context is None else (context[0], None))
+        token = _CALL_CONTEXT.set(None if context is None else context._replace(document_ids=None))
         try:
             features_ND = self.vision.features(self.hf_model, images)
         finally:
@@ -228,8 +235,7 @@ class HFCausalLM(nn.Module):
         document_ids = None if positions_BS is None else document_ids_from_positions(positions_BS)
         if self._packed_masks_apply(positions_BS, images):
             document_ids = None  # the masks hold them (VisionArchitecture.packed_masks)
-        token = _CALL_CONTEXT.set((self.kernels, document_ids))
-        try:
+        with self.hooks_context(document_ids):
             kwargs = self._model_kwargs(tokens_BS, positions_BS, images)
             if labels_BS is None:
                 return self.hf_model(**kwargs).logits
@@ -252,6 +258,14 @@ class HFCausalLM(nn.Module):
                                              ignore_index=-100, reduction="sum")
             aux = self._aux_loss(out, ce_sum)
             return LossOutput(ce_sum, aux, ce_sum.new_zeros(0, 0))
+
+    @contextlib.contextmanager
+    def hooks_context(self, document_ids: torch.Tensor | None = None) -> Iterator[None]:
+        """Inside: calls of `hf_model` reach our hooks (models/hf/hooks.py) with this model's
+        kernels, these documents and its expert dispatch."""
+        token = _CALL_CONTEXT.set(CallContext(self.kernels, document_ids, self.expert_dispatch.dispatch))
+        try:
+            yield
         finally:
             _CALL_CONTEXT.reset(token)
 
@@ -299,19 +313,17 @@ class HFCausalLM(nn.Module):
             return True, "from the model's structure (no weights to check on)"
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab_size, (1, 8), generator=generator).to(device)
-        token = _CALL_CONTEXT.set((self.kernels, None))
         try:
-            kwargs = self._model_kwargs(tokens, None)
-            logits = self.hf_model(**kwargs).logits.float()
-            hidden = base(**kwargs)[0]
+            with self.hooks_context():
+                kwargs = self._model_kwargs(tokens, None)
+                logits = self.hf_model(**kwargs).logits.float()
+                hidden = base(**kwargs)[0]
             if not isinstance(hidden, torch.Tensor) or hidden.shape[:2] != tokens.shape:
                 return False, "its base model does not return the hidden state the output layer reads"
             ours = F.linear(hidden, output.weight).float()
         except Exception as e:  # noqa: BLE001 - a base model that cannot be called alone keeps its own logits
             reason = (str(e).splitlines() or [""])[0][:120]
             return False, f"its base model cannot be called alone ({type(e).__name__}: {reason})"
-        finally:
-            _CALL_CONTEXT.reset(token)
         if not torch.allclose(ours, logits, rtol=1e-4, atol=1e-4):
             return False, "its logits differ from the output layer applied to the base model's hidden state"
         return True, "checked on its weights"
@@ -326,11 +338,22 @@ def _decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
 def _checkpoint_forward(layer: nn.Module, mode: str) -> None:
     """Activation checkpointing of one decoder layer, whatever its forward's signature: the
     keyword arguments ride along in a closure (non-reentrant checkpointing and the traced tagger
-    both handle tensors reached that way)."""
+    both handle tensors reached that way). So does the call context of our hooks: the recomputation
+    runs in the backward, after `HFCausalLM.hooks_context` has exited, and must take the forward's
+    path (our attention with the batch's documents, the experts' dispatch)."""
     forward = layer.forward
 
     def checkpointed_forward(*args, **kwargs):
-        return checkpointed(functools.partial(forward, **kwargs), mode)(*args)
+        context = _CALL_CONTEXT.get()
+
+        def in_context(*inner):
+            token = _CALL_CONTEXT.set(context)
+            try:
+                return forward(*inner, **kwargs)
+            finally:
+                _CALL_CONTEXT.reset(token)
+
+        return checkpointed(in_context, mode)(*args)
 
     layer.forward = checkpointed_forward
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titan_tpu.models.hf.config import HFArgs, hf_args_from_spec
+from titan_tpu.models.hf.config import HFArgs, auto_model_class, hf_args_from_spec
 from titan_tpu.models.hf.flops import hf_flops_per_token
 from titan_tpu.models.hf.model import PREFIX, HFCausalLM, build_hf_model
 from titan_tpu.models.hf.weights import export_hf, has_weights, load_pretrained_weights
@@ -75,6 +75,18 @@ class HFSpec(ModelSpec):
         if cfg.parallelism.tp > 1 or cfg.parallelism.cp > 1:
             raise ValueError("--parallelism.tp or cp > 1 is not supported with --model.name hf (the Transformers "
                              "backend); set tp 1 and cp 1 or use a native model")
+
+    def check_expert_parallel(self, ep: int) -> None:
+        """Decided on the model built on the meta device (no memory): transformers' stacked experts
+        only (models/hf/hooks.py `expert_parallel_refusal`)."""
+        from titan_tpu.models.hf.hooks import expert_parallel_refusal
+
+        config = self.args.transformers_config()
+        with torch.device("meta"):
+            hf_model = auto_model_class(config).from_config(config)
+        reason = expert_parallel_refusal(hf_model, ep)
+        if reason is not None:
+            raise ValueError(reason)
 
     def build_on_meta(self, cfg: Config, *, mesh: DeviceMesh | None, parallel_dims: ParallelDims,
                       documents: bool, kernels: KernelConfig | None = None,
