@@ -340,7 +340,9 @@ def memory_phases(s: Setting, *, acts: ActivationBytes, loss_kept: float, loss_p
     layer_grad = [g * mb / (s.layout.dp_shard * s.layout.tp) for g in s.layer_gradient_params()]
     below, above, worst = acts.saved, 0.0, 0.0
     if _xla_scan_gradients_whole(s):  # the loop's gradient stack is allocated before its first trip
-        above = sum(layer_grad)
+        # ... sharded, or under expert parallelism with the stacks kept gathered the full-size one
+        # itself (`loop_grad`), reduce-scattered only after the loop (`_xla_expert_stacks_kept`)
+        above = 0.0 if _xla_expert_stacks_kept(s) else sum(layer_grad)
         layer_grad = [0.0] * len(layer_grad)
     for saved, grad in zip(reversed(acts.saved_per_layer), reversed(layer_grad)):
         worst = max(worst, below + above + grad)
@@ -362,7 +364,7 @@ def memory_phases(s: Setting, *, acts: ActivationBytes, loss_kept: float, loss_p
     optimizer = update_static + grads_b + optimizer_temporary_bytes(s)
     phases = {"forward_end": forward_end, "backward": backward, "optimizer": optimizer}
     if _xla_backward_end(s):
-        phases["backward_end"] = static + grads_b + _xla_backward_end(s)
+        phases["backward_end"] = static + grads_b + _xla_backward_end(s) + _xla_expert_stacks_reduced(s)
     return phases
 
 
@@ -428,9 +430,37 @@ def _xla_loop_gradient_stack(s: Setting, full_grad: float) -> float:
     auto to keep them), so there the fp32 count stays, and with it re-sharding on for that recipe.
     Elsewhere `full_grad` as it is."""
     if not (_xla_scan_gradients_whole(s) and s.ac == "full" and s.layout.sharded and not s.per_layer_stack) \
-            or s.args.moe is not None:
+            or s.args.moe is not None and not _xla_expert_stacks_kept(s):
         return full_grad
     return full_grad * s.layout.compute_bytes / s.layout.reduce_bytes
+
+
+def _xla_expert_stacks_kept(s: Setting) -> bool:
+    """An MoE model's scanned stacks kept gathered whole (re-sharding off) under expert parallelism
+    and full checkpointing, compiled by XLA. Its backward loop writes every stack's full-size
+    gradient in the compute dtype and nothing sharded: XLA's allocation of qwen3_30b_a3b with ep 4
+    (all_to_all, v5p:2x2x4, 2026-12-07) at the loop's end holds the three gathered bf16 expert
+    stacks [48, 32, 768|2048, 2048|768] (13.5 GiB) and their three bf16 gradient stacks of the same
+    shapes (13.5 GiB), beside the attention's, no fp32 stack and no reduce-scatter output; those
+    come after the loop (`_xla_expert_stacks_reduced`). Without ep the one kept MoE stack compiled
+    held more (deepseek_v3_16b_tpu, `_xla_loop_gradient_stack`), so it keeps the fp32 count."""
+    return s.args.moe is not None and s.layout.ep > 1 and _xla_scan_gradients_whole(s) and s.ac == "full" \
+        and s.layout.sharded and not s.per_layer_stack and s.hf is None
+
+
+def _xla_expert_stacks_reduced(s: Setting) -> float:
+    """After that loop (`_xla_expert_stacks_kept`) XLA casts the gradient stacks to fp32 and
+    reduce-scatters them: the non-expert stacks' casts alive together (flat f32 buffers, the
+    attention's), the expert stacks one at a time, each as its fp32 cast and the cast split into its
+    reduce-scatter's pieces (qwen3_30b_a3b ep 4's values at its peak: f32[192, 32, 192, 2048] made by
+    a concatenate, 9.0 GiB, four f32[48, 32, 192, 2048] splits of it, 9.0 GiB, and f32 flats of
+    918.8 M elements, the layers' attention and routers). 0 elsewhere."""
+    if not _xla_expert_stacks_kept(s):
+        return 0.0
+    layout = s.layout
+    expert_stack = s.expert_params / 3 / layout.ep  # one of an expert's three matrices, every MoE layer's
+    dense = (s.block_params - s.expert_params) / layout.tp
+    return (dense + 2 * expert_stack) * layout.reduce_bytes
 
 
 def _xla_per_layer_loop(s: Setting) -> bool:

@@ -160,6 +160,7 @@ class Row:
     peak_flops: float = 0.0  # the chip's dense bf16 peak, FLOP/s
     name: str = ""  # a held-out row's name (bench/planner_heldout.toml); "" for a recipe
     varies: str = ""  # a held-out row: what it varies from its recipe
+    fitted: str = ""  # a held-out row a planner term was read from after all (which, and why): calibration now
     moved: str = ""  # what re-lowering found moved in its programs (tools/recheck.py), "" when not re-checked or same
 
     @property
@@ -206,11 +207,12 @@ def heldout_table(reports: Path = HELDOUT_REPORTS) -> list[Row]:
         path = reports / f"{entry['name']}.json"
         report = json.loads(path.read_text()) if path.exists() else None
         out.append(planned_row(entry["recipe"], entry["overrides"], report, name=entry["name"],
-                               varies=entry["varies"]))
+                               varies=entry["varies"], fitted=entry.get("fitted", "")))
     return out
 
 
-def planned_row(recipe: str, overrides: list[str], report: dict | None, *, name: str = "", varies: str = "") -> Row:
+def planned_row(recipe: str, overrides: list[str], report: dict | None, *, name: str = "", varies: str = "",
+                fitted: str = "") -> Row:
     """A recipe (with overrides) planned by today's planner, beside its compile report."""
     from titan_tpu.config import build_config
     from titan_tpu.models.spec import model_spec
@@ -244,7 +246,7 @@ def planned_row(recipe: str, overrides: list[str], report: dict | None, *, name:
                plan_peak_compiled=compiled.peak_bytes, plan_flops=plan.flops["executed_per_step_per_device"],
                topology=topology, backend=cfg.compile.backend, counted=counted,
                plan_seconds=compiled.time.get("step_s"), model_flops=compiled.flops["model_per_step_per_device"],
-               peak_flops=hardware.peak_flops, name=name, varies=varies)
+               peak_flops=hardware.peak_flops, name=name, varies=varies, fitted=fitted)
 
 
 def _stale(report: dict | None, recipe: str, overrides: list[str] = ()) -> bool:
@@ -397,21 +399,31 @@ def _time_section(compiled: list[Row]) -> list[str]:
     return lines
 
 
+def within_peak_tolerance(row: Row) -> bool:
+    return abs(row.plan_peak_compiled / row.report["peak_per_chip_bytes"] - 1) <= PEAK_TOLERANCE
+
+
 def _heldout_section(table: list[Row]) -> list[str]:
-    compiled = [row for row in table if row.compiled]
-    within = [row for row in compiled if abs(row.plan_peak_compiled / row.report["peak_per_chip_bytes"] - 1)
-              <= PEAK_TOLERANCE]
+    held_out = [row for row in table if not row.fitted]
+    compiled = [row for row in held_out if row.compiled]
+    within = [row for row in compiled if within_peak_tolerance(row)]
+    moe = [row for row in compiled if "--parallelism.ep=" in row.report.get("config", "")]
     recipes = [row for row in rows() if row.compiled]
-    calibrated = [row for row in recipes if abs(row.plan_peak_compiled / row.report["peak_per_chip_bytes"] - 1)
-                  <= PEAK_TOLERANCE]
+    fitted = [row for row in table if row.fitted and row.compiled]
+    calibrated = [row for row in recipes + fitted if within_peak_tolerance(row)]
     lines = ["## The planner's held-out set", "",
              "The planner's memory terms were read off the recipes' own compiles above, so the recipes' agreement "
-             f"is its calibration ({len(calibrated)} of {len(recipes)} peaks within {PEAK_TOLERANCE:.0%} of XLA's). "
-             "Its validation is this set (`bench/planner_heldout.toml`): the same model families at other batch "
-             "sizes, sequence lengths, slices, checkpointing and MoE dispatch modes, none of which any planner term "
-             "was read from, compiled by `bench/tpu_compile_table.py --heldout` into `bench/results/xla_heldout/`. "
-             f"{len(within)} of {len(compiled)} compiled rows are within {PEAK_TOLERANCE:.0%} of XLA's peak"
-             + (f" ({len(table) - len(compiled)} not compiled)" if len(compiled) < len(table) else "") + ".", "",
+             f"is its calibration ({len(calibrated)} of {len(recipes) + len(fitted)} peaks within "
+             f"{PEAK_TOLERANCE:.0%} of XLA's, counting the rows below marked *fitted*: a term was read from their "
+             "programs after they were held out). "
+             "Its validation is the rest of this set (`bench/planner_heldout.toml`): the same model families at "
+             "other batch sizes, sequence lengths, slices, checkpointing modes and MoE layouts, none of which any "
+             "planner term was read from, compiled by `bench/tpu_compile_table.py --heldout` into "
+             f"`bench/results/xla_heldout/`. {len(within)} of {len(compiled)} compiled rows are within "
+             f"{PEAK_TOLERANCE:.0%} of XLA's peak"
+             + (f" ({len(held_out) - len(compiled)} not compiled)" if len(compiled) < len(held_out) else "")
+             + f"; of the {len(moe)} with expert parallelism, {len([r for r in moe if within_peak_tolerance(r)])}.",
+             "",
              "| row | varies | slice (chips) | XLA peak per chip, GiB | planner as compiled, GiB | planner step, s "
              "| XLA as run, s | XLA / planner | planner MFU | MFU at XLA's time | why they differ |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -423,7 +435,8 @@ def _heldout_section(table: list[Row]) -> list[str]:
             continue
         r = row.report
         lines.append("| " + " | ".join([
-            f"`{row.name}`", row.varies, f"{_slices(r)}{r['topology']} ({r['devices']})",
+            f"`{row.name}`" + (" (*fitted*)" if row.fitted else ""), row.varies,
+            f"{_slices(r)}{r['topology']} ({r['devices']})",
             _gib(r["peak_per_chip_bytes"]),
             f"{row.plan_peak_compiled / GiB:.1f} ({row.plan_peak_compiled / r['peak_per_chip_bytes']:.2f}x)",
             *_time_cells(row), _time_note(row, HELDOUT_NOTES)]) + " |")
