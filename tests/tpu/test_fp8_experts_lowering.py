@@ -114,3 +114,31 @@ def test_debug_moe_step_with_fp8_experts_lowers_to_f8_ragged_dots():
     assert sum(f8_dots(t) for t in plain.values()) == 0
     plain_ragged = [line for text in plain.values() for line in text.splitlines() if "chlo.ragged_dot" in line]
     assert not any("f8E4M3FN" in line for line in plain_ragged)
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_torchtpu_fp8_experts_through_jax_op_equal_the_emulation(rowwise):
+    """On TorchTPU (the kernels of device type "tpu") the fp8 expert matmul is one jax_op pair
+    (kernels/tpu.py): quantised and multiplied on the JAX side. Through the CPU stand-in for jax_op,
+    forward and both gradients equal the torch emulation of the same quantisation."""
+    import jax_bridge
+
+    from titan_tpu.kernels import tpu as tpu_kernels
+
+    called = []
+
+    def jax_op(name, fn):
+        op = jax_bridge.jax_op(name, fn)
+        return lambda *args: called.append(name) or op(*args)
+
+    inputs = _inputs()
+    tpu_kernels._ops.cache_clear()  # the ops made by another stand-in are cached per jax_op
+    with tpu_kernels.jax_op_replaced(jax_op), device_type_as("cpu", "tpu"):
+        ours = _step(*inputs, rowwise=rowwise)
+    assert called == ["titan_tpu::fp8_grouped_linear", "titan_tpu::fp8_grouped_linear_vjp"]
+    reference = _step(*inputs, rowwise=rowwise)
+    for name, a, b in zip(("y", "grad_x", "grad_w"), ours, reference):
+        error = float((a.double() - b.double()).abs().max() / b.double().abs().max())
+        assert error < 2e-3, (name, error)
+        assert a.dtype == b.dtype and a.shape == b.shape
+    assert ours[0][sum(SIZES):].abs().max() == 0

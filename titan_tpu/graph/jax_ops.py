@@ -292,24 +292,17 @@ def _grouped_mm_weight_grad(x_TD, grad_TF, group_sizes_E):
 
 def _scaled_grouped_mm(a_TK, b_EKN, scale_a_T1, scale_b_E1N, group_sizes_E, out_dtype=None):
     """titan_tpu::scaled_grouped_mm (kernels/fp8_grouped_mm.py): XLA's ragged dot on the float8 operands
-    with an fp32 accumulator (`chlo.ragged_dot` on f8 in the program, the TPU's fp8 MXU path where the
-    chip has one), times the dequantisation scales: each row's own and its group's column scales,
-    constant along the contracted dimension, so the product is the same."""
-    sizes = group_sizes_E.astype(jnp.int32)
-    out_TN = jax.lax.ragged_dot(a_TK, b_EKN, sizes, preferred_element_type=jnp.float32)
-    group_T = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(a_TK.shape[0]), side="right")
-    scale_b_TN = scale_b_E1N[jnp.minimum(group_T, sizes.shape[0] - 1), 0]  # rows past the groups are zeros
-    return (out_TN * scale_a_T1.astype(jnp.float32) * scale_b_TN.astype(jnp.float32)).astype(jax_dtype(out_dtype))
+    (`chlo.ragged_dot` on f8, the TPU's fp8 MXU path where the chip has one), times the scales; its one
+    JAX form is kernels/tpu_jax.py's, which TorchTPU's jax_op variant runs too."""
+    from titan_tpu.kernels.tpu_jax import scaled_ragged_dot
+
+    return scaled_ragged_dot(a_TK, b_EKN, scale_a_T1, scale_b_E1N, group_sizes_E, jax_dtype(out_dtype))
 
 
 def _scaled_grouped_mm_weight_grad(a_TM, b_TN, scale_a_EM1, scale_b_E1N, group_sizes_E, out_dtype=None):
-    """titan_tpu::scaled_grouped_mm_weight_grad: XLA's ragged dot with the groups along the contracted
-    rows (one [M, N] product per group) on the float8 operands, times each group's scales."""
-    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
-                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    out_EMN = jax.lax.ragged_dot_general(a_TM, b_TN, group_sizes_E.astype(jnp.int32), numbers,
-                                         preferred_element_type=jnp.float32)
-    return (out_EMN * scale_a_EM1.astype(jnp.float32) * scale_b_E1N.astype(jnp.float32)).astype(jax_dtype(out_dtype))
+    from titan_tpu.kernels.tpu_jax import scaled_ragged_dot_weight_grad
+
+    return scaled_ragged_dot_weight_grad(a_TM, b_TN, scale_a_EM1, scale_b_E1N, group_sizes_E, jax_dtype(out_dtype))
 
 
 def _index_reduce(x, dim, index, source, reduce, include_self=True):

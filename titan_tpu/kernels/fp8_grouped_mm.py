@@ -25,7 +25,9 @@ Implementations:
   meta checks; not run on a GPU by this project.
 * JAX (graph/jax_ops.py, the TPU path): `jax.lax.ragged_dot` / `ragged_dot_general` on the float8
   operands with an fp32 accumulator, times the scales: `chlo.ragged_dot` on f8E4M3FN in the program.
-TorchTPU's runtime has no scaled grouped matmul (torch-tpu 0.2.0): `scaled_grouped_mm` refuses it.
+TorchTPU's runtime has no scaled grouped matmul (torch-tpu 0.2.0): there models/fp8.py hands the
+whole fp8 expert matmul to JAX through jax_op (kernels/tpu.py `jax_op_fp8_grouped_linear`), and
+these ops refuse its device (fp8.emulate on TorchTPU).
 """
 
 from __future__ import annotations
@@ -142,12 +144,13 @@ def _(a_f8, b_f8, scale_a, scale_b, group_sizes_E, out_dtype):
 
 def _direct(a_f8: Tensor, emulate: bool) -> bool:
     """Whether to run the emulation as plain ops rather than the op (emulate on a device with its own
-    kernel); refuses TorchTPU, which has none."""
+    kernel); refuses TorchTPU, whose fp8 experts go through jax_op instead (models/fp8.py), so only
+    fp8.emulate arrives here."""
     device_type = kernel_device_type(a_f8.device.type)
     if device_type == "tpu":
-        raise ValueError("fp8 experts: TorchTPU (torch-tpu 0.2.0) has no scaled grouped matmul; train a TPU "
-                         "through the JAX path (compile.backend jax, the TPU recipes' backend) or set "
-                         "--fp8.experts false")
+        raise ValueError("fp8.emulate with fp8.experts on TorchTPU: the emulation needs torch's grouped GEMM, "
+                         "which TorchTPU has not; set --fp8.emulate false (the experts then run XLA's f8 ragged "
+                         "dot through jax_op)")
     return emulate and device_type != "cpu"  # emulated on the JAX path too, as kernels/fp8.py's linears
 
 

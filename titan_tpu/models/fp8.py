@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from titan_tpu.kernels import kernel_device_type
 from titan_tpu.kernels.fp8 import E4M3, E5M2, quantize, scaled_mm
 from titan_tpu.kernels.fp8_grouped_mm import quantize_groups, scaled_grouped_mm, scaled_grouped_mm_weight_grad
 from titan_tpu.models.common.moe import GroupedExperts
@@ -139,7 +140,12 @@ def _grouped_weight_grad(a_TM: torch.Tensor, b_TN: torch.Tensor, group_sizes_E: 
 
 def float8_grouped_linear(x_TD: torch.Tensor, w_EFD: torch.Tensor, group_sizes_E: torch.Tensor, *,
                           settings: Float8Settings) -> torch.Tensor:
-    """x's rows of expert e @ w[e]^T, the weights as stored: GroupedExperts' matmul in float8."""
+    """x's rows of expert e @ w[e]^T, the weights as stored: GroupedExperts' matmul in float8. On
+    TorchTPU (the kernels of device type "tpu") through jax_op, quantised on the JAX side."""
+    if kernel_device_type(x_TD.device.type) == "tpu" and not settings.emulate:
+        from titan_tpu.kernels.tpu import jax_op_fp8_grouped_linear
+
+        return jax_op_fp8_grouped_linear(x_TD, w_EFD.to(x_TD.dtype), group_sizes_E, rowwise=settings.rowwise)
     return _Float8GroupedMM.apply(x_TD, w_EFD.to(x_TD.dtype), group_sizes_E, settings)
 
 
