@@ -197,3 +197,31 @@ def _recorded_ops(monkeypatch, train) -> dict:
                 if str(node.target) in counts:
                     counts[str(node.target)] += 1
     return {**counts, "losses": losses}
+
+
+def test_the_cuda_kernels_pass_torchs_checks_of_scaled_grouped_mm():
+    """No GPU here: the CUDA kernels' calls of torch._scaled_grouped_mm, on meta tensors, pass torch's
+    own meta checks (e4m3 operands, a row-major left and column-major right operand, 16-byte strides,
+    scale shapes [T] and [E, N], or [E * M] and [E * N] for the 2d x 2d weight gradient), which a
+    wrong layout fails; e5m2 (tensorwise gradients) is refused in one line."""
+    from titan_tpu.kernels import fp8_grouped_mm as kernels
+
+    T, D, F, E = 64, 32, 48, 4
+    meta = dict(device="meta")
+    x = torch.empty(T, D, dtype=E4M3, **meta)
+    w = torch.empty(E, D, F, dtype=E4M3, **meta)
+    sizes = torch.empty(E, dtype=torch.int64, **meta)
+    y = kernels._cuda_scaled_grouped_mm(x, w, torch.empty(T, 1, **meta), torch.empty(E, 1, F, **meta), sizes,
+                                        torch.float32)
+    assert (y.shape, y.dtype) == ((T, F), torch.float32)
+    g = torch.empty(T, F, dtype=E4M3, **meta)
+    grad_w = kernels._cuda_scaled_grouped_mm_weight_grad(g, x, torch.empty(E, F, 1, **meta),
+                                                         torch.empty(E, 1, D, **meta), sizes, torch.bfloat16)
+    assert grad_w.shape == (E, F, D)
+    with pytest.raises(RuntimeError, match="column major"):  # the check is real: b row-major fails it
+        torch._scaled_grouped_mm(x, w, torch.empty(T, **meta), torch.empty(E, F, **meta),
+                                 offs=torch.empty(E, dtype=torch.int32, **meta), out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="takes e4m3 operands only.*use --fp8.scaling rowwise") as error:
+        kernels._cuda_scaled_grouped_mm(g.to(E5M2), w, torch.empty(T, 1, **meta), torch.empty(E, 1, F, **meta),
+                                        sizes, torch.float32)
+    assert "\n" not in str(error.value)

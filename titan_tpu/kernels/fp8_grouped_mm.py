@@ -118,7 +118,7 @@ def _without_rows_past_the_groups(y_TN: Tensor, offsets_E: Tensor) -> Tensor:
 
 
 @_scaled_grouped_mm.register_kernel("cuda")
-def _(a_f8, b_f8, scale_a, scale_b, group_sizes_E, out_dtype):
+def _cuda_scaled_grouped_mm(a_f8, b_f8, scale_a, scale_b, group_sizes_E, out_dtype):
     _cuda_operands_e4m3(a_f8, b_f8)
     offsets = torch.cumsum(group_sizes_E, dim=0).to(torch.int32)
     # a row-major, b column-major in its last two dims; scales: [T] and [E, N]
@@ -129,7 +129,7 @@ def _(a_f8, b_f8, scale_a, scale_b, group_sizes_E, out_dtype):
 
 
 @_scaled_grouped_mm_weight_grad.register_kernel("cuda")
-def _(a_f8, b_f8, scale_a, scale_b, group_sizes_E, out_dtype):
+def _cuda_scaled_grouped_mm_weight_grad(a_f8, b_f8, scale_a, scale_b, group_sizes_E, out_dtype):
     _cuda_operands_e4m3(a_f8, b_f8)
     offsets = torch.cumsum(group_sizes_E, dim=0).to(torch.int32)
     # 2d x 2d, groups along the contracted rows: a^T [M, T] row-major, b [T, N] column-major; scales
