@@ -142,3 +142,17 @@ def test_torchtpu_fp8_experts_through_jax_op_equal_the_emulation(rowwise):
         assert error < 2e-3, (name, error)
         assert a.dtype == b.dtype and a.shape == b.shape
     assert ours[0][sum(SIZES):].abs().max() == 0
+
+
+def test_the_tpu7x_moe_fp8_recipe_lowers_to_f8_ragged_dots():
+    """configs/qwen3_235b_a22b_v7_fp8_tpu.toml for its whole slice (tpu7x:4x8x8, 512 devices), lowered
+    only (about 30 s here; no XLA compile): the scanned body's 12 expert matmuls are ragged dots on
+    f8E4M3FN over the ep group's routed rows (ep 8 x top-8 x 4,096 = 262,144) and a rank's 16 experts,
+    beside 16 f8 dots of the attention linears (4 linears: forward, rerun, two gradients)."""
+    from titan_tpu.config import build_config
+
+    texts = _lowered_step_texts(build_config("configs/qwen3_235b_a22b_v7_fp8_tpu.toml"), "tpu7x:4x8x8")
+    ragged = [line for text in texts.values() for line in text.splitlines() if "chlo.ragged_dot" in line]
+    assert len(ragged) == 12 and all(line.count("xf8E4M3FN>") >= 2 for line in ragged)
+    assert any("tensor<262144x4096xf8E4M3FN>, tensor<16x4096x1536xf8E4M3FN>" in line for line in ragged)
+    assert sum(f8_dots(t) for t in texts.values()) == 12 + 16
