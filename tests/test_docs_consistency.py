@@ -376,6 +376,19 @@ def _fp8_beside(name: str) -> tuple[str, ...]:
             f"{b['bf16_peak_bytes'] / 1e9:.2f}")
 
 
+def _fp8_experts(name: str) -> tuple[str, ...]:
+    """(the experts' share of the executed FLOPs %, fp8 with experts tokens/s, bf16 tokens/s, fp8
+    linears alone / bf16) of an fp8-experts recipe, as `titan-tpu plan` gives them."""
+    from titan_tpu.plan import plan_config
+    from titan_tpu.plan.setting import for_planning
+
+    experts, bf16 = _plan(name), _plan(name, fp8=False)
+    linears = plan_config(for_planning(ROOT / "configs" / f"{name}.toml", ["--fp8.experts", "false"]), measure=False)
+    share = experts.flops["fp8_expert_executed_per_step_per_device"] / experts.flops["executed_per_step_per_device"]
+    return (f"{100 * share:.0f}", f"{experts.tokens_per_s:,.0f}", f"{bf16.tokens_per_s:,.0f}",
+            f"{linears.tokens_per_s / bf16.tokens_per_s:.2f}")
+
+
 def _executed_over_model(name: str) -> float:
     flops = _plan(name).flops
     return flops["executed_per_step_per_device"] / flops["model_per_step_per_device"]
@@ -480,6 +493,11 @@ NUMBERS = [
      lambda: (f"{FP8_CAST_BYTES_PER_ELEMENT:g}",)),
     ("planner.md", r"bf16 ([\d.]+) s/step, ([\d,]+) tokens/s; fp8 ([\d.]+) s/step, ([\d,]+) tokens/s "
                    r"\(([\d.]+)x\), peak ([\d.]+) GB against ([\d.]+) GB", lambda: _fp8_beside("llama3_70b_v7_tpu")),
+    ("fp8.md", r"ep 8\) the experts are (\d+)% of the executed FLOPs, yet the plan predicts fp8 linears \+ experts "
+               r"slower than bf16 \(([\d,]+) against ([\d,]+) tokens/s; fp8 linears alone ([\d.]+)x\)",
+     lambda: _fp8_experts("qwen3_235b_a22b_v7_fp8_tpu")),
+    ("planner.md", r"For configs/qwen3_235b_a22b_v7_fp8_tpu.toml that is (\d+)% of the executed FLOPs",
+     lambda: _fp8_experts("qwen3_235b_a22b_v7_fp8_tpu")[:1]),
 ]
 
 

@@ -107,3 +107,46 @@ def test_a_plan_without_fp8_is_unchanged_by_the_fp8_terms():
     plan = plan_run(setup, measure=False)
     assert "fp8" not in plan.batch and "fp8_executed_per_step_per_device" not in plan.flops
     assert dataclasses.asdict(plan) == dataclasses.asdict(plan_run(setup, measure=False, fp8=False))
+
+
+MOE_RECIPE = "configs/qwen3_235b_a22b_v7_fp8_tpu.toml"
+
+
+def test_fp8_experts_move_the_expert_matmuls_to_the_fp8_peak_too():
+    """fp8.experts: each token's top-k experts' three grouped matmuls (forward, both gradients, and
+    all three again in the checkpointed rerun) at the fp8 peak, beside the attention linears; their
+    casts (the ep x top-k routed rows of the all_gather dispatch, and this device's experts) as
+    elementwise traffic; one MoE layer's fp8 expert weights and rows, and scales, in memory."""
+    setup = setup_for_planning(MOE_RECIPE)
+    linears, experts = (plan_run(dataclasses.replace(setup, cfg=_with_experts(setup.cfg, on)), measure=False)
+                        for on in (False, True))
+    args, t, p = model_spec(setup.cfg.model).args, setup.cfg.training, setup.cfg.parallelism
+    moe = args.moe
+    assert (moe.num_experts, moe.top_k, moe.hidden_dim, args.dim, p.ep) == (128, 8, 1536, 4096, 8)
+    tokens = t.batch_size * t.seq_len * t.grad_accum_steps
+    expert_flops = (6 + 2) * args.n_layers * moe.top_k * 3 * args.dim * moe.hidden_dim * tokens
+    assert experts.flops["fp8_expert_executed_per_step_per_device"] == pytest.approx(expert_flops)
+    assert experts.flops["fp8_executed_per_step_per_device"] == pytest.approx(
+        linears.flops["fp8_executed_per_step_per_device"] + expert_flops)
+    assert "fp8_expert_executed_per_step_per_device" not in linears.flops
+    # the experts are 61% of this model's executed FLOPs: all of them now at the fp8 peak
+    assert expert_flops / experts.flops["executed_per_step_per_device"] == pytest.approx(0.61, abs=0.01)
+    hw = HARDWARE["v7"]
+    rest = experts.flops["executed_per_step_per_device"] - experts.flops["fp8_executed_per_step_per_device"]
+    assert experts.time["compute_s"] == pytest.approx(
+        rest / (hw.peak_flops * hw.efficiency)
+        + experts.flops["fp8_executed_per_step_per_device"] / (hw.fp8_peak_flops * hw.efficiency))
+    assert experts.time["compute_s"] < linears.time["compute_s"]
+    # The casts: the quantised routed rows (ep x top-k per token) dominate, each read twice, written once.
+    rows = t.batch_size * t.seq_len * moe.top_k * p.ep
+    D, F = args.dim, moe.hidden_dim
+    per_layer = rows * ((2 * D + F) * 4 + (2 * F + D) * 3) + moe.num_experts // p.ep * 3 * D * F * 3
+    assert experts.time["fp8_cast_bytes"] - linears.time["fp8_cast_bytes"] == pytest.approx(
+        5 * args.n_layers * per_layer)
+    assert experts.time["elementwise_s"] > linears.time["elementwise_s"]
+    assert experts.memory["fp8_copies"] > linears.memory["fp8_copies"]  # an MoE layer's experts in fp8
+    assert experts.memory["fp8_scales"] > linears.memory["fp8_scales"]
+
+
+def _with_experts(cfg, on: bool):
+    return dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, experts=on))

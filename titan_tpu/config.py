@@ -259,6 +259,9 @@ class Fp8Config:
     # (not the output projection nor an MoE router).
     target_modules: list[str] = field(default_factory=list)
     emulate: bool = False  # dequantise and multiply in fp32 on any device (always so on the CPU)
+    # MoE experts' grouped matmuls in float8 too (per-expert scales). Opt-in, as TorchTitan's float8
+    # MoE conversion: docs/fp8.md "MoE experts" says why.
+    experts: bool = False
 
 
 @dataclass

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+import titan_tpu.kernels.fp8_grouped_mm  # noqa: F401 - registers titan_tpu::scaled_grouped_mm(_weight_grad)
 import titan_tpu.kernels.grouped_mm  # noqa: F401 - registers the titan_tpu:: custom ops the table names
 import titan_tpu.kernels.sequence_point  # noqa: F401 - registers titan_tpu::sequence_point
 
@@ -289,6 +290,29 @@ def _grouped_mm_weight_grad(x_TD, grad_TF, group_sizes_E):
     return vjp(grad_TF)[0]
 
 
+def _scaled_grouped_mm(a_TK, b_EKN, scale_a_T1, scale_b_E1N, group_sizes_E, out_dtype=None):
+    """titan_tpu::scaled_grouped_mm (kernels/fp8_grouped_mm.py): XLA's ragged dot on the float8 operands
+    (`chlo.ragged_dot` on f8, the TPU's fp8 MXU path where the chip has one), times the scales; its one
+    JAX form is kernels/tpu_jax.py's, which TorchTPU's jax_op variant runs too."""
+    from titan_tpu.kernels.tpu_jax import scaled_ragged_dot
+
+    return scaled_ragged_dot(a_TK, b_EKN, scale_a_T1, scale_b_E1N, group_sizes_E, jax_dtype(out_dtype))
+
+
+def _scaled_grouped_mm_weight_grad(a_TM, b_TN, scale_a_EM1, scale_b_E1N, group_sizes_E, out_dtype=None):
+    from titan_tpu.kernels.tpu_jax import scaled_ragged_dot_weight_grad
+
+    return scaled_ragged_dot_weight_grad(a_TM, b_TN, scale_a_EM1, scale_b_E1N, group_sizes_E, jax_dtype(out_dtype))
+
+
+def _index_reduce(x, dim, index, source, reduce, include_self=True):
+    """aten.index_reduce: the fp8 experts' per-group amax (kernels/fp8_grouped_mm.py quantize_groups)."""
+    if reduce not in ("amax", "amin") or not include_self:
+        raise JaxLoweringError(f"aten.index_reduce with reduce={reduce!r} has no JAX lowering")
+    where = (slice(None),) * (dim % x.ndim) + (index,)
+    return x.at[where].max(source) if reduce == "amax" else x.at[where].min(source)
+
+
 def _foreach(fn: Callable) -> Callable:
     """A `_foreach_*` op: `fn` applied per list element; list arguments are zipped, others shared."""
     def run(*args, **kwargs):
@@ -506,6 +530,7 @@ LOWERINGS: dict[object, Callable] = {
     aten.scatter_add.default: _scatter_add,
     aten.scatter.src: _scatter,
     aten.scatter.value: _scatter,
+    aten.index_reduce.default: _index_reduce,
     aten.embedding.default: lambda w, idx, *_: jnp.take(w, idx, axis=0),
     # creation
     aten.full.default: _full,
@@ -522,6 +547,8 @@ LOWERINGS: dict[object, Callable] = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_flash_cpu_backward,
     torch.ops.titan_tpu.grouped_mm.default: _grouped_mm,
     torch.ops.titan_tpu.grouped_mm_weight_grad.default: _grouped_mm_weight_grad,
+    torch.ops.titan_tpu.scaled_grouped_mm.default: _scaled_grouped_mm,
+    torch.ops.titan_tpu.scaled_grouped_mm_weight_grad.default: _scaled_grouped_mm_weight_grad,
     # a point of order inside a chunked kernel (kernels/sequence_point.py)
     torch.ops.titan_tpu.sequence_point.default: lambda tensors: list(jax.lax.optimization_barrier(list(tensors))),
     # the optimizer's _foreach ops (functionalised)

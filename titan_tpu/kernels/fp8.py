@@ -24,9 +24,10 @@ FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 _EPS = 1e-12  # amax floor: an all-zero tensor gets a finite scale
 
 
-def quantize(x: torch.Tensor, fp8: torch.dtype, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, fp8: torch.dtype,
+             dim: int | tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x in `fp8` with a dynamic scale FP8_MAX / amax (amax over the whole tensor, or along `dim`,
-    kept as a size-1 axis); returns (the float8 tensor, the fp32 dequant scale amax / FP8_MAX)."""
+    kept as size-1 axes); returns (the float8 tensor, the fp32 dequant scale amax / FP8_MAX)."""
     x = x.float()
     amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
     amax = amax.clamp(min=_EPS)

@@ -48,7 +48,8 @@ from titan_tpu.kernels.loss import LOSS
 from titan_tpu.kernels.registry import Impl, KernelShapeError
 from titan_tpu.tracing import is_tracing
 
-__all__ = ["gmm_grouped_mm", "gmm_row_tile", "jax_op_replaced", "ragged_all_to_all", "ragged_dot_grouped_mm",
+__all__ = ["gmm_grouped_mm", "gmm_row_tile", "jax_op_fp8_grouped_linear", "jax_op_replaced", "ragged_all_to_all",
+           "ragged_dot_grouped_mm",
            "splash_attention",
            "splash_block", "splash_chunk_attention", "splash_sdpa_attention", "tokamax_linear_cross_entropy"]
 
@@ -115,6 +116,8 @@ def _ops(jax_op: Callable) -> SimpleNamespace:
         gmm=jax_op("titan_tpu::megablox_gmm", tpu_jax.grouped_mm),
         gmm_vjp=jax_op("titan_tpu::megablox_gmm_vjp", tpu_jax.grouped_mm_vjp),
         lce=jax_op("titan_tpu::tokamax_lce", tpu_jax.linear_cross_entropy),
+        fp8_gmm=jax_op("titan_tpu::fp8_grouped_linear", tpu_jax.fp8_grouped_linear),
+        fp8_gmm_vjp=jax_op("titan_tpu::fp8_grouped_linear_vjp", tpu_jax.fp8_grouped_linear_vjp),
         lce_vjp=jax_op("titan_tpu::tokamax_lce_vjp", tpu_jax.linear_cross_entropy_vjp),
     )
 
@@ -250,6 +253,34 @@ def gmm_grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor
     row_tile = gmm_row_tile(x_TD.shape[0], x_TD.shape[1], w_EDF.shape[2])
     # w may be a transposed view of [E, F, D] weights (grouped_mm.py): the JAX side wants real strides.
     return _MegabloxGMM.apply(x_TD.contiguous(), w_EDF.contiguous(), group_sizes_E.to(torch.int32), row_tile)
+
+
+# -- fp8 experts (jax_op): models/fp8.py's Float8 experts on TorchTPU -------------------------------
+
+
+class _Float8GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(x_TD: Tensor, w_EFD: Tensor, group_sizes_E: Tensor, rowwise: int) -> Tensor:
+        return _jax_ops().fp8_gmm(x_TD, w_EFD, group_sizes_E, rowwise)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:3])
+        ctx.rowwise = inputs[3]
+
+    @staticmethod
+    def backward(ctx, grad_TF):
+        x_TD, w_EFD, group_sizes_E = ctx.saved_tensors
+        grad_x, grad_w = _jax_ops().fp8_gmm_vjp(x_TD, w_EFD, group_sizes_E, grad_TF.contiguous(), ctx.rowwise)
+        return grad_x, grad_w, None, None
+
+
+def jax_op_fp8_grouped_linear(x_TD: Tensor, w_EFD: Tensor, group_sizes_E: Tensor, *, rowwise: bool) -> Tensor:
+    """x's rows of expert e @ w[e]^T in float8 (kernels/tpu_jax.py fp8_grouped_linear: quantised and
+    multiplied on the JAX side, so no float8 tensor crosses jax_op): TorchTPU has no scaled grouped
+    matmul of its own (torch-tpu 0.2.0)."""
+    return _Float8GroupedLinear.apply(x_TD.contiguous(), w_EFD.contiguous(), group_sizes_E.to(torch.int32),
+                                      int(rowwise))
 
 
 # -- loss "tokamax" (jax_op) -----------------------------------------------------------------------

@@ -135,6 +135,92 @@ def grouped_mm_vjp(x_TD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, 
     return jnp.where(_rows_in_groups(x_TD.shape[0], group_sizes_E), grad_x_TD, 0), grad_w_EDF
 
 
+# -- fp8 grouped matmul: MoE experts in float8 (models/fp8.py, kernels/fp8_grouped_mm.py) ----------
+
+
+def scaled_ragged_dot(a_TK: jax.Array, b_EKN: jax.Array, scale_a_T1: jax.Array, scale_b_E1N: jax.Array,
+                      group_sizes_E: jax.Array, out_dtype) -> jax.Array:
+    """Per group e, (a * scale_a) @ (b[e] * scale_b[e]): XLA's ragged dot on the float8 operands with an
+    fp32 accumulator (`chlo.ragged_dot` on f8), times the dequantisation scales, which are constant
+    along the contracted dimension (each row's own, its group's per column). Rows past the groups: 0.
+    The JAX form of titan_tpu::scaled_grouped_mm (graph/jax_ops.py)."""
+    sizes = group_sizes_E.astype(jnp.int32)
+    out_TN = jax.lax.ragged_dot(a_TK, b_EKN, sizes, preferred_element_type=jnp.float32)
+    group_T = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(a_TK.shape[0]), side="right")
+    scale_b_TN = scale_b_E1N[jnp.minimum(group_T, sizes.shape[0] - 1), 0]
+    return (out_TN * scale_a_T1.astype(jnp.float32) * scale_b_TN.astype(jnp.float32)).astype(out_dtype)
+
+
+def scaled_ragged_dot_weight_grad(a_TM: jax.Array, b_TN: jax.Array, scale_a_EM1: jax.Array, scale_b_E1N: jax.Array,
+                                  group_sizes_E: jax.Array, out_dtype) -> jax.Array:
+    """[E, M, N]: per group e, (a_g * scale_a[e])^T @ (b_g * scale_b[e]): XLA's ragged dot with the
+    groups along the contracted rows, on the float8 operands. The JAX form of
+    titan_tpu::scaled_grouped_mm_weight_grad."""
+    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    out_EMN = jax.lax.ragged_dot_general(a_TM, b_TN, group_sizes_E.astype(jnp.int32), numbers,
+                                         preferred_element_type=jnp.float32)
+    return (out_EMN * scale_a_EM1.astype(jnp.float32) * scale_b_E1N.astype(jnp.float32)).astype(out_dtype)
+
+
+_F8 = {"e4m3": (jnp.float8_e4m3fn, 448.0), "e5m2": (jnp.float8_e5m2, 57344.0)}
+
+
+def _quantize(x: jax.Array, fp8: str, axes) -> tuple[jax.Array, jax.Array]:
+    """kernels/fp8.py's quantize in JAX: (x in fp8 scaled by FP8_MAX / amax over `axes`, all when None,
+    kept as size-1 axes; the dequant scale amax / FP8_MAX)."""
+    dtype, largest = _F8[fp8]
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=axes is not None)
+    scale = largest / jnp.maximum(amax, 1e-12)
+    return jnp.clip(x * scale, -largest, largest).astype(dtype), 1 / scale
+
+
+def _quantize_groups(x_TM: jax.Array, fp8: str, group_sizes_E: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """kernels/fp8_grouped_mm.py's quantize_groups: one scale per group and column; scales [E, M]."""
+    dtype, largest = _F8[fp8]
+    E = group_sizes_E.shape[0]
+    x = x_TM.astype(jnp.float32)
+    group_T = jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(x.shape[0]), side="right")
+    amax_GM = jnp.zeros((E + 1, x.shape[1]), jnp.float32).at[group_T].max(jnp.abs(x))
+    scale_GM = largest / jnp.maximum(amax_GM, 1e-12)
+    return jnp.clip(x * scale_GM[group_T], -largest, largest).astype(dtype), 1 / scale_GM[:E]
+
+
+def _f8_grouped(a_TK, b_EKN, sizes_E, a_fp8: str, rowwise: int, out_dtype):
+    (T, _), (E, _, N) = a_TK.shape, b_EKN.shape
+    qa, sa = _quantize(a_TK, a_fp8, (1,) if rowwise else None)
+    qb, sb = _quantize(b_EKN, "e4m3", (1,) if rowwise else (1, 2))
+    return scaled_ragged_dot(qa, qb, jnp.broadcast_to(sa, (T, 1)), jnp.broadcast_to(sb, (E, 1, N)), sizes_E, out_dtype)
+
+
+def _f8_grouped_weight_grad(a_TM, b_TN, sizes_E, a_fp8: str, rowwise: int, out_dtype):
+    E, M, N = sizes_E.shape[0], a_TM.shape[1], b_TN.shape[1]
+    if rowwise:
+        (qa, sa), (qb, sb) = _quantize_groups(a_TM, a_fp8, sizes_E), _quantize_groups(b_TN, "e4m3", sizes_E)
+        sa, sb = sa[:, :, None], sb[:, None, :]
+    else:
+        (qa, sa), (qb, sb) = _quantize(a_TM, a_fp8, None), _quantize(b_TN, "e4m3", None)
+    return scaled_ragged_dot_weight_grad(qa, qb, jnp.broadcast_to(sa, (E, M, 1)), jnp.broadcast_to(sb, (E, 1, N)),
+                                         sizes_E, out_dtype)
+
+
+def fp8_grouped_linear(x_TD: jax.Array, w_EFD: jax.Array, group_sizes_E: jax.Array, rowwise: int) -> jax.Array:
+    """models/fp8.py's Float8 experts' matmul, x_e @ w[e]^T per group (w stored [E, F, D]), quantised
+    here: what TorchTPU runs through jax_op (no float8 tensor crosses into torch)."""
+    return _f8_grouped(x_TD, jnp.swapaxes(w_EFD, 1, 2), group_sizes_E, "e4m3", rowwise, x_TD.dtype)
+
+
+def fp8_grouped_linear_vjp(x_TD: jax.Array, w_EFD: jax.Array, group_sizes_E: jax.Array, grad_TF: jax.Array,
+                           rowwise: int) -> tuple[jax.Array, jax.Array]:
+    """Its input and weight gradients, both grouped matmuls in float8 too (the gradient e4m3 under rowwise
+    scaling, e5m2 under tensorwise), as models/fp8.py's `_Float8GroupedMM.backward`."""
+    grad_fp8 = "e4m3" if rowwise else "e5m2"
+    grad_x = _f8_grouped(grad_TF, w_EFD, group_sizes_E, grad_fp8, rowwise, x_TD.dtype)
+    grad_w = _f8_grouped_weight_grad(grad_TF, x_TD, group_sizes_E, grad_fp8, rowwise, w_EFD.dtype)
+    return grad_x, grad_w
+
+
 # -- loss: tokamax's linear softmax cross-entropy ------------------------------------------------
 
 

@@ -4,9 +4,9 @@ it on the meta device and materialising it, and after it is initialised.
 A converter is one object with `name`, `enabled(cfg)`, `convert(model, cfg)` (on the meta-device
 model, before sharding: what it adds is sharded like the rest) and `after_init(model, cfg, seed)`
 (on the materialised, maybe sharded model). `CONVERTERS` lists them in the order they apply:
-LoRA (adapters on the targeted linears, the base frozen), then fp8 (Float8 linears), which
-refuses a layer LoRA adapted. Another conversion (another quantisation) is one file defining a
-converter and one line here.
+LoRA (adapters on the targeted linears, the base frozen), then fp8 (Float8 linears, and with
+fp8.experts Float8 MoE experts), which refuses a layer LoRA adapted. Another conversion (another
+quantisation) is one file defining a converter and one line here.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Float8Converter:
         from titan_tpu.models.fp8 import convert_to_float8
 
         convert_to_float8(model, scaling=cfg.fp8.scaling, target_modules=cfg.fp8.target_modules,
-                          emulate=cfg.fp8.emulate)
+                          emulate=cfg.fp8.emulate, experts=cfg.fp8.experts)
 
     def after_init(self, model: nn.Module, cfg: Config, *, seed: int) -> None:
         pass

@@ -1,7 +1,8 @@
 """The plan's fp8 what-if: what running the blocks' linears as fp8 matmuls changes (the config's
 [fp8] section, or `plan_run`'s fp8 argument): their FLOPs at the fp8 peak, the casts as elementwise
 traffic, one layer's fp8 copies and scales in memory (`fp8_terms`); and a plan beside its twin in
-the other precision (`fp8_beside`).
+the other precision (`fp8_beside`). With `fp8.experts` the MoE experts' grouped matmuls too
+(`fp8_expert_terms`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,19 @@ from titan_tpu.plan.setting import Setting
 if TYPE_CHECKING:
     from titan_tpu.plan.result import Plan
 
-__all__ = ["FP8_CAST_BYTES_PER_ELEMENT", "fp8_beside", "fp8_linear_params", "fp8_note", "fp8_setting", "fp8_terms"]
+__all__ = ["FP8_CAST_BYTES_PER_ELEMENT", "fp8_beside", "fp8_expert_terms", "fp8_experts_on", "fp8_linear_params",
+           "fp8_note", "fp8_setting", "fp8_terms"]
 
 
 def fp8_setting(cfg: Config) -> tuple[bool, str]:
     """(fp8 on, its scaling) as the config's [fp8] section says; off for a config without one."""
     section = getattr(cfg, "fp8", None)
     return bool(getattr(section, "enabled", False)), str(getattr(section, "scaling", "tensorwise"))
+
+
+def fp8_experts_on(cfg: Config) -> bool:
+    """Whether the config's [fp8] section converts the MoE experts too (fp8.experts)."""
+    return bool(getattr(getattr(cfg, "fp8", None), "experts", False))
 
 
 def fp8_linear_params(args) -> tuple[int, int]:
@@ -78,8 +85,58 @@ def fp8_terms(s: Setting) -> dict[str, float]:
     linears = 7 if s.args.mla is None else 9  # one block's converted linears, three matmuls each
     scales = 4 * 3 * linears * ((tokens + max(s.args.dim, s.args.ffn_hidden_dim)) if rowwise else 2)
     peak = s.hardware.fp8_peak_flops or s.hardware.peak_flops
-    return {"flops": flops, "peak_flops": peak, "cast_bytes": cast_bytes,
-            "copies_bytes": layer_weights + tokens * largest_in, "scales_bytes": float(scales)}
+    terms = {"flops": flops, "peak_flops": peak, "cast_bytes": cast_bytes,
+             "copies_bytes": layer_weights + tokens * largest_in, "scales_bytes": float(scales)}
+    experts = fp8_expert_terms(s) if s.fp8_experts else None
+    if experts:
+        terms["flops"] += experts["flops"]
+        terms["cast_bytes"] += experts["cast_bytes"]
+        # the largest layer's copies are alive at once: a dense block's or an MoE block's
+        terms["copies_bytes"] = max(terms["copies_bytes"], layer_weights - _dense_ffn_weights(s) / p.tp
+                                    + experts["copies_bytes"])
+        terms["scales_bytes"] += experts["scales_bytes"]
+        terms["expert_flops"] = experts["flops"]
+    return terms
+
+
+def _dense_ffn_weights(s: Setting) -> float:
+    """One dense block's feed-forward weights (0 where every block is MoE): what an MoE block has not."""
+    layers = s.args.n_layers + s.args.mtp_num_layers
+    dense = sum(not s.args.is_moe_layer(i) for i in range(layers))
+    return 3 * s.args.dim * s.args.ffn_hidden_dim if dense else 0.0
+
+
+def fp8_expert_terms(s: Setting) -> dict[str, float] | None:
+    """What running the MoE experts' grouped matmuls in float8 adds to `fp8_terms`, per device per
+    step (None for a dense model). flops: each token's top-k experts' three matmuls, forward, input
+    and weight gradients, and under full checkpointing all three again (the rerun recomputes the
+    down projection too: its output, times the routing weight, is what the weight's gradient reads),
+    over this device's tokens (its cp chunk, its tp sequence shard: the experts are whole on tp).
+    cast_bytes: the routed rows each grouped matmul quantises (ep x top-k per token under expert
+    parallelism's all_gather dispatch, the rows of other ranks' experts included, as the layer
+    quantises its whole buffer), as for the linears, and this device's E / ep experts' weights
+    once per forward and once for the input gradient. copies_bytes: one MoE layer's fp8 expert
+    weights and its largest fp8 routed activation. scales_bytes: one layer's fp32 scales."""
+    moe = getattr(s.args, "moe", None)
+    if moe is None:
+        return None
+    t, p = s.cfg.training, s.cfg.parallelism
+    layers = sum(s.args.is_moe_layer(i) for i in range(s.args.n_layers + s.args.mtp_num_layers))
+    D, F, k = s.args.dim, moe.hidden_dim, moe.top_k
+    tokens = s.tokens / p.cp / p.tp
+    rerun = s.ac == "full"
+    active = layers * k * 3 * D * F  # expert weights one token's forward multiplies by
+    flops = (6 + (2 if rerun else 0)) * active * tokens * t.grad_accum_steps
+    rowwise = s.fp8_scaling == "rowwise"
+    forwards = 2 if rerun else 1
+    rows = tokens * k * p.ep
+    width_in, width_out = 2 * D + F, 2 * F + D  # w1 and w3 read the rows, w2 the hidden; their outputs likewise
+    local_weights = moe.num_experts / p.ep * 3 * D * F
+    elements = layers * (rows * (width_in * (forwards + 1 + rowwise) + width_out * (2 + rowwise))
+                         + local_weights * (forwards + 1))
+    scales = 4 * 3 * 3 * ((rows + moe.num_experts / p.ep * max(D, F)) if rowwise else moe.num_experts / p.ep + 1)
+    return {"flops": flops, "cast_bytes": FP8_CAST_BYTES_PER_ELEMENT * elements * t.grad_accum_steps,
+            "copies_bytes": local_weights + rows * max(D, F), "scales_bytes": float(scales)}
 
 
 def _fp8_io_width(args, *, side: str) -> float:

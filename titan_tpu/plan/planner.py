@@ -24,7 +24,7 @@ from titan_tpu.config import Config
 from titan_tpu.models.registry import num_active_params, num_expert_params, num_params
 from titan_tpu.parallel.plan_terms import Layout
 from titan_tpu.plan.fabric import axis_rates
-from titan_tpu.plan.fp8 import fp8_setting, fp8_terms
+from titan_tpu.plan.fp8 import fp8_experts_on, fp8_setting, fp8_terms
 from titan_tpu.plan.hardware import Hardware
 from titan_tpu.plan.memory import StepMemory, step_memory
 from titan_tpu.plan.result import Plan
@@ -128,7 +128,8 @@ def _planned_setting(setup: RunSetup, hardware: Hardware | None, *, chips: int |
     if fp8 and s.hf is not None:
         raise ValueError("the planner's fp8 terms count a native model's block linears; plan an hf model with "
                          "fp8.enabled false")
-    return dataclasses.replace(s, as_compiled=as_compiled, fp8=fp8, fp8_scaling=scaling)
+    return dataclasses.replace(s, as_compiled=as_compiled, fp8=fp8, fp8_scaling=scaling,
+                               fp8_experts=fp8 and fp8_experts_on(s.cfg))
 
 
 def _params_summary(s: Setting) -> dict:
@@ -159,6 +160,8 @@ def planned_memory(s: Setting) -> tuple[StepMemory, dict[str, float] | None]:
 
 def _add_fp8_flops(cost: dict[str, float], *, flops: dict) -> None:
     flops["fp8_executed_per_step_per_device"] = cost["flops"]
+    if "expert_flops" in cost:  # fp8.experts: the experts' share of them
+        flops["fp8_expert_executed_per_step_per_device"] = cost["expert_flops"]
 
 
 def _mesh_summary(s: Setting) -> dict:

@@ -154,6 +154,7 @@ class Setting:
     as_compiled: bool = False  # plan `titan-tpu compile`'s program (`plan_run`'s as_compiled)
     fp8: bool = False  # the blocks' linears as fp8 matmuls (the config's [fp8], or `plan_run`'s fp8 what-if)
     fp8_scaling: str = "tensorwise"  # tensorwise | rowwise (kernels/fp8.py)
+    fp8_experts: bool = False  # with fp8, the MoE experts' grouped matmuls too (fp8.experts; plan/fp8.py)
     schedule: PipelineSchedule | None = None  # pipeline stages (parallelism.pp > 1), else None
     whole_args: object = None  # the whole model's TransformerArgs where `args` is one stage's; None: `args`
     hf: HFTerms | None = None  # a Transformers-backend model's measured terms (plan/hf_terms.py); None: native

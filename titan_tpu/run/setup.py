@@ -135,6 +135,7 @@ def prepare_run(cfg: Config) -> RunSetup:
     if cfg.compile.backend == "jax" and t.mode == "graph":  # eager mode runs torch's ops on training.device
         _check_jax_path(cfg)
     _check_lora(cfg)
+    _check_fp8_experts(cfg)
     check_tracker_names(cfg.metrics.trackers)
     s = cfg.lr_scheduler
     # A warmup longer than the run (a quick --training.steps 2 with a recipe's warmup of 10) is clamped
@@ -172,6 +173,14 @@ def _check_jax_path(cfg: Config) -> None:
     if cfg.compile.split != "none":
         raise ValueError(f"compile.split = {cfg.compile.split}: compile.backend jax hands XLA the whole step as one "
                          "program (XLA schedules its collectives); set compile.split none")
+
+
+def _check_fp8_experts(cfg: Config) -> None:
+    """fp8.experts converts the native MoE's experts (models/fp8.py); the Transformers backend runs
+    transformers' own experts, whose matmuls it cannot reach."""
+    if cfg.fp8.enabled and cfg.fp8.experts and cfg.model.name == "hf":
+        raise ValueError("fp8.experts converts a native MoE model's experts; the Transformers backend runs "
+                         "transformers' own: set fp8.experts false (its linears still run in fp8)")
 
 
 def _check_lora(cfg: Config) -> None:

@@ -417,16 +417,17 @@ if __name__ == "__main__":
 
 
 _HLO_VALUE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (\w+)\[", re.M)
-_HLO_MATMUL = re.compile(r"= \w+\[[^\]]*\][^=]*? (?:dot|convolution)\(([^)]*)\)")
+_HLO_MATMUL = re.compile(r"= \w+\[[^\]]*\][^=]*? (?:dot|convolution|ragged-dot)\(([^)]*)\)")
 _HLO_OPERAND = re.compile(r"(?:(\w+)\[[^\]]*\](?:\{[^}]*\})?\s+)?%([\w.\-]+)")
-_STABLEHLO_MATMUL = re.compile(r"stablehlo\.(?:dot_general|convolution)\b[^\n]*?:\s*\(tensor<(?:[\d?]+x)*(\w+)>, "
-                               r"tensor<(?:[\d?]+x)*(\w+)>\)")
+_STABLEHLO_MATMUL = re.compile(r"(?:stablehlo\.(?:dot_general|convolution)|chlo\.ragged_dot)\b[^\n]*?:\s*"
+                               r"\(tensor<(?:[\d?]+x)*(\w+)>, tensor<(?:[\d?]+x)*(\w+)>[,)]")
 
 
 def f8_dots(text: str) -> int:
     """How many matmuls of a program take float8 operands (both of them): `dot` or `convolution` (XLA's
     TPU passes turn a dot into a convolution) in HLO text, whose operands are named values looked up by
     the type their definition gave them (or typed inline); or `stablehlo.dot_general` in StableHLO.
+    Grouped matmuls count too (`ragged-dot` in HLO, `chlo.ragged_dot` in StableHLO: fp8 MoE experts).
     A matmul inside a loop body counts once, as XLA's cost analysis counts it."""
     if "stablehlo." in text and "HloModule" not in text:
         return sum(a.startswith("f8") and b.startswith("f8") for a, b in _STABLEHLO_MATMUL.findall(text))

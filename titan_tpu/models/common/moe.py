@@ -32,6 +32,7 @@ nothing is kept in module state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -145,6 +146,11 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
+    def grouped_linear(self, kernels: KernelConfig, device_type: str) -> Callable:
+        """(x_ND, w_EFD, group_sizes) -> each row times its expert's w^T, the weights as stored: the
+        configured grouped matmul (fp8's Float8GroupedExperts, models/fp8.py, runs it in float8)."""
+        return with_linear_layout(kernels.grouped_mm_fn(device_type))
+
 
 class MoE(nn.Module):
     def __init__(self, *, dim: int, args: MoEArgs, kernels: KernelConfig | None = None,
@@ -189,7 +195,7 @@ class MoE(nn.Module):
         token_N = order_N // k
         group_sizes_L = _counts(key_N, E)[:num_local]
         x_ND = x_MD[token_N]
-        linear = with_linear_layout(self.kernels.grouped_mm_fn(x_BSD.device.type))  # x @ w^T, w [E, out, in]
+        linear = self.experts.grouped_linear(self.kernels, x_BSD.device.type)  # x @ w^T, w [E, out, in]
         h_NF = F.silu(linear(x_ND, w1, group_sizes_L)) * linear(x_ND, w3, group_sizes_L)
         y_ND = linear(h_NF, w2, group_sizes_L) * weights_MK.flatten()[order_N].unsqueeze(1)
         out_MD = torch.zeros_like(x_MD).index_add(0, token_N, y_ND)
