@@ -154,8 +154,8 @@ LAYOUTS = [("llama3_debug", {}, False, None), ("qwen3_debug", {}, False, None), 
            ("llama3_debug", {"tp": 2}, False, None), ("llama3_debug", {"cp": 2}, True, 1),
            ("qwen3_moe_debug", {"dp_shard": 2, "ep": 2}, False, None),
            ("qwen3_moe_debug", {"dp_shard": 2, "ep": 2, "ep_dispatch": "all_to_all"}, True, 1),
-           # expert parallelism composed with tensor and context parallelism (4 devices)
-           ("qwen3_moe_debug", {"dp_shard": 2, "ep": 2, "tp": 2}, False, None),
+           # expert parallelism composed with tensor and context parallelism (4 devices), scanned as the recipes run
+           ("qwen3_moe_debug", {"dp_shard": 2, "ep": 2, "tp": 2}, True, 1),
            ("qwen3_moe_debug", {"dp_shard": 2, "ep": 2, "cp": 2}, True, 1),
            ("llama3_debug", {}, True, None)]
 

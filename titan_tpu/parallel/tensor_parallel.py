@@ -267,8 +267,11 @@ def block_plan(args) -> dict[str, Placement]:
 
 
 def _place_block_weights(block: nn.Module, plan: dict[str, Placement]) -> None:
-    """The tp placements of a block's weights."""
-    _apply_plan(block, plan)
+    """The tp placements of a block's weights (or of a scanned stack's). An MoE block's dense
+    feed-forward is None, and a scanned stack (models/common/scan.py StackedBlocks) keeps only the
+    submodules its block has: its paths are skipped."""
+    _apply_plan(block, {path: placement for path, placement in plan.items()
+                        if getattr(block, path.split(".")[0], None) is not None})
 
 
 def _parallelize_block(block: nn.Module, group, tp: int, plan: dict[str, Placement]) -> list:
