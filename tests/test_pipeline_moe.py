@@ -24,11 +24,13 @@ from test_context_parallel import args_for, assert_matches_reference, optimizer_
 
 from titan_tpu.graph.compile import GraphStep
 from titan_tpu.models.common.transformer import Transformer
-from titan_tpu.models.registry import build_model
+from titan_tpu.models.registry import build_model, num_expert_params, num_params
 from titan_tpu.parallel.expert_parallel import make_dispatch
 from titan_tpu.parallel.mesh import ParallelDims, dp_rank_and_size
 from titan_tpu.parallel.pipeline import PipelineSchedule, pipeline_stages, pipelined_layers
+from titan_tpu.parallel.plan_terms import Layout
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, materialize_and_init
+from titan_tpu.plan.pipeline_terms import shared_params, stage_args
 from titan_tpu.train.step import EagerStep
 
 LAYERS = 4  # Qwen3-MoE: 4 MoE layers; DeepSeek-V3: 1 dense, then 3 MoE layers
@@ -66,6 +68,7 @@ def _run(name: str, dims: ParallelDims, *, graph: bool) -> dict:
     experts = [p for n, p in model.named_parameters() if ".experts." in n]
     out["experts"] = (tuple(experts[0].device_mesh.mesh_dim_names), tuple(experts[0].to_local().shape))
     out["stored_experts"] = sum(p.to_local().numel() for p in experts)
+    out["stored"] = sum(p.to_local().numel() for p in model.parameters())
     return out
 
 
@@ -113,3 +116,25 @@ def test_moe_stages_with_expert_parallelism_equal_one_process(name, mode):
         # experts on (dp_shard_mod_ep, ep, pp): 8 experts, 4 a rank; the stage's 2 rows of the stack
         assert run["experts"][0] == ("dp_shard_mod_ep", "ep", "pp"), run["experts"]
         assert run["experts"][1][:2] == (2, 4), run["experts"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["qwen3_moe:aux_loss", "deepseek_v3:expert_bias"])
+def test_the_planner_counts_what_a_stage_rank_stores(name):
+    """The planner's stage (plan/pipeline_terms.py `stage_args`: the dense layers ahead of the
+    stages whole, the stage's rows of the MoE stack with their experts and routers, padding rows
+    included) and its layout's stored elements equal what each rank holds, experts and all, exactly."""
+    args = _args(name)
+    schedule = PipelineSchedule(stages=DIMS["pp"], micro_batches=BATCH // DIMS["dp_shard"],
+                                n_layers=pipelined_layers(args))
+    stage = stage_args(args, schedule)
+    assert stage.num_moe_layers == schedule.rows // schedule.stages  # 2 MoE rows a stage (DeepSeek-V3: 1 padding)
+    plan = Layout(**DIMS)
+    # The weights every stage holds whole: embedding, norm, output, and DeepSeek-V3's dense first layer.
+    outside = args.dim + args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
+    ahead = num_params(dataclasses.replace(args, n_layers=1)) - outside if name.startswith("deepseek") else 0
+    assert shared_params(stage, schedule) == outside + ahead
+    for rank in stage_runs():
+        run = rank[(name, "eager")]
+        assert run["stored_experts"] == num_expert_params(stage) // plan.dp_shard
+        assert run["stored"] == plan.stored_elements(num_params(stage), num_expert_params(stage))
