@@ -355,8 +355,8 @@ class PipelineStage:
                 else:
                     x, layer_stats = body(x, ropes[micro_batch], documents[micro_batch], *weights)
                     stats.append(layer_stats)
-            real = next(t for t in stats if t is not None)  # a chunk of padding rows only is refused
-            if not real.numel():  # dense blocks: no statistics
+            real = next((t for t in stats if t is not None), None)
+            if real is None or not real.numel():  # a chunk of padding rows only, or dense blocks: no statistics
                 return x, None
             return x, torch.stack([torch.zeros_like(real) if t is None else t for t in stats])
 
