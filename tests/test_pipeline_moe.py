@@ -35,18 +35,22 @@ from titan_tpu.train.step import EagerStep
 
 LAYERS = 4  # Qwen3-MoE: 4 MoE layers; DeepSeek-V3: 1 dense, then 3 MoE layers
 DIMS = dict(pp=2, dp_shard=2, ep=2)
+# "circular": 2 repeats of 1-row chunks, eager: of DeepSeek-V3's 3 MoE layers in 4 rows, stage 0 holds the
+# stack's layers 0 and 2, stage 1 layer 1 and a padding row (its second chunk: no routing statistics).
 RUNS = [("qwen3_moe:aux_loss", "eager"), ("qwen3_moe:aux_loss", "graph"), ("qwen3_moe:expert_bias", "eager"),
-        ("deepseek_v3:expert_bias", "eager"), ("deepseek_v3:expert_bias", "graph"), ("deepseek_v3:aux_loss", "eager")]
+        ("deepseek_v3:expert_bias", "eager"), ("deepseek_v3:expert_bias", "graph"), ("deepseek_v3:aux_loss", "eager"),
+        ("deepseek_v3:aux_loss", "circular")]
 
 
 def _args(name: str):
     return dataclasses.replace(args_for(name), n_layers=LAYERS)
 
 
-def _build(name: str, dims: ParallelDims, micro_batches: int):
+def _build(name: str, dims: ParallelDims, micro_batches: int, repeats: int = 1):
     mesh, expert_mesh = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
     args = _args(name)
-    schedule = PipelineSchedule(stages=dims.pp, micro_batches=micro_batches, n_layers=pipelined_layers(args))
+    schedule = PipelineSchedule(stages=dims.pp, micro_batches=micro_batches, repeats=repeats,
+                                n_layers=pipelined_layers(args))
     with torch.device("meta"):
         model = Transformer(args, scan_layers=True)
     pipeline_stages(model, mesh, schedule)
@@ -56,8 +60,8 @@ def _build(name: str, dims: ParallelDims, micro_batches: int):
     return model, mesh
 
 
-def _run(name: str, dims: ParallelDims, *, graph: bool) -> dict:
-    model, mesh = _build(name, dims, micro_batches=BATCH // dims.dp_shard)
+def _run(name: str, dims: ParallelDims, *, graph: bool, repeats: int = 1) -> dict:
+    model, mesh = _build(name, dims, micro_batches=BATCH // dims.dp_shard, repeats=repeats)
     dp_rank, dp_size = dp_rank_and_size(mesh)
     step_fn = None
     if graph:
@@ -74,7 +78,8 @@ def _run(name: str, dims: ParallelDims, *, graph: bool) -> dict:
 
 def _worker() -> dict:
     dims = ParallelDims(**DIMS, world_size=dist.get_world_size())
-    return {(name, mode): _run(name, dims, graph=mode == "graph") for name, mode in RUNS}
+    return {(name, mode): _run(name, dims, graph=mode == "graph", repeats=2 if mode == "circular" else 1)
+            for name, mode in RUNS}
 
 
 @functools.cache
@@ -113,7 +118,8 @@ def test_moe_stages_with_expert_parallelism_equal_one_process(name, mode):
     for rank in ranks:
         run = {**rank[(name, mode)], "biases": biases}
         assert_matches_reference(run, name, documents=False, ref=ref)
-        # experts on (dp_shard_mod_ep, ep, pp): 8 experts, 4 a rank; the stage's 2 rows of the stack
+        # experts on (dp_shard_mod_ep, ep, pp): 8 experts, 4 a rank; the stage's 2 rows of the stack (2 chunks of
+        # 1 row circular)
         assert run["experts"][0] == ("dp_shard_mod_ep", "ep", "pp"), run["experts"]
         assert run["experts"][1][:2] == (2, 4), run["experts"]
 
