@@ -3,7 +3,8 @@ parallel/expert_parallel.py): pp 2 x dp_shard 2 with ep 2 on 4 gloo ranks trains
 (losses and gradient norms to 1e-5, the balancing loss, every step's expert loads, the final expert
 biases), eager and captured, for Qwen3-MoE (4 MoE layers, 2 a stage) and DeepSeek-V3 (its dense first
 layer whole on every stage ahead of the stages, then 3 MoE layers padded to 4 rows: stage 1 holds a
-padding row). And the planner's terms for a stage: the expert weights a rank stores, exactly.
+padding row), and a circular schedule. And the planner's terms for a stage: the expert weights a rank
+stores, exactly.
 
 The references: with expert_bias balancing one process takes the global batch whole (the loads are
 summed over the micro-batches, the stages and the ranks); with aux_loss each data-parallel rank's
