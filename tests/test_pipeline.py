@@ -130,7 +130,9 @@ def test_schedule_layout_bubble_and_one_line_errors():
      "parallelism.pp > 1 splits a native model's scanned layer stack into stages; the Transformers backend"),
     (["--config", "configs/llama3_debug_dpo.toml", "--model.scan_layers", "true"],
      "training.objective = dpo runs with dp_replicate and dp_shard alone; got parallelism."),
-], ids=["no_scan", "layers", "batch", "lora", "hf_backend", "dpo"])
+    (["--config", "configs/deepseek_v3_debug.toml", "--model.scan_layers", "true", "--model.mtp_num_layers", "1"],
+     "parallelism.pp > 1 with multi-token prediction is not built yet"),
+], ids=["no_scan", "layers", "batch", "lora", "hf_backend", "dpo", "mtp"])
 def test_what_pipeline_stages_refuse_is_one_line(args, message, capsys):
     """Checked before anything is built."""
     from titan_tpu.cli import main
