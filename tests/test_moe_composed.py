@@ -1,7 +1,9 @@
 """Expert parallelism composed with tensor and context parallelism (parallel/expert_parallel.py):
 dp_shard 2 x ep 2 x tp 2 and dp_shard 2 x ep 2 x cp 2 on 4 gloo ranks train like one process
 (losses, gradient norms, every step's expert loads, the final expert biases), eager and captured,
-for Qwen3-MoE and DeepSeek-V3 (its dense first layer split by tp, its shared experts whole)."""
+for Qwen3-MoE and DeepSeek-V3 (its dense first layer split by tp, its shared experts whole), and
+DeepSeek-V3 scanned (a dense stack and an MoE stack) with full checkpointing under tp, as the TPU
+recipes run."""
 
 from __future__ import annotations
 
@@ -35,13 +37,13 @@ LAYOUTS = {"ep2_tp2": dict(dp_shard=2, ep=2, tp=2), "ep2_cp2": dict(dp_shard=2, 
 
 
 def _build(name: str, dims: ParallelDims, *, n_layers: int | None = None, dispatch: str = "all_gather",
-           bucket_mb: float = 25):
+           bucket_mb: float = 25, scan: bool = False, ac_mode: str = "none"):
     mesh, expert_mesh = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
     args = args_for(name)
     if n_layers is not None:
         args = dataclasses.replace(args, n_layers=n_layers)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args, ac_mode=ac_mode, scan_layers=scan)
     if dims.tp > 1:  # the trainer's order (models/spec.py): tensor parallelism, then context parallelism
         tensor_parallel(model, mesh, seq_len=SEQ)
     if dims.cp > 1:
@@ -78,8 +80,9 @@ def _saved_per_moe_layer(name: str, dims: ParallelDims) -> int:
     return kept - _gathered_bytes(_build(name, dims, n_layers=2, bucket_mb=0)[0].layers["1"])
 
 
-def _run(name: str, dims: ParallelDims, *, graph: bool, dispatch: str = "all_gather") -> dict:
-    model, mesh = _build(name, dims, dispatch=dispatch)
+def _run(name: str, dims: ParallelDims, *, graph: bool, dispatch: str = "all_gather", scan: bool = False,
+         ac_mode: str = "none") -> dict:
+    model, mesh = _build(name, dims, dispatch=dispatch, scan=scan, ac_mode=ac_mode)
     dp_rank, dp_size = dp_rank_and_size(mesh)
     step_fn = None
     if graph:
@@ -87,6 +90,8 @@ def _run(name: str, dims: ParallelDims, *, graph: bool, dispatch: str = "all_gat
         step_fn = GraphStep(model, optimizer_for(model), max_norm=MAX_NORM, example_batch=(example, example),
                             backend="eager", dp_size=dp_size)
     out = train(model, documents=False, dp_rank=dp_rank, dp_size=dp_size, step_fn=step_fn)
+    if scan:
+        return out
     experts = model.layers["1"].moe.experts._parameters["w1"]  # the stored DTensor (reading w1 gathers it)
     out["experts"] = (tuple(experts.device_mesh.mesh_dim_names), tuple(experts.to_local().shape))
     out["stored"] = sum(p.to_local().numel() for p in model.parameters())
@@ -105,6 +110,8 @@ def _worker(layout: str) -> dict:
         runs[(name, "eager")] = _run(name, dims, graph=False)
         runs[(name, "graph")] = _run(name, dims, graph=True)
     runs[(MODELS[0], "eager-all_to_all")] = _run(MODELS[0], dims, graph=False, dispatch="all_to_all")
+    if dims.tp > 1:  # the stacks' tp placements (a scanned MoE stack has no dense feed-forward)
+        runs[(MODELS[1], "scan-graph-full")] = _run(MODELS[1], dims, graph=True, scan=True, ac_mode="full")
     return {"runs": runs, "saved_per_moe_layer": {name: _saved_per_moe_layer(name, dims) for name in MODELS}}
 
 
@@ -120,6 +127,8 @@ def test_expert_parallel_composes_with_tp_and_cp_like_one_process(layout):
     for rank_results in layout_runs(layout):
         for (name, mode), run in rank_results["runs"].items():
             assert_matches_reference(run, name, documents=False)
+            if mode.startswith("scan"):
+                continue
             mesh_names, local_shape = run["experts"]
             # experts on (dp_shard_mod_ep, ep, cp or tp): 8 experts, 4 a rank, rows over dp_shard_mod_ep (1)
             assert mesh_names == ("dp_shard_mod_ep", "ep", "tp" if "tp" in layout else "cp"), (name, mode)
