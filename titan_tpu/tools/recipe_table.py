@@ -72,6 +72,8 @@ HELDOUT_NOTES: dict[str, str] = {
     "qwen3_30b_ep4_all_to_all": _MOE,
     "qwen3_30b_ep4_all_gather": _MOE,
     "qwen3_30b_seq8k": _MOE,
+    "qwen3_30b_ep8_all_to_all": _MOE,
+    "qwen3_30b_ep4_tp2": _MOE,
 }
 
 
