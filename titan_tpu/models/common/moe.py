@@ -269,10 +269,8 @@ def aux_loss_from_stats(stats_L2E: Tensor, *, top_k: int) -> Tensor:
 
 def updated_expert_bias(bias_E: Tensor, load_E: Tensor, rate: float) -> Tensor:
     """One step of auxiliary-loss-free balancing: raise the bias of underloaded experts, lower
-    that of overloaded ones, by `rate` (sign of the difference to the layer's mean load). Stacked
-    [L, E] biases take [L, E] loads, each row against its own mean (a pipeline's padding row, all
-    zeros, stays put)."""
-    return bias_E + rate * torch.sign(load_E.mean(dim=-1, keepdim=True) - load_E)
+    that of overloaded ones, by `rate` (sign of the difference to the mean load)."""
+    return bias_E + rate * torch.sign(load_E.mean() - load_E)
 
 
 def active_params_per_token(*, dim: int, args: MoEArgs) -> int:
