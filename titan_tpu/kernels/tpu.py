@@ -232,55 +232,44 @@ def gmm_row_tile(rows: int, dim: int, ffn_dim: int) -> int:
                            "--kernels.grouped_mm ragged_dot")
 
 
-class _MegabloxGMM(torch.autograd.Function):
+class _JaxGroupedMatmul(torch.autograd.Function):
+    """A grouped matmul (x's rows grouped by expert, each group against its expert's weight) through a
+    pair of jax_op ops: `op` for the forward and `op`_vjp for both gradients, each given one static
+    int (gmm's row tile, fp8's rowwise switch)."""
+
     @staticmethod
-    def forward(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor, row_tile: int) -> Tensor:
-        return _jax_ops().gmm(x_TD, w_EDF, group_sizes_E, row_tile)
+    def forward(x_TD: Tensor, w_E__: Tensor, group_sizes_E: Tensor, static: int, op: str) -> Tensor:
+        return getattr(_jax_ops(), op)(x_TD, w_E__, group_sizes_E, static)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:3])
-        ctx.row_tile = inputs[3]
+        ctx.static, ctx.op = inputs[3], inputs[4]
 
     @staticmethod
     def backward(ctx, grad_TF):
-        x_TD, w_EDF, group_sizes_E = ctx.saved_tensors
-        grad_x, grad_w = _jax_ops().gmm_vjp(x_TD, w_EDF, group_sizes_E, grad_TF.contiguous(), ctx.row_tile)
-        return grad_x, grad_w, None, None
+        x_TD, w_E__, group_sizes_E = ctx.saved_tensors
+        vjp = getattr(_jax_ops(), ctx.op + "_vjp")
+        grad_x, grad_w = vjp(x_TD, w_E__, group_sizes_E, grad_TF.contiguous(), ctx.static)
+        return grad_x, grad_w, None, None, None
 
 
 def gmm_grouped_mm(x_TD: Tensor, w_EDF: Tensor, group_sizes_E: Tensor) -> Tensor:
     row_tile = gmm_row_tile(x_TD.shape[0], x_TD.shape[1], w_EDF.shape[2])
     # w may be a transposed view of [E, F, D] weights (grouped_mm.py): the JAX side wants real strides.
-    return _MegabloxGMM.apply(x_TD.contiguous(), w_EDF.contiguous(), group_sizes_E.to(torch.int32), row_tile)
+    return _JaxGroupedMatmul.apply(x_TD.contiguous(), w_EDF.contiguous(), group_sizes_E.to(torch.int32), row_tile,
+                                   "gmm")
 
 
 # -- fp8 experts (jax_op): models/fp8.py's Float8 experts on TorchTPU -------------------------------
-
-
-class _Float8GroupedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(x_TD: Tensor, w_EFD: Tensor, group_sizes_E: Tensor, rowwise: int) -> Tensor:
-        return _jax_ops().fp8_gmm(x_TD, w_EFD, group_sizes_E, rowwise)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:3])
-        ctx.rowwise = inputs[3]
-
-    @staticmethod
-    def backward(ctx, grad_TF):
-        x_TD, w_EFD, group_sizes_E = ctx.saved_tensors
-        grad_x, grad_w = _jax_ops().fp8_gmm_vjp(x_TD, w_EFD, group_sizes_E, grad_TF.contiguous(), ctx.rowwise)
-        return grad_x, grad_w, None, None
 
 
 def jax_op_fp8_grouped_linear(x_TD: Tensor, w_EFD: Tensor, group_sizes_E: Tensor, *, rowwise: bool) -> Tensor:
     """x's rows of expert e @ w[e]^T in float8 (kernels/tpu_jax.py fp8_grouped_linear: quantised and
     multiplied on the JAX side, so no float8 tensor crosses jax_op): TorchTPU has no scaled grouped
     matmul of its own (torch-tpu 0.2.0)."""
-    return _Float8GroupedLinear.apply(x_TD.contiguous(), w_EFD.contiguous(), group_sizes_E.to(torch.int32),
-                                      int(rowwise))
+    return _JaxGroupedMatmul.apply(x_TD.contiguous(), w_EFD.contiguous(), group_sizes_E.to(torch.int32),
+                                   int(rowwise), "fp8_gmm")
 
 
 # -- loss "tokamax" (jax_op) -----------------------------------------------------------------------
