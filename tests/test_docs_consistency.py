@@ -101,6 +101,19 @@ def test_fp8_denial_is_caught():
     assert not fp8_denials("fp8 only for linear layers' matmuls: no delayed scaling, no fp8 all-gathers.")
 
 
+def test_limits_name_fp8_experts_as_the_config_has_them():
+    """limits.md once said MoE experts' grouped matmuls stay in model.dtype after `fp8.experts`
+    had made them fp8: its fp8 line names the switch while the config has it."""
+    import dataclasses
+
+    from titan_tpu.config import Fp8Config
+
+    items = (ROOT / "docs" / "limits.md").read_text().split("\n- ")
+    fp8_line = next(item for item in items if item.startswith("**fp8**"))
+    has_switch = "experts" in {f.name for f in dataclasses.fields(Fp8Config)}
+    assert ("`fp8.experts" in fp8_line) == has_switch, fp8_line
+
+
 def test_fp8_is_not_refused_on_cuda_and_calls_scaled_mm(monkeypatch):
     """What the pages say is what the code does: a CUDA recipe with fp8 on is a valid run, and the
     one fp8 matmul off the CPU is `torch._scaled_mm`."""
