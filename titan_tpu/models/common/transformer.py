@@ -480,7 +480,8 @@ class Transformer(nn.Module):
         for name, stack in self.stacks():
             key = f"{name}.moe.expert_bias"
             if key in biases:
-                index = [row_of[layer] if layer in stack.layer_ids else len(expert_load_LE) for layer in stack.row_layers]
+                pad = len(expert_load_LE)  # padded_LE's zeros
+                index = [row_of[layer] if layer in stack.layer_ids else pad for layer in stack.row_layers]
                 load_RE = padded_LE.index_select(0, torch.tensor(index, device=padded_LE.device))
                 out[key] = updated_expert_bias(biases[key], load_RE, rate, per_row=True)
         mtp = [name for name in names if name not in out]
