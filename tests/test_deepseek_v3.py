@@ -192,6 +192,47 @@ def test_scanned_step_graph_does_not_grow_with_depth():
     assert few == many and few[0] == 4, (few, many)  # two stacks: a forward and a backward scan each
 
 
+def _pipelined_bias_update(n_layers: int):
+    """(biases, loads, updated, nodes of the traced update) of the scanned tiny model's MoE stack laid
+    out as pipeline stages would (parallel/pipeline.py pipeline_stages): one padding row, the rows in
+    a stage-by-stage order (here: even layers, then odd, then the padding row)."""
+    from types import SimpleNamespace
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from titan_tpu.models.common.transformer import Transformer
+
+    args = dataclasses.replace(tiny_args(), n_layers=n_layers)
+    with torch.device("meta"):
+        model = Transformer(args, scan_layers=True)
+    (_, dense), (name, stack) = model.stacks()
+    layers = list(stack.layer_ids)
+    stack.pad_rows(len(layers) + 1)
+    stack.row_layers = layers[::2] + layers[1::2] + [stack.row_layers[-1]]
+    model.pipeline = SimpleNamespace()  # in stages: only its presence is read by the update
+    generator = torch.Generator().manual_seed(0)
+    biases = {f"{name}.moe.expert_bias": torch.randn(len(layers) + 1, 8, generator=generator)}
+    loads = torch.randint(0, 20, (len(layers), 8), generator=generator).float()
+    graph = make_fx(lambda b, load: model.updated_expert_biases(b, load))(biases, loads)
+    return biases, loads, model.updated_expert_biases(biases, loads), model, len(graph.graph.nodes)
+
+
+def test_pipelined_expert_bias_update_is_each_layers_and_flat_with_depth():
+    """In pipeline stages each stack row moves by its own layer's loads against that layer's mean,
+    a padding row not at all, and the update's graph is the same size at any depth."""
+    biases, loads, updated, model, nodes = _pipelined_bias_update(5)
+    (key, bias_RE), = biases.items()
+    stack, rate = model.stacks()[-1][1], model.args.moe.bias_update_rate
+    row_of = {layer: i for i, layer in enumerate(stack.layer_ids)}
+    for r, layer in enumerate(stack.row_layers):
+        if layer in row_of:
+            load_E = loads[row_of[layer]]
+            torch.testing.assert_close(updated[key][r], bias_RE[r] + rate * torch.sign(load_E.mean() - load_E))
+        else:
+            torch.testing.assert_close(updated[key][r], bias_RE[r])
+    assert _pipelined_bias_update(9)[-1] == nodes
+
+
 # ---------------------------------------------------------------------------------------------
 # Sizes, FLOPs, bad input
 # ---------------------------------------------------------------------------------------------

@@ -535,6 +535,7 @@ DEBUG = ["--training.device", "cpu"]
 PP = ["--parallelism.pp", "2", "--parallelism.dp_shard", "1", "--model.scan_layers", "true"]
 MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debug"]
 MTP = ["--model.name", "deepseek_v3", "--model.flavor", "debug", "--model.mtp_num_layers", "1"]
+PP_EP = ["--parallelism.pp", "2", "--parallelism.dp_shard", "2", "--parallelism.ep", "2", "--model.scan_layers", "true"]
 
 
 def _runs(*overrides: str) -> str | None:
@@ -601,9 +602,12 @@ def _vision_tower_planned() -> str | None:
 # (page, phrase, check: None when the code does what the phrase says, else what it does)
 CAPABILITIES = [
     ("limits.md", "The JAX path takes one device per process", lambda hf: _one_jax_device_per_process()),
-    ("limits.md", "native dense models (no MoE, no multi-token prediction) with scanned layers",
-     lambda hf: _runs(*PP) or _refused(*PP, *MOE) or _refused(*PP, *MTP)
+    ("limits.md", "native dense and MoE models (no multi-token prediction) with scanned layers",
+     lambda hf: _runs(*PP) or _runs(*PP, *MOE) or _refused(*PP, *MTP)
      or _refused(*PP[:4], "--model.scan_layers", "false")),
+    ("limits.md", "and with ep inside each stage for MoE models (DeepSeek-V3's dense first layers run whole",
+     lambda hf: _runs(*PP_EP, *MOE) or _runs(*PP_EP, *MTP[:4])
+     or _has_test("tests/test_pipeline_moe.py", "test_moe_stages_with_expert_parallelism_equal_one_process")),
     ("limits.md", "eager and graph mode and lowered for a TPU as one program",
      lambda hf: _runs(*PP, "--training.mode", "graph")
      or _has_test("tests/tpu/test_pipeline_lowering.py", "test_lowered_pipeline_step_equals_eager_step")),
@@ -626,9 +630,10 @@ CAPABILITIES = [
      lambda hf: _refused("--parallelism.tp", "2", "--parallelism.dp_shard", "1", hf=hf)
      or _refused("--parallelism.cp", "2", "--parallelism.dp_shard", "1", hf=hf)
      or _refused("--model.scan_layers", "true", hf=hf)),
-    ("limits.md", "replication (dp_replicate) and pipeline stages with expert",
+    ("limits.md", "replication (dp_replicate) with expert parallelism, pipeline stages with context parallelism or "
+                  "multi-token prediction",
      lambda hf: _refused(*MOE, "--parallelism.ep", "2", "--parallelism.dp_shard", "2", "--parallelism.dp_replicate",
-                         "2") or _refused(*PP, *MOE, "--parallelism.ep", "2")),
+                         "2") or _refused(*PP, "--parallelism.cp", "2") or _refused(*PP, *MTP)),
     ("features.md", "MoE models compose expert parallelism with tensor and context parallelism",
      lambda hf: _runs(*MOE, "--parallelism.tp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")
      or _runs(*MOE, "--parallelism.cp", "2", "--parallelism.ep", "2", "--parallelism.dp_shard", "2")),
@@ -637,9 +642,9 @@ CAPABILITIES = [
      or _refused("--parallelism.ep", "2", "--parallelism.dp_shard", "2", hf=hf)),
     ("limits.md", "`--model.hf_config` takes a local directory", lambda hf: _hub_id_refused()),
     ("features.md", "(Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3)", lambda hf: _families()),
-    ("features.md", "MoE models, cp and ep are refused with pp; tp composes with it.",
-     lambda hf: _refused(*PP, *MOE) or _refused(*PP, "--parallelism.cp", "2")
-     or _refused(*PP, "--parallelism.ep", "2") or _runs(*PP, "--parallelism.tp", "2")),
+    ("features.md", "MoE models take pp, with ep inside each stage; tp composes with it; cp is refused with pp.",
+     lambda hf: _runs(*PP, *MOE) or _runs(*PP_EP, *MOE) or _runs(*PP, "--parallelism.tp", "2")
+     or _refused(*PP, "--parallelism.cp", "2")),
     ("features.md", "other families and the Transformers backend refuse it, and so do tensor and context parallelism",
      lambda hf: _refused("--model.mtp_num_layers", "1") or _refused("--model.mtp_num_layers", "1", hf=hf)
      or _refused(*MTP, "--parallelism.tp", "2", "--parallelism.dp_shard", "1")

@@ -50,7 +50,7 @@ def _stage(micro_batches: int, repeats: int):
             x = torch.tanh(x @ w)
         return x
 
-    outputs, last = run_pipeline(stage_fn, list(inputs), schedule=schedule, stage=stage,
+    outputs, last, _ = run_pipeline(stage_fn, list(inputs), schedule=schedule, stage=stage,
                                  group=torch.distributed.group.WORLD)
     loss = sum((out * targets[m]).sum() for m, out in enumerate(outputs)) if outputs else 0.0 * last.sum()
     loss.backward()
@@ -74,7 +74,7 @@ def _stage_one_program(micro_batches: int, repeats: int):
         return x
 
     with one_program_for_every_rank():
-        outputs, _ = run_pipeline_spmd(stage_fn, list(inputs), schedule=schedule, stage=torch.tensor(stage),
+        outputs, _, _ = run_pipeline_spmd(stage_fn, list(inputs), schedule=schedule, stage=torch.tensor(stage),
                                        group=torch.distributed.group.WORLD)
     loss = sum((out * targets[m]).sum() for m, out in enumerate(outputs))
     loss = loss if stage == stages - 1 else 0.0 * loss  # the last stage's outputs are the stack's
@@ -130,7 +130,9 @@ def test_schedule_layout_bubble_and_one_line_errors():
      "parallelism.pp > 1 splits a native model's scanned layer stack into stages; the Transformers backend"),
     (["--config", "configs/llama3_debug_dpo.toml", "--model.scan_layers", "true"],
      "training.objective = dpo runs with dp_replicate and dp_shard alone; got parallelism."),
-], ids=["no_scan", "layers", "batch", "lora", "hf_backend", "dpo"])
+    (["--config", "configs/deepseek_v3_debug.toml", "--model.scan_layers", "true", "--model.mtp_num_layers", "1"],
+     "parallelism.pp > 1 with multi-token prediction is not built yet"),
+], ids=["no_scan", "layers", "batch", "lora", "hf_backend", "dpo", "mtp"])
 def test_what_pipeline_stages_refuse_is_one_line(args, message, capsys):
     """Checked before anything is built."""
     from titan_tpu.cli import main
@@ -144,8 +146,8 @@ def test_what_pipeline_stages_refuse_is_one_line(args, message, capsys):
 def test_pipeline_stages_with_other_model_axes_are_one_line():
     from titan_tpu.parallel.mesh import ParallelDims
 
-    with pytest.raises(ValueError, match=r"^--parallelism.pp > 1 composes with the data-parallel axes and tp only "
-                                         r"so far, not --parallelism.cp 2; set them to 1$"):
+    with pytest.raises(ValueError, match=r"^--parallelism.pp > 1 composes with the data-parallel axes, tp and ep only "
+                                         r"so far, not --parallelism.cp 2 \("):
         ParallelDims(pp=2, cp=2, dp_shard=1, world_size=4)
 
 

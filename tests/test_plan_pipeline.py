@@ -125,7 +125,8 @@ def test_bubble_and_stage_terms():
     one = plan_config(for_planning(LLAMA_DEBUG, PP2 + ["--parallelism.pp", "1"]), CPU, measure=False, chips=1)
     two = plan_config(for_planning(LLAMA_DEBUG, PP2 + ["--parallelism.pp_microbatches", "4"]), CPU, measure=False)
     assert two.pipeline == {"stages": 2, "micro_batches": 4, "repeats": 1, "iterations": 5, "bubble": 1 / 5,
-                            "layers_per_stage": 3, "layers_per_chunk": 3, "micro_batch_rows": 1, "padding": 0}
+                            "layers_per_stage": 3, "layers_per_chunk": 3, "micro_batch_rows": 1, "padding": 0,
+                            "layers_ahead": 0}
     assert two.time["pipeline_bubble"] == 1 / 5 and not one.pipeline
     args = get_model_args("llama3", "debug")
     outside = args.dim + 2 * args.vocab_size * args.dim  # final norm, embedding, output projection

@@ -5,7 +5,8 @@ qwen3, qwen3_moe, deepseek_v3) and `HFCausalLM` (models/hf/model.py: any transfo
 Besides `TrainableModel`'s methods and the `LossOutput` that `model(tokens, labels)` returns, the
 contract holds the attributes a model sets on its modules and SimpleFSDP (parallel/simple_fsdp.py)
 reads, or SimpleFSDP sets and the model reads: `EXPERT_MARKER`, `STACKED_MARKER`,
-`PER_LAYER_GATHER` (with `stored_weights`, what a gather is handed). Both sides import them from
+`PER_LAYER_GATHER` (with `stored_weights`, what a gather is handed), and pipeline stages'
+`STAGE_ROWS` and `WHOLE_ON_STAGES`. Both sides import them from
 here, so SimpleFSDP, generic over models, imports nothing of models/. Everything else they read is
 `nn.Module`'s own (named_parameters, state_dict, train/eval).
 
@@ -22,8 +23,8 @@ from typing import Callable, NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["EXPERT_MARKER", "PER_LAYER_GATHER", "STACKED_MARKER", "STAGE_ROWS", "GradientReducer", "InitPiece",
-           "LossOutput", "TrainableModel", "gradient_reducer", "stored_weights"]
+__all__ = ["EXPERT_MARKER", "PER_LAYER_GATHER", "STACKED_MARKER", "STAGE_ROWS", "WHOLE_ON_STAGES", "GradientReducer",
+           "InitPiece", "LossOutput", "TrainableModel", "gradient_reducer", "stored_weights"]
 
 # Attribute set to True on modules holding expert weights (models/common/moe.py; transformers' stacked
 # experts: models/hf/model.py): SimpleFSDP reads it to lay them out for expert parallelism.
@@ -45,6 +46,11 @@ PER_LAYER_GATHER = "per_layer_gather"
 # stages: a function of a stacked tensor giving (row, that row's tensor) for the rows this rank
 # holds, each a view into the stack, as the per-layer state dict names them.
 STAGE_ROWS = "stage_rows"
+
+# Attribute pipeline parallelism sets to True on every module of a scanned stack that every stage
+# holds whole (the dense layers ahead of DeepSeek-V3's pipelined MoE stack): SimpleFSDP reads it to
+# keep the stack's layer dim whole on pp (replicated there, its gradient summed over the stages).
+WHOLE_ON_STAGES = "_whole_on_stages"
 
 
 def stored_weights(module: nn.Module, names: list[str]) -> list[Tensor]:

@@ -104,8 +104,9 @@ def _inputs(step, model, optimizer, batch) -> list[np.ndarray]:
         buffers=[local(buffers[n]) for n in captured.buffer_names])
 
 
-def _reference(cfg, batches, monkeypatch):
-    """Our eager step in float64, one process, on all ranks' rows at once (what dp ranks train).
+def _reference(cfg, batches, monkeypatch, *, per_rank: bool = False):
+    """Our eager step in float64, one process, on all ranks' rows at once (what dp ranks train); with
+    per_rank, each rank's rows as a micro-batch of their own (an MoE's balancing loss is of a rank's rows).
     grad_norm asks _foreach_norm for float32 norms, which torch refuses for float64 gradients
     (narrowing): here the norms stay float64."""
     foreach_norm = torch._foreach_norm
@@ -120,8 +121,8 @@ def _reference(cfg, batches, monkeypatch):
     # Stacked norm weights take no weight decay, as per layer (the optimizer is told which are stacked).
     optimizer = AdamW.from_config(dict(model.named_parameters()), cfg.optimizer,
                                   layer_stacked=model.stacked_parameter_names())
-    batch = tuple(torch.cat([b[i] for b in batches]) for i in range(2))
-    result = EagerStep(model, optimizer, max_norm=cfg.training.max_norm)([batch], LR)
+    micro_batches = list(batches) if per_rank else [tuple(torch.cat([b[i] for b in batches]) for i in range(2))]
+    result = EagerStep(model, optimizer, max_norm=cfg.training.max_norm)(micro_batches, LR)
     return result, model, optimizer
 
 

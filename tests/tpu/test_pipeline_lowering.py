@@ -113,3 +113,64 @@ def test_compile_pipeline_step_for_v5p():
     conftest.SUMMARY.append(f"compile llama3_debug pp 2 x dp_shard 2 for v5p:2x2x1: {report['compile_seconds']:.1f} s, "
                             f"peak {report['peak_per_chip_bytes'] / 2**20:.1f} MiB/chip, collectives "
                             f"{report['collectives']}")
+
+
+# MoE stages with expert parallelism inside each stage (pp 2 x dp_shard 2 with ep 2 on the 4-device CPU
+# mesh), scanned with full checkpointing: Qwen3-MoE (4 MoE layers, 2 a stage) with the balancing loss,
+# DeepSeek-V3 (its dense first layer whole on every stage, 3 MoE layers padded to 4 rows) with the
+# expert biases. The reference takes each data-parallel rank's rows as a micro-batch (a rank's
+# balancing loss is of its own rows; tests/test_pipeline_moe.py).
+MOE_LAYOUTS = [("qwen3_moe_debug", "aux_loss"), ("deepseek_v3_debug", "expert_bias")]
+
+
+@pytest.mark.parametrize("name, balance", MOE_LAYOUTS, ids=[f"{n}-pp2-dp_shard2-ep2" for n, _ in MOE_LAYOUTS])
+def test_lowered_moe_stages_with_expert_parallelism_equal_eager_step(name, balance, monkeypatch):
+    """One whole step lowered as one program on pp x dp_shard devices (the ep group a stage's two
+    dp_shard ranks) equals our eager step within 1e-5: loss, gradient norm, the balancing loss and
+    every layer's expert loads (the step's totals), the updated expert biases, and every device's
+    parameters and moments (the pipelined stack's rows in stage order; padding rows zero)."""
+    import dataclasses
+
+    import torch
+
+    from titan_tpu.parallel.pipeline import pipelined_layers
+
+    layout = {"pp": 2, "dp_shard": 2, "ep": 2}
+    cfg = _config(name, layout, scan=True, batch=2, seq=SEQ)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_load_balance=balance))
+    run, step = _capture(cfg, 4)
+    assert step.axis_sizes == {"dp_shard_mod_ep": 1, "ep": 2, "pp": 2}, step.axis_sizes
+    per_device, batches = per_device_inputs(run, step, 4, 2, SEQ)
+    outputs = run_on_devices([step], per_device, jax.devices("cpu"))
+
+    result, reference, optimizer = _reference(cfg, batches, monkeypatch, per_rank=True)
+    *_, (stack_name, stack) = reference.stacks()
+    rows = _stack_rows(cfg, pipelined_layers(reference.args))
+    pipelined = {f"{stack_name}.{n}" for n in stack.state_names}
+    assert rows == list(range(len(rows))) and (len(rows) > stack.n_layers) == (name == "deepseek_v3_debug")
+    captured = step.captured
+    names, specs = captured.param_names, captured.dtensor_specs
+    params, state, buffers = dict(reference.named_parameters()), optimizer.state, dict(reference.named_buffers())
+    totals = torch.tensor([result.loss, result.aux_loss, 0.0, *result.expert_load.flatten().tolist()])
+    assert (result.aux_loss > 0) == (balance == "aux_loss")
+    errors: dict[str, float] = {}
+
+    def record(key, error, what):
+        errors[key] = max(errors.get(key, 0), error)
+        if error > TOL:
+            print(f"  {key} {what}: {error:.1e}")
+
+    for rank, flat in enumerate(outputs):
+        out = captured.layout.unflatten_outputs(flat)
+        record("loss", _max_rel(out["loss"][0], result.loss), rank)
+        record("grad_norm", _max_rel(out["grad_norm"][0], result.grad_norm), rank)
+        record("totals", _max_rel(out["totals"][0], totals), rank)  # loss, aux, mtp, expert loads
+        for n, value in zip(captured.updated_buffer_names, out["buffers"]):
+            record("buffers", _max_rel(value, _rows_of(buffers[n], rows) if n in pipelined else buffers[n]), n)
+        for group, full in (("params", params), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+            for n, value in zip(names, out[group]):
+                expected = _rows_of(full[n], rows) if n in pipelined else full[n]
+                record(group, _max_rel(value, _shard_of(expected, specs.get(n), rank)), f"device {rank} {n}")
+    assert len(captured.updated_buffer_names) == (balance == "expert_bias")
+    print(f"{name} {cfg.parallelism}: max relative error " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    assert max(errors.values()) <= TOL, errors

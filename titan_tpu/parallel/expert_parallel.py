@@ -1,8 +1,10 @@
 """Expert parallelism: the experts of each MoE layer spread over `ep` ranks, tokens brought to them.
 
 Layout. EP is carved out of the data-parallel shard axis, as in TorchTitan: the expert mesh is the
-dense mesh [dp_shard, cp, tp] with dp_shard split into (dp_shard / ep, ep), axes
-("dp_shard_mod_ep", "ep", "cp", "tp"), the size-1 ones left out. Each expert weight [E, F, D] is a
+dense mesh [dp_shard, pp, cp, tp] with dp_shard split into (dp_shard / ep, ep), axes
+("dp_shard_mod_ep", "ep", "pp", "cp", "tp"), the size-1 ones left out. Under pipeline stages the
+ep group is inside a stage (ranks that share a pp index), and a scanned stack of experts is split
+over pp on its layer dim like every stacked weight (parallel/pipeline.py). Each expert weight [E, F, D] is a
 DTensor on it, sharded on the expert dim over `ep` and, like any other weight under SimpleFSDP, on
 its next dim over dp_shard_mod_ep (placements (Shard(1), Shard(0)); one dim later for scanned
 [L, E, F, D] stacks), and whole on cp and tp. At compute time a rank all-gathers its experts over
@@ -68,7 +70,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from titan_tpu.kernels import kernel_device_type
-from titan_tpu.parallel.axes import CP_AXIS, EP_AXES, EP_AXIS, TP_AXIS
+from titan_tpu.parallel.axes import CP_AXIS, EP_AXES, EP_AXIS, PP_AXIS, TP_AXIS
 from titan_tpu.parallel.group_rank import rank_in
 from titan_tpu.parallel.tensor_parallel import _GatherAlong, _ReduceScatterAlong, _wait
 
@@ -78,21 +80,25 @@ __all__ = ["EP_AXES", "EP_DISPATCH", "AllToAllDispatch", "ExpertParallelDispatch
 EP_DISPATCH = ("all_gather", "all_to_all")
 
 
-def build_expert_mesh(device_type: str, *, dp_shard: int, ep: int, cp: int = 1, tp: int = 1) -> DeviceMesh:
-    """The (dp_shard / ep, ep, cp, tp) mesh over all ranks (size-1 cp and tp left out), laid over the
-    dense mesh [dp_shard, cp, tp] (global ranks row-major): the ep ranks of a group are dp_shard
-    neighbours, cp x tp ranks apart."""
-    sizes = {EP_AXES[0]: dp_shard // ep, EP_AXES[1]: ep, CP_AXIS: cp, TP_AXIS: tp}
+def build_expert_mesh(device_type: str, *, dp_shard: int, ep: int, pp: int = 1, cp: int = 1,
+                      tp: int = 1) -> DeviceMesh:
+    """The (dp_shard / ep, ep, pp, cp, tp) mesh over all ranks (size-1 pp, cp and tp left out), laid
+    over the dense mesh [dp_shard, pp, cp, tp] (global ranks row-major): the ep ranks of a group are
+    dp_shard neighbours of one pipeline stage, pp x cp x tp ranks apart."""
+    sizes = {EP_AXES[0]: dp_shard // ep, EP_AXES[1]: ep, PP_AXIS: pp, CP_AXIS: cp, TP_AXIS: tp}
     kept = {axis: size for axis, size in sizes.items() if axis in EP_AXES or size > 1}
-    ranks = torch.arange(dp_shard * cp * tp).view(*kept.values())
+    ranks = torch.arange(dp_shard * pp * cp * tp).view(*kept.values())
     return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(kept))
 
 
-def expert_placements(stacked: bool, mesh_ndim: int = 2) -> tuple[Placement, ...]:
-    """Expert weights [E, F, D] (or stacked [L, E, F, D]): rows over dp_shard_mod_ep, experts over
-    ep, whole on the cp and tp axes that follow on a mesh of `mesh_ndim` axes."""
+def expert_placements(stacked: bool, axes: tuple[str, ...] = EP_AXES) -> tuple[Placement, ...]:
+    """Expert weights [E, F, D] (or stacked [L, E, F, D]) on the expert mesh of `axes`: rows over
+    dp_shard_mod_ep, experts over ep, a stack's layers over pp (each pipeline stage its own rows),
+    whole on cp and tp."""
     offset = 1 if stacked else 0
-    return (Shard(1 + offset), Shard(0 + offset)) + (Replicate(),) * (mesh_ndim - 2)
+    by_axis = {EP_AXES[0]: Shard(1 + offset), EP_AXES[1]: Shard(0 + offset), PP_AXIS: Shard(0)}
+    assert stacked or PP_AXIS not in axes, "pipeline stages split a scanned stack (run/setup.py)"
+    return tuple(by_axis.get(axis, Replicate()) for axis in axes)
 
 
 class ExpertParallelDispatch:

@@ -112,11 +112,10 @@ class ParallelDims:
         if self.ep > 1 and self.dp_replicate > 1:
             raise ValueError("--parallelism.ep > 1 with --parallelism.dp_replicate > 1 is not supported yet; "
                              "use dp_replicate 1")
-        others = {key: getattr(self, key) for key in ("cp", "ep") if getattr(self, key) > 1}
-        if self.pp > 1 and others:
-            got = ", ".join(f"--parallelism.{key} {size}" for key, size in others.items())
-            raise ValueError(f"--parallelism.pp > 1 composes with the data-parallel axes and tp only so far, "
-                             f"not {got}; set them to 1")
+        if self.pp > 1 and self.cp > 1:
+            raise ValueError(f"--parallelism.pp > 1 composes with the data-parallel axes, tp and ep only so far, "
+                             f"not --parallelism.cp {self.cp} (not built yet: the stages' hand-over and the "
+                             "loss's share-out take whole sequences); set cp to 1")
 
     def config_sizes(self) -> dict[str, int]:
         """Each [parallelism] key that sizes an axis -> its value here (dp_shard resolved)."""
@@ -165,10 +164,10 @@ class ParallelDims:
 
 
     def build_expert_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The (dp_shard / ep, ep, cp, tp) mesh the MoE experts live on, or None without expert parallelism."""
+        """The (dp_shard / ep, ep, pp, cp, tp) mesh the MoE experts live on, or None without expert parallelism."""
         if self.ep == 1:
             return None
-        return build_expert_mesh(device_type, dp_shard=self.dp_shard, ep=self.ep, cp=self.cp, tp=self.tp)
+        return build_expert_mesh(device_type, dp_shard=self.dp_shard, ep=self.ep, pp=self.pp, cp=self.cp, tp=self.tp)
 
 
 def dp_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:

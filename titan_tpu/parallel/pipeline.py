@@ -67,7 +67,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from titan_tpu.model_contract import STAGE_ROWS
+from titan_tpu.model_contract import STAGE_ROWS, WHOLE_ON_STAGES
 from titan_tpu.parallel.axes import PP_AXIS
 from titan_tpu.parallel.group_rank import rank_in
 from titan_tpu.parallel.tensor_parallel import reduce_scatter_along
@@ -76,8 +76,8 @@ from titan_tpu.tracing import is_one_program
 if TYPE_CHECKING:
     from titan_tpu.config import ParallelismConfig
 
-__all__ = ["PipelineSchedule", "PipelineStage", "permute_to_next", "pipeline_stages", "pp_permute", "run_pipeline",
-           "run_pipeline_spmd"]
+__all__ = ["PipelineSchedule", "PipelineStage", "permute_to_next", "pipeline_stages", "pipelined_layers", "pp_permute",
+           "run_pipeline", "run_pipeline_spmd"]
 
 
 @dataclass(frozen=True)
@@ -206,19 +206,30 @@ def permute_to_next(x: Tensor, group) -> Tensor:
     return _PermuteToNext.apply(x, group, 1)
 
 
-def run_pipeline(stage_fn: Callable[[Tensor, int, int], Tensor], inputs: list[Tensor], *, schedule: PipelineSchedule,
-                 stage: int, group) -> tuple[list[Tensor], Tensor]:
+StageFn = Callable[..., "Tensor | tuple[Tensor, Tensor | None]"]
+
+
+def _split_out(out) -> tuple[Tensor, Tensor | None]:
+    """A stage function's result as (activation, the chunk's statistics or None)."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def run_pipeline(stage_fn: StageFn, inputs: list[Tensor], *, schedule: PipelineSchedule,
+                 stage: int, group) -> tuple[list[Tensor], Tensor, Tensor | None]:
     """This rank's part of one pass of every micro-batch through every stage (module docstring).
 
     stage_fn(x, micro_batch, repeat): the stage's chunk of `repeat` applied to micro-batch
-    `micro_batch`'s activation x (same shape out).
+    `micro_batch`'s activation x (same shape out); or (that, the chunk's statistics), a tensor of
+    the same shape in every call (MoE layers' routing counts; None for a chunk that computed none).
     inputs: the micro-batches' activations entering the first stage (read on stage 0 only; every
-    stage passes tensors of their shape). Returns (outputs, last): on the last stage each
+    stage passes tensors of their shape). Returns (outputs, last, stats): on the last stage each
     micro-batch's activation after the whole stack, in order (else []); `last`, this rank's
     final activation, the head of its chain, which a stage with no loss of its own puts in its
-    backward (a zero-weighted term) so that its permutes' backwards run."""
+    backward (a zero-weighted term) so that its permutes' backwards run; the statistics summed over
+    the micro-batches, [repeats, *the chunk's], or None when stage_fn returns none."""
     last_stage = schedule.stages - 1
     outputs: list[Tensor | None] = [None] * schedule.micro_batches
+    stats: list[Tensor | None] = [None] * schedule.repeats  # per repeat, summed over micro-batches
     waiting: list[Tensor] = []  # stage 0: activations back from the last stage, for their next repeat
     # A stage whose first iterations are bubble passes this zero on, and its permutes must still have
     # a backward, as on the others: it asks for its gradient (a leaf), and it depends on the inputs,
@@ -241,28 +252,34 @@ def run_pipeline(stage_fn: Callable[[Tensor, int, int], Tensor], inputs: list[Te
                 x = torch.where(torch.ones((), dtype=torch.bool, device=fresh.device), fresh, received)
             else:
                 x = received
-            x = stage_fn(x, micro_batch, repeat)
+            x, chunk_stats = _split_out(stage_fn(x, micro_batch, repeat))
+            if chunk_stats is not None:
+                stats[repeat] = chunk_stats if stats[repeat] is None else stats[repeat] + chunk_stats
             if stage == last_stage and repeat == schedule.repeats - 1:
                 outputs[micro_batch] = x
         if iteration + 1 < schedule.iterations:
             received = permute_to_next(x, group)
-    return (list(outputs) if stage == last_stage else []), x
+    some = next((t for t in stats if t is not None), None)
+    summed = None if some is None else torch.stack([torch.zeros_like(some) if t is None else t for t in stats])
+    return (list(outputs) if stage == last_stage else []), x, summed
 
 
-def run_pipeline_spmd(stage_fn: Callable[[Tensor, Tensor, Tensor], Tensor], inputs: list[Tensor], *,
-                      schedule: PipelineSchedule, stage: Tensor, group) -> tuple[list[Tensor], Tensor]:
+def run_pipeline_spmd(stage_fn: StageFn, inputs: list[Tensor], *, schedule: PipelineSchedule, stage: Tensor,
+                      group) -> tuple[list[Tensor], Tensor, Tensor | None]:
     """`run_pipeline` as one program for every rank (module docstring): the same ops on every stage.
 
     stage_fn(x, micro_batch, repeat): as run_pipeline's, with micro_batch and repeat 0-dim int64
     tensors (values of the step). stage: this rank's stage, a 0-dim int64 tensor (group_rank).
-    Returns (outputs, last): what the last stage's outputs would be, held on every stage (the last
-    stage's are the stack's outputs, the others' are thrown away by the caller's select), and this
-    rank's final activation."""
+    Returns (outputs, last, stats): what the last stage's outputs would be, held on every stage (the
+    last stage's are the stack's outputs, the others' are thrown away by the caller's select), this
+    rank's final activation, and as run_pipeline's the statistics of the iterations the stage works
+    in (a select drops the bubble's, computed on whatever the stage held)."""
     stages, micro_batches, passes = schedule.stages, schedule.micro_batches, schedule.micro_batches * schedule.repeats
     first = stage == 0
     received = torch.zeros_like(inputs[0], requires_grad=True) + inputs[0] * 0.0  # as run_pipeline's chain start
     history: list[Tensor] = []  # the activation received in each iteration
     outputs: dict[int, Tensor] = {}
+    stats = None
     x = received
     for iteration in range(schedule.iterations):
         history.append(received)
@@ -278,14 +295,19 @@ def run_pipeline_spmd(stage_fn: Callable[[Tensor, Tensor, Tensor], Tensor], inpu
         n = iteration - stage  # this stage's pass, when 0 <= n < passes
         working = (n >= 0) & (n < passes)
         n = n.clamp(0, passes - 1)
-        y = stage_fn(x_in, n % micro_batches, n // micro_batches)
+        y, chunk_stats = _split_out(stage_fn(x_in, n % micro_batches, n // micro_batches))
         x = torch.where(working, y, received)  # the bubble: pass the chain on unchanged
+        if chunk_stats is not None:  # into the repeat's row, in the iterations the stage works in
+            which = torch.arange(schedule.repeats, device=n.device) == n // micro_batches
+            keep = (which & working).view(-1, *([1] * chunk_stats.dim()))
+            kept = torch.where(keep, chunk_stats.unsqueeze(0), torch.zeros_like(chunk_stats).unsqueeze(0))
+            stats = kept if stats is None else stats + kept
         done = iteration - (stages - 1) - (passes - micro_batches)  # the micro-batch the last stage finishes
         if 0 <= done < micro_batches:
             outputs[done] = x
         if iteration + 1 < schedule.iterations:
             received = permute_to_next(x, group)
-    return [outputs[m] for m in range(micro_batches)], x
+    return [outputs[m] for m in range(micro_batches)], x, stats
 
 
 class PipelineStage:
@@ -303,10 +325,13 @@ class PipelineStage:
         program for every rank (`loss_share` keeps the last stage's)."""
         return is_one_program() or self.stage == self.schedule.stages - 1
 
-    def run(self, stack: nn.Module, h_BSD: Tensor, rope: Tensor, document_ids_BS: Tensor | None) -> Tensor:
+    def run(self, stack: nn.Module, h_BSD: Tensor, rope: Tensor,
+            document_ids_BS: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The embedded batch h_BSD through the stages: on the last stage the stack's output for
         every row, in order; on the others this rank's chain head (for `loss_everywhere`). Inside
-        one program for every rank: the outputs on every stage (`run_pipeline_spmd`)."""
+        one program for every rank: the outputs on every stage (`run_pipeline_spmd`). Beside it the
+        statistics of this stage's rows (MoE routing: [rows of the stage, 2, E], in `stage_layers`
+        order, summed over the micro-batches, zeros for padding rows; None for dense blocks)."""
         M = self.schedule.micro_batches
         if h_BSD.shape[0] % M:
             raise ValueError(f"training.batch_size = {h_BSD.shape[0]} rows do not split into "
@@ -316,21 +341,31 @@ class PipelineStage:
         documents = document_ids_BS.chunk(M) if document_ids_BS is not None else [None] * M
         if is_one_program():
             return self._run_one_program(stack, h_BSD, rope=rope, per_row=per_row, documents=documents)
-        body, layers = stack.unbound_layers()  # this stage's rows, read once for the step
+        # This stage's rows, read once for the step; a persistent buffer (an MoE layer's expert_bias)
+        # is whole on every stage, its rows laid out stage by stage as the parameters'.
+        body, layers = stack.unbound_layers(buffer_rows=lambda t: t.view(self.schedule.stages, -1,
+                                                                          *t.shape[1:])[self.stage])
         schedule, chunk = self.schedule, self.schedule.layers_per_chunk
 
-        def stage_fn(x: Tensor, micro_batch: int, repeat: int) -> Tensor:
+        def stage_fn(x: Tensor, micro_batch: int, repeat: int) -> tuple[Tensor, Tensor | None]:
+            stats = []
             for layer, weights in zip(schedule.chunk_layers(self.stage, repeat), layers[repeat * chunk:]):
-                if not schedule.is_padding(layer):  # a padding row passes its input on: not run at all
-                    x, _ = body(x, ropes[micro_batch], documents[micro_batch], *weights)
-            return x
+                if schedule.is_padding(layer):  # a padding row passes its input on: not run at all
+                    stats.append(None)
+                else:
+                    x, layer_stats = body(x, ropes[micro_batch], documents[micro_batch], *weights)
+                    stats.append(layer_stats)
+            real = next((t for t in stats if t is not None), None)
+            if real is None or not real.numel():  # a chunk of padding rows only, or dense blocks: no statistics
+                return x, None
+            return x, torch.stack([torch.zeros_like(real) if t is None else t for t in stats])
 
-        outputs, last = run_pipeline(stage_fn, list(h_BSD.chunk(M)), schedule=self.schedule, stage=self.stage,
-                                     group=self.group)
-        return torch.cat(outputs) if self.is_last else last
+        outputs, last, stats = run_pipeline(stage_fn, list(h_BSD.chunk(M)), schedule=self.schedule, stage=self.stage,
+                                            group=self.group)
+        return (torch.cat(outputs) if self.is_last else last), _rows(stats)
 
     def _run_one_program(self, stack: nn.Module, h_BSD: Tensor, *, rope: Tensor, per_row: bool,
-                         documents: list[Tensor | None]) -> Tensor:
+                         documents: list[Tensor | None]) -> tuple[Tensor, Tensor | None]:
         """`run` as one program for every rank: the micro-batch's rope and documents and the
         repeat's chunk of rows read by index (values of the step), the same ops on every stage."""
         M, repeats, chunk = self.schedule.micro_batches, self.schedule.repeats, self.schedule.layers_per_chunk
@@ -342,7 +377,9 @@ class PipelineStage:
 
         # Circular: the body reads the iteration's repeat of each weight itself, inside its
         # checkpointed block (a pick outside would be saved, a copy of the stage's layers per iteration).
-        body, layers = stack.unbound_layers(pick=pick if repeats > 1 else None)  # this stage's rows, read once
+        # A persistent buffer, whole on every stage, gives the stage's rows by index.
+        body, layers = stack.unbound_layers(pick=pick if repeats > 1 else None, buffer_rows=lambda t: pick(
+            t.view(self.schedule.stages, -1, *t.shape[1:]), rank_in(self.group, self.stage)))  # read once
         # Row j of a stage's chunk: GPipe's one chunk as read; circular, each weight's row j of every
         # repeat stacked, [repeats, ...].
         rows = layers if repeats == 1 else [
@@ -351,20 +388,44 @@ class PipelineStage:
 
         schedule, stage = self.schedule, rank_in(self.group, self.stage)
 
-        def stage_fn(x: Tensor, micro_batch: Tensor, repeat: Tensor) -> Tensor:
+        def stage_fn(x: Tensor, micro_batch: Tensor, repeat: Tensor) -> tuple[Tensor, Tensor | None]:
             rope_now = pick(rope_M, micro_batch) if rope_M is not None else rope
             document_ids = pick(documents_M, micro_batch) if documents_M is not None else None
             which = () if repeats == 1 else (repeat,)  # the picking body's index
             first = (repeat * schedule.stages + stage) * chunk  # the chunk's first layer id, a value
+            stats = []
             for j, weights in enumerate(rows):
-                y, _ = body(x, rope_now, document_ids, *which, *weights)
+                y, layer_stats = body(x, rope_now, document_ids, *which, *weights)
                 # A padding row (zero weights) passes its input on by a select, not by the zeros' arithmetic.
-                x = torch.where(first + j < schedule.n_layers, y, x) if schedule.padding else y
-            return x
+                if schedule.padding:
+                    real = first + j < schedule.n_layers
+                    x = torch.where(real, y, x)
+                    if layer_stats.numel():  # MoE routing counts; dense blocks' are empty
+                        layer_stats = torch.where(real, layer_stats, torch.zeros_like(layer_stats))
+                else:
+                    x = y
+                stats.append(layer_stats)
+            return x, (torch.stack(stats) if stats[0].numel() else None)
 
-        outputs, _ = run_pipeline_spmd(stage_fn, list(h_BSD.chunk(M)), schedule=schedule, stage=stage,
-                                       group=self.group)
-        return torch.cat(outputs)
+        outputs, _, stats = run_pipeline_spmd(stage_fn, list(h_BSD.chunk(M)), schedule=schedule, stage=stage,
+                                              group=self.group)
+        return torch.cat(outputs), _rows(stats)
+
+    def layer_statistics(self, stats_R: Tensor) -> Tensor:
+        """This stage's rows' statistics (`run`'s, [rows of the stage, ...]) at their layers' rows
+        of the stack, [n_layers, ...], zeros at the other stages' layers and without padding rows:
+        summed over pp, every layer's."""
+        schedule = self.schedule
+        stage = rank_in(self.group, self.stage) if is_one_program() else torch.tensor(self.stage)
+        repeat = torch.arange(schedule.repeats, device=stats_R.device).unsqueeze(1)
+        row = torch.arange(schedule.layers_per_chunk, device=stats_R.device).unsqueeze(0)
+        layer_R = ((repeat * schedule.stages + stage.to(stats_R.device)) * schedule.layers_per_chunk + row).flatten()
+        full = stats_R.new_zeros(schedule.rows, *stats_R.shape[1:]).index_add(0, layer_R, stats_R)
+        return full[:schedule.n_layers]
+
+    def sum_over_stages(self, t: Tensor) -> Tensor:
+        """`t` summed over pp (no gradient): what every stage's share adds up to."""
+        return funcol.wait_tensor(funcol.all_reduce(t.detach(), "sum", self.group))
 
     def loss_share(self, h_BSD: Tensor, labels_BS: Tensor) -> tuple[Tensor, Tensor]:
         """(hidden states [N, D], labels [N]) of this stage's share of the loss: the last stage's
@@ -394,8 +455,7 @@ class PipelineStage:
     def loss_everywhere(self, loss_sum: Tensor) -> Tensor:
         """The step's loss on every stage: the sum over pp of each stage's `loss_sum` (of its
         `loss_share`), differentiable in this stage's own share."""
-        total = funcol.wait_tensor(funcol.all_reduce(loss_sum.detach(), "sum", self.group))
-        return loss_sum + (total - loss_sum.detach())
+        return loss_sum + (self.sum_over_stages(loss_sum) - loss_sum.detach())
 
     def sum_(self, grads: dict[str, Tensor]) -> None:
         """Sum over pp, in place and in `grads`' order, the gradients of the weights every stage holds
@@ -416,11 +476,17 @@ class PipelineStage:
 
     def row_views(self, t: Tensor) -> list[tuple[int, Tensor]]:
         """(row of the stack, that row's tensor) for the rows this stage holds of stacked `t`: a view
-        of the local rows, a DTensor on the mesh's other axes when it has any."""
-        if not isinstance(t, DTensor) or _pp_placement(t) != Shard(0):
+        of the local rows, a DTensor on the mesh's other axes when it has any. A buffer (an MoE
+        layer's expert_bias) is whole on every stage, each updating every row alike; a stage shows
+        (saves and loads) its own rows of it, as of the parameters."""
+        per_stage = t.shape[0] // self.schedule.stages
+        first = self.stage * per_stage
+        if not isinstance(t, DTensor):  # a persistent buffer (expert_bias), whole on every stage: the stage's rows
+            return [(first + j, t[first + j]) for j in range(per_stage)]
+        if _pp_placement(t) != Shard(0):
             return [(row, t[row]) for row in range(t.shape[0])]
         names = list(t.device_mesh.mesh_dim_names)
-        local, first = t.to_local(), self.stage * (t.shape[0] // self.schedule.stages)
+        local = t.to_local()
         others = [name for name in names if name != PP_AXIS]
         if not others:
             return [(first + j, local[j]) for j in range(local.shape[0])]
@@ -433,18 +499,37 @@ class PipelineStage:
                 for j in range(local.shape[0])]
 
 
+def _rows(stats: Tensor | None) -> Tensor | None:
+    """[repeats, chunk, ...] statistics as the stage's rows [repeats x chunk, ...] (`stage_layers` order)."""
+    return None if stats is None else stats.flatten(0, 1)
+
+
 def _pp_placement(t: DTensor):
     names = t.device_mesh.mesh_dim_names or ()
     return t.placements[names.index(PP_AXIS)] if PP_AXIS in names else None
 
 
+def pipelined_layers(args) -> int:
+    """The layers pipeline stages split: the model's last run of identical blocks (its one scanned
+    stack, or the last of `StackedRuns`: DeepSeek-V3's MoE layers). The runs ahead of it (DeepSeek-V3's
+    dense first layers) are whole on every stage and run before the pipeline (docs/architecture.md)."""
+    kinds = [args.is_moe_layer(i) for i in range(args.n_layers)]
+    return next((n for n, kind in enumerate(reversed(kinds)) if kind != kinds[-1]), len(kinds))
+
+
 def pipeline_stages(model: nn.Module, mesh: DeviceMesh, schedule: PipelineSchedule) -> None:
-    """Make a meta-device Transformer with one scanned stack pipelined over `mesh`'s pp axis, before
-    it is materialised: its stack padded to the schedule's rows (padding rows last) and its rows laid
-    out stage by stage (the layers of stage 0's chunks, then stage 1's, ...), so that SimpleFSDP's
-    split of the layer dim over pp gives each rank its chunks, and `model.pipeline` set."""
-    stack = model.layers
+    """Make a meta-device Transformer with scanned stacks pipelined over `mesh`'s pp axis, before
+    it is materialised: its last stack (`pipelined_layers`) padded to the schedule's rows (padding
+    rows last) and its rows laid out stage by stage (the layers of stage 0's chunks, then stage 1's,
+    ...), so that SimpleFSDP's split of the layer dim over pp gives each rank its chunks; the stacks
+    ahead of it marked whole on every stage (`WHOLE_ON_STAGES`); and `model.pipeline` set."""
+    *ahead, stack = [stack for _, stack in model.stacks()]
+    assert stack.n_layers == schedule.n_layers, (stack.n_layers, schedule.n_layers)
+    for other in ahead:
+        for module in other.modules():
+            setattr(module, WHOLE_ON_STAGES, True)
     stack.pad_rows(schedule.rows)
-    stack.row_layers = [layer for stage in range(schedule.stages) for layer in schedule.stage_layers(stage)]
+    stack.row_layers = [stack.first_layer + layer for stage in range(schedule.stages)
+                        for layer in schedule.stage_layers(stage)]
     model.pipeline = PipelineStage(schedule, mesh)
     stack.__dict__[STAGE_ROWS] = model.pipeline.row_views

@@ -30,6 +30,7 @@ from titan_tpu.model_contract import (
     EXPERT_MARKER,  # set on modules holding MoE expert weights
     PER_LAYER_GATHER,
     STACKED_MARKER,  # set on modules holding stacked layers
+    WHOLE_ON_STAGES,  # set on modules of a stack every pipeline stage holds whole
     TrainableModel,
     stored_weights,
 )
@@ -158,8 +159,8 @@ def _module_placements(module: nn.Module, placements: tuple[Placement, ...],
     if not getattr(module, STACKED_MARKER, False):
         return placements
     stacked = [Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements]
-    if _has_pp(mesh):  # pipeline stages: each holds its layers of the stack (parallel/pipeline.py)
-        stacked[mesh.mesh_dim_names.index(PP_AXIS)] = Shard(0)
+    if _has_pp(mesh) and not getattr(module, WHOLE_ON_STAGES, False):  # pipeline stages: each its layers
+        stacked[mesh.mesh_dim_names.index(PP_AXIS)] = Shard(0)  # (parallel/pipeline.py)
     return tuple(stacked)
 
 
@@ -198,7 +199,7 @@ def _param_layout(module: nn.Module, shape: torch.Size, mesh: DeviceMesh, placem
     expert parallelism, everything else on the data-parallel mesh; in equal blocks (`_even_blocks`)."""
     stacked = getattr(module, STACKED_MARKER, False)
     if expert_mesh is not None and getattr(module, EXPERT_MARKER, False):
-        mesh, placements = expert_mesh, expert_placements(stacked=stacked, mesh_ndim=expert_mesh.ndim)
+        mesh, placements = expert_mesh, expert_placements(stacked=stacked, axes=tuple(expert_mesh.mesh_dim_names))
     else:
         placements = _module_placements(module, placements, mesh)
     return mesh, _even_blocks(placements, shape, mesh, stacked=stacked)

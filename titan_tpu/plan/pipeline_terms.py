@@ -42,28 +42,61 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_tpu.models.registry import head_flops_per_token
+from titan_tpu.models.registry import flops_per_token, head_flops_per_token, num_params
 from titan_tpu.parallel.pipeline import PipelineSchedule
 from titan_tpu.parallel.plan_terms import Collective
 
-__all__ = ["head_flops_device", "pipeline_collectives", "stage_args", "stage_compute_flops"]
+__all__ = ["ahead_flops_device", "ahead_layers", "head_flops_device", "pipeline_collectives", "shared_params",
+           "stage_args", "stage_compute_flops"]
 
 
 def stage_args(args, schedule: PipelineSchedule | None):
-    """The model's args as one stage holds it: its layers / pp of the stack, everything outside
+    """The model's args as one stage holds it: the layers ahead of the stages whole (DeepSeek-V3's
+    dense first layers: parallel/pipeline.py `pipelined_layers`), its rows / pp of the pipelined
+    stack (padding rows included; an MoE stack's experts and routers with them), everything outside
     the stack whole; the args themselves without stages."""
     if schedule is None:
         return args
-    assert args.moe is None and not args.mtp_num_layers, "pipeline stages run dense models (run/setup.py)"
-    return dataclasses.replace(args, n_layers=schedule.rows // schedule.stages)  # padding rows included
+    assert not args.mtp_num_layers, "pipeline stages run models without multi-token prediction (run/setup.py)"
+    return dataclasses.replace(args, n_layers=ahead_layers(args, schedule) + schedule.rows // schedule.stages)
 
 
-def stage_compute_flops(*, executed_device: float, head_device: float, schedule: PipelineSchedule) -> float:
+def ahead_layers(args, schedule: PipelineSchedule) -> int:
+    """The layers ahead of the pipelined stack, whole on every stage: 0 unless the model's first
+    layers are another kind of block than the rest (DeepSeek-V3's dense first layers)."""
+    return args.n_layers - schedule.n_layers if schedule.n_layers else 0
+
+
+def shared_params(stage, schedule: PipelineSchedule) -> int:
+    """The elements of the weights every stage holds whole (`stage`: `stage_args`'s), whose gradients
+    are summed over pp after the backward: the embedding, the final norm, the output projection and
+    the layers ahead of the stages."""
+    outside = stage.dim + stage.vocab_size * stage.dim * (1 if stage.tie_embeddings else 2)
+    ahead = stage.n_layers - schedule.rows // schedule.stages  # `stage_args`'s layers ahead of its rows
+    return num_params(dataclasses.replace(stage, n_layers=ahead)) if ahead else outside
+
+
+def ahead_flops_device(args, schedule: PipelineSchedule, *, seq_len: int, tokens_device: float) -> float:
+    """The FLOPs (forward and backward) of the layers ahead of the stages on a device's tokens
+    (`args`: the whole model's): every stage runs them on the whole batch, before the loop."""
+    ahead = ahead_layers(args, schedule)
+    if not ahead:
+        return 0.0
+    # The ahead layers' model alone, less its final norm and output projection (6 FLOPs per weight and token)
+    outside = 6 * args.dim * (1 + args.vocab_size)
+    per_token = flops_per_token(dataclasses.replace(args, n_layers=ahead), seq_len) - outside
+    return per_token * tokens_device
+
+
+def stage_compute_flops(*, executed_device: float, head_device: float, schedule: PipelineSchedule,
+                        ahead_device: float = 0.0) -> float:
     """The FLOPs a stage's step takes as long as (the module docstring): its share of the blocks'
     work stretched by the bubble, and its share of the output projection's (`head_device`), run
-    after the loop on every stage's share of the tokens."""
-    blocks = (executed_device - head_device) * schedule.rows / schedule.n_layers  # padding rows run like layers
-    return blocks / (1.0 - schedule.bubble) + head_device
+    after the loop on every stage's share of the tokens; the layers ahead of the stages whole
+    (`ahead_device`, of which `executed_device` holds 1 / pp), before the loop, not stretched."""
+    blocks = executed_device - head_device - ahead_device / schedule.stages
+    blocks *= schedule.rows / schedule.n_layers  # padding rows run like layers
+    return blocks / (1.0 - schedule.bubble) + head_device + ahead_device
 
 
 def head_flops_device(args, *, tokens_device: float) -> float:

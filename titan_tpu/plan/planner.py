@@ -27,6 +27,7 @@ from titan_tpu.plan.fabric import axis_rates
 from titan_tpu.plan.fp8 import fp8_experts_on, fp8_setting, fp8_terms
 from titan_tpu.plan.hardware import Hardware
 from titan_tpu.plan.memory import StepMemory, step_memory
+from titan_tpu.plan.pipeline_terms import ahead_layers
 from titan_tpu.plan.result import Plan
 from titan_tpu.plan.setting import Setting, default_hardware, loss_impl, resolve_setting
 from titan_tpu.plan.step_time import (
@@ -179,7 +180,8 @@ def _pipeline_summary(s: Setting) -> dict:
         return {}
     return {"stages": schedule.stages, "micro_batches": schedule.micro_batches, "repeats": schedule.repeats,
             "iterations": schedule.iterations, "bubble": schedule.bubble, "padding": schedule.padding,
-            "layers_per_stage": s.args.n_layers, "layers_per_chunk": schedule.layers_per_chunk,
+            "layers_per_stage": schedule.rows // schedule.stages, "layers_per_chunk": schedule.layers_per_chunk,
+            "layers_ahead": ahead_layers(s.model_args, schedule),
             "micro_batch_rows": s.cfg.training.batch_size // schedule.micro_batches}
 
 

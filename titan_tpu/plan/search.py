@@ -210,7 +210,8 @@ def _pp_values(cfg: Config, args, keep: set[str], *, devices: int, tp: int, hard
     """Pipeline stages to search on `devices` (those tp and cp leave): 1 and the powers of two that
     divide the devices and leave every stage a layer (the stack padded to equal stages:
     parallel/pipeline.py), where the trainer runs stages (a dense native model without
-    multi-token prediction, cp and ep 1, not LoRA) and not on a TPU (the captured pipelined step
+    multi-token prediction, cp 1, not LoRA; MoE stages are planned when the config asks for pp, not
+    searched yet) and not on a TPU (the captured pipelined step
     is not lowered for one yet: docs/pipeline_parallel.md); the config's own pp always."""
     p = cfg.parallelism
     if "parallelism.pp" in keep:

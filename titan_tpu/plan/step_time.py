@@ -31,7 +31,13 @@ from titan_tpu.models.registry import (
     recomputed_flops_per_token,
 )
 from titan_tpu.parallel.plan_terms import collective_calls, cp_collectives
-from titan_tpu.plan.pipeline_terms import head_flops_device, pipeline_collectives, stage_compute_flops
+from titan_tpu.plan.pipeline_terms import (
+    ahead_flops_device,
+    head_flops_device,
+    pipeline_collectives,
+    shared_params,
+    stage_compute_flops,
+)
 from titan_tpu.plan.setting import TPU_NAMES, Setting, attention_widths, layer_params
 
 __all__ = ["LOCAL_GBPS", "STORAGE_GBPS", "checkpoint_time", "cpu_share", "speed_basis", "step_collectives",
@@ -104,7 +110,7 @@ def step_collectives(s: Setting) -> list:
                                       documents_tokens=s.tokens if s.run.documents else 0,
                                       recompute_blocks=s.ac != "none")
     if s.schedule is not None:
-        shared = num_params(args) - s.block_params  # the weights outside the stack, whole on every stage
+        shared = shared_params(args, s.schedule)  # the weights outside the stack, whole on every stage
         collectives += pipeline_collectives(schedule=s.schedule, tokens=s.tokens, dim=args.dim,
                                             accum=t.grad_accum_steps, compute_bytes=cb,
                                             shared_params=s.layout.stored_elements(shared),
@@ -150,7 +156,10 @@ def step_time(s: Setting, *, executed_rank: float, collectives: list, rates: dic
     stretch = 1.0
     if s.schedule is not None:  # the bubble stretches a stage's block work, not the head's (run on every stage's share)
         head = head_flops_device(s.args, tokens_device=s.tokens * t.grad_accum_steps / s.ranks_per_batch)
-        stretched = stage_compute_flops(executed_device=executed_rank, head_device=head, schedule=s.schedule)
+        ahead = ahead_flops_device(s.model_args, s.schedule, seq_len=t.seq_len,
+                                   tokens_device=s.tokens * t.grad_accum_steps * p.pp / s.ranks_per_batch)
+        stretched = stage_compute_flops(executed_device=executed_rank, head_device=head, schedule=s.schedule,
+                                        ahead_device=ahead)
         stretch = 1.0 / (1.0 - s.schedule.bubble)
         executed_rank = stretched
     compute_s = (executed_rank - fp8_flops) / (peak_flops * efficiency) + \

@@ -76,13 +76,20 @@ def _padding_words(pipe: dict) -> str:
             f"chunks counted as layers: {pipe['padding'] / rows:.1%} of the work" if pipe.get("padding") else "")
 
 
+def _ahead_words(pipe: dict) -> str:
+    """The pipeline line's words for the layers ahead of the stages (DeepSeek-V3's dense first layers)."""
+    ahead = pipe.get("layers_ahead", 0)
+    return f"; {ahead} dense layer{'s' if ahead > 1 else ''} ahead of the stages, whole on every stage" if ahead else ""
+
+
 def _pipeline_lines(plan: Plan) -> list[str]:
     """What the plan counts for pipeline stages (plan/pipeline_terms.py), under the batch line."""
     pipe = plan.pipeline
     if not pipe:
         return []
     return [f"  pipeline: {pipe['stages']} stages x {pipe['repeats']} repeat{'s' if pipe['repeats'] > 1 else ''} "
-            f"({pipe['layers_per_stage']} layers a stage, chunks of {pipe['layers_per_chunk']}{_padding_words(pipe)}), "
+            f"({pipe['layers_per_stage']} layers a stage, chunks of {pipe['layers_per_chunk']}{_padding_words(pipe)}"
+            f"{_ahead_words(pipe)}), "
             f"{pipe['micro_batches']} micro-batches of {pipe['micro_batch_rows']} row"
             f"{'s' if pipe['micro_batch_rows'] != 1 else ''}, {pipe['iterations']} iterations: bubble "
             f"{pipe['bubble']:.3f} = (pp - 1) / (repeats x micro-batches + pp - 1); memory is the last stage's "

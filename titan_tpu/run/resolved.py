@@ -35,7 +35,7 @@ import torch
 
 from titan_tpu.kinds import TrainingKind, kind_of
 from titan_tpu.parallel.mesh import BatchSplit, ParallelDims
-from titan_tpu.parallel.pipeline import PipelineSchedule
+from titan_tpu.parallel.pipeline import PipelineSchedule, pipelined_layers
 from titan_tpu.parallel.simple_fsdp import MixedPrecision, default_mixed_precision
 from titan_tpu.run.setup import RunSetup, accumulation, data_split
 
@@ -202,7 +202,8 @@ def resolve_run(setup: RunSetup, target: Target, *, runnable: bool = True, args=
     dims = ParallelDims.from_config(p, world_size=target.world_size, runnable=runnable)
     grad_accum_steps = accumulation(cfg, dims)
     kind = kind_of(cfg)
-    pipeline = (PipelineSchedule.from_config(p, n_layers=(args or setup.spec.args).n_layers) if p.pp > 1 else None)
+    pipeline = (PipelineSchedule.from_config(p, n_layers=pipelined_layers(args or setup.spec.args)) if p.pp > 1
+                else None)
     compute = (default_mixed_precision(target.compute_device_type).param_dtype if cfg.model.dtype == "auto"
                else DTYPES[cfg.model.dtype])
     image_dir = setup.spec.image_model_dir()

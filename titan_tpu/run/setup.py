@@ -246,15 +246,21 @@ def _check_pipeline(cfg: Config, spec: ModelSpec) -> None:
                          "backend (model.name hf) runs the model's own module tree, which has no stack to split: use "
                          "pp 1 (or the native family of the model)")
     args = spec.args
-    if args.moe is not None or getattr(args, "mtp_num_layers", 0):
-        raise ValueError(f"parallelism.pp > 1 runs dense models without multi-token prediction so far; {spec.label} "
-                         "has MoE layers or MTP depths: use pp 1")
+    if getattr(args, "mtp_num_layers", 0):
+        raise ValueError(f"parallelism.pp > 1 with multi-token prediction is not built yet ({spec.label}'s MTP depths "
+                         "read the last stage's hidden states and the embedding outside the stages' chain): use pp 1")
+    from titan_tpu.parallel.pipeline import pipelined_layers
+
+    ahead = args.n_layers - pipelined_layers(args)
+    if any(args.is_moe_layer(i) for i in range(ahead)):
+        raise ValueError(f"parallelism.pp > 1 splits a model's last run of identical layers and runs the dense layers "
+                         f"ahead of it on every stage; {spec.label}'s first {ahead} layers hold MoE layers: use pp 1")
     if not cfg.model.scan_layers:
         raise ValueError("parallelism.pp > 1 splits the scanned layer stack into stages: set --model.scan_layers true")
     if cfg.lora.enabled:
         raise ValueError("parallelism.pp > 1 with lora.enabled is not built yet (the stages' chains start from the "
                          "embedding, which LoRA freezes): use pp 1 for LoRA runs")
-    schedule = PipelineSchedule.from_config(p, n_layers=args.n_layers)
+    schedule = PipelineSchedule.from_config(p, n_layers=pipelined_layers(args))
     if t.batch_size % schedule.micro_batches:
         raise ValueError(f"training.batch_size = {t.batch_size} rows do not split into parallelism.pp_microbatches = "
                          f"{schedule.micro_batches} equal micro-batches; make the batch a multiple of it")

@@ -267,10 +267,14 @@ def aux_loss_from_stats(stats_L2E: Tensor, *, top_k: int) -> Tensor:
     return num_experts * (tokens_per_expert_E.detach() * prob_per_expert_E).sum()
 
 
-def updated_expert_bias(bias_E: Tensor, load_E: Tensor, rate: float) -> Tensor:
+def updated_expert_bias(bias_E: Tensor, load_E: Tensor, rate: float, *, per_row: bool = False) -> Tensor:
     """One step of auxiliary-loss-free balancing: raise the bias of underloaded experts, lower
-    that of overloaded ones, by `rate` (sign of the difference to the mean load)."""
-    return bias_E + rate * torch.sign(load_E.mean() - load_E)
+    that of overloaded ones, by `rate` (sign of the difference to the mean load). A stacked [L, E]
+    bias takes [L, E] loads and one mean over them all: every layer routes the same tokens x top_k,
+    so it is each layer's mean. per_row: each row against its own mean instead (a pipeline's stack,
+    whose padding rows hold zero loads)."""
+    mean = load_E.mean(dim=-1, keepdim=True) if per_row else load_E.mean()
+    return bias_E + rate * torch.sign(mean - load_E)
 
 
 def active_params_per_token(*, dim: int, args: MoEArgs) -> int:

@@ -144,15 +144,21 @@ class StackedBlocks(nn.Module):
         final, stats, _ = _scan_layers(body, h, rope, document_ids, stacked)
         return final, stats
 
-    def unbound_layers(self, pick: Callable[[Tensor, Tensor], Tensor] | None = None
+    def unbound_layers(self, pick: Callable[[Tensor, Tensor], Tensor] | None = None,
+                       buffer_rows: Callable[[Tensor], Tensor] | None = None
                        ) -> tuple[Callable, list[tuple[Tensor, ...]]]:
         """(the block function body(h, rope, document_ids, *weights) -> (h, stats), each row's
         weights as read): the stack run row by row by a caller (pipeline stages, parallel/pipeline.py).
         pick(weight, index) -> weight: the body then takes (h, rope, document_ids, index, *weights)
         and reads each weight through pick inside its checkpointed block, so that the backward's
-        recomputation picks again rather than the forward saving each pick's copy."""
+        recomputation picks again rather than the forward saving each pick's copy.
+        buffer_rows(buffer) -> the rows the caller runs of a persistent buffer (a pipeline stage's:
+        its parameters are split over the stages, its buffers whole on every one)."""
         stacked = read_weights(self, self.state_names)
-        rows = list(zip(*(w.unbind(0) for w in stacked)))
+        if buffer_rows is not None:
+            n_params = len(self.param_names)
+            stacked = stacked[:n_params] + [buffer_rows(t) for t in stacked[n_params:]]
+        rows = list(zip(*(w.unbind(0) for w in stacked), strict=True))
         if pick is None:
             return self._body, rows
         block_fn = self._block_fn
@@ -194,7 +200,7 @@ class StackedBlocks(nn.Module):
         `row_layers` run on from the last layer's."""
         if rows == self.n_layers:
             return
-        assert rows > self.n_layers and self.first_layer == 0, (rows, self.n_layers, self.first_layer)
+        assert rows > self.n_layers, (rows, self.n_layers)
         for module in self.modules():
             for pname, p in list(module._parameters.items()):
                 if p is not None:
@@ -204,7 +210,7 @@ class StackedBlocks(nn.Module):
             for bname, b in list(module._buffers.items()):
                 if b is not None and bname not in module._non_persistent_buffers_set:
                     module._buffers[bname] = torch.empty((rows, *b.shape[1:]), dtype=b.dtype, device=b.device)
-        self.row_layers = list(range(rows))
+        self.row_layers = list(range(self.first_layer, self.first_layer + rows))
 
     @property
     def padding_rows(self) -> int:

@@ -388,12 +388,29 @@ class Transformer(nn.Module):
             raise ValueError("a model split into pipeline stages (parallelism.pp > 1) computes the summed "
                              "next-token loss only, not logits or per-sequence sums; run it with pp 1 for those")
         rope, document_ids_BS = self._rope_and_documents(tokens_BS.shape[1], positions_BS, document_ids_BS)
-        h_BSD = self.pipeline.run(self.layers, self.tok_embeddings(tokens_BS), rope, document_ids_BS)
+        *ahead, stack = [stack for _, stack in self.stacks()]
+        h_BSD = self.tok_embeddings(tokens_BS)
+        for dense in ahead:  # DeepSeek-V3's dense first layers: whole on every stage, ahead of the stages
+            h_BSD, _ = dense(h_BSD, rope, document_ids_BS)
+        h_BSD, stats_R2E = self.pipeline.run(stack, h_BSD, rope, document_ids_BS)
         # The final norm before the share-out: under tp its hook gathers the sequence shards.
         h_ND, labels_N = self.pipeline.loss_share(self.norm(h_BSD), labels_BS)
         loss_fn = self.kernels.loss_fn(h_ND.device.type)
         ce_sum = self.pipeline.loss_everywhere(loss_fn(h_ND, self.output_weight(), labels_N))
-        return LossOutput(ce_sum, torch.zeros_like(ce_sum), ce_sum.new_zeros(0, 0))
+        if stats_R2E is None:  # dense blocks
+            return LossOutput(ce_sum, torch.zeros_like(ce_sum), ce_sum.new_zeros(0, 0))
+        # MoE: this stage's layers' statistics of the whole batch (every micro-batch's), each layer's
+        # loads summed over the stages, and the balancing loss of every layer as one process computes
+        # it: linear in the router probabilities given the (detached) loads, so each stage's term of
+        # its own layers, summed over the stages, is the whole, differentiable in the stage's share.
+        stats_L2E = self.pipeline.layer_statistics(stats_R2E)
+        load_LE = self.pipeline.sum_over_stages(stats_L2E[:, 0])
+        moe = self.args.moe
+        aux = ce_sum.new_zeros(())
+        if moe.load_balance == "aux_loss":
+            share = aux_loss_from_stats(torch.stack([load_LE, stats_L2E[:, 1]], dim=1), top_k=moe.top_k)
+            aux = self.pipeline.loss_everywhere(moe.aux_loss_coef * share)
+        return LossOutput(ce_sum, aux, load_LE)
 
     def _mtp_loss(self, h_BSD: torch.Tensor, stats_L2E: torch.Tensor, tokens_BS: torch.Tensor,
                   labels_BS: torch.Tensor, w_VD: torch.Tensor, loss_fn, *, positions_BS: torch.Tensor | None,
@@ -440,6 +457,8 @@ class Transformer(nn.Module):
         `expert_load_LE`; pure, so the graph trainer traces it like the optimizer update."""
         rate = self.args.moe.bias_update_rate
         names = self.expert_bias_names()
+        if self.scan_layers and self.pipeline is not None:
+            return self._pipelined_expert_biases(biases, expert_load_LE)
         if self.scan_layers:  # each stack's rows of expert_load_LE in layer order, then one row per MTP block
             stacked = [name for name in names if name.startswith("layers.")]
             sizes = [biases[name].shape[0] for name in stacked] + [1] * (len(names) - len(stacked))
@@ -447,6 +466,28 @@ class Transformer(nn.Module):
             return {name: updated_expert_bias(biases[name], load if name in stacked else load[0], rate)
                     for name, load in zip(names, loads)}
         return {name: updated_expert_bias(biases[name], expert_load_LE[i], rate) for i, name in enumerate(names)}
+
+    def _pipelined_expert_biases(self, biases: dict[str, torch.Tensor],
+                                 expert_load_LE: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`updated_expert_biases` of a model in pipeline stages: each stack's rows in `row_layers`
+        order (stage by stage), a padding row given zero loads (a padding row's bias is never read),
+        each row against its own layer's mean (the padding rows' zeros would pull a whole-stack mean
+        down); one gather per stack, so that the step's graph does not grow with depth."""
+        rate, names = self.args.moe.bias_update_rate, self.expert_bias_names()
+        row_of = {layer: i for i, layer in enumerate(self.expert_load_layers())}
+        padded_LE = torch.cat([expert_load_LE, torch.zeros_like(expert_load_LE[:1])])  # the last row: zeros
+        out = {}
+        for name, stack in self.stacks():
+            key = f"{name}.moe.expert_bias"
+            if key in biases:
+                pad = len(expert_load_LE)  # padded_LE's zeros
+                index = [row_of[layer] if layer in stack.layer_ids else pad for layer in stack.row_layers]
+                load_RE = padded_LE.index_select(0, torch.tensor(index, device=padded_LE.device))
+                out[key] = updated_expert_bias(biases[key], load_RE, rate, per_row=True)
+        mtp = [name for name in names if name not in out]
+        loads = expert_load_LE[len(expert_load_LE) - len(mtp):]
+        out.update({name: updated_expert_bias(biases[name], load, rate) for name, load in zip(mtp, loads)})
+        return out
 
     def output_weight(self) -> torch.Tensor:
         """The output projection's weight [V, D] (the embedding when tied), as computed with:
