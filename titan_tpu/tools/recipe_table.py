@@ -75,6 +75,8 @@ HELDOUT_NOTES: dict[str, str] = {
     "qwen3_30b_ep8_all_to_all": _MOE,
     "qwen3_30b_ep4_tp2": _MOE,
     "qwen3_30b_ep8_tp2_all_gather": _MOE,
+    "qwen3_30b_ep4_resharded": _MOE,
+    "qwen3_30b_ep2_all_to_all": _MOE,
 }
 
 
