@@ -199,3 +199,17 @@ def test_lora_only_where_full_fine_tuning_fits_nowhere(capsys):
     assert all(c.values["lora.enabled"] for c in search(for_planning(config, ["--lora.enabled", "true"]), h200,
                                                         chips=chips, measure=False).fitting)
     assert not search(for_planning(CONFIGS / "llama3_debug.toml"), CPU, measure=False).lora_fallback
+
+
+def test_moe_models_are_searched_in_pipeline_stages_with_ep_on_a_tpu():
+    """pp x ep (ep inside each stage) is in the space for an MoE recipe on a TPU slice (the trainer
+    runs it and lowers it as one program); each such candidate is the plan of its pasted overrides."""
+    held = ["activation_checkpoint.mode", "model.scan_layers", "parallelism.bucket_mb",
+            "parallelism.reshard_after_forward", "parallelism.dp_replicate"]
+    config = CONFIGS / "qwen3_30b_a3b_tpu.toml"
+    result = search(for_planning(config), keep=held, measure=False)
+    staged = [c for c in result.fitting if c.values["parallelism.pp"] > 1 and c.values["parallelism.ep"] > 1]
+    assert staged, sorted(result.rejected)
+    for c in staged[:3]:
+        again = plan_config(for_planning(config, c.changes))
+        assert again.tokens_per_s == pytest.approx(c.plan.tokens_per_s) and again.peak_bytes == c.plan.peak_bytes

@@ -16,9 +16,11 @@ The space (each knob at the values below; `keep` holds a knob at the config's va
                                       NVLink node: parallel/fabric_terms.py), with unrolled blocks;
                                       elsewhere held at the config's value
     parallelism.ep                    divisors of the experts (MoE models)
-    parallelism.pp                    1 and every power of two that divides the layers and the data-parallel
-                                      devices (dense native models, cp and ep 1, not LoRA, not on TPUs:
-                                      what the trainer runs), each with pp_microbatches pp and batch_size,
+    parallelism.pp                    1 and every power of two that divides the data-parallel devices and
+                                      leaves each stage a layer of the stack it splits (native models
+                                      without multi-token prediction, cp 1, not LoRA: what the trainer
+                                      runs; MoE models with each ep, ep inside a stage), each
+                                      with pp_microbatches pp and batch_size,
                                       and pp_repeats 1 (GPipe) and the smallest other divisor of the
                                       stage's layers (circular); scanned layers only, buckets and
                                       re-sharding held (a stage keeps its weights gathered)
@@ -65,6 +67,7 @@ from dataclasses import dataclass, field
 from titan_tpu.config import Config
 from titan_tpu.models.spec import model_spec
 from titan_tpu.parallel.mesh import ParallelDims
+from titan_tpu.parallel.pipeline import pipelined_layers
 from titan_tpu.plan.fp8 import fp8_note, fp8_setting
 from titan_tpu.plan.hardware import Hardware
 from titan_tpu.plan.planner import plan_config
@@ -190,7 +193,7 @@ def _space(cfg: Config, devices: int, keep: set[str], fp8: tuple[bool, ...] = (F
     sequences = _global_sequences(cfg, devices)
     out = []
     for tp in tps or (p.tp,):
-        for pp in _pp_values(cfg, args, keep, devices=devices // (tp * p.cp), tp=tp, hardware=hardware):
+        for pp in _pp_values(cfg, args, keep, devices=devices // (tp * p.cp)):
             dp_devices = devices // (tp * p.cp * pp)  # context parallelism is held at the config's value
             if sequences % dp_devices:
                 continue  # this layout's data-parallel ranks cannot split the global batch evenly
@@ -206,20 +209,18 @@ def _global_sequences(cfg: Config, devices: int) -> int:
     return cfg.training.batch_size * cfg.training.grad_accum_steps * (devices // (p.tp * p.cp * p.pp))
 
 
-def _pp_values(cfg: Config, args, keep: set[str], *, devices: int, tp: int, hardware: Hardware | None) -> list[int]:
+def _pp_values(cfg: Config, args, keep: set[str], *, devices: int) -> list[int]:
     """Pipeline stages to search on `devices` (those tp and cp leave): 1 and the powers of two that
-    divide the devices and leave every stage a layer (the stack padded to equal stages:
-    parallel/pipeline.py), where the trainer runs stages (a dense native model without
-    multi-token prediction, cp 1, not LoRA; MoE stages are planned when the config asks for pp, not
-    searched yet) and not on a TPU (the captured pipelined step
-    is not lowered for one yet: docs/pipeline_parallel.md); the config's own pp always."""
+    divide the devices and leave every stage a layer of the stack they split (`pipelined_layers`,
+    padded to equal stages: parallel/pipeline.py), where the trainer runs stages (a native model
+    without multi-token prediction, cp 1, not LoRA; on a TPU as the one lowered program); the
+    config's own pp always."""
     p = cfg.parallelism
     if "parallelism.pp" in keep:
         return [p.pp]
-    runs = (args.moe is None and not args.mtp_num_layers and p.cp == 1 and not cfg.lora.enabled
-            and (hardware is None or hardware.name not in TPU_NAMES))
+    runs = not args.mtp_num_layers and p.cp == 1 and not cfg.lora.enabled
     powers = [2**i for i in range(1, devices.bit_length())
-              if _keeps_layers(args.n_layers, 2**i) and devices % 2**i == 0]
+              if _keeps_layers(pipelined_layers(args), 2**i) and devices % 2**i == 0]
     return sorted({1, p.pp if devices % p.pp == 0 else 1, *(powers if runs else [])})
 
 
@@ -236,7 +237,7 @@ def _pipeline_schedules(args, *, pp: int, batch_size: int) -> list[tuple[int, in
     if pp == 1:
         return [(0, 1)]
     micro = sorted({m for m in (pp, batch_size) if m >= pp and batch_size % m == 0})
-    stage_layers = -(-args.n_layers // pp)  # a stage's rows, padding included
+    stage_layers = -(-pipelined_layers(args) // pp)  # a stage's rows, padding included
     repeats = [1] + [r for r in _divisors(stage_layers) if r > 1][:1]
     return [(m, r) for m in micro for r in repeats]
 
@@ -316,7 +317,7 @@ def _candidate(base: Config, values: dict, *, sequences: int, devices: int, hard
     try:
         with planning_machine():
             prepare_run(cfg)
-        if values["parallelism.pp"] > 1:  # what the trainer's mesh runs with stages (tp, cp, ep refused)
+        if values["parallelism.pp"] > 1:  # what the trainer's mesh runs with stages (cp refused)
             ParallelDims.from_config(cfg.parallelism, world_size=devices)
         # the planner's own refusals (the tp and cp layouts the code runs) reject a candidate the same way
         c.plan = plan_config(cfg, hardware, chips=chips, fp8=values.get("fp8.enabled"))
