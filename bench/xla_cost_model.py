@@ -14,7 +14,9 @@ client (no TPU; the numbers are the compiler's own):
 - a scan of 8 matmuls: a while loop's body counted once;
 - a scanned stack's forward and gradient, compiled as the step is (one layer a trip), two layers a
   trip, and fully unrolled: how far the estimate as run (xla/numbers.py `loop_seconds`, from the
-  first two) is from the unrolled program's own, and what the stacked weights' gradient costs.
+  first two) is from the unrolled program's own, and what the stacked weights' gradient costs;
+- megablox's grouped matmul on a buffer 8 times the rows its groups cover: what XLA charges an MoE
+  layer's experts for a dispatch buffer sized for the worst case.
 
     PYTHONPATH=$PWD .venv-tpu/bin/python bench/xla_cost_model.py     # writes bench/results/xla_cost_model.json
 """
@@ -112,6 +114,26 @@ def main() -> None:
         print(f"a {layers}-layer stack's {name}: one layer a trip {once * 1e6:.0f} us, two {twice * 1e6:.0f} us, "
               f"as run (from those) {as_run * 1e6:.0f} us, fully unrolled {unrolled * 1e6:.0f} us: "
               f"{results[f'stack_{name}_as_run_over_unrolled']:.3f}x")
+
+    # MoE experts: megablox's grouped matmul (the gmm the MoE recipes run) hands XLA its own cost
+    # estimate, 2 m k n over the buffer's static rows m; its grid visits only the tiles the group
+    # sizes cover, which are values of the step. A dispatch buffer sized for the worst case (ep x
+    # the routed rows under ep) is priced whole.
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm
+
+    one_chip = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])  # a Mosaic kernel is not partitioned
+
+    def gmm_seconds(rows: int) -> float:
+        args = [jax.ShapeDtypeStruct((rows, 1024), jnp.bfloat16, sharding=one_chip),
+                jax.ShapeDtypeStruct((8, 1024, 512), jnp.bfloat16, sharding=one_chip),
+                jax.ShapeDtypeStruct((8,), jnp.int32, sharding=one_chip)]
+        cost = jax.jit(lambda x, w, sizes: gmm(x, w, sizes, jnp.bfloat16, (512, 128, 128))).lower(*args).compile()
+        cost = cost.cost_analysis()
+        return (cost[0] if isinstance(cost, (list, tuple)) else cost)["optimal_seconds"]
+
+    results["gmm_8x_buffer_rows_over_1x"] = gmm_seconds(8 * 4096) / gmm_seconds(4096)
+    print(f"megablox gmm of 8 experts, a buffer of 8 x 4096 rows against 4096 (the same rows in groups): "
+          f"{results['gmm_8x_buffer_rows_over_1x']:.2f}x (priced at the buffer's rows, not the groups')")
     OUT.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {OUT.relative_to(ROOT)}", file=sys.stderr)
 
