@@ -664,6 +664,27 @@ def test_a_stated_capability_is_the_codes(page, phrase, check, hf_dir):  # noqa:
     assert wrong is None, f"docs/{page} says {phrase!r}, but {wrong}"
 
 
+# Refusals a recipe's comments or a page once stated after the code had lifted them: (phrase, the
+# runs that lift it). While those run, no recipe and no page says the phrase.
+LIFTED = [
+    ("does not split MoE layers", lambda: _runs(*MOE, "--parallelism.tp", "2", "--parallelism.ep", "2",
+                                                "--parallelism.dp_shard", "2")),
+    ("MoE models with ep 1 only", lambda: _runs(*MOE, "--parallelism.cp", "2", "--parallelism.ep", "2",
+                                                "--parallelism.dp_shard", "2")),
+    ("would need ep 1", lambda: _runs(*MOE, "--parallelism.cp", "2", "--parallelism.ep", "2",
+                                      "--parallelism.dp_shard", "2")),
+]
+
+
+@pytest.mark.parametrize("phrase,lifted", LIFTED, ids=[phrase for phrase, _ in LIFTED])
+def test_no_recipe_or_page_states_a_lifted_refusal(phrase, lifted):
+    assert lifted() is None, f"the code refuses again what {phrase!r} said: {lifted()}"
+    texts = [*(ROOT / "configs").glob("*.toml"), *PAGES]
+    saying = [str(path.relative_to(ROOT)) for path in texts  # comments joined across their lines
+              if phrase in " ".join(path.read_text().replace("#", " ").split())]
+    assert not saying, f"{phrase!r} is no longer true (ep composes with tp and cp), yet {saying} say it"
+
+
 # ----------------------------------------------------------------------------------------------
 # planner.md's hardware tables are the planner's (plan/hardware.py)
 
