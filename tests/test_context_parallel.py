@@ -133,6 +133,14 @@ def build_parallel(name: str, dims: ParallelDims, *, documents: bool, ac_mode: s
     return model, mesh
 
 
+def graph_step(model, dp_size: int, *, documents: bool = False) -> GraphStep:
+    """`model`'s captured step (eager backend) for micro-batches of BATCH / dp_size rows."""
+    example = torch.zeros(BATCH // dp_size, SEQ, dtype=torch.long)
+    return GraphStep(model, optimizer_for(model), max_norm=MAX_NORM,
+                     example_batch=(example, example) + ((example,) if documents else ()), backend="eager",
+                     dp_size=dp_size)
+
+
 def _run(name: str, dims: ParallelDims, *, documents: bool = False, graph: bool = False,
          ac_mode: str = "none", scan: bool = False) -> dict:
     model, mesh = build_parallel(name, dims, documents=documents, ac_mode=ac_mode, scan=scan)
@@ -140,10 +148,7 @@ def _run(name: str, dims: ParallelDims, *, documents: bool = False, graph: bool 
     out = {"mesh": mesh.mesh_dim_names}
     step_fn = None
     if graph:
-        example = torch.zeros(BATCH // dp_size, SEQ, dtype=torch.long)
-        step_fn = GraphStep(model, optimizer_for(model), max_norm=MAX_NORM,
-                            example_batch=(example, example) + ((example,) if documents else ()), backend="eager",
-                            dp_size=dp_size)
+        step_fn = graph_step(model, dp_size, documents=documents)
         out["collectives"] = {op.split(".")[1]: n for op, n in step_fn.captured.collective_counts().items()}
     out.update(train(model, documents=documents, dp_rank=dp_rank, dp_size=dp_size, step_fn=step_fn))
     if not graph:

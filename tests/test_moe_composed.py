@@ -14,10 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
-from parallel_helpers import BATCH, MAX_NORM, SEED, SEQ, global_batches, saved_bytes_per_layer
-from test_context_parallel import args_for, assert_matches_reference, optimizer_for, train
+from parallel_helpers import BATCH, SEED, SEQ, global_batches, saved_bytes_per_layer
+from test_context_parallel import args_for, assert_matches_reference, graph_step, train
 
-from titan_tpu.graph.compile import GraphStep
 from titan_tpu.models.common.activation_memory import activation_bytes
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import num_expert_params, num_params
@@ -84,11 +83,7 @@ def _run(name: str, dims: ParallelDims, *, graph: bool, dispatch: str = "all_gat
          ac_mode: str = "none") -> dict:
     model, mesh = _build(name, dims, dispatch=dispatch, scan=scan, ac_mode=ac_mode)
     dp_rank, dp_size = dp_rank_and_size(mesh)
-    step_fn = None
-    if graph:
-        example = torch.zeros(BATCH // dp_size, SEQ, dtype=torch.long)
-        step_fn = GraphStep(model, optimizer_for(model), max_norm=MAX_NORM, example_batch=(example, example),
-                            backend="eager", dp_size=dp_size)
+    step_fn = graph_step(model, dp_size) if graph else None
     out = train(model, documents=False, dp_rank=dp_rank, dp_size=dp_size, step_fn=step_fn)
     if scan:
         return out

@@ -20,10 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
-from parallel_helpers import BATCH, LR, MAX_NORM, SEED, SEQ, STEPS, global_batches
-from test_context_parallel import args_for, assert_matches_reference, optimizer_for, train
+from parallel_helpers import BATCH, LR, MAX_NORM, SEED, STEPS, global_batches
+from test_context_parallel import args_for, assert_matches_reference, graph_step, optimizer_for, train
 
-from titan_tpu.graph.compile import GraphStep
 from titan_tpu.models.common.transformer import Transformer
 from titan_tpu.models.registry import build_model, num_expert_params, num_params
 from titan_tpu.parallel.expert_parallel import make_dispatch
@@ -64,11 +63,7 @@ def _build(name: str, dims: ParallelDims, micro_batches: int, repeats: int = 1):
 def _run(name: str, dims: ParallelDims, *, graph: bool, repeats: int = 1) -> dict:
     model, mesh = _build(name, dims, micro_batches=BATCH // dims.dp_shard, repeats=repeats)
     dp_rank, dp_size = dp_rank_and_size(mesh)
-    step_fn = None
-    if graph:
-        example = torch.zeros(BATCH // dp_size, SEQ, dtype=torch.long)
-        step_fn = GraphStep(model, optimizer_for(model), max_norm=MAX_NORM, example_batch=(example, example),
-                            backend="eager", dp_size=dp_size)
+    step_fn = graph_step(model, dp_size) if graph else None
     out = train(model, documents=False, dp_rank=dp_rank, dp_size=dp_size, step_fn=step_fn)
     experts = [p for n, p in model.named_parameters() if ".experts." in n]
     out["experts"] = (tuple(experts[0].device_mesh.mesh_dim_names), tuple(experts[0].to_local().shape))
