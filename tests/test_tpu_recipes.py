@@ -154,15 +154,20 @@ def test_the_recipe_tables_of_the_pages_are_the_planners():
 # outside it: the list is the planner's open work, not a way around the check.
 _PACKING = "the planner's backward end ({} GiB) is what XLA's live ranges hold at their peak ({} GiB); XLA " \
            "packs its temporaries into an allocation {} GiB larger, which the planner does not model"
+_VOCABULARY = "XLA's temporaries went from {} GiB (the padded vocabulary rows) to {} GiB (the vocabulary on the " \
+              "model dim)"
 PEAK_OFF = {
     "qwen3_8b_tpu": (0.89, "XLA's packing of its temporaries (the forward loop's activation stacks, no "
                            "checkpointing): not modelled"),
     "qwen3_8b_graph_tpu": (0.82, _PACKING.format(14.6, 14.4, 3.4)),
-    # As before the vocabulary rows moved to the model dim (1.12x then): XLA's live peak is the forward's end
-    # (the layer-input stack, the gathered embedding), where the planner's is the backward's.
-    "llama3_405b_tpu": (1.13, "XLA's live peak is the forward's end (the 31.5 GiB layer-input stack, the gathered "
-                              "embedding); the planner's backward holds two gathered layers, a layer's fp32 "
-                              "full-size gradient and that stack at once: not traced further"),
+    # Since SimpleFSDP's equal blocks moved the vocabulary rows that dp_shard does not divide to the model dim
+    # (2026-12-06), XLA's temporaries on these three doubled and the planner has no term for it; what XLA
+    # holds beyond the values it lists at its peak (loop carries: xla/dump.py placed_values) is still to read.
+    "llama3_405b_tpu": (0.77, _VOCABULARY.format(55.4, 81.5) + "; its peak lists the gathered embedding and its "
+                              "[128256, 1024, 16] transpose, 3.9 GiB each"),
+    "deepseek_v3_671b_tpu": (0.45, _VOCABULARY.format(36.1, 79.7) + "; the values its peak lists are the ones it "
+                                   "listed before"),
+    "qwen3_235b_a22b_tpu": (0.46, _VOCABULARY.format(18.2, 45.6)),
 }
 # Our formula against the matmuls of XLA's optimized program: every row within the tolerance but these.
 FLOPS_OFF: dict[str, tuple[float, str]] = {}
