@@ -99,25 +99,14 @@ def _shard_axis(param: DTensor) -> tuple[int | None, int | None]:
     return shards[0] if shards else (None, None)
 
 
-def _gathers_per_tensor(shape: torch.Size, dim: int | None) -> bool:
-    """Whether a parameter of `shape` sharded on `dim` takes `gather_per_tensor` under
-    MixedPrecision.per_tensor: sharded on its first dim, or a matrix sharded on its second (a
-    vocabulary dp_shard does not divide, split on the model dim instead: simple_fsdp._even_blocks).
-    Through the flat buffer such a matrix is laid out [world, V, D / world], whose minor dim (8 for
-    4096 over 512) a TPU pads to its 128-wide tile: 16x the bytes (Qwen3-235B's output gradient in
-    fp32, 37 GiB a chip). Moved to the front for its own collective, its minor dim stays V."""
-    return dim == 0 or (len(shape) == 2 and dim == 1)
-
-
 def gather_flat(params: list[DTensor], mp) -> list[Tensor]:
     """The full tensors of `params` (same mesh and placements) through one collective per mesh
     axis; their gradients reduce through one collective per mesh axis too."""
     first = params[0]
     mesh, placements = first.device_mesh, tuple(first.placements)
-    if mp.per_tensor and all(_gathers_per_tensor(p.shape, _shard_axis(p)[1]) for p in params):
+    if mp.per_tensor and all(_shard_axis(p)[1] == 0 for p in params):
         return gather_per_tensor([p.to_local() for p in params], full_shapes=[p.shape for p in params],
-                                 shard_dims=[_shard_axis(p)[1] for p in params], mesh=mesh, placements=placements,
-                                 mp=mp)
+                                 shard_dims=[0] * len(params), mesh=mesh, placements=placements, mp=mp)
     mesh_dim, _ = _shard_axis(first)
     world = mesh.size(mesh_dim) if mesh_dim is not None else 1
     # to_local is differentiable: its gradient becomes the parameter's sharded gradient.

@@ -66,7 +66,7 @@ class MixedPrecision:
     # and the flat buffer's reshapes to and from the parameters' tiled layouts are copies its TPU
     # backend compiles slowly (DeepSeek-V3 16B: minutes and gigabytes of host memory per expert
     # stack). parallel/buckets.py gather_per_tensor; buckets of tensors sharded on another dimension
-    # than their first keep the flat buffer, matrices sharded on their second excepted.
+    # than their first keep the flat buffer.
     per_tensor: bool = False
 
 
@@ -175,12 +175,11 @@ def _even_blocks(placements: tuple[Placement, ...], shape: torch.Size, mesh: Dev
     planned dim is kept where it divides; else the first other dim that divides and no other axis
     splits (the probe: D; a vocabulary of 50257 rows: the model dim; the embedding and output of the
     three largest recipes, whose vocabularies dp_shard does not divide: 128256 or 129280 rows over
-    1024 ranks, 151936 over 512), which costs one collective more per such weight (its own
-    bucket; on a TPU gathered with its shard moved to the front, buckets._gathers_per_tensor, as
-    the flat buffer's layout would pad its narrow minor dim to the chip's tile); else the tensor
-    stays whole on that axis (Replicate: its bytes and both moments on every rank, its gradient
-    all-reduced instead of reduce-scattered), which in practice only tiny tensors meet. A stacked
-    weight's layer dim is never taken (the scan loops over it)."""
+    1024 ranks, 151936 over 512), which costs one collective more per such weight (its
+    own bucket) and nothing in memory; else the tensor stays whole on that axis (Replicate: its
+    bytes and both moments on every rank, its gradient all-reduced instead of reduce-scattered),
+    which in practice only tiny tensors meet. A stacked weight's layer dim is never taken (the scan
+    loops over it)."""
     names = mesh.mesh_dim_names or ()
     out = list(placements)
     for axis, placement in enumerate(placements):
