@@ -195,7 +195,7 @@ def test_scanned_step_graph_does_not_grow_with_depth():
 def _pipelined_bias_update(n_layers: int):
     """(biases, loads, updated, nodes of the traced update) of the scanned tiny model's MoE stack laid
     out as pipeline stages would (parallel/pipeline.py pipeline_stages): one padding row, the rows in
-    a stage-by-stage order (here: even layers, then odd, then the padding row)."""
+    a stage-by-stage order (here: the second half of the layers, then the first, then the padding row)."""
     from types import SimpleNamespace
 
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -208,7 +208,8 @@ def _pipelined_bias_update(n_layers: int):
     (_, dense), (name, stack) = model.stacks()
     layers = list(stack.layer_ids)
     stack.pad_rows(len(layers) + 1)
-    stack.row_layers = layers[::2] + layers[1::2] + [stack.row_layers[-1]]
+    half = len(layers) // 2
+    stack.row_layers = layers[half:] + layers[:half] + [stack.row_layers[-1]]
     model.pipeline = SimpleNamespace()  # in stages: only its presence is read by the update
     generator = torch.Generator().manual_seed(0)
     biases = {f"{name}.moe.expert_bias": torch.randn(len(layers) + 1, 8, generator=generator)}

@@ -472,17 +472,26 @@ class Transformer(nn.Module):
         """`updated_expert_biases` of a model in pipeline stages: each stack's rows in `row_layers`
         order (stage by stage), a padding row given zero loads (a padding row's bias is never read),
         each row against its own layer's mean (the padding rows' zeros would pull a whole-stack mean
-        down); one gather per stack, so that the step's graph does not grow with depth."""
+        down); a slice per run of consecutive rows (a stage's chunk), so that the step's graph does not
+        grow with depth."""
         rate, names = self.args.moe.bias_update_rate, self.expert_bias_names()
         row_of = {layer: i for i, layer in enumerate(self.expert_load_layers())}
-        padded_LE = torch.cat([expert_load_LE, torch.zeros_like(expert_load_LE[:1])])  # the last row: zeros
         out = {}
         for name, stack in self.stacks():
             key = f"{name}.moe.expert_bias"
             if key in biases:
-                pad = len(expert_load_LE)  # padded_LE's zeros
-                index = [row_of[layer] if layer in stack.layer_ids else pad for layer in stack.row_layers]
-                load_RE = padded_LE.index_select(0, torch.tensor(index, device=padded_LE.device))
+                # Runs of consecutive rows (a stage's chunks), padding rows as zeros: slices, not an
+                # index tensor (a constant, which the JAX lowering has no way to take).
+                runs: list[list[int]] = []  # [first row of expert_load_LE or -1 for padding, count]
+                for layer in stack.row_layers:
+                    row = row_of[layer] if layer in stack.layer_ids else -1
+                    last = runs[-1] if runs else None
+                    if last and ((row == -1 and last[0] == -1) or (row != -1 and row == last[0] + last[1])):
+                        last[1] += 1
+                    else:
+                        runs.append([row, 1])
+                load_RE = torch.cat([expert_load_LE.new_zeros(n, expert_load_LE.shape[1]) if row == -1
+                                     else expert_load_LE[row:row + n] for row, n in runs])
                 out[key] = updated_expert_bias(biases[key], load_RE, rate, per_row=True)
         mtp = [name for name in names if name not in out]
         loads = expert_load_LE[len(expert_load_LE) - len(mtp):]
